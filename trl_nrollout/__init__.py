@@ -1,0 +1,1 @@
+"""trl_nrollout."""

@@ -1,0 +1,178 @@
+"""The embedded default: a tiny causal LM built on the spot, a synthetic prompt set and a learnable reward.
+
+``builtin:tiny-qwen2`` names a Qwen2-style model with random weights (hidden 128, 2 layers, about 0.2 M
+parameters) and a byte-level BPE tokenizer trained on a small built-in corpus. It is built once, saved under
+the cache folder (``$TRL_NROLLOUT_CACHE`` or ``~/.cache/trl_nrollout``) and reused; every process of a launch
+gets the same files. Any hub id or local path works wherever a ``builtin:`` name does.
+
+The built-in task, ``digits``: each prompt asks for a number; the reward is the fraction of the completion's
+non-space characters that are digits (0 for an empty completion). A random model writes mostly letters and
+punctuation (reward about 0.2); GRPO visibly raises it within a few dozen steps on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+_BUILDERS_VERSION = "v1"
+
+#: Model sizes that can be asked for by name: ``builtin:<name>``.
+BUILTIN_MODELS: dict[str, dict] = {
+    "tiny-qwen2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=384),
+    "small-qwen2": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=4, vocab_size=1024),
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_WORDS = (
+    "the a number write give me say please now some any one two three four five six seven eight nine ten "
+    "digits only answer count value total sum result list here is what of to and with for small large big "
+    "quick brown fox jumps over lazy dog hello world model reward policy sample group token step"
+).split()
+_PROMPT_TEMPLATES = [
+    "Write a number:",
+    "Give me some digits:",
+    "Say a {w} number:",
+    "Please answer with digits only. {W} {w}:",
+    "What is the total of the {w}?",
+    "Count the {w} and answer:",
+    "Here is a {w}. Its value is",
+    "The {w} {w} result is",
+]
+
+
+def cache_dir() -> Path:
+    """Root of the package's cache (``$TRL_NROLLOUT_CACHE`` or ``~/.cache/trl_nrollout``)."""
+    return Path(os.environ.get("TRL_NROLLOUT_CACHE", Path.home() / ".cache" / "trl_nrollout"))
+
+
+def is_builtin(name_or_path: str) -> bool:
+    """True for names like ``builtin:tiny-qwen2``."""
+    return isinstance(name_or_path, str) and name_or_path.startswith(BUILTIN_PREFIX)
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Turn a ``builtin:`` name into a local folder (building it when needed); anything else is returned as is."""
+    if not is_builtin(name_or_path):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX):]
+    if name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"model_name_or_path={name_or_path!r} is not a built-in model; use one of "
+            f"{[BUILTIN_PREFIX + k for k in BUILTIN_MODELS]}, a hub id or a local path."
+        )
+    target = cache_dir() / "models" / f"{name}-{_BUILDERS_VERSION}"
+    if not (target / "config.json").exists():
+        build_tiny_model(target, **BUILTIN_MODELS[name])
+    return str(target)
+
+
+def _corpus(seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = [p.format(w=rng.choice(_WORDS), W=rng.choice(_WORDS).capitalize()) for p in _PROMPT_TEMPLATES * 40]
+    lines += [" ".join(rng.choice(_WORDS) for _ in range(12)) for _ in range(400)]
+    lines += [" ".join(str(rng.randint(0, 10**rng.randint(1, 6))) for _ in range(8)) for _ in range(200)]
+    lines += ["".join(rng.choice("!?.,;:-+*/=()[]{}#@&%$") for _ in range(10)) for _ in range(50)]
+    return lines
+
+
+def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+                     num_attention_heads: int, num_key_value_heads: int, vocab_size: int, seed: int = 0) -> Path:
+    """Train a byte-level BPE tokenizer on the built-in corpus and save it with a random Qwen2 model.
+
+    Writes to a temporary folder and renames it into place, so concurrent processes never see a half-built
+    model. Deterministic for a given seed.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        )
+        tok.train_from_iterator(_corpus(seed), trainer=trainer)
+        hf_tok = PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            bos_token=None, unk_token=None, additional_special_tokens=["<|im_start|>"],
+        )
+        hf_tok.chat_template = CHAT_TEMPLATE
+        hf_tok.save_pretrained(tmp)
+
+        torch.manual_seed(seed)
+        config = Qwen2Config(
+            vocab_size=len(hf_tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads, max_position_embeddings=1024,
+            tie_word_embeddings=True, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id,
+            bos_token_id=None, dtype="float32",
+        )
+        model = Qwen2ForCausalLM(config)
+        model.generation_config.eos_token_id = hf_tok.eos_token_id
+        model.generation_config.pad_token_id = hf_tok.pad_token_id
+        model.save_pretrained(tmp)
+        (tmp / "trl_nrollout_builtin.json").write_text(json.dumps({"seed": seed, "version": _BUILDERS_VERSION}))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race: use its copy
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------- task
+def digits_prompts(num: int = 256, seed: int = 0) -> list[str]:
+    """``num`` synthetic prompts of the ``digits`` task (deterministic for a seed)."""
+    rng = random.Random(seed)
+    return [
+        rng.choice(_PROMPT_TEMPLATES).format(w=rng.choice(_WORDS), W=rng.choice(_WORDS).capitalize())
+        for _ in range(num)
+    ]
+
+
+def digits_dataset(num: int = 256, seed: int = 0):
+    """The built-in prompt set as a ``datasets.Dataset`` with a ``prompt`` column (plain text)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": digits_prompts(num, seed)})
+
+
+def digit_fraction(text: str) -> float:
+    """Fraction of the non-space characters of ``text`` that are ASCII digits; 0.0 for an empty text."""
+    chars = [c for c in text if not c.isspace()]
+    if not chars:
+        return 0.0
+    return sum(c in "0123456789" for c in chars) / len(chars)
+
+
+def digits_reward(completions: list, **kwargs) -> list[float]:
+    """TRL-style reward function of the ``digits`` task: :func:`digit_fraction` of each completion.
+
+    Accepts plain-text completions or conversational ones (a list of messages; the last one is scored).
+    """
+    out = []
+    for c in completions:
+        text = c[-1]["content"] if isinstance(c, list) else c
+        out.append(digit_fraction(text))
+    return out

@@ -1,0 +1,93 @@
+"""The end-of-run summary: printed and written as ``<output_dir>/run_summary.json``."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def reward_start_end(rewards: list[float], fraction: float = 0.1) -> tuple[float, float]:
+    """Mean reward over the first and the last ``fraction`` of the logged steps (at least one step each)."""
+    if not rewards:
+        return float("nan"), float("nan")
+    k = max(1, math.ceil(len(rewards) * fraction))
+    return _mean(rewards[:k]), _mean(rewards[-k:])
+
+
+class GenerationClock:
+    """Accumulates generated tokens and the wall time spent generating them (per process)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += int(tokens)
+        self.seconds += float(seconds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+class GenerationTimerMixin:
+    """Mixin for TRL's ``GRPOTrainer``: times its generation call and counts the completion tokens."""
+
+    def _generate_single_turn(self, *args, **kwargs):  # type: ignore[override]
+        if not hasattr(self, "generation_clock"):
+            self.generation_clock = GenerationClock()
+        start = time.perf_counter()
+        completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
+        self.generation_clock.add(sum(len(c) for c in completion_ids), time.perf_counter() - start)
+        return completion_ids, logprobs
+
+
+class RewardHistory(TrainerCallback):
+    """Collects the mean reward of every logged training step (TRL logs it as ``reward``)."""
+
+    def __init__(self) -> None:
+        self.rewards: list[float] = []
+        self.started = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            self.rewards.append(float(logs["reward"]))
+
+
+def build_summary(*, steps: int, rewards: list[float], gen_tokens_per_s: float, rollout_backend: str,
+                  checkpoint: str | None, wall_s: float, extra: dict | None = None) -> dict:
+    """The summary dict: ``steps``, ``reward_start``, ``reward_end``, ``gen_tokens_per_s``, ``rollout_backend``,
+    ``checkpoint``, ``wall_s`` and anything in ``extra``."""
+    start, end = reward_start_end(rewards)
+    out = {
+        "steps": int(steps),
+        "reward_start": round(start, 4),
+        "reward_end": round(end, 4),
+        "gen_tokens_per_s": round(gen_tokens_per_s, 1),
+        "rollout_backend": rollout_backend,
+        "checkpoint": checkpoint,
+        "wall_s": round(wall_s, 1),
+    }
+    out.update(extra or {})
+    return out
+
+
+def write_summary(summary: dict, output_dir: str | Path) -> Path:
+    """Write ``run_summary.json`` into ``output_dir`` and print a short human-readable version."""
+    path = Path(output_dir) / "run_summary.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    width = max(len(k) for k in summary)
+    print("\n== run summary ==")
+    for k, v in summary.items():
+        print(f"{k.ljust(width)}  {v}")
+    print(f"(written to {path})")
+    return path
