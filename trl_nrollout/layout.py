@@ -17,21 +17,57 @@ Vocabulary (verl's, mapped onto TRL in :mod:`trl_nrollout.config`):
 Worked example (DESIGN.md): 6 processes, TP 2, 60 prompts, n 12 -> 3 engines of ranks (0,1),(2,3),(4,5),
 20 prompts and 240 samples per engine, 720 samples, 120 samples per rank; a global log-prob micro batch of 48
 gives 48 // 6 = 8 sequences per device per forward.
+
+Every :class:`LayoutError` names the option, its value, the rule and a fix. The fixes are not guessed: each
+suggested value is tried by building the layout again with it, and only values that give a valid layout are
+offered (``LayoutError.fixes`` holds them as change dicts, e.g. ``{"train_batch_size": 48}``). When another
+option is wrong too, so that no single change gives a valid layout, the offered values are those that at least
+clear this rule.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 #: Estimators whose baseline is computed from the other samples of the same prompt: they need ``rollout_n >= 2``.
 GROUP_ESTIMATORS = frozenset(
     {"grpo", "dr_grpo", "rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline", "gpg"}
 )
 
+#: Estimators that work with one sample per prompt (offered as a fix when ``rollout_n < 2``).
+NON_GROUP_ESTIMATORS = ("reinforce_plus_plus", "remax")
+
+#: How many alternative layouts a fix search may try for one error (each try is a cheap pure build).
+_MAX_FIX_TRIALS = 300
+
 
 class LayoutError(ValueError):
-    """An invalid rollout layout. The message names the option, the value, the rule and a fix."""
+    """An invalid rollout layout. The message names the option, the value, the rule and a fix.
+
+    Attributes: ``option`` and ``value`` (what broke the rule), ``rule`` (a short id of the rule) and ``fixes``
+    (a tuple of change dicts; applying any one of them to the arguments of :meth:`RolloutLayout.build` gives a
+    valid layout, or at least clears this rule when another option is wrong as well).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        option: str | None = None,
+        value: Any = None,
+        rule: str = "",
+        fixes: Iterable[dict[str, Any]] = (),
+        stage: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.option = option
+        self.value = value
+        self.rule = rule
+        self.fixes: tuple[dict[str, Any], ...] = tuple(fixes)
+        self.stage = stage  # how many checks passed before this one (used to rank partial fixes)
 
 
 def divisors(n: int) -> list[int]:
@@ -45,21 +81,57 @@ def nearest_multiples(value: int, base: int) -> list[int]:
 
     >>> nearest_multiples(50, 3)
     [48, 51]
+    >>> nearest_multiples(6, 3)
+    [3, 9]
     """
-    below = (value // base) * base
-    above = below + base
-    return [m for m in (below, above) if m > 0 and m != value] or [base]
+    below = (value - 1) // base * base
+    above = (value // base + 1) * base
+    return [m for m in (below, above) if m > 0] or [base]
 
 
-def _fmt_options(values: list[int]) -> str:
-    return " or ".join(str(v) for v in values)
+def _by_distance(value: Any, pool: Iterable[int]) -> list[int]:
+    """``pool`` sorted by distance to ``value`` (ties: smaller first); plain order when ``value`` is not a number."""
+    pool = sorted(set(pool))
+    if isinstance(value, int) and not isinstance(value, bool):
+        return sorted(pool, key=lambda c: (abs(c - value), c))
+    return pool
 
 
-def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise LayoutError(f"{name}={value!r} must be a positive integer; set it to 1 or more.")
+def _multiples_near(value: Any, base: int, spread: int = 64) -> list[int]:
+    """Positive multiples of ``base`` around ``value``, nearest first."""
+    v = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else base
+    top = v // base + spread
+    return _by_distance(v, (base * k for k in range(1, top + 1)))
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _fmt_value(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _render(fixes: Iterable[dict[str, Any]], option: str | None) -> str:
+    """Fixes as words: ``use 48 or 51`` (values of the failing option), ``use rollout_tp_size 1 or 3``,
+    ``unset X``; alternatives joined by ``, or``."""
+    groups: dict[str, list[str]] = {}
+    for change in fixes:
+        key, val = next(iter(change.items()))
+        extra = [k for k, v in list(change.items())[1:] if v is None]
+        text = "" if val is None else _fmt_value(val)
+        if extra:
+            text += f" (and unset {', '.join(extra)})"
+        groups.setdefault(f"unset:{key}" if val is None else key, []).append(text)
+    parts = []
+    for key, texts in groups.items():
+        if key.startswith("unset:"):
+            parts.append(f"unset {key[6:]}{texts[0]}")
+        elif key == option:
+            parts.append("use " + " or ".join(texts))
+        else:
+            parts.append(f"use {key} " + " or ".join(texts))
+    return ", or ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -74,6 +146,361 @@ class MicroBatch:
     num_micro_batches: int
     source: str  # how per_device was obtained, in words, for `plan`
     max_token_len: int | None = None
+
+
+class _Builder:
+    """One validation pass over the arguments of :meth:`RolloutLayout.build`.
+
+    Every check calls :meth:`step` first, so ``stage`` counts the checks passed: a fix that moves a failing build
+    to a later stage clears the rule even when another option is also wrong.
+    """
+
+    def __init__(self, args: dict[str, Any], suggest: bool) -> None:
+        self.a = args
+        self.suggest = suggest
+        self.stage = 0
+
+    def step(self) -> None:
+        self.stage += 1
+
+    def _trial(self, changes: dict[str, Any]) -> LayoutError | None:
+        try:
+            _build({**self.a, **changes}, suggest=False)
+        except LayoutError as err:
+            return err
+        return None
+
+    def fixes(self, candidates: Iterable[dict[str, Any]], want: int = 2) -> list[dict[str, Any]]:
+        """The first ``want`` candidate changes that give a valid layout (else: that clear this rule)."""
+        if not self.suggest:
+            return []
+        valid: list[dict[str, Any]] = []
+        progress: list[dict[str, Any]] = []
+        for i, change in enumerate(candidates):
+            if i >= _MAX_FIX_TRIALS or len(valid) >= want:
+                break
+            err = self._trial(change)
+            if err is None:
+                valid.append(change)
+            elif err.stage > self.stage and len(progress) < want:
+                progress.append(change)
+        chosen = valid or progress
+
+        def order(change: dict[str, Any]) -> tuple:
+            v = next(iter(change.values()))
+            return (v is not None, v if isinstance(v, int) else 0)
+
+        return sorted(chosen, key=order) if len({next(iter(c)) for c in chosen}) == 1 else chosen
+
+    def fail(
+        self,
+        head: str,
+        *,
+        rule: str,
+        option: str,
+        value: Any,
+        candidates: Iterable[dict[str, Any]] | list[Iterable[dict[str, Any]]] = (),
+        render: Callable[[list[dict[str, Any]]], str] | None = None,
+        tail: str = "",
+    ) -> LayoutError:
+        """A :class:`LayoutError` whose message is ``head; use <fixes><tail>.``.
+
+        ``candidates`` is one iterable of change dicts, or a list of them (each searched separately, e.g. one for
+        the failing option and one for an alternative option).
+        """
+        found: list[dict[str, Any]] = []
+        if self.suggest:
+            nested = isinstance(candidates, list) and bool(candidates) and not isinstance(candidates[0], dict)
+            groups = candidates if nested else [candidates]
+            for group in groups:
+                found += self.fixes(group)
+        if found:
+            text = render(found) if render else _render(found, option)
+            message = f"{head}; {text}{tail}."
+        else:
+            message = f"{head}{'; ' + tail.lstrip(', ') if tail else ''}."
+        return LayoutError(message, option=option, value=value, rule=rule, fixes=found, stage=self.stage)
+
+    # ------------------------------------------------------------------ reusable checks
+    def positive(self, name: str, allow_none: bool = False) -> None:
+        self.step()
+        value = self.a[name]
+        if (value is None and allow_none) or _is_positive_int(value):
+            return
+        coerced: int | None = None
+        if isinstance(value, (float, str)):
+            try:
+                as_float = float(value)
+            except ValueError:
+                as_float = math.nan
+            if as_float >= 1 and as_float == int(as_float):
+                coerced = int(as_float)  # "8" or 8.0 -> 8
+        cands: list[dict[str, Any]]
+        if coerced is not None and self.suggest and self._trial({name: coerced}) is None:
+            cands = [{name: coerced}]
+        else:
+            cands = ([{name: None}] if allow_none else []) + [{name: k} for k in range(1, 257)]
+        raise self.fail(
+            f"{name}={value!r} must be a positive integer" + (" or unset" if allow_none else ""),
+            rule="positive_int", option=name, value=value, candidates=cands,
+        )
+
+
+def _build(a: dict[str, Any], suggest: bool, cls: type | None = None) -> RolloutLayout:
+    """Validate the arguments of :meth:`RolloutLayout.build` and compute the layout (see there)."""
+    b = _Builder(a, suggest)
+    notes: list[str] = []
+
+    # ---------------------------------------------------------------- plain values
+    for name in ("n_gpus_per_node", "num_processes"):
+        b.positive(name, allow_none=True)
+    for name in ("nnodes", "rollout_tp_size", "train_batch_size", "rollout_n", "ppo_epochs",
+                 "sequence_parallel_size"):
+        b.positive(name)
+    for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device",
+                 "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_device",
+                 "ref_log_prob_micro_batch_size", "ref_log_prob_micro_batch_size_per_device",
+                 "log_prob_max_token_len_per_device", "ref_log_prob_max_token_len_per_device"):
+        b.positive(name, allow_none=True)
+    est = a["adv_estimator"]
+    b.step()
+    if not isinstance(est, str) or not est:
+        raise b.fail(f"adv_estimator={est!r} must be the name of an advantage estimator",
+                     rule="estimator_name", option="adv_estimator", value=est,
+                     candidates=[{"adv_estimator": "grpo"}])
+
+    # ---------------------------------------------------------------- world size
+    num_processes, n_gpus, nnodes = a["num_processes"], a["n_gpus_per_node"], a["nnodes"]
+    b.step()
+    if num_processes is not None and n_gpus is not None and num_processes != n_gpus * nnodes:
+        raise b.fail(
+            f"num_processes={num_processes} disagrees with n_gpus_per_node={n_gpus} x nnodes={nnodes} = "
+            f"{n_gpus * nnodes}",
+            rule="world_size_mismatch", option="num_processes", value=num_processes,
+            candidates=[{"n_gpus_per_node": None}, {"num_processes": None}],
+            render=lambda fx: "set only one of them: " + _render(fx, None),
+        )
+    b.step()
+    if num_processes is not None and n_gpus is None and num_processes % nnodes:
+        raise b.fail(
+            f"num_processes={num_processes} cannot be split evenly over nnodes={nnodes}",
+            rule="processes_per_node", option="num_processes", value=num_processes,
+            candidates=[{"num_processes": m} for m in _multiples_near(num_processes, nnodes)],
+        )
+    if num_processes is None:
+        num_processes = (1 if n_gpus is None else n_gpus) * nnodes
+    world = num_processes
+    gpus_per_node = n_gpus if n_gpus is not None else world // nnodes
+
+    tp, n, sp = a["rollout_tp_size"], a["rollout_n"], a["sequence_parallel_size"]
+    train_batch_size = a["train_batch_size"]
+
+    b.step()
+    if world % tp:
+        if n_gpus is not None and a["num_processes"] is None:  # the world size was given per node
+            world_cands = [{"n_gpus_per_node": g} for g in _by_distance(n_gpus, range(1, n_gpus + 4 * tp + 1))]
+        else:
+            world_cands = [{"num_processes": w, **({"n_gpus_per_node": None} if n_gpus is not None else {})}
+                           for w in _multiples_near(world, tp)]
+
+        def render_tp(fx: list[dict[str, Any]]) -> str:
+            parts = []
+            if tps := [str(c["rollout_tp_size"]) for c in fx if "rollout_tp_size" in c]:
+                parts.append("use rollout_tp_size " + " or ".join(tps))
+            if gpus := [str(c["n_gpus_per_node"]) for c in fx if c.get("n_gpus_per_node")]:
+                parts.append("use n_gpus_per_node " + " or ".join(gpus))
+            if procs := [str(c["num_processes"]) for c in fx if "num_processes" in c]:
+                parts.append("use " + " or ".join(procs) + " processes")
+            return ", or ".join(parts)
+
+        raise b.fail(
+            f"rollout_tp_size={tp} does not divide the {world} processes (each engine is one group of "
+            f"rollout_tp_size consecutive ranks)",
+            rule="tp_divides_world", option="rollout_tp_size", value=tp,
+            candidates=[[{"rollout_tp_size": d} for d in _by_distance(tp, divisors(world))], world_cands],
+            render=render_tp,
+        )
+    if nnodes > 1 and gpus_per_node % tp:
+        notes.append(
+            f"rollout_tp_size={tp} does not divide the {gpus_per_node} GPUs per node: some engines span two "
+            f"nodes, and their tensor-parallel all-reduces cross the network."
+        )
+    b.step()
+    if world % sp:
+        raise b.fail(
+            f"sequence_parallel_size={sp} does not divide the {world} processes",
+            rule="sp_divides_world", option="sequence_parallel_size", value=sp,
+            candidates=[{"sequence_parallel_size": d} for d in _by_distance(sp, divisors(world))],
+        )
+    num_engines = world // tp
+    dp = world // sp
+
+    # ---------------------------------------------------------------- samples
+    b.step()
+    if est in GROUP_ESTIMATORS and n < 2:
+        raise b.fail(
+            f"rollout_n={n} but adv_estimator={est!r} computes its baseline from the other samples of the same "
+            f"prompt, which needs rollout_n >= 2 (8 or more is usual)",
+            rule="group_needs_n", option="rollout_n", value=n,
+            candidates=[[{"rollout_n": k} for k in range(2, 65)],
+                        [{"adv_estimator": e} for e in NON_GROUP_ESTIMATORS]],
+        )
+    b.step()
+    if num_engines > train_batch_size:
+        raise b.fail(
+            f"train_batch_size={train_batch_size} prompts is fewer than the {num_engines} rollout engines "
+            f"({world} processes / rollout_tp_size={tp}): some engines would idle",
+            rule="engines_exceed_prompts", option="train_batch_size", value=train_batch_size,
+            candidates=[[{"train_batch_size": num_engines * k} for k in range(1, 65)],
+                        [{"rollout_tp_size": d} for d in divisors(world) if d > tp]],
+        )
+    b.step()
+    if train_batch_size % num_engines:
+        raise b.fail(
+            f"train_batch_size={train_batch_size} is not divisible by the {num_engines} rollout engines "
+            f"({world} processes / rollout_tp_size={tp})",
+            rule="prompts_divide_engines", option="train_batch_size", value=train_batch_size,
+            candidates=[{"train_batch_size": m} for m in _multiples_near(train_batch_size, num_engines)],
+        )
+    total = train_batch_size * n
+    b.step()
+    if total % dp:
+        step = math.lcm(num_engines, dp // math.gcd(dp, n))
+        raise b.fail(
+            f"train_batch_size={train_batch_size} x rollout_n={n} = {total} samples cannot be split evenly over "
+            f"the data-parallel size {dp} ({world} processes / sequence_parallel_size={sp})",
+            rule="samples_divide_dp", option="train_batch_size", value=train_batch_size,
+            candidates=[[{"train_batch_size": m} for m in _multiples_near(train_batch_size, step)],
+                        [{"rollout_n": k} for k in _by_distance(n, range(1, n + 65))]],
+        )
+    samples_per_rank = total // dp
+
+    # ---------------------------------------------------------------- optimizer steps
+    mini = train_batch_size if a["ppo_mini_batch_size"] is None else a["ppo_mini_batch_size"]
+    mini_cands = [{"ppo_mini_batch_size": d} for d in _by_distance(mini, divisors(train_batch_size))]
+    b.step()
+    if train_batch_size % mini:
+        raise b.fail(
+            f"ppo_mini_batch_size={mini} prompts must divide train_batch_size={train_batch_size} (each optimizer "
+            f"step takes an equal slice of the rollout)",
+            rule="mini_divides_batch", option="ppo_mini_batch_size", value=mini, candidates=mini_cands,
+        )
+    b.step()
+    if (mini * n) % dp:
+        raise b.fail(
+            f"ppo_mini_batch_size={mini} x rollout_n={n} = {mini * n} samples cannot be split evenly over the "
+            f"{dp} data-parallel ranks (verl would silently round {mini * n} / {dp} down"
+            f"{', to 0' if mini * n < dp else ''})",
+            rule="mini_divides_dp", option="ppo_mini_batch_size", value=mini, candidates=mini_cands,
+        )
+    mini_per_rank = mini * n // dp
+    micro_opt = a["ppo_micro_batch_size_per_device"]
+    micro = mini_per_rank if micro_opt is None else micro_opt
+    b.step()
+    if mini_per_rank % micro:
+        raise b.fail(
+            f"ppo_micro_batch_size_per_device={micro} does not divide the {mini_per_rank} samples each rank gets "
+            f"per optimizer step (ppo_mini_batch_size={mini} x rollout_n={n} / {dp} ranks)",
+            rule="micro_divides_mini", option="ppo_micro_batch_size_per_device", value=micro,
+            candidates=[{"ppo_micro_batch_size_per_device": d} for d in _by_distance(micro, divisors(mini_per_rank))],
+        )
+    grad_accum = mini_per_rank // micro
+
+    # ---------------------------------------------------------------- log-prob passes
+    old = _micro_batch(
+        b, "log_prob", a["log_prob_micro_batch_size"], a["log_prob_micro_batch_size_per_device"],
+        a["log_prob_max_token_len_per_device"], dp, samples_per_rank,
+        default=(micro, "ppo_micro_batch_size_per_device"), notes=notes,
+    )
+    ref_size, ref_per_device = a["ref_log_prob_micro_batch_size"], a["ref_log_prob_micro_batch_size_per_device"]
+    ref_tokens = a["ref_log_prob_max_token_len_per_device"]
+    if ref_tokens is None and ref_size is None and ref_per_device is None:
+        ref_tokens = a["log_prob_max_token_len_per_device"]  # the reference pass follows the old-policy pass
+    ref = _micro_batch(
+        b, "ref_log_prob", ref_size, ref_per_device, ref_tokens, dp, samples_per_rank,
+        default=(old.per_device, "the old-policy pass"), notes=notes,
+    )
+    if n < 8 and est in GROUP_ESTIMATORS:
+        notes.append(f"rollout_n={n}: group baselines are noisy below 8 samples per prompt.")
+    return (cls or RolloutLayout)(
+        num_processes=world,
+        rollout_tp_size=tp,
+        train_batch_size=train_batch_size,
+        rollout_n=n,
+        ppo_mini_batch_size=mini,
+        ppo_micro_batch_size_per_device=micro,
+        ppo_epochs=a["ppo_epochs"],
+        sequence_parallel_size=sp,
+        adv_estimator=est,
+        num_engines=num_engines,
+        engine_ranks=tuple(tuple(range(e * tp, (e + 1) * tp)) for e in range(num_engines)),
+        prompts_per_engine=train_batch_size // num_engines,
+        samples_per_engine=train_batch_size // num_engines * n,
+        total_samples=total,
+        data_parallel_size=dp,
+        samples_per_rank=samples_per_rank,
+        mini_batch_samples_per_rank=mini_per_rank,
+        optimizer_steps_per_rollout=(train_batch_size // mini) * a["ppo_epochs"],
+        gradient_accumulation_steps=grad_accum,
+        old_log_prob=old,
+        ref_log_prob=ref,
+        notes=tuple(notes),
+    )
+
+
+def _micro_batch(
+    b: _Builder,
+    prefix: str,
+    global_size: int | None,
+    per_device: int | None,
+    max_token_len: int | None,
+    dp: int,
+    samples_per_rank: int,
+    default: tuple[int, str],
+    notes: list[str],
+) -> MicroBatch:
+    """Resolve one pass's micro batch per device from its global / per-device / token-budget options."""
+    g_name, d_name = f"{prefix}_micro_batch_size", f"{prefix}_micro_batch_size_per_device"
+    b.step()
+    if global_size is not None and per_device is not None:
+        raise b.fail(
+            f"{g_name}={global_size} and {d_name}={per_device} are both set; they say the same thing "
+            f"({g_name} // data-parallel size {dp} = {global_size // dp} per device)",
+            rule="micro_batch_both_set", option=g_name, value=global_size,
+            candidates=[{g_name: None}, {d_name: None}],
+            render=lambda fx: "keep only one: " + _render(fx, None),
+        )
+    b.step()
+    if global_size is not None and global_size // dp == 0:
+        raise b.fail(
+            f"{g_name}={global_size} normalizes to {global_size} // {dp} data-parallel ranks = 0 sequences per "
+            f"device (verl would loop forever on it)",
+            rule="micro_batch_zero", option=g_name, value=global_size,
+            candidates=[[{g_name: dp * k} for k in (1, 8)], [{d_name: 8, g_name: None}]],
+            render=lambda fx: (
+                f"use {g_name} >= {dp}: "
+                + " or ".join(f"{c[g_name]} ({c[g_name] // dp} per device)" for c in fx if c.get(g_name))
+                + (f", or set {d_name} instead" if any(c.get(d_name) for c in fx) else "")
+            ),
+        )
+    if global_size is not None:
+        size = global_size // dp
+        source = f"{g_name}={global_size} // {dp} ranks"
+        if global_size % dp:
+            notes.append(
+                f"{g_name}={global_size} is not a multiple of the data-parallel size {dp}: {global_size - size * dp} "
+                f"of it is dropped ({size} per device); {size * dp} or {(size + 1) * dp} say what is done."
+            )
+    elif per_device is not None:
+        size, source = per_device, d_name
+    else:
+        size, source = default[0], f"default: as {default[1]}"
+    return MicroBatch(
+        per_device=size,
+        num_micro_batches=math.ceil(samples_per_rank / size),
+        source=source,
+        max_token_len=max_token_len,
+    )
 
 
 @dataclass(frozen=True)
@@ -129,156 +556,14 @@ class RolloutLayout:
     ) -> RolloutLayout:
         """Compute and validate a layout; raise :class:`LayoutError` on the first broken rule.
 
-        Either ``num_processes`` or ``n_gpus_per_node`` (times ``nnodes``) gives the world size.
-        ``ppo_mini_batch_size`` defaults to ``train_batch_size`` (one optimizer step per rollout);
+        Either ``num_processes`` or ``n_gpus_per_node`` (times ``nnodes``) gives the world size (``nnodes`` when
+        neither is set, i.e. one process per node). ``ppo_mini_batch_size`` defaults to ``train_batch_size`` (one optimizer step per rollout);
         ``ppo_micro_batch_size_per_device`` defaults to the whole mini batch of a rank (no accumulation);
         log-prob micro batches default to ``ppo_micro_batch_size_per_device``; the reference pass defaults to
         the old-policy pass's settings.
         """
-        if num_processes is None and n_gpus_per_node is None:
-            num_processes = 1
-        if num_processes is not None and n_gpus_per_node is not None:
-            if num_processes != n_gpus_per_node * nnodes:
-                raise LayoutError(
-                    f"num_processes={num_processes} disagrees with n_gpus_per_node={n_gpus_per_node} x "
-                    f"nnodes={nnodes} = {n_gpus_per_node * nnodes}; set only one of them."
-                )
-        if num_processes is None:
-            _check_positive("n_gpus_per_node", n_gpus_per_node)
-            _check_positive("nnodes", nnodes)
-            num_processes = n_gpus_per_node * nnodes  # type: ignore[operator]
-        for name, value in [
-            ("num_processes", num_processes),
-            ("rollout_tp_size", rollout_tp_size),
-            ("train_batch_size", train_batch_size),
-            ("rollout_n", rollout_n),
-            ("ppo_epochs", ppo_epochs),
-            ("sequence_parallel_size", sequence_parallel_size),
-        ]:
-            _check_positive(name, value)
-        for name, value in [
-            ("ppo_mini_batch_size", ppo_mini_batch_size),
-            ("ppo_micro_batch_size_per_device", ppo_micro_batch_size_per_device),
-            ("log_prob_micro_batch_size", log_prob_micro_batch_size),
-            ("log_prob_micro_batch_size_per_device", log_prob_micro_batch_size_per_device),
-            ("ref_log_prob_micro_batch_size", ref_log_prob_micro_batch_size),
-            ("ref_log_prob_micro_batch_size_per_device", ref_log_prob_micro_batch_size_per_device),
-            ("log_prob_max_token_len_per_device", log_prob_max_token_len_per_device),
-            ("ref_log_prob_max_token_len_per_device", ref_log_prob_max_token_len_per_device),
-        ]:
-            _check_positive(name, value, allow_none=True)
-
-        world, tp, n = num_processes, rollout_tp_size, rollout_n
-        if world % tp:
-            ok_tp = [d for d in divisors(world)]
-            raise LayoutError(
-                f"rollout_tp_size={tp} does not divide the {world} processes (each engine is one group of "
-                f"rollout_tp_size consecutive ranks); use rollout_tp_size {_fmt_options(ok_tp)}, or "
-                f"{_fmt_options(nearest_multiples(world, tp))} processes."
-            )
-        if world % sequence_parallel_size:
-            raise LayoutError(
-                f"sequence_parallel_size={sequence_parallel_size} does not divide the {world} processes; "
-                f"use {_fmt_options(divisors(world))}."
-            )
-        num_engines = world // tp
-        if adv_estimator in GROUP_ESTIMATORS and n < 2:
-            raise LayoutError(
-                f"rollout_n={n} but adv_estimator={adv_estimator!r} computes its baseline from the other "
-                f"samples of the same prompt, which needs rollout_n >= 2; use rollout_n 2 or more (8 or more "
-                f"is usual), or a non-group estimator such as 'reinforce_plus_plus' or 'remax'."
-            )
-        if num_engines > train_batch_size:
-            raise LayoutError(
-                f"train_batch_size={train_batch_size} prompts is fewer than the {num_engines} rollout engines "
-                f"({world} processes / rollout_tp_size={tp}): some engines would idle; use train_batch_size "
-                f"{num_engines} or a multiple of it, or a larger rollout_tp_size "
-                f"({_fmt_options([d for d in divisors(world) if world // d <= train_batch_size][:3])})."
-            )
-        if train_batch_size % num_engines:
-            raise LayoutError(
-                f"train_batch_size={train_batch_size} is not divisible by the {num_engines} rollout engines "
-                f"({world} processes / rollout_tp_size={tp}); use "
-                f"{_fmt_options(nearest_multiples(train_batch_size, num_engines))}."
-            )
-        dp = world // sequence_parallel_size
-        total = train_batch_size * n
-        if total % dp:
-            # smallest change of train_batch_size keeping divisibility by engines and samples by dp
-            step = math.lcm(num_engines, dp // math.gcd(dp, n))
-            raise LayoutError(
-                f"train_batch_size={train_batch_size} x rollout_n={n} = {total} samples cannot be split evenly "
-                f"over the data-parallel size {dp} ({world} processes / sequence_parallel_size="
-                f"{sequence_parallel_size}); use train_batch_size {_fmt_options(nearest_multiples(train_batch_size, step))}."
-            )
-        samples_per_rank = total // dp
-
-        mini = train_batch_size if ppo_mini_batch_size is None else ppo_mini_batch_size
-        if mini > train_batch_size or train_batch_size % mini:
-            ok = [d for d in divisors(train_batch_size) if (d * n) % dp == 0]
-            raise LayoutError(
-                f"ppo_mini_batch_size={mini} prompts must divide train_batch_size={train_batch_size} (each "
-                f"optimizer step takes an equal slice of the rollout); use one of {ok}."
-            )
-        if (mini * n) % dp:
-            ok = [d for d in divisors(train_batch_size) if (d * n) % dp == 0]
-            raise LayoutError(
-                f"ppo_mini_batch_size={mini} x rollout_n={n} = {mini * n} samples normalize to "
-                f"{mini * n} / {dp} data-parallel ranks, which is not a whole number (verl would silently "
-                f"round it, to 0 when it is below {dp}); use ppo_mini_batch_size one of {ok}."
-            )
-        mini_per_rank = mini * n // dp
-        micro = mini_per_rank if ppo_micro_batch_size_per_device is None else ppo_micro_batch_size_per_device
-        if mini_per_rank % micro:
-            raise LayoutError(
-                f"ppo_micro_batch_size_per_device={micro} does not divide the {mini_per_rank} samples each rank "
-                f"gets per optimizer step (ppo_mini_batch_size={mini} x rollout_n={n} / {dp} ranks); use one "
-                f"of {divisors(mini_per_rank)}."
-            )
-        grad_accum = mini_per_rank // micro
-
-        old = _micro_batch(
-            "log_prob", log_prob_micro_batch_size, log_prob_micro_batch_size_per_device,
-            log_prob_max_token_len_per_device, dp, samples_per_rank, default=(micro, "ppo_micro_batch_size_per_device"),
-        )
-        ref_default_tokens = (
-            ref_log_prob_max_token_len_per_device
-            if ref_log_prob_max_token_len_per_device is not None
-            else (log_prob_max_token_len_per_device
-                  if ref_log_prob_micro_batch_size is None and ref_log_prob_micro_batch_size_per_device is None
-                  else None)
-        )
-        ref = _micro_batch(
-            "ref_log_prob", ref_log_prob_micro_batch_size, ref_log_prob_micro_batch_size_per_device,
-            ref_default_tokens, dp, samples_per_rank, default=(old.per_device, "the old-policy pass"),
-        )
-        notes: list[str] = []
-        if n < 8 and adv_estimator in GROUP_ESTIMATORS:
-            notes.append(f"rollout_n={n}: group baselines are noisy below 8 samples per prompt.")
-        return cls(
-            num_processes=world,
-            rollout_tp_size=tp,
-            train_batch_size=train_batch_size,
-            rollout_n=n,
-            ppo_mini_batch_size=mini,
-            ppo_micro_batch_size_per_device=micro,
-            ppo_epochs=ppo_epochs,
-            sequence_parallel_size=sequence_parallel_size,
-            adv_estimator=adv_estimator,
-            num_engines=num_engines,
-            engine_ranks=tuple(tuple(range(e * tp, (e + 1) * tp)) for e in range(num_engines)),
-            prompts_per_engine=train_batch_size // num_engines,
-            samples_per_engine=train_batch_size // num_engines * n,
-            total_samples=total,
-            data_parallel_size=dp,
-            samples_per_rank=samples_per_rank,
-            mini_batch_samples_per_rank=mini_per_rank,
-            optimizer_steps_per_rollout=(train_batch_size // mini) * ppo_epochs,
-            gradient_accumulation_steps=grad_accum,
-            old_log_prob=old,
-            ref_log_prob=ref,
-            notes=tuple(notes),
-        )
+        args = {k: v for k, v in locals().items() if k != "cls"}
+        return _build(args, suggest=True, cls=cls)
 
     # ------------------------------------------------------------------ who does what
     def engine_of_rank(self, rank: int) -> int:
@@ -286,12 +571,21 @@ class RolloutLayout:
         self._check_rank(rank)
         return rank // self.rollout_tp_size
 
+    def engine_of_prompt(self, prompt: int) -> int:
+        """Index of the engine that generates for prompt ``prompt`` of the step."""
+        if not 0 <= prompt < self.train_batch_size:
+            raise LayoutError(f"prompt={prompt} is outside 0..{self.train_batch_size - 1}.", option="prompt",
+                              value=prompt, rule="prompt_range")
+        return prompt // self.prompts_per_engine
+
     def engine_prompt_range(self, engine: int) -> range:
         """Indices, in the step's prompt list, of the prompts that ``engine`` generates for."""
+        self._check_engine(engine)
         return range(engine * self.prompts_per_engine, (engine + 1) * self.prompts_per_engine)
 
     def engine_sample_range(self, engine: int) -> range:
         """Global sample indices produced by ``engine`` (its prompts' groups, contiguous, in prompt order)."""
+        self._check_engine(engine)
         return range(engine * self.samples_per_engine, (engine + 1) * self.samples_per_engine)
 
     def rank_sample_range(self, rank: int) -> range:
@@ -302,11 +596,33 @@ class RolloutLayout:
 
     def sample_group(self, sample: int) -> int:
         """Prompt (group) index of a global sample index: samples of one prompt are contiguous."""
+        if not 0 <= sample < self.total_samples:
+            raise LayoutError(f"sample={sample} is outside 0..{self.total_samples - 1}.", option="sample",
+                              value=sample, rule="sample_range")
         return sample // self.rollout_n
+
+    def mini_batch_ranges(self, rank: int) -> list[range]:
+        """Global sample indices of each optimizer step's share on ``rank`` (one epoch, in order)."""
+        share = self.rank_sample_range(rank)
+        m = self.mini_batch_samples_per_rank
+        return [range(s, s + m) for s in range(share.start, share.stop, m)]
+
+    def micro_batch_ranges(self, rank: int, ref: bool = False) -> list[range]:
+        """Global sample indices of each forward of the old-policy (or, ``ref=True``, reference) log-prob pass
+        on ``rank``, for fixed-size micro batches (the last one may be shorter)."""
+        share = self.rank_sample_range(rank)
+        size = (self.ref_log_prob if ref else self.old_log_prob).per_device
+        return [range(s, min(s + size, share.stop)) for s in range(share.start, share.stop, size)]
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.num_processes:
-            raise LayoutError(f"rank={rank} is outside 0..{self.num_processes - 1}.")
+            raise LayoutError(f"rank={rank} is outside 0..{self.num_processes - 1}.", option="rank", value=rank,
+                              rule="rank_range")
+
+    def _check_engine(self, engine: int) -> None:
+        if not 0 <= engine < self.num_engines:
+            raise LayoutError(f"engine={engine} is outside 0..{self.num_engines - 1}.", option="engine",
+                              value=engine, rule="engine_range")
 
     # ------------------------------------------------------------------ reporting
     def to_dict(self) -> dict:
@@ -321,14 +637,18 @@ class RolloutLayout:
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) rows of the human-readable table, with the arithmetic spelled out."""
         w, tp, e = self.num_processes, self.rollout_tp_size, self.num_engines
-        ranks = ", ".join("(" + ",".join(map(str, r)) + ")" for r in self.engine_ranks)
-        if len(self.engine_ranks) > 8:
-            ranks = ", ".join("(" + ",".join(map(str, r)) + ")" for r in self.engine_ranks[:4]) + ", ..."
+
+        def group(r: tuple[int, ...]) -> str:
+            return "(" + ",".join(map(str, r)) + ")" if len(r) <= 4 else f"({r[0]}..{r[-1]})"
+
+        shown = self.engine_ranks if e <= 8 else self.engine_ranks[:4]
+        ranks = ", ".join(group(r) for r in shown) + (f", ... ({e} groups)" if e > 8 else "")
 
         def mb(m: MicroBatch) -> str:
             if m.max_token_len is not None:
                 return f"dynamic, <= {m.max_token_len} tokens per forward (at most {m.per_device} sequences)"
-            return f"{m.per_device} sequences per forward ({m.source}); {m.num_micro_batches} forwards per pass"
+            return (f"{m.per_device} sequences per device per forward ({m.source}); "
+                    f"{self.samples_per_rank} / {m.per_device} -> {m.num_micro_batches} forwards per pass")
 
         return [
             ("processes", f"{w}"),
@@ -357,40 +677,3 @@ class RolloutLayout:
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def _micro_batch(
-    prefix: str,
-    global_size: int | None,
-    per_device: int | None,
-    max_token_len: int | None,
-    dp: int,
-    samples_per_rank: int,
-    default: tuple[int, str],
-) -> MicroBatch:
-    """Resolve one pass's micro batch per device from its global / per-device / token-budget options."""
-    g_name, d_name = f"{prefix}_micro_batch_size", f"{prefix}_micro_batch_size_per_device"
-    if global_size is not None and per_device is not None:
-        raise LayoutError(
-            f"{g_name}={global_size} and {d_name}={per_device} are both set; they say the same thing "
-            f"({g_name} // data-parallel size {dp} = {global_size // dp}); keep only {d_name}."
-        )
-    if global_size is not None:
-        size = global_size // dp
-        if size == 0:
-            raise LayoutError(
-                f"{g_name}={global_size} normalizes to {global_size} // {dp} data-parallel ranks = 0 sequences "
-                f"per device (verl would loop forever on it); use {g_name} >= {dp} (e.g. {dp * 8} for 8 per "
-                f"device) or set {d_name} instead."
-            )
-        source = f"{g_name}={global_size} // {dp} ranks"
-    elif per_device is not None:
-        size, source = per_device, d_name
-    else:
-        size, source = default[0], f"default: as {default[1]}"
-    return MicroBatch(
-        per_device=size,
-        num_micro_batches=math.ceil(samples_per_rank / size),
-        source=source,
-        max_token_len=max_token_len,
-    )

@@ -68,23 +68,29 @@ def agg_loss(
     - ``seq-mean-token-sum-norm``: token sum / (sequences x ``norm_length``), a constant length (Dr. GRPO);
       ``norm_length`` defaults to ``T``.
 
-    ``num_tokens`` / ``num_seqs`` override the denominators, so that micro batches of one mini batch add up to
-    the mini batch's loss (pass the mini batch's totals). Empty masks give 0, never NaN.
+    "Sequences" are the rows with at least one masked token (a fully masked row, e.g. padding, neither adds
+    to the loss nor dilutes it; as verl). ``num_tokens`` / ``num_seqs`` override the denominators, so that
+    micro batches of one mini batch add up to the mini batch's loss (pass the mini batch's totals). Values
+    outside the mask are ignored (even inf/NaN). Empty masks give 0, never NaN.
     """
     mask = loss_mask.to(loss_mat.dtype)
+    masked = torch.where(mask != 0, loss_mat * mask, 0.0)  # [B, T]
     if loss_agg_mode == "token-mean":
         denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=loss_mat.dtype)
-        return (loss_mat * mask).sum() / denom.clamp(min=1)
-    seqs = torch.as_tensor(loss_mat.shape[0] if num_seqs is None else num_seqs, dtype=loss_mat.dtype)
+        return masked.sum() / denom.clamp(min=1)
+    if num_seqs is None:
+        seqs = (mask.sum(-1) > 0).sum().to(loss_mat.dtype)
+    else:
+        seqs = torch.as_tensor(num_seqs, dtype=loss_mat.dtype)
     seqs = seqs.clamp(min=1)
     if loss_agg_mode == "seq-mean-token-sum":
-        return (loss_mat * mask).sum(-1).sum() / seqs
+        return masked.sum(-1).sum() / seqs
     if loss_agg_mode == "seq-mean-token-mean":
-        per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / seqs
     if loss_agg_mode == "seq-mean-token-sum-norm":
         length = loss_mat.shape[-1] if norm_length is None else norm_length
-        return (loss_mat * mask).sum() / (seqs * length)
+        return masked.sum() / (seqs * length)
     raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not known; use one of {list(LOSS_AGG_MODES)}.")
 
 
@@ -119,6 +125,9 @@ def policy_loss(
     ``exp(mean_t(log pi - log pi_old))`` with a per-token straight-through gradient (``"sequence"``, Zheng et
     al. 2025). Loss per token: ``max(-A r, -A clip(r, 1 - low, 1 + high))``; for ``A < 0`` it is also capped at
     ``-A c`` (dual clip, ``clip_ratio_c > 1``; ``None`` disables). All inputs ``[B, T]``.
+
+    GSPO as published is ``ratio_level="sequence"`` with ``loss_agg_mode="seq-mean-token-mean"`` (verl forces
+    that mode); another mode weights each sequence's clipped term by its token count.
     """
     high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
     mask = response_mask.to(log_prob.dtype)
@@ -142,7 +151,7 @@ def policy_loss(
         clipfrac_lower = masked_mean(((clipped > loss3) & (advantages < 0)).to(mask.dtype), mask)
         per_token = torch.where(advantages < 0, dual, clipped)
     else:
-        clipfrac_lower = torch.zeros((), dtype=mask.dtype)
+        clipfrac_lower = mask.new_zeros(())
         per_token = clipped
     loss = agg_loss(per_token, mask, loss_agg_mode, **agg_kwargs)
     return PolicyLossOutput(

@@ -1,0 +1,31 @@
+# The two commands of the README: `make demo` (train the embedded default) and `make test` (the test suite).
+# Each one sets up .venv first (idempotent; see scripts/setup_env.sh).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: env demo test test-fast lint bench plan clean
+
+env:
+	@bash scripts/setup_env.sh
+
+demo: env
+	$(VENV)/bin/accelerate launch --num_processes 1 --cpu recipes/grpo.py $(ARGS)
+
+test: env
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: env
+	$(PY) -m pytest -q -m "not slow and not multiprocess" $(ARGS)
+
+lint: env
+	$(VENV)/bin/ruff check trl_nrollout tests recipes benchmarks
+
+bench: env
+	$(PY) benchmarks/run_all.py $(ARGS)
+
+plan: env
+	$(VENV)/bin/trl-nrollout plan $(ARGS)
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,317 @@
+"""Micro-batched, token-budgeted log-prob passes (old policy and reference) with lean memory.
+
+After rollout, each rank scores its ``samples_per_rank`` sequences with the training model (old-policy
+log-probs) and the reference model. This module cuts that pass into forwards bounded either by a number of
+sequences (``micro_batch_size``) or by a token budget (``max_token_len``: sequences packed first-fit decreasing
+by their padded size), and scores the completion tokens without ever holding a float32
+``[batch, length, vocab]`` log-softmax: the final hidden states of the completion positions go through the
+output head a chunk of rows at a time, and each chunk is reduced to the chosen token's log-prob (and the
+entropy, only when asked) before the next one.
+
+Results are returned in the caller's order, ``[B, C]`` aligned with right-padded completions (zeros past each
+completion's end), whatever the padding of the inputs and however the sequences were grouped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+Ids = Sequence[int] | Tensor
+
+
+@dataclass
+class LogProbOutput:
+    """Per-token log-probs ``[B, C]`` (and entropies when asked), zero past each completion's end."""
+
+    logprobs: Tensor
+    entropy: Tensor | None
+    num_forwards: int
+
+
+# ---------------------------------------------------------------------------------------------- packing
+def pack_by_tokens(lengths: Sequence[int], max_token_len: int, max_seqs: int | None = None) -> list[list[int]]:
+    """Group sequence indices into micro batches whose padded size ``len(batch) * max(length)`` fits
+    ``max_token_len`` (first-fit decreasing). ``max_seqs`` also caps the sequences per micro batch.
+
+    Raises ``ValueError`` naming the option when one sequence alone does not fit.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if order and lengths[order[0]] > max_token_len:
+        raise ValueError(
+            f"log_prob_max_token_len_per_device={max_token_len} is smaller than the longest sequence "
+            f"({lengths[order[0]]} tokens, prompt + completion); every sequence must fit one forward: use "
+            f"at least {lengths[order[0]]} (e.g. max_prompt_length + max_completion_length)."
+        )
+    bins: list[list[int]] = []
+    widths: list[int] = []  # longest sequence of each bin (its first, as we go in decreasing order)
+    for i in order:
+        for b, members in enumerate(bins):
+            if (max_seqs is None or len(members) < max_seqs) and (len(members) + 1) * widths[b] <= max_token_len:
+                members.append(i)
+                break
+        else:
+            bins.append([i])
+            widths.append(lengths[i])
+    return bins
+
+
+def split_by_count(num: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive micro batches of at most ``micro_batch_size`` indices covering ``range(num)``."""
+    return [list(range(s, min(s + micro_batch_size, num))) for s in range(0, num, micro_batch_size)]
+
+
+# ---------------------------------------------------------------------------------------------- math
+def chunked_token_logprobs(
+    hidden: Tensor,
+    targets: Tensor,
+    head: nn.Module | None,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of ``targets`` (and the entropy) from rows of hidden states or logits, a chunk at a time.
+
+    ``hidden``: ``[N, H]`` hidden states (then ``head`` maps them to logits) or ``[N, V]`` logits (``head``
+    None). ``targets``: ``[N]``. Returns float32 ``[N]`` log-probs and ``[N]`` entropies (or None). Peak extra
+    memory is one float32 ``[chunk_rows, V]`` block.
+    """
+    n = hidden.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+    for s in range(0, n, chunk_rows):
+        rows = hidden[s:s + chunk_rows]
+        logits = (head(rows) if head is not None else rows).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        lse = torch.logsumexp(logits, dim=-1)
+        out[s:s + chunk_rows] = logits.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) - lse
+        if ent is not None:
+            probs = torch.softmax(logits, dim=-1)
+            ent[s:s + chunk_rows] = lse - (probs * logits).sum(-1)
+        del logits
+    return out, ent
+
+
+# ---------------------------------------------------------------------------------------------- model access
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP / DeepSpeed engine wrappers (``.module``); PEFT models stay PEFT models."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    if isinstance(model, FullyShardedDataParallel) or any(
+        isinstance(m, FullyShardedDataParallel) for m in model.modules()
+    ):
+        return True
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _is_zero3(model: nn.Module) -> bool:
+    """DeepSpeed ZeRO-3 partitions parameters and tags them with ``ds_id``."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _lean_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(decoder, output head) of a causal LM when its logits are just ``head(hidden)``; None otherwise."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base, "config", None)
+    if cfg is None or not hasattr(base, "get_decoder") or not hasattr(base, "get_output_embeddings"):
+        return None
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(text_cfg, "final_logit_softcapping", None) or getattr(text_cfg, "logit_scale", None) not in (None, 1.0):
+        return None  # logits are post-processed: use the model's own forward
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    if decoder is None or head is None or decoder is base:
+        return None
+    return decoder, head
+
+
+# ---------------------------------------------------------------------------------------------- the pass
+def _as_list(x: Ids) -> list[int]:
+    return x.tolist() if isinstance(x, Tensor) else list(x)
+
+
+def from_padded(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                completion_mask: Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    """Turn TRL-style padded tensors (prompts ``[B, P]``, completions ``[B, C]``, any padding side) into lists
+    of real token ids per sample."""
+    prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+    completions = [row[m.bool()].tolist() for row, m in zip(completion_ids, completion_mask)]
+    return prompts, completions
+
+
+@torch.no_grad()
+def compute_log_probs(
+    model: nn.Module,
+    prompts: Sequence[Ids],
+    completions: Sequence[Ids],
+    *,
+    micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    pad_token_id: int = 0,
+    pad_side: str = "right",
+    chunk_rows: int = 1024,
+    lean_head: bool | None = None,
+    sync_forwards: bool | None = None,
+) -> LogProbOutput:
+    """Score every completion token under ``model``; return ``[B, C_max]`` log-probs in the input order.
+
+    - ``prompts[i]``, ``completions[i]``: real token ids (no padding) of sample ``i``.
+    - ``micro_batch_size``: sequences per forward (default: all at once); ``max_token_len``: token budget per
+      forward (padded size), which replaces the count-based split (``micro_batch_size`` then caps sequences).
+    - ``with_entropy``: also return per-token entropies, computed chunk by chunk like the log-probs.
+    - ``temperature``: logits are divided by it (match the sampling temperature for the rollout's log-probs).
+    - ``lean_head``: run the decoder, keep only completion positions, and apply the output head in chunks
+      (default when the model allows it; FSDP-sharded models use their full forward instead).
+
+    - ``sync_forwards``: make every rank run as many forwards as the busiest one (needed under ZeRO-3, where
+      each forward gathers parameters collectively, and under FSDP; detected automatically).
+
+    The model is put in eval mode for the pass and its mode restored; positions are counted from each
+    sequence's first real token, so the result does not depend on padding.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions; they must pair up.")
+    prompts = [_as_list(p) for p in prompts]
+    completions = [_as_list(c) for c in completions]
+    b = len(prompts)
+    c_max = max((len(c) for c in completions), default=0)
+    device = next(unwrap_model(model).parameters()).device
+    logprobs = torch.zeros(b, c_max, dtype=torch.float32, device=device)
+    entropy = torch.zeros(b, c_max, dtype=torch.float32, device=device) if with_entropy else None
+    if b == 0 or c_max == 0:
+        return LogProbOutput(logprobs, entropy, 0)
+
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every sample needs at least one prompt token before its completion (an empty prompt "
+                         "has no position that predicts the first completion token).")
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    if max_token_len is not None:
+        batches = pack_by_tokens(lengths, max_token_len, micro_batch_size)
+    else:
+        batches = split_by_count(b, micro_batch_size or b)
+
+    inner = unwrap_model(model)
+    parts = None
+    if lean_head is not False and not _is_fsdp(inner):
+        parts = _lean_parts(inner)
+        if lean_head and parts is None:
+            raise ValueError("lean_head=True but the model's logits are not a plain head over its decoder.")
+    # ZeRO-3 and FSDP gather parameters inside every forward: all ranks must run the same number of forwards.
+    num_forwards = len(batches)
+    if sync_forwards is None:
+        sync_forwards = _is_zero3(inner) or _is_fsdp(inner)
+    if sync_forwards and torch.distributed.is_available() and torch.distributed.is_initialized():
+        n = torch.tensor([num_forwards], device=device)
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+        num_forwards = int(n.item())
+    was_training = inner.training
+    inner.eval()
+    try:
+        for idx in batches:
+            _score_micro_batch(
+                model, parts, [prompts[i] for i in idx], [completions[i] for i in idx], idx, logprobs, entropy,
+                temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side, chunk_rows=chunk_rows,
+                device=device,
+            )
+        for _ in range(num_forwards - len(batches)):  # keep collectives in step with busier ranks
+            _score_micro_batch(model, parts, [prompts[0]], [completions[0]], [0], logprobs.clone(), None,
+                               temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side,
+                               chunk_rows=chunk_rows, device=device)
+    finally:
+        inner.train(was_training)
+    return LogProbOutput(logprobs, entropy, num_forwards)
+
+
+def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
+                       pad_side, chunk_rows, device) -> None:
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    width = max(len(s) for s in seqs)
+    n = len(seqs)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros(n, width, dtype=torch.long)
+    starts = []
+    for r, s in enumerate(seqs):
+        off = width - len(s) if pad_side == "left" else 0
+        input_ids[r, off:off + len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[r, off:off + len(s)] = 1
+        starts.append(off)
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
+
+    # (row, position predicting the token, target token, output row, output column) of every completion token
+    rows, pos, tgt, out_r, out_c = [], [], [], [], []
+    for r, (p, c) in enumerate(zip(prompts, completions)):
+        first = starts[r] + len(p)  # position of the first completion token
+        for j, tok in enumerate(c):
+            rows.append(r)
+            pos.append(first + j - 1)
+            tgt.append(tok)
+            out_r.append(idx[r])
+            out_c.append(j)
+    if not rows:
+        return
+    rows_t = torch.tensor(rows, device=device)
+    pos_t = torch.tensor(pos, device=device)
+    tgt_t = torch.tensor(tgt, device=device)
+
+    if parts is not None:
+        decoder, head = parts
+        hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
+        selected = hidden[rows_t, pos_t]  # [tokens, H]: only completion positions go through the head
+        lp, ent = chunked_token_logprobs(selected, tgt_t, head, temperature=temperature, chunk_rows=chunk_rows,
+                                         with_entropy=entropy is not None)
+    else:
+        keep = width - min(pos)  # positions from the earliest predicting position to the end
+        logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                       logits_to_keep=keep).logits  # [n, keep, V]
+        selected = logits[rows_t, pos_t - (width - keep)]
+        lp, ent = chunked_token_logprobs(selected, tgt_t, None, temperature=temperature, chunk_rows=chunk_rows,
+                                         with_entropy=entropy is not None)
+    out_r_t = torch.tensor(out_r, device=device)
+    out_c_t = torch.tensor(out_c, device=device)
+    logprobs[out_r_t, out_c_t] = lp
+    if entropy is not None and ent is not None:
+        entropy[out_r_t, out_c_t] = ent
+
+
+def resolve_micro_batch(per_device: int | None, max_token_len: int | None) -> dict:
+    """Keyword arguments of :func:`compute_log_probs` for one pass of a :class:`~trl_nrollout.layout.MicroBatch`."""
+    return {"micro_batch_size": per_device, "max_token_len": max_token_len}
+
+
+def padded_size(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> list[int]:
+    """Padded token count ``len(batch) * max(length)`` of each micro batch (for reports and tests)."""
+    return [len(b) * max(lengths[i] for i in b) if b else 0 for b in batches]
+
+
+def num_micro_batches(num_sequences: int, micro_batch_size: int) -> int:
+    """How many count-based micro batches cover ``num_sequences``."""
+    return math.ceil(num_sequences / micro_batch_size)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Context manager: ``model.eval()`` inside, the previous mode restored after."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
