@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from trl_nrollout.losses import (
@@ -72,17 +72,18 @@ def test_kl_estimators_relations(logp, ref):
     assert kl_penalty(a, b, "k2").item() == pytest.approx(0.5 * d * d, abs=1e-5)
     k3 = kl_penalty(a, b, "k3").item()
     assert k3 >= 0
-    assert k3 == pytest.approx(math.exp(-d) + d - 1, rel=1e-4, abs=1e-5)
+    assert k3 == pytest.approx(min(math.exp(-d) + d - 1, 10.0), rel=1e-4, abs=1e-5)  # clamped at 10
     assert kl_penalty(a, a, "k3").item() == 0.0
 
 
 @FAST
 @given(
-    logits_p=st.lists(st.floats(-2, 2), min_size=2, max_size=6),
-    logits_q=st.lists(st.floats(-2, 2), min_size=6, max_size=6),
+    logits_p=st.lists(st.floats(-0.75, 0.75), min_size=2, max_size=4),
+    logits_q=st.lists(st.floats(-0.75, 0.75), min_size=4, max_size=4),
 )
 def test_k1_and_k3_are_unbiased_estimates_of_kl(logits_p, logits_q):
     # Expectation under the policy p, summed exactly over a small vocabulary: E_p[k1] = E_p[k3] = KL(p || q).
+    # (Logits stay small so that no k3 term reaches its clamp at 10.)
     v = len(logits_p)
     zp = sum(math.exp(x) for x in logits_p)
     zq = sum(math.exp(x) for x in logits_q[:v])
@@ -239,7 +240,7 @@ def test_ppo_gradient_is_zero_where_clipped():
 def test_ppo_single_token_matches_the_formula(logp, old, adv, low, extra, c):
     high = low + extra
     out = ppo(logp, old, adv, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)
-    r = math.exp(float(torch.tensor(logp) - torch.tensor(old)))
+    r = math.exp(logp - old)
     clipped_r = min(max(r, 1 - low), 1 + high)
     expected = max(-adv * r, -adv * clipped_r)
     if c is not None and adv < 0:
@@ -344,6 +345,7 @@ def test_adaptive_controller_by_hand():
 @FAST
 @given(kl=st.floats(0, 10), target=st.floats(0.01, 1), steps=st.integers(1, 1000))
 def test_adaptive_controller_moves_beta_towards_the_target(kl, target, steps):
+    assume(abs(kl / target - 1) > 1e-6)
     ctl = AdaptiveKLController(init_kl_coef=0.05, target_kl=target, horizon=10_000)
     ctl.update(kl, steps)
     if kl > target:

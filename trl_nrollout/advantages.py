@@ -311,7 +311,8 @@ def grpo_passk_advantage(
 def gpg_advantage(
     rewards: Tensor, mask: Tensor, index: Sequence[Hashable], epsilon: float = EPS
 ) -> tuple[Tensor, Tensor]:
-    """GPG (Chu et al. 2025, "Group Policy Gradient"): ``A_i = alpha * (r_i - mean_g)`` without std scaling,
+    """GPG, Group Policy Gradient (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline
+    for Model Reasoning", arXiv:2504.02546): ``A_i = alpha * (r_i - mean_g)`` without std scaling,
     where ``alpha = B / M`` rescales the gradient by the fraction of samples whose group is not all-equal
     (``M`` of them; all-equal groups carry no signal; ``alpha = B`` if none is informative, where every
     advantage is 0 anyway). verl approximates ``M`` by the number of nonzero rewards; this is the paper's

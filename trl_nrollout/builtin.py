@@ -36,11 +36,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-_WORDS = (
-    "the a number write give me say please now some any one two three four five six seven eight nine ten "
-    "digits only answer count value total sum result list here is what of to and with for small large big "
-    "quick brown fox jumps over lazy dog hello world model reward policy sample group token step"
-).split()
+_WORDS = ["the", "a", "number", "write", "give", "me", "say", "please", "now", "some", "any", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "digits", "only", "answer", "count", "value", "total", "sum", "result", "list", "here", "is", "what", "of", "to", "and", "with", "for", "small", "large", "big", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "model", "reward", "policy", "sample", "group", "token", "step"]
 _PROMPT_TEMPLATES = [
     "Write a number:",
     "Give me some digits:",

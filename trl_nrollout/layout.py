@@ -201,9 +201,8 @@ class _Builder:
         value: Any,
         candidates: Iterable[dict[str, Any]] | list[Iterable[dict[str, Any]]] = (),
         render: Callable[[list[dict[str, Any]]], str] | None = None,
-        tail: str = "",
     ) -> LayoutError:
-        """A :class:`LayoutError` whose message is ``head; use <fixes><tail>.``.
+        """A :class:`LayoutError` whose message is ``head; use <fixes>.`` (``render`` words the fixes).
 
         ``candidates`` is one iterable of change dicts, or a list of them (each searched separately, e.g. one for
         the failing option and one for an alternative option).
@@ -216,9 +215,9 @@ class _Builder:
                 found += self.fixes(group)
         if found:
             text = render(found) if render else _render(found, option)
-            message = f"{head}; {text}{tail}."
-        else:
-            message = f"{head}{'; ' + tail.lstrip(', ') if tail else ''}."
+            message = f"{head}; {text}."
+        else:  # only when fixes are not searched (a trial build) or none clears the rule
+            message = f"{head}."
         return LayoutError(message, option=option, value=value, rule=rule, fixes=found, stage=self.stage)
 
     # ------------------------------------------------------------------ reusable checks
@@ -233,7 +232,7 @@ class _Builder:
                 as_float = float(value)
             except ValueError:
                 as_float = math.nan
-            if as_float >= 1 and as_float == int(as_float):
+            if math.isfinite(as_float) and as_float >= 1 and as_float == int(as_float):
                 coerced = int(as_float)  # "8" or 8.0 -> 8
         cands: list[dict[str, Any]]
         if coerced is not None and self.suggest and self._trial({name: coerced}) is None:
