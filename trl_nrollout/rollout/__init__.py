@@ -1,0 +1,15 @@
+"""Rollout engines: the protocol, the Ray-free vLLM engine group, the HF ``generate`` engine, weight sync."""
+
+from trl_nrollout.rollout.hf_engine import HFEngine
+from trl_nrollout.rollout.types import RolloutBatch, RolloutEngine, SamplingOptions
+from trl_nrollout.rollout.weight_sync import iter_weight_buckets
+
+__all__ = ["HFEngine", "RolloutBatch", "RolloutEngine", "SamplingOptions", "VLLMEngineGroup", "iter_weight_buckets"]
+
+
+def __getattr__(name: str):
+    if name == "VLLMEngineGroup":  # imported lazily: importing it does not import vllm, but keep the package light
+        from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+        return VLLMEngineGroup
+    raise AttributeError(name)

@@ -1,0 +1,100 @@
+"""``HFEngine``: the same protocol on ``transformers``' ``generate``; used without vLLM or when asked for
+(``rollout_backend="hf"``). It generates with the training model itself, so weight sync is free."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from trl_nrollout.logprobs import compute_log_probs
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.rollout.weight_sync import unwrap
+
+
+class HFEngine:
+    """Generation with ``model.generate`` (sampling, ``num_return_sequences=n``) on this rank's prompts.
+
+    ``batch_size`` prompts go through ``generate`` at a time. Log-probs of the sampled tokens are computed by
+    :func:`~trl_nrollout.logprobs.compute_log_probs` at the sampling temperature, so they are the same
+    quantity vLLM reports (``processed_logprobs``; top-p/top-k filtering aside).
+    """
+
+    def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], batch_size: int = 64,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = list(eos_token_ids)
+        self.batch_size = batch_size
+        self.generator_seed = seed
+        self._calls = 0
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                 group_offset: int = 0) -> RolloutBatch:
+        model = unwrap(self.model)
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        start = time.perf_counter()
+        seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
+        self._calls += 1
+        torch.manual_seed(seed)
+        prompt_ids, completion_ids, reasons, groups = [], [], [], []
+        stop_ids = set(self.eos_token_ids) | set(sampling.stop_token_ids)
+        try:
+            for s in range(0, len(prompts), self.batch_size):
+                chunk = prompts[s:s + self.batch_size]
+                width = max(len(p) for p in chunk)
+                ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for i, p in enumerate(chunk):
+                    ids[i, width - len(p):] = torch.tensor(p)
+                    mask[i, width - len(p):] = 1
+                greedy = sampling.temperature == 0
+                out = model.generate(
+                    input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=not greedy,
+                    temperature=None if greedy else sampling.temperature,
+                    top_p=sampling.top_p if sampling.top_p < 1 else None,
+                    top_k=sampling.top_k if sampling.top_k > 0 else None,
+                    min_p=sampling.min_p or None, repetition_penalty=sampling.repetition_penalty,
+                    max_new_tokens=sampling.max_tokens, num_return_sequences=n,
+                    eos_token_id=sorted(stop_ids) if not sampling.ignore_eos else None,
+                    pad_token_id=self.pad_token_id,
+                )
+                new = out[:, width:].tolist()
+                for k, toks in enumerate(new):
+                    g = k // n
+                    cut = next((j + 1 for j, t in enumerate(toks) if t in stop_ids), None)
+                    comp = toks[:cut] if cut else toks  # up to and including the stop token
+                    prompt_ids.append(list(chunk[g]))
+                    completion_ids.append(comp)
+                    reasons.append("stop" if cut else "length")
+                    groups.append(group_offset + s + g)
+        finally:
+            model.train(was_training)
+        gen_s = time.perf_counter() - start
+        temp = sampling.temperature if sampling.temperature > 0 else 1.0
+        lp = compute_log_probs(model, prompt_ids, completion_ids, temperature=temp, micro_batch_size=64).logprobs
+        logprobs = [lp[i, :len(c)].tolist() for i, c in enumerate(completion_ids)]
+        return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
+                            timings={"generate_s": gen_s, "logprob_s": time.perf_counter() - start - gen_s})
+
+    def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                          sample_offset: int = 0) -> RolloutBatch:
+        """TRL's form (prompts repeated ``n`` times, whole groups on this rank)."""
+        if len(sample_prompts) % n:
+            raise ValueError(f"{len(sample_prompts)} samples are not whole groups of n={n}.")
+        return self.generate(sample_prompts[::n], n, sampling, group_offset=sample_offset // n)
+
+    def load_weights(self, model: nn.Module) -> dict:
+        """Nothing to copy: the engine generates with the training model itself."""
+        self.model = model
+        return {"bytes": 0, "buckets": 0, "peak_bucket_bytes": 0, "seconds": 0.0}
+
+    def sleep(self) -> None:
+        return None
+
+    def wake_up(self) -> None:
+        return None

@@ -1,0 +1,123 @@
+"""The engine protocol and the typed batch a rollout returns."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling options of one rollout, in vLLM's vocabulary (``top_k=-1`` and ``min_p=0`` disable them).
+
+    ``seed`` fixes the sampling of the call (the same seed and inputs give the same samples); ``None`` draws from
+    the engine's own seeded generator, which differs from call to call but is reproducible across runs.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1 (the completion length to generate).")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1.0 to disable it.")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (disabled) or >= 1.")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]; use 0.0 to disable it.")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RolloutBatch:
+    """Samples of one rollout, one entry per sample; the ``n`` samples of a prompt are contiguous, in prompt order.
+
+    - ``prompt_ids[i]`` / ``completion_ids[i]``: token ids (no padding) of sample ``i``;
+    - ``logprobs[i][t]``: the engine's log-prob of completion token ``t`` (after temperature, as sampled);
+    - ``finish_reasons[i]``: ``"stop"`` (EOS or a stop token/string) or ``"length"`` (hit ``max_tokens``);
+    - ``group_index[i]``: the global index of the prompt (group) sample ``i`` came from.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    group_index: list[int]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def __post_init__(self) -> None:
+        sizes = {len(self.prompt_ids), len(self.completion_ids), len(self.logprobs), len(self.finish_reasons),
+                 len(self.group_index)}
+        if len(sizes) != 1:
+            raise ValueError(f"RolloutBatch fields have different lengths: {sorted(sizes)}.")
+
+    def slice(self, start: int, stop: int) -> RolloutBatch:
+        """Samples ``start:stop`` as a new batch."""
+        return RolloutBatch(self.prompt_ids[start:stop], self.completion_ids[start:stop], self.logprobs[start:stop],
+                            self.finish_reasons[start:stop], self.group_index[start:stop], dict(self.timings))
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)
+
+    def padded(self, pad_token_id: int, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        """TRL-style tensors: prompts left-padded ``[B, P]``, completions and log-probs right-padded ``[B, C]``."""
+        b = len(self)
+        p_max = max((len(p) for p in self.prompt_ids), default=0)
+        c_max = max((len(c) for c in self.completion_ids), default=0)
+        prompt = torch.full((b, p_max), pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros(b, p_max, dtype=torch.long)
+        comp = torch.full((b, c_max), pad_token_id, dtype=torch.long)
+        comp_mask = torch.zeros(b, c_max, dtype=torch.long)
+        lp = torch.zeros(b, c_max, dtype=torch.float32)
+        for i, (p, c, lps) in enumerate(zip(self.prompt_ids, self.completion_ids, self.logprobs)):
+            if p:
+                prompt[i, p_max - len(p):] = torch.tensor(p)
+                prompt_mask[i, p_max - len(p):] = 1
+            if c:
+                comp[i, :len(c)] = torch.tensor(c)
+                comp_mask[i, :len(c)] = 1
+                lp[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        out = {"prompt_ids": prompt, "prompt_mask": prompt_mask, "completion_ids": comp,
+               "completion_mask": comp_mask, "logprobs": lp}
+        return {k: v.to(device) for k, v in out.items()}
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout backend (vLLM engine group, HF generate, or your own)."""
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingOptions) -> RolloutBatch:
+        """Generate ``n`` samples for each of this rank's ``prompts`` (token ids); samples of a prompt contiguous."""
+        ...
+
+    def load_weights(self, model: nn.Module) -> dict:
+        """Copy the training model's current weights into the engine; return sync statistics."""
+        ...
+
+    def sleep(self) -> None:
+        """Free the engine's memory (weights / KV cache) while the trainer runs."""
+        ...
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed."""
+        ...

@@ -1,0 +1,265 @@
+"""``VLLMEngineGroup``: verl's rollout stage without Ray, one vLLM engine per tensor-parallel group of ranks.
+
+Every accelerate process builds its part of one vLLM ``LLM`` with ``distributed_executor_backend=
+"external_launcher"``: consecutive ranks form a TP group (``RolloutLayout.engine_ranks``), so there are
+``world / rollout_tp_size`` engines. For a rollout, each rank hands in its own prompts; the prompts of a TP
+group are gathered so that every rank of the engine calls ``generate`` with the same inputs; the engine samples
+``n`` completions per prompt with vLLM's native ``n`` (one request per prompt: its KV cache is computed once and
+shared by the ``n`` samples); each rank keeps the samples of its own prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from trl_nrollout.layout import RolloutLayout
+from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
+
+logger = logging.getLogger(__name__)
+_SLEEP_NOTICE_SHOWN = False
+
+
+def _kv_bytes_default(model_path: str, max_seqs: int, max_model_len: int, tp: int, dtype: str) -> int:
+    """A CPU KV-cache size that holds every sequence of the engine at full length (x1.25), at least 16 MiB."""
+    try:
+        from trl_nrollout.memory import load_model_shape
+
+        shape = load_model_shape(model_path, dtype=dtype if dtype != "auto" else None, count_params=False)
+        per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * shape.dtype_bytes
+    except Exception:  # config unreadable: a generous fixed size
+        return 256 << 20
+    need = int(per_token * max_seqs * max_model_len * 1.25)
+    return max(16 << 20, need)
+
+
+class VLLMEngineGroup:
+    """The rollout engines of a job. Build it on every rank, with the same arguments.
+
+    Args:
+        model: local folder or hub id of the model (the engine loads its own copy of the weights).
+        layout: the job's :class:`RolloutLayout` (engines, TP groups, shares).
+        rank: this process's global rank.
+        dtype: engine dtype (``"auto"`` follows the checkpoint; float32 on CPU for exact log-prob agreement).
+        max_model_len: longest prompt + completion the engine accepts.
+        kv_cache_memory_bytes: KV-cache size per rank; default on CPU: enough for all of this engine's samples.
+        gpu_memory_utilization: fraction of GPU memory vLLM may use (CUDA; ignored when the KV size is given).
+        enable_prefix_caching: share full prompt blocks across requests (on by default).
+        enforce_eager: no CUDA graphs / compilation (always on for CPU).
+        enable_sleep_mode: vLLM sleep mode around training (CUDA only).
+        seed: engine seed; the same seed and inputs give the same samples.
+        max_num_seqs: sequences the engine runs at once (default: all of its samples, at least 256).
+        weight_bucket_bytes: bound of the extra memory a weight sync uses.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        layout: RolloutLayout,
+        *,
+        rank: int = 0,
+        dtype: str = "auto",
+        max_model_len: int = 1024,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        max_num_seqs: int | None = None,
+        weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        tokenizer: str | None = None,
+    ) -> None:
+        prepare_vllm_environment()
+        self.layout = layout
+        self.rank = rank
+        self.engine_index = layout.engine_of_rank(rank)
+        self.tp_ranks = layout.engine_ranks[self.engine_index]
+        self.cpu = is_cpu_platform()
+        self.weight_bucket_bytes = weight_bucket_bytes
+        self.sleeping = False
+        self._tp_group = None
+        dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
+        world = torch.distributed.get_world_size() if dist_on else 1
+        if world != layout.num_processes:
+            raise ValueError(
+                f"the layout was computed for num_processes={layout.num_processes} but {world} processes are "
+                f"running; build the RolloutLayout from the launcher's process count."
+            )
+        if dist_on and layout.rollout_tp_size > 1:
+            # every rank creates every group (a collective), then keeps its own
+            for ranks in layout.engine_ranks:
+                g = torch.distributed.new_group(list(ranks), backend="gloo")
+                if rank in ranks:
+                    self._tp_group = g
+        ensure_dist_env()
+        max_seqs = max_num_seqs or max(256, layout.samples_per_engine)
+        kwargs: dict = dict(
+            model=model, tokenizer=tokenizer or model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=layout.rollout_tp_size,
+            distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+            max_num_seqs=max_seqs, skip_tokenizer_init=False,
+        )
+        if self.cpu:
+            kwargs["dtype"] = "float32" if dtype == "auto" else dtype
+            kwargs["enforce_eager"] = True
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or _kv_bytes_default(
+                model, min(max_seqs, layout.samples_per_engine), max_model_len, layout.rollout_tp_size,
+                kwargs["dtype"])
+        else:
+            kwargs["enforce_eager"] = enforce_eager
+            kwargs["enable_sleep_mode"] = enable_sleep_mode
+            if kv_cache_memory_bytes:
+                kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+            else:
+                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.enable_sleep_mode = enable_sleep_mode and not self.cpu
+        from vllm import LLM
+
+        start = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.startup_s = time.perf_counter() - start
+        self.engine_kwargs = kwargs
+
+    # ------------------------------------------------------------------ generation
+    def _gather_tp(self, obj):
+        if self._tp_group is None:
+            return [obj]
+        out = [None] * len(self.tp_ranks)
+        torch.distributed.all_gather_object(out, obj, group=self._tp_group)
+        return out
+
+    def _sampling_params(self, n: int, sampling: SamplingOptions):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
+            stop_token_ids=list(sampling.stop_token_ids) or None, stop=list(sampling.stop) or None,
+            seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=0,
+        )
+
+    def generate_engine(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingOptions,
+                        group_offset: int = 0) -> RolloutBatch:
+        """Run this rank's engine on ``prompts`` (the same on every rank of the TP group): ``n`` samples each."""
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:
+            self.wake_up()
+        start = time.perf_counter()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    self._sampling_params(n, sampling), use_tqdm=False)
+        gen_s = time.perf_counter() - start
+        prompt_ids, completion_ids, logprobs, reasons, groups = [], [], [], [], []
+        for g, out in enumerate(outputs):
+            if len(out.outputs) != n:
+                raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for a prompt, expected n={n}.")
+            for comp in out.outputs:
+                prompt_ids.append(list(out.prompt_token_ids))
+                completion_ids.append(list(comp.token_ids))
+                logprobs.append([_chosen_logprob(step, tok) for step, tok in zip(comp.logprobs or [], comp.token_ids)])
+                reasons.append("stop" if comp.finish_reason == "stop" else "length")
+                groups.append(group_offset + g)
+        return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups, timings={"generate_s": gen_s})
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                 group_offset: int | None = None) -> RolloutBatch:
+        """Generate ``n`` samples for each of this rank's ``prompts``; return this rank's samples.
+
+        The prompts of the TP group are gathered (rank order), the engine generates for all of them, and this
+        rank keeps the samples of its own prompts. ``group_offset`` (the global index of this rank's first
+        prompt) defaults to ``rank * len(prompts)``, right when every rank has the same number of prompts.
+        """
+        per_rank = self._gather_tp([list(p) for p in prompts])
+        engine_prompts = [p for chunk in per_rank for p in chunk]
+        mine = self.tp_ranks.index(self.rank)
+        first = sum(len(c) for c in per_rank[:mine])
+        offset = self.rank * len(prompts) if group_offset is None else group_offset
+        batch = self.generate_engine(engine_prompts, n, sampling, group_offset=offset - first)
+        return batch.slice(first * n, (first + len(prompts)) * n)
+
+    def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                          sample_offset: int | None = None) -> RolloutBatch:
+        """TRL's form: this rank's prompts already repeated ``n`` times (groups contiguous; a group may span the
+        ranks of one TP group). Returns one sample per entry, in the same order."""
+        per_rank = self._gather_tp([list(p) for p in sample_prompts])
+        flat = [p for chunk in per_rank for p in chunk]
+        if len(flat) % n:
+            raise ValueError(f"the {len(flat)} samples of engine {self.engine_index} are not whole groups of n={n}.")
+        unique = flat[::n]
+        for g, p in enumerate(unique):
+            if any(flat[g * n + k] != p for k in range(n)):
+                raise ValueError(
+                    f"samples {g * n}..{g * n + n - 1} of engine {self.engine_index} are not {n} copies of one "
+                    f"prompt: prompts must be repeated n={n} times consecutively (TRL's RepeatSampler order)."
+                )
+        mine = self.tp_ranks.index(self.rank)
+        first = sum(len(c) for c in per_rank[:mine])
+        offset = self.rank * len(sample_prompts) if sample_offset is None else sample_offset
+        batch = self.generate_engine(unique, n, sampling, group_offset=(offset - first) // n)
+        return batch.slice(first, first + len(sample_prompts))
+
+    # ------------------------------------------------------------------ weights
+    def _model_runner(self):
+        executor = self.llm.llm_engine.model_executor
+        worker = executor.driver_worker
+        worker = getattr(worker, "worker", worker)
+        return worker.model_runner
+
+    @torch.no_grad()
+    def load_weights(self, model: nn.Module) -> dict:
+        """Push the training model's weights into this rank's engine, a bounded bucket at a time.
+
+        Every rank of the job must call it (ZeRO-3 / FSDP gather collectively; every TP rank loads the full
+        tensors and vLLM keeps its shard). CPU: ``reload_weights`` with whole decoder layers; CUDA: the model's
+        ``load_weights``. The prefix cache is reset afterwards. Returns bytes, buckets and seconds.
+        """
+        if self.sleeping:
+            self.wake_up()
+        start = time.perf_counter()
+        runner = self._model_runner()
+        total, buckets, peak = 0, 0, 0
+        for bucket in iter_weight_buckets(model, self.weight_bucket_bytes):
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            total += size
+            peak = max(peak, size)
+            buckets += 1
+            if self.cpu:
+                runner.reload_weights(weights_iterator=iter(bucket))
+            else:
+                runner.model.load_weights(iter(bucket))
+        self.llm.reset_prefix_cache()
+        return {"bytes": total, "buckets": buckets, "peak_bucket_bytes": peak, "seconds": time.perf_counter() - start}
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """Free weights and KV cache while the trainer runs (vLLM sleep mode, CUDA); a no-op on CPU."""
+        global _SLEEP_NOTICE_SHOWN
+        if not self.enable_sleep_mode:
+            if not _SLEEP_NOTICE_SHOWN:
+                logger.warning("vLLM sleep mode is %s: engines keep their memory during training.",
+                               "not available on CPU" if self.cpu else "off (enable_sleep_mode=False)")
+                _SLEEP_NOTICE_SHOWN = True
+            return
+        if not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.enable_sleep_mode and self.sleeping:
+            self.llm.wake_up()
+        self.sleeping = False
+
+
+def _chosen_logprob(step: dict, token: int) -> float:
+    """The sampled token's log-prob from a vLLM per-step ``{token_id: Logprob}`` dict."""
+    if token in step:
+        return float(step[token].logprob)
+    return float(next(iter(step.values())).logprob) if step else math.nan
