@@ -1,24 +1,35 @@
-"""GRPO training from a YAML recipe: ``accelerate launch recipes/grpo.py [--config recipe.yaml] [--key value ...]``.
+"""GRPO training from a YAML recipe: ``accelerate launch recipes/grpo.py [--config RECIPE] [--key value ...]``.
 
-With no arguments it trains the embedded default (``recipes/configs/default.yaml``): the built-in tiny Qwen2
-model on the built-in ``digits`` task. Every training option of TRL's ``GRPOConfig`` can be set in the recipe or
-overridden on the command line (``--output_dir runs/x --max_steps 20``). At the end a summary is printed and
-written as ``<output_dir>/run_summary.json``.
+``RECIPE`` is a local YAML file or a Hub reference (``hf://user/repo/config.yaml``; downloaded once, cached, and
+read from the cache under ``HF_HUB_OFFLINE=1``). With no arguments it trains the embedded default
+(``recipes/configs/default.yaml``): the built-in tiny Qwen2 model on the built-in ``digits`` task. Every option of
+``NRolloutConfig`` (TRL's ``GRPOConfig`` plus verl's rollout vocabulary) can be set in the recipe or on the
+command line (``--output_dir runs/x --max_steps 20``). At the end a summary is printed and written as
+``<output_dir>/run_summary.json``.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trl import GRPOConfig, GRPOTrainer, TrlParser
+import yaml
+from trl import TrlParser
 
-from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
-from trl_nrollout.summary import GenerationTimerMixin, RewardHistory, build_summary, write_summary
+from trl_nrollout.builtin import resolve_model
+from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.data import load_prompts
+from trl_nrollout.hub import resolve_config
+from trl_nrollout.rewards import resolve_reward
+from trl_nrollout.summary import RewardHistory, build_summary, write_summary
+from trl_nrollout.trainer import NRolloutGRPOTrainer
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "configs" / "default.yaml"
+#: Recipe keys that describe the launch, not the training (read by tools, ignored here).
+LAUNCH_KEYS = ("accelerate_config", "num_processes", "n_gpus_per_node", "nnodes")
 
 
 @dataclass
@@ -29,35 +40,49 @@ class ScriptArguments:
         default="builtin:tiny-qwen2",
         metadata={"help": "A hub id, a local folder, or a built-in model such as 'builtin:tiny-qwen2'."},
     )
-    dataset_name: str = field(
-        default="builtin:digits", metadata={"help": "'builtin:digits' (the built-in task) or a hub id / path."}
-    )
+    dataset_name: str = field(default="builtin:digits", metadata={
+        "help": "'builtin:digits', a hub dataset id, a local json/jsonl/csv/parquet file or a dataset folder."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompts."})
     dataset_num_prompts: int = field(default=512, metadata={"help": "Prompts generated for 'builtin:digits'."})
+    reward_funcs: list[str] = field(default_factory=lambda: ["digits"], metadata={
+        "help": "Reward functions: built-ins (digits, format, length, exact_answer, math_answer) or "
+                "'package.module:function' paths. Weights: reward_weights."})
 
 
-class TimedGRPOTrainer(GenerationTimerMixin, GRPOTrainer):
-    """TRL's GRPOTrainer with its generation time measured (for the run summary)."""
+def _resolve_recipe(argv: list[str]) -> list[str]:
+    """Put the default recipe in when none is given; turn a Hub reference into a cached local file; drop the
+    launch-only keys the argument parser does not know."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            value = argv[i + 1] if arg == "--config" else arg.split("=", 1)[1]
+            rest = argv[i + 2:] if arg == "--config" else argv[i + 1:]
+            before = argv[:i]
+            break
+    else:
+        value, before, rest = str(DEFAULT_RECIPE), [], argv
+    path = resolve_config(value)
+    data = yaml.safe_load(path.read_text()) or {}
+    if any(k in data for k in LAUNCH_KEYS):
+        data = {k: v for k, v in data.items() if k not in LAUNCH_KEYS}
+        tmp = Path(tempfile.mkdtemp(prefix="trl_nrollout_recipe_")) / path.name
+        tmp.write_text(yaml.safe_dump(data))
+        path = tmp
+    return [*before, "--config", str(path), *rest]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
-        argv = ["--config", str(DEFAULT_RECIPE), *argv]
-    parser = TrlParser((ScriptArguments, GRPOConfig))
+    argv = _resolve_recipe(list(sys.argv[1:] if argv is None else argv))
+    parser = TrlParser((ScriptArguments, NRolloutConfig))
     script_args, training_args = parser.parse_args_and_config(argv)
 
-    model_path = resolve_model(script_args.model_name_or_path)
-    if script_args.dataset_name == "builtin:digits":
-        dataset = digits_dataset(script_args.dataset_num_prompts, seed=training_args.seed)
-    else:
-        from datasets import load_dataset
-
-        dataset = load_dataset(script_args.dataset_name, split="train")
-
+    dataset = load_prompts(script_args.dataset_name, split=script_args.dataset_split,
+                           prompt_column=script_args.dataset_prompt_column,
+                           num_builtin=script_args.dataset_num_prompts, seed=training_args.seed)
     history = RewardHistory()
-    trainer = TimedGRPOTrainer(
-        model=model_path,
-        reward_funcs=[digits_reward],
+    trainer = NRolloutGRPOTrainer(
+        model=resolve_model(script_args.model_name_or_path),
+        reward_funcs=[resolve_reward(r) for r in script_args.reward_funcs],
         args=training_args,
         train_dataset=dataset,
         callbacks=[history],
@@ -65,14 +90,15 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     trainer.train()
     trainer.save_model(training_args.output_dir)
-    clock = getattr(trainer, "generation_clock", None)
     summary = build_summary(
         steps=trainer.state.global_step,
         rewards=history.rewards,
-        gen_tokens_per_s=clock.tokens_per_s if clock else float("nan"),
-        rollout_backend="hf",
+        gen_tokens_per_s=trainer.generation_clock.tokens_per_s,
+        rollout_backend=trainer.rollout_backend,
         checkpoint=str(Path(training_args.output_dir).resolve()),
         wall_s=time.perf_counter() - start,
+        extra={"processes": trainer.accelerator.num_processes, "train_batch_size": training_args.train_batch_size,
+               "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator},
     )
     if trainer.accelerator.is_main_process:
         write_summary(summary, training_args.output_dir)

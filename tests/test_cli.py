@@ -79,10 +79,13 @@ def test_yaml_trl_aliases(tmp_path, capsys):
     assert code == 0 and d["rollout_n"] == 4 and d["num_engines"] == 1
 
 
-def test_the_default_recipe_needs_train_batch_size(capsys):
+def test_the_default_recipe_plans_what_it_trains(capsys):
+    """`plan` on the shipped default recipe gives the layout the demo trains with (1 process, 8 prompts x 8)."""
     default = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "default.yaml"
-    code, _, err = run(capsys, "--config", str(default), "--no-memory")
-    assert code == 2 and "train_batch_size is required" in err
+    code, out, _ = run(capsys, "--config", str(default), "--no-memory", "--json")
+    plan = json.loads(out)
+    assert code == 0
+    assert plan["num_engines"] == 1 and plan["total_samples"] == 64 and plan["samples_per_rank"] == 64
 
 
 @pytest.mark.parametrize("content,message", [("- a\n- b\n", "must hold a mapping"), ("a: [\n", "not valid YAML")])

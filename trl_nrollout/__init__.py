@@ -1,1 +1,26 @@
 """trl_nrollout."""
+
+__version__ = "0.1.0"
+
+__all__ = ["NRolloutConfig", "NRolloutGRPOTrainer", "RolloutLayout", "compute_advantages", "__version__"]
+
+
+def __getattr__(name: str):
+    # lazy: `trl-nrollout plan` must not import torch / trl
+    if name == "NRolloutConfig":
+        from trl_nrollout.config import NRolloutConfig
+
+        return NRolloutConfig
+    if name == "NRolloutGRPOTrainer":
+        from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+        return NRolloutGRPOTrainer
+    if name == "RolloutLayout":
+        from trl_nrollout.layout import RolloutLayout
+
+        return RolloutLayout
+    if name == "compute_advantages":
+        from trl_nrollout.advantages import compute_advantages
+
+        return compute_advantages
+    raise AttributeError(name)

@@ -244,12 +244,60 @@ def _run_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------------------------------- recipe
+def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="recipe_command", metavar="ACTION", required=True)
+    push = sub.add_parser("push", help="Upload a recipe folder (its YAML files and a generated card) to the Hub.",
+                          description="Upload a recipe folder (its YAML files and a generated README.md card with "
+                                      "the plan table) to a Hub model repo, in one commit.")
+    push.add_argument("folder", type=Path, help="The recipe folder (config.yaml, accelerate config) or a recipe YAML.")
+    push.add_argument("repo_id", help="The Hub model repo, namespace/name (created if missing).")
+    push.add_argument("--private", action="store_true", help="Create the repo private.")
+    push.add_argument("--dry-run", action="store_true", help="Print the files and the card; upload nothing.")
+    push.add_argument("--token", default=None, help="A Hub token with write access. Default: your login / HF_TOKEN.")
+    push.add_argument("--message", default=None, help="Commit message.")
+    pull = sub.add_parser("pull", help="Fetch a recipe (and its accelerate config) by its hf:// reference.",
+                          description="Fetch a recipe by its hf:// reference into the Hugging Face cache (offline: "
+                                      "use the cached copy) and print its path; with --out, copy it there.")
+    pull.add_argument("ref", help="hf://namespace/repo[@revision]/config.yaml")
+    pull.add_argument("--out", type=Path, default=None, metavar="DIR", help="Copy the recipe files into DIR.")
+    pull.add_argument("--token", default=None, help="A Hub token (private or gated repos).")
+
+
+def _run_recipe(args: argparse.Namespace) -> int:
+    from . import hub
+
+    try:
+        if args.recipe_command == "push":
+            plan = hub.push_recipe(args.folder, args.repo_id, token=args.token, private=args.private,
+                                   dry_run=args.dry_run, commit_message=args.message)
+            if args.dry_run:
+                print("dry run: nothing uploaded")
+                print(plan.summary())
+                print()
+                print(plan.card)
+            else:
+                print(plan.summary())
+                print(f"pushed: {plan.commit_url or 'https://huggingface.co/' + plan.repo_id}")
+            return EXIT_OK
+        for path in hub.pull_recipe(args.ref, args.out, token=args.token):
+            print(path)
+        return EXIT_OK
+    except hub.HubError as err:
+        raise CliError(str(err)) from None
+
+
 # ---------------------------------------------------------------------------------------------- dispatch
 COMMANDS: dict[str, Command] = {
     "plan": Command(
         help="Print the rollout layout (engines, shares, micro batches) and memory estimate of a recipe.",
         add_arguments=_add_plan_arguments,
         run=_run_plan,
+    ),
+    "recipe": Command(
+        help="Share recipes on the Hugging Face Hub: push a recipe folder, pull one by its hf:// reference.",
+        add_arguments=_add_recipe_arguments,
+        run=_run_recipe,
     ),
 }
 

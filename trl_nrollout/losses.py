@@ -117,13 +117,15 @@ def policy_loss(
     clip_ratio_c: float | None = 3.0,
     ratio_level: str = "token",
     loss_agg_mode: str = "token-mean",
+    token_weights: Tensor | None = None,
     **agg_kwargs,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate (Schulman et al. 2017) with clip-higher (DAPO) and dual clip (Ye et al. 2020).
 
     ``ratio = pi / pi_old`` per token (``ratio_level="token"``), or GSPO's sequence ratio
     ``exp(mean_t(log pi - log pi_old))`` with a per-token straight-through gradient (``"sequence"``, Zheng et
-    al. 2025). Loss per token: ``max(-A r, -A clip(r, 1 - low, 1 + high))``; for ``A < 0`` it is also capped at
+    al. 2025). ``token_weights`` (``[B, T]``, no gradient) multiply the per-token loss, e.g. importance weights
+    correcting the rollout engine / trainer mismatch. Loss per token: ``max(-A r, -A clip(r, 1 - low, 1 + high))``; for ``A < 0`` it is also capped at
     ``-A c`` (dual clip, ``clip_ratio_c > 1``; ``None`` disables). All inputs ``[B, T]``.
 
     GSPO as published is ``ratio_level="sequence"`` with ``loss_agg_mode="seq-mean-token-mean"`` (verl forces
@@ -153,6 +155,8 @@ def policy_loss(
     else:
         clipfrac_lower = mask.new_zeros(())
         per_token = clipped
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
     loss = agg_loss(per_token, mask, loss_agg_mode, **agg_kwargs)
     return PolicyLossOutput(
         loss=loss,

@@ -22,18 +22,27 @@ class HFEngine:
     """
 
     def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], batch_size: int = 64,
-                 seed: int = 0) -> None:
+                 seed: int = 0, generation_context=None) -> None:
         self.model = model
+        # a callable returning a context manager that yields the model to generate with (the trainer passes TRL's
+        # unwrap_model_for_generation, which gathers ZeRO-3 parameters once for the whole generate call)
+        self.generation_context = generation_context
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.batch_size = batch_size
         self.generator_seed = seed
         self._calls = 0
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingOptions,
                  group_offset: int = 0) -> RolloutBatch:
-        model = unwrap(self.model)
+        if self.generation_context is None:
+            return self._generate(unwrap(self.model), prompts, n, sampling, group_offset)
+        with self.generation_context() as model:
+            return self._generate(model, prompts, n, sampling, group_offset)
+
+    @torch.no_grad()
+    def _generate(self, model: nn.Module, prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                  group_offset: int) -> RolloutBatch:
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()

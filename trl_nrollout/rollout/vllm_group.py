@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -154,8 +155,13 @@ class VLLMEngineGroup:
         if self.sleeping:
             self.wake_up()
         start = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                    self._sampling_params(n, sampling), use_tqdm=False)
+        if sampling.seed is None:
+            params = self._sampling_params(n, sampling)
+        else:  # one seed per prompt (its global index): prompts must not share random draws
+            params = [self._sampling_params(n, replace(sampling, seed=(sampling.seed + group_offset + g) % 2**31))
+                      for g in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
         gen_s = time.perf_counter() - start
         prompt_ids, completion_ids, logprobs, reasons, groups = [], [], [], [], []
         for g, out in enumerate(outputs):

@@ -1,0 +1,320 @@
+"""Rollout throughput (generated tokens/s) as n grows: our VLLMEngineGroup vs the generation path of TRL's GRPOTrainer.
+
+Same prompts (``--prompts`` prompts of the built-in ``digits`` task, plain text, tokenized without a chat
+template), same sampling (temperature 1.0, ``--max-tokens`` new tokens, EOS ignored so that every call generates
+exactly ``prompts x n x max_tokens`` tokens), for n = 4, 8, 12. Each (implementation, n) runs in a fresh process:
+
+- ``ours``: :class:`trl_nrollout.rollout.vllm_group.VLLMEngineGroup` in one process
+  (``RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=prompts, rollout_n=n)``), vLLM's
+  native ``n`` (one request per prompt);
+- ``trl-hf``: a real ``GRPOTrainer`` (``use_vllm=False``, ``per_device_train_batch_size=prompts x n``,
+  ``num_generations=n``), whose own ``_tokenize_prompts`` and ``_generate_single_turn`` run on the prompts
+  repeated n times, as its training step calls them: one left-padded ``model.generate`` over all
+  ``prompts x n`` rows. EOS is ignored through ``generation_kwargs={"min_new_tokens": max_tokens}``;
+- ``trl-vllm-colocate``: TRL's own vLLM colocate mode, tried once (time-boxed). On the CPU backend it fails at
+  its first weight sync (see PLATFORM.md); the error is recorded, no number is made up.
+
+Each configuration: one warm-up call, then ``--reps`` timed calls; tokens/s = tokens generated / seconds, summed
+over the timed calls. Writes ``rollout_throughput.{json,md,png}`` under ``--out`` (default benchmarks/results).
+
+    python benchmarks/rollout_throughput.py [--quick] [--model PATH] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMPLS = {"ours": "trl_nrollout VLLMEngineGroup", "trl-hf": "TRL GRPOTrainer (transformers generate)",
+         "trl-vllm-colocate": "TRL GRPOTrainer (vLLM colocate)"}
+BUSY_LOAD = 0.5  # 1-minute load average above which the machine was not idle at the start
+NOISY_SPREAD = 1.5  # slowest / fastest timed call above which a configuration is marked noisy
+
+# What every child process gets; vLLM on CPU also needs an in-process engine and an explicit KV-cache size for
+# TRL's colocate mode, which builds its own LLM (our engine group sets these itself).
+CHILD_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1"}
+COLOCATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def load_prompts(model_path: str, num: int) -> tuple[list[str], list[list[int]]]:
+    """The benchmark's prompts: plain text, tokenized with the model's tokenizer (no chat template)."""
+    from transformers import AutoTokenizer
+
+    from trl_nrollout.builtin import digits_prompts
+
+    texts = digits_prompts(num)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return texts, [list(ids) for ids in tok(text=texts)["input_ids"]]
+
+
+def grpo_trainer(model_path: str, prompts: int, n: int, max_tokens: int, **overrides):
+    """A real TRL ``GRPOTrainer`` on CPU whose generation batch is all ``prompts x n`` samples of a step."""
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="rollout_throughput_"), use_cpu=True, bf16=False,
+        per_device_train_batch_size=prompts * n, num_generations=n, max_completion_length=max_tokens,
+        temperature=1.0, report_to="none", save_strategy="no", seed=0, **overrides,
+    )
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return GRPOTrainer(model=model_path, reward_funcs=[digits_reward], args=args,
+                       train_dataset=digits_dataset(max(prompts, 16)), processing_class=tok)
+
+
+def _timed_calls(call, reps: int) -> tuple[list[float], list[int], list[int]]:
+    """One warm-up call, then ``reps`` timed ones; returns seconds, samples and generated tokens of each."""
+    call()
+    seconds, samples, tokens = [], [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        completions = call()
+        seconds.append(time.perf_counter() - start)
+        samples.append(len(completions))
+        tokens.append(sum(len(c) for c in completions))
+    return seconds, samples, tokens
+
+
+def run_one(impl: str, n: int, args) -> dict:
+    """One configuration in this process."""
+    import torch
+
+    load_start = os.getloadavg()[0]
+    texts, prompt_ids = load_prompts(args.model, args.prompts)
+    row: dict = {"impl": impl, "n": n, "prompts": len(prompt_ids), "load_avg_1m_at_start": round(load_start, 2)}
+    start = time.perf_counter()
+    if impl == "ours":
+        from trl_nrollout.layout import RolloutLayout
+        from trl_nrollout.rollout.types import SamplingOptions
+        from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+        layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=len(prompt_ids),
+                                     rollout_n=n)
+        group = VLLMEngineGroup(args.model, layout, rank=0, max_model_len=args.max_model_len, seed=0)
+        sampling = SamplingOptions(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+        engine_s: list[float] = []
+
+        def call():
+            batch = group.generate(prompt_ids, n, sampling)
+            engine_s.append(batch.timings["generate_s"])
+            return batch.completion_ids
+    else:
+        trainer = grpo_trainer(args.model, len(prompt_ids), n, args.max_tokens,
+                               generation_kwargs={"min_new_tokens": args.max_tokens})
+        repeated = [t for t in texts for _ in range(n)]  # TRL's RepeatSampler order: n copies, contiguous
+        trl_ids, images, fields = trainer._tokenize_prompts(repeated)  # TRL's own tokenization
+        row["same_prompt_ids"] = [list(x) for x in trl_ids[::n]] == prompt_ids
+        engine_s = []
+
+        def call():
+            completion_ids, _ = trainer._generate_single_turn(trl_ids, images, fields, n)
+            return completion_ids
+    row["startup_s"] = round(time.perf_counter() - start, 3)
+    seconds, samples, tokens = _timed_calls(call, args.reps)
+    total_s = sum(seconds)
+    row.update({
+        "reps": args.reps, "call_seconds": [round(s, 4) for s in seconds], "samples_per_call": samples[0],
+        "tokens_per_call": tokens[0], "full_length": all(t == samples[0] * args.max_tokens for t in tokens),
+        "tokens_per_s": round(sum(tokens) / total_s, 1), "samples_per_s": round(sum(samples) / total_s, 2),
+        "spread": round(max(seconds) / min(seconds), 2), "torch_threads": torch.get_num_threads(),
+    })
+    # this process keeps up to all CPUs busy: a 1-minute load beyond that means another job competed with it
+    row["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    row["noisy"] = row["spread"] > NOISY_SPREAD or row["load_avg_1m_at_end"] > (os.cpu_count() or 1) + BUSY_LOAD
+    if engine_s:
+        row["engine_generate_seconds"] = [round(s, 4) for s in engine_s[1:]]  # timed calls only
+    return row
+
+
+def try_colocate(n: int, args) -> dict:
+    """TRL's vLLM colocate mode on the same prompts; records where it fails instead of a throughput."""
+    out: dict = {"impl": "trl-vllm-colocate", "n": n, "ran": False, "stage": "construct GRPOTrainer"}
+    try:
+        texts, _ = load_prompts(args.model, args.prompts)
+        trainer = grpo_trainer(args.model, len(texts), n, args.max_tokens, use_vllm=True, vllm_mode="colocate",
+                               vllm_max_model_length=args.max_model_len,
+                               generation_kwargs={"ignore_eos": True})
+        out["stage"] = "first generation (_generate_single_turn: weight sync, then vLLM generate)"
+        ids, images, fields = trainer._tokenize_prompts([t for t in texts for _ in range(n)])
+
+        def call():
+            completion_ids, _ = trainer._generate_single_turn(ids, images, fields, n)
+            return completion_ids
+
+        seconds, samples, tokens = _timed_calls(call, args.reps)
+        out.update({"ran": True, "stage": "done", "call_seconds": [round(s, 4) for s in seconds],
+                    "samples_per_call": samples[0], "tokens_per_call": tokens[0],
+                    "tokens_per_s": round(sum(tokens) / sum(seconds), 1),
+                    "samples_per_s": round(sum(samples) / sum(seconds), 2)})
+    except Exception as exc:  # the point of this run is to report the failure
+        frames = [f.name for f in traceback.extract_tb(exc.__traceback__)]
+        if "sync_weights" in frames:
+            out["stage"] = "first weight sync (VLLMGeneration.sync_weights -> model.load_weights)"
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback_tail"] = traceback.format_exc().strip().splitlines()[-6:]
+    return out
+
+
+def _child(args, impl: str, n: int, timeout: float | None) -> dict:
+    cmd = [sys.executable, __file__, "--model", args.model, "--prompts", str(args.prompts), "--max-tokens",
+           str(args.max_tokens), "--max-model-len", str(args.max_model_len), "--reps", str(args.reps),
+           "--one", impl, str(n)]
+    env = {**os.environ, **CHILD_ENV, **(COLOCATE_ENV if impl == "trl-vllm-colocate" else {})}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"impl": impl, "n": n, "ran": False, "stage": "time box", "error": f"did not finish in {timeout:.0f} s"}
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if proc.returncode == 0 and last.startswith("{"):
+        return json.loads(last)
+    if impl == "trl-vllm-colocate":  # crashed outside Python's reach (e.g. a segfault): still a result
+        return {"impl": impl, "n": n, "ran": False, "stage": "process exited", "error": f"exit code {proc.returncode}",
+                "stderr_tail": proc.stderr.strip().splitlines()[-6:]}
+    raise RuntimeError(f"{impl} n={n} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def write_outputs(result: dict, out_dir: Path) -> str:
+    rows, ns, meta = result["rows"], result["meta"]["ns"], result["meta"]
+
+    def get(impl, n):
+        return next((r for r in rows if r["impl"] == impl and r["n"] == n), None)
+
+    lines = ["| n | samples / call | tokens / call | ours tokens/s | TRL-HF tokens/s | ours / TRL-HF | "
+             "ours samples/s | TRL-HF samples/s |", "|---|---|---|---|---|---|---|---|"]
+    for n in ns:
+        o, t = get("ours", n), get("trl-hf", n)
+        flag = " *" if o["noisy"] or t["noisy"] else ""
+        lines.append(f"| {n}{flag} | {o['samples_per_call']} | {o['tokens_per_call']} | {o['tokens_per_s']:.0f} | "
+                     f"{t['tokens_per_s']:.0f} | {result['ratios'][str(n)]:.2f} | {o['samples_per_s']:.1f} | "
+                     f"{t['samples_per_s']:.1f} |")
+    if any(r["noisy"] for r in rows):
+        lines.append(f"\n\\* noisy: another job competed for the CPUs (the slowest timed call took over {NOISY_SPREAD}x "
+                     f"the fastest, or the load average ended above the {meta['cpus']} CPUs + {BUSY_LOAD}); see "
+                     "`call_seconds` and `load_avg_1m_*` in the JSON.")
+    lines.append("")
+    for c in result["colocate"]:
+        if c.get("ran"):
+            lines.append(f"TRL vLLM colocate mode ran at n={c['n']}: {c['tokens_per_s']:.0f} tokens/s, "
+                         f"{c['samples_per_s']:.1f} samples/s.")
+        else:
+            lines.append(f"TRL vLLM colocate mode did not run (n={c['n']}), failed at {c['stage']}: "
+                         f"`{c.get('error', '')}`.")
+    lines.append(f"\n{meta['prompts']} prompts, {meta['max_tokens']} new tokens each (EOS ignored), temperature 1.0, "
+                 f"{meta['reps']} timed calls after one warm-up per configuration, {meta['cpus']} CPUs; "
+                 f"model `{meta['model_name']}`. Load average (1 min) {result['load_avg_start'][0]:.2f} at start, "
+                 f"{result['load_avg_end'][0]:.2f} at end.")
+    if result["busy_at_start"]:
+        lines.append(f"**Warning:** the machine was busy at the start (load > {BUSY_LOAD}); figures are noisy.")
+    table = "\n".join(lines)
+    (out_dir / "rollout_throughput.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "rollout_throughput.md").write_text(table + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for impl in ("ours", "trl-hf"):
+            axes[0].plot(ns, [get(impl, n)["tokens_per_s"] for n in ns], marker="o", label=IMPLS[impl])
+        for c in result["colocate"]:
+            if c.get("ran"):
+                axes[0].plot([c["n"]], [c["tokens_per_s"]], marker="s", ls="", label=IMPLS["trl-vllm-colocate"])
+        axes[0].set(xlabel="samples per prompt n", ylabel="generated tokens / s", title="rollout throughput")
+        axes[1].plot(ns, [result["ratios"][str(n)] for n in ns], marker="o", color="C2")
+        axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+        axes[1].set(xlabel="samples per prompt n", ylabel="ours / TRL-HF", title="speed-up (tokens/s ratio)")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.set_xticks(ns)
+        axes[0].legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / "rollout_throughput.png", dpi=110)
+        plt.close(fig)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="builtin:tiny-qwen2", help="built-in name, hub id or local folder")
+    ap.add_argument("--ns", type=int, nargs="+", default=[4, 8, 12])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=256, help="engine context (prompt + completion)")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per configuration, after one warm-up")
+    ap.add_argument("--colocate-timeout", type=float, default=300.0, help="time box of the TRL colocate try (s)")
+    ap.add_argument("--no-colocate", action="store_true", help="skip the TRL vLLM colocate try")
+    ap.add_argument("--quick", action="store_true", help="2 timed calls per configuration (under ~2 minutes)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--one", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.reps = 2
+    if args.one:
+        impl, n = args.one[0], int(args.one[1])
+        result = try_colocate(n, args) if impl == "trl-vllm-colocate" else run_one(impl, n, args)
+        print(json.dumps(result))
+        return 0
+
+    from tqdm import tqdm
+
+    from trl_nrollout.builtin import resolve_model
+
+    load_start = os.getloadavg()
+    busy = load_start[0] > BUSY_LOAD
+    if busy:
+        print(f"WARNING: load average {load_start[0]:.2f} > {BUSY_LOAD} at start: another job is running; "
+              f"throughput figures will be noisy and low.", file=sys.stderr)
+    model_name = args.model
+    args.model = resolve_model(args.model)  # build the built-in model once, before the children start
+    jobs = [(impl, n) for n in args.ns for impl in ("ours", "trl-hf")]
+    if not args.no_colocate:
+        jobs.append(("trl-vllm-colocate", args.ns[0]))
+    rows, colocate = [], []
+    for impl, n in tqdm(jobs, desc="rollout throughput (impl, n)"):
+        if impl == "trl-vllm-colocate":
+            res = _child(args, impl, n, args.colocate_timeout)
+            colocate.append(res)
+            # it ran: measure it at the other n as well
+            if res.get("ran"):
+                colocate += [_child(args, impl, m, args.colocate_timeout) for m in args.ns[1:]]
+        else:
+            rows.append(_child(args, impl, n, None))
+    load_end = os.getloadavg()
+
+    def tps(impl, n):
+        return next(r["tokens_per_s"] for r in rows if r["impl"] == impl and r["n"] == n)
+
+    result = {
+        "meta": {"model_name": model_name, "model_path": args.model, "ns": args.ns, "prompts": args.prompts,
+                 "max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True, "reps": args.reps,
+                 "quick": args.quick, "cpus": os.cpu_count(), "impls": IMPLS, "child_env": CHILD_ENV,
+                 "colocate_env": COLOCATE_ENV},
+        "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in load_end],
+        "busy_at_start": busy,
+        "rows": rows,
+        "ratios": {str(n): round(tps("ours", n) / tps("trl-hf", n), 3) for n in args.ns},
+        "colocate": colocate,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(write_outputs(result, out_dir))
+    if busy:
+        print(f"WARNING: the machine was busy at the start (load {load_start[0]:.2f}).", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

