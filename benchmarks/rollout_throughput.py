@@ -170,6 +170,8 @@ def _child(args, impl: str, n: int, timeout: float | None) -> dict:
            str(args.max_tokens), "--max-model-len", str(args.max_model_len), "--reps", str(args.reps),
            "--one", impl, str(n)]
     env = {**os.environ, **CHILD_ENV, **(COLOCATE_ENV if impl == "trl-vllm-colocate" else {})}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -209,8 +211,9 @@ def write_outputs(result: dict, out_dir: Path) -> str:
         else:
             lines.append(f"TRL vLLM colocate mode did not run (n={c['n']}), failed at {c['stage']}: "
                          f"`{c.get('error', '')}`.")
+    threads = "" if meta["threads"] is None else f", OMP_NUM_THREADS={meta['threads']}"
     lines.append(f"\n{meta['prompts']} prompts, {meta['max_tokens']} new tokens each (EOS ignored), temperature 1.0, "
-                 f"{meta['reps']} timed calls after one warm-up per configuration, {meta['cpus']} CPUs; "
+                 f"{meta['reps']} timed calls after one warm-up per configuration, {meta['cpus']} CPUs{threads}; "
                  f"model `{meta['model_name']}`. Load average (1 min) {result['load_avg_start'][0]:.2f} at start, "
                  f"{result['load_avg_end'][0]:.2f} at end.")
     if result["busy_at_start"]:
@@ -230,7 +233,9 @@ def write_outputs(result: dict, out_dir: Path) -> str:
         for c in result["colocate"]:
             if c.get("ran"):
                 axes[0].plot([c["n"]], [c["tokens_per_s"]], marker="s", ls="", label=IMPLS["trl-vllm-colocate"])
-        axes[0].set(xlabel="samples per prompt n", ylabel="generated tokens / s", title="rollout throughput")
+        busy = " (busy machine: noisy)" if result["busy_at_start"] or any(r["noisy"] for r in rows) else ""
+        axes[0].set(xlabel="samples per prompt n", ylabel="generated tokens / s", title="rollout throughput" + busy)
+        axes[0].set_ylim(bottom=0)
         axes[1].plot(ns, [result["ratios"][str(n)] for n in ns], marker="o", color="C2")
         axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
         axes[1].set(xlabel="samples per prompt n", ylabel="ours / TRL-HF", title="speed-up (tokens/s ratio)")
@@ -254,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=256, help="engine context (prompt + completion)")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per configuration, after one warm-up")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OpenMP threads of every configuration (OMP_NUM_THREADS; default: the libraries' own, "
+                         "all cores). On a shared machine use 1: threads that wait on a busy core can slow "
+                         "generation tenfold")
     ap.add_argument("--colocate-timeout", type=float, default=300.0, help="time box of the TRL colocate try (s)")
     ap.add_argument("--no-colocate", action="store_true", help="skip the TRL vLLM colocate try")
     ap.add_argument("--quick", action="store_true", help="2 timed calls per configuration (under ~2 minutes)")
@@ -300,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "meta": {"model_name": model_name, "model_path": args.model, "ns": args.ns, "prompts": args.prompts,
                  "max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True, "reps": args.reps,
-                 "quick": args.quick, "cpus": os.cpu_count(), "impls": IMPLS, "child_env": CHILD_ENV,
+                 "quick": args.quick, "cpus": os.cpu_count(), "threads": args.threads, "impls": IMPLS,
+                 "child_env": CHILD_ENV,
                  "colocate_env": COLOCATE_ENV},
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in load_end],
         "busy_at_start": busy,

@@ -10,6 +10,7 @@ command line (``--output_dir runs/x --max_steps 20``). At the end a summary is p
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -101,7 +102,14 @@ def main(argv: list[str] | None = None) -> dict:
                "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator},
     )
     if trainer.accelerator.is_main_process:
+        (Path(training_args.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history))
         write_summary(summary, training_args.output_dir)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # a clean exit: no rank left with live gloo threads
+        dist.destroy_process_group()
     return summary
 
 

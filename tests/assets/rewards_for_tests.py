@@ -1,0 +1,23 @@
+"""Reward functions used by the end-to-end tests (importable as tests.assets.rewards_for_tests:NAME)."""
+
+from trl_nrollout.builtin import digit_fraction
+
+
+def constant_for_some_prompts(completions, prompts, **kwargs):
+    """1.0 for every sample of prompts that mention 'digits' (a constant group: no signal), else the digit
+    fraction: dynamic sampling must filter the constant groups."""
+    return [1.0 if "digits" in p else digit_fraction(c) for p, c in zip(prompts, completions)]
+
+
+def raises_on_long(completions, **kwargs):
+    """Raises for the first completion longer than 3 characters (an error path)."""
+    out = []
+    for c in completions:
+        if len(c) > 3:
+            raise ZeroDivisionError("boom")
+        out.append(0.0)
+    return out
+
+
+def none_for_all(completions, **kwargs):
+    return [None for _ in completions]

@@ -1,0 +1,95 @@
+"""Construction-time validation of NRolloutConfig and the trainer's error paths (one process, HF engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.assets.rewards_for_tests import none_for_all, raises_on_long
+from trl_nrollout.builtin import digits_dataset, digits_reward
+from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.layout import LayoutError
+
+
+def cfg(tmp_path, **kw) -> NRolloutConfig:
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_completion_length=6, max_steps=1,
+                save_strategy="no", rollout_backend="hf")
+    base.update(kw)
+    return NRolloutConfig(**base)
+
+
+def test_verl_vocabulary_maps_onto_trl_fields(tmp_path):
+    c = cfg(tmp_path, train_batch_size=8, rollout_n=4, ppo_mini_batch_size=4, ppo_micro_batch_size_per_device=4)
+    assert c.num_generations == 4
+    assert c.per_device_train_batch_size == 4
+    assert c.gradient_accumulation_steps == 4  # 4 prompts x 4 samples / 1 process / micro 4
+    assert c.steps_per_generation == 8  # 32 samples / micro 4
+    assert c.generation_batch_size == 32
+    layout = c.rollout_layout()
+    assert layout.optimizer_steps_per_rollout == 2 and layout.total_samples == 32
+
+
+def test_trl_fields_map_back_onto_verl_vocabulary(tmp_path):
+    c = cfg(tmp_path, per_device_train_batch_size=16, num_generations=4, gradient_accumulation_steps=2)
+    assert (c.train_batch_size, c.rollout_n, c.ppo_mini_batch_size) == (8, 4, 8)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(train_batch_size=8, rollout_n=4, num_generations=6), "num_generations=6 conflicts"),
+    (dict(train_batch_size=8, rollout_n=4, per_device_train_batch_size=5), "per_device_train_batch_size=5"),
+    (dict(train_batch_size=8, rollout_n=4, ppo_mini_batch_size=3), "ppo_mini_batch_size=3"),
+    (dict(train_batch_size=8, rollout_n=1), "rollout_n=1"),
+    (dict(adv_estimator="nope"), "adv_estimator='nope'"),
+    (dict(loss_agg_mode="mean"), "loss_agg_mode='mean'"),
+    (dict(kl_loss_type="k9"), "kl_loss_type='k9'"),
+    (dict(clip_ratio_c=0.5), "clip_ratio_c=0.5"),
+    (dict(rollout_backend="ray"), "rollout_backend='ray'"),
+    (dict(per_device_train_batch_size=6, num_generations=4), "not divisible by num_generations=4"),
+])
+def test_conflicts_are_errors_naming_the_option(tmp_path, kw, match):
+    with pytest.raises((ValueError, LayoutError), match=match):
+        cfg(tmp_path, **kw)
+
+
+def _trainer(tmp_path, reward, **kw):
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    return NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[reward],
+                               args=cfg(tmp_path, train_batch_size=2, rollout_n=4, **kw),
+                               train_dataset=digits_dataset(16))
+
+
+@pytest.mark.slow
+def test_a_raising_reward_function_is_named_with_its_sample(tmp_path):
+    from trl_nrollout.trainer import RewardFunctionError
+
+    trainer = _trainer(tmp_path, raises_on_long)
+    with pytest.raises(RewardFunctionError, match=r"'raises_on_long' raised ZeroDivisionError: boom on sample \d+"):
+        trainer.train()
+
+
+@pytest.mark.slow
+def test_nan_rewards_follow_the_policy(tmp_path):
+    from trl_nrollout.trainer import RewardFunctionError
+
+    with pytest.raises(RewardFunctionError, match="reward_nan_policy='zero'"):
+        _trainer(tmp_path / "a", none_for_all).train()
+    trainer = _trainer(tmp_path / "b", none_for_all, reward_nan_policy="zero")
+    trainer.train()
+    assert [h["reward"] for h in trainer.state.log_history if "reward" in h] == [0.0]
+
+
+@pytest.mark.slow
+def test_a_plain_grpo_config_is_accepted(tmp_path, monkeypatch):
+    from trl import GRPOConfig
+
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)  # keep vLLM out of the pytest process
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_steps=1,
+                      use_cpu=True, report_to="none", max_completion_length=4)
+    trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                                  train_dataset=digits_dataset(16))
+    assert trainer.layout.train_batch_size == 2 and trainer.layout.rollout_n == 4
+    assert trainer.rollout_backend == "hf"
