@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: list[str] = [
     "logprob_memory.py",
     "rollout_throughput.py",
+    "step_benchmark.py",
 ]
 
 

@@ -247,6 +247,7 @@ def run_one(impl: str, n: int, args) -> dict:
         "steps_run": len(steps), "steps_measured": len(measured),
         "step_seconds": [round(s["step"], 4) for s in steps],  # every step, the first being the warm-up
         "step_s": round(step_s, 4),
+        "step_s_median": round(sorted(s["step"] for s in measured)[len(measured) // 2], 4),
         "phases_s": {k: round(mean[k], 4) for k in PHASES},
         "gen_tokens_per_step": round(mean["gen_tokens"], 1),
         "samples_per_s": round(samples / step_s, 3),
@@ -350,7 +351,7 @@ def write_outputs(result: dict, out_dir: Path) -> str:
 
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
     ours = [i for i in impls if i in OURS]
-    lines = [f"# Training step time vs n: trl_nrollout vs TRL GRPOTrainer",
+    lines = ["# Training step time vs n: trl_nrollout vs TRL GRPOTrainer",
              "",
              f"{meta['prompts']} prompts per step, {meta['max_completion_length']} new tokens at most, temperature "
              f"1.0, learning rate {LEARNING_RATE:g}, {'KL loss 0.001 (reference pass)' if meta['with_ref'] else 'beta 0 (no reference pass)'}"
@@ -375,7 +376,7 @@ def write_outputs(result: dict, out_dir: Path) -> str:
             cells = [label, *[f"{v:.3f}" for v in vals]]
             for o in ratio_cols:
                 ov = get(o, n)["step_s"] if key == "step" else get(o, n)["phases_s"][key]
-                r = _ratio(trl_v, ov) if ov >= 1e-3 else None  # a phase that did not run has no ratio
+                r = _ratio(trl_v, ov) if min(ov, trl_v) >= 1e-3 else None  # a phase that did not run: no ratio
                 cells.append(_fmt(r, 2))
             lines.append("| " + " | ".join(cells) + " |")
         for key, label, digits in (("samples_per_s", "samples/s", 1), ("gen_tokens_per_s", "generated tokens/s", 0),
@@ -385,6 +386,9 @@ def write_outputs(result: dict, out_dir: Path) -> str:
             for o in ratio_cols:
                 cells.append(_fmt(_ratio(get("trl", n)[key], get(o, n)[key]), 2))
             lines.append("| " + " | ".join(cells) + " |")
+        if ratio_cols:
+            lines.append("\nTRL / ours above 1 on the times, below 1 on the throughputs (samples/s, tokens/s), means ours "
+                         "is faster; n/a: the phase takes under a millisecond on one side (or does not exist there).")
         noisy = [i for i in present if get(i, n)["noisy"]]
         if noisy:
             lines.append(f"\n\\* noisy ({', '.join(noisy)}): the slowest measured step took over {NOISY_SPREAD}x the "
@@ -536,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
                  "max_completion_length": args.max_completion_length, "temperature": 1.0,
                  "learning_rate": LEARNING_RATE, "with_ref": args.with_ref, "kl_coef": KL_COEF if args.with_ref else 0.0,
                  "quick": args.quick, "cpus": os.cpu_count(), "threads": args.threads, "impl_names": IMPLS,
-                 "phases": PHASE_LABELS, "article": ARTICLE, "child_env": CHILD_ENV, "colocate_env": COLOCATE_ENV,
+                 "phases": PHASE_LABELS,
+                 "rss_note": "peak_rss_mib: ru_maxrss of the configuration's process (vLLM runs in it); "
+                             "peak_rss_children_mib: the largest subprocess it started, not included", "article": ARTICLE, "child_env": CHILD_ENV, "colocate_env": COLOCATE_ENV,
                  "wall_s": round(time.perf_counter() - wall, 1)},
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in load_end],
         "busy_at_start": busy,

@@ -36,6 +36,7 @@ def test_configuration_reference_is_current():
 
 @pytest.mark.parametrize("doc", [d for d in DOCS if blocks(d, "python")], ids=lambda p: p.name)
 def test_python_blocks_run(doc, tmp_path):
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")  # docs refer to the repository's recipes
     code = "\n\n".join(blocks(doc, "python"))
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=_env(),
                           timeout=600)
@@ -44,6 +45,7 @@ def test_python_blocks_run(doc, tmp_path):
 
 @pytest.mark.parametrize("doc", [d for d in DOCS if blocks(d, "bash")], ids=lambda p: p.name)
 def test_bash_blocks_run(doc, tmp_path):
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")
     for body in blocks(doc, "bash"):
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=tmp_path, capture_output=True, text=True,
                               env=_env(), timeout=600)

@@ -11,6 +11,7 @@ and the ``trl-nrollout recipe push/pull`` commands.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -240,6 +241,17 @@ def test_cli_pull_prints_cached_path(offline_cache, capsys):
     assert main(["recipe", "pull", "hf://user/recipe/config.yaml"]) == 0
     assert capsys.readouterr().out.strip() == str(offline_cache / "models--user--recipe/snapshots" / COMMIT /
                                                   "config.yaml")
+
+
+def test_cli_plan_reads_a_hub_recipe_from_the_cache(offline_cache, capsys):
+    """`trl-nrollout plan --config hf://...` plans a recipe shared on the Hub (here from a pre-populated cache)."""
+    recipe = b"num_processes: 6\nrollout_tp_size: 2\ntrain_batch_size: 60\nrollout_n: 12\n"
+    populate_cache(offline_cache, "user/worked", {"config.yaml": recipe})
+    assert main(["plan", "--config", "hf://user/worked/config.yaml", "--no-memory", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["num_engines"] == 3 and plan["total_samples"] == 720
+    assert main(["plan", "--config", "hf://user/missing/config.yaml", "--no-memory"]) == 2
+    assert "hf://user/missing/config.yaml" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- (c) the card

@@ -90,8 +90,8 @@ YAML_ALIASES = {
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, metavar="YAML",
-                   help="A recipe YAML; keys named like the options below (unknown keys are ignored).")
+    p.add_argument("--config", type=str, metavar="YAML",
+                   help="A recipe YAML (a path or an hf://user/repo/file.yaml reference); keys named like the options below (unknown keys are ignored).")
     for name, typ, help_text in PLAN_OPTIONS:
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
         metavar = {int: "N", float: "X"}.get(typ, "NAME")
@@ -123,9 +123,21 @@ def _read_recipe(path: Path) -> dict[str, Any]:
     return values
 
 
+def _local_recipe(config: str | Path) -> Path:
+    """A local recipe path as is; an ``hf://`` reference resolved through the Hub cache (offline mode respected)."""
+    if str(config).startswith("hf://"):
+        from trl_nrollout.hub import resolve_config
+
+        try:
+            return resolve_config(str(config))
+        except Exception as err:  # noqa: BLE001 - shown as a CLI error
+            raise CliError(str(err)) from None
+    return Path(config)
+
+
 def plan_values(args: argparse.Namespace) -> dict[str, Any]:
     """The options of a ``plan`` call: the recipe's, overridden by the flags given."""
-    values = _read_recipe(args.config) if args.config is not None else {}
+    values = _read_recipe(_local_recipe(args.config)) if args.config is not None else {}
     for name, _, _ in PLAN_OPTIONS:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)

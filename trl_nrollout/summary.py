@@ -38,18 +38,6 @@ class GenerationClock:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-class GenerationTimerMixin:
-    """Mixin for TRL's ``GRPOTrainer``: times its generation call and counts the completion tokens."""
-
-    def _generate_single_turn(self, *args, **kwargs):  # type: ignore[override]
-        if not hasattr(self, "generation_clock"):
-            self.generation_clock = GenerationClock()
-        start = time.perf_counter()
-        completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)  # type: ignore[misc]
-        self.generation_clock.add(sum(len(c) for c in completion_ids), time.perf_counter() - start)
-        return completion_ids, logprobs
-
-
 class RewardHistory(TrainerCallback):
     """Collects the mean reward of every logged training step (TRL logs it as ``reward``)."""
 

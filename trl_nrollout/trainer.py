@@ -19,7 +19,7 @@ from dataclasses import fields
 from typing import Any
 
 import torch
-from accelerate.utils import gather, gather_object
+from accelerate.utils import gather, gather_object, is_peft_model
 from torch import Tensor
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
@@ -100,8 +100,6 @@ class NRolloutGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ construction helpers
     def _is_peft(self) -> bool:
-        from trl.models.utils import is_peft_model
-
         return is_peft_model(self.accelerator.unwrap_model(self.model))
 
     def _build_ref_model(self):

@@ -30,13 +30,15 @@ _SLEEP_NOTICE_SHOWN = False
 
 def _kv_bytes_default(model_path: str, max_seqs: int, max_model_len: int, tp: int, dtype: str) -> int:
     """A CPU KV-cache size that holds every sequence of the engine at full length (x1.25), at least 16 MiB."""
-    try:
-        from trl_nrollout.memory import load_model_shape
+    from trl_nrollout.memory import kv_bytes_per_token, kv_heads_per_gpu, load_model_shape
 
+    try:
         shape = load_model_shape(model_path, dtype=dtype if dtype != "auto" else None, count_params=False)
-        per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * shape.dtype_bytes
-    except Exception:  # config unreadable: a generous fixed size
+    except (OSError, ValueError) as err:  # config unreadable: a generous fixed size
+        logger.warning("could not read the model config of %s (%s); KV cache set to 256 MiB", model_path, err)
         return 256 << 20
+    per_token = kv_bytes_per_token(shape.num_hidden_layers, kv_heads_per_gpu(shape.num_key_value_heads, tp),
+                                   shape.head_dim, shape.dtype_bytes)
     need = int(per_token * max_seqs * max_model_len * 1.25)
     return max(16 << 20, need)
 
