@@ -147,6 +147,9 @@ class VLLMEngineGroup:
             top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
             stop_token_ids=list(sampling.stop_token_ids) or None, stop=list(sampling.stop) or None,
             seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=0,
+            # flat log-probs and no detokenization: the trainer decodes itself; on CPU these two halve the
+            # Python overhead of a rollout of a small model (stop strings need the text, so they keep it)
+            flat_logprobs=True, detokenize=bool(sampling.stop),
         )
 
     def generate_engine(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingOptions,
@@ -172,7 +175,7 @@ class VLLMEngineGroup:
             for comp in out.outputs:
                 prompt_ids.append(list(out.prompt_token_ids))
                 completion_ids.append(list(comp.token_ids))
-                logprobs.append([_chosen_logprob(step, tok) for step, tok in zip(comp.logprobs or [], comp.token_ids)])
+                logprobs.append(_sampled_logprobs(comp.logprobs, comp.token_ids))
                 reasons.append("stop" if comp.finish_reason == "stop" else "length")
                 groups.append(group_offset + g)
         return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups, timings={"generate_s": gen_s})
@@ -264,6 +267,20 @@ class VLLMEngineGroup:
         if self.enable_sleep_mode and self.sleeping:
             self.llm.wake_up()
         self.sleeping = False
+
+
+def _sampled_logprobs(source, tokens: Sequence[int]) -> list[float]:
+    """Log-prob of each sampled token, from vLLM's ``FlatLogprobs`` (fast path) or a list of per-step dicts."""
+    if source is None:
+        return [math.nan] * len(tokens)
+    if hasattr(source, "start_indices"):  # FlatLogprobs: parallel lists, one range per position
+        out = []
+        for pos, tok in enumerate(tokens):
+            lo, hi = source.start_indices[pos], source.end_indices[pos]
+            ids = source.token_ids[lo:hi]
+            out.append(float(source.logprobs[lo + ids.index(tok)]) if tok in ids else math.nan)
+        return out
+    return [_chosen_logprob(step, tok) for step, tok in zip(source, tokens)]
 
 
 def _chosen_logprob(step: dict, token: int) -> float:
