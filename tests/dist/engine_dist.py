@@ -1,0 +1,140 @@
+"""Run by tests/test_rollout_vllm.py, alone or under ``torchrun --nproc_per_node 2``: the vLLM engine group's
+layout, TP consistency, seeded determinism, and weight sync from the model as the trainer holds it.
+
+argv: tp, mode (plain | ddp | zero3 | fsdp2 | peft), model folder, output folder. Writes rank<r>.json.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from trl_nrollout.layout import RolloutLayout
+from trl_nrollout.logprobs import compute_log_probs
+from trl_nrollout.rollout.types import SamplingOptions
+
+N = 3
+PROMPTS_PER_RANK = 2
+TEMPERATURE = 0.8
+
+
+def digest(batch) -> str:
+    return hashlib.sha256(json.dumps([batch.prompt_ids, batch.completion_ids]).encode()).hexdigest()[:16]
+
+
+def perturb(model, seed=7, scale=0.2):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def max_logprob_gap(reference_model, batch) -> float:
+    ref = compute_log_probs(reference_model, batch.prompt_ids, batch.completion_ids, temperature=TEMPERATURE)
+    return max(abs(ref.logprobs[i, j].item() - v) for i, row in enumerate(batch.logprobs) for j, v in enumerate(row))
+
+
+def main() -> None:
+    tp, mode, model_dir, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # what the engine should match after a sync: a plain copy with the same update (loaded before any ZeRO-3 plugin)
+    expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    accelerator = None
+    if mode == "zero3":
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3),
+                                  kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    elif world > 1:
+        torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    layout = RolloutLayout.build(num_processes=world, rollout_tp_size=tp, train_batch_size=PROMPTS_PER_RANK * world,
+                                 rollout_n=N)
+    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+    # a small bucket: the sync must go layer by layer (peak bounded by one layer, not the model)
+    group = VLLMEngineGroup(model_dir, layout, rank=rank, max_model_len=128, seed=1234, weight_bucket_bytes=1 << 16)
+    prompts = [[5 + rank, 6, 7 + k] for k in range(PROMPTS_PER_RANK)]
+    opts = SamplingOptions(max_tokens=10, temperature=TEMPERATURE, seed=11)
+    before = group.generate(prompts, N, opts)
+    again = group.generate(prompts, N, opts)
+    unseeded = group.generate(prompts, N, SamplingOptions(max_tokens=10, temperature=TEMPERATURE))
+    # the engine-level batch (all prompts of the TP group) must be identical on every rank of the group
+    engine_prompts = group._gather_tp(prompts)
+    engine_batch = group.generate_engine([p for c in engine_prompts for p in c], N, opts)
+    gap_before = max_logprob_gap(expected, before)
+
+    # the training model as the trainer holds it
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base_snapshot = None
+    if mode == "peft":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                 init_lora_weights=False))
+        base_snapshot = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+        merged = model.merge_and_unload() if False else None  # noqa: F841 - keep base untouched; see below
+    elif mode != "zero3":
+        perturb(model)
+        perturb(expected)
+    if mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif mode == "zero3":
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        loader = torch.utils.data.DataLoader(list(range(4)), batch_size=1)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        import deepspeed
+
+        # the "optimizer update": change the partitioned weights (gathered, modified, re-partitioned)
+        with deepspeed.zero.GatheredParameters(list(model.module.parameters()), modifier_rank=0):
+            perturb(model.module)
+        perturb(expected)
+    elif mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    stats = group.load_weights(model)
+    if mode == "peft":
+        # the reference is the merged model, computed on a separate copy
+        import copy
+
+        expected = copy.deepcopy(model).merge_and_unload()
+        base_untouched = all(torch.equal(p, base_snapshot[n]) for n, p in model.named_parameters() if n in base_snapshot)
+    else:
+        base_untouched = None
+    after = group.generate(prompts, N, opts)
+    gap_after = max_logprob_gap(expected, after)
+    result = {
+        "rank": rank, "world": world, "tp": tp, "mode": mode,
+        "num_engines": layout.num_engines, "engine_index": group.engine_index,
+        "num_samples": len(before), "group_index": before.group_index,
+        "prompts_match": all(before.prompt_ids[i] == prompts[i // N] for i in range(len(before))),
+        "finish_reasons": sorted(set(before.finish_reasons)),
+        "max_completion_len": max(len(c) for c in before.completion_ids),
+        "seeded_repeat_equal": digest(before) == digest(again),
+        "unseeded_differs": digest(before) != digest(unseeded),
+        "engine_digest": digest(engine_batch),
+        "engine_batch_size": len(engine_batch),
+        "gap_before_sync": gap_before,
+        "gap_after_sync": gap_after,
+        "generation_changed": digest(before) != digest(after),
+        "sync": stats,
+        "base_untouched": base_untouched,
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
+    if torch.distributed.is_initialized():  # a clean exit: no rank left with live gloo threads
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,90 @@
+"""Run by tests/test_logprobs.py under ``torchrun --nproc_per_node 2``: the micro-batched log-prob pass of a
+DDP- or ZeRO-3-wrapped model gives the same numbers as a plain single-process model.
+
+argv: mode (ddp | zero3), model folder, output folder. Each rank scores a different, ragged set of samples with
+a token budget (so ranks run different numbers of micro batches: ZeRO-3 must keep its collectives in step) and
+writes its max abs difference to the plain model's result.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+from transformers import AutoModelForCausalLM
+
+from trl_nrollout.logprobs import compute_log_probs
+
+
+def samples(rank: int, num: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    prompts = [torch.randint(3, 300, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(num)]
+    completions = [torch.randint(3, 300, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(num)]
+    return prompts, completions
+
+
+def main() -> None:
+    mode, model_dir, out_dir = sys.argv[1:4]
+    # the plain model is loaded before the accelerator: with a ZeRO-3 plugin active, from_pretrained partitions
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    kwargs = [InitProcessGroupKwargs(backend="gloo")]
+    if mode == "fsdp2":  # plain torch FSDP2 (accelerate cannot run FSDP on CPU)
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        sharded = sum(p.to_local().numel() for p in model.parameters())
+        world = dist.get_world_size()
+        barrier = dist.barrier
+    elif mode == "zero3":
+        plugin = DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=1)
+        accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=kwargs)
+    else:
+        accelerator = Accelerator(cpu=True, kwargs_handlers=kwargs)
+    if mode != "fsdp2":
+        rank, world, barrier = accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if mode == "fsdp2":
+        pass
+    elif mode == "zero3":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        loader = torch.utils.data.DataLoader(list(range(8)), batch_size=1)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        sharded = sum(p.numel() for p in model.module.parameters())  # 0: ZeRO-3 keeps only shards
+    else:
+        model = accelerator.prepare(model)
+        sharded = -1
+    model.train()  # the pass must put it in eval mode and restore training mode after
+    prompts, completions = samples(rank, 12 + 7 * rank)  # ragged, and a different count per rank
+    ref = compute_log_probs(plain, prompts, completions, with_entropy=True)
+    got = compute_log_probs(model, prompts, completions, with_entropy=True, max_token_len=48, micro_batch_size=4)
+    also = compute_log_probs(model, prompts, completions, micro_batch_size=1, pad_side="left")
+    result = {
+        "rank": rank,
+        "world": world,
+        "mode": mode,
+        "local_numel_after_wrap": sharded,
+        "num_forwards": got.num_forwards,
+        "max_abs_diff": float((got.logprobs - ref.logprobs).abs().max()),
+        "max_abs_diff_entropy": float((got.entropy - ref.entropy).abs().max()),
+        "max_abs_diff_mb1_left": float((also.logprobs - ref.logprobs).abs().max()),
+        "training_mode_restored": bool(model.training),
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    barrier()
+
+
+if __name__ == "__main__":
+    main()
+    if torch.distributed.is_initialized():  # a clean exit: no rank left with live gloo threads
+        torch.distributed.destroy_process_group()
