@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_summary(summary, training_args.output_dir)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
+    trainer.close()
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # a clean exit: no rank left with live gloo threads

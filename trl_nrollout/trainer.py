@@ -98,6 +98,12 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         self._rollout_time = 0.0
         self._prompt_rng = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
 
+    def close(self) -> None:
+        """Release the rollout engines (call after training, before tearing down torch.distributed)."""
+        close = getattr(self.rollout_engine, "close", None)
+        if close is not None:
+            close()
+
     # ------------------------------------------------------------------ construction helpers
     def _is_peft(self) -> bool:
         return is_peft_model(self.accelerator.unwrap_model(self.model))

@@ -105,5 +105,8 @@ class HFEngine:
     def sleep(self) -> None:
         return None
 
+    def close(self) -> None:
+        return None
+
     def wake_up(self) -> None:
         return None

@@ -121,3 +121,7 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None:
         """Restore what :meth:`sleep` freed."""
         ...
+
+    def close(self) -> None:
+        """Release the engine's resources now (memory, process groups) rather than at interpreter exit."""
+        ...

@@ -249,6 +249,17 @@ class VLLMEngineGroup:
         self.llm.reset_prefix_cache()
         return {"bytes": total, "buckets": buckets, "peak_bucket_bytes": peak, "seconds": time.perf_counter() - start}
 
+    def close(self) -> None:
+        """Shut the engine down now (frees its memory and its process groups), not at interpreter exit."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as err:  # noqa: BLE001 - best effort at teardown
+            logger.debug("vLLM engine shutdown: %s", err)
+        self.llm = None
+
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Free weights and KV cache while the trainer runs (vLLM sleep mode, CUDA); a no-op on CPU."""
