@@ -25,23 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import BUSY_LOAD, CHILD_ENV, COLOCATE_ENV, ROOT, check_load, run_child
+
 IMPLS = {"ours": "trl_nrollout VLLMEngineGroup", "trl-hf": "TRL GRPOTrainer (transformers generate)",
          "trl-vllm-colocate": "TRL GRPOTrainer (vLLM colocate)"}
-BUSY_LOAD = 0.5  # 1-minute load average above which the machine was not idle at the start
 NOISY_SPREAD = 1.5  # slowest / fastest timed call above which a configuration is marked noisy
 
 # What every child process gets; vLLM on CPU also needs an in-process engine and an explicit KV-cache size for
 # TRL's colocate mode, which builds its own LLM (our engine group sets these itself).
-CHILD_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1"}
-COLOCATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def load_prompts(model_path: str, num: int) -> tuple[list[str], list[list[int]]]:
@@ -166,23 +163,9 @@ def try_colocate(n: int, args) -> dict:
 
 
 def _child(args, impl: str, n: int, timeout: float | None) -> dict:
-    cmd = [sys.executable, __file__, "--model", args.model, "--prompts", str(args.prompts), "--max-tokens",
-           str(args.max_tokens), "--max-model-len", str(args.max_model_len), "--reps", str(args.reps),
-           "--one", impl, str(n)]
-    env = {**os.environ, **CHILD_ENV, **(COLOCATE_ENV if impl == "trl-vllm-colocate" else {})}
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"impl": impl, "n": n, "ran": False, "stage": "time box", "error": f"did not finish in {timeout:.0f} s"}
-    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    if proc.returncode == 0 and last.startswith("{"):
-        return json.loads(last)
-    if impl == "trl-vllm-colocate":  # crashed outside Python's reach (e.g. a segfault): still a result
-        return {"impl": impl, "n": n, "ran": False, "stage": "process exited", "error": f"exit code {proc.returncode}",
-                "stderr_tail": proc.stderr.strip().splitlines()[-6:]}
-    raise RuntimeError(f"{impl} n={n} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return run_child(__file__, ["--model", args.model, "--prompts", str(args.prompts), "--max-tokens",
+                                str(args.max_tokens), "--max-model-len", str(args.max_model_len), "--reps",
+                                str(args.reps)], impl, n, args.threads, timeout)
 
 
 def write_outputs(result: dict, out_dir: Path) -> str:
@@ -281,11 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from trl_nrollout.builtin import resolve_model
 
-    load_start = os.getloadavg()
-    busy = load_start[0] > BUSY_LOAD
-    if busy:
-        print(f"WARNING: load average {load_start[0]:.2f} > {BUSY_LOAD} at start: another job is running; "
-              f"throughput figures will be noisy and low.", file=sys.stderr)
+    load_start, busy = check_load("throughput figures")
     model_name = args.model
     args.model = resolve_model(args.model)  # build the built-in model once, before the children start
     jobs = [(impl, n) for n in args.ns for impl in ("ours", "trl-hf")]

@@ -43,14 +43,14 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import BUSY_LOAD, CHILD_ENV, COLOCATE_ENV, ROOT, check_load, run_child
+
 IMPLS = {"ours-vllm": "NRolloutGRPOTrainer, vLLM engine", "ours-hf": "NRolloutGRPOTrainer, HF engine",
          "trl": "TRL GRPOTrainer (transformers generate)", "trl-vllm-colocate": "TRL GRPOTrainer (vLLM colocate)"}
 OURS = ("ours-vllm", "ours-hf")
@@ -63,14 +63,11 @@ ARTICLE = {"step_s": {4: 15.0, 8: 28.0, 12: 42.0}, "scaling_12_over_4": 42.0 / 1
 #: Issue 9's goal: 3x the samples (n=4 -> n=12) for at most 2x the step time.
 GOAL_SCALING_12_OVER_4 = 2.0
 GOAL_N8_RATIO = 0.5  # ours-vllm step time at n=8 at most half of TRL's
-BUSY_LOAD = 0.5  # 1-minute load average above which the machine was not idle at the start
 NOISY_SPREAD = 1.5  # slowest / fastest measured step above which a configuration is marked noisy
 LEARNING_RATE = 1e-7
 KL_COEF = 0.001
 
-CHILD_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1"}
 # TRL's colocate mode builds its own LLM: vLLM on CPU needs an in-process engine and an explicit KV-cache size
-COLOCATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 # ---------------------------------------------------------------------------------------------- child side
@@ -294,26 +291,10 @@ def try_colocate(n: int, args) -> dict:
 
 # ---------------------------------------------------------------------------------------------- parent side
 def _child(args, impl: str, n: int, timeout: float | None) -> dict:
-    cmd = [sys.executable, __file__, "--model", args.model, "--prompts", str(args.prompts), "--steps",
-           str(args.steps), "--max-completion-length", str(args.max_completion_length), "--one", impl, str(n)]
-    if args.with_ref:
-        cmd.append("--with-ref")
-    env = {**os.environ, **CHILD_ENV, **(COLOCATE_ENV if impl == "trl-vllm-colocate" else {})}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"impl": impl, "n": n, "ran": False, "stage": "time box",
-                "error": f"did not finish in {timeout:.0f} s"}
-    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    if proc.returncode == 0 and last.startswith("{"):
-        return json.loads(last)
-    if impl == "trl-vllm-colocate":  # crashed outside Python's reach (e.g. a segfault): still a result
-        return {"impl": impl, "n": n, "ran": False, "stage": "process exited", "error": f"exit code {proc.returncode}",
-                "stderr_tail": proc.stderr.strip().splitlines()[-6:]}
-    raise RuntimeError(f"{impl} n={n} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    extra = ["--with-ref"] if args.with_ref else []
+    return run_child(__file__, ["--model", args.model, "--prompts", str(args.prompts), "--steps", str(args.steps),
+                                "--max-completion-length", str(args.max_completion_length), *extra],
+                     impl, n, args.threads, timeout)
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -509,11 +490,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from trl_nrollout.builtin import resolve_model
 
-    load_start = os.getloadavg()
-    busy = load_start[0] > BUSY_LOAD
-    if busy:
-        print(f"WARNING: load average {load_start[0]:.2f} > {BUSY_LOAD} at start: another job is running; step "
-              "times will be noisy and slow.", file=sys.stderr)
+    load_start, busy = check_load("step times")
     model_name = args.model
     args.model = resolve_model(args.model)  # build the built-in model once, before the children start
     impls = [i for i in IMPLS if i in args.impls]

@@ -1,0 +1,49 @@
+"""Pieces the benchmark scripts share: the child-process runner, its environment, the idle-machine check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUSY_LOAD = 0.5  # 1-minute load average above which the machine was not idle at the start
+CHILD_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1"}
+# TRL's colocate mode builds vLLM itself: in-process engine and an explicit KV size, as PLATFORM.md requires
+COLOCATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+COLOCATE = "trl-vllm-colocate"
+
+
+def check_load(what: str) -> tuple[tuple[float, float, float], bool]:
+    """The load average now, and whether it says another job is running (printing a warning if so)."""
+    load = os.getloadavg()
+    busy = load[0] > BUSY_LOAD
+    if busy:
+        print(f"WARNING: load average {load[0]:.2f} > {BUSY_LOAD} at start: another job is running; {what} will be "
+              "noisy.", file=sys.stderr)
+    return load, busy
+
+
+def run_child(script: str, args: list[str], impl: str, n: int, threads: int | None, timeout: float | None) -> dict:
+    """Run ``script ARGS --one IMPL N`` in a fresh process; return the JSON it prints last.
+
+    A time-out, or a crash of TRL's colocate try, is a result (``ran: False`` with the reason), not an error.
+    """
+    cmd = [sys.executable, script, *args, "--one", impl, str(n)]
+    env = {**os.environ, **CHILD_ENV, **(COLOCATE_ENV if impl == COLOCATE else {})}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"impl": impl, "n": n, "ran": False, "stage": "time box", "error": f"did not finish in {timeout:.0f} s"}
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if proc.returncode == 0 and last.startswith("{"):
+        return json.loads(last)
+    if impl == COLOCATE:  # crashed outside Python's reach (e.g. a segfault): still a result
+        return {"impl": impl, "n": n, "ran": False, "stage": "process exited", "error": f"exit code {proc.returncode}",
+                "stderr_tail": proc.stderr.strip().splitlines()[-6:]}
+    raise RuntimeError(f"{impl} n={n} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
