@@ -141,3 +141,15 @@ def test_dynamic_sampling_balance_and_rollout_correction(tmp_path):
     assert max(h["dynamic_sampling/rounds"] for h in steps) >= 1
     assert all(h["balance/max_over_mean_tokens"] >= 1.0 for h in steps)
     assert all("rollout_corr/is_weight_mean" in h for h in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_peft_lora_with_kl_loss_and_vllm_sync(tmp_path):
+    """A LoRA model: the engine receives merged weights (its log-probs match the trainer's, float32), and the KL
+    loss against the base model (adapters disabled) starts at zero and grows as the adapters train."""
+    run_cmd([sys.executable, str(ROOT / "tests/assets/peft_train.py"), str(tmp_path)], timeout=400, env=ENV)
+    steps = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "reward" in h]
+    assert len(steps) == 3
+    assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 1e-4
+    assert steps[0]["actor/kl_loss"] < 1e-5 < steps[-1]["actor/kl_loss"]

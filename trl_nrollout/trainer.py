@@ -504,6 +504,23 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             self._update_time, self._rollout_time, self._last_step_end = 0.0, 0.0, now
         return loss
 
+    def _policy_logps(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
+                      ) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropies ``[B, C]`` of the completion tokens, with gradient, through TRL's fused LM head.
+
+        Unlike TRL's own pass, positions are counted from each sequence's first real token (``position_ids``
+        from the mask), as the engines and :func:`~trl_nrollout.logprobs.compute_log_probs` count them, so a
+        left-padded prompt scores the same as an unpadded one for every position scheme (RoPE is shift-invariant
+        only up to rounding; learned absolute positions are not at all).
+        """
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        with self.accelerator.autocast():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                        fused_lm_head=True)
+        return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
+
     def _compute_loss(self, model, inputs):
         args: NRolloutConfig = self.args
         mode = "train" if self.model.training else "eval"
@@ -512,8 +529,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True)
+        logps, entropies = self._policy_logps(model, input_ids, attention_mask, logits_to_keep)
         mask = completion_mask.to(logps.dtype)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
