@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.assets.rewards_for_tests import none_for_all, raises_on_long
+from tests.assets.rewards_for_tests import async_digits, none_for_all, raises_on_long
 from trl_nrollout.builtin import digits_dataset, digits_reward
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.layout import LayoutError
@@ -93,3 +93,12 @@ def test_a_plain_grpo_config_is_accepted(tmp_path, monkeypatch):
                                   train_dataset=digits_dataset(16))
     assert trainer.layout.train_batch_size == 2 and trainer.layout.rollout_n == 4
     assert trainer.rollout_backend == "hf"
+
+
+@pytest.mark.slow
+def test_async_reward_functions_are_awaited(tmp_path):
+    trainer = _trainer(tmp_path, async_digits)
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert len(rewards) == 1 and 0.0 <= rewards[0] <= 1.0
+    assert "rewards/async_digits/mean" in trainer.state.log_history[0]

@@ -13,6 +13,8 @@ gradient accumulation, optimizer, logging, checkpoints.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import time
 from dataclasses import fields
@@ -218,6 +220,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
                     out[:, i] = func(**enc).logits[:, 0].float().cpu()
                 continue
             values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            if inspect.isawaitable(values):  # an async reward function (e.g. one that calls a service)
+                values = asyncio.run(values)
             if len(values) != len(prompts):
                 raise RewardFunctionError(
                     f"reward function '{name}' returned {len(values)} rewards for {len(prompts)} samples; it must "

@@ -21,3 +21,8 @@ def raises_on_long(completions, **kwargs):
 
 def none_for_all(completions, **kwargs):
     return [None for _ in completions]
+
+
+async def async_digits(completions, **kwargs):
+    """An async reward function (TRL accepts them): the digit fraction."""
+    return [digit_fraction(c) for c in completions]
