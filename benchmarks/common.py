@@ -47,3 +47,29 @@ def run_child(script: str, args: list[str], impl: str, n: int, threads: int | No
         return {"impl": impl, "n": n, "ran": False, "stage": "process exited", "error": f"exit code {proc.returncode}",
                 "stderr_tail": proc.stderr.strip().splitlines()[-6:]}
     raise RuntimeError(f"{impl} n={n} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def answer_one(args, run_one, try_colocate) -> int:
+    """The child side of ``--one IMPL N``: run one configuration and print its JSON result."""
+    impl, n = args.one[0], int(args.one[1])
+    result = try_colocate(n, args) if impl == COLOCATE else run_one(impl, n, args)
+    print(json.dumps(result))
+    return 0
+
+
+def run_jobs(jobs: list[tuple[str, int]], child, ns: list[int], colocate_timeout: float, desc: str
+             ) -> tuple[list[dict], list[dict]]:
+    """Run every (impl, n) in a child process, with a tqdm bar. TRL's colocate try (a time-boxed job of its own)
+    is repeated at the other n only when it ran. Returns (rows of the other impls, colocate results)."""
+    from tqdm import tqdm
+
+    rows, colocate = [], []
+    for impl, n in tqdm(jobs, desc=desc):
+        if impl != COLOCATE:
+            rows.append(child(impl, n, None))
+            continue
+        res = child(impl, n, colocate_timeout)
+        colocate.append(res)
+        if res.get("ran"):  # it ran: measure it at the other n as well
+            colocate += [child(impl, m, colocate_timeout) for m in ns[1:]]
+    return rows, colocate

@@ -31,7 +31,17 @@ import time
 import traceback
 from pathlib import Path
 
-from common import BUSY_LOAD, CHILD_ENV, COLOCATE_ENV, ROOT, check_load, run_child
+from common import (
+    BUSY_LOAD,
+    CHILD_ENV,
+    COLOCATE,
+    COLOCATE_ENV,
+    ROOT,
+    answer_one,
+    check_load,
+    run_child,
+    run_jobs,
+)
 
 IMPLS = {"ours": "trl_nrollout VLLMEngineGroup", "trl-hf": "TRL GRPOTrainer (transformers generate)",
          "trl-vllm-colocate": "TRL GRPOTrainer (vLLM colocate)"}
@@ -255,12 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.reps = 2
     if args.one:
-        impl, n = args.one[0], int(args.one[1])
-        result = try_colocate(n, args) if impl == "trl-vllm-colocate" else run_one(impl, n, args)
-        print(json.dumps(result))
-        return 0
-
-    from tqdm import tqdm
+        return answer_one(args, run_one, try_colocate)
 
     from trl_nrollout.builtin import resolve_model
 
@@ -269,17 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     args.model = resolve_model(args.model)  # build the built-in model once, before the children start
     jobs = [(impl, n) for n in args.ns for impl in ("ours", "trl-hf")]
     if not args.no_colocate:
-        jobs.append(("trl-vllm-colocate", args.ns[0]))
-    rows, colocate = [], []
-    for impl, n in tqdm(jobs, desc="rollout throughput (impl, n)"):
-        if impl == "trl-vllm-colocate":
-            res = _child(args, impl, n, args.colocate_timeout)
-            colocate.append(res)
-            # it ran: measure it at the other n as well
-            if res.get("ran"):
-                colocate += [_child(args, impl, m, args.colocate_timeout) for m in args.ns[1:]]
-        else:
-            rows.append(_child(args, impl, n, None))
+        jobs.append((COLOCATE, args.ns[0]))
+    rows, colocate = run_jobs(jobs, lambda impl, n, timeout: _child(args, impl, n, timeout), args.ns,
+                              args.colocate_timeout, "rollout throughput (impl, n)")
     load_end = os.getloadavg()
 
     def tps(impl, n):

@@ -49,7 +49,17 @@ import time
 import traceback
 from pathlib import Path
 
-from common import BUSY_LOAD, CHILD_ENV, COLOCATE_ENV, ROOT, check_load, run_child
+from common import (
+    BUSY_LOAD,
+    CHILD_ENV,
+    COLOCATE,
+    COLOCATE_ENV,
+    ROOT,
+    answer_one,
+    check_load,
+    run_child,
+    run_jobs,
+)
 
 IMPLS = {"ours-vllm": "NRolloutGRPOTrainer, vLLM engine", "ours-hf": "NRolloutGRPOTrainer, HF engine",
          "trl": "TRL GRPOTrainer (transformers generate)", "trl-vllm-colocate": "TRL GRPOTrainer (vLLM colocate)"}
@@ -481,12 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         args.ns, args.steps, args.impls = [4, 12], 3, ["trl", "ours-vllm"]
         args.colocate_timeout = min(args.colocate_timeout, 60.0)
     if args.one:
-        impl, n = args.one[0], int(args.one[1])
-        result = try_colocate(n, args) if impl == "trl-vllm-colocate" else run_one(impl, n, args)
-        print(json.dumps(result))
-        return 0
-
-    from tqdm import tqdm
+        return answer_one(args, run_one, try_colocate)
 
     from trl_nrollout.builtin import resolve_model
 
@@ -496,22 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     impls = [i for i in IMPLS if i in args.impls]
     jobs = [(impl, n) for n in args.ns for impl in impls]
     if not args.no_colocate:
-        jobs.append(("trl-vllm-colocate", args.ns[0]))
-    rows, colocate = [], []
+        jobs.append((COLOCATE, args.ns[0]))
     wall = time.perf_counter()
-    for impl, n in tqdm(jobs, desc="training steps (impl, n)"):
-        if impl == "trl-vllm-colocate":
-            res = _child(args, impl, n, args.colocate_timeout)
-            colocate.append(res)
-            if res.get("ran"):  # it ran: measure it at the other n as well, as a row of its own
-                rows.append(res)
-                for m in args.ns[1:]:
-                    more = _child(args, impl, m, args.colocate_timeout)
-                    colocate.append(more)
-                    if more.get("ran"):
-                        rows.append(more)
-        else:
-            rows.append(_child(args, impl, n, None))
+    rows, colocate = run_jobs(jobs, lambda impl, n, timeout: _child(args, impl, n, timeout), args.ns,
+                              args.colocate_timeout, "training steps (impl, n)")
+    rows += [c for c in colocate if c.get("ran")]  # a colocate run that worked is a row of its own
     load_end = os.getloadavg()
     result = {
         "meta": {"model_name": model_name, "model_path": args.model, "ns": args.ns, "impls": impls,

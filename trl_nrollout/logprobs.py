@@ -14,8 +14,6 @@ completion's end), whatever the padding of the inputs and however the sequences 
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -290,28 +288,3 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     if entropy is not None and ent is not None:
         entropy[out_r_t, out_c_t] = ent
 
-
-def resolve_micro_batch(per_device: int | None, max_token_len: int | None) -> dict:
-    """Keyword arguments of :func:`compute_log_probs` for one pass of a :class:`~trl_nrollout.layout.MicroBatch`."""
-    return {"micro_batch_size": per_device, "max_token_len": max_token_len}
-
-
-def padded_size(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> list[int]:
-    """Padded token count ``len(batch) * max(length)`` of each micro batch (for reports and tests)."""
-    return [len(b) * max(lengths[i] for i in b) if b else 0 for b in batches]
-
-
-def num_micro_batches(num_sequences: int, micro_batch_size: int) -> int:
-    """How many count-based micro batches cover ``num_sequences``."""
-    return math.ceil(num_sequences / micro_batch_size)
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module):
-    """Context manager: ``model.eval()`` inside, the previous mode restored after."""
-    was = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was)

@@ -31,6 +31,7 @@ from trl_nrollout.advantages import compute_advantages
 from trl_nrollout.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.losses import AdaptiveKLController, FixedKLController, agg_loss, kl_penalty, policy_loss
 from trl_nrollout.rollout.hf_engine import HFEngine
@@ -201,11 +202,26 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             return [[{"role": "assistant", "content": t}] for t in texts]
         return texts
 
+    def _reward_kwargs(self, inputs: list[dict]) -> dict:
+        """The dataset columns of ``inputs`` (one list per column) plus the trainer state, as reward kwargs."""
+        keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
+        return {**{k: [x[k] for x in inputs] for k in keys}, "trainer_state": self.state}
+
+    @staticmethod
+    def _call_reward(func, prompts: list, completions: list, completion_ids: list, kwargs: dict) -> list:
+        """Call a reward function with TRL's signature; an async one is awaited."""
+        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        if inspect.isawaitable(values):  # an async reward function (e.g. one that calls a service)
+            values = asyncio.run(values)
+        return values
+
+    def _weighted(self, rewards: Tensor) -> Tensor:
+        """The reward of each sample ``[G]``: the reward functions' outputs ``[G, F]`` weighted by reward_weights."""
+        return (rewards * self.reward_weights.cpu()).sum(-1)
+
     def _score_local(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list) -> Tensor:
         """Rewards ``[B_local, F]`` of this rank's samples; errors are collected, not raised (see _score)."""
-        keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
-        kwargs = {k: [x[k] for x in inputs] for k in keys}
-        kwargs["trainer_state"] = self.state
+        kwargs = self._reward_kwargs(inputs)
         out = torch.zeros(len(prompts), len(self.reward_funcs))
         for i, (func, proc, name) in enumerate(zip(self.reward_funcs, self.reward_processing_classes,
                                                    self.reward_func_names)):
@@ -219,9 +235,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
                 with torch.inference_mode():
                     out[:, i] = func(**enc).logits[:, 0].float().cpu()
                 continue
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-            if inspect.isawaitable(values):  # an async reward function (e.g. one that calls a service)
-                values = asyncio.run(values)
+            values = self._call_reward(func, prompts, completions, completion_ids, kwargs)
             if len(values) != len(prompts):
                 raise RewardFunctionError(
                     f"reward function '{name}' returned {len(values)} rewards for {len(prompts)} samples; it must "
@@ -236,11 +250,9 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             if isinstance(func, torch.nn.Module):
                 continue
             for j in range(len(prompts)):
-                keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
-                kwargs = {k: [inputs[j][k]] for k in keys}
                 try:
-                    func(prompts=[prompts[j]], completions=[completions[j]], completion_ids=[completion_ids[j]],
-                         trainer_state=self.state, **kwargs)
+                    self._call_reward(func, [prompts[j]], [completions[j]], [completion_ids[j]],
+                                      self._reward_kwargs([inputs[j]]))
                 except Exception as e:  # noqa: BLE001 - reporting it is the point
                     return (f"reward function '{name}' raised {type(e).__name__}: {e} on sample {j} of rank "
                             f"{self.accelerator.process_index} (prompt={str(prompts[j])[:200]!r}, "
@@ -310,11 +322,10 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         records, rewards = rnd["records"], rnd["rewards"]
         gen_s, reward_s, gen_tokens = rnd["gen_s"], rnd["reward_s"], rnd["gen_tokens"]
         total_groups = len(records) // n
-        weights = self.reward_weights.cpu()
         rounds = 0
         if mode == "train" and args.filter_groups:
             while True:
-                scores = (rewards * weights).sum(-1).tolist()
+                scores = self._weighted(rewards).tolist()
                 group_of = [i // n for i in range(len(records))]
                 const = constant_groups(scores, group_of)
                 if len(set(group_of)) - len(const) >= total_groups or rounds >= args.filter_groups_max_rounds:
@@ -358,10 +369,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         old = ref = None
         t = time.perf_counter()
         if not on_policy or args.use_kl_in_reward:
-            old = compute_log_probs(self.model, prompt_ids, completion_ids, temperature=self.temperature,
-                                    pad_token_id=self._tokenizer.pad_token_id,
-                                    micro_batch_size=self.layout.old_log_prob.per_device,
-                                    max_token_len=self.layout.old_log_prob.max_token_len).logprobs
+            old = self._log_probs(self.model, prompt_ids, completion_ids, self.layout.old_log_prob)
         self._metric(mode, "timing_s/old_log_prob", time.perf_counter() - t)
         t = time.perf_counter()
         if self.beta != 0.0 or args.use_kl_in_reward:
@@ -370,7 +378,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
 
         # ---- advantages over the whole job (groups may span ranks; batch-level estimators need everything)
         t = time.perf_counter()
-        scores = (rewards * weights).sum(-1)  # [G]
+        scores = self._weighted(rewards)  # [G]
         lengths = torch.tensor([len(r[1]) for r in records])
         if args.use_kl_in_reward:
             mask_local = _mask(completion_ids, old.shape[1])
@@ -412,8 +420,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         out = {
             "prompt_ids": tensors["prompt_ids"], "prompt_mask": tensors["prompt_mask"],
             "completion_ids": tensors["completion_ids"], "completion_mask": tensors["completion_mask"],
-            "advantages": advantages[mine, :c_max].to(dev) if advantages.shape[1] >= c_max
-            else torch.nn.functional.pad(advantages[mine], (0, c_max - advantages.shape[1])).to(dev),
+            "advantages": advantages[mine, :c_max].to(dev),  # the job's longest completion >= this rank's
             "sampling_per_token_logps": tensors["logprobs"],
         }
         if old is not None and not on_policy:
@@ -422,15 +429,19 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             out["ref_per_token_logps"] = ref[:, :c_max].to(dev)
         return out
 
+    def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch) -> Tensor:
+        """One log-prob pass ``[B, C]``, cut into forwards as the layout's ``micro`` says."""
+        return compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
+                                 pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
+                                 max_token_len=micro.max_token_len).logprobs
+
     def _ref_log_probs(self, prompt_ids, completion_ids) -> Tensor:
-        kwargs = dict(temperature=self.temperature, pad_token_id=self._tokenizer.pad_token_id,
-                      micro_batch_size=self.layout.ref_log_prob.per_device,
-                      max_token_len=self.layout.ref_log_prob.max_token_len)
+        micro = self.layout.ref_log_prob
         if self.ref_model is not None:
-            return compute_log_probs(self.ref_model, prompt_ids, completion_ids, **kwargs).logprobs
+            return self._log_probs(self.ref_model, prompt_ids, completion_ids, micro)
         inner = self.accelerator.unwrap_model(self.model)  # PEFT: the base model is the reference
         with inner.disable_adapter():
-            return compute_log_probs(self.model, prompt_ids, completion_ids, **kwargs).logprobs
+            return self._log_probs(self.model, prompt_ids, completion_ids, micro)
 
     def _greedy_baselines(self, inputs: list[dict], n: int, mode: str) -> Tensor:
         """ReMax: reward of one greedy completion per prompt, for every sample of the job ``[G]``."""
@@ -438,8 +449,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         batch, prompts = self._rollout(unique, 1, self._sampling(mode, greedy=True))
         completions = self._decode(prompts, batch.completion_ids)
         rewards = self._score(unique, prompts, completions, batch.completion_ids)
-        baseline = (rewards * self.reward_weights.cpu()).sum(-1)  # [prompts of the job]
-        return baseline.repeat_interleave(n)
+        return self._weighted(rewards).repeat_interleave(n)  # [prompts of the job] -> [G]
 
     def _log_rollout_metrics(self, mode, rewards, scores, advantages, resp_mask, records) -> None:
         for i, name in enumerate(self.reward_func_names):
@@ -593,10 +603,4 @@ def _mask(completions: list[list[int]], width: int) -> Tensor:
     for i, c in enumerate(completions):
         m[i, :len(c)] = 1
     return m
-
-
-def timing_keys() -> list[str]:
-    """The per-phase timing metrics the trainer logs (verl's names)."""
-    return ["timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
-            "timing_s/update_actor", "timing_s/weight_sync", "timing_s/step"]
 

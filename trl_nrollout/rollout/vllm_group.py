@@ -188,13 +188,9 @@ class VLLMEngineGroup:
         rank keeps the samples of its own prompts. ``group_offset`` (the global index of this rank's first
         prompt) defaults to ``rank * len(prompts)``, right when every rank has the same number of prompts.
         """
-        per_rank = self._gather_tp([list(p) for p in prompts])
-        engine_prompts = [p for chunk in per_rank for p in chunk]
-        mine = self.tp_ranks.index(self.rank)
-        first = sum(len(c) for c in per_rank[:mine])
         offset = self.rank * len(prompts) if group_offset is None else group_offset
-        batch = self.generate_engine(engine_prompts, n, sampling, group_offset=offset - first)
-        return batch.slice(first * n, (first + len(prompts)) * n)
+        return self.generate_expanded([list(p) for p in prompts for _ in range(n)], n, sampling,
+                                      sample_offset=offset * n)
 
     def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
                           sample_offset: int | None = None) -> RolloutBatch:

@@ -166,7 +166,3 @@ def _summon_fsdp1(root):
     with FSDP.summon_full_params(root, writeback=False, recurse=True):
         yield
 
-
-def full_state_bytes(model: nn.Module) -> int:
-    """Bytes of the full (unsharded) parameters, for reports."""
-    return sum(_nbytes(p) for _, p in unwrap(model).named_parameters())
