@@ -214,3 +214,11 @@ def test_plan_without_a_model_imports_no_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_model_short_flag_gives_the_memory_estimate(capsys):
+    """`--model` (the README's spelling) is `--model-name-or-path`: the plan then carries the memory estimate."""
+    code, out, _ = run(capsys, "--num-processes", "1", "--train-batch-size", "8", "--rollout-n", "8", "--model",
+                       "builtin:tiny-qwen2", "--json")
+    assert code == 0
+    assert json.loads(out)["memory"]["kv_vs_n"]

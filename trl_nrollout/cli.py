@@ -94,6 +94,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="A recipe YAML (a path or an hf://user/repo/file.yaml reference); keys named like the options below (unknown keys are ignored).")
     for name, typ, help_text in PLAN_OPTIONS:
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
+        if name == "model_name_or_path":
+            flags.append("--model")  # the short spelling the README and docs use
         metavar = {int: "N", float: "X"}.get(typ, "NAME")
         p.add_argument(*flags, dest=name, type=typ, default=None, help=help_text, metavar=metavar)
     p.add_argument("--n-values", type=str, default=None, metavar="LIST",
