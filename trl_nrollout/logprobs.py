@@ -14,10 +14,12 @@ completion's end), whatever the padding of the inputs and however the sequences 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 Ids = Sequence[int] | Tensor
@@ -135,7 +137,28 @@ def _lean_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     decoder, head = base.get_decoder(), base.get_output_embeddings()
     if decoder is None or head is None or decoder is base:
         return None
+    if _is_zero3(head) and not isinstance(head, nn.Linear):
+        return None  # ZeRO-3 needs a functional head (see _whole_head): only a plain Linear is known to be one
     return decoder, head
+
+
+@contextlib.contextmanager
+def _whole_head(head: nn.Module):
+    """The output head as a function of hidden rows, callable any number of times without collectives.
+
+    Under DeepSpeed ZeRO-3 every call of the head *module* gathers its partitioned weight (a collective), so
+    ranks scoring different numbers of tokens would make different numbers of head calls and hang. Here the
+    weight is gathered once per micro batch (every rank runs the same number of micro batches) and applied
+    functionally, without the module's hooks. Elsewhere the module itself is returned.
+    """
+    if not any(hasattr(p, "ds_id") for p in head.parameters()):
+        yield head
+        return
+    import deepspeed
+
+    weight, bias = head.weight, getattr(head, "bias", None)
+    with deepspeed.zero.GatheredParameters([p for p in (weight, bias) if p is not None], modifier_rank=None):
+        yield lambda rows: F.linear(rows, weight, bias)
 
 
 # ---------------------------------------------------------------------------------------------- the pass
@@ -273,8 +296,9 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
         decoder, head = parts
         hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
         selected = hidden[rows_t, pos_t]  # [tokens, H]: only completion positions go through the head
-        lp, ent = chunked_token_logprobs(selected, tgt_t, head, temperature=temperature, chunk_rows=chunk_rows,
-                                         with_entropy=entropy is not None)
+        with _whole_head(head) as head_fn:
+            lp, ent = chunked_token_logprobs(selected, tgt_t, head_fn, temperature=temperature,
+                                             chunk_rows=chunk_rows, with_entropy=entropy is not None)
     else:
         keep = width - min(pos)  # positions from the earliest predicting position to the end
         logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,

@@ -1,9 +1,11 @@
 """Run by tests/test_logprobs.py under ``torchrun --nproc_per_node 2``: the micro-batched log-prob pass of a
 DDP- or ZeRO-3-wrapped model gives the same numbers as a plain single-process model.
 
-argv: mode (ddp | zero3), model folder, output folder. Each rank scores a different, ragged set of samples with
-a token budget (so ranks run different numbers of micro batches: ZeRO-3 must keep its collectives in step) and
-writes its max abs difference to the plain model's result.
+argv: mode (ddp | zero3 | fsdp1 | fsdp2), model folder, output folder. Each rank scores a different, ragged set
+of samples with a token budget (so ranks run different numbers of micro batches: ZeRO-3 must keep its
+collectives in step) and writes its max abs difference to the plain model's result. A pass with a tiny output-head
+chunk (``chunk_rows=3``) makes the ranks need different numbers of head chunks per forward: under ZeRO-3 each call
+of the head module would be a collective, and such a pass used to hang.
 """
 
 import json
@@ -32,7 +34,18 @@ def main() -> None:
     # the plain model is loaded before the accelerator: with a ZeRO-3 plugin active, from_pretrained partitions
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     kwargs = [InitProcessGroupKwargs(backend="gloo")]
-    if mode == "fsdp2":  # plain torch FSDP2 (accelerate cannot run FSDP on CPU)
+    if mode == "fsdp1":  # plain torch FSDP1 (the wrapper class), one unit per decoder layer
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        dist.init_process_group("gloo")
+        rank, world, barrier = dist.get_rank(), dist.get_world_size(), dist.barrier
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        layer_cls = type(model.model.layers[0])
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), device_id=torch.device("cpu"))
+        sharded = sum(p.numel() for p in model.parameters())
+    elif mode == "fsdp2":  # plain torch FSDP2 (accelerate cannot run FSDP on CPU)
         import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
 
@@ -50,10 +63,10 @@ def main() -> None:
         accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=kwargs)
     else:
         accelerator = Accelerator(cpu=True, kwargs_handlers=kwargs)
-    if mode != "fsdp2":
+    if mode not in ("fsdp1", "fsdp2"):
         rank, world, barrier = accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if mode == "fsdp2":
+    if mode in ("fsdp1", "fsdp2"):
         pass
     elif mode == "zero3":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -68,6 +81,7 @@ def main() -> None:
     ref = compute_log_probs(plain, prompts, completions, with_entropy=True)
     got = compute_log_probs(model, prompts, completions, with_entropy=True, max_token_len=48, micro_batch_size=4)
     also = compute_log_probs(model, prompts, completions, micro_batch_size=1, pad_side="left")
+    chunked = compute_log_probs(model, prompts, completions, micro_batch_size=5, chunk_rows=3)
     result = {
         "rank": rank,
         "world": world,
@@ -77,6 +91,7 @@ def main() -> None:
         "max_abs_diff": float((got.logprobs - ref.logprobs).abs().max()),
         "max_abs_diff_entropy": float((got.entropy - ref.entropy).abs().max()),
         "max_abs_diff_mb1_left": float((also.logprobs - ref.logprobs).abs().max()),
+        "max_abs_diff_small_head_chunks": float((chunked.logprobs - ref.logprobs).abs().max()),
         "training_mode_restored": bool(model.training),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -6,10 +6,13 @@ layer is larger): the peak extra memory of a sync is bounded by the bucket, not 
 
 - plain / DDP: the parameters themselves (no copy);
 - DeepSpeed ZeRO-3: each bucket's partitioned parameters are gathered (``GatheredParameters``), used, released;
-- FSDP2 (``fully_shard``, DTensor parameters): ``full_tensor()`` a bucket at a time; FSDP1 (the wrapper class):
-  ``summon_full_params`` of the whole model once per sync (not bounded by the bucket: prefer FSDP2);
+- FSDP2 (``fully_shard``, DTensor parameters): ``full_tensor()`` a bucket at a time; FSDP1 (the wrapper class,
+  accelerate's default FSDP): ``summon_full_params`` of the whole model once per sync, parameters enumerated
+  inside it (outside, FSDP1 only shows flat shards); not bounded by the bucket: prefer ``fsdp_version: 2``;
 - PEFT (LoRA): the merged weight ``W + scale * B @ A`` is computed out of place per layer, the base weights are
-  never modified, LoRA parameters are not sent, and names are those of the base model.
+  never modified, LoRA parameters are not sent, and names are those of the base model. Under ZeRO-3 the LoRA
+  tensors of a bucket are gathered with its base weights; under FSDP2 a sharded delta is unsharded before it
+  is added to the full base weight.
 
 Buckets never split a decoder layer (``...layers.<i>.``): vLLM's CPU backend must receive q/k/v and gate/up of a
 layer together (see PLATFORM.md); other parameters (embeddings, final norm, head) travel together in one group.
@@ -30,7 +33,8 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Strip DDP / DeepSpeed wrappers (``.module``)."""
+    """Strip DDP / DeepSpeed / FSDP1 wrappers (``.module``). Under FSDP1 use :func:`fsdp1_root` first: the
+    unwrapped module alone cannot gather its shards."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
@@ -105,45 +109,68 @@ def _peft_tensor(name: str, p: Tensor, lora: dict) -> Tensor:
     w = p.detach()
     for adapter in mod.active_adapters:
         if adapter in getattr(mod, "lora_A", {}) or adapter in getattr(mod, "lora_embedding_A", {}):
-            w = w + mod.get_delta_weight(adapter).to(w.dtype)
+            delta = mod.get_delta_weight(adapter)
+            if _is_dtensor(delta):  # FSDP2: B @ A of sharded LoRA tensors is itself sharded
+                delta = delta.full_tensor()
+            w = w + delta.to(device=w.device, dtype=w.dtype)
     return w
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _lora_params(bucket: list[tuple[str, Tensor]], lora: dict) -> list[Tensor]:
+    """The LoRA parameters (A, B, embeddings, magnitudes...) of the LoRA layers whose base weights are in
+    ``bucket``: under ZeRO-3 they are partitioned too and must be gathered with the base weight."""
+    out: dict[int, Tensor] = {}
+    for name, _ in bucket:
+        if name in lora:
+            mod, _ = lora[name]
+            for q_name, q in mod.named_parameters():
+                if "lora_" in q_name:
+                    out[id(q)] = q
+    return list(out.values())
 
 
 @torch.no_grad()
 def iter_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES
                         ) -> Iterator[list[tuple[str, Tensor]]]:
     """Yield buckets of ``(checkpoint name, full tensor)``; tensors are valid until the next bucket is asked for."""
-    inner = unwrap(model)
-    peft = is_peft(inner)
-    lora = _lora_merged(inner) if peft else {}
-    # remove_duplicate=False: tied weights (lm_head = embed_tokens) are sent under every name the engine expects
-    named = [(n, p) for n, p in inner.named_parameters(remove_duplicate=False) if not (peft and "lora_" in n)]
-    if peft:  # modules_to_save copies: send the trained copy under the original name
-        named = [(n, p) for n, p in named if ".original_module." not in n]
-    zero3 = any(hasattr(p, "ds_id") for _, p in named)
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()  # type: ignore[assignment]  # noqa: N806
-    fsdp1 = _fsdp1_root(inner)
+    fsdp1 = fsdp1_root(model)
+    # FSDP1 replaces the parameters by flat shards: the original ones exist (full) only inside summon_full_params
     outer = _summon_fsdp1(fsdp1) if fsdp1 is not None else contextlib.nullcontext()
     with outer:
-        yield from _buckets(named, bucket_bytes, zero3, peft, lora, DTensor)
+        inner = unwrap(model)
+        peft = is_peft(inner)
+        lora = _lora_merged(inner) if peft else {}
+        # remove_duplicate=False: tied weights (lm_head = embed_tokens) are sent under every name the engine expects
+        named = [(n, p) for n, p in inner.named_parameters(remove_duplicate=False) if not (peft and "lora_" in n)]
+        if peft:  # modules_to_save copies: send the trained copy under the original name
+            named = [(n, p) for n, p in named if ".original_module." not in n]
+        zero3 = any(hasattr(p, "ds_id") for _, p in named)
+        yield from _buckets(named, bucket_bytes, zero3, peft, lora)
 
 
-def _buckets(named, bucket_bytes, zero3, peft, lora, DTensor):  # noqa: N803
+def _buckets(named, bucket_bytes, zero3, peft, lora):
     for bucket in plan_buckets(named, bucket_bytes):
         params = [p for _, p in bucket]
         if zero3:
             import deepspeed
 
-            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+            # LoRA tensors are partitioned like the base weights: gather them together, or the delta is empty
+            extra = _lora_params(bucket, lora) if peft else []
+            ctx = deepspeed.zero.GatheredParameters(params + extra, modifier_rank=None)
         else:
             ctx = contextlib.nullcontext()
         with ctx:
             out = []
             for name, p in bucket:
-                t = p.full_tensor() if isinstance(p, DTensor) else p
+                t = p.full_tensor() if _is_dtensor(p) else p
                 t = _peft_tensor(name, t, lora) if peft else t.detach()
                 key = clean_name(name.replace(".modules_to_save.default.", "."))
                 out.append((key, t))
@@ -151,12 +178,20 @@ def _buckets(named, bucket_bytes, zero3, peft, lora, DTensor):  # noqa: N803
             del out
 
 
-def _fsdp1_root(model: nn.Module):
+def fsdp1_root(model: nn.Module) -> nn.Module | None:
+    """The outermost FSDP1 ``FullyShardedDataParallel`` module in the chain of wrappers, or None."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover
         return None
-    return model if isinstance(model, FSDP) else None
+    m = model
+    while True:
+        if isinstance(m, FSDP):
+            return m
+        nxt = getattr(m, "module", None)
+        if not isinstance(nxt, nn.Module):
+            return None
+        m = nxt
 
 
 @contextlib.contextmanager
