@@ -67,7 +67,10 @@ def test_two_engines_tp1_ddp(tmp_path, tiny_model_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["zero3", "fsdp2"])
+@pytest.mark.parametrize("mode", ["zero3", "fsdp1", "fsdp2", "zero3_peft", "fsdp2_peft"])
 def test_one_engine_tp2_sharded_training_model(tmp_path, tiny_model_path, mode):
+    """The engine agrees with the training model after a sync however the trainer shards it: ZeRO-3, FSDP1 (the
+    parameters exist only as flat shards outside summon_full_params), FSDP2, and LoRA under ZeRO-3 (the adapters
+    are partitioned too) and under FSDP2 (the delta is a sharded DTensor)."""
     results = _run(tmp_path, 2, mode, 2, tiny_model_path)
     _check_common(results, 2)

@@ -1,7 +1,9 @@
 """Run by tests/test_rollout_vllm.py, alone or under ``torchrun --nproc_per_node 2``: the vLLM engine group's
 layout, TP consistency, seeded determinism, and weight sync from the model as the trainer holds it.
 
-argv: tp, mode (plain | ddp | zero3 | fsdp2 | peft), model folder, output folder. Writes rank<r>.json.
+argv: tp, mode (plain | ddp | zero3 | fsdp1 | fsdp2 | peft | zero3_peft | fsdp2_peft), model folder, output folder.
+Writes rank<r>.json. The ``*_peft`` modes hold a LoRA model (random, non-zero adapters) sharded by ZeRO-3 or FSDP2:
+the engine must receive the merged weights, not the base ones.
 """
 
 import hashlib
@@ -43,7 +45,18 @@ def main() -> None:
     # what the engine should match after a sync: a plain copy with the same update (loaded before any ZeRO-3 plugin)
     expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     accelerator = None
-    if mode == "zero3":
+    peft_model = None
+    if mode in ("zero3_peft", "fsdp2_peft"):  # built before any ZeRO-3 plugin exists (from_pretrained would partition at load)
+        import copy
+
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)  # the same adapters on every rank (ZeRO-3 keeps each rank's partition of its copy)
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                    LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                               init_lora_weights=False))
+        merged_expected = copy.deepcopy(peft_model).merge_and_unload()
+    if mode.startswith("zero3"):
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
@@ -70,9 +83,20 @@ def main() -> None:
     gap_before = max_logprob_gap(expected, before)
 
     # the training model as the trainer holds it
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft_model if peft_model is not None else AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                                          dtype=torch.float32)
     base_snapshot = None
-    if mode == "peft":
+    if mode == "zero3_peft":
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        loader = torch.utils.data.DataLoader(list(range(4)), batch_size=1)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+    elif mode == "fsdp2_peft":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif mode == "peft":
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
@@ -94,6 +118,12 @@ def main() -> None:
         with deepspeed.zero.GatheredParameters(list(model.module.parameters()), modifier_rank=0):
             perturb(model.module)
         perturb(expected)
+    elif mode == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}),
+                     device_id=torch.device("cpu"))
     elif mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -109,6 +139,8 @@ def main() -> None:
         base_untouched = all(torch.equal(p, base_snapshot[n]) for n, p in model.named_parameters() if n in base_snapshot)
     else:
         base_untouched = None
+    if peft_model is not None:
+        expected = merged_expected
     after = group.generate(prompts, N, opts)
     gap_after = max_logprob_gap(expected, after)
     result = {
