@@ -47,7 +47,7 @@ def test_worked_example_per_device_and_gpus_per_node_say_the_same():
     a = build(**EXAMPLE)
     b = build(n_gpus_per_node=6, nnodes=1, rollout_tp_size=2, train_batch_size=60, rollout_n=12,
               log_prob_micro_batch_size_per_device=8)
-    c = build(num_processes=6, n_gpus_per_node=3, nnodes=2, rollout_tp_size=2, train_batch_size=60, rollout_n=12,
+    c = build(num_processes=6, n_gpus_per_node=2, nnodes=3, rollout_tp_size=2, train_batch_size=60, rollout_n=12,
               log_prob_micro_batch_size_per_device=8)
     for other in (b, c):
         assert other.num_engines == a.num_engines and other.engine_ranks == a.engine_ranks
@@ -122,9 +122,18 @@ def test_notes():
     lay = build(**{**EXAMPLE, "log_prob_micro_batch_size": 50})
     assert lay.old_log_prob.per_device == 8
     assert any("not a multiple of the data-parallel size 6" in n and "48 or 54" in n for n in lay.notes)
-    span = build(n_gpus_per_node=3, nnodes=2, rollout_tp_size=2, train_batch_size=6, rollout_n=8)
-    assert any("span two nodes" in n for n in span.notes)
-    assert "note:" in span.table()
+    assert "note:" in lay.table()
+
+
+def test_a_tp_group_never_spans_two_nodes():
+    """6 processes on 2 nodes of 3: TP=2 would put ranks 2 and 3 (nodes 0 and 1) in one engine."""
+    with pytest.raises(LayoutError) as err:
+        build(n_gpus_per_node=3, nnodes=2, rollout_tp_size=2, train_batch_size=6, rollout_n=8)
+    assert err.value.rule == "tp_within_node" and err.value.option == "rollout_tp_size"
+    assert "span two nodes" in str(err.value) and "use 1 or 3" in str(err.value)
+    ok = build(n_gpus_per_node=4, nnodes=2, rollout_tp_size=2, train_batch_size=8, rollout_n=8)
+    for ranks in ok.engine_ranks:  # every engine's ranks on one node
+        assert len({r // 4 for r in ranks}) == 1
 
 
 def test_helpers():
@@ -174,6 +183,8 @@ ERROR_CASES = [
     ("tp vs processes", {**BASE, "rollout_tp_size": 4}, "tp_divides_world", "rollout_tp_size"),
     ("tp vs gpus per node", {**BASE, "num_processes": None, "n_gpus_per_node": 3, "nnodes": 2,
                              "rollout_tp_size": 4}, "tp_divides_world", "rollout_tp_size"),
+    ("tp group across nodes", {**BASE, "num_processes": None, "n_gpus_per_node": 3, "nnodes": 2,
+                               "rollout_tp_size": 2, "train_batch_size": 6}, "tp_within_node", "rollout_tp_size"),
     ("tp larger than world", {**BASE, "num_processes": 4, "rollout_tp_size": 8}, "tp_divides_world",
      "rollout_tp_size"),
     ("sp vs processes", {**BASE, "sequence_parallel_size": 4}, "sp_divides_world", "sequence_parallel_size"),
@@ -281,7 +292,7 @@ def valid_layouts(draw):
     kw = dict(rollout_tp_size=tp, train_batch_size=tbs, rollout_n=n, ppo_mini_batch_size=mini,
               ppo_micro_batch_size_per_device=micro, ppo_epochs=draw(st.integers(1, 3)),
               sequence_parallel_size=sp, adv_estimator=est)
-    nodes = draw(st.sampled_from(divisors(world)))
+    nodes = draw(st.sampled_from(divisors(world // tp)))  # an engine's TP group never spans two nodes
     if draw(st.booleans()):
         kw.update(num_processes=world, nnodes=nodes)
     else:

@@ -74,3 +74,32 @@ def test_one_engine_tp2_sharded_training_model(tmp_path, tiny_model_path, mode):
     are partitioned too) and under FSDP2 (the delta is a sharded DTensor)."""
     results = _run(tmp_path, 2, mode, 2, tiny_model_path)
     _check_common(results, 2)
+
+
+def _run_large(tmp_path, tp: int, procs: int, model: str) -> list[dict]:
+    script = str(ROOT / "tests/dist/large_rollout.py")
+    out = tmp_path / f"tp{tp}_p{procs}"
+    out.mkdir()
+    head = [sys.executable] if procs == 1 else [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node",
+                                                 str(procs)]
+    run_cmd([*head, script, str(tp), model, str(out)], timeout=500, env={"ACCELERATE_USE_CPU": None})
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]
+
+
+@pytest.mark.multiprocess
+def test_user_sized_rollout_one_and_two_processes(tmp_path, tiny_model_path):
+    """64 prompts of 300 tokens x n=8 per step: the engine's prompt tokens are several times vLLM's scheduler
+    budget. Seeded (used to crash on CPU in vLLM's partial-prefill bookkeeping) and unseeded; one process, two
+    engines (TP=1) and one engine over two ranks (TP=2) sample exactly the same completions."""
+    one = _run_large(tmp_path, 1, 1, tiny_model_path)
+    assert one[0]["engine_prompt_tokens"] >= 4 * 4096
+    assert one[0]["seeded_again_equal"] and one[0]["unseeded_count"] == 64 * 8 and one[0]["unseeded_lengths_ok"]
+    completions = one[0]["seeded"]
+    assert one[0]["group_index"] == [g for g in range(64) for _ in range(8)]
+    # prompts 0 and 1 are equal, yet no sample of one repeats a sample of the other at a shifted index
+    assert all(completions[k] != completions[8 + k - 1] for k in range(1, 8))
+    assert completions[:8] != completions[8:16]
+    for tp in (1, 2):
+        two = _run_large(tmp_path, tp, 2, tiny_model_path)
+        assert all(r["seeded_again_equal"] and r["unseeded_lengths_ok"] for r in two)
+        assert two[0]["seeded"] + two[1]["seeded"] == completions, f"tp={tp}"

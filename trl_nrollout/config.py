@@ -135,7 +135,12 @@ class NRolloutConfig(GRPOConfig):
         "help": "'vllm' (engine group), 'hf' (transformers generate) or 'auto' (vllm when installed)."})
     rollout_dtype: str = field(default="auto", metadata={"help": "Engine dtype ('auto': float32 on CPU)."})
     rollout_max_model_len: int | None = field(default=None, metadata={
-        "help": "Longest prompt + completion of an engine (default: 512 + max_completion_length)."})
+        "help": "Longest prompt + completion of an engine (default: the model's context length, "
+                "max_position_embeddings). A longer prompt + max_completion_length is an error, never a silently "
+                "shortened completion."})
+    rollout_max_num_seqs: int | None = field(default=None, metadata={
+        "help": "Sequences an engine runs at once (vLLM max_num_seqs; default: its samples, capped at 1024). vLLM's "
+                "sampler holds [max_num_seqs, vocab] float32 buffers; the other samples wait for a free slot."})
     rollout_kv_cache_memory_bytes: int | None = field(default=None, metadata={
         "help": "KV-cache bytes per rank (CPU default: enough for every sample of the engine)."})
     rollout_enforce_eager: bool = field(default=False, metadata={"help": "vLLM enforce_eager (CUDA)."})
@@ -196,6 +201,9 @@ class NRolloutConfig(GRPOConfig):
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or None to disable dual clip.")
         if self.filter_groups_max_rounds < 0:
             raise ValueError(f"filter_groups_max_rounds={self.filter_groups_max_rounds} must be >= 0.")
+        if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
+            raise ValueError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
+                             "samples, capped at 1024).")
         if self.rollout_is_threshold <= 0:
             raise ValueError(f"rollout_is_threshold={self.rollout_is_threshold} must be > 0 (e.g. 2.0).")
 
@@ -279,9 +287,10 @@ class NRolloutConfig(GRPOConfig):
         RolloutLayout.build(**self._layout_kwargs(world))  # validate (engines, micro batches, ...)
 
     # ------------------------------------------------------------------ the layout
-    def rollout_layout(self, num_processes: int | None = None) -> RolloutLayout:
-        """The :class:`RolloutLayout` this config trains with (what ``trl-nrollout plan`` prints)."""
-        return RolloutLayout.build(**self._layout_kwargs(num_processes or self.world_size))
+    def rollout_layout(self, num_processes: int | None = None, nnodes: int = 1) -> RolloutLayout:
+        """The :class:`RolloutLayout` this config trains with (what ``trl-nrollout plan`` prints) on ``nnodes``
+        nodes (a TP group must stay within a node)."""
+        return RolloutLayout.build(**self._layout_kwargs(num_processes or self.world_size), nnodes=nnodes)
 
 
 def config_help_table() -> list[tuple[str, str, str]]:

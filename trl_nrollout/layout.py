@@ -319,10 +319,14 @@ def _build(a: dict[str, Any], suggest: bool, cls: type | None = None) -> Rollout
             candidates=[[{"rollout_tp_size": d} for d in _by_distance(tp, divisors(world))], world_cands],
             render=render_tp,
         )
+    b.step()
     if nnodes > 1 and gpus_per_node % tp:
-        notes.append(
-            f"rollout_tp_size={tp} does not divide the {gpus_per_node} GPUs per node: some engines span two "
-            f"nodes, and their tensor-parallel all-reduces cross the network."
+        raise b.fail(
+            f"rollout_tp_size={tp} does not divide the {gpus_per_node} processes per node (nnodes={nnodes}): some "
+            f"engines would span two nodes, and a vLLM engine's tensor-parallel all-reduces (every layer, every "
+            f"token) must stay within a node",
+            rule="tp_within_node", option="rollout_tp_size", value=tp,
+            candidates=[{"rollout_tp_size": d} for d in _by_distance(tp, divisors(gpus_per_node))],
         )
     b.step()
     if world % sp:

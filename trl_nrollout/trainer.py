@@ -35,7 +35,8 @@ from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.losses import AdaptiveKLController, FixedKLController, agg_loss, kl_penalty, policy_loss
 from trl_nrollout.rollout.hf_engine import HFEngine
-from trl_nrollout.rollout.platform import vllm_available
+from trl_nrollout.rollout.platform import launch_nodes, vllm_available
+from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.summary import GenerationClock
 
@@ -80,7 +81,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         # HF's TrainingArguments.train_batch_size (per-device samples) is shadowed by verl's train_batch_size
         # (prompts per step) in NRolloutConfig; HF Trainer copied it into _train_batch_size: restore its meaning.
         self._train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)
-        self.layout = args.rollout_layout(self.accelerator.num_processes)
+        self.layout = args.rollout_layout(self.accelerator.num_processes, launch_nodes(self.accelerator.num_processes))
         if args.balance_batch and self.layout.samples_per_rank % self.layout.rollout_n:
             raise ValueError(
                 f"balance_batch=True assigns whole groups to ranks, but each rank trains on "
@@ -144,14 +145,45 @@ class NRolloutGRPOTrainer(GRPOTrainer):
                             generation_context=self._hf_generation_context)
         from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
-        max_len = args.rollout_max_model_len or (512 + (args.max_completion_length or 256))
+        completion = args.max_completion_length or 256
+        context = self._context_length()
+        max_len = args.rollout_max_model_len or context or (512 + completion)
+        if context and max_len > context:
+            raise ValueError(
+                f"rollout_max_model_len={max_len} exceeds the model's context length ({context} tokens, "
+                f"max_position_embeddings); use at most {context}."
+            )
+        expected = min(max_len, self._prompt_length_hint() + completion)
         return VLLMEngineGroup(
-            self._model_path(), self.layout, rank=self.accelerator.process_index, dtype=args.rollout_dtype,
-            max_model_len=max_len, kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
+            self._model_path(), self.layout, rank=self.accelerator.process_index,
+            local_rank=self.accelerator.local_process_index, dtype=args.rollout_dtype, max_model_len=max_len,
+            expected_len=expected, max_num_seqs=args.rollout_max_num_seqs,
+            kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
             seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20,
         )
+
+    def _context_length(self) -> int | None:
+        """The model's context length (``max_position_embeddings`` of its text config), if it has one."""
+        inner = self.accelerator.unwrap_model(self.model)
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+        value = getattr(cfg, "max_position_embeddings", None)
+        return int(value) if isinstance(value, int) and value > 0 else None
+
+    def _prompt_length_hint(self, rows: int = 64) -> int:
+        """Longest tokenized prompt among the first ``rows`` of the training set (sizes the CPU KV cache)."""
+        ds = self.train_dataset
+        if ds is None or len(ds) == 0:
+            return 512
+        try:
+            prompts = [ds[i]["prompt"] for i in range(min(rows, len(ds)))]
+            prompt_ids = self._tokenize_prompts(prompts)[0]
+        except Exception as err:  # noqa: BLE001 - a hint only: fall back to verl's default prompt length
+            logger.debug("prompt length hint unavailable (%s); assuming 512 tokens", err)
+            return 512
+        return max(len(p) for p in prompt_ids)
 
     def _hf_generation_context(self):
         from trl.models import unwrap_model_for_generation
@@ -167,7 +199,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
     def _sampling(self, mode: str, greedy: bool = False, round_: int = 0) -> SamplingOptions:
         args = self.args
         # a per-step seed: reproducible, and the same after resuming from a checkpoint
-        seed = (args.seed * 1_000_003 + self.state.global_step * 101 + round_ * 7 + (mode == "eval")) % (2**31)
+        seed = step_seed(args.seed, self.state.global_step, round_, f"{mode}/greedy" if greedy else mode)
         return SamplingOptions(
             max_tokens=args.max_completion_length or 256, temperature=0.0 if greedy else self.temperature,
             top_p=self.top_p, top_k=self.top_k if self.top_k and self.top_k > 0 else -1, min_p=self.min_p or 0.0,
@@ -192,6 +224,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         start = time.perf_counter()
         batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
                                                       sample_offset=self.accelerator.process_index * len(inputs))
+        # right after generation: rewards and the log-prob passes run without the engine's weights and KV cache
+        self.rollout_engine.sleep()
         seconds = time.perf_counter() - start
         self.generation_clock.add(batch.num_completion_tokens, seconds)
         return batch, prompts
@@ -381,11 +415,10 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         scores = self._weighted(rewards)  # [G]
         lengths = torch.tensor([len(r[1]) for r in records])
         if args.use_kl_in_reward:
-            mask_local = _mask(completion_ids, old.shape[1])
-            kl_local = (kl_penalty(old, ref, args.kl_penalty) * mask_local).sum(-1)  # [B_local]
-            kl_all = torch.zeros(len(records))
-            kl_all[mine] = kl_local
-            kl_all = gather(kl_all.to(self.accelerator.device)).view(world, -1).sum(0).cpu()
+            kl_local = sequence_kl(old, ref, completion_ids, args.kl_penalty)  # [B_local], on old's device
+            kl_all = torch.zeros(len(records), device=kl_local.device)
+            kl_all[torch.tensor(mine, device=kl_local.device)] = kl_local
+            kl_all = gather(kl_all).view(world, -1).sum(0).cpu()
             scores = scores - self.kl_ctrl.value * kl_all
             mean_kl = float((kl_all / lengths.clamp(min=1)).mean())
             self.kl_ctrl.update(mean_kl, n_steps=len(records))
@@ -409,7 +442,6 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         self._log_rollout_metrics(mode, rewards, scores, advantages, resp_mask, records)
         self._metric(mode, "timing_s/rollout_total", time.perf_counter() - step_start)
         self._rollout_tokens_local = sum(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
-        self.rollout_engine.sleep()
 
         # ---- this rank's tensors, in TRL's layout
         dev = self.accelerator.device
@@ -495,11 +527,12 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         counts = torch.tensor([[c["completion_mask"].sum().item(), c["completion_mask"].shape[0]] for c in chunks],
                               dtype=torch.float64, device=self.accelerator.device)
         counts = gather(counts.unsqueeze(0)).view(world, len(chunks), 2).sum(0).cpu()
+        dev = self.accelerator.device
         for k, c in enumerate(chunks):
             mb = slice((k // accum) * accum, (k // accum + 1) * accum)
             tokens, seqs = counts[mb].sum(0).tolist()
-            c["mb_tokens"] = torch.tensor(tokens / (world * accum))
-            c["mb_seqs"] = torch.tensor(seqs / (world * accum))
+            c["mb_tokens"] = torch.tensor(tokens / (world * accum), device=dev)
+            c["mb_seqs"] = torch.tensor(seqs / (world * accum), device=dev)
         return chunks
 
     # ------------------------------------------------------------------ the update
@@ -597,10 +630,18 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         return loss
 
 
-def _mask(completions: list[list[int]], width: int) -> Tensor:
-    """``[B, width]`` 0/1 mask of each completion's tokens (right-padded)."""
-    m = torch.zeros(len(completions), width)
-    for i, c in enumerate(completions):
-        m[i, :len(c)] = 1
-    return m
+def _mask(completions: list[list[int]], width: int, device: torch.device | str = "cpu") -> Tensor:
+    """``[B, width]`` 0/1 mask of each completion's tokens (right-padded), on ``device``."""
+    lengths = torch.tensor([len(c) for c in completions], device=device)
+    return (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
+
+
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, completion_ids: list[list[int]], kind: str) -> Tensor:
+    """KL-in-reward of each sample ``[B]``: the sum of the per-token ``kind`` estimate over its completion tokens.
+
+    ``logprobs``, ``ref_logprobs``: ``[B, C]`` right-padded, on the training device; the mask is built on that same
+    device (built on the CPU, it made ``use_kl_in_reward`` crash on CUDA).
+    """
+    mask = _mask(completion_ids, logprobs.shape[1], device=logprobs.device)
+    return (kl_penalty(logprobs, ref_logprobs, kind) * mask).sum(-1)
 

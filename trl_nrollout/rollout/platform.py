@@ -46,9 +46,37 @@ def prepare_vllm_environment(cache_root: str | os.PathLike | None = None) -> Non
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def ensure_dist_env() -> None:
-    """vLLM's external launcher reads RANK/WORLD_SIZE/... ; a single plain process gets a world of one."""
+def launch_nodes(world: int) -> int:
+    """Nodes of this job: ``world / LOCAL_WORLD_SIZE`` (set by torchrun, ``accelerate launch`` and accelerate's
+    MPI path); 1 when the launcher did not say."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if not local:
+        return 1
+    local_n = int(local)
+    if local_n < 1 or world % local_n:
+        raise RuntimeError(f"LOCAL_WORLD_SIZE={local} does not divide the {world} processes of the job; every node "
+                           "must run the same number of processes.")
+    return world // local_n
+
+
+def ensure_dist_env(rank: int = 0, local_rank: int = 0) -> None:
+    """Set what vLLM's external launcher reads (``RANK``, ``LOCAL_RANK``; and for a single plain process a world
+    of one with a free port).
+
+    In a distributed job the values come from the caller (accelerate's state), because a launcher may not export
+    them (an MPI or SLURM launch, a notebook): vLLM would otherwise fail on a missing variable, or pick the wrong
+    device from a wrong ``LOCAL_RANK``. Values the launcher did set must agree with the caller's.
+    """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for key, value in (("RANK", rank), ("LOCAL_RANK", local_rank)):
+            current = os.environ.get(key)
+            if current is None:
+                os.environ[key] = str(value)
+            elif int(current) != value:
+                raise RuntimeError(
+                    f"{key}={current} in the environment but this process is {key.lower()} {value} for "
+                    "torch.distributed / accelerate; launch with `accelerate launch` or `torchrun`, which set both."
+                )
         return
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from trl_nrollout.layout import RolloutLayout
+from trl_nrollout.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
+from trl_nrollout.rollout.seeds import prompt_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
@@ -28,8 +30,10 @@ logger = logging.getLogger(__name__)
 _SLEEP_NOTICE_SHOWN = False
 
 
-def _kv_bytes_default(model_path: str, max_seqs: int, max_model_len: int, tp: int, dtype: str) -> int:
-    """A CPU KV-cache size that holds every sequence of the engine at full length (x1.25), at least 16 MiB."""
+def _kv_bytes_default(model_path: str, max_seqs: int, expected_len: int, max_model_len: int, tp: int,
+                      dtype: str) -> int:
+    """A CPU KV-cache size: every concurrent sequence at ``expected_len`` tokens, and at least one sequence at
+    ``max_model_len`` (vLLM's start-up check), x1.25; at least 16 MiB."""
     from trl_nrollout.memory import kv_bytes_per_token, kv_heads_per_gpu, load_model_shape
 
     try:
@@ -39,8 +43,50 @@ def _kv_bytes_default(model_path: str, max_seqs: int, max_model_len: int, tp: in
         return 256 << 20
     per_token = kv_bytes_per_token(shape.num_hidden_layers, kv_heads_per_gpu(shape.num_key_value_heads, tp),
                                    shape.head_dim, shape.dtype_bytes)
-    need = int(per_token * max_seqs * max_model_len * 1.25)
-    return max(16 << 20, need)
+    tokens = max(max_model_len, max_seqs * min(expected_len, max_model_len))
+    return max(16 << 20, int(per_token * tokens * 1.25))
+
+
+def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = "auto", max_model_len: int = 1024,
+                  expected_len: int | None = None, kv_cache_memory_bytes: int | None = None,
+                  gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
+                  enforce_eager: bool = False, enable_sleep_mode: bool = False, seed: int = 0,
+                  max_num_seqs: int | None = None, tokenizer: str | None = None) -> dict:
+    """The keyword arguments of each rank's ``vllm.LLM`` (pure: no engine is built; pinned by the unit tests).
+
+    - ``max_num_seqs`` (sequences run at once) defaults to the engine's samples, capped at
+      :data:`~trl_nrollout.memory.DEFAULT_MAX_NUM_SEQS`: vLLM's sampler holds ``[max_num_seqs, vocab]`` float32
+      buffers, so thousands of samples per engine must not become thousands of concurrent rows; vLLM schedules
+      the rest as sequences finish.
+    - CPU: float32 by default, eager mode, an explicit KV size (see :func:`_kv_bytes_default`), and no chunked
+      prefill with a token budget of at least ``max_model_len``: vLLM rewinds the random generator of a seeded
+      request after a partial prefill (``Generator.set_offset``), which CPU generators do not support ("CPU
+      Generator does not use offset"); without chunking, a prompt is never prefilled in parts.
+    - CUDA: ``gpu_memory_utilization`` is always passed (vLLM's default 0.92 fails its start-up check when the
+      training model already holds GPU memory), and ``kv_cache_memory_bytes`` as well when given.
+    """
+    max_seqs = max_num_seqs or max(1, min(layout.samples_per_engine, DEFAULT_MAX_NUM_SEQS))
+    kwargs: dict = dict(
+        model=model, tokenizer=tokenizer or model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+        enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=layout.rollout_tp_size,
+        distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+        max_num_seqs=max_seqs, skip_tokenizer_init=False,
+    )
+    if cpu:
+        kwargs["dtype"] = "float32" if dtype == "auto" else dtype
+        kwargs["enforce_eager"] = True
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(max_model_len, max_seqs, 4096)
+        kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or _kv_bytes_default(
+            model, min(max_seqs, layout.samples_per_engine), expected_len or max_model_len, max_model_len,
+            layout.rollout_tp_size, kwargs["dtype"])
+    else:
+        kwargs["enforce_eager"] = enforce_eager
+        kwargs["enable_sleep_mode"] = enable_sleep_mode
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    return kwargs
 
 
 class VLLMEngineGroup:
@@ -49,16 +95,18 @@ class VLLMEngineGroup:
     Args:
         model: local folder or hub id of the model (the engine loads its own copy of the weights).
         layout: the job's :class:`RolloutLayout` (engines, TP groups, shares).
-        rank: this process's global rank.
+        rank: this process's global rank; ``local_rank``: its rank on its node (vLLM's external launcher reads
+            both from ``RANK``/``LOCAL_RANK``; they are set from these when the launcher did not).
         dtype: engine dtype (``"auto"`` follows the checkpoint; float32 on CPU for exact log-prob agreement).
-        max_model_len: longest prompt + completion the engine accepts.
+        max_model_len: longest prompt + completion the engine accepts (a longer request is a clear error).
+        expected_len: typical prompt + completion length, for the CPU KV-cache default (default: max_model_len).
         kv_cache_memory_bytes: KV-cache size per rank; default on CPU: enough for all of this engine's samples.
-        gpu_memory_utilization: fraction of GPU memory vLLM may use (CUDA; ignored when the KV size is given).
+        gpu_memory_utilization: fraction of GPU memory vLLM may use (CUDA; always passed).
         enable_prefix_caching: share full prompt blocks across requests (on by default).
         enforce_eager: no CUDA graphs / compilation (always on for CPU).
         enable_sleep_mode: vLLM sleep mode around training (CUDA only).
         seed: engine seed; the same seed and inputs give the same samples.
-        max_num_seqs: sequences the engine runs at once (default: all of its samples, at least 256).
+        max_num_seqs: sequences the engine runs at once (default: its samples, capped; see :func:`engine_kwargs`).
         weight_bucket_bytes: bound of the extra memory a weight sync uses.
     """
 
@@ -68,8 +116,10 @@ class VLLMEngineGroup:
         layout: RolloutLayout,
         *,
         rank: int = 0,
+        local_rank: int | None = None,
         dtype: str = "auto",
         max_model_len: int = 1024,
+        expected_len: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float = 0.3,
         enable_prefix_caching: bool = True,
@@ -87,7 +137,8 @@ class VLLMEngineGroup:
         self.tp_ranks = layout.engine_ranks[self.engine_index]
         self.cpu = is_cpu_platform()
         self.weight_bucket_bytes = weight_bucket_bytes
-        self.sleeping = False
+        self.max_model_len = max_model_len
+        self._asleep: set[str] = set()
         self._tp_group = None
         dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = torch.distributed.get_world_size() if dist_on else 1
@@ -96,40 +147,31 @@ class VLLMEngineGroup:
                 f"the layout was computed for num_processes={layout.num_processes} but {world} processes are "
                 f"running; build the RolloutLayout from the launcher's process count."
             )
+        self._dist = dist_on and world > 1
         if dist_on and layout.rollout_tp_size > 1:
             # every rank creates every group (a collective), then keeps its own
             for ranks in layout.engine_ranks:
                 g = torch.distributed.new_group(list(ranks), backend="gloo")
                 if rank in ranks:
                     self._tp_group = g
-        ensure_dist_env()
-        max_seqs = max_num_seqs or max(256, layout.samples_per_engine)
-        kwargs: dict = dict(
-            model=model, tokenizer=tokenizer or model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=layout.rollout_tp_size,
-            distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
-            max_num_seqs=max_seqs, skip_tokenizer_init=False,
-        )
-        if self.cpu:
-            kwargs["dtype"] = "float32" if dtype == "auto" else dtype
-            kwargs["enforce_eager"] = True
-            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or _kv_bytes_default(
-                model, min(max_seqs, layout.samples_per_engine), max_model_len, layout.rollout_tp_size,
-                kwargs["dtype"])
-        else:
-            kwargs["enforce_eager"] = enforce_eager
-            kwargs["enable_sleep_mode"] = enable_sleep_mode
-            if kv_cache_memory_bytes:
-                kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-            else:
-                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        ensure_dist_env(rank, rank if local_rank is None else local_rank)
+        kwargs = engine_kwargs(
+            model, layout, cpu=self.cpu, dtype=dtype, max_model_len=max_model_len, expected_len=expected_len,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep_mode, seed=seed, max_num_seqs=max_num_seqs, tokenizer=tokenizer)
         self.enable_sleep_mode = enable_sleep_mode and not self.cpu
+        self.local_rank = rank if local_rank is None else local_rank
         from vllm import LLM
 
         start = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - start
         self.engine_kwargs = kwargs
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self._asleep)
 
     # ------------------------------------------------------------------ generation
     def _gather_tp(self, obj):
@@ -138,6 +180,26 @@ class VLLMEngineGroup:
         out = [None] * len(self.tp_ranks)
         torch.distributed.all_gather_object(out, obj, group=self._tp_group)
         return out
+
+    def _barrier_before_generate(self) -> None:
+        """TP > 1 on GPUs: all ranks meet on the default (NCCL) group before the engine's own TP collectives, so
+        that no training collective still in flight (a LoRA gradient all-reduce, a ZeRO gather) interleaves with
+        them (TRL does the same for LoRA + TP > 1, its issue #3671; we do it for every model: one barrier per
+        rollout). On CPU the TP gather below, over gloo, already orders the ranks."""
+        if self._dist and self.layout.rollout_tp_size > 1 and not self.cpu:
+            torch.distributed.barrier(device_ids=[self.local_rank])
+
+    def _check_lengths(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
+        """A prompt that leaves no room for ``max_tokens`` would be cut short silently by vLLM (or rejected with
+        its own message): refuse it here with the options that fix it."""
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"a prompt of {longest} tokens + max_completion_length={max_tokens} exceeds the engine's "
+                f"max_model_len={self.max_model_len} (rollout_max_model_len): the completion would be cut short. "
+                f"Raise rollout_max_model_len to at least {longest + max_tokens} (within the model's context "
+                f"length), shorten the prompts (max_prompt_length), or lower max_completion_length."
+            )
 
     def _sampling_params(self, n: int, sampling: SamplingOptions):
         from vllm import SamplingParams
@@ -159,11 +221,12 @@ class VLLMEngineGroup:
 
         if self.sleeping:
             self.wake_up()
+        self._check_lengths(prompts, sampling.max_tokens)
         start = time.perf_counter()
         if sampling.seed is None:
             params = self._sampling_params(n, sampling)
-        else:  # one seed per prompt (its global index): prompts must not share random draws
-            params = [self._sampling_params(n, replace(sampling, seed=(sampling.seed + group_offset + g) % 2**31))
+        else:  # vLLM seeds sample k of a request with seed + k: prompt seeds n apart never share a seed
+            params = [self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, group_offset + g, n)))
                       for g in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
@@ -196,6 +259,7 @@ class VLLMEngineGroup:
                           sample_offset: int | None = None) -> RolloutBatch:
         """TRL's form: this rank's prompts already repeated ``n`` times (groups contiguous; a group may span the
         ranks of one TP group). Returns one sample per entry, in the same order."""
+        self._barrier_before_generate()
         per_rank = self._gather_tp([list(p) for p in sample_prompts])
         flat = [p for chunk in per_rank for p in chunk]
         if len(flat) % n:
@@ -225,12 +289,15 @@ class VLLMEngineGroup:
         """Push the training model's weights into this rank's engine, a bounded bucket at a time.
 
         Every rank of the job must call it (ZeRO-3 / FSDP gather collectively; every TP rank loads the full
-        tensors and vLLM keeps its shard). CPU: ``reload_weights`` with whole decoder layers; CUDA: the model's
-        ``load_weights``. The prefix cache is reset afterwards. Returns bytes, buckets and seconds.
+        tensors and vLLM keeps its shard). On every platform through the model runner's ``reload_weights`` with
+        whole decoder layers per call: it runs the model's ``load_weights`` and then vLLM's post-load processing
+        (``process_weights_after_loading``: CPU weight prepacking, MLA / quantized / MoE derived weights), which a
+        bare ``model.load_weights`` skips. A sleeping engine wakes its weights first, loads, resets the prefix
+        cache, and only then wakes its KV cache. Returns bytes, buckets and seconds.
         """
-        if self.sleeping:
-            self.wake_up()
         start = time.perf_counter()
+        if "weights" in self._asleep:  # weights first, KV cache only after the load: a lower peak (as TRL does)
+            self.wake_up(["weights"])
         runner = self._model_runner()
         total, buckets, peak = 0, 0, 0
         for bucket in iter_weight_buckets(model, self.weight_bucket_bytes):
@@ -238,11 +305,10 @@ class VLLMEngineGroup:
             total += size
             peak = max(peak, size)
             buckets += 1
-            if self.cpu:
-                runner.reload_weights(weights_iterator=iter(bucket))
-            else:
-                runner.model.load_weights(iter(bucket))
+            runner.reload_weights(weights_iterator=iter(bucket))
         self.llm.reset_prefix_cache()
+        if self._asleep:
+            self.wake_up()
         return {"bytes": total, "buckets": buckets, "peak_bucket_bytes": peak, "seconds": time.perf_counter() - start}
 
     def close(self) -> None:
@@ -258,7 +324,11 @@ class VLLMEngineGroup:
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Free weights and KV cache while the trainer runs (vLLM sleep mode, CUDA); a no-op on CPU."""
+        """Free weights and KV cache while the trainer runs (vLLM sleep mode, CUDA); a no-op on CPU.
+
+        Level 1: the weights are kept in host memory, because the same weights may generate again within a step
+        (DAPO's extra rounds, ReMax's greedy pass) without a sync in between.
+        """
         global _SLEEP_NOTICE_SHOWN
         if not self.enable_sleep_mode:
             if not _SLEEP_NOTICE_SHOWN:
@@ -266,14 +336,18 @@ class VLLMEngineGroup:
                                "not available on CPU" if self.cpu else "off (enable_sleep_mode=False)")
                 _SLEEP_NOTICE_SHOWN = True
             return
-        if not self.sleeping:
+        if not self._asleep:
             self.llm.sleep(level=1)
-            self.sleeping = True
+            self._asleep = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        if self.enable_sleep_mode and self.sleeping:
-            self.llm.wake_up()
-        self.sleeping = False
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake what :meth:`sleep` freed: ``tags`` (``"weights"``, ``"kv_cache"``) or everything still asleep."""
+        if not self._asleep:
+            return
+        wanted = self._asleep if tags is None else self._asleep & set(tags)
+        if wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+        self._asleep -= wanted
 
 
 def _sampled_logprobs(source, tokens: Sequence[int]) -> list[float]:

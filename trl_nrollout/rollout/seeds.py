@@ -1,0 +1,30 @@
+"""Sampling seeds: one per step (hashed), one per prompt (spaced by n), so that no two samples share a seed.
+
+vLLM expands a request with ``n`` samples and seed ``s`` into ``n`` child requests seeded ``s, s+1, ..., s+n-1``.
+Seeding prompt ``g`` with ``base + g`` (as we once did) gave sample ``(g, k)`` and sample ``(g+1, k-1)`` the same
+seed, so two equal prompts next to each other drew the same completions; and a step seed ``seed + 101 * step``
+repeated across steps past 101 prompts. Here a step's base is a 62-bit hash of (seed, step, round, mode), and
+prompt ``g`` starts at ``base + g * n``: the seeds of a step are ``base .. base + samples - 1``, all distinct, and
+different steps land at unrelated places of a 2^62 range (vLLM keeps seeds as int64).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+SEED_BITS = 62
+
+
+def step_seed(seed: int, step: int, round_: int = 0, mode: str = "train") -> int:
+    """The base seed of one generation call: a hash of the run seed, the optimizer step, the generation round
+    within the step (DAPO) and the mode. Reproducible (the same after resuming), unrelated across steps."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{round_}/{mode}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+
+
+def prompt_seed(base: int, group: int, n: int) -> int:
+    """Seed of the request of prompt ``group`` (its global index in the call) with ``n`` samples: its samples get
+    ``prompt_seed .. prompt_seed + n - 1`` (vLLM's child seeds)."""
+    if n < 1 or group < 0:
+        raise ValueError(f"group={group} must be >= 0 and n={n} >= 1.")
+    return base + group * n
