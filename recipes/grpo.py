@@ -25,6 +25,7 @@ from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.data import load_prompts
 from trl_nrollout.hub import resolve_config
 from trl_nrollout.rewards import resolve_reward
+from trl_nrollout.rollout.platform import launch_nodes
 from trl_nrollout.summary import RewardHistory, build_summary, write_summary
 from trl_nrollout.trainer import NRolloutGRPOTrainer
 
@@ -98,7 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
         rollout_backend=trainer.rollout_backend,
         checkpoint=str(Path(training_args.output_dir).resolve()),
         wall_s=time.perf_counter() - start,
-        extra={"processes": trainer.accelerator.num_processes, "train_batch_size": training_args.train_batch_size,
+        extra={"processes": trainer.accelerator.num_processes,
+               "nnodes": launch_nodes(trainer.accelerator.num_processes),
+               "engine_ranks": [list(r) for r in trainer.layout.engine_ranks],
+               "train_batch_size": training_args.train_batch_size,
                "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator},
     )
     if trainer.accelerator.is_main_process:

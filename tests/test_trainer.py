@@ -153,3 +153,112 @@ def test_peft_lora_with_kl_loss_and_vllm_sync(tmp_path):
     assert len(steps) == 3
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 1e-4
     assert steps[0]["actor/kl_loss"] < 1e-5 < steps[-1]["actor/kl_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_step_at_a_users_size(tmp_path):
+    """64 prompts x 8 samples per step with the vLLM engine (more prompt tokens than one vLLM scheduler step):
+    `make demo ARGS="--train_batch_size 64 --max_steps 2"` crashed on CPU in vLLM's partial-prefill bookkeeping."""
+    run = launch(tmp_path, "--train_batch_size", "64", "--max_steps", "2", "--save_strategy", "no")
+    assert run["summary"]["steps"] == 2 and run["summary"]["rollout_backend"] == "vllm"
+    assert all(math.isfinite(h["loss"]) for h in run["steps"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_kl_in_the_reward(tmp_path):
+    """use_kl_in_reward: a reference pass and the current policy's pass, their KL summed per sample and subtracted
+    from the reward (on the training device); the penalty starts at zero and grows as the policy moves."""
+    run = launch(tmp_path, "--max_steps", "4", "--use_kl_in_reward", "true", "--kl_coef", "0.05",
+                 "--learning_rate", "5e-3", "--save_strategy", "no")
+    steps = run["steps"]
+    assert len(steps) == 4 and all("actor/reward_kl_penalty" in h for h in steps)
+    assert steps[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at step 1
+    assert steps[-1]["actor/reward_kl_penalty"] > 1e-4
+    assert all(math.isfinite(h["loss"]) for h in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_zero3_kl_loss_with_long_completions(tmp_path):
+    """Two processes under ZeRO-3 with a KL loss (a partitioned reference model) and completions of up to 192
+    tokens: each rank's log-prob passes score thousands of tokens, a different number per rank, in several
+    output-head chunks. Used to hang (each head call was a ZeRO-3 gather)."""
+    run = launch(tmp_path, "--max_steps", "2", "--use_kl_loss", "true", "--kl_loss_coef", "0.01",
+                 "--max_completion_length", "192", "--save_strategy", "no", config="zero3_cpu.yaml", timeout=900)
+    assert run["summary"]["processes"] == 2 and run["summary"]["steps"] == 2
+    assert all(math.isfinite(h["loss"]) and "actor/kl_loss" in h for h in run["steps"])
+    assert max(h["response_length/max"] for h in run["steps"]) > 128
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_two_nodes_keep_tp_groups_within_a_node(tmp_path):
+    """A 2-"node" launch on this machine (accelerate, --num_machines 2, 2 processes per node, TP=2): the trainer
+    learns the node count from the launcher, every engine's ranks lie on one node, and training runs."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = {**os.environ, **ENV}
+    procs = [subprocess.Popen(
+        [ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
+         "4", "--main_process_ip", "127.0.0.1", "--main_process_port", port, RECIPE, "--output_dir", str(tmp_path),
+         "--use_cpu", "true", "--max_steps", "2", "--rollout_tp_size", "2", "--save_strategy", "no"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=600)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outputs)
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["processes"] == 4 and summary["nnodes"] == 2 and summary["steps"] == 2
+    assert summary["engine_ranks"] == [[0, 1], [2, 3]]  # node 0 = ranks 0, 1; node 1 = ranks 2, 3
+
+
+@pytest.mark.slow
+def test_engine_sleeps_right_after_generation(tmp_path):
+    """The engine is put to sleep right after generation, before rewards and the log-prob passes (and again after
+    ReMax's greedy pass), and the weight sync comes before generation."""
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset
+
+    log: list[str] = []
+
+    def reward(completions, **kwargs):
+        log.append("reward")
+        return [0.0] * len(completions)
+
+    args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=2, max_completion_length=4,
+                          max_steps=1, adv_estimator="remax", rollout_backend="hf", use_kl_loss=True,
+                          report_to="none", use_cpu=True, bf16=False, save_strategy="no", logging_steps=1)
+    trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[reward], args=args,
+                                  train_dataset=digits_dataset(16))
+    engine = trainer.rollout_engine
+    for name in ("load_weights", "generate_expanded", "sleep"):
+        original = getattr(engine, name)
+
+        def record(*a, _name=name, _original=original, **k):
+            log.append(_name)
+            return _original(*a, **k)
+
+        setattr(engine, name, record)
+    ref_pass = trainer._ref_log_probs
+
+    def record_ref(*a, **k):
+        log.append("ref_log_probs")
+        return ref_pass(*a, **k)
+
+    trainer._ref_log_probs = record_ref
+    trainer.train()
+    assert log == ["load_weights", "generate_expanded", "sleep", "reward",  # the sampled completions
+                   "ref_log_probs",  # the reference pass runs while the engine sleeps
+                   "generate_expanded", "sleep", "reward"]  # ReMax's greedy baseline, asleep again at once

@@ -69,7 +69,7 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
     ("max_prompt_length", int, "Longest prompt in tokens (memory estimate). Default 512."),
     ("max_completion_length", int, "Longest completion in tokens (memory estimate). Default 512."),
     ("dtype", str, "Engine dtype: bfloat16, float16, float32, fp8 or auto (the config's). Default auto."),
-    ("max_num_seqs", int, "vLLM's cap on sequences an engine runs at once. Default 256."),
+    ("max_num_seqs", int, "Sequences an engine runs at once (rollout_max_num_seqs). Default 1024."),
     ("gpu_memory_gib", float, "GPU memory in GiB: checks that weights and KV cache fit."),
     ("gpu_memory_utilization", float, "Fraction of GPU memory vLLM may use (TRL vllm_gpu_memory_utilization). "
                                       "Default 0.9."),
@@ -194,7 +194,7 @@ def build_memory(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[
     max_num_seqs = values.get("max_num_seqs")
     max_num_seqs = memory.DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
-        raise CliError(f"max_num_seqs={max_num_seqs!r} must be a positive integer (vLLM's default is 256).")
+        raise CliError(f"max_num_seqs={max_num_seqs!r} must be a positive integer (the default is 1024).")
     util = values.get("gpu_memory_utilization")
     gib = values.get("gpu_memory_gib")
     if util is not None and not 0 < util <= 1:

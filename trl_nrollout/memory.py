@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 #: Tokens per KV-cache block in vLLM's paged attention (its default on GPUs).
 VLLM_BLOCK_SIZE = 16
-#: vLLM's usual default for ``max_num_seqs`` (sequences an engine schedules at once).
-DEFAULT_MAX_NUM_SEQS = 256
+#: Our engines' default cap on ``max_num_seqs`` (sequences an engine runs at once; vLLM's own default on large GPUs).
+#: Engines with more samples run them in waves: vLLM schedules the rest as sequences finish.
+DEFAULT_MAX_NUM_SEQS = 1024
 #: The ``n`` values of the KV-vs-n table.
 DEFAULT_N_VALUES = (1, 4, 8, 12, 16)
 #: Lengths assumed when a recipe gives none (verl's ``max_prompt_length`` / ``max_response_length`` defaults).

@@ -1,0 +1,215 @@
+"""The paths that differ on GPUs and across nodes, pinned on CPU: engine arguments per platform, the order of vLLM's
+sleep / wake / weight-reload calls, the NCCL barrier before TP>1 generation, sampling seeds, prompt-length errors,
+device placement of the KL-in-reward, and the launcher's node count and ranks.
+
+vLLM's sleep mode and NCCL exist only on CUDA: those tests drive a recording stand-in for ``vllm.LLM`` (and for
+``torch.distributed.barrier``) and assert the exact calls our engine group makes; vLLM's own side of those calls
+was checked by reading its 0.32 sources (docs/backends.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_nrollout.layout import RolloutLayout
+from trl_nrollout.memory import DEFAULT_MAX_NUM_SEQS
+from trl_nrollout.rollout import platform
+from trl_nrollout.rollout.seeds import SEED_BITS, prompt_seed, step_seed
+from trl_nrollout.rollout.types import SamplingOptions
+from trl_nrollout.rollout.vllm_group import VLLMEngineGroup, engine_kwargs
+from trl_nrollout.trainer import sequence_kl
+
+LAYOUT = RolloutLayout.build(num_processes=2, rollout_tp_size=2, train_batch_size=64, rollout_n=16)  # 1024 samples
+
+
+# ---------------------------------------------------------------------------------------------- engine arguments
+def test_cuda_engine_always_gets_gpu_memory_utilization(tiny_model_path):
+    """With a KV size given, vLLM's default 0.92 would apply to its start-up check and fail beside the training
+    model: the fraction is passed either way."""
+    for kv in (None, 2 << 30):
+        kw = engine_kwargs(tiny_model_path, LAYOUT, cpu=False, kv_cache_memory_bytes=kv, gpu_memory_utilization=0.35)
+        assert kw["gpu_memory_utilization"] == 0.35
+        assert kw.get("kv_cache_memory_bytes") == kv
+        assert "enable_chunked_prefill" not in kw  # chunked prefill stays on where generators have offsets
+
+
+def test_cpu_engine_never_chunks_a_prefill(tiny_model_path):
+    kw = engine_kwargs(tiny_model_path, LAYOUT, cpu=True, max_model_len=6000)
+    assert kw["enable_chunked_prefill"] is False
+    assert kw["max_num_batched_tokens"] >= 6000  # vLLM requires budget >= max_model_len without chunking
+    assert kw["dtype"] == "float32" and kw["enforce_eager"] is True and kw["kv_cache_memory_bytes"] >= 16 << 20
+
+
+def test_max_num_seqs_is_capped(tiny_model_path):
+    """1024 samples per engine would mean 1024 rows of [vocab] float32 sampler buffers; the cap bounds them."""
+    big = RolloutLayout.build(num_processes=1, train_batch_size=512, rollout_n=16)  # 8192 samples, one engine
+    assert engine_kwargs(tiny_model_path, big, cpu=False)["max_num_seqs"] == DEFAULT_MAX_NUM_SEQS
+    small = RolloutLayout.build(num_processes=1, train_batch_size=4, rollout_n=4)
+    assert engine_kwargs(tiny_model_path, small, cpu=False)["max_num_seqs"] == 16
+    assert engine_kwargs(tiny_model_path, big, cpu=True, max_num_seqs=64)["max_num_seqs"] == 64
+
+
+def test_cpu_kv_default_follows_expected_length_not_the_context(tiny_model_path):
+    long_ctx = engine_kwargs(tiny_model_path, LAYOUT, cpu=True, max_model_len=1024, expected_len=64)
+    full = engine_kwargs(tiny_model_path, LAYOUT, cpu=True, max_model_len=1024)
+    assert long_ctx["kv_cache_memory_bytes"] < full["kv_cache_memory_bytes"]
+
+
+# ---------------------------------------------------------------------------------------------- sleep, wake, reload
+class _Recorder:
+    """Stands in for ``vllm.LLM`` and its model runner (sleep mode needs CUDA); records every call."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        runner = self
+
+        class _Worker:
+            model_runner = runner
+
+        class _Executor:
+            driver_worker = _Worker()
+
+        class _Engine:
+            model_executor = _Executor()
+
+        self.llm_engine = _Engine()
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags) if tags else None))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def reload_weights(self, weights_iterator=None):
+        names = [n for n, _ in weights_iterator]
+        self.calls.append(("reload_weights", len(names)))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append(("generate", len(prompts)))
+        raise _Stop
+
+
+class _Stop(Exception):
+    pass
+
+
+def _group(cpu: bool, sleep: bool) -> VLLMEngineGroup:
+    g = object.__new__(VLLMEngineGroup)
+    layout = RolloutLayout.build(num_processes=1, train_batch_size=2, rollout_n=2)
+    g.layout, g.rank, g.local_rank, g.engine_index, g.tp_ranks = layout, 0, 0, 0, (0,)
+    g.cpu, g.enable_sleep_mode, g._asleep, g._tp_group, g._dist = cpu, sleep, set(), None, False
+    g.weight_bucket_bytes, g.max_model_len = 1 << 16, 64
+    g.llm = _Recorder()
+    return g
+
+
+def test_cuda_weight_sync_wakes_weights_then_loads_then_wakes_kv(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    g = _group(cpu=False, sleep=True)
+    g.sleep()
+    stats = g.load_weights(model)
+    calls = g.llm.calls
+    assert calls[0] == ("sleep", 1)
+    assert calls[1] == ("wake_up", ("weights",))
+    reloads = [c for c in calls if c[0] == "reload_weights"]
+    assert len(reloads) == stats["buckets"] >= 3  # whole layers per call, through reload_weights (not load_weights)
+    assert calls[-2:] == [("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
+    assert not g.sleeping
+    g.sleep()
+    with pytest.raises(_Stop):  # generating again without a sync wakes everything first
+        g.generate_engine([[1, 2]], 2, SamplingOptions(max_tokens=4))
+    assert g.llm.calls[-3:] == [("sleep", 1), ("wake_up", ("kv_cache", "weights")), ("generate", 1)]
+
+
+def test_cpu_sleep_is_a_no_op_and_weights_still_reload(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    g = _group(cpu=True, sleep=False)
+    g.sleep()
+    g.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_path))
+    assert [c[0] for c in g.llm.calls if c[0] != "reload_weights"] == ["reset_prefix_cache"]
+
+
+def test_barrier_before_tp_generation_on_gpus_only(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: seen.append(k))
+    g = _group(cpu=False, sleep=False)
+    g._dist, g.local_rank = True, 3
+    g.layout = RolloutLayout.build(num_processes=2, rollout_tp_size=2, train_batch_size=2, rollout_n=2)
+    g._barrier_before_generate()
+    assert seen == [{"device_ids": [3]}]
+    g.cpu = True
+    g._barrier_before_generate()
+    g.cpu, g.layout = False, RolloutLayout.build(num_processes=2, rollout_tp_size=1, train_batch_size=2, rollout_n=2)
+    g._barrier_before_generate()
+    assert len(seen) == 1
+
+
+def test_a_prompt_too_long_for_the_engine_is_a_clear_error():
+    g = _group(cpu=True, sleep=False)
+    with pytest.raises(ValueError, match=r"60 tokens \+ max_completion_length=8 exceeds.*rollout_max_model_len"):
+        g.generate_engine([[1] * 60], 2, SamplingOptions(max_tokens=8))
+    assert not g.llm.calls  # refused before vLLM sees it
+
+
+# ---------------------------------------------------------------------------------------------- seeds
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**31), step=st.integers(0, 10**6), n=st.integers(1, 64), prompts=st.integers(1, 600))
+def test_no_two_samples_of_a_call_share_a_seed(seed, step, n, prompts):
+    base = step_seed(seed, step)
+    assert 0 <= base < 2**SEED_BITS
+    seeds = [prompt_seed(base, g, n) + k for g in range(prompts) for k in range(n)]  # vLLM's child seeds
+    assert len(set(seeds)) == len(seeds)
+    assert max(seeds) < 2**63  # vLLM keeps seeds as int64
+
+
+def test_step_seeds_do_not_repeat_across_steps_rounds_and_modes():
+    bases = {step_seed(0, s, r, m) for s in range(5000) for r in range(3) for m in ("train", "eval")}
+    assert len(bases) == 5000 * 3 * 2
+    # the old scheme (seed + 101 * step + g) repeated: step 1, prompt 0 == step 0, prompt 101
+    assert step_seed(0, 1) != step_seed(0, 0) + 101
+    assert step_seed(7, 3) == step_seed(7, 3)  # reproducible (resume)
+
+
+# ---------------------------------------------------------------------------------------------- devices
+def test_kl_in_reward_stays_on_the_training_device():
+    """On the meta device any tensor built on the CPU and mixed in raises, as a CPU/CUDA mix does on a GPU."""
+    old = torch.zeros(3, 5, device="meta")
+    ref = torch.zeros(3, 5, device="meta")
+    out = sequence_kl(old, ref, [[1, 2], [3], [4, 5, 6, 7, 8]], "k3")
+    assert out.device.type == "meta" and out.shape == (3,)
+    real = sequence_kl(torch.log(torch.full((2, 3), 0.5)), torch.log(torch.full((2, 3), 0.25)), [[1], [1, 2, 3]],
+                       "kl")
+    assert real.tolist() == pytest.approx([math.log(2), 3 * math.log(2)], abs=1e-6)  # masked sum of log(0.5 / 0.25)
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+def test_launch_nodes_from_local_world_size(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert platform.launch_nodes(4) == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert platform.launch_nodes(4) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(RuntimeError, match="LOCAL_WORLD_SIZE=3 does not divide the 4 processes"):
+        platform.launch_nodes(4)
+
+
+def test_ranks_for_vllm_come_from_accelerate_when_the_launcher_set_none(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    platform.ensure_dist_env(5, 1)
+    assert os.environ["RANK"] == "5" and os.environ["LOCAL_RANK"] == "1"
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=1 in the environment but this process is local_rank 0"):
+        platform.ensure_dist_env(5, 0)
