@@ -1,0 +1,29 @@
+"""scripts/gpu_check.py (the training-side GPU checks) runs end to end on the CPU in --dry-run mode: the same code
+paths at small sizes, so the script a lent GPU will run is known to work before the GPU's minutes are spent."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_cmd
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    run_cmd([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry-run", "--out", str(out)], timeout=400)
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True
+    prec = report["logprob_precision"]
+    assert prec["status"] == "ok" and prec["all_finite"]
+    assert 0 < prec["bf16_vs_fp32_max_abs"] < 0.1  # bf16 rounding, not a wrong token or position
+    assert prec["lean_vs_full_bf16_max_abs"] < 1e-2
+    rows = report["logprob_memory"]["rows"]
+    assert [r["n"] for r in rows] == [4, 8, 12]
+    assert [r["forwards"] for r in rows] == [r["samples"] // report["logprob_memory"]["micro_batch"] for r in rows]
+    trainer = report["trainer"]
+    assert trainer["status"] == "ok" and trainer["steps"] == 3 and trainer["losses_finite"]
+    assert trainer["reward_kl_penalty"][0] == pytest.approx(0.0, abs=1e-6) < trainer["reward_kl_penalty"][-1]
