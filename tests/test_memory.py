@@ -168,7 +168,11 @@ def test_estimate_memory_report_and_gpu_budget():
                           gpu_memory_gib=80, gpu_memory_utilization=0.5)
     assert [e.n for e in mem.kv_vs_n] == sorted({*DEFAULT_N_VALUES, 12})
     assert mem.weights_bytes_per_gpu == 7_615_616_512  # 2 bytes / tp 2
-    assert mem.kv_budget_bytes_per_gpu == 40 * 2**30 - 7_615_616_512
+    # vLLM's sampler: 240 concurrent sequences (max_num_seqs 1024 does not bind) x 152,064 vocab x 20 B
+    assert mem.sampler_bytes_per_gpu == 240 * 152064 * 20
+    assert mem.kv_budget_bytes_per_gpu == 40 * 2**30 - 7_615_616_512 - 240 * 152064 * 20
+    capped = estimate_memory(shape, EXAMPLE, max_num_seqs=64)
+    assert capped.sampler_bytes_per_gpu == 64 * 152064 * 20 and "sampler buffers" in capped.table()
     # 240 sequences x 192 blocks x 16 x 28,672 B per GPU = 19.7 GiB; shared prefix: 13.7 GiB -> fits in 32.9 GiB
     assert mem.kv.bytes_per_gpu == 240 * 192 * 16 * 28672
     assert mem.fits(mem.kv) is True

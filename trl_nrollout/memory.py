@@ -35,6 +35,9 @@ VLLM_BLOCK_SIZE = 16
 #: Our engines' default cap on ``max_num_seqs`` (sequences an engine runs at once; vLLM's own default on large GPUs).
 #: Engines with more samples run them in waves: vLLM schedules the rest as sequences finish.
 DEFAULT_MAX_NUM_SEQS = 1024
+#: Bytes per ``[sequence, vocab]`` entry of vLLM's sampler at one step (worst case): the float32 logits, the float32
+#: log-softmax of ``processed_logprobs``, and top-p/top-k's sorted values (float32) with their int64 indices.
+SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 8
 #: The ``n`` values of the KV-vs-n table.
 DEFAULT_N_VALUES = (1, 4, 8, 12, 16)
 #: Lengths assumed when a recipe gives none (verl's ``max_prompt_length`` / ``max_response_length`` defaults).
@@ -197,6 +200,7 @@ class ModelShape:
     dtype: str = "bfloat16"
     num_parameters: int | None = None
     name: str = ""
+    vocab_size: int | None = None
 
     @property
     def dtype_bytes(self) -> int:
@@ -230,7 +234,8 @@ class ModelShape:
         dtype_bytes(dtype)  # validate early
         return cls(num_hidden_layers=int(layers), num_attention_heads=int(heads),
                    num_key_value_heads=int(kv_heads), head_dim=int(head_dim), dtype=dtype,
-                   num_parameters=num_parameters, name=name)
+                   num_parameters=num_parameters, name=name,
+                   vocab_size=int(cfg["vocab_size"]) if cfg.get("vocab_size") else None)
 
 
 def check_model_fits_layout(shape: ModelShape, layout: RolloutLayout) -> None:
@@ -284,13 +289,22 @@ class MemoryEstimate:
     notes: tuple[str, ...] = field(default=())
 
     @property
+    def sampler_bytes_per_gpu(self) -> int | None:
+        """vLLM's sampler at one step: ``[concurrent sequences, vocab]`` entries of
+        :data:`SAMPLER_BYTES_PER_LOGIT` bytes, on every GPU of the engine (the logits are gathered whole); this
+        is what ``max_num_seqs`` bounds. None when the vocabulary size is unknown."""
+        if self.model.vocab_size is None:
+            return None
+        return self.kv.concurrent_sequences * self.model.vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+    @property
     def kv_budget_bytes_per_gpu(self) -> int | None:
-        """What vLLM can give the KV cache on one GPU: ``gpu_memory x utilization - weights`` (activations and
-        CUDA graphs take a little more in practice)."""
+        """What vLLM can give the KV cache on one GPU: ``gpu_memory x utilization - weights - sampler buffers``
+        (activations and CUDA graphs take a little more in practice)."""
         if self.gpu_memory_gib is None or self.weights_bytes_per_gpu is None:
             return None
         util = 1.0 if self.gpu_memory_utilization is None else self.gpu_memory_utilization
-        return int(self.gpu_memory_gib * 2**30 * util) - self.weights_bytes_per_gpu
+        return int(self.gpu_memory_gib * 2**30 * util) - self.weights_bytes_per_gpu - (self.sampler_bytes_per_gpu or 0)
 
     def fits(self, kv: KVEstimate) -> bool | None:
         budget = self.kv_budget_bytes_per_gpu
@@ -318,6 +332,8 @@ class MemoryEstimate:
             "prefix_sharing_saves_bytes_per_gpu": kv.saved_bytes_per_gpu,
             "num_parameters": self.model.num_parameters,
             "weights_bytes_per_gpu": self.weights_bytes_per_gpu,
+            "vocab_size": self.model.vocab_size,
+            "sampler_bytes_per_gpu": self.sampler_bytes_per_gpu,
             "gpu_memory_gib": self.gpu_memory_gib,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "kv_budget_bytes_per_gpu": self.kv_budget_bytes_per_gpu,
@@ -356,11 +372,15 @@ class MemoryEstimate:
         if self.weights_bytes_per_gpu is not None and m.num_parameters is not None:
             rows.append(("weights per GPU", f"{m.num_parameters:,} params x {m.dtype_bytes} B / "
                                             f"tp {kv.tp_size} = {fmt_bytes(self.weights_bytes_per_gpu)}"))
+        if self.sampler_bytes_per_gpu is not None:
+            rows.append(("sampler buffers", f"{kv.concurrent_sequences} concurrent sequences x vocab "
+                                            f"{m.vocab_size:,} x {SAMPLER_BYTES_PER_LOGIT} B = "
+                                            f"{fmt_bytes(self.sampler_bytes_per_gpu)} (bounded by max_num_seqs)"))
         budget = self.kv_budget_bytes_per_gpu
         if budget is not None:
             util = 1.0 if self.gpu_memory_utilization is None else self.gpu_memory_utilization
             verdict = "fits" if self.fits(kv) else "does NOT fit: vLLM will preempt or cap concurrency"
-            rows.append(("KV budget per GPU", f"{self.gpu_memory_gib:g} GiB x {util:g} - weights = "
+            rows.append(("KV budget per GPU", f"{self.gpu_memory_gib:g} GiB x {util:g} - weights - sampler = "
                                               f"{fmt_bytes(budget)}; KV (shared prefix) {verdict}"))
         return rows
 
