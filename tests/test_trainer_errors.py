@@ -102,3 +102,16 @@ def test_async_reward_functions_are_awaited(tmp_path):
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     assert len(rewards) == 1 and 0.0 <= rewards[0] <= 1.0
     assert "rewards/async_digits/mean" in trainer.state.log_history[0]
+
+
+@pytest.mark.vllm
+def test_engine_length_beyond_the_models_context_is_refused(tmp_path):
+    """The engine's max_model_len defaults to the model's context (1024 for the built-in model); asking for more
+    is refused before any engine starts, naming the option and the limit."""
+    from trl_nrollout import NRolloutGRPOTrainer
+
+    args = cfg(tmp_path, rollout_backend="vllm", rollout_max_model_len=5000, per_device_train_batch_size=4,
+               num_generations=4)
+    with pytest.raises(ValueError, match=r"rollout_max_model_len=5000 exceeds the model's context length \(1024"):
+        NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                            train_dataset=digits_dataset(8))
