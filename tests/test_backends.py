@@ -207,8 +207,9 @@ def test_launch_nodes_from_local_world_size(monkeypatch):
 
 def test_ranks_for_vllm_come_from_accelerate_when_the_launcher_set_none(monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for key in ("RANK", "LOCAL_RANK"):  # setenv first: monkeypatch then restores the variables (or their absence)
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
     platform.ensure_dist_env(5, 1)
     assert os.environ["RANK"] == "5" and os.environ["LOCAL_RANK"] == "1"
     with pytest.raises(RuntimeError, match="LOCAL_RANK=1 in the environment but this process is local_rank 0"):
