@@ -23,7 +23,8 @@ from trl import TrlParser
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.data import load_prompts
-from trl_nrollout.hub import resolve_config
+from trl_nrollout.hub import parse_hub_ref, resolve_config
+from trl_nrollout.recipe_trust import enforce_recipe_trust, split_trust_flags
 from trl_nrollout.rewards import resolve_reward
 from trl_nrollout.rollout.platform import launch_nodes
 from trl_nrollout.summary import RewardHistory, build_summary, write_summary
@@ -54,7 +55,12 @@ class ScriptArguments:
 
 def _resolve_recipe(argv: list[str]) -> list[str]:
     """Put the default recipe in when none is given; turn a Hub reference into a cached local file; drop the
-    launch-only keys the argument parser does not know."""
+    launch-only keys the argument parser does not know.
+
+    A recipe from the Hub is data, not code: it may not enable ``trust_remote_code`` nor import reward modules
+    unless this command line says ``--trust-remote-code`` / ``--allow-reward-module M`` (see
+    :mod:`trl_nrollout.recipe_trust`); it is refused before anything beyond the recipe is downloaded."""
+    argv, trust_remote_code, allowed_modules = split_trust_flags(argv)
     for i, arg in enumerate(argv):
         if arg == "--config" or arg.startswith("--config="):
             value = argv[i + 1] if arg == "--config" else arg.split("=", 1)[1]
@@ -65,6 +71,8 @@ def _resolve_recipe(argv: list[str]) -> list[str]:
         value, before, rest = str(DEFAULT_RECIPE), [], argv
     path = resolve_config(value)
     data = yaml.safe_load(path.read_text()) or {}
+    if parse_hub_ref(value) is not None:
+        enforce_recipe_trust(data, value, trust_remote_code=trust_remote_code, allow_reward_modules=allowed_modules)
     if any(k in data for k in LAUNCH_KEYS):
         data = {k: v for k, v in data.items() if k not in LAUNCH_KEYS}
         tmp = Path(tempfile.mkdtemp(prefix="trl_nrollout_recipe_")) / path.name

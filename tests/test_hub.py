@@ -225,7 +225,9 @@ def test_environment_variables_in_a_fresh_process(tmp_path):
     proc = subprocess.run([*cmd, "hf://user/recipe/config.yaml", "--out", str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [str(out / "config.yaml"), str(out / "accelerate.yaml")]
+    paths = proc.stdout.split("\n\n")[0].split()  # then what the recipe asks for (tests/test_recipe_trust.py)
+    assert paths == [str(out / "config.yaml"), str(out / "accelerate.yaml")]
+    assert "model: Qwen/Qwen2.5-7B-Instruct" in proc.stdout
     assert (out / "config.yaml").read_text() == WORKED_EXAMPLE and (out / "accelerate.yaml").read_text() == ACCELERATE
 
     proc = subprocess.run([*cmd, "hf://user/uncached/config.yaml"], env=env, cwd=ROOT, capture_output=True,
@@ -239,8 +241,8 @@ def test_environment_variables_in_a_fresh_process(tmp_path):
 def test_cli_pull_prints_cached_path(offline_cache, capsys):
     populate_cache(offline_cache, "user/recipe", {"config.yaml": b"rollout_n: 4\n"})
     assert main(["recipe", "pull", "hf://user/recipe/config.yaml"]) == 0
-    assert capsys.readouterr().out.strip() == str(offline_cache / "models--user--recipe/snapshots" / COMMIT /
-                                                  "config.yaml")
+    assert capsys.readouterr().out.splitlines()[0] == str(offline_cache / "models--user--recipe/snapshots" / COMMIT /
+                                                          "config.yaml")
 
 
 def test_cli_plan_reads_a_hub_recipe_from_the_cache(offline_cache, capsys):

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import yaml
+
 from .layout import LayoutError, RolloutLayout
 
 EXIT_OK = 0
@@ -294,8 +296,15 @@ def _run_recipe(args: argparse.Namespace) -> int:
                 print(plan.summary())
                 print(f"pushed: {plan.commit_url or 'https://huggingface.co/' + plan.repo_id}")
             return EXIT_OK
-        for path in hub.pull_recipe(args.ref, args.out, token=args.token):
+        paths = hub.pull_recipe(args.ref, args.out, token=args.token)
+        for path in paths:
             print(path)
+        from .recipe_trust import recipe_requests
+
+        data = yaml.safe_load(paths[0].read_text()) or {}
+        if isinstance(data, dict):  # what the recipe asks for, before anyone runs it
+            print()
+            print(recipe_requests(data).summary())
         return EXIT_OK
     except hub.HubError as err:
         raise CliError(str(err)) from None

@@ -1,0 +1,118 @@
+"""A recipe from the Hub is data, not code (:mod:`trl_nrollout.recipe_trust`): a shared recipe cannot enable
+``trust_remote_code`` or import reward modules unless the launching command line allows it; local recipes are the
+user's own and unrestricted. Hub recipes come from a pre-populated offline cache, as in test_hub.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_hub import COMMIT, offline_cache, populate_cache  # noqa: F401 - fixture
+from trl_nrollout.cli import main
+from trl_nrollout.recipe_trust import (
+    UntrustedRecipeError,
+    enforce_recipe_trust,
+    module_allowed,
+    recipe_requests,
+    split_trust_flags,
+)
+
+REMOTE = b"""\
+model_name_or_path: someone/custom-arch
+model_init_kwargs:
+  trust_remote_code: true
+reward_funcs: [digits]
+max_steps: 1
+"""
+REWARD_IMPORT = b"""\
+reward_funcs: [digits, "tests.assets.rewards_for_tests:constant_for_some_prompts"]
+max_steps: 1
+"""
+
+
+def _launcher():
+    spec = importlib.util.spec_from_file_location("grpo_recipe", ROOT / "recipes" / "grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hub_recipe_with_trust_remote_code_is_refused_naming_key_and_flag(offline_cache):  # noqa: F811
+    populate_cache(offline_cache, "someone/recipe", {"config.yaml": REMOTE})
+    grpo = _launcher()
+    with pytest.raises(UntrustedRecipeError) as err:
+        grpo._resolve_recipe(["--config", "hf://someone/recipe/config.yaml"])
+    assert "model_init_kwargs.trust_remote_code" in str(err.value) and "--trust-remote-code" in str(err.value)
+
+
+def test_with_the_flag_it_loads_and_the_setting_applies(offline_cache, monkeypatch):  # noqa: F811
+    populate_cache(offline_cache, "someone/recipe", {"config.yaml": REMOTE})
+    grpo = _launcher()
+    argv = grpo._resolve_recipe(["--config", "hf://someone/recipe/config.yaml", "--trust-remote-code",
+                                 "--output_dir", "/tmp/x", "--use_cpu", "true", "--report_to", "none"])
+    assert "--trust-remote-code" not in argv and argv[argv.index("--config") + 1].endswith("config.yaml")
+    from trl import TrlParser
+
+    from trl_nrollout.config import NRolloutConfig
+
+    script, training = TrlParser((grpo.ScriptArguments, NRolloutConfig)).parse_args_and_config(argv)
+    assert script.model_name_or_path == "someone/custom-arch"
+    assert training.model_init_kwargs["trust_remote_code"] is True
+
+
+def test_reward_module_outside_the_allow_list_is_refused(offline_cache):  # noqa: F811
+    populate_cache(offline_cache, "someone/rewards", {"config.yaml": REWARD_IMPORT})
+    grpo = _launcher()
+    ref = "hf://someone/rewards/config.yaml"
+    with pytest.raises(UntrustedRecipeError, match=r"--allow-reward-module tests\.assets\.rewards_for_tests"):
+        grpo._resolve_recipe(["--config", ref])
+    with pytest.raises(UntrustedRecipeError):  # another module allowed is not enough
+        grpo._resolve_recipe(["--config", ref, "--allow-reward-module", "mypkg.rewards"])
+    grpo._resolve_recipe(["--config", ref, "--allow-reward-module", "tests.assets"])  # a parent package allows
+    grpo._resolve_recipe(["--config", ref, "--allow-reward-module=tests.assets.rewards_for_tests"])
+
+
+def test_local_recipes_are_unchanged(tmp_path):
+    local = tmp_path / "mine.yaml"
+    local.write_bytes(REMOTE + b"reward_funcs: ['tests.assets.rewards_for_tests:constant_for_some_prompts']\n")
+    argv = _launcher()._resolve_recipe(["--config", str(local)])
+    assert argv[argv.index("--config") + 1] == str(local)
+
+
+def test_pull_shows_what_the_recipe_asks_for(offline_cache, capsys):  # noqa: F811
+    populate_cache(offline_cache, "someone/recipe", {"config.yaml": REMOTE})
+    assert main(["recipe", "pull", "hf://someone/recipe/config.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "model: someone/custom-arch" in out and "reward functions: digits" in out
+    assert "asks for trust_remote_code at model_init_kwargs.trust_remote_code" in out and "--trust-remote-code" in out
+    populate_cache(offline_cache, "someone/rewards", {"config.yaml": REWARD_IMPORT})
+    assert main(["recipe", "pull", "hf://someone/rewards/config.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "trust_remote_code: not requested" in out
+    assert "--allow-reward-module tests.assets.rewards_for_tests" in out
+
+
+@pytest.mark.parametrize("data, keys", [
+    ({"model_init_kwargs": {"trust_remote_code": True}}, ["model_init_kwargs.trust_remote_code"]),
+    ({"model_init_kwargs": '{"trust_remote_code": true}'}, ["model_init_kwargs.trust_remote_code"]),  # JSON text
+    ({"trust_remote_code": "true"}, ["trust_remote_code"]),
+    ({"a": [{"b": {"trust_remote_code": 1}}]}, []),  # 1 is not a YAML boolean true; TRL would not read it either
+    ({"a": [{"b": {"trust_remote_code": True}}]}, ["a[0].b.trust_remote_code"]),
+    ({"model_init_kwargs": {"trust_remote_code": False}}, []),
+])
+def test_trust_remote_code_is_found_wherever_it_is(data, keys):
+    assert list(recipe_requests(data).trust_remote_code_keys) == keys
+
+
+def test_flags_and_allow_list_rules():
+    rest, trust, allowed = split_trust_flags(["--x", "1", "--trust-remote-code", "--allow-reward-module", "a.b,c",
+                                              "--allow-reward-module=d"])
+    assert rest == ["--x", "1"] and trust and allowed == ["a.b", "c", "d"]
+    assert module_allowed("a.b.c", ["a.b"]) and not module_allowed("a.bc", ["a.b"])
+    with pytest.raises(UntrustedRecipeError, match="needs a module name"):
+        split_trust_flags(["--allow-reward-module"])
+    assert enforce_recipe_trust({"reward_funcs": "digits"}, "hf://x/y/c.yaml").reward_funcs == ("digits",)
