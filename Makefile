@@ -9,8 +9,11 @@ ARGS ?=
 env:
 	@bash scripts/setup_env.sh
 
+# TORCH_CPP_LOG_LEVEL=ERROR: vLLM's CPU worker binds memory to NUMA node 0 and torch's C++ layer says so with a
+# warning on every start; nothing to act on in the demo (real errors still print).
 demo: env
-	$(VENV)/bin/accelerate launch --num_processes 1 --cpu recipes/grpo.py $(ARGS)
+	TORCH_CPP_LOG_LEVEL=ERROR $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no --cpu \
+		--num_cpu_threads_per_process $(shell nproc) recipes/grpo.py $(ARGS)
 
 test: env
 	$(PY) -m pytest -q $(ARGS)

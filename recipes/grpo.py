@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from trl import TrlParser
 
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.data import load_prompts
 from trl_nrollout.hub import parse_hub_ref, resolve_config
 from trl_nrollout.recipe_trust import enforce_recipe_trust, split_trust_flags
+from trl_nrollout.report import write_report
 from trl_nrollout.rewards import resolve_reward
 from trl_nrollout.rollout.platform import launch_nodes
 from trl_nrollout.summary import RewardHistory, build_summary, write_summary
@@ -83,6 +83,8 @@ def _resolve_recipe(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = _resolve_recipe(list(sys.argv[1:] if argv is None else argv))
+    from trl import TrlParser  # after trl_nrollout, whose import filters TRL's known import-time warnings
+
     parser = TrlParser((ScriptArguments, NRolloutConfig))
     script_args, training_args = parser.parse_args_and_config(argv)
 
@@ -107,14 +109,19 @@ def main(argv: list[str] | None = None) -> dict:
         rollout_backend=trainer.rollout_backend,
         checkpoint=str(Path(training_args.output_dir).resolve()),
         wall_s=time.perf_counter() - start,
-        extra={"processes": trainer.accelerator.num_processes,
+        extra={"gen_tokens_per_s_with_warmup": round(trainer.generation_clock.tokens_per_s_with_warmup, 1),
+               "processes": trainer.accelerator.num_processes,
                "nnodes": launch_nodes(trainer.accelerator.num_processes),
                "engine_ranks": [list(r) for r in trainer.layout.engine_ranks],
                "train_batch_size": training_args.train_batch_size,
                "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator},
     )
     if trainer.accelerator.is_main_process:
-        (Path(training_args.output_dir) / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+        out = Path(training_args.output_dir)
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+        report = write_report(trainer.state.log_history, out / "report.png",
+                              title=f"{script_args.model_name_or_path} on {script_args.dataset_name}")
+        summary["report"] = str(report.resolve()) if report else "(pip install matplotlib for report.png)"
         write_summary(summary, training_args.output_dir)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()

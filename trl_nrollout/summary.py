@@ -23,19 +23,37 @@ def reward_start_end(rewards: list[float], fraction: float = 0.1) -> tuple[float
 
 
 class GenerationClock:
-    """Accumulates generated tokens and the wall time spent generating them (per process)."""
+    """Accumulates generated tokens and the wall time spent generating them (per process).
+
+    The first call is the engine's warm-up (first scheduling, kernel selection, allocations):
+    :attr:`tokens_per_s` leaves it out (when there is more than one call), :attr:`tokens_per_s_with_warmup`
+    counts everything."""
 
     def __init__(self) -> None:
         self.tokens = 0
         self.seconds = 0.0
+        self.calls = 0
+        self.first_tokens = 0
+        self.first_seconds = 0.0
 
     def add(self, tokens: int, seconds: float) -> None:
+        if self.calls == 0:
+            self.first_tokens, self.first_seconds = int(tokens), float(seconds)
+        self.calls += 1
         self.tokens += int(tokens)
         self.seconds += float(seconds)
 
     @property
-    def tokens_per_s(self) -> float:
+    def tokens_per_s_with_warmup(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Steady throughput: every call but the first (all calls when there is only one)."""
+        seconds = self.seconds - self.first_seconds
+        if self.calls < 2 or seconds <= 0:
+            return self.tokens_per_s_with_warmup
+        return (self.tokens - self.first_tokens) / seconds
 
 
 class RewardHistory(TrainerCallback):

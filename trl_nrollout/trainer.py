@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather, gather_object, is_peft_model
 from torch import Tensor
+from transformers.trainer_callback import ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
@@ -34,6 +35,7 @@ from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.losses import AdaptiveKLController, FixedKLController, agg_loss, kl_penalty, policy_loss
+from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.seeds import step_seed
@@ -95,6 +97,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         self.rollout_backend = self._pick_backend(args.rollout_backend)
         self.rollout_engine = self._build_engine()
         self.generation_clock = GenerationClock()
+        if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
+            self.add_callback(LiveProgressCallback)
         self._last_synced_step: int | None = None
         self._rollout_tokens_local = 0
         self._last_step_end = time.perf_counter()
