@@ -45,8 +45,13 @@ class ScriptArguments:
     )
     dataset_name: str = field(default="builtin:digits", metadata={
         "help": "'builtin:digits', a hub dataset id, a local json/jsonl/csv/parquet file or a dataset folder."})
+    dataset_config: str | None = field(default=None, metadata={
+        "help": "Configuration (subset) of a hub dataset or a dataset folder, e.g. 'main' for openai/gsm8k."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_prompt_column: str = field(default="prompt", metadata={"help": "Column holding the prompts."})
+    dataset_system_prompt: str | None = field(default=None, metadata={
+        "help": "When set, each text prompt becomes a chat: this system message, then the prompt as the user's "
+                "(the model's chat template applies)."})
     dataset_num_prompts: int = field(default=512, metadata={"help": "Prompts generated for 'builtin:digits'."})
     reward_funcs: list[str] = field(default_factory=lambda: ["digits"], metadata={
         "help": "Reward functions: built-ins (digits, format, length, exact_answer, math_answer) or "
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     dataset = load_prompts(script_args.dataset_name, split=script_args.dataset_split,
                            prompt_column=script_args.dataset_prompt_column,
-                           num_builtin=script_args.dataset_num_prompts, seed=training_args.seed)
+                           num_builtin=script_args.dataset_num_prompts, seed=training_args.seed,
+                           config=script_args.dataset_config, system_prompt=script_args.dataset_system_prompt)
     history = RewardHistory()
     trainer = NRolloutGRPOTrainer(
         model=resolve_model(script_args.model_name_or_path),

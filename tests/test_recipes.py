@@ -48,3 +48,46 @@ def test_cpu_recipes_train(recipe, tmp_path):
     assert summary["steps"] == 2 and summary["adv_estimator"] == yaml.safe_load(recipe.read_text())["adv_estimator"]
     history = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "loss" in h and "reward" in h]
     assert history and all(abs(h["loss"]) < 1e6 for h in history)
+
+
+def _gsm8k_like(folder: Path) -> Path:
+    """A local dataset shaped like the hub's openai/gsm8k: a `main` configuration, `question` / `answer` columns,
+    answers ending in `#### <number>` (as the real ones do)."""
+    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+             "answer": f"Tom has {a} + {b} = {a + b} apples.\n#### {a + b}"} for a in range(2, 10) for b in (3, 5)]
+    (folder / "main").mkdir(parents=True)
+    (folder / "main" / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n"
+                                      "    path: main/train.jsonl\n---\n")
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_gsm8k_recipe_loads_and_trains_on_local_stand_ins(tmp_path):
+    """recipes/configs/gsm8k_qwen.yaml, offline: the real recipe with only the model and the dataset replaced by
+    local stand-ins of the same shape (the built-in Qwen2 model; a GSM8K-shaped dataset with its `main` config),
+    and the sizes cut for a CPU. Its dataset config, prompt column, system prompt (chat prompts through the model's
+    chat template) and math_answer reward against `#### N` answers all run."""
+    data = _gsm8k_like(tmp_path / "gsm8k")
+    from trl_nrollout.data import load_prompts
+
+    ds = load_prompts(str(data), config="main", prompt_column="question", system_prompt="Solve it.")
+    assert ds[0]["prompt"][0] == {"role": "system", "content": "Solve it."} and ds[0]["prompt"][1]["role"] == "user"
+    from trl_nrollout.rewards import math_answer_reward
+
+    assert math_answer_reward(["<answer>5</answer>", "<answer>6</answer>"], answer=[ds[0]["answer"]] * 2) == \
+        [1.0, 0.0]  # ds[0]: 2 + 3
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    out = tmp_path / "run"
+    run_cmd([accelerate, "launch", "--cpu", "--num_processes", "1", str(ROOT / "recipes/grpo.py"), "--config",
+             str(ROOT / "recipes/configs/gsm8k_qwen.yaml"), "--model_name_or_path", "builtin:tiny-qwen2",
+             "--dataset_name", str(data), "--output_dir", str(out), "--max_steps", "2", "--train_batch_size", "8",
+             "--rollout_n", "4", "--ppo_mini_batch_size", "8", "--ppo_micro_batch_size_per_device", "16",
+             "--max_completion_length", "16", "--use_cpu", "true", "--bf16", "false",
+             "--gradient_checkpointing", "false", "--save_strategy", "no"],
+            timeout=400, env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["rollout_backend"] == "vllm"
+    history = [h for h in json.loads((out / "log_history.json").read_text()) if "reward" in h]
+    assert all("rewards/math_answer_reward/mean" in h for h in history)

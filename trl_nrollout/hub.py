@@ -21,7 +21,6 @@ network is only the download of an uncached file and the upload of :func:`push_r
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib.metadata
 import platform
@@ -312,15 +311,14 @@ def plan_table(recipe_path: Path) -> tuple[str | None, list[str]]:
 
     Uses the very functions ``trl-nrollout plan --config <recipe>`` runs (layout only, no memory estimate).
     """
-    from . import cli
     from .layout import LayoutError
+    from .plan import PlanError, build_layout, check_token_budgets, plan_values
 
-    ns = argparse.Namespace(config=Path(recipe_path), **{name: None for name, _, _ in cli.PLAN_OPTIONS})
     try:
-        values = cli.plan_values(ns)
-        layout = cli.build_layout(values)
-        cli.check_token_budgets(values)
-    except cli.CliError as err:
+        values = plan_values(Path(recipe_path))
+        layout = build_layout(values)
+        check_token_budgets(values)
+    except PlanError as err:
         return None, [f"The recipe does not set the figures `trl-nrollout plan` needs: {err}"]
     except LayoutError as err:
         return None, [f"`trl-nrollout plan` rejects the recipe as written: {err}"]

@@ -1,0 +1,191 @@
+"""The figures of ``trl-nrollout plan`` as a library: a recipe's options (YAML and overrides) -> the
+:class:`~trl_nrollout.layout.RolloutLayout` and, given a model, its :class:`~trl_nrollout.memory.MemoryEstimate`.
+
+The command line (:mod:`trl_nrollout.cli`) only parses arguments and prints; :mod:`trl_nrollout.hub` uses the same
+functions for a recipe's card. Heavy modules (torch, transformers) are imported only for a memory estimate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .layout import LayoutError, RolloutLayout
+
+
+class PlanError(Exception):
+    """A user error in the plan options (the CLI reports it as ``trl-nrollout: error: <message>``, exit 2)."""
+
+
+#: (option, type, help) of every ``plan`` option; each is a flag (``--rollout-tp-size`` or ``--rollout_tp_size``)
+#: and a recipe YAML key (``rollout_tp_size``). Flags override the YAML.
+PLAN_OPTIONS: list[tuple[str, type, str]] = [
+    ("num_processes", int, "World size (accelerate's num_processes). Or give n_gpus_per_node and nnodes."),
+    ("n_gpus_per_node", int, "GPUs per node (verl trainer.n_gpus_per_node); world = n_gpus_per_node x nnodes."),
+    ("nnodes", int, "Number of nodes (verl trainer.nnodes). Default 1."),
+    ("rollout_tp_size", int, "Ranks per vLLM engine (verl rollout.tensor_model_parallel_size). Default 1."),
+    ("train_batch_size", int, "Prompts per rollout step (verl data.train_batch_size). Required."),
+    ("rollout_n", int, "Samples per prompt (verl rollout.n, TRL num_generations). Required."),
+    ("ppo_mini_batch_size", int, "Prompts per optimizer step (verl semantics). Default: train_batch_size."),
+    ("ppo_micro_batch_size_per_device", int, "Samples per device per training forward. Default: the whole "
+                                             "mini batch of a rank."),
+    ("ppo_epochs", int, "Passes over each rollout. Default 1."),
+    ("log_prob_micro_batch_size", int, "Old-policy log-prob micro batch, global: divided by the data-parallel "
+                                       "size (verl's older normalization)."),
+    ("log_prob_micro_batch_size_per_device", int, "Old-policy log-prob micro batch per device."),
+    ("ref_log_prob_micro_batch_size", int, "Reference log-prob micro batch, global. Default: as the old pass."),
+    ("ref_log_prob_micro_batch_size_per_device", int, "Reference log-prob micro batch per device."),
+    ("log_prob_max_token_len_per_device", int, "Token budget per log-prob forward (dynamic micro batches)."),
+    ("ref_log_prob_max_token_len_per_device", int, "Token budget per reference forward."),
+    ("sequence_parallel_size", int, "Ulysses sequence-parallel size. Default 1."),
+    ("adv_estimator", str, "Advantage estimator (grpo, rloo, reinforce_plus_plus, ...). Default grpo."),
+    ("model_name_or_path", str, "A builtin: name, local folder or hub id: adds the memory estimate."),
+    ("max_prompt_length", int, "Longest prompt in tokens (memory estimate). Default 512."),
+    ("max_completion_length", int, "Longest completion in tokens (memory estimate). Default 512."),
+    ("dtype", str, "Engine dtype: bfloat16, float16, float32, fp8 or auto (the config's). Default auto."),
+    ("max_num_seqs", int, "Sequences an engine runs at once (rollout_max_num_seqs). Default 1024."),
+    ("gpu_memory_gib", float, "GPU memory in GiB: checks that weights and KV cache fit."),
+    ("gpu_memory_utilization", float, "Fraction of GPU memory vLLM may use (TRL vllm_gpu_memory_utilization). "
+                                      "Default 0.9."),
+]
+LAYOUT_KEYS = (
+    "num_processes", "n_gpus_per_node", "nnodes", "rollout_tp_size", "train_batch_size", "rollout_n",
+    "ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs", "log_prob_micro_batch_size",
+    "log_prob_micro_batch_size_per_device", "ref_log_prob_micro_batch_size",
+    "ref_log_prob_micro_batch_size_per_device", "log_prob_max_token_len_per_device",
+    "ref_log_prob_max_token_len_per_device", "sequence_parallel_size", "adv_estimator",
+)
+#: TRL names read from a recipe when the verl-named key is absent.
+YAML_ALIASES = {
+    "num_generations": "rollout_n",
+    "vllm_tensor_parallel_size": "rollout_tp_size",
+    "vllm_gpu_memory_utilization": "gpu_memory_utilization",
+}
+
+
+def read_recipe(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise PlanError(f"--config {path}: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise PlanError(f"--config {path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise PlanError(f"--config {path} must hold a mapping of options, not a {type(data).__name__}.")
+    known = {name for name, _, _ in PLAN_OPTIONS}
+    values = {k: v for k, v in data.items() if k in known}
+    for alias, name in YAML_ALIASES.items():
+        if alias in data and name not in values:
+            values[name] = data[alias]
+    return values
+
+
+def local_recipe(config: str | Path) -> Path:
+    """A local recipe path as is; an ``hf://`` reference resolved through the Hub cache (offline mode respected)."""
+    if str(config).startswith("hf://"):
+        from trl_nrollout.hub import resolve_config
+
+        try:
+            return resolve_config(str(config))
+        except Exception as err:  # noqa: BLE001 - shown as a CLI error
+            raise PlanError(str(err)) from None
+    return Path(config)
+
+
+def plan_values(config: str | Path | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The options of a plan: the recipe's (``config``: a path or an ``hf://`` reference), overridden by the
+    non-None ``overrides`` (the flags given)."""
+    values = read_recipe(local_recipe(config)) if config is not None else {}
+    for name, _, _ in PLAN_OPTIONS:
+        if (overrides or {}).get(name) is not None:
+            values[name] = overrides[name]
+    return values
+
+
+def n_values(text: str | None) -> tuple[int, ...]:
+    from .memory import DEFAULT_N_VALUES
+
+    if text is None:
+        return DEFAULT_N_VALUES
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise PlanError(f"--n-values={text!r} must be comma-separated positive integers, e.g. 1,4,8,12,16.") from None
+    if not values or min(values) < 1:
+        raise PlanError(f"--n-values={text!r} must be comma-separated positive integers, e.g. 1,4,8,12,16.")
+    return values
+
+
+def build_layout(values: dict[str, Any]) -> RolloutLayout:
+    """The :class:`RolloutLayout` of ``plan`` options (raises :class:`PlanError` for a missing required one)."""
+    missing = [k for k in ("train_batch_size", "rollout_n") if values.get(k) is None]
+    if missing:
+        raise PlanError(" and ".join(
+            f"{k} is required: pass --{k.replace('_', '-')} or set {k} in the --config YAML" for k in missing
+        ) + ".")
+    return RolloutLayout.build(**{k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None})
+
+
+def build_memory(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[int, ...]):
+    """The :class:`~trl_nrollout.memory.MemoryEstimate` of ``plan`` options (loads the model's config)."""
+    from . import memory
+
+    dtype = values.get("dtype")
+    if dtype not in (None, "auto"):
+        try:
+            memory.dtype_bytes(dtype)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+    notes = []
+    lengths = {}
+    for key, default in [("max_prompt_length", memory.DEFAULT_MAX_PROMPT_LENGTH),
+                         ("max_completion_length", memory.DEFAULT_MAX_COMPLETION_LENGTH)]:
+        value = values.get(key)
+        if value is None:
+            notes.append(f"{key} not set: {default} assumed.")
+            value = default
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise PlanError(f"{key}={value!r} must be a non-negative integer.")
+        lengths[key] = value
+    max_num_seqs = values.get("max_num_seqs")
+    max_num_seqs = memory.DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
+    if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+        raise PlanError(f"max_num_seqs={max_num_seqs!r} must be a positive integer (the default is 1024).")
+    util = values.get("gpu_memory_utilization")
+    gib = values.get("gpu_memory_gib")
+    if util is not None and not 0 < util <= 1:
+        raise PlanError(f"gpu_memory_utilization={util!r} must be in (0, 1], e.g. 0.9.")
+    if gib is not None and util is None:
+        util = 0.9
+
+    shape = memory.load_model_shape(values["model_name_or_path"], dtype=dtype)
+    memory.check_model_fits_layout(shape, layout)
+    if shape.num_parameters is None:
+        notes.append("parameter count unavailable (transformers could not build this architecture): no weights "
+                     "figure.")
+    return memory.estimate_memory(
+        shape, layout, max_prompt_length=lengths["max_prompt_length"],
+        max_completion_length=lengths["max_completion_length"], max_num_seqs=max_num_seqs, n_values=n_values,
+        gpu_memory_gib=gib, gpu_memory_utilization=util, notes=notes,
+    )
+
+
+def check_token_budgets(values: dict[str, Any]) -> None:
+    """A log-prob token budget must hold one whole sequence (checked when both lengths are given)."""
+    prompt, completion = values.get("max_prompt_length"), values.get("max_completion_length")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return
+    seq_len = prompt + completion
+    for key in ("log_prob_max_token_len_per_device", "ref_log_prob_max_token_len_per_device"):
+        budget = values.get(key)
+        if isinstance(budget, int) and budget < seq_len:
+            raise LayoutError(
+                f"{key}={budget} is smaller than one sequence (max_prompt_length + max_completion_length = "
+                f"{seq_len} tokens), so a long sample fits in no forward; use {key} {seq_len} or more "
+                f"({2 * seq_len} is usual).",
+                option=key, value=budget, rule="token_budget_fits_sequence", fixes=[{key: seq_len}],
+            )
