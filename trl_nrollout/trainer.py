@@ -179,10 +179,11 @@ class NRolloutGRPOTrainer(GRPOTrainer):
     def _prompt_length_hint(self, rows: int = 64) -> int:
         """Longest tokenized prompt among the first ``rows`` of the training set (sizes the CPU KV cache)."""
         ds = self.train_dataset
-        if ds is None or len(ds) == 0:
-            return 512
-        try:
-            prompts = [ds[i]["prompt"] for i in range(min(rows, len(ds)))]
+        try:  # an IterableDataset has no len(): take its first rows
+            prompts = ([ds[i]["prompt"] for i in range(min(rows, len(ds)))] if hasattr(ds, "__len__")
+                       else [row["prompt"] for _, row in zip(range(rows), ds)])
+            if not prompts:
+                return 512
             prompt_ids = self._tokenize_prompts(prompts)[0]
         except Exception as err:  # noqa: BLE001 - a hint only: fall back to verl's default prompt length
             logger.debug("prompt length hint unavailable (%s); assuming 512 tokens", err)
