@@ -102,4 +102,5 @@ def test_user_sized_rollout_one_and_two_processes(tmp_path, tiny_model_path):
     for tp in (1, 2):
         two = _run_large(tmp_path, tp, 2, tiny_model_path)
         assert all(r["seeded_again_equal"] and r["unseeded_lengths_ok"] for r in two)
+        assert all(r["process_group_alive_after_close"] for r in two)  # close() left the launcher's group
         assert two[0]["seeded"] + two[1]["seeded"] == completions, f"tp={tp}"

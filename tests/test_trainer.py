@@ -308,3 +308,14 @@ def test_report_to_tensorboard_offline(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"train/reward", "train/timing_s/gen", "train/loss"} <= tags
     assert len(acc.Scalars("train/reward")) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_three_trainers_one_after_another_in_one_process(tmp_path):
+    """vLLM runs one external-launcher engine per process: a new trainer releases the previous trainer's engine
+    (which then says so if used), so trainers can be built one after another; the second used to fail at start."""
+    proc = run_cmd([sys.executable, str(ROOT / "tests/assets/three_trainers.py"), str(tmp_path), "keep"],
+                   timeout=400, env=ENV)
+    assert [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("TRAINED")] == ["0", "1", "2"]
+    assert "OLD ENGINE: this rollout engine was closed" in proc.stdout

@@ -54,9 +54,11 @@ def main() -> None:
         "unseeded_lengths_ok": all(len(c) == MAX_TOKENS or r == "stop"
                                    for c, r in zip(unseeded.completion_ids, unseeded.finish_reasons)),
     }
+    group.close()
+    # the engine's shutdown releases vLLM's groups; a process group the launcher made must survive it
+    result["process_group_alive_after_close"] = torch.distributed.is_initialized()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    group.close()
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 

@@ -10,9 +10,11 @@ shared by the ``n`` samples); each rank keeps the samples of its own prompts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -131,6 +133,8 @@ class VLLMEngineGroup:
         tokenizer: str | None = None,
     ) -> None:
         prepare_vllm_environment()
+        _close_live_engines()  # one external-launcher engine per process: a new trainer releases the previous one
+        self.llm = None
         self.layout = layout
         self.rank = rank
         self.engine_index = layout.engine_of_rank(rank)
@@ -148,6 +152,7 @@ class VLLMEngineGroup:
                 f"running; build the RolloutLayout from the launcher's process count."
             )
         self._dist = dist_on and world > 1
+        self._owns_process_group = not dist_on  # else accelerate's (or the user's): close() must leave it alive
         if dist_on and layout.rollout_tp_size > 1:
             # every rank creates every group (a collective), then keeps its own
             for ranks in layout.engine_ranks:
@@ -168,6 +173,7 @@ class VLLMEngineGroup:
         self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - start
         self.engine_kwargs = kwargs
+        _LIVE.add(self)
 
     @property
     def sleeping(self) -> bool:
@@ -219,6 +225,11 @@ class VLLMEngineGroup:
         """Run this rank's engine on ``prompts`` (the same on every rank of the TP group): ``n`` samples each."""
         from vllm.inputs import TokensPrompt
 
+        if self.llm is None:
+            raise RuntimeError(
+                "this rollout engine was closed (trainer.close(), or a newer trainer in this process replaced it: "
+                "vLLM runs one engine per process); build a new trainer to generate again."
+            )
         if self.sleeping:
             self.wake_up()
         self._check_lengths(prompts, sampling.max_tokens)
@@ -317,10 +328,14 @@ class VLLMEngineGroup:
         if llm is None:
             return
         try:
-            llm.llm_engine.engine_core.shutdown()
+            # vLLM's shutdown tears down its distributed state, including torch's default process group; when
+            # that group is accelerate's (a multi-process job), only vLLM's own groups are released
+            with contextlib.nullcontext() if self._owns_process_group else _keep_default_process_group():
+                llm.llm_engine.engine_core.shutdown()
         except Exception as err:  # noqa: BLE001 - best effort at teardown
             logger.debug("vLLM engine shutdown: %s", err)
         self.llm = None
+        _LIVE.discard(self)
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
@@ -348,6 +363,37 @@ class VLLMEngineGroup:
         if wanted:
             self.llm.wake_up(tags=sorted(wanted))
         self._asleep -= wanted
+
+
+#: Engine groups alive in this process (weakly held): vLLM's external launcher supports one engine per process.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_live_engines() -> None:
+    """Release every engine group still alive in this process (a trainer built after another one)."""
+    for group in list(_LIVE):
+        logger.info("releasing the rollout engine of a previous trainer (vLLM runs one engine per process)")
+        group.close()
+
+
+@contextlib.contextmanager
+def _keep_default_process_group():
+    """During a vLLM shutdown: release vLLM's world group but not torch's default process group."""
+    from vllm.distributed import parallel_state
+
+    original = parallel_state.destroy_distributed_environment
+
+    def release_world_only() -> None:
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+    parallel_state.destroy_distributed_environment = release_world_only
+    try:
+        yield
+    finally:
+        parallel_state.destroy_distributed_environment = original
 
 
 def _sampled_logprobs(source, tokens: Sequence[int]) -> list[float]:
