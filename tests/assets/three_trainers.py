@@ -2,6 +2,7 @@
 process (a notebook, a sweep, an eval after training), without calling close(). Prints TRAINED <i> per trainer."""
 
 import sys
+
 from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
 from trl_nrollout.builtin import digits_dataset, digits_reward
 
