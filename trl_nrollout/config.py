@@ -39,6 +39,7 @@ prefer_cpu_deepspeed()  # before DeepSpeed is imported
 from trl import GRPOConfig  # noqa: E402
 
 from trl_nrollout.advantages import available_estimators  # noqa: E402
+from trl_nrollout.dropin import check_trl_options  # noqa: E402
 from trl_nrollout.layout import LayoutError, RolloutLayout  # noqa: E402
 from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES  # noqa: E402
 
@@ -113,6 +114,9 @@ class NRolloutConfig(GRPOConfig):
         "help": "Dual-clip bound for negative advantages (> 1); None disables it."})
     ratio_level: str | None = field(default=None, metadata={
         "help": "'token' (PPO) or 'sequence' (GSPO) importance ratios (TRL importance_sampling_level)."})
+    use_bias_correction_kl: bool = field(default=False, metadata={
+        "help": "TRL's option: multiply the per-token KL loss by the importance ratio. Off here (verl's KL loss); "
+                "a plain GRPOConfig keeps TRL's default (True)."})
     skip_old_log_prob_when_on_policy: bool = field(default=True, metadata={
         "help": "With one optimizer step per rollout the old policy is the current one: skip the old-policy "
                 "pass and use the detached current log-probs."})
@@ -155,6 +159,8 @@ class NRolloutConfig(GRPOConfig):
     def __post_init__(self) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun; checked below
         self._check_choices()
+        check_trl_options({f.name: getattr(self, f.name) for f in fields(GRPOConfig)})  # nothing silently ignored
+        self._map_trl_options()
         if self.clip_ratio_low is not None:
             self.epsilon = self.clip_ratio_low
         if self.clip_ratio_high is not None:
@@ -163,7 +169,7 @@ class NRolloutConfig(GRPOConfig):
             self.importance_sampling_level = self.ratio_level
         if self.use_kl_loss:
             self.beta = self.kl_loss_coef
-        self.use_vllm = False  # the engines are ours, not TRL's
+        self.use_vllm = False  # the engines are ours, not TRL's (use_vllm=True was mapped onto rollout_backend)
         if self.rollout_tp_size > 1:
             self.vllm_tensor_parallel_size = self.rollout_tp_size
         if self.sequence_parallel_size != 1:
@@ -183,6 +189,44 @@ class NRolloutConfig(GRPOConfig):
             )
 
     # ------------------------------------------------------------------ mapping
+    def _map_trl_options(self) -> None:
+        """TRL options with a verl twin (see :mod:`trl_nrollout.dropin`); a conflicting pair is an error."""
+        def twin(trl_name: str, trl_value, verl_name: str, verl_default) -> None:
+            current = getattr(self, verl_name)
+            if current != verl_default and current != trl_value:
+                raise ValueError(f"{trl_name}={trl_value!r} conflicts with {verl_name}={current!r}; set only one.")
+            setattr(self, verl_name, trl_value)
+
+        if self.vllm_tensor_parallel_size != 1:
+            twin("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size, "rollout_tp_size", 1)
+        if self.vllm_max_model_length is not None:
+            twin("vllm_max_model_length", self.vllm_max_model_length, "rollout_max_model_len", None)
+        scale = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if scale not in ("group", "none", "batch"):
+            raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of 'group', 'batch', 'none' (or "
+                             "True/False); pick one of them.")
+        if scale != "group":
+            if self.adv_estimator != "grpo":
+                raise ValueError(f"scale_rewards={self.scale_rewards!r} applies to adv_estimator='grpo' only (here "
+                                 f"{self.adv_estimator!r}); remove it.")
+            if scale == "none":
+                twin("scale_rewards", False, "norm_adv_by_std_in_grpo", True)
+            else:
+                self.adv_estimator_kwargs = {**(self.adv_estimator_kwargs or {}), "std_scope": "batch"}
+        if self.use_vllm:  # TRL's vLLM generation: our engine group, with TRL's rollout correction when asked
+            if self.rollout_backend == "hf":
+                raise ValueError("use_vllm=True conflicts with rollout_backend='hf'; set only one.")
+            self.rollout_backend = "vllm"
+            if self.vllm_importance_sampling_correction and self.rollout_is is None:
+                level, _, mode = self.vllm_importance_sampling_mode.partition("_")
+                if level not in ("token", "sequence") or mode not in ("mask", "truncate"):
+                    raise ValueError(
+                        f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
+                        "'token_mask', 'token_truncate', 'sequence_mask', 'sequence_truncate'.")
+                self.rollout_is, self.rollout_is_mode = level, mode
+                cap = self.vllm_importance_sampling_cap
+                self.rollout_is_threshold = float(cap if cap is not None else self.vllm_importance_sampling_clip_max)
+
     def _check_choices(self) -> None:
         checks = [
             ("adv_estimator", self.adv_estimator, available_estimators()),
@@ -251,7 +295,14 @@ class NRolloutConfig(GRPOConfig):
                 f"{self.train_batch_size} x rollout_n={layout.rollout_n} = {layout.total_samples}; remove it."
             )
         self.generation_batch_size = None
-        self.steps_per_generation = layout.samples_per_rank // layout.ppo_micro_batch_size_per_device
+        steps = layout.samples_per_rank // layout.ppo_micro_batch_size_per_device
+        if self.steps_per_generation not in (None, steps):
+            raise ValueError(
+                f"steps_per_generation={self.steps_per_generation} conflicts with the verl settings, which give "
+                f"{steps} (samples per rank {layout.samples_per_rank} / ppo_micro_batch_size_per_device "
+                f"{layout.ppo_micro_batch_size_per_device}); remove steps_per_generation."
+            )
+        self.steps_per_generation = steps
         self.ppo_mini_batch_size = layout.ppo_mini_batch_size
         self.ppo_micro_batch_size_per_device = layout.ppo_micro_batch_size_per_device
         self.ppo_epochs = layout.ppo_epochs

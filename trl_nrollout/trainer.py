@@ -32,6 +32,7 @@ from trl_nrollout.advantages import compute_advantages
 from trl_nrollout.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.dropin import UnsupportedTRLOption, check_trainer_args
 from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.losses import AdaptiveKLController, FixedKLController, agg_loss, kl_penalty, policy_loss
@@ -54,8 +55,8 @@ def to_nrollout_config(args: GRPOConfig) -> NRolloutConfig:
     values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.init}
     # post-init derived fields: keep what the user could have set, let the new post-init derive the rest
     values["generation_batch_size"] = None
-    backend = "vllm" if values.pop("use_vllm", False) else "auto"
-    cfg = NRolloutConfig(**values, rollout_backend=backend)
+    # TRL's loss semantics for a TRL config: no dual clip, TRL's k3 KL estimator (use_bias_correction_kl is copied)
+    cfg = NRolloutConfig(**values, clip_ratio_c=None, kl_loss_type="k3")
     return cfg
 
 
@@ -69,6 +70,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, **kwargs) -> None:
+        check_trainer_args(kwargs)  # tools / rollout_func / environment_factory: refused, never ignored
         if isinstance(model, str):
             model = resolve_model(model)
         if args is None:
@@ -83,6 +85,12 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         # HF's TrainingArguments.train_batch_size (per-device samples) is shadowed by verl's train_batch_size
         # (prompts per step) in NRolloutConfig; HF Trainer copied it into _train_batch_size: restore its meaning.
         self._train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)
+        if _is_moe(self.accelerator.unwrap_model(self.model)) and args.router_aux_loss_coef != 0.0:
+            raise UnsupportedTRLOption(
+                f"router_aux_loss_coef={args.router_aux_loss_coef!r} on a mixture-of-experts model: TRL would add the "
+                "router's auxiliary loss, which NRolloutGRPOTrainer does not yet; set router_aux_loss_coef=0.0 to "
+                "train without it, or use trl.GRPOTrainer."
+            )
         self.layout = args.rollout_layout(self.accelerator.num_processes, launch_nodes(self.accelerator.num_processes))
         if args.balance_batch and self.layout.samples_per_rank % self.layout.rollout_n:
             raise ValueError(
@@ -617,6 +625,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         loss = out.loss
         if self.beta != 0.0:
             kl = kl_penalty(logps, inputs["ref_per_token_logps"], args.kl_loss_type)
+            if args.use_bias_correction_kl:  # TRL's option: the KL of tokens sampled from the old policy, reweighted
+                kl = kl * torch.exp(logps - old)
             kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
             loss = loss + self.beta * kl_loss
             self._metric(mode, "actor/kl_loss", ((kl.detach() * mask).sum() / n_tok).item())
@@ -633,6 +643,17 @@ class NRolloutGRPOTrainer(GRPOTrainer):
                 "rewards and the learning rate, or lower clip_ratio_c."
             )
         return loss
+
+
+def _is_moe(model) -> bool:
+    """A mixture-of-experts model: its config declares experts or a router auxiliary loss."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(base, "config", None)
+    if cfg is None:
+        return False
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return any(getattr(cfg, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts",
+                                               "router_aux_loss_coef"))
 
 
 def _mask(completions: list[list[int]], width: int, device: torch.device | str = "cpu") -> Tensor:

@@ -1,0 +1,128 @@
+"""No TRL option is silently ignored (:mod:`trl_nrollout.dropin`): every field GRPOConfig adds to TrainingArguments
+and every GRPOTrainer argument is honored, mapped onto a verl option, or refused at construction with an error
+naming it. This walks TRL 1.16's actual fields, so a TRL upgrade that adds one fails here until it is classified."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+
+import pytest
+from transformers import TrainingArguments
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.dropin import REFUSED_TRAINER_ARGS, TRL_OPTIONS, UnsupportedTRLOption
+
+TRL_FIELDS = [f for f in fields(GRPOConfig) if f.name not in {g.name for g in fields(TrainingArguments)}]
+REFUSED = [name for name, (status, _, _) in TRL_OPTIONS.items() if status == "refused"]
+
+
+def cfg(tmp_path, **kw) -> NRolloutConfig:
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1, rollout_backend="hf",
+                per_device_train_batch_size=4, num_generations=4)
+    return NRolloutConfig(**{**base, **kw})
+
+
+def test_every_grpo_config_field_is_classified():
+    names = {f.name for f in TRL_FIELDS}
+    assert names - set(TRL_OPTIONS) == set(), "classify these in trl_nrollout/dropin.py"
+    assert set(TRL_OPTIONS) - names == set(), "options that GRPOConfig no longer has"
+
+
+def test_every_grpo_trainer_argument_is_classified():
+    ours = set(inspect.signature(__import__("trl_nrollout.trainer", fromlist=["x"]).NRolloutGRPOTrainer.__init__)
+               .parameters) - {"self", "kwargs"}
+    theirs = set(inspect.signature(GRPOTrainer.__init__).parameters) - {"self"}
+    # named by our constructor (honored, passed on to TRL) or refused; quantization_config goes through **kwargs
+    assert theirs - ours - set(REFUSED_TRAINER_ARGS) == {"quantization_config"}
+
+
+def _non_neutral(name: str, neutral):
+    default = next(f for f in TRL_FIELDS if f.name == name)
+    if isinstance(neutral, bool):
+        return not neutral
+    if isinstance(neutral, int | float) and not isinstance(neutral, bool):
+        return neutral + 1.5
+    if neutral is None:
+        return {"generation_kwargs": {"do_sample": False}, "router_aux_loss_coef": 0.01}.get(name, 2)
+    assert isinstance(neutral, str), (name, default)
+    return "something_else"
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_refused_option_is_an_error_naming_it(name, tmp_path):
+    _, neutral, why = TRL_OPTIONS[name]
+    value = _non_neutral(name, neutral)
+    with pytest.raises(UnsupportedTRLOption) as err:
+        cfg(tmp_path, **{name: value})
+    assert f"{name}={value!r} is not supported" in str(err.value) and why in str(err.value)
+    cfg(tmp_path, **{name: neutral})  # TRL's default is accepted
+
+
+@pytest.mark.parametrize("arg", sorted(REFUSED_TRAINER_ARGS))
+def test_refused_trainer_arguments(arg, tmp_path):
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+
+    with pytest.raises(UnsupportedTRLOption, match=f"{arg}= is not supported"):
+        NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=cfg(tmp_path),
+                            train_dataset=digits_dataset(8), **{arg: [lambda x: x] if arg == "tools" else len})
+
+
+def test_mapped_options(tmp_path):
+    assert cfg(tmp_path, scale_rewards="none").norm_adv_by_std_in_grpo is False
+    assert cfg(tmp_path, scale_rewards=False).norm_adv_by_std_in_grpo is False
+    assert cfg(tmp_path, scale_rewards="batch").adv_estimator_kwargs == {"std_scope": "batch"}
+    assert cfg(tmp_path).norm_adv_by_std_in_grpo is True
+    with pytest.raises(ValueError, match="scale_rewards='none' applies to adv_estimator='grpo' only"):
+        cfg(tmp_path, scale_rewards="none", adv_estimator="rloo")
+    assert cfg(tmp_path, vllm_max_model_length=900).rollout_max_model_len == 900
+    with pytest.raises(ValueError, match="vllm_max_model_length=900 conflicts with rollout_max_model_len=800"):
+        cfg(tmp_path, vllm_max_model_length=900, rollout_max_model_len=800)
+    c = cfg(tmp_path, use_vllm=True, rollout_backend="auto")
+    assert (c.rollout_backend, c.rollout_is, c.rollout_is_mode, c.rollout_is_threshold) == ("vllm", "sequence",
+                                                                                           "mask", 3.0)
+    c = cfg(tmp_path, use_vllm=True, rollout_backend="auto", vllm_importance_sampling_mode="token_truncate",
+            vllm_importance_sampling_clip_max=5.0)
+    assert (c.rollout_is, c.rollout_is_mode, c.rollout_is_threshold) == ("token", "truncate", 5.0)
+    assert cfg(tmp_path, use_vllm=True, rollout_backend="auto",
+               vllm_importance_sampling_correction=False).rollout_is is None
+
+
+def test_a_plain_grpo_config_keeps_trls_loss_details(tmp_path):
+    from trl_nrollout.trainer import to_nrollout_config
+
+    c = to_nrollout_config(GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                                      beta=0.04, use_cpu=True, report_to="none"))
+    assert (c.beta, c.kl_loss_type, c.use_bias_correction_kl, c.clip_ratio_c) == (0.04, "k3", True, None)
+    with pytest.raises(UnsupportedTRLOption, match="loss_type='grpo' is not supported"):
+        to_nrollout_config(GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                                      loss_type="grpo", use_cpu=True, report_to="none"))
+
+
+def test_steps_per_generation_conflict_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="steps_per_generation=3 conflicts"):
+        cfg(tmp_path, train_batch_size=8, rollout_n=4, steps_per_generation=3, per_device_train_batch_size=8,
+            num_generations=8)
+
+
+def test_moe_model_needs_router_aux_loss_coef_zero(tmp_path):
+    """TRL adds a MoE router's auxiliary loss by default (router_aux_loss_coef=None: the model's own); ours does not
+    yet, so a MoE model is refused unless the user sets router_aux_loss_coef=0.0."""
+    from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
+    moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=32,
+                                             moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                             num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(UnsupportedTRLOption, match="router_aux_loss_coef=None on a mixture-of-experts model"):
+        NRolloutGRPOTrainer(moe, reward_funcs=[digits_reward], args=cfg(tmp_path), train_dataset=digits_dataset(8),
+                            processing_class=tok)
+    trainer = NRolloutGRPOTrainer(moe, reward_funcs=[digits_reward], args=cfg(tmp_path, router_aux_loss_coef=0.0),
+                                  train_dataset=digits_dataset(8), processing_class=tok)
+    assert trainer.rollout_backend == "hf"

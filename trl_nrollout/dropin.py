@@ -1,0 +1,174 @@
+"""Drop-in means drop-in: every option TRL's ``GRPOConfig`` adds (and every ``GRPOTrainer`` argument) is honored
+with TRL's meaning, mapped onto a verl option, or refused at construction. None is silently ignored.
+
+:data:`TRL_OPTIONS` is the one table: ``name -> (status, neutral value, text)``. ``status``:
+
+- ``"honored"``: the option does what it does in TRL (TRL's own code still runs for it, or ours reads it);
+- ``"mapped"``: our code reads it through a verl option (the text names it);
+- ``"refused"``: our rollout stage does not implement it; any value other than the neutral one (TRL's default,
+  at which TRL behaves as we do) raises :class:`UnsupportedTRLOption` naming the option, the value, why, and what
+  to use instead.
+
+docs/migrating.md's table is generated from it (``scripts/gen_config_docs.py``) and a test walks every field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ANY = object()  # no neutral value: the option is honored or mapped, whatever its value
+
+#: name -> (status, neutral value for refused options, what we do / why / what instead)
+TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
+    # ---------------------------------------------------------------- models and data (TRL's __init__ runs)
+    "model_init_kwargs": ("honored", _ANY, "TRL loads the policy (and reference, reward models) with them."),
+    "trust_remote_code": ("honored", _ANY, "TRL passes it when loading models."),
+    "disable_dropout": ("honored", _ANY, "TRL's __init__ disables dropout in the models."),
+    "cast_lm_head_to_fp32": ("honored", _ANY, "TRL's __init__ casts the head; our fused-head forward uses it."),
+    "shuffle_dataset": ("honored", _ANY, "TRL's sampler."),
+    "chat_template_kwargs": ("honored", _ANY, "TRL's prompt tokenization, which our rollout calls."),
+    "sync_ref_model": ("honored", _ANY, "TRL's SyncRefModelCallback (TR-DPO) on the reference model."),
+    "ref_model_mixup_alpha": ("honored", _ANY, "TRL's SyncRefModelCallback."),
+    "ref_model_sync_steps": ("honored", _ANY, "TRL's SyncRefModelCallback."),
+    "reward_weights": ("honored", _ANY, "Weights of the reward functions in the summed reward."),
+    "num_generations_eval": ("honored", _ANY, "Samples per prompt in evaluation."),
+    "max_completion_length": ("honored", _ANY, "The engines' max_tokens; also the Dr. GRPO length norm."),
+    "temperature": ("honored", _ANY, "Sampling, and the log-prob passes (logits / temperature)."),
+    "top_p": ("honored", _ANY, "Sampling."),
+    "top_k": ("honored", _ANY, "Sampling (0: off)."),
+    "min_p": ("honored", _ANY, "Sampling (None: off)."),
+    "repetition_penalty": ("honored", _ANY, "Sampling."),
+    "ds3_gather_for_generation": ("honored", _ANY, "HF engine under ZeRO-3; the vLLM engines sync in buckets."),
+    "vllm_enable_sleep_mode": ("honored", _ANY, "vLLM sleep mode around training (CUDA)."),
+    "vllm_gpu_memory_utilization": ("honored", _ANY, "Fraction of GPU memory each vLLM engine may use."),
+    "entropy_coef": ("honored", _ANY, "Entropy bonus weight (aggregated like the policy loss)."),
+    "use_bias_correction_kl": ("honored", _ANY, "With beta != 0: the per-token KL is multiplied by the "
+                                                "importance ratio, as in TRL."),
+    "log_multimodal": ("honored", _ANY, "No effect: completions tables are not logged (log_completions)."),
+    # ---------------------------------------------------------------- mapped onto verl's vocabulary
+    "num_generations": ("mapped", _ANY, "rollout_n"),
+    "generation_batch_size": ("mapped", _ANY, "train_batch_size x rollout_n"),
+    "steps_per_generation": ("mapped", _ANY, "samples per rank / ppo_micro_batch_size_per_device"),
+    "num_iterations": ("mapped", _ANY, "ppo_epochs"),
+    "epsilon": ("mapped", _ANY, "clip_ratio_low"),
+    "epsilon_high": ("mapped", _ANY, "clip_ratio_high"),
+    "importance_sampling_level": ("mapped", _ANY, "ratio_level"),
+    "beta": ("mapped", _ANY, "use_kl_loss + kl_loss_coef (a plain GRPOConfig keeps TRL's k3 estimator)"),
+    "vllm_tensor_parallel_size": ("mapped", _ANY, "rollout_tp_size"),
+    "vllm_max_model_length": ("mapped", _ANY, "rollout_max_model_len"),
+    "use_vllm": ("mapped", _ANY, "rollout_backend ('vllm' when True; our engine group, not TRL's)"),
+    "scale_rewards": ("mapped", _ANY, "'group'/True: norm_adv_by_std_in_grpo=True; 'none'/False: False "
+                                      "(Dr. GRPO); 'batch': adv_estimator_kwargs std_scope='batch'"),
+    "vllm_importance_sampling_correction": ("mapped", _ANY, "rollout_is (with use_vllm=True, as in TRL)"),
+    "vllm_importance_sampling_mode": ("mapped", _ANY, "rollout_is ('token'/'sequence') + rollout_is_mode "
+                                                      "('mask'/'truncate')"),
+    "vllm_importance_sampling_clip_max": ("mapped", _ANY, "rollout_is_threshold"),
+    "vllm_importance_sampling_cap": ("mapped", _ANY, "rollout_is_threshold (TRL's deprecated alias)"),
+    # ---------------------------------------------------------------- refused (not implemented by our stage)
+    "loss_type": ("refused", "dapo", "our policy loss is token-mean PPO (TRL's 'dapo'); other TRL loss types are "
+                                     "not implemented yet: use loss_agg_mode ('seq-mean-token-mean' is GRPO's, "
+                                     "'seq-mean-token-sum-norm' Dr. GRPO's) with NRolloutConfig"),
+    "delta": ("refused", None, "TRL's two-sided ratio clip is not implemented; NRolloutConfig's clip_ratio_c "
+                               "(dual clip) is the closest"),
+    "sapo_temperature_neg": ("refused", 1.05, "only used by loss_type='sapo', which is not implemented"),
+    "sapo_temperature_pos": ("refused", 1.0, "only used by loss_type='sapo', which is not implemented"),
+    "vespo_k_pos": ("refused", 2.0, "only used by loss_type='vespo', which is not implemented"),
+    "vespo_lambda_pos": ("refused", 3.0, "only used by loss_type='vespo', which is not implemented"),
+    "vespo_k_neg": ("refused", 3.0, "only used by loss_type='vespo', which is not implemented"),
+    "vespo_lambda_neg": ("refused", 2.0, "only used by loss_type='vespo', which is not implemented"),
+    "multi_objective_aggregation": ("refused", "sum_then_normalize", "rewards are summed with reward_weights "
+                                                                     "then normalized (TRL's default) only"),
+    "mask_truncated_completions": ("refused", False, "not implemented yet by our rollout stage"),
+    "top_entropy_quantile": ("refused", 1.0, "entropy-quantile token masking is not implemented yet"),
+    "use_adaptive_entropy": ("refused", False, "the adaptive entropy coefficient is not implemented; use a "
+                                               "fixed entropy_coef"),
+    "entropy_coef_min": ("refused", 0.0, "only used by use_adaptive_entropy, which is not implemented"),
+    "entropy_coef_max": ("refused", 1.0, "only used by use_adaptive_entropy, which is not implemented"),
+    "entropy_coef_delta": ("refused", 0.005, "only used by use_adaptive_entropy, which is not implemented"),
+    "entropy_target": ("refused", 0.2, "only used by use_adaptive_entropy, which is not implemented"),
+    "router_aux_loss_coef": ("refused", None, "the MoE router auxiliary loss is not added by our loss yet; "
+                                              "None is accepted for dense models only"),
+    "pad_to_multiple_of": ("refused", "auto", "rollout tensors are padded to the batch's longest sequence only"),
+    "generation_kwargs": ("refused", None, "our engines take temperature/top_p/top_k/min_p/repetition_penalty "
+                                           "only; other generation options are not passed"),
+    "cache_implementation": ("refused", None, "not passed to our engines"),
+    "max_tool_calling_iterations": ("refused", None, "tool calling (tools=) is not implemented yet"),
+    "vllm_importance_sampling_clip_min": ("refused", None, "rollout_is has no lower bound"),
+    "off_policy_mask_threshold": ("refused", None, "off-policy sequence masking is not implemented; "
+                                                   "rollout_is='sequence' with rollout_is_mode='mask' is close"),
+    "log_completions": ("refused", False, "completion tables are not collected by our rollout stage yet"),
+    "num_completions_to_print": ("refused", None, "only used by log_completions, which is not implemented"),
+    "log_unique_prompts": ("refused", False, "only used by log_completions, which is not implemented"),
+    "log_completions_hub_repo": ("refused", None, "only used by log_completions, which is not implemented"),
+    "vllm_mode": ("refused", "colocate", "our engines are always colocated with the trainer; a separate "
+                                         "`trl vllm-serve` server is not supported"),
+    "vllm_model_impl": ("refused", "vllm", "our engines use vLLM's own model implementations"),
+    "vllm_structured_outputs_regex": ("refused", None, "structured (regex-constrained) outputs are not passed to "
+                                                       "our engines"),
+    "vllm_server_base_url": ("refused", None, "server mode is not supported (vllm_mode)"),
+    "vllm_server_host": ("refused", "0.0.0.0", "server mode is not supported (vllm_mode)"),
+    "vllm_server_port": ("refused", 8000, "server mode is not supported (vllm_mode)"),
+    "vllm_server_timeout": ("refused", 240.0, "server mode is not supported (vllm_mode)"),
+    "vllm_group_port": ("refused", 51216, "server mode is not supported (vllm_mode)"),
+    "use_transformers_continuous_batching": ("refused", False, "generation is ours (rollout_backend)"),
+    "transformers_continuous_batching_config": ("refused", None, "generation is ours (rollout_backend)"),
+    "use_transformers_paged": ("refused", False, "generation is ours (rollout_backend)"),
+}
+
+#: GRPOTrainer constructor arguments our rollout stage does not implement yet (refused when given).
+REFUSED_TRAINER_ARGS: dict[str, str] = {
+    "tools": "tool calling (multi-turn rollouts) is not implemented by our engines yet",
+    "rollout_func": "a custom rollout function would replace our engine group; not supported",
+    "environment_factory": "environments (multi-turn rollouts) are not implemented by our engines yet",
+}
+
+
+class UnsupportedTRLOption(ValueError):
+    """A TRL option our rollout stage does not implement was set; the message says why and what to use."""
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    if isinstance(neutral, float) and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value) == neutral
+    return value == neutral
+
+
+def check_trl_options(values: dict[str, Any]) -> None:
+    """Raise :class:`UnsupportedTRLOption` for the first refused option whose value is not its neutral one."""
+    for name, (status, neutral, why) in TRL_OPTIONS.items():
+        if status != "refused" or name not in values:
+            continue
+        value = values[name]
+        if name == "pad_to_multiple_of" and value is None:
+            continue  # 'auto' resolves to None off Neuron devices: the same
+        if name == "router_aux_loss_coef" and value in (None, 0, 0.0):
+            continue  # None on a dense model, 0.0 anywhere: no auxiliary loss (the trainer checks MoE models)
+        if not _same(value, neutral):
+            raise UnsupportedTRLOption(
+                f"{name}={value!r} is not supported by NRolloutGRPOTrainer: {why}. Remove it (TRL's default "
+                f"{neutral!r} is what our rollout stage does), or use trl.GRPOTrainer for this option."
+            )
+
+
+def check_trainer_args(kwargs: dict[str, Any]) -> None:
+    """Refuse GRPOTrainer constructor arguments we do not implement (see :data:`REFUSED_TRAINER_ARGS`)."""
+    for name, why in REFUSED_TRAINER_ARGS.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedTRLOption(
+                f"{name}= is not supported by NRolloutGRPOTrainer: {why}. Remove it, or use trl.GRPOTrainer for "
+                "this script."
+            )
+
+
+def options_table() -> list[tuple[str, str, str]]:
+    """(option, status, what) rows for docs/migrating.md."""
+    rows = []
+    for name, (status, neutral, text) in TRL_OPTIONS.items():
+        if status == "refused":
+            rows.append((name, f"refused unless {neutral!r}", text))
+        elif status == "mapped":
+            rows.append((name, "mapped", text))
+        else:
+            rows.append((name, "honored", text))
+    rows += [(name, "refused when given", why) for name, why in REFUSED_TRAINER_ARGS.items()]
+    return rows
