@@ -319,3 +319,40 @@ def test_three_trainers_one_after_another_in_one_process(tmp_path):
                    timeout=400, env=ENV)
     assert [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("TRAINED")] == ["0", "1", "2"]
     assert "OLD ENGINE: this rollout engine was closed" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_auto_backend_falls_back_when_vllm_cannot_run_the_model(tmp_path, caplog):
+    """vLLM's CPU backend has no attention kernel for head_dim=24 (it fails only when the model runs): 'auto'
+    falls back to the HF engine with one warning saying why and trains; an explicit 'vllm' is an error naming the
+    model, the reason and the fallback."""
+    import logging
+
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
+    folder = tmp_path / "head24"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+    def args(backend):
+        return NRolloutConfig(output_dir=str(tmp_path / backend), train_batch_size=4, rollout_n=4,
+                              max_completion_length=4, max_steps=1, rollout_backend=backend, report_to="none",
+                              use_cpu=True, bf16=False, save_strategy="no", logging_steps=1)
+
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
+        trainer = NRolloutGRPOTrainer(str(folder), reward_funcs=[digits_reward], args=args("auto"),
+                                      train_dataset=digits_dataset(16))
+    assert trainer.rollout_backend == "hf"
+    assert any("vLLM cannot run" in r.message and "head_dim=24" in r.getMessage() for r in caplog.records)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    with pytest.raises(RuntimeError, match=r"vLLM cannot run .*head24.*head_dim=24.*rollout_backend='hf'"):
+        NRolloutGRPOTrainer(str(folder), reward_funcs=[digits_reward], args=args("vllm"),
+                            train_dataset=digits_dataset(16))

@@ -103,11 +103,11 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
             self.ref_model = self._build_ref_model()
         self.rollout_backend = self._pick_backend(args.rollout_backend)
-        self.rollout_engine = self._build_engine()
+        self.rollout_engine = self._start_engine(args.rollout_backend)
         self.generation_clock = GenerationClock()
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
             self.add_callback(LiveProgressCallback)
-        self._last_synced_step: int | None = None
+        self._last_synced_step: int | None = 0 if self.rollout_backend == "vllm" else None  # synced at start
         self._rollout_tokens_local = 0
         self._last_step_end = time.perf_counter()
         self._update_time = 0.0
@@ -148,6 +148,36 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         inner = self.accelerator.unwrap_model(self.model)
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         return base.config._name_or_path or base.name_or_path
+
+    def _start_engine(self, choice: str):
+        """Build the engine; a vLLM engine is checked at once (a weight sync and a one-token generation), because
+        vLLM on some platforms refuses some models only when they run (an attention head size the CPU backend
+        lacks, a MoE layout without a kernel, parameter names it cannot map). With rollout_backend='auto' such a
+        model falls back to the HF engine with one warning saying why (on every rank alike); with 'vllm' it is an
+        error naming the model, the reason and the fallback."""
+        engine = self._build_engine()
+        if self.rollout_backend != "vllm":
+            return engine
+        error = ""
+        try:
+            engine.load_weights(self.model)
+            engine.generate_engine([[self._tokenizer.eos_token_id or 0]], 1, SamplingOptions(max_tokens=1))
+        except Exception as err:  # noqa: BLE001 - reported (or re-raised) below with the model's name
+            error = f"{type(err).__name__}: {err}"
+        errors = [e for e in gather_object([error]) if e]
+        if not errors:
+            return engine
+        engine.close()
+        model = self._model_path()
+        if choice == "vllm":
+            raise RuntimeError(
+                f"vLLM cannot run {model!r} here: {errors[0]}. Use rollout_backend='hf' (transformers generate) "
+                "for this model, or rollout_backend='auto' to fall back to it automatically."
+            )
+        logger.warning("rollout_backend='auto': vLLM cannot run %r here (%s); using the HF engine (transformers "
+                       "generate) instead. Set rollout_backend='hf' to skip this check.", model, errors[0][:300])
+        self.rollout_backend = "hf"
+        return self._build_engine()
 
     def _build_engine(self):
         args: NRolloutConfig = self.args
