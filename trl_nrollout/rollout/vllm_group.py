@@ -347,7 +347,7 @@ class VLLMEngineGroup:
         global _SLEEP_NOTICE_SHOWN
         if not self.enable_sleep_mode:
             if not _SLEEP_NOTICE_SHOWN:
-                logger.warning("vLLM sleep mode is %s: engines keep their memory during training.",
+                logger.info("vLLM sleep mode is %s: engines keep their memory during training.",
                                "not available on CPU" if self.cpu else "off (enable_sleep_mode=False)")
                 _SLEEP_NOTICE_SHOWN = True
             return
