@@ -92,6 +92,15 @@ def test_default_run_learns_and_reports(one_process_run):
                 "rewards/digits_reward/mean", "critic/advantages/mean", "actor/pg_clipfrac", "actor/ppo_kl",
                 "actor/entropy", "rollout_corr/logprob_abs_diff_mean", "rollout_corr/kl"):
         assert key in step, key
+    # TRL's metric names beside verl's, with the same values (a TRL dashboard keeps working)
+    for h in one_process_run["steps"]:
+        assert h["completions/mean_length"] == h["response_length/mean"]
+        assert h["completions/max_length"] == h["response_length/max"]
+        assert h["completions/clipped_ratio"] == h["response_length/clip_ratio"]
+        assert h["entropy"] == h["actor/entropy"] and h["policy_loss"] == h["actor/pg_loss"]
+        assert h["sampling/sampling_logp_difference/max"] == h["rollout_corr/logprob_abs_diff_max"]
+        assert 0 <= h["frac_reward_zero_std"] <= 1 and h["completions/min_length"] <= h["completions/max_length"]
+        assert 0 <= h["clip_ratio/low_mean"] <= h["clip_ratio/region_mean"] <= 1 and h["num_tokens"] > 0
     # the engine's log-probs are the trainer's: the drift stays at float32 noise
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in one_process_run["steps"]) < 1e-3
 
@@ -182,6 +191,7 @@ def test_peft_lora_with_kl_loss_and_vllm_sync(tmp_path):
     assert len(steps) == 3
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 1e-4
     assert steps[0]["actor/kl_loss"] < 1e-5 < steps[-1]["actor/kl_loss"]
+    assert all(h["kl"] == h["actor/kl_loss"] for h in steps)  # TRL's name, same value
 
 
 @pytest.mark.slow

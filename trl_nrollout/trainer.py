@@ -251,6 +251,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
 
     def _sync_weights(self, mode: str) -> None:
         if self._last_synced_step == self.state.global_step:
+            self._metric(mode, "timing_s/weight_sync", 0.0)  # the engine already holds these weights
             return
         start = time.perf_counter()
         stats = self.rollout_engine.load_weights(self.model)
@@ -482,7 +483,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         self._metric(mode, "timing_s/adv", time.perf_counter() - t)
 
         # ---- metrics of the whole step
-        self._log_rollout_metrics(mode, rewards, scores, advantages, resp_mask, records)
+        self._log_rollout_metrics(mode, rewards, scores, advantages, resp_mask, records, n)
         self._metric(mode, "timing_s/rollout_total", time.perf_counter() - step_start)
         self._rollout_tokens_local = sum(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
 
@@ -526,7 +527,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         rewards = self._score(unique, prompts, completions, batch.completion_ids)
         return self._weighted(rewards).repeat_interleave(n)  # [prompts of the job] -> [G]
 
-    def _log_rollout_metrics(self, mode, rewards, scores, advantages, resp_mask, records) -> None:
+    def _log_rollout_metrics(self, mode, rewards, scores, advantages, resp_mask, records, n: int) -> None:
+        """verl's metric names, and TRL's beside them (same values), so either dashboard keeps working."""
         for i, name in enumerate(self.reward_func_names):
             self._metric(mode, f"rewards/{name}/mean", rewards[:, i].mean().item())
             self._metric(mode, f"rewards/{name}/std", rewards[:, i].std().item() if len(rewards) > 1 else 0.0)
@@ -537,7 +539,20 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         self._metric(mode, "response_length/max", lengths.max().item())
         self._metric(mode, "response_length/clip_ratio",
                      sum(r[3] == "length" for r in records) / max(1, len(records)))
+        # TRL's names for the same figures
+        truncated = torch.tensor([r[3] == "length" for r in records])
         self._metric(mode, "completions/mean_length", lengths.mean().item())
+        self._metric(mode, "completions/min_length", lengths.min().item())
+        self._metric(mode, "completions/max_length", lengths.max().item())
+        self._metric(mode, "completions/clipped_ratio", truncated.float().mean().item())
+        terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+        self._metric(mode, "completions/mean_terminated_length", terminated.mean().item())
+        self._metric(mode, "completions/min_terminated_length", terminated.min().item())
+        self._metric(mode, "completions/max_terminated_length", terminated.max().item())
+        if n > 1 and len(scores) % n == 0:
+            group_std = scores.view(-1, n).std(-1)
+            self._metric(mode, "frac_reward_zero_std",
+                         torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item())
         valid = advantages[resp_mask.bool()]
         if valid.numel():
             self._metric(mode, "critic/advantages/mean", valid.mean().item())
@@ -545,6 +560,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             self._metric(mode, "critic/advantages/min", valid.min().item())
         if mode == "train":
             self.state.num_input_tokens_seen += int(sum(len(r[0]) + len(r[1]) for r in records))
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
 
     # ------------------------------------------------------------------ buffering with loss normalizers
     def _prepare_inputs(self, generation_batch):
@@ -631,8 +647,12 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         rollout = inputs["sampling_per_token_logps"]
         diff = (old - rollout) * mask
         n_tok = mask.sum().clamp(min=1)
-        self._metric(mode, "rollout_corr/logprob_abs_diff_mean", (diff.abs().sum() / n_tok).item())
-        self._metric(mode, "rollout_corr/logprob_abs_diff_max", diff.abs().max().item() if mask.any() else 0.0)
+        drift_mean = (diff.abs().sum() / n_tok).item()
+        drift_max = diff.abs().max().item() if mask.any() else 0.0
+        self._metric(mode, "rollout_corr/logprob_abs_diff_mean", drift_mean)
+        self._metric(mode, "rollout_corr/logprob_abs_diff_max", drift_max)
+        self._metric(mode, "sampling/sampling_logp_difference/mean", drift_mean)  # TRL's names
+        self._metric(mode, "sampling/sampling_logp_difference/max", drift_max)
         self._metric(mode, "rollout_corr/kl", ((kl_penalty(rollout, old, "k3") * mask).sum() / n_tok).item())
         weights = None
         if args.rollout_is is not None:
@@ -662,6 +682,18 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             self._metric(mode, "actor/kl_loss", ((kl.detach() * mask).sum() / n_tok).item())
         if args.entropy_coef:
             loss = loss - args.entropy_coef * agg_loss(entropies, mask, args.loss_agg_mode, **agg)
+        # TRL's names beside verl's (same values): policy_loss, kl, entropy, clip_ratio/*
+        ratio = torch.exp((logps - old).detach())
+        adv = inputs["advantages"]
+        low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
+        high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
+        self._metric(mode, "clip_ratio/low_mean", ((low * mask).sum() / n_tok).item())
+        self._metric(mode, "clip_ratio/high_mean", ((high * mask).sum() / n_tok).item())
+        self._metric(mode, "clip_ratio/region_mean", (((low + high).clamp(max=1) * mask).sum() / n_tok).item())
+        self._metric(mode, "policy_loss", out.loss.item())
+        self._metric(mode, "entropy", ((entropies.detach() * mask).sum() / n_tok).item())
+        if self.beta != 0.0:
+            self._metric(mode, "kl", ((kl.detach() * mask).sum() / n_tok).item())
         self._metric(mode, "actor/pg_loss", out.loss.item())
         self._metric(mode, "actor/pg_clipfrac", out.clipfrac.item())
         self._metric(mode, "actor/pg_clipfrac_lower", out.clipfrac_lower.item())
