@@ -144,6 +144,7 @@ def test_cpu_sleep_is_a_no_op_and_weights_still_reload(tiny_model_path):
 def test_barrier_before_tp_generation_on_gpus_only(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: seen.append(k))
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "nccl")
     g = _group(cpu=False, sleep=False)
     g._dist, g.local_rank = True, 3
     g.layout = RolloutLayout.build(num_processes=2, rollout_tp_size=2, train_batch_size=2, rollout_n=2)

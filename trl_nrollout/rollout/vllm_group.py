@@ -193,7 +193,8 @@ class VLLMEngineGroup:
         them (TRL does the same for LoRA + TP > 1, its issue #3671; we do it for every model: one barrier per
         rollout). On CPU the TP gather below, over gloo, already orders the ranks."""
         if self._dist and self.layout.rollout_tp_size > 1 and not self.cpu:
-            torch.distributed.barrier(device_ids=[self.local_rank])
+            nccl = torch.distributed.get_backend() == "nccl"  # device_ids is an NCCL-only argument
+            torch.distributed.barrier(**({"device_ids": [self.local_rank]} if nccl else {}))
 
     def _check_lengths(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
         """A prompt that leaves no room for ``max_tokens`` would be cut short silently by vLLM (or rejected with
