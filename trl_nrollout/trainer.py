@@ -265,6 +265,9 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         prompts (text or messages) per sample."""
         prompts = [x["prompt"] for x in inputs]
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        if self.rollout_backend == "vllm":  # a too-long prompt on one rank: every rank stops with the error, none hangs
+            longest = max(gather_object([max((len(p) for p in prompt_ids), default=0)]))
+            self.rollout_engine._check_lengths([[0] * longest], sampling.max_tokens)
         start = time.perf_counter()
         batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
                                                       sample_offset=self.accelerator.process_index * len(inputs))
