@@ -115,3 +115,21 @@ def test_engine_length_beyond_the_models_context_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"rollout_max_model_len=5000 exceeds the model's context length \(1024"):
         NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
                             train_dataset=digits_dataset(8))
+
+
+@pytest.mark.vllm
+def test_a_prompt_too_long_for_the_engine_is_a_clear_error(tmp_path):
+    """A prompt that leaves no room for max_completion_length within the engine's length: vLLM would cut the
+    completion short without a word; the rollout stops with the options that fix it (on every rank alike)."""
+    from datasets import Dataset
+
+    from trl_nrollout import NRolloutGRPOTrainer
+
+    args = cfg(tmp_path, rollout_backend="vllm", rollout_max_model_len=128, per_device_train_batch_size=4,
+               num_generations=4)
+    trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": ["write a number " * 60] * 8}))
+    with pytest.raises(ValueError, match=r"max_completion_length=6 exceeds the engine's max_model_len=128 "
+                                         r"\(rollout_max_model_len\)"):
+        trainer.train()
+    trainer.close()
