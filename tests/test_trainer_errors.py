@@ -68,14 +68,57 @@ def test_a_raising_reward_function_is_named_with_its_sample(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_rewards_follow_the_policy(tmp_path):
+def test_none_means_not_applicable_and_nan_follows_the_policy(tmp_path, caplog):
+    """As in TRL, None means "this reward does not apply": a sample no function applies to is unscorable (a warning,
+    no advantage, left out of the logged reward); a NaN that a function computes is a bug: an error by default."""
+    import logging
+    import math
+
+    from tests.assets.rewards_for_tests import nan_for_all
     from trl_nrollout.trainer import RewardFunctionError
 
-    with pytest.raises(RewardFunctionError, match="reward_nan_policy='zero'"):
-        _trainer(tmp_path / "a", none_for_all).train()
-    trainer = _trainer(tmp_path / "b", none_for_all, reward_nan_policy="zero")
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
+        trainer = _trainer(tmp_path / "a", none_for_all)
+        trainer.train()
+    step = [h for h in trainer.state.log_history if "reward" in h][0]
+    assert step["reward"] is None or math.isnan(step["reward"])  # no scorable sample: no mean (logged as None)
+    assert step["critic/advantages/max"] == 0.0 and math.isfinite(step.get("loss", step.get("train_loss")))
+    assert any("every reward function returned None" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RewardFunctionError, match=r"'nan_for_all' returned nan \(NaN/inf\).*reward_nan_policy='zero'"):
+        _trainer(tmp_path / "b", nan_for_all).train()
+    trainer = _trainer(tmp_path / "c", nan_for_all, reward_nan_policy="zero")
     trainer.train()
     assert [h["reward"] for h in trainer.state.log_history if "reward" in h] == [0.0]
+
+
+@pytest.mark.slow
+def test_none_rewards_are_combined_as_trl_combines_them(tmp_path, monkeypatch):
+    """TRL's GRPOTrainer and ours on the same tiny model, data and seed, with two reward functions that depend on
+    the prompt only and return None for some prompts: the logged rewards (NaN-aware sum over functions, mean over
+    scorable samples, per-function means over the samples each applies to) are the same."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    import trl_nrollout.trainer as trainer_module
+    from tests.assets.rewards_for_tests import prompt_bonus, prompt_score
+    from trl_nrollout.builtin import resolve_model
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)  # the HF engine on both sides
+    model = resolve_model("builtin:tiny-qwen2")
+    logs = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=4, max_steps=2, use_cpu=True, report_to="none", bf16=False,
+                          save_strategy="no", logging_steps=1, seed=3, reward_weights=[1.0, 2.0])
+        trainer = cls(model=model, reward_funcs=[prompt_score, prompt_bonus], args=args,
+                      train_dataset=digits_dataset(32))
+        trainer.train()
+        logs[name] = [h for h in trainer.state.log_history if "reward" in h]
+    keys = ["reward", "rewards/prompt_score/mean", "rewards/prompt_bonus/mean"]
+    assert len(logs["trl"]) == len(logs["ours"]) == 2
+    for theirs, ours in zip(logs["trl"], logs["ours"]):
+        for key in keys:
+            assert ours[key] == pytest.approx(theirs[key], abs=1e-6, nan_ok=True), key
 
 
 @pytest.mark.slow

@@ -13,11 +13,18 @@ from collections.abc import Sequence
 
 
 def constant_groups(rewards: Sequence[float], group_of: Sequence[int]) -> set[int]:
-    """Ids of the groups whose samples all have the same reward (a group of one sample counts as constant)."""
+    """Ids of the groups whose samples all have the same reward (a group of one sample counts as constant).
+
+    NaN rewards (samples no reward function applied to) are left out: a group with one scorable sample or none is
+    constant."""
     first: dict[int, float] = {}
     varied: set[int] = set()
+    for g in group_of:
+        first.setdefault(g, float("nan"))
     for r, g in zip(rewards, group_of):
-        if g not in first:
+        if r != r:  # NaN
+            continue
+        if first[g] != first[g]:
             first[g] = r
         elif r != first[g]:
             varied.add(g)

@@ -121,7 +121,9 @@ class NRolloutConfig(GRPOConfig):
         "help": "With one optimizer step per rollout the old policy is the current one: skip the old-policy "
                 "pass and use the detached current log-probs."})
     reward_nan_policy: str = field(default="error", metadata={
-        "help": "A NaN/None reward: 'error' (stop, naming the function and sample) or 'zero'."})
+        "help": "A NaN or inf that a reward function computes (a bug): 'error' (stop, naming the function and "
+                "sample) or 'zero'. None is not affected: as in TRL it means the function does not apply to the "
+                "sample (left out of the sum; a sample no function applies to gets no advantage)."})
 
     # ---------------------------------------------------------------- verl features
     filter_groups: bool = field(default=False, metadata={

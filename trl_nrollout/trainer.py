@@ -297,13 +297,20 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         return values
 
     def _weighted(self, rewards: Tensor) -> Tensor:
-        """The reward of each sample ``[G]``: the reward functions' outputs ``[G, F]`` weighted by reward_weights."""
-        return (rewards * self.reward_weights.cpu()).sum(-1)
+        """The reward of each sample ``[G]``: the reward functions' outputs ``[G, F]`` weighted by reward_weights.
 
-    def _score_local(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list) -> Tensor:
-        """Rewards ``[B_local, F]`` of this rank's samples; errors are collected, not raised (see _score)."""
+        As in TRL, a function that returned None for a sample (NaN here) does not apply to it: the weighted sum skips
+        it; a sample for which no function applies is unscorable and gets NaN (no advantage, not in the stats)."""
+        weighted = torch.nansum(rewards * self.reward_weights.cpu(), dim=-1)
+        return weighted.masked_fill(torch.isnan(rewards).all(dim=-1), float("nan"))
+
+    def _score_local(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list
+                     ) -> tuple[Tensor, Tensor]:
+        """Rewards ``[B_local, F]`` of this rank's samples (None -> NaN) and where a function returned None
+        ``[B_local, F]``; errors are collected, not raised (see _score)."""
         kwargs = self._reward_kwargs(inputs)
         out = torch.zeros(len(prompts), len(self.reward_funcs))
+        none = torch.zeros(len(prompts), len(self.reward_funcs), dtype=torch.bool)
         for i, (func, proc, name) in enumerate(zip(self.reward_funcs, self.reward_processing_classes,
                                                    self.reward_func_names)):
             if isinstance(func, torch.nn.Module):
@@ -323,7 +330,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
                     "return one reward (or None) per completion."
                 )
             out[:, i] = torch.tensor([float("nan") if v is None else float(v) for v in values])
-        return out
+            none[:, i] = torch.tensor([v is None for v in values])
+        return out, none
 
     def _diagnose(self, exc: Exception, inputs, prompts, completions, completion_ids) -> str:
         """Find which reward function and which sample raised, by calling them one sample at a time."""
@@ -347,27 +355,37 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         function and the sample.
         """
         error = ""
+        self._last_prompts = gather_object(list(prompts))
+        empty = torch.zeros(len(prompts), len(self.reward_funcs))
         try:
-            local = self._score_local(inputs, prompts, completions, completion_ids)
+            local, none = self._score_local(inputs, prompts, completions, completion_ids)
         except RewardFunctionError as e:
-            error, local = str(e), torch.zeros(len(prompts), len(self.reward_funcs))
+            error, local, none = str(e), empty, empty.bool()
         except Exception as e:  # noqa: BLE001
             error = self._diagnose(e, inputs, prompts, completions, completion_ids)
-            local = torch.zeros(len(prompts), len(self.reward_funcs))
+            local, none = empty, empty.bool()
         errors = [e for e in gather_object([error]) if e]
         if errors:
             raise RewardFunctionError(errors[0])
-        rewards = gather(local.to(self.accelerator.device)).cpu()
-        bad = torch.isnan(rewards) | torch.isinf(rewards)
+        dev = self.accelerator.device
+        rewards = gather(local.to(dev)).cpu()
+        none = gather(none.to(dev).float()).cpu().bool()
+        # None: "does not apply to this sample" (TRL's meaning), kept as NaN; a NaN or inf a function computed is a bug
+        bad = (torch.isnan(rewards) | torch.isinf(rewards)) & ~none
         if bad.any():
             row, col = (int(x) for x in bad.nonzero()[0])
             if self.args.reward_nan_policy == "error":
                 raise RewardFunctionError(
-                    f"reward function '{self.reward_func_names[col]}' returned {rewards[row, col].item()} (None/NaN/inf)"
-                    f" for sample {row} of the step; fix the function or set reward_nan_policy='zero' to count such "
-                    "rewards as 0."
+                    f"reward function '{self.reward_func_names[col]}' returned {rewards[row, col].item()} (NaN/inf) "
+                    f"for sample {row} of the step; fix the function (return None where a reward does not apply) or "
+                    "set reward_nan_policy='zero' to count such rewards as 0."
                 )
             rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
+        if none.all(dim=-1).any():
+            row = int(none.all(dim=-1).nonzero()[0])
+            logger.warning("every reward function returned None for sample %d of the step (prompt %r): it gets no "
+                           "advantage; make sure at least one reward function applies to each sample.", row,
+                           str(self._last_prompts[row] if row < len(self._last_prompts) else "")[:200])
         return rewards
 
     def _one_round(self, inputs: list[dict], n: int, mode: str, round_: int = 0) -> dict:
@@ -482,7 +500,18 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         if args.adv_estimator == "remax":
             options["reward_baselines"] = self._greedy_baselines(inputs, n, mode)
         index = [i // n for i in range(len(records))]
-        advantages, _ = compute_advantages(args.adv_estimator, token_rewards, resp_mask, index, **options)
+        scorable = ~torch.isnan(scores)
+        if scorable.all():
+            advantages, _ = compute_advantages(args.adv_estimator, token_rewards, resp_mask, index, **options)
+        else:  # as TRL: unscorable samples (no reward function applied) are left out of the baselines, advantage 0
+            keep = scorable.nonzero().squeeze(-1)
+            if "reward_baselines" in options:
+                options["reward_baselines"] = options["reward_baselines"][keep]
+            advantages = torch.zeros_like(token_rewards)
+            if keep.numel():
+                advantages[keep], _ = compute_advantages(args.adv_estimator, token_rewards[keep], resp_mask[keep],
+                                                         [index[i] for i in keep.tolist()], **options)
+        advantages = torch.nan_to_num(advantages, nan=0.0)  # e.g. a ReMax baseline no reward function applied to
         self._metric(mode, "timing_s/adv", time.perf_counter() - t)
 
         # ---- metrics of the whole step
@@ -532,11 +561,11 @@ class NRolloutGRPOTrainer(GRPOTrainer):
 
     def _log_rollout_metrics(self, mode, rewards, scores, advantages, resp_mask, records, n: int) -> None:
         """verl's metric names, and TRL's beside them (same values), so either dashboard keeps working."""
-        for i, name in enumerate(self.reward_func_names):
-            self._metric(mode, f"rewards/{name}/mean", rewards[:, i].mean().item())
-            self._metric(mode, f"rewards/{name}/std", rewards[:, i].std().item() if len(rewards) > 1 else 0.0)
-        self._metric(mode, "reward", scores.mean().item())
-        self._metric(mode, "reward_std", scores.std().item() if len(scores) > 1 else 0.0)
+        for i, name in enumerate(self.reward_func_names):  # over the samples the function applied to (not None)
+            self._metric(mode, f"rewards/{name}/mean", torch.nanmean(rewards[:, i]).item())
+            self._metric(mode, f"rewards/{name}/std", _nanstd(rewards[:, i]))
+        self._metric(mode, "reward", torch.nanmean(scores).item())
+        self._metric(mode, "reward_std", _nanstd(scores))
         lengths = torch.tensor([len(r[1]) for r in records], dtype=torch.float32)
         self._metric(mode, "response_length/mean", lengths.mean().item())
         self._metric(mode, "response_length/max", lengths.max().item())
@@ -708,6 +737,14 @@ class NRolloutGRPOTrainer(GRPOTrainer):
                 "rewards and the learning rate, or lower clip_ratio_c."
             )
         return loss
+
+
+def _nanstd(x: Tensor) -> float:
+    """Sample standard deviation over the non-NaN entries (0 for fewer than two; NaN for none, as TRL logs)."""
+    valid = x[~torch.isnan(x)]
+    if valid.numel() == 0:
+        return float("nan")
+    return valid.std().item() if valid.numel() > 1 else 0.0
 
 
 def _is_moe(model) -> bool:

@@ -26,3 +26,21 @@ def none_for_all(completions, **kwargs):
 async def async_digits(completions, **kwargs):
     """An async reward function (TRL accepts them): the digit fraction."""
     return [digit_fraction(c) for c in completions]
+
+
+def nan_for_all(completions, **kwargs):
+    """A buggy reward function: it computes NaN."""
+    return [float("nan") for _ in completions]
+
+
+def prompt_score(completions, prompts, **kwargs):
+    """Depends on the prompt only (so two trainers sampling different completions score the same): the number of
+    characters of the prompt modulo 7, or None for prompts whose length is even (the function does not apply)."""
+    text = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+    return [None if len(t) % 2 == 0 else float(len(t) % 7) for t in text]
+
+
+def prompt_bonus(completions, prompts, **kwargs):
+    """A second prompt-only reward: 0.5 for prompts that mention 'number', None otherwise."""
+    text = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+    return [0.5 if "number" in t else None for t in text]
