@@ -95,7 +95,8 @@ def test_none_means_not_applicable_and_nan_follows_the_policy(tmp_path, caplog):
 def test_none_rewards_are_combined_as_trl_combines_them(tmp_path, monkeypatch):
     """TRL's GRPOTrainer and ours on the same tiny model, data and seed, with two reward functions that depend on
     the prompt only and return None for some prompts: the logged rewards (NaN-aware sum over functions, mean over
-    scorable samples, per-function means over the samples each applies to) are the same."""
+    scorable samples, per-function means over the samples each applies to) are the same, and so is a metric a
+    reward function logs through TRL's log_metric (it also calls log_extra)."""
     from trl import GRPOConfig, GRPOTrainer
 
     import trl_nrollout.trainer as trainer_module
@@ -114,7 +115,7 @@ def test_none_rewards_are_combined_as_trl_combines_them(tmp_path, monkeypatch):
                       train_dataset=digits_dataset(32))
         trainer.train()
         logs[name] = [h for h in trainer.state.log_history if "reward" in h]
-    keys = ["reward", "rewards/prompt_score/mean", "rewards/prompt_bonus/mean"]
+    keys = ["reward", "rewards/prompt_score/mean", "rewards/prompt_bonus/mean", "bonus/applies"]  # + log_metric
     assert len(logs["trl"]) == len(logs["ours"]) == 2
     for theirs, ours in zip(logs["trl"], logs["ours"]):
         for key in keys:

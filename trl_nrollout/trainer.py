@@ -286,7 +286,21 @@ class NRolloutGRPOTrainer(GRPOTrainer):
     def _reward_kwargs(self, inputs: list[dict]) -> dict:
         """The dataset columns of ``inputs`` (one list per column) plus the trainer state, as reward kwargs."""
         keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
-        return {**{k: [x[k] for x in inputs] for k in keys}, "trainer_state": self.state}
+        # TRL's callables: log_extra (completion-table columns; kept as TRL keeps them without log_completions) and
+        # log_metric (a scalar averaged over the step and logged beside the built-in metrics; see _flush_metrics)
+        return {**{k: [x[k] for x in inputs] for k in keys}, "trainer_state": self.state,
+                "log_extra": self._log_completion_extra, "log_metric": self._log_metric}
+
+    def _flush_reward_metrics(self, mode: str) -> None:
+        """Metrics reward functions logged with ``log_metric`` this round: averaged over all ranks' calls (names
+        sorted, so every rank gathers in the same order), as TRL does."""
+        for name in sorted(set(gather_object(list(self._pending_metrics)))):
+            values = self._pending_metrics.get(name, [])
+            stats = torch.tensor([float(sum(values)), float(len(values))], device=self.accelerator.device)
+            total, count = gather(stats).view(-1, 2).sum(dim=0).tolist()
+            self._metric(mode, name, total / max(count, 1.0))
+        self._pending_metrics.clear()
+        self._pending_extra_logs.clear()  # completion tables are not logged (log_completions is refused)
 
     @staticmethod
     def _call_reward(func, prompts: list, completions: list, completion_ids: list, kwargs: dict) -> list:
@@ -367,6 +381,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         errors = [e for e in gather_object([error]) if e]
         if errors:
             raise RewardFunctionError(errors[0])
+        self._flush_reward_metrics("train" if self.model.training else "eval")
         dev = self.accelerator.device
         rewards = gather(local.to(dev)).cpu()
         none = gather(none.to(dev).float()).cpu().bool()

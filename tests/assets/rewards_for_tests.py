@@ -40,7 +40,10 @@ def prompt_score(completions, prompts, **kwargs):
     return [None if len(t) % 2 == 0 else float(len(t) % 7) for t in text]
 
 
-def prompt_bonus(completions, prompts, **kwargs):
-    """A second prompt-only reward: 0.5 for prompts that mention 'number', None otherwise."""
+def prompt_bonus(completions, prompts, log_metric=None, log_extra=None, **kwargs):
+    """A second prompt-only reward: 0.5 for prompts that mention 'number', None otherwise. It logs a metric (the
+    fraction of prompts it applies to) and an extra column through TRL's callables."""
     text = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+    log_metric("bonus/applies", sum("number" in t for t in text) / len(text))
+    log_extra("bonus_applies", ["number" in t for t in text])
     return [0.5 if "number" in t else None for t in text]
