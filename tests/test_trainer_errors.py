@@ -177,3 +177,30 @@ def test_a_prompt_too_long_for_the_engine_is_a_clear_error(tmp_path):
                                          r"\(rollout_max_model_len\)"):
         trainer.train()
     trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [100.0, 0.2])
+def test_adaptive_entropy_follows_trl(tmp_path, monkeypatch, target):
+    """use_adaptive_entropy: TRL's GRPOTrainer and ours on the same model, data and seed move the coefficient the
+    same way (the tiny model's token entropy, about 5 nats, is below a target of 100 and above 0.2), and log it."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout.builtin import resolve_model
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    coefs = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=4, max_steps=3, use_cpu=True, report_to="none", bf16=False,
+                          save_strategy="no", logging_steps=1, seed=3, entropy_coef=0.1, use_adaptive_entropy=True,
+                          entropy_target=target, entropy_coef_delta=0.01, entropy_coef_max=0.125)
+        trainer = cls(model=resolve_model("builtin:tiny-qwen2"), reward_funcs=[digits_reward], args=args,
+                      train_dataset=digits_dataset(32))
+        trainer.train()
+        coefs[name] = [h["entropy_coef"] for h in trainer.state.log_history if "entropy_coef" in h]
+    expected = [0.11, 0.12, 0.125] if target == 100.0 else [0.09, 0.08, 0.07]
+    assert coefs["trl"] == pytest.approx(expected)
+    assert coefs["ours"] == pytest.approx(coefs["trl"])

@@ -41,7 +41,12 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "ds3_gather_for_generation": ("honored", _ANY, "HF engine under ZeRO-3; the vLLM engines sync in buckets."),
     "vllm_enable_sleep_mode": ("honored", _ANY, "vLLM sleep mode around training (CUDA)."),
     "vllm_gpu_memory_utilization": ("honored", _ANY, "Fraction of GPU memory each vLLM engine may use."),
-    "entropy_coef": ("honored", _ANY, "Entropy bonus weight (aggregated like the policy loss)."),
+    "entropy_coef": ("honored", _ANY, "Entropy bonus weight: coef x the micro batch's mean token entropy (TRL's)."),
+    "use_adaptive_entropy": ("honored", _ANY, "TRL's adaptive entropy coefficient (same controller, same state)."),
+    "entropy_coef_min": ("honored", _ANY, "Lower bound of the adaptive coefficient."),
+    "entropy_coef_max": ("honored", _ANY, "Upper bound of the adaptive coefficient."),
+    "entropy_coef_delta": ("honored", _ANY, "Step of the adaptive coefficient per optimizer step."),
+    "entropy_target": ("honored", _ANY, "Entropy the adaptive controller steers towards."),
     "use_bias_correction_kl": ("honored", _ANY, "With beta != 0: the per-token KL is multiplied by the "
                                                 "importance ratio, as in TRL."),
     "log_multimodal": ("honored", _ANY, "No effect: completions tables are not logged (log_completions)."),
@@ -80,12 +85,6 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
                                                                      "then normalized (TRL's default) only"),
     "mask_truncated_completions": ("refused", False, "not implemented yet by our rollout stage"),
     "top_entropy_quantile": ("refused", 1.0, "entropy-quantile token masking is not implemented yet"),
-    "use_adaptive_entropy": ("refused", False, "the adaptive entropy coefficient is not implemented; use a "
-                                               "fixed entropy_coef"),
-    "entropy_coef_min": ("refused", 0.0, "only used by use_adaptive_entropy, which is not implemented"),
-    "entropy_coef_max": ("refused", 1.0, "only used by use_adaptive_entropy, which is not implemented"),
-    "entropy_coef_delta": ("refused", 0.005, "only used by use_adaptive_entropy, which is not implemented"),
-    "entropy_target": ("refused", 0.2, "only used by use_adaptive_entropy, which is not implemented"),
     "router_aux_loss_coef": ("refused", None, "the MoE router auxiliary loss is not added by our loss yet; "
                                               "None is accepted for dense models only"),
     "pad_to_multiple_of": ("refused", "auto", "rollout tensors are padded to the batch's longest sequence only"),

@@ -674,6 +674,36 @@ class NRolloutGRPOTrainer(GRPOTrainer):
                         fused_lm_head=True)
         return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
 
+    def _entropy_bonus(self, entropies: Tensor, mask: Tensor, mode: str) -> Tensor:
+        """TRL's entropy bonus, by TRL's rules (``entropy_coef``, ``use_adaptive_entropy``, ``entropy_target``...).
+
+        The bonus is ``coef x`` the mean token entropy of the micro batch (scaled for gradient accumulation, like
+        the policy loss). Adaptive: the coefficient of the previous optimizer step applies only while the measured
+        entropy is at or below ``entropy_target``; at each optimizer step the window's entropy (all micro batches,
+        all ranks, token-weighted) moves the coefficient up by ``entropy_coef_delta`` (entropy at or below the
+        target) or down (above), within ``[entropy_coef_min, entropy_coef_max]``. The controller's state lives in
+        TRL's attributes, so TRL's checkpoints save and restore it. Returns ``coef x mean entropy`` ``[]``.
+        """
+        args = self.args
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        entropy_loss = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        adaptive = self.use_adaptive_entropy
+        coef = self.entropy_coef if not adaptive or self._last_world_entropy <= args.entropy_target else 0.0
+        if adaptive and mode == "train":
+            stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
+            if self.accelerator.sync_gradients:  # the optimizer step: measure the window, move the coefficient
+                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
+                step = args.entropy_coef_delta if world_entropy <= args.entropy_target else -args.entropy_coef_delta
+                self.entropy_coef = min(max(self.entropy_coef + step, args.entropy_coef_min), args.entropy_coef_max)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metric(mode, "entropy_coef", self.entropy_coef)
+        return coef * entropy_loss
+
     def _compute_loss(self, model, inputs):
         args: NRolloutConfig = self.args
         mode = "train" if self.model.training else "eval"
@@ -727,8 +757,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
             loss = loss + self.beta * kl_loss
             self._metric(mode, "actor/kl_loss", ((kl.detach() * mask).sum() / n_tok).item())
-        if args.entropy_coef:
-            loss = loss - args.entropy_coef * agg_loss(entropies, mask, args.loss_agg_mode, **agg)
+        if self._entropy_bonus_enabled:
+            loss = loss - self._entropy_bonus(entropies, mask, mode)
         # TRL's names beside verl's (same values): policy_loss, kl, entropy, clip_ratio/*
         ratio = torch.exp((logps - old).detach())
         adv = inputs["advantages"]
