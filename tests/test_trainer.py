@@ -372,8 +372,7 @@ def test_auto_backend_falls_back_when_vllm_cannot_run_the_model(tmp_path, caplog
 @pytest.mark.vllm
 def test_a_tiny_moe_model_trains_on_the_vllm_engine(tmp_path):
     """A tiny Qwen2-MoE (4 experts, 2 per token): vLLM's CPU backend runs it, so 'auto' keeps vLLM; the engine takes
-    the trainer's weights (expert parameter names included) and a step trains. router_aux_loss_coef=0.0 states that
-    no router loss is wanted (ours does not add one yet)."""
+    the trainer's weights (expert parameter names included) and a step trains, with the router's loss."""
     from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
@@ -389,13 +388,14 @@ def test_a_tiny_moe_model_trains_on_the_vllm_engine(tmp_path):
     tok.save_pretrained(folder)
     args = NRolloutConfig(output_dir=str(tmp_path / "out"), train_batch_size=4, rollout_n=4, max_completion_length=4,
                           max_steps=2, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
-                          logging_steps=1, router_aux_loss_coef=0.0)
+                          logging_steps=1)
     trainer = NRolloutGRPOTrainer(str(folder), reward_funcs=[digits_reward], args=args,
                                   train_dataset=digits_dataset(16))
     assert trainer.rollout_backend == "vllm"
     trainer.train()
     steps = [h for h in trainer.state.log_history if "reward" in h]
     assert len(steps) == 2 and all(math.isfinite(h["loss"]) for h in steps)
+    assert all(h["aux_loss"] > 0 for h in steps)  # the router's load-balancing loss (TRL adds it by default)
     # the engine scores its samples close to the trainer (MoE kernels differ more than dense ones: ~1e-2)
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 0.1
     trainer.close()

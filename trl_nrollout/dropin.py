@@ -49,6 +49,8 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "entropy_target": ("honored", _ANY, "Entropy the adaptive controller steers towards."),
     "use_bias_correction_kl": ("honored", _ANY, "With beta != 0: the per-token KL is multiplied by the "
                                                 "importance ratio, as in TRL."),
+    "router_aux_loss_coef": ("honored", _ANY, "A MoE model's router load-balancing loss is added as in TRL "
+                                              "(None: the model's own coefficient; 0.0: none)."),
     "log_multimodal": ("honored", _ANY, "No effect: completions tables are not logged (log_completions)."),
     # ---------------------------------------------------------------- mapped onto verl's vocabulary
     "num_generations": ("mapped", _ANY, "rollout_n"),
@@ -85,8 +87,6 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
                                                                      "then normalized (TRL's default) only"),
     "mask_truncated_completions": ("refused", False, "not implemented yet by our rollout stage"),
     "top_entropy_quantile": ("refused", 1.0, "entropy-quantile token masking is not implemented yet"),
-    "router_aux_loss_coef": ("refused", None, "the MoE router auxiliary loss is not added by our loss yet; "
-                                              "None is accepted for dense models only"),
     "pad_to_multiple_of": ("refused", "auto", "rollout tensors are padded to the batch's longest sequence only"),
     "generation_kwargs": ("refused", None, "our engines take temperature/top_p/top_k/min_p/repetition_penalty "
                                            "only; other generation options are not passed"),
@@ -140,8 +140,6 @@ def check_trl_options(values: dict[str, Any]) -> None:
         value = values[name]
         if name == "pad_to_multiple_of" and value is None:
             continue  # 'auto' resolves to None off Neuron devices: the same
-        if name == "router_aux_loss_coef" and value in (None, 0, 0.0):
-            continue  # None on a dense model, 0.0 anywhere: no auxiliary loss (the trainer checks MoE models)
         if not _same(value, neutral):
             raise UnsupportedTRLOption(
                 f"{name}={value!r} is not supported by NRolloutGRPOTrainer: {why}. Remove it (TRL's default "

@@ -32,7 +32,7 @@ from trl_nrollout.advantages import compute_advantages
 from trl_nrollout.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.dropin import UnsupportedTRLOption, check_trainer_args
+from trl_nrollout.dropin import check_trainer_args
 from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.losses import AdaptiveKLController, FixedKLController, agg_loss, kl_penalty, policy_loss
@@ -85,12 +85,6 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         # HF's TrainingArguments.train_batch_size (per-device samples) is shadowed by verl's train_batch_size
         # (prompts per step) in NRolloutConfig; HF Trainer copied it into _train_batch_size: restore its meaning.
         self._train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)
-        if _is_moe(self.accelerator.unwrap_model(self.model)) and args.router_aux_loss_coef != 0.0:
-            raise UnsupportedTRLOption(
-                f"router_aux_loss_coef={args.router_aux_loss_coef!r} on a mixture-of-experts model: TRL would add the "
-                "router's auxiliary loss, which NRolloutGRPOTrainer does not yet; set router_aux_loss_coef=0.0 to "
-                "train without it, or use trl.GRPOTrainer."
-            )
         self.layout = args.rollout_layout(self.accelerator.num_processes, launch_nodes(self.accelerator.num_processes))
         if args.balance_batch and self.layout.samples_per_rank % self.layout.rollout_n:
             raise ValueError(
@@ -658,8 +652,9 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         return loss
 
     def _policy_logps(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
-                      ) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropies ``[B, C]`` of the completion tokens, with gradient, through TRL's fused LM head.
+                      ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Log-probs and entropies ``[B, C]`` of the completion tokens, with gradient, through TRL's fused LM head,
+        and a MoE model's router load-balancing loss ``[]`` when TRL's ``aux_loss_enabled`` says so (else None).
 
         Unlike TRL's own pass, positions are counted from each sequence's first real token (``position_ids``
         from the mask), as the engines and :func:`~trl_nrollout.logprobs.compute_log_probs` count them, so a
@@ -669,10 +664,12 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
         with self.accelerator.autocast():
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
-                        fused_lm_head=True)
-        return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:]
+                        fused_lm_head=True, **extra)
+        aux = out.aux_loss if self.aux_loss_enabled else None
+        return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:], aux
 
     def _entropy_bonus(self, entropies: Tensor, mask: Tensor, mode: str) -> Tensor:
         """TRL's entropy bonus, by TRL's rules (``entropy_coef``, ``use_adaptive_entropy``, ``entropy_target``...).
@@ -712,7 +709,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
-        logps, entropies = self._policy_logps(model, input_ids, attention_mask, logits_to_keep)
+        logps, entropies, aux_loss = self._policy_logps(model, input_ids, attention_mask, logits_to_keep)
         mask = completion_mask.to(logps.dtype)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
@@ -759,6 +756,10 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             self._metric(mode, "actor/kl_loss", ((kl.detach() * mask).sum() / n_tok).item())
         if self._entropy_bonus_enabled:
             loss = loss - self._entropy_bonus(entropies, mask, mode)
+        if aux_loss is not None:  # TRL's MoE router loss, router_aux_loss_coef (default: the model's own coefficient)
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metric(mode, "aux_loss", aux_loss.detach().float().item())
         # TRL's names beside verl's (same values): policy_loss, kl, entropy, clip_ratio/*
         ratio = torch.exp((logps - old).detach())
         adv = inputs["advantages"]
@@ -790,17 +791,6 @@ def _nanstd(x: Tensor) -> float:
     if valid.numel() == 0:
         return float("nan")
     return valid.std().item() if valid.numel() > 1 else 0.0
-
-
-def _is_moe(model) -> bool:
-    """A mixture-of-experts model: its config declares experts or a router auxiliary loss."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = getattr(base, "config", None)
-    if cfg is None:
-        return False
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return any(getattr(cfg, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts",
-                                               "router_aux_loss_coef"))
 
 
 def _mask(completions: list[list[int]], width: int, device: torch.device | str = "cpu") -> Tensor:
