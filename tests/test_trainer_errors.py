@@ -204,3 +204,30 @@ def test_adaptive_entropy_follows_trl(tmp_path, monkeypatch, target):
     expected = [0.11, 0.12, 0.125] if target == 100.0 else [0.09, 0.08, 0.07]
     assert coefs["trl"] == pytest.approx(expected)
     assert coefs["ours"] == pytest.approx(coefs["trl"])
+
+
+@pytest.mark.slow
+def test_mask_truncated_completions(tmp_path):
+    """TRL's mask_truncated_completions: a completion cut at max_completion_length (no EOS) is masked out of the
+    loss, the others keep their mask; a step whose completions are all cut trains with a zero, finite loss."""
+    import math
+
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], train_dataset=digits_dataset(16),
+                                  args=cfg(tmp_path, train_batch_size=4, rollout_n=4, max_completion_length=3,
+                                           mask_truncated_completions=True, logging_steps=1, max_steps=2))
+    data = digits_dataset(16)
+    out = trainer._generate_and_score_completions([dict(data[i]) for i in range(4) for _ in range(4)])
+    eos = set(trainer.eos_token_ids)
+    masked = 0
+    for ids, mask in zip(out["completion_ids"].tolist(), out["completion_mask"].tolist()):
+        if sum(mask) == 0:  # masked: three real tokens, none of them an end of sequence
+            masked += 1
+            assert len(ids) == 3 and not eos & set(ids)
+        else:  # kept: it ended with an end-of-sequence token
+            assert ids[sum(mask) - 1] in eos
+    assert masked > 0
+    trainer.train()
+    losses = [h.get("loss", h.get("train_loss")) for h in trainer.state.log_history if "reward" in h]
+    assert losses and all(math.isfinite(v) for v in losses)

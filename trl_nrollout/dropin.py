@@ -51,6 +51,8 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
                                                 "importance ratio, as in TRL."),
     "router_aux_loss_coef": ("honored", _ANY, "A MoE model's router load-balancing loss is added as in TRL "
                                               "(None: the model's own coefficient; 0.0: none)."),
+    "mask_truncated_completions": ("honored", _ANY, "Completions cut at max_completion_length are masked out of "
+                                                    "the loss (their tokens count in no normalizer)."),
     "log_multimodal": ("honored", _ANY, "No effect: completions tables are not logged (log_completions)."),
     # ---------------------------------------------------------------- mapped onto verl's vocabulary
     "num_generations": ("mapped", _ANY, "rollout_n"),
@@ -85,7 +87,6 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "vespo_lambda_neg": ("refused", 2.0, "only used by loss_type='vespo', which is not implemented"),
     "multi_objective_aggregation": ("refused", "sum_then_normalize", "rewards are summed with reward_weights "
                                                                      "then normalized (TRL's default) only"),
-    "mask_truncated_completions": ("refused", False, "not implemented yet by our rollout stage"),
     "top_entropy_quantile": ("refused", 1.0, "entropy-quantile token masking is not implemented yet"),
     "pad_to_multiple_of": ("refused", "auto", "rollout tensors are padded to the batch's longest sequence only"),
     "generation_kwargs": ("refused", None, "our engines take temperature/top_p/top_k/min_p/repetition_penalty "

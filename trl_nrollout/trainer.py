@@ -544,6 +544,9 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             out["old_per_token_logps"] = old[:, :c_max].to(dev)
         if ref is not None and self.beta != 0.0:
             out["ref_per_token_logps"] = ref[:, :c_max].to(dev)
+        if args.mask_truncated_completions:  # TRL's option: completions cut at max length take no part in the loss
+            truncated = torch.tensor([r[3] == "length" for r in local], device=dev)
+            out["completion_mask"] = out["completion_mask"] * (~truncated).unsqueeze(1).to(out["completion_mask"].dtype)
         return out
 
     def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch) -> Tensor:
@@ -631,8 +634,9 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         for k, c in enumerate(chunks):
             mb = slice((k // accum) * accum, (k // accum + 1) * accum)
             tokens, seqs = counts[mb].sum(0).tolist()
-            c["mb_tokens"] = torch.tensor(tokens / (world * accum), device=dev)
-            c["mb_seqs"] = torch.tensor(seqs / (world * accum), device=dev)
+            # at least one: a mini batch whose tokens are all masked (mask_truncated_completions) has a zero loss
+            c["mb_tokens"] = torch.tensor(max(tokens, 1.0) / (world * accum), device=dev)
+            c["mb_seqs"] = torch.tensor(max(seqs, 1.0) / (world * accum), device=dev)
         return chunks
 
     # ------------------------------------------------------------------ the update
