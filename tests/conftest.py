@@ -34,3 +34,24 @@ def run_cmd(args: list[str], timeout: float = 600, env: dict | None = None, cwd:
         pytest.fail(f"command failed ({proc.returncode}): {' '.join(args)}\n--- stdout\n{proc.stdout[-6000:]}\n"
                     f"--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def save_tiny_model(folder: Path, moe: bool = False, **config) -> str:
+    """A tiny random Qwen2 (or Qwen2-MoE: 4 experts, 2 per token) with the built-in tokenizer, saved to ``folder``;
+    ``config`` overrides the model config (e.g. head sizes a vLLM backend lacks). Returns the folder."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from trl_nrollout.builtin import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
+    base = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id)
+    if moe:
+        base.update(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**base, **config}))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**{**base, **config}))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)

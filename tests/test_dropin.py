@@ -112,34 +112,27 @@ def test_moe_router_aux_loss_is_added_as_trl_adds_it(tmp_path, monkeypatch):
     """A tiny Qwen2-MoE: TRL adds the router's load-balancing loss (router_aux_loss_coef=None: the model's own
     coefficient, 0.0: none); so do we. Both trainers log `aux_loss` on the same model, data and seed: the values are
     of the same size (about 1 for a random router: experts x sum of fraction x probability); with 0.0 it is off."""
-    from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     import trl_nrollout.trainer as trainer_module
+    from tests.conftest import save_tiny_model
     from trl_nrollout import NRolloutGRPOTrainer
-    from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
+    from trl_nrollout.builtin import digits_dataset, digits_reward
 
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
-    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
-    folder = tmp_path / "moe"
-    Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id)).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    folder = save_tiny_model(tmp_path / "moe", moe=True, router_aux_loss_coef=0.5)
     logged = {}
     for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
         args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4,
                           max_completion_length=4, max_steps=2, use_cpu=True, report_to="none", bf16=False,
                           save_strategy="no", logging_steps=1, seed=3)
-        trainer = cls(model=str(folder), reward_funcs=[digits_reward], args=args, train_dataset=digits_dataset(16))
+        trainer = cls(model=folder, reward_funcs=[digits_reward], args=args, train_dataset=digits_dataset(16))
         assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.5  # the model's own coefficient
         trainer.train()
         logged[name] = [h["aux_loss"] for h in trainer.state.log_history if "aux_loss" in h]
     assert len(logged["ours"]) == len(logged["trl"]) == 2
     for ours, theirs in zip(logged["ours"], logged["trl"]):
         assert 0.5 < ours < 4 and 0.5 < theirs < 4 and abs(ours - theirs) < 0.5
-    off = NRolloutGRPOTrainer(str(folder), reward_funcs=[digits_reward], train_dataset=digits_dataset(16),
+    off = NRolloutGRPOTrainer(folder, reward_funcs=[digits_reward], train_dataset=digits_dataset(16),
                               args=cfg(tmp_path / "off", router_aux_loss_coef=0.0))
     assert not off.aux_loss_enabled

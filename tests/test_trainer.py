@@ -339,17 +339,11 @@ def test_auto_backend_falls_back_when_vllm_cannot_run_the_model(tmp_path, caplog
     model, the reason and the fallback."""
     import logging
 
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
+    from tests.conftest import save_tiny_model
     from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
-    from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
+    from trl_nrollout.builtin import digits_dataset, digits_reward
 
-    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
-    folder = tmp_path / "head24"
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    folder = save_tiny_model(tmp_path / "head24", hidden_size=48)  # 2 heads of 24
 
     def args(backend):
         return NRolloutConfig(output_dir=str(tmp_path / backend), train_batch_size=4, rollout_n=4,
@@ -357,14 +351,14 @@ def test_auto_backend_falls_back_when_vllm_cannot_run_the_model(tmp_path, caplog
                               use_cpu=True, bf16=False, save_strategy="no", logging_steps=1)
 
     with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
-        trainer = NRolloutGRPOTrainer(str(folder), reward_funcs=[digits_reward], args=args("auto"),
+        trainer = NRolloutGRPOTrainer(folder, reward_funcs=[digits_reward], args=args("auto"),
                                       train_dataset=digits_dataset(16))
     assert trainer.rollout_backend == "hf"
     assert any("vLLM cannot run" in r.message and "head_dim=24" in r.getMessage() for r in caplog.records)
     trainer.train()
     assert trainer.state.global_step == 1
     with pytest.raises(RuntimeError, match=r"vLLM cannot run .*head24.*head_dim=24.*rollout_backend='hf'"):
-        NRolloutGRPOTrainer(str(folder), reward_funcs=[digits_reward], args=args("vllm"),
+        NRolloutGRPOTrainer(folder, reward_funcs=[digits_reward], args=args("vllm"),
                             train_dataset=digits_dataset(16))
 
 
@@ -373,24 +367,15 @@ def test_auto_backend_falls_back_when_vllm_cannot_run_the_model(tmp_path, caplog
 def test_a_tiny_moe_model_trains_on_the_vllm_engine(tmp_path):
     """A tiny Qwen2-MoE (4 experts, 2 per token): vLLM's CPU backend runs it, so 'auto' keeps vLLM; the engine takes
     the trainer's weights (expert parameter names included) and a step trains, with the router's loss."""
-    from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
-
+    from tests.conftest import save_tiny_model
     from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
-    from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
+    from trl_nrollout.builtin import digits_dataset, digits_reward
 
-    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
-    folder = tmp_path / "moe"
-    Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=256, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id)).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    folder = save_tiny_model(tmp_path / "moe", moe=True)
     args = NRolloutConfig(output_dir=str(tmp_path / "out"), train_batch_size=4, rollout_n=4, max_completion_length=4,
                           max_steps=2, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
                           logging_steps=1)
-    trainer = NRolloutGRPOTrainer(str(folder), reward_funcs=[digits_reward], args=args,
-                                  train_dataset=digits_dataset(16))
+    trainer = NRolloutGRPOTrainer(folder, reward_funcs=[digits_reward], args=args, train_dataset=digits_dataset(16))
     assert trainer.rollout_backend == "vllm"
     trainer.train()
     steps = [h for h in trainer.state.log_history if "reward" in h]
