@@ -1,0 +1,148 @@
+"""Reward scoring of a rollout, as a mixin of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer`: TRL's reward
+function contract (signature, async functions, ``None`` = "does not apply", ``log_metric`` / ``log_extra``,
+reward models), errors that name the function and the sample on every rank, and the NaN-aware weighted sum.
+
+It uses the trainer's TRL attributes (``reward_funcs``, ``reward_processing_classes``, ``reward_func_names``,
+``reward_weights``, ``accelerator``, ``state``, ``args.reward_nan_policy``, ``_log_metric``...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+
+import torch
+from accelerate.utils import gather, gather_object
+from torch import Tensor
+from trl.data_utils import is_conversational
+
+logger = logging.getLogger("trl_nrollout.trainer")  # the trainer's logger: users filter one name
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned something unusable; the message names the function and the sample."""
+
+
+class RewardScoring:
+    """Scoring methods of the trainer (see the module docstring)."""
+
+    def _reward_kwargs(self, inputs: list[dict]) -> dict:
+        """The dataset columns of ``inputs`` (one list per column) plus the trainer state, as reward kwargs."""
+        keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
+        # TRL's callables: log_extra (completion-table columns; kept as TRL keeps them without log_completions) and
+        # log_metric (a scalar averaged over the step and logged beside the built-in metrics; see _flush_metrics)
+        return {**{k: [x[k] for x in inputs] for k in keys}, "trainer_state": self.state,
+                "log_extra": self._log_completion_extra, "log_metric": self._log_metric}
+
+    def _flush_reward_metrics(self, mode: str) -> None:
+        """Metrics reward functions logged with ``log_metric`` this round: averaged over all ranks' calls (names
+        sorted, so every rank gathers in the same order), as TRL does."""
+        for name in sorted(set(gather_object(list(self._pending_metrics)))):
+            values = self._pending_metrics.get(name, [])
+            stats = torch.tensor([float(sum(values)), float(len(values))], device=self.accelerator.device)
+            total, count = gather(stats).view(-1, 2).sum(dim=0).tolist()
+            self._metric(mode, name, total / max(count, 1.0))
+        self._pending_metrics.clear()
+        self._pending_extra_logs.clear()  # completion tables are not logged (log_completions is refused)
+
+    @staticmethod
+    def _call_reward(func, prompts: list, completions: list, completion_ids: list, kwargs: dict) -> list:
+        """Call a reward function with TRL's signature; an async one is awaited."""
+        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+        if inspect.isawaitable(values):  # an async reward function (e.g. one that calls a service)
+            values = asyncio.run(values)
+        return values
+
+    def _weighted(self, rewards: Tensor) -> Tensor:
+        """The reward of each sample ``[G]``: the reward functions' outputs ``[G, F]`` weighted by reward_weights.
+
+        As in TRL, a function that returned None for a sample (NaN here) does not apply to it: the weighted sum skips
+        it; a sample for which no function applies is unscorable and gets NaN (no advantage, not in the stats)."""
+        weighted = torch.nansum(rewards * self.reward_weights.cpu(), dim=-1)
+        return weighted.masked_fill(torch.isnan(rewards).all(dim=-1), float("nan"))
+
+    def _score_local(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list
+                     ) -> tuple[Tensor, Tensor]:
+        """Rewards ``[B_local, F]`` of this rank's samples (None -> NaN) and where a function returned None
+        ``[B_local, F]``; errors are collected, not raised (see _score)."""
+        kwargs = self._reward_kwargs(inputs)
+        out = torch.zeros(len(prompts), len(self.reward_funcs))
+        none = torch.zeros(len(prompts), len(self.reward_funcs), dtype=torch.bool)
+        for i, (func, proc, name) in enumerate(zip(self.reward_funcs, self.reward_processing_classes,
+                                                   self.reward_func_names)):
+            if isinstance(func, torch.nn.Module):
+                if is_conversational({"prompt": prompts[0]}):
+                    texts = [proc.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+                else:
+                    texts = [p + c for p, c in zip(prompts, completions)]
+                enc = proc(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                           add_special_tokens=False).to(self.accelerator.device)
+                with torch.inference_mode():
+                    out[:, i] = func(**enc).logits[:, 0].float().cpu()
+                continue
+            values = self._call_reward(func, prompts, completions, completion_ids, kwargs)
+            if len(values) != len(prompts):
+                raise RewardFunctionError(
+                    f"reward function '{name}' returned {len(values)} rewards for {len(prompts)} samples; it must "
+                    "return one reward (or None) per completion."
+                )
+            out[:, i] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+            none[:, i] = torch.tensor([v is None for v in values])
+        return out, none
+
+    def _diagnose(self, exc: Exception, inputs, prompts, completions, completion_ids) -> str:
+        """Find which reward function and which sample raised, by calling them one sample at a time."""
+        for func, name in zip(self.reward_funcs, self.reward_func_names):
+            if isinstance(func, torch.nn.Module):
+                continue
+            for j in range(len(prompts)):
+                try:
+                    self._call_reward(func, [prompts[j]], [completions[j]], [completion_ids[j]],
+                                      self._reward_kwargs([inputs[j]]))
+                except Exception as e:  # noqa: BLE001 - reporting it is the point
+                    return (f"reward function '{name}' raised {type(e).__name__}: {e} on sample {j} of rank "
+                            f"{self.accelerator.process_index} (prompt={str(prompts[j])[:200]!r}, "
+                            f"completion={str(completions[j])[:200]!r})")
+        return f"reward computation raised {type(exc).__name__}: {exc}"
+
+    def _score(self, inputs, prompts, completions, completion_ids) -> Tensor:
+        """Rewards of every sample of the job ``[G, F]`` (gathered in rank order), NaN policy applied.
+
+        An error on any rank stops every rank (no rank is left waiting in a collective) with a message naming the
+        function and the sample.
+        """
+        error = ""
+        self._last_prompts = gather_object(list(prompts))
+        empty = torch.zeros(len(prompts), len(self.reward_funcs))
+        try:
+            local, none = self._score_local(inputs, prompts, completions, completion_ids)
+        except RewardFunctionError as e:
+            error, local, none = str(e), empty, empty.bool()
+        except Exception as e:  # noqa: BLE001
+            error = self._diagnose(e, inputs, prompts, completions, completion_ids)
+            local, none = empty, empty.bool()
+        errors = [e for e in gather_object([error]) if e]
+        if errors:
+            raise RewardFunctionError(errors[0])
+        self._flush_reward_metrics("train" if self.model.training else "eval")
+        dev = self.accelerator.device
+        rewards = gather(local.to(dev)).cpu()
+        none = gather(none.to(dev).float()).cpu().bool()
+        # None: "does not apply to this sample" (TRL's meaning), kept as NaN; a NaN or inf a function computed is a bug
+        bad = (torch.isnan(rewards) | torch.isinf(rewards)) & ~none
+        if bad.any():
+            row, col = (int(x) for x in bad.nonzero()[0])
+            if self.args.reward_nan_policy == "error":
+                raise RewardFunctionError(
+                    f"reward function '{self.reward_func_names[col]}' returned {rewards[row, col].item()} (NaN/inf) "
+                    f"for sample {row} of the step; fix the function (return None where a reward does not apply) or "
+                    "set reward_nan_policy='zero' to count such rewards as 0."
+                )
+            rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
+        if none.all(dim=-1).any():
+            row = int(none.all(dim=-1).nonzero()[0])
+            logger.warning("every reward function returned None for sample %d of the step (prompt %r): it gets no "
+                           "advantage; make sure at least one reward function applies to each sample.", row,
+                           str(self._last_prompts[row] if row < len(self._last_prompts) else "")[:200])
+        return rewards
