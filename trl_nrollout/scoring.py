@@ -113,7 +113,6 @@ class RewardScoring:
         function and the sample.
         """
         error = ""
-        self._last_prompts = gather_object(list(prompts))
         empty = torch.zeros(len(prompts), len(self.reward_funcs))
         try:
             local, none = self._score_local(inputs, prompts, completions, completion_ids)
@@ -140,9 +139,10 @@ class RewardScoring:
                     "set reward_nan_policy='zero' to count such rewards as 0."
                 )
             rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
-        if none.all(dim=-1).any():
+        if none.all(dim=-1).any():  # the same on every rank (gathered): the prompts are gathered only then
             row = int(none.all(dim=-1).nonzero()[0])
+            job_prompts = gather_object(list(prompts))
             logger.warning("every reward function returned None for sample %d of the step (prompt %r): it gets no "
                            "advantage; make sure at least one reward function applies to each sample.", row,
-                           str(self._last_prompts[row] if row < len(self._last_prompts) else "")[:200])
+                           str(job_prompts[row])[:200])
         return rewards

@@ -256,7 +256,7 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         if self.rollout_backend == "vllm":  # a too-long prompt on one rank: every rank stops with the error, none hangs
             longest = max(gather_object([max((len(p) for p in prompt_ids), default=0)]))
-            self.rollout_engine._check_lengths([[0] * longest], sampling.max_tokens)
+            self.rollout_engine.check_prompt_length(longest, sampling.max_tokens)
         start = time.perf_counter()
         batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
                                                       sample_offset=self.accelerator.process_index * len(inputs))

@@ -196,10 +196,9 @@ class VLLMEngineGroup:
             nccl = torch.distributed.get_backend() == "nccl"  # device_ids is an NCCL-only argument
             torch.distributed.barrier(**({"device_ids": [self.local_rank]} if nccl else {}))
 
-    def _check_lengths(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> None:
-        """A prompt that leaves no room for ``max_tokens`` would be cut short silently by vLLM (or rejected with
-        its own message): refuse it here with the options that fix it."""
-        longest = max((len(p) for p in prompts), default=0)
+    def check_prompt_length(self, longest: int, max_tokens: int) -> None:
+        """A prompt of ``longest`` tokens that leaves no room for ``max_tokens`` would be cut short silently by vLLM
+        (or rejected with its own message): refuse it here with the options that fix it."""
         if longest + max_tokens > self.max_model_len:
             raise ValueError(
                 f"a prompt of {longest} tokens + max_completion_length={max_tokens} exceeds the engine's "
@@ -233,7 +232,7 @@ class VLLMEngineGroup:
             )
         if self.sleeping:
             self.wake_up()
-        self._check_lengths(prompts, sampling.max_tokens)
+        self.check_prompt_length(max((len(p) for p in prompts), default=0), sampling.max_tokens)
         start = time.perf_counter()
         if sampling.seed is None:
             params = self._sampling_params(n, sampling)
