@@ -396,3 +396,44 @@ def test_register_a_custom_estimator():
     finally:
         advantages._REGISTRY.pop(name, None)
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), groups=st.integers(1, 4), n=st.integers(2, 5), funcs=st.integers(1, 3))
+def test_normalize_then_sum_is_gdpo(data, groups, n, funcs):
+    """TRL's normalize_then_sum (GDPO), against a loop over groups and functions: each function's rewards are
+    normalized in their group (NaN: the function does not apply), weighted, summed, then normalized over the batch."""
+    from trl_nrollout.advantages import normalize_then_sum
+
+    value = st.one_of(st.none(), st.integers(-5, 5).map(float))  # a grid: no float32 near-ties
+    raw = data.draw(st.lists(st.lists(value, min_size=funcs, max_size=funcs), min_size=groups * n,
+                             max_size=groups * n))
+    weights = data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=funcs, max_size=funcs))
+    rewards = torch.tensor([[float("nan") if v is None else v for v in row] for row in raw])
+    got = normalize_then_sum(rewards, torch.tensor(weights), n)
+
+    def std(xs):  # Bessel-corrected; NaN for fewer than two values (as TRL's nanstd)
+        if len(xs) < 2:
+            return float("nan")
+        m = sum(xs) / len(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+    sums = []
+    for i, row in enumerate(raw):
+        total, applies = 0.0, False
+        for f, v in enumerate(row):
+            if v is None:
+                continue
+            applies = True
+            group = [raw[j][f] for j in range((i // n) * n, (i // n + 1) * n) if raw[j][f] is not None]
+            s = std(group)
+            if not math.isnan(s):
+                total += weights[f] * (v - sum(group) / len(group)) / (s + 1e-4)
+        sums.append(total if applies else None)
+    valid = [s for s in sums if s is not None]
+    for s, g in zip(sums, got.tolist()):
+        if s is None or len(valid) < 2:
+            assert math.isnan(g)
+        else:
+            expected = (s - sum(valid) / len(valid)) / (std(valid) + 1e-4)
+            assert g == pytest.approx(expected, rel=1e-3, abs=1e-3)

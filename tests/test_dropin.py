@@ -96,9 +96,9 @@ def test_a_plain_grpo_config_keeps_trls_loss_details(tmp_path):
     c = to_nrollout_config(GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                                       beta=0.04, use_cpu=True, report_to="none"))
     assert (c.beta, c.kl_loss_type, c.use_bias_correction_kl, c.clip_ratio_c) == (0.04, "k3", True, None)
-    with pytest.raises(UnsupportedTRLOption, match="loss_type='grpo' is not supported"):
-        to_nrollout_config(GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                                      loss_type="grpo", use_cpu=True, report_to="none"))
+    c = to_nrollout_config(GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                                      loss_type="dr_grpo", use_cpu=True, report_to="none"))
+    assert (c.policy_loss_mode, c.loss_agg_mode) == ("vanilla", "seq-mean-token-sum-norm")
 
 
 def test_steps_per_generation_conflict_is_an_error(tmp_path):

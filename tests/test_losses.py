@@ -139,6 +139,7 @@ def test_agg_loss_modes_on_a_small_matrix():
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm").item() == pytest.approx((1 + 2 + 4) / (2 * 3))
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=10).item() == pytest.approx(7 / 20)
     assert agg_loss(LOSS, MASK, "token-mean", num_tokens=14).item() == pytest.approx(7 / 14)
+    assert agg_loss(LOSS, MASK, "token-mean-micro", num_tokens=14).item() == pytest.approx(7 / 3)  # its own tokens
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum", num_seqs=7).item() == pytest.approx(7 / 7)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         agg_loss(LOSS, MASK, "token-sum-mean")
@@ -157,7 +158,7 @@ def test_agg_loss_ignores_fully_masked_rows_and_masked_values(mode):
     assert agg_loss(LOSS, torch.zeros_like(MASK), mode).item() == 0.0
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", [m for m in LOSS_AGG_MODES if m != "token-mean-micro"])  # bnpo: per micro batch
 @FAST
 @given(data=st.data(), B=st.integers(2, 6), T=st.integers(1, 5))
 def test_micro_batches_with_global_denominators_add_up(mode, data, B, T):
@@ -366,3 +367,73 @@ def test_fixed_controller_and_kl_in_reward():
     rewards, seq_kl = apply_kl_penalty(scores, logp, ref, mask, ctl, kind="k1")
     torch.testing.assert_close(rewards, t([0.0 - 0.25, 1.0 - 0.125], [0.0 - 0.5, 2.0]))
     assert seq_kl == pytest.approx(((0.5 + 0.25) / 2 + 1.0 / 1) / 2)
+
+
+# ---------------------------------------------------------------------------------------------- TRL's loss family
+@FAST
+@given(logp=LOGP, adv=st.floats(-3, 3, width=32).filter(lambda a: abs(a) > 1e-3),
+       tau=st.floats(0.25, 3.0, width=32))
+def test_sapo_has_ppos_gradient_on_policy(logp, adv, tau):
+    """At ratio 1 SAPO's soft gate has slope 1: its gradient equals the unclipped PPO gradient, -A d log pi."""
+    x = torch.tensor([[logp]], requires_grad=True)
+    kw = dict(sapo_temperature_pos=tau, sapo_temperature_neg=tau)
+    policy_loss(x, x.detach(), torch.tensor([[adv]]), torch.ones(1, 1), loss_mode="sapo", **kw).loss.backward()
+    assert x.grad.item() == pytest.approx(-adv, rel=1e-4, abs=1e-5)
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens():
+    """PPO zeroes the gradient of a token whose ratio left the trust region; CISPO weights it by the capped ratio."""
+    logp = torch.tensor([[math.log(3.0), math.log(1.1)]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0]])
+    policy_loss(logp, torch.zeros(1, 2), adv, torch.ones(1, 2), loss_mode="cispo", clip_ratio_high=2.0).loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0 / 2, -1.1 / 2]]))  # -min(r, 2) A / tokens
+    logp.grad = None
+    policy_loss(logp, torch.zeros(1, 2), adv, torch.ones(1, 2), clip_ratio_high=0.2).loss.backward()
+    assert logp.grad[0, 0].item() == 0.0
+
+
+@FAST
+@given(log_w=st.floats(-3, 3, width=32), positive=st.booleans())
+def test_vespo_weight_is_one_on_policy_and_falls_off(log_w, positive):
+    from trl_nrollout.losses import vespo_weights
+
+    adv = torch.tensor([[1.0 if positive else -1.0]])
+    phi = vespo_weights(adv, torch.tensor([[log_w]]), torch.zeros(1, 1), torch.ones(1, 1)).item()
+    on_policy = vespo_weights(adv, torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)).item()
+    assert on_policy == pytest.approx(1.0, abs=1e-6)  # phi(1) = 1
+    k, lam = (2.0, 3.0) if positive else (3.0, 2.0)  # TRL's defaults: phi(w) = e^l w^k e^(-l w)
+    assert phi == pytest.approx(math.exp(lam + k * log_w - lam * math.exp(log_w)), rel=1e-4, abs=1e-7)
+
+
+def test_off_policy_mask_drops_only_negative_far_off_policy_sequences():
+    from trl_nrollout.losses import off_policy_sequence_mask
+
+    logp = torch.zeros(4, 2)
+    sampler = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.01, 0.0], [float("nan"), 0.5]])
+    adv = torch.tensor([[1.0], [-1.0], [-1.0], [-1.0]])
+    keep = off_policy_sequence_mask(adv, logp, sampler, torch.ones(4, 2), threshold=0.1)
+    assert keep.squeeze(-1).tolist() == [1.0, 0.0, 1.0, 0.0]  # positive kept; far & negative dropped; NaN counts 0
+
+
+def test_rollout_is_weights_truncate_and_mask():
+    from trl_nrollout.losses import rollout_is_weights
+
+    old, rollout, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-2.0, 0.5]]), torch.ones(1, 2)
+    w = [math.exp(2.0), math.exp(-0.5)]
+    t = rollout_is_weights(old, rollout, mask, level="token", mode="truncate", upper=2.0, lower=0.8)
+    assert t[0].tolist() == pytest.approx([2.0, 0.8])
+    m = rollout_is_weights(old, rollout, mask, level="token", mode="mask", upper=2.0, lower=0.5)
+    assert m[0].tolist() == pytest.approx([0.0, w[1]])  # outside: 0; inside: the weight itself
+    s = rollout_is_weights(old, rollout, mask, level="sequence", mode="truncate", upper=10.0)
+    assert s.shape == (1, 1) and s.item() == pytest.approx(w[0] * w[1], rel=1e-5)
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_response_tokens():
+    from trl_nrollout.losses import entropy_quantile, high_entropy_mask
+
+    ent = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    threshold = entropy_quantile(ent[mask.bool()], 0.5)
+    kept = high_entropy_mask(ent, mask, threshold)
+    assert kept.tolist() == [[0, 1, 1, 0], [1, 1, 0, 0]]  # the 3 highest of 7 tokens, never a masked one
+    assert entropy_quantile(torch.empty(0), 0.5).item() == math.inf

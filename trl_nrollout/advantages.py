@@ -340,3 +340,23 @@ ESTIMATOR_TABLE: dict[str, tuple[str, str]] = {
     "grpo_passk": ("best sample: r_max - r_second (/ std_g); others 0", "optimize pass@k instead of pass@1"),
     "gpg": ("(B / M) (r - mean_g), M = samples in informative groups", "no std; rescales for all-equal groups"),
 }
+
+
+def normalize_then_sum(rewards_per_func: Tensor, weights: Tensor, n: int) -> Tensor:
+    """GDPO's advantages (TRL's ``multi_objective_aggregation='normalize_then_sum'``) of each sample ``[G]``.
+
+    Each reward function's outputs ``[G, F]`` (NaN: the function does not apply) are normalized within each group
+    of ``n`` consecutive samples (``(r - mean) / (std + 1e-4)``, NaN-aware, Bessel-corrected std), weighted by
+    ``weights`` ``[F]`` and summed (skipping NaN); the sums are then normalized over the whole batch. A sample no
+    function applies to gets NaN (the caller gives it no advantage).
+    """
+    from trl.trainer.utils import nanstd
+
+    grouped = rewards_per_func.view(-1, n, rewards_per_func.shape[-1])
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1, keepdim=True) if n > 1 else torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + 1e-4)).view_as(rewards_per_func)
+    summed = torch.nansum(normalized * weights.to(normalized), dim=-1)
+    summed = summed.masked_fill(torch.isnan(rewards_per_func).all(dim=-1), float("nan"))
+    spread = nanstd(summed) if summed.numel() > 1 else torch.zeros(())
+    return (summed - torch.nanmean(summed)) / (spread + 1e-4)

@@ -39,9 +39,9 @@ prefer_cpu_deepspeed()  # before DeepSpeed is imported
 from trl import GRPOConfig  # noqa: E402
 
 from trl_nrollout.advantages import available_estimators  # noqa: E402
-from trl_nrollout.dropin import check_trl_options  # noqa: E402
+from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.layout import LayoutError, RolloutLayout  # noqa: E402
-from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES  # noqa: E402
+from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES  # noqa: E402
 
 _TRL_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8,
                  "num_iterations": 1, "epsilon": 0.2, "beta": 0.0}
@@ -94,7 +94,10 @@ class NRolloutConfig(GRPOConfig):
     norm_adv_by_std_in_grpo: bool = field(default=True, metadata={
         "help": "GRPO: divide by the group std (False gives Dr. GRPO's centred rewards)."})
     loss_agg_mode: str = field(default="token-mean", metadata={
-        "help": f"How per-token losses are reduced: {list(LOSS_AGG_MODES)}."})
+        "help": f"How per-token losses are reduced: {list(LOSS_AGG_MODES)} (TRL's loss_type sets it)."})
+    policy_loss_mode: str = field(default="vanilla", metadata={
+        "help": f"Per-token policy loss (verl policy_loss.loss_mode): {list(POLICY_LOSS_MODES)}; 'vanilla' is PPO's "
+                "clipped surrogate (TRL's loss_type sets it: cispo, sapo, vespo)."})
     use_kl_loss: bool = field(default=False, metadata={
         "help": "Add kl_loss_coef x KL(policy || reference) to the loss (needs a reference pass)."})
     kl_loss_coef: float = field(default=0.001, metadata={"help": "Weight of the KL loss (TRL beta)."})
@@ -137,8 +140,13 @@ class NRolloutConfig(GRPOConfig):
         "help": "Correct the rollout/trainer log-prob mismatch with importance weights: None, 'token' or "
                 "'sequence'."})
     rollout_is_mode: str = field(default="truncate", metadata={
-        "help": "'truncate' (cap weights at rollout_is_threshold) or 'mask' (drop tokens/sequences above it)."})
-    rollout_is_threshold: float = field(default=2.0, metadata={"help": "Bound of the rollout importance weights."})
+        "help": "'truncate' (clamp the weights into [rollout_is_threshold_lower, rollout_is_threshold]) or 'mask' "
+                "(a token/sequence whose weight is outside them gets weight 0; the others keep theirs), as TRL's "
+                "*_truncate / *_mask."})
+    rollout_is_threshold: float | None = field(default=2.0, metadata={
+        "help": "Upper bound of the rollout importance weights (None: none; TRL vllm_importance_sampling_clip_max)."})
+    rollout_is_threshold_lower: float | None = field(default=None, metadata={
+        "help": "Lower bound of the rollout importance weights (None: none; TRL vllm_importance_sampling_clip_min)."})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={
@@ -215,6 +223,28 @@ class NRolloutConfig(GRPOConfig):
                 twin("scale_rewards", False, "norm_adv_by_std_in_grpo", True)
             else:
                 self.adv_estimator_kwargs = {**(self.adv_estimator_kwargs or {}), "std_scope": "batch"}
+        if self.loss_type not in TRL_LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is not one of {list(TRL_LOSS_TYPES)}; pick one of them.")
+        if self.loss_type != "dapo":  # TRL's default is our default (vanilla, token-mean)
+            for verl_name, value, default in zip(("policy_loss_mode", "loss_agg_mode"), TRL_LOSS_TYPES[self.loss_type],
+                                                 ("vanilla", "token-mean")):
+                if getattr(self, verl_name) not in (default, value):
+                    raise ValueError(f"loss_type={self.loss_type!r} means {verl_name}={value!r}, which conflicts with "
+                                     f"{verl_name}={getattr(self, verl_name)!r}; set only one of them.")
+                setattr(self, verl_name, value)
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not one of "
+                             "'sum_then_normalize', 'normalize_then_sum'; pick one of them.")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.adv_estimator != "grpo":
+            raise ValueError(f"multi_objective_aggregation='normalize_then_sum' (GDPO) computes the advantages itself, "
+                             f"so it needs adv_estimator='grpo' (here {self.adv_estimator!r}); remove one of them.")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.use_kl_in_reward:
+            raise ValueError("multi_objective_aggregation='normalize_then_sum' (GDPO) normalizes the reward functions' "
+                             "outputs, with no place for a KL penalty in the reward; set use_kl_in_reward=False (a KL "
+                             "loss, beta > 0, works with it).")
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0: every token; "
+                             "0.2: the 20% of tokens with the highest entropy).")
         if self.use_vllm:  # TRL's vLLM generation: our engine group, with TRL's rollout correction when asked
             if self.rollout_backend == "hf":
                 raise ValueError("use_vllm=True conflicts with rollout_backend='hf'; set only one.")
@@ -227,7 +257,10 @@ class NRolloutConfig(GRPOConfig):
                         "'token_mask', 'token_truncate', 'sequence_mask', 'sequence_truncate'.")
                 self.rollout_is, self.rollout_is_mode = level, mode
                 cap = self.vllm_importance_sampling_cap
-                self.rollout_is_threshold = float(cap if cap is not None else self.vllm_importance_sampling_clip_max)
+                upper = cap if cap is not None else self.vllm_importance_sampling_clip_max
+                self.rollout_is_threshold = None if upper is None else float(upper)
+                lower = self.vllm_importance_sampling_clip_min
+                self.rollout_is_threshold_lower = None if lower is None else float(lower)
 
     def _check_choices(self) -> None:
         checks = [
@@ -239,6 +272,7 @@ class NRolloutConfig(GRPOConfig):
             ("rollout_is_mode", self.rollout_is_mode, ["truncate", "mask"]),
             ("reward_nan_policy", self.reward_nan_policy, ["error", "zero"]),
             ("ratio_level", self.ratio_level, [None, "token", "sequence"]),
+            ("policy_loss_mode", self.policy_loss_mode, list(POLICY_LOSS_MODES)),
         ]
         for name, value, allowed in checks:
             if value not in allowed:
@@ -254,8 +288,14 @@ class NRolloutConfig(GRPOConfig):
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
             raise ValueError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
                              "samples, capped at 1024).")
-        if self.rollout_is_threshold <= 0:
-            raise ValueError(f"rollout_is_threshold={self.rollout_is_threshold} must be > 0 (e.g. 2.0).")
+        upper, lower = self.rollout_is_threshold, self.rollout_is_threshold_lower
+        if upper is not None and upper <= 0:
+            raise ValueError(f"rollout_is_threshold={upper} must be > 0 (e.g. 2.0).")
+        if lower is not None and upper is not None and lower >= upper:
+            raise ValueError(f"rollout_is_threshold_lower={lower} must be below rollout_is_threshold={upper}.")
+        if self.rollout_is is not None and self.rollout_is_mode == "truncate" and upper is None and lower is None:
+            raise ValueError("rollout_is_mode='truncate' needs rollout_is_threshold or rollout_is_threshold_lower; set "
+                             "rollout_is_threshold=2.0.")
 
     def _layout_kwargs(self, world: int) -> dict:
         return dict(

@@ -16,6 +16,21 @@ from __future__ import annotations
 
 from typing import Any
 
+#: TRL's loss_type -> (our policy_loss_mode, loss_agg_mode). TRL 1.16's normalizers, per micro batch: grpo/sapo the
+#: mean over sequences of each token mean, bnpo the micro batch's token mean (divided by the accumulation steps),
+#: dr_grpo the token sum / (sequences x max_completion_length), luspo the mean over sequences of each token sum,
+#: dapo/cispo/vespo the token sum / the optimizer step's tokens.
+TRL_LOSS_TYPES: dict[str, tuple[str, str]] = {
+    "dapo": ("vanilla", "token-mean"),
+    "grpo": ("vanilla", "seq-mean-token-mean"),
+    "bnpo": ("vanilla", "token-mean-micro"),
+    "dr_grpo": ("vanilla", "seq-mean-token-sum-norm"),
+    "luspo": ("vanilla", "seq-mean-token-sum"),
+    "cispo": ("cispo", "token-mean"),
+    "sapo": ("sapo", "seq-mean-token-mean"),
+    "vespo": ("vespo", "token-mean"),
+}
+
 _ANY = object()  # no neutral value: the option is honored or mapped, whatever its value
 
 #: name -> (status, neutral value for refused options, what we do / why / what instead)
@@ -73,29 +88,29 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
                                                       "('mask'/'truncate')"),
     "vllm_importance_sampling_clip_max": ("mapped", _ANY, "rollout_is_threshold"),
     "vllm_importance_sampling_cap": ("mapped", _ANY, "rollout_is_threshold (TRL's deprecated alias)"),
+    "vllm_importance_sampling_clip_min": ("mapped", _ANY, "rollout_is_threshold_lower"),
+    "loss_type": ("mapped", _ANY, "policy_loss_mode + loss_agg_mode: " + ", ".join(
+        f"{k}: {m}/{a}" for k, (m, a) in TRL_LOSS_TYPES.items())),
     # ---------------------------------------------------------------- refused (not implemented by our stage)
-    "loss_type": ("refused", "dapo", "our policy loss is token-mean PPO (TRL's 'dapo'); other TRL loss types are "
-                                     "not implemented yet: use loss_agg_mode ('seq-mean-token-mean' is GRPO's, "
-                                     "'seq-mean-token-sum-norm' Dr. GRPO's) with NRolloutConfig"),
-    "delta": ("refused", None, "TRL's two-sided ratio clip is not implemented; NRolloutConfig's clip_ratio_c "
-                               "(dual clip) is the closest"),
-    "sapo_temperature_neg": ("refused", 1.05, "only used by loss_type='sapo', which is not implemented"),
-    "sapo_temperature_pos": ("refused", 1.0, "only used by loss_type='sapo', which is not implemented"),
-    "vespo_k_pos": ("refused", 2.0, "only used by loss_type='vespo', which is not implemented"),
-    "vespo_lambda_pos": ("refused", 3.0, "only used by loss_type='vespo', which is not implemented"),
-    "vespo_k_neg": ("refused", 3.0, "only used by loss_type='vespo', which is not implemented"),
-    "vespo_lambda_neg": ("refused", 2.0, "only used by loss_type='vespo', which is not implemented"),
-    "multi_objective_aggregation": ("refused", "sum_then_normalize", "rewards are summed with reward_weights "
-                                                                     "then normalized (TRL's default) only"),
-    "top_entropy_quantile": ("refused", 1.0, "entropy-quantile token masking is not implemented yet"),
+    "multi_objective_aggregation": ("honored", _ANY, "'sum_then_normalize' (weighted sum, then the estimator) or "
+                                                     "'normalize_then_sum' (GDPO: each reward normalized in its group, "
+                                                     "weighted sum, normalized over the batch), as in TRL."),
+    "top_entropy_quantile": ("honored", _ANY, "Only the top-rho entropy tokens of the step (all ranks) carry the "
+                                              "policy loss and the entropy bonus, as in TRL."),
+    "delta": ("honored", _ANY, "Two-sided clip: the unclipped ratio is capped at delta (INTELLECT-2), as in TRL."),
+    "sapo_temperature_neg": ("honored", _ANY, "SAPO's temperature for non-positive advantages (loss_type='sapo')."),
+    "sapo_temperature_pos": ("honored", _ANY, "SAPO's temperature for positive advantages (loss_type='sapo')."),
+    "vespo_k_pos": ("honored", _ANY, "VESPO's gamma-weight shape (loss_type='vespo')."),
+    "vespo_lambda_pos": ("honored", _ANY, "VESPO's gamma-weight decay (loss_type='vespo')."),
+    "vespo_k_neg": ("honored", _ANY, "VESPO's gamma-weight shape for negative advantages (loss_type='vespo')."),
+    "vespo_lambda_neg": ("honored", _ANY, "VESPO's gamma-weight decay for negative advantages (loss_type='vespo')."),
+    "off_policy_mask_threshold": ("honored", _ANY, "DeepSeek-V3.2's off-policy sequence mask (negative advantage and "
+                                                   "mean sampler/policy KL above it), against the engine's log-probs."),
     "pad_to_multiple_of": ("refused", "auto", "rollout tensors are padded to the batch's longest sequence only"),
     "generation_kwargs": ("refused", None, "our engines take temperature/top_p/top_k/min_p/repetition_penalty "
                                            "only; other generation options are not passed"),
     "cache_implementation": ("refused", None, "not passed to our engines"),
     "max_tool_calling_iterations": ("refused", None, "tool calling (tools=) is not implemented yet"),
-    "vllm_importance_sampling_clip_min": ("refused", None, "rollout_is has no lower bound"),
-    "off_policy_mask_threshold": ("refused", None, "off-policy sequence masking is not implemented; "
-                                                   "rollout_is='sequence' with rollout_is_mode='mask' is close"),
     "log_completions": ("refused", False, "completion tables are not collected by our rollout stage yet"),
     "num_completions_to_print": ("refused", None, "only used by log_completions, which is not implemented"),
     "log_unique_prompts": ("refused", False, "only used by log_completions, which is not implemented"),

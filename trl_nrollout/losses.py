@@ -6,6 +6,7 @@ the response tokens that count.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,10 @@ from torch import Tensor
 
 from trl_nrollout.advantages import masked_mean
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                  "token-mean-micro")
+#: per-token policy losses (verl's ``policy_loss.loss_mode``); TRL's ``loss_type`` names map onto them
+POLICY_LOSS_MODES = ("vanilla", "cispo", "sapo", "vespo")
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 
@@ -67,6 +71,8 @@ def agg_loss(
     - ``seq-mean-token-mean``: mean over sequences of each sequence's token mean (original GRPO).
     - ``seq-mean-token-sum-norm``: token sum / (sequences x ``norm_length``), a constant length (Dr. GRPO);
       ``norm_length`` defaults to ``T``.
+    - ``token-mean-micro``: the token mean of this micro batch alone, whatever ``num_tokens`` says (TRL's
+      ``bnpo``; the trainer divides it by the accumulation steps).
 
     "Sequences" are the rows with at least one masked token (a fully masked row, e.g. padding, neither adds
     to the loss nor dilutes it; as verl). ``num_tokens`` / ``num_seqs`` override the denominators, so that
@@ -75,6 +81,8 @@ def agg_loss(
     """
     mask = loss_mask.to(loss_mat.dtype)
     masked = torch.where(mask != 0, loss_mat * mask, 0.0)  # [B, T]
+    if loss_agg_mode == "token-mean-micro":
+        return masked.sum() / mask.sum().clamp(min=1)
     if loss_agg_mode == "token-mean":
         denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=loss_mat.dtype)
         return masked.sum() / denom.clamp(min=1)
@@ -106,6 +114,43 @@ class PolicyLossOutput:
     ratio_mean: Tensor
 
 
+def importance_ratio(log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor, ratio_level: str = "token"
+                     ) -> Tensor:
+    """``pi / pi_old`` per token ``[B, T]``: the token ratio, or GSPO's sequence ratio ``exp(mean_t(log pi -
+    log pi_old))`` broadcast over the sequence with a per-token straight-through gradient (its value is the
+    sequence's; summed or averaged over a sequence, its gradient equals that of the sequence ratio itself)."""
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
+    if ratio_level == "token":
+        return log_ratio.exp()
+    if ratio_level == "sequence":
+        seq_log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).clamp(max=10.0)
+        return (seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()).exp()
+    raise ValueError(f"ratio_level={ratio_level!r} must be 'token' or 'sequence' (GSPO).")
+
+
+def vespo_weights(advantages: Tensor, log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor, *,
+                  log_is_weight: Tensor | None = None, k_pos: float = 2.0, lambda_pos: float = 3.0,
+                  k_neg: float = 3.0, lambda_neg: float = 2.0) -> Tensor:
+    """VESPO's gamma weight of each sequence, ``phi(w) = exp(lambda) w^k exp(-lambda w)`` (so ``phi(1) = 1``), with
+    ``w`` the sequence importance ratio ``prod_t pi / pi_old`` (times the rollout correction ``exp(log_is_weight)``,
+    ``[B, 1]`` or ``[B, T]`` summed over the sequence, when given); ``k, lambda`` by the sign of the advantage.
+    No gradient. ``[B, T]`` in, ``[B, T]`` out (constant over a sequence when the advantage is)."""
+    with torch.no_grad():
+        floor = math.log(1e-8)
+        mask = response_mask.to(log_prob.dtype)
+        log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
+        log_w = (log_ratio * mask).sum(-1, keepdim=True)  # [B, 1]
+        if log_is_weight is not None:
+            log_w = log_w + log_is_weight.clamp(floor, 20.0).sum(-1, keepdim=True)
+        log_w = log_w.clamp(floor, 20.0)
+        positive = advantages >= 0
+        k = torch.where(positive, k_pos, k_neg)
+        lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def policy_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -117,45 +162,67 @@ def policy_loss(
     clip_ratio_c: float | None = 3.0,
     ratio_level: str = "token",
     loss_agg_mode: str = "token-mean",
+    loss_mode: str = "vanilla",
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_weight: Tensor | None = None,
+    token_mask: Tensor | None = None,
     token_weights: Tensor | None = None,
     **agg_kwargs,
 ) -> PolicyLossOutput:
-    """PPO clipped surrogate (Schulman et al. 2017) with clip-higher (DAPO) and dual clip (Ye et al. 2020).
+    """The policy-gradient loss of one micro batch. All inputs ``[B, T]``; ``ratio = pi / pi_old``
+    (:func:`importance_ratio`, per token or GSPO's per sequence).
 
-    ``ratio = pi / pi_old`` per token (``ratio_level="token"``), or GSPO's sequence ratio
-    ``exp(mean_t(log pi - log pi_old))`` with a per-token straight-through gradient (``"sequence"``, Zheng et
-    al. 2025). ``token_weights`` (``[B, T]``, no gradient) multiply the per-token loss, e.g. importance weights
-    correcting the rollout engine / trainer mismatch. Loss per token: ``max(-A r, -A clip(r, 1 - low, 1 + high))``; for ``A < 0`` it is also capped at
-    ``-A c`` (dual clip, ``clip_ratio_c > 1``; ``None`` disables). All inputs ``[B, T]``.
+    ``loss_mode`` (verl's ``policy_loss.loss_mode``; TRL's ``loss_type`` picks one):
 
-    GSPO as published is ``ratio_level="sequence"`` with ``loss_agg_mode="seq-mean-token-mean"`` (verl forces
-    that mode); another mode weights each sequence's clipped term by its token count.
+    - ``"vanilla"``: PPO's clipped surrogate (Schulman et al. 2017) with clip-higher (DAPO),
+      ``max(-A r, -A clip(r, 1 - low, 1 + high))``; for ``A < 0`` also capped at ``-A c`` (dual clip, Ye et al.
+      2020; ``clip_ratio_c=None`` disables). ``delta`` caps the unclipped ratio at ``delta`` (INTELLECT-2's
+      two-sided clip).
+    - ``"cispo"``: ``-sg(min(r, clip_ratio_high)) A log pi``: the clipped ratio weights the log-likelihood, so no
+      token loses its gradient (MiniMax-M1 / ScaleRL; ``clip_ratio_high`` is the ratio bound itself, e.g. 5).
+    - ``"sapo"``: ``-A sigmoid(tau (r - 1)) 4 / tau``, a soft trust region, ``tau`` by the sign of ``A`` (SAPO).
+    - ``"vespo"``: ``-phi A log pi`` with the sequence's gamma weight ``vespo_weight`` (:func:`vespo_weights`).
+
+    ``token_mask`` (0/1: entropy-quantile or off-policy masks) and ``token_weights`` (rollout correction; not for
+    vespo, whose weight includes it) multiply the per-token loss; both carry no gradient.
     """
     high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
     mask = response_mask.to(log_prob.dtype)
+    ratio = importance_ratio(log_prob, old_log_prob, response_mask, ratio_level)
     log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
-    if ratio_level == "token":
-        ratio = log_ratio.exp()
-    elif ratio_level == "sequence":
-        seq_log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)).clamp(max=10.0)
-        ratio = (seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()).exp()
-    else:
-        raise ValueError(f"ratio_level={ratio_level!r} must be 'token' or 'sequence' (GSPO).")
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + high)
-    clipped = torch.maximum(loss1, loss2)
-    clipfrac = masked_mean((loss2 > loss1).to(mask.dtype), mask)
-    if clip_ratio_c is not None:
-        if clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (it caps -A * ratio at -A * c); use 3.0.")
-        loss3 = -advantages * clip_ratio_c
-        dual = torch.minimum(loss3, clipped)
-        clipfrac_lower = masked_mean(((clipped > loss3) & (advantages < 0)).to(mask.dtype), mask)
-        per_token = torch.where(advantages < 0, dual, clipped)
-    else:
-        clipfrac_lower = mask.new_zeros(())
+    clipfrac_lower = mask.new_zeros(())
+    if loss_mode == "vanilla":
+        unclipped = ratio if delta is None else ratio.clamp(max=delta)
+        loss1 = -advantages * unclipped
+        loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + high)
+        clipped = torch.maximum(loss1, loss2)
+        clipfrac = masked_mean((loss2 > loss1).to(mask.dtype), mask)
         per_token = clipped
-    if token_weights is not None:
+        if clip_ratio_c is not None:
+            if clip_ratio_c <= 1.0:
+                raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (it caps -A * ratio at -A * c); use 3.0.")
+            loss3 = -advantages * clip_ratio_c
+            clipfrac_lower = masked_mean(((clipped > loss3) & (advantages < 0)).to(mask.dtype), mask)
+            per_token = torch.where(advantages < 0, torch.minimum(loss3, clipped), clipped)
+    elif loss_mode == "cispo":
+        per_token = -ratio.clamp(max=high).detach() * advantages * log_prob
+        clipfrac = masked_mean(((ratio > high) & (advantages > 0)).to(mask.dtype), mask)
+    elif loss_mode == "sapo":
+        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+        clipfrac = mask.new_zeros(())
+    elif loss_mode == "vespo":
+        if vespo_weight is None:
+            raise ValueError("loss_mode='vespo' needs vespo_weight (see vespo_weights).")
+        per_token = -vespo_weight.detach() * advantages * log_prob
+        clipfrac = mask.new_zeros(())
+    else:
+        raise ValueError(f"loss_mode={loss_mode!r} is not known; use one of {list(POLICY_LOSS_MODES)}.")
+    if token_mask is not None:
+        per_token = per_token * token_mask.detach().to(per_token.dtype)
+    if token_weights is not None and loss_mode != "vespo":
         per_token = per_token * token_weights.detach()
     loss = agg_loss(per_token, mask, loss_agg_mode, **agg_kwargs)
     return PolicyLossOutput(
@@ -165,6 +232,56 @@ def policy_loss(
         approx_kl=masked_mean(-log_ratio, mask).detach(),
         ratio_mean=masked_mean(ratio, mask).detach(),
     )
+
+
+def high_entropy_mask(entropies: Tensor, response_mask: Tensor, threshold: float | Tensor) -> Tensor:
+    """0/1 ``[B, T]``: the response tokens whose entropy is at least ``threshold`` (the ``1 - rho`` quantile of all
+    response-token entropies of the step, for "Beyond the 80/20 rule"'s top-``rho`` tokens)."""
+    return ((entropies.detach() >= threshold) & (response_mask != 0)).to(entropies.dtype)
+
+
+def entropy_quantile(entropies: Tensor, q: float) -> Tensor:
+    """The ``q`` quantile of a 1-D tensor of entropies (all response tokens, all ranks); ``inf`` when empty (no
+    token passes)."""
+    values = entropies.detach().float()
+    if values.numel() == 0:
+        return torch.tensor(float("inf"))
+    return torch.quantile(values, q)
+
+
+def off_policy_sequence_mask(advantages: Tensor, log_prob: Tensor, sampling_log_prob: Tensor,
+                             response_mask: Tensor, threshold: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask ``[B, 1]``: drop (0) a sequence whose advantage is negative and whose
+    mean ``log pi_sampler - log pi`` over its tokens exceeds ``threshold``; keep (1) every other. A token the sampler
+    could not score (NaN) counts as no divergence. The sequence's advantage is its mean over its tokens."""
+    mask = response_mask.to(log_prob.dtype)
+    diff = torch.nan_to_num(sampling_log_prob - log_prob.detach(), nan=0.0)
+    count = mask.sum(-1, keepdim=True).clamp(min=1.0)
+    mean_kl = (diff * mask).sum(-1, keepdim=True) / count
+    seq_adv = (advantages * mask).sum(-1, keepdim=True) / count if advantages.shape[-1] > 1 else advantages
+    return ((seq_adv >= 0) | (mean_kl <= threshold)).to(log_prob.dtype)
+
+
+def rollout_is_weights(old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask: Tensor, *, level: str,
+                       mode: str, upper: float | None, lower: float | None = None) -> Tensor:
+    """Importance weights ``pi_old / pi_rollout`` that correct the rollout engine / trainer mismatch (TRL's
+    ``vllm_importance_sampling_*``, verl's ``rollout_is``): per token ``[B, T]`` or per sequence (the product over
+    the sequence) ``[B, 1]``. ``"truncate"`` clamps them to ``[lower, upper]``; ``"mask"`` sets those outside to 0.
+    Tokens the engine could not score (NaN) get weight 1. No gradient."""
+    with torch.no_grad():
+        diff = torch.nan_to_num((old_log_prob - rollout_log_prob) * response_mask.to(old_log_prob.dtype), nan=0.0)
+        if level == "sequence":
+            diff = diff.sum(-1, keepdim=True)
+        elif level != "token":
+            raise ValueError(f"rollout_is={level!r} must be 'token' or 'sequence'.")
+        w = diff.exp()
+        if mode == "truncate":
+            return w.clamp(min=lower, max=upper)
+        if mode == "mask":
+            lo = -math.inf if lower is None else lower
+            hi = math.inf if upper is None else upper
+            return w.masked_fill((w < lo) | (w > hi), 0.0)
+        raise ValueError(f"rollout_is_mode={mode!r} must be 'truncate' or 'mask'.")
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

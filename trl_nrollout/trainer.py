@@ -26,14 +26,25 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from trl_nrollout.advantages import compute_advantages
+from trl_nrollout.advantages import compute_advantages, normalize_then_sum
 from trl_nrollout.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.dropin import check_trainer_args
 from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
-from trl_nrollout.losses import AdaptiveKLController, FixedKLController, agg_loss, kl_penalty, policy_loss
+from trl_nrollout.losses import (
+    AdaptiveKLController,
+    FixedKLController,
+    agg_loss,
+    entropy_quantile,
+    high_entropy_mask,
+    kl_penalty,
+    off_policy_sequence_mask,
+    policy_loss,
+    rollout_is_weights,
+    vespo_weights,
+)
 from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
@@ -385,7 +396,10 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
             options["reward_baselines"] = self._greedy_baselines(inputs, n, mode)
         index = [i // n for i in range(len(records))]
         scorable = ~torch.isnan(scores)
-        if scorable.all():
+        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: TRL computes these advantages itself
+            gdpo = normalize_then_sum(rewards, self.reward_weights.cpu(), n)
+            advantages = torch.nan_to_num(gdpo, nan=0.0).unsqueeze(-1) * resp_mask
+        elif scorable.all():
             advantages, _ = compute_advantages(args.adv_estimator, token_rewards, resp_mask, index, **options)
         else:  # as TRL: unscorable samples (no reward function applied) are left out of the baselines, advantage 0
             keep = scorable.nonzero().squeeze(-1)
@@ -499,8 +513,9 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
 
     def _add_normalizers(self, chunks: list[dict], accum: int) -> list[dict]:
         """Attach to each micro batch the token and sequence counts of its whole mini batch (all ranks), divided by
-        the number of micro losses that are averaged (ranks x accumulation): token-mean over a mini batch then
-        equals the mean over its tokens however it is split."""
+        the number of ranks (whose gradients are averaged; the micro losses of one optimizer step are summed, as
+        TRL's ``loss_is_scaled_for_ga`` says): token-mean over a mini batch then equals the mean over its tokens
+        however it is split."""
         world = self.accelerator.num_processes
         counts = torch.tensor([[c["completion_mask"].sum().item(), c["completion_mask"].shape[0]] for c in chunks],
                               dtype=torch.float64, device=self.accelerator.device)
@@ -510,8 +525,8 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
             mb = slice((k // accum) * accum, (k // accum + 1) * accum)
             tokens, seqs = counts[mb].sum(0).tolist()
             # at least one: a mini batch whose tokens are all masked (mask_truncated_completions) has a zero loss
-            c["mb_tokens"] = torch.tensor(max(tokens, 1.0) / (world * accum), device=dev)
-            c["mb_seqs"] = torch.tensor(max(seqs, 1.0) / (world * accum), device=dev)
+            c["mb_tokens"] = torch.tensor(max(tokens, 1.0) / world, device=dev)
+            c["mb_seqs"] = torch.tensor(max(seqs, 1.0) / world, device=dev)
         return chunks
 
     # ------------------------------------------------------------------ the update
@@ -580,6 +595,15 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
             self._metric(mode, "entropy_coef", self.entropy_coef)
         return coef * entropy_loss
 
+    def _entropy_threshold(self, entropies: Tensor, mask: Tensor, q: float) -> Tensor:
+        """The ``q`` quantile of the response-token entropies of this micro step on all ranks (TRL's
+        ``top_entropy_quantile``: the threshold of its high-entropy mask). ``entropies``, ``mask``: ``[B, T]``."""
+        local = entropies.detach()[mask.bool()].float()
+        sentinel = -1e9  # entropies are >= 0
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=sentinel)
+        everything = self.accelerator.gather(padded)
+        return entropy_quantile(everything[everything != sentinel], q).to(entropies.device)
+
     def _compute_loss(self, model, inputs):
         args: NRolloutConfig = self.args
         mode = "train" if self.model.training else "eval"
@@ -607,23 +631,37 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
         self._metric(mode, "sampling/sampling_logp_difference/mean", drift_mean)  # TRL's names
         self._metric(mode, "sampling/sampling_logp_difference/max", drift_max)
         self._metric(mode, "rollout_corr/kl", ((kl_penalty(rollout, old, "k3") * mask).sum() / n_tok).item())
+        adv = inputs["advantages"]  # [B, T] from our estimators; [B] (one per sample) from a TRL-style subclass
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
         weights = None
         if args.rollout_is is not None:
-            log_w = (old - rollout) * mask
-            if args.rollout_is == "sequence":
-                log_w = log_w.sum(-1, keepdim=True).expand_as(mask)
-            w = log_w.clamp(max=20).exp()
-            if args.rollout_is_mode == "truncate":
-                weights = w.clamp(max=args.rollout_is_threshold)
-            else:
-                weights = (w <= args.rollout_is_threshold).to(w.dtype)
-                self._metric(mode, "rollout_corr/masked_fraction", (((1 - weights) * mask).sum() / n_tok).item())
-            weights = weights.detach()
-            self._metric(mode, "rollout_corr/is_weight_mean", ((weights * mask).sum() / n_tok).item())
-
-        out = policy_loss(logps, old, inputs["advantages"], mask, clip_ratio_low=self.epsilon_low,
+            weights = rollout_is_weights(old, rollout, mask, level=args.rollout_is, mode=args.rollout_is_mode,
+                                         upper=args.rollout_is_threshold, lower=args.rollout_is_threshold_lower)
+            full = weights.expand_as(mask)
+            if args.rollout_is_mode == "mask":
+                self._metric(mode, "rollout_corr/masked_fraction", (((full == 0) * mask).sum() / n_tok).item())
+            self._metric(mode, "rollout_corr/is_weight_mean", ((full * mask).sum() / n_tok).item())
+        # TRL's token masks: the top-rho entropy tokens of the step, DeepSeek-V3.2's off-policy sequence mask
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            threshold = self._entropy_threshold(entropies, mask, 1.0 - self.top_entropy_quantile)
+            entropy_mask = high_entropy_mask(entropies, mask, threshold)
+        token_mask = entropy_mask
+        if args.off_policy_mask_threshold is not None:
+            keep = off_policy_sequence_mask(adv, logps, rollout, mask, args.off_policy_mask_threshold)
+            token_mask = keep if token_mask is None else token_mask * keep
+            self._metric(mode, "off_policy_mask/dropped_fraction", (1 - keep).mean().item())
+        vespo = None
+        if args.policy_loss_mode == "vespo":
+            vespo = vespo_weights(adv, logps, old, mask, log_is_weight=None if weights is None else weights.log(),
+                                  k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
+                                  lambda_neg=args.vespo_lambda_neg)
+        out = policy_loss(logps, old, adv, mask, clip_ratio_low=self.epsilon_low,
                           clip_ratio_high=self.epsilon_high, clip_ratio_c=args.clip_ratio_c,
                           ratio_level=self.importance_sampling_level, loss_agg_mode=args.loss_agg_mode,
+                          loss_mode=args.policy_loss_mode, delta=args.delta,
+                          sapo_temperature_pos=args.sapo_temperature_pos,
+                          sapo_temperature_neg=args.sapo_temperature_neg, vespo_weight=vespo, token_mask=token_mask,
                           token_weights=weights, **agg)
         loss = out.loss
         if self.beta != 0.0:
@@ -633,15 +671,16 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
             kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
             loss = loss + self.beta * kl_loss
             self._metric(mode, "actor/kl_loss", ((kl.detach() * mask).sum() / n_tok).item())
+        if args.loss_agg_mode == "token-mean-micro":  # TRL's bnpo: this micro batch's mean, over the accumulation
+            loss = loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
         if self._entropy_bonus_enabled:
-            loss = loss - self._entropy_bonus(entropies, mask, mode)
+            loss = loss - self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
         if aux_loss is not None:  # TRL's MoE router loss, router_aux_loss_coef (default: the model's own coefficient)
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metric(mode, "aux_loss", aux_loss.detach().float().item())
         # TRL's names beside verl's (same values): policy_loss, kl, entropy, clip_ratio/*
         ratio = torch.exp((logps - old).detach())
-        adv = inputs["advantages"]
         low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
         high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
         self._metric(mode, "clip_ratio/low_mean", ((low * mask).sum() / n_tok).item())
