@@ -12,7 +12,7 @@ from transformers import TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.dropin import REFUSED_TRAINER_ARGS, TRL_OPTIONS, UnsupportedTRLOption
+from trl_nrollout.dropin import TRAINER_ARGS, TRL_OPTIONS, UnsupportedTRLOption
 
 TRL_FIELDS = [f for f in fields(GRPOConfig) if f.name not in {g.name for g in fields(TrainingArguments)}]
 REFUSED = [name for name, (status, _, _) in TRL_OPTIONS.items() if status == "refused"]
@@ -34,8 +34,9 @@ def test_every_grpo_trainer_argument_is_classified():
     ours = set(inspect.signature(__import__("trl_nrollout.trainer", fromlist=["x"]).NRolloutGRPOTrainer.__init__)
                .parameters) - {"self", "kwargs"}
     theirs = set(inspect.signature(GRPOTrainer.__init__).parameters) - {"self"}
-    # named by our constructor (honored, passed on to TRL) or refused; quantization_config goes through **kwargs
-    assert theirs - ours - set(REFUSED_TRAINER_ARGS) == {"quantization_config"}
+    # every one named by our constructor and honored (quantization_config goes through **kwargs to TRL)
+    assert theirs - ours == {"quantization_config"}
+    assert set(TRAINER_ARGS) <= ours
 
 
 def _non_neutral(name: str, neutral):
@@ -58,16 +59,6 @@ def test_a_refused_option_is_an_error_naming_it(name, tmp_path):
         cfg(tmp_path, **{name: value})
     assert f"{name}={value!r} is not supported" in str(err.value) and why in str(err.value)
     cfg(tmp_path, **{name: neutral})  # TRL's default is accepted
-
-
-@pytest.mark.parametrize("arg", sorted(REFUSED_TRAINER_ARGS))
-def test_refused_trainer_arguments(arg, tmp_path):
-    from trl_nrollout import NRolloutGRPOTrainer
-    from trl_nrollout.builtin import digits_dataset, digits_reward
-
-    with pytest.raises(UnsupportedTRLOption, match=f"{arg}= is not supported"):
-        NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=cfg(tmp_path),
-                            train_dataset=digits_dataset(8), **{arg: [lambda x: x] if arg == "tools" else len})
 
 
 def test_mapped_options(tmp_path):

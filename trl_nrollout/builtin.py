@@ -28,7 +28,15 @@ BUILTIN_MODELS: dict[str, dict] = {
                        num_key_value_heads=2, vocab_size=384),
     "small-qwen2": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                         num_key_value_heads=4, vocab_size=1024),
+    # the tiny model with Qwen2.5's chat template (tool schemas, <tool_call> parsing by TRL) and one token that is a
+    # whole call of the built-in tool, so a random model calls it now and then and RL can make it call it always
+    "tiny-qwen2-tools": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512, tools=True),
 }
+
+#: The built-in tool's name and the single token that calls it (Qwen2.5's tool-call format).
+TOOL_NAME = "lucky_number"
+TOOL_CALL_TOKEN = '<tool_call>\n{"name": "lucky_number", "arguments": {}}\n</tool_call>'
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -85,8 +93,13 @@ def _corpus(seed: int = 0) -> list[str]:
 
 
 def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
-                     num_attention_heads: int, num_key_value_heads: int, vocab_size: int, seed: int = 0) -> Path:
+                     num_attention_heads: int, num_key_value_heads: int, vocab_size: int, seed: int = 0,
+                     tools: bool = False) -> Path:
     """Train a byte-level BPE tokenizer on the built-in corpus and save it with a random Qwen2 model.
+
+    ``tools``: Qwen2.5's chat template (as TRL ships it, so TRL's tool-call parser applies), its tool tokens, the
+    tool boilerplate in the tokenizer's corpus (short prompts), and :data:`TOOL_CALL_TOKEN` as one token that also
+    ends a turn (an EOS of the generation config, as a real model's ``<|im_end|>`` after a call).
 
     Writes to a temporary folder and renames it into place, so concurrent processes never see a half-built
     model. Deterministic for a given seed.
@@ -106,12 +119,20 @@ def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, 
             vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
         )
-        tok.train_from_iterator(_corpus(seed), trainer=trainer)
+        corpus = _corpus(seed)
+        if tools:
+            corpus += _tool_corpus() * 30
+        tok.train_from_iterator(corpus, trainer=trainer)
         hf_tok = PreTrainedTokenizerFast(
             tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
             bos_token=None, unk_token=None, additional_special_tokens=["<|im_start|>"],
         )
         hf_tok.chat_template = CHAT_TEMPLATE
+        if tools:
+            from trl.chat_template_utils import qwen2_5_chat_template
+
+            hf_tok.chat_template = qwen2_5_chat_template
+            hf_tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", TOOL_CALL_TOKEN])
         hf_tok.save_pretrained(tmp)
 
         torch.manual_seed(seed)
@@ -124,6 +145,8 @@ def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, 
         )
         model = Qwen2ForCausalLM(config)
         model.generation_config.eos_token_id = hf_tok.eos_token_id
+        if tools:  # a call ends the turn, as <|im_end|> after a real model's call
+            model.generation_config.eos_token_id = [hf_tok.eos_token_id, hf_tok.convert_tokens_to_ids(TOOL_CALL_TOKEN)]
         model.generation_config.pad_token_id = hf_tok.pad_token_id
         model.save_pretrained(tmp)
         (tmp / "trl_nrollout_builtin.json").write_text(json.dumps({"seed": seed, "version": _BUILDERS_VERSION}))
@@ -135,6 +158,21 @@ def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _tool_corpus() -> list[str]:
+    """The texts Qwen2.5's template renders around the built-in tool (so the tokenizer keeps prompts short)."""
+    from transformers.utils import get_json_schema
+
+    schema = json.dumps({"type": "function", "function": get_json_schema(lucky_number)["function"]})
+    return [
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+        "# Tools", "You may call one or more functions to assist with the user query.",
+        "You are provided with function signatures within <tools></tools> XML tags:", schema,
+        "For each function call, return a json object with function name and arguments within <tool_call>"
+        "</tool_call> XML tags:", '{"name": <function-name>, "arguments": <args-json-object>}',
+        "system user assistant tool <tool_response> </tool_response>",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- task
@@ -171,4 +209,47 @@ def digits_reward(completions: list, **kwargs) -> list[float]:
     for c in completions:
         text = c[-1]["content"] if isinstance(c, list) else c
         out.append(digit_fraction(text))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- tool task
+def lucky_number() -> str:
+    """Returns today's lucky number.
+
+    Returns:
+        The lucky number, as digits.
+    """
+    return "7"
+
+
+class _AsyncTools:
+    @staticmethod
+    async def lucky_number() -> str:
+        """Returns today's lucky number.
+
+        Returns:
+            The lucky number, as digits.
+        """
+        return "7"
+
+
+#: The built-in tool as an async function (it could await a service); the same name and schema as the sync one.
+lucky_number_async = _AsyncTools.lucky_number
+
+
+def tool_dataset(num: int = 256, seed: int = 0):
+    """The ``digits`` prompts as conversations (TRL's tools need chat prompts)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in digits_prompts(num, seed)]})
+
+
+def tool_reward(completions: list, **kwargs) -> list[float]:
+    """Reward of the built-in tool task: 1.0 when the sample called a tool and got a result (no error), else 0.0.
+
+    ``completions`` are TRL's multi-turn messages (assistant turns and tool results)."""
+    out = []
+    for messages in completions:
+        results = [m for m in messages if isinstance(m, dict) and m.get("role") == "tool"]
+        out.append(1.0 if any("error" not in str(m.get("content")) for m in results) else 0.0)
     return out

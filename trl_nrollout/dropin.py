@@ -68,6 +68,8 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
                                               "(None: the model's own coefficient; 0.0: none)."),
     "mask_truncated_completions": ("honored", _ANY, "Completions cut at max_completion_length are masked out of "
                                                     "the loss (their tokens count in no normalizer)."),
+    "max_tool_calling_iterations": ("honored", _ANY, "Tool rounds per sample (None: until the completion budget "
+                                                     "ends)."),
     "log_multimodal": ("honored", _ANY, "No effect: completions tables are not logged (log_completions)."),
     # ---------------------------------------------------------------- mapped onto verl's vocabulary
     "num_generations": ("mapped", _ANY, "rollout_n"),
@@ -110,7 +112,6 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "generation_kwargs": ("refused", None, "our engines take temperature/top_p/top_k/min_p/repetition_penalty "
                                            "only; other generation options are not passed"),
     "cache_implementation": ("refused", None, "not passed to our engines"),
-    "max_tool_calling_iterations": ("refused", None, "tool calling (tools=) is not implemented yet"),
     "log_completions": ("refused", False, "completion tables are not collected by our rollout stage yet"),
     "num_completions_to_print": ("refused", None, "only used by log_completions, which is not implemented"),
     "log_unique_prompts": ("refused", False, "only used by log_completions, which is not implemented"),
@@ -130,11 +131,14 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "use_transformers_paged": ("refused", False, "generation is ours (rollout_backend)"),
 }
 
-#: GRPOTrainer constructor arguments our rollout stage does not implement yet (refused when given).
-REFUSED_TRAINER_ARGS: dict[str, str] = {
-    "tools": "tool calling (multi-turn rollouts) is not implemented by our engines yet",
-    "rollout_func": "a custom rollout function would replace our engine group; not supported",
-    "environment_factory": "environments (multi-turn rollouts) are not implemented by our engines yet",
+#: GRPOTrainer constructor arguments beyond the model/data ones, all honored: name -> what our stage does.
+TRAINER_ARGS: dict[str, str] = {
+    "tools": "Multi-turn tool calling on our engines, turn by turn for all samples (tool results masked out of the "
+             "loss; groups stay n samples).",
+    "environment_factory": "One environment per sample (TRL's pool, reset per episode); its methods are the "
+                           "sample's tools; reward functions get environments=.",
+    "rollout_func": "Your generation instead of ours (it may call trainer.rollout_engine); prompt_ids, "
+                    "completion_ids, logprobs, env_mask and extra reward fields as in TRL.",
 }
 
 
@@ -163,16 +167,6 @@ def check_trl_options(values: dict[str, Any]) -> None:
             )
 
 
-def check_trainer_args(kwargs: dict[str, Any]) -> None:
-    """Refuse GRPOTrainer constructor arguments we do not implement (see :data:`REFUSED_TRAINER_ARGS`)."""
-    for name, why in REFUSED_TRAINER_ARGS.items():
-        if kwargs.get(name) is not None:
-            raise UnsupportedTRLOption(
-                f"{name}= is not supported by NRolloutGRPOTrainer: {why}. Remove it, or use trl.GRPOTrainer for "
-                "this script."
-            )
-
-
 def options_table() -> list[tuple[str, str, str]]:
     """(option, status, what) rows for docs/migrating.md."""
     rows = []
@@ -183,5 +177,5 @@ def options_table() -> list[tuple[str, str, str]]:
             rows.append((name, "mapped", text))
         else:
             rows.append((name, "honored", text))
-    rows += [(name, "refused when given", why) for name, why in REFUSED_TRAINER_ARGS.items()]
+    rows += [(f"{name}= (trainer)", "honored", what) for name, what in TRAINER_ARGS.items()]
     return rows

@@ -27,13 +27,19 @@ class RewardFunctionError(RuntimeError):
 class RewardScoring:
     """Scoring methods of the trainer (see the module docstring)."""
 
-    def _reward_kwargs(self, inputs: list[dict]) -> dict:
-        """The dataset columns of ``inputs`` (one list per column) plus the trainer state, as reward kwargs."""
+    def _reward_kwargs(self, inputs: list[dict], rows: list[int] | None = None) -> dict:
+        """The dataset columns of ``inputs`` (one list per column) plus the trainer state, as reward kwargs; with
+        ``rows`` (indices of ``inputs`` in this rank's samples), per-sample extras are cut to those samples."""
         keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
         # TRL's callables: log_extra (completion-table columns; kept as TRL keeps them without log_completions) and
         # log_metric (a scalar averaged over the step and logged beside the built-in metrics; see _flush_metrics)
-        return {**{k: [x[k] for x in inputs] for k in keys}, "trainer_state": self.state,
-                "log_extra": self._log_completion_extra, "log_metric": self._log_metric}
+        kwargs = {**{k: [x[k] for x in inputs] for k in keys}, "trainer_state": self.state,
+                  "log_extra": self._log_completion_extra, "log_metric": self._log_metric}
+        per_sample = dict(getattr(self, "_rollout_extra", None) or {})  # rollout_func's extra fields, as in TRL
+        if getattr(self, "environments", None) is not None:  # environment_factory: each sample's environment
+            per_sample["environments"] = self.environments
+        kwargs.update({k: v if rows is None else [v[r] for r in rows] for k, v in per_sample.items()})
+        return kwargs
 
     def _flush_reward_metrics(self, mode: str) -> None:
         """Metrics reward functions logged with ``log_metric`` this round: averaged over all ranks' calls (names
@@ -99,7 +105,7 @@ class RewardScoring:
             for j in range(len(prompts)):
                 try:
                     self._call_reward(func, [prompts[j]], [completions[j]], [completion_ids[j]],
-                                      self._reward_kwargs([inputs[j]]))
+                                      self._reward_kwargs([inputs[j]], rows=[j]))
                 except Exception as e:  # noqa: BLE001 - reporting it is the point
                     return (f"reward function '{name}' raised {type(e).__name__}: {e} on sample {j} of rank "
                             f"{self.accelerator.process_index} (prompt={str(prompts[j])[:200]!r}, "

@@ -30,7 +30,6 @@ from trl_nrollout.advantages import compute_advantages, normalize_then_sum
 from trl_nrollout.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.dropin import check_trainer_args
 from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.losses import (
@@ -45,6 +44,7 @@ from trl_nrollout.losses import (
     rollout_is_weights,
     vespo_weights,
 )
+from trl_nrollout.multiturn import Episode, MultiTurnRollout
 from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
@@ -66,7 +66,7 @@ def to_nrollout_config(args: GRPOConfig) -> NRolloutConfig:
     return cfg
 
 
-class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
+class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
@@ -75,8 +75,8 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, **kwargs) -> None:
-        check_trainer_args(kwargs)  # tools / rollout_func / environment_factory: refused, never ignored
+                 optimizers=(None, None), peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None, **kwargs) -> None:
         if isinstance(model, str):
             model = resolve_model(model)
         if args is None:
@@ -87,7 +87,8 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,
-                         optimizers=optimizers, peft_config=peft_config, **kwargs)
+                         optimizers=optimizers, peft_config=peft_config, tools=tools, rollout_func=rollout_func,
+                         environment_factory=environment_factory, **kwargs)
         # HF's TrainingArguments.train_batch_size (per-device samples) is shadowed by verl's train_batch_size
         # (prompts per step) in NRolloutConfig; HF Trainer copied it into _train_batch_size: restore its meaning.
         self._train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)
@@ -260,10 +261,17 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
         if stats.get("bytes"):
             self._metric(mode, "weight_sync/peak_bucket_mb", stats["peak_bucket_bytes"] / 2**20)
 
-    def _rollout(self, inputs: list[dict], n: int, sampling: SamplingOptions) -> tuple[RolloutBatch, list]:
-        """Generate for this rank's samples (TRL's order: each prompt repeated n times). Returns the batch and the
-        prompts (text or messages) per sample."""
-        prompts = [x["prompt"] for x in inputs]
+    def _rollout(self, inputs: list[dict], n: int, sampling: SamplingOptions
+                 ) -> tuple[RolloutBatch, list, Episode]:
+        """Generate for this rank's samples (TRL's order: each prompt repeated n times). Returns the batch, the
+        prompts (text or messages) per sample and what a multi-turn or custom rollout adds (tool masks, messages)."""
+        mode = "train" if self.model.training else "eval"
+        prompts = self._start_episodes(inputs)  # environments reset here (TRL's environment_factory)
+        if self.rollout_func is not None:
+            start = time.perf_counter()
+            batch, episode = self._custom_rollout(prompts, n)
+            self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
+            return batch, prompts, episode
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         if self.rollout_backend == "vllm":  # a too-long prompt on one rank: every rank stops with the error, none hangs
             longest = max(gather_object([max((len(p) for p in prompt_ids), default=0)]))
@@ -271,11 +279,18 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
         start = time.perf_counter()
         batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
                                                       sample_offset=self.accelerator.process_index * len(inputs))
+        episode = Episode()
+        if self.tools:  # TRL's tools / environments: turn by turn while samples call tools
+            turns = self._tool_turns(batch, sampling, mode)
+            batch = RolloutBatch(batch.prompt_ids, turns.completion_ids, turns.logprobs, turns.finish_reasons,
+                                 batch.group_index)
+            episode = Episode(tool_mask=turns.tool_mask, completions=turns.completions, turns=turns.turns,
+                              tool_calls=turns.tool_calls, tool_failures=turns.tool_failures)
         # right after generation: rewards and the log-prob passes run without the engine's weights and KV cache
         self.rollout_engine.sleep()
         seconds = time.perf_counter() - start
         self.generation_clock.add(batch.num_completion_tokens, seconds)
-        return batch, prompts
+        return batch, prompts, episode
 
     def _decode(self, prompts: list, completion_ids: list[list[int]]) -> list:
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
@@ -286,12 +301,16 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
     def _one_round(self, inputs: list[dict], n: int, mode: str, round_: int = 0) -> dict:
         """Generate and score this rank's samples; return the job-wide pool of this round (same on all ranks)."""
         t0 = time.perf_counter()
-        batch, prompts = self._rollout(inputs, n, self._sampling(mode, round_=round_))
+        batch, prompts, episode = self._rollout(inputs, n, self._sampling(mode, round_=round_))
         t1 = time.perf_counter()
-        completions = self._decode(prompts, batch.completion_ids)
+        completions = (episode.completions if episode.completions is not None
+                       else self._decode(prompts, batch.completion_ids))
+        self._rollout_extra = episode.extra_fields  # rollout_func's extra fields: reward kwargs, as in TRL
         rewards = self._score(inputs, prompts, completions, batch.completion_ids)
         t2 = time.perf_counter()
-        records = list(zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons))
+        self._log_turns(mode, episode)
+        masks = episode.tool_mask or [None] * len(batch)
+        records = list(zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks))
         pool = gather_object(records)
         return {"records": pool, "rewards": rewards, "gen_s": t1 - t0, "reward_s": t2 - t1,
                 "gen_tokens": batch.num_completion_tokens}
@@ -429,6 +448,12 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
             "advantages": advantages[mine, :c_max].to(dev),  # the job's longest completion >= this rank's
             "sampling_per_token_logps": tensors["logprobs"],
         }
+        if any(r[4] is not None for r in local):  # multi-turn: tool-response tokens are not trained on (TRL's)
+            tool_mask = torch.zeros_like(tensors["completion_mask"])
+            for i, r in enumerate(local):
+                tool_mask[i, :len(r[1])] = torch.tensor(r[4] if r[4] is not None else [1] * len(r[1]),
+                                                        dtype=tool_mask.dtype)
+            out["tool_mask"] = tool_mask
         if old is not None and not on_policy:
             out["old_per_token_logps"] = old[:, :c_max].to(dev)
         if ref is not None and self.beta != 0.0:
@@ -455,8 +480,10 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
     def _greedy_baselines(self, inputs: list[dict], n: int, mode: str) -> Tensor:
         """ReMax: reward of one greedy completion per prompt, for every sample of the job ``[G]``."""
         unique = inputs[::n]
-        batch, prompts = self._rollout(unique, 1, self._sampling(mode, greedy=True))
-        completions = self._decode(prompts, batch.completion_ids)
+        batch, prompts, episode = self._rollout(unique, 1, self._sampling(mode, greedy=True))
+        completions = (episode.completions if episode.completions is not None
+                       else self._decode(prompts, batch.completion_ids))
+        self._rollout_extra = episode.extra_fields
         rewards = self._score(unique, prompts, completions, batch.completion_ids)
         return self._weighted(rewards).repeat_interleave(n)  # [prompts of the job] -> [G]
 
@@ -467,7 +494,7 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
             self._metric(mode, f"rewards/{name}/std", _nanstd(rewards[:, i]))
         self._metric(mode, "reward", torch.nanmean(scores).item())
         self._metric(mode, "reward_std", _nanstd(scores))
-        lengths = torch.tensor([len(r[1]) for r in records], dtype=torch.float32)
+        lengths = torch.tensor([len(r[1]) if r[4] is None else sum(r[4]) for r in records], dtype=torch.float32)
         self._metric(mode, "response_length/mean", lengths.mean().item())
         self._metric(mode, "response_length/max", lengths.max().item())
         self._metric(mode, "response_length/clip_ratio",
@@ -517,7 +544,7 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
         TRL's ``loss_is_scaled_for_ga`` says): token-mean over a mini batch then equals the mean over its tokens
         however it is split."""
         world = self.accelerator.num_processes
-        counts = torch.tensor([[c["completion_mask"].sum().item(), c["completion_mask"].shape[0]] for c in chunks],
+        counts = torch.tensor([[_loss_mask(c).sum().item(), c["completion_mask"].shape[0]] for c in chunks],
                               dtype=torch.float64, device=self.accelerator.device)
         counts = gather(counts.unsqueeze(0)).view(world, len(chunks), 2).sum(0).cpu()
         dev = self.accelerator.device
@@ -613,7 +640,7 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
         logps, entropies, aux_loss = self._policy_logps(model, input_ids, attention_mask, logits_to_keep)
-        mask = completion_mask.to(logps.dtype)
+        mask = _loss_mask(inputs).to(logps.dtype)  # completion tokens, less tool results (multi-turn)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
         agg = dict(num_tokens=inputs["mb_tokens"], num_seqs=inputs["mb_seqs"])
@@ -701,6 +728,12 @@ class NRolloutGRPOTrainer(RewardScoring, GRPOTrainer):
                 "rewards and the learning rate, or lower clip_ratio_c."
             )
         return loss
+
+
+def _loss_mask(inputs: dict) -> Tensor:
+    """The tokens the loss counts ``[B, C]``: the completion's, less tool-response tokens (``tool_mask``)."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
 
 
 def _nanstd(x: Tensor) -> float:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -43,6 +44,8 @@ class HFEngine:
     @torch.no_grad()
     def _generate(self, model: nn.Module, prompts: list[list[int]], n: int, sampling: SamplingOptions,
                   group_offset: int) -> RolloutBatch:
+        if not prompts:  # nothing on this rank (a multi-turn step where others continue): no forward at all
+            return RolloutBatch([], [], [], [], [])
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
@@ -96,6 +99,19 @@ class HFEngine:
         if len(sample_prompts) % n:
             raise ValueError(f"{len(sample_prompts)} samples are not whole groups of n={n}.")
         return self.generate(sample_prompts[::n], n, sampling, group_offset=sample_offset // n)
+
+    def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
+                       sample_offset: int = 0) -> RolloutBatch:
+        """One more turn of multi-turn samples: one sample per context, each cut at its own token budget. Every
+        rank calls it, possibly with no contexts (ZeRO-3 gathers the parameters collectively)."""
+        longest = max(budgets, default=0)
+        batch = self.generate(contexts, 1, replace(sampling, max_tokens=max(longest, 1)), group_offset=sample_offset)
+        for i, budget in enumerate(budgets):
+            if len(batch.completion_ids[i]) > budget:
+                batch.completion_ids[i] = batch.completion_ids[i][:budget]
+                batch.logprobs[i] = batch.logprobs[i][:budget]
+                batch.finish_reasons[i] = "length"
+        return batch
 
     def load_weights(self, model: nn.Module) -> dict:
         """Nothing to copy: the engine generates with the training model itself."""

@@ -288,6 +288,38 @@ class VLLMEngineGroup:
         batch = self.generate_engine(unique, n, sampling, group_offset=(offset - first) // n)
         return batch.slice(first, first + len(sample_prompts))
 
+    def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
+                       sample_offset: int = 0) -> RolloutBatch:
+        """One more turn of multi-turn samples: one sample per context (prompt + turns so far + tool results), each
+        with its own token budget (``max_tokens``). Collective over the TP group: every rank calls it, possibly with
+        no contexts. Returns this rank's samples in order."""
+        self._barrier_before_generate()
+        per_rank = self._gather_tp([(list(c), int(b)) for c, b in zip(contexts, budgets)])
+        flat = [item for chunk in per_rank for item in chunk]
+        mine = self.tp_ranks.index(self.rank)
+        first = sum(len(c) for c in per_rank[:mine])
+        if not flat:
+            return RolloutBatch([], [], [], [], [])
+        if self.llm is None:
+            self.generate_engine([], 1, sampling)  # raises the closed-engine error
+        if self.sleeping:
+            self.wake_up()
+        from vllm.inputs import TokensPrompt
+
+        for ctx, budget in flat:
+            self.check_prompt_length(len(ctx), budget)
+        offset = sample_offset - first
+        params = [self._sampling_params(1, replace(sampling, max_tokens=budget, seed=None if sampling.seed is None
+                                                   else prompt_seed(sampling.seed, offset + g, 1)))
+                  for g, (_, budget) in enumerate(flat)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ctx) for ctx, _ in flat], params, use_tqdm=False)
+        batch = RolloutBatch(
+            [ctx for ctx, _ in flat], [list(o.outputs[0].token_ids) for o in outputs],
+            [_sampled_logprobs(o.outputs[0].logprobs, o.outputs[0].token_ids) for o in outputs],
+            ["stop" if o.outputs[0].finish_reason == "stop" else "length" for o in outputs],
+            list(range(len(flat))))
+        return batch.slice(first, first + len(contexts))
+
     # ------------------------------------------------------------------ weights
     def _model_runner(self):
         executor = self.llm.llm_engine.model_executor

@@ -1,0 +1,250 @@
+"""TRL's agentic interfaces on our engines: ``tools``, ``environment_factory``, ``rollout_func``.
+
+The turn loop (:func:`run_tool_turns`) is tested with scripted turns (its inputs are plain callables), then whole
+trainers run TRL scripts with tools on the vLLM and the HF engine: the built-in tool task, where the reward is 1 when
+the model called the tool and got its result (a random model does so in about 2% of its samples).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_cmd
+from trl_nrollout.rollout.agent_loop import call_tools, run_tool_turns, split_tools
+from trl_nrollout.rollout.types import RolloutBatch
+
+CALL, EOS, SUFFIX = 50, 2, [90, 91, 92]  # token ids of the scripted turns: a call, end of turn, a tool result
+
+
+def _parse(i, ids, prefix):
+    return {"role": "assistant", "content": "", **({"tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": {"x": len(ids)}}}]} if ids and ids[-1] == CALL else {})}
+
+
+def _turns(first_completions, replies, *, budget=20, iterations=None, model_len=1000, ranks_continue=False):
+    """Run the loop on scripted first turns; ``replies[k]`` are the k-th continuation turns, in order."""
+    calls = []
+
+    def generate(contexts, budgets, turn):
+        calls.append((turn, [list(c) for c in contexts], list(budgets)))
+        out = [list(replies[turn - 1][k]) for k in range(len(contexts))]
+        return RolloutBatch([list(c) for c in contexts], out, [[-0.5] * len(o) for o in out],
+                            ["stop"] * len(out), list(range(len(out))))
+
+    first = RolloutBatch([[1, 2, 3]] * len(first_completions), [list(c) for c in first_completions],
+                         [[-0.1] * len(c) for c in first_completions], ["stop"] * len(first_completions),
+                         [k // 2 for k in range(len(first_completions))])
+    turns = run_tool_turns(
+        first, parse=_parse, run_tools=lambda i, tc: ([{"role": "tool", "name": "f", "content": "r"}], 0),
+        suffix_ids=lambda msgs: list(SUFFIX), generate=generate,
+        any_rank=lambda flag: flag or ranks_continue, max_iterations=iterations,
+        max_completion_length=budget, max_model_len=model_len)
+    return turns, calls
+
+
+def test_samples_that_call_tools_continue_and_tool_tokens_are_masked():
+    turns, calls = _turns([[10, CALL], [11, EOS], [12, 13, CALL], [14, EOS]],
+                          replies=[[[20, EOS], [21, 22, CALL]], [[30, EOS]]])
+    assert [t for t, _, _ in calls] == [1, 2]  # two more turns: samples 0 and 2, then sample 2 again
+    assert calls[0][1] == [[1, 2, 3, 10, CALL] + SUFFIX, [1, 2, 3, 12, 13, CALL] + SUFFIX]
+    assert turns.completion_ids[0] == [10, CALL] + SUFFIX + [20, EOS]
+    assert turns.tool_mask[0] == [1, 1, 0, 0, 0, 1, 1]
+    assert turns.logprobs[0] == [-0.1, -0.1, 0.0, 0.0, 0.0, -0.5, -0.5]
+    assert turns.completion_ids[2] == [12, 13, CALL] + SUFFIX + [21, 22, CALL] + SUFFIX + [30, EOS]
+    assert sum(turns.tool_mask[2]) == len(turns.completion_ids[2]) - 2 * len(SUFFIX)
+    assert turns.completion_ids[1] == [11, EOS] and turns.tool_mask[1] == [1, 1]  # no call: one turn
+    assert turns.turns == [2, 1, 3, 1] and turns.tool_calls == [1, 0, 2, 0]
+    assert [m["role"] for m in turns.completions[2]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert len(turns.completion_ids) == 4  # the group keeps its samples
+
+
+def test_budget_iterations_and_collective_turns():
+    # the tool result does not fit (2 + 3 >= 5): dropped, the sample ends as it was
+    turns, calls = _turns([[10, CALL]], replies=[], budget=5)
+    assert calls == [] and turns.completion_ids[0] == [10, CALL] and turns.turns == [1]
+    # a reply longer than the budget left is cut there and the sample is "length"
+    turns, calls = _turns([[10, CALL]], replies=[[[20, 21, 22, 23, 24, 25]]], budget=8)
+    assert calls[0][2] == [3] and turns.completion_ids[0] == [10, CALL] + SUFFIX + [20, 21, 22]
+    assert turns.finish_reasons == ["length"]
+    # max_tool_calling_iterations=1: the second call is not run
+    turns, calls = _turns([[10, CALL]], replies=[[[20, CALL]]], iterations=1)
+    assert len(calls) == 1 and turns.tool_calls == [1] and turns.turns == [2]
+    # another rank still has samples to continue: this rank takes part with nothing (collective engines)
+    _, calls = _turns([[10, EOS]], replies=[[]] * 3, ranks_continue=True, iterations=2)
+    assert [c for _, c, _ in calls] == [[], []]
+
+
+def test_call_tools_sync_async_errors():
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    async def echo(text: str) -> str:
+        await asyncio.sleep(0)
+        return text.upper()
+
+    def broken() -> str:
+        raise RuntimeError("down")
+
+    sync, asyn = split_tools([add, echo, broken])
+    assert set(sync) == {"add", "broken"} and set(asyn) == {"echo"}
+
+    def fn(name, **args):
+        return {"type": "function", "function": {"name": name, "arguments": args}}
+
+    messages, failures = call_tools([fn("add", a=2, b=3), fn("echo", text="hi"), fn("broken"), fn("nope"),
+                                     {"type": "retrieval", "name": "r"}], sync, asyn)
+    assert [m["content"] for m in messages[:2]] == ["5", "HI"]  # results in call order, async ones awaited
+    assert "down" in messages[2]["content"] and "nope not found" in messages[3]["content"]
+    assert "Unsupported tool call type" in messages[4]["content"] and failures == 3
+    assert all(m["role"] == "tool" for m in messages)
+
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"}
+
+
+def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict | None = None) -> list[dict]:
+    script = tmp_path / "script.py"
+    source = (ROOT / "tests/assets/tools_grpo_script.py").read_text()
+    script.write_text(source.replace("from trl import GRPOConfig, GRPOTrainer",
+                                     "from trl import GRPOConfig\nfrom trl_nrollout import NRolloutGRPOTrainer")
+                      .replace("trainer = GRPOTrainer(", "trainer = NRolloutGRPOTrainer("))
+    run_cmd([sys.executable, str(script), str(tmp_path), backend, tool, str(steps), json.dumps(extra or {})],
+            timeout=900, env=ENV)
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def _check_masks(result: dict) -> None:
+    """Every sample of the final rollout: tool-response tokens (mask 0) are exactly the rendered results."""
+    assert result["rows"] == result["expected_rows"]  # groups of n kept
+    for text_masked, text_trained in result["samples"]:
+        assert "<tool_response>" not in text_trained and "</tool_call>" in text_trained
+        assert "<tool_response>" in text_masked and "7" in text_masked
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_trl_tools_script_learns_to_call_the_tool_on_vllm(tmp_path):
+    result = _run_tool_script(tmp_path, "vllm", "sync", steps=8)
+    rewards = [h["reward"] for h in result["history"] if "reward" in h]
+    assert rewards[0] < 0.3 and max(rewards[-2:]) > 0.8, rewards
+    turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
+    assert turns[-1] > 1.5 and all("tools/call_frequency" in h for h in result["history"] if "reward" in h)
+    _check_masks(result)
+
+
+@pytest.mark.slow
+def test_a_trl_tools_script_learns_with_an_async_tool_on_the_hf_engine(tmp_path):
+    result = _run_tool_script(tmp_path, "hf", "async", steps=8)
+    rewards = [h["reward"] for h in result["history"] if "reward" in h]
+    assert rewards[0] < 0.3 and max(rewards[-2:]) > 0.8, rewards
+    _check_masks(result)
+
+
+@pytest.mark.slow
+def test_mask_truncated_completions_with_tools(tmp_path):
+    """With tools, completions cut at the budget are masked out; the tensors keep their sizes (a crash before)."""
+    result = _run_tool_script(tmp_path, "hf", "sync", steps=2, extra={"mask_truncated_completions": True,
+                                                                        "max_completion_length": 24})
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result["history"] if "loss" in h)
+    assert any(h["completions/clipped_ratio"] > 0 for h in result["history"] if "reward" in h)
+
+
+class LuckyEnv:
+    """A TRL environment: reset per episode with the dataset row, one tool, and its own reward."""
+
+    resets: list[str] = []
+
+    def reset(self, **row) -> str:
+        LuckyEnv.resets.append(row["prompt"][-1]["content"])
+        self.calls = 0
+        return " Ask the tool."
+
+    def lucky_number(self) -> str:
+        """Returns today's lucky number.
+
+        Returns:
+            The lucky number, as digits.
+        """
+        self.calls += 1
+        return "7"
+
+    def get_reward(self) -> float:
+        return float(self.calls > 0)
+
+
+def _hf_trainer(tmp_path, monkeypatch, **kwargs):
+    from trl import GRPOConfig
+
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout import NRolloutGRPOTrainer
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, num_generations=4,
+                      max_completion_length=kwargs.pop("max_completion_length", 40), max_steps=2, learning_rate=1e-2,
+                      logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0)
+    return NRolloutGRPOTrainer(args=args, **kwargs)
+
+
+@pytest.mark.slow
+def test_environment_factory_resets_one_environment_per_sample(tmp_path, monkeypatch):
+    from trl_nrollout.builtin import resolve_model, tool_dataset
+
+    def tool_results_match_environment(completions, environments, **kwargs):
+        """Reward kwargs carry each sample's environment: it ran every tool call the sample's messages show (and
+        maybe one more, whose result did not fit the completion budget and was dropped, as in TRL)."""
+        for messages, env in zip(completions, environments, strict=True):
+            assert env.calls - 1 <= sum(m.get("role") == "tool" for m in messages) <= env.calls
+        return [0.0] * len(completions)
+
+    LuckyEnv.resets.clear()
+    dataset = tool_dataset(32)
+    trainer = _hf_trainer(tmp_path, monkeypatch, model=resolve_model("builtin:tiny-qwen2-tools"),
+                          reward_funcs=[tool_results_match_environment], train_dataset=dataset,
+                          environment_factory=LuckyEnv)
+    trainer.train()
+    assert len(LuckyEnv.resets) >= 2 * 16 and set(LuckyEnv.resets) <= {r[-1]["content"] for r in dataset["prompt"]}
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    assert all("rewards/LuckyEnv/mean" in h for h in logged)  # get_reward is a reward function, as in TRL
+    batch = trainer._generate_and_score_completions([dict(dataset[0])] * 4)
+    prompt = trainer.processing_class.decode(batch["prompt_ids"][0][batch["prompt_mask"][0].bool()])
+    assert prompt.count("Ask the tool.") == 1  # the observation reset() returned, appended to the prompt
+    assert len(trainer.environments) == 4 and len({id(e) for e in trainer.environments}) == 4
+
+
+@pytest.mark.slow
+def test_rollout_func_generates_and_its_fields_reach_the_rewards(tmp_path, monkeypatch):
+    from trl_nrollout.builtin import digit_fraction, digits_dataset
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    def my_rollout(prompts, trainer):
+        """A user's rollout on the trainer's engine: its own sampling, the last token of each sample masked."""
+        prompt_ids = [trainer.processing_class(text=p)["input_ids"] for p in prompts]
+        batch = trainer.rollout_engine.generate_expanded(prompt_ids, trainer.num_generations,
+                                                         SamplingOptions(max_tokens=6, temperature=1.0, seed=1))
+        return {"prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
+                "env_mask": [[1] * (len(c) - 1) + [0] for c in batch.completion_ids],
+                "source": ["my_rollout"] * len(prompts)}
+
+    seen = []
+
+    def reward(completions, source, **kwargs):
+        seen.extend(source)
+        return [digit_fraction(c) for c in completions]
+
+    trainer = _hf_trainer(tmp_path, monkeypatch, model="builtin:tiny-qwen2", reward_funcs=[reward],
+                          train_dataset=digits_dataset(32), rollout_func=my_rollout)
+    trainer.train()
+    assert seen and set(seen) == {"my_rollout"}
+    batch = trainer._generate_and_score_completions([dict(digits_dataset(4)[0])] * 4)
+    lengths = batch["completion_mask"].sum(-1)
+    assert (batch["completion_ids"].shape[1] <= 6) and bool((lengths > 0).all())
+    for row, n in enumerate(lengths.tolist()):  # env_mask: the last token of each sample is not trained on
+        assert batch["tool_mask"][row, n - 1] == 0 and batch["tool_mask"][row, : n - 1].all()
+    with pytest.raises(ValueError, match="rollout_func must return keys"):
+        trainer.rollout_func = lambda prompts, t: {"prompt_ids": []}
+        trainer._generate_and_score_completions([dict(digits_dataset(4)[0])] * 4)

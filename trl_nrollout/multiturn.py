@@ -1,0 +1,172 @@
+"""TRL's agentic interfaces on our engine group: ``tools``, ``environment_factory`` and ``rollout_func``.
+
+A mixin of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer`. TRL's ``__init__`` still sets everything up (tool
+schemas in the chat template, the response parser, the environment pool, the async event loop); generation turn by
+turn is :func:`~trl_nrollout.rollout.agent_loop.run_tool_turns` on our engines, collective over ranks.
+
+- ``tools``: functions the model may call (TRL's format: the chat template renders their schemas, the tokenizer's
+  response parser reads the calls). A sample's turn that calls tools gets their results and goes on.
+- ``environment_factory``: one environment per sample (TRL's pool), ``reset(**row)`` at the start of an episode
+  (a returned observation is appended to the prompt); its public methods are that sample's tools; reward
+  functions get ``environments=``; ``get_reward`` becomes a reward function (TRL's ``__init__`` adds it).
+- ``rollout_func(prompts, trainer)``: the user's own generation (it may use ``trainer.rollout_engine``); returns
+  ``prompt_ids``, ``completion_ids``, ``logprobs`` and optionally ``env_mask`` (0 for tokens not trained on) and
+  extra per-sample fields, which reward functions receive as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from trl.chat_template_utils import parse_response
+
+from trl_nrollout.rollout.agent_loop import Turns, call_tools, run_tool_turns, split_tools
+from trl_nrollout.rollout.seeds import step_seed
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+
+
+@dataclass
+class Episode:
+    """What a rollout produced beyond the token ids: per-sample tool masks, messages and counts (multi-turn), extra
+    reward kwargs (``rollout_func``). Empty for a plain single-turn rollout."""
+
+    tool_mask: list[list[int]] | None = None
+    completions: list | None = None
+    turns: list[int] = field(default_factory=list)
+    tool_calls: list[int] = field(default_factory=list)
+    tool_failures: list[int] = field(default_factory=list)
+    extra_fields: dict[str, list] = field(default_factory=dict)
+
+
+def _environment_tools(environment: Any) -> list:
+    """An environment's public methods (TRL's rule: not ``reset``, ``get_reward`` or ``_private``), bound to it."""
+    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+def _blocks(content: str | list) -> list:
+    """Message content as typed blocks (``[{"type": "text", "text": ...}]`` for plain text)."""
+    return content if isinstance(content, list) else [{"type": "text", "text": content}]
+
+
+class MultiTurnRollout:
+    """Mixin: episodes (environments), tool turns and custom rollout functions on the trainer's engines."""
+
+    def _start_episodes(self, inputs: list[dict]) -> list:
+        """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
+        (a returned observation is appended to the prompt's last message), and each sample's tools."""
+        factories = getattr(self, "environment_factories", None)
+        if factories is None:
+            prompts = [x["prompt"] for x in inputs]
+            self._sample_tools = [split_tools(list(self.tools or []))] * len(inputs)
+            return prompts
+        prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
+        names = [x.get("environment") if self._multi_environment else None for x in inputs]
+        unknown = sorted({str(n) for n in names if n not in factories})
+        if unknown:
+            raise ValueError(f"samples name environment(s) {unknown}, which are not among environment_factory's "
+                             f"{list(factories)}; fix the dataset's `environment` column or add the factories.")
+        self._batch_environments = names  # TRL's _tokenize_prompts renders each prompt with its environment's tools
+        taken: Counter = Counter()
+        self.environments = []
+        for name in names:
+            pool = self._environment_pool[name]
+            if taken[name] == len(pool):
+                pool.append(factories[name]())
+            self.environments.append(pool[taken[name]])
+            taken[name] += 1
+        self._sample_tools = [split_tools(list(self._standalone_tools) + _environment_tools(env))
+                              for env in self.environments]
+        for i, (env, row) in enumerate(zip(self.environments, inputs)):
+            kwargs = {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
+            observation = env.reset(**kwargs)
+            if observation is None:
+                continue
+            last = prompts[i][-1]
+            content = last["content"]
+            if isinstance(content, list) or isinstance(observation, list):  # typed content blocks
+                content = _blocks(content) + _blocks(observation)
+            else:
+                content = content + observation
+            prompts[i] = prompts[i][:-1] + [{**last, "content": content}]
+        return prompts
+
+    def _parse_turn(self, i: int, ids: list[int], prefix: list[int]) -> dict:
+        """Sample ``i``'s assistant message from its turn's token ids (TRL's parser, with its prompt's tools)."""
+        if getattr(self, "environment_factories", None) is not None:
+            tools = self._env_tools[self._batch_environments[i]]
+        else:
+            tools = self.tools
+        return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
+
+    def _tool_turns(self, first: RolloutBatch, sampling: SamplingOptions, mode: str) -> Turns:
+        """Continue ``first`` turn by turn on the engine while samples call tools (see ``run_tool_turns``)."""
+        loop = getattr(self, "async_loop", None)
+        rank, width = self.accelerator.process_index, max(1, len(first))
+
+        def generate(contexts, budgets, turn):
+            seed = None if sampling.seed is None else step_seed(self.args.seed, self.state.global_step, turn,
+                                                                f"{mode}/turn")
+            return self.rollout_engine.generate_turns(contexts, budgets, replace(sampling, seed=seed),
+                                                      sample_offset=rank * width)
+
+        max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
+        iterations = self.args.max_tool_calling_iterations
+        return run_tool_turns(
+            first, parse=self._parse_turn,
+            run_tools=lambda i, calls: call_tools(calls, *self._sample_tools[i], loop=loop),
+            suffix_ids=self._get_tool_suffix_ids, generate=generate,
+            any_rank=lambda flag: any(gather_object([flag])), max_iterations=iterations,
+            max_completion_length=self.args.max_completion_length, max_model_len=max_len)
+
+    def _custom_rollout(self, prompts: list, n: int) -> tuple[RolloutBatch, Episode]:
+        """TRL's ``rollout_func(prompts, trainer)``: the user generates; we check and adopt what it returns."""
+        output = self.rollout_func(prompts, self)
+        missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - set(output))
+        if missing:
+            raise ValueError(f"rollout_func must return keys {missing} in its output dict (TRL's contract: "
+                             "prompt_ids, completion_ids, logprobs; optionally env_mask and extra fields).")
+        prompt_ids, completion_ids = [list(p) for p in output["prompt_ids"]], [list(c) for c in output["completion_ids"]]
+        if not (len(prompt_ids) == len(completion_ids) == len(prompts)):
+            raise ValueError(f"rollout_func returned {len(prompt_ids)} prompt_ids and {len(completion_ids)} "
+                             f"completion_ids for {len(prompts)} prompts (each prompt appears n={n} times: return one "
+                             "sample per entry, in order).")
+        logprobs = output["logprobs"]
+        if logprobs is None:
+            if self.args.rollout_is is not None:
+                raise ValueError("rollout_func returned logprobs=None, but the rollout correction (rollout_is / "
+                                 "vllm_importance_sampling_correction) needs the sampler's log-probs; return them.")
+            logprobs = [[0.0] * len(c) for c in completion_ids]
+        logprobs = [[0.0 if v is None else float(v) for v in lp] for lp in logprobs]
+        limit = self.args.max_completion_length
+        reasons = ["length" if len(c) >= limit else "stop" for c in completion_ids]
+        extra = {k: list(v) for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs")}
+        env_mask = extra.pop("env_mask", None)
+        if env_mask is not None:
+            env_mask = [[int(v) for v in m] for m in env_mask]
+            bad = [i for i, (m, c) in enumerate(zip(env_mask, completion_ids)) if len(m) != len(c)]
+            if bad:
+                raise ValueError(f"rollout_func's env_mask of sample {bad[0]} has {len(env_mask[bad[0]])} entries for "
+                                 f"{len(completion_ids[bad[0]])} completion tokens; give one 0/1 per token.")
+        offset = self.accelerator.process_index * len(prompts)
+        batch = RolloutBatch(prompt_ids, completion_ids, logprobs, reasons,
+                             [(offset + i) // max(n, 1) for i in range(len(prompts))])
+        return batch, Episode(tool_mask=env_mask, extra_fields=extra)
+
+    def _log_turns(self, mode: str, episode: Episode) -> None:
+        """verl's ``num_turns/*`` and TRL's ``tools/call_frequency`` / ``tools/failure_frequency`` (all ranks)."""
+        if not episode.turns:
+            return
+        stats = gather_object([(t, c, f) for t, c, f in zip(episode.turns, episode.tool_calls, episode.tool_failures)])
+        turns = torch.tensor([s[0] for s in stats], dtype=torch.float32)
+        calls = sum(s[1] for s in stats)
+        self._metric(mode, "num_turns/mean", turns.mean().item())
+        self._metric(mode, "num_turns/min", turns.min().item())
+        self._metric(mode, "num_turns/max", turns.max().item())
+        self._metric(mode, "tools/call_frequency", calls / max(1, len(stats)))
+        self._metric(mode, "tools/failure_frequency", sum(s[2] for s in stats) / calls if calls else 0.0)
