@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,23 +108,27 @@ def test_call_tools_sync_async_errors():
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"}
 
 
-def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict | None = None) -> list[dict]:
+def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict | None = None, procs: int = 1
+                     ) -> list[dict]:
     script = tmp_path / "script.py"
     source = (ROOT / "tests/assets/tools_grpo_script.py").read_text()
     script.write_text(source.replace("from trl import GRPOConfig, GRPOTrainer",
                                      "from trl import GRPOConfig\nfrom trl_nrollout import NRolloutGRPOTrainer")
                       .replace("trainer = GRPOTrainer(", "trainer = NRolloutGRPOTrainer("))
-    run_cmd([sys.executable, str(script), str(tmp_path), backend, tool, str(steps), json.dumps(extra or {})],
-            timeout=900, env=ENV)
+    head = [sys.executable] if procs == 1 else [str(Path(sys.executable).parent / "accelerate"), "launch",
+                                                "--multi_gpu", "--num_processes", str(procs)]
+    run_cmd([*head, str(script), str(tmp_path), backend, tool, str(steps), json.dumps(extra or {})],
+            timeout=900, env={**ENV, "PYTHONPATH": str(ROOT)})
     return json.loads((tmp_path / "result.json").read_text())
 
 
 def _check_masks(result: dict) -> None:
     """Every sample of the final rollout: tool-response tokens (mask 0) are exactly the rendered results."""
     assert result["rows"] == result["expected_rows"]  # groups of n kept
+    assert result["samples"], "no sample called the tool"
+    rendered = "<tool_response>\n7\n</tool_response>"  # the tool's result as the chat template renders it
     for text_masked, text_trained in result["samples"]:
-        assert "<tool_response>" not in text_trained and "</tool_call>" in text_trained
-        assert "<tool_response>" in text_masked and "7" in text_masked
+        assert rendered in text_masked and rendered not in text_trained and "</tool_call>" in text_trained
 
 
 @pytest.mark.slow
@@ -134,6 +139,20 @@ def test_a_trl_tools_script_learns_to_call_the_tool_on_vllm(tmp_path):
     assert rewards[0] < 0.3 and max(rewards[-2:]) > 0.8, rewards
     turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
     assert turns[-1] > 1.5 and all("tools/call_frequency" in h for h in result["history"] if "reward" in h)
+    _check_masks(result)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_tool_turns_stay_collective_on_one_engine_over_two_ranks(tmp_path):
+    """Two processes, one vLLM engine at TP=2: every turn is one engine call on both ranks, also when only one rank
+    has samples that called the tool (it would hang otherwise); the samples keep their masks and groups."""
+    result = _run_tool_script(tmp_path, "vllm", "sync", steps=3, procs=2,
+                              extra={"vllm_tensor_parallel_size": 2, "per_device_train_batch_size": 32,
+                                     "use_cpu": True})
+    turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
+    assert len(turns) == 3 and max(turns) > 1.0
     _check_masks(result)
 
 

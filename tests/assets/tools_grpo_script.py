@@ -34,5 +34,6 @@ if __name__ == "__main__":
     result = {"history": trainer.state.log_history, "rows": len(batch["completion_ids"]), "expected_rows": len(inputs),
               "samples": samples[:8]}
     assert torch.is_tensor(batch["tool_mask"])
-    with open(f"{out}/result.json", "w") as f:
-        json.dump(result, f)
+    if trainer.accelerator.is_main_process:
+        with open(f"{out}/result.json", "w") as f:
+            json.dump(result, f)

@@ -292,7 +292,8 @@ class VLLMEngineGroup:
                        sample_offset: int = 0) -> RolloutBatch:
         """One more turn of multi-turn samples: one sample per context (prompt + turns so far + tool results), each
         with its own token budget (``max_tokens``). Collective over the TP group: every rank calls it, possibly with
-        no contexts. Returns this rank's samples in order."""
+        no contexts. Returns this rank's samples in order. Seeds come from the engine's index and each sample's
+        place in the engine's batch (``sample_offset`` is not needed: the step seed changes every turn)."""
         self._barrier_before_generate()
         per_rank = self._gather_tp([(list(c), int(b)) for c, b in zip(contexts, budgets)])
         flat = [item for chunk in per_rank for item in chunk]
@@ -308,7 +309,7 @@ class VLLMEngineGroup:
 
         for ctx, budget in flat:
             self.check_prompt_length(len(ctx), budget)
-        offset = sample_offset - first
+        offset = self.engine_index * len(flat)  # the same on every rank of the TP group (their sampling must agree)
         params = [self._sampling_params(1, replace(sampling, max_tokens=budget, seed=None if sampling.seed is None
                                                    else prompt_seed(sampling.seed, offset + g, 1)))
                   for g, (_, budget) in enumerate(flat)]
