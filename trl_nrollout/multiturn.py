@@ -49,6 +49,19 @@ def _environment_tools(environment: Any) -> list:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
+def check_text_only(row: dict | None) -> None:
+    """Images in the prompts are not passed to our engines yet: refuse them (never train as if they were absent)."""
+    from trl_nrollout.dropin import UnsupportedTRLOption
+
+    columns = sorted({"image", "images"} & set(row or {}))
+    if columns:
+        raise UnsupportedTRLOption(
+            f"the dataset has image column(s) {columns}: multimodal prompts (vision-language models) are not "
+            "supported by NRolloutGRPOTrainer yet; our engines would generate without the images. Use "
+            "trl.GRPOTrainer for this dataset, or drop the image columns for a text-only run."
+        )
+
+
 def _blocks(content: str | list) -> list:
     """Message content as typed blocks (``[{"type": "text", "text": ...}]`` for plain text)."""
     return content if isinstance(content, list) else [{"type": "text", "text": content}]
@@ -60,6 +73,7 @@ class MultiTurnRollout:
     def _start_episodes(self, inputs: list[dict]) -> list:
         """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
         (a returned observation is appended to the prompt's last message), and each sample's tools."""
+        check_text_only(inputs[0] if inputs else {})
         factories = getattr(self, "environment_factories", None)
         if factories is None:
             prompts = [x["prompt"] for x in inputs]

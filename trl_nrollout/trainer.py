@@ -44,7 +44,7 @@ from trl_nrollout.losses import (
     rollout_is_weights,
     vespo_weights,
 )
-from trl_nrollout.multiturn import Episode, MultiTurnRollout
+from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_text_only
 from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
@@ -77,6 +77,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, **kwargs) -> None:
+        features = getattr(train_dataset, "column_names", None)
+        check_text_only(dict.fromkeys(features) if isinstance(features, list) else None)  # images: refused
         if isinstance(model, str):
             model = resolve_model(model)
         if args is None:
