@@ -127,3 +127,39 @@ def test_moe_router_aux_loss_is_added_as_trl_adds_it(tmp_path, monkeypatch):
     off = NRolloutGRPOTrainer(folder, reward_funcs=[digits_reward], train_dataset=digits_dataset(16),
                               args=cfg(tmp_path / "off", router_aux_loss_coef=0.0))
     assert not off.aux_loss_enabled
+
+
+@pytest.mark.slow
+def test_log_completions_writes_trls_table(tmp_path, monkeypatch):
+    """log_completions=True: both trainers save TRL's completions table (parquet) after each logged step, with the
+    same columns (step, prompt, completion, each reward function, log_extra columns, advantage) and one row per
+    sample of the step; ours holds our samples, their rewards and advantages."""
+    import pandas as pd
+    from trl import GRPOConfig, GRPOTrainer
+
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digit_fraction, digits_dataset
+
+    def reward(completions, log_extra, **kwargs):
+        log_extra("chars", [len(c) for c in completions])
+        return [digit_fraction(c) for c in completions]
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    tables = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=6, max_steps=2, use_cpu=True, report_to="none", save_strategy="no",
+                          logging_steps=1, log_completions=True, num_completions_to_print=2, seed=0)
+        trainer = cls(model="builtin:tiny-qwen2" if name == "ours" else trainer_module.resolve_model(
+            "builtin:tiny-qwen2"), reward_funcs=[reward], args=args, train_dataset=digits_dataset(16))
+        trainer.train()
+        tables[name] = pd.read_parquet(tmp_path / name / "completions" / "completions_00002.parquet")
+    ours, theirs = tables["ours"], tables["trl"]
+    assert list(ours.columns) == list(theirs.columns) == ["step", "prompt", "completion", "reward", "chars",
+                                                          "advantage"]
+    assert len(ours) == len(theirs) == 8
+    assert (ours["chars"] == ours["completion"].str.len()).all()  # log_extra's values stay with their samples
+    assert ours["reward"].tolist() == [digit_fraction(c) for c in ours["completion"]]
+    for group in range(2):  # GRPO advantages: zero-mean within each group of 4
+        assert abs(ours["advantage"][group * 4:(group + 1) * 4].sum()) < 1e-4

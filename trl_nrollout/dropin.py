@@ -70,7 +70,7 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
                                                     "the loss (their tokens count in no normalizer)."),
     "max_tool_calling_iterations": ("honored", _ANY, "Tool rounds per sample (None: until the completion budget "
                                                      "ends)."),
-    "log_multimodal": ("honored", _ANY, "No effect: completions tables are not logged (log_completions)."),
+    "log_multimodal": ("honored", _ANY, "No effect: images are refused (text prompts only)."),
     # ---------------------------------------------------------------- mapped onto verl's vocabulary
     "num_generations": ("mapped", _ANY, "rollout_n"),
     "generation_batch_size": ("mapped", _ANY, "train_batch_size x rollout_n"),
@@ -112,10 +112,11 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "generation_kwargs": ("refused", None, "our engines take temperature/top_p/top_k/min_p/repetition_penalty "
                                            "only; other generation options are not passed"),
     "cache_implementation": ("refused", None, "not passed to our engines"),
-    "log_completions": ("refused", False, "completion tables are not collected by our rollout stage yet"),
-    "num_completions_to_print": ("refused", None, "only used by log_completions, which is not implemented"),
-    "log_unique_prompts": ("refused", False, "only used by log_completions, which is not implemented"),
-    "log_completions_hub_repo": ("refused", None, "only used by log_completions, which is not implemented"),
+    "log_completions": ("honored", _ANY, "TRL's completions table (prompts, completions, each reward, advantages, "
+                                         "log_extra columns): printed, saved as parquet, sent to wandb/trackio."),
+    "num_completions_to_print": ("honored", _ANY, "Rows of the printed completions table."),
+    "log_unique_prompts": ("honored", _ANY, "One row per prompt in the wandb/trackio table."),
+    "log_completions_hub_repo": ("honored", _ANY, "TRL pushes the completions parquet files to this dataset repo."),
     "vllm_mode": ("refused", "colocate", "our engines are always colocated with the trainer; a separate "
                                          "`trl vllm-serve` server is not supported"),
     "vllm_model_impl": ("refused", "vllm", "our engines use vLLM's own model implementations"),

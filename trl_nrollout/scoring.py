@@ -41,16 +41,22 @@ class RewardScoring:
         kwargs.update({k: v if rows is None else [v[r] for r in rows] for k, v in per_sample.items()})
         return kwargs
 
-    def _flush_reward_metrics(self, mode: str) -> None:
+    def _flush_reward_metrics(self, mode: str, local_count: int) -> None:
         """Metrics reward functions logged with ``log_metric`` this round: averaged over all ranks' calls (names
-        sorted, so every rank gathers in the same order), as TRL does."""
+        sorted, so every rank gathers in the same order), as TRL does. With ``log_completions``, the ``log_extra``
+        columns of the round's ``local_count`` samples are gathered (job order) into ``_round_extra_logs``."""
         for name in sorted(set(gather_object(list(self._pending_metrics)))):
             values = self._pending_metrics.get(name, [])
             stats = torch.tensor([float(sum(values)), float(len(values))], device=self.accelerator.device)
             total, count = gather(stats).view(-1, 2).sum(dim=0).tolist()
             self._metric(mode, name, total / max(count, 1.0))
         self._pending_metrics.clear()
-        self._pending_extra_logs.clear()  # completion tables are not logged (log_completions is refused)
+        extra = {}
+        if self.log_completions:  # TRL's completions table: one value per sample (None where a rank gave none)
+            for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
+                extra[column] = gather_object(list(self._pending_extra_logs.get(column, [None] * local_count)))
+        self._round_extra_logs = extra
+        self._pending_extra_logs.clear()
 
     @staticmethod
     def _call_reward(func, prompts: list, completions: list, completion_ids: list, kwargs: dict) -> list:
@@ -130,7 +136,7 @@ class RewardScoring:
         errors = [e for e in gather_object([error]) if e]
         if errors:
             raise RewardFunctionError(errors[0])
-        self._flush_reward_metrics("train" if self.model.training else "eval")
+        self._flush_reward_metrics("train" if self.model.training else "eval", len(prompts))
         dev = self.accelerator.device
         rewards = gather(local.to(dev)).cpu()
         none = gather(none.to(dev).float()).cpu().bool()

@@ -314,8 +314,12 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         masks = episode.tool_mask or [None] * len(batch)
         records = list(zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks))
         pool = gather_object(records)
+        table = None
+        if self.log_completions:  # TRL's completions table: the job's prompts and completions, in job order
+            table = {"prompt": gather_object(list(prompts)), "completion": gather_object(list(completions)),
+                     "extra": self._round_extra_logs}
         return {"records": pool, "rewards": rewards, "gen_s": t1 - t0, "reward_s": t2 - t1,
-                "gen_tokens": batch.num_completion_tokens}
+                "gen_tokens": batch.num_completion_tokens, "table": table}
 
     def _draw_inputs(self, count: int) -> list[dict]:
         """``count`` fresh prompts from the training set (dynamic sampling), each repeated n times."""
@@ -334,7 +338,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
 
         # ---- rollout + rewards, with DAPO's extra rounds when asked
         rnd = self._one_round(inputs, n, mode)
-        records, rewards = rnd["records"], rnd["rewards"]
+        records, rewards, table = rnd["records"], rnd["rewards"], rnd["table"]
         gen_s, reward_s, gen_tokens = rnd["gen_s"], rnd["reward_s"], rnd["gen_tokens"]
         total_groups = len(records) // n
         rounds = 0
@@ -347,6 +351,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
                     break
                 rounds += 1
                 more = self._one_round(self._draw_inputs(len(inputs) // n), n, mode, round_=rounds)
+                table = _join_tables(table, more["table"], len(records))
                 records = records + more["records"]
                 rewards = torch.cat([rewards, more["rewards"]])
                 gen_s, reward_s = gen_s + more["gen_s"], reward_s + more["reward_s"]
@@ -358,6 +363,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             keep = [g * n + k for g in chosen for k in range(n)]
             records = [records[i] for i in keep]
             rewards = rewards[keep]
+            table = _select_rows(table, keep)
         self._metric(mode, "timing_s/gen", gen_s)
         self._metric(mode, "timing_s/reward", reward_s)
         self._metric(mode, "perf/gen_tokens_per_s", gen_tokens / max(gen_s, 1e-9))
@@ -435,6 +441,15 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
 
         # ---- metrics of the whole step
         self._log_rollout_metrics(mode, rewards, scores, advantages, resp_mask, records, n)
+        if table is not None:  # TRL's log() prints / saves / uploads it (log_completions)
+            self._logs["prompt"].extend(table["prompt"])
+            self._logs["completion"].extend(table["completion"])
+            for i, name in enumerate(self.reward_func_names):
+                self._logs["rewards"][name].extend(rewards[:, i].tolist())
+            per_sample = (advantages * resp_mask).sum(-1) / resp_mask.sum(-1).clamp(min=1)
+            self._logs["advantages"].extend(per_sample.tolist())
+            for column, values in table["extra"].items():
+                self._logs["extra"][column].extend(values)
         self._metric(mode, "timing_s/rollout_total", time.perf_counter() - step_start)
         self._rollout_tokens_local = sum(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
 
@@ -730,6 +745,29 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
                 "rewards and the learning rate, or lower clip_ratio_c."
             )
         return loss
+
+
+def _join_tables(first: dict | None, more: dict | None, rows_before: int) -> dict | None:
+    """Completions tables of two rounds, one after the other (a column missing in one round gets None there)."""
+    if first is None or more is None:
+        return None
+    rows_more = len(more["prompt"])
+    columns = set(first["extra"]) | set(more["extra"])
+    extra = {c: first["extra"].get(c, [None] * rows_before) + more["extra"].get(c, [None] * rows_more)
+             for c in sorted(columns)}
+    return {"prompt": first["prompt"] + more["prompt"], "completion": first["completion"] + more["completion"],
+            "extra": extra}
+
+
+def _select_rows(table: dict | None, keep: list[int]) -> dict | None:
+    """The rows ``keep`` of a completions table."""
+    if table is None:
+        return None
+    def pick(values: list) -> list:
+        return [values[i] for i in keep]
+
+    return {"prompt": pick(table["prompt"]), "completion": pick(table["completion"]),
+            "extra": {c: pick(v) for c, v in table["extra"].items()}}
 
 
 def _loss_mask(inputs: dict) -> Tensor:
