@@ -46,7 +46,7 @@ def _non_neutral(name: str, neutral):
     if isinstance(neutral, int | float) and not isinstance(neutral, bool):
         return neutral + 1.5
     if neutral is None:
-        return {"generation_kwargs": {"do_sample": False}, "router_aux_loss_coef": 0.01}.get(name, 2)
+        return {"router_aux_loss_coef": 0.01}.get(name, 2)
     assert isinstance(neutral, str), (name, default)
     return "something_else"
 
@@ -163,3 +163,34 @@ def test_log_completions_writes_trls_table(tmp_path, monkeypatch):
     assert ours["reward"].tolist() == [digit_fraction(c) for c in ours["completion"]]
     for group in range(2):  # GRPO advantages: zero-mean within each group of 4
         assert abs(ours["advantage"][group * 4:(group + 1) * 4].sum()) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_generation_kwargs_reach_the_engine(backend, tmp_path, monkeypatch):
+    """TRL's generation_kwargs go to the engine's sampler as TRL passes them: vLLM SamplingParams fields on the vLLM
+    engine (here allowed_token_ids), generate() arguments on the HF engine (suppress_tokens). Keys the rollout stage
+    owns are an error naming the option to use."""
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
+    allowed = sorted({tok.convert_tokens_to_ids(t) for t in "0123456789"} | {tok.eos_token_id})
+    others = [i for i in range(len(tok)) if i not in allowed]
+    kwargs = {"allowed_token_ids": allowed} if backend == "vllm" else {"suppress_tokens": others}
+    if backend == "hf":
+        monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, max_steps=1, use_cpu=True, report_to="none", save_strategy="no",
+                      use_vllm=backend == "vllm", vllm_importance_sampling_correction=False, generation_kwargs=kwargs)
+    trainer = NRolloutGRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                                  train_dataset=digits_dataset(16))
+    batch = trainer._generate_and_score_completions([dict(digits_dataset(2)[i]) for i in range(2) for _ in range(4)])
+    used = set(batch["completion_ids"][batch["completion_mask"].bool()].tolist())
+    assert used and used <= set(allowed)  # a random model writes letters (reward ~0.03) unless the engine is told
+    with pytest.raises(ValueError, match="generation_kwargs sets 'max_tokens'.*max_completion_length"):
+        cfg(tmp_path, generation_kwargs={"max_tokens": 3})

@@ -43,6 +43,15 @@ from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.layout import LayoutError, RolloutLayout  # noqa: E402
 from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES  # noqa: E402
 
+#: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
+RESERVED_GENERATION_KWARGS = {
+    "n": "num_generations / rollout_n", "num_return_sequences": "num_generations / rollout_n",
+    "max_tokens": "max_completion_length", "max_new_tokens": "max_completion_length", "seed": "seed",
+    "logprobs": "nothing (the engines always return the sampled tokens' log-probs)",
+    "flat_logprobs": "nothing (set by the engine)", "detokenize": "nothing (set by the engine)",
+    "input_ids": "the dataset's prompts", "attention_mask": "the dataset's prompts",
+}
+
 _TRL_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8,
                  "num_iterations": 1, "epsilon": 0.2, "beta": 0.0}
 
@@ -283,6 +292,11 @@ class NRolloutConfig(GRPOConfig):
                 raise ValueError(f"{name}={kind!r} is not a KL estimator; use one of {list(KL_KINDS)} (or with '+').")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or None to disable dual clip.")
+        reserved = sorted(set(self.generation_kwargs or {}) & set(RESERVED_GENERATION_KWARGS))
+        if reserved:
+            key = reserved[0]
+            raise ValueError(f"generation_kwargs sets {key!r}, which the rollout stage controls; use "
+                             f"{RESERVED_GENERATION_KWARGS[key]} instead.")
         if self.filter_groups_max_rounds < 0:
             raise ValueError(f"filter_groups_max_rounds={self.filter_groups_max_rounds} must be >= 0.")
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:

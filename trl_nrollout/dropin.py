@@ -109,8 +109,9 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "off_policy_mask_threshold": ("honored", _ANY, "DeepSeek-V3.2's off-policy sequence mask (negative advantage and "
                                                    "mean sampler/policy KL above it), against the engine's log-probs."),
     "pad_to_multiple_of": ("refused", "auto", "rollout tensors are padded to the batch's longest sequence only"),
-    "generation_kwargs": ("refused", None, "our engines take temperature/top_p/top_k/min_p/repetition_penalty "
-                                           "only; other generation options are not passed"),
+    "generation_kwargs": ("honored", _ANY, "Passed to the engine's sampler as TRL passes them: vLLM SamplingParams "
+                                           "fields on the vLLM engine, generate() arguments on the HF engine (n, "
+                                           "max_tokens, seed, logprobs are ours: an error names the option to use)."),
     "cache_implementation": ("refused", None, "not passed to our engines"),
     "log_completions": ("honored", _ANY, "TRL's completions table (prompts, completions, each reward, advantages, "
                                          "log_extra columns): printed, saved as parquet, sent to wandb/trackio."),

@@ -250,6 +250,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             max_tokens=args.max_completion_length or 256, temperature=0.0 if greedy else self.temperature,
             top_p=self.top_p, top_k=self.top_k if self.top_k and self.top_k > 0 else -1, min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.eos_token_ids), seed=seed,
+            engine_kwargs=tuple((args.generation_kwargs or {}).items()),  # TRL's generation_kwargs, as TRL passes them
         )
 
     def _sync_weights(self, mode: str) -> None:

@@ -65,9 +65,8 @@ class HFEngine:
                     ids[i, width - len(p):] = torch.tensor(p)
                     mask[i, width - len(p):] = 1
                 greedy = sampling.temperature == 0
-                out = model.generate(
-                    input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=not greedy,
-                    temperature=None if greedy else sampling.temperature,
+                options = dict(
+                    do_sample=not greedy, temperature=None if greedy else sampling.temperature,
                     top_p=sampling.top_p if sampling.top_p < 1 else None,
                     top_k=sampling.top_k if sampling.top_k > 0 else None,
                     min_p=sampling.min_p or None, repetition_penalty=sampling.repetition_penalty,
@@ -75,6 +74,8 @@ class HFEngine:
                     eos_token_id=sorted(stop_ids) if not sampling.ignore_eos else None,
                     pad_token_id=self.pad_token_id,
                 )
+                options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
+                out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
                 new = out[:, width:].tolist()
                 for k, toks in enumerate(new):
                     g = k // n

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,9 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    #: extra keyword arguments for the engine's sampler, as (name, value) pairs (TRL's ``generation_kwargs``):
+    #: vLLM ``SamplingParams`` fields on the vLLM engine, ``generate()`` arguments on the HF engine
+    engine_kwargs: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

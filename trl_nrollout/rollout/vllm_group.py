@@ -210,7 +210,7 @@ class VLLMEngineGroup:
     def _sampling_params(self, n: int, sampling: SamplingOptions):
         from vllm import SamplingParams
 
-        return SamplingParams(
+        options = dict(
             n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
             stop_token_ids=list(sampling.stop_token_ids) or None, stop=list(sampling.stop) or None,
@@ -219,6 +219,10 @@ class VLLMEngineGroup:
             # Python overhead of a rollout of a small model (stop strings need the text, so they keep it)
             flat_logprobs=True, detokenize=bool(sampling.stop),
         )
+        options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
+        if options.get("stop"):
+            options["detokenize"] = True  # stop strings are matched on the text
+        return SamplingParams(**options)
 
     def generate_engine(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingOptions,
                         group_offset: int = 0) -> RolloutBatch:
