@@ -194,3 +194,36 @@ def test_generation_kwargs_reach_the_engine(backend, tmp_path, monkeypatch):
     assert used and used <= set(allowed)  # a random model writes letters (reward ~0.03) unless the engine is told
     with pytest.raises(ValueError, match="generation_kwargs sets 'max_tokens'.*max_completion_length"):
         cfg(tmp_path, generation_kwargs={"max_tokens": 3})
+
+
+@pytest.mark.slow
+def test_optimizer_steps_holding_part_of_a_group_as_trl(tmp_path, monkeypatch):
+    """TRL accepts per_device_train_batch_size=2 with num_generations=4 and steps_per_generation=2: each rollout is
+    one group of 4, trained in two optimizer steps of 2 samples (advantages computed over the whole group first).
+    Ours accepts it too and trains the same way: same optimizer steps, rollouts every second step, and the
+    advantages of each rollout sum to zero over its group (GRPO)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    runs = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=2, num_generations=4,
+                          steps_per_generation=2, max_completion_length=6, max_steps=4, use_cpu=True,
+                          report_to="none", save_strategy="no", logging_steps=1, seed=0, learning_rate=1e-3)
+        trainer = cls(model=resolve_model("builtin:tiny-qwen2"), reward_funcs=[digits_reward], args=args,
+                      train_dataset=digits_dataset(16))
+        trainer.train()
+        runs[name] = trainer
+    ours, theirs = runs["ours"], runs["trl"]
+    assert ours.state.global_step == theirs.state.global_step == 4
+    assert ours.layout.optimizer_steps_per_rollout == 2 and ours.layout.mini_batch_samples == 2
+    losses = {k: [h["loss"] for h in t.state.log_history if "loss" in h] for k, t in runs.items()}
+    assert len(losses["ours"]) == len(losses["trl"]) == 4
+    rollouts = [h for h in ours.state.log_history if "timing_s/gen" in h]
+    assert len(rollouts) == 2  # one generation per two optimizer steps, as TRL's steps_per_generation says
+    batch = ours._generate_and_score_completions([dict(digits_dataset(1)[0])] * 4)
+    assert abs(batch["advantages"][:, 0].sum().item()) < 1e-5  # the whole group's baseline, not a half's

@@ -73,6 +73,11 @@ class NRolloutConfig(GRPOConfig):
     ppo_mini_batch_size: int | None = field(default=None, metadata={
         "help": "Prompts per optimizer step (verl semantics: multiplied by rollout_n, split over the ranks). "
                 "Default: train_batch_size (one optimizer step per rollout)."})
+    ppo_mini_batch_samples: int | None = field(default=None, metadata={
+        "help": "Samples per optimizer step, all ranks, instead of ppo_mini_batch_size prompts: for TRL's layouts "
+                "whose optimizer steps hold part of a group (per_device_train_batch_size x processes x "
+                "gradient_accumulation_steps not a multiple of num_generations; set from those when needed). "
+                "Advantages are computed over whole groups first."})
     ppo_micro_batch_size_per_device: int | None = field(default=None, metadata={
         "help": "Samples per forward/backward per device (TRL per_device_train_batch_size). Default: the whole "
                 "mini batch of a rank."})
@@ -315,6 +320,7 @@ class NRolloutConfig(GRPOConfig):
         return dict(
             num_processes=world, rollout_tp_size=self.rollout_tp_size, train_batch_size=self.train_batch_size,
             rollout_n=self.rollout_n, ppo_mini_batch_size=self.ppo_mini_batch_size,
+            ppo_mini_batch_samples=self.ppo_mini_batch_samples,
             ppo_micro_batch_size_per_device=self.ppo_micro_batch_size_per_device, ppo_epochs=self.ppo_epochs or 1,
             log_prob_micro_batch_size=self.log_prob_micro_batch_size,
             log_prob_micro_batch_size_per_device=self.log_prob_micro_batch_size_per_device,
@@ -359,7 +365,8 @@ class NRolloutConfig(GRPOConfig):
                 f"{layout.ppo_micro_batch_size_per_device}); remove steps_per_generation."
             )
         self.steps_per_generation = steps
-        self.ppo_mini_batch_size = layout.ppo_mini_batch_size
+        if isinstance(layout.ppo_mini_batch_size, int):  # a fraction of a prompt stays in ppo_mini_batch_samples
+            self.ppo_mini_batch_size = layout.ppo_mini_batch_size
         self.ppo_micro_batch_size_per_device = layout.ppo_micro_batch_size_per_device
         self.ppo_epochs = layout.ppo_epochs
 
@@ -379,20 +386,17 @@ class NRolloutConfig(GRPOConfig):
         if samples % n:
             raise LayoutError(
                 f"generation_batch_size={samples} samples (per_device_train_batch_size={micro} x {world} processes "
-                f"x steps_per_generation) is not divisible by num_generations={n}: groups would be split; use a "
-                f"per_device_train_batch_size that makes it a multiple of {n}, or set train_batch_size (prompts) "
-                "instead."
+                f"x steps_per_generation) is not divisible by num_generations={n}: groups would be split (TRL's rule "
+                f"too: generation_batch_size must be divisible by num_generations); use a per_device_train_batch_size "
+                f"or steps_per_generation that makes it a multiple of {n}, or set train_batch_size (prompts) instead."
             )
         mini_samples = micro * world * self.gradient_accumulation_steps
-        if mini_samples % n:
-            raise LayoutError(
-                f"per_device_train_batch_size={micro} x {world} processes x gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps} = {mini_samples} samples per optimizer step is not a whole "
-                f"number of groups of num_generations={n}; make it a multiple of {n}."
-            )
         self.rollout_n = n
         self.train_batch_size = samples // n
-        self.ppo_mini_batch_size = mini_samples // n
+        if mini_samples % n:  # TRL accepts optimizer steps holding part of a group: count them in samples
+            self.ppo_mini_batch_size, self.ppo_mini_batch_samples = None, mini_samples
+        else:
+            self.ppo_mini_batch_size = mini_samples // n
         self.ppo_micro_batch_size_per_device = micro
         self.ppo_epochs = self.num_iterations
         RolloutLayout.build(**self._layout_kwargs(world))  # validate (engines, micro batches, ...)

@@ -75,7 +75,7 @@ def _build(a: dict[str, Any], suggest: bool, cls: type | None = None) -> Rollout
     for name in ("nnodes", "rollout_tp_size", "train_batch_size", "rollout_n", "ppo_epochs",
                  "sequence_parallel_size"):
         b.positive(name)
-    for name in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device",
+    for name in ("ppo_mini_batch_size", "ppo_mini_batch_samples", "ppo_micro_batch_size_per_device",
                  "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_device",
                  "ref_log_prob_micro_batch_size", "ref_log_prob_micro_batch_size_per_device",
                  "log_prob_max_token_len_per_device", "ref_log_prob_max_token_len_per_device"):
@@ -200,29 +200,45 @@ def _build(a: dict[str, Any], suggest: bool, cls: type | None = None) -> Rollout
     # ---------------------------------------------------------------- optimizer steps
     mini = train_batch_size if a["ppo_mini_batch_size"] is None else a["ppo_mini_batch_size"]
     mini_cands = [{"ppo_mini_batch_size": d} for d in _by_distance(mini, divisors(train_batch_size))]
+    mini_samples = a["ppo_mini_batch_samples"]
     b.step()
-    if train_batch_size % mini:
+    if mini_samples is not None:  # TRL's layouts: an optimizer step may hold part of a group
+        if a["ppo_mini_batch_size"] is not None and a["ppo_mini_batch_size"] * n != mini_samples:
+            raise b.fail(
+                f"ppo_mini_batch_samples={mini_samples} conflicts with ppo_mini_batch_size={a['ppo_mini_batch_size']} "
+                f"prompts x rollout_n={n}; set only one of them",
+                rule="mini_samples_conflict", option="ppo_mini_batch_samples", value=mini_samples,
+                candidates=[{"ppo_mini_batch_samples": None}])
+        if total % mini_samples or mini_samples % dp:
+            raise b.fail(
+                f"ppo_mini_batch_samples={mini_samples} must divide the {total} samples of a step and split evenly "
+                f"over the {dp} data-parallel ranks",
+                rule="mini_samples_divide", option="ppo_mini_batch_samples", value=mini_samples,
+                candidates=[{"ppo_mini_batch_samples": d} for d in _by_distance(mini_samples, divisors(total))
+                            if d % dp == 0])
+        mini = mini_samples // n if mini_samples % n == 0 else mini_samples / n
+    elif train_batch_size % mini:
         raise b.fail(
             f"ppo_mini_batch_size={mini} prompts must divide train_batch_size={train_batch_size} (each optimizer "
             f"step takes an equal slice of the rollout)",
             rule="mini_divides_batch", option="ppo_mini_batch_size", value=mini, candidates=mini_cands,
         )
     b.step()
-    if (mini * n) % dp:
+    if mini_samples is None and (mini * n) % dp:
         raise b.fail(
             f"ppo_mini_batch_size={mini} x rollout_n={n} = {mini * n} samples cannot be split evenly over the "
             f"{dp} data-parallel ranks (verl would silently round {mini * n} / {dp} down"
             f"{', to 0' if mini * n < dp else ''})",
             rule="mini_divides_dp", option="ppo_mini_batch_size", value=mini, candidates=mini_cands,
         )
-    mini_per_rank = mini * n // dp
+    mini_per_rank = (mini_samples if mini_samples is not None else mini * n) // dp
     micro_opt = a["ppo_micro_batch_size_per_device"]
     micro = mini_per_rank if micro_opt is None else micro_opt
     b.step()
     if mini_per_rank % micro:
         raise b.fail(
             f"ppo_micro_batch_size_per_device={micro} does not divide the {mini_per_rank} samples each rank gets "
-            f"per optimizer step (ppo_mini_batch_size={mini} x rollout_n={n} / {dp} ranks)",
+            f"per optimizer step ({mini_per_rank * dp} samples / {dp} ranks)",
             rule="micro_divides_mini", option="ppo_micro_batch_size_per_device", value=micro,
             candidates=[{"ppo_micro_batch_size_per_device": d} for d in _by_distance(micro, divisors(mini_per_rank))],
         )
@@ -262,7 +278,7 @@ def _build(a: dict[str, Any], suggest: bool, cls: type | None = None) -> Rollout
         data_parallel_size=dp,
         samples_per_rank=samples_per_rank,
         mini_batch_samples_per_rank=mini_per_rank,
-        optimizer_steps_per_rollout=(train_batch_size // mini) * a["ppo_epochs"],
+        optimizer_steps_per_rollout=(total // (mini_per_rank * dp)) * a["ppo_epochs"],
         gradient_accumulation_steps=grad_accum,
         old_log_prob=old,
         ref_log_prob=ref,
@@ -333,7 +349,7 @@ class RolloutLayout:
     rollout_tp_size: int
     train_batch_size: int
     rollout_n: int
-    ppo_mini_batch_size: int
+    ppo_mini_batch_size: int | float  # prompts; a fraction when an optimizer step holds part of a group (TRL's)
     ppo_micro_batch_size_per_device: int
     ppo_epochs: int
     sequence_parallel_size: int
@@ -367,6 +383,7 @@ class RolloutLayout:
         ppo_mini_batch_size: int | None = None,
         ppo_micro_batch_size_per_device: int | None = None,
         ppo_epochs: int = 1,
+        ppo_mini_batch_samples: int | None = None,
         log_prob_micro_batch_size: int | None = None,
         log_prob_micro_batch_size_per_device: int | None = None,
         ref_log_prob_micro_batch_size: int | None = None,
@@ -381,11 +398,18 @@ class RolloutLayout:
         Either ``num_processes`` or ``n_gpus_per_node`` (times ``nnodes``) gives the world size (``nnodes`` when
         neither is set, i.e. one process per node). ``ppo_mini_batch_size`` defaults to ``train_batch_size`` (one optimizer step per rollout);
         ``ppo_micro_batch_size_per_device`` defaults to the whole mini batch of a rank (no accumulation);
+        ``ppo_mini_batch_samples`` counts the mini batch in samples instead, for TRL's layouts whose optimizer steps
+        hold part of a group (e.g. 2 samples per step with n=4): advantages are computed over whole groups first;
         log-prob micro batches default to ``ppo_micro_batch_size_per_device``; the reference pass defaults to
         the old-policy pass's settings.
         """
         args = {k: v for k, v in locals().items() if k != "cls"}
         return _build(args, suggest=True, cls=cls)
+
+    @property
+    def mini_batch_samples(self) -> int:
+        """Samples per optimizer step, all ranks."""
+        return self.mini_batch_samples_per_rank * self.data_parallel_size
 
     # ------------------------------------------------------------------ who does what
     def engine_of_rank(self, rank: int) -> int:
@@ -482,9 +506,9 @@ class RolloutLayout:
             ("data-parallel size", f"{w} / sequence_parallel_size={self.sequence_parallel_size} = "
                                    f"{self.data_parallel_size}"),
             ("samples per training rank", f"{self.total_samples} / {self.data_parallel_size} = {self.samples_per_rank}"),
-            ("mini batch", f"{self.ppo_mini_batch_size} prompts = {self.ppo_mini_batch_size * self.rollout_n} "
-                           f"samples = {self.mini_batch_samples_per_rank} per rank"),
-            ("optimizer steps per rollout", f"{self.train_batch_size} / {self.ppo_mini_batch_size} x "
+            ("mini batch", f"{self.ppo_mini_batch_size:g} prompts = {self.mini_batch_samples} samples = "
+                           f"{self.mini_batch_samples_per_rank} per rank"),
+            ("optimizer steps per rollout", f"{self.total_samples} / {self.mini_batch_samples} samples x "
                                             f"ppo_epochs={self.ppo_epochs} = {self.optimizer_steps_per_rollout}"),
             ("gradient accumulation", f"{self.mini_batch_samples_per_rank} / micro {self.ppo_micro_batch_size_per_device}"
                                       f" = {self.gradient_accumulation_steps}"),
