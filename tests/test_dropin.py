@@ -227,3 +227,38 @@ def test_optimizer_steps_holding_part_of_a_group_as_trl(tmp_path, monkeypatch):
     assert len(rollouts) == 2  # one generation per two optimizer steps, as TRL's steps_per_generation says
     batch = ours._generate_and_score_completions([dict(digits_dataset(1)[0])] * 4)
     assert abs(batch["advantages"][:, 0].sum().item()) < 1e-5  # the whole group's baseline, not a half's
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_structured_outputs_regex_on_the_vllm_engine(tmp_path, monkeypatch):
+    """vllm_structured_outputs_regex constrains our vLLM engines as it does TRL's; the HF engine refuses it (TRL
+    would ignore it there); cache_implementation reaches the HF engine's generate()."""
+    from trl import GRPOConfig
+
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+
+    def config(**kw):
+        return GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=6, max_steps=1, use_cpu=True, report_to="none", save_strategy="no",
+                          **kw)
+
+    trainer = NRolloutGRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=[digits_reward], train_dataset=digits_dataset(8),
+                                  args=config(use_vllm=True, vllm_importance_sampling_correction=False,
+                                              vllm_structured_outputs_regex="[0-9]{3}"))
+    batch = trainer._generate_and_score_completions([dict(digits_dataset(2)[i]) for i in range(2) for _ in range(4)])
+    texts = trainer.processing_class.batch_decode(
+        [ids[m.bool()] for ids, m in zip(batch["completion_ids"], batch["completion_mask"])], skip_special_tokens=True)
+    assert all(len(t) == 3 and t.isdigit() for t in texts), texts
+    trainer.close()
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    with pytest.raises(UnsupportedTRLOption, match="vllm_structured_outputs_regex='.*' needs the vLLM engine"):
+        NRolloutGRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=[digits_reward], train_dataset=digits_dataset(8),
+                            args=config(vllm_structured_outputs_regex="[0-9]+"))
+    hf = NRolloutGRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=[digits_reward], train_dataset=digits_dataset(8),
+                             args=config(cache_implementation="static"))
+    assert ("cache_implementation", "static") in hf._sampling("train").engine_kwargs
+    out = hf._generate_and_score_completions([dict(digits_dataset(1)[0])] * 4)
+    assert out["completion_ids"].shape[0] == 4

@@ -112,7 +112,7 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "generation_kwargs": ("honored", _ANY, "Passed to the engine's sampler as TRL passes them: vLLM SamplingParams "
                                            "fields on the vLLM engine, generate() arguments on the HF engine (n, "
                                            "max_tokens, seed, logprobs are ours: an error names the option to use)."),
-    "cache_implementation": ("refused", None, "not passed to our engines"),
+    "cache_implementation": ("honored", _ANY, "The HF engine's generate() cache (as TRL); no effect on vLLM, as in TRL."),
     "log_completions": ("honored", _ANY, "TRL's completions table (prompts, completions, each reward, advantages, "
                                          "log_extra columns): printed, saved as parquet, sent to wandb/trackio."),
     "num_completions_to_print": ("honored", _ANY, "Rows of the printed completions table."),
@@ -121,8 +121,8 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "vllm_mode": ("refused", "colocate", "our engines are always colocated with the trainer; a separate "
                                          "`trl vllm-serve` server is not supported"),
     "vllm_model_impl": ("refused", "vllm", "our engines use vLLM's own model implementations"),
-    "vllm_structured_outputs_regex": ("refused", None, "structured (regex-constrained) outputs are not passed to "
-                                                       "our engines"),
+    "vllm_structured_outputs_regex": ("honored", _ANY, "vLLM's structured outputs on our vLLM engines; with the HF "
+                                                       "engine, an error (TRL ignores it there)."),
     "vllm_server_base_url": ("refused", None, "server mode is not supported (vllm_mode)"),
     "vllm_server_host": ("refused", "0.0.0.0", "server mode is not supported (vllm_mode)"),
     "vllm_server_port": ("refused", 8000, "server mode is not supported (vllm_mode)"),

@@ -30,6 +30,7 @@ from trl_nrollout.advantages import compute_advantages, normalize_then_sum
 from trl_nrollout.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.losses import (
@@ -106,6 +107,11 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
             self.ref_model = self._build_ref_model()
         self.rollout_backend = self._pick_backend(args.rollout_backend)
+        if args.vllm_structured_outputs_regex is not None and self.rollout_backend != "vllm":
+            raise UnsupportedTRLOption(
+                f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} needs the vLLM engine, but this "
+                f"trainer generates with the {self.rollout_backend!r} engine; install vLLM and set use_vllm=True (or "
+                "rollout_backend='vllm'), or remove the regex.")
         self.rollout_engine = self._start_engine(args.rollout_backend)
         self.generation_clock = GenerationClock()
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
@@ -250,8 +256,16 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             max_tokens=args.max_completion_length or 256, temperature=0.0 if greedy else self.temperature,
             top_p=self.top_p, top_k=self.top_k if self.top_k and self.top_k > 0 else -1, min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.eos_token_ids), seed=seed,
-            engine_kwargs=tuple((args.generation_kwargs or {}).items()),  # TRL's generation_kwargs, as TRL passes them
+            engine_kwargs=self._engine_kwargs(), regex=args.vllm_structured_outputs_regex,
         )
+
+    def _engine_kwargs(self) -> tuple[tuple[str, Any], ...]:
+        """TRL's ``generation_kwargs`` (as TRL passes them to its sampler) and, on the HF engine,
+        ``cache_implementation`` (TRL gives it to ``generate``; vLLM has its own cache)."""
+        extra = dict(self.args.generation_kwargs or {})
+        if self.rollout_backend == "hf" and self.args.cache_implementation is not None:
+            extra.setdefault("cache_implementation", self.args.cache_implementation)
+        return tuple(extra.items())
 
     def _sync_weights(self, mode: str) -> None:
         if self._last_synced_step == self.state.global_step:

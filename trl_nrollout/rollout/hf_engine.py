@@ -44,6 +44,8 @@ class HFEngine:
     @torch.no_grad()
     def _generate(self, model: nn.Module, prompts: list[list[int]], n: int, sampling: SamplingOptions,
                   group_offset: int) -> RolloutBatch:
+        if sampling.regex is not None:
+            raise ValueError("structured outputs (a regex) need the vLLM engine; use rollout_backend='vllm'.")
         if not prompts:  # nothing on this rank (a multi-turn step where others continue): no forward at all
             return RolloutBatch([], [], [], [], [])
         device = next(model.parameters()).device

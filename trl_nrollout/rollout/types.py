@@ -30,6 +30,9 @@ class SamplingOptions:
     #: extra keyword arguments for the engine's sampler, as (name, value) pairs (TRL's ``generation_kwargs``):
     #: vLLM ``SamplingParams`` fields on the vLLM engine, ``generate()`` arguments on the HF engine
     engine_kwargs: tuple[tuple[str, Any], ...] = ()
+    #: completions must match this regular expression (vLLM's structured outputs; TRL's
+    #: ``vllm_structured_outputs_regex``)
+    regex: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -222,6 +222,10 @@ class VLLMEngineGroup:
         options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
         if options.get("stop"):
             options["detokenize"] = True  # stop strings are matched on the text
+        if sampling.regex is not None:  # takes precedence over generation_kwargs' structured_outputs, as in TRL
+            from vllm.sampling_params import StructuredOutputsParams
+
+            options["structured_outputs"] = StructuredOutputsParams(regex=sampling.regex)
         return SamplingParams(**options)
 
     def generate_engine(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingOptions,
