@@ -27,9 +27,15 @@ def _parse(i, ids, prefix):
         "name": "f", "arguments": {"x": len(ids)}}}]} if ids and ids[-1] == CALL else {})}
 
 
-def _turns(first_completions, replies, *, budget=20, iterations=None, model_len=1000, ranks_continue=False):
-    """Run the loop on scripted first turns; ``replies[k]`` are the k-th continuation turns, in order."""
+def _turns(first_completions, replies, *, budget=20, iterations=None, model_len=1000, other_rank_turns=0):
+    """Run the loop on scripted first turns; ``replies[k]`` are the k-th continuation turns, in order. Another rank
+    still has samples to continue for ``other_rank_turns`` turns."""
     calls = []
+    others = [other_rank_turns]
+
+    def any_rank(flag: bool) -> bool:
+        others[0] -= 1
+        return flag or others[0] >= 0
 
     def generate(contexts, budgets, turn):
         calls.append((turn, [list(c) for c in contexts], list(budgets)))
@@ -43,7 +49,7 @@ def _turns(first_completions, replies, *, budget=20, iterations=None, model_len=
     turns = run_tool_turns(
         first, parse=_parse, run_tools=lambda i, tc: ([{"role": "tool", "name": "f", "content": "r"}], 0),
         suffix_ids=lambda msgs: list(SUFFIX), generate=generate,
-        any_rank=lambda flag: flag or ranks_continue, max_iterations=iterations,
+        any_rank=any_rank, max_iterations=iterations,
         max_completion_length=budget, max_model_len=model_len)
     return turns, calls
 
@@ -75,9 +81,12 @@ def test_budget_iterations_and_collective_turns():
     # max_tool_calling_iterations=1: the second call is not run
     turns, calls = _turns([[10, CALL]], replies=[[[20, CALL]]], iterations=1)
     assert len(calls) == 1 and turns.tool_calls == [1] and turns.turns == [2]
-    # another rank still has samples to continue: this rank takes part with nothing (collective engines)
-    _, calls = _turns([[10, EOS]], replies=[[]] * 3, ranks_continue=True, iterations=2)
+    # another rank still has samples to continue for 2 turns: this rank takes part with nothing (collective engines)
+    _, calls = _turns([[10, EOS]], replies=[[]] * 3, other_rank_turns=2)
     assert [c for _, c, _ in calls] == [[], []]
+    # ranks that never agree to stop (a bug elsewhere) end in an error, not a hang
+    with pytest.raises(RuntimeError, match="ranks disagree"):
+        _turns([[10, EOS]], replies=[[]] * 30, other_rank_turns=10**9, budget=20)
 
 
 def test_call_tools_sync_async_errors():

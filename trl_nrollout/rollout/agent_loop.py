@@ -147,6 +147,9 @@ def run_tool_turns(
         if not any_rank(bool(continuing)):
             break
         iteration += 1
+        if iteration > max_completion_length:  # every turn adds tokens: more turns than tokens means ranks disagree
+            raise RuntimeError(f"the tool turns did not end after {iteration - 1} turns with a budget of "
+                               f"{max_completion_length} tokens: the ranks disagree about which samples continue.")
         budgets = [min(max_completion_length - len(completion_ids[i]), max_model_len - len(ctx))
                    for i, ctx in zip(continuing, contexts)]
         out = generate(contexts, budgets, iteration)
