@@ -287,6 +287,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         if self.rollout_func is not None:
             start = time.perf_counter()
             batch, episode = self._custom_rollout(prompts, n)
+            self.rollout_engine.sleep()  # whatever the function ran on our engine, it sleeps while the trainer works
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
