@@ -17,6 +17,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _restore_distributed_env():
+    """An in-process vLLM engine sets RANK / WORLD_SIZE / MASTER_PORT in os.environ (its external launcher reads
+    them) and keeps that port bound; later subprocess tests must not inherit them (they would fail to bind it)."""
+    before = {k: os.environ.get(k) for k in _DIST_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     """Local folder of ``builtin:tiny-qwen2`` (built on first use)."""

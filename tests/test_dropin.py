@@ -191,6 +191,7 @@ def test_generation_kwargs_reach_the_engine(backend, tmp_path, monkeypatch):
                                   train_dataset=digits_dataset(16))
     batch = trainer._generate_and_score_completions([dict(digits_dataset(2)[i]) for i in range(2) for _ in range(4)])
     used = set(batch["completion_ids"][batch["completion_mask"].bool()].tolist())
+    trainer.close()
     assert used and used <= set(allowed)  # a random model writes letters (reward ~0.03) unless the engine is told
     with pytest.raises(ValueError, match="generation_kwargs sets 'max_tokens'.*max_completion_length"):
         cfg(tmp_path, generation_kwargs={"max_tokens": 3})
