@@ -32,6 +32,10 @@ BUILTIN_MODELS: dict[str, dict] = {
     # whole call of the built-in tool, so a random model calls it now and then and RL can make it call it always
     "tiny-qwen2-tools": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=512, tools=True),
+    # a vision-language model (Idefics3 architecture: a SigLIP-style vision tower, a pixel-shuffle connector and a
+    # Llama text model), 4 image tokens per 56x56 image; vLLM runs it on CPU without torchvision
+    "tiny-idefics3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=384, vlm=True),
 }
 
 #: The built-in tool's name and the single token that calls it (Qwen2.5's tool-call format).
@@ -79,7 +83,9 @@ def resolve_model(name_or_path: str) -> str:
         )
     target = cache_dir() / "models" / f"{name}-{_BUILDERS_VERSION}"
     if not (target / "config.json").exists():
-        build_tiny_model(target, **BUILTIN_MODELS[name])
+        spec = dict(BUILTIN_MODELS[name])
+        build = build_tiny_vlm if spec.pop("vlm", False) else build_tiny_model
+        build(target, **spec)
     return str(target)
 
 
@@ -148,6 +154,83 @@ def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, 
         if tools:  # a call ends the turn, as <|im_end|> after a real model's call
             model.generation_config.eos_token_id = [hf_tok.eos_token_id, hf_tok.convert_tokens_to_ids(TOOL_CALL_TOKEN)]
         model.generation_config.pad_token_id = hf_tok.pad_token_id
+        model.save_pretrained(tmp)
+        (tmp / "trl_nrollout_builtin.json").write_text(json.dumps({"seed": seed, "version": _BUILDERS_VERSION}))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race: use its copy
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+VLM_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
+                      "<global-img>"]
+#: Idefics3-style chat template (images as ``<image>``, which the processor expands).
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}:{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+VLM_IMAGE_SIZE = 56
+
+
+def build_tiny_vlm(target: Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+                   num_attention_heads: int, num_key_value_heads: int, vocab_size: int, seed: int = 0) -> Path:
+    """A random Idefics3 vision-language model with its processor (tokenizer trained on the built-in corpus,
+    56x56 images without splitting, 4 image tokens each) saved to ``target``; written atomically like
+    :func:`build_tiny_model`. The vision tower is half the text model's width, two layers, patch size 14."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=VLM_SPECIAL_TOKENS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(_corpus(seed), trainer=trainer)
+        hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<end_of_utterance>", pad_token="<|endoftext|>",
+                                         bos_token="<|im_start|>", unk_token=None,
+                                         additional_special_tokens=VLM_SPECIAL_TOKENS[2:])
+        hf_tok.chat_template = VLM_CHAT_TEMPLATE
+        side = {"longest_edge": VLM_IMAGE_SIZE}
+        images = Idefics3ImageProcessorPil(do_image_splitting=False, size=side, max_image_size=side)
+        patch, scale = 14, 2
+        seq_len = (VLM_IMAGE_SIZE // patch) ** 2 // scale**2
+        processor = Idefics3Processor(image_processor=images, tokenizer=hf_tok, image_seq_len=seq_len,
+                                      chat_template=VLM_CHAT_TEMPLATE)
+        processor.save_pretrained(tmp)
+        ids = {t: hf_tok.convert_tokens_to_ids(t) for t in VLM_SPECIAL_TOKENS}
+        eos, pad = ids["<end_of_utterance>"], ids["<|endoftext|>"]
+        torch.manual_seed(seed)
+        config = Idefics3Config(
+            vision_config=dict(hidden_size=hidden_size // 2, intermediate_size=intermediate_size // 2,
+                               num_hidden_layers=2, num_attention_heads=num_attention_heads,
+                               image_size=VLM_IMAGE_SIZE, patch_size=patch),
+            text_config=dict(model_type="llama", vocab_size=len(hf_tok), hidden_size=hidden_size,
+                             intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+                             num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                             max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=eos,
+                             pad_token_id=pad, bos_token_id=ids["<|im_start|>"]),
+            image_token_id=ids["<image>"], scale_factor=scale, tie_word_embeddings=True, pad_token_id=pad,
+            dtype="float32")
+        model = Idefics3ForConditionalGeneration(config)
+        model.generation_config.eos_token_id = eos
+        model.generation_config.pad_token_id = pad
         model.save_pretrained(tmp)
         (tmp / "trl_nrollout_builtin.json").write_text(json.dumps({"seed": seed, "version": _BUILDERS_VERSION}))
         try:
@@ -252,4 +335,46 @@ def tool_reward(completions: list, **kwargs) -> list[float]:
     for messages in completions:
         results = [m for m in messages if isinstance(m, dict) and m.get("role") == "tool"]
         out.append(1.0 if any("error" not in str(m.get("content")) for m in results) else 0.0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- image task
+#: The colours of the image task and what each asks for.
+IMAGE_COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
+
+
+def colour_image(colour: str, seed: int = 0):
+    """A ``VLM_IMAGE_SIZE`` square PIL image of one colour with a little noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = np.array(IMAGE_COLOURS[colour], dtype=np.float32)
+    pixels = base + rng.normal(0, 12, size=(VLM_IMAGE_SIZE, VLM_IMAGE_SIZE, 3))
+    return Image.fromarray(pixels.clip(0, 255).astype("uint8"))
+
+
+def image_dataset(num: int = 256, seed: int = 0):
+    """The image task: conversational ``digits`` prompts, each with an ``image`` column holding a red or a blue
+    picture (TRL's format: the trainer puts the image before the prompt's text) and its ``colour``."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    colours = [rng.choice(sorted(IMAGE_COLOURS)) for _ in range(num)]
+    return Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": p}] for p in digits_prompts(num, seed)],
+        "image": [colour_image(c, seed + i) for i, c in enumerate(colours)],
+        "colour": colours,
+    })
+
+
+def colour_reward(completions: list, colour: list[str], **kwargs) -> list[float]:
+    """Reward of the image task: on a red picture the fraction of digits, on a blue one the fraction of other
+    characters (0 for an empty completion). Ignoring the picture caps the expected reward at about 0.5."""
+    out = []
+    for c, col in zip(completions, colour, strict=True):
+        text = c[-1]["content"] if isinstance(c, list) else c
+        chars = [ch for ch in text if not ch.isspace()]
+        digits = digit_fraction(text)
+        out.append(digits if col == "red" else (1.0 - digits if chars else 0.0))
     return out

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
+from trl_nrollout.multimodal import MMInputs, collate
+
 Ids = Sequence[int] | Tensor
 
 
@@ -190,6 +192,7 @@ def compute_log_probs(
     chunk_rows: int = 1024,
     lean_head: bool | None = None,
     sync_forwards: bool | None = None,
+    mm_inputs: Sequence[MMInputs | None] | None = None,
 ) -> LogProbOutput:
     """Score every completion token under ``model``; return ``[B, C_max]`` log-probs in the input order.
 
@@ -201,6 +204,9 @@ def compute_log_probs(
     - ``lean_head``: run the decoder, keep only completion positions, and apply the output head in chunks
       (default when the model allows it; FSDP-sharded models use their full forward instead).
 
+    - ``mm_inputs``: per sample, the processor's image tensors (:mod:`trl_nrollout.multimodal`) of a
+      vision-language model, or None; with images the model's own forward runs (it merges the image features) and
+      positions are the model's own (right padding: they start at 0 on every row).
     - ``sync_forwards``: make every rank run as many forwards as the busiest one (needed under ZeRO-3, where
       each forward gathers parameters collectively, and under FSDP; detected automatically).
 
@@ -230,7 +236,12 @@ def compute_log_probs(
 
     inner = unwrap_model(model)
     parts = None
-    if lean_head is not False and not _is_fsdp(inner):
+    mm = list(mm_inputs) if mm_inputs is not None and any(mm_inputs) else None
+    if mm is not None and len(mm) != b:
+        raise ValueError(f"{len(mm)} mm_inputs for {b} samples; give one (or None) per sample.")
+    if mm is not None and lean_head:
+        raise ValueError("lean_head=True cannot take images: a vision-language model needs its own forward.")
+    if lean_head is not False and not _is_fsdp(inner) and mm is None:
         parts = _lean_parts(inner)
         if lean_head and parts is None:
             raise ValueError("lean_head=True but the model's logits are not a plain head over its decoder.")
@@ -249,19 +260,19 @@ def compute_log_probs(
             _score_micro_batch(
                 model, parts, [prompts[i] for i in idx], [completions[i] for i in idx], idx, logprobs, entropy,
                 temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side, chunk_rows=chunk_rows,
-                device=device,
+                device=device, mm=None if mm is None else [mm[i] for i in idx],
             )
         for _ in range(num_forwards - len(batches)):  # keep collectives in step with busier ranks
             _score_micro_batch(model, parts, [prompts[0]], [completions[0]], [0], logprobs.clone(), None,
                                temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side,
-                               chunk_rows=chunk_rows, device=device)
+                               chunk_rows=chunk_rows, device=device, mm=None if mm is None else mm[:1])
     finally:
         inner.train(was_training)
     return LogProbOutput(logprobs, entropy, num_forwards)
 
 
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
-                       pad_side, chunk_rows, device) -> None:
+                       pad_side, chunk_rows, device, mm=None) -> None:
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
     n = len(seqs)
@@ -301,8 +312,11 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
                                              chunk_rows=chunk_rows, with_entropy=entropy is not None)
     else:
         keep = width - min(pos)  # positions from the earliest predicting position to the end
-        logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                       logits_to_keep=keep).logits  # [n, keep, V]
+        if mm is None:
+            extra = {"position_ids": position_ids}
+        else:  # a VLM places its image tokens itself (some, like Qwen2-VL, with positions of their own)
+            extra = collate(mm, device, width=width, starts=starts)
+        logits = model(input_ids=input_ids, attention_mask=attn, logits_to_keep=keep, **extra).logits  # [n, keep, V]
         selected = logits[rows_t, pos_t - (width - keep)]
         lp, ent = chunked_token_logprobs(selected, tgt_t, None, temperature=temperature, chunk_rows=chunk_rows,
                                          with_entropy=entropy is not None)

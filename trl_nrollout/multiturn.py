@@ -25,6 +25,7 @@ import torch
 from accelerate.utils import gather_object
 from trl.chat_template_utils import parse_response
 
+from trl_nrollout.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
 from trl_nrollout.rollout.agent_loop import Turns, call_tools, run_tool_turns, split_tools
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
@@ -41,6 +42,7 @@ class Episode:
     tool_calls: list[int] = field(default_factory=list)
     tool_failures: list[int] = field(default_factory=list)
     extra_fields: dict[str, list] = field(default_factory=dict)
+    mm: list | None = None  # a VLM's image tensors per sample (trl_nrollout.multimodal)
 
 
 def _environment_tools(environment: Any) -> list:
@@ -49,17 +51,19 @@ def _environment_tools(environment: Any) -> list:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
-def check_text_only(row: dict | None) -> None:
-    """Images in the prompts are not passed to our engines yet: refuse them (never train as if they were absent)."""
+def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None) -> None:
+    """Images with tools, environments or a custom rollout function are not supported (TRL's tool-returned images
+    and per-environment processors): refuse the combination, never train as if the images were absent."""
     from trl_nrollout.dropin import UnsupportedTRLOption
 
-    columns = sorted({"image", "images"} & set(row or {}))
-    if columns:
+    found = sorted(set(IMAGE_COLUMNS) & set(columns or []))
+    agentic = [name for name, value in (("tools", tools), ("rollout_func", rollout_func),
+                                        ("environment_factory", environment_factory)) if value]
+    if found and agentic:
         raise UnsupportedTRLOption(
-            f"the dataset has image column(s) {columns}: multimodal prompts (vision-language models) are not "
-            "supported by NRolloutGRPOTrainer yet; our engines would generate without the images. Use "
-            "trl.GRPOTrainer for this dataset, or drop the image columns for a text-only run."
-        )
+            f"the dataset has image column(s) {found} and the trainer was given {agentic}: images in multi-turn or "
+            "custom rollouts are not supported by NRolloutGRPOTrainer (single-turn image prompts are). Use "
+            "trl.GRPOTrainer for this combination, or drop the image columns or the tools.")
 
 
 def _blocks(content: str | list) -> list:
@@ -73,10 +77,9 @@ class MultiTurnRollout:
     def _start_episodes(self, inputs: list[dict]) -> list:
         """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
         (a returned observation is appended to the prompt's last message), and each sample's tools."""
-        check_text_only(inputs[0] if inputs else {})
         factories = getattr(self, "environment_factories", None)
         if factories is None:
-            prompts = [x["prompt"] for x in inputs]
+            prompts = attach_images([x["prompt"] for x in inputs], dataset_images(inputs))
             self._sample_tools = [split_tools(list(self.tools or []))] * len(inputs)
             return prompts
         prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]

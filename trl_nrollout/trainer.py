@@ -45,7 +45,15 @@ from trl_nrollout.losses import (
     rollout_is_weights,
     vespo_weights,
 )
-from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_text_only
+from trl_nrollout.multimodal import (
+    EncodedPrompts,
+    check_expansion,
+    collate,
+    encode_prompts,
+    has_images,
+    without_images,
+)
+from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_images
 from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
@@ -79,7 +87,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
                  optimizers=(None, None), peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, **kwargs) -> None:
         features = getattr(train_dataset, "column_names", None)
-        check_text_only(dict.fromkeys(features) if isinstance(features, list) else None)  # images: refused
+        check_images(features if isinstance(features, list) else None, tools=tools, rollout_func=rollout_func,
+                     environment_factory=environment_factory)
         if isinstance(model, str):
             model = resolve_model(model)
         if args is None:
@@ -257,7 +266,18 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             top_p=self.top_p, top_k=self.top_k if self.top_k and self.top_k > 0 else -1, min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.eos_token_ids), seed=seed,
             engine_kwargs=self._engine_kwargs(), regex=args.vllm_structured_outputs_regex,
+            suppress_token_ids=self._image_token_ids(),
         )
+
+    def _image_token_ids(self) -> tuple[int, ...]:
+        """A vision-language model's image placeholder token (never to be sampled), as TRL reads it."""
+        if not self._is_vlm:
+            return ()
+        config = self.accelerator.unwrap_model(self.model).config
+        token = getattr(config, "image_token_id", None)
+        if token is None:
+            token = getattr(config, "image_token_index", None)  # LLaVA's name
+        return () if token is None else (int(token),)
 
     def _engine_kwargs(self) -> tuple[tuple[str, Any], ...]:
         """TRL's ``generation_kwargs`` (as TRL passes them to its sampler) and, on the HF engine,
@@ -290,14 +310,24 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             self.rollout_engine.sleep()  # whatever the function ran on our engine, it sleeps while the trainer works
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode
-        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        images = self._encode_images(prompts)
+        prompt_ids = images.ids if images is not None else self._tokenize_prompts(prompts)[0]
         if self.rollout_backend == "vllm":  # a too-long prompt on one rank: every rank stops with the error, none hangs
             longest = max(gather_object([max((len(p) for p in prompt_ids), default=0)]))
             self.rollout_engine.check_prompt_length(longest, sampling.max_tokens)
         start = time.perf_counter()
-        batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
-                                                      sample_offset=self.accelerator.process_index * len(inputs))
-        episode = Episode()
+        offset = self.accelerator.process_index * len(inputs)
+        if images is None:
+            batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
+                                                          sample_offset=offset)
+        elif self.rollout_backend == "vllm":  # vLLM expands the image placeholders itself
+            batch = self.rollout_engine.generate_expanded(images.engine_ids, n, sampling, sample_offset=offset,
+                                                          images=images.images)
+            check_expansion(batch.prompt_ids, prompt_ids)
+        else:
+            batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
+                                                          sample_offset=offset, mm=images.mm)
+        episode = Episode(mm=images.mm if images is not None else None)
         if self.tools:  # TRL's tools / environments: turn by turn while samples call tools
             turns = self._tool_turns(batch, sampling, mode)
             batch = RolloutBatch(batch.prompt_ids, turns.completion_ids, turns.logprobs, turns.finish_reasons,
@@ -309,6 +339,22 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         seconds = time.perf_counter() - start
         self.generation_clock.add(batch.num_completion_tokens, seconds)
         return batch, prompts, episode
+
+    def _encode_images(self, prompts: list) -> EncodedPrompts | None:
+        """The processor's ids and image tensors of this rank's prompts when any has an image (else None)."""
+        if not has_images(prompts):
+            return None
+        if self.tools:
+            raise UnsupportedTRLOption(
+                "the prompts hold images and the trainer has tools: images in multi-turn rollouts are not supported "
+                "by NRolloutGRPOTrainer (single-turn image prompts are); use trl.GRPOTrainer, or drop the tools.")
+        if not self._is_vlm:
+            raise ValueError(
+                "the prompts hold images but processing_class is a tokenizer, not a processor: a vision-language "
+                "model needs its processor (pass processing_class=AutoProcessor.from_pretrained(model), or leave "
+                "it None and the trainer loads it).")
+        return encode_prompts(self.processing_class, prompts, tools=self.tools, chat_template=self.chat_template,
+                              chat_template_kwargs=self.chat_template_kwargs)
 
     def _decode(self, prompts: list, completion_ids: list[list[int]]) -> list:
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
@@ -328,11 +374,13 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         t2 = time.perf_counter()
         self._log_turns(mode, episode)
         masks = episode.tool_mask or [None] * len(batch)
-        records = list(zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks))
+        mm = episode.mm or [None] * len(batch)  # a VLM's image tensors travel with their samples (pickled once)
+        records = list(zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks, mm))
         pool = gather_object(records)
         table = None
         if self.log_completions:  # TRL's completions table: the job's prompts and completions, in job order
-            table = {"prompt": gather_object(list(prompts)), "completion": gather_object(list(completions)),
+            table = {"prompt": gather_object([without_images(p) for p in prompts]),
+                     "completion": gather_object(list(completions)),
                      "extra": self._round_extra_logs}
         return {"records": pool, "rewards": rewards, "gen_s": t1 - t0, "reward_s": t2 - t1,
                 "gen_tokens": batch.num_completion_tokens, "table": table}
@@ -399,6 +447,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         prompt_ids = [r[0] for r in local]
         completion_ids = [r[1] for r in local]
         rollout_lp = [r[2] for r in local]
+        mm = [r[5] for r in local] if any(r[5] is not None for r in local) else None
 
         # ---- old-policy and reference log-prob passes (micro-batched, token-budgeted)
         on_policy = (self.layout.optimizer_steps_per_rollout == 1 and args.skip_old_log_prob_when_on_policy
@@ -406,11 +455,11 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         old = ref = None
         t = time.perf_counter()
         if not on_policy or args.use_kl_in_reward:
-            old = self._log_probs(self.model, prompt_ids, completion_ids, self.layout.old_log_prob)
+            old = self._log_probs(self.model, prompt_ids, completion_ids, self.layout.old_log_prob, mm)
         self._metric(mode, "timing_s/old_log_prob", time.perf_counter() - t)
         t = time.perf_counter()
         if self.beta != 0.0 or args.use_kl_in_reward:
-            ref = self._ref_log_probs(prompt_ids, completion_ids)
+            ref = self._ref_log_probs(prompt_ids, completion_ids, mm)
         self._metric(mode, "timing_s/ref", time.perf_counter() - t)
 
         # ---- advantages over the whole job (groups may span ranks; batch-level estimators need everything)
@@ -481,6 +530,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             "advantages": advantages[mine, :c_max].to(dev),  # the job's longest completion >= this rank's
             "sampling_per_token_logps": tensors["logprobs"],
         }
+        if mm is not None:  # a VLM's image tensors, per sample (they follow the samples through shuffles and splits)
+            out["mm_inputs"] = mm
         if any(r[4] is not None for r in local):  # multi-turn: tool-response tokens are not trained on (TRL's)
             tool_mask = torch.zeros_like(tensors["completion_mask"])
             for i, r in enumerate(local):
@@ -496,19 +547,20 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             out["completion_mask"] = out["completion_mask"] * (~truncated).unsqueeze(1).to(out["completion_mask"].dtype)
         return out
 
-    def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch) -> Tensor:
-        """One log-prob pass ``[B, C]``, cut into forwards as the layout's ``micro`` says."""
+    def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch, mm=None) -> Tensor:
+        """One log-prob pass ``[B, C]``, cut into forwards as the layout's ``micro`` says (``mm``: a VLM's image
+        tensors per sample)."""
         return compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
                                  pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
-                                 max_token_len=micro.max_token_len).logprobs
+                                 max_token_len=micro.max_token_len, mm_inputs=mm).logprobs
 
-    def _ref_log_probs(self, prompt_ids, completion_ids) -> Tensor:
+    def _ref_log_probs(self, prompt_ids, completion_ids, mm=None) -> Tensor:
         micro = self.layout.ref_log_prob
         if self.ref_model is not None:
-            return self._log_probs(self.ref_model, prompt_ids, completion_ids, micro)
+            return self._log_probs(self.ref_model, prompt_ids, completion_ids, micro, mm)
         inner = self.accelerator.unwrap_model(self.model)  # PEFT: the base model is the reference
         with inner.disable_adapter():
-            return self._log_probs(self.model, prompt_ids, completion_ids, micro)
+            return self._log_probs(self.model, prompt_ids, completion_ids, micro, mm)
 
     def _greedy_baselines(self, inputs: list[dict], n: int, mode: str) -> Tensor:
         """ReMax: reward of one greedy completion per prompt, for every sample of the job ``[G]``."""
@@ -605,8 +657,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             self._update_time, self._rollout_time, self._last_step_end = 0.0, 0.0, now
         return loss
 
-    def _policy_logps(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
-                      ) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _policy_logps(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int,
+                      mm: list | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Log-probs and entropies ``[B, C]`` of the completion tokens, with gradient, through TRL's fused LM head,
         and a MoE model's router load-balancing loss ``[]`` when TRL's ``aux_loss_enabled`` says so (else None).
 
@@ -614,14 +666,22 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         from the mask), as the engines and :func:`~trl_nrollout.logprobs.compute_log_probs` count them, so a
         left-padded prompt scores the same as an unpadded one for every position scheme (RoPE is shift-invariant
         only up to rounding; learned absolute positions are not at all).
+
+        ``mm``: per sample, a vision-language model's image tensors (TRL's ``forward_kwargs``); the model then
+        places its positions itself, as in TRL, and its vision tower is trained.
         """
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        if mm is None:
+            extra["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        else:  # prompts are left-padded: each starts where its padding ends
+            width = input_ids.shape[1] - logits_to_keep
+            starts = (width - attention_mask[:, :width].sum(-1)).tolist()
+            extra.update(collate(mm, input_ids.device, width=input_ids.shape[1], starts=starts))
         with self.accelerator.autocast():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
-                        fused_lm_head=True, **extra)
+            out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
+                        **extra)
         aux = out.aux_loss if self.aux_loss_enabled else None
         return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:], aux
 
@@ -672,7 +732,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
-        logps, entropies, aux_loss = self._policy_logps(model, input_ids, attention_mask, logits_to_keep)
+        logps, entropies, aux_loss = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
+                                                        inputs.get("mm_inputs"))
         mask = _loss_mask(inputs).to(logps.dtype)  # completion tokens, less tool results (multi-turn)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from trl_nrollout.logprobs import compute_log_probs
+from trl_nrollout.multimodal import MMInputs, collate
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import unwrap
 
@@ -35,15 +36,16 @@ class HFEngine:
         self._calls = 0
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                 group_offset: int = 0) -> RolloutBatch:
+                 group_offset: int = 0, mm: list[MMInputs | None] | None = None) -> RolloutBatch:
+        """``n`` samples of each prompt; ``mm``: per prompt, a vision-language model's image tensors (or None)."""
         if self.generation_context is None:
-            return self._generate(unwrap(self.model), prompts, n, sampling, group_offset)
+            return self._generate(unwrap(self.model), prompts, n, sampling, group_offset, mm)
         with self.generation_context() as model:
-            return self._generate(model, prompts, n, sampling, group_offset)
+            return self._generate(model, prompts, n, sampling, group_offset, mm)
 
     @torch.no_grad()
     def _generate(self, model: nn.Module, prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                  group_offset: int) -> RolloutBatch:
+                  group_offset: int, mm: list[MMInputs | None] | None = None) -> RolloutBatch:
         if sampling.regex is not None:
             raise ValueError("structured outputs (a regex) need the vLLM engine; use rollout_backend='vllm'.")
         if not prompts:  # nothing on this rank (a multi-turn step where others continue): no forward at all
@@ -76,7 +78,12 @@ class HFEngine:
                     eos_token_id=sorted(stop_ids) if not sampling.ignore_eos else None,
                     pad_token_id=self.pad_token_id,
                 )
+                if sampling.suppress_token_ids:
+                    options["suppress_tokens"] = list(sampling.suppress_token_ids)
                 options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
+                if mm is not None:  # images: the processor's tensors, per-token fields left-padded like the ids
+                    options.update(collate(mm[s:s + self.batch_size], device, width=width,
+                                           starts=[width - len(p) for p in chunk]))
                 out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
                 new = out[:, width:].tolist()
                 for k, toks in enumerate(new):
@@ -91,17 +98,20 @@ class HFEngine:
             model.train(was_training)
         gen_s = time.perf_counter() - start
         temp = sampling.temperature if sampling.temperature > 0 else 1.0
-        lp = compute_log_probs(model, prompt_ids, completion_ids, temperature=temp, micro_batch_size=64).logprobs
+        sample_mm = None if mm is None else [mm[g - group_offset] for g in groups]
+        lp = compute_log_probs(model, prompt_ids, completion_ids, temperature=temp, micro_batch_size=64,
+                               mm_inputs=sample_mm).logprobs
         logprobs = [lp[i, :len(c)].tolist() for i, c in enumerate(completion_ids)]
         return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
                             timings={"generate_s": gen_s, "logprob_s": time.perf_counter() - start - gen_s})
 
     def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                          sample_offset: int = 0) -> RolloutBatch:
-        """TRL's form (prompts repeated ``n`` times, whole groups on this rank)."""
+                          sample_offset: int = 0, mm: list[MMInputs | None] | None = None) -> RolloutBatch:
+        """TRL's form (prompts repeated ``n`` times, whole groups on this rank); ``mm`` per sample."""
         if len(sample_prompts) % n:
             raise ValueError(f"{len(sample_prompts)} samples are not whole groups of n={n}.")
-        return self.generate(sample_prompts[::n], n, sampling, group_offset=sample_offset // n)
+        return self.generate(sample_prompts[::n], n, sampling, group_offset=sample_offset // n,
+                             mm=None if mm is None else mm[::n])
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
                        sample_offset: int = 0) -> RolloutBatch:

@@ -33,6 +33,9 @@ class SamplingOptions:
     #: completions must match this regular expression (vLLM's structured outputs; TRL's
     #: ``vllm_structured_outputs_regex``)
     regex: str | None = None
+    #: tokens never sampled (a vision-language model's image placeholder, as TRL suppresses it: a sampled one
+    #: would ask the model for image features that do not exist)
+    suppress_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

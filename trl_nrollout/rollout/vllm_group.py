@@ -220,6 +220,9 @@ class VLLMEngineGroup:
             flat_logprobs=True, detokenize=bool(sampling.stop),
         )
         options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
+        if sampling.suppress_token_ids:  # vLLM clamps a bias to -100: probability e^-100 relative, never sampled
+            options["logit_bias"] = {**{t: -100.0 for t in sampling.suppress_token_ids},
+                                     **(options.get("logit_bias") or {})}
         if options.get("stop"):
             options["detokenize"] = True  # stop strings are matched on the text
         if sampling.regex is not None:  # takes precedence over generation_kwargs' structured_outputs, as in TRL
@@ -229,9 +232,11 @@ class VLLMEngineGroup:
         return SamplingParams(**options)
 
     def generate_engine(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingOptions,
-                        group_offset: int = 0) -> RolloutBatch:
-        """Run this rank's engine on ``prompts`` (the same on every rank of the TP group): ``n`` samples each."""
-        from vllm.inputs import TokensPrompt
+                        group_offset: int = 0, images: Sequence[list] | None = None) -> RolloutBatch:
+        """Run this rank's engine on ``prompts`` (the same on every rank of the TP group): ``n`` samples each.
+
+        ``images``: per prompt, its images (vLLM's ``multi_modal_data``; the prompt then holds the image
+        placeholders unexpanded, and the returned ``prompt_ids`` are vLLM's, expanded)."""
 
         if self.llm is None:
             raise RuntimeError(
@@ -247,8 +252,7 @@ class VLLMEngineGroup:
         else:  # vLLM seeds sample k of a request with seed + k: prompt seeds n apart never share a seed
             params = [self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, group_offset + g, n)))
                       for g in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+        outputs = self.llm.generate(vllm_prompts(prompts, images), params, use_tqdm=False)
         gen_s = time.perf_counter() - start
         prompt_ids, completion_ids, logprobs, reasons, groups = [], [], [], [], []
         for g, out in enumerate(outputs):
@@ -275,12 +279,18 @@ class VLLMEngineGroup:
                                       sample_offset=offset * n)
 
     def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                          sample_offset: int | None = None) -> RolloutBatch:
+                          sample_offset: int | None = None, images: list[list] | None = None) -> RolloutBatch:
         """TRL's form: this rank's prompts already repeated ``n`` times (groups contiguous; a group may span the
-        ranks of one TP group). Returns one sample per entry, in the same order."""
+        ranks of one TP group). Returns one sample per entry, in the same order. ``images``: per sample, the
+        images of its prompt (see :meth:`generate_engine`)."""
         self._barrier_before_generate()
         per_rank = self._gather_tp([list(p) for p in sample_prompts])
         flat = [p for chunk in per_rank for p in chunk]
+        # images travel with their prompts; every rank of the group takes part in the gather (some may have none)
+        flat_images = None
+        if self._gather_tp(images is not None) != [False] * len(per_rank):
+            local = images if images is not None else [[] for _ in sample_prompts]
+            flat_images = [imgs for chunk in self._gather_tp(local) for imgs in chunk]
         if len(flat) % n:
             raise ValueError(f"the {len(flat)} samples of engine {self.engine_index} are not whole groups of n={n}.")
         unique = flat[::n]
@@ -293,7 +303,8 @@ class VLLMEngineGroup:
         mine = self.tp_ranks.index(self.rank)
         first = sum(len(c) for c in per_rank[:mine])
         offset = self.rank * len(sample_prompts) if sample_offset is None else sample_offset
-        batch = self.generate_engine(unique, n, sampling, group_offset=(offset - first) // n)
+        batch = self.generate_engine(unique, n, sampling, group_offset=(offset - first) // n,
+                                     images=None if flat_images is None else flat_images[::n])
         return batch.slice(first, first + len(sample_prompts))
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
@@ -345,7 +356,7 @@ class VLLMEngineGroup:
         whole decoder layers per call: it runs the model's ``load_weights`` and then vLLM's post-load processing
         (``process_weights_after_loading``: CPU weight prepacking, MLA / quantized / MoE derived weights), which a
         bare ``model.load_weights`` skips. A sleeping engine wakes its weights first, loads, resets the prefix
-        cache, and only then wakes its KV cache. Returns bytes, buckets and seconds.
+        cache (and a vision-language model's encoder cache), and only then wakes its KV cache. Returns bytes, buckets and seconds.
         """
         start = time.perf_counter()
         if "weights" in self._asleep:  # weights first, KV cache only after the load: a lower peak (as TRL does)
@@ -359,6 +370,10 @@ class VLLMEngineGroup:
             buckets += 1
             runner.reload_weights(weights_iterator=iter(bucket))
         self.llm.reset_prefix_cache()
+        if getattr(self.llm.llm_engine.model_config, "is_multimodal_model", False):
+            # image features computed by the old vision tower are stale (and the reload emptied the runner's side of
+            # the encoder cache, which the scheduler's side must forget too, or the next image is a cache miss)
+            self.llm.llm_engine.reset_encoder_cache()
         if self._asleep:
             self.wake_up()
         return {"bytes": total, "buckets": buckets, "peak_bucket_bytes": peak, "seconds": time.perf_counter() - start}
@@ -435,6 +450,22 @@ def _keep_default_process_group():
         yield
     finally:
         parallel_state.destroy_distributed_environment = original
+
+
+def vllm_prompts(prompts: Sequence[Sequence[int]], images: Sequence[list] | None = None) -> list:
+    """vLLM's inputs: token ids, with ``multi_modal_data`` for a prompt that has images (one image as itself, more
+    as a list, as TRL passes them)."""
+    from vllm.inputs import TokensPrompt
+
+    out = []
+    for g, p in enumerate(prompts):
+        imgs = images[g] if images is not None else None
+        if imgs:
+            out.append(TokensPrompt(prompt_token_ids=list(p), multi_modal_data={"image": imgs[0] if len(imgs) == 1
+                                                                                 else list(imgs)}))
+        else:
+            out.append(TokensPrompt(prompt_token_ids=list(p)))
+    return out
 
 
 def _sampled_logprobs(source, tokens: Sequence[int]) -> list[float]:
