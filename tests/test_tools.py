@@ -276,20 +276,3 @@ def test_rollout_func_generates_and_its_fields_reach_the_rewards(tmp_path, monke
     with pytest.raises(ValueError, match="rollout_func must return keys"):
         trainer.rollout_func = lambda prompts, t: {"prompt_ids": []}
         trainer._generate_and_score_completions([dict(digits_dataset(4)[0])] * 4)
-
-
-def test_images_in_the_prompts_are_refused_not_ignored(tmp_path, monkeypatch):
-    """Multimodal prompts are not passed to our engines yet: a dataset with images stops at construction (and a
-    row with images at the rollout), naming the columns, instead of training as if the images were absent."""
-    from datasets import Dataset
-
-    from trl_nrollout.dropin import UnsupportedTRLOption
-    from trl_nrollout.multiturn import check_text_only
-
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "What color?"}]] * 4, "image": [None] * 4})
-    with pytest.raises(UnsupportedTRLOption, match=r"image column\(s\) \['image'\].*trl.GRPOTrainer"):
-        _hf_trainer(tmp_path, monkeypatch, model="builtin:tiny-qwen2", reward_funcs=[lambda completions, **k: [0.0]],
-                    train_dataset=data)
-    with pytest.raises(UnsupportedTRLOption, match="images"):
-        check_text_only({"prompt": "x", "images": []})
-    check_text_only({"prompt": "x"})

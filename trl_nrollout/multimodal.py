@@ -103,11 +103,16 @@ class EncodedPrompts:
 
 def encode_prompts(processor, prompts: Sequence[list], *, tools: list | None = None, chat_template: str | None = None,
                    chat_template_kwargs: dict | None = None) -> EncodedPrompts:
-    """Apply the processor's chat template to each conversational prompt ``[P]`` and process its images."""
+    """Apply the processor's chat template to each conversational prompt ``[P]`` and process its images (a prompt
+    equal to the one before it shares its results: the same objects)."""
     kwargs = dict(chat_template_kwargs or {})
     ids, engine_ids, images, mm = [], [], [], []
     tokenizer = getattr(processor, "tokenizer", processor)
-    for messages in prompts:
+    for i, messages in enumerate(prompts):
+        if i and messages == prompts[i - 1]:  # TRL repeats each prompt n times: process its images once
+            for out in (ids, engine_ids, images, mm):
+                out.append(out[-1])
+            continue
         common = dict(tools=tools or None, chat_template=chat_template, add_generation_prompt=True, **kwargs)
         imgs = prompt_images(messages)
         if not imgs:
