@@ -22,6 +22,7 @@ BENCHMARKS: list[str] = [
     "logprob_memory.py",
     "rollout_throughput.py",
     "step_benchmark.py",
+    "ppo_critic_cost.py",
 ]
 
 

@@ -1,4 +1,4 @@
-"""GRPO training from a YAML recipe: ``accelerate launch recipes/grpo.py [--config RECIPE] [--key value ...]``.
+"""GRPO (or PPO) training from a YAML recipe: ``accelerate launch recipes/grpo.py [--config RECIPE] [--key value ...]``.
 
 ``RECIPE`` is a local YAML file or a Hub reference (``hf://user/repo/config.yaml``; downloaded once, cached, and
 read from the cache under ``HF_HUB_OFFLINE=1``). With no arguments it trains the embedded default
@@ -6,6 +6,11 @@ read from the cache under ``HF_HUB_OFFLINE=1``). With no arguments it trains the
 ``NRolloutConfig`` (TRL's ``GRPOConfig`` plus verl's rollout vocabulary) can be set in the recipe or on the
 command line (``--output_dir runs/x --max_steps 20``). At the end a summary is printed and written as
 ``<output_dir>/run_summary.json``.
+
+``--trainer ppo`` (or ``trainer: ppo`` in the recipe, as ``recipes/configs/ppo.yaml``) trains PPO with a critic
+(``NRolloutPPOTrainer``; its options are ``NRolloutPPOConfig``'s: ``gamma``, ``lam``, ``cliprange_value``,
+``critic_*``). One recipe script serves both: they share the data, rewards, summary, report and Hub recipes, and
+differ only in the trainer class.
 """
 
 from __future__ import annotations
@@ -33,6 +38,29 @@ from trl_nrollout.trainer import NRolloutGRPOTrainer
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "configs" / "default.yaml"
 #: Recipe keys that describe the launch, not the training (read by tools, ignored here).
 LAUNCH_KEYS = ("accelerate_config", "num_processes", "n_gpus_per_node", "nnodes")
+#: ``--trainer`` / the recipe's ``trainer``: which trainer and config class train.
+TRAINERS = ("grpo", "ppo")
+
+
+def _trainer_classes(kind: str):
+    if kind not in TRAINERS:
+        raise SystemExit(f"--trainer {kind!r}: use one of {list(TRAINERS)} (grpo: group advantages, no critic; "
+                         "ppo: a critic and GAE).")
+    if kind == "ppo":
+        from trl_nrollout.ppo import NRolloutPPOConfig, NRolloutPPOTrainer
+
+        return NRolloutPPOTrainer, NRolloutPPOConfig
+    return NRolloutGRPOTrainer, NRolloutConfig
+
+
+def _pop_trainer(argv: list[str]) -> tuple[list[str], str | None]:
+    """Take ``--trainer X`` (or ``--trainer=X``) off the command line."""
+    for i, arg in enumerate(argv):
+        if arg == "--trainer" and i + 1 < len(argv):
+            return argv[:i] + argv[i + 2:], argv[i + 1]
+        if arg.startswith("--trainer="):
+            return argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
+    return argv, None
 
 
 @dataclass
@@ -58,7 +86,7 @@ class ScriptArguments:
                 "'package.module:function' paths. Weights: reward_weights."})
 
 
-def _resolve_recipe(argv: list[str]) -> list[str]:
+def _resolve_recipe(argv: list[str]) -> tuple[list[str], str]:
     """Put the default recipe in when none is given; turn a Hub reference into a cached local file; drop the
     launch-only keys the argument parser does not know.
 
@@ -66,6 +94,7 @@ def _resolve_recipe(argv: list[str]) -> list[str]:
     unless this command line says ``--trust-remote-code`` / ``--allow-reward-module M`` (see
     :mod:`trl_nrollout.recipe_trust`); it is refused before anything beyond the recipe is downloaded."""
     argv, trust_remote_code, allowed_modules = split_trust_flags(argv)
+    argv, trainer = _pop_trainer(argv)
     for i, arg in enumerate(argv):
         if arg == "--config" or arg.startswith("--config="):
             value = argv[i + 1] if arg == "--config" else arg.split("=", 1)[1]
@@ -78,19 +107,21 @@ def _resolve_recipe(argv: list[str]) -> list[str]:
     data = yaml.safe_load(path.read_text()) or {}
     if parse_hub_ref(value) is not None:
         enforce_recipe_trust(data, value, trust_remote_code=trust_remote_code, allow_reward_modules=allowed_modules)
-    if any(k in data for k in LAUNCH_KEYS):
-        data = {k: v for k, v in data.items() if k not in LAUNCH_KEYS}
+    trainer = trainer or data.get("trainer") or "grpo"  # the command line wins over the recipe
+    if any(k in data for k in (*LAUNCH_KEYS, "trainer")):
+        data = {k: v for k, v in data.items() if k not in (*LAUNCH_KEYS, "trainer")}
         tmp = Path(tempfile.mkdtemp(prefix="trl_nrollout_recipe_")) / path.name
         tmp.write_text(yaml.safe_dump(data))
         path = tmp
-    return [*before, "--config", str(path), *rest]
+    return [*before, "--config", str(path), *rest], trainer
 
 
 def main(argv: list[str] | None = None) -> dict:
-    argv = _resolve_recipe(list(sys.argv[1:] if argv is None else argv))
+    argv, kind = _resolve_recipe(list(sys.argv[1:] if argv is None else argv))
+    trainer_cls, config_cls = _trainer_classes(kind)
     from trl import TrlParser  # after trl_nrollout, whose import filters TRL's known import-time warnings
 
-    parser = TrlParser((ScriptArguments, NRolloutConfig))
+    parser = TrlParser((ScriptArguments, config_cls))
     script_args, training_args = parser.parse_args_and_config(argv)
 
     dataset = load_prompts(script_args.dataset_name, split=script_args.dataset_split,
@@ -98,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
                            num_builtin=script_args.dataset_num_prompts, seed=training_args.seed,
                            config=script_args.dataset_config, system_prompt=script_args.dataset_system_prompt)
     history = RewardHistory()
-    trainer = NRolloutGRPOTrainer(
+    trainer = trainer_cls(
         model=resolve_model(script_args.model_name_or_path),
         reward_funcs=[resolve_reward(r) for r in script_args.reward_funcs],
         args=training_args,
@@ -120,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
                "nnodes": launch_nodes(trainer.accelerator.num_processes),
                "engine_ranks": [list(r) for r in trainer.layout.engine_ranks],
                "train_batch_size": training_args.train_batch_size,
-               "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator},
+               "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator,
+               "trainer": kind},
     )
     if trainer.accelerator.is_main_process:
         out = Path(training_args.output_dir)

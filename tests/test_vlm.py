@@ -224,3 +224,15 @@ def test_vllm_engine_sees_the_images_and_gets_the_trained_vision_tower(vlm_path,
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if n in before)
     assert all(h["sampling/sampling_logp_difference/max"] < 1e-2 for h in trainer.state.log_history[:-1])
     trainer.close()
+
+
+def test_log_multimodal_puts_the_images_in_the_completions_table(vlm_path, tmp_path, monkeypatch):
+    trainer = _hf(tmp_path, monkeypatch, vlm_path, log_completions=True, log_multimodal=True)
+    rows = [dict(r) for r in image_dataset(2, seed=8) for _ in range(3)]
+    trainer._generate_and_score_completions(rows)
+    assert [imgs[0] for imgs in trainer._logs["images"]] == [r["image"] for r in rows]  # TRL's column, in order
+    assert len(trainer._logs["prompt"]) == 6
+    assert "image" not in str(trainer._logs["prompt"][0][0]["content"][0].keys() - {"type"})  # no pixels in prompts
+    quiet = _hf(tmp_path / "quiet", monkeypatch, vlm_path, log_completions=True, log_multimodal=False)
+    quiet._generate_and_score_completions(rows)
+    assert len(quiet._logs["images"]) == 0 and len(quiet._logs["prompt"]) == 6

@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 silence_known_warnings()  # warnings that ask nothing of the user (see quiet.py); before TRL or vLLM is imported
 
-__all__ = ["NRolloutConfig", "NRolloutGRPOTrainer", "RolloutLayout", "compute_advantages", "__version__"]
+__all__ = ["NRolloutConfig", "NRolloutGRPOTrainer", "NRolloutPPOConfig", "NRolloutPPOTrainer", "RolloutLayout",
+           "compute_advantages", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,6 +20,10 @@ def __getattr__(name: str):
         from trl_nrollout.trainer import NRolloutGRPOTrainer
 
         return NRolloutGRPOTrainer
+    if name in ("NRolloutPPOConfig", "NRolloutPPOTrainer"):
+        from trl_nrollout import ppo
+
+        return getattr(ppo, name)
     if name == "RolloutLayout":
         from trl_nrollout.layout import RolloutLayout
 

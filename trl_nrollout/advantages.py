@@ -339,6 +339,7 @@ ESTIMATOR_TABLE: dict[str, tuple[str, str]] = {
     "opo": ("r - sum(|y| r) / sum(|y|) over the group", "exact on-policy, varying lengths"),
     "grpo_passk": ("best sample: r_max - r_second (/ std_g); others 0", "optimize pass@k instead of pass@1"),
     "gpg": ("(B / M) (r - mean_g), M = samples in informative groups", "no std; rescales for all-equal groups"),
+    "gae": ("whiten_batch(GAE(r, V; gamma, lam))", "PPO with a critic (NRolloutPPOTrainer); n = 1 is normal"),
 }
 
 
@@ -360,3 +361,39 @@ def normalize_then_sum(rewards_per_func: Tensor, weights: Tensor, n: int) -> Ten
     summed = summed.masked_fill(torch.isnan(rewards_per_func).all(dim=-1), float("nan"))
     spread = nanstd(summed) if summed.numel() > 1 else torch.zeros(())
     return (summed - torch.nanmean(summed)) / (spread + 1e-4)
+
+
+@register_adv_est("gae")
+def gae_estimator(rewards: Tensor, mask: Tensor, index: Sequence[Hashable], values: Tensor | None = None,
+                  gamma: float = 1.0, lam: float = 1.0) -> tuple[Tensor, Tensor]:
+    """verl's ``gae`` (PPO with a critic): :func:`gae_advantages` of the critic's ``values`` ``[B, T]``; groups play
+    no part (``rollout_n = 1`` is normal)."""
+    if values is None:
+        raise ValueError("adv_estimator='gae' needs the critic's values: train with NRolloutPPOTrainer.")
+    return gae_advantages(rewards, values.to(rewards), mask, gamma=gamma, lam=lam)
+
+
+def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 1.0
+                   ) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016) per token, as verl's ``gae`` estimator.
+
+    Shapes: ``rewards``, ``values`` (the critic's value of the state before each completion token), ``mask``
+    ``[B, T]``. Going backwards over the tokens, ``delta_t = r_t + gamma V_next - V_t`` and
+    ``A_t = delta_t + gamma lam A_next``, where "next" is the next *masked* token (0 after the last one): positions
+    outside the mask (padding, tool results) neither add a TD error nor break the chain. Returns
+    ``(advantages, returns)``: returns ``= A + V`` before whitening (the critic's targets), advantages whitened over
+    the batch's masked tokens; both 0 outside the mask.
+    """
+    mask_f = mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    out = torch.zeros_like(values)
+    for t in range(values.shape[1] - 1, -1, -1):
+        m = mask_f[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, adv, next_adv)
+        out[:, t] = adv * m
+    returns = (out + values) * mask_f
+    return masked_whiten(out, mask_f) * mask_f, returns

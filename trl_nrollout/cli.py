@@ -33,6 +33,7 @@ from .plan import (
     build_layout,
     build_memory,
     check_token_budgets,
+    critic_rows,
     n_values,
     plan_values,
 )
@@ -82,13 +83,19 @@ def _run_plan(args: argparse.Namespace) -> int:
         except Exception as err:  # offline hub id, missing folder...: the layout still stands
             mem_error = f"memory estimate unavailable for {values['model_name_or_path']!r}: {err}"
             print(f"trl-nrollout: warning: {mem_error}", file=sys.stderr)
+    critic = critic_rows(values, layout)
     if args.json:
         out = layout.to_dict()
+        if critic:
+            out["critic"] = dict(critic)
         out["memory"] = mem.to_dict() if mem is not None else ({"error": mem_error} if mem_error else None)
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print("rollout layout")
     print(layout.table())
+    width = max((len(k) for k, _ in layout.rows()), default=0)
+    for key, text in critic:
+        print(f"{key.ljust(width)}  {text}")
     if mem is not None:
         print()
         print(mem.table())

@@ -205,12 +205,16 @@ class NRolloutConfig(GRPOConfig):
             self._derive_trl_fields(world)
         else:
             self._derive_verl_fields(world)
-        super().__post_init__()
+        self._trl_post_init()
         if self.world_size != world:
             raise ValueError(
                 f"WORLD_SIZE={world} in the environment but the trainer sees {self.world_size} processes; launch with "
                 "`accelerate launch` or `torchrun` so that both agree."
             )
+
+    def _trl_post_init(self) -> None:
+        """``GRPOConfig``'s own checks and derived fields (a subclass may adapt them)."""
+        super().__post_init__()
 
     # ------------------------------------------------------------------ mapping
     def _map_trl_options(self) -> None:

@@ -70,7 +70,7 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
                                                     "the loss (their tokens count in no normalizer)."),
     "max_tool_calling_iterations": ("honored", _ANY, "Tool rounds per sample (None: until the completion budget "
                                                      "ends)."),
-    "log_multimodal": ("honored", _ANY, "No effect: images are refused (text prompts only)."),
+    "log_multimodal": ("honored", _ANY, "With log_completions: the prompts' images in the completions table."),
     # ---------------------------------------------------------------- mapped onto verl's vocabulary
     "num_generations": ("mapped", _ANY, "rollout_n"),
     "generation_batch_size": ("mapped", _ANY, "train_batch_size x rollout_n"),

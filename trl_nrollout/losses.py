@@ -345,3 +345,33 @@ def apply_kl_penalty(
     rewards = token_level_scores - controller.value * kld
     seq_kl = (kld.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     return rewards, float(seq_kl)
+
+
+def value_loss(vpreds: Tensor, returns: Tensor, old_values: Tensor, mask: Tensor, cliprange_value: float,
+               loss_agg_mode: str = "token-mean", **agg_kwargs) -> tuple[Tensor, Tensor]:
+    """The critic's clipped value loss (PPO; verl's ``compute_value_loss``) and its clip fraction.
+
+    Shapes ``[B, T]``. ``vpreds`` (with gradient) are clipped to ``old_values +- cliprange_value``; the loss is
+    ``0.5 * agg(max((vpred - R)^2, (vpred_clipped - R)^2))`` with :func:`agg_loss` (``agg_kwargs``: its
+    ``num_tokens`` / ``num_seqs`` / ``norm_length``); the clip fraction is the share of masked tokens where the
+    clipped term is the larger one.
+    """
+    clipped = old_values + (vpreds - old_values).clamp(-cliprange_value, cliprange_value)
+    plain = (vpreds - returns) ** 2
+    worse = (clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(plain, worse), mask, loss_agg_mode, **agg_kwargs)
+    m = mask.to(vpreds.dtype)
+    clipfrac = ((worse > plain).to(vpreds.dtype) * m).sum() / m.sum().clamp(min=1)
+    return loss, clipfrac
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """``1 - Var(R - V) / Var(R)`` over the masked tokens ``[B, T]`` (1: the critic predicts the returns; 0: no
+    better than their mean; NaN-free: 0 when the returns do not vary)."""
+    m = mask.to(values.dtype)
+    n = m.sum().clamp(min=1)
+    mean_r = (returns * m).sum() / n
+    var_r = (((returns - mean_r) ** 2) * m).sum() / n
+    diff = (returns - values) * m
+    var_d = (((diff - diff.sum() / n) ** 2) * m).sum() / n
+    return torch.where(var_r > 0, 1 - var_d / var_r.clamp(min=1e-12), torch.zeros_like(var_r))

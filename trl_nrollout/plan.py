@@ -189,3 +189,28 @@ def check_token_budgets(values: dict[str, Any]) -> None:
                 f"({2 * seq_len} is usual).",
                 option=key, value=budget, rule="token_budget_fits_sequence", fixes=[{key: seq_len}],
             )
+
+
+def critic_rows(values: dict[str, Any], layout: RolloutLayout) -> list[tuple[str, str]]:
+    """PPO's critic in the plan (a recipe with ``trainer: ppo`` or ``adv_estimator: gae``): its micro batches in
+    the value pass and in the update, as :class:`~trl_nrollout.ppo.NRolloutPPOTrainer` cuts them. Empty otherwise."""
+    if values.get("trainer") != "ppo" and layout.adv_estimator != "gae":
+        return []
+    micro = values.get("critic_ppo_micro_batch_size_per_device")
+    budget = values.get("critic_ppo_max_token_len_per_device")
+    policy = layout.ppo_micro_batch_size_per_device
+    if micro is not None and policy % micro:
+        raise PlanError(f"critic_ppo_micro_batch_size_per_device={micro} must divide the policy's micro batch "
+                        f"({policy} sequences per device); use a divisor of {policy}.")
+    if budget is not None:
+        both = f"dynamic, <= {budget} tokens per forward" + (f" (at most {micro} sequences)" if micro else "")
+        return [("critic value micro batch", both), ("critic update micro batch", both)]
+    value_micro = micro or layout.old_log_prob.per_device
+    update_micro = micro or policy
+    per_rank = layout.samples_per_rank
+    return [
+        ("critic value micro batch", f"{value_micro} sequences per device per forward; {per_rank} / {value_micro} "
+                                     f"-> {-(-per_rank // value_micro)} forwards per pass"),
+        ("critic update micro batch", f"{update_micro} sequences per device per forward; policy micro {policy} / "
+                                      f"{update_micro} -> {policy // update_micro} critic forwards per micro step"),
+    ]

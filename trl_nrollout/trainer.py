@@ -51,6 +51,7 @@ from trl_nrollout.multimodal import (
     collate,
     encode_prompts,
     has_images,
+    prompt_images,
     without_images,
 )
 from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_images
@@ -379,8 +380,11 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         pool = gather_object(records)
         table = None
         if self.log_completions:  # TRL's completions table: the job's prompts and completions, in job order
+            images = None
+            if self.log_multimodal and any(gather_object([has_images(prompts)])):  # TRL's image column of the table
+                images = gather_object([prompt_images(p) for p in prompts])
             table = {"prompt": gather_object([without_images(p) for p in prompts]),
-                     "completion": gather_object(list(completions)),
+                     "completion": gather_object(list(completions)), "images": images,
                      "extra": self._round_extra_logs}
         return {"records": pool, "rewards": rewards, "gen_s": t1 - t0, "reward_s": t2 - t1,
                 "gen_tokens": batch.num_completion_tokens, "table": table}
@@ -487,20 +491,29 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         if args.adv_estimator == "remax":
             options["reward_baselines"] = self._greedy_baselines(inputs, n, mode)
         index = [i // n for i in range(len(records))]
+        self._mine, self._job_mask = mine, resp_mask
+        options = self._estimator_options(options, prompt_ids, completion_ids, mm, mine, len(records), t_max, mode)
+        self._job_returns = None
         scorable = ~torch.isnan(scores)
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: TRL computes these advantages itself
             gdpo = normalize_then_sum(rewards, self.reward_weights.cpu(), n)
             advantages = torch.nan_to_num(gdpo, nan=0.0).unsqueeze(-1) * resp_mask
         elif scorable.all():
-            advantages, _ = compute_advantages(args.adv_estimator, token_rewards, resp_mask, index, **options)
+            advantages, self._job_returns = compute_advantages(args.adv_estimator, token_rewards, resp_mask, index,
+                                                               **options)
         else:  # as TRL: unscorable samples (no reward function applied) are left out of the baselines, advantage 0
             keep = scorable.nonzero().squeeze(-1)
-            if "reward_baselines" in options:
-                options["reward_baselines"] = options["reward_baselines"][keep]
+            for per_sample in ("reward_baselines", "values"):
+                if per_sample in options:
+                    options[per_sample] = options[per_sample][keep]
             advantages = torch.zeros_like(token_rewards)
+            self._job_returns = options["values"].new_zeros(token_rewards.shape) if "values" in options else None
             if keep.numel():
-                advantages[keep], _ = compute_advantages(args.adv_estimator, token_rewards[keep], resp_mask[keep],
-                                                         [index[i] for i in keep.tolist()], **options)
+                advantages[keep], returns = compute_advantages(args.adv_estimator, token_rewards[keep],
+                                                               resp_mask[keep], [index[i] for i in keep.tolist()],
+                                                               **options)
+                if self._job_returns is not None:
+                    self._job_returns[keep] = returns
         advantages = torch.nan_to_num(advantages, nan=0.0)  # e.g. a ReMax baseline no reward function applied to
         self._metric(mode, "timing_s/adv", time.perf_counter() - t)
 
@@ -515,6 +528,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             self._logs["advantages"].extend(per_sample.tolist())
             for column, values in table["extra"].items():
                 self._logs["extra"][column].extend(values)
+            if table.get("images") is not None:
+                self._logs["images"].extend(table["images"])
         self._metric(mode, "timing_s/rollout_total", time.perf_counter() - step_start)
         self._rollout_tokens_local = sum(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
 
@@ -546,6 +561,15 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             truncated = torch.tensor([r[3] == "length" for r in local], device=dev)
             out["completion_mask"] = out["completion_mask"] * (~truncated).unsqueeze(1).to(out["completion_mask"].dtype)
         return out
+
+    def _estimator_options(self, options: dict, prompt_ids: list, completion_ids: list, mm: list | None,
+                           mine: list[int], num_samples: int, width: int, mode: str) -> dict:
+        """The advantage estimator's keyword arguments; a subclass adds what its estimator needs (PPO: the
+        critic's values ``[num_samples, width]`` of the whole job, from this rank's samples ``mine``)."""
+        if self.args.adv_estimator == "gae":
+            raise ValueError("adv_estimator='gae' needs a critic (value model): use NRolloutPPOTrainer with "
+                             "NRolloutPPOConfig, or pick a critic-free estimator such as 'grpo'.")
+        return options
 
     def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch, mm=None) -> Tensor:
         """One log-prob pass ``[B, C]``, cut into forwards as the layout's ``micro`` says (``mm``: a VLM's image
@@ -832,8 +856,11 @@ def _join_tables(first: dict | None, more: dict | None, rows_before: int) -> dic
     columns = set(first["extra"]) | set(more["extra"])
     extra = {c: first["extra"].get(c, [None] * rows_before) + more["extra"].get(c, [None] * rows_more)
              for c in sorted(columns)}
+    images = None
+    if first.get("images") is not None or more.get("images") is not None:
+        images = (first.get("images") or [[]] * rows_before) + (more.get("images") or [[]] * rows_more)
     return {"prompt": first["prompt"] + more["prompt"], "completion": first["completion"] + more["completion"],
-            "extra": extra}
+            "extra": extra, "images": images}
 
 
 def _select_rows(table: dict | None, keep: list[int]) -> dict | None:
@@ -843,8 +870,10 @@ def _select_rows(table: dict | None, keep: list[int]) -> dict | None:
     def pick(values: list) -> list:
         return [values[i] for i in keep]
 
+    images = table.get("images")
     return {"prompt": pick(table["prompt"]), "completion": pick(table["completion"]),
-            "extra": {c: pick(v) for c, v in table["extra"].items()}}
+            "extra": {c: pick(v) for c, v in table["extra"].items()},
+            "images": None if images is None else pick(images)}
 
 
 def _loss_mask(inputs: dict) -> Tensor:

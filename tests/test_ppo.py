@@ -1,0 +1,300 @@
+"""PPO with a critic: GAE and the value loss against verl's definitions, the config rules, and end to end.
+
+verl itself is not installed here (it pulls Ray and its worker stack); its two functions are restated below from
+their documented definitions, loop by loop, as the reference:
+
+- ``compute_gae_advantage_return``: for t = T-1..0, ``delta = r_t + gamma * V_{t+1} - V_t``,
+  ``A_t = delta + gamma * lam * A_{t+1}`` (``V_T = A_T = 0``), returns ``A + V``, advantages whitened over the
+  response tokens (mean and Bessel-corrected variance, ``rsqrt(var + 1e-8)``);
+- ``compute_value_loss``: ``0.5 * agg(max((v - R)^2, (clip(v, V_old - c, V_old + c) - R)^2))`` and the clip
+  fraction ``mean(clipped term > unclipped)`` over the response tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_nrollout.advantages import compute_advantages, gae_advantages
+from trl_nrollout.losses import explained_variance, value_loss
+
+FAST = settings(max_examples=30, deadline=None)
+
+
+def _verl_gae(rewards: list[list[float]], values: list[list[float]], lengths: list[int], gamma: float, lam: float):
+    adv = [[0.0] * len(r) for r in rewards]
+    for i, (r, v, n) in enumerate(zip(rewards, values, lengths)):
+        last = 0.0
+        for t in reversed(range(n)):
+            nxt = v[t + 1] if t + 1 < n else 0.0
+            last = r[t] + gamma * nxt - v[t] + gamma * lam * last
+            adv[i][t] = last
+    returns = [[a + v for a, v in zip(ar, vr)] for ar, vr in zip(adv, values)]
+    flat = [adv[i][t] for i, n in enumerate(lengths) for t in range(n)]
+    mean = sum(flat) / len(flat)
+    var = sum((x - mean) ** 2 for x in flat) / max(len(flat) - 1, 1)
+    white = [[(adv[i][t] - mean) / math.sqrt(var + 1e-8) if t < n else 0.0 for t in range(len(adv[i]))]
+             for i, n in enumerate(lengths)]
+    return white, [[returns[i][t] if t < n else 0.0 for t in range(len(adv[i]))] for i, n in enumerate(lengths)]
+
+
+@st.composite
+def _episodes(draw):
+    b, t = draw(st.integers(1, 5)), draw(st.integers(1, 7))
+    lengths = [draw(st.integers(1, t)) for _ in range(b)]
+    num = st.floats(-2, 2, allow_nan=False, width=32)
+    rewards = [[draw(num) if j < n else 0.0 for j in range(t)] for n in lengths]
+    values = [[draw(num) if j < n else 0.0 for j in range(t)] for n in lengths]
+    return rewards, values, lengths, draw(st.sampled_from([1.0, 0.99, 0.5])), draw(st.sampled_from([1.0, 0.95, 0.0]))
+
+
+def _tensors(rewards, values, lengths):
+    t = len(rewards[0])
+    mask = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).float()
+    return torch.tensor(rewards, dtype=torch.float64), torch.tensor(values, dtype=torch.float64), mask.double()
+
+
+@FAST
+@given(_episodes())
+def test_gae_equals_verls_definition(case):
+    rewards, values, lengths, gamma, lam = case
+    r, v, mask = _tensors(rewards, values, lengths)
+    adv, ret = gae_advantages(r, v, mask, gamma=gamma, lam=lam)
+    want_adv, want_ret = _verl_gae(rewards, values, lengths, gamma, lam)
+    torch.testing.assert_close(ret, torch.tensor(want_ret, dtype=torch.float64), rtol=1e-9, atol=1e-9)
+    if sum(lengths) > 1 and len({x for row, n in zip(want_ret, lengths) for x in row[:n]}) > 1:
+        torch.testing.assert_close(adv, torch.tensor(want_adv, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
+
+
+@FAST
+@given(_episodes())
+def test_gae_closed_forms(case):
+    rewards, values, lengths, gamma, _ = case
+    r, v, mask = _tensors(rewards, values, lengths)
+    # lam = 1, gamma = 1: the return of every token is the sum of the rewards from it on, whatever the values
+    _, ret = gae_advantages(r, v, mask, gamma=1.0, lam=1.0)
+    to_go = torch.flip(torch.cumsum(torch.flip(r * mask, [1]), 1), [1]) * mask
+    torch.testing.assert_close(ret, to_go, rtol=1e-9, atol=1e-9)
+    # lam = 0: one-step TD, A_t = r_t + gamma V_{t+1} - V_t (V past the end is 0)
+    _, ret0 = gae_advantages(r, v, mask, gamma=gamma, lam=0.0)
+    v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1) * torch.cat([mask[:, 1:], mask[:, :1] * 0], 1)
+    torch.testing.assert_close(ret0 - v * mask, (r + gamma * v_next - v) * mask, rtol=1e-9, atol=1e-9)
+
+
+def test_gae_skips_masked_positions_inside_a_response():
+    """A tool result (masked) between two generated tokens neither adds a TD error nor cuts the chain."""
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.2, 0.5, 0.4]])
+    gap_r = torch.tensor([[0.0, 9.0, 0.0, 1.0]])
+    gap_v = torch.tensor([[0.2, -7.0, 0.5, 0.4]])
+    _, ret = gae_advantages(r, v, torch.ones(1, 3), gamma=0.9, lam=0.8)
+    _, gap_ret = gae_advantages(gap_r, gap_v, torch.tensor([[1.0, 0.0, 1.0, 1.0]]), gamma=0.9, lam=0.8)
+    torch.testing.assert_close(gap_ret[:, [0, 2, 3]], ret)
+    assert gap_ret[0, 1] == 0
+
+
+def test_gae_through_the_estimator_registry_needs_values():
+    r, mask = torch.zeros(2, 3), torch.ones(2, 3)
+    r[:, -1] = torch.tensor([1.0, 0.0])
+    adv, ret = compute_advantages("gae", r, mask, [0, 1], values=torch.zeros(2, 3))
+    torch.testing.assert_close(ret, torch.tensor([[1.0] * 3, [0.0] * 3]))
+    assert adv[0, 0] > 0 > adv[1, 0]
+    with pytest.raises(ValueError, match="needs the critic's values: train with NRolloutPPOTrainer"):
+        compute_advantages("gae", r, mask, [0, 1])
+
+
+def _verl_value_loss(vpreds, returns, old, mask, clip, mode, norm_length=None):
+    rows = []
+    worse_count, n_tok = 0, 0
+    for i in range(len(vpreds)):
+        row = []
+        for t in range(len(vpreds[i])):
+            if not mask[i][t]:
+                continue
+            clipped = min(max(vpreds[i][t], old[i][t] - clip), old[i][t] + clip)
+            a, b = (vpreds[i][t] - returns[i][t]) ** 2, (clipped - returns[i][t]) ** 2
+            row.append(max(a, b))
+            worse_count += b > a
+            n_tok += 1
+        rows.append(row)
+    full = [row for row in rows if row]
+    if mode == "token-mean":
+        loss = sum(sum(row) for row in full) / max(n_tok, 1)
+    elif mode == "seq-mean-token-sum":
+        loss = sum(sum(row) for row in full) / max(len(full), 1)
+    elif mode == "seq-mean-token-mean":
+        loss = sum(sum(row) / len(row) for row in full) / max(len(full), 1)
+    else:  # seq-mean-token-sum-norm
+        loss = sum(sum(row) for row in full) / (max(len(full), 1) * norm_length)
+    return 0.5 * loss, worse_count / max(n_tok, 1)
+
+
+@FAST
+@given(_episodes(), st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                     "seq-mean-token-sum-norm"]), st.sampled_from([0.1, 0.5, 2.0]))
+def test_value_loss_equals_verls_in_every_aggregation_mode(case, mode, clip):
+    rewards, values, lengths, _, _ = case
+    _, v, mask = _tensors(rewards, values, lengths)
+    g = torch.Generator().manual_seed(len(lengths) * 7 + sum(lengths))
+    vpreds = v + torch.randn(v.shape, generator=g, dtype=torch.float64)
+    returns = v + torch.randn(v.shape, generator=g, dtype=torch.float64)
+    extra = {"norm_length": v.shape[1]} if mode == "seq-mean-token-sum-norm" else {}
+    loss, frac = value_loss(vpreds, returns, v, mask, clip, mode, **extra)
+    want, want_frac = _verl_value_loss(vpreds.tolist(), returns.tolist(), v.tolist(), mask.tolist(), clip, mode,
+                                       v.shape[1])
+    assert loss.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert frac.item() == pytest.approx(want_frac, abs=1e-12)
+
+
+def test_value_loss_gradient_stops_outside_the_clip_region():
+    old = torch.zeros(1, 2)
+    vpreds = torch.tensor([[2.0, 0.1]], requires_grad=True)
+    returns = torch.tensor([[3.0, 0.0]])
+    loss, frac = value_loss(vpreds, returns, old, torch.ones(1, 2), 0.5, "token-mean")
+    loss.backward()
+    # token 0: clipped to 0.5, (0.5 - 3)^2 > (2 - 3)^2: the clipped term wins, no gradient; token 1: unclipped
+    assert vpreds.grad[0, 0] == 0 and vpreds.grad[0, 1] == pytest.approx(0.5 * 2 * 0.1 / 2)
+    assert frac.item() == 0.5
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 2.0), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(-returns, returns, mask).item() < 0
+    assert explained_variance(returns, torch.ones_like(returns), mask).item() == 0.0  # constant returns: no NaN
+
+
+# ---------------------------------------------------------------------------------------------- config rules
+def test_ppo_config_defaults_and_rules(tmp_path):
+    from trl_nrollout import NRolloutPPOConfig
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", train_batch_size=8, ppo_mini_batch_size=4)
+    cfg = NRolloutPPOConfig(**base)
+    assert (cfg.num_generations, cfg.rollout_n, cfg.adv_estimator) == (1, 1, "gae")  # TRL's n >= 2 rule waived
+    assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.steps_per_generation) == (4, 1, 2)
+    with pytest.raises(ValueError, match="adv_estimator='grpo'.*use adv_estimator='gae'"):
+        NRolloutPPOConfig(**base, adv_estimator="grpo", rollout_n=4)
+    with pytest.raises(ValueError, match="critic_ppo_micro_batch_size_per_device=3 must divide .*per_device_train"):
+        NRolloutPPOConfig(**base, critic_ppo_micro_batch_size_per_device=3)
+    for bad, match in (({"lam": 1.5}, r"lam=1.5 must be in \[0, 1\]"), ({"cliprange_value": 0.0}, "must be > 0"),
+                       ({"critic_warmup": -1}, "critic_warmup=-1 must be >= 0")):
+        with pytest.raises(ValueError, match=match):
+            NRolloutPPOConfig(**base, **bad)
+
+
+def _hf_ppo(tmp_path, monkeypatch, **kw):
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout import NRolloutPPOConfig, NRolloutPPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    args = NRolloutPPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
+                             train_batch_size=8, ppo_mini_batch_size=4, max_completion_length=6, max_steps=2,
+                             learning_rate=1e-3, critic_learning_rate=1e-3, logging_steps=1, bf16=False,
+                             **kw)
+    return NRolloutPPOTrainer("builtin:tiny-qwen2", reward_funcs=digits_reward, args=args,
+                              train_dataset=digits_dataset(32))
+
+
+def test_critic_free_trainer_refuses_gae_and_ppo_needs_its_config(tmp_path, monkeypatch):
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer, NRolloutPPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    args = NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", train_batch_size=2,
+                          rollout_n=4, adv_estimator="gae", max_completion_length=4)
+    grpo = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=digits_reward, args=args,
+                               train_dataset=digits_dataset(8))
+    with pytest.raises(ValueError, match="adv_estimator='gae' needs a critic .*NRolloutPPOTrainer"):
+        grpo._generate_and_score_completions([dict(digits_dataset(2)[i]) for i in range(2) for _ in range(4)])
+    with pytest.raises(TypeError, match="NRolloutPPOTrainer needs an NRolloutPPOConfig"):
+        NRolloutPPOTrainer("builtin:tiny-qwen2", reward_funcs=digits_reward, args=args,
+                           train_dataset=digits_dataset(8))
+
+
+def test_ppo_step_trains_policy_and_critic_and_logs_verls_names(tmp_path, monkeypatch):
+    trainer = _hf_ppo(tmp_path, monkeypatch, critic_ppo_micro_batch_size_per_device=2)
+    policy0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    critic0 = {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
+    from trl_nrollout.builtin import digits_dataset
+
+    batch = trainer._generate_and_score_completions([dict(r) for r in digits_dataset(8)])
+    assert batch["old_values"].shape == batch["returns"].shape == batch["completion_mask"].shape
+    trainer.train()
+    assert any(not torch.equal(policy0[n], p) for n, p in trainer.model.named_parameters())
+    assert any(not torch.equal(critic0[n], p) for n, p in trainer.critic.named_parameters())
+    logged = {k for h in trainer.state.log_history for k in h}
+    assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/values/mean", "critic/returns/mean",
+            "critic/vf_explained_var", "critic/grad_norm", "timing_s/values", "timing_s/update_critic"} <= logged
+    assert all(math.isfinite(h["critic/vf_loss"]) for h in trainer.state.log_history if "critic/vf_loss" in h)
+
+
+def test_critic_warmup_trains_only_the_critic(tmp_path, monkeypatch):
+    trainer = _hf_ppo(tmp_path, monkeypatch, critic_warmup=2)
+    policy0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    critic0 = {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
+    trainer.train()
+    assert all(torch.equal(policy0[n], p) for n, p in trainer.model.named_parameters())
+    assert any(not torch.equal(critic0[n], p) for n, p in trainer.critic.named_parameters())
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+PPO_RECIPE = ["--config", "recipes/configs/ppo.yaml"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_ppo_learns_the_builtin_task_with_n_1(tmp_path):
+    """The shipped PPO recipe (vLLM engine, one sample per prompt): the reward climbs from below 0.1 to above 0.8
+    and the critic's explained variance rises."""
+    from tests.test_trainer import launch, rewards
+
+    run = launch(tmp_path, *PPO_RECIPE)
+    r = rewards(run)
+    smooth = [sum(r[i:i + 5]) / 5 for i in range(len(r) - 4)]
+    assert run["summary"]["trainer"] == "ppo" and run["summary"]["rollout_n"] == 1
+    assert smooth[0] < 0.1 and max(smooth) > 0.8, smooth
+    ev = [h["critic/vf_explained_var"] for h in run["steps"]]
+    assert sum(ev[-20:]) / 20 > sum(ev[:5]) / 5 + 0.5, ev
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_ppo_two_processes_reproduce_one(tmp_path):
+    """DDP over two processes (two engines, replicated critics with averaged gradients) samples and learns what one
+    process does: the same rewards, losses and value losses, within float noise."""
+    from tests.test_trainer import launch
+
+    extra = [*PPO_RECIPE, "--max_steps", "4"]
+    one = launch(tmp_path / "one", *extra)
+    two = launch(tmp_path / "two", *extra, procs=2)
+    assert two["summary"]["processes"] == 2
+    for key in ("reward", "loss", "critic/values/mean"):
+        assert [h[key] for h in two["steps"]] == pytest.approx([h[key] for h in one["steps"]], abs=1e-4), key
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_ppo_resume_gives_the_same_subsequent_steps(tmp_path):
+    """The critic and its optimizer are checkpointed: resuming at step 3 of 6 reproduces steps 4-6."""
+    from tests.test_trainer import launch
+
+    common = [*PPO_RECIPE, "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3"]
+    full = launch(tmp_path / "full", *common)
+    assert (tmp_path / "full" / "checkpoint-3" / "critic" / "optimizer.pt").exists()
+    resumed = launch(tmp_path / "resumed", *common, "--resume_from_checkpoint", str(tmp_path / "full/checkpoint-3"))
+    tail = [h for h in full["steps"] if h["step"] > 3]
+    again = [h for h in resumed["steps"] if h["step"] > 3]
+    assert [h["step"] for h in again] == [4, 5, 6]
+    for a, b in zip(tail, again):
+        for key in ("reward", "loss", "critic/values/mean"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["step"])

@@ -1,0 +1,103 @@
+"""The critic (value model) of PPO: a causal LM with a scalar head, its forward and its micro-batched value pass.
+
+The critic is ``AutoModelForTokenClassification`` with one label (verl's choice): the model's decoder with a
+linear ``score`` head on every position. The value of the state before completion token ``j`` is the head's output
+at the position that predicts that token (the last prompt token for ``j = 0``), so values line up with the policy's
+log-probs ``[B, C]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from trl_nrollout.logprobs import pack_by_tokens, split_by_count
+
+
+def build_critic(name_or_path: str, *, seed: int = 0, dtype: torch.dtype | None = None,
+                 trust_remote_code: bool = False) -> nn.Module:
+    """The critic initialized from ``name_or_path`` (a policy or reward model): its weights, and a fresh scalar
+    ``score`` head drawn from ``seed`` (the same on every rank). A reward model's own head is kept."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from trl_nrollout.builtin import resolve_model
+
+    path = resolve_model(name_or_path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config.num_labels = 1
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the new head's "missing weights" report is expected, not a problem
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            critic = AutoModelForTokenClassification.from_pretrained(
+                path, config=config, trust_remote_code=trust_remote_code, ignore_mismatched_sizes=True,
+                **({"dtype": dtype} if dtype is not None else {}))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if getattr(critic.config, "pad_token_id", None) is None:
+        critic.config.pad_token_id = getattr(config, "eos_token_id", None)
+    return critic
+
+
+def critic_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                  completion_mask: Tensor) -> Tensor:
+    """Values ``[B, C]`` of a left-padded prompt batch ``[B, P]`` followed by right-padded completions ``[B, C]``
+    (TRL's layout), with gradient; positions count from each sequence's first real token."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    width, c = prompt_ids.shape[1], completion_ids.shape[1]
+    return out.logits[:, width - 1:width - 1 + c, 0].float()
+
+
+def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_token_id: int,
+              device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """TRL's layout of token lists: prompts left-padded ``[B, P]``, completions right-padded ``[B, C]``, and their
+    masks."""
+    b = len(prompts)
+    p_max = max(len(p) for p in prompts)
+    c_max = max((len(c) for c in completions), default=0)
+    prompt_ids = torch.full((b, p_max), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros(b, p_max, dtype=torch.long)
+    completion_ids = torch.full((b, c_max), pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros(b, c_max, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        prompt_ids[i, p_max - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        prompt_mask[i, p_max - len(p):] = 1
+        completion_ids[i, :len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+        completion_mask[i, :len(c)] = 1
+    return tuple(t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
+
+
+@torch.no_grad()
+def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
+                   pad_token_id: int, micro_batch_size: int | None = None, max_token_len: int | None = None,
+                   device: torch.device | str | None = None) -> Tensor:
+    """The critic's values ``[B, C_max]`` of every completion token (0 past a completion's end), in input order,
+    micro-batched like the log-prob passes (``micro_batch_size`` sequences, or a ``max_token_len`` budget). The
+    critic is put in eval mode for the pass and its mode restored."""
+    b = len(prompts)
+    c_max = max((len(c) for c in completions), default=0)
+    device = device or next(critic.parameters()).device
+    values = torch.zeros(b, c_max, device=device)
+    if b == 0 or c_max == 0:
+        return values
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    batches = (pack_by_tokens(lengths, max_token_len, micro_batch_size) if max_token_len is not None
+               else split_by_count(b, micro_batch_size or b))
+    was_training = critic.training
+    critic.eval()
+    try:
+        for idx in batches:
+            tensors = pad_batch([prompts[i] for i in idx], [completions[i] for i in idx], pad_token_id, device)
+            v = critic_values(critic, *tensors) * tensors[3]
+            values[torch.as_tensor(idx, device=device), :v.shape[1]] = v
+    finally:
+        critic.train(was_training)
+    return values

@@ -1,0 +1,277 @@
+"""PPO with a critic on the same rollout stage: ``NRolloutPPOTrainer`` and ``NRolloutPPOConfig``.
+
+Everything of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer` is reused: engines, layout, rewards, log-prob
+passes, policy loss. Added, as verl's PPO (``adv_estimator: gae`` with ``critic.*``):
+
+- a critic (:mod:`trl_nrollout.critic`), initialized from the policy (or ``critic_model_name_or_path``, e.g. a
+  reward model) with a fresh scalar head, and its own AdamW optimizer and learning rate;
+- after the log-prob passes, the critic's values of every completion token (micro-batched like them), GAE
+  advantages and returns (``gamma``, ``lam``) over the whole job;
+- in every training micro batch, the critic's clipped value loss (``cliprange_value``) next to the policy loss,
+  normalized like it (the micro losses of one optimizer step add up to the mini batch's loss); the critic steps
+  with the policy's optimizer steps; during the first ``critic_warmup`` steps only the critic trains (verl);
+- verl's metric names: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``, ``critic/values/mean``,
+  ``critic/returns/mean``, ``critic/vf_explained_var``, ``critic/grad_norm``, and ``timing_s/values``,
+  ``timing_s/update_critic``;
+- the critic and its optimizer are saved in each checkpoint (``checkpoint-N/critic``) and restored on resume.
+
+The critic is replicated on every process; its gradients are averaged across processes before each step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.critic import build_critic, compute_values, critic_values
+from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.logprobs import pack_by_tokens, split_by_count
+from trl_nrollout.losses import explained_variance, value_loss
+from trl_nrollout.trainer import NRolloutGRPOTrainer, _loss_mask
+
+CRITIC_DIR = "critic"
+
+
+@dataclass
+class NRolloutPPOConfig(NRolloutConfig):
+    """:class:`NRolloutConfig` for PPO with a critic (verl's ``algorithm.adv_estimator: gae`` and ``critic.*``).
+
+    ``num_generations`` (``rollout_n``) defaults to 1 here, as in classic PPO; TRL's rule that GRPO needs two or
+    more samples per prompt does not apply.
+    """
+
+    adv_estimator: str = field(default="gae", metadata={
+        "help": "Advantage estimator; 'gae' (the critic's generalized advantage estimation) for PPO."})
+    num_generations: int | None = field(default=1, metadata={
+        "help": "Samples per prompt (verl rollout.n); 1 is normal for PPO."})
+    gamma: float = field(default=1.0, metadata={"help": "GAE discount (verl algorithm.gamma)."})
+    lam: float = field(default=1.0, metadata={"help": "GAE lambda (verl algorithm.lam)."})
+    cliprange_value: float = field(default=0.5, metadata={
+        "help": "Value clipping: new values stay within +- this of the rollout's (verl critic.cliprange_value)."})
+    critic_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "Where the critic starts: a model or reward model (default: the policy's weights, new head)."})
+    critic_learning_rate: float = field(default=1e-5, metadata={"help": "The critic's AdamW learning rate."})
+    critic_weight_decay: float = field(default=0.0, metadata={"help": "The critic's AdamW weight decay."})
+    critic_warmup: int = field(default=0, metadata={
+        "help": "Optimizer steps during which only the critic trains (verl trainer.critic_warmup)."})
+    critic_ppo_micro_batch_size_per_device: int | None = field(default=None, metadata={
+        "help": "Sequences per critic forward in the update and the value pass (default: the policy's micro batch "
+                "for the update, the old-log-prob pass's for values); must divide per_device_train_batch_size."})
+    critic_ppo_max_token_len_per_device: int | None = field(default=None, metadata={
+        "help": "Token budget per critic forward (replaces the count-based split; verl "
+                "critic.ppo_max_token_len_per_gpu)."})
+    critic_loss_agg_mode: str = field(default="token-mean", metadata={
+        "help": "How the value loss is reduced (verl critic.loss_agg_mode), as loss_agg_mode."})
+    critic_max_grad_norm: float | None = field(default=None, metadata={
+        "help": "Gradient clipping of the critic (default: max_grad_norm)."})
+
+    def __post_init__(self) -> None:
+        if self.adv_estimator != "gae":
+            raise ValueError(f"NRolloutPPOConfig(adv_estimator={self.adv_estimator!r}): the PPO trainer trains a critic "
+                             "for GAE; use adv_estimator='gae', or NRolloutConfig with NRolloutGRPOTrainer for "
+                             "critic-free estimators.")
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}={value} must be in [0, 1] (1.0: no discount).")
+        if self.cliprange_value <= 0:
+            raise ValueError(f"cliprange_value={self.cliprange_value} must be > 0 (verl's default is 0.5).")
+        if self.critic_warmup < 0:
+            raise ValueError(f"critic_warmup={self.critic_warmup} must be >= 0 (optimizer steps).")
+        for name in ("critic_ppo_micro_batch_size_per_device", "critic_ppo_max_token_len_per_device"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1 (or None).")
+        super().__post_init__()
+        micro = self.critic_ppo_micro_batch_size_per_device
+        if micro is not None and self.per_device_train_batch_size % micro:
+            raise ValueError(
+                f"critic_ppo_micro_batch_size_per_device={micro} must divide the policy's micro batch "
+                f"(per_device_train_batch_size={self.per_device_train_batch_size}): the critic trains on the same "
+                f"samples, in smaller pieces; use a divisor of {self.per_device_train_batch_size}.")
+
+    def _trl_post_init(self) -> None:
+        """TRL's ``GRPOConfig`` refuses ``num_generations < 2`` (GRPO's group baseline); PPO's GAE needs no group.
+        Its checks run with ``num_generations`` set to the whole generation batch (which they accept), then 1 is
+        restored."""
+        if self.num_generations != 1:
+            return super()._trl_post_init()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        samples = self.per_device_train_batch_size * world * (self.steps_per_generation or 1)
+        if samples < 2:
+            raise ValueError(f"a rollout step of {samples} sample: PPO needs at least 2 (raise train_batch_size).")
+        self.num_generations = samples
+        try:
+            super()._trl_post_init()
+        finally:
+            self.num_generations = 1
+            self.rollout_n = 1
+
+
+class NRolloutPPOTrainer(NRolloutGRPOTrainer):
+    """PPO with a learned value function on trl_nrollout's rollout stage (see the module's docstring).
+
+    ``critic_model``: a ready critic (an ``AutoModelForTokenClassification`` with one label) instead of building
+    one from ``args.critic_model_name_or_path`` or the policy.
+    """
+
+    def __init__(self, model, reward_funcs=None, args: NRolloutPPOConfig | None = None, *, critic_model=None,
+                 **kwargs) -> None:
+        if args is None:
+            name = model.split("/")[-1] if isinstance(model, str) else "model"
+            args = NRolloutPPOConfig(output_dir=f"{name}-NRollout-PPO")
+        elif not isinstance(args, NRolloutPPOConfig):
+            raise TypeError(f"NRolloutPPOTrainer needs an NRolloutPPOConfig (got {type(args).__name__}): the critic's "
+                            "options (gamma, lam, cliprange_value, critic_*) live there.")
+        super().__init__(model, reward_funcs, args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise UnsupportedTRLOption(
+                "NRolloutPPOTrainer's critic under DeepSpeed or FSDP is not supported yet (the critic would not be "
+                "sharded); run PPO with DDP or one process, or use NRolloutGRPOTrainer (no critic) under ZeRO/FSDP.")
+        if self._is_vlm:
+            raise UnsupportedTRLOption("NRolloutPPOTrainer with a vision-language model: the critic has no image "
+                                       "path yet; use NRolloutGRPOTrainer for images.")
+        if critic_model is None:
+            critic_model = build_critic(args.critic_model_name_or_path or self._model_path(), seed=args.seed)
+        self.critic = critic_model.to(self.accelerator.device)
+        self.critic.train()
+        self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=args.critic_learning_rate,
+                                                  weight_decay=args.critic_weight_decay)
+        self._critic_micro_steps = 0
+        self._critic_time = 0.0
+
+    # ------------------------------------------------------------------ values and GAE (rollout side)
+    def _estimator_options(self, options: dict, prompt_ids: list, completion_ids: list, mm: list | None,
+                           mine: list[int], num_samples: int, width: int, mode: str) -> dict:
+        args: NRolloutPPOConfig = self.args
+        start = time.perf_counter()
+        micro = self.layout.old_log_prob
+        local = compute_values(self.critic, prompt_ids, completion_ids, pad_token_id=self._tokenizer.pad_token_id,
+                               micro_batch_size=args.critic_ppo_micro_batch_size_per_device or micro.per_device,
+                               max_token_len=args.critic_ppo_max_token_len_per_device or micro.max_token_len)
+        job = torch.zeros(num_samples, width, device=local.device)
+        if local.numel():
+            job[torch.as_tensor(mine, device=local.device), :local.shape[1]] = local
+        if self.accelerator.num_processes > 1:  # each sample is some rank's: the sum assembles the job
+            job = self.accelerator.reduce(job, reduction="sum")
+        self._job_values = job.cpu()
+        self._metric(mode, "timing_s/values", time.perf_counter() - start)
+        return {**options, "values": self._job_values, "gamma": args.gamma, "lam": args.lam}
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        dev = out["completion_ids"].device
+        c_max = out["completion_ids"].shape[1]
+        values, returns = self._job_values, self._job_returns
+        mask = self._job_mask
+        self._metric(mode, "critic/values/mean", float((values * mask).sum() / mask.sum().clamp(min=1)))
+        self._metric(mode, "critic/returns/mean", float((returns * mask).sum() / mask.sum().clamp(min=1)))
+        out["old_values"] = values[self._mine, :c_max].to(dev)
+        out["returns"] = returns[self._mine, :c_max].to(dev)
+        return out
+
+    # ------------------------------------------------------------------ the update
+    def training_step(self, model, inputs, num_items_in_batch):
+        if self.state.global_step >= self.args.critic_warmup:
+            return super().training_step(model, inputs, num_items_in_batch)
+        # critic warm-up (verl): the rollout and the critic's update run, the policy's gradient is not computed
+        model.train()
+        prepared = self._prepare_inputs(inputs)
+        self._critic_update(prepared)
+        self._step += 1
+        return torch.zeros((), device=self.accelerator.device)
+
+    def _compute_loss(self, model, inputs):
+        if model.training and "returns" in inputs:
+            self._critic_update(inputs)
+        return super()._compute_loss(model, inputs)
+
+    def _critic_update(self, inputs: dict) -> None:
+        """The critic's value loss on one training micro batch (in critic micro batches), backward, and an
+        optimizer step at the end of each accumulation (gradients averaged over the processes)."""
+        args: NRolloutPPOConfig = self.args
+        start = time.perf_counter()
+        mask = _loss_mask(inputs)
+        rows = mask.shape[0]
+        lengths = (inputs["prompt_mask"].sum(-1) + inputs["completion_mask"].sum(-1)).tolist()
+        if args.critic_ppo_max_token_len_per_device is not None:
+            pieces = pack_by_tokens(lengths, args.critic_ppo_max_token_len_per_device,
+                                    args.critic_ppo_micro_batch_size_per_device)
+        else:
+            pieces = split_by_count(rows, args.critic_ppo_micro_batch_size_per_device or rows)
+        agg = dict(num_tokens=inputs["mb_tokens"], num_seqs=inputs["mb_seqs"])
+        if args.critic_loss_agg_mode == "seq-mean-token-sum-norm":
+            agg["norm_length"] = args.max_completion_length
+        mode = "train"
+        for idx in pieces:
+            sel = torch.as_tensor(idx, device=mask.device)
+            vpreds = critic_values(self.critic, inputs["prompt_ids"][sel], inputs["prompt_mask"][sel],
+                                   inputs["completion_ids"][sel], inputs["completion_mask"][sel])
+            m = mask[sel].to(vpreds.dtype)
+            loss, clipfrac = value_loss(vpreds, inputs["returns"][sel], inputs["old_values"][sel], m,
+                                        args.cliprange_value, args.critic_loss_agg_mode, **agg)
+            loss.backward()
+            with torch.no_grad():
+                n = m.sum().clamp(min=1)
+                self._metric(mode, "critic/vf_loss", loss.item())
+                self._metric(mode, "critic/vf_clipfrac", clipfrac.item())
+                self._metric(mode, "critic/vpred_mean", float((vpreds * m).sum() / n))
+                self._metric(mode, "critic/vf_explained_var",
+                             explained_variance(vpreds, inputs["returns"][sel], m).item())
+        self._critic_micro_steps += 1
+        if self._critic_micro_steps % self.args.gradient_accumulation_steps == 0:
+            self._critic_step(mode)
+        self._critic_time += time.perf_counter() - start
+
+    def _critic_step(self, mode: str) -> None:
+        params = [p for p in self.critic.parameters() if p.grad is not None]
+        world = self.accelerator.num_processes
+        if world > 1 and params:  # replicated critic: average the gradients (the loss is normalized for a mean)
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            torch.distributed.all_reduce(flat)
+            flat /= world
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        limit = self.args.critic_max_grad_norm if self.args.critic_max_grad_norm is not None else self.args.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(params, limit) if limit and params else torch.zeros(())
+        self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        self._metric(mode, "critic/grad_norm", float(norm))
+        self._metric(mode, "critic/lr", self.critic_optimizer.param_groups[0]["lr"])
+        self._metric(mode, "timing_s/update_critic", self._critic_time)
+        self._critic_time = 0.0
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}", CRITIC_DIR)
+        if self.accelerator.is_main_process:
+            os.makedirs(folder, exist_ok=True)
+            self.critic.save_pretrained(folder)
+            torch.save(self.critic_optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        folder = os.path.join(checkpoint, CRITIC_DIR)
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"{checkpoint} has no {CRITIC_DIR}/ folder: it was not saved by "
+                                    "NRolloutPPOTrainer, so the critic cannot resume from it.")
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(folder, "model.safetensors"), device=str(self.accelerator.device))
+        missing, unexpected = self.critic.load_state_dict(state, strict=False)
+        tied = {k for k in missing if "embed" in k or "lm_head" in k}
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"the critic checkpoint in {folder} does not match the critic: missing "
+                               f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}.")
+        self.critic_optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True,
+                                                         map_location=self.accelerator.device))
