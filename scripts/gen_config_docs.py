@@ -59,7 +59,31 @@ def render() -> str:
     ]
     for name, default, help_text in config_help_table():
         lines.append(f"| `{name}` | `{default}` | {help_text.replace('|', '/')} |")
+    lines += [
+        "",
+        "## PPO: options of `NRolloutPPOConfig`",
+        "",
+        "`NRolloutPPOTrainer` takes `NRolloutPPOConfig`: everything above, these options for the critic, and",
+        "other defaults where PPO differs (see [ppo.md](ppo.md)).",
+        "",
+        "| option | default | what it does |",
+        "|---|---|---|",
+    ]
+    for name, default, help_text in ppo_help_table():
+        lines.append(f"| `{name}` | `{default}` | {help_text.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+def ppo_help_table() -> list[tuple[str, str, str]]:
+    """(option, default, help) of every field NRolloutPPOConfig adds or re-defaults."""
+    from dataclasses import fields
+
+    from trl_nrollout.config import NRolloutConfig
+    from trl_nrollout.ppo import NRolloutPPOConfig
+
+    base = {f.name: f.default for f in fields(NRolloutConfig)}
+    return [(f.name, repr(f.default), f.metadata.get("help", "")) for f in fields(NRolloutPPOConfig)
+            if f.name not in base or base[f.name] != f.default]
 
 
 if __name__ == "__main__":

@@ -171,6 +171,24 @@ def test_explained_variance():
     assert explained_variance(returns, torch.ones_like(returns), mask).item() == 0.0  # constant returns: no NaN
 
 
+def test_critic_values_line_up_with_completion_tokens_and_are_deterministic_in_train_mode():
+    from trl_nrollout.critic import build_critic, compute_values, critic_values, pad_batch
+
+    critic = build_critic("builtin:tiny-qwen2", seed=1).train()  # train mode: no dropout noise (verl: 0 too)
+    prompts, completions = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
+    tensors = pad_batch(prompts, completions, pad_token_id=0)
+    first = critic_values(critic, *tensors)
+    torch.testing.assert_close(first, critic_values(critic, *tensors), rtol=0, atol=0)
+    for i, (p, c) in enumerate(zip(prompts, completions)):  # value of the state before each completion token
+        ids = torch.tensor([p + c])
+        with torch.no_grad():
+            want = critic(input_ids=ids).logits[0, len(p) - 1:len(p) - 1 + len(c), 0]
+        torch.testing.assert_close(first[i, :len(c)].detach(), want, rtol=0, atol=1e-5)
+    micro = compute_values(critic, prompts, completions, pad_token_id=0, micro_batch_size=1)
+    torch.testing.assert_close(micro, (first * tensors[3]).detach(), rtol=0, atol=1e-5)
+    assert critic.training  # the value pass restores the mode
+
+
 # ---------------------------------------------------------------------------------------------- config rules
 def test_ppo_config_defaults_and_rules(tmp_path):
     from trl_nrollout import NRolloutPPOConfig
@@ -184,7 +202,8 @@ def test_ppo_config_defaults_and_rules(tmp_path):
     with pytest.raises(ValueError, match="critic_ppo_micro_batch_size_per_device=3 must divide .*per_device_train"):
         NRolloutPPOConfig(**base, critic_ppo_micro_batch_size_per_device=3)
     for bad, match in (({"lam": 1.5}, r"lam=1.5 must be in \[0, 1\]"), ({"cliprange_value": 0.0}, "must be > 0"),
-                       ({"critic_warmup": -1}, "critic_warmup=-1 must be >= 0")):
+                       ({"critic_warmup": -1}, "critic_warmup=-1 must be >= 0"),
+                       ({"critic_loss_agg_mode": "mean"}, "critic_loss_agg_mode='mean' is not one of")):
         with pytest.raises(ValueError, match=match):
             NRolloutPPOConfig(**base, **bad)
 
@@ -274,7 +293,9 @@ def test_ppo_two_processes_reproduce_one(tmp_path):
     process does: the same rewards, losses and value losses, within float noise."""
     from tests.test_trainer import launch
 
-    extra = [*PPO_RECIPE, "--max_steps", "4"]
+    # one optimizer step per rollout: with more, each process shuffles its own samples into the mini batches, so
+    # the mini batches (not their union) differ between one and two processes (as with GRPO)
+    extra = [*PPO_RECIPE, "--max_steps", "4", "--ppo_mini_batch_size", "32"]
     one = launch(tmp_path / "one", *extra)
     two = launch(tmp_path / "two", *extra, procs=2)
     assert two["summary"]["processes"] == 2
@@ -288,7 +309,10 @@ def test_ppo_resume_gives_the_same_subsequent_steps(tmp_path):
     """The critic and its optimizer are checkpointed: resuming at step 3 of 6 reproduces steps 4-6."""
     from tests.test_trainer import launch
 
-    common = [*PPO_RECIPE, "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3"]
+    # one optimizer step per rollout: a checkpoint between the optimizer steps of one rollout cannot hold the
+    # rollout's buffered samples (TRL's trainer has the same limit)
+    common = [*PPO_RECIPE, "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3",
+              "--ppo_mini_batch_size", "32"]
     full = launch(tmp_path / "full", *common)
     assert (tmp_path / "full" / "checkpoint-3" / "critic" / "optimizer.pt").exists()
     resumed = launch(tmp_path / "resumed", *common, "--resume_from_checkpoint", str(tmp_path / "full/checkpoint-3"))

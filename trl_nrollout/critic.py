@@ -27,6 +27,9 @@ def build_critic(name_or_path: str, *, seed: int = 0, dtype: torch.dtype | None 
     path = resolve_model(name_or_path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     config.num_labels = 1
+    # the token-classification head applies dropout (0.1 by default) in train mode: values would be noisy and
+    # differ between processes; verl's critic sets it to 0 too
+    config.classifier_dropout = 0.0
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()

@@ -30,7 +30,7 @@ from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.critic import build_critic, compute_values, critic_values
 from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.logprobs import pack_by_tokens, split_by_count
-from trl_nrollout.losses import explained_variance, value_loss
+from trl_nrollout.losses import LOSS_AGG_MODES, explained_variance, value_loss
 from trl_nrollout.trainer import NRolloutGRPOTrainer, _loss_mask
 
 CRITIC_DIR = "critic"
@@ -80,6 +80,10 @@ class NRolloutPPOConfig(NRolloutConfig):
                 raise ValueError(f"{name}={value} must be in [0, 1] (1.0: no discount).")
         if self.cliprange_value <= 0:
             raise ValueError(f"cliprange_value={self.cliprange_value} must be > 0 (verl's default is 0.5).")
+        modes = [m for m in LOSS_AGG_MODES if m != "token-mean-micro"]  # TRL's bnpo is a policy-loss mode only
+        if self.critic_loss_agg_mode not in modes:
+            raise ValueError(f"critic_loss_agg_mode={self.critic_loss_agg_mode!r} is not one of {modes}; pick one "
+                             "(verl's default is 'token-mean').")
         if self.critic_warmup < 0:
             raise ValueError(f"critic_warmup={self.critic_warmup} must be >= 0 (optimizer steps).")
         for name in ("critic_ppo_micro_batch_size_per_device", "critic_ppo_max_token_len_per_device"):
