@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from trl_nrollout.logprobs import pack_by_tokens, split_by_count
+from trl_nrollout.logprobs import _is_zero3, pack_by_tokens, split_by_count, unwrap_model
 
 
 def build_critic(name_or_path: str, *, seed: int = 0, dtype: torch.dtype | None = None,
@@ -78,29 +78,44 @@ def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[i
     return tuple(t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
 
 
+def synced_count(count: int, device: torch.device | str, sync: bool) -> int:
+    """``count`` raised to the largest over the processes when ``sync`` (ZeRO-3 gathers parameters in every
+    forward and backward: all ranks must run as many)."""
+    if not (sync and torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return count
+    n = torch.tensor([count], device=device)
+    torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+    return int(n.item())
+
+
 @torch.no_grad()
 def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
                    pad_token_id: int, micro_batch_size: int | None = None, max_token_len: int | None = None,
-                   device: torch.device | str | None = None) -> Tensor:
+                   device: torch.device | str | None = None, sync_forwards: bool | None = None) -> Tensor:
     """The critic's values ``[B, C_max]`` of every completion token (0 past a completion's end), in input order,
     micro-batched like the log-prob passes (``micro_batch_size`` sequences, or a ``max_token_len`` budget). The
-    critic is put in eval mode for the pass and its mode restored."""
+    critic is put in eval mode for the pass and its mode restored. Under ZeRO-3 (detected, or ``sync_forwards``)
+    every rank runs as many forwards as the busiest one. Every rank must call it, even with no samples."""
     b = len(prompts)
     c_max = max((len(c) for c in completions), default=0)
-    device = device or next(critic.parameters()).device
+    inner = unwrap_model(critic)
+    device = device or next(inner.parameters()).device
     values = torch.zeros(b, c_max, device=device)
-    if b == 0 or c_max == 0:
-        return values
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    batches = (pack_by_tokens(lengths, max_token_len, micro_batch_size) if max_token_len is not None
-               else split_by_count(b, micro_batch_size or b))
-    was_training = critic.training
-    critic.eval()
+    batches = [] if b == 0 or c_max == 0 else (
+        pack_by_tokens(lengths, max_token_len, micro_batch_size) if max_token_len is not None
+        else split_by_count(b, micro_batch_size or b))
+    sync = _is_zero3(inner) if sync_forwards is None else sync_forwards
+    forwards = synced_count(len(batches), device, sync)
+    was_training = inner.training
+    inner.eval()
     try:
         for idx in batches:
             tensors = pad_batch([prompts[i] for i in idx], [completions[i] for i in idx], pad_token_id, device)
             v = critic_values(critic, *tensors) * tensors[3]
             values[torch.as_tensor(idx, device=device), :v.shape[1]] = v
+        for _ in range(forwards - len(batches)):  # keep ZeRO-3's collectives in step with busier ranks
+            critic_values(critic, *pad_batch([[pad_token_id]], [[pad_token_id]], pad_token_id, device))
     finally:
-        critic.train(was_training)
+        inner.train(was_training)
     return values

@@ -15,11 +15,15 @@ passes, policy loss. Added, as verl's PPO (``adv_estimator: gae`` with ``critic.
   ``timing_s/update_critic``;
 - the critic and its optimizer are saved in each checkpoint (``checkpoint-N/critic``) and restored on resume.
 
-The critic is replicated on every process; its gradients are averaged across processes before each step.
+Under DDP (or one process) the critic is replicated and its gradients are averaged across processes before each
+step; under DeepSpeed ZeRO-2/3 it gets its own DeepSpeed engine with the policy's ZeRO settings (two engines in one
+accelerate process, as OpenRLHF runs its actor and critic), built on first use once the policy's config is
+resolved. FSDP is refused for now.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.critic import build_critic, compute_values, critic_values
+from trl_nrollout.critic import build_critic, compute_values, critic_values, synced_count
 from trl_nrollout.dropin import UnsupportedTRLOption
-from trl_nrollout.logprobs import pack_by_tokens, split_by_count
+from trl_nrollout.logprobs import _is_zero3, pack_by_tokens, split_by_count
 from trl_nrollout.losses import LOSS_AGG_MODES, explained_variance, value_loss
 from trl_nrollout.trainer import NRolloutGRPOTrainer, _loss_mask
 
@@ -132,10 +136,10 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
             raise TypeError(f"NRolloutPPOTrainer needs an NRolloutPPOConfig (got {type(args).__name__}): the critic's "
                             "options (gamma, lam, cliprange_value, critic_*) live there.")
         super().__init__(model, reward_funcs, args, **kwargs)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if self.is_fsdp_enabled:
             raise UnsupportedTRLOption(
-                "NRolloutPPOTrainer's critic under DeepSpeed or FSDP is not supported yet (the critic would not be "
-                "sharded); run PPO with DDP or one process, or use NRolloutGRPOTrainer (no critic) under ZeRO/FSDP.")
+                "NRolloutPPOTrainer's critic under FSDP is not supported yet (the critic would not be sharded); run "
+                "PPO with DDP or DeepSpeed ZeRO-2/3, or NRolloutGRPOTrainer (no critic) under FSDP.")
         if self._is_vlm:
             raise UnsupportedTRLOption("NRolloutPPOTrainer with a vision-language model: the critic has no image "
                                        "path yet; use NRolloutGRPOTrainer for images.")
@@ -146,7 +150,27 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=args.critic_learning_rate,
                                                   weight_decay=args.critic_weight_decay)
         self._critic_micro_steps = 0
-        self._critic_time = 0.0
+        self._critic_time = self._critic_logged_time = 0.0
+        self._critic_ds = None  # the critic's own DeepSpeed engine (ZeRO-2/3), built once the policy's is
+
+    def _critic_engine(self):
+        """Under DeepSpeed: the critic's DeepSpeed engine, built on first use from the policy's resolved config
+        (same ZeRO stage and precision; the critic's optimizer, no scheduler); None otherwise."""
+        if not self.is_deepspeed_enabled or self._critic_ds is not None:
+            return self._critic_ds
+        import deepspeed
+
+        args: NRolloutPPOConfig = self.args
+        config = _without_auto(copy.deepcopy(self.accelerator.state.deepspeed_plugin.deepspeed_config))
+        for key in ("optimizer", "scheduler", "train_batch_size"):
+            config.pop(key, None)
+        limit = args.critic_max_grad_norm if args.critic_max_grad_norm is not None else args.max_grad_norm
+        config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
+                      gradient_accumulation_steps=args.gradient_accumulation_steps,
+                      gradient_clipping=float(limit or 0.0), zero_allow_untested_optimizer=True)
+        self._critic_ds, self.critic_optimizer, _, _ = deepspeed.initialize(
+            model=self.critic, optimizer=self.critic_optimizer, config=config)
+        return self._critic_ds
 
     # ------------------------------------------------------------------ values and GAE (rollout side)
     def _estimator_options(self, options: dict, prompt_ids: list, completion_ids: list, mm: list | None,
@@ -154,7 +178,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         args: NRolloutPPOConfig = self.args
         start = time.perf_counter()
         micro = self.layout.old_log_prob
-        local = compute_values(self.critic, prompt_ids, completion_ids, pad_token_id=self._tokenizer.pad_token_id,
+        critic = self._critic_engine() or self.critic
+        local = compute_values(critic, prompt_ids, completion_ids, pad_token_id=self._tokenizer.pad_token_id,
                                micro_batch_size=args.critic_ppo_micro_batch_size_per_device or micro.per_device,
                                max_token_len=args.critic_ppo_max_token_len_per_device or micro.max_token_len)
         job = torch.zeros(num_samples, width, device=local.device)
@@ -187,6 +212,7 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         model.train()
         prepared = self._prepare_inputs(inputs)
         self._critic_update(prepared)
+        self._critic_logged_time = 0.0  # no actor update to keep it out of
         self._step += 1
         return torch.zeros((), device=self.accelerator.device)
 
@@ -212,14 +238,27 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         if args.critic_loss_agg_mode == "seq-mean-token-sum-norm":
             agg["norm_length"] = args.max_completion_length
         mode = "train"
-        for idx in pieces:
+        engine = self._critic_engine()
+        critic = engine or self.critic
+        # ZeRO-3 gathers in every forward and backward: every rank runs as many pieces (extra ones weigh 0)
+        count = synced_count(len(pieces), mask.device, engine is not None and _is_zero3(self.critic))
+        boundary = (self._critic_micro_steps + 1) % self.args.gradient_accumulation_steps == 0
+        for k in range(count):
+            idx = pieces[k] if k < len(pieces) else pieces[0][:1]
             sel = torch.as_tensor(idx, device=mask.device)
-            vpreds = critic_values(self.critic, inputs["prompt_ids"][sel], inputs["prompt_mask"][sel],
+            vpreds = critic_values(critic, inputs["prompt_ids"][sel], inputs["prompt_mask"][sel],
                                    inputs["completion_ids"][sel], inputs["completion_mask"][sel])
-            m = mask[sel].to(vpreds.dtype)
+            m = mask[sel].to(vpreds.dtype) * (1.0 if k < len(pieces) else 0.0)
             loss, clipfrac = value_loss(vpreds, inputs["returns"][sel], inputs["old_values"][sel], m,
                                         args.cliprange_value, args.critic_loss_agg_mode, **agg)
-            loss.backward()
+            if engine is None:
+                loss.backward()
+            else:  # DeepSpeed reduces the gradients at the boundary and steps there (clipping, zero_grad)
+                engine.set_gradient_accumulation_boundary(is_boundary=boundary and k == count - 1)
+                engine.backward(loss, scale_wrt_gas=False)
+                engine.step()
+            if k >= len(pieces):
+                continue
             with torch.no_grad():
                 n = m.sum().clamp(min=1)
                 self._metric(mode, "critic/vf_loss", loss.item())
@@ -228,11 +267,25 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
                 self._metric(mode, "critic/vf_explained_var",
                              explained_variance(vpreds, inputs["returns"][sel], m).item())
         self._critic_micro_steps += 1
-        if self._critic_micro_steps % self.args.gradient_accumulation_steps == 0:
+        if boundary:
             self._critic_step(mode)
         self._critic_time += time.perf_counter() - start
+        if boundary:
+            self._metric(mode, "timing_s/update_critic", self._critic_time)
+            self._critic_logged_time, self._critic_time = self._critic_time, 0.0
+
+    def _other_update_seconds(self) -> float:
+        seconds, self._critic_logged_time = self._critic_logged_time, 0.0
+        return seconds
 
     def _critic_step(self, mode: str) -> None:
+        """The critic's optimizer step (DeepSpeed already took it in its own ``step``: only metrics then)."""
+        self._metric(mode, "critic/lr", self.critic_optimizer.param_groups[0]["lr"])
+        if self._critic_ds is not None:
+            norm = self._critic_ds.get_global_grad_norm()
+            if norm is not None:
+                self._metric(mode, "critic/grad_norm", float(norm))
+            return
         params = [p for p in self.critic.parameters() if p.grad is not None]
         world = self.accelerator.num_processes
         if world > 1 and params:  # replicated critic: average the gradients (the loss is normalized for a mean)
@@ -248,14 +301,14 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         self.critic_optimizer.step()
         self.critic_optimizer.zero_grad(set_to_none=True)
         self._metric(mode, "critic/grad_norm", float(norm))
-        self._metric(mode, "critic/lr", self.critic_optimizer.param_groups[0]["lr"])
-        self._metric(mode, "timing_s/update_critic", self._critic_time)
-        self._critic_time = 0.0
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}", CRITIC_DIR)
+        if self._critic_engine() is not None:  # every rank writes its shards (collective)
+            self._critic_ds.save_checkpoint(folder, tag="critic")
+            return
         if self.accelerator.is_main_process:
             os.makedirs(folder, exist_ok=True)
             self.critic.save_pretrained(folder)
@@ -269,6 +322,12 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"{checkpoint} has no {CRITIC_DIR}/ folder: it was not saved by "
                                     "NRolloutPPOTrainer, so the critic cannot resume from it.")
+        if self._critic_engine() is not None:
+            path, _ = self._critic_ds.load_checkpoint(folder, tag="critic")
+            if path is None:
+                raise FileNotFoundError(f"{folder} holds no DeepSpeed checkpoint of the critic (saved without "
+                                        "DeepSpeed?); resume with the launch that saved it.")
+            return
         from safetensors.torch import load_file
 
         state = load_file(os.path.join(folder, "model.safetensors"), device=str(self.accelerator.device))
@@ -279,3 +338,10 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
                                f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}.")
         self.critic_optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True,
                                                          map_location=self.accelerator.device))
+
+
+def _without_auto(config):
+    """A DeepSpeed config with every value still ``"auto"`` dropped (DeepSpeed's defaults apply to those)."""
+    if isinstance(config, dict):
+        return {k: _without_auto(v) for k, v in config.items() if v != "auto"}
+    return config

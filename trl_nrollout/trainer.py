@@ -673,13 +673,19 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         if self._step % self.current_gradient_accumulation_steps == 0:
             now = time.perf_counter()
             # training_step includes _prepare_inputs, hence the rollout when one ran: keep only the update
-            self._metric("train", "timing_s/update_actor", self._update_time - self._rollout_time)
+            self._metric("train", "timing_s/update_actor",
+                         self._update_time - self._rollout_time - self._other_update_seconds())
             step_s = now - self._last_step_end
             self._metric("train", "timing_s/step", step_s)
             steps = max(1, self.layout.optimizer_steps_per_rollout)
             self._metric("train", "perf/throughput", self._rollout_tokens_local / steps / max(step_s, 1e-9))
             self._update_time, self._rollout_time, self._last_step_end = 0.0, 0.0, now
         return loss
+
+    def _other_update_seconds(self) -> float:
+        """Seconds of this optimizer step's training_step spent on other models (PPO: the critic), which
+        ``timing_s/update_actor`` leaves out; read once per optimizer step."""
+        return 0.0
 
     def _policy_logps(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int,
                       mm: list | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
