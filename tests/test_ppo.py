@@ -375,3 +375,49 @@ def test_ppo_with_lora_on_the_policy(tmp_path, monkeypatch):
     trainer.train()
     assert any(not torch.equal(lora0[n], p) for n, p in trainer.model.named_parameters() if n in lora0)
     assert any(not torch.equal(critic0[n], p) for n, p in trainer.critic.named_parameters())
+
+
+def test_critic_from_a_reward_model_keeps_its_head(tmp_path):
+    from transformers import AutoTokenizer, Qwen2ForSequenceClassification
+
+    from tests.conftest import save_tiny_model
+    from trl_nrollout.critic import build_critic
+
+    base = save_tiny_model(tmp_path / "base")
+    rm = Qwen2ForSequenceClassification.from_pretrained(base, num_labels=1)
+    torch.nn.init.constant_(rm.score.weight, 0.25)
+    rm.save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "rm")
+    critic = build_critic(str(tmp_path / "rm"))
+    assert torch.all(critic.score.weight == 0.25)  # the reward model's value head, not a fresh one
+    fresh = build_critic(base)
+    assert not torch.all(fresh.score.weight == 0.25)
+
+
+def test_critic_token_budget_splits_like_the_count_split(tmp_path, monkeypatch):
+    """critic_ppo_max_token_len_per_device packs sequences by tokens; the values do not depend on the split."""
+    from trl_nrollout.critic import compute_values
+
+    trainer = _hf_ppo(tmp_path, monkeypatch, critic_ppo_max_token_len_per_device=40)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 300, (k,), generator=g).tolist() for k in (7, 3, 9, 5)]
+    completions = [torch.randint(5, 300, (k,), generator=g).tolist() for k in (6, 2, 4, 6)]
+    budget = compute_values(trainer.critic, prompts, completions, pad_token_id=0, max_token_len=15)
+    whole = compute_values(trainer.critic, prompts, completions, pad_token_id=0)
+    torch.testing.assert_close(budget, whole, rtol=0, atol=1e-5)
+    trainer.train()  # the update packs by the same budget
+    assert any("critic/vf_loss" in h for h in trainer.state.log_history)
+
+
+def test_plan_prints_the_critics_micro_batches(capsys):
+    import json
+
+    from tests.conftest import ROOT
+    from trl_nrollout.cli import main
+
+    recipe = str(ROOT / "recipes/configs/ppo.yaml")
+    assert main(["plan", "--config", recipe, "--no-memory"]) == 0
+    text = capsys.readouterr().out
+    assert "critic value micro batch     16 sequences per device per forward; 32 / 16 -> 2 forwards" in text
+    assert main(["plan", "--config", recipe, "--no-memory", "--json"]) == 0
+    assert "critic update micro batch" in json.loads(capsys.readouterr().out)["critic"]
