@@ -12,6 +12,7 @@ punctuation (reward about 0.2); GRPO visibly raises it within a few dozen steps 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -98,6 +99,37 @@ def _corpus(seed: int = 0) -> list[str]:
     return lines
 
 
+def _bpe_tokenizer(vocab_size: int, special_tokens: list[str], corpus: list[str]):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus`` (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+@contextlib.contextmanager
+def _atomic_folder(target: Path, seed: int):
+    """Yield a temporary folder beside ``target``; on success mark it built and rename it into place, so concurrent
+    processes never see a half-built model (a process that loses the race uses the winner's copy)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        yield tmp
+        (tmp / "trl_nrollout_builtin.json").write_text(json.dumps({"seed": seed, "version": _BUILDERS_VERSION}))
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
                      num_attention_heads: int, num_key_value_heads: int, vocab_size: int, seed: int = 0,
                      tools: bool = False) -> Path:
@@ -111,24 +143,14 @@ def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, 
     model. Deterministic for a given seed.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-        )
+    with _atomic_folder(target, seed) as tmp:
         corpus = _corpus(seed)
         if tools:
             corpus += _tool_corpus() * 30
-        tok.train_from_iterator(corpus, trainer=trainer)
+        tok = _bpe_tokenizer(vocab_size, SPECIAL_TOKENS, corpus)
         hf_tok = PreTrainedTokenizerFast(
             tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
             bos_token=None, unk_token=None, additional_special_tokens=["<|im_start|>"],
@@ -155,14 +177,6 @@ def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, 
             model.generation_config.eos_token_id = [hf_tok.eos_token_id, hf_tok.convert_tokens_to_ids(TOOL_CALL_TOKEN)]
         model.generation_config.pad_token_id = hf_tok.pad_token_id
         model.save_pretrained(tmp)
-        (tmp / "trl_nrollout_builtin.json").write_text(json.dumps({"seed": seed, "version": _BUILDERS_VERSION}))
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race: use its copy
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -184,7 +198,6 @@ def build_tiny_vlm(target: Path, *, hidden_size: int, intermediate_size: int, nu
     56x56 images without splitting, 4 image tokens each) saved to ``target``; written atomically like
     :func:`build_tiny_model`. The vision tower is half the text model's width, two layers, patch size 14."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
@@ -194,15 +207,8 @@ def build_tiny_vlm(target: Path, *, hidden_size: int, intermediate_size: int, nu
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=VLM_SPECIAL_TOKENS,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-        tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    with _atomic_folder(target, seed) as tmp:
+        tok = _bpe_tokenizer(vocab_size, VLM_SPECIAL_TOKENS, _corpus(seed))
         hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<end_of_utterance>", pad_token="<|endoftext|>",
                                          bos_token="<|im_start|>", unk_token=None,
                                          additional_special_tokens=VLM_SPECIAL_TOKENS[2:])
@@ -232,14 +238,6 @@ def build_tiny_vlm(target: Path, *, hidden_size: int, intermediate_size: int, nu
         model.generation_config.eos_token_id = eos
         model.generation_config.pad_token_id = pad
         model.save_pretrained(tmp)
-        (tmp / "trl_nrollout_builtin.json").write_text(json.dumps({"seed": seed, "version": _BUILDERS_VERSION}))
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race: use its copy
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
