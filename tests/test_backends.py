@@ -78,6 +78,13 @@ class _Recorder:
         class _Engine:
             model_executor = _Executor()
 
+            class model_config:  # noqa: N801 - vLLM's attribute name
+                is_multimodal_model = False
+
+            @staticmethod
+            def reset_encoder_cache():
+                runner.calls.append(("reset_encoder_cache",))
+
         self.llm_engine = _Engine()
 
     def sleep(self, level=1):
@@ -130,6 +137,20 @@ def test_cuda_weight_sync_wakes_weights_then_loads_then_wakes_kv(tiny_model_path
     with pytest.raises(_Stop):  # generating again without a sync wakes everything first
         g.generate_engine([[1, 2]], 2, SamplingOptions(max_tokens=4))
     assert g.llm.calls[-3:] == [("sleep", 1), ("wake_up", ("kv_cache", "weights")), ("generate", 1)]
+
+
+def test_a_vision_language_engine_forgets_its_image_features_after_a_weight_sync(tiny_model_path):
+    """vLLM caches the vision tower's outputs per image: after new weights they are stale, and the reload empties
+    the runner's side of the cache (the scheduler's side must forget too, or the next image is a cache miss)."""
+    from transformers import AutoModelForCausalLM
+
+    g = _group(cpu=True, sleep=False)
+    g.llm.llm_engine.model_config.is_multimodal_model = True
+    try:
+        g.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_path))
+    finally:
+        g.llm.llm_engine.model_config.is_multimodal_model = False
+    assert g.llm.calls[-2:] == [("reset_prefix_cache",), ("reset_encoder_cache",)]
 
 
 def test_cpu_sleep_is_a_no_op_and_weights_still_reload(tiny_model_path):

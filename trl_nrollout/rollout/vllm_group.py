@@ -370,7 +370,7 @@ class VLLMEngineGroup:
             buckets += 1
             runner.reload_weights(weights_iterator=iter(bucket))
         self.llm.reset_prefix_cache()
-        if getattr(self.llm.llm_engine.model_config, "is_multimodal_model", False):
+        if getattr(getattr(self.llm.llm_engine, "model_config", None), "is_multimodal_model", False):
             # image features computed by the old vision tower are stale (and the reload emptied the runner's side of
             # the encoder cache, which the scheduler's side must forget too, or the next image is a cache miss)
             self.llm.llm_engine.reset_encoder_cache()
