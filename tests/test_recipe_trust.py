@@ -52,9 +52,10 @@ def test_hub_recipe_with_trust_remote_code_is_refused_naming_key_and_flag(offlin
 def test_with_the_flag_it_loads_and_the_setting_applies(offline_cache, monkeypatch):  # noqa: F811
     populate_cache(offline_cache, "someone/recipe", {"config.yaml": REMOTE})
     grpo = _launcher()
-    argv = grpo._resolve_recipe(["--config", "hf://someone/recipe/config.yaml", "--trust-remote-code",
+    argv, kind = grpo._resolve_recipe(["--config", "hf://someone/recipe/config.yaml", "--trust-remote-code",
                                  "--output_dir", "/tmp/x", "--use_cpu", "true", "--report_to", "none"])
     assert "--trust-remote-code" not in argv and argv[argv.index("--config") + 1].endswith("config.yaml")
+    assert kind == "grpo"
     from trl import TrlParser
 
     from trl_nrollout.config import NRolloutConfig
@@ -79,7 +80,7 @@ def test_reward_module_outside_the_allow_list_is_refused(offline_cache):  # noqa
 def test_local_recipes_are_unchanged(tmp_path):
     local = tmp_path / "mine.yaml"
     local.write_bytes(REMOTE + b"reward_funcs: ['tests.assets.rewards_for_tests:constant_for_some_prompts']\n")
-    argv = _launcher()._resolve_recipe(["--config", str(local)])
+    argv, _ = _launcher()._resolve_recipe(["--config", str(local)])
     assert argv[argv.index("--config") + 1] == str(local)
 
 

@@ -91,3 +91,23 @@ def test_gsm8k_recipe_loads_and_trains_on_local_stand_ins(tmp_path):
     assert summary["steps"] == 2 and summary["rollout_backend"] == "vllm"
     history = [h for h in json.loads((out / "log_history.json").read_text()) if "reward" in h]
     assert all("rewards/math_answer_reward/mean" in h for h in history)
+
+
+def test_the_recipe_picks_the_trainer_from_the_command_line_or_the_recipe():
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("grpo_recipe", ROOT / "recipes" / "grpo.py")
+    grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo)
+    ppo = str(ROOT / "recipes/configs/ppo.yaml")
+    argv, kind = grpo._resolve_recipe(["--config", ppo, "--max_steps", "2"])
+    assert kind == "ppo" and argv[-2:] == ["--max_steps", "2"]
+    assert "trainer" not in yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())  # not a config field
+    assert grpo._resolve_recipe(["--config", ppo, "--trainer", "grpo"])[1] == "grpo"  # the command line wins
+    assert grpo._resolve_recipe(["--trainer=ppo"])[1] == "ppo"  # the embedded default recipe, trained by PPO
+    assert grpo._resolve_recipe([])[1] == "grpo"
+    assert grpo._trainer_classes("ppo")[0].__name__ == "NRolloutPPOTrainer"
+    with pytest.raises(SystemExit, match="--trainer 'sac': use one of"):
+        grpo._trainer_classes("sac")
