@@ -74,7 +74,9 @@ def test_the_demo_is_quiet_live_and_leaves_a_report(one_process_run):
     assert report == one_process_run["out"].resolve() / "report.png"
     assert report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report.stat().st_size > 20_000
     assert str(report) in one_process_run["stdout"]
-    assert s["gen_tokens_per_s"] > s["gen_tokens_per_s_with_warmup"] > 0  # the first step's warm-up is slower
+    # both figures are reported; which is larger is timing (an in-process engine's first step may not be slower), so
+    # it is not asserted here (speed belongs in benchmarks/)
+    assert s["gen_tokens_per_s"] > 0 and s["gen_tokens_per_s_with_warmup"] > 0
 
 
 @pytest.mark.slow
