@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from trl_nrollout.logprobs import _is_zero3, pack_by_tokens, split_by_count, unwrap_model
+from trl_nrollout.rollout.types import RolloutBatch
 
 
 def build_critic(name_or_path: str, *, seed: int = 0, dtype: torch.dtype | None = None,
@@ -61,21 +62,12 @@ def critic_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, co
 
 def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_token_id: int,
               device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """TRL's layout of token lists: prompts left-padded ``[B, P]``, completions right-padded ``[B, C]``, and their
-    masks."""
+    """TRL's layout of token lists (:meth:`RolloutBatch.padded`): prompts left-padded ``[B, P]``, completions
+    right-padded ``[B, C]``, and their masks."""
     b = len(prompts)
-    p_max = max(len(p) for p in prompts)
-    c_max = max((len(c) for c in completions), default=0)
-    prompt_ids = torch.full((b, p_max), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros(b, p_max, dtype=torch.long)
-    completion_ids = torch.full((b, c_max), pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros(b, c_max, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_ids[i, p_max - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        prompt_mask[i, p_max - len(p):] = 1
-        completion_ids[i, :len(c)] = torch.as_tensor(list(c), dtype=torch.long)
-        completion_mask[i, :len(c)] = 1
-    return tuple(t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
+    t = RolloutBatch([list(p) for p in prompts], [list(c) for c in completions], [[] for _ in range(b)],
+                     ["stop"] * b, list(range(b))).padded(pad_token_id, device)
+    return t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"]
 
 
 def synced_count(count: int, device: torch.device | str, sync: bool) -> int:
