@@ -26,6 +26,18 @@ def check_load(what: str) -> tuple[tuple[float, float, float], bool]:
     return load, busy
 
 
+def check_context(model_path: str, tokens: int) -> None:
+    """Stop with a clear error when the longest prompt + completion exceeds the model's context."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if context is not None and tokens > context:
+        raise SystemExit(f"--prompt-tokens + new tokens = {tokens} exceeds the model's context "
+                         f"(max_position_embeddings={context}) of {model_path}: use shorter prompts, or a model with a "
+                         "longer context (builtin:medium-qwen2 has 4096 positions).")
+
+
 def run_child(script: str, args: list[str], impl: str, n: int, threads: int | None, timeout: float | None) -> dict:
     """Run ``script ARGS --one IMPL N`` in a fresh process; return the JSON it prints last.
 

@@ -38,6 +38,7 @@ from common import (
     COLOCATE_ENV,
     ROOT,
     answer_one,
+    check_context,
     check_load,
     run_child,
     run_jobs,
@@ -46,19 +47,22 @@ from common import (
 IMPLS = {"ours": "trl_nrollout VLLMEngineGroup", "trl-hf": "TRL GRPOTrainer (transformers generate)",
          "trl-vllm-colocate": "TRL GRPOTrainer (vLLM colocate)"}
 NOISY_SPREAD = 1.5  # slowest / fastest timed call above which a configuration is marked noisy
+#: Issue 15's goal: at 512-token prompts and n = 12, ours generates at least 3x TRL's tokens/s.
+GOAL_RATIO, GOAL_PROMPT_TOKENS, GOAL_N = 3.0, 512, 12
 
 # What every child process gets; vLLM on CPU also needs an in-process engine and an explicit KV-cache size for
 # TRL's colocate mode, which builds its own LLM (our engine group sets these itself).
 
 
-def load_prompts(model_path: str, num: int) -> tuple[list[str], list[list[int]]]:
-    """The benchmark's prompts: plain text, tokenized with the model's tokenizer (no chat template)."""
+def load_prompts(model_path: str, num: int, prompt_tokens: int = 0) -> tuple[list[str], list[list[int]]]:
+    """The benchmark's prompts: plain text, tokenized with the model's tokenizer (no chat template), lengthened to
+    ``prompt_tokens`` tokens (within two) by :func:`~trl_nrollout.builtin.long_prompts` when that is longer."""
     from transformers import AutoTokenizer
 
-    from trl_nrollout.builtin import digits_prompts
+    from trl_nrollout.builtin import digits_prompts, long_prompts
 
-    texts = digits_prompts(num)
     tok = AutoTokenizer.from_pretrained(model_path)
+    texts = long_prompts(digits_prompts(num), tok, prompt_tokens)
     return texts, [list(ids) for ids in tok(text=texts)["input_ids"]]
 
 
@@ -97,8 +101,10 @@ def run_one(impl: str, n: int, args) -> dict:
     import torch
 
     load_start = os.getloadavg()[0]
-    texts, prompt_ids = load_prompts(args.model, args.prompts)
-    row: dict = {"impl": impl, "n": n, "prompts": len(prompt_ids), "load_avg_1m_at_start": round(load_start, 2)}
+    texts, prompt_ids = load_prompts(args.model, args.prompts, args.prompt_tokens[0])
+    row: dict = {"impl": impl, "n": n, "prompts": len(prompt_ids), "prompt_tokens": args.prompt_tokens[0],
+                 "mean_prompt_tokens": round(sum(map(len, prompt_ids)) / len(prompt_ids), 1),
+                 "load_avg_1m_at_start": round(load_start, 2)}
     start = time.perf_counter()
     if impl == "ours":
         from trl_nrollout.layout import RolloutLayout
@@ -147,7 +153,7 @@ def try_colocate(n: int, args) -> dict:
     """TRL's vLLM colocate mode on the same prompts; records where it fails instead of a throughput."""
     out: dict = {"impl": "trl-vllm-colocate", "n": n, "ran": False, "stage": "construct GRPOTrainer"}
     try:
-        texts, _ = load_prompts(args.model, args.prompts)
+        texts, _ = load_prompts(args.model, args.prompts, args.prompt_tokens[0])
         trainer = grpo_trainer(args.model, len(texts), n, args.max_tokens, use_vllm=True, vllm_mode="colocate",
                                vllm_max_model_length=args.max_model_len,
                                generation_kwargs={"ignore_eos": True})
@@ -172,30 +178,39 @@ def try_colocate(n: int, args) -> dict:
     return out
 
 
-def _child(args, impl: str, n: int, timeout: float | None) -> dict:
+def _child(args, length: int, impl: str, n: int, timeout: float | None) -> dict:
+    max_model_len = max(args.max_model_len, length + args.max_tokens + 8)
     return run_child(__file__, ["--model", args.model, "--prompts", str(args.prompts), "--max-tokens",
-                                str(args.max_tokens), "--max-model-len", str(args.max_model_len), "--reps",
-                                str(args.reps)], impl, n, args.threads, timeout)
+                                str(args.max_tokens), "--max-model-len", str(max_model_len), "--reps",
+                                str(args.reps), "--prompt-tokens", str(length)], impl, n, args.threads, timeout)
 
 
 def write_outputs(result: dict, out_dir: Path) -> str:
-    rows, ns, meta = result["rows"], result["meta"]["ns"], result["meta"]
+    rows, meta = result["rows"], result["meta"]
+    ns, lengths = meta["ns"], meta["prompt_tokens"]
 
-    def get(impl, n):
-        return next((r for r in rows if r["impl"] == impl and r["n"] == n), None)
+    def get(impl, length, n):
+        return next((r for r in rows if r["impl"] == impl and r["n"] == n and r["prompt_tokens"] == length), None)
 
-    lines = ["| n | samples / call | tokens / call | ours tokens/s | TRL-HF tokens/s | ours / TRL-HF | "
-             "ours samples/s | TRL-HF samples/s |", "|---|---|---|---|---|---|---|---|"]
-    for n in ns:
-        o, t = get("ours", n), get("trl-hf", n)
-        flag = " *" if o["noisy"] or t["noisy"] else ""
-        lines.append(f"| {n}{flag} | {o['samples_per_call']} | {o['tokens_per_call']} | {o['tokens_per_s']:.0f} | "
-                     f"{t['tokens_per_s']:.0f} | {result['ratios'][str(n)]:.2f} | {o['samples_per_s']:.1f} | "
-                     f"{t['samples_per_s']:.1f} |")
+    lines = ["| prompt tokens | n | samples / call | tokens / call | ours tokens/s | TRL-HF tokens/s | ours / TRL-HF | "
+             "ours samples/s | TRL-HF samples/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for length in lengths:
+        for n in ns:
+            o, t = get("ours", length, n), get("trl-hf", length, n)
+            flag = " *" if o["noisy"] or t["noisy"] else ""
+            lines.append(f"| {o['mean_prompt_tokens']:.0f} | {n}{flag} | {o['samples_per_call']} | "
+                         f"{o['tokens_per_call']} | {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | "
+                         f"{result['ratios'][f'{length}/{n}']:.2f} | {o['samples_per_s']:.1f} | "
+                         f"{t['samples_per_s']:.1f} |")
     if any(r["noisy"] for r in rows):
         lines.append(f"\n\\* noisy: another job competed for the CPUs (the slowest timed call took over {NOISY_SPREAD}x "
                      f"the fastest, or the load average ended above the {meta['cpus']} CPUs + {BUSY_LOAD}); see "
                      "`call_seconds` and `load_avg_1m_*` in the JSON.")
+    goal = result["ratios"].get(f"{GOAL_PROMPT_TOKENS}/{GOAL_N}")
+    lines.append("")
+    lines.append(f"Goal: ours >= {GOAL_RATIO:g}x TRL's tokens/s at {GOAL_PROMPT_TOKENS}-token prompts, n = {GOAL_N}: "
+                 + ("not measured in this run." if goal is None else
+                    f"**{goal:.2f}x**: {'met' if goal >= GOAL_RATIO else 'NOT met'}."))
     lines.append("")
     for c in result["colocate"]:
         if c.get("ran"):
@@ -221,21 +236,22 @@ def write_outputs(result: dict, out_dir: Path) -> str:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for impl in ("ours", "trl-hf"):
-            axes[0].plot(ns, [get(impl, n)["tokens_per_s"] for n in ns], marker="o", label=IMPLS[impl])
-        for c in result["colocate"]:
-            if c.get("ran"):
-                axes[0].plot([c["n"]], [c["tokens_per_s"]], marker="s", ls="", label=IMPLS["trl-vllm-colocate"])
+        for j, length in enumerate(lengths):
+            for impl, style in (("ours", "-"), ("trl-hf", "--")):
+                axes[0].plot(ns, [get(impl, length, n)["tokens_per_s"] for n in ns], marker="o", ls=style,
+                             color=f"C{j}", label=f"{IMPLS[impl].split(' (')[0]}, {length}-token prompts")
+            axes[1].plot(ns, [result["ratios"][f"{length}/{n}"] for n in ns], marker="o", color=f"C{j}",
+                         label=f"{length}-token prompts")
         busy = " (busy machine: noisy)" if result["busy_at_start"] or any(r["noisy"] for r in rows) else ""
         axes[0].set(xlabel="samples per prompt n", ylabel="generated tokens / s", title="rollout throughput" + busy)
         axes[0].set_ylim(bottom=0)
-        axes[1].plot(ns, [result["ratios"][str(n)] for n in ns], marker="o", color="C2")
         axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+        axes[1].axhline(GOAL_RATIO, color="C3", lw=0.8, ls=":", label=f"goal {GOAL_RATIO:g}x at {GOAL_PROMPT_TOKENS}, n={GOAL_N}")
         axes[1].set(xlabel="samples per prompt n", ylabel="ours / TRL-HF", title="speed-up (tokens/s ratio)")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.set_xticks(ns)
-        axes[0].legend()
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out_dir / "rollout_throughput.png", dpi=110)
         plt.close(fig)
@@ -247,23 +263,28 @@ def write_outputs(result: dict, out_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="builtin:tiny-qwen2", help="built-in name, hub id or local folder")
-    ap.add_argument("--ns", type=int, nargs="+", default=[4, 8, 12])
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--ns", type=int, nargs="+", default=[4, 8, 12, 16])
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 512, 1024],
+                    help="prompt lengths to sweep (each prompt lengthened to about this many tokens; 0 or a length "
+                         "shorter than the task's prompts keeps them as they are)")
+    ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=256, help="engine context (prompt + completion)")
-    ap.add_argument("--reps", type=int, default=5, help="timed calls per configuration, after one warm-up")
+    ap.add_argument("--max-model-len", type=int, default=256,
+                    help="engine context (prompt + completion); raised to fit the longest prompt")
+    ap.add_argument("--reps", type=int, default=3, help="timed calls per configuration, after one warm-up")
     ap.add_argument("--threads", type=int, default=None,
                     help="OpenMP threads of every configuration (OMP_NUM_THREADS; default: the libraries' own, "
                          "all cores). On a shared machine use 1: threads that wait on a busy core can slow "
                          "generation tenfold")
     ap.add_argument("--colocate-timeout", type=float, default=300.0, help="time box of the TRL colocate try (s)")
     ap.add_argument("--no-colocate", action="store_true", help="skip the TRL vLLM colocate try")
-    ap.add_argument("--quick", action="store_true", help="2 timed calls per configuration (under ~2 minutes)")
+    ap.add_argument("--quick", action="store_true",
+                    help="n = 4 and 12, prompts of 32 and 512 tokens, 2 timed calls per configuration")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--one", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.reps = 2
+        args.reps, args.ns, args.prompt_tokens = 2, [4, 12], [32, 512]
     if args.one:
         return answer_one(args, run_one, try_colocate)
 
@@ -272,26 +293,32 @@ def main(argv: list[str] | None = None) -> int:
     load_start, busy = check_load("throughput figures")
     model_name = args.model
     args.model = resolve_model(args.model)  # build the built-in model once, before the children start
-    jobs = [(impl, n) for n in args.ns for impl in ("ours", "trl-hf")]
-    if not args.no_colocate:
-        jobs.append((COLOCATE, args.ns[0]))
-    rows, colocate = run_jobs(jobs, lambda impl, n, timeout: _child(args, impl, n, timeout), args.ns,
-                              args.colocate_timeout, "rollout throughput (impl, n)")
+    check_context(args.model, max(args.prompt_tokens) + args.max_tokens)
+    rows, colocate = [], []
+    for length in args.prompt_tokens:
+        jobs = [(impl, n) for n in args.ns for impl in ("ours", "trl-hf")]
+        if not args.no_colocate and length == args.prompt_tokens[0]:
+            jobs.append((COLOCATE, args.ns[0]))
+        got, tried = run_jobs(jobs, lambda impl, n, timeout, length=length: _child(args, length, impl, n, timeout),
+                              args.ns, args.colocate_timeout, f"rollout throughput, {length}-token prompts (impl, n)")
+        rows += got
+        colocate += tried
     load_end = os.getloadavg()
 
-    def tps(impl, n):
-        return next(r["tokens_per_s"] for r in rows if r["impl"] == impl and r["n"] == n)
+    def tps(impl, length, n):
+        return next(r["tokens_per_s"] for r in rows if r["impl"] == impl and r["n"] == n
+                    and r["prompt_tokens"] == length)
 
     result = {
         "meta": {"model_name": model_name, "model_path": args.model, "ns": args.ns, "prompts": args.prompts,
-                 "max_tokens": args.max_tokens, "temperature": 1.0, "ignore_eos": True, "reps": args.reps,
-                 "quick": args.quick, "cpus": os.cpu_count(), "threads": args.threads, "impls": IMPLS,
-                 "child_env": CHILD_ENV,
-                 "colocate_env": COLOCATE_ENV},
+                 "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": 1.0,
+                 "ignore_eos": True, "reps": args.reps, "quick": args.quick, "cpus": os.cpu_count(),
+                 "threads": args.threads, "impls": IMPLS, "child_env": CHILD_ENV, "colocate_env": COLOCATE_ENV},
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in load_end],
         "busy_at_start": busy,
         "rows": rows,
-        "ratios": {str(n): round(tps("ours", n) / tps("trl-hf", n), 3) for n in args.ns},
+        "ratios": {f"{length}/{n}": round(tps("ours", length, n) / tps("trl-hf", length, n), 3)
+                   for length in args.prompt_tokens for n in args.ns},
         "colocate": colocate,
     }
     out_dir = Path(args.out)

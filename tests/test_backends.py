@@ -44,6 +44,9 @@ def test_cpu_engine_never_chunks_a_prefill(tiny_model_path):
     assert kw["enable_chunked_prefill"] is False
     assert kw["max_num_batched_tokens"] >= 6000  # vLLM requires budget >= max_model_len without chunking
     assert kw["dtype"] == "float32" and kw["enforce_eager"] is True and kw["kv_cache_memory_bytes"] >= 16 << 20
+    # each of a prompt's n samples recomputes its last partial KV block: the smallest block vLLM's CPU attention takes
+    assert kw["block_size"] == 32
+    assert "block_size" not in engine_kwargs(tiny_model_path, LAYOUT, cpu=False)  # CUDA keeps vLLM's own (16)
 
 
 def test_max_num_seqs_is_capped(tiny_model_path):

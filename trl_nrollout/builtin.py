@@ -29,6 +29,10 @@ BUILTIN_MODELS: dict[str, dict] = {
                        num_key_value_heads=2, vocab_size=384),
     "small-qwen2": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                         num_key_value_heads=4, vocab_size=1024),
+    # between small and a real model, for benchmarks at user-sized prompts (~30 M parameters: a forward on 2 CPU
+    # cores costs like a real 0.5 B model's on a few GPU SMs; 4,096 positions, so 1,024-token prompts fit)
+    "medium-qwen2": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=1024, max_position_embeddings=4096),
     # the tiny model with Qwen2.5's chat template (tool schemas, <tool_call> parsing by TRL) and one token that is a
     # whole call of the built-in tool, so a random model calls it now and then and RL can make it call it always
     "tiny-qwen2-tools": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -132,7 +136,7 @@ def _atomic_folder(target: Path, seed: int):
 
 def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
                      num_attention_heads: int, num_key_value_heads: int, vocab_size: int, seed: int = 0,
-                     tools: bool = False) -> Path:
+                     tools: bool = False, max_position_embeddings: int = 1024) -> Path:
     """Train a byte-level BPE tokenizer on the built-in corpus and save it with a random Qwen2 model.
 
     ``tools``: Qwen2.5's chat template (as TRL ships it, so TRL's tool-call parser applies), its tool tokens, the
@@ -167,7 +171,7 @@ def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, 
         config = Qwen2Config(
             vocab_size=len(hf_tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
             num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads, max_position_embeddings=1024,
+            num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=True, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id,
             bos_token_id=None, dtype="float32",
         )
@@ -264,6 +268,29 @@ def digits_prompts(num: int = 256, seed: int = 0) -> list[str]:
         rng.choice(_PROMPT_TEMPLATES).format(w=rng.choice(_WORDS), W=rng.choice(_WORDS).capitalize())
         for _ in range(num)
     ]
+
+
+def long_prompts(texts: list[str], tokenizer, prompt_tokens: int, seed: int = 0) -> list[str]:
+    """``texts`` made ``prompt_tokens`` tokens long (within two tokens, never over) by a context of random words
+    before each one, as real prompts carry instructions and few-shot examples before the question.
+
+    Each prompt gets its own context (deterministic for ``seed``), so no two prompts share a prefix beyond what the
+    engine's prefix cache would see in real data. A text already that long is kept as it is. ``tokenizer``: the
+    model's (the length is counted without special tokens or a chat template)."""
+    rng = random.Random(seed)
+    out = []
+    for text in texts:
+        words = [rng.choice(_WORDS) for _ in range(prompt_tokens)]  # a word is at least one token: enough words
+
+        def length(k: int) -> int:
+            return len(tokenizer(" ".join(words[:k]) + "\n" + text, add_special_tokens=False)["input_ids"])
+
+        lo, hi = 0, len(words)  # the most words whose prompt still fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if length(mid) <= prompt_tokens else (lo, mid - 1)
+        out.append(" ".join(words[:lo]) + "\n" + text if lo else text)
+    return out
 
 
 def digits_dataset(num: int = 256, seed: int = 0):
