@@ -26,16 +26,27 @@ def check_load(what: str) -> tuple[tuple[float, float, float], bool]:
     return load, busy
 
 
-def check_context(model_path: str, tokens: int) -> None:
-    """Stop with a clear error when the longest prompt + completion exceeds the model's context."""
+def fit_lengths(model_path: str, lengths: list[int], new_tokens: int) -> list[int]:
+    """The prompt lengths of a sweep, each cut to what the model's context leaves after ``new_tokens`` (with a
+    notice: the tiny models have 1,024 positions, ``builtin:medium-qwen2`` 4,096)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if context is not None and tokens > context:
-        raise SystemExit(f"--prompt-tokens + new tokens = {tokens} exceeds the model's context "
-                         f"(max_position_embeddings={context}) of {model_path}: use shorter prompts, or a model with a "
-                         "longer context (builtin:medium-qwen2 has 4096 positions).")
+    if context is None:
+        return list(lengths)
+    room = context - new_tokens - 8
+    if room < 1:
+        raise SystemExit(f"{new_tokens} new tokens leave no room for a prompt in the model's context "
+                         f"(max_position_embeddings={context}); generate fewer tokens.")
+    out = []
+    for length in lengths:
+        if length > room:
+            print(f"NOTE: --prompt-tokens {length} + {new_tokens} new tokens exceed the context of {model_path} "
+                  f"(max_position_embeddings={context}): measured at {room} tokens instead (builtin:medium-qwen2 "
+                  "has 4,096 positions).", file=sys.stderr)
+        out.append(min(length, room))
+    return list(dict.fromkeys(out))
 
 
 def run_child(script: str, args: list[str], impl: str, n: int, threads: int | None, timeout: float | None) -> dict:

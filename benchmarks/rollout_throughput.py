@@ -1,23 +1,29 @@
-"""Rollout throughput (generated tokens/s) as n grows: our VLLMEngineGroup vs the generation path of TRL's GRPOTrainer.
+"""Rollout throughput (generated tokens/s) as n and the prompt length grow: our VLLMEngineGroup vs the generation
+path of TRL's GRPOTrainer.
 
 Same prompts (``--prompts`` prompts of the built-in ``digits`` task, plain text, tokenized without a chat
-template), same sampling (temperature 1.0, ``--max-tokens`` new tokens, EOS ignored so that every call generates
-exactly ``prompts x n x max_tokens`` tokens), for n = 4, 8, 12. Each (implementation, n) runs in a fresh process:
+template, lengthened to each of ``--prompt-tokens`` by :func:`trl_nrollout.builtin.long_prompts`: a context of
+random words before the question, its own for each prompt), same sampling (temperature 1.0, ``--max-tokens`` new
+tokens, EOS ignored so that every call generates exactly ``prompts x n x max_tokens`` tokens), for n = 4, 8, 12,
+16 and prompts of 32, 512 and 1,024 tokens (cut to the model's context: 952 on the 1,024-position tiny models).
+Each (prompt length, implementation, n) runs in a fresh process:
 
 - ``ours``: :class:`trl_nrollout.rollout.vllm_group.VLLMEngineGroup` in one process
   (``RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=prompts, rollout_n=n)``), vLLM's
-  native ``n`` (one request per prompt);
+  native ``n`` (one request per prompt: the n samples share the prompt's cached KV blocks);
 - ``trl-hf``: a real ``GRPOTrainer`` (``use_vllm=False``, ``per_device_train_batch_size=prompts x n``,
   ``num_generations=n``), whose own ``_tokenize_prompts`` and ``_generate_single_turn`` run on the prompts
   repeated n times, as its training step calls them: one left-padded ``model.generate`` over all
-  ``prompts x n`` rows. EOS is ignored through ``generation_kwargs={"min_new_tokens": max_tokens}``;
+  ``prompts x n`` rows (each copy of a prompt is prefilled again). EOS is ignored through
+  ``generation_kwargs={"min_new_tokens": max_tokens}``;
 - ``trl-vllm-colocate``: TRL's own vLLM colocate mode, tried once (time-boxed). On the CPU backend it fails at
   its first weight sync (see PLATFORM.md); the error is recorded, no number is made up.
 
 Each configuration: one warm-up call, then ``--reps`` timed calls; tokens/s = tokens generated / seconds, summed
-over the timed calls. Writes ``rollout_throughput.{json,md,png}`` under ``--out`` (default benchmarks/results).
+over the timed calls. Goal (issue 15): ours >= 3x TRL's tokens/s at 512-token prompts, n = 12. Writes
+``rollout_throughput.{json,md,png}`` under ``--out`` (default benchmarks/results).
 
-    python benchmarks/rollout_throughput.py [--quick] [--model PATH] [--out DIR]
+    python benchmarks/rollout_throughput.py [--quick] [--model PATH] [--prompt-tokens 32 512 1024] [--out DIR]
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ from common import (
     COLOCATE_ENV,
     ROOT,
     answer_one,
-    check_context,
     check_load,
+    fit_lengths,
     run_child,
     run_jobs,
 )
@@ -293,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start, busy = check_load("throughput figures")
     model_name = args.model
     args.model = resolve_model(args.model)  # build the built-in model once, before the children start
-    check_context(args.model, max(args.prompt_tokens) + args.max_tokens)
+    args.prompt_tokens = fit_lengths(args.model, args.prompt_tokens, args.max_tokens)
     rows, colocate = [], []
     for length in args.prompt_tokens:
         jobs = [(impl, n) for n in args.ns for impl in ("ours", "trl-hf")]

@@ -57,6 +57,7 @@ from common import (
     ROOT,
     answer_one,
     check_load,
+    fit_lengths,
     run_child,
     run_jobs,
 )
@@ -72,7 +73,9 @@ PHASE_LABELS = {"weight_sync": "weight sync", "gen": "generation", "reward": "re
 ARTICLE = {"step_s": {4: 15.0, 8: 28.0, 12: 42.0}, "scaling_12_over_4": 42.0 / 15.0}
 #: Issue 9's goal: 3x the samples (n=4 -> n=12) for at most 2x the step time.
 GOAL_SCALING_12_OVER_4 = 2.0
-GOAL_N8_RATIO = 0.5  # ours-vllm step time at n=8 at most half of TRL's
+GOAL_N8_RATIO = 0.7  # issue 15: ours-vllm step time at n=8 at most 0.7x TRL's, with 512-token prompts
+LONG_PROMPT = 512  # prompt lengths from which the n=8 goal applies
+SHORT_PROMPT = 64  # prompt lengths up to which "no slower than TRL at any n" applies
 NOISY_SPREAD = 1.5  # slowest / fastest measured step above which a configuration is marked noisy
 LEARNING_RATE = 1e-7
 KL_COEF = 0.001
@@ -189,8 +192,14 @@ def build_trainer(impl: str, n: int, args):
         max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         log_completions=False,
     )
+    from datasets import Dataset
+
+    from trl_nrollout.builtin import digits_prompts, long_prompts
+
     tok = AutoTokenizer.from_pretrained(args.model)
-    dataset = digits_dataset(max(256, args.prompts * args.steps))
+    count = max(256, args.prompts * args.steps)
+    dataset = (digits_dataset(count) if not args.prompt_tokens[0] else
+               Dataset.from_dict({"prompt": long_prompts(digits_prompts(count), tok, args.prompt_tokens[0])}))
     if impl in OURS:
         from trl_nrollout.config import NRolloutConfig
         from trl_nrollout.trainer import NRolloutGRPOTrainer
@@ -241,6 +250,7 @@ def run_one(impl: str, n: int, args) -> dict:
 
     load_start = os.getloadavg()[0]
     row: dict = {"impl": impl, "n": n, "prompts": args.prompts, "samples_per_step": args.prompts * n,
+                 "prompt_tokens": args.prompt_tokens[0],
                  "load_avg_1m_at_start": round(load_start, 2)}
     start = time.perf_counter()
     trainer = build_trainer(impl, n, args)
@@ -300,11 +310,11 @@ def try_colocate(n: int, args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- parent side
-def _child(args, impl: str, n: int, timeout: float | None) -> dict:
+def _child(args, length: int, impl: str, n: int, timeout: float | None) -> dict:
     extra = ["--with-ref"] if args.with_ref else []
     return run_child(__file__, ["--model", args.model, "--prompts", str(args.prompts), "--steps", str(args.steps),
-                                "--max-completion-length", str(args.max_completion_length), *extra],
-                     impl, n, args.threads, timeout)
+                                "--max-completion-length", str(args.max_completion_length), "--prompt-tokens",
+                                str(length), *extra], impl, n, args.threads, timeout)
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -315,8 +325,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def goals(rows: list[dict], ns: list[int]) -> dict:
-    """The two goal lines: step-time growth n=4 -> n=12 vs the article's 2.8x, and ours-vllm / TRL at n=8."""
+def goals(rows: list[dict], ns: list[int], length: int) -> dict:
+    """The goal lines of one prompt length: step time growth n=4 -> n=12 (at most 2x), ours-vllm / TRL at n=8 (at
+    most 0.7 from 512-token prompts on) and, with short prompts, ours-vllm no slower than TRL at any n."""
 
     def step(impl, n):
         return next((r["step_s"] for r in rows if r["impl"] == impl and r["n"] == n), None)
@@ -327,23 +338,47 @@ def goals(rows: list[dict], ns: list[int]) -> dict:
         ratio = _ratio(step(impl, 12), step(impl, 4))
         scaling[impl] = {"ratio": None if ratio is None else round(ratio, 3),
                          "met": None if ratio is None else ratio <= GOAL_SCALING_12_OVER_4}
-    n8 = _ratio(step("ours-vllm", 8), step("trl", 8))
-    others = {str(n): round(r, 3) for n in ns if n != 8 and (r := _ratio(step("ours-vllm", n), step("trl", n)))}
-    return {"scaling_12_over_4": scaling, "article_scaling_12_over_4": round(ARTICLE["scaling_12_over_4"], 3),
-            "ours_vllm_over_trl_n8": None if n8 is None else round(n8, 3),
-            "ours_vllm_over_trl_n8_met": None if n8 is None else n8 <= GOAL_N8_RATIO,
-            "ours_vllm_over_trl_other_n": others}
+    per_n = {str(n): round(r, 3) for n in ns if (r := _ratio(step("ours-vllm", n), step("trl", n))) is not None}
+    out = {"prompt_tokens": length, "scaling_12_over_4": scaling,
+           "article_scaling_12_over_4": round(ARTICLE["scaling_12_over_4"], 3), "ours_vllm_over_trl": per_n}
+    if length >= LONG_PROMPT:
+        n8 = per_n.get("8")
+        out["n8"] = {"ratio": n8, "goal": GOAL_N8_RATIO, "met": None if n8 is None else n8 <= GOAL_N8_RATIO}
+    if length <= SHORT_PROMPT:
+        out["no_slower"] = {"worst": max(per_n.values()) if per_n else None,
+                            "met": None if not per_n else max(per_n.values()) <= 1.0}
+    return out
+
+
+def _goal_lines(g: dict) -> list[str]:
+    lines = []
+    art = g["article_scaling_12_over_4"]
+    for impl, s in g["scaling_12_over_4"].items():
+        if s["ratio"] is None:
+            lines.append(f"- step time(n=12) / step time(n=4), {impl}: not measured (n=4 and n=12 both needed).")
+        else:
+            verdict = "met" if s["met"] else "NOT met"
+            lines.append(f"- step time(n=12) / step time(n=4), {impl}: **{s['ratio']:.2f}x** vs the article's "
+                         f"{art:.1f}x (42 s / 15 s): {verdict} (goal: at most {GOAL_SCALING_12_OVER_4:.1f}x).")
+    per_n = ", ".join(f"n={k}: {v:.2f}" for k, v in g["ours_vllm_over_trl"].items())
+    if "n8" in g:
+        n8 = g["n8"]
+        lines.append("- ours-vllm / TRL step time at n=8 (goal: at most " + f"{GOAL_N8_RATIO}): " +
+                     ("not measured in this run." if n8["ratio"] is None else
+                      f"**{n8['ratio']:.2f}**: {'met' if n8['met'] else 'NOT met'}."))
+    if "no_slower" in g:
+        ns = g["no_slower"]
+        lines.append("- short prompts, ours-vllm no slower than TRL at any n (ours / TRL at most 1.0): " +
+                     ("not measured." if ns["worst"] is None else
+                      f"worst **{ns['worst']:.2f}**: {'met' if ns['met'] else 'NOT met'}."))
+    if per_n:
+        lines.append(f"- ours-vllm / TRL step time by n: {per_n}.")
+    return lines
 
 
 def write_outputs(result: dict, out_dir: Path) -> str:
-    rows, meta = result["rows"], result["meta"]
+    meta = result["meta"]
     ns = meta["ns"]
-
-    def get(impl, n):
-        return next((r for r in rows if r["impl"] == impl and r["n"] == n), None)
-
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
-    ours = [i for i in impls if i in OURS]
     lines = ["# Training step time vs n: trl_nrollout vs TRL GRPOTrainer",
              "",
              f"{meta['prompts']} prompts per step, {meta['max_completion_length']} new tokens at most, temperature "
@@ -353,6 +388,39 @@ def write_outputs(result: dict, out_dir: Path) -> str:
     if result["busy_at_start"]:
         lines += ["", f"**Warning:** the machine was busy at the start (1-minute load {result['load_avg_start'][0]:.2f}"
                       f" > {BUSY_LOAD}); the figures are noisy and slower than on an idle machine."]
+    for length in meta["prompt_tokens"]:
+        rows = [r for r in result["rows"] if r.get("prompt_tokens") == length]
+
+        def get(impl, n, rows=rows):
+            return next((r for r in rows if r["impl"] == impl and r["n"] == n), None)
+
+        impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+        lines += ["", f"# Prompts of about {length} tokens"]
+        lines += _tables(rows, ns, impls, get, meta)
+        lines += ["", f"## Goals ({length}-token prompts)", ""] + _goal_lines(result["goals"][str(length)])
+        _plot(result, out_dir, impls, get, length)
+
+    lines += ["", "## TRL vLLM colocate mode", ""]
+    if not result["colocate"]:
+        lines.append("Not tried (`--no-colocate`).")
+    for c in result["colocate"]:
+        if c.get("ran"):
+            lines.append(f"- n={c['n']}: ran, {c['step_s']:.3f} s per step ({c['samples_per_s']:.1f} samples/s).")
+        else:
+            lines.append(f"- n={c['n']}: did not run; failed at {c['stage']}: `{c.get('error', '')[:300]}`.")
+    lines += ["", f"Load average (1 min) {result['load_avg_start'][0]:.2f} at start, {result['load_avg_end'][0]:.2f} "
+                  f"at end; {meta['cpus']} CPUs" + ("" if meta["threads"] is None else
+                                                     f", {meta['threads']} OpenMP threads") + "."]
+    table = "\n".join(lines)
+    (out_dir / "step_benchmark.json").write_text(json.dumps(result, indent=2))
+    (out_dir / "step_benchmark.md").write_text(table + "\n")
+    return table
+
+
+def _tables(rows: list[dict], ns: list[int], impls: list[str], get, meta: dict) -> list[str]:
+    """One phase table per n (seconds, TRL / ours ratios) for the rows of one prompt length."""
+    lines: list[str] = []
+    ours = [i for i in impls if i in OURS]
     for n in ns:
         present = [i for i in impls if get(i, n)]
         if not present:
@@ -387,45 +455,11 @@ def write_outputs(result: dict, out_dir: Path) -> str:
             lines.append(f"\n\\* noisy ({', '.join(noisy)}): the slowest measured step took over {NOISY_SPREAD}x the "
                          f"fastest, or the load average ended above the CPU count + {BUSY_LOAD}; see `step_seconds` "
                          "in the JSON.")
-
-    g = result["goals"]
-    lines += ["", "## Goals", ""]
-    art = g["article_scaling_12_over_4"]
-    for impl, s in g["scaling_12_over_4"].items():
-        if s["ratio"] is None:
-            lines.append(f"- step time(n=12) / step time(n=4), {impl}: not measured (n=4 and n=12 both needed).")
-        else:
-            verdict = "met" if s["met"] else "NOT met"
-            lines.append(f"- step time(n=12) / step time(n=4), {impl}: **{s['ratio']:.2f}x** vs the article's "
-                         f"{art:.1f}x (42 s / 15 s): {verdict} (goal: at most {GOAL_SCALING_12_OVER_4:.1f}x).")
-    if g["ours_vllm_over_trl_n8"] is None:
-        extra = ", ".join(f"n={k}: {v:.2f}" for k, v in g["ours_vllm_over_trl_other_n"].items())
-        lines.append("- ours-vllm / TRL step time at n=8 (goal: at most 0.5): not measured in this run (n=8 and both "
-                     "implementations needed)" + (f"; at the other n: {extra}." if extra else "."))
-    else:
-        verdict = "met" if g["ours_vllm_over_trl_n8_met"] else "NOT met"
-        lines.append(f"- ours-vllm / TRL step time at n=8: **{g['ours_vllm_over_trl_n8']:.2f}** (goal: at most "
-                     f"{GOAL_N8_RATIO}): {verdict}.")
-
-    lines += ["", "## TRL vLLM colocate mode", ""]
-    if not result["colocate"]:
-        lines.append("Not tried (`--no-colocate`).")
-    for c in result["colocate"]:
-        if c.get("ran"):
-            lines.append(f"- n={c['n']}: ran, {c['step_s']:.3f} s per step ({c['samples_per_s']:.1f} samples/s).")
-        else:
-            lines.append(f"- n={c['n']}: did not run; failed at {c['stage']}: `{c.get('error', '')[:300]}`.")
-    lines += ["", f"Load average (1 min) {result['load_avg_start'][0]:.2f} at start, {result['load_avg_end'][0]:.2f} "
-                  f"at end; {meta['cpus']} CPUs" + ("" if meta["threads"] is None else
-                                                     f", {meta['threads']} OpenMP threads") + "."]
-    table = "\n".join(lines)
-    (out_dir / "step_benchmark.json").write_text(json.dumps(result, indent=2))
-    (out_dir / "step_benchmark.md").write_text(table + "\n")
-    _plot(result, out_dir, impls, get)
-    return table
+    return lines
 
 
-def _plot(result: dict, out_dir: Path, impls: list[str], get) -> None:
+def _plot(result: dict, out_dir: Path, impls: list[str], get, length: int) -> None:
+    """``step_benchmark_<length>.png`` (step time and samples/s vs n) and ``step_benchmark_phases_<length>.png``."""
     try:
         import matplotlib
 
@@ -440,14 +474,15 @@ def _plot(result: dict, out_dir: Path, impls: list[str], get) -> None:
         xs = [n for n in ns if get(impl, n)]
         axes[0].plot(xs, [get(impl, n)["step_s"] for n in xs], marker="o", label=IMPLS[impl])
         axes[1].plot(xs, [get(impl, n)["samples_per_s"] for n in xs], marker="o", label=IMPLS[impl])
-    axes[0].set(xlabel="samples per prompt n", ylabel="seconds per step", title="training step time")
+    axes[0].set(xlabel="samples per prompt n", ylabel="seconds per step",
+                title=f"training step time, {length}-token prompts")
     axes[1].set(xlabel="samples per prompt n", ylabel="samples / s", title="throughput (prompts x n / step time)")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.set_xticks(ns)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "step_benchmark.png", dpi=110)
+    fig.savefig(out_dir / f"step_benchmark_{length}.png", dpi=110)
     plt.close(fig)
 
     bars = [(impl, n) for n in ns for impl in impls if get(impl, n)]
@@ -458,11 +493,11 @@ def _plot(result: dict, out_dir: Path, impls: list[str], get) -> None:
         ax.bar(range(len(bars)), vals, bottom=bottom, label=PHASE_LABELS[phase], color=f"C{j}")
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(bars)), [f"{i}\nn={n}" for i, n in bars], fontsize=7)
-    ax.set(ylabel="seconds per step", title="phase breakdown of a training step")
+    ax.set(ylabel="seconds per step", title=f"phase breakdown of a training step, {length}-token prompts")
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(out_dir / "step_benchmark_phases.png", dpi=110)
+    fig.savefig(out_dir / f"step_benchmark_phases_{length}.png", dpi=110)
     plt.close(fig)
 
 
@@ -474,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (our train_batch_size)")
     ap.add_argument("--steps", type=int, default=5, help="training steps per configuration; the first is discarded")
     ap.add_argument("--max-completion-length", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 512, 1024],
+                    help="prompt lengths to sweep (each prompt lengthened to about this many tokens, cut to the "
+                         "model's context; 0 keeps the task's own short prompts)")
     ap.add_argument("--with-ref", action="store_true",
                     help="KL loss 0.001 (ours use_kl_loss, TRL beta): adds the reference log-prob pass")
     ap.add_argument("--threads", type=int, default=None,
@@ -488,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         ap.error("--steps must be at least 2 (the first step is a warm-up and is discarded)")
     if args.quick:
-        args.ns, args.steps, args.impls = [4, 12], 3, ["trl", "ours-vllm"]
+        args.ns, args.steps, args.impls, args.prompt_tokens = [4, 12], 3, ["trl", "ours-vllm"], [32]
         args.colocate_timeout = min(args.colocate_timeout, 60.0)
     if args.one:
         return answer_one(args, run_one, try_colocate)
@@ -498,18 +536,23 @@ def main(argv: list[str] | None = None) -> int:
     load_start, busy = check_load("step times")
     model_name = args.model
     args.model = resolve_model(args.model)  # build the built-in model once, before the children start
+    args.prompt_tokens = fit_lengths(args.model, args.prompt_tokens, args.max_completion_length)
     impls = [i for i in IMPLS if i in args.impls]
-    jobs = [(impl, n) for n in args.ns for impl in impls]
-    if not args.no_colocate:
-        jobs.append((COLOCATE, args.ns[0]))
     wall = time.perf_counter()
-    rows, colocate = run_jobs(jobs, lambda impl, n, timeout: _child(args, impl, n, timeout), args.ns,
-                              args.colocate_timeout, "training steps (impl, n)")
+    rows, colocate = [], []
+    for length in args.prompt_tokens:
+        jobs = [(impl, n) for n in args.ns for impl in impls]
+        if not args.no_colocate and length == args.prompt_tokens[0]:
+            jobs.append((COLOCATE, args.ns[0]))
+        got, tried = run_jobs(jobs, lambda impl, n, timeout, length=length: _child(args, length, impl, n, timeout),
+                              args.ns, args.colocate_timeout, f"training steps, {length}-token prompts (impl, n)")
+        rows += got
+        colocate += tried
     rows += [c for c in colocate if c.get("ran")]  # a colocate run that worked is a row of its own
     load_end = os.getloadavg()
     result = {
         "meta": {"model_name": model_name, "model_path": args.model, "ns": args.ns, "impls": impls,
-                 "prompts": args.prompts, "steps": args.steps, "warmup_steps_discarded": 1,
+                 "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "steps": args.steps, "warmup_steps_discarded": 1,
                  "max_completion_length": args.max_completion_length, "temperature": 1.0,
                  "learning_rate": LEARNING_RATE, "with_ref": args.with_ref, "kl_coef": KL_COEF if args.with_ref else 0.0,
                  "quick": args.quick, "cpus": os.cpu_count(), "threads": args.threads, "impl_names": IMPLS,
@@ -522,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "colocate": colocate,
     }
-    result["goals"] = goals(rows, args.ns)
+    result["goals"] = {str(length): goals([r for r in rows if r.get("prompt_tokens") == length], args.ns, length)
+                       for length in args.prompt_tokens}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(write_outputs(result, out_dir))

@@ -8,6 +8,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.rollout import HFEngine, RolloutBatch, SamplingOptions, iter_weight_buckets
@@ -109,3 +111,34 @@ def test_hf_engine_layout_and_logprobs():
     assert expanded.completion_ids == batch.completion_ids and expanded.group_index == batch.group_index
     with pytest.raises(ValueError, match="whole groups"):
         engine.generate_expanded([[1]] * 5, 4, opts)
+
+
+@settings(max_examples=25, deadline=None)
+@given(target=st.integers(min_value=0, max_value=700), seed=st.integers(min_value=0, max_value=3),
+       which=st.integers(min_value=0, max_value=40))
+def test_long_prompts_reach_the_length_and_keep_the_question(target, seed, which):
+    """The benchmarks' long prompts: never over the target, at most two tokens short of it (a word is one or two
+    tokens here), the task's question last, deterministic; a question already that long is left alone."""
+    from trl_nrollout.builtin import digits_prompts, long_prompts
+
+    _, tok = tiny()
+    text = digits_prompts(41)[which]
+    out = long_prompts([text], tok, target, seed=seed)[0]
+    length = len(tok(out, add_special_tokens=False)["input_ids"])
+    own = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert out.endswith(text)
+    if target <= own + 1:
+        assert out == text
+    else:
+        assert target - 2 <= length <= target
+    assert long_prompts([text], tok, target, seed=seed) == [out]
+
+
+def test_long_prompts_do_not_share_their_context():
+    """Each prompt gets its own context: the engine's prefix cache must not make long prompts look cheap."""
+    from trl_nrollout.builtin import digits_prompts, long_prompts
+
+    _, tok = tiny()
+    texts = long_prompts(digits_prompts(8), tok, 256)
+    heads = {t[:40] for t in texts}
+    assert len(heads) == len(texts)

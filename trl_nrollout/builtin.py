@@ -282,7 +282,7 @@ def long_prompts(texts: list[str], tokenizer, prompt_tokens: int, seed: int = 0)
     for text in texts:
         words = [rng.choice(_WORDS) for _ in range(prompt_tokens)]  # a word is at least one token: enough words
 
-        def length(k: int) -> int:
+        def length(k: int, words: list[str] = words, text: str = text) -> int:
             return len(tokenizer(" ".join(words[:k]) + "\n" + text, add_special_tokens=False)["input_ids"])
 
         lo, hi = 0, len(words)  # the most words whose prompt still fits

@@ -14,6 +14,7 @@ gradient accumulation, optimizer, logging, checkpoints.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import fields
 from typing import Any
@@ -773,15 +774,13 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
 
         # rollout / trainer mismatch: drift metrics always, importance weights when asked
         rollout = inputs["sampling_per_token_logps"]
-        diff = (old - rollout) * mask
+        diff = ((old - rollout) * mask).detach().abs()
         n_tok = mask.sum().clamp(min=1)
-        drift_mean = (diff.abs().sum() / n_tok).item()
-        drift_max = diff.abs().max().item() if mask.any() else 0.0
-        self._metric(mode, "rollout_corr/logprob_abs_diff_mean", drift_mean)
-        self._metric(mode, "rollout_corr/logprob_abs_diff_max", drift_max)
-        self._metric(mode, "sampling/sampling_logp_difference/mean", drift_mean)  # TRL's names
-        self._metric(mode, "sampling/sampling_logp_difference/max", drift_max)
-        self._metric(mode, "rollout_corr/kl", ((kl_penalty(rollout, old, "k3") * mask).sum() / n_tok).item())
+        # metrics stay on the device until one host transfer at the end (no sync per metric on a GPU)
+        stats: dict[str, Tensor] = {}
+        stats["rollout_corr/logprob_abs_diff_mean"] = diff.sum() / n_tok
+        stats["rollout_corr/logprob_abs_diff_max"] = diff.amax() if diff.numel() else diff.sum()  # 0 when all masked
+        stats["rollout_corr/kl"] = (kl_penalty(rollout, old, "k3") * mask).sum() / n_tok
         adv = inputs["advantages"]  # [B, T] from our estimators; [B] (one per sample) from a TRL-style subclass
         adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
         weights = None
@@ -790,8 +789,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
                                          upper=args.rollout_is_threshold, lower=args.rollout_is_threshold_lower)
             full = weights.expand_as(mask)
             if args.rollout_is_mode == "mask":
-                self._metric(mode, "rollout_corr/masked_fraction", (((full == 0) * mask).sum() / n_tok).item())
-            self._metric(mode, "rollout_corr/is_weight_mean", ((full * mask).sum() / n_tok).item())
+                stats["rollout_corr/masked_fraction"] = ((full == 0) * mask).sum() / n_tok
+            stats["rollout_corr/is_weight_mean"] = (full * mask).sum() / n_tok
         # TRL's token masks: the top-rho entropy tokens of the step, DeepSeek-V3.2's off-policy sequence mask
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
@@ -801,7 +800,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         if args.off_policy_mask_threshold is not None:
             keep = off_policy_sequence_mask(adv, logps, rollout, mask, args.off_policy_mask_threshold)
             token_mask = keep if token_mask is None else token_mask * keep
-            self._metric(mode, "off_policy_mask/dropped_fraction", (1 - keep).mean().item())
+            stats["off_policy_mask/dropped_fraction"] = (1 - keep).mean()
         vespo = None
         if args.policy_loss_mode == "vespo":
             vespo = vespo_weights(adv, logps, old, mask, log_is_weight=None if weights is None else weights.log(),
@@ -821,7 +820,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
                 kl = kl * torch.exp(logps - old)
             kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
             loss = loss + self.beta * kl_loss
-            self._metric(mode, "actor/kl_loss", ((kl.detach() * mask).sum() / n_tok).item())
+            stats["actor/kl_loss"] = (kl.detach() * mask).sum() / n_tok
         if args.loss_agg_mode == "token-mean-micro":  # TRL's bnpo: this micro batch's mean, over the accumulation
             loss = loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
         if self._entropy_bonus_enabled:
@@ -829,29 +828,39 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         if aux_loss is not None:  # TRL's MoE router loss, router_aux_loss_coef (default: the model's own coefficient)
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-            self._metric(mode, "aux_loss", aux_loss.detach().float().item())
-        # TRL's names beside verl's (same values): policy_loss, kl, entropy, clip_ratio/*
+            stats["aux_loss"] = aux_loss.detach()
         ratio = torch.exp((logps - old).detach())
         low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
         high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
-        self._metric(mode, "clip_ratio/low_mean", ((low * mask).sum() / n_tok).item())
-        self._metric(mode, "clip_ratio/high_mean", ((high * mask).sum() / n_tok).item())
-        self._metric(mode, "clip_ratio/region_mean", (((low + high).clamp(max=1) * mask).sum() / n_tok).item())
-        self._metric(mode, "policy_loss", out.loss.item())
-        self._metric(mode, "entropy", ((entropies.detach() * mask).sum() / n_tok).item())
-        if self.beta != 0.0:
-            self._metric(mode, "kl", ((kl.detach() * mask).sum() / n_tok).item())
-        self._metric(mode, "actor/pg_loss", out.loss.item())
-        self._metric(mode, "actor/pg_clipfrac", out.clipfrac.item())
-        self._metric(mode, "actor/pg_clipfrac_lower", out.clipfrac_lower.item())
-        self._metric(mode, "actor/ppo_kl", out.approx_kl.item())
-        self._metric(mode, "actor/entropy", ((entropies.detach() * mask).sum() / n_tok).item())
-        if not torch.isfinite(loss):
+        stats["clip_ratio/low_mean"] = (low * mask).sum() / n_tok
+        stats["clip_ratio/high_mean"] = (high * mask).sum() / n_tok
+        stats["clip_ratio/region_mean"] = ((low + high).clamp(max=1) * mask).sum() / n_tok
+        stats["actor/pg_loss"] = out.loss.detach()
+        stats["actor/pg_clipfrac"] = out.clipfrac.detach()
+        stats["actor/pg_clipfrac_lower"] = out.clipfrac_lower.detach()
+        stats["actor/ppo_kl"] = out.approx_kl.detach()
+        stats["actor/entropy"] = (entropies.detach() * mask).sum() / n_tok
+        values = dict(zip([*stats, "loss"], torch.stack([v.float() for v in [*stats.values(), loss.detach()]]).tolist()))
+        if not math.isfinite(values["loss"]):  # checked on the values already fetched: no extra sync
             raise FloatingPointError(
-                f"the loss is {loss.item()} at step {self.state.global_step} (pg_loss={out.loss.item()}); check the "
-                "rewards and the learning rate, or lower clip_ratio_c."
+                f"the loss is {values['loss']} at step {self.state.global_step} (pg_loss={values['actor/pg_loss']}); "
+                "check the rewards and the learning rate, or lower clip_ratio_c."
             )
+        for name, value in values.items():
+            if name != "loss":
+                self._metric(mode, name, value)
+        for trl_name, name in _TRL_METRIC_NAMES.items():  # TRL's names beside verl's (same values)
+            if name in values:
+                self._metric(mode, trl_name, values[name])
         return loss
+
+
+#: TRL's metric names for the same values as ours (both are logged, so either dashboard keeps working).
+_TRL_METRIC_NAMES = {
+    "sampling/sampling_logp_difference/mean": "rollout_corr/logprob_abs_diff_mean",
+    "sampling/sampling_logp_difference/max": "rollout_corr/logprob_abs_diff_max",
+    "policy_loss": "actor/pg_loss", "entropy": "actor/entropy", "kl": "actor/kl_loss",
+}
 
 
 def _join_tables(first: dict | None, more: dict | None, rows_before: int) -> dict | None:
