@@ -20,8 +20,10 @@ HERE = Path(__file__).resolve().parent
 #: The benchmark scripts, in the order they run (file names under benchmarks/). Missing ones are skipped.
 BENCHMARKS: list[str] = [
     "logprob_memory.py",
+    "engine_overhead.py",
     "rollout_throughput.py",
     "step_benchmark.py",
+    "overlap_probe.py",
     "ppo_critic_cost.py",
 ]
 

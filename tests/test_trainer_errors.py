@@ -231,3 +231,24 @@ def test_mask_truncated_completions(tmp_path):
     trainer.train()
     losses = [h.get("loss", h.get("train_loss")) for h in trainer.state.log_history if "reward" in h]
     assert losses and all(math.isfinite(v) for v in losses)
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_stops_training_with_its_step(tmp_path, monkeypatch):
+    """The loss is checked on the metrics fetched in one transfer per micro batch: a NaN from the model still stops
+    the step with an error that names it, and no metric of that micro batch is logged."""
+    import torch
+
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    trainer = _trainer(tmp_path, digits_reward)
+    real = NRolloutGRPOTrainer._policy_logps
+
+    def nan_logps(self, *a, **kw):
+        logps, entropies, aux = real(self, *a, **kw)
+        return logps * torch.tensor(float("nan")), entropies, aux
+
+    monkeypatch.setattr(NRolloutGRPOTrainer, "_policy_logps", nan_logps)
+    with pytest.raises(FloatingPointError, match=r"the loss is nan at step 0 \(pg_loss=nan\)"):
+        trainer.train()
+    assert not trainer._metrics["train"].get("actor/pg_loss")
