@@ -56,6 +56,7 @@ from trl_nrollout.multimodal import (
     without_images,
 )
 from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_images
+from trl_nrollout.packing import pack_shared_prompts, packed_tokens
 from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
@@ -128,6 +129,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
             self.add_callback(LiveProgressCallback)
         self._last_synced_step: int | None = 0 if self.rollout_backend == "vllm" else None  # synced at start
+        self._packing_notice_shown = False
         self._rollout_tokens_local = 0
         self._last_step_end = time.perf_counter()
         self._update_time = 0.0
@@ -701,6 +703,10 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         ``mm``: per sample, a vision-language model's image tensors (TRL's ``forward_kwargs``); the model then
         places its positions itself, as in TRL, and its vision tower is trained.
         """
+        if mm is None and not self.aux_loss_enabled and self.args.shared_prompt_forward:
+            packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep)
+            if packed is not None:
+                return packed
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
         extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
@@ -715,6 +721,38 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
                         **extra)
         aux = out.aux_loss if self.aux_loss_enabled else None
         return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:], aux
+
+    def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
+                        ) -> tuple[Tensor, Tensor, None] | None:
+        """``shared_prompt_forward``: log-probs and entropies ``[B, C]`` from the packed layout
+        (:mod:`trl_nrollout.packing`), or None where the plain forward must run (the reason is logged once)."""
+        config = self.accelerator.unwrap_model(model).config
+        layers = getattr(config, "layer_types", None) or ["full_attention"]
+        attn = getattr(config, "_attn_implementation", None) or "sdpa"
+        reason = None
+        if attn not in ("sdpa", "eager"):
+            reason = f"attn_implementation={attn!r} ignores a 4D block mask (use 'sdpa' or 'eager')"
+        elif any(t != "full_attention" for t in layers) or getattr(config, "use_sliding_window", False):
+            reason = "the model has sliding-window layers"
+        prompt_ids = input_ids[:, :-logits_to_keep]
+        completion_ids = input_ids[:, -logits_to_keep:]
+        if reason is None:
+            packed_n, plain_n = packed_tokens(prompt_ids, completion_ids)
+            if packed_n > 0.75 * plain_n:
+                return None  # this micro batch shares too little: the plain forward is as cheap
+        else:
+            if not self._packing_notice_shown:
+                logger.warning("shared_prompt_forward=True is not used: %s; the plain forward runs.", reason)
+                self._packing_notice_shown = True
+            return None
+        # the mask in the weights' dtype: SDPA takes a float32 mask beside autocast's half-precision queries
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        pk = pack_shared_prompts(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
+                                 self._tokenizer.pad_token_id, dtype=dtype)
+        with self.accelerator.autocast():
+            out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
+                        shift_labels=pk.shift_labels, fused_lm_head=True)
+        return pk.gather(out.log_probs), pk.gather(out.entropy), None
 
     def _entropy_bonus(self, entropies: Tensor, mask: Tensor, mode: str) -> Tensor:
         """TRL's entropy bonus, by TRL's rules (``entropy_coef``, ``use_adaptive_entropy``, ``entropy_target``...).

@@ -1,0 +1,143 @@
+"""Shared-prompt packing (``shared_prompt_forward``): each prompt once per micro batch, its samples' completions
+packed after it behind a block mask, must give the plain forward's log-probs, loss and gradients."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_nrollout.packing import pack_shared_prompts, packed_tokens
+
+
+@functools.lru_cache(maxsize=1)
+def tiny():
+    from transformers import AutoModelForCausalLM
+
+    from trl_nrollout.builtin import resolve_model
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny-qwen2"), dtype=torch.float32).eval()
+
+
+def _batch(seed: int, lengths: list[int], order: list[int], width: int, c: int, vocab: int):
+    """Left-padded prompts ``[B, width]`` in ``order`` (indices into ``lengths``), right-padded completions."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(5, vocab - 5, (n,), generator=g) for n in lengths]
+    b = len(order)
+    pid = torch.zeros(b, width, dtype=torch.long)
+    pm = torch.zeros(b, width, dtype=torch.long)
+    for row, k in enumerate(order):
+        pid[row, width - lengths[k]:] = prompts[k]
+        pm[row, width - lengths[k]:] = 1
+    cid = torch.randint(5, vocab - 5, (b, c), generator=g)
+    cm = torch.ones(b, c, dtype=torch.long)
+    ends = torch.randint(1, c + 1, (b,), generator=g)
+    for row in range(b):
+        cm[row, ends[row]:] = 0
+        cid[row, ends[row]:] = 0
+    return pid, pm, cid, cm
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), lengths=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+       data=st.data(), c=st.integers(1, 6))
+def test_packed_log_probs_equal_the_plain_forward(seed, lengths, data, c):
+    """Any grouping (uneven counts, interleaved order), left padding and right-padded completions: every real
+    completion token's log-prob is the plain forward's."""
+    model = tiny()
+    order = data.draw(st.lists(st.integers(0, len(lengths) - 1), min_size=1, max_size=8))
+    width = max(lengths)
+    pid, pm, cid, cm = _batch(seed, lengths, order, width, c, model.config.vocab_size)
+    with torch.no_grad():
+        ids, am = torch.cat([pid, cid], 1), torch.cat([pm, cm], 1)
+        logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+        plain = logits[:, width - 1:-1].log_softmax(-1).gather(-1, cid[..., None])[..., 0]
+        pk = pack_shared_prompts(pid, pm, cid, pad_token_id=0)
+        hidden = model.model(input_ids=pk.input_ids, attention_mask=pk.attention_mask,
+                             position_ids=pk.position_ids).last_hidden_state
+        per_position = model.lm_head(hidden).log_softmax(-1).gather(-1, pk.shift_labels.clamp(min=0)[..., None])
+        packed = pk.gather(per_position[..., 0])
+    assert torch.isfinite(packed).all()
+    assert ((packed - plain).abs() * cm).max() < 2e-5
+    rows = len(set(order))
+    k = max(order.count(i) for i in set(order))
+    assert pk.input_ids.shape == (rows, width - 1 + k * (c + 1))
+    assert packed_tokens(pid, cid) == (rows * (width - 1 + k * (c + 1)), len(order) * (width + c))
+
+
+def _trainer(tmp_path, **kw):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from trl_nrollout.builtin import digits_prompts, digits_reward, long_prompts, resolve_model
+    from trl_nrollout.config import NRolloutConfig
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    path = resolve_model("builtin:tiny-qwen2")
+    tok = AutoTokenizer.from_pretrained(path)
+    data = Dataset.from_dict({"prompt": long_prompts(digits_prompts(8), tok, 96)})
+    args = NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_completion_length=12,
+                          max_steps=1, save_strategy="no", rollout_backend="hf", train_batch_size=2, rollout_n=4,
+                          temperature=1.0, bf16=False, **kw)
+    return NRolloutGRPOTrainer(path, reward_funcs=[digits_reward], args=args, train_dataset=data,
+                               processing_class=tok), data
+
+
+def _loss_and_grads(trainer, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]
+
+
+@pytest.mark.slow
+def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monkeypatch):
+    """One real rollout (2 prompts of ~96 tokens x n=4, HF engine): the loss and every parameter's gradient are
+    the same with and without packing, and packing did run (half the tokens here)."""
+    import trl_nrollout.trainer as trainer_module
+
+    trainer, data = _trainer(tmp_path, shared_prompt_forward=True)
+    batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
+    batch = trainer._add_normalizers([batch], 1)[0]
+    calls = []
+    real = trainer_module.pack_shared_prompts
+    monkeypatch.setattr(trainer_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    packed_loss, packed_grads = _loss_and_grads(trainer, batch)
+    assert calls, "the packed forward did not run"
+    trainer.args.shared_prompt_forward = False
+    plain_loss, plain_grads = _loss_and_grads(trainer, batch)
+    assert len(calls) == 1
+    assert torch.allclose(packed_loss, plain_loss, atol=1e-6, rtol=1e-5)
+    for a, b in zip(packed_grads, plain_grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().sum() > 0 for g in plain_grads)
+
+
+@pytest.mark.slow
+def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monkeypatch, caplog):
+    """Distinct prompts in a micro batch (nothing to share) and an attention implementation that ignores a 4D mask
+    both run the plain forward; the second one says why, once."""
+    import trl_nrollout.trainer as trainer_module
+
+    trainer, data = _trainer(tmp_path, shared_prompt_forward=True)
+    batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
+    batch = trainer._add_normalizers([batch], 1)[0]
+    calls = []
+    monkeypatch.setattr(trainer_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1))
+    distinct = {k: (v[::4] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()}
+    trainer._compute_loss(trainer.model, distinct)  # one sample per prompt: no sharing
+    assert not calls
+    # what the check reads (the model itself keeps SDPA: flash-attention kernels do not exist on this CPU)
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    monkeypatch.setattr(trainer.accelerator, "unwrap_model", lambda model: flash)
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
+        trainer._compute_loss(trainer.model, batch)
+        trainer._compute_loss(trainer.model, batch)
+    assert not calls
+    notes = [r.message for r in caplog.records if "shared_prompt_forward" in r.message]
+    assert len(notes) == 1 and "flash_attention_2" in notes[0]

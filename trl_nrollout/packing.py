@@ -1,0 +1,114 @@
+"""Shared-prompt packing: the training forward runs each prompt once for all of its samples in a micro batch.
+
+GRPO's n samples of a prompt repeat the prompt n times; with long prompts and short completions the training
+forward and backward spend nearly all their tokens on those copies. :func:`pack_shared_prompts` lays out a micro
+batch as one row per distinct prompt::
+
+    [prompt[:-1] | prompt[-1] c1[0] ... c1[C-1] | prompt[-1] c2[0] ... c2[C-1] | ...]
+
+Every segment starts with its own copy of the prompt's last token (the position that predicts the completion's
+first token), carries the positions the completion has in its own sequence, and attends to the shared prompt and
+to itself only (a 4D mask). The per-token log-probs of each completion are then those of the unpacked batch,
+computed over ``prompts x (P + K x (C + 1))`` tokens instead of ``samples x (P + C)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PackedBatch:
+    """One micro batch in the packed layout (G distinct prompts, K segments per row, row length L).
+
+    - ``input_ids``, ``position_ids``, ``shift_labels``: ``[G, L]``; ``shift_labels[g, t]`` is the token that
+      position ``t`` predicts (``-100`` where nothing is scored), TRL's fused LM head's ``shift_labels``.
+    - ``attention_mask``: ``[G, 1, L, L]`` additive (0 where a query may attend, the dtype's minimum elsewhere).
+    - ``index``: ``[B, C]`` flat positions into ``[G * L]``: sample ``b``'s token ``j`` is scored at ``index[b, j]``.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor
+    shift_labels: Tensor
+    index: Tensor
+
+    def gather(self, per_position: Tensor) -> Tensor:
+        """``[G, L]`` per-position values (log-probs, entropies) -> ``[B, C]`` per completion token."""
+        return per_position.reshape(-1)[self.index]
+
+
+def packed_tokens(prompt_ids: Tensor, completion_ids: Tensor) -> tuple[int, int]:
+    """Tokens of the packed and of the plain layout of a micro batch (to decide whether packing pays):
+    ``prompt_ids [B, P]``, ``completion_ids [B, C]``."""
+    rows, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)
+    k = int(torch.bincount(inverse).max())
+    length = prompt_ids.shape[1] - 1 + k * (completion_ids.shape[1] + 1)
+    return rows.shape[0] * length, prompt_ids.shape[0] * (prompt_ids.shape[1] + completion_ids.shape[1])
+
+
+def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, pad_token_id: int,
+                        dtype: torch.dtype = torch.float32) -> PackedBatch:
+    """Pack a micro batch whose rows share prompts.
+
+    Args:
+        prompt_ids, prompt_mask: ``[B, P]``, left-padded (TRL's layout: the last column is each prompt's last token).
+        completion_ids: ``[B, C]``, right-padded (padding is packed too and scored, as in the plain layout; the loss
+            mask drops it).
+        pad_token_id: filler of the rows with fewer segments than the longest.
+        dtype: dtype of the additive attention mask (the model's compute dtype).
+    """
+    device = prompt_ids.device
+    batch, width = prompt_ids.shape
+    c = completion_ids.shape[1]
+    rows, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)
+    groups = rows.shape[0]
+    counts = torch.bincount(inverse, minlength=groups)
+    k_max = int(counts.max())
+    seg_len = c + 1
+    length = width - 1 + k_max * seg_len
+    # each sample's slot within its prompt's row, in batch order
+    slot = torch.zeros(batch, dtype=torch.long, device=device)
+    seen = torch.zeros(groups, dtype=torch.long, device=device)
+    for b, g in enumerate(inverse.tolist()):
+        slot[b] = seen[g]
+        seen[g] += 1
+    row_mask = torch.zeros(groups, width, dtype=prompt_mask.dtype, device=device)
+    row_mask[inverse] = prompt_mask
+    prompt_len = row_mask.sum(-1)  # [G]
+
+    input_ids = torch.full((groups, length), pad_token_id, dtype=prompt_ids.dtype, device=device)
+    input_ids[:, :width - 1] = rows[:, :-1]
+    position_ids = torch.zeros(groups, length, dtype=torch.long, device=device)
+    position_ids[:, :width - 1] = (row_mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
+    shift_labels = torch.full((groups, length), -100, dtype=torch.long, device=device)
+    segment = torch.full((groups, length), -1, dtype=torch.long, device=device)  # -1: the shared prompt
+    key_ok = torch.zeros(groups, length, dtype=torch.bool, device=device)
+    key_ok[:, :width - 1] = row_mask[:, :-1].bool()
+    seg_pos = prompt_len[:, None] - 1 + torch.arange(seg_len, device=device)  # [G, C + 1]
+    for s in range(k_max):
+        start = width - 1 + s * seg_len
+        span = slice(start, start + seg_len)
+        input_ids[:, start] = rows[:, -1]
+        position_ids[:, span] = seg_pos
+        segment[:, span] = s
+        key_ok[:, span] = (counts > s)[:, None]
+    index = torch.empty(batch, c, dtype=torch.long, device=device)
+    offsets = torch.arange(c, device=device)
+    for b in range(batch):
+        g, s = int(inverse[b]), int(slot[b])
+        start = width - 1 + s * seg_len
+        input_ids[g, start + 1:start + seg_len] = completion_ids[b]
+        shift_labels[g, start:start + c] = completion_ids[b]
+        index[b] = g * length + start + offsets
+
+    q_seg, k_seg = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    allowed = causal & key_ok[:, None, :] & ((k_seg == -1) | (k_seg == q_seg))
+    allowed |= torch.eye(length, dtype=torch.bool, device=device)  # padding queries see themselves: no NaN rows
+    mask = torch.zeros(groups, 1, length, length, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    return PackedBatch(input_ids, position_ids, mask, shift_labels, index)
