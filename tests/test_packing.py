@@ -70,7 +70,7 @@ def test_packed_log_probs_equal_the_plain_forward(seed, lengths, data, c):
     assert packed_tokens(pid, cid) == (rows * (width - 1 + k * (c + 1)), len(order) * (width + c))
 
 
-def _trainer(tmp_path, **kw):
+def _trainer(tmp_path, peft_config=None, **kw):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -85,23 +85,30 @@ def _trainer(tmp_path, **kw):
                           max_steps=1, save_strategy="no", rollout_backend="hf", train_batch_size=2, rollout_n=4,
                           temperature=1.0, bf16=False, **kw)
     return NRolloutGRPOTrainer(path, reward_funcs=[digits_reward], args=args, train_dataset=data,
-                               processing_class=tok), data
+                               processing_class=tok, peft_config=peft_config), data
 
 
 def _loss_and_grads(trainer, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
     trainer.model.zero_grad()
     loss = trainer._compute_loss(trainer.model, batch)
     loss.backward()
-    return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]
+    return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.requires_grad]
 
 
 @pytest.mark.slow
-def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monkeypatch):
-    """One real rollout (2 prompts of ~96 tokens x n=4, HF engine): the loss and every parameter's gradient are
-    the same with and without packing, and packing did run (half the tokens here)."""
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monkeypatch, lora):
+    """One real rollout (2 prompts of ~96 tokens x n=4, HF engine): the loss and every trained parameter's gradient
+    are the same with and without packing (a full model, and LoRA adapters through PEFT's forward), and packing did
+    run (half the tokens here)."""
     import trl_nrollout.trainer as trainer_module
 
-    trainer, data = _trainer(tmp_path, shared_prompt_forward=True)
+    peft = None
+    if lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trainer, data = _trainer(tmp_path, peft_config=peft, shared_prompt_forward=True)
     batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
     batch = trainer._add_normalizers([batch], 1)[0]
     calls = []
@@ -141,3 +148,22 @@ def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monke
     assert not calls
     notes = [r.message for r in caplog.records if "shared_prompt_forward" in r.message]
     assert len(notes) == 1 and "flash_attention_2" in notes[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_shared_prompt_forward_under_zero3_reproduces_the_plain_run(tmp_path):
+    """The recipe in two processes under ZeRO-3 (one forward per micro batch either way, so the partitioned
+    parameters are gathered as before): with packing on, the rewards and losses of 3 steps are the plain run's."""
+    from tests.test_trainer import launch
+
+    common = ("--max_steps", "3", "--save_strategy", "no")
+    plain = launch(tmp_path / "plain", *common, config="zero3_cpu.yaml", timeout=900)
+    packed = launch(tmp_path / "packed", *common, "--shared_prompt_forward", "true", config="zero3_cpu.yaml",
+                    timeout=900)
+    assert len(plain["steps"]) == len(packed["steps"]) == 3
+    for a, b in zip(plain["steps"], packed["steps"]):
+        assert a["reward"] == pytest.approx(b["reward"], abs=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
