@@ -96,3 +96,43 @@ def run_jobs(jobs: list[tuple[str, int]], child, ns: list[int], colocate_timeout
         if res.get("ran"):  # it ran: measure it at the other n as well
             colocate += [child(impl, m, colocate_timeout) for m in ns[1:]]
     return rows, colocate
+
+
+def start_parent(args, what: str) -> tuple[str, tuple[float, float, float], bool]:
+    """The parent side's start: the child environment's defaults in this process too, the idle check, and
+    ``args.model`` turned into a local folder (a built-in model is built once, before any child starts). Returns
+    the model's name as given, the load average and whether the machine was busy."""
+    from trl_nrollout.builtin import resolve_model
+
+    for key, value in CHILD_ENV.items():
+        os.environ.setdefault(key, value)
+    load, busy = check_load(what)
+    name = args.model
+    args.model = resolve_model(args.model)
+    return name, load, busy
+
+
+def sweep(lengths: list[int], ns: list[int], impls: list[str], child, colocate: bool, colocate_timeout: float,
+          desc: str) -> tuple[list[dict], list[dict]]:
+    """Every (implementation, n) at every prompt length, each in a child process (``child(length, impl, n,
+    timeout)``); TRL's colocate try once, at the first length. Returns (rows, colocate results)."""
+    rows, tried = [], []
+    for length in lengths:
+        jobs = [(impl, n) for n in ns for impl in impls]
+        if colocate and length == lengths[0]:
+            jobs.append((COLOCATE, ns[0]))
+        got, more = run_jobs(jobs, lambda impl, n, timeout, length=length: child(length, impl, n, timeout), ns,
+                             colocate_timeout, f"{desc}, {length}-token prompts (impl, n)")
+        rows += got
+        tried += more
+    return rows, tried
+
+
+def finish(result: dict, out_dir: str, write_outputs, busy: bool, load: tuple[float, float, float]) -> int:
+    """Write the result's files, print its table, and repeat the busy-machine warning at the end."""
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    print(write_outputs(result, path))
+    if busy:
+        print(f"WARNING: the machine was busy at the start (load {load[0]:.2f}).", file=sys.stderr)
+    return 0

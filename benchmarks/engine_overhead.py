@@ -26,11 +26,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from common import BUSY_LOAD, CHILD_ENV, ROOT, check_load
+from common import BUSY_LOAD, ROOT, finish, start_parent
 
 GOAL = 0.95  # ours / plain tokens/s at n = 8
 
@@ -153,14 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.ns, args.reps = [8], 2
-    for key, value in CHILD_ENV.items():
-        os.environ.setdefault(key, value)
-
-    from trl_nrollout.builtin import resolve_model
-
-    load_start, busy = check_load("overhead ratios")
-    model_name = args.model
-    args.model = resolve_model(args.model)
+    model_name, load_start, busy = start_parent(args, "overhead ratios")
     result = measure(args)
     result.update({
         "meta": {"model_name": model_name, "model_path": args.model, "ns": args.ns, "prompts": args.prompts,
@@ -168,12 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                   "quick": args.quick, "cpus": os.cpu_count()},
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "busy_at_start": busy})
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print(write_outputs(result, out_dir))
-    if busy:
-        print(f"WARNING: the machine was busy at the start (load {load_start[0]:.2f}).", file=sys.stderr)
-    return 0
+    return finish(result, args.out, write_outputs, busy, load_start)
 
 
 if __name__ == "__main__":

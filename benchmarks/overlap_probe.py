@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import CHILD_ENV, ROOT, check_load
+from common import ROOT, start_parent
 
 
 def measure(args) -> dict:
@@ -104,13 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.reps = 1
-    for key, value in CHILD_ENV.items():
-        os.environ.setdefault(key, value)
-    from trl_nrollout.builtin import resolve_model
-
-    load_start, busy = check_load("overlap figures")
-    name = args.model
-    args.model = resolve_model(args.model)
+    name, load_start, busy = start_parent(args, "overlap figures")
     result = measure(args)
     result.update({"meta": {"model_name": name, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                             "n": args.n, "max_tokens": args.max_tokens, "reps": args.reps, "cpus": os.cpu_count()},

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import traceback
@@ -40,14 +39,14 @@ from pathlib import Path
 from common import (
     BUSY_LOAD,
     CHILD_ENV,
-    COLOCATE,
     COLOCATE_ENV,
     ROOT,
     answer_one,
-    check_load,
+    finish,
     fit_lengths,
     run_child,
-    run_jobs,
+    start_parent,
+    sweep,
 )
 
 IMPLS = {"ours": "trl_nrollout VLLMEngineGroup", "trl-hf": "TRL GRPOTrainer (transformers generate)",
@@ -294,21 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         return answer_one(args, run_one, try_colocate)
 
-    from trl_nrollout.builtin import resolve_model
-
-    load_start, busy = check_load("throughput figures")
-    model_name = args.model
-    args.model = resolve_model(args.model)  # build the built-in model once, before the children start
+    model_name, load_start, busy = start_parent(args, "throughput figures")
     args.prompt_tokens = fit_lengths(args.model, args.prompt_tokens, args.max_tokens)
-    rows, colocate = [], []
-    for length in args.prompt_tokens:
-        jobs = [(impl, n) for n in args.ns for impl in ("ours", "trl-hf")]
-        if not args.no_colocate and length == args.prompt_tokens[0]:
-            jobs.append((COLOCATE, args.ns[0]))
-        got, tried = run_jobs(jobs, lambda impl, n, timeout, length=length: _child(args, length, impl, n, timeout),
-                              args.ns, args.colocate_timeout, f"rollout throughput, {length}-token prompts (impl, n)")
-        rows += got
-        colocate += tried
+    rows, colocate = sweep(args.prompt_tokens, args.ns, ["ours", "trl-hf"],
+                           lambda length, impl, n, timeout: _child(args, length, impl, n, timeout),
+                           not args.no_colocate, args.colocate_timeout, "rollout throughput")
     load_end = os.getloadavg()
 
     def tps(impl, length, n):
@@ -327,12 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                    for length in args.prompt_tokens for n in args.ns},
         "colocate": colocate,
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print(write_outputs(result, out_dir))
-    if busy:
-        print(f"WARNING: the machine was busy at the start (load {load_start[0]:.2f}).", file=sys.stderr)
-    return 0
+    return finish(result, args.out, write_outputs, busy, load_start)
 
 
 if __name__ == "__main__":

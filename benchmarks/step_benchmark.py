@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
 import traceback
@@ -52,14 +51,14 @@ from pathlib import Path
 from common import (
     BUSY_LOAD,
     CHILD_ENV,
-    COLOCATE,
     COLOCATE_ENV,
     ROOT,
     answer_one,
-    check_load,
+    finish,
     fit_lengths,
     run_child,
-    run_jobs,
+    start_parent,
+    sweep,
 )
 
 IMPLS = {"ours-vllm": "NRolloutGRPOTrainer, vLLM engine", "ours-hf": "NRolloutGRPOTrainer, HF engine",
@@ -535,23 +534,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         return answer_one(args, run_one, try_colocate)
 
-    from trl_nrollout.builtin import resolve_model
-
-    load_start, busy = check_load("step times")
-    model_name = args.model
-    args.model = resolve_model(args.model)  # build the built-in model once, before the children start
+    model_name, load_start, busy = start_parent(args, "step times")
     args.prompt_tokens = fit_lengths(args.model, args.prompt_tokens, args.max_completion_length)
     impls = [i for i in IMPLS if i in args.impls]
     wall = time.perf_counter()
-    rows, colocate = [], []
-    for length in args.prompt_tokens:
-        jobs = [(impl, n) for n in args.ns for impl in impls]
-        if not args.no_colocate and length == args.prompt_tokens[0]:
-            jobs.append((COLOCATE, args.ns[0]))
-        got, tried = run_jobs(jobs, lambda impl, n, timeout, length=length: _child(args, length, impl, n, timeout),
-                              args.ns, args.colocate_timeout, f"training steps, {length}-token prompts (impl, n)")
-        rows += got
-        colocate += tried
+    rows, colocate = sweep(args.prompt_tokens, args.ns, impls,
+                           lambda length, impl, n, timeout: _child(args, length, impl, n, timeout),
+                           not args.no_colocate, args.colocate_timeout, "training steps")
     rows += [c for c in colocate if c.get("ran")]  # a colocate run that worked is a row of its own
     load_end = os.getloadavg()
     result = {
@@ -572,12 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["goals"] = {str(length): goals([r for r in rows if r.get("prompt_tokens") == length], args.ns, length)
                        for length in args.prompt_tokens}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    print(write_outputs(result, out_dir))
-    if busy:
-        print(f"WARNING: the machine was busy at the start (load {load_start[0]:.2f}).", file=sys.stderr)
-    return 0
+    return finish(result, args.out, write_outputs, busy, load_start)
 
 
 if __name__ == "__main__":
