@@ -136,3 +136,36 @@ def finish(result: dict, out_dir: str, write_outputs, busy: bool, load: tuple[fl
     if busy:
         print(f"WARNING: the machine was busy at the start (load {load[0]:.2f}).", file=sys.stderr)
     return 0
+
+
+def pyplot():
+    """matplotlib's pyplot on a file backend, or None (saying so) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (PNG, 110 dpi) and close a figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_table(result: dict, lines: list[str], out_dir: Path, name: str) -> str:
+    """Close the table with the busy-machine warning when due, write ``<name>.json`` and ``<name>.md``; return
+    the table."""
+    if result["busy_at_start"]:
+        lines.append(f"**Warning:** the machine was busy at the start (load > {BUSY_LOAD}); figures are noisy.")
+    table = "\n".join(lines)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out_dir / f"{name}.md").write_text(table + "\n")
+    return table

@@ -23,13 +23,12 @@ steps. Goal (issue 15): ours / plain tokens/s >= 0.95 at n = 8.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from common import BUSY_LOAD, ROOT, finish, start_parent
+from common import ROOT, finish, pyplot, save_figure, start_parent, write_table
 
 GOAL = 0.95  # ours / plain tokens/s at n = 8
 
@@ -112,17 +111,9 @@ def write_outputs(result: dict, out_dir: Path) -> str:
               f"after a warm-up, interleaved (tokens/s from the median call); model `{meta['model_name']}`, KV block {result['block_size']}, "
               f"{meta['cpus']} CPUs. Load average (1 min) {result['load_avg_start'][0]:.2f} at start, "
               f"{result['load_avg_end'][0]:.2f} at end."]
-    if result["busy_at_start"]:
-        lines.append(f"**Warning:** the machine was busy at the start (load > {BUSY_LOAD}); figures are noisy.")
-    table = "\n".join(lines)
-    (out_dir / "engine_overhead.json").write_text(json.dumps(result, indent=2))
-    (out_dir / "engine_overhead.md").write_text(table + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    table = write_table(result, lines, out_dir, "engine_overhead")
+    plt = pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
         ax.bar([str(r["n"]) for r in rows], [r["ratio"] for r in rows], color="C2")
         ax.axhline(GOAL, color="C3", ls="--", lw=1, label=f"goal {GOAL}")
@@ -131,11 +122,7 @@ def write_outputs(result: dict, out_dir: Path) -> str:
                title=f"engine overhead, {meta['prompt_tokens']}-token prompts")
         ax.set_ylim(0, max(1.1, max(r["ratio"] for r in rows) * 1.1))
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / "engine_overhead.png", dpi=110)
-        plt.close(fig)
-    except ImportError:
-        print("matplotlib not installed: no plot")
+        save_figure(fig, out_dir / "engine_overhead.png")
     return table
 
 

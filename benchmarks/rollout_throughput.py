@@ -29,7 +29,6 @@ over the timed calls. Goal (issue 15): ours >= 3x TRL's tokens/s at 512-token pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -44,9 +43,12 @@ from common import (
     answer_one,
     finish,
     fit_lengths,
+    pyplot,
     run_child,
+    save_figure,
     start_parent,
     sweep,
+    write_table,
 )
 
 IMPLS = {"ours": "trl_nrollout VLLMEngineGroup", "trl-hf": "TRL GRPOTrainer (transformers generate)",
@@ -229,17 +231,9 @@ def write_outputs(result: dict, out_dir: Path) -> str:
                  f"{meta['reps']} timed calls after one warm-up per configuration, {meta['cpus']} CPUs{threads}; "
                  f"model `{meta['model_name']}`. Load average (1 min) {result['load_avg_start'][0]:.2f} at start, "
                  f"{result['load_avg_end'][0]:.2f} at end.")
-    if result["busy_at_start"]:
-        lines.append(f"**Warning:** the machine was busy at the start (load > {BUSY_LOAD}); figures are noisy.")
-    table = "\n".join(lines)
-    (out_dir / "rollout_throughput.json").write_text(json.dumps(result, indent=2))
-    (out_dir / "rollout_throughput.md").write_text(table + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    table = write_table(result, lines, out_dir, "rollout_throughput")
+    plt = pyplot()
+    if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for j, length in enumerate(lengths):
             for impl, style in (("ours", "-"), ("trl-hf", "--")):
@@ -257,11 +251,7 @@ def write_outputs(result: dict, out_dir: Path) -> str:
             ax.grid(alpha=0.3)
             ax.set_xticks(ns)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "rollout_throughput.png", dpi=110)
-        plt.close(fig)
-    except ImportError:
-        print("matplotlib not installed: no plot")
+        save_figure(fig, out_dir / "rollout_throughput.png")
     return table
 
 
