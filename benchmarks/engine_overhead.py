@@ -12,7 +12,8 @@ and times, interleaved, on the same prompts:
 
 Both sample at temperature 1.0 with ``--max-tokens`` new tokens and EOS ignored, so every call generates exactly
 ``prompts x n x max_tokens`` tokens. The calls alternate (which one goes first flips every repetition) so that a
-change in machine load hits both. The prompts are the built-in ``digits`` prompts lengthened to
+change in machine load hits both; tokens/s come from each side's median call (the ratio of the means is in the
+JSON too). The prompts are the built-in ``digits`` prompts lengthened to
 ``--prompt-tokens`` by :func:`trl_nrollout.builtin.long_prompts`; by default ``prompts x prompt_tokens`` exceeds
 the engine's token budget of one scheduler step (``max_num_batched_tokens``), so a call takes several prefill
 steps. Goal (issue 15): ours / plain tokens/s >= 0.95 at n = 8.
