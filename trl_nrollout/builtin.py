@@ -271,8 +271,8 @@ def digits_prompts(num: int = 256, seed: int = 0) -> list[str]:
 
 
 def long_prompts(texts: list[str], tokenizer, prompt_tokens: int, seed: int = 0) -> list[str]:
-    """``texts`` made ``prompt_tokens`` tokens long (within two tokens, never over) by a context of random words
-    before each one, as real prompts carry instructions and few-shot examples before the question.
+    """``texts`` made ``prompt_tokens`` tokens long (never over, short by less than one word) by a context of random
+    words before each one, as real prompts carry instructions and few-shot examples before the question.
 
     Each prompt gets its own context (deterministic for ``seed``), so no two prompts share a prefix beyond what the
     engine's prefix cache would see in real data. A text already that long is kept as it is. ``tokenizer``: the
