@@ -63,7 +63,7 @@ GOAL_RATIO, GOAL_PROMPT_TOKENS, GOAL_N = 3.0, 512, 12
 
 def load_prompts(model_path: str, num: int, prompt_tokens: int = 0) -> tuple[list[str], list[list[int]]]:
     """The benchmark's prompts: plain text, tokenized with the model's tokenizer (no chat template), lengthened to
-    ``prompt_tokens`` tokens (within two) by :func:`~trl_nrollout.builtin.long_prompts` when that is longer."""
+    ``prompt_tokens`` tokens (short by less than a word) by :func:`~trl_nrollout.builtin.long_prompts` when that is longer."""
     from transformers import AutoTokenizer
 
     from trl_nrollout.builtin import digits_prompts, long_prompts
