@@ -127,7 +127,7 @@ def test_long_prompts_reach_the_length_and_keep_the_question(target, seed, which
     length = len(tok(out, add_special_tokens=False)["input_ids"])
     own = len(tok(text, add_special_tokens=False)["input_ids"])
     assert out.endswith(text)
-    word = max(len(tok(" " + w, add_special_tokens=False)["input_ids"]) for w in _WORDS)  # 3 for the tiny BPE
+    word = max(len(tok(" " + w, add_special_tokens=False)["input_ids"]) for w in _WORDS)  # up to 5 for the tiny BPE
     assert length <= max(target, own)
     if target <= own + 1:
         assert out == text
