@@ -703,8 +703,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         ``mm``: per sample, a vision-language model's image tensors (TRL's ``forward_kwargs``); the model then
         places its positions itself, as in TRL, and its vision tower is trained.
         """
-        if mm is None and not self.aux_loss_enabled and self.args.shared_prompt_forward:
-            packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep)
+        if self.args.shared_prompt_forward:
+            packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep, mm)
             if packed is not None:
                 return packed
         labels = input_ids.masked_fill(attention_mask == 0, -100)
@@ -722,15 +722,19 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         aux = out.aux_loss if self.aux_loss_enabled else None
         return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:], aux
 
-    def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
-                        ) -> tuple[Tensor, Tensor, None] | None:
+    def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int,
+                        mm: list | None = None) -> tuple[Tensor, Tensor, None] | None:
         """``shared_prompt_forward``: log-probs and entropies ``[B, C]`` from the packed layout
         (:mod:`trl_nrollout.packing`), or None where the plain forward must run (the reason is logged once)."""
         config = self.accelerator.unwrap_model(model).config
         layers = getattr(config, "layer_types", None) or ["full_attention"]
         attn = getattr(config, "_attn_implementation", None) or "sdpa"
         reason = None
-        if attn not in ("sdpa", "eager"):
+        if mm is not None:
+            reason = "the prompts hold images (a vision-language model places its own positions)"
+        elif self.aux_loss_enabled:
+            reason = "the MoE router loss counts every token of the plain layout"
+        elif attn not in ("sdpa", "eager"):
             reason = f"attn_implementation={attn!r} ignores a 4D block mask (use 'sdpa' or 'eager')"
         elif any(t != "full_attention" for t in layers) or getattr(config, "use_sliding_window", False):
             reason = "the model has sliding-window layers"
