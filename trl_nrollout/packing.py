@@ -70,12 +70,13 @@ def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids:
     k_max = int(counts.max())
     seg_len = c + 1
     length = width - 1 + k_max * seg_len
-    # each sample's slot within its prompt's row, in batch order
-    slot = torch.zeros(batch, dtype=torch.long, device=device)
-    seen = torch.zeros(groups, dtype=torch.long, device=device)
-    for b, g in enumerate(inverse.tolist()):
-        slot[b] = seen[g]
+    # each sample's slot within its prompt's row, in batch order (counted on the host: one transfer, not one per row)
+    seen = [0] * groups
+    slots = []
+    for g in inverse.tolist():
+        slots.append(seen[g])
         seen[g] += 1
+    slot = torch.tensor(slots, dtype=torch.long, device=device)
     row_mask = torch.zeros(groups, width, dtype=prompt_mask.dtype, device=device)
     row_mask[inverse] = prompt_mask
     prompt_len = row_mask.sum(-1)  # [G]
@@ -96,14 +97,11 @@ def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids:
         position_ids[:, span] = seg_pos
         segment[:, span] = s
         key_ok[:, span] = (counts > s)[:, None]
-    index = torch.empty(batch, c, dtype=torch.long, device=device)
-    offsets = torch.arange(c, device=device)
-    for b in range(batch):
-        g, s = int(inverse[b]), int(slot[b])
-        start = width - 1 + s * seg_len
-        input_ids[g, start + 1:start + seg_len] = completion_ids[b]
-        shift_labels[g, start:start + c] = completion_ids[b]
-        index[b] = g * length + start + offsets
+    # sample b's segment starts at (width - 1 + slot * (C + 1)) of its row; its tokens follow the copied last token
+    starts = inverse * length + width - 1 + slot * seg_len  # [B], flat
+    index = starts[:, None] + torch.arange(c, device=device)  # [B, C]
+    input_ids.view(-1)[index + 1] = completion_ids
+    shift_labels.view(-1)[index] = completion_ids
 
     q_seg, k_seg = segment[:, :, None], segment[:, None, :]
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
