@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 _SLEEP_NOTICE_SHOWN = False
 #: KV block size of a CPU engine: the smallest vLLM's CPU attention accepts (a multiple of 32; vLLM's CPU default
 #: is 128). vLLM's n samples of a prompt share its cached full blocks, but each sample recomputes the prompt's last
-#: partial block, up to ``block_size`` tokens: at 512-token prompts, n = 12, 32-token blocks made the rollout 1.7x
-#: faster than 128-token ones (benchmarks/engine_overhead.py; short prompts gain too).
+#: partial block, up to ``block_size`` tokens: at 512-token prompts, n = 12, 32-token blocks made a rollout of
+#: builtin:medium-qwen2 1.7x faster than 128-token ones, timed by hand (docs/backends.md; short prompts gain too).
 CPU_BLOCK_SIZE = 32
 
 
