@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout.packing import pack_shared_prompts, packed_tokens
+from trl_nrollout.packing import pack_shared_prompts, packed_shape
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,7 +67,7 @@ def test_packed_log_probs_equal_the_plain_forward(seed, lengths, data, c):
     rows = len(set(order))
     k = max(order.count(i) for i in set(order))
     assert pk.input_ids.shape == (rows, width - 1 + k * (c + 1))
-    assert packed_tokens(pid, cid) == (rows * (width - 1 + k * (c + 1)), len(order) * (width + c))
+    assert packed_shape(pid, cid) == (rows, width - 1 + k * (c + 1))
 
 
 def _trainer(tmp_path, peft_config=None, **kw):
@@ -127,8 +127,8 @@ def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monk
 
 @pytest.mark.slow
 def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monkeypatch, caplog):
-    """Distinct prompts in a micro batch (nothing to share) and an attention implementation that ignores a 4D mask
-    both run the plain forward; the second one says why, once."""
+    """Distinct prompts in a micro batch (nothing to share), a block mask over its memory bound and an attention
+    implementation that ignores a 4D mask all run the plain forward; the last two say why, once."""
     import trl_nrollout.trainer as trainer_module
 
     trainer, data = _trainer(tmp_path, shared_prompt_forward=True)
@@ -139,6 +139,13 @@ def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monke
     distinct = {k: (v[::4] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()}
     trainer._compute_loss(trainer.model, distinct)  # one sample per prompt: no sharing
     assert not calls
+    monkeypatch.setattr(trainer_module, "MAX_PACKED_MASK_BYTES", 1024)  # a mask too big to build: said, not built
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
+        trainer._compute_loss(trainer.model, batch)
+    assert not calls
+    assert any("block mask would take" in r.message for r in caplog.records)
+    caplog.clear()
+    trainer._packing_notice_shown = False
     # what the check reads (the model itself keeps SDPA: flash-attention kernels do not exist on this CPU)
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
     monkeypatch.setattr(trainer.accelerator, "unwrap_model", lambda model: flash)

@@ -182,8 +182,8 @@ class NRolloutConfig(GRPOConfig):
     shared_prompt_forward: bool = field(default=False, metadata={
         "help": "Training forward with each prompt once per micro batch: its samples' completions are packed after "
                 "it and attend to it through a block mask (same log-probs and gradients; at 512-token prompts and "
-                "n=8 the update ran 4.7x faster on CPU). Used where it saves at least a quarter of the tokens, on text "
-                "models with SDPA or eager attention and no sliding window; elsewhere the plain forward runs "
+                "n=8 the update ran 4.7x faster on CPU). Used where it saves at least a quarter of the tokens and its "
+                "block mask fits in 256 MiB, on text models with SDPA or eager attention and no sliding window; elsewhere the plain forward runs "
                 "(logged once)."})
 
     def __post_init__(self) -> None:

@@ -56,7 +56,7 @@ from trl_nrollout.multimodal import (
     without_images,
 )
 from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_images
-from trl_nrollout.packing import pack_shared_prompts, packed_tokens
+from trl_nrollout.packing import MAX_PACKED_MASK_BYTES, pack_shared_prompts, packed_shape
 from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
@@ -740,17 +740,21 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             reason = "the model has sliding-window layers"
         prompt_ids = input_ids[:, :-logits_to_keep]
         completion_ids = input_ids[:, -logits_to_keep:]
+        # the mask in the weights' dtype: SDPA takes a float32 mask beside autocast's half-precision queries
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         if reason is None:
-            packed_n, plain_n = packed_tokens(prompt_ids, completion_ids)
-            if packed_n > 0.75 * plain_n:
+            groups, length = packed_shape(prompt_ids, completion_ids)
+            if groups * length > 0.75 * input_ids.numel():
                 return None  # this micro batch shares too little: the plain forward is as cheap
-        else:
+            mask_bytes = groups * length * length * torch.finfo(dtype).bits // 8
+            if mask_bytes > MAX_PACKED_MASK_BYTES:  # long completions x many samples: one row's L x L mask
+                reason = (f"a micro batch's block mask would take {mask_bytes / 2**20:.0f} MiB (over "
+                          f"{MAX_PACKED_MASK_BYTES >> 20} MiB; long completions or many samples per prompt)")
+        if reason is not None:
             if not self._packing_notice_shown:
                 logger.warning("shared_prompt_forward=True is not used: %s; the plain forward runs.", reason)
                 self._packing_notice_shown = True
             return None
-        # the mask in the weights' dtype: SDPA takes a float32 mask beside autocast's half-precision queries
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         pk = pack_shared_prompts(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
                                  self._tokenizer.pad_token_id, dtype=dtype)
         with self.accelerator.autocast():
