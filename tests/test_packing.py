@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout.packing import pack_shared_prompts, packed_shape
+from trl_nrollout.logprobs import compute_log_probs
+from trl_nrollout.packing import pack_shared_prompts, packed_shape, packing_pays
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,6 +69,65 @@ def test_packed_log_probs_equal_the_plain_forward(seed, lengths, data, c):
     k = max(order.count(i) for i in set(order))
     assert pk.input_ids.shape == (rows, width - 1 + k * (c + 1))
     assert packed_shape(pid, cid) == (rows, width - 1 + k * (c + 1))
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+       data=st.data(), micro=st.integers(1, 9))
+def test_old_and_reference_passes_with_shared_prompts_equal_the_plain_pass(seed, lengths, data, micro):
+    """``compute_log_probs(shared_prompts=True)`` (the old-policy and reference passes): for any grouping, order,
+    ragged completions (empty ones too) and micro batch size, the log-probs and entropies are the plain pass's,
+    and the packed layout ran wherever it pays."""
+    import trl_nrollout.logprobs as logprobs_module
+
+    model = tiny()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    distinct = [torch.randint(5, vocab - 5, (n,), generator=g).tolist() for n in lengths]
+    order = data.draw(st.lists(st.integers(0, len(lengths) - 1), min_size=1, max_size=12))
+    prompts = [distinct[k] for k in order]
+    completions = [torch.randint(5, vocab - 5, (int(torch.randint(0, 8, (1,), generator=g)),),
+                                 generator=g).tolist() for _ in order]
+    calls = []
+    real = logprobs_module.pack_shared_prompts
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(logprobs_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        plain = compute_log_probs(model, prompts, completions, micro_batch_size=micro, with_entropy=True,
+                                  temperature=0.7)
+        assert not calls
+        packed = compute_log_probs(model, prompts, completions, micro_batch_size=micro, with_entropy=True,
+                                   temperature=0.7, shared_prompts=True)
+    assert torch.allclose(packed.logprobs, plain.logprobs, atol=2e-5)
+    assert torch.allclose(packed.entropy, plain.entropy, atol=2e-5)
+    expected = 0
+    for s in range(0, len(order), micro):
+        idx = range(s, min(s + micro, len(order)))
+        rows = {tuple(prompts[i]) for i in idx}
+        k = max(sum(1 for i in idx if tuple(prompts[i]) == r) for r in rows)
+        c = max(max(len(completions[i]) for i in idx), 1)
+        width = max(len(prompts[i]) + len(completions[i]) for i in idx)
+        length = max(len(prompts[i]) for i in idx) - 1 + k * (c + 1)
+        expected += len(idx) > 1 and packing_pays(len(idx), width, len(rows), length)
+    assert len(calls) == expected
+
+
+@given(batch=st.integers(1, 64), width=st.integers(1, 2048), groups=st.integers(1, 64), length=st.integers(1, 8192))
+def test_packing_pays_only_with_fewer_tokens_and_no_more_attention(batch, width, groups, length):
+    """Packing is chosen only when it saves a quarter of the tokens and adds no attention work."""
+    pays = packing_pays(batch, width, groups, length)
+    assert pays == (groups * length <= 0.75 * batch * width and groups * length ** 2 <= batch * width ** 2)
+
+
+def test_a_prompt_starting_with_the_pad_id_is_not_merged_with_a_shorter_one():
+    """Left padding is compared as padding: ``[pad, 7]`` (a real pad-id token first) and ``[7]`` padded to
+    ``[pad, 7]`` are two prompts, not one."""
+    pid = torch.tensor([[0, 7], [0, 7]])
+    pm = torch.tensor([[1, 1], [0, 1]])
+    cid = torch.tensor([[3], [4]])
+    assert packed_shape(pid, cid, pm)[0] == 2
+    pk = pack_shared_prompts(pid, pm, cid, pad_token_id=0)
+    assert pk.input_ids.shape[0] == 2
+    assert packed_shape(pid, cid)[0] == 1  # without the mask the ids alone look alike
 
 
 def _trainer(tmp_path, peft_config=None, **kw):
@@ -155,6 +215,14 @@ def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monke
     assert not calls
     notes = [r.message for r in caplog.records if "shared_prompt_forward" in r.message]
     assert len(notes) == 1 and "flash_attention_2" in notes[0]
+    caplog.clear()
+    trainer._packing_notice_shown = False
+    trainer.args.shared_prompt_forward = None  # the default: the same note, at INFO level, not as a warning
+    with caplog.at_level(logging.INFO, logger="trl_nrollout.trainer"):
+        trainer._compute_loss(trainer.model, batch)
+    assert not calls
+    notes = [r for r in caplog.records if "shared_prompt_forward" in r.message]
+    assert len(notes) == 1 and notes[0].levelno == logging.INFO and "(default)" in notes[0].message
 
 
 @pytest.mark.slow
@@ -166,9 +234,9 @@ def test_shared_prompt_forward_under_zero3_reproduces_the_plain_run(tmp_path):
     from tests.test_trainer import launch
 
     common = ("--max_steps", "3", "--save_strategy", "no")
-    plain = launch(tmp_path / "plain", *common, config="zero3_cpu.yaml", timeout=900)
-    packed = launch(tmp_path / "packed", *common, "--shared_prompt_forward", "true", config="zero3_cpu.yaml",
-                    timeout=900)
+    plain = launch(tmp_path / "plain", *common, "--shared_prompt_forward", "false", config="zero3_cpu.yaml",
+                   timeout=900)
+    packed = launch(tmp_path / "packed", *common, config="zero3_cpu.yaml", timeout=900)  # on by default
     assert len(plain["steps"]) == len(packed["steps"]) == 3
     for a, b in zip(plain["steps"], packed["steps"]):
         assert a["reward"] == pytest.approx(b["reward"], abs=1e-4)

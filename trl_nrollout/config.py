@@ -179,12 +179,14 @@ class NRolloutConfig(GRPOConfig):
     rollout_enable_prefix_caching: bool = field(default=True, metadata={"help": "vLLM prefix caching."})
     weight_sync_bucket_mb: int = field(default=256, metadata={
         "help": "Bound (MiB) of the full weights gathered at once during a weight sync."})
-    shared_prompt_forward: bool = field(default=False, metadata={
-        "help": "Training forward with each prompt once per micro batch: its samples' completions are packed after "
-                "it and attend to it through a block mask (same log-probs and gradients; at 512-token prompts and "
-                "n=8 the update ran 4.7x faster on CPU). Used where it saves at least a quarter of the tokens and its "
-                "block mask fits in 256 MiB, on text models with SDPA or eager attention and no sliding window; elsewhere the plain forward runs "
-                "(logged once)."})
+    shared_prompt_forward: bool | None = field(default=None, metadata={
+        "help": "Forwards with each prompt once per micro batch: its samples' completions are packed after it and "
+                "attend to it through a block mask (same log-probs and gradients). Applies to the update and to "
+                "the old-policy and reference passes, wherever a micro batch saves at least a quarter of its "
+                "tokens with no more attention work and its block mask fits in 256 MiB, on text models with SDPA "
+                "or eager attention and no sliding window; elsewhere the plain forward runs. None (default): on, "
+                "and a model it cannot apply to is noted at INFO level; True: the same, with a warning; False: "
+                "off. At 512-token prompts and n=8 the update ran 4.7x faster on CPU."})
 
     def __post_init__(self) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun; checked below

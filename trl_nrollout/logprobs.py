@@ -23,6 +23,13 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from trl_nrollout.multimodal import MMInputs, collate
+from trl_nrollout.packing import (
+    MAX_PACKED_MASK_BYTES,
+    mask_bytes,
+    pack_shared_prompts,
+    packed_shape,
+    packing_pays,
+)
 
 Ids = Sequence[int] | Tensor
 
@@ -193,6 +200,7 @@ def compute_log_probs(
     lean_head: bool | None = None,
     sync_forwards: bool | None = None,
     mm_inputs: Sequence[MMInputs | None] | None = None,
+    shared_prompts: bool = False,
 ) -> LogProbOutput:
     """Score every completion token under ``model``; return ``[B, C_max]`` log-probs in the input order.
 
@@ -207,6 +215,9 @@ def compute_log_probs(
     - ``mm_inputs``: per sample, the processor's image tensors (:mod:`trl_nrollout.multimodal`) of a
       vision-language model, or None; with images the model's own forward runs (it merges the image features) and
       positions are the model's own (right padding: they start at 0 on every row).
+    - ``shared_prompts``: on the lean path, a micro batch whose samples share prompts runs each prompt once
+      (:mod:`trl_nrollout.packing`) where :func:`~trl_nrollout.packing.packing_pays` says it is cheaper; the
+      caller vouches that the model takes a 4D block mask (:func:`~trl_nrollout.packing.structural_reason`).
     - ``sync_forwards``: make every rank run as many forwards as the busiest one (needed under ZeRO-3, where
       each forward gathers parameters collectively, and under FSDP; detected automatically).
 
@@ -260,7 +271,7 @@ def compute_log_probs(
             _score_micro_batch(
                 model, parts, [prompts[i] for i in idx], [completions[i] for i in idx], idx, logprobs, entropy,
                 temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side, chunk_rows=chunk_rows,
-                device=device, mm=None if mm is None else [mm[i] for i in idx],
+                device=device, mm=None if mm is None else [mm[i] for i in idx], shared_prompts=shared_prompts,
             )
         for _ in range(num_forwards - len(batches)):  # keep collectives in step with busier ranks
             _score_micro_batch(model, parts, [prompts[0]], [completions[0]], [0], logprobs.clone(), None,
@@ -271,8 +282,35 @@ def compute_log_probs(
     return LogProbOutput(logprobs, entropy, num_forwards)
 
 
+def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
+                   device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The decoder's last hidden states over the shared-prompt layout of a micro batch, flattened ``[G * L, H]``,
+    and where sample ``r``'s completion token ``j`` is predicted ``[B, C]``; None where packing does not pay."""
+    b, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
+    p_w, c_w = max(len(p) for p in prompts), max(len(c) for c in completions)
+    prompt_ids = torch.full((b, p_w), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros(b, p_w, dtype=torch.long)
+    completion_ids = torch.full((b, max(c_w, 1)), pad_token_id, dtype=torch.long)
+    for r, (p, c) in enumerate(zip(prompts, completions)):
+        prompt_ids[r, p_w - len(p):] = torch.tensor(p, dtype=torch.long)
+        prompt_mask[r, p_w - len(p):] = 1
+        completion_ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
+    groups, length = packed_shape(prompt_ids, completion_ids, prompt_mask)
+    dtype = next((q.dtype for q in decoder.parameters() if q.is_floating_point()), torch.float32)
+    if not packing_pays(b, width, groups, length) or mask_bytes(groups, length, dtype) > MAX_PACKED_MASK_BYTES:
+        return None
+    pk = pack_shared_prompts(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+                             pad_token_id, dtype=dtype)
+    hidden = decoder(input_ids=pk.input_ids, attention_mask=pk.attention_mask,
+                     position_ids=pk.position_ids).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]), pk.index
+
+
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
-                       pad_side, chunk_rows, device, mm=None) -> None:
+                       pad_side, chunk_rows, device, mm=None, shared_prompts=False) -> None:
+    packed = None
+    if shared_prompts and parts is not None and len(prompts) > 1:
+        packed = _packed_hidden(parts[0], prompts, completions, pad_token_id, device)
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
     n = len(seqs)
@@ -303,7 +341,13 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     pos_t = torch.tensor(pos, device=device)
     tgt_t = torch.tensor(tgt, device=device)
 
-    if parts is not None:
+    if packed is not None:
+        flat, index = packed
+        selected = flat[index[rows_t, torch.tensor(out_c, device=device)]]  # [tokens, H]
+        with _whole_head(parts[1]) as head_fn:
+            lp, ent = chunked_token_logprobs(selected, tgt_t, head_fn, temperature=temperature,
+                                             chunk_rows=chunk_rows, with_entropy=entropy is not None)
+    elif parts is not None:
         decoder, head = parts
         hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
         selected = hidden[rows_t, pos_t]  # [tokens, H]: only completion positions go through the head

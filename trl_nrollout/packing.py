@@ -45,12 +45,47 @@ class PackedBatch:
         return per_position.reshape(-1)[self.index]
 
 
-def packed_shape(prompt_ids: Tensor, completion_ids: Tensor) -> tuple[int, int]:
+def _distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Distinct prompts ``[G, P]`` and each row's prompt ``[B]``. Padding is compared as padding (-1 where the
+    mask is 0), so a prompt that starts with the pad token's id is never taken for a shorter one."""
+    keys = prompt_ids if prompt_mask is None else prompt_ids.masked_fill(prompt_mask == 0, -1)
+    return torch.unique(keys, dim=0, return_inverse=True)
+
+
+def packed_shape(prompt_ids: Tensor, completion_ids: Tensor, prompt_mask: Tensor | None = None) -> tuple[int, int]:
     """Rows ``G`` and row length ``L`` of the packed layout of a micro batch (its block mask is ``G x L x L``):
-    ``prompt_ids [B, P]``, ``completion_ids [B, C]``."""
-    rows, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)
+    ``prompt_ids [B, P]`` (``prompt_mask``: its padding), ``completion_ids [B, C]``."""
+    rows, inverse = _distinct_prompts(prompt_ids, prompt_mask)
     k = int(torch.bincount(inverse).max())
     return rows.shape[0], prompt_ids.shape[1] - 1 + k * (completion_ids.shape[1] + 1)
+
+
+def packing_pays(batch: int, width: int, groups: int, length: int) -> bool:
+    """Whether a micro batch of ``batch`` rows of ``width`` tokens runs cheaper as ``groups`` packed rows of
+    ``length`` tokens: at least a quarter of the tokens saved (the linear layers' work) and no more attention work
+    (SDPA computes a block-masked ``L x L`` in full, so ``G x L^2`` must not exceed the plain ``B x T^2``; short
+    prompts with long completions fail this: their packed rows are n completions long)."""
+    return groups * length <= 0.75 * batch * width and groups * length * length <= batch * width * width
+
+
+def structural_reason(config, *, images: bool = False, aux_loss: bool = False) -> str | None:
+    """Why a model cannot take the packed layout at all (None: it can). ``config``: the model's config."""
+    layers = getattr(config, "layer_types", None) or ["full_attention"]
+    attn = getattr(config, "_attn_implementation", None) or "sdpa"
+    if images:
+        return "the prompts hold images (a vision-language model places its own positions)"
+    if aux_loss:
+        return "the MoE router loss counts every token of the plain layout"
+    if attn not in ("sdpa", "eager"):
+        return f"attn_implementation={attn!r} ignores a 4D block mask (use 'sdpa' or 'eager')"
+    if any(t != "full_attention" for t in layers) or getattr(config, "use_sliding_window", False):
+        return "the model has sliding-window layers"
+    return None
+
+
+def mask_bytes(groups: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of a packed micro batch's additive block mask ``[G, 1, L, L]``."""
+    return groups * length * length * torch.finfo(dtype).bits // 8
 
 
 def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, pad_token_id: int,
@@ -67,7 +102,8 @@ def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids:
     device = prompt_ids.device
     batch, width = prompt_ids.shape
     c = completion_ids.shape[1]
-    rows, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)
+    rows, inverse = _distinct_prompts(prompt_ids, prompt_mask)
+    rows = rows.clamp(min=0)  # padding (-1) becomes token 0: masked out, never attended to
     groups = rows.shape[0]
     counts = torch.bincount(inverse, minlength=groups)
     k_max = int(counts.max())

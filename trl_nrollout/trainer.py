@@ -56,7 +56,14 @@ from trl_nrollout.multimodal import (
     without_images,
 )
 from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_images
-from trl_nrollout.packing import MAX_PACKED_MASK_BYTES, pack_shared_prompts, packed_shape
+from trl_nrollout.packing import (
+    MAX_PACKED_MASK_BYTES,
+    mask_bytes,
+    pack_shared_prompts,
+    packed_shape,
+    packing_pays,
+    structural_reason,
+)
 from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
@@ -577,9 +584,15 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
     def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch, mm=None) -> Tensor:
         """One log-prob pass ``[B, C]``, cut into forwards as the layout's ``micro`` says (``mm``: a VLM's image
         tensors per sample)."""
+        shared = False
+        if self.args.shared_prompt_forward is not False:
+            reason = structural_reason(self.accelerator.unwrap_model(model).config, images=mm is not None and any(mm))
+            if reason is not None:
+                self._packing_notice(reason)
+            shared = reason is None
         return compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
                                  pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
-                                 max_token_len=micro.max_token_len, mm_inputs=mm).logprobs
+                                 max_token_len=micro.max_token_len, mm_inputs=mm, shared_prompts=shared).logprobs
 
     def _ref_log_probs(self, prompt_ids, completion_ids, mm=None) -> Tensor:
         micro = self.layout.ref_log_prob
@@ -703,7 +716,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         ``mm``: per sample, a vision-language model's image tensors (TRL's ``forward_kwargs``); the model then
         places its positions itself, as in TRL, and its vision tower is trained.
         """
-        if self.args.shared_prompt_forward:
+        if self.args.shared_prompt_forward is not False:
             packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep, mm)
             if packed is not None:
                 return packed
@@ -725,35 +738,24 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
     def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int,
                         mm: list | None = None) -> tuple[Tensor, Tensor, None] | None:
         """``shared_prompt_forward``: log-probs and entropies ``[B, C]`` from the packed layout
-        (:mod:`trl_nrollout.packing`), or None where the plain forward must run (the reason is logged once)."""
+        (:mod:`trl_nrollout.packing`), or None where the plain forward must run (a structural reason is logged
+        once: a warning when the option was set to True, an info line under the default)."""
         config = self.accelerator.unwrap_model(model).config
-        layers = getattr(config, "layer_types", None) or ["full_attention"]
-        attn = getattr(config, "_attn_implementation", None) or "sdpa"
-        reason = None
-        if mm is not None:
-            reason = "the prompts hold images (a vision-language model places its own positions)"
-        elif self.aux_loss_enabled:
-            reason = "the MoE router loss counts every token of the plain layout"
-        elif attn not in ("sdpa", "eager"):
-            reason = f"attn_implementation={attn!r} ignores a 4D block mask (use 'sdpa' or 'eager')"
-        elif any(t != "full_attention" for t in layers) or getattr(config, "use_sliding_window", False):
-            reason = "the model has sliding-window layers"
+        reason = structural_reason(config, images=mm is not None, aux_loss=self.aux_loss_enabled)
         prompt_ids = input_ids[:, :-logits_to_keep]
         completion_ids = input_ids[:, -logits_to_keep:]
         # the mask in the weights' dtype: SDPA takes a float32 mask beside autocast's half-precision queries
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         if reason is None:
-            groups, length = packed_shape(prompt_ids, completion_ids)
-            if groups * length > 0.75 * input_ids.numel():
+            groups, length = packed_shape(prompt_ids, completion_ids, attention_mask[:, :-logits_to_keep])
+            if not packing_pays(input_ids.shape[0], input_ids.shape[1], groups, length):
                 return None  # this micro batch shares too little: the plain forward is as cheap
-            mask_bytes = groups * length * length * torch.finfo(dtype).bits // 8
-            if mask_bytes > MAX_PACKED_MASK_BYTES:  # long completions x many samples: one row's L x L mask
-                reason = (f"a micro batch's block mask would take {mask_bytes / 2**20:.0f} MiB (over "
+            size = mask_bytes(groups, length, dtype)
+            if size > MAX_PACKED_MASK_BYTES:  # long completions x many samples: one row's L x L mask
+                reason = (f"a micro batch's block mask would take {size / 2**20:.0f} MiB (over "
                           f"{MAX_PACKED_MASK_BYTES >> 20} MiB; long completions or many samples per prompt)")
         if reason is not None:
-            if not self._packing_notice_shown:
-                logger.warning("shared_prompt_forward=True is not used: %s; the plain forward runs.", reason)
-                self._packing_notice_shown = True
+            self._packing_notice(reason)
             return None
         pk = pack_shared_prompts(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
                                  self._tokenizer.pad_token_id, dtype=dtype)
@@ -761,6 +763,16 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
                         shift_labels=pk.shift_labels, fused_lm_head=True)
         return pk.gather(out.log_probs), pk.gather(out.entropy), None
+
+    def _packing_notice(self, reason: str) -> None:
+        """Say once why the shared-prompt layout is not used (a warning if the user asked for it explicitly)."""
+        if self._packing_notice_shown:
+            return
+        self._packing_notice_shown = True
+        explicit = self.args.shared_prompt_forward is True
+        logger.log(logging.WARNING if explicit else logging.INFO,
+                   "shared_prompt_forward%s is not used: %s; the plain forward runs.",
+                   "=True" if explicit else " (default)", reason)
 
     def _entropy_bonus(self, entropies: Tensor, mask: Tensor, mode: str) -> Tensor:
         """TRL's entropy bonus, by TRL's rules (``entropy_coef``, ``use_adaptive_entropy``, ``entropy_target``...).
