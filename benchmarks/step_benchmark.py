@@ -205,7 +205,7 @@ def build_trainer(impl: str, n: int, args):
 
         cfg = NRolloutConfig(train_batch_size=args.prompts, rollout_n=n, rollout_backend=impl.split("-")[1],
                              use_kl_loss=args.with_ref, kl_loss_coef=KL_COEF,
-                             shared_prompt_forward=args.shared_prompt_forward, **common)
+                             shared_prompt_forward=not args.no_shared_prompt_forward, **common)
         cls = _clocked(NRolloutGRPOTrainer)
     else:
         from trl import GRPOConfig, GRPOTrainer
@@ -311,7 +311,7 @@ def try_colocate(n: int, args) -> dict:
 
 # ---------------------------------------------------------------------------------------------- parent side
 def _child(args, length: int, impl: str, n: int, timeout: float | None) -> dict:
-    extra = (["--with-ref"] if args.with_ref else []) + (["--shared-prompt-forward"] if args.shared_prompt_forward else [])
+    extra = (["--with-ref"] if args.with_ref else []) + (["--no-shared-prompt-forward"] if args.no_shared_prompt_forward else [])
     return run_child(__file__, ["--model", args.model, "--prompts", str(args.prompts), "--steps", str(args.steps),
                                 "--max-completion-length", str(args.max_completion_length), "--prompt-tokens",
                                 str(length), *extra], impl, n, args.threads, timeout)
@@ -383,7 +383,7 @@ def write_outputs(result: dict, out_dir: Path) -> str:
              "",
              f"{meta['prompts']} prompts per step, {meta['max_completion_length']} new tokens at most, temperature "
              f"1.0, learning rate {LEARNING_RATE:g}, {'KL loss 0.001 (reference pass)' if meta['with_ref'] else 'beta 0 (no reference pass)'}"
-             f"{', ours with shared_prompt_forward=True' if meta.get('shared_prompt_forward') else ''}"
+             f"{', ours with shared_prompt_forward=False (the plain update)' if meta.get('shared_prompt_forward') is False else ''}"
              f"; {meta['steps']} steps per configuration, the first discarded; model `{meta['model_name']}`, "
              f"{meta['cpus']} CPUs, one process each. Seconds per step (mean of the measured steps)."]
     if result["busy_at_start"]:
@@ -515,8 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                          "model's context; 0 keeps the task's own short prompts)")
     ap.add_argument("--with-ref", action="store_true",
                     help="KL loss 0.001 (ours use_kl_loss, TRL beta): adds the reference log-prob pass")
-    ap.add_argument("--shared-prompt-forward", action="store_true",
-                    help="ours with shared_prompt_forward=True (each prompt once per micro batch in the update)")
+    ap.add_argument("--no-shared-prompt-forward", action="store_true",
+                    help="ours with shared_prompt_forward=False (every sample's prompt in its own row, the plain "
+                         "layout; the default packs each prompt once per micro batch)")
     ap.add_argument("--threads", type=int, default=None,
                     help="OpenMP threads of every configuration (OMP_NUM_THREADS; default: all cores)")
     ap.add_argument("--colocate-timeout", type=float, default=180.0, help="time box of the TRL colocate try (s)")
@@ -548,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
                  "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "steps": args.steps, "warmup_steps_discarded": 1,
                  "max_completion_length": args.max_completion_length, "temperature": 1.0,
                  "learning_rate": LEARNING_RATE, "with_ref": args.with_ref,
-                 "shared_prompt_forward": args.shared_prompt_forward, "kl_coef": KL_COEF if args.with_ref else 0.0,
+                 "shared_prompt_forward": not args.no_shared_prompt_forward, "kl_coef": KL_COEF if args.with_ref else 0.0,
                  "quick": args.quick, "cpus": os.cpu_count(), "threads": args.threads, "impl_names": IMPLS,
                  "phases": PHASE_LABELS,
                  "rss_note": "peak_rss_mib: ru_maxrss of the configuration's process (vLLM runs in it); "

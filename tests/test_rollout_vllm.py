@@ -49,8 +49,15 @@ def _check_common(results: list[dict], tp: int) -> None:
         sync = res["sync"]
         assert sync["buckets"] == 3 and sync["peak_bucket_bytes"] < sync["bytes"]  # bounded, layer by layer
         assert res["engine_batch_size"] == tp * PROMPTS_PER_RANK * N
-    for e in range(world // tp):  # every rank of a TP group saw the same engine outputs
+        # rollout_seed_mode="engine": vLLM gets no per-request seed, the call's seed still decides the samples,
+        # and the caller's random state is untouched
+        em = res["engine_mode"]
+        assert em["seeds_sent"] == ["None"] and em["rng_restored"]
+        assert em["repeat_equal"] and em["seed_changes"] and em["samples_of_a_prompt_differ"]
+        assert em["differs_from_sample_mode"] and em["gap"] < TOL
+    for e in range(world // tp):  # every rank of a TP group saw the same engine outputs, in both seed modes
         assert len({res["engine_digest"] for res in results if res["engine_index"] == e}) == 1
+        assert len({res["engine_mode"]["engine_digest"] for res in results if res["engine_index"] == e}) == 1
 
 
 def test_one_process_peft_merged_sync(tmp_path, tiny_model_path):

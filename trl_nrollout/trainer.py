@@ -213,7 +213,9 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         if self.rollout_backend == "hf":
             return HFEngine(self.model, pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
                             batch_size=max(1, self.layout.samples_per_rank // self.layout.rollout_n), seed=args.seed,
-                            generation_context=self._hf_generation_context)
+                            generation_context=self._hf_generation_context,
+                            shared_prompts=args.shared_prompt_forward is not False
+                            and structural_reason(self.accelerator.unwrap_model(self.model).config) is None)
         from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
         completion = args.max_completion_length or 256
@@ -232,7 +234,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
-            seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20,
+            seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20, seed_mode=args.rollout_seed_mode,
         )
 
     def _context_length(self) -> int | None:

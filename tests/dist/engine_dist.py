@@ -82,6 +82,38 @@ def main() -> None:
     engine_batch = group.generate_engine([p for c in engine_prompts for p in c], N, opts)
     gap_before = max_logprob_gap(expected, before)
 
+    # rollout_seed_mode="engine": no per-request seed reaches vLLM; a call draws from the default generators, seeded
+    # from its seed and the engine's index, and the caller's generator state is restored afterwards
+    group.seed_mode = "engine"
+    sent_seeds = []
+    real_generate = group.llm.generate
+
+    def spy(vllm_prompts, params, **kw):
+        sent_seeds.extend(p.seed for p in (params if isinstance(params, list) else [params]))
+        return real_generate(vllm_prompts, params, **kw)
+
+    group.llm.generate = spy
+    state = torch.get_rng_state()
+    eng_a = group.generate(prompts, N, opts)
+    rng_restored = torch.equal(state, torch.get_rng_state())
+    eng_b = group.generate(prompts, N, opts)
+    eng_c = group.generate(prompts, N, SamplingOptions(max_tokens=10, temperature=TEMPERATURE, seed=12))
+    eng_engine = group.generate_engine([p for c in engine_prompts for p in c], N, opts)
+    turns_a = group.generate_turns(prompts, [4] * len(prompts), opts)
+    turns_b = group.generate_turns(prompts, [4] * len(prompts), opts)
+    del group.llm.generate
+    group.seed_mode = "sample"
+    engine_mode = {
+        "seeds_sent": sorted({str(x) for x in sent_seeds}),
+        "rng_restored": rng_restored,
+        "repeat_equal": digest(eng_a) == digest(eng_b) and turns_a.completion_ids == turns_b.completion_ids,
+        "seed_changes": digest(eng_a) != digest(eng_c),
+        "samples_of_a_prompt_differ": len({tuple(c) for c in eng_a.completion_ids[:N]}) > 1,
+        "differs_from_sample_mode": digest(eng_a) != digest(before),
+        "engine_digest": digest(eng_engine),
+        "gap": max_logprob_gap(expected, eng_a),
+    }
+
     # the training model as the trainer holds it
     model = peft_model if peft_model is not None else AutoModelForCausalLM.from_pretrained(model_dir,
                                                                                           dtype=torch.float32)
@@ -153,6 +185,7 @@ def main() -> None:
         "seeded_repeat_equal": digest(before) == digest(again),
         "unseeded_differs": digest(before) != digest(unseeded),
         "engine_digest": digest(engine_batch),
+        "engine_mode": engine_mode,
         "engine_batch_size": len(engine_batch),
         "gap_before_sync": gap_before,
         "gap_after_sync": gap_after,

@@ -24,7 +24,7 @@ class HFEngine:
     """
 
     def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], batch_size: int = 64,
-                 seed: int = 0, generation_context=None) -> None:
+                 seed: int = 0, generation_context=None, shared_prompts: bool = False) -> None:
         self.model = model
         # a callable returning a context manager that yields the model to generate with (the trainer passes TRL's
         # unwrap_model_for_generation, which gathers ZeRO-3 parameters once for the whole generate call)
@@ -33,6 +33,8 @@ class HFEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.batch_size = batch_size
         self.generator_seed = seed
+        # score the n samples of a prompt with the prompt once (trl_nrollout.packing); the trainer checks the model
+        self.shared_prompts = shared_prompts
         self._calls = 0
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingOptions,
@@ -100,7 +102,8 @@ class HFEngine:
         temp = sampling.temperature if sampling.temperature > 0 else 1.0
         sample_mm = None if mm is None else [mm[g - group_offset] for g in groups]
         lp = compute_log_probs(model, prompt_ids, completion_ids, temperature=temp, micro_batch_size=64,
-                               mm_inputs=sample_mm).logprobs
+                               pad_token_id=self.pad_token_id, mm_inputs=sample_mm,
+                               shared_prompts=self.shared_prompts and mm is None).logprobs
         logprobs = [lp[i, :len(c)].tolist() for i, c in enumerate(completion_ids)]
         return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
                             timings={"generate_s": gen_s, "logprob_s": time.perf_counter() - start - gen_s})

@@ -28,3 +28,10 @@ def prompt_seed(base: int, group: int, n: int) -> int:
     if n < 1 or group < 0:
         raise ValueError(f"group={group} must be >= 0 and n={n} >= 1.")
     return base + group * n
+
+
+def engine_seed(base: int, engine_index: int) -> int:
+    """Seed of the default generators of engine ``engine_index`` for one call seeded ``base``
+    (``rollout_seed_mode="engine"``): unrelated across engines and calls, below 2^62."""
+    digest = hashlib.blake2b(f"{base}/engine/{engine_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)

@@ -24,7 +24,7 @@ from torch import nn
 from trl_nrollout.layout import RolloutLayout
 from trl_nrollout.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
-from trl_nrollout.rollout.seeds import prompt_seed
+from trl_nrollout.rollout.seeds import engine_seed, prompt_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
@@ -35,6 +35,8 @@ _SLEEP_NOTICE_SHOWN = False
 #: partial block, up to ``block_size`` tokens: at 512-token prompts, n = 12, 32-token blocks made a rollout of
 #: builtin:medium-qwen2 1.7x faster than 128-token ones, timed by hand (docs/backends.md; short prompts gain too).
 CPU_BLOCK_SIZE = 32
+#: ``rollout_seed_mode`` values: one vLLM seed per sample, or the engine's generator seeded once per call
+SEED_MODES = ("sample", "engine")
 
 
 def _kv_bytes_default(model_path: str, max_seqs: int, expected_len: int, max_model_len: int, tp: int,
@@ -138,7 +140,10 @@ class VLLMEngineGroup:
         max_num_seqs: int | None = None,
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         tokenizer: str | None = None,
+        seed_mode: str = "sample",
     ) -> None:
+        if seed_mode not in SEED_MODES:
+            raise ValueError(f"seed_mode={seed_mode!r} is not one of {SEED_MODES} (rollout_seed_mode).")
         prepare_vllm_environment()
         _close_live_engines()  # one external-launcher engine per process: a new trainer releases the previous one
         self.llm = None
@@ -149,6 +154,7 @@ class VLLMEngineGroup:
         self.cpu = is_cpu_platform()
         self.weight_bucket_bytes = weight_bucket_bytes
         self.max_model_len = max_model_len
+        self.seed_mode = seed_mode
         self._asleep: set[str] = set()
         self._tp_group = None
         dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -203,6 +209,20 @@ class VLLMEngineGroup:
             nccl = torch.distributed.get_backend() == "nccl"  # device_ids is an NCCL-only argument
             torch.distributed.barrier(**({"device_ids": [self.local_rank]} if nccl else {}))
 
+    @contextlib.contextmanager
+    def _engine_rng(self, seed: int | None):
+        """``seed_mode="engine"`` with a seed: the call samples from the process's default generators (CPU and
+        this rank's GPU, which vLLM's sampler draws from for unseeded requests) seeded from ``seed`` and the engine's
+        index (the same on every rank of a TP group, so their samples agree; other engines draw other numbers); the
+        caller's generator states are restored afterwards. Otherwise nothing."""
+        if seed is None or self.seed_mode != "engine":
+            yield
+            return
+        devices = [torch.cuda.current_device()] if not self.cpu and torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(engine_seed(seed, self.engine_index))
+            yield
+
     def check_prompt_length(self, longest: int, max_tokens: int) -> None:
         """A prompt of ``longest`` tokens that leaves no room for ``max_tokens`` would be cut short silently by vLLM
         (or rejected with its own message): refuse it here with the options that fix it."""
@@ -254,12 +274,13 @@ class VLLMEngineGroup:
             self.wake_up()
         self.check_prompt_length(max((len(p) for p in prompts), default=0), sampling.max_tokens)
         start = time.perf_counter()
-        if sampling.seed is None:
-            params = self._sampling_params(n, sampling)
+        if sampling.seed is None or self.seed_mode == "engine":
+            params = self._sampling_params(n, replace(sampling, seed=None))
         else:  # vLLM seeds sample k of a request with seed + k: prompt seeds n apart never share a seed
             params = [self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, group_offset + g, n)))
                       for g in range(len(prompts))]
-        outputs = self.llm.generate(vllm_prompts(prompts, images), params, use_tqdm=False)
+        with self._engine_rng(sampling.seed):
+            outputs = self.llm.generate(vllm_prompts(prompts, images), params, use_tqdm=False)
         gen_s = time.perf_counter() - start
         prompt_ids, completion_ids, logprobs, reasons, groups = [], [], [], [], []
         for g, out in enumerate(outputs):
@@ -336,10 +357,13 @@ class VLLMEngineGroup:
         for ctx, budget in flat:
             self.check_prompt_length(len(ctx), budget)
         offset = self.engine_index * len(flat)  # the same on every rank of the TP group (their sampling must agree)
-        params = [self._sampling_params(1, replace(sampling, max_tokens=budget, seed=None if sampling.seed is None
-                                                   else prompt_seed(sampling.seed, offset + g, 1)))
+        per_request = sampling.seed is not None and self.seed_mode == "sample"
+        params = [self._sampling_params(1, replace(sampling, max_tokens=budget, seed=prompt_seed(sampling.seed, offset + g, 1)
+                                                   if per_request else None))
                   for g, (_, budget) in enumerate(flat)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ctx) for ctx, _ in flat], params, use_tqdm=False)
+        with self._engine_rng(sampling.seed):
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ctx) for ctx, _ in flat], params,
+                                        use_tqdm=False)
         batch = RolloutBatch(
             [ctx for ctx, _ in flat], [list(o.outputs[0].token_ids) for o in outputs],
             [_sampled_logprobs(o.outputs[0].logprobs, o.outputs[0].token_ids) for o in outputs],
