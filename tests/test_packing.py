@@ -111,6 +111,38 @@ def test_old_and_reference_passes_with_shared_prompts_equal_the_plain_pass(seed,
     assert len(calls) == expected
 
 
+@pytest.mark.slow
+def test_reference_pass_at_a_users_size_packs_and_matches_the_plain_pass():
+    """64 prompts of 512 tokens x n = 8 with completions of 1-32 tokens, micro batches of 64 samples (8 prompts
+    each), as a step at a user's size scores them: the packed pass gives the plain pass's log-probs, ran in every
+    micro batch, and runs about a fifth of the tokens."""
+    import trl_nrollout.logprobs as logprobs_module
+
+    model = tiny()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    distinct = [torch.randint(5, vocab - 5, (512,), generator=g).tolist() for _ in range(64)]
+    prompts = [p for p in distinct for _ in range(8)]
+    completions = [torch.randint(5, vocab - 5, (int(torch.randint(1, 33, (1,), generator=g)),),
+                                 generator=g).tolist() for _ in prompts]
+    shapes = []
+    real = logprobs_module.pack_shared_prompts
+
+    def spy(*a, **kw):
+        pk = real(*a, **kw)
+        shapes.append(pk.input_ids.shape)
+        return pk
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(logprobs_module, "pack_shared_prompts", spy)
+        packed = compute_log_probs(model, prompts, completions, micro_batch_size=64, shared_prompts=True)
+    plain = compute_log_probs(model, prompts, completions, micro_batch_size=64)
+    assert len(shapes) == 8 and all(s[0] == 8 for s in shapes)
+    assert sum(s[0] * s[1] for s in shapes) < 0.25 * sum(len(p) + 32 for p in prompts)
+    assert torch.allclose(packed.logprobs, plain.logprobs, atol=2e-5)
+    assert (plain.logprobs != 0).sum() == sum(len(c) for c in completions)
+
+
 @given(batch=st.integers(1, 64), width=st.integers(1, 2048), groups=st.integers(1, 64), length=st.integers(1, 8192))
 def test_packing_pays_only_with_fewer_tokens_and_no_more_attention(batch, width, groups, length):
     """Packing is chosen only when it saves a quarter of the tokens and adds no attention work."""
