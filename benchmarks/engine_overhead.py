@@ -138,7 +138,7 @@ def write_outputs(result: dict, out_dir: Path) -> str:
         ax.axhline(GOAL, color="C3", ls="--", lw=1, label=f"goal {GOAL}")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set(xlabel="samples per prompt n", ylabel="ours / plain vLLM (tokens/s)",
-               title=f"engine overhead, {meta['prompt_tokens']}-token prompts")
+               title=f"engine overhead, {meta['model_name']}, {meta['prompt_tokens']}-token prompts")
         ax.set_ylim(0, max(1.1, max(max(r["ratio"], r["ratio_engine_seed"]) for r in rows) * 1.1))
         ax.legend()
         save_figure(fig, out_dir / "engine_overhead.png")
