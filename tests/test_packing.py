@@ -58,7 +58,8 @@ def test_packed_log_probs_equal_the_plain_forward(seed, lengths, data, c):
         ids, am = torch.cat([pid, cid], 1), torch.cat([pm, cm], 1)
         logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
         plain = logits[:, width - 1:-1].log_softmax(-1).gather(-1, cid[..., None])[..., 0]
-        pk = pack_shared_prompts(pid, pm, cid, pad_token_id=0)
+        pk = pack_shared_prompts(pid, pm, cid, pad_token_id=0, dtype=data.draw(st.sampled_from([torch.float32,
+                                                                                                    torch.bool])))
         hidden = model.model(input_ids=pk.input_ids, attention_mask=pk.attention_mask,
                              position_ids=pk.position_ids).last_hidden_state
         per_position = model.lm_head(hidden).log_softmax(-1).gather(-1, pk.shift_labels.clamp(min=0)[..., None])
@@ -141,6 +142,38 @@ def test_reference_pass_at_a_users_size_packs_and_matches_the_plain_pass():
     assert sum(s[0] * s[1] for s in shapes) < 0.25 * sum(len(p) + 32 for p in prompts)
     assert torch.allclose(packed.logprobs, plain.logprobs, atol=2e-5)
     assert (plain.logprobs != 0).sum() == sum(len(c) for c in completions)
+
+
+@pytest.mark.parametrize("attn, mask", [("sdpa", torch.bool), ("eager", torch.float32)])
+def test_the_mask_suits_the_attention_implementation(attn, mask):
+    """SDPA gets a boolean mask (PyTorch casts it to the queries' dtype under any mixed precision); eager attention,
+    which adds its mask to the scores, an additive one in the weights' dtype. Both give the plain pass's
+    log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    import trl_nrollout.logprobs as logprobs_module
+    from trl_nrollout.builtin import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny-qwen2"), dtype=torch.float32,
+                                                 attn_implementation=attn).eval()
+    g = torch.Generator().manual_seed(1)
+    distinct = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (30, 24)]
+    prompts = [p for p in distinct for _ in range(4)]
+    completions = [torch.randint(5, 200, (k,), generator=g).tolist() for k in (3, 5, 1, 6, 2, 6, 4, 5)]
+    seen = []
+    real = logprobs_module.pack_shared_prompts
+
+    def spy(*a, **kw):
+        pk = real(*a, **kw)
+        seen.append(pk.attention_mask.dtype)
+        return pk
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(logprobs_module, "pack_shared_prompts", spy)
+        packed = compute_log_probs(model, prompts, completions, shared_prompts=True)
+    plain = compute_log_probs(model, prompts, completions)
+    assert seen == [mask]
+    assert torch.allclose(packed.logprobs, plain.logprobs, atol=2e-5)
 
 
 @given(batch=st.integers(1, 64), width=st.integers(1, 2048), groups=st.integers(1, 64), length=st.integers(1, 8192))

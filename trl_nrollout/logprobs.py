@@ -26,6 +26,7 @@ from trl_nrollout.multimodal import MMInputs, collate
 from trl_nrollout.packing import (
     MAX_PACKED_MASK_BYTES,
     mask_bytes,
+    mask_dtype,
     pack_shared_prompts,
     packed_shape,
     packing_pays,
@@ -296,7 +297,8 @@ def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: li
         prompt_mask[r, p_w - len(p):] = 1
         completion_ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
     groups, length = packed_shape(prompt_ids, completion_ids, prompt_mask)
-    dtype = next((q.dtype for q in decoder.parameters() if q.is_floating_point()), torch.float32)
+    dtype = mask_dtype(getattr(decoder, "config", None),
+                       next((q.dtype for q in decoder.parameters() if q.is_floating_point()), torch.float32))
     if not packing_pays(b, width, groups, length) or mask_bytes(groups, length, dtype) > MAX_PACKED_MASK_BYTES:
         return None
     pk = pack_shared_prompts(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),

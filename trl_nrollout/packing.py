@@ -30,7 +30,8 @@ class PackedBatch:
 
     - ``input_ids``, ``position_ids``, ``shift_labels``: ``[G, L]``; ``shift_labels[g, t]`` is the token that
       position ``t`` predicts (``-100`` where nothing is scored), TRL's fused LM head's ``shift_labels``.
-    - ``attention_mask``: ``[G, 1, L, L]`` additive (0 where a query may attend, the dtype's minimum elsewhere).
+    - ``attention_mask``: ``[G, 1, L, L]``: boolean (True where a query may attend) or additive (0 there, the
+      dtype's minimum elsewhere), as :func:`mask_dtype` chose.
     - ``index``: ``[B, C]`` flat positions into ``[G * L]``: sample ``b``'s token ``j`` is scored at ``index[b, j]``.
     """
 
@@ -83,9 +84,17 @@ def structural_reason(config, *, images: bool = False, aux_loss: bool = False) -
     return None
 
 
+def mask_dtype(config, weights_dtype: torch.dtype) -> torch.dtype:
+    """The packed mask's dtype for a model: boolean under SDPA (True: may attend; PyTorch turns it into the
+    queries' dtype itself, whatever the mixed-precision setup, e.g. FSDP2's bf16 compute over float32 weights),
+    additive in the weights' dtype under eager attention (which adds the mask to its scores)."""
+    attn = getattr(config, "_attn_implementation", None) or "sdpa"
+    return torch.bool if attn == "sdpa" else weights_dtype
+
+
 def mask_bytes(groups: int, length: int, dtype: torch.dtype) -> int:
-    """Bytes of a packed micro batch's additive block mask ``[G, 1, L, L]``."""
-    return groups * length * length * torch.finfo(dtype).bits // 8
+    """Bytes of a packed micro batch's block mask ``[G, 1, L, L]`` in ``dtype``."""
+    return groups * length * length * torch.empty((), dtype=dtype).element_size()
 
 
 def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, pad_token_id: int,
@@ -97,7 +106,7 @@ def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids:
         completion_ids: ``[B, C]``, right-padded (padding is packed too and scored, as in the plain layout; the loss
             mask drops it).
         pad_token_id: filler of the rows with fewer segments than the longest.
-        dtype: dtype of the additive attention mask (the model's compute dtype).
+        dtype: ``torch.bool`` for a boolean mask, or the dtype of an additive one (see :func:`mask_dtype`).
     """
     device = prompt_ids.device
     batch, width = prompt_ids.shape
@@ -146,6 +155,8 @@ def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids:
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     allowed = causal & key_ok[:, None, :] & ((k_seg == -1) | (k_seg == q_seg))
     allowed |= torch.eye(length, dtype=torch.bool, device=device)  # padding queries see themselves: no NaN rows
+    if dtype == torch.bool:
+        return PackedBatch(input_ids, position_ids, allowed[:, None], shift_labels, index)
     mask = torch.zeros(groups, 1, length, length, dtype=dtype, device=device)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     return PackedBatch(input_ids, position_ids, mask, shift_labels, index)

@@ -59,6 +59,7 @@ from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_images
 from trl_nrollout.packing import (
     MAX_PACKED_MASK_BYTES,
     mask_bytes,
+    mask_dtype,
     pack_shared_prompts,
     packed_shape,
     packing_pays,
@@ -746,8 +747,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         reason = structural_reason(config, images=mm is not None, aux_loss=self.aux_loss_enabled)
         prompt_ids = input_ids[:, :-logits_to_keep]
         completion_ids = input_ids[:, -logits_to_keep:]
-        # the mask in the weights' dtype: SDPA takes a float32 mask beside autocast's half-precision queries
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        dtype = mask_dtype(config, next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
         if reason is None:
             groups, length = packed_shape(prompt_ids, completion_ids, attention_mask[:, :-logits_to_keep])
             if not packing_pays(input_ids.shape[0], input_ids.shape[1], groups, length):
