@@ -3,6 +3,7 @@ packed after it behind a block mask, must give the plain forward's log-probs, lo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trl_nrollout import packing
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.packing import pack_shared_prompts, packed_shape, packing_pays
 
@@ -23,6 +25,23 @@ def tiny():
     from trl_nrollout.builtin import resolve_model
 
     return AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny-qwen2"), dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def packed_batches():
+    """The packed micro batches the log-prob passes build while inside (a spy on ``pack_shared_prompts``)."""
+    import trl_nrollout.logprobs as logprobs_module
+
+    built = []
+    real = logprobs_module.pack_shared_prompts
+
+    def spy(*a, **kw):
+        built.append(real(*a, **kw))
+        return built[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(logprobs_module, "pack_shared_prompts", spy)
+        yield built
 
 
 def _batch(seed: int, lengths: list[int], order: list[int], width: int, c: int, vocab: int):
@@ -79,8 +98,6 @@ def test_old_and_reference_passes_with_shared_prompts_equal_the_plain_pass(seed,
     """``compute_log_probs(shared_prompts=True)`` (the old-policy and reference passes): for any grouping, order,
     ragged completions (empty ones too) and micro batch size, the log-probs and entropies are the plain pass's,
     and the packed layout ran wherever it pays."""
-    import trl_nrollout.logprobs as logprobs_module
-
     model = tiny()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -89,10 +106,7 @@ def test_old_and_reference_passes_with_shared_prompts_equal_the_plain_pass(seed,
     prompts = [distinct[k] for k in order]
     completions = [torch.randint(5, vocab - 5, (int(torch.randint(0, 8, (1,), generator=g)),),
                                  generator=g).tolist() for _ in order]
-    calls = []
-    real = logprobs_module.pack_shared_prompts
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(logprobs_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with packed_batches() as calls:
         plain = compute_log_probs(model, prompts, completions, micro_batch_size=micro, with_entropy=True,
                                   temperature=0.7)
         assert not calls
@@ -117,8 +131,6 @@ def test_reference_pass_at_a_users_size_packs_and_matches_the_plain_pass():
     """64 prompts of 512 tokens x n = 8 with completions of 1-32 tokens, micro batches of 64 samples (8 prompts
     each), as a step at a user's size scores them: the packed pass gives the plain pass's log-probs, ran in every
     micro batch, and runs about a fifth of the tokens."""
-    import trl_nrollout.logprobs as logprobs_module
-
     model = tiny()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -126,18 +138,10 @@ def test_reference_pass_at_a_users_size_packs_and_matches_the_plain_pass():
     prompts = [p for p in distinct for _ in range(8)]
     completions = [torch.randint(5, vocab - 5, (int(torch.randint(1, 33, (1,), generator=g)),),
                                  generator=g).tolist() for _ in prompts]
-    shapes = []
-    real = logprobs_module.pack_shared_prompts
-
-    def spy(*a, **kw):
-        pk = real(*a, **kw)
-        shapes.append(pk.input_ids.shape)
-        return pk
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(logprobs_module, "pack_shared_prompts", spy)
+    with packed_batches() as batches:
         packed = compute_log_probs(model, prompts, completions, micro_batch_size=64, shared_prompts=True)
     plain = compute_log_probs(model, prompts, completions, micro_batch_size=64)
+    shapes = [pk.input_ids.shape for pk in batches]
     assert len(shapes) == 8 and all(s[0] == 8 for s in shapes)
     assert sum(s[0] * s[1] for s in shapes) < 0.25 * sum(len(p) + 32 for p in prompts)
     assert torch.allclose(packed.logprobs, plain.logprobs, atol=2e-5)
@@ -151,7 +155,6 @@ def test_the_mask_suits_the_attention_implementation(attn, mask):
     log-probs."""
     from transformers import AutoModelForCausalLM
 
-    import trl_nrollout.logprobs as logprobs_module
     from trl_nrollout.builtin import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny-qwen2"), dtype=torch.float32,
@@ -160,19 +163,10 @@ def test_the_mask_suits_the_attention_implementation(attn, mask):
     distinct = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (30, 24)]
     prompts = [p for p in distinct for _ in range(4)]
     completions = [torch.randint(5, 200, (k,), generator=g).tolist() for k in (3, 5, 1, 6, 2, 6, 4, 5)]
-    seen = []
-    real = logprobs_module.pack_shared_prompts
-
-    def spy(*a, **kw):
-        pk = real(*a, **kw)
-        seen.append(pk.attention_mask.dtype)
-        return pk
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(logprobs_module, "pack_shared_prompts", spy)
+    with packed_batches() as batches:
         packed = compute_log_probs(model, prompts, completions, shared_prompts=True)
     plain = compute_log_probs(model, prompts, completions)
-    assert seen == [mask]
+    assert [pk.attention_mask.dtype for pk in batches] == [mask]
     assert torch.allclose(packed.logprobs, plain.logprobs, atol=2e-5)
 
 
@@ -264,7 +258,7 @@ def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monke
     distinct = {k: (v[::4] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()}
     trainer._compute_loss(trainer.model, distinct)  # one sample per prompt: no sharing
     assert not calls
-    monkeypatch.setattr(trainer_module, "MAX_PACKED_MASK_BYTES", 1024)  # a mask too big to build: said, not built
+    monkeypatch.setattr(packing, "MAX_PACKED_MASK_BYTES", 1024)  # a mask too big to build: said, not built
     with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
         trainer._compute_loss(trainer.model, batch)
     assert not calls

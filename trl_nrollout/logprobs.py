@@ -23,14 +23,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from trl_nrollout.multimodal import MMInputs, collate
-from trl_nrollout.packing import (
-    MAX_PACKED_MASK_BYTES,
-    mask_bytes,
-    mask_dtype,
-    pack_shared_prompts,
-    packed_shape,
-    packing_pays,
-)
+from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts
 
 Ids = Sequence[int] | Tensor
 
@@ -296,11 +289,10 @@ def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: li
         prompt_ids[r, p_w - len(p):] = torch.tensor(p, dtype=torch.long)
         prompt_mask[r, p_w - len(p):] = 1
         completion_ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
-    groups, length = packed_shape(prompt_ids, completion_ids, prompt_mask)
     dtype = mask_dtype(getattr(decoder, "config", None),
                        next((q.dtype for q in decoder.parameters() if q.is_floating_point()), torch.float32))
-    if not packing_pays(b, width, groups, length) or mask_bytes(groups, length, dtype) > MAX_PACKED_MASK_BYTES:
-        return None
+    if not decide(prompt_ids, prompt_mask, completion_ids, width, dtype)[0]:
+        return None  # too little shared (or a mask over its bound: the trainer's update says so)
     pk = pack_shared_prompts(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                              pad_token_id, dtype=dtype)
     hidden = decoder(input_ids=pk.input_ids, attention_mask=pk.attention_mask,

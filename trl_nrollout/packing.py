@@ -97,6 +97,20 @@ def mask_bytes(groups: int, length: int, dtype: torch.dtype) -> int:
     return groups * length * length * torch.empty((), dtype=dtype).element_size()
 
 
+def decide(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, plain_width: int,
+           dtype: torch.dtype) -> tuple[bool, str | None]:
+    """Whether to pack a micro batch (``prompt_ids``/``prompt_mask`` ``[B, P]`` left-padded, ``completion_ids``
+    ``[B, C]``; its plain rows are ``plain_width`` tokens), and, when it would pay but cannot, why (to be said)."""
+    groups, length = packed_shape(prompt_ids, completion_ids, prompt_mask)
+    if not packing_pays(prompt_ids.shape[0], plain_width, groups, length):
+        return False, None  # it shares too little: the plain forward is as cheap
+    size = mask_bytes(groups, length, dtype)
+    if size > MAX_PACKED_MASK_BYTES:  # long completions x many samples: one row's L x L mask
+        return False, (f"a micro batch's block mask would take {size / 2**20:.0f} MiB (over "
+                       f"{MAX_PACKED_MASK_BYTES >> 20} MiB; long completions or many samples per prompt)")
+    return True, None
+
+
 def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, pad_token_id: int,
                         dtype: torch.dtype = torch.float32) -> PackedBatch:
     """Pack a micro batch whose rows share prompts.

@@ -56,15 +56,7 @@ from trl_nrollout.multimodal import (
     without_images,
 )
 from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_images
-from trl_nrollout.packing import (
-    MAX_PACKED_MASK_BYTES,
-    mask_bytes,
-    mask_dtype,
-    pack_shared_prompts,
-    packed_shape,
-    packing_pays,
-    structural_reason,
-)
+from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, structural_reason
 from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
@@ -749,13 +741,10 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         completion_ids = input_ids[:, -logits_to_keep:]
         dtype = mask_dtype(config, next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
         if reason is None:
-            groups, length = packed_shape(prompt_ids, completion_ids, attention_mask[:, :-logits_to_keep])
-            if not packing_pays(input_ids.shape[0], input_ids.shape[1], groups, length):
-                return None  # this micro batch shares too little: the plain forward is as cheap
-            size = mask_bytes(groups, length, dtype)
-            if size > MAX_PACKED_MASK_BYTES:  # long completions x many samples: one row's L x L mask
-                reason = (f"a micro batch's block mask would take {size / 2**20:.0f} MiB (over "
-                          f"{MAX_PACKED_MASK_BYTES >> 20} MiB; long completions or many samples per prompt)")
+            pack, reason = decide(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
+                                  input_ids.shape[1], dtype)
+            if not pack and reason is None:
+                return None
         if reason is not None:
             self._packing_notice(reason)
             return None
