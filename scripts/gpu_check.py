@@ -10,7 +10,9 @@ Sections (each reports ``status`` ok / failed with the error, so one failure doe
    full forward in bf16.
 2. ``logprob_memory``: peak device memory (CUDA allocator) and time of one old-policy pass for n = 4, 8, 12 at a
    fixed micro batch, over the memory held before the pass: with micro batches it must stay flat in n.
-3. ``trainer``: ``NRolloutGRPOTrainer`` with the HF engine on the device for 3 steps with a KL loss and the KL in
+3. ``packing``: the shared-prompt layout under bf16 autocast over float32 weights: the log-prob pass packed vs
+   plain (difference, time, peak memory), and one packed update forward's gradient vs the plain one.
+4. ``trainer``: ``NRolloutGRPOTrainer`` with the HF engine on the device for 3 steps with a KL loss and the KL in
    the reward (the path whose CPU-built mask crashed on CUDA): losses finite, the reward's KL penalty reported.
 
 The vLLM engine path is not here: vLLM's CUDA wheel cannot be brought to the lent GPU machine; it is pinned by
@@ -128,6 +130,77 @@ def check_trainer(device: str, steps: int) -> dict:
             "kl_loss": [h.get("actor/kl_loss") for h in logs]}
 
 
+def _padded(ps: list, cs: list, device: str):
+    """Left-padded prompts, their mask, right-padded completions and their mask (TRL's layout) on ``device``."""
+    import torch
+
+    p_w, c_w = max(map(len, ps)), max(map(len, cs))
+    pid = torch.zeros(len(ps), p_w, dtype=torch.long)
+    pm, cid, cm = torch.zeros_like(pid), torch.zeros(len(ps), c_w, dtype=torch.long), torch.zeros(len(ps), c_w)
+    for i, (p, c) in enumerate(zip(ps, cs)):
+        pid[i, p_w - len(p):], pm[i, p_w - len(p):] = torch.tensor(p), 1
+        cid[i, :len(c)], cm[i, :len(c)] = torch.tensor(c), 1
+    return pid.to(device), pm.to(device), cid.to(device), cm.to(device)
+
+
+def check_packing(device: str, size: dict) -> dict:
+    """The shared-prompt layout under bf16 autocast over float32 weights (the mixed precision FSDP2 and accelerate
+    use): the log-prob pass packed vs plain (difference, time, peak memory) and the gradient of one packed update
+    forward (boolean block mask through SDPA's CUDA kernels) vs the plain one."""
+    import torch
+
+    from trl_nrollout.logprobs import compute_log_probs
+    from trl_nrollout.packing import pack_shared_prompts
+
+    model = _model(size["vocab"], size["hidden"], size["layers"]).to(device)
+    ps, cs = _samples(size["prompts"], 8, size["vocab"], size["prompt_len"] * 2, max(4, size["completion_len"] // 8))
+    kind = device.split(":")[0]
+    cuda = kind == "cuda"
+    out: dict = {"status": "ok", "samples": len(ps)}
+    passes = {}
+    for name, shared in (("plain", False), ("packed", True)):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        with torch.autocast(device_type=kind, dtype=torch.bfloat16):
+            passes[name] = compute_log_probs(model, ps, cs, micro_batch_size=size["micro"] * 2,
+                                             shared_prompts=shared).logprobs
+        if cuda:
+            torch.cuda.synchronize()
+        out[f"{name}_seconds"] = time.perf_counter() - start
+        out[f"{name}_peak_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None
+    real = torch.zeros_like(passes["plain"], dtype=torch.bool)
+    for i, c in enumerate(cs):
+        real[i, :len(c)] = True
+    out["logprob_max_abs_diff"] = float((passes["packed"] - passes["plain"]).abs()[real].max())
+    out["all_finite"] = bool(torch.isfinite(passes["packed"][real]).all())
+
+    pid, pm, cid, cm = _padded(ps[:16], cs[:16], device)
+    model.train()
+    grads = {}
+    for name in ("plain", "packed"):
+        model.zero_grad()
+        with torch.autocast(device_type=kind, dtype=torch.bfloat16):
+            if name == "plain":
+                ids, am = torch.cat([pid, cid], 1), torch.cat([pm, cm.long()], 1)
+                logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+                lp = logits[:, pid.shape[1] - 1:-1].float().log_softmax(-1).gather(-1, cid[..., None])[..., 0]
+            else:
+                pk = pack_shared_prompts(pid, pm, cid, pad_token_id=0, dtype=torch.bool)
+                logits = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask,
+                               position_ids=pk.position_ids).logits
+                per_pos = logits.float().log_softmax(-1).gather(-1, pk.shift_labels.clamp(min=0)[..., None])[..., 0]
+                lp = pk.gather(per_pos)
+                out["packed_tokens"], out["plain_tokens"] = pk.input_ids.numel(), pid.numel() + cid.numel()
+        (-(lp * cm).sum() / cm.sum()).backward()
+        grads[name] = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+    out["grad_rel_diff"] = float((grads["packed"] - grads["plain"]).norm() / grads["plain"].norm())
+    out["grads_finite"] = bool(torch.isfinite(grads["packed"]).all())
+    return out
+
+
 SIZES = {
     "gpu": dict(vocab=32768, hidden=512, layers=4, prompts=16, prompt_len=256, completion_len=512, micro=8),
     "dry": dict(vocab=2048, hidden=64, layers=2, prompts=4, prompt_len=16, completion_len=24, micro=4),
@@ -150,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "dry_run": args.dry_run}
     for name, fn in (("logprob_precision", lambda: check_precision(device, size)),
                      ("logprob_memory", lambda: check_memory(device, size)),
+                     ("packing", lambda: check_packing(device, size)),
                      ("trainer", lambda: check_trainer(device, 3))):
         start = time.perf_counter()
         try:
@@ -162,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items()}, indent=2, default=str)[:6000])
-    return 0 if all(report[k]["status"] == "ok" for k in ("logprob_precision", "logprob_memory", "trainer")) else 1
+    return 0 if all(report[k]["status"] == "ok" for k in ("logprob_precision", "logprob_memory", "packing", "trainer")) else 1
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ def test_gpu_check_dry_run(tmp_path):
     rows = report["logprob_memory"]["rows"]
     assert [r["n"] for r in rows] == [4, 8, 12]
     assert [r["forwards"] for r in rows] == [r["samples"] // report["logprob_memory"]["micro_batch"] for r in rows]
+    packing = report["packing"]
+    assert packing["status"] == "ok" and packing["all_finite"] and packing["grads_finite"]
+    assert packing["logprob_max_abs_diff"] < 0.1 and packing["grad_rel_diff"] < 0.05  # bf16 rounding only
+    assert packing["packed_tokens"] < packing["plain_tokens"]
     trainer = report["trainer"]
     assert trainer["status"] == "ok" and trainer["steps"] == 3 and trainer["losses_finite"]
     assert abs(trainer["reward_kl_penalty"][0]) < 1e-6 < trainer["reward_kl_penalty"][-1]
