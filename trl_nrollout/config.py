@@ -42,6 +42,7 @@ from trl_nrollout.advantages import available_estimators  # noqa: E402
 from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.layout import LayoutError, RolloutLayout  # noqa: E402
 from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES  # noqa: E402
+from trl_nrollout.rollout.seeds import SEED_MODES  # noqa: E402
 
 #: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
 RESERVED_GENERATION_KWARGS = {
@@ -301,7 +302,7 @@ class NRolloutConfig(GRPOConfig):
             ("adv_estimator", self.adv_estimator, available_estimators()),
             ("loss_agg_mode", self.loss_agg_mode, list(LOSS_AGG_MODES)),
             ("rollout_backend", self.rollout_backend, ["auto", "vllm", "hf"]),
-            ("rollout_seed_mode", self.rollout_seed_mode, ["sample", "engine"]),
+            ("rollout_seed_mode", self.rollout_seed_mode, list(SEED_MODES)),
             ("kl_ctrl_type", self.kl_ctrl_type, ["fixed", "adaptive"]),
             ("rollout_is", self.rollout_is, [None, "token", "sequence"]),
             ("rollout_is_mode", self.rollout_is_mode, ["truncate", "mask"]),

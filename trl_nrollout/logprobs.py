@@ -302,22 +302,9 @@ def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: li
 
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
                        pad_side, chunk_rows, device, mm=None, shared_prompts=False) -> None:
-    packed = None
-    if shared_prompts and parts is not None and len(prompts) > 1:
-        packed = _packed_hidden(parts[0], prompts, completions, pad_token_id, device)
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
-    n = len(seqs)
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attn = torch.zeros(n, width, dtype=torch.long)
-    starts = []
-    for r, s in enumerate(seqs):
-        off = width - len(s) if pad_side == "left" else 0
-        input_ids[r, off:off + len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[r, off:off + len(s)] = 1
-        starts.append(off)
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
+    starts = [width - len(s) if pad_side == "left" else 0 for s in seqs]  # where each row's sequence begins
 
     # (row, position predicting the token, target token, output row, output column) of every completion token
     rows, pos, tgt, out_r, out_c = [], [], [], [], []
@@ -335,6 +322,17 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     pos_t = torch.tensor(pos, device=device)
     tgt_t = torch.tensor(tgt, device=device)
 
+    packed = None
+    if shared_prompts and parts is not None and len(prompts) > 1:
+        packed = _packed_hidden(parts[0], prompts, completions, pad_token_id, device)
+    if packed is None:  # the plain layout: one padded row per sequence
+        input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+        attn = torch.zeros(len(seqs), width, dtype=torch.long)
+        for r, (seq, off) in enumerate(zip(seqs, starts)):
+            input_ids[r, off:off + len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attn[r, off:off + len(seq)] = 1
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
     if packed is not None:
         flat, index = packed
         selected = flat[index[rows_t, torch.tensor(out_c, device=device)]]  # [tokens, H]

@@ -69,10 +69,15 @@ def packing_pays(batch: int, width: int, groups: int, length: int) -> bool:
     return groups * length <= 0.75 * batch * width and groups * length * length <= batch * width * width
 
 
+def _attention(config) -> str:
+    """The model's attention implementation (transformers' default, SDPA, when the config does not say)."""
+    return getattr(config, "_attn_implementation", None) or "sdpa"
+
+
 def structural_reason(config, *, images: bool = False, aux_loss: bool = False) -> str | None:
     """Why a model cannot take the packed layout at all (None: it can). ``config``: the model's config."""
     layers = getattr(config, "layer_types", None) or ["full_attention"]
-    attn = getattr(config, "_attn_implementation", None) or "sdpa"
+    attn = _attention(config)
     if images:
         return "the prompts hold images (a vision-language model places its own positions)"
     if aux_loss:
@@ -88,8 +93,7 @@ def mask_dtype(config, weights_dtype: torch.dtype) -> torch.dtype:
     """The packed mask's dtype for a model: boolean under SDPA (True: may attend; PyTorch turns it into the
     queries' dtype itself, whatever the mixed-precision setup, e.g. FSDP2's bf16 compute over float32 weights),
     additive in the weights' dtype under eager attention (which adds the mask to its scores)."""
-    attn = getattr(config, "_attn_implementation", None) or "sdpa"
-    return torch.bool if attn == "sdpa" else weights_dtype
+    return torch.bool if _attention(config) == "sdpa" else weights_dtype
 
 
 def mask_bytes(groups: int, length: int, dtype: torch.dtype) -> int:

@@ -207,8 +207,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             return HFEngine(self.model, pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
                             batch_size=max(1, self.layout.samples_per_rank // self.layout.rollout_n), seed=args.seed,
                             generation_context=self._hf_generation_context,
-                            shared_prompts=args.shared_prompt_forward is not False
-                            and structural_reason(self.accelerator.unwrap_model(self.model).config) is None)
+                            shared_prompts=self._packing_allowed(self.model))
         from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
         completion = args.max_completion_length or 256
@@ -579,12 +578,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
     def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch, mm=None) -> Tensor:
         """One log-prob pass ``[B, C]``, cut into forwards as the layout's ``micro`` says (``mm``: a VLM's image
         tensors per sample)."""
-        shared = False
-        if self.args.shared_prompt_forward is not False:
-            reason = structural_reason(self.accelerator.unwrap_model(model).config, images=mm is not None and any(mm))
-            if reason is not None:
-                self._packing_notice(reason)
-            shared = reason is None
+        shared = self._packing_allowed(model, images=mm is not None and any(mm))
         return compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
                                  pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
                                  max_token_len=micro.max_token_len, mm_inputs=mm, shared_prompts=shared).logprobs
@@ -711,8 +705,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         ``mm``: per sample, a vision-language model's image tensors (TRL's ``forward_kwargs``); the model then
         places its positions itself, as in TRL, and its vision tower is trained.
         """
-        if self.args.shared_prompt_forward is not False:
-            packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep, mm)
+        if self._packing_allowed(model, images=mm is not None, aux_loss=self.aux_loss_enabled):
+            packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep)
             if packed is not None:
                 return packed
         labels = input_ids.masked_fill(attention_mask == 0, -100)
@@ -730,23 +724,20 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         aux = out.aux_loss if self.aux_loss_enabled else None
         return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:], aux
 
-    def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int,
-                        mm: list | None = None) -> tuple[Tensor, Tensor, None] | None:
-        """``shared_prompt_forward``: log-probs and entropies ``[B, C]`` from the packed layout
-        (:mod:`trl_nrollout.packing`), or None where the plain forward must run (a structural reason is logged
-        once: a warning when the option was set to True, an info line under the default)."""
+    def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
+                        ) -> tuple[Tensor, Tensor, None] | None:
+        """``shared_prompt_forward`` on a model that takes it (:meth:`_packing_allowed`): log-probs and entropies
+        ``[B, C]`` from the packed layout (:mod:`trl_nrollout.packing`), or None where this micro batch runs the
+        plain forward (a mask over its bound is said once)."""
         config = self.accelerator.unwrap_model(model).config
-        reason = structural_reason(config, images=mm is not None, aux_loss=self.aux_loss_enabled)
         prompt_ids = input_ids[:, :-logits_to_keep]
         completion_ids = input_ids[:, -logits_to_keep:]
         dtype = mask_dtype(config, next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
-        if reason is None:
-            pack, reason = decide(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
-                                  input_ids.shape[1], dtype)
-            if not pack and reason is None:
-                return None
-        if reason is not None:
-            self._packing_notice(reason)
+        pack, reason = decide(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids, input_ids.shape[1],
+                              dtype)
+        if not pack:
+            if reason is not None:
+                self._packing_notice(reason)
             return None
         pk = pack_shared_prompts(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
                                  self._tokenizer.pad_token_id, dtype=dtype)
@@ -754,6 +745,16 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
                         shift_labels=pk.shift_labels, fused_lm_head=True)
         return pk.gather(out.log_probs), pk.gather(out.entropy), None
+
+    def _packing_allowed(self, model, *, images: bool = False, aux_loss: bool = False) -> bool:
+        """Whether ``shared_prompt_forward`` may pack ``model``'s forwards: not switched off, and the model takes
+        the packed layout (:func:`~trl_nrollout.packing.structural_reason`; why not is said once)."""
+        if self.args.shared_prompt_forward is False:
+            return False
+        reason = structural_reason(self.accelerator.unwrap_model(model).config, images=images, aux_loss=aux_loss)
+        if reason is not None:
+            self._packing_notice(reason)
+        return reason is None
 
     def _packing_notice(self, reason: str) -> None:
         """Say once why the shared-prompt layout is not used (a warning if the user asked for it explicitly)."""

@@ -13,13 +13,20 @@ from __future__ import annotations
 import hashlib
 
 SEED_BITS = 62
+#: ``rollout_seed_mode`` values: one vLLM seed per sample, or the engine's default generators seeded once per call
+SEED_MODES = ("sample", "engine")
+
+
+def _hash_seed(text: str) -> int:
+    """A seed below 2^SEED_BITS from ``text`` (vLLM keeps seeds as int64); unrelated for different texts."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
 
 
 def step_seed(seed: int, step: int, round_: int = 0, mode: str = "train") -> int:
     """The base seed of one generation call: a hash of the run seed, the optimizer step, the generation round
     within the step (DAPO) and the mode. Reproducible (the same after resuming), unrelated across steps."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{round_}/{mode}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+    return _hash_seed(f"{seed}/{step}/{round_}/{mode}")
 
 
 def prompt_seed(base: int, group: int, n: int) -> int:
@@ -33,5 +40,4 @@ def prompt_seed(base: int, group: int, n: int) -> int:
 def engine_seed(base: int, engine_index: int) -> int:
     """Seed of the default generators of engine ``engine_index`` for one call seeded ``base``
     (``rollout_seed_mode="engine"``): unrelated across engines and calls, below 2^62."""
-    digest = hashlib.blake2b(f"{base}/engine/{engine_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+    return _hash_seed(f"{base}/engine/{engine_index}")

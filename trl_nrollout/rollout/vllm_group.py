@@ -24,7 +24,7 @@ from torch import nn
 from trl_nrollout.layout import RolloutLayout
 from trl_nrollout.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
-from trl_nrollout.rollout.seeds import engine_seed, prompt_seed
+from trl_nrollout.rollout.seeds import SEED_MODES, engine_seed, prompt_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
@@ -35,8 +35,6 @@ _SLEEP_NOTICE_SHOWN = False
 #: partial block, up to ``block_size`` tokens: at 512-token prompts, n = 12, 32-token blocks made a rollout of
 #: builtin:medium-qwen2 1.7x faster than 128-token ones, timed by hand (docs/backends.md; short prompts gain too).
 CPU_BLOCK_SIZE = 32
-#: ``rollout_seed_mode`` values: one vLLM seed per sample, or the engine's generator seeded once per call
-SEED_MODES = ("sample", "engine")
 
 
 def _kv_bytes_default(model_path: str, max_seqs: int, expected_len: int, max_model_len: int, tp: int,
