@@ -9,18 +9,66 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from transformers import LogitsProcessor, LogitsProcessorList
+
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.multimodal import MMInputs, collate
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import unwrap
 
 
+#: ``generate()`` arguments that leave sampling / greedy decoding (beams reorder rows, assistants skip the
+#: logits processors for accepted draft tokens): with any of them the log-probs come from a forward pass instead
+_NOT_STEPWISE = ("num_beams", "num_beam_groups", "assistant_model", "prompt_lookup_num_tokens", "custom_generate",
+                 "assistant_early_exit", "penalty_alpha", "dola_layers")
+
+
+class SampledLogProbs(LogitsProcessor):
+    """Records the log-probability of each generated token under the distribution it was sampled from, during
+    ``generate`` itself: no second forward over prompts and completions.
+
+    ``generate`` calls it once per new position with ``scores`` ``[rows, vocab]`` (float32, after its built-in
+    processors such as the repetition penalty and suppressed tokens, before the temperature and top-k/top-p
+    warpers). It keeps ``log_softmax(scores / temperature)`` until the next call, whose ``input_ids[:, -1]``
+    is the token sampled from it; :meth:`finish` reads the last one from the output. This is vLLM's
+    ``processed_logprobs`` (penalties and temperature applied, top-k/top-p filtering not), the quantity the
+    vLLM engine reports.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.rows: list[torch.Tensor] = []  # per generated position: [rows] log-probs of the sampled tokens
+        self._pending: torch.Tensor | None = None  # [rows, vocab] of the position whose token is not known yet
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._take(input_ids[:, -1])
+        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self._pending is not None:
+            self.rows.append(self._pending.gather(1, tokens[:, None].to(self._pending.device)).squeeze(1))
+            self._pending = None
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor | None:
+        """``[rows, T]`` log-probs for ``new_tokens`` ``[rows, T]`` (the generated part of the output), or None
+        when the calls do not line up with it (a decoding mode that does not call the processors once per
+        token and row)."""
+        if new_tokens.shape[1]:
+            self._take(new_tokens[:, -1])
+        if len(self.rows) != new_tokens.shape[1] or any(r.shape[0] != new_tokens.shape[0] for r in self.rows):
+            return None
+        return torch.stack(self.rows, dim=1) if self.rows else new_tokens.new_zeros(new_tokens.shape, dtype=torch.float)
+
+
 class HFEngine:
     """Generation with ``model.generate`` (sampling, ``num_return_sequences=n``) on this rank's prompts.
 
-    ``batch_size`` prompts go through ``generate`` at a time. Log-probs of the sampled tokens are computed by
-    :func:`~trl_nrollout.logprobs.compute_log_probs` at the sampling temperature, so they are the same
-    quantity vLLM reports (``processed_logprobs``; top-p/top-k filtering aside).
+    ``batch_size`` prompts go through ``generate`` at a time. The sampled tokens' log-probs are recorded while
+    generating (:class:`SampledLogProbs`: the sampling temperature and penalties applied, vLLM's
+    ``processed_logprobs``), so a rollout costs ``generate`` alone, as TRL's. Decoding modes other than sampling
+    and greedy (beams, assisted decoding, set through TRL's ``generation_kwargs``) get them from
+    :func:`~trl_nrollout.logprobs.compute_log_probs` after ``generate`` instead (temperature only).
     """
 
     def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], batch_size: int = 64,
@@ -56,10 +104,12 @@ class HFEngine:
         was_training = model.training
         model.eval()
         start = time.perf_counter()
+        temp = sampling.temperature if sampling.temperature > 0 else 1.0
+        stepwise = not any(k in _NOT_STEPWISE and v not in (None, 1, False) for k, v in sampling.engine_kwargs)
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
         self._calls += 1
         torch.manual_seed(seed)
-        prompt_ids, completion_ids, reasons, groups = [], [], [], []
+        prompt_ids, completion_ids, reasons, groups, logprobs = [], [], [], [], []
         stop_ids = set(self.eos_token_ids) | set(sampling.stop_token_ids)
         try:
             for s in range(0, len(prompts), self.batch_size):
@@ -83,10 +133,17 @@ class HFEngine:
                 if sampling.suppress_token_ids:
                     options["suppress_tokens"] = list(sampling.suppress_token_ids)
                 options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
+                recorder = None
+                if stepwise:
+                    recorder = SampledLogProbs(temp)
+                    user = options.get("logits_processor") or []
+                    options["logits_processor"] = LogitsProcessorList([*user, recorder])
                 if mm is not None:  # images: the processor's tensors, per-token fields left-padded like the ids
                     options.update(collate(mm[s:s + self.batch_size], device, width=width,
                                            starts=[width - len(p) for p in chunk]))
                 out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
+                recorded = None if recorder is None else recorder.finish(out[:, width:])
+                recorded = None if recorded is None else recorded.tolist()
                 new = out[:, width:].tolist()
                 for k, toks in enumerate(new):
                     g = k // n
@@ -96,15 +153,17 @@ class HFEngine:
                     completion_ids.append(comp)
                     reasons.append("stop" if cut else "length")
                     groups.append(group_offset + s + g)
+                    if recorded is not None:
+                        logprobs.append(recorded[k][:len(comp)])
         finally:
             model.train(was_training)
         gen_s = time.perf_counter() - start
-        temp = sampling.temperature if sampling.temperature > 0 else 1.0
-        sample_mm = None if mm is None else [mm[g - group_offset] for g in groups]
-        lp = compute_log_probs(model, prompt_ids, completion_ids, temperature=temp, micro_batch_size=64,
-                               pad_token_id=self.pad_token_id, mm_inputs=sample_mm,
-                               shared_prompts=self.shared_prompts and mm is None).logprobs
-        logprobs = [lp[i, :len(c)].tolist() for i, c in enumerate(completion_ids)]
+        if len(logprobs) != len(completion_ids):  # not recorded while generating (see _NOT_STEPWISE): a forward
+            sample_mm = None if mm is None else [mm[g - group_offset] for g in groups]
+            lp = compute_log_probs(model, prompt_ids, completion_ids, temperature=temp, micro_batch_size=64,
+                                   pad_token_id=self.pad_token_id, mm_inputs=sample_mm,
+                                   shared_prompts=self.shared_prompts and mm is None).logprobs
+            logprobs = [lp[i, :len(c)].tolist() for i, c in enumerate(completion_ids)]
         return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
                             timings={"generate_s": gen_s, "logprob_s": time.perf_counter() - start - gen_s})
 
