@@ -113,6 +113,55 @@ def test_hf_engine_layout_and_logprobs():
         engine.generate_expanded([[1]] * 5, 4, opts)
 
 
+def _processed_logprobs(model, prompt: list[int], completion: list[int], temperature: float, penalty: float,
+                        banned: int | None = None) -> list[float]:
+    """Reference for the HF engine's recorded log-probs, from one plain forward: each position's logits with the
+    repetition penalty applied by hand to the tokens seen so far (prompt and earlier completion tokens), a banned
+    token masked, then ``log_softmax(logits / temperature)`` at the sampled token."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    out = []
+    for j, token in enumerate(completion):
+        row = logits[len(prompt) - 1 + j].clone()
+        seen = torch.tensor(sorted(set(prompt + completion[:j])))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+        if banned is not None:
+            row[banned] = float("-inf")
+        out.append(torch.log_softmax(row / temperature, dim=-1)[token].item())
+    return out
+
+
+def test_hf_engine_records_the_sampling_distribution():
+    """The log-probs recorded during ``generate`` are those of the distribution each token was drawn from (the
+    repetition penalty and temperature applied, vLLM's ``processed_logprobs``), also behind a user's own logits
+    processor; beam search, which reorders rows, falls back to a forward pass (temperature only)."""
+    from transformers import LogitsProcessor
+
+    class Ban(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, 7] = float("-inf")
+            return scores
+
+    model, tok = tiny()
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id], batch_size=2)
+    prompts = [[5, 6, 7, 5], [8, 9], [10, 7, 7]]
+    opts = SamplingOptions(max_tokens=8, temperature=0.8, repetition_penalty=1.5, seed=1, ignore_eos=True,
+                           engine_kwargs=(("logits_processor", [Ban()]),))
+    batch = engine.generate(prompts, 3, opts)
+    assert all(7 not in c for c in batch.completion_ids)
+    penalised = [_processed_logprobs(model, p, c, 0.8, 1.5, banned=7)
+                 for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+    assert all(abs(a - b) < 1e-4 for row, ref in zip(batch.logprobs, penalised) for a, b in zip(row, ref))
+    plain = compute_log_probs(model, batch.prompt_ids, batch.completion_ids, temperature=0.8).logprobs
+    assert max(abs(plain[i, j].item() - v) for i, row in enumerate(batch.logprobs) for j, v in enumerate(row)) > 1e-2
+
+    beams = SamplingOptions(max_tokens=5, temperature=0.0, repetition_penalty=1.5, ignore_eos=True,
+                            engine_kwargs=(("num_beams", 2),))
+    batch = engine.generate(prompts, 2, beams)
+    plain = compute_log_probs(model, batch.prompt_ids, batch.completion_ids, temperature=1.0).logprobs
+    assert all(abs(plain[i, j].item() - v) < 1e-5 for i, row in enumerate(batch.logprobs) for j, v in enumerate(row))
+
+
 @settings(max_examples=25, deadline=None)
 @given(target=st.integers(min_value=0, max_value=700), seed=st.integers(min_value=0, max_value=3),
        which=st.integers(min_value=0, max_value=40))
