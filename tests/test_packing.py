@@ -93,11 +93,12 @@ def test_packed_log_probs_equal_the_plain_forward(seed, lengths, data, c):
 
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10_000), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3),
-       data=st.data(), micro=st.integers(1, 9))
-def test_old_and_reference_passes_with_shared_prompts_equal_the_plain_pass(seed, lengths, data, micro):
+       data=st.data(), micro=st.integers(1, 9), lean=st.booleans())
+def test_old_and_reference_passes_with_shared_prompts_equal_the_plain_pass(seed, lengths, data, micro, lean):
     """``compute_log_probs(shared_prompts=True)`` (the old-policy and reference passes): for any grouping, order,
     ragged completions (empty ones too) and micro batch size, the log-probs and entropies are the plain pass's,
-    and the packed layout ran wherever it pays."""
+    and the packed layout ran wherever it pays; on the lean path (decoder, then the head on completion positions)
+    and through the model's own forward (``lean_head=False``: what FSDP runs) alike."""
     model = tiny()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -107,11 +108,12 @@ def test_old_and_reference_passes_with_shared_prompts_equal_the_plain_pass(seed,
     completions = [torch.randint(5, vocab - 5, (int(torch.randint(0, 8, (1,), generator=g)),),
                                  generator=g).tolist() for _ in order]
     with packed_batches() as calls:
+        lean_head = None if lean else False
         plain = compute_log_probs(model, prompts, completions, micro_batch_size=micro, with_entropy=True,
-                                  temperature=0.7)
+                                  temperature=0.7, lean_head=lean_head)
         assert not calls
         packed = compute_log_probs(model, prompts, completions, micro_batch_size=micro, with_entropy=True,
-                                   temperature=0.7, shared_prompts=True)
+                                   temperature=0.7, shared_prompts=True, lean_head=lean_head)
     assert torch.allclose(packed.logprobs, plain.logprobs, atol=2e-5)
     assert torch.allclose(packed.entropy, plain.entropy, atol=2e-5)
     expected = 0

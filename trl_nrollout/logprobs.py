@@ -209,9 +209,10 @@ def compute_log_probs(
     - ``mm_inputs``: per sample, the processor's image tensors (:mod:`trl_nrollout.multimodal`) of a
       vision-language model, or None; with images the model's own forward runs (it merges the image features) and
       positions are the model's own (right padding: they start at 0 on every row).
-    - ``shared_prompts``: on the lean path, a micro batch whose samples share prompts runs each prompt once
-      (:mod:`trl_nrollout.packing`) where :func:`~trl_nrollout.packing.packing_pays` says it is cheaper; the
-      caller vouches that the model takes a 4D block mask (:func:`~trl_nrollout.packing.structural_reason`).
+    - ``shared_prompts``: a micro batch whose samples share prompts runs each prompt once
+      (:mod:`trl_nrollout.packing`) where :func:`~trl_nrollout.packing.packing_pays` says it is cheaper, on the
+      lean path and through the model's own forward alike (FSDP; images never pack); the caller vouches that the
+      model takes a 4D block mask (:func:`~trl_nrollout.packing.structural_reason`).
     - ``sync_forwards``: make every rank run as many forwards as the busiest one (needed under ZeRO-3, where
       each forward gathers parameters collectively, and under FSDP; detected automatically).
 
@@ -276,10 +277,10 @@ def compute_log_probs(
     return LogProbOutput(logprobs, entropy, num_forwards)
 
 
-def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
-                   device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """The decoder's last hidden states over the shared-prompt layout of a micro batch, flattened ``[G * L, H]``,
-    and where sample ``r``'s completion token ``j`` is predicted ``[B, C]``; None where packing does not pay."""
+def _packed_layout(module: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
+                   device: torch.device):
+    """The shared-prompt layout (:func:`~trl_nrollout.packing.pack_shared_prompts`) of a micro batch, with the
+    block mask in the dtype ``module`` takes, and the prompt width ``P``; None where packing does not pay."""
     b, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
     p_w, c_w = max(len(p) for p in prompts), max(len(c) for c in completions)
     prompt_ids = torch.full((b, p_w), pad_token_id, dtype=torch.long)
@@ -289,15 +290,44 @@ def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: li
         prompt_ids[r, p_w - len(p):] = torch.tensor(p, dtype=torch.long)
         prompt_mask[r, p_w - len(p):] = 1
         completion_ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
-    dtype = mask_dtype(getattr(decoder, "config", None),
-                       next((q.dtype for q in decoder.parameters() if q.is_floating_point()), torch.float32))
+    dtype = mask_dtype(getattr(module, "config", None),
+                       next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32))
     if not decide(prompt_ids, prompt_mask, completion_ids, width, dtype)[0]:
         return None  # too little shared (or a mask over its bound: the trainer's update says so)
     pk = pack_shared_prompts(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                              pad_token_id, dtype=dtype)
+    return pk, p_w
+
+
+def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
+                   device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The decoder's last hidden states over the shared-prompt layout of a micro batch, flattened ``[G * L, H]``,
+    and where sample ``r``'s completion token ``j`` is predicted ``[B, C]``; None where packing does not pay."""
+    layout = _packed_layout(decoder, prompts, completions, pad_token_id, device)
+    if layout is None:
+        return None
+    pk, _ = layout
     hidden = decoder(input_ids=pk.input_ids, attention_mask=pk.attention_mask,
                      position_ids=pk.position_ids).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1]), pk.index
+
+
+def _packed_logits(model: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
+                   device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The model's own forward (FSDP, or a head that is not a plain linear layer) over the shared-prompt layout:
+    logits of the completion segments only (``logits_to_keep``; the shared prompt's positions predict no
+    completion token but the last, which opens every segment), flattened ``[G * K, V]``, and where sample
+    ``r``'s completion token ``j`` is predicted in them ``[B, C]``; None where packing does not pay."""
+    layout = _packed_layout(unwrap_model(model), prompts, completions, pad_token_id, device)
+    if layout is None:
+        return None
+    pk, p_w = layout
+    length = pk.input_ids.shape[1]
+    keep = length - (p_w - 1)  # the segments: each begins with the prompt's last token
+    logits = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
+                   logits_to_keep=keep).logits  # [G, keep, V]
+    row, col = pk.index // length, pk.index % length
+    return logits.reshape(-1, logits.shape[-1]), row * keep + col - (length - keep)
 
 
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
@@ -322,10 +352,12 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     pos_t = torch.tensor(pos, device=device)
     tgt_t = torch.tensor(tgt, device=device)
 
-    packed = None
+    packed = packed_logits = None
     if shared_prompts and parts is not None and len(prompts) > 1:
         packed = _packed_hidden(parts[0], prompts, completions, pad_token_id, device)
-    if packed is None:  # the plain layout: one padded row per sequence
+    elif shared_prompts and mm is None and len(prompts) > 1:  # FSDP, or no plain head: the model's own forward
+        packed_logits = _packed_logits(model, prompts, completions, pad_token_id, device)
+    if packed is None and packed_logits is None:  # the plain layout: one padded row per sequence
         input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
         attn = torch.zeros(len(seqs), width, dtype=torch.long)
         for r, (seq, off) in enumerate(zip(seqs, starts)):
@@ -339,6 +371,11 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
         with _whole_head(parts[1]) as head_fn:
             lp, ent = chunked_token_logprobs(selected, tgt_t, head_fn, temperature=temperature,
                                              chunk_rows=chunk_rows, with_entropy=entropy is not None)
+    elif packed_logits is not None:
+        flat, index = packed_logits
+        selected = flat[index[rows_t, torch.tensor(out_c, device=device)]]  # [tokens, V]
+        lp, ent = chunked_token_logprobs(selected, tgt_t, None, temperature=temperature, chunk_rows=chunk_rows,
+                                         with_entropy=entropy is not None)
     elif parts is not None:
         decoder, head = parts
         hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
