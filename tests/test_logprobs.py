@@ -164,7 +164,8 @@ def test_empty_prompt_is_a_clear_error():
 @pytest.mark.parametrize("mode", ["ddp", "zero3", "fsdp1", "fsdp2"])
 def test_two_processes_match_one(mode, tiny_model_path, tmp_path):
     """Under 2-process DDP, DeepSpeed ZeRO-3 and plain torch FSDP1/FSDP2 (gloo, CPU) the pass gives the
-    single-process numbers; ranks with different numbers of micro batches do not hang (ZeRO-3 / FSDP gather per
+    single-process numbers, in the plain and the shared-prompt layout; ranks with different numbers of micro
+    batches do not hang (ZeRO-3 / FSDP gather per
     forward), nor do ranks that need different numbers of output-head chunks (under ZeRO-3 each call of the head
     module gathers its weight; the timeout turns such a hang into a failure)."""
     env = {"ACCELERATE_USE_CPU": "1"} if mode == "ddp" else {"ACCELERATE_USE_CPU": None}
@@ -177,6 +178,9 @@ def test_two_processes_match_one(mode, tiny_model_path, tmp_path):
         assert res["max_abs_diff"] < TOL and res["max_abs_diff_entropy"] < TOL and res["max_abs_diff_mb1_left"] < TOL
         assert res["max_abs_diff_small_head_chunks"] < TOL
         assert res["training_mode_restored"]
+        # the shared-prompt layout ran in every micro batch (FSDP: through the model's own forward) and matches
+        assert res["packed_forwards"] == res["packed_micro_batches"] > 0
+        assert res["max_abs_diff_packed"] < TOL and res["max_abs_diff_packed_entropy"] < TOL
     if mode in ("zero3", "fsdp1", "fsdp2"):
         assert results[0]["num_forwards"] == results[1]["num_forwards"]
         full = sum(p.numel() for p in tiny_model().parameters())

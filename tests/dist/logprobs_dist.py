@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 from transformers import AutoModelForCausalLM
 
+import trl_nrollout.logprobs as logprobs_module
 from trl_nrollout.logprobs import compute_log_probs
 
 
@@ -27,6 +28,16 @@ def samples(rank: int, num: int):
     completions = [torch.randint(3, 300, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
                    for _ in range(num)]
     return prompts, completions
+
+
+def grouped_samples(rank: int, prompts: int, n: int):
+    """``prompts`` long prompts, each with ``n`` ragged completions: the shared-prompt layout pays."""
+    g = torch.Generator().manual_seed(200 + rank)
+    distinct = [torch.randint(3, 300, (int(torch.randint(24, 40, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(prompts)]
+    completions = [torch.randint(3, 300, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(prompts * n)]
+    return [p for p in distinct for _ in range(n)], completions
 
 
 def main() -> None:
@@ -82,6 +93,18 @@ def main() -> None:
     got = compute_log_probs(model, prompts, completions, with_entropy=True, max_token_len=48, micro_batch_size=4)
     also = compute_log_probs(model, prompts, completions, micro_batch_size=1, pad_side="left")
     chunked = compute_log_probs(model, prompts, completions, micro_batch_size=5, chunk_rows=3)
+    # the shared-prompt layout: FSDP runs it through the model's own forward, the others on the lean path; ranks
+    # with different numbers of micro batches
+    g_prompts, g_completions = grouped_samples(rank, 3 + rank, 4)
+    g_ref = compute_log_probs(plain, g_prompts, g_completions, with_entropy=True)
+    packed_calls = []
+    real_pack = logprobs_module.pack_shared_prompts
+    logprobs_module.pack_shared_prompts = lambda *a, **k: packed_calls.append(1) or real_pack(*a, **k)
+    try:
+        packed = compute_log_probs(model, g_prompts, g_completions, with_entropy=True, micro_batch_size=8,
+                                   shared_prompts=True)
+    finally:
+        logprobs_module.pack_shared_prompts = real_pack
     result = {
         "rank": rank,
         "world": world,
@@ -93,6 +116,10 @@ def main() -> None:
         "max_abs_diff_mb1_left": float((also.logprobs - ref.logprobs).abs().max()),
         "max_abs_diff_small_head_chunks": float((chunked.logprobs - ref.logprobs).abs().max()),
         "training_mode_restored": bool(model.training),
+        "packed_forwards": len(packed_calls),
+        "packed_micro_batches": -(-len(g_prompts) // 8),
+        "max_abs_diff_packed": float((packed.logprobs - g_ref.logprobs).abs().max()),
+        "max_abs_diff_packed_entropy": float((packed.entropy - g_ref.entropy).abs().max()),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
