@@ -338,7 +338,8 @@ def test_three_trainers_one_after_another_in_one_process(tmp_path):
 def test_auto_backend_falls_back_when_vllm_cannot_run_the_model(tmp_path, caplog):
     """vLLM's CPU backend has no attention kernel for head_dim=24 (it fails only when the model runs): 'auto'
     falls back to the HF engine with one warning saying why and trains; an explicit 'vllm' is an error naming the
-    model, the reason and the fallback."""
+    model, the reason and the fallback; so is a fallback that would drop an explicit rollout_seed_mode='sample'
+    (the HF engine cannot seed per sample)."""
     import logging
 
     from tests.conftest import save_tiny_model
@@ -347,10 +348,10 @@ def test_auto_backend_falls_back_when_vllm_cannot_run_the_model(tmp_path, caplog
 
     folder = save_tiny_model(tmp_path / "head24", hidden_size=48)  # 2 heads of 24
 
-    def args(backend):
+    def args(backend, **kw):
         return NRolloutConfig(output_dir=str(tmp_path / backend), train_batch_size=4, rollout_n=4,
                               max_completion_length=4, max_steps=1, rollout_backend=backend, report_to="none",
-                              use_cpu=True, bf16=False, save_strategy="no", logging_steps=1)
+                              use_cpu=True, bf16=False, save_strategy="no", logging_steps=1, **kw)
 
     with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
         trainer = NRolloutGRPOTrainer(folder, reward_funcs=[digits_reward], args=args("auto"),
@@ -361,6 +362,9 @@ def test_auto_backend_falls_back_when_vllm_cannot_run_the_model(tmp_path, caplog
     assert trainer.state.global_step == 1
     with pytest.raises(RuntimeError, match=r"vLLM cannot run .*head24.*head_dim=24.*rollout_backend='hf'"):
         NRolloutGRPOTrainer(folder, reward_funcs=[digits_reward], args=args("vllm"),
+                            train_dataset=digits_dataset(16))
+    with pytest.raises(ValueError, match=r"rollout_seed_mode='sample' needs vLLM engines.*'engine'"):
+        NRolloutGRPOTrainer(folder, reward_funcs=[digits_reward], args=args("auto", rollout_seed_mode="sample"),
                             train_dataset=digits_dataset(16))
 
 

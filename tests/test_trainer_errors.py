@@ -44,6 +44,7 @@ def test_trl_fields_map_back_onto_verl_vocabulary(tmp_path):
     (dict(clip_ratio_c=0.5), "clip_ratio_c=0.5"),
     (dict(rollout_backend="ray"), "rollout_backend='ray'"),
     (dict(rollout_seed_mode="request"), "rollout_seed_mode='request' is not one of"),
+    (dict(rollout_backend="hf", rollout_seed_mode="sample"), "rollout_seed_mode=.sample. needs vLLM engines"),
     (dict(per_device_train_batch_size=6, num_generations=4), "not divisible by num_generations=4"),
 ])
 def test_conflicts_are_errors_naming_the_option(tmp_path, kw, match):

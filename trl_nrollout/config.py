@@ -42,7 +42,7 @@ from trl_nrollout.advantages import available_estimators  # noqa: E402
 from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.layout import LayoutError, RolloutLayout  # noqa: E402
 from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES  # noqa: E402
-from trl_nrollout.rollout.seeds import SEED_MODES  # noqa: E402
+from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, SEED_MODES  # noqa: E402
 
 #: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
 RESERVED_GENERATION_KWARGS = {
@@ -178,14 +178,16 @@ class NRolloutConfig(GRPOConfig):
         "help": "KV-cache bytes per rank (CPU default: enough for every sample of the engine)."})
     rollout_enforce_eager: bool = field(default=False, metadata={"help": "vLLM enforce_eager (CUDA)."})
     rollout_enable_prefix_caching: bool = field(default=True, metadata={"help": "vLLM prefix caching."})
-    rollout_seed_mode: str = field(default="sample", metadata={
-        "help": "How vLLM engines seed sampling. 'sample': every sample has its own seed (vLLM per-request "
-                "generators), so a sample's tokens do not depend on the layout, the batch or the world size. "
-                "'engine': each generation call seeds the engine's default generator once (from the run seed, the "
-                "step and the engine), as TRL and verl sample: reproducible for a fixed layout and after a resume, "
-                "not across layouts. It drops vLLM's per-request sampling loop (on CPU 6-7% of a tiny model's "
-                "rollout; on a GPU one kernel launch per request per token, and FlashInfer's top-k/top-p sampler "
-                "only runs without per-request generators). The HF engine always seeds per call."})
+    rollout_seed_mode: str | None = field(default=None, metadata={
+        "help": "How engines seed sampling. 'sample' (the default on vLLM engines): every sample has its own seed "
+                "(vLLM per-request generators), so a sample's tokens do not depend on the layout, the batch or the "
+                "world size. 'engine' (what the HF engine does): each generation call seeds the engine's default "
+                "generator once (from the run seed, the step and the engine), as TRL and verl sample: reproducible "
+                "for a fixed layout and after a resume, not across layouts. On vLLM it drops the per-request "
+                "sampling loop (on CPU 6-7% of a tiny model's rollout; on a GPU one kernel launch per request per "
+                "token, and FlashInfer's top-k/top-p sampler only runs without per-request generators). None: "
+                "'sample' on vLLM, 'engine' on the HF engine, which cannot seed per sample ('sample' with it is "
+                "an error)."})
     weight_sync_bucket_mb: int = field(default=256, metadata={
         "help": "Bound (MiB) of the full weights gathered at once during a weight sync."})
     shared_prompt_forward: bool | None = field(default=None, metadata={
@@ -280,6 +282,8 @@ class NRolloutConfig(GRPOConfig):
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0: every token; "
                              "0.2: the 20% of tokens with the highest entropy).")
+        if self.rollout_backend == "hf" and self.rollout_seed_mode == "sample":
+            raise ValueError(HF_SAMPLE_SEEDS)
         if self.use_vllm:  # TRL's vLLM generation: our engine group, with TRL's rollout correction when asked
             if self.rollout_backend == "hf":
                 raise ValueError("use_vllm=True conflicts with rollout_backend='hf'; set only one.")
@@ -302,7 +306,7 @@ class NRolloutConfig(GRPOConfig):
             ("adv_estimator", self.adv_estimator, available_estimators()),
             ("loss_agg_mode", self.loss_agg_mode, list(LOSS_AGG_MODES)),
             ("rollout_backend", self.rollout_backend, ["auto", "vllm", "hf"]),
-            ("rollout_seed_mode", self.rollout_seed_mode, list(SEED_MODES)),
+            ("rollout_seed_mode", self.rollout_seed_mode, [None, *SEED_MODES]),
             ("kl_ctrl_type", self.kl_ctrl_type, ["fixed", "adaptive"]),
             ("rollout_is", self.rollout_is, [None, "token", "sequence"]),
             ("rollout_is_mode", self.rollout_is_mode, ["truncate", "mask"]),

@@ -60,7 +60,7 @@ from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, struct
 from trl_nrollout.report import LiveProgressCallback
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
-from trl_nrollout.rollout.seeds import step_seed
+from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
 from trl_nrollout.summary import GenerationClock
@@ -198,6 +198,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             )
         logger.warning("rollout_backend='auto': vLLM cannot run %r here (%s); using the HF engine (transformers "
                        "generate) instead. Set rollout_backend='hf' to skip this check.", model, errors[0][:300])
+        if self.args.rollout_seed_mode == "sample":
+            raise ValueError(HF_SAMPLE_SEEDS)
         self.rollout_backend = "hf"
         return self._build_engine()
 
@@ -226,7 +228,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
-            seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20, seed_mode=args.rollout_seed_mode,
+            seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20,
+            seed_mode=args.rollout_seed_mode or "sample",
         )
 
     def _context_length(self) -> int | None:

@@ -8,14 +8,12 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.multimodal import MMInputs, collate
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import unwrap
-
 
 #: ``generate()`` arguments that leave sampling / greedy decoding (beams reorder rows, assistants skip the
 #: logits processors for accepted draft tokens): with any of them the log-probs come from a forward pass instead

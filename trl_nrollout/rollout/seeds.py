@@ -16,6 +16,11 @@ SEED_BITS = 62
 #: ``rollout_seed_mode`` values: one vLLM seed per sample, or the engine's default generators seeded once per call
 SEED_MODES = ("sample", "engine")
 
+#: the error for ``rollout_seed_mode="sample"`` on the HF engine
+HF_SAMPLE_SEEDS = ("rollout_seed_mode='sample' needs vLLM engines (one generator per request): the HF engine "
+                   "(transformers generate) seeds each generation call once. Set rollout_seed_mode='engine' or leave "
+                   "it unset (None: 'engine' on the HF engine), or use rollout_backend='vllm'.")
+
 
 def _hash_seed(text: str) -> int:
     """A seed below 2^SEED_BITS from ``text`` (vLLM keeps seeds as int64); unrelated for different texts."""
