@@ -162,6 +162,32 @@ def test_hf_engine_records_the_sampling_distribution():
     assert all(abs(plain[i, j].item() - v) < 1e-5 for i, row in enumerate(batch.logprobs) for j, v in enumerate(row))
 
 
+def test_hf_engine_prefills_each_prompt_once(monkeypatch):
+    """Long prompts: the HF engine runs each prompt's KV cache once and hands it to its n samples. The model embeds
+    (n - 1) x (P - 1) fewer tokens per prompt than with n copies prefilled (TRL's way), and the samples and their
+    log-probs are the same, ragged prompts (one of a single token) and all."""
+    from trl_nrollout.rollout import hf_engine
+
+    model, tok = tiny()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (70, 9, 1, 66)]
+    width, groups, n = 70, len(prompts), 3
+    embedded = []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(args[0].numel()))
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id], batch_size=8)
+    opts = SamplingOptions(max_tokens=6, temperature=0.9, seed=2, ignore_eos=True)
+    once = engine.generate(prompts, n, opts)
+    tokens_once = sum(embedded)
+    embedded.clear()
+    monkeypatch.setattr(hf_engine, "PREFILL_ONCE_MIN_TOKENS", 10_000)  # n copies, as generate does by itself
+    copies = engine.generate(prompts, n, opts)
+    assert sum(embedded) - tokens_once == (n - 1) * groups * (width - 1)
+    assert once.completion_ids == copies.completion_ids and once.group_index == copies.group_index
+    assert all(abs(a - b) < 1e-5 for r1, r2 in zip(once.logprobs, copies.logprobs) for a, b in zip(r1, r2))
+    ref = compute_log_probs(model, once.prompt_ids, once.completion_ids, temperature=0.9).logprobs
+    assert all(abs(ref[i, j].item() - v) < 1e-5 for i, row in enumerate(once.logprobs) for j, v in enumerate(row))
+
+
 @settings(max_examples=25, deadline=None)
 @given(target=st.integers(min_value=0, max_value=700), seed=st.integers(min_value=0, max_value=3),
        which=st.integers(min_value=0, max_value=40))
