@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,37 @@ def sweep(lengths: list[int], ns: list[int], impls: list[str], child, colocate: 
         rows += got
         tried += more
     return rows, tried
+
+
+def _median_of(values: list):
+    """Median of numbers, merged dicts of numbers (key by key), otherwise the first value."""
+    if all(isinstance(v, bool) for v in values):
+        return any(values)
+    if all(isinstance(v, (int, float)) for v in values):
+        return round(statistics.median(values), 4)
+    if all(isinstance(v, dict) for v in values):
+        return {k: _median_of([v[k] for v in values if k in v]) for k in values[0]}
+    return values[0]
+
+
+def merge_repeats(runs: list[list[dict]], keys: tuple[str, ...] = ("prompt_tokens", "impl", "n")) -> list[dict]:
+    """One row per configuration from ``--repeats`` sweeps (each a list of rows): every number the median over
+    the repeats (dicts of numbers key by key; ``noisy`` if any was), ``step_s_repeats`` the step time of each.
+    A fresh process per repeat, in alternating order, so that one process's luck (memory placement, a neighbour's
+    burst; about +-20% on this machine) does not decide a ratio."""
+    if len(runs) == 1:
+        return runs[0]
+    groups: dict[tuple, list[dict]] = {}
+    for rows in runs:
+        for row in rows:
+            groups.setdefault(tuple(row.get(k) for k in keys), []).append(row)
+    merged = []
+    for same in groups.values():
+        row = {k: _median_of([r[k] for r in same if k in r]) for k in same[0]}
+        row["step_s_repeats"] = [r.get("step_s") for r in same]
+        row["repeats"] = len(same)
+        merged.append(row)
+    return merged
 
 
 def finish(result: dict, out_dir: str, write_outputs, busy: bool, load: tuple[float, float, float]) -> int:

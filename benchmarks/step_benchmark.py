@@ -56,6 +56,7 @@ from common import (
     answer_one,
     finish,
     fit_lengths,
+    merge_repeats,
     run_child,
     start_parent,
     sweep,
@@ -519,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impls", nargs="+", default=["ours-vllm", "ours-hf", "trl"], choices=[*OURS, "trl"])
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step (our train_batch_size)")
     ap.add_argument("--steps", type=int, default=5, help="training steps per configuration; the first is discarded")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="fresh processes per configuration, in alternating order; every figure is the median")
     ap.add_argument("--max-completion-length", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 512, 1024],
                     help="prompt lengths to sweep (each prompt lengthened to about this many tokens, cut to the "
@@ -549,14 +552,21 @@ def main(argv: list[str] | None = None) -> int:
     args.prompt_tokens = fit_lengths(args.model, args.prompt_tokens, args.max_completion_length)
     impls = [i for i in IMPLS if i in args.impls]
     wall = time.perf_counter()
-    rows, colocate = sweep(args.prompt_tokens, args.ns, impls,
+    runs, colocate = [], []
+    for rep in range(args.repeats):  # alternate the order: a slow spell hits every implementation alike
+        got, tried = sweep(args.prompt_tokens, args.ns, impls if rep % 2 == 0 else impls[::-1],
                            lambda length, impl, n, timeout: _child(args, length, impl, n, timeout),
-                           not args.no_colocate, args.colocate_timeout, "training steps")
+                           not args.no_colocate and rep == 0, args.colocate_timeout,
+                           "training steps" + (f", repeat {rep + 1}/{args.repeats}" if args.repeats > 1 else ""))
+        runs.append(got)
+        colocate += tried
+    rows = merge_repeats(runs)
     rows += [c for c in colocate if c.get("ran")]  # a colocate run that worked is a row of its own
     load_end = os.getloadavg()
     result = {
         "meta": {"model_name": model_name, "model_path": args.model, "ns": args.ns, "impls": impls,
                  "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "steps": args.steps, "warmup_steps_discarded": 1,
+                 "repeats": args.repeats,
                  "max_completion_length": args.max_completion_length, "temperature": 1.0,
                  "learning_rate": LEARNING_RATE, "with_ref": args.with_ref,
                  "shared_prompt_forward": not args.no_shared_prompt_forward, "kl_coef": KL_COEF if args.with_ref else 0.0,

@@ -112,7 +112,8 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "generation_kwargs": ("honored", _ANY, "Passed to the engine's sampler as TRL passes them: vLLM SamplingParams "
                                            "fields on the vLLM engine, generate() arguments on the HF engine (n, "
                                            "max_tokens, seed, logprobs are ours: an error names the option to use)."),
-    "cache_implementation": ("honored", _ANY, "The HF engine's generate() cache (as TRL); no effect on vLLM, as in TRL."),
+    "cache_implementation": ("honored", _ANY, "The HF engine's generate() cache (as TRL; each prompt is then "
+                             "prefilled once per sample, not once for its n samples); no effect on vLLM, as in TRL."),
     "log_completions": ("honored", _ANY, "TRL's completions table (prompts, completions, each reward, advantages, "
                                          "log_extra columns): printed, saved as parquet, sent to wandb/trackio."),
     "num_completions_to_print": ("honored", _ANY, "Rows of the printed completions table."),
