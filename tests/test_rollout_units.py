@@ -114,10 +114,11 @@ def test_hf_engine_layout_and_logprobs():
 
 
 def _processed_logprobs(model, prompt: list[int], completion: list[int], temperature: float, penalty: float,
-                        banned: int | None = None) -> list[float]:
+                        banned: int | None = None, top_k: int | None = None) -> list[float]:
     """Reference for the HF engine's recorded log-probs, from one plain forward: each position's logits with the
     repetition penalty applied by hand to the tokens seen so far (prompt and earlier completion tokens), a banned
-    token masked, then ``log_softmax(logits / temperature)`` at the sampled token."""
+    token masked, divided by the temperature, all but the ``top_k`` largest masked, then ``log_softmax`` at the
+    sampled token."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0].float()
     out = []
@@ -127,14 +128,19 @@ def _processed_logprobs(model, prompt: list[int], completion: list[int], tempera
         row[seen] = torch.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
         if banned is not None:
             row[banned] = float("-inf")
-        out.append(torch.log_softmax(row / temperature, dim=-1)[token].item())
+        row = row / temperature
+        if top_k is not None:
+            row[row < row.topk(top_k).values[-1]] = float("-inf")
+        out.append(torch.log_softmax(row, dim=-1)[token].item())
     return out
 
 
 def test_hf_engine_records_the_sampling_distribution():
     """The log-probs recorded during ``generate`` are those of the distribution each token was drawn from (the
-    repetition penalty and temperature applied, vLLM's ``processed_logprobs``), also behind a user's own logits
-    processor; beam search, which reorders rows, falls back to a forward pass (temperature only)."""
+    repetition penalty, temperature and top-k applied, vLLM's ``processed_logprobs``), also behind a user's own
+    logits processor; beam search, which reorders rows, falls back to a forward pass (temperature only)."""
+    from dataclasses import replace
+
     from transformers import LogitsProcessor
 
     class Ban(LogitsProcessor):
@@ -154,6 +160,10 @@ def test_hf_engine_records_the_sampling_distribution():
     assert all(abs(a - b) < 1e-4 for row, ref in zip(batch.logprobs, penalised) for a, b in zip(row, ref))
     plain = compute_log_probs(model, batch.prompt_ids, batch.completion_ids, temperature=0.8).logprobs
     assert max(abs(plain[i, j].item() - v) for i, row in enumerate(batch.logprobs) for j, v in enumerate(row)) > 1e-2
+
+    top5 = engine.generate(prompts, 3, replace(opts, top_k=5, seed=3))  # top-k is in the distribution sampled from
+    assert all(abs(a - b) < 1e-4 for p, c, row in zip(top5.prompt_ids, top5.completion_ids, top5.logprobs)
+               for a, b in zip(row, _processed_logprobs(model, p, c, 0.8, 1.5, banned=7, top_k=5)))
 
     beams = SamplingOptions(max_tokens=5, temperature=0.0, repetition_penalty=1.5, ignore_eos=True,
                             engine_kwargs=(("num_beams", 2),))

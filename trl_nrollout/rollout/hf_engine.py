@@ -29,6 +29,33 @@ PREFILL_ONCE_MIN_TOKENS = 64
 _OWN_CACHE = {"past_key_values", "cache_implementation", "cache_config"}
 
 
+def _own_warpers(options: dict) -> list[LogitsProcessor]:
+    """Take sampling's temperature, top-k, top-p and min-p out of ``generate()``'s ``options`` and return them as
+    processors, in ``generate``'s own order, to run before :class:`SampledLogProbs` (``generate`` runs a caller's
+    processors before its warpers, so the recorder would not see them). Greedy decoding has none."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    values = {k: options.pop(k, None) for k in ("temperature", "top_k", "top_p", "min_p")}
+    if not options.get("do_sample"):
+        return []
+    options.update(dict.fromkeys(values))  # None: no warper of generate's own (a None argument is not a default)
+    out: list[LogitsProcessor] = []
+    if values["temperature"] is not None and values["temperature"] != 1.0:
+        out.append(TemperatureLogitsWarper(values["temperature"]))
+    if values["top_k"]:
+        out.append(TopKLogitsWarper(top_k=values["top_k"]))
+    if values["top_p"] is not None and values["top_p"] < 1.0:
+        out.append(TopPLogitsWarper(top_p=values["top_p"]))
+    if values["min_p"] is not None:
+        out.append(MinPLogitsWarper(min_p=values["min_p"]))
+    return out
+
+
 def _synced_forwards(model: nn.Module) -> bool:
     """Whether ``generate`` keeps the ranks' forwards in step (``synced_gpus``: ZeRO-3 or FSDP over several ranks,
     where a forward may gather parameters collectively); then no rank may run a forward the others do not."""
@@ -43,22 +70,21 @@ class SampledLogProbs(LogitsProcessor):
     """Records the log-probability of each generated token under the distribution it was sampled from, during
     ``generate`` itself: no second forward over prompts and completions.
 
-    ``generate`` calls it once per new position with ``scores`` ``[rows, vocab]`` (float32, after its built-in
-    processors such as the repetition penalty and suppressed tokens, before the temperature and top-k/top-p
-    warpers). It keeps ``log_softmax(scores / temperature)`` until the next call, whose ``input_ids[:, -1]``
-    is the token sampled from it; :meth:`finish` reads the last one from the output. This is vLLM's
-    ``processed_logprobs`` (penalties and temperature applied, top-k/top-p filtering not), the quantity the
+    ``generate`` calls it once per new position with ``scores`` ``[rows, vocab]`` (float32), last of the logits
+    processors: after the built-in ones (the repetition penalty, suppressed tokens) and after the sampling warpers
+    the engine puts before it (:func:`_own_warpers`: temperature, top-k, top-p, min-p). It keeps
+    ``log_softmax(scores)`` until the next call, whose ``input_ids[:, -1]`` is the token sampled from it;
+    :meth:`finish` reads the last one from the output. This is vLLM's ``processed_logprobs``, the quantity the
     vLLM engine reports.
     """
 
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
+    def __init__(self) -> None:
         self.rows: list[torch.Tensor] = []  # per generated position: [rows] log-probs of the sampled tokens
         self._pending: torch.Tensor | None = None  # [rows, vocab] of the position whose token is not known yet
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self._take(input_ids[:, -1])
-        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        self._pending = torch.log_softmax(scores.float(), dim=-1)
         return scores
 
     def _take(self, tokens: torch.Tensor) -> None:
@@ -83,8 +109,9 @@ class HFEngine:
     ``batch_size`` prompts go through ``generate`` at a time. Prompts of :data:`PREFILL_ONCE_MIN_TOKENS` tokens or
     more are prefilled once for their ``n`` samples (:meth:`_prefill_once`; not under ZeRO-3 or FSDP over several
     ranks, whose forwards must stay in step). The sampled tokens' log-probs are recorded while
-    generating (:class:`SampledLogProbs`: the sampling temperature and penalties applied, vLLM's
-    ``processed_logprobs``), so a rollout costs ``generate`` alone, as TRL's. Decoding modes other than sampling
+    generating (:class:`SampledLogProbs`: penalties, temperature, top-k, top-p and min-p applied, vLLM's
+    ``processed_logprobs``; other warpers given through ``generation_kwargs`` are not), so a rollout costs
+    ``generate`` alone, as TRL's. Decoding modes other than sampling
     and greedy (beams, assisted decoding, set through TRL's ``generation_kwargs``) get them from
     :func:`~trl_nrollout.logprobs.compute_log_probs` after ``generate`` instead (temperature only).
     """
@@ -154,9 +181,9 @@ class HFEngine:
                 options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
                 recorder = None
                 if stepwise:
-                    recorder = SampledLogProbs(temp)
+                    recorder = SampledLogProbs()
                     user = options.get("logits_processor") or []
-                    options["logits_processor"] = LogitsProcessorList([*user, recorder])
+                    options["logits_processor"] = LogitsProcessorList([*user, *_own_warpers(options), recorder])
                 if mm is not None:  # images: the processor's tensors, per-token fields left-padded like the ids
                     options.update(collate(mm[s:s + self.batch_size], device, width=width,
                                            starts=[width - len(p) for p in chunk]))
