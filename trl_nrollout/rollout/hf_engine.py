@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import replace
 
@@ -40,10 +41,10 @@ def _own_warpers(options: dict) -> list[LogitsProcessor]:
         TopPLogitsWarper,
     )
 
-    values = {k: options.pop(k, None) for k in ("temperature", "top_k", "top_p", "min_p")}
+    values = {k: options.get(k) for k in ("temperature", "top_k", "top_p", "min_p")}
+    options.update(dict.fromkeys(values))  # None: no warper of generate's own (a None argument is not a default)
     if not options.get("do_sample"):
         return []
-    options.update(dict.fromkeys(values))  # None: no warper of generate's own (a None argument is not a default)
     out: list[LogitsProcessor] = []
     if values["temperature"] is not None and values["temperature"] != 1.0:
         out.append(TemperatureLogitsWarper(values["temperature"]))
@@ -231,8 +232,12 @@ class HFEngine:
         """
         prefix_mask = mask[:, :-1]
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :-1], attention_mask=prefix_mask, position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        inputs = dict(input_ids=ids[:, :-1], attention_mask=prefix_mask, past_key_values=cache, use_cache=True,
+                      position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0))
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+        if "logits_to_keep" in inspect.signature(base.forward).parameters:
+            inputs["logits_to_keep"] = 1  # only the cache is wanted: no [G, P, vocab] logits
+        model(**inputs)
         cache.batch_repeat_interleave(n)
         options.update(past_key_values=cache, num_return_sequences=1)
         return ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
