@@ -437,3 +437,47 @@ def test_normalize_then_sum_is_gdpo(data, groups, n, funcs):
         else:
             expected = (s - sum(valid) / len(valid)) / (std(valid) + 1e-4)
             assert g == pytest.approx(expected, rel=1e-3, abs=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------- multi-turn inputs
+@st.composite
+def tool_rows(draw, max_rows=6, max_len=7):
+    """Completions with tool masks: each token sampled (1) or a tool result (0); some rows without a mask."""
+    rows = []
+    for _ in range(draw(st.integers(1, max_rows))):
+        length = draw(st.integers(0, max_len))
+        tools = draw(st.one_of(st.none(), st.lists(st.integers(0, 1), min_size=length, max_size=length)))
+        rows.append((list(range(100, 100 + length)), tools))
+    return rows
+
+
+@FAST
+@given(rows=tool_rows(), data=st.data())
+def test_outcome_rewards_land_on_the_last_sampled_token(rows, data):
+    """Each row's reward sits on its last sampled token (not on a trailing tool result), so every outcome
+    estimator sees the sample's full reward over the response mask; rows with no sampled token get none."""
+    from trl_nrollout.advantages import outcome_token_rewards, response_mask
+
+    width = max([len(c) for c, _ in rows] + [1])
+    mask = response_mask([c for c, _ in rows], [t for _, t in rows], width)
+    scores = torch.tensor(data.draw(st.lists(HALVES, min_size=len(rows), max_size=len(rows))))
+    rewards = outcome_token_rewards(scores, mask)
+    for i, (ids, tools) in enumerate(rows):
+        sampled = [k for k in range(len(ids)) if tools is None or tools[k]]
+        assert mask[i].tolist() == [1.0 if k in sampled else 0.0 for k in range(width)]
+        expected = [0.0] * width
+        if sampled:
+            expected[sampled[-1]] = float(scores[i])
+        assert rewards[i].tolist() == expected
+    # whitening-based estimators take their statistics over sampled tokens only
+    adv, _ = compute_advantages("reinforce_plus_plus", rewards, mask, list(range(len(rows))))
+    if mask.sum() > 1 and bool((adv != 0).any()):
+        assert float((adv * mask).sum() / mask.sum()) == pytest.approx(0.0, abs=1e-5)
+    assert bool((adv[mask == 0] == 0).all())
+
+
+def test_response_mask_refuses_a_tool_mask_of_another_length():
+    from trl_nrollout.advantages import response_mask
+
+    with pytest.raises(ValueError, match="tool mask has 2 entries for 3 completion tokens"):
+        response_mask([[1, 2, 3]], [[1, 0]], 3)

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trl_nrollout.advantages import response_mask
 from trl_nrollout.layout import RolloutLayout
 from trl_nrollout.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout import platform
@@ -212,11 +213,12 @@ def test_kl_in_reward_stays_on_the_training_device():
     """On the meta device any tensor built on the CPU and mixed in raises, as a CPU/CUDA mix does on a GPU."""
     old = torch.zeros(3, 5, device="meta")
     ref = torch.zeros(3, 5, device="meta")
-    out = sequence_kl(old, ref, [[1, 2], [3], [4, 5, 6, 7, 8]], "k3")
+    out = sequence_kl(old, ref, response_mask([[1, 2], [3], [4, 5, 6, 7, 8]], [None] * 3, 5), "k3")  # CPU mask
     assert out.device.type == "meta" and out.shape == (3,)
-    real = sequence_kl(torch.log(torch.full((2, 3), 0.5)), torch.log(torch.full((2, 3), 0.25)), [[1], [1, 2, 3]],
-                       "kl")
-    assert real.tolist() == pytest.approx([math.log(2), 3 * math.log(2)], abs=1e-6)  # masked sum of log(0.5 / 0.25)
+    # the second sample's middle token is a tool result: not sampled by the policy, no KL
+    mask = response_mask([[1], [1, 2, 3]], [None, [1, 0, 1]], 3)
+    real = sequence_kl(torch.log(torch.full((2, 3), 0.5)), torch.log(torch.full((2, 3), 0.25)), mask, "kl")
+    assert real.tolist() == pytest.approx([math.log(2), 2 * math.log(2)], abs=1e-6)  # masked sum of log(0.5 / 0.25)
 
 
 # ---------------------------------------------------------------------------------------------- launcher

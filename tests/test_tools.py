@@ -276,3 +276,57 @@ def test_rollout_func_generates_and_its_fields_reach_the_rewards(tmp_path, monke
     with pytest.raises(ValueError, match="rollout_func must return keys"):
         trainer.rollout_func = lambda prompts, t: {"prompt_ids": []}
         trainer._generate_and_score_completions([dict(digits_dataset(4)[0])] * 4)
+
+
+@pytest.mark.slow
+def test_tool_results_get_no_advantage_reward_or_kl(tmp_path, monkeypatch):
+    """Tokens the policy did not sample (a rollout_func's env_mask: here each sample's last token) are outside the
+    estimators' response mask: the outcome reward is credited on the last sampled token, REINFORCE++ whitens over
+    sampled tokens only, and the KL in the reward sums over sampled tokens only (as verl's multi-turn mask)."""
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digit_fraction, digits_dataset
+    from trl_nrollout.losses import kl_penalty
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    def my_rollout(prompts, trainer):
+        prompt_ids = [trainer.processing_class(text=p)["input_ids"] for p in prompts]
+        batch = trainer.rollout_engine.generate_expanded(prompt_ids, trainer.num_generations,
+                                                         SamplingOptions(max_tokens=6, temperature=1.0, seed=2,
+                                                                         ignore_eos=True))
+        return {"prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
+                "env_mask": [[1] * (len(c) - 1) + [0] for c in batch.completion_ids]}
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    args = NRolloutConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, num_generations=4,
+                          max_completion_length=6, max_steps=1, learning_rate=1e-2, report_to="none", use_cpu=True,
+                          save_strategy="no", seed=0, adv_estimator="reinforce_plus_plus", use_kl_in_reward=True,
+                          kl_coef=0.5, beta=0.0)
+    trainer = NRolloutGRPOTrainer(model="builtin:tiny-qwen2", args=args, train_dataset=digits_dataset(32),
+                                  reward_funcs=[lambda completions, **kw: [digit_fraction(c) for c in completions]],
+                                  rollout_func=my_rollout)
+    with torch.no_grad():  # the reference drifts from the policy, so the KL is not zero
+        for p in trainer.ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([dict(digits_dataset(4)[0])] * 4)
+    sampled = (batch["completion_mask"] * batch["tool_mask"]).float()
+    tool = batch["completion_mask"].float() - sampled
+    assert bool((tool.sum(-1) == 1).all()) and bool((sampled.sum(-1) == 5).all())
+    adv = batch["advantages"]
+    assert bool((adv[tool.bool()] == 0).all())  # the last (masked) token gets no advantage
+    assert float((adv * sampled).sum() / sampled.sum()) == pytest.approx(0.0, abs=1e-5)  # whitened over sampled
+    assert bool((adv * sampled != 0).any())
+    # the KL penalty in the reward: the mean over samples of (the sequence's KL / its sampled tokens)
+    ids = [row[m.bool()].tolist() for row, m in zip(batch["completion_ids"], batch["completion_mask"])]
+    prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    micro = trainer.layout.old_log_prob
+    old = trainer._log_probs(trainer.model, prompts, ids, micro)
+    ref = trainer._log_probs(trainer.ref_model, prompts, ids, micro)
+    per_token = kl_penalty(old, ref, args.kl_penalty) * sampled[:, :old.shape[1]]
+    expected = float((per_token.sum(-1) / sampled.sum(-1)).mean())
+    logged = trainer._metrics["train"]["actor/reward_kl_penalty"][-1]
+    assert logged == pytest.approx(expected, rel=1e-4) and expected > 0
+    with_tool = float(((kl_penalty(old, ref, args.kl_penalty) * batch["completion_mask"]).sum(-1)
+                       / batch["completion_mask"].sum(-1)).mean())
+    assert abs(logged - with_tool) > 1e-4 * abs(with_tool)  # the tool tokens' KL would have shown

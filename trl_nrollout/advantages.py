@@ -83,6 +83,36 @@ def compute_advantages(
     return adv * mask, ret * mask
 
 
+def response_mask(completions: Sequence[Sequence[int]], tool_masks: Sequence[Sequence[int] | None],
+                  width: int) -> Tensor:
+    """The estimators' ``response_mask`` ``[B, width]`` float: each completion's tokens (right-padded) less the
+    tokens the policy did not sample (``tool_masks[i]``: 1 per completion token the model generated, 0 for a tool
+    result or an environment's reply; ``None``: all generated). As verl's multi-turn ``response_mask``: tool
+    results get no advantage, no TD error and no KL, and take no part in a batch's whitening statistics."""
+    mask = torch.zeros(len(completions), width)
+    for i, (ids, tools) in enumerate(zip(completions, tool_masks, strict=True)):
+        if tools is None:
+            mask[i, :len(ids)] = 1.0
+        else:
+            if len(tools) != len(ids):
+                raise ValueError(f"sample {i}: its tool mask has {len(tools)} entries for {len(ids)} completion "
+                                 "tokens; a rollout must give one entry per completion token.")
+            mask[i, :len(ids)] = torch.tensor(tools, dtype=torch.float32)
+    return mask
+
+
+def outcome_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
+    """Outcome rewards as token-level rewards ``[B, T]``: ``scores[i]`` (``[B]``) on the last position of row ``i``
+    where ``mask`` (``[B, T]``) is 1, zeros elsewhere; a row with no such position gets no reward (it has no token
+    to credit). The last *masked* token, not the last token: a completion may end on a tool result."""
+    rewards = torch.zeros(mask.shape, dtype=torch.float32)
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).amax(-1) if mask.shape[1] else torch.full((mask.shape[0],), -1)
+    rows = (last >= 0).nonzero().squeeze(-1)
+    rewards[rows, last[rows]] = scores[rows].to(torch.float32)
+    return rewards
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 def group_ids(index: Sequence[Hashable], device: torch.device | None = None) -> Tensor:
     """Map arbitrary hashable group ids to ``0..G-1`` in order of first appearance. Returns ``[B]`` long."""

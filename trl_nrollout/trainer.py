@@ -27,7 +27,12 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from trl_nrollout.advantages import compute_advantages, normalize_then_sum
+from trl_nrollout.advantages import (
+    compute_advantages,
+    normalize_then_sum,
+    outcome_token_rewards,
+    response_mask,
+)
 from trl_nrollout.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
@@ -476,22 +481,20 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         # ---- advantages over the whole job (groups may span ranks; batch-level estimators need everything)
         t = time.perf_counter()
         scores = self._weighted(rewards)  # [G]
-        lengths = torch.tensor([len(r[1]) for r in records])
+        t_max = max(max(len(r[1]) for r in records), 1)
+        resp_mask = response_mask([r[1] for r in records], [r[4] for r in records], t_max)  # tool results: 0
         if args.use_kl_in_reward:
-            kl_local = sequence_kl(old, ref, completion_ids, args.kl_penalty)  # [B_local], on old's device
+            local_mask = response_mask(completion_ids, [r[4] for r in local], old.shape[1])
+            kl_local = sequence_kl(old, ref, local_mask, args.kl_penalty)  # [B_local], on old's device
             kl_all = torch.zeros(len(records), device=kl_local.device)
             kl_all[torch.tensor(mine, device=kl_local.device)] = kl_local
             kl_all = gather(kl_all).view(world, -1).sum(0).cpu()
             scores = scores - self.kl_ctrl.value * kl_all
-            mean_kl = float((kl_all / lengths.clamp(min=1)).mean())
+            mean_kl = float((kl_all / resp_mask.sum(-1).clamp(min=1)).mean())
             self.kl_ctrl.update(mean_kl, n_steps=len(records))
             self._metric(mode, "actor/reward_kl_penalty", mean_kl)
             self._metric(mode, "actor/reward_kl_penalty_coeff", self.kl_ctrl.value)
-        t_max = max(int(lengths.max()), 1)
-        token_rewards = torch.zeros(len(records), t_max)
-        resp_mask = _mask([r[1] for r in records], t_max)
-        nonempty = lengths > 0
-        token_rewards[nonempty, (lengths[nonempty] - 1)] = scores[nonempty]
+        token_rewards = outcome_token_rewards(scores, resp_mask)  # on each sample's last sampled token
         options = dict(args.adv_estimator_kwargs or {})
         if args.adv_estimator in ("grpo", "grpo_passk"):
             options.setdefault("norm_adv_by_std_in_grpo", args.norm_adv_by_std_in_grpo)
@@ -958,18 +961,13 @@ def _nanstd(x: Tensor) -> float:
     return valid.std().item() if valid.numel() > 1 else 0.0
 
 
-def _mask(completions: list[list[int]], width: int, device: torch.device | str = "cpu") -> Tensor:
-    """``[B, width]`` 0/1 mask of each completion's tokens (right-padded), on ``device``."""
-    lengths = torch.tensor([len(c) for c in completions], device=device)
-    return (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: str) -> Tensor:
+    """KL-in-reward of each sample ``[B]``: the sum of the per-token ``kind`` estimate over the tokens of ``mask``.
 
-
-def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, completion_ids: list[list[int]], kind: str) -> Tensor:
-    """KL-in-reward of each sample ``[B]``: the sum of the per-token ``kind`` estimate over its completion tokens.
-
-    ``logprobs``, ``ref_logprobs``: ``[B, C]`` right-padded, on the training device; the mask is built on that same
-    device (built on the CPU, it made ``use_kl_in_reward`` crash on CUDA).
+    ``logprobs``, ``ref_logprobs``: ``[B, C]`` right-padded, on the training device; ``mask``: ``[B, C]`` 0/1, the
+    tokens the policy sampled (:func:`~trl_nrollout.advantages.response_mask`: tool results left out), moved to
+    that same device (a CPU mask made ``use_kl_in_reward`` crash on CUDA).
     """
-    mask = _mask(completion_ids, logprobs.shape[1], device=logprobs.device)
+    mask = mask.to(device=logprobs.device, dtype=logprobs.dtype)
     return (kl_penalty(logprobs, ref_logprobs, kind) * mask).sum(-1)
 
