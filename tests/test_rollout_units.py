@@ -172,13 +172,23 @@ def test_hf_engine_records_the_sampling_distribution():
     assert all(abs(plain[i, j].item() - v) < 1e-5 for i, row in enumerate(batch.logprobs) for j, v in enumerate(row))
 
 
-def test_hf_engine_prefills_each_prompt_once(monkeypatch):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_hf_engine_prefills_each_prompt_once(monkeypatch, lora):
     """Long prompts: the HF engine runs each prompt's KV cache once and hands it to its n samples. The model embeds
     (n - 1) x (P - 1) fewer tokens per prompt than with n copies prefilled (TRL's way), and the samples and their
-    log-probs are the same, ragged prompts (one of a single token) and all."""
+    log-probs are the same, ragged prompts (one of a single token) and all; also through a PEFT (LoRA) model,
+    whose adapter is not a no-op here."""
     from trl_nrollout.rollout import hf_engine
 
     model, tok = tiny()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (70, 9, 1, 66)]
     width, groups, n = 70, len(prompts), 3
@@ -196,6 +206,10 @@ def test_hf_engine_prefills_each_prompt_once(monkeypatch):
     assert all(abs(a - b) < 1e-5 for r1, r2 in zip(once.logprobs, copies.logprobs) for a, b in zip(r1, r2))
     ref = compute_log_probs(model, once.prompt_ids, once.completion_ids, temperature=0.9).logprobs
     assert all(abs(ref[i, j].item() - v) < 1e-5 for i, row in enumerate(once.logprobs) for j, v in enumerate(row))
+    if lora:  # the adapter takes part in the prefill: without it the log-probs differ
+        with model.disable_adapter():
+            base = compute_log_probs(model, once.prompt_ids, once.completion_ids, temperature=0.9).logprobs
+        assert float((base - ref).abs().max()) > 1e-2
 
 
 @settings(max_examples=25, deadline=None)
