@@ -146,15 +146,16 @@ def _lean_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
 
 @contextlib.contextmanager
-def _whole_head(head: nn.Module):
-    """The output head as a function of hidden rows, callable any number of times without collectives.
+def _whole_head(head: nn.Module | None):
+    """The output head as a function of hidden rows, callable any number of times without collectives (None: no
+    head, the rows are logits already).
 
     Under DeepSpeed ZeRO-3 every call of the head *module* gathers its partitioned weight (a collective), so
     ranks scoring different numbers of tokens would make different numbers of head calls and hang. Here the
     weight is gathered once per micro batch (every rank runs the same number of micro batches) and applied
     functionally, without the module's hooks. Elsewhere the module itself is returned.
     """
-    if not any(hasattr(p, "ds_id") for p in head.parameters()):
+    if head is None or not any(hasattr(p, "ds_id") for p in head.parameters()):
         yield head
         return
     import deepspeed
@@ -352,12 +353,18 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     pos_t = torch.tensor(pos, device=device)
     tgt_t = torch.tensor(tgt, device=device)
 
-    packed = packed_logits = None
-    if shared_prompts and parts is not None and len(prompts) > 1:
-        packed = _packed_hidden(parts[0], prompts, completions, pad_token_id, device)
-    elif shared_prompts and mm is None and len(prompts) > 1:  # FSDP, or no plain head: the model's own forward
-        packed_logits = _packed_logits(model, prompts, completions, pad_token_id, device)
-    if packed is None and packed_logits is None:  # the plain layout: one padded row per sequence
+    out_c_t = torch.tensor(out_c, device=device)
+    # the features of every completion token: hidden states [tokens, H] when a plain head follows (``parts``),
+    # logits [tokens, V] from the model's own forward otherwise (FSDP, a head that is not a plain linear layer)
+    head = parts[1] if parts is not None else None
+    selected = None
+    if shared_prompts and len(prompts) > 1 and (parts is not None or mm is None):  # the shared-prompt layout
+        packed = (_packed_hidden(parts[0], prompts, completions, pad_token_id, device) if parts is not None
+                  else _packed_logits(model, prompts, completions, pad_token_id, device))
+        if packed is not None:
+            flat, index = packed
+            selected = flat[index[rows_t, out_c_t]]
+    if selected is None:  # the plain layout: one padded row per sequence
         input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
         attn = torch.zeros(len(seqs), width, dtype=torch.long)
         for r, (seq, off) in enumerate(zip(seqs, starts)):
@@ -365,36 +372,21 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
             attn[r, off:off + len(seq)] = 1
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
         input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
-    if packed is not None:
-        flat, index = packed
-        selected = flat[index[rows_t, torch.tensor(out_c, device=device)]]  # [tokens, H]
-        with _whole_head(parts[1]) as head_fn:
-            lp, ent = chunked_token_logprobs(selected, tgt_t, head_fn, temperature=temperature,
-                                             chunk_rows=chunk_rows, with_entropy=entropy is not None)
-    elif packed_logits is not None:
-        flat, index = packed_logits
-        selected = flat[index[rows_t, torch.tensor(out_c, device=device)]]  # [tokens, V]
-        lp, ent = chunked_token_logprobs(selected, tgt_t, None, temperature=temperature, chunk_rows=chunk_rows,
-                                         with_entropy=entropy is not None)
-    elif parts is not None:
-        decoder, head = parts
-        hidden = decoder(input_ids=input_ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
-        selected = hidden[rows_t, pos_t]  # [tokens, H]: only completion positions go through the head
-        with _whole_head(head) as head_fn:
-            lp, ent = chunked_token_logprobs(selected, tgt_t, head_fn, temperature=temperature,
-                                             chunk_rows=chunk_rows, with_entropy=entropy is not None)
-    else:
-        keep = width - min(pos)  # positions from the earliest predicting position to the end
-        if mm is None:
-            extra = {"position_ids": position_ids}
-        else:  # a VLM places its image tokens itself (some, like Qwen2-VL, with positions of their own)
-            extra = collate(mm, device, width=width, starts=starts)
-        logits = model(input_ids=input_ids, attention_mask=attn, logits_to_keep=keep, **extra).logits  # [n, keep, V]
-        selected = logits[rows_t, pos_t - (width - keep)]
-        lp, ent = chunked_token_logprobs(selected, tgt_t, None, temperature=temperature, chunk_rows=chunk_rows,
+        if parts is not None:
+            hidden = parts[0](input_ids=input_ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
+            selected = hidden[rows_t, pos_t]  # only completion positions go through the head
+        else:
+            keep = width - min(pos)  # positions from the earliest predicting position to the end
+            if mm is None:
+                extra = {"position_ids": position_ids}
+            else:  # a VLM places its image tokens itself (some, like Qwen2-VL, with positions of their own)
+                extra = collate(mm, device, width=width, starts=starts)
+            logits = model(input_ids=input_ids, attention_mask=attn, logits_to_keep=keep, **extra).logits
+            selected = logits[rows_t, pos_t - (width - keep)]  # [n, keep, V] -> [tokens, V]
+    with _whole_head(head) as head_fn:
+        lp, ent = chunked_token_logprobs(selected, tgt_t, head_fn, temperature=temperature, chunk_rows=chunk_rows,
                                          with_entropy=entropy is not None)
     out_r_t = torch.tensor(out_r, device=device)
-    out_c_t = torch.tensor(out_c, device=device)
     logprobs[out_r_t, out_c_t] = lp
     if entropy is not None and ent is not None:
         entropy[out_r_t, out_c_t] = ent
