@@ -135,6 +135,33 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_zero3_with_the_hf_engine_prefills_once_where_parameters_are_gathered(tmp_path):
+    """The HF engine under ZeRO-3 in two processes, prompts of 80 tokens. With ds3_gather_for_generation (TRL's
+    default) the parameters are gathered and their hooks off, so every forward is local: each prompt is prefilled
+    once for its n samples. Without it, generate's forwards gather parameters collectively, so the engine prefills
+    n copies as generate does. Same seed, same samples: the first step's reward and loss agree."""
+    from transformers import AutoTokenizer
+
+    from trl_nrollout.builtin import digits_prompts, long_prompts, resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in long_prompts(digits_prompts(32), tok, 80)))
+    common = ("--max_steps", "2", "--rollout_backend", "hf", "--dataset_name", str(data), "--save_strategy", "no")
+    runs = {gather: launch(tmp_path / gather, *common, "--ds3_gather_for_generation", gather,
+                           config="zero3_cpu.yaml", timeout=900) for gather in ("true", "false")}
+    for gather, shared in (("true", 1.0), ("false", 0.0)):
+        run = runs[gather]
+        assert run["summary"]["processes"] == 2 and run["summary"]["steps"] == 2
+        assert [h["perf/prefill_shared_fraction"] for h in run["steps"]] == [shared, shared]
+        assert all(math.isfinite(h["loss"]) for h in run["steps"])
+    first = [runs[g]["steps"][0] for g in ("true", "false")]
+    assert first[0]["reward"] == pytest.approx(first[1]["reward"], abs=1e-4)
+    assert first[0]["loss"] == pytest.approx(first[1]["loss"], abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_zero2_with_the_hf_engine(tmp_path):
     run = launch(tmp_path, "--max_steps", "3", "--rollout_backend", "hf", config="zero2_cpu.yaml")
     assert run["summary"]["processes"] == 2 and run["summary"]["steps"] == 3

@@ -148,6 +148,11 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             close()
 
     # ------------------------------------------------------------------ construction helpers
+    def _zero3(self) -> bool:
+        """Whether DeepSpeed ZeRO-3 partitions the model (accelerate's DeepSpeed plugin at stage 3)."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return plugin is not None and plugin.zero_stage == 3
+
     def _is_peft(self) -> bool:
         return is_peft_model(self.accelerator.unwrap_model(self.model))
 
@@ -214,7 +219,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             return HFEngine(self.model, pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
                             batch_size=max(1, self.layout.samples_per_rank // self.layout.rollout_n), seed=args.seed,
                             generation_context=self._hf_generation_context,
-                            shared_prompts=self._packing_allowed(self.model))
+                            shared_prompts=self._packing_allowed(self.model),
+                            local_forwards=self._zero3() and bool(args.ds3_gather_for_generation))
         from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
         completion = args.max_completion_length or 256
@@ -447,6 +453,13 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         self._metric(mode, "timing_s/gen", gen_s)
         self._metric(mode, "timing_s/reward", reward_s)
         self._metric(mode, "perf/gen_tokens_per_s", gen_tokens / max(gen_s, 1e-9))
+        if isinstance(self.rollout_engine, HFEngine):  # the samples whose prompt was prefilled once (of the job)
+            engine = self.rollout_engine
+            counts = torch.tensor([engine.prefill_shared_samples, engine.generated_samples], dtype=torch.long,
+                                  device=self.accelerator.device)
+            shared, total = self.accelerator.reduce(counts, reduction="sum").tolist()
+            self._metric(mode, "perf/prefill_shared_fraction", shared / max(total, 1.0))
+            engine.prefill_shared_samples = engine.generated_samples = 0
 
         # ---- which samples this rank trains on
         per_rank = len(records) // world

@@ -109,7 +109,10 @@ class HFEngine:
 
     ``batch_size`` prompts go through ``generate`` at a time. Prompts of :data:`PREFILL_ONCE_MIN_TOKENS` tokens or
     more are prefilled once for their ``n`` samples (:meth:`_prefill_once`; not under ZeRO-3 or FSDP over several
-    ranks, whose forwards must stay in step). The sampled tokens' log-probs are recorded while
+    ranks, whose forwards must stay in step, unless ``local_forwards`` says the generation context makes every
+    forward local: ZeRO-3 with TRL's ``ds3_gather_for_generation``, parameters gathered and their hooks off). The
+    samples whose prompt was prefilled once are counted in ``prefill_shared_samples``, beside
+    ``generated_samples`` (the trainer logs the fraction and resets both each step). The sampled tokens' log-probs are recorded while
     generating (:class:`SampledLogProbs`: penalties, temperature, top-k, top-p and min-p applied, vLLM's
     ``processed_logprobs``; other warpers given through ``generation_kwargs`` are not), so a rollout costs
     ``generate`` alone, as TRL's. Decoding modes other than sampling
@@ -118,8 +121,11 @@ class HFEngine:
     """
 
     def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], batch_size: int = 64,
-                 seed: int = 0, generation_context=None, shared_prompts: bool = False) -> None:
+                 seed: int = 0, generation_context=None, shared_prompts: bool = False,
+                 local_forwards: bool = False) -> None:
         self.model = model
+        self.local_forwards = local_forwards
+        self.prefill_shared_samples = self.generated_samples = 0
         # a callable returning a context manager that yields the model to generate with (the trainer passes TRL's
         # unwrap_model_for_generation, which gathers ZeRO-3 parameters once for the whole generate call)
         self.generation_context = generation_context
@@ -152,7 +158,7 @@ class HFEngine:
         start = time.perf_counter()
         temp = sampling.temperature if sampling.temperature > 0 else 1.0
         stepwise = not any(k in _NOT_STEPWISE and v not in (None, 1, False) for k, v in sampling.engine_kwargs)
-        synced = _synced_forwards(model)
+        synced = _synced_forwards(model) and not self.local_forwards
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
         self._calls += 1
         torch.manual_seed(seed)
@@ -192,6 +198,8 @@ class HFEngine:
                 if n > 1 and width >= PREFILL_ONCE_MIN_TOKENS and mm is None and stepwise and not synced \
                         and not _OWN_CACHE.intersection(options):
                     ids, mask = self._prefill_once(model, ids, mask, n, options)
+                    self.prefill_shared_samples += len(chunk) * n
+                self.generated_samples += len(chunk) * n
                 out = model.generate(input_ids=ids, attention_mask=mask, **options)
                 recorded = None if recorder is None else recorder.finish(out[:, width:])
                 recorded = None if recorded is None else recorded.tolist()
