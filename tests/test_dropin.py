@@ -68,9 +68,9 @@ def test_mapped_options(tmp_path):
     assert cfg(tmp_path).norm_adv_by_std_in_grpo is True
     with pytest.raises(ValueError, match="scale_rewards='none' applies to adv_estimator='grpo' only"):
         cfg(tmp_path, scale_rewards="none", adv_estimator="rloo")
-    assert cfg(tmp_path, vllm_max_model_length=900).rollout_max_model_len == 900
+    assert cfg(tmp_path, vllm_max_model_length=900, rollout_backend="auto").rollout_max_model_len == 900
     with pytest.raises(ValueError, match="vllm_max_model_length=900 conflicts with rollout_max_model_len=800"):
-        cfg(tmp_path, vllm_max_model_length=900, rollout_max_model_len=800)
+        cfg(tmp_path, vllm_max_model_length=900, rollout_max_model_len=800, rollout_backend="auto")
     c = cfg(tmp_path, use_vllm=True, rollout_backend="auto")
     assert (c.rollout_backend, c.rollout_is, c.rollout_is_mode, c.rollout_is_threshold) == ("vllm", "sequence",
                                                                                            "mask", 3.0)

@@ -45,6 +45,11 @@ def test_trl_fields_map_back_onto_verl_vocabulary(tmp_path):
     (dict(rollout_backend="ray"), "rollout_backend='ray'"),
     (dict(rollout_seed_mode="request"), "rollout_seed_mode='request' is not one of"),
     (dict(rollout_backend="hf", rollout_seed_mode="sample"), "rollout_seed_mode=.sample. needs vLLM engines"),
+    (dict(rollout_backend="hf", rollout_tp_size=2), r"rollout_backend='hf' \(transformers generate\) has no use for "
+                                                   r"rollout_tp_size=2 \(or TRL's vllm_tensor_parallel_size\)"),
+    (dict(rollout_backend="hf", vllm_max_model_length=900, vllm_enable_sleep_mode=True, rollout_dtype="bfloat16"),
+     "no use for rollout_dtype='bfloat16', rollout_max_model_len=900 .or TRL's vllm_max_model_length., "
+     "vllm_enable_sleep_mode=True: they configure the vLLM engines"),
     (dict(per_device_train_batch_size=6, num_generations=4), "not divisible by num_generations=4"),
 ])
 def test_conflicts_are_errors_naming_the_option(tmp_path, kw, match):
@@ -125,7 +130,9 @@ def test_none_rewards_are_combined_as_trl_combines_them(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_plain_grpo_config_is_accepted(tmp_path, monkeypatch):
+def test_a_plain_grpo_config_is_accepted(tmp_path, monkeypatch, caplog):
+    import logging
+
     from trl import GRPOConfig
 
     import trl_nrollout.trainer as trainer_module
@@ -134,11 +141,14 @@ def test_a_plain_grpo_config_is_accepted(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)  # keep vLLM out of the pytest process
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_steps=1,
-                      use_cpu=True, report_to="none", max_completion_length=4)
-    trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
-                                  train_dataset=digits_dataset(16))
+                      use_cpu=True, report_to="none", max_completion_length=4, vllm_gpu_memory_utilization=0.5)
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
+        trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                                      train_dataset=digits_dataset(16))
     assert trainer.layout.train_batch_size == 2 and trainer.layout.rollout_n == 4
-    assert trainer.rollout_backend == "hf"
+    assert trainer.rollout_backend == "hf"  # 'auto' without vLLM: the vLLM option it set is named, not dropped
+    notes = [r.message for r in caplog.records if "has no use for" in r.message]
+    assert len(notes) == 1 and "vllm_gpu_memory_utilization=0.5" in notes[0] and "vLLM is not installed" in notes[0]
 
 
 @pytest.mark.slow

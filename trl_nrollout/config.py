@@ -45,6 +45,12 @@ from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES  # n
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, SEED_MODES  # noqa: E402
 
 #: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
+#: options that configure the vLLM engines only: the HF engine (transformers ``generate`` on the training model)
+#: has nothing they could set, so with ``rollout_backend='hf'`` a value other than the default is an error, and
+#: where ``'auto'`` falls back to the HF engine the warning names them
+VLLM_ENGINE_OPTIONS = ("rollout_tp_size", "rollout_dtype", "rollout_max_model_len", "rollout_max_num_seqs",
+                       "rollout_kv_cache_memory_bytes", "rollout_enforce_eager", "rollout_enable_prefix_caching",
+                       "weight_sync_bucket_mb", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization")
 RESERVED_GENERATION_KWARGS = {
     "n": "num_generations / rollout_n", "num_return_sequences": "num_generations / rollout_n",
     "max_tokens": "max_completion_length", "max_new_tokens": "max_completion_length", "seed": "seed",
@@ -165,7 +171,11 @@ class NRolloutConfig(GRPOConfig):
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={
-        "help": "'vllm' (engine group), 'hf' (transformers generate) or 'auto' (vllm when installed)."})
+        "help": "'vllm' (engine group), 'hf' (transformers generate) or 'auto' (vllm when installed). The vLLM "
+                "engine options (rollout_tp_size, rollout_dtype, rollout_max_model_len, rollout_max_num_seqs, "
+                "rollout_kv_cache_memory_bytes, rollout_enforce_eager, rollout_enable_prefix_caching, "
+                "weight_sync_bucket_mb, vllm_enable_sleep_mode, vllm_gpu_memory_utilization) set with 'hf' are an "
+                "error; where 'auto' falls back to the HF engine, a warning names them."})
     rollout_dtype: str = field(default="auto", metadata={"help": "Engine dtype ('auto': float32 on CPU)."})
     rollout_max_model_len: int | None = field(default=None, metadata={
         "help": "Longest prompt + completion of an engine (default: the model's context length, "
@@ -231,6 +241,14 @@ class NRolloutConfig(GRPOConfig):
                 "`accelerate launch` or `torchrun` so that both agree."
             )
 
+    def vllm_engine_settings(self) -> list[str]:
+        """``name=value`` of each option in :data:`VLLM_ENGINE_OPTIONS` set away from its default (what the HF
+        engine would leave unused)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        twins = {"rollout_tp_size": "vllm_tensor_parallel_size", "rollout_max_model_len": "vllm_max_model_length"}
+        return [f"{name}={getattr(self, name)!r}" + (f" (or TRL's {twins[name]})" if name in twins else "")
+                for name in VLLM_ENGINE_OPTIONS if getattr(self, name) != defaults[name]]
+
     def _trl_post_init(self) -> None:
         """``GRPOConfig``'s own checks and derived fields (a subclass may adapt them)."""
         super().__post_init__()
@@ -284,6 +302,11 @@ class NRolloutConfig(GRPOConfig):
                              "0.2: the 20% of tokens with the highest entropy).")
         if self.rollout_backend == "hf" and self.rollout_seed_mode == "sample":
             raise ValueError(HF_SAMPLE_SEEDS)
+        if self.rollout_backend == "hf" and self.vllm_engine_settings():
+            raise ValueError(
+                f"rollout_backend='hf' (transformers generate) has no use for {', '.join(self.vllm_engine_settings())}: "
+                "they configure the vLLM engines. Remove them, or generate with vLLM (rollout_backend='vllm', or "
+                "'auto' where vLLM is installed).")
         if self.use_vllm:  # TRL's vLLM generation: our engine group, with TRL's rollout correction when asked
             if self.rollout_backend == "hf":
                 raise ValueError("use_vllm=True conflicts with rollout_backend='hf'; set only one.")

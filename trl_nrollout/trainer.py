@@ -124,6 +124,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
         if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
             self.ref_model = self._build_ref_model()
         self.rollout_backend = self._pick_backend(args.rollout_backend)
+        if args.rollout_backend == "auto" and self.rollout_backend == "hf":
+            self._note_unused_vllm_settings("vLLM is not installed")
         if args.vllm_structured_outputs_regex is not None and self.rollout_backend != "vllm":
             raise UnsupportedTRLOption(
                 f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} needs the vLLM engine, but this "
@@ -176,6 +178,13 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
             )
         return choice
 
+    def _note_unused_vllm_settings(self, why: str) -> None:
+        """rollout_backend='auto' picked the HF engine: say which vLLM engine options the run set and will not use."""
+        unused = self.args.vllm_engine_settings()
+        if unused:
+            logger.warning("rollout_backend='auto' generates with the HF engine (%s), which has no use for %s; they "
+                           "configure the vLLM engines.", why, ", ".join(unused))
+
     def _model_path(self) -> str:
         inner = self.accelerator.unwrap_model(self.model)
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
@@ -210,6 +219,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, GRPOTrainer):
                        "generate) instead. Set rollout_backend='hf' to skip this check.", model, errors[0][:300])
         if self.args.rollout_seed_mode == "sample":
             raise ValueError(HF_SAMPLE_SEEDS)
+        self._note_unused_vllm_settings(f"vLLM cannot run {model!r} here")
         self.rollout_backend = "hf"
         return self._build_engine()
 
