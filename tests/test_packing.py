@@ -222,7 +222,7 @@ def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monk
     """One real rollout (2 prompts of ~96 tokens x n=4, HF engine): the loss and every trained parameter's gradient
     are the same with and without packing (a full model, and LoRA adapters through PEFT's forward), and packing did
     run (half the tokens here)."""
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.update as update_module
 
     peft = None
     if lora:
@@ -233,8 +233,8 @@ def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monk
     batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
     batch = trainer._add_normalizers([batch], 1)[0]
     calls = []
-    real = trainer_module.pack_shared_prompts
-    monkeypatch.setattr(trainer_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = update_module.pack_shared_prompts
+    monkeypatch.setattr(update_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     packed_loss, packed_grads = _loss_and_grads(trainer, batch)
     assert calls, "the packed forward did not run"
     trainer.args.shared_prompt_forward = False
@@ -250,13 +250,13 @@ def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monk
 def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monkeypatch, caplog):
     """Distinct prompts in a micro batch (nothing to share), a block mask over its memory bound and an attention
     implementation that ignores a 4D mask all run the plain forward; the last two say why, once."""
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.update as update_module
 
     trainer, data = _trainer(tmp_path, shared_prompt_forward=True)
     batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
     batch = trainer._add_normalizers([batch], 1)[0]
     calls = []
-    monkeypatch.setattr(trainer_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(update_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1))
     distinct = {k: (v[::4] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()}
     trainer._compute_loss(trainer.model, distinct)  # one sample per prompt: no sharing
     assert not calls

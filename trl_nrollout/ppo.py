@@ -35,7 +35,8 @@ from trl_nrollout.critic import build_critic, compute_values, critic_values, syn
 from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.logprobs import _is_zero3, pack_by_tokens, split_by_count
 from trl_nrollout.losses import LOSS_AGG_MODES, explained_variance, value_loss
-from trl_nrollout.trainer import NRolloutGRPOTrainer, _loss_mask
+from trl_nrollout.trainer import NRolloutGRPOTrainer
+from trl_nrollout.update import _loss_mask
 
 CRITIC_DIR = "critic"
 

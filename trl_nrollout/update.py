@@ -1,0 +1,304 @@
+"""The policy update of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer`, as a mixin: the loss of a micro batch
+(verl's clipped policy loss over TRL's inputs, rollout correction, KL loss, entropy bonus, MoE router loss), the
+policy's log-probs through TRL's fused head in the plain or the shared-prompt layout, the mini batch's loss
+normalizers, and the update's timing.
+
+It uses the trainer's TRL attributes (``args``, ``accelerator``, ``state``, ``epsilon_low``/``epsilon_high``,
+``beta``, ``importance_sampling_level``, ``top_entropy_quantile``, ``aux_loss_enabled``, the entropy-bonus
+controller's fields...) and its ``_metric`` and ``_tokenizer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from accelerate.utils import gather
+from torch import Tensor
+
+from trl_nrollout.losses import (
+    agg_loss,
+    entropy_quantile,
+    high_entropy_mask,
+    kl_penalty,
+    off_policy_sequence_mask,
+    policy_loss,
+    rollout_is_weights,
+    vespo_weights,
+)
+from trl_nrollout.multimodal import collate
+from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, structural_reason
+
+logger = logging.getLogger("trl_nrollout.trainer")  # the trainer's logger: users filter one name
+
+
+class PolicyUpdate:
+    """The update side of the trainer (a mixin placed before ``GRPOTrainer``)."""
+
+    def _add_normalizers(self, chunks: list[dict], accum: int) -> list[dict]:
+        """Attach to each micro batch the token and sequence counts of its whole mini batch (all ranks), divided by
+        the number of ranks (whose gradients are averaged; the micro losses of one optimizer step are summed, as
+        TRL's ``loss_is_scaled_for_ga`` says): token-mean over a mini batch then equals the mean over its tokens
+        however it is split."""
+        world = self.accelerator.num_processes
+        counts = torch.tensor([[_loss_mask(c).sum().item(), c["completion_mask"].shape[0]] for c in chunks],
+                              dtype=torch.float64, device=self.accelerator.device)
+        counts = gather(counts.unsqueeze(0)).view(world, len(chunks), 2).sum(0).cpu()
+        dev = self.accelerator.device
+        for k, c in enumerate(chunks):
+            mb = slice((k // accum) * accum, (k // accum + 1) * accum)
+            tokens, seqs = counts[mb].sum(0).tolist()
+            # at least one: a mini batch whose tokens are all masked (mask_truncated_completions) has a zero loss
+            c["mb_tokens"] = torch.tensor(max(tokens, 1.0) / world, device=dev)
+            c["mb_seqs"] = torch.tensor(max(seqs, 1.0) / world, device=dev)
+        return chunks
+
+    # ------------------------------------------------------------------ the update
+    def training_step(self, model, inputs, num_items_in_batch):
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._update_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            now = time.perf_counter()
+            # training_step includes _prepare_inputs, hence the rollout when one ran: keep only the update
+            self._metric("train", "timing_s/update_actor",
+                         self._update_time - self._rollout_time - self._other_update_seconds())
+            step_s = now - self._last_step_end
+            self._metric("train", "timing_s/step", step_s)
+            steps = max(1, self.layout.optimizer_steps_per_rollout)
+            self._metric("train", "perf/throughput", self._rollout_tokens_local / steps / max(step_s, 1e-9))
+            self._update_time, self._rollout_time, self._last_step_end = 0.0, 0.0, now
+        return loss
+
+    def _other_update_seconds(self) -> float:
+        """Seconds of this optimizer step's training_step spent on other models (PPO: the critic), which
+        ``timing_s/update_actor`` leaves out; read once per optimizer step."""
+        return 0.0
+
+    def _policy_logps(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int,
+                      mm: list | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Log-probs and entropies ``[B, C]`` of the completion tokens, with gradient, through TRL's fused LM head,
+        and a MoE model's router load-balancing loss ``[]`` when TRL's ``aux_loss_enabled`` says so (else None).
+
+        Unlike TRL's own pass, positions are counted from each sequence's first real token (``position_ids``
+        from the mask), as the engines and :func:`~trl_nrollout.logprobs.compute_log_probs` count them, so a
+        left-padded prompt scores the same as an unpadded one for every position scheme (RoPE is shift-invariant
+        only up to rounding; learned absolute positions are not at all).
+
+        ``mm``: per sample, a vision-language model's image tensors (TRL's ``forward_kwargs``); the model then
+        places its positions itself, as in TRL, and its vision tower is trained.
+        """
+        if self._packing_allowed(model, images=mm is not None, aux_loss=self.aux_loss_enabled):
+            packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep)
+            if packed is not None:
+                return packed
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        if mm is None:
+            extra["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        else:  # prompts are left-padded: each starts where its padding ends
+            width = input_ids.shape[1] - logits_to_keep
+            starts = (width - attention_mask[:, :width].sum(-1)).tolist()
+            extra.update(collate(mm, input_ids.device, width=input_ids.shape[1], starts=starts))
+        with self.accelerator.autocast():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
+                        **extra)
+        aux = out.aux_loss if self.aux_loss_enabled else None
+        return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:], aux
+
+    def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
+                        ) -> tuple[Tensor, Tensor, None] | None:
+        """``shared_prompt_forward`` on a model that takes it (:meth:`_packing_allowed`): log-probs and entropies
+        ``[B, C]`` from the packed layout (:mod:`trl_nrollout.packing`), or None where this micro batch runs the
+        plain forward (a mask over its bound is said once)."""
+        config = self.accelerator.unwrap_model(model).config
+        prompt_ids = input_ids[:, :-logits_to_keep]
+        completion_ids = input_ids[:, -logits_to_keep:]
+        dtype = mask_dtype(config, next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
+        pack, reason = decide(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids, input_ids.shape[1],
+                              dtype)
+        if not pack:
+            if reason is not None:
+                self._packing_notice(reason)
+            return None
+        pk = pack_shared_prompts(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
+                                 self._tokenizer.pad_token_id, dtype=dtype)
+        with self.accelerator.autocast():
+            out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
+                        shift_labels=pk.shift_labels, fused_lm_head=True)
+        return pk.gather(out.log_probs), pk.gather(out.entropy), None
+
+    def _packing_allowed(self, model, *, images: bool = False, aux_loss: bool = False) -> bool:
+        """Whether ``shared_prompt_forward`` may pack ``model``'s forwards: not switched off, and the model takes
+        the packed layout (:func:`~trl_nrollout.packing.structural_reason`; why not is said once)."""
+        if self.args.shared_prompt_forward is False:
+            return False
+        reason = structural_reason(self.accelerator.unwrap_model(model).config, images=images, aux_loss=aux_loss)
+        if reason is not None:
+            self._packing_notice(reason)
+        return reason is None
+
+    def _packing_notice(self, reason: str) -> None:
+        """Say once why the shared-prompt layout is not used (a warning if the user asked for it explicitly)."""
+        if self._packing_notice_shown:
+            return
+        self._packing_notice_shown = True
+        explicit = self.args.shared_prompt_forward is True
+        logger.log(logging.WARNING if explicit else logging.INFO,
+                   "shared_prompt_forward%s is not used: %s; the plain forward runs.",
+                   "=True" if explicit else " (default)", reason)
+
+    def _entropy_bonus(self, entropies: Tensor, mask: Tensor, mode: str) -> Tensor:
+        """TRL's entropy bonus, by TRL's rules (``entropy_coef``, ``use_adaptive_entropy``, ``entropy_target``...).
+
+        The bonus is ``coef x`` the mean token entropy of the micro batch (scaled for gradient accumulation, like
+        the policy loss). Adaptive: the coefficient of the previous optimizer step applies only while the measured
+        entropy is at or below ``entropy_target``; at each optimizer step the window's entropy (all micro batches,
+        all ranks, token-weighted) moves the coefficient up by ``entropy_coef_delta`` (entropy at or below the
+        target) or down (above), within ``[entropy_coef_min, entropy_coef_max]``. The controller's state lives in
+        TRL's attributes, so TRL's checkpoints save and restore it. Returns ``coef x mean entropy`` ``[]``.
+        """
+        args = self.args
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        entropy_loss = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        adaptive = self.use_adaptive_entropy
+        coef = self.entropy_coef if not adaptive or self._last_world_entropy <= args.entropy_target else 0.0
+        if adaptive and mode == "train":
+            stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
+            if self.accelerator.sync_gradients:  # the optimizer step: measure the window, move the coefficient
+                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
+                step = args.entropy_coef_delta if world_entropy <= args.entropy_target else -args.entropy_coef_delta
+                self.entropy_coef = min(max(self.entropy_coef + step, args.entropy_coef_min), args.entropy_coef_max)
+                self._last_world_entropy = world_entropy
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metric(mode, "entropy_coef", self.entropy_coef)
+        return coef * entropy_loss
+
+    def _entropy_threshold(self, entropies: Tensor, mask: Tensor, q: float) -> Tensor:
+        """The ``q`` quantile of the response-token entropies of this micro step on all ranks (TRL's
+        ``top_entropy_quantile``: the threshold of its high-entropy mask). ``entropies``, ``mask``: ``[B, T]``."""
+        local = entropies.detach()[mask.bool()].float()
+        sentinel = -1e9  # entropies are >= 0
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=sentinel)
+        everything = self.accelerator.gather(padded)
+        return entropy_quantile(everything[everything != sentinel], q).to(entropies.device)
+
+    def _compute_loss(self, model, inputs):
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        logps, entropies, aux_loss = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
+                                                        inputs.get("mm_inputs"))
+        mask = _loss_mask(inputs).to(logps.dtype)  # completion tokens, less tool results (multi-turn)
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        agg = dict(num_tokens=inputs["mb_tokens"], num_seqs=inputs["mb_seqs"])
+        if args.loss_agg_mode == "seq-mean-token-sum-norm":
+            agg["norm_length"] = args.max_completion_length
+
+        # rollout / trainer mismatch: drift metrics always, importance weights when asked
+        rollout = inputs["sampling_per_token_logps"]
+        diff = ((old - rollout) * mask).detach().abs()
+        n_tok = mask.sum().clamp(min=1)
+        # metrics stay on the device until one host transfer at the end (no sync per metric on a GPU)
+        stats: dict[str, Tensor] = {}
+        stats["rollout_corr/logprob_abs_diff_mean"] = diff.sum() / n_tok
+        stats["rollout_corr/logprob_abs_diff_max"] = diff.amax() if diff.numel() else diff.sum()  # 0 when all masked
+        stats["rollout_corr/kl"] = (kl_penalty(rollout, old, "k3") * mask).sum() / n_tok
+        adv = inputs["advantages"]  # [B, T] from our estimators; [B] (one per sample) from a TRL-style subclass
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        weights = None
+        if args.rollout_is is not None:
+            weights = rollout_is_weights(old, rollout, mask, level=args.rollout_is, mode=args.rollout_is_mode,
+                                         upper=args.rollout_is_threshold, lower=args.rollout_is_threshold_lower)
+            full = weights.expand_as(mask)
+            if args.rollout_is_mode == "mask":
+                stats["rollout_corr/masked_fraction"] = ((full == 0) * mask).sum() / n_tok
+            stats["rollout_corr/is_weight_mean"] = (full * mask).sum() / n_tok
+        # TRL's token masks: the top-rho entropy tokens of the step, DeepSeek-V3.2's off-policy sequence mask
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            threshold = self._entropy_threshold(entropies, mask, 1.0 - self.top_entropy_quantile)
+            entropy_mask = high_entropy_mask(entropies, mask, threshold)
+        token_mask = entropy_mask
+        if args.off_policy_mask_threshold is not None:
+            keep = off_policy_sequence_mask(adv, logps, rollout, mask, args.off_policy_mask_threshold)
+            token_mask = keep if token_mask is None else token_mask * keep
+            stats["off_policy_mask/dropped_fraction"] = (1 - keep).mean()
+        vespo = None
+        if args.policy_loss_mode == "vespo":
+            vespo = vespo_weights(adv, logps, old, mask, log_is_weight=None if weights is None else weights.log(),
+                                  k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
+                                  lambda_neg=args.vespo_lambda_neg)
+        out = policy_loss(logps, old, adv, mask, clip_ratio_low=self.epsilon_low,
+                          clip_ratio_high=self.epsilon_high, clip_ratio_c=args.clip_ratio_c,
+                          ratio_level=self.importance_sampling_level, loss_agg_mode=args.loss_agg_mode,
+                          loss_mode=args.policy_loss_mode, delta=args.delta,
+                          sapo_temperature_pos=args.sapo_temperature_pos,
+                          sapo_temperature_neg=args.sapo_temperature_neg, vespo_weight=vespo, token_mask=token_mask,
+                          token_weights=weights, **agg)
+        loss = out.loss
+        if self.beta != 0.0:
+            kl = kl_penalty(logps, inputs["ref_per_token_logps"], args.kl_loss_type)
+            if args.use_bias_correction_kl:  # TRL's option: the KL of tokens sampled from the old policy, reweighted
+                kl = kl * torch.exp(logps - old)
+            kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
+            loss = loss + self.beta * kl_loss
+            stats["actor/kl_loss"] = (kl.detach() * mask).sum() / n_tok
+        if args.loss_agg_mode == "token-mean-micro":  # TRL's bnpo: this micro batch's mean, over the accumulation
+            loss = loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
+        if self._entropy_bonus_enabled:
+            loss = loss - self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
+        if aux_loss is not None:  # TRL's MoE router loss, router_aux_loss_coef (default: the model's own coefficient)
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            stats["aux_loss"] = aux_loss.detach()
+        ratio = torch.exp((logps - old).detach())
+        low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
+        high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
+        stats["clip_ratio/low_mean"] = (low * mask).sum() / n_tok
+        stats["clip_ratio/high_mean"] = (high * mask).sum() / n_tok
+        stats["clip_ratio/region_mean"] = ((low + high).clamp(max=1) * mask).sum() / n_tok
+        stats["actor/pg_loss"] = out.loss.detach()
+        stats["actor/pg_clipfrac"] = out.clipfrac.detach()
+        stats["actor/pg_clipfrac_lower"] = out.clipfrac_lower.detach()
+        stats["actor/ppo_kl"] = out.approx_kl.detach()
+        stats["actor/entropy"] = (entropies.detach() * mask).sum() / n_tok
+        values = dict(zip([*stats, "loss"], torch.stack([v.float() for v in [*stats.values(), loss.detach()]]).tolist()))
+        if not math.isfinite(values["loss"]):  # checked on the values already fetched: no extra sync
+            raise FloatingPointError(
+                f"the loss is {values['loss']} at step {self.state.global_step} (pg_loss={values['actor/pg_loss']}); "
+                "check the rewards and the learning rate, or lower clip_ratio_c."
+            )
+        for name, value in values.items():
+            if name != "loss":
+                self._metric(mode, name, value)
+        for trl_name, name in _TRL_METRIC_NAMES.items():  # TRL's names beside verl's (same values)
+            if name in values:
+                self._metric(mode, trl_name, values[name])
+        return loss
+
+
+#: TRL's metric names for the same values as ours (both are logged, so either dashboard keeps working).
+_TRL_METRIC_NAMES = {
+    "sampling/sampling_logp_difference/mean": "rollout_corr/logprob_abs_diff_mean",
+    "sampling/sampling_logp_difference/max": "rollout_corr/logprob_abs_diff_max",
+    "policy_loss": "actor/pg_loss", "entropy": "actor/entropy", "kl": "actor/kl_loss",
+}
+
+
+def _loss_mask(inputs: dict) -> Tensor:
+    """The tokens the loss counts ``[B, C]``: the completion's, less tool-response tokens (``tool_mask``)."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
