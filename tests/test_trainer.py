@@ -212,11 +212,24 @@ def test_dynamic_sampling_balance_and_rollout_correction(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_peft_lora_with_kl_loss_and_vllm_sync(tmp_path):
-    """A LoRA model: the engine receives merged weights (its log-probs match the trainer's, float32), and the KL
+@pytest.mark.parametrize("mode", ["one_process", pytest.param("ddp", marks=pytest.mark.multiprocess),
+                                  pytest.param("zero3", marks=pytest.mark.multiprocess)])
+def test_peft_lora_with_kl_loss_and_vllm_sync(mode, tmp_path):
+    """A LoRA model, in one process, two DDP processes (one engine each) and two ZeRO-3 processes (partitioned base
+    and adapters): the engines receive merged weights (their log-probs match the trainer's, float32), and the KL
     loss against the base model (adapters disabled) starts at zero and grows as the adapters train."""
-    run_cmd([sys.executable, str(ROOT / "tests/assets/peft_train.py"), str(tmp_path)], timeout=400, env=ENV)
-    steps = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "reward" in h]
+    script = str(ROOT / "tests/assets/peft_train.py")
+    if mode == "one_process":
+        cmd = [sys.executable, script, str(tmp_path)]
+    elif mode == "ddp":
+        cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", script, str(tmp_path)]
+    else:
+        cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "recipes/accelerate/zero3_cpu.yaml"), script,
+               str(tmp_path), "zero3"]
+    run_cmd(cmd, timeout=600, env=ENV)
+    result = json.loads((tmp_path / "log_history.json").read_text())
+    assert result["processes"] == (1 if mode == "one_process" else 2)
+    steps = [h for h in result["history"] if "reward" in h]
     assert len(steps) == 3
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 1e-4
     assert steps[0]["actor/kl_loss"] < 1e-5 < steps[-1]["actor/kl_loss"]

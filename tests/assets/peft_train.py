@@ -1,5 +1,10 @@
 """Run by tests/test_trainer.py: NRolloutGRPOTrainer with a LoRA peft_config, the vLLM engine (merged-weight
-sync) and a KL loss (the reference is the base model, adapters disabled). Writes log_history.json."""
+sync) and a KL loss (the reference is the base model, adapters disabled). Writes log_history.json.
+
+    python peft_train.py OUT                                              # one process
+    accelerate launch --multi_gpu --num_processes 2 peft_train.py OUT      # DDP
+    accelerate launch --config_file recipes/accelerate/zero3_cpu.yaml peft_train.py OUT zero3
+"""
 
 import json
 import sys
@@ -11,13 +16,16 @@ from trl_nrollout.builtin import digits_dataset, digits_reward
 
 if __name__ == "__main__":
     out = sys.argv[1]
+    deepspeed = len(sys.argv) > 2 and sys.argv[2] == "zero3"
+    device = dict(use_cpu=False, ddp_backend="gloo") if deepspeed else dict(use_cpu=True)
     args = NRolloutConfig(output_dir=out, train_batch_size=8, rollout_n=4, max_completion_length=8, max_steps=3,
                           learning_rate=1e-2, use_kl_loss=True, kl_loss_coef=0.01, rollout_backend="vllm",
-                          logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0)
+                          logging_steps=1, report_to="none", bf16=False, save_strategy="no", seed=0, **device)
     trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
                                   train_dataset=digits_dataset(64),
                                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     trainer.train()
-    with open(f"{out}/log_history.json", "w") as f:
-        json.dump(trainer.state.log_history, f)
+    if trainer.accelerator.is_main_process:
+        with open(f"{out}/log_history.json", "w") as f:
+            json.dump({"history": trainer.state.log_history, "processes": trainer.accelerator.num_processes}, f)
     trainer.close()
