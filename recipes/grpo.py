@@ -84,6 +84,33 @@ class ScriptArguments:
     reward_funcs: list[str] = field(default_factory=lambda: ["digits"], metadata={
         "help": "Reward functions: built-ins (digits, format, length, exact_answer, math_answer) or "
                 "'package.module:function' paths. Weights: reward_weights."})
+    # LoRA, with TRL's ModelConfig names (`trl grpo --use_peft ...`)
+    use_peft: bool = field(default=False, metadata={
+        "help": "Train LoRA adapters instead of the whole model (needs `peft`). The engines receive the merged "
+                "weights; a KL loss or KL in the reward uses the base model (adapters off) as the reference; "
+                "the output folder holds the adapter."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (with use_peft)."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (with use_peft)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout (with use_peft)."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={
+        "help": "Modules given adapters, e.g. q_proj v_proj, or all-linear (with use_peft; default: PEFT's "
+                "choice for the architecture)."})
+
+    def peft_config(self):
+        """The ``LoraConfig`` that ``use_peft`` asks for (TRL's ``get_peft_config``), or None; ``lora_*`` options
+        set without ``use_peft`` are an error (they would do nothing)."""
+        lora = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": None}
+        if not self.use_peft:
+            stray = [f"{k}={getattr(self, k)!r}" for k, v in lora.items() if getattr(self, k) != v]
+            if stray:
+                raise SystemExit(f"{', '.join(stray)} set without use_peft: add --use_peft true (LoRA), or remove "
+                                 "them.")
+            return None
+        from trl import ModelConfig
+        from trl.trainer.utils import get_peft_config
+
+        return get_peft_config(ModelConfig(model_name_or_path=self.model_name_or_path, use_peft=True,
+                                           **{k: getattr(self, k) for k in lora}))
 
 
 def _resolve_recipe(argv: list[str]) -> tuple[list[str], str]:
@@ -123,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = TrlParser((ScriptArguments, config_cls))
     script_args, training_args = parser.parse_args_and_config(argv)
+    peft_config = script_args.peft_config()
 
     dataset = load_prompts(script_args.dataset_name, split=script_args.dataset_split,
                            prompt_column=script_args.dataset_prompt_column,
@@ -135,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         args=training_args,
         train_dataset=dataset,
         callbacks=[history],
+        peft_config=peft_config,
     )
     start = time.perf_counter()
     trainer.train()
@@ -152,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                "engine_ranks": [list(r) for r in trainer.layout.engine_ranks],
                "train_batch_size": training_args.train_batch_size,
                "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator,
-               "trainer": kind},
+               "trainer": kind, "lora_r": script_args.lora_r if peft_config is not None else None},
     )
     if trainer.accelerator.is_main_process:
         out = Path(training_args.output_dir)

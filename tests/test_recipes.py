@@ -111,3 +111,38 @@ def test_the_recipe_picks_the_trainer_from_the_command_line_or_the_recipe():
     assert grpo._trainer_classes("ppo")[0].__name__ == "NRolloutPPOTrainer"
     with pytest.raises(SystemExit, match="--trainer 'sac': use one of"):
         grpo._trainer_classes("sac")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_recipe_trains_lora_with_trls_options(tmp_path):
+    """`--use_peft true --lora_r 4 --lora_target_modules q_proj v_proj` (TRL's ModelConfig names): the adapters train
+    with a KL loss against the base model, the vLLM engine gets the merged weights (its log-probs are the
+    trainer's; LoRA dropout off, which would make the training forward differ), and the output folder holds the
+    adapter as configured."""
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    run_cmd([accelerate, "launch", "--cpu", "--num_processes", "1", str(ROOT / "recipes/grpo.py"), "--output_dir",
+             str(tmp_path), "--max_steps", "3", "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
+             "--lora_target_modules", "q_proj", "v_proj", "--lora_dropout", "0", "--use_kl_loss", "true",
+             "--kl_loss_coef", "0.01"],
+            timeout=400, env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    adapter = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
+    assert not (tmp_path / "model.safetensors").exists()  # the adapter, not a full copy of the model
+    steps = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "reward" in h]
+    assert len(steps) == 3 and max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 1e-4
+    assert steps[0]["actor/kl_loss"] < 1e-5 < steps[-1]["actor/kl_loss"]  # the base model is the reference
+
+
+def test_lora_options_without_use_peft_are_an_error():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grpo_recipe_lora", ROOT / "recipes" / "grpo.py")
+    grpo = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = grpo  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(grpo)
+    with pytest.raises(SystemExit, match="lora_r=8, lora_target_modules=.*set without use_peft: add --use_peft"):
+        grpo.main(["--lora_r", "8", "--lora_target_modules", "all-linear", "--max_steps", "1"])
+    assert grpo.ScriptArguments().peft_config() is None
+    config = grpo.ScriptArguments(use_peft=True, lora_r=8, lora_target_modules=["all-linear"]).peft_config()
+    assert (config.r, config.lora_alpha, config.target_modules, config.bias) == (8, 32, "all-linear", "none")
