@@ -213,11 +213,13 @@ def test_dynamic_sampling_balance_and_rollout_correction(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["one_process", pytest.param("ddp", marks=pytest.mark.multiprocess),
-                                  pytest.param("zero3", marks=pytest.mark.multiprocess)])
+                                  pytest.param("zero3", marks=pytest.mark.multiprocess),
+                                  pytest.param("zero3_hf", marks=pytest.mark.multiprocess)])
 def test_peft_lora_with_kl_loss_and_vllm_sync(mode, tmp_path):
     """A LoRA model, in one process, two DDP processes (one engine each) and two ZeRO-3 processes (partitioned base
     and adapters): the engines receive merged weights (their log-probs match the trainer's, float32), and the KL
-    loss against the base model (adapters disabled) starts at zero and grows as the adapters train."""
+    loss against the base model (adapters disabled) starts at zero and grows as the adapters train. ``zero3_hf``:
+    the same under ZeRO-3 with the HF engine (generate on the PEFT model, parameters gathered by TRL's context)."""
     script = str(ROOT / "tests/assets/peft_train.py")
     if mode == "one_process":
         cmd = [sys.executable, script, str(tmp_path)]
@@ -225,7 +227,7 @@ def test_peft_lora_with_kl_loss_and_vllm_sync(mode, tmp_path):
         cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", script, str(tmp_path)]
     else:
         cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "recipes/accelerate/zero3_cpu.yaml"), script,
-               str(tmp_path), "zero3"]
+               str(tmp_path), "zero3", "hf" if mode == "zero3_hf" else "vllm"]
     run_cmd(cmd, timeout=600, env=ENV)
     result = json.loads((tmp_path / "log_history.json").read_text())
     assert result["processes"] == (1 if mode == "one_process" else 2)

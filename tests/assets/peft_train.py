@@ -3,7 +3,7 @@ sync) and a KL loss (the reference is the base model, adapters disabled). Writes
 
     python peft_train.py OUT                                              # one process
     accelerate launch --multi_gpu --num_processes 2 peft_train.py OUT      # DDP
-    accelerate launch --config_file recipes/accelerate/zero3_cpu.yaml peft_train.py OUT zero3
+    accelerate launch --config_file recipes/accelerate/zero3_cpu.yaml peft_train.py OUT zero3 [hf]
 """
 
 import json
@@ -17,9 +17,10 @@ from trl_nrollout.builtin import digits_dataset, digits_reward
 if __name__ == "__main__":
     out = sys.argv[1]
     deepspeed = len(sys.argv) > 2 and sys.argv[2] == "zero3"
+    backend = sys.argv[3] if len(sys.argv) > 3 else "vllm"  # "hf": transformers generate on the trained model
     device = dict(use_cpu=False, ddp_backend="gloo") if deepspeed else dict(use_cpu=True)
     args = NRolloutConfig(output_dir=out, train_batch_size=8, rollout_n=4, max_completion_length=8, max_steps=3,
-                          learning_rate=1e-2, use_kl_loss=True, kl_loss_coef=0.01, rollout_backend="vllm",
+                          learning_rate=1e-2, use_kl_loss=True, kl_loss_coef=0.01, rollout_backend=backend,
                           logging_steps=1, report_to="none", bf16=False, save_strategy="no", seed=0, **device)
     trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
                                   train_dataset=digits_dataset(64),
