@@ -89,11 +89,10 @@ def response_mask(completions: Sequence[Sequence[int]], tool_masks: Sequence[Seq
     tokens the policy did not sample (``tool_masks[i]``: 1 per completion token the model generated, 0 for a tool
     result or an environment's reply; ``None``: all generated). As verl's multi-turn ``response_mask``: tool
     results get no advantage, no TD error and no KL, and take no part in a batch's whitening statistics."""
-    mask = torch.zeros(len(completions), width)
+    lengths = torch.tensor([len(ids) for ids in completions], dtype=torch.long)
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).float()  # [B, width]
     for i, (ids, tools) in enumerate(zip(completions, tool_masks, strict=True)):
-        if tools is None:
-            mask[i, :len(ids)] = 1.0
-        else:
+        if tools is not None:
             if len(tools) != len(ids):
                 raise ValueError(f"sample {i}: its tool mask has {len(tools)} entries for {len(ids)} completion "
                                  "tokens; a rollout must give one entry per completion token.")
