@@ -114,11 +114,11 @@ def test_hf_engine_layout_and_logprobs():
 
 
 def _processed_logprobs(model, prompt: list[int], completion: list[int], temperature: float, penalty: float,
-                        banned: int | None = None, top_k: int | None = None) -> list[float]:
+                        banned: int | None = None, top_k: int | None = None, warper=None) -> list[float]:
     """Reference for the HF engine's recorded log-probs, from one plain forward: each position's logits with the
     repetition penalty applied by hand to the tokens seen so far (prompt and earlier completion tokens), a banned
-    token masked, divided by the temperature, all but the ``top_k`` largest masked, then ``log_softmax`` at the
-    sampled token."""
+    token masked, divided by the temperature, all but the ``top_k`` largest masked, then ``warper`` (a
+    transformers warper, e.g. typical-p) if given, then ``log_softmax`` at the sampled token."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0].float()
     out = []
@@ -131,14 +131,17 @@ def _processed_logprobs(model, prompt: list[int], completion: list[int], tempera
         row = row / temperature
         if top_k is not None:
             row[row < row.topk(top_k).values[-1]] = float("-inf")
+        if warper is not None:
+            row = warper(torch.tensor([prompt + completion[:j]]), row[None])[0]
         out.append(torch.log_softmax(row, dim=-1)[token].item())
     return out
 
 
 def test_hf_engine_records_the_sampling_distribution():
     """The log-probs recorded during ``generate`` are those of the distribution each token was drawn from (the
-    repetition penalty, temperature and top-k applied, vLLM's ``processed_logprobs``), also behind a user's own
-    logits processor; beam search, which reorders rows, falls back to a forward pass (temperature only)."""
+    repetition penalty, temperature, top-k and the typical-p / epsilon / eta cutoffs applied, vLLM's
+    ``processed_logprobs``), also behind a user's own logits processor; beam search, which reorders rows, falls
+    back to a forward pass (temperature only)."""
     from dataclasses import replace
 
     from transformers import LogitsProcessor
@@ -164,6 +167,24 @@ def test_hf_engine_records_the_sampling_distribution():
     top5 = engine.generate(prompts, 3, replace(opts, top_k=5, seed=3))  # top-k is in the distribution sampled from
     assert all(abs(a - b) < 1e-4 for p, c, row in zip(top5.prompt_ids, top5.completion_ids, top5.logprobs)
                for a, b in zip(row, _processed_logprobs(model, p, c, 0.8, 1.5, banned=7, top_k=5)))
+
+    # typical-p, epsilon and eta cutoffs given through generation_kwargs (TRL's) are in it too
+    from transformers.generation.logits_process import (
+        EpsilonLogitsWarper,
+        EtaLogitsWarper,
+        TypicalLogitsWarper,
+    )
+
+    for name, value, warper in (("typical_p", 0.5, TypicalLogitsWarper(mass=0.5)),
+                                ("epsilon_cutoff", 3e-3, EpsilonLogitsWarper(epsilon=3e-3)),
+                                ("eta_cutoff", 0.5, EtaLogitsWarper(epsilon=0.5))):
+        cut = engine.generate(prompts, 3, replace(opts, seed=4, engine_kwargs=(*opts.engine_kwargs, (name, value))))
+        with_cut = [_processed_logprobs(model, p, c, 0.8, 1.5, banned=7, warper=warper)
+                    for p, c in zip(cut.prompt_ids, cut.completion_ids)]
+        without = [_processed_logprobs(model, p, c, 0.8, 1.5, banned=7) for p, c in zip(cut.prompt_ids,
+                                                                                          cut.completion_ids)]
+        assert all(abs(a - b) < 1e-4 for row, ref in zip(cut.logprobs, with_cut) for a, b in zip(row, ref)), name
+        assert max(abs(a - b) for r1, r2 in zip(with_cut, without) for a, b in zip(r1, r2)) > 1e-2, name
 
     beams = SamplingOptions(max_tokens=5, temperature=0.0, repetition_penalty=1.5, ignore_eos=True,
                             engine_kwargs=(("num_beams", 2),))

@@ -30,30 +30,48 @@ PREFILL_ONCE_MIN_TOKENS = 64
 _OWN_CACHE = {"past_key_values", "cache_implementation", "cache_config"}
 
 
-def _own_warpers(options: dict) -> list[LogitsProcessor]:
-    """Take sampling's temperature, top-k, top-p and min-p out of ``generate()``'s ``options`` and return them as
-    processors, in ``generate``'s own order, to run before :class:`SampledLogProbs` (``generate`` runs a caller's
-    processors before its warpers, so the recorder would not see them). Greedy decoding has none."""
+#: sampling arguments of ``generate()`` that become warpers, in the order ``generate`` applies them
+#: (transformers 5.19 ``_get_logits_processor``)
+_WARPER_ARGS = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+
+
+def _own_warpers(options: dict, device: torch.device | str = "cpu") -> list[LogitsProcessor]:
+    """Take sampling's warpers (temperature, top-h, top-k, top-p, min-p, typical-p, epsilon and eta cutoffs) out of
+    ``generate()``'s ``options`` and return them as processors, in ``generate``'s own order, to run before
+    :class:`SampledLogProbs` (``generate`` runs a caller's processors before its warpers, so the recorder would not
+    see them). Greedy decoding has none."""
     from transformers.generation.logits_process import (
+        EpsilonLogitsWarper,
+        EtaLogitsWarper,
         MinPLogitsWarper,
         TemperatureLogitsWarper,
+        TopHLogitsWarper,
         TopKLogitsWarper,
         TopPLogitsWarper,
+        TypicalLogitsWarper,
     )
 
-    values = {k: options.get(k) for k in ("temperature", "top_k", "top_p", "min_p")}
+    values = {k: options.get(k) for k in _WARPER_ARGS}
     options.update(dict.fromkeys(values))  # None: no warper of generate's own (a None argument is not a default)
     if not options.get("do_sample"):
         return []
     out: list[LogitsProcessor] = []
     if values["temperature"] is not None and values["temperature"] != 1.0:
         out.append(TemperatureLogitsWarper(values["temperature"]))
+    if values["top_h"] is not None:
+        out.append(TopHLogitsWarper(top_h=values["top_h"]))
     if values["top_k"]:
         out.append(TopKLogitsWarper(top_k=values["top_k"]))
     if values["top_p"] is not None and values["top_p"] < 1.0:
         out.append(TopPLogitsWarper(top_p=values["top_p"]))
     if values["min_p"] is not None:
         out.append(MinPLogitsWarper(min_p=values["min_p"]))
+    if values["typical_p"] is not None and values["typical_p"] < 1.0:
+        out.append(TypicalLogitsWarper(mass=values["typical_p"]))
+    if values["epsilon_cutoff"] is not None and 0.0 < values["epsilon_cutoff"] < 1.0:
+        out.append(EpsilonLogitsWarper(epsilon=values["epsilon_cutoff"]))
+    if values["eta_cutoff"] is not None and 0.0 < values["eta_cutoff"] < 1.0:
+        out.append(EtaLogitsWarper(epsilon=values["eta_cutoff"], device=device))
     return out
 
 
@@ -73,7 +91,8 @@ class SampledLogProbs(LogitsProcessor):
 
     ``generate`` calls it once per new position with ``scores`` ``[rows, vocab]`` (float32), last of the logits
     processors: after the built-in ones (the repetition penalty, suppressed tokens) and after the sampling warpers
-    the engine puts before it (:func:`_own_warpers`: temperature, top-k, top-p, min-p). It keeps
+    the engine puts before it (:func:`_own_warpers`: temperature, top-h, top-k, top-p, min-p, typical-p, epsilon
+    and eta cutoffs). It keeps
     ``log_softmax(scores)`` until the next call, whose ``input_ids[:, -1]`` is the token sampled from it;
     :meth:`finish` reads the last one from the output. This is vLLM's ``processed_logprobs``, the quantity the
     vLLM engine reports.
@@ -112,10 +131,9 @@ class HFEngine:
     ranks, whose forwards must stay in step, unless ``local_forwards`` says the generation context makes every
     forward local: ZeRO-3 with TRL's ``ds3_gather_for_generation``, parameters gathered and their hooks off). The
     samples whose prompt was prefilled once are counted in ``prefill_shared_samples``, beside
-    ``generated_samples`` (the trainer logs the fraction and resets both each step). The sampled tokens' log-probs are recorded while
-    generating (:class:`SampledLogProbs`: penalties, temperature, top-k, top-p and min-p applied, vLLM's
-    ``processed_logprobs``; other warpers given through ``generation_kwargs`` are not), so a rollout costs
-    ``generate`` alone, as TRL's. Decoding modes other than sampling
+    ``generated_samples`` (the trainer logs the fraction and resets both each step). The sampled tokens'
+    log-probs are recorded while generating (:class:`SampledLogProbs`: penalties, a user's processors and every
+    sampling warper applied, vLLM's ``processed_logprobs``), so a rollout costs ``generate`` alone, as TRL's. Decoding modes other than sampling
     and greedy (beams, assisted decoding, set through TRL's ``generation_kwargs``) get them from
     :func:`~trl_nrollout.logprobs.compute_log_probs` after ``generate`` instead (temperature only).
     """
@@ -190,7 +208,7 @@ class HFEngine:
                 if stepwise:
                     recorder = SampledLogProbs()
                     user = options.get("logits_processor") or []
-                    options["logits_processor"] = LogitsProcessorList([*user, *_own_warpers(options), recorder])
+                    options["logits_processor"] = LogitsProcessorList([*user, *_own_warpers(options, device), recorder])
                 if mm is not None:  # images: the processor's tensors, per-token fields left-padded like the ids
                     options.update(collate(mm[s:s + self.batch_size], device, width=width,
                                            starts=[width - len(p) for p in chunk]))
