@@ -19,7 +19,7 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -99,7 +99,7 @@ class ScriptArguments:
     def peft_config(self):
         """The ``LoraConfig`` that ``use_peft`` asks for (TRL's ``get_peft_config``), or None; ``lora_*`` options
         set without ``use_peft`` are an error (they would do nothing)."""
-        lora = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": None}
+        lora = {f.name: f.default for f in fields(self) if f.name.startswith("lora_")}  # name -> default
         if not self.use_peft:
             stray = [f"{k}={getattr(self, k)!r}" for k, v in lora.items() if getattr(self, k) != v]
             if stray:

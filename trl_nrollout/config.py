@@ -302,9 +302,10 @@ class NRolloutConfig(GRPOConfig):
                              "0.2: the 20% of tokens with the highest entropy).")
         if self.rollout_backend == "hf" and self.rollout_seed_mode == "sample":
             raise ValueError(HF_SAMPLE_SEEDS)
-        if self.rollout_backend == "hf" and self.vllm_engine_settings():
+        unused = self.vllm_engine_settings() if self.rollout_backend == "hf" else []
+        if unused:
             raise ValueError(
-                f"rollout_backend='hf' (transformers generate) has no use for {', '.join(self.vllm_engine_settings())}: "
+                f"rollout_backend='hf' (transformers generate) has no use for {', '.join(unused)}: "
                 "they configure the vLLM engines. Remove them, or generate with vLLM (rollout_backend='vllm', or "
                 "'auto' where vLLM is installed).")
         if self.use_vllm:  # TRL's vLLM generation: our engine group, with TRL's rollout correction when asked

@@ -25,6 +25,7 @@ from torch import Tensor
 from transformers.trainer_callback import ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
+from trl.distributed import DistributedBackend
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from trl_nrollout.advantages import (
@@ -142,11 +143,6 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
             close()
 
     # ------------------------------------------------------------------ construction helpers
-    def _zero3(self) -> bool:
-        """Whether DeepSpeed ZeRO-3 partitions the model (accelerate's DeepSpeed plugin at stage 3)."""
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        return plugin is not None and plugin.zero_stage == 3
-
     def _is_peft(self) -> bool:
         return is_peft_model(self.accelerator.unwrap_model(self.model))
 
@@ -222,7 +218,9 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                             batch_size=max(1, self.layout.samples_per_rank // self.layout.rollout_n), seed=args.seed,
                             generation_context=self._hf_generation_context,
                             shared_prompts=self._packing_allowed(self.model),
-                            local_forwards=self._zero3() and bool(args.ds3_gather_for_generation))
+                            # TRL's generation context gathers ZeRO-3 parameters under this same condition
+                            local_forwards=DistributedBackend(self.accelerator).is_zero3
+                            and bool(args.ds3_gather_for_generation))
         from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
         completion = args.max_completion_length or 256
@@ -499,7 +497,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         t_max = max(max(len(r[1]) for r in records), 1)
         resp_mask = response_mask([r[1] for r in records], [r[4] for r in records], t_max)  # tool results: 0
         if args.use_kl_in_reward:
-            local_mask = response_mask(completion_ids, [r[4] for r in local], old.shape[1])
+            local_mask = resp_mask[mine, :old.shape[1]]  # old is as wide as this rank's longest completion
             kl_local = sequence_kl(old, ref, local_mask, args.kl_penalty)  # [B_local], on old's device
             kl_all = torch.zeros(len(records), device=kl_local.device)
             kl_all[torch.tensor(mine, device=kl_local.device)] = kl_local
