@@ -11,11 +11,20 @@ command line (``--output_dir runs/x --max_steps 20``). At the end a summary is p
 (``NRolloutPPOTrainer``; its options are ``NRolloutPPOConfig``'s: ``gamma``, ``lam``, ``cliprange_value``,
 ``critic_*``). One recipe script serves both: they share the data, rewards, summary, report and Hub recipes, and
 differ only in the trainer class.
+
+What transformers leaves to scripts, this one does: ``--resume_from_checkpoint PATH`` (or ``true``: the last
+complete checkpoint in ``output_dir``) resumes; ``--push_to_hub true`` pushes the trained model at the end, as TRL's
+scripts do; ``do_eval`` / ``do_predict`` are refused (the recipe loads no evaluation set). SIGTERM (a scheduler's
+preemption) finishes the step, saves a checkpoint and ends the run; resume it with ``--resume_from_checkpoint
+true``. A mistake in the options, the recipe or the data is one message on stderr (no traceback) and exit status 2,
+before a model is loaded wherever the check needs no model.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -23,17 +32,20 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
+from transformers import TrainerCallback
 
 from trl_nrollout.builtin import resolve_model
+from trl_nrollout.checkpoints import check_output_dir, resolve_resume
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.data import load_prompts
+from trl_nrollout.errors import InputError
 from trl_nrollout.hub import parse_hub_ref, resolve_config
 from trl_nrollout.recipe_trust import enforce_recipe_trust, split_trust_flags
 from trl_nrollout.report import write_report
 from trl_nrollout.rewards import resolve_reward
 from trl_nrollout.rollout.platform import launch_nodes
+from trl_nrollout.scoring import RewardFunctionError
 from trl_nrollout.summary import RewardHistory, build_summary, write_summary
-from trl_nrollout.trainer import NRolloutGRPOTrainer
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "configs" / "default.yaml"
 #: Recipe keys that describe the launch, not the training (read by tools, ignored here).
@@ -42,15 +54,26 @@ LAUNCH_KEYS = ("accelerate_config", "num_processes", "n_gpus_per_node", "nnodes"
 TRAINERS = ("grpo", "ppo")
 
 
-def _trainer_classes(kind: str):
+def _config_class(kind: str):
+    """The config class of ``--trainer kind`` (imports no trainer: options are checked before the heavy imports)."""
     if kind not in TRAINERS:
-        raise SystemExit(f"--trainer {kind!r}: use one of {list(TRAINERS)} (grpo: group advantages, no critic; "
+        raise InputError(f"--trainer {kind!r}: use one of {list(TRAINERS)} (grpo: group advantages, no critic; "
                          "ppo: a critic and GAE).")
     if kind == "ppo":
-        from trl_nrollout.ppo import NRolloutPPOConfig, NRolloutPPOTrainer
+        from trl_nrollout.ppo import NRolloutPPOConfig
 
-        return NRolloutPPOTrainer, NRolloutPPOConfig
-    return NRolloutGRPOTrainer, NRolloutConfig
+        return NRolloutPPOConfig
+    return NRolloutConfig
+
+
+def _trainer_class(kind: str):
+    if kind == "ppo":
+        from trl_nrollout.ppo import NRolloutPPOTrainer
+
+        return NRolloutPPOTrainer
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    return NRolloutGRPOTrainer
 
 
 def _pop_trainer(argv: list[str]) -> tuple[list[str], str | None]:
@@ -103,7 +126,7 @@ class ScriptArguments:
         if not self.use_peft:
             stray = [f"{k}={getattr(self, k)!r}" for k, v in lora.items() if getattr(self, k) != v]
             if stray:
-                raise SystemExit(f"{', '.join(stray)} set without use_peft: add --use_peft true (LoRA), or remove "
+                raise InputError(f"{', '.join(stray)} set without use_peft: add --use_peft true (LoRA), or remove "
                                  "them.")
             return None
         from trl import ModelConfig
@@ -143,30 +166,95 @@ def _resolve_recipe(argv: list[str]) -> tuple[list[str], str]:
     return [*before, "--config", str(path), *rest], trainer
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv, kind = _resolve_recipe(list(sys.argv[1:] if argv is None else argv))
-    trainer_cls, config_cls = _trainer_classes(kind)
+class SaveAndStopOnSignal(TrainerCallback):
+    """SIGTERM (a scheduler's preemption, ``kill``): finish the current step, save a checkpoint and stop, on every
+    rank alike (the ranks agree at each step's end, so none is left in a collective the others skipped)."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.stopped_at: int | None = None
+        signal.signal(signal.SIGTERM, self._receive)
+
+    def _receive(self, signum, frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch
+        import torch.distributed as dist
+
+        stop = self.signal is not None
+        if dist.is_available() and dist.is_initialized():
+            from accelerate import PartialState
+
+            flag = torch.tensor([int(stop)], device=PartialState().device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
+            self.signal = self.signal or "SIGTERM"  # another rank received it
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+def _parse(argv: list[str], config_cls) -> tuple[ScriptArguments, NRolloutConfig]:
+    """TRL's parser over the recipe and the command line; an unknown key (in either) is an error naming the closest
+    valid option."""
     from trl import TrlParser  # after trl_nrollout, whose import filters TRL's known import-time warnings
 
     parser = TrlParser((ScriptArguments, config_cls))
-    script_args, training_args = parser.parse_args_and_config(argv)
+    script_args, training_args, from_recipe, from_line = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True)
+    known = sorted({a.dest for a in parser._actions} - {"help"})
+    for where, rest in (("the recipe", from_recipe), ("the command line", from_line)):
+        unknown = [token[2:].split("=", 1)[0] for token in rest if token.startswith("--")] or rest
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.7)
+            raise InputError(f"{where} sets {key!r}, which is not an option of the {config_cls.__name__} recipe"
+                             + (f": did you mean {close[0]!r}?" if close else "; `python recipes/grpo.py --help` "
+                                "lists them."))
+    return script_args, training_args
+
+
+def _check_script_fields(args: NRolloutConfig) -> None:
+    """TrainingArguments fields that transformers leaves to scripts and this one does not act on: refused."""
+    for name in ("do_eval", "do_predict"):
+        if getattr(args, name):
+            why = (f" (eval_strategy={args.eval_strategy.value!r} turns it on)" if name == "do_eval"
+                   and str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" else "")
+            raise InputError(f"{name}=True{why}: this recipe loads no evaluation set, so it would do nothing. Remove "
+                             f"it (and eval_strategy), or evaluate in your own script with the trainer's "
+                             "eval_dataset (NRolloutGRPOTrainer(..., eval_dataset=...)).")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train as the recipe and the command line say; return the run summary. Every check that needs no model runs
+    before the model loads (options, resume, output folder, data)."""
+    argv, kind = _resolve_recipe(list(sys.argv[1:] if argv is None else argv))
+    config_cls = _config_class(kind)
+    script_args, training_args = _parse(argv, config_cls)
     peft_config = script_args.peft_config()
+    _check_script_fields(training_args)
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    check_output_dir(training_args.output_dir)
 
     dataset = load_prompts(script_args.dataset_name, split=script_args.dataset_split,
                            prompt_column=script_args.dataset_prompt_column,
                            num_builtin=script_args.dataset_num_prompts, seed=training_args.seed,
                            config=script_args.dataset_config, system_prompt=script_args.dataset_system_prompt)
     history = RewardHistory()
-    trainer = trainer_cls(
+    stopper = SaveAndStopOnSignal()
+    trainer = _trainer_class(kind)(
         model=resolve_model(script_args.model_name_or_path),
         reward_funcs=[resolve_reward(r) for r in script_args.reward_funcs],
         args=training_args,
         train_dataset=dataset,
-        callbacks=[history],
+        callbacks=[history, stopper],
         peft_config=peft_config,
     )
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(training_args.output_dir)
     summary = build_summary(
         steps=trainer.state.global_step,
@@ -181,7 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
                "engine_ranks": [list(r) for r in trainer.layout.engine_ranks],
                "train_batch_size": training_args.train_batch_size,
                "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator,
-               "trainer": kind, "lora_r": script_args.lora_r if peft_config is not None else None},
+               "trainer": kind, "lora_r": script_args.lora_r if peft_config is not None else None,
+               "resumed_from": resume, "steps_trained": trainer.state.global_step - history.start_step,
+               "stopped_by": stopper.signal},
     )
     if trainer.accelerator.is_main_process:
         out = Path(training_args.output_dir)
@@ -190,6 +280,11 @@ def main(argv: list[str] | None = None) -> dict:
                               title=f"{script_args.model_name_or_path} on {script_args.dataset_name}")
         summary["report"] = str(report.resolve()) if report else "(pip install matplotlib for report.png)"
         write_summary(summary, training_args.output_dir)
+        if stopper.signal:
+            print(f"{stopper.signal} received: stopped after step {stopper.stopped_at} with a checkpoint; resume with "
+                  f"--resume_from_checkpoint true --output_dir {training_args.output_dir}")
+    if training_args.push_to_hub:  # as TRL's scripts: the trained model, with its model card
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     trainer.close()
@@ -200,5 +295,24 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+#: Errors that are the user's to fix (options, recipe, data, a reward function): a message, not a traceback.
+USER_ERRORS = (InputError, RewardFunctionError)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """:func:`main` as a command: a user's mistake is printed as one message on stderr and gives exit status 2;
+    a bug keeps its traceback."""
+    try:
+        main(argv)
+    except USER_ERRORS as err:
+        import os
+
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank not in (None, "0") or os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

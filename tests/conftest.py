@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -39,6 +40,63 @@ def tiny_model_path() -> str:
     from trl_nrollout.builtin import resolve_model
 
     return resolve_model("builtin:tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def recipe():
+    """``recipes/grpo.py`` as a module (``recipe.main(argv)``, its parsers and checks), loaded once."""
+    return load_recipe()
+
+
+def load_recipe():
+    """``recipes/grpo.py`` as a module, registered in ``sys.modules`` (dataclasses look their module up while the
+    file executes)."""
+    import importlib.util
+
+    if "grpo_recipe" in sys.modules:
+        return sys.modules["grpo_recipe"]
+    spec = importlib.util.spec_from_file_location("grpo_recipe", ROOT / "recipes" / "grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+#: The commit hash of the Hub repositories laid out by :func:`populate_cache`.
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def populate_cache(cache: Path, repo_id: str, files: dict[str, bytes], commit: str = COMMIT,
+                   revision: str | None = "main", repo_type: str = "model") -> Path:
+    """Lay files out as ``huggingface_hub`` stores a download: ``<type>s--<ns>--<name>/blobs/<etag>``, a
+    ``snapshots/<commit>/<path>`` link to the blob, and ``refs/<revision>`` holding the commit hash."""
+    storage = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    for path, data in files.items():
+        blob = storage / "blobs" / hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's etag
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = storage / "snapshots" / commit / path
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    if revision is not None:
+        (storage / "refs" / revision).parent.mkdir(parents=True, exist_ok=True)
+        (storage / "refs" / revision).write_text(commit)
+    return storage
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch) -> Path:
+    """An empty HF cache, made the default of ``huggingface_hub`` in this process, in offline mode.
+
+    ``huggingface_hub`` reads ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` once, at import; its module constants are
+    patched here (the subprocess test below sets the real environment variables instead)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
 
 
 def run_cmd(args: list[str], timeout: float = 600, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -21,12 +21,12 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from tests.conftest import COMMIT, populate_cache
 from trl_nrollout import hub
 from trl_nrollout.cli import main
 from trl_nrollout.hub import HubError, HubRef, RecipeNotFoundError, parse_hub_ref, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 COMMIT_2 = "fedcba9876543210fedcba9876543210fedcba98"
 WORKED_EXAMPLE = """\
 # The worked example of DESIGN.md: 6 processes, TP 2, 60 prompts, n 12.
@@ -40,40 +40,6 @@ accelerate_config: accelerate.yaml
 """
 ACCELERATE = "distributed_type: MULTI_GPU\nnum_processes: 6\nmixed_precision: bf16\n"
 VERSIONS = {"python": "3.11.7", "torch": "2.13.0", "trl": "1.16.0"}
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def populate_cache(cache: Path, repo_id: str, files: dict[str, bytes], commit: str = COMMIT,
-                   revision: str | None = "main", repo_type: str = "model") -> Path:
-    """Lay files out as ``huggingface_hub`` stores a download: ``<type>s--<ns>--<name>/blobs/<etag>``, a
-    ``snapshots/<commit>/<path>`` link to the blob, and ``refs/<revision>`` holding the commit hash."""
-    storage = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
-    for path, data in files.items():
-        blob = storage / "blobs" / hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's etag
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = storage / "snapshots" / commit / path
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    if revision is not None:
-        (storage / "refs" / revision).parent.mkdir(parents=True, exist_ok=True)
-        (storage / "refs" / revision).write_text(commit)
-    return storage
-
-
-@pytest.fixture
-def offline_cache(tmp_path, monkeypatch) -> Path:
-    """An empty HF cache, made the default of ``huggingface_hub`` in this process, in offline mode.
-
-    ``huggingface_hub`` reads ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` once, at import; its module constants are
-    patched here (the subprocess test below sets the real environment variables instead)."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return cache
 
 
 @pytest.fixture

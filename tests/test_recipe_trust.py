@@ -4,13 +4,9 @@ user's own and unrestricted. Hub recipes come from a pre-populated offline cache
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.conftest import ROOT
-from tests.test_hub import COMMIT, offline_cache, populate_cache  # noqa: F401 - fixture
+from tests.conftest import load_recipe, populate_cache
 from trl_nrollout.cli import main
 from trl_nrollout.recipe_trust import (
     UntrustedRecipeError,
@@ -34,14 +30,10 @@ max_steps: 1
 
 
 def _launcher():
-    spec = importlib.util.spec_from_file_location("grpo_recipe", ROOT / "recipes" / "grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe()
 
 
-def test_hub_recipe_with_trust_remote_code_is_refused_naming_key_and_flag(offline_cache):  # noqa: F811
+def test_hub_recipe_with_trust_remote_code_is_refused_naming_key_and_flag(offline_cache):
     populate_cache(offline_cache, "someone/recipe", {"config.yaml": REMOTE})
     grpo = _launcher()
     with pytest.raises(UntrustedRecipeError) as err:
@@ -49,7 +41,7 @@ def test_hub_recipe_with_trust_remote_code_is_refused_naming_key_and_flag(offlin
     assert "model_init_kwargs.trust_remote_code" in str(err.value) and "--trust-remote-code" in str(err.value)
 
 
-def test_with_the_flag_it_loads_and_the_setting_applies(offline_cache, monkeypatch):  # noqa: F811
+def test_with_the_flag_it_loads_and_the_setting_applies(offline_cache, monkeypatch):
     populate_cache(offline_cache, "someone/recipe", {"config.yaml": REMOTE})
     grpo = _launcher()
     argv, kind = grpo._resolve_recipe(["--config", "hf://someone/recipe/config.yaml", "--trust-remote-code",
@@ -65,7 +57,7 @@ def test_with_the_flag_it_loads_and_the_setting_applies(offline_cache, monkeypat
     assert training.model_init_kwargs["trust_remote_code"] is True
 
 
-def test_reward_module_outside_the_allow_list_is_refused(offline_cache):  # noqa: F811
+def test_reward_module_outside_the_allow_list_is_refused(offline_cache):
     populate_cache(offline_cache, "someone/rewards", {"config.yaml": REWARD_IMPORT})
     grpo = _launcher()
     ref = "hf://someone/rewards/config.yaml"
@@ -84,7 +76,7 @@ def test_local_recipes_are_unchanged(tmp_path):
     assert argv[argv.index("--config") + 1] == str(local)
 
 
-def test_pull_shows_what_the_recipe_asks_for(offline_cache, capsys):  # noqa: F811
+def test_pull_shows_what_the_recipe_asks_for(offline_cache, capsys):
     populate_cache(offline_cache, "someone/recipe", {"config.yaml": REMOTE})
     assert main(["recipe", "pull", "hf://someone/recipe/config.yaml"]) == 0
     out = capsys.readouterr().out

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, run_cmd
+from trl_nrollout.errors import InputError
 
 RECIPES = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
 CPU_RECIPES = [r for r in RECIPES if yaml.safe_load(r.read_text()).get("use_cpu")]
@@ -93,14 +94,8 @@ def test_gsm8k_recipe_loads_and_trains_on_local_stand_ins(tmp_path):
     assert all("rewards/math_answer_reward/mean" in h for h in history)
 
 
-def test_the_recipe_picks_the_trainer_from_the_command_line_or_the_recipe():
-    import importlib.util
-
-    import yaml
-
-    spec = importlib.util.spec_from_file_location("grpo_recipe", ROOT / "recipes" / "grpo.py")
-    grpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grpo)
+def test_the_recipe_picks_the_trainer_from_the_command_line_or_the_recipe(recipe):
+    grpo = recipe
     ppo = str(ROOT / "recipes/configs/ppo.yaml")
     argv, kind = grpo._resolve_recipe(["--config", ppo, "--max_steps", "2"])
     assert kind == "ppo" and argv[-2:] == ["--max_steps", "2"]
@@ -108,9 +103,10 @@ def test_the_recipe_picks_the_trainer_from_the_command_line_or_the_recipe():
     assert grpo._resolve_recipe(["--config", ppo, "--trainer", "grpo"])[1] == "grpo"  # the command line wins
     assert grpo._resolve_recipe(["--trainer=ppo"])[1] == "ppo"  # the embedded default recipe, trained by PPO
     assert grpo._resolve_recipe([])[1] == "grpo"
-    assert grpo._trainer_classes("ppo")[0].__name__ == "NRolloutPPOTrainer"
-    with pytest.raises(SystemExit, match="--trainer 'sac': use one of"):
-        grpo._trainer_classes("sac")
+    assert grpo._trainer_class("ppo").__name__ == "NRolloutPPOTrainer"
+    assert grpo._config_class("ppo").__name__ == "NRolloutPPOConfig"
+    with pytest.raises(InputError, match="--trainer 'sac': use one of"):
+        grpo._config_class("sac")
 
 
 @pytest.mark.slow
@@ -134,14 +130,9 @@ def test_the_recipe_trains_lora_with_trls_options(tmp_path):
     assert steps[0]["actor/kl_loss"] < 1e-5 < steps[-1]["actor/kl_loss"]  # the base model is the reference
 
 
-def test_lora_options_without_use_peft_are_an_error():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("grpo_recipe_lora", ROOT / "recipes" / "grpo.py")
-    grpo = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = grpo  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(grpo)
-    with pytest.raises(SystemExit, match="lora_r=8, lora_target_modules=.*set without use_peft: add --use_peft"):
+def test_lora_options_without_use_peft_are_an_error(recipe):
+    grpo = recipe
+    with pytest.raises(InputError, match="lora_r=8, lora_target_modules=.*set without use_peft: add --use_peft"):
         grpo.main(["--lora_r", "8", "--lora_target_modules", "all-linear", "--max_steps", "1"])
     assert grpo.ScriptArguments().peft_config() is None
     config = grpo.ScriptArguments(use_peft=True, lora_r=8, lora_target_modules=["all-linear"]).peft_config()

@@ -174,21 +174,32 @@ def test_engine_length_beyond_the_models_context_is_refused(tmp_path):
 
 
 @pytest.mark.vllm
-def test_a_prompt_too_long_for_the_engine_is_a_clear_error(tmp_path):
-    """A prompt that leaves no room for max_completion_length within the engine's length: vLLM would cut the
-    completion short without a word; the rollout stops with the options that fix it (on every rank alike)."""
+def test_a_prompt_too_long_for_the_engine_is_a_clear_error(tmp_path, monkeypatch):
+    """Prompts that leave no room for max_completion_length within the engine's length: vLLM would cut the
+    completion short without a word. The trainer refuses them when it is built, before an engine starts, naming the
+    rows; the rollout's own check (for datasets it cannot read ahead, e.g. iterable ones) names the options too."""
     from datasets import Dataset
 
     from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.errors import DatasetError
+    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
+    started = []
+    monkeypatch.setattr(NRolloutGRPOTrainer, "_start_engine", lambda self, choice: started.append(choice))
     args = cfg(tmp_path, rollout_backend="vllm", rollout_max_model_len=128, per_device_train_batch_size=4,
                num_generations=4)
-    trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
-                                  train_dataset=Dataset.from_dict({"prompt": ["write a number " * 60] * 8}))
+    prompts = ["write a number"] * 3 + ["write a number " * 60] * 8 + ["write a number"]
+    with pytest.raises(DatasetError, match=r"8 prompt\(s\) leave no room for max_completion_length=6 in the "
+                                           r"128-token context \(rollout_max_model_len; rows 3, 4, 5, 6, 7 and 3 more"):
+        NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                            train_dataset=Dataset.from_dict({"prompt": prompts}))
+    assert started == []
+    engine = object.__new__(VLLMEngineGroup)
+    engine.max_model_len = 128
+    engine.check_prompt_length(122, 6)  # exactly fits
     with pytest.raises(ValueError, match=r"max_completion_length=6 exceeds the engine's max_model_len=128 "
                                          r"\(rollout_max_model_len\)"):
-        trainer.train()
-    trainer.close()
+        engine.check_prompt_length(123, 6)
 
 
 @pytest.mark.slow

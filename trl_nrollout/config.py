@@ -40,6 +40,7 @@ from trl import GRPOConfig  # noqa: E402
 
 from trl_nrollout.advantages import available_estimators  # noqa: E402
 from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
+from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.layout import LayoutError, RolloutLayout  # noqa: E402
 from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES  # noqa: E402
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, SEED_MODES  # noqa: E402
@@ -148,6 +149,15 @@ class NRolloutConfig(GRPOConfig):
         "help": "A NaN or inf that a reward function computes (a bug): 'error' (stop, naming the function and "
                 "sample) or 'zero'. None is not affected: as in TRL it means the function does not apply to the "
                 "sample (left out of the sum; a sample no function applies to gets no advantage)."})
+    reward_timeout_s: float | None = field(default=None, metadata={
+        "help": "Seconds one call of a reward function may take (a stuck HTTP request, a code sandbox that hangs); "
+                "None: no limit. With a limit the function runs in a worker thread (a function that sets its own "
+                "timeout with signal.alarm must then do without it). Whatever the setting, a line every minute "
+                "says which reward function the run is waiting for."})
+    reward_timeout_policy: str = field(default="error", metadata={
+        "help": "What a reward call past reward_timeout_s gives: 'error' (stop every rank, naming the function and "
+                "the samples), 'none' (the function does not apply to those samples, as if it returned None) or "
+                "'zero' (reward 0)."})
 
     # ---------------------------------------------------------------- verl features
     filter_groups: bool = field(default=False, metadata={
@@ -226,7 +236,7 @@ class NRolloutConfig(GRPOConfig):
         if self.rollout_tp_size > 1:
             self.vllm_tensor_parallel_size = self.rollout_tp_size
         if self.sequence_parallel_size != 1:
-            raise ValueError(
+            raise InputError(
                 f"sequence_parallel_size={self.sequence_parallel_size}: TRL's trainer builds inputs after generation "
                 "and cannot shard sequences yet; use sequence_parallel_size=1."
             )
@@ -234,9 +244,10 @@ class NRolloutConfig(GRPOConfig):
             self._derive_trl_fields(world)
         else:
             self._derive_verl_fields(world)
+        self._check_sampling()
         self._trl_post_init()
         if self.world_size != world:
-            raise ValueError(
+            raise InputError(
                 f"WORLD_SIZE={world} in the environment but the trainer sees {self.world_size} processes; launch with "
                 "`accelerate launch` or `torchrun` so that both agree."
             )
@@ -259,7 +270,7 @@ class NRolloutConfig(GRPOConfig):
         def twin(trl_name: str, trl_value, verl_name: str, verl_default) -> None:
             current = getattr(self, verl_name)
             if current != verl_default and current != trl_value:
-                raise ValueError(f"{trl_name}={trl_value!r} conflicts with {verl_name}={current!r}; set only one.")
+                raise InputError(f"{trl_name}={trl_value!r} conflicts with {verl_name}={current!r}; set only one.")
             setattr(self, verl_name, trl_value)
 
         if self.vllm_tensor_parallel_size != 1:
@@ -268,54 +279,54 @@ class NRolloutConfig(GRPOConfig):
             twin("vllm_max_model_length", self.vllm_max_model_length, "rollout_max_model_len", None)
         scale = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if scale not in ("group", "none", "batch"):
-            raise ValueError(f"scale_rewards={self.scale_rewards!r} is not one of 'group', 'batch', 'none' (or "
+            raise InputError(f"scale_rewards={self.scale_rewards!r} is not one of 'group', 'batch', 'none' (or "
                              "True/False); pick one of them.")
         if scale != "group":
             if self.adv_estimator != "grpo":
-                raise ValueError(f"scale_rewards={self.scale_rewards!r} applies to adv_estimator='grpo' only (here "
+                raise InputError(f"scale_rewards={self.scale_rewards!r} applies to adv_estimator='grpo' only (here "
                                  f"{self.adv_estimator!r}); remove it.")
             if scale == "none":
                 twin("scale_rewards", False, "norm_adv_by_std_in_grpo", True)
             else:
                 self.adv_estimator_kwargs = {**(self.adv_estimator_kwargs or {}), "std_scope": "batch"}
         if self.loss_type not in TRL_LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r} is not one of {list(TRL_LOSS_TYPES)}; pick one of them.")
+            raise InputError(f"loss_type={self.loss_type!r} is not one of {list(TRL_LOSS_TYPES)}; pick one of them.")
         if self.loss_type != "dapo":  # TRL's default is our default (vanilla, token-mean)
             for verl_name, value, default in zip(("policy_loss_mode", "loss_agg_mode"), TRL_LOSS_TYPES[self.loss_type],
                                                  ("vanilla", "token-mean")):
                 if getattr(self, verl_name) not in (default, value):
-                    raise ValueError(f"loss_type={self.loss_type!r} means {verl_name}={value!r}, which conflicts with "
+                    raise InputError(f"loss_type={self.loss_type!r} means {verl_name}={value!r}, which conflicts with "
                                      f"{verl_name}={getattr(self, verl_name)!r}; set only one of them.")
                 setattr(self, verl_name, value)
         if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
-            raise ValueError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not one of "
+            raise InputError(f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not one of "
                              "'sum_then_normalize', 'normalize_then_sum'; pick one of them.")
         if self.multi_objective_aggregation == "normalize_then_sum" and self.adv_estimator != "grpo":
-            raise ValueError(f"multi_objective_aggregation='normalize_then_sum' (GDPO) computes the advantages itself, "
+            raise InputError(f"multi_objective_aggregation='normalize_then_sum' (GDPO) computes the advantages itself, "
                              f"so it needs adv_estimator='grpo' (here {self.adv_estimator!r}); remove one of them.")
         if self.multi_objective_aggregation == "normalize_then_sum" and self.use_kl_in_reward:
-            raise ValueError("multi_objective_aggregation='normalize_then_sum' (GDPO) normalizes the reward functions' "
+            raise InputError("multi_objective_aggregation='normalize_then_sum' (GDPO) normalizes the reward functions' "
                              "outputs, with no place for a KL penalty in the reward; set use_kl_in_reward=False (a KL "
                              "loss, beta > 0, works with it).")
         if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0: every token; "
+            raise InputError(f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0: every token; "
                              "0.2: the 20% of tokens with the highest entropy).")
         if self.rollout_backend == "hf" and self.rollout_seed_mode == "sample":
-            raise ValueError(HF_SAMPLE_SEEDS)
+            raise InputError(HF_SAMPLE_SEEDS)
         unused = self.vllm_engine_settings() if self.rollout_backend == "hf" else []
         if unused:
-            raise ValueError(
+            raise InputError(
                 f"rollout_backend='hf' (transformers generate) has no use for {', '.join(unused)}: "
                 "they configure the vLLM engines. Remove them, or generate with vLLM (rollout_backend='vllm', or "
                 "'auto' where vLLM is installed).")
         if self.use_vllm:  # TRL's vLLM generation: our engine group, with TRL's rollout correction when asked
             if self.rollout_backend == "hf":
-                raise ValueError("use_vllm=True conflicts with rollout_backend='hf'; set only one.")
+                raise InputError("use_vllm=True conflicts with rollout_backend='hf'; set only one.")
             self.rollout_backend = "vllm"
             if self.vllm_importance_sampling_correction and self.rollout_is is None:
                 level, _, mode = self.vllm_importance_sampling_mode.partition("_")
                 if level not in ("token", "sequence") or mode not in ("mask", "truncate"):
-                    raise ValueError(
+                    raise InputError(
                         f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
                         "'token_mask', 'token_truncate', 'sequence_mask', 'sequence_truncate'.")
                 self.rollout_is, self.rollout_is_mode = level, mode
@@ -324,6 +335,17 @@ class NRolloutConfig(GRPOConfig):
                 self.rollout_is_threshold = None if upper is None else float(upper)
                 lower = self.vllm_importance_sampling_clip_min
                 self.rollout_is_threshold_lower = None if lower is None else float(lower)
+
+    def _check_sampling(self) -> None:
+        """Greedy decoding with several samples per prompt: the n samples are identical, so every group advantage
+        is 0 and nothing is learned (and vLLM refuses n > 1 with temperature 0 at the first rollout)."""
+        n = self.rollout_n or self.num_generations
+        if self.temperature == 0 and n > 1:
+            raise InputError(
+                f"temperature=0 (greedy) with rollout_n={n} gives {n} identical samples per prompt: the "
+                f"{self.adv_estimator!r} advantages compare samples of a prompt, so they are all 0 and nothing is "
+                "learned. Sample with temperature > 0 (1.0 samples from the policy itself), or set rollout_n=1 "
+                "with an estimator that needs no group (e.g. adv_estimator='reinforce_plus_plus').")
 
     def _check_choices(self) -> None:
         checks = [
@@ -335,35 +357,44 @@ class NRolloutConfig(GRPOConfig):
             ("rollout_is", self.rollout_is, [None, "token", "sequence"]),
             ("rollout_is_mode", self.rollout_is_mode, ["truncate", "mask"]),
             ("reward_nan_policy", self.reward_nan_policy, ["error", "zero"]),
+            ("reward_timeout_policy", self.reward_timeout_policy, ["error", "none", "zero"]),
             ("ratio_level", self.ratio_level, [None, "token", "sequence"]),
             ("policy_loss_mode", self.policy_loss_mode, list(POLICY_LOSS_MODES)),
         ]
         for name, value, allowed in checks:
             if value not in allowed:
-                raise ValueError(f"{name}={value!r} is not one of {allowed}; pick one of them.")
+                raise InputError(f"{name}={value!r} is not one of {allowed}; pick one of them.")
         for name in ("kl_loss_type", "kl_penalty"):
             kind = getattr(self, name)
             if kind.rstrip("+") not in KL_KINDS:
-                raise ValueError(f"{name}={kind!r} is not a KL estimator; use one of {list(KL_KINDS)} (or with '+').")
+                raise InputError(f"{name}={kind!r} is not a KL estimator; use one of {list(KL_KINDS)} (or with '+').")
+        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
+            raise InputError(f"reward_timeout_s={self.reward_timeout_s} must be > 0 seconds (e.g. 60), or None for no "
+                             "limit.")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise InputError(f"max_completion_length={self.max_completion_length}: each completion needs at least one "
+                             "token; set max_completion_length to the longest completion to sample (e.g. 256).")
+        if self.temperature < 0:
+            raise InputError(f"temperature={self.temperature} must be >= 0 (1.0 samples from the policy itself).")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or None to disable dual clip.")
+            raise InputError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or None to disable dual clip.")
         reserved = sorted(set(self.generation_kwargs or {}) & set(RESERVED_GENERATION_KWARGS))
         if reserved:
             key = reserved[0]
-            raise ValueError(f"generation_kwargs sets {key!r}, which the rollout stage controls; use "
+            raise InputError(f"generation_kwargs sets {key!r}, which the rollout stage controls; use "
                              f"{RESERVED_GENERATION_KWARGS[key]} instead.")
         if self.filter_groups_max_rounds < 0:
-            raise ValueError(f"filter_groups_max_rounds={self.filter_groups_max_rounds} must be >= 0.")
+            raise InputError(f"filter_groups_max_rounds={self.filter_groups_max_rounds} must be >= 0.")
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
-            raise ValueError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
+            raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
                              "samples, capped at 1024).")
         upper, lower = self.rollout_is_threshold, self.rollout_is_threshold_lower
         if upper is not None and upper <= 0:
-            raise ValueError(f"rollout_is_threshold={upper} must be > 0 (e.g. 2.0).")
+            raise InputError(f"rollout_is_threshold={upper} must be > 0 (e.g. 2.0).")
         if lower is not None and upper is not None and lower >= upper:
-            raise ValueError(f"rollout_is_threshold_lower={lower} must be below rollout_is_threshold={upper}.")
+            raise InputError(f"rollout_is_threshold_lower={lower} must be below rollout_is_threshold={upper}.")
         if self.rollout_is is not None and self.rollout_is_mode == "truncate" and upper is None and lower is None:
-            raise ValueError("rollout_is_mode='truncate' needs rollout_is_threshold or rollout_is_threshold_lower; set "
+            raise InputError("rollout_is_mode='truncate' needs rollout_is_threshold or rollout_is_threshold_lower; set "
                              "rollout_is_threshold=2.0.")
 
     def _layout_kwargs(self, world: int) -> dict:
@@ -394,7 +425,7 @@ class NRolloutConfig(GRPOConfig):
         for name, value in derived.items():
             current = getattr(self, name)
             if current != value and current != _TRL_DEFAULTS.get(name):
-                raise ValueError(
+                raise InputError(
                     f"{name}={current} conflicts with the verl settings, which give {name}={value} "
                     f"(train_batch_size={self.train_batch_size}, rollout_n={layout.rollout_n}, "
                     f"ppo_mini_batch_size={layout.ppo_mini_batch_size}, {world} processes); remove {name} from the "
@@ -402,14 +433,14 @@ class NRolloutConfig(GRPOConfig):
                 )
             setattr(self, name, value)
         if self.generation_batch_size not in (None, layout.total_samples):
-            raise ValueError(
+            raise InputError(
                 f"generation_batch_size={self.generation_batch_size} conflicts with train_batch_size="
                 f"{self.train_batch_size} x rollout_n={layout.rollout_n} = {layout.total_samples}; remove it."
             )
         self.generation_batch_size = None
         steps = layout.samples_per_rank // layout.ppo_micro_batch_size_per_device
         if self.steps_per_generation not in (None, steps):
-            raise ValueError(
+            raise InputError(
                 f"steps_per_generation={self.steps_per_generation} conflicts with the verl settings, which give "
                 f"{steps} (samples per rank {layout.samples_per_rank} / ppo_micro_batch_size_per_device "
                 f"{layout.ppo_micro_batch_size_per_device}); remove steps_per_generation."
@@ -423,7 +454,7 @@ class NRolloutConfig(GRPOConfig):
     def _derive_verl_fields(self, world: int) -> None:
         if self.rollout_n is not None and self.rollout_n != self.num_generations:
             if self.num_generations != _TRL_DEFAULTS["num_generations"]:
-                raise ValueError(f"rollout_n={self.rollout_n} conflicts with num_generations={self.num_generations}; "
+                raise InputError(f"rollout_n={self.rollout_n} conflicts with num_generations={self.num_generations}; "
                                  "set only one.")
             self.num_generations = self.rollout_n
         n = self.num_generations

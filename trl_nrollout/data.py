@@ -1,17 +1,32 @@
-"""Prompt datasets for recipes: the built-in task, a hub id, a local file (json/jsonl/csv/parquet) or folder."""
+"""Prompt datasets for recipes: the built-in task, a hub id, a local file (json/jsonl/csv/parquet) or folder.
+
+Everything a recipe trains on is checked here, once, before a model is loaded: a local file that is empty or
+malformed, a missing prompt column and an empty prompt are a :class:`~trl_nrollout.errors.DatasetError` naming the
+file, the line or row, and what a dataset must look like (:data:`DATASET_SHAPE`)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from trl_nrollout.builtin import digits_dataset
+from trl_nrollout.errors import DatasetError
 
 _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+#: What a recipe's dataset must look like (every dataset error ends with it).
+DATASET_SHAPE = ("A recipe's dataset has one row per prompt and a 'prompt' column (or the column named by "
+                 "dataset_prompt_column) holding a non-empty text or a list of chat messages "
+                 "([{\"role\": \"user\", \"content\": \"...\"}]); a .jsonl file holds one JSON object per line, e.g. "
+                 "{\"prompt\": \"Write a number.\"}.")
+#: How many offending rows an error lists.
+_SHOWN = 5
 
 
 def load_prompts(name: str, *, split: str = "train", prompt_column: str = "prompt", num_builtin: int = 512,
                  seed: int = 0, config: str | None = None, system_prompt: str | None = None):
-    """A ``datasets.Dataset`` with a ``prompt`` column (text or chat messages) plus the other columns.
+    """A ``datasets.Dataset`` with a ``prompt`` column (text or chat messages) plus the other columns, every prompt
+    checked (:func:`check_prompts`).
 
     ``config``: the dataset's configuration (subset), for a hub id or a dataset folder. ``system_prompt``: turn
     each text prompt into ``[system, user]`` chat messages (for instruction-tuned models)."""
@@ -23,8 +38,15 @@ def load_prompts(name: str, *, split: str = "train", prompt_column: str = "promp
     if path.is_file():
         fmt = _FORMATS.get(path.suffix)
         if fmt is None:
-            raise ValueError(f"dataset_name={name!r}: unknown file type {path.suffix!r}; use one of {sorted(_FORMATS)}.")
-        ds = load_dataset(fmt, data_files=str(path), split="train")
+            raise DatasetError(f"dataset_name={name!r}: unknown file type {path.suffix!r}; use one of "
+                               f"{sorted(_FORMATS)}.")
+        check_file(path)
+        try:
+            ds = load_dataset(fmt, data_files=str(path), split="train")
+        except Exception as err:  # noqa: BLE001 - datasets hides the cause; name the file and the shape
+            cause = err.__cause__ or err
+            raise DatasetError(f"dataset_name={name!r}: datasets could not read this {fmt} file "
+                               f"({type(cause).__name__}: {cause}). {DATASET_SHAPE}") from err
     elif path.is_dir():
         ds = load_from_disk(str(path)) if (path / "dataset_info.json").exists() or (path / "state.json").exists() \
             else load_dataset(str(path), config, split=split)
@@ -34,16 +56,65 @@ def load_prompts(name: str, *, split: str = "train", prompt_column: str = "promp
         ds = load_dataset(name, config, split=split)
     if prompt_column != "prompt":
         if prompt_column not in ds.column_names:
-            raise ValueError(f"dataset_prompt_column={prompt_column!r} is not a column of {name!r}: {ds.column_names}.")
+            raise DatasetError(f"dataset_prompt_column={prompt_column!r} is not a column of {name!r}: "
+                               f"{ds.column_names}; set dataset_prompt_column to one of them.")
         ds = ds.rename_column(prompt_column, "prompt")
     if "prompt" not in ds.column_names:
-        raise ValueError(
+        raise DatasetError(
             f"dataset {name!r} has no 'prompt' column ({ds.column_names}); set dataset_prompt_column to the column "
             "holding the prompts."
         )
+    check_prompts(ds["prompt"], source=f"dataset_name={name!r}")
     if system_prompt:
         ds = ds.map(lambda row: {"prompt": as_chat(row["prompt"], system_prompt)})
     return ds
+
+
+def check_file(path: Path) -> None:
+    """Refuse an empty file, and a ``.jsonl`` / ``.json`` file that is not valid JSON, naming the file and the line
+    (``datasets`` reports both without them: a bare ``StopIteration`` or ``DatasetGenerationError``)."""
+    text = path.read_text(encoding="utf-8", errors="replace") if path.suffix in (".json", ".jsonl", ".csv") else None
+    if path.stat().st_size == 0 or (text is not None and not text.strip()):
+        raise DatasetError(f"dataset_name='{path}' is an empty file: there is nothing to train on. {DATASET_SHAPE}")
+    if path.suffix == ".jsonl" or (path.suffix == ".json" and text.lstrip()[:1] != "["
+                                   and "\n{" in text.strip()):  # a .json file may hold JSON lines too
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"dataset_name='{path}', line {number}: not valid JSON ({err.msg} at column "
+                                   f"{err.colno}): {line[:120]!r}. {DATASET_SHAPE}") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"dataset_name='{path}', line {number}: a JSON {type(row).__name__}, not an object "
+                                   f"with a 'prompt' key. {DATASET_SHAPE}")
+    elif path.suffix == ".json":
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"dataset_name='{path}', line {err.lineno}: not valid JSON ({err.msg} at column "
+                               f"{err.colno}). {DATASET_SHAPE}") from None
+
+
+def is_empty_prompt(prompt) -> bool:
+    """A prompt with nothing in it: ``None``, an empty text or an empty list of messages. (A blank text or a chat
+    with empty messages still gives the engine tokens, and TRL trains on them; they are left alone.)"""
+    return prompt is None or (isinstance(prompt, str | list) and len(prompt) == 0)
+
+
+def check_prompts(prompts: Iterable, *, source: str = "the training dataset") -> None:
+    """Refuse a dataset with an empty prompt (vLLM refuses it only at the step that draws it: "The decoder prompt
+    cannot be empty"; TRL's trainer fails there too), naming the rows. Cheap: no tokenizer."""
+    empty = [i for i, p in enumerate(prompts) if is_empty_prompt(p)]
+    if not empty:
+        return
+    rows = ", ".join(str(i) for i in empty[:_SHOWN]) + (f" and {len(empty) - _SHOWN} more" if len(empty) > _SHOWN else "")
+    raise DatasetError(
+        f"{source}: {len(empty)} empty prompt{'s' if len(empty) > 1 else ''} (row{'s' if len(empty) > 1 else ''} "
+        f"{rows}); every prompt needs some text. Remove {'them' if len(empty) > 1 else 'it'} from the data, or "
+        "filter the dataset first: dataset.filter(lambda row: bool(row['prompt']))."
+    )
 
 
 def as_chat(prompt, system_prompt: str) -> list[dict]:

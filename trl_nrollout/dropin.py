@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trl_nrollout.errors import InputError
+
 #: TRL's loss_type -> (our policy_loss_mode, loss_agg_mode). TRL 1.16's normalizers, per micro batch: grpo/sapo the
 #: mean over sequences of each token mean, bnpo the micro batch's token mean (divided by the accumulation steps),
 #: dr_grpo the token sum / (sequences x max_completion_length), luspo the mean over sequences of each token sum,
@@ -145,7 +147,7 @@ TRAINER_ARGS: dict[str, str] = {
 }
 
 
-class UnsupportedTRLOption(ValueError):
+class UnsupportedTRLOption(InputError):
     """A TRL option our rollout stage does not implement was set; the message says why and what to use."""
 
 

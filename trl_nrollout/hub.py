@@ -34,6 +34,8 @@ from urllib.parse import unquote
 
 import yaml
 
+from trl_nrollout.errors import InputError
+
 HF_SCHEME = "hf://"
 #: ``hf://<prefix>/...`` -> repo type (``huggingface_hub``'s names).
 REPO_TYPE_PREFIXES = {"datasets": "dataset", "spaces": "space", "models": "model"}
@@ -58,7 +60,7 @@ VERSION_PACKAGES: list[tuple[str, tuple[str, ...]]] = [
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class HubError(ValueError):
+class HubError(InputError):
     """A recipe that cannot be resolved or pushed; the message names the value and a fix."""
 
 

@@ -11,11 +11,13 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from trl_nrollout.errors import InputError
+
 #: How many alternative layouts a fix search may try for one error (each try is a cheap pure build).
 _MAX_FIX_TRIALS = 300
 
 
-class LayoutError(ValueError):
+class LayoutError(InputError):
     """An invalid rollout layout. The message names the option, the value, the rule and a fix.
 
     Attributes: ``option`` and ``value`` (what broke the rule), ``rule`` (a short id of the rule) and ``fixes``

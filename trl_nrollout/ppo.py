@@ -304,9 +304,10 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         self._metric(mode, "critic/grad_norm", float(norm))
 
     # ------------------------------------------------------------------ checkpoints
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}", CRITIC_DIR)
+    def _save_rollout_state(self, folder: str) -> None:
+        """The critic and its optimizer (``checkpoint-N/critic``), beside the rollout stage's own state."""
+        super()._save_rollout_state(folder)
+        folder = os.path.join(folder, CRITIC_DIR)
         if self._critic_engine() is not None:  # every rank writes its shards (collective)
             self._critic_ds.save_checkpoint(folder, tag="critic")
             return

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
+import time
 
 import torch
 from accelerate.utils import gather, gather_object
@@ -19,9 +21,104 @@ from trl.data_utils import is_conversational
 
 logger = logging.getLogger("trl_nrollout.trainer")  # the trainer's logger: users filter one name
 
+#: Seconds between two "still waiting for reward function ..." lines while a reward call runs.
+WAIT_NOTICE_S = 60.0
+
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised or returned something unusable; the message names the function and the sample."""
+
+
+class RewardTimeout(Exception):
+    """A reward call ran past ``reward_timeout_s`` (it goes on in its daemon thread; its result is dropped)."""
+
+
+def _run(func, kwargs: dict):
+    values = func(**kwargs)
+    if inspect.isawaitable(values):  # an async reward function (e.g. one that calls a service)
+        values = asyncio.run(values)
+    return values
+
+
+def call_watched(func, kwargs: dict, *, name: str, samples: int, timeout_s: float | None,
+                 notice_every_s: float | None = None):
+    """``func(**kwargs)`` (awaited if async), saying every ``notice_every_s`` (default :data:`WAIT_NOTICE_S`) that
+    the run waits for reward function ``name`` on ``samples`` samples.
+
+    Without ``timeout_s`` the function runs in the calling thread (a function may set its own ``signal.alarm``).
+    With it, the function runs in a daemon thread and :class:`RewardTimeout` is raised once ``timeout_s`` passed;
+    the thread is left to finish on its own (Python cannot stop it) and never holds the process at exit."""
+    every = WAIT_NOTICE_S if notice_every_s is None else notice_every_s
+    start = time.monotonic()
+
+    def notice() -> None:
+        logger.warning("still waiting for reward function '%s' after %.0f s (%d samples)%s", name,
+                       time.monotonic() - start, samples,
+                       f"; reward_timeout_s={timeout_s:g}" if timeout_s is not None else
+                       "; set reward_timeout_s to bound each call")
+
+    if timeout_s is None:
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(every):
+                notice()
+
+        threading.Thread(target=watch, daemon=True, name=f"reward-watch:{name}").start()
+        try:
+            return _run(func, kwargs)
+        finally:
+            done.set()
+    outcome: dict = {}
+
+    def work() -> None:
+        try:
+            outcome["values"] = _run(func, kwargs)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = err
+
+    worker = threading.Thread(target=work, daemon=True, name=f"reward:{name}")
+    worker.start()
+    deadline = start + timeout_s
+    while True:
+        worker.join(max(0.0, min(every, deadline - time.monotonic())))
+        if not worker.is_alive():
+            break
+        if time.monotonic() >= deadline:
+            raise RewardTimeout(f"reward function '{name}' did not return within reward_timeout_s={timeout_s:g}")
+        notice()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["values"]
+
+
+def as_rewards(values, name: str, prompts: list) -> list[float | None]:
+    """The rewards a function returned, checked: one number (or None) per completion; anything else is a
+    :class:`RewardFunctionError` naming the function, the value and the sample."""
+    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+        raise RewardFunctionError(f"reward function '{name}' returned {type(values).__name__} {str(values)[:80]!r}; "
+                                  "it must return a list with one reward (a number, or None) per completion.")
+    if len(values) != len(prompts):
+        raise RewardFunctionError(
+            f"reward function '{name}' returned {len(values)} rewards for {len(prompts)} samples; it must "
+            "return one reward (or None) per completion."
+        )
+    out: list[float | None] = []
+    for j, v in enumerate(values):
+        if v is None:
+            out.append(None)
+            continue
+        if not isinstance(v, str | bytes):  # a numeric string is refused too, as TRL's torch.tensor(...) refuses it
+            try:
+                out.append(float(v))
+                continue
+            except (TypeError, ValueError):
+                pass
+        raise RewardFunctionError(
+            f"reward function '{name}' returned {v!r} ({type(v).__name__}) for sample {j} "
+            f"(prompt={str(prompts[j])[:200]!r}); a reward must be a number, or None where the function does not "
+            "apply: convert it in the function (e.g. 1.0 for 'good').")
+    return out
 
 
 class RewardScoring:
@@ -58,13 +155,13 @@ class RewardScoring:
         self._round_extra_logs = extra
         self._pending_extra_logs.clear()
 
-    @staticmethod
-    def _call_reward(func, prompts: list, completions: list, completion_ids: list, kwargs: dict) -> list:
-        """Call a reward function with TRL's signature; an async one is awaited."""
-        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-        if inspect.isawaitable(values):  # an async reward function (e.g. one that calls a service)
-            values = asyncio.run(values)
-        return values
+    def _call_reward(self, func, name: str, prompts: list, completions: list, completion_ids: list,
+                     kwargs: dict) -> list:
+        """Call a reward function with TRL's signature (an async one is awaited), watched: a line every minute while
+        it runs, and ``reward_timeout_s`` (see :func:`call_watched`)."""
+        return call_watched(func, dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                       **kwargs),
+                            name=name, samples=len(prompts), timeout_s=self.args.reward_timeout_s)
 
     def _weighted(self, rewards: Tensor) -> Tensor:
         """The reward of each sample ``[G]``: the reward functions' outputs ``[G, F]`` weighted by reward_weights.
@@ -93,15 +190,26 @@ class RewardScoring:
                 with torch.inference_mode():
                     out[:, i] = func(**enc).logits[:, 0].float().cpu()
                 continue
-            values = self._call_reward(func, prompts, completions, completion_ids, kwargs)
-            if len(values) != len(prompts):
-                raise RewardFunctionError(
-                    f"reward function '{name}' returned {len(values)} rewards for {len(prompts)} samples; it must "
-                    "return one reward (or None) per completion."
-                )
-            out[:, i] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+            try:
+                values = as_rewards(self._call_reward(func, name, prompts, completions, completion_ids, kwargs),
+                                    name, prompts)
+            except RewardTimeout as err:
+                values = self._timed_out(str(err), prompts)
+            out[:, i] = torch.tensor([float("nan") if v is None else v for v in values])
             none[:, i] = torch.tensor([v is None for v in values])
         return out, none
+
+    def _timed_out(self, what: str, prompts: list) -> list[float | None]:
+        """The rewards of a call past ``reward_timeout_s``, by ``reward_timeout_policy``."""
+        policy, rank = self.args.reward_timeout_policy, self.accelerator.process_index
+        where = f"{what} on {len(prompts)} samples of rank {rank} (first prompt: {str(prompts[0])[:120]!r})"
+        if policy == "error":
+            raise RewardFunctionError(
+                f"{where}. Make the function time out on its own, raise reward_timeout_s, or set "
+                "reward_timeout_policy='none' (the function does not apply to those samples) or 'zero'.")
+        logger.warning("%s: %s (reward_timeout_policy=%r).", where,
+                       "it does not apply to them" if policy == "none" else "they score 0", policy)
+        return [None if policy == "none" else 0.0] * len(prompts)
 
     def _diagnose(self, exc: Exception, inputs, prompts, completions, completion_ids) -> str:
         """Find which reward function and which sample raised, by calling them one sample at a time."""
@@ -110,7 +218,7 @@ class RewardScoring:
                 continue
             for j in range(len(prompts)):
                 try:
-                    self._call_reward(func, [prompts[j]], [completions[j]], [completion_ids[j]],
+                    self._call_reward(func, name, [prompts[j]], [completions[j]], [completion_ids[j]],
                                       self._reward_kwargs([inputs[j]], rows=[j]))
                 except Exception as e:  # noqa: BLE001 - reporting it is the point
                     return (f"reward function '{name}' raised {type(e).__name__}: {e} on sample {j} of rank "

@@ -57,11 +57,16 @@ class GenerationClock:
 
 
 class RewardHistory(TrainerCallback):
-    """Collects the mean reward of every logged training step (TRL logs it as ``reward``)."""
+    """Collects the mean reward of every logged training step (TRL logs it as ``reward``) and the step training
+    started from (``start_step``: 0, or the checkpoint's step when resuming)."""
 
     def __init__(self) -> None:
         self.rewards: list[float] = []
         self.started = time.perf_counter()
+        self.start_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start_step = state.global_step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:

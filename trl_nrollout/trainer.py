@@ -14,7 +14,9 @@ gradient accumulation, optimizer, logging, checkpoints.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import fields
 from typing import Any
@@ -36,8 +38,11 @@ from trl_nrollout.advantages import (
 )
 from trl_nrollout.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.builtin import resolve_model
+from trl_nrollout.checkpoints import ROLLOUT_STATE
 from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.data import check_prompts
 from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.errors import DatasetError
 from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.losses import (
@@ -88,6 +93,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                  optimizers=(None, None), peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, **kwargs) -> None:
         features = getattr(train_dataset, "column_names", None)
+        if isinstance(features, list) and "prompt" in features and hasattr(train_dataset, "__len__"):
+            check_prompts(train_dataset["prompt"], source="train_dataset")  # before the model loads
         check_images(features if isinstance(features, list) else None, tools=tools, rollout_func=rollout_func,
                      environment_factory=environment_factory)
         if isinstance(model, str):
@@ -124,6 +131,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                 f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} needs the vLLM engine, but this "
                 f"trainer generates with the {self.rollout_backend!r} engine; install vLLM and set use_vllm=True (or "
                 "rollout_backend='vllm'), or remove the regex.")
+        self._check_prompt_tokens()  # before the engines start
         self.rollout_engine = self._start_engine(args.rollout_backend)
         self.generation_clock = GenerationClock()
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
@@ -135,6 +143,40 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         self._update_time = 0.0
         self._rollout_time = 0.0
         self._prompt_rng = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model, trial) -> None:
+        """transformers' checkpoint, then the rollout stage's own state (:meth:`_save_rollout_state`); the file
+        :data:`~trl_nrollout.checkpoints.ROLLOUT_STATE` is written last, after every rank saved, so that a folder
+        holding it is complete (``resume_from_checkpoint=true`` skips one a killed run left half written)."""
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        self._save_rollout_state(folder)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            with open(os.path.join(folder, ROLLOUT_STATE), "w") as fh:
+                json.dump({"global_step": self.state.global_step, "kl_coef": self.kl_ctrl.value}, fh)
+
+    def _save_rollout_state(self, folder: str) -> None:
+        """This rank's state beside the model's: the generator that draws DAPO's extra prompts (a subclass adds its
+        own, e.g. PPO's critic)."""
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"prompt_rng": self._prompt_rng.get_state()},
+                   os.path.join(folder, f"nrollout_rank{self.accelerator.process_index}.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """transformers restores the optimizer and scheduler; the rollout stage restores the KL controller's
+        coefficient and the prompt generator (a checkpoint without them, e.g. TRL's, leaves them as built)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        state_file = os.path.join(checkpoint, ROLLOUT_STATE)
+        if os.path.isfile(state_file):
+            with open(state_file) as fh:
+                self.kl_ctrl.value = float(json.load(fh)["kl_coef"])
+        rank_file = os.path.join(checkpoint, f"nrollout_rank{self.accelerator.process_index}.pt")
+        if os.path.isfile(rank_file):
+            self._prompt_rng.set_state(torch.load(rank_file, weights_only=True)["prompt_rng"])
 
     def close(self) -> None:
         """Release the rollout engines (call after training, before tearing down torch.distributed)."""
@@ -264,6 +306,42 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
             logger.debug("prompt length hint unavailable (%s); assuming 512 tokens", err)
             return 512
         return max(len(p) for p in prompt_ids)
+
+    def _check_prompt_tokens(self, chunk: int = 256, max_rows: int = 200_000) -> None:
+        """Tokenize every prompt of the training set once, as the rollout will, and refuse prompts that come out
+        empty or leave no room for ``max_completion_length`` in the context (the engines would fail at the step
+        that draws them, or cut the completion short), naming the rows. Skipped for iterable datasets, datasets of
+        more than ``max_rows`` rows, image prompts and environment tools (their tokenization is per batch); the
+        per-rollout length check still applies there."""
+        ds = self.train_dataset
+        if (not hasattr(ds, "__len__") or len(ds) > max_rows or self.environment_factories is not None
+                or "prompt" not in (getattr(ds, "column_names", None) or [])):
+            return
+        prompts = ds["prompt"]
+        if not prompts or has_images(prompts[:1]):
+            return
+        completion = self.args.max_completion_length or 256
+        limit = self.args.rollout_max_model_len or self._context_length()
+        empty, too_long, longest = [], [], 0
+        for start in range(0, len(prompts), chunk):
+            for i, ids in enumerate(self._tokenize_prompts(prompts[start:start + chunk])[0], start=start):
+                longest = max(longest, len(ids))
+                if len(ids) == 0:
+                    empty.append(i)
+                elif limit is not None and len(ids) + completion > limit:
+                    too_long.append(i)
+        if empty:
+            raise DatasetError(f"train_dataset: {len(empty)} prompt(s) with no tokens after tokenization (rows "
+                               f"{_rows(empty)}); the engines cannot start a completion from nothing. Remove them, "
+                               "or give each prompt some text.")
+        if too_long:
+            whose = "rollout_max_model_len" if self.args.rollout_max_model_len else "the model's context length"
+            raise DatasetError(
+                f"train_dataset: {len(too_long)} prompt(s) leave no room for max_completion_length={completion} in "
+                f"the {limit}-token context ({whose}; rows {_rows(too_long)}, the longest prompt has {longest} "
+                "tokens). Filter them out "
+                f"(dataset.filter(lambda row: len(tokenizer(row['prompt']).input_ids) <= {limit - completion})), "
+                f"or lower max_completion_length to at most {max(limit - longest, 0)}.")
 
     def _hf_generation_context(self):
         from trl.models import unwrap_model_for_generation
@@ -670,6 +748,12 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+def _rows(rows: list[int], shown: int = 5) -> str:
+    """``"3, 9, 12"`` or ``"3, 9, 12, 20, 31 and 4 more"``."""
+    head = ", ".join(str(r) for r in rows[:shown])
+    return head + (f" and {len(rows) - shown} more" if len(rows) > shown else "")
 
 
 def _join_tables(first: dict | None, more: dict | None, rows_before: int) -> dict | None:

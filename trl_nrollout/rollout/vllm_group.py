@@ -229,7 +229,7 @@ class VLLMEngineGroup:
                 f"a prompt of {longest} tokens + max_completion_length={max_tokens} exceeds the engine's "
                 f"max_model_len={self.max_model_len} (rollout_max_model_len): the completion would be cut short. "
                 f"Raise rollout_max_model_len to at least {longest + max_tokens} (within the model's context "
-                f"length), shorten the prompts (max_prompt_length), or lower max_completion_length."
+                f"length), shorten or filter out the long prompts, or lower max_completion_length."
             )
 
     def _sampling_params(self, n: int, sampling: SamplingOptions):
