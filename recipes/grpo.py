@@ -173,10 +173,18 @@ class SaveAndStopOnSignal(TrainerCallback):
     def __init__(self) -> None:
         self.signal: str | None = None
         self.stopped_at: int | None = None
-        signal.signal(signal.SIGTERM, self._receive)
+        self._previous = None
 
     def _receive(self, signum, frame) -> None:
         self.signal = signal.Signals(signum).name
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # here, not earlier: the engines are built, and nothing they install replaces this handler
+        self._previous = signal.signal(signal.SIGTERM, self._receive)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
     def on_step_end(self, args, state, control, **kwargs):
         import torch
@@ -199,22 +207,27 @@ class SaveAndStopOnSignal(TrainerCallback):
 
 def _parse(argv: list[str], config_cls) -> tuple[ScriptArguments, NRolloutConfig]:
     """TRL's parser over the recipe and the command line; an unknown key (in either) is an error naming the closest
-    valid option."""
+    valid option, found before any option is validated."""
     from trl import TrlParser  # after trl_nrollout, whose import filters TRL's known import-time warnings
 
     parser = TrlParser((ScriptArguments, config_cls))
-    script_args, training_args, from_recipe, from_line = parser.parse_args_and_config(
-        argv, return_remaining_strings=True, separate_remaining_strings=True)
-    known = sorted({a.dest for a in parser._actions} - {"help"})
-    for where, rest in (("the recipe", from_recipe), ("the command line", from_line)):
-        unknown = [token[2:].split("=", 1)[0] for token in rest if token.startswith("--")] or rest
-        if unknown:
-            key = unknown[0]
+    known = sorted({s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")} - {"help"})
+    recipe = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) if "--config" in argv else None
+    if recipe is not None and not isinstance(recipe, dict):
+        raise InputError(f"the recipe {argv[argv.index('--config') + 1]!r} is not a YAML mapping of options "
+                         "(key: value lines).")
+    line = [t[2:].split("=", 1)[0] for i, t in enumerate(argv)
+            if t.startswith("--") and t != "--config" and (i == 0 or argv[i - 1] != "--config")]
+    for where, keys, prefix_ok in (("the recipe", [k for k in (recipe or {}) if k != "env"], False),
+                                   ("the command line", line, True)):  # argparse takes unique prefixes
+        for key in keys:
+            if key in known or (prefix_ok and sum(k.startswith(key) for k in known) == 1):
+                continue
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.7)
             raise InputError(f"{where} sets {key!r}, which is not an option of the {config_cls.__name__} recipe"
                              + (f": did you mean {close[0]!r}?" if close else "; `python recipes/grpo.py --help` "
                                 "lists them."))
-    return script_args, training_args
+    return parser.parse_args_and_config(argv)
 
 
 def _check_script_fields(args: NRolloutConfig) -> None:

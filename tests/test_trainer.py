@@ -168,20 +168,93 @@ def test_zero2_with_the_hf_engine(tmp_path):
     assert all(math.isfinite(h["loss"]) for h in run["steps"])
 
 
+# what a resume must bring back beside the model: the optimizer and a scheduler that moves (linear), the adaptive KL
+# controller (KL in the reward), and the generator that draws DAPO's extra prompts (groups of prompts that mention
+# 'digits' score a constant 1.0 and are filtered out, so every step draws more)
+RESUME = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--learning_rate", "5e-3",
+          "--lr_scheduler_type", "linear", "--use_kl_in_reward", "true", "--kl_ctrl_type", "adaptive",
+          "--kl_target", "0.0001", "--kl_horizon", "50", "--filter_groups", "true", "--reward_funcs",
+          "tests.assets.rewards_for_tests:constant_for_some_prompts"]
+RESUMED_KEYS = ("reward", "loss", "learning_rate", "actor/reward_kl_penalty_coeff", "dynamic_sampling/rounds")
+
+
+def assert_resumed(full: dict, resumed: dict, checkpoint: Path, keys=RESUMED_KEYS) -> None:
+    """``resumed`` trained only steps 4-6, from ``checkpoint``, and logged what the uninterrupted run logged."""
+    assert resumed["summary"]["resumed_from"] == str(checkpoint)
+    assert resumed["summary"]["steps_trained"] == 3 and resumed["summary"]["steps"] == 6
+    tail = [h for h in full["steps"] if h["step"] > 3]
+    again = [h for h in resumed["steps"] if h["step"] > 3]
+    assert [h["step"] for h in again] == [4, 5, 6]
+    for a, b in zip(tail, again):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["step"])
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_resume_gives_the_same_subsequent_steps(tmp_path):
-    """Stop after 3 of 6 steps (checkpoint), resume: steps 4-6 match the uninterrupted run (tolerance 1e-5 on
-    rewards and losses; sampling seeds depend on the step, not on the engine's history)."""
-    common = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--learning_rate", "5e-3"]
-    full = launch(tmp_path / "full", *common)
-    resumed = launch(tmp_path / "full_copy", *common, "--resume_from_checkpoint",
-                     str(tmp_path / "full" / "checkpoint-3"))
-    tail_full = [(h["step"], h["reward"], h["loss"]) for h in full["steps"] if h["step"] > 3]
-    tail_resumed = [(h["step"], h["reward"], h["loss"]) for h in resumed["steps"] if h["step"] > 3]
-    assert [s for s, _, _ in tail_resumed] == [4, 5, 6]
-    for (_, r1, l1), (_, r2, l2) in zip(tail_full, tail_resumed):
-        assert r1 == pytest.approx(r2, abs=1e-5) and l1 == pytest.approx(l2, abs=1e-5)
+@pytest.mark.parametrize("mode", ["one_process", pytest.param("zero3", marks=pytest.mark.multiprocess)])
+def test_resume_gives_the_same_subsequent_steps(mode, tmp_path):
+    """Stop after 3 of 6 steps (checkpoint), resume: the second run trains steps 4-6 only (a run from scratch would
+    train 6, and a seeded one would log the same history), and they match the uninterrupted run (optimizer,
+    scheduler, KL controller, data order, DAPO's extra prompts). One process resumes from a path; two ZeRO-3
+    processes from `true` (the last checkpoint of the output folder, where the checkpoint was copied)."""
+    import shutil
+
+    config = "zero3_cpu.yaml" if mode == "zero3" else None
+    full = launch(tmp_path / "full", *RESUME, config=config)
+    assert any(h["dynamic_sampling/rounds"] > 0 for h in full["steps"] if h["step"] > 3)  # the generator is used
+    assert len({h["actor/reward_kl_penalty_coeff"] for h in full["steps"]}) == 6  # the controller moves
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    if mode == "zero3":
+        shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoint-3")
+        checkpoint = tmp_path / "resumed" / "checkpoint-3"
+    resumed = launch(tmp_path / "resumed", *RESUME, "--resume_from_checkpoint",
+                     "true" if mode == "zero3" else str(checkpoint), config=config)
+    assert_resumed(full, resumed, checkpoint)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sigterm_saves_a_checkpoint_that_resumes_to_the_same_step_count(tmp_path):
+    """SIGTERM to the launch (as a scheduler sends it to the job's processes): the step finishes, a complete
+    checkpoint is saved, the run ends with its summary; `--resume_from_checkpoint true` then trains the remaining
+    steps, to max_steps."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "run"
+    args = [RECIPE, "--output_dir", str(out), "--use_cpu", "true", "--max_steps", "40", "--save_strategy", "steps",
+            "--save_steps", "2"]
+    log = (tmp_path / "run.log").open("w")
+    proc = subprocess.Popen([ACCELERATE, "launch", "--cpu", "--num_processes", "1", *args], cwd=ROOT,
+                            env={**os.environ, **ENV}, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint-2" / "nrollout_state.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)  # the launcher and the training process
+    deadline = time.monotonic() + 120
+    while True:  # until no process of the launch is left (the launcher reaped, its child gone)
+        proc.poll()
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "the training process did not stop after SIGTERM: " + (
+            tmp_path / "run.log").read_text()[-3000:]
+        time.sleep(0.2)
+    log.close()
+    summary = json.loads((out / "run_summary.json").read_text())
+    stopped = summary["steps"]
+    assert summary["stopped_by"] == "SIGTERM" and 2 <= stopped < 40
+    from trl_nrollout.checkpoints import last_complete_checkpoint
+
+    assert last_complete_checkpoint(out) == out / f"checkpoint-{stopped}"
+    resumed = launch(out, "--max_steps", "40", "--save_strategy", "steps", "--save_steps", "2",
+                     "--resume_from_checkpoint", "true")
+    assert resumed["summary"]["steps"] == 40 and resumed["summary"]["steps_trained"] == 40 - stopped
+    assert resumed["summary"]["resumed_from"] == str(out / f"checkpoint-{stopped}")
 
 
 @pytest.mark.slow

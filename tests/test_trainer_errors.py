@@ -275,3 +275,42 @@ def test_a_non_finite_loss_stops_training_with_its_step(tmp_path, monkeypatch):
     with pytest.raises(FloatingPointError, match=r"the loss is nan at step 0 \(pg_loss=nan\)"):
         trainer.train()
     assert not trainer._metrics["train"].get("actor/pg_loss")
+
+
+@pytest.mark.slow
+def test_a_reward_function_returning_labels_is_named(tmp_path):
+    from tests.assets.rewards_for_tests import says_good
+    from trl_nrollout.trainer import RewardFunctionError
+
+    with pytest.raises(RewardFunctionError, match=r"reward function 'says_good' returned 'good' \(str\) for sample 0"):
+        _trainer(tmp_path, says_good).train()
+
+
+@pytest.mark.slow
+def test_a_reward_call_that_hangs_meets_its_timeout_policy(tmp_path, caplog):
+    """A reward function that sleeps 600 s, with reward_timeout_s=1: 'error' stops naming the function and the samples;
+    'none' trains with the function not applying (no scorable sample: no reward logged, no advantage); 'zero' scores
+    the samples 0. Each run waits about a second for the function, not 600."""
+    import logging
+    import math
+    import time
+
+    from tests.assets.rewards_for_tests import slow_digits
+    from trl_nrollout.trainer import RewardFunctionError
+
+    start = time.perf_counter()
+    with pytest.raises(RewardFunctionError, match=r"reward function 'slow_digits' did not return within "
+                                                  r"reward_timeout_s=1 on 8 samples of rank 0.*reward_timeout_policy"):
+        _trainer(tmp_path / "a", slow_digits, reward_timeout_s=1).train()
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
+        none = _trainer(tmp_path / "b", slow_digits, reward_timeout_s=1, reward_timeout_policy="none")
+        none.train()
+    step = [h for h in none.state.log_history if "reward" in h][0]
+    assert step["reward"] is None or math.isnan(step["reward"])
+    assert step["critic/advantages/max"] == 0.0
+    assert any("did not return within reward_timeout_s=1" in r.getMessage() and "it does not apply" in r.getMessage()
+               for r in caplog.records)
+    zero = _trainer(tmp_path / "c", slow_digits, reward_timeout_s=1, reward_timeout_policy="zero")
+    zero.train()
+    assert [h["reward"] for h in zero.state.log_history if "reward" in h] == [0.0]
+    assert time.perf_counter() - start < 90  # three runs, none waited the function

@@ -112,7 +112,7 @@ def check_prompts(prompts: Iterable, *, source: str = "the training dataset") ->
     rows = ", ".join(str(i) for i in empty[:_SHOWN]) + (f" and {len(empty) - _SHOWN} more" if len(empty) > _SHOWN else "")
     raise DatasetError(
         f"{source}: {len(empty)} empty prompt{'s' if len(empty) > 1 else ''} (row{'s' if len(empty) > 1 else ''} "
-        f"{rows}); every prompt needs some text. Remove {'them' if len(empty) > 1 else 'it'} from the data, or "
+        f"{rows}, counting from 0); every prompt needs some text. Remove {'them' if len(empty) > 1 else 'it'} from the data, or "
         "filter the dataset first: dataset.filter(lambda row: bool(row['prompt']))."
     )
 

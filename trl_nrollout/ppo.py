@@ -33,6 +33,7 @@ import torch
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.critic import build_critic, compute_values, critic_values, synced_count
 from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.errors import InputError
 from trl_nrollout.logprobs import _is_zero3, pack_by_tokens, split_by_count
 from trl_nrollout.losses import LOSS_AGG_MODES, explained_variance, value_loss
 from trl_nrollout.trainer import NRolloutGRPOTrainer
@@ -76,29 +77,29 @@ class NRolloutPPOConfig(NRolloutConfig):
 
     def __post_init__(self) -> None:
         if self.adv_estimator != "gae":
-            raise ValueError(f"NRolloutPPOConfig(adv_estimator={self.adv_estimator!r}): the PPO trainer trains a critic "
+            raise InputError(f"NRolloutPPOConfig(adv_estimator={self.adv_estimator!r}): the PPO trainer trains a critic "
                              "for GAE; use adv_estimator='gae', or NRolloutConfig with NRolloutGRPOTrainer for "
                              "critic-free estimators.")
         for name in ("gamma", "lam"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}={value} must be in [0, 1] (1.0: no discount).")
+                raise InputError(f"{name}={value} must be in [0, 1] (1.0: no discount).")
         if self.cliprange_value <= 0:
-            raise ValueError(f"cliprange_value={self.cliprange_value} must be > 0 (verl's default is 0.5).")
+            raise InputError(f"cliprange_value={self.cliprange_value} must be > 0 (verl's default is 0.5).")
         modes = [m for m in LOSS_AGG_MODES if m != "token-mean-micro"]  # TRL's bnpo is a policy-loss mode only
         if self.critic_loss_agg_mode not in modes:
-            raise ValueError(f"critic_loss_agg_mode={self.critic_loss_agg_mode!r} is not one of {modes}; pick one "
+            raise InputError(f"critic_loss_agg_mode={self.critic_loss_agg_mode!r} is not one of {modes}; pick one "
                              "(verl's default is 'token-mean').")
         if self.critic_warmup < 0:
-            raise ValueError(f"critic_warmup={self.critic_warmup} must be >= 0 (optimizer steps).")
+            raise InputError(f"critic_warmup={self.critic_warmup} must be >= 0 (optimizer steps).")
         for name in ("critic_ppo_micro_batch_size_per_device", "critic_ppo_max_token_len_per_device"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name}={value} must be >= 1 (or None).")
+                raise InputError(f"{name}={value} must be >= 1 (or None).")
         super().__post_init__()
         micro = self.critic_ppo_micro_batch_size_per_device
         if micro is not None and self.per_device_train_batch_size % micro:
-            raise ValueError(
+            raise InputError(
                 f"critic_ppo_micro_batch_size_per_device={micro} must divide the policy's micro batch "
                 f"(per_device_train_batch_size={self.per_device_train_batch_size}): the critic trains on the same "
                 f"samples, in smaller pieces; use a divisor of {self.per_device_train_batch_size}.")
@@ -112,7 +113,7 @@ class NRolloutPPOConfig(NRolloutConfig):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         samples = self.per_device_train_batch_size * world * (self.steps_per_generation or 1)
         if samples < 2:
-            raise ValueError(f"a rollout step of {samples} sample: PPO needs at least 2 (raise train_batch_size).")
+            raise InputError(f"a rollout step of {samples} sample: PPO needs at least 2 (raise train_batch_size).")
         self.num_generations = samples
         try:
             super()._trl_post_init()

@@ -47,3 +47,19 @@ def prompt_bonus(completions, prompts, log_metric=None, log_extra=None, **kwargs
     log_metric("bonus/applies", sum("number" in t for t in text) / len(text))
     log_extra("bonus_applies", ["number" in t for t in text])
     return [0.5 if "number" in t else None for t in text]
+
+
+def says_good(completions, **kwargs):
+    """A buggy reward function: it returns labels, not numbers."""
+    return ["good" for _ in completions]
+
+
+def slow_digits(completions, **kwargs):
+    """A reward call that hangs (a stuck HTTP request): sleeps 600 s on rank 1 (or on every rank when run in one
+    process), then returns the digit fraction."""
+    import os
+    import time
+
+    if os.environ.get("RANK", "1") == "1" or os.environ.get("WORLD_SIZE", "1") == "1":
+        time.sleep(600)
+    return [digit_fraction(c) for c in completions]
