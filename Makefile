@@ -10,16 +10,18 @@ env:
 	@bash scripts/setup_env.sh
 
 # TORCH_CPP_LOG_LEVEL=ERROR: vLLM's CPU worker binds memory to NUMA node 0 and torch's C++ layer says so with a
-# warning on every start; nothing to act on in the demo (real errors still print).
+# warning on every start; nothing to act on in the demo (real errors still print). --quiet: a mistake in the
+# options is the recipe's one-line message, without accelerate's own traceback of the failed subprocess.
 demo: env
-	TORCH_CPP_LOG_LEVEL=ERROR $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no --cpu \
+	TORCH_CPP_LOG_LEVEL=ERROR $(VENV)/bin/accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no --cpu \
 		--num_cpu_threads_per_process $(shell nproc) recipes/grpo.py $(ARGS)
 
 test: env
 	$(PY) -m pytest -q $(ARGS)
 
+# the developer's loop: tests that start no process, engine or training run (tests/conftest.py marks them)
 test-fast: env
-	$(PY) -m pytest -q -m "not slow and not multiprocess" $(ARGS)
+	$(PY) -m pytest -q -m fast $(ARGS)
 
 lint: env
 	$(VENV)/bin/ruff check trl_nrollout tests recipes benchmarks

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +131,106 @@ def save_tiny_model(folder: Path, moe: bool = False, **config) -> str:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+# ---------------------------------------------------------------------------------------------- test tiers
+# Two tiers, marked by what a test does, not by hand: `full` for every test that starts a process, an engine or a
+# training run (found in its source, its fixtures' and the helpers they call, recursively), `fast` for the rest
+# (pure functions, config, layout, plan, errors). `make test-fast` runs `-m fast`, the developer's loop; `make test`
+# runs both. A test marked fast that starts one of those anyway fails with the reason (see _tier_guard), so the
+# marking cannot drift. A test marked slow or multiprocess by hand is full whatever its source says.
+HEAVY = {
+    "starts a process": re.compile(r"\b(run_cmd|launch|Popen|subprocess\.(run|call|check_call|check_output))\("),
+    "trains": re.compile(r"\.train\("),
+    "starts an engine": re.compile(r"\b(VLLMEngineGroup|HFEngine|LLM)\("),
+    "builds a trainer (model and engine)": re.compile(r"\b\w*Trainer\((?!\w*Error)"),
+}
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def heavy_reason(func, fixture_defs: dict, seen: set | None = None) -> str | None:
+    """Why ``func`` (a test, a fixture or a helper of the tests) belongs to the full tier, or None: its source, the
+    fixtures it requests and the test helpers it calls, searched recursively."""
+    seen = set() if seen is None else seen
+    if func in seen:
+        return None
+    seen.add(func)
+    text = _source(func)
+    for why, pattern in HEAVY.items():
+        if pattern.search(text):
+            return f"{getattr(func, '__name__', func)} {why}"
+    module = sys.modules.get(getattr(func, "__module__", ""), None)
+    names = set(re.findall(r"\b([A-Za-z_]\w*)\(", text))
+    for name in sorted(names):
+        target = getattr(module, name, None)
+        if inspect.isfunction(target) and target.__module__.startswith("tests."):
+            why = heavy_reason(target, fixture_defs, seen)
+            if why:
+                return why
+    for name in inspect.signature(func).parameters if callable(func) else ():
+        for fixture in fixture_defs.get(name, ()):
+            why = heavy_reason(fixture.func, fixture_defs, seen)
+            if why:
+                return why
+    return None
+
+
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_vllm = None if _vllm_installed() else pytest.mark.skip(
+        reason="vLLM is not installed (pip install 'trl-nrollout[cpu]' on CPU, '[vllm]' on CUDA)")
+    for item in items:
+        if skip_vllm is not None and item.get_closest_marker("vllm"):
+            item.add_marker(skip_vllm)
+        if item.get_closest_marker("slow") or item.get_closest_marker("multiprocess"):
+            item.add_marker(pytest.mark.full)
+            continue
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        why = heavy_reason(getattr(item, "function", None), defs) if hasattr(item, "function") else None
+        item.add_marker(pytest.mark.full(reason=why) if why else pytest.mark.fast)
+
+
+class TierError(AssertionError):
+    """A test of the fast tier started a process, an engine or a training run."""
+
+
+@pytest.fixture(autouse=True)
+def _tier_guard(request, monkeypatch):
+    """In a test of the fast tier, starting a process, an engine or a training run is an error naming the test: the
+    tier's promise (no engine start, no training, no subprocess) is checked, not assumed."""
+    if request.node.get_closest_marker("fast") is None:
+        yield
+        return
+
+    def refuse(what):
+        def _refused(*args, **kwargs):
+            raise TierError(f"{request.node.nodeid} is in the fast tier but {what}; the tier markers are derived from "
+                            "the source (tests/conftest.py HEAVY): name the call there, or mark the test slow.")
+        return _refused
+
+    import subprocess as _subprocess
+
+    import transformers.trainer  # noqa: F401 - loaded once, so that a test importing it later meets the guard too
+
+    import trl_nrollout.rollout.hf_engine  # noqa: F401
+    import trl_nrollout.rollout.vllm_group  # noqa: F401
+
+    monkeypatch.setattr(_subprocess.Popen, "__init__", refuse("starts a process"))
+    for module, attr, what in (("trl_nrollout.rollout.vllm_group", "VLLMEngineGroup", "starts a vLLM engine"),
+                               ("trl_nrollout.rollout.hf_engine", "HFEngine", "starts an HF engine"),
+                               ("transformers.trainer", "Trainer", "trains")):
+        if module in sys.modules:
+            cls = getattr(sys.modules[module], attr)
+            monkeypatch.setattr(cls, "train" if attr == "Trainer" else "__init__", refuse(what))
+    yield

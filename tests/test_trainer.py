@@ -258,6 +258,31 @@ def test_sigterm_saves_a_checkpoint_that_resumes_to_the_same_step_count(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_reward_call_that_hangs_on_one_rank_stops_or_scores_every_rank(tmp_path):
+    """Two processes, a reward function that hangs on rank 1 only, reward_timeout_s=2: with 'zero' both ranks train
+    on (rank 1's samples score 0); with 'error' both ranks stop with the message naming the function, the rank and
+    the samples, within a bounded time (no rank left waiting in a collective, nor for the hung call's thread)."""
+    import subprocess
+    import time
+
+    common = ["--max_steps", "2", "--rollout_backend", "hf", "--reward_funcs",
+              "tests.assets.rewards_for_tests:slow_digits", "--reward_timeout_s", "2"]
+    run = launch(tmp_path / "zero", *common, "--reward_timeout_policy", "zero", procs=2)
+    assert run["summary"]["steps"] == 2 and run["summary"]["processes"] == 2
+    assert all(0.0 <= h["reward"] < 0.5 for h in run["steps"])  # half the samples scored 0
+    start = time.monotonic()
+    proc = subprocess.run([ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", RECIPE, "--output_dir",
+                           str(tmp_path / "error"), "--use_cpu", "true", *common], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, **ENV}, timeout=400)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert (f"[rank {rank}] error: reward function 'slow_digits' did not return within reward_timeout_s=2 on "
+                f"32 samples of rank 1") in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 300  # the hung call sleeps 600 s
+
+
+@pytest.mark.slow
 def test_a_grpo_trainer_script_runs_unchanged_but_for_the_class(tmp_path):
     source = (ROOT / "tests/assets/dropin_grpo_script.py").read_text()
     script = tmp_path / "script.py"
