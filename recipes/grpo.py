@@ -13,8 +13,8 @@ command line (``--output_dir runs/x --max_steps 20``). At the end a summary is p
 differ only in the trainer class.
 
 What transformers leaves to scripts, this one does: ``--resume_from_checkpoint PATH`` (or ``true``: the last
-complete checkpoint in ``output_dir``) resumes; ``--push_to_hub true`` pushes the trained model at the end, as TRL's
-scripts do; ``do_eval`` / ``do_predict`` are refused (the recipe loads no evaluation set). SIGTERM (a scheduler's
+complete checkpoint in ``output_dir``) resumes; ``--push_to_hub true`` pushes the trained model at the end (its
+save, then a push naming the dataset in the model card), as TRL's scripts do; ``do_eval`` / ``do_predict`` are refused (the recipe loads no evaluation set). SIGTERM (a scheduler's
 preemption) finishes the step, saves a checkpoint and ends the run; resume it with ``--resume_from_checkpoint
 true``. A mistake in the options, the recipe or the data is one message on stderr (no traceback) and exit status 2,
 before a model is loaded wherever the check needs no model.

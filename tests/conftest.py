@@ -143,6 +143,7 @@ HEAVY = {
     "starts a process": re.compile(r"\b(run_cmd|launch|Popen|subprocess\.(run|call|check_call|check_output))\("),
     "trains": re.compile(r"\.train\("),
     "starts an engine": re.compile(r"\b(VLLMEngineGroup|HFEngine|LLM)\("),
+    "runs a rollout": re.compile(r"\b(_generate_and_score_completions|generate_expanded|generate_engine)\("),
     "builds a trainer (model and engine)": re.compile(r"\b\w*Trainer\((?!\w*Error)"),
 }
 

@@ -137,3 +137,24 @@ def test_lora_options_without_use_peft_are_an_error(recipe):
     assert grpo.ScriptArguments().peft_config() is None
     config = grpo.ScriptArguments(use_peft=True, lora_r=8, lora_target_modules=["all-linear"]).peft_config()
     assert (config.r, config.lora_alpha, config.target_modules, config.bias) == (8, 32, "all-linear", "none")
+
+
+@pytest.mark.slow
+def test_push_to_hub_pushes_the_trained_model_at_the_end(recipe, tmp_path, monkeypatch):
+    """`push_to_hub: true` is acted on by scripts, not by Trainer.train: as TRL's scripts, the recipe saves the model
+    (which pushes it, transformers' save_model) and then pushes with the dataset named for the model card, both
+    after training. The Hub itself is replaced by a recorder (no network here)."""
+    from transformers import Trainer
+
+    import trl_nrollout.trainer as trainer_module
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    monkeypatch.setattr(Trainer, "init_hf_repo", lambda self, token=None: calls.append(("init", None)))
+    monkeypatch.setattr(Trainer, "push_to_hub", lambda self, **kw: calls.append(("push", self.state.global_step,
+                                                                                   kw)))
+    summary = recipe.main(["--output_dir", str(tmp_path), "--max_steps", "1", "--push_to_hub", "true",
+                           "--hub_model_id", "someone/tiny-digits", "--dataset_num_prompts", "16"])
+    assert summary["steps"] == 1
+    assert calls[-1] == ("push", 1, {"dataset_name": "builtin:digits"})
+    assert all(c[1] == 1 for c in calls if c[0] == "push")  # after the training step, not before
