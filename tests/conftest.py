@@ -112,9 +112,10 @@ def run_cmd(args: list[str], timeout: float = 600, env: dict | None = None, cwd:
     return proc
 
 
-def save_tiny_model(folder: Path, moe: bool = False, **config) -> str:
-    """A tiny random Qwen2 (or Qwen2-MoE: 4 experts, 2 per token) with the built-in tokenizer, saved to ``folder``;
-    ``config`` overrides the model config (e.g. head sizes a vLLM backend lacks). Returns the folder."""
+def save_tiny_model(folder: Path, moe: bool = False, dtype=None, **config) -> str:
+    """A tiny random Qwen2 (or Qwen2-MoE: 4 experts, 2 per token) with the built-in tokenizer, saved to ``folder``
+    (in ``dtype``, e.g. ``torch.bfloat16`` for a bf16 checkpoint, as most released models are); ``config`` overrides
+    the model config (e.g. head sizes a vLLM backend lacks). Returns the folder."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     from trl_nrollout.builtin import resolve_model
@@ -128,6 +129,8 @@ def save_tiny_model(folder: Path, moe: bool = False, **config) -> str:
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**base, **config}))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**{**base, **config}))
+    if dtype is not None:
+        model = model.to(dtype)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)

@@ -314,3 +314,26 @@ def test_a_reward_call_that_hangs_meets_its_timeout_policy(tmp_path, caplog):
     zero.train()
     assert [h["reward"] for h in zero.state.log_history if "reward" in h] == [0.0]
     assert time.perf_counter() - start < 90  # three runs, none waited the function
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint, head_fp32", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_bf16_old_and_reference_passes_run_as_the_update_does(tmp_path, checkpoint, head_fp32):
+    """bf16=True (CPU autocast here, as on a GPU) over float32 weights (TRL's default load) or a bf16 checkpoint: the
+    old-policy and reference passes run under the same autocast as the update, so on the first step the ratio is
+    exactly 1 (ppo_kl 0, nothing clipped) and the KL against the reference, which has the policy's weights then, is
+    0 (it was 8.4e-7 when those passes ran in float32). With cast_lm_head_to_fp32 the head runs in float32 outside
+    autocast in every pass, as TRL's fused head runs it in the update."""
+    import torch
+
+    from tests.conftest import save_tiny_model
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    model = save_tiny_model(tmp_path / "model", dtype=getattr(torch, checkpoint))
+    args = cfg(tmp_path / "out", train_batch_size=4, rollout_n=4, bf16=True, beta=0.04, max_completion_length=8,
+               skip_old_log_prob_when_on_policy=False, logging_steps=1, max_steps=1, cast_lm_head_to_fp32=head_fp32)
+    trainer = NRolloutGRPOTrainer(model, reward_funcs=[digits_reward], args=args, train_dataset=digits_dataset(16))
+    assert trainer.accelerator.mixed_precision == "bf16" and trainer.ref_model is not None
+    trainer.train()
+    step = [h for h in trainer.state.log_history if "actor/kl_loss" in h][0]
+    assert step["actor/kl_loss"] == 0.0 and step["actor/ppo_kl"] == 0.0 and step["actor/pg_clipfrac"] == 0.0

@@ -196,6 +196,7 @@ def compute_log_probs(
     sync_forwards: bool | None = None,
     mm_inputs: Sequence[MMInputs | None] | None = None,
     shared_prompts: bool = False,
+    head_fp32: bool = False,
 ) -> LogProbOutput:
     """Score every completion token under ``model``; return ``[B, C_max]`` log-probs in the input order.
 
@@ -214,6 +215,8 @@ def compute_log_probs(
       (:mod:`trl_nrollout.packing`) where :func:`~trl_nrollout.packing.packing_pays` says it is cheaper, on the
       lean path and through the model's own forward alike (FSDP; images never pack); the caller vouches that the
       model takes a 4D block mask (:func:`~trl_nrollout.packing.structural_reason`).
+    - ``head_fp32``: apply the output head in float32 outside autocast (TRL's ``cast_lm_head_to_fp32``, as its
+      fused head does in the update); otherwise the head runs under whatever autocast the caller opened.
     - ``sync_forwards``: make every rank run as many forwards as the busiest one (needed under ZeRO-3, where
       each forward gathers parameters collectively, and under FSDP; detected automatically).
 
@@ -268,11 +271,13 @@ def compute_log_probs(
                 model, parts, [prompts[i] for i in idx], [completions[i] for i in idx], idx, logprobs, entropy,
                 temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side, chunk_rows=chunk_rows,
                 device=device, mm=None if mm is None else [mm[i] for i in idx], shared_prompts=shared_prompts,
+                head_fp32=head_fp32,
             )
         for _ in range(num_forwards - len(batches)):  # keep collectives in step with busier ranks
             _score_micro_batch(model, parts, [prompts[0]], [completions[0]], [0], logprobs.clone(), None,
                                temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side,
-                               chunk_rows=chunk_rows, device=device, mm=None if mm is None else mm[:1])
+                               chunk_rows=chunk_rows, device=device, mm=None if mm is None else mm[:1],
+                               head_fp32=head_fp32)
     finally:
         inner.train(was_training)
     return LogProbOutput(logprobs, entropy, num_forwards)
@@ -332,7 +337,7 @@ def _packed_logits(model: nn.Module, prompts: list[list[int]], completions: list
 
 
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
-                       pad_side, chunk_rows, device, mm=None, shared_prompts=False) -> None:
+                       pad_side, chunk_rows, device, mm=None, shared_prompts=False, head_fp32=False) -> None:
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(len(s) for s in seqs)
     starts = [width - len(s) if pad_side == "left" else 0 for s in seqs]  # where each row's sequence begins
@@ -383,8 +388,11 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
                 extra = collate(mm, device, width=width, starts=starts)
             logits = model(input_ids=input_ids, attention_mask=attn, logits_to_keep=keep, **extra).logits
             selected = logits[rows_t, pos_t - (width - keep)]  # [n, keep, V] -> [tokens, V]
-    with _whole_head(head) as head_fn:
-        lp, ent = chunked_token_logprobs(selected, tgt_t, head_fn, temperature=temperature, chunk_rows=chunk_rows,
+    fp32 = head_fp32 and head is not None
+    no_autocast = torch.autocast(selected.device.type, enabled=False) if fp32 else contextlib.nullcontext()
+    with _whole_head(head) as head_fn, no_autocast:
+        lp, ent = chunked_token_logprobs(selected.float() if fp32 else selected, tgt_t, head_fn,
+                                         temperature=temperature, chunk_rows=chunk_rows,
                                          with_entropy=entropy is not None)
     out_r_t = torch.tensor(out_r, device=device)
     logprobs[out_r_t, out_c_t] = lp

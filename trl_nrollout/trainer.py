@@ -676,9 +676,14 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         """One log-prob pass ``[B, C]``, cut into forwards as the layout's ``micro`` says (``mm``: a VLM's image
         tensors per sample)."""
         shared = self._packing_allowed(model, images=mm is not None and any(mm))
-        return compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
-                                 pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
-                                 max_token_len=micro.max_token_len, mm_inputs=mm, shared_prompts=shared).logprobs
+        # under the trainer's autocast, as the update's forward (accelerate wraps only the top-level forward, which
+        # the lean pass does not call): with bf16=True over float32 weights both run in bf16, so the first step's
+        # ratio is exactly 1 and a KL against the policy's own weights is 0; the head as TRL's fused head runs it
+        with self.accelerator.autocast():
+            return compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
+                                     pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
+                                     max_token_len=micro.max_token_len, mm_inputs=mm, shared_prompts=shared,
+                                     head_fp32=bool(self.args.cast_lm_head_to_fp32)).logprobs
 
     def _ref_log_probs(self, prompt_ids, completion_ids, mm=None) -> Tensor:
         micro = self.layout.ref_log_prob
