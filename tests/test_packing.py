@@ -303,3 +303,19 @@ def test_shared_prompt_forward_under_zero3_reproduces_the_plain_run(tmp_path):
         assert a["reward"] == pytest.approx(b["reward"], abs=1e-4)
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+
+
+def test_any_configured_sliding_window_keeps_the_plain_layout():
+    """Mistral-v0.1 and Phi-3 apply `sliding_window` from the config alone (no layer_types, no use_sliding_window
+    flag): a packed row, n completions long, would see past the window, so such a model never packs; Qwen2 with its
+    window switched off (its default) and Llama (no window) do."""
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    from trl_nrollout.packing import structural_reason
+
+    assert structural_reason(MistralConfig(sliding_window=16)) == "the model has sliding-window layers"
+    assert structural_reason(Phi3Config(sliding_window=2047)) == "the model has sliding-window layers"
+    assert structural_reason(Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0)) is not None
+    assert structural_reason(Qwen2Config()) is None  # sliding_window=4096 is configured but switched off
+    assert structural_reason(MistralConfig(sliding_window=None)) is None
+    assert structural_reason(LlamaConfig()) is None

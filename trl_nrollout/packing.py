@@ -84,7 +84,10 @@ def structural_reason(config, *, images: bool = False, aux_loss: bool = False) -
         return "the MoE router loss counts every token of the plain layout"
     if attn not in ("sdpa", "eager"):
         return f"attn_implementation={attn!r} ignores a 4D block mask (use 'sdpa' or 'eager')"
-    if any(t != "full_attention" for t in layers) or getattr(config, "use_sliding_window", False):
+    # a configured window is applied unless the config switches it off: Mistral-v0.1 and Phi-3 apply theirs from
+    # `sliding_window` alone (no layer_types, no use_sliding_window); Qwen2 nulls it when use_sliding_window=False
+    window = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if any(t != "full_attention" for t in layers) or window:
         return "the model has sliding-window layers"
     return None
 
