@@ -264,3 +264,17 @@ def test_long_prompts_do_not_share_their_context():
     texts = long_prompts(digits_prompts(8), tok, 256)
     heads = {t[:40] for t in texts}
     assert len(heads) == len(texts)
+
+
+def test_hf_engine_leaves_prefill_once_to_models_whose_generation_config_names_a_cache():
+    """Gemma 2 and 3 ship `cache_implementation: "hybrid"` in their generation config; `generate` refuses a prefilled
+    `past_key_values` beside it. The engine then lets `generate` build the cache (n copies), and says so in its
+    counts, instead of crashing."""
+    model, tok = tiny()
+    model.generation_config.cache_implementation = "static"
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (70, 66)]
+    engine = HFEngine(model, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id], batch_size=8)
+    batch = engine.generate(prompts, 3, SamplingOptions(max_tokens=4, temperature=0.9, seed=2, ignore_eos=True))
+    assert [len(c) for c in batch.completion_ids] == [4] * 6
+    assert engine.prefill_shared_samples == 0 and engine.generated_samples == 6

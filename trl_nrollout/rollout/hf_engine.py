@@ -30,6 +30,14 @@ PREFILL_ONCE_MIN_TOKENS = 64
 _OWN_CACHE = {"past_key_values", "cache_implementation", "cache_config"}
 
 
+def _own_cache_in_config(model: nn.Module) -> bool:
+    """Whether the model's ``generation_config`` names a cache of its own (Gemma 2 and 3 ship
+    ``cache_implementation="hybrid"``): ``generate`` then refuses a ``past_key_values`` handed to it, so the prompt
+    cannot be prefilled once."""
+    config = getattr(model, "generation_config", None)
+    return any(getattr(config, key, None) is not None for key in ("cache_implementation", "cache_config"))
+
+
 #: sampling arguments of ``generate()`` that become warpers, in the order ``generate`` applies them
 #: (transformers 5.19 ``_get_logits_processor``)
 _WARPER_ARGS = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
@@ -214,7 +222,7 @@ class HFEngine:
                                            starts=[width - len(p) for p in chunk]))
                 ids, mask = ids.to(device), mask.to(device)
                 if n > 1 and width >= PREFILL_ONCE_MIN_TOKENS and mm is None and stepwise and not synced \
-                        and not _OWN_CACHE.intersection(options):
+                        and not _OWN_CACHE.intersection(options) and not _own_cache_in_config(model):
                     ids, mask = self._prefill_once(model, ids, mask, n, options)
                     self.prefill_shared_samples += len(chunk) * n
                 self.generated_samples += len(chunk) * n
