@@ -278,3 +278,29 @@ def test_hf_engine_leaves_prefill_once_to_models_whose_generation_config_names_a
     batch = engine.generate(prompts, 3, SamplingOptions(max_tokens=4, temperature=0.9, seed=2, ignore_eos=True))
     assert [len(c) for c in batch.completion_ids] == [4] * 6
     assert engine.prefill_shared_samples == 0 and engine.generated_samples == 6
+
+
+def test_engine_seed_mode_seeds_and_restores_numpys_generator():
+    """rollout_seed_mode='engine': vLLM's Model Runner V2 (CUDA) draws unseeded requests' seeds from np.random, so
+    the engine's seeded block seeds it too (the same draws for one engine, others for another engine, on every
+    call alike) and hands the caller's NumPy state back afterwards."""
+    import numpy as np
+
+    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+    def engine(index: int) -> VLLMEngineGroup:
+        group = object.__new__(VLLMEngineGroup)
+        group.seed_mode, group.cpu, group.engine_index = "engine", True, index
+        return group
+
+    def draws(group: VLLMEngineGroup, seed: int | None = 7) -> list[int]:
+        with group._engine_rng(seed):
+            return np.random.randint(0, 2**31, size=4).tolist()
+
+    np.random.seed(123)
+    expected_next = np.random.RandomState(123).randint(0, 2**31, size=4).tolist()
+    first = draws(engine(0))
+    assert draws(engine(0)) == first and draws(engine(1)) != first and draws(engine(0), seed=8) != first
+    assert np.random.randint(0, 2**31, size=4).tolist() == expected_next  # the caller's stream, untouched
+    np.random.seed(123)
+    assert draws(engine(0), seed=None) == expected_next  # no seed: the engine leaves NumPy alone

@@ -10,6 +10,7 @@ different steps land at unrelated places of a 2^62 range (vLLM keeps seeds as in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 SEED_BITS = 62
@@ -46,3 +47,17 @@ def engine_seed(base: int, engine_index: int) -> int:
     """Seed of the default generators of engine ``engine_index`` for one call seeded ``base``
     (``rollout_seed_mode="engine"``): unrelated across engines and calls, below 2^62."""
     return _hash_seed(f"{base}/engine/{engine_index}")
+
+
+@contextlib.contextmanager
+def numpy_seeded(seed: int):
+    """NumPy's global generator seeded with ``seed`` inside the block and restored after it (vLLM's Model Runner V2
+    draws the seeds of unseeded requests from ``np.random``)."""
+    import numpy as np
+
+    state = np.random.get_state()
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        np.random.set_state(state)

@@ -24,7 +24,7 @@ from torch import nn
 from trl_nrollout.layout import RolloutLayout
 from trl_nrollout.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
-from trl_nrollout.rollout.seeds import SEED_MODES, engine_seed, prompt_seed
+from trl_nrollout.rollout.seeds import SEED_MODES, engine_seed, numpy_seeded, prompt_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
 
@@ -210,14 +210,15 @@ class VLLMEngineGroup:
     @contextlib.contextmanager
     def _engine_rng(self, seed: int | None):
         """``seed_mode="engine"`` with a seed: the call samples from the process's default generators (CPU and
-        this rank's GPU, which vLLM's sampler draws from for unseeded requests) seeded from ``seed`` and the engine's
+        this rank's GPU, which vLLM's sampler draws from for unseeded requests, and NumPy's global generator, from
+        which vLLM's Model Runner V2 draws unseeded requests' seeds on CUDA) seeded from ``seed`` and the engine's
         index (the same on every rank of a TP group, so their samples agree; other engines draw other numbers); the
         caller's generator states are restored afterwards. Otherwise nothing."""
         if seed is None or self.seed_mode != "engine":
             yield
             return
         devices = [torch.cuda.current_device()] if not self.cpu and torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), numpy_seeded(engine_seed(seed, self.engine_index)):
             torch.manual_seed(engine_seed(seed, self.engine_index))
             yield
 
