@@ -319,3 +319,36 @@ def test_any_configured_sliding_window_keeps_the_plain_layout():
     assert structural_reason(Qwen2Config()) is None  # sliding_window=4096 is configured but switched off
     assert structural_reason(MistralConfig(sliding_window=None)) is None
     assert structural_reason(LlamaConfig()) is None
+
+
+def test_the_mask_bound_counts_what_sdpa_allocates():
+    """A boolean block mask of L x L per packed row is 1 byte an entry, but SDPA turns it into an additive copy in the
+    queries' dtype (2 bytes under bf16 autocast, 4 in float32) and pads a copy to a multiple of 8 columns when L is
+    not one: the bound counts all three, so a micro batch whose boolean mask alone fits but whose copies do not runs
+    plain."""
+    import torch
+
+    from trl_nrollout import packing
+    from trl_nrollout.packing import decide, mask_bytes, query_dtype
+
+    g, length = 3, 100
+    assert mask_bytes(g, length, torch.bool, torch.bfloat16) == g * length * (length + 2 * length + 2 * 104)
+    assert mask_bytes(g, 96, torch.bool, torch.float32) == g * 96 * (96 + 4 * 96)  # a multiple of 8: no padded copy
+    assert mask_bytes(g, length, torch.float32) == g * length * length * 4  # eager: the additive mask itself
+    assert query_dtype(torch.float32, "cpu") == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert query_dtype(torch.float32, "cpu") == torch.bfloat16
+
+    prompt = torch.arange(5, 69).repeat(8, 1)  # 8 samples of one 64-token prompt, 12-token completions
+    completions = torch.randint(70, 90, (8, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(prompt)
+    groups, packed = packing.packed_shape(prompt, completions, mask)
+    bool_only = groups * packed * packed
+    original = packing.MAX_PACKED_MASK_BYTES
+    try:
+        packing.MAX_PACKED_MASK_BYTES = bool_only * 2  # the boolean mask fits, with its bf16 copies it does not
+        assert decide(prompt, mask, completions, 76, torch.bool, torch.bfloat16)[0] is False
+        packing.MAX_PACKED_MASK_BYTES = mask_bytes(groups, packed, torch.bool, torch.bfloat16)
+        assert decide(prompt, mask, completions, 76, torch.bool, torch.bfloat16) == (True, None)
+    finally:
+        packing.MAX_PACKED_MASK_BYTES = original

@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from trl_nrollout.multimodal import MMInputs, collate
-from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts
+from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, query_dtype
 
 Ids = Sequence[int] | Tensor
 
@@ -296,9 +296,9 @@ def _packed_layout(module: nn.Module, prompts: list[list[int]], completions: lis
         prompt_ids[r, p_w - len(p):] = torch.tensor(p, dtype=torch.long)
         prompt_mask[r, p_w - len(p):] = 1
         completion_ids[r, :len(c)] = torch.tensor(c, dtype=torch.long)
-    dtype = mask_dtype(getattr(module, "config", None),
-                       next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32))
-    if not decide(prompt_ids, prompt_mask, completion_ids, width, dtype)[0]:
+    weights = next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32)
+    dtype = mask_dtype(getattr(module, "config", None), weights)
+    if not decide(prompt_ids, prompt_mask, completion_ids, width, dtype, query_dtype(weights, device.type))[0]:
         return None  # too little shared (or a mask over its bound: the trainer's update says so)
     pk = pack_shared_prompts(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                              pad_token_id, dtype=dtype)

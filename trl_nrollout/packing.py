@@ -99,19 +99,35 @@ def mask_dtype(config, weights_dtype: torch.dtype) -> torch.dtype:
     return torch.bool if _attention(config) == "sdpa" else weights_dtype
 
 
-def mask_bytes(groups: int, length: int, dtype: torch.dtype) -> int:
-    """Bytes of a packed micro batch's block mask ``[G, 1, L, L]`` in ``dtype``."""
-    return groups * length * length * torch.empty((), dtype=dtype).element_size()
+def query_dtype(weights_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype attention's queries will have: autocast's where it is on for ``device_type``, else the weights'."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weights_dtype
+
+
+def mask_bytes(groups: int, length: int, dtype: torch.dtype, queries: torch.dtype = torch.float32) -> int:
+    """Peak bytes of a packed micro batch's block mask ``[G, 1, L, L]`` in ``dtype``. Under SDPA a boolean mask is
+    also turned into an additive copy in the queries' dtype ``queries``, and, when ``L`` is not a multiple of 8, a
+    copy padded to one besides (PyTorch aligns the mask's last dimension); all of them are counted."""
+    def size(dt: torch.dtype, columns: int) -> int:
+        return groups * length * columns * torch.empty((), dtype=dt).element_size()
+
+    total = size(dtype, length)
+    if dtype == torch.bool:
+        total += size(queries, length)
+        if length % 8:
+            total += size(queries, -(-length // 8) * 8)
+    return total
 
 
 def decide(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, plain_width: int,
-           dtype: torch.dtype) -> tuple[bool, str | None]:
+           dtype: torch.dtype, queries: torch.dtype = torch.float32) -> tuple[bool, str | None]:
     """Whether to pack a micro batch (``prompt_ids``/``prompt_mask`` ``[B, P]`` left-padded, ``completion_ids``
-    ``[B, C]``; its plain rows are ``plain_width`` tokens), and, when it would pay but cannot, why (to be said)."""
+    ``[B, C]``; its plain rows are ``plain_width`` tokens; ``dtype``: the mask's, ``queries``: attention's), and,
+    when it would pay but cannot, why (to be said)."""
     groups, length = packed_shape(prompt_ids, completion_ids, prompt_mask)
     if not packing_pays(prompt_ids.shape[0], plain_width, groups, length):
         return False, None  # it shares too little: the plain forward is as cheap
-    size = mask_bytes(groups, length, dtype)
+    size = mask_bytes(groups, length, dtype, queries)
     if size > MAX_PACKED_MASK_BYTES:  # long completions x many samples: one row's L x L mask
         return False, (f"a micro batch's block mask would take {size / 2**20:.0f} MiB (over "
                        f"{MAX_PACKED_MASK_BYTES >> 20} MiB; long completions or many samples per prompt)")

@@ -29,7 +29,7 @@ from trl_nrollout.losses import (
     vespo_weights,
 )
 from trl_nrollout.multimodal import collate
-from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, structural_reason
+from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, query_dtype, structural_reason
 
 logger = logging.getLogger("trl_nrollout.trainer")  # the trainer's logger: users filter one name
 
@@ -117,9 +117,12 @@ class PolicyUpdate:
         config = self.accelerator.unwrap_model(model).config
         prompt_ids = input_ids[:, :-logits_to_keep]
         completion_ids = input_ids[:, -logits_to_keep:]
-        dtype = mask_dtype(config, next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
+        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        dtype = mask_dtype(config, weights)
+        with self.accelerator.autocast():  # the queries' dtype is the forward's, under the trainer's autocast
+            queries = query_dtype(weights, input_ids.device.type)
         pack, reason = decide(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids, input_ids.shape[1],
-                              dtype)
+                              dtype, queries)
         if not pack:
             if reason is not None:
                 self._packing_notice(reason)
