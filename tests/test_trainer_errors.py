@@ -337,3 +337,30 @@ def test_bf16_old_and_reference_passes_run_as_the_update_does(tmp_path, checkpoi
     trainer.train()
     step = [h for h in trainer.state.log_history if "actor/kl_loss" in h][0]
     assert step["actor/kl_loss"] == 0.0 and step["actor/ppo_kl"] == 0.0 and step["actor/pg_clipfrac"] == 0.0
+
+
+@pytest.mark.parametrize("option", ["use_dora", "lora_bias"])
+def test_adapters_whose_merge_is_not_a_lora_delta_do_not_reach_vllm(tmp_path, caplog, option):
+    """DoRA (a learned per-column magnitude) and lora_bias (a bias on B) merge differently from B @ A, which is what
+    the weight sync adds: with rollout_backend='vllm' that is an error naming the option and both fixes, before an
+    engine is built; with 'auto' the HF engine generates with the PEFT model itself, after one warning."""
+    import logging
+
+    from peft import LoraConfig
+
+    from trl_nrollout.trainer import NRolloutGRPOTrainer
+
+    def build(backend: str):
+        args = cfg(tmp_path / backend, train_batch_size=2, rollout_n=4, rollout_backend=backend)
+        return NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                                   train_dataset=digits_dataset(16),
+                                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                          **{option: True}))
+
+    with pytest.raises(RuntimeError, match=rf"sets {option}=True, whose merge is not a plain LoRA delta.*"
+                                           rf"{option}=False.*rollout_backend='hf'"):
+        build("vllm")
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
+        trainer = build("auto")
+    assert trainer.rollout_backend == "hf"
+    assert any(f"{option}=True" in r.getMessage() and "using the HF engine" in r.getMessage() for r in caplog.records)

@@ -226,6 +226,9 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         lacks, a MoE layout without a kernel, parameter names it cannot map). With rollout_backend='auto' such a
         model falls back to the HF engine with one warning saying why (on every rank alike); with 'vllm' it is an
         error naming the model, the reason and the fallback."""
+        refusal = self._merge_refusal() if self.rollout_backend == "vllm" else None
+        if refusal is not None:  # the same on every rank (the same adapter config)
+            return self._fall_back(choice, refusal)
         engine = self._build_engine()
         if self.rollout_backend != "vllm":
             return engine
@@ -239,19 +242,40 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         if not errors:
             return engine
         engine.close()
+        return self._fall_back(choice, errors[0])
+
+    def _fall_back(self, choice: str, why: str):
+        """vLLM cannot serve this model (``why``): an error under rollout_backend='vllm', the HF engine with one
+        warning under 'auto'."""
         model = self._model_path()
         if choice == "vllm":
             raise RuntimeError(
-                f"vLLM cannot run {model!r} here: {errors[0]}. Use rollout_backend='hf' (transformers generate) "
+                f"vLLM cannot run {model!r} here: {why}. Use rollout_backend='hf' (transformers generate) "
                 "for this model, or rollout_backend='auto' to fall back to it automatically."
             )
         logger.warning("rollout_backend='auto': vLLM cannot run %r here (%s); using the HF engine (transformers "
-                       "generate) instead. Set rollout_backend='hf' to skip this check.", model, errors[0][:300])
+                       "generate) instead. Set rollout_backend='hf' to skip this check.", model, why[:300])
         if self.args.rollout_seed_mode == "sample":
             raise ValueError(HF_SAMPLE_SEEDS)
         self._note_unused_vllm_settings(f"vLLM cannot run {model!r} here")
         self.rollout_backend = "hf"
         return self._build_engine()
+
+    def _merge_refusal(self) -> str | None:
+        """Why the policy's adapters cannot be merged into the weights the vLLM engines receive (None: they can).
+        The weight sync adds each adapter's ``B @ A`` delta to its base weight, which is PEFT's merge for plain LoRA
+        only: DoRA rescales each column by a learned magnitude, and ``lora_bias`` adds a bias; sending plain deltas
+        would make the engines sample from another policy than the one trained."""
+        if not self._is_peft():
+            return None
+        inner = self.accelerator.unwrap_model(self.model)
+        for name, config in getattr(inner, "peft_config", {}).items():
+            for option in ("use_dora", "lora_bias"):
+                if getattr(config, option, False):
+                    return (f"the adapter {name!r} sets {option}=True, whose merge is not a plain LoRA delta (the "
+                            "weight sync merges B @ A only); train plain LoRA (" + option + "=False) to generate "
+                            "with vLLM, or generate with the PEFT model itself (rollout_backend='hf')")
+        return None
 
     def _build_engine(self):
         args: NRolloutConfig = self.args
