@@ -423,3 +423,30 @@ def test_plan_prints_the_critics_micro_batches(capsys):
     assert "critic value micro batch     16 sequences per device per forward; 32 / 16 -> 2 forwards" in text
     assert main(["plan", "--config", recipe, "--no-memory", "--json"]) == 0
     assert "critic update micro batch" in json.loads(capsys.readouterr().out)["critic"]
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_the_critic_follows_the_policys_precision_and_checkpointing(tmp_path, monkeypatch, checkpointing):
+    """From a bf16 checkpoint with bf16=True: the critic gets the policy's (float32) weights, so AdamW at lr 1e-5
+    moves most of its entries (bf16 weights would round most updates away), and runs under the trainer's autocast;
+    gradient_checkpointing (TRL's default: on) applies to the critic as to the policy."""
+    import trl_nrollout.trainer as trainer_module
+    from tests.conftest import save_tiny_model
+    from trl_nrollout import NRolloutPPOConfig, NRolloutPPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    model = save_tiny_model(tmp_path / "model", dtype=torch.bfloat16)
+    args = NRolloutPPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", save_strategy="no",
+                             train_batch_size=8, ppo_mini_batch_size=8, max_completion_length=6, max_steps=1,
+                             critic_learning_rate=1e-5, logging_steps=1, bf16=True,
+                             gradient_checkpointing=checkpointing)
+    trainer = NRolloutPPOTrainer(model, reward_funcs=digits_reward, args=args, train_dataset=digits_dataset(16))
+    policy_dtype = next(trainer.model.parameters()).dtype
+    assert {p.dtype for p in trainer.critic.parameters()} == {policy_dtype} == {torch.float32}
+    assert trainer.critic.is_gradient_checkpointing is checkpointing
+    before = {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
+    trainer.train()
+    moved = sum(int((p.detach() != before[n]).sum()) for n, p in trainer.critic.named_parameters())
+    total = sum(p.numel() for p in before.values())
+    assert moved / total > 0.5, moved / total

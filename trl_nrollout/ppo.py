@@ -145,8 +145,15 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         if self._is_vlm:
             raise UnsupportedTRLOption("NRolloutPPOTrainer with a vision-language model: the critic has no image "
                                        "path yet; use NRolloutGRPOTrainer for images.")
-        if critic_model is None:
-            critic_model = build_critic(args.critic_model_name_or_path or self._model_path(), seed=args.seed)
+        if critic_model is None:  # in the policy's dtype: bf16 checkpoint weights get float32 masters, as the policy
+            policy = self.accelerator.unwrap_model(self.model)
+            dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), None)
+            critic_model = build_critic(args.critic_model_name_or_path or self._model_path(), seed=args.seed,
+                                        dtype=dtype)
+        if args.gradient_checkpointing:  # as the policy (TRL's default: on); a 7B critic's activations need it too
+            critic_model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            critic_model.config.use_cache = False
         self.critic = critic_model.to(self.accelerator.device)
         self.critic.train()
         self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=args.critic_learning_rate,
@@ -181,9 +188,10 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         start = time.perf_counter()
         micro = self.layout.old_log_prob
         critic = self._critic_engine() or self.critic
-        local = compute_values(critic, prompt_ids, completion_ids, pad_token_id=self._tokenizer.pad_token_id,
-                               micro_batch_size=args.critic_ppo_micro_batch_size_per_device or micro.per_device,
-                               max_token_len=args.critic_ppo_max_token_len_per_device or micro.max_token_len)
+        with self.accelerator.autocast():  # the precision the critic trains in (bf16=True: bf16 autocast)
+            local = compute_values(critic, prompt_ids, completion_ids, pad_token_id=self._tokenizer.pad_token_id,
+                                   micro_batch_size=args.critic_ppo_micro_batch_size_per_device or micro.per_device,
+                                   max_token_len=args.critic_ppo_max_token_len_per_device or micro.max_token_len)
         job = torch.zeros(num_samples, width, device=local.device)
         if local.numel():
             job[torch.as_tensor(mine, device=local.device), :local.shape[1]] = local
@@ -248,8 +256,9 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         for k in range(count):
             idx = pieces[k] if k < len(pieces) else pieces[0][:1]
             sel = torch.as_tensor(idx, device=mask.device)
-            vpreds = critic_values(critic, inputs["prompt_ids"][sel], inputs["prompt_mask"][sel],
-                                   inputs["completion_ids"][sel], inputs["completion_mask"][sel])
+            with self.accelerator.autocast():
+                vpreds = critic_values(critic, inputs["prompt_ids"][sel], inputs["prompt_mask"][sel],
+                                       inputs["completion_ids"][sel], inputs["completion_mask"][sel])
             m = mask[sel].to(vpreds.dtype) * (1.0 if k < len(pieces) else 0.0)
             loss, clipfrac = value_loss(vpreds, inputs["returns"][sel], inputs["old_values"][sel], m,
                                         args.cliprange_value, args.critic_loss_agg_mode, **agg)
