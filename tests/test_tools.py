@@ -117,17 +117,20 @@ def test_call_tools_sync_async_errors():
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"}
 
 
-def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict | None = None, procs: int = 1
-                     ) -> list[dict]:
+def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict | None = None, procs: int = 1,
+                     config: str | None = None, timeout: float = 900) -> list[dict]:
     script = tmp_path / "script.py"
     source = (ROOT / "tests/assets/tools_grpo_script.py").read_text()
     script.write_text(source.replace("from trl import GRPOConfig, GRPOTrainer",
                                      "from trl import GRPOConfig\nfrom trl_nrollout import NRolloutGRPOTrainer")
                       .replace("trainer = GRPOTrainer(", "trainer = NRolloutGRPOTrainer("))
-    head = [sys.executable] if procs == 1 else [str(Path(sys.executable).parent / "accelerate"), "launch",
-                                                "--multi_gpu", "--num_processes", str(procs)]
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    if config is not None:
+        head = [accelerate, "launch", "--config_file", str(ROOT / "recipes/accelerate" / config)]
+    else:
+        head = [sys.executable] if procs == 1 else [accelerate, "launch", "--multi_gpu", "--num_processes", str(procs)]
     run_cmd([*head, str(script), str(tmp_path), backend, tool, str(steps), json.dumps(extra or {})],
-            timeout=900, env={**ENV, "PYTHONPATH": str(ROOT)})
+            timeout=timeout, env={**ENV, "PYTHONPATH": str(ROOT)})
     return json.loads((tmp_path / "result.json").read_text())
 
 
@@ -162,6 +165,21 @@ def test_tool_turns_stay_collective_on_one_engine_over_two_ranks(tmp_path):
                                      "use_cpu": True})
     turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
     assert len(turns) == 3 and max(turns) > 1.0
+    _check_masks(result)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tool_turns_on_the_hf_engine_under_zero3_with_synced_forwards(tmp_path):
+    """Two ZeRO-3 processes, the HF engine generating without gathering the parameters (every forward gathers them
+    collectively, and transformers' generate keeps the ranks' decoding steps in step): the ranks continue different
+    numbers of samples at each tool turn, so they would make different numbers of generate calls (or none) and one
+    would wait forever; every rank now makes as many calls as the busiest one."""
+    result = _run_tool_script(tmp_path, "hf", "sync", steps=2, config="zero3_cpu.yaml", timeout=600,
+                              extra={"use_cpu": False, "ddp_backend": "gloo", "ds3_gather_for_generation": False,
+                                     "per_device_train_batch_size": 32})
+    turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
+    assert len(turns) == 2 and max(turns) > 1.0
     _check_masks(result)
 
 

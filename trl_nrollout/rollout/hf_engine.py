@@ -83,6 +83,13 @@ def _own_warpers(options: dict, device: torch.device | str = "cpu") -> list[Logi
     return out
 
 
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest ``value`` over the ranks of the default process group."""
+    count = torch.tensor([value], device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    return int(count.item())
+
+
 def _synced_forwards(model: nn.Module) -> bool:
     """Whether ``generate`` keeps the ranks' forwards in step (``synced_gpus``: ZeRO-3 or FSDP over several ranks,
     where a forward may gather parameters collectively); then no rank may run a forward the others do not."""
@@ -176,22 +183,31 @@ class HFEngine:
                   group_offset: int, mm: list[MMInputs | None] | None = None) -> RolloutBatch:
         if sampling.regex is not None:
             raise ValueError("structured outputs (a regex) need the vLLM engine; use rollout_backend='vllm'.")
-        if not prompts:  # nothing on this rank (a multi-turn step where others continue): no forward at all
+        synced = _synced_forwards(model) and not self.local_forwards
+        if not prompts and not synced:  # nothing on this rank (a multi-turn step where others continue)
             return RolloutBatch([], [], [], [], [])
         device = next(model.parameters()).device
+        starts = range(0, len(prompts), self.batch_size)
+        # under synced forwards every rank must make as many generate calls as the busiest one: a rank with fewer
+        # contexts (a multi-turn step where its samples stopped calling tools) would leave the others waiting in
+        # generate's per-step all-reduce
+        extra_calls = _max_over_ranks(len(starts), device) - len(starts) if synced else 0
         was_training = model.training
         model.eval()
         start = time.perf_counter()
         temp = sampling.temperature if sampling.temperature > 0 else 1.0
         stepwise = not any(k in _NOT_STEPWISE and v not in (None, 1, False) for k, v in sampling.engine_kwargs)
-        synced = _synced_forwards(model) and not self.local_forwards
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
         self._calls += 1
         torch.manual_seed(seed)
         prompt_ids, completion_ids, reasons, groups, logprobs = [], [], [], [], []
         stop_ids = set(self.eos_token_ids) | set(sampling.stop_token_ids)
         try:
-            for s in range(0, len(prompts), self.batch_size):
+            for _ in range(extra_calls):  # one-token prompt, one new token; generate keeps stepping with the others
+                filler = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=device)
+                model.generate(input_ids=filler, attention_mask=torch.ones_like(filler), max_new_tokens=1,
+                               do_sample=False, pad_token_id=self.pad_token_id)
+            for s in starts:
                 chunk = prompts[s:s + self.batch_size]
                 width = max(len(p) for p in chunk)
                 ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
