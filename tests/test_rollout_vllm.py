@@ -48,6 +48,9 @@ def _check_common(results: list[dict], tp: int) -> None:
         assert res["gap_after_sync"] < TOL
         sync = res["sync"]
         assert sync["buckets"] == 3 and sync["peak_bucket_bytes"] < sync["bytes"]  # bounded, layer by layer
+        # the buckets stream through one reload call, which warns about nothing (a call per bucket warned about
+        # every layer outside it, each sync)
+        assert res["reload_calls"] == 1 and res["sync_warnings"] == []
         assert res["engine_batch_size"] == tp * PROMPTS_PER_RANK * N
         # rollout_seed_mode="engine": vLLM gets no per-request seed, the call's seed still decides the samples,
         # and the caller's random state is untouched

@@ -162,7 +162,27 @@ def main() -> None:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-    stats = group.load_weights(model)
+    # one reload call per sync, and no vLLM warning (a call per bucket warned about every layer outside it)
+    import logging
+
+    runner = group._model_runner()
+    reload_calls = []
+    original_reload = runner.reload_weights
+    runner.reload_weights = lambda **kw: (reload_calls.append(1), original_reload(**kw))[1]
+    warnings_seen: list[str] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warnings_seen.append(record.getMessage()[:200])
+
+    catcher = _Catch()
+    logging.getLogger("vllm").addHandler(catcher)
+    try:
+        stats = group.load_weights(model)
+    finally:
+        logging.getLogger("vllm").removeHandler(catcher)
+        runner.reload_weights = original_reload
     if mode == "peft":
         # the reference is the merged model, computed on a separate copy
         import copy
@@ -190,7 +210,7 @@ def main() -> None:
         "gap_before_sync": gap_before,
         "gap_after_sync": gap_after,
         "generation_changed": digest(before) != digest(after),
-        "sync": stats,
+        "sync": stats, "reload_calls": len(reload_calls), "sync_warnings": warnings_seen,
         "base_untouched": base_untouched,
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -382,8 +382,8 @@ class VLLMEngineGroup:
         """Push the training model's weights into this rank's engine, a bounded bucket at a time.
 
         Every rank of the job must call it (ZeRO-3 / FSDP gather collectively; every TP rank loads the full
-        tensors and vLLM keeps its shard). On every platform through the model runner's ``reload_weights`` with
-        whole decoder layers per call: it runs the model's ``load_weights`` and then vLLM's post-load processing
+        tensors and vLLM keeps its shard). On every platform through one call of the model runner's
+        ``reload_weights``, fed whole decoder layers a bucket at a time: it runs the model's ``load_weights`` and then vLLM's post-load processing
         (``process_weights_after_loading``: CPU weight prepacking, MLA / quantized / MoE derived weights), which a
         bare ``model.load_weights`` skips. A sleeping engine wakes its weights first, loads, resets the prefix
         cache (and a vision-language model's encoder cache), and only then wakes its KV cache. Returns bytes, buckets and seconds.
@@ -392,13 +392,20 @@ class VLLMEngineGroup:
         if "weights" in self._asleep:  # weights first, KV cache only after the load: a lower peak (as TRL does)
             self.wake_up(["weights"])
         runner = self._model_runner()
-        total, buckets, peak = 0, 0, 0
-        for bucket in iter_weight_buckets(model, self.weight_bucket_bytes):
-            size = sum(t.numel() * t.element_size() for _, t in bucket)
-            total += size
-            peak = max(peak, size)
-            buckets += 1
-            runner.reload_weights(weights_iterator=iter(bucket))
+        stats = {"bytes": 0, "buckets": 0, "peak_bucket_bytes": 0}
+
+        def weights():  # every bucket in turn, gathered when vLLM asks for its first tensor
+            for bucket in iter_weight_buckets(model, self.weight_bucket_bytes):
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                stats["bytes"] += size
+                stats["peak_bucket_bytes"] = max(stats["peak_bucket_bytes"], size)
+                stats["buckets"] += 1
+                yield from bucket
+
+        # one reload for the whole model: vLLM's layer-wise reload processes each layer as soon as its tensors are
+        # in (buckets never split a layer), and a call per bucket would re-initialise every layer and warn about
+        # every layer outside the bucket (thousands of lines per sync on a 7B model)
+        runner.reload_weights(weights_iterator=weights())
         self.llm.reset_prefix_cache()
         if getattr(getattr(self.llm.llm_engine, "model_config", None), "is_multimodal_model", False):
             # image features computed by the old vision tower are stale (and the reload emptied the runner's side of
@@ -406,7 +413,7 @@ class VLLMEngineGroup:
             self.llm.llm_engine.reset_encoder_cache()
         if self._asleep:
             self.wake_up()
-        return {"bytes": total, "buckets": buckets, "peak_bucket_bytes": peak, "seconds": time.perf_counter() - start}
+        return {**stats, "seconds": time.perf_counter() - start}
 
     def close(self) -> None:
         """Shut the engine down now (frees its memory and its process groups), not at interpreter exit."""
