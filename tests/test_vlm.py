@@ -236,3 +236,32 @@ def test_log_multimodal_puts_the_images_in_the_completions_table(vlm_path, tmp_p
     quiet = _hf(tmp_path / "quiet", monkeypatch, vlm_path, log_completions=True, log_multimodal=False)
     quiet._generate_and_score_completions(rows)
     assert len(quiet._logs["images"]) == 0 and len(quiet._logs["prompt"]) == 6
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_image_tensors_stay_on_their_rank_unless_samples_move(vlm_path, tmp_path, monkeypatch, balance):
+    """The pool of a step is gathered to every rank; a VLM's image tensors go with it only where samples change
+    ranks (balance_batch, DAPO's selection). Otherwise each rank keeps its own tensors, and the update still sees the
+    images (its loss and gradients depend on them)."""
+    gathered = []
+    real_gather = trainer_module.gather_object
+
+    def spy(obj):
+        if isinstance(obj, list) and obj and isinstance(obj[0], tuple) and len(obj[0]) == 6:
+            gathered.append([r[5] is not None for r in obj])
+        return real_gather(obj)
+
+    monkeypatch.setattr(trainer_module, "gather_object", spy)
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    from trl_nrollout.config import NRolloutConfig
+
+    args = NRolloutConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
+                          max_completion_length=6, use_cpu=True, report_to="none", bf16=False, save_strategy="no",
+                          seed=3, max_steps=2, balance_batch=balance)
+    trainer = NRolloutGRPOTrainer(model=vlm_path, reward_funcs=[colour_reward], args=args,
+                                  train_dataset=image_dataset(12))
+    rows = [dict(r) for r in image_dataset(2, seed=8) for _ in range(3)]
+    batch = trainer._generate_and_score_completions(rows)
+    assert gathered and all(all(g) if balance else not any(g) for g in gathered)
+    assert batch["mm_inputs"] is not None and all(m is not None for m in batch["mm_inputs"])
+    assert len(batch["mm_inputs"]) == len(batch["completion_ids"])

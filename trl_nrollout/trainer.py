@@ -495,8 +495,12 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         t2 = time.perf_counter()
         self._log_turns(mode, episode)
         masks = episode.tool_mask or [None] * len(batch)
-        mm = episode.mm or [None] * len(batch)  # a VLM's image tensors travel with their samples (pickled once)
-        records = list(zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks, mm))
+        # a VLM's image tensors travel with their samples (pickled once) only where samples change ranks (batch
+        # balancing, DAPO's selection); otherwise each rank trains its own samples and keeps its tensors
+        mm = episode.mm or [None] * len(batch)
+        moves = self.args.balance_batch or self.args.filter_groups
+        records = list(zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks,
+                           mm if moves else [None] * len(batch)))
         pool = gather_object(records)
         table = None
         if self.log_completions:  # TRL's completions table: the job's prompts and completions, in job order
@@ -507,7 +511,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                      "completion": gather_object(list(completions)), "images": images,
                      "extra": self._round_extra_logs}
         return {"records": pool, "rewards": rewards, "gen_s": t1 - t0, "reward_s": t2 - t1,
-                "gen_tokens": batch.num_completion_tokens, "table": table}
+                "gen_tokens": batch.num_completion_tokens, "table": table,
+                "mm_local": None if moves or episode.mm is None else list(episode.mm)}
 
     def _draw_inputs(self, count: int) -> list[dict]:
         """``count`` fresh prompts from the training set (dynamic sampling), each repeated n times."""
@@ -579,6 +584,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         completion_ids = [r[1] for r in local]
         rollout_lp = [r[2] for r in local]
         mm = [r[5] for r in local] if any(r[5] is not None for r in local) else None
+        if rnd["mm_local"] is not None and any(x is not None for x in rnd["mm_local"]):
+            mm = rnd["mm_local"]  # this rank's own samples, in order (mine is its slice of the job)
 
         # ---- old-policy and reference log-prob passes (micro-batched, token-budgeted)
         on_policy = (self.layout.optimizer_steps_per_rollout == 1 and args.skip_old_log_prob_when_on_policy
