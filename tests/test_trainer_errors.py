@@ -189,8 +189,9 @@ def test_a_prompt_too_long_for_the_engine_is_a_clear_error(tmp_path, monkeypatch
     args = cfg(tmp_path, rollout_backend="vllm", rollout_max_model_len=128, per_device_train_batch_size=4,
                num_generations=4)
     prompts = ["write a number"] * 3 + ["write a number " * 60] * 8 + ["write a number"]
-    with pytest.raises(DatasetError, match=r"8 prompt\(s\) leave no room for max_completion_length=6 in the "
-                                           r"128-token context \(rollout_max_model_len; rows 3, 4, 5, 6, 7 and 3 more"):
+    with pytest.raises(DatasetError, match=r"8 prompt\(s\) leave no room for max_completion_length=6 in the vLLM "
+                                           r"engine's 128-token context \(rollout_max_model_len; rows 3, 4, 5, 6, 7 "
+                                           r"and 3 more.*filter them out"):
         NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
                             train_dataset=Dataset.from_dict({"prompt": prompts}))
     assert started == []

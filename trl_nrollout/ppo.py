@@ -177,8 +177,16 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         config.update(train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
                       gradient_accumulation_steps=args.gradient_accumulation_steps,
                       gradient_clipping=float(limit or 0.0), zero_allow_untested_optimizer=True)
+        optimizer = self.critic_optimizer
+        offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+        if offload not in (None, "none") and config.get("zero_force_ds_cpu_optimizer", True):
+            # ZeRO-Offload steps the optimizer on the CPU and refuses a torch optimizer there; map it onto
+            # DeepSpeed's CPU Adam exactly as accelerate maps the policy's
+            from accelerate.utils.deepspeed import map_pytorch_optim_to_deepspeed
+
+            optimizer = map_pytorch_optim_to_deepspeed(optimizer)
         self._critic_ds, self.critic_optimizer, _, _ = deepspeed.initialize(
-            model=self.critic, optimizer=self.critic_optimizer, config=config)
+            model=self.critic, optimizer=optimizer, config=config)
         return self._critic_ds
 
     # ------------------------------------------------------------------ values and GAE (rollout side)

@@ -345,7 +345,9 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         if not prompts or has_images(prompts[:1]):
             return
         completion = self.args.max_completion_length or 256
-        limit = self.args.rollout_max_model_len or self._context_length()
+        # the vLLM engines refuse what does not fit their max_model_len (the HF engine, as TRL's, generates past
+        # the context, where RoPE models extrapolate): refuse it here, before they start
+        limit = (self.args.rollout_max_model_len or self._context_length()) if self.rollout_backend == "vllm" else None
         empty, too_long, longest = [], [], 0
         for start in range(0, len(prompts), chunk):
             for i, ids in enumerate(self._tokenize_prompts(prompts[start:start + chunk])[0], start=start):
@@ -360,12 +362,12 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                                "or give each prompt some text.")
         if too_long:
             whose = "rollout_max_model_len" if self.args.rollout_max_model_len else "the model's context length"
+            fixes = (f"filter them out (dataset.filter(lambda row: len(tokenizer(row['prompt']).input_ids) <= "
+                     f"{limit - completion})), or " if limit - completion > 0 else "")
             raise DatasetError(
                 f"train_dataset: {len(too_long)} prompt(s) leave no room for max_completion_length={completion} in "
-                f"the {limit}-token context ({whose}; rows {_rows(too_long)}, the longest prompt has {longest} "
-                "tokens). Filter them out "
-                f"(dataset.filter(lambda row: len(tokenizer(row['prompt']).input_ids) <= {limit - completion})), "
-                f"or lower max_completion_length to at most {max(limit - longest, 0)}.")
+                f"the vLLM engine's {limit}-token context ({whose}; rows {_rows(too_long)}, the longest prompt has "
+                f"{longest} tokens): {fixes}lower max_completion_length to at most {max(limit - longest, 1)}.")
 
     def _hf_generation_context(self):
         from trl.models import unwrap_model_for_generation
