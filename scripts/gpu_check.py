@@ -1,6 +1,6 @@
 """Training-side checks on a GPU, in one command (under 8 minutes on one GPU): what the CPU test suite cannot see.
 
-    python scripts/gpu_check.py [--out gpu_check.json]      # on a machine with CUDA (torch, transformers, trl, peft)
+    python scripts/gpu_check.py [--out gpu_check.json] [--only SECTION ...]   # on a machine with CUDA
     python scripts/gpu_check.py --dry-run [--out FILE]      # the same code paths on the CPU, smaller (the tests)
 
 Sections (each reports ``status`` ok / failed with the error, so one failure does not hide the others):
@@ -12,8 +12,15 @@ Sections (each reports ``status`` ok / failed with the error, so one failure doe
    fixed micro batch, over the memory held before the pass: with micro batches it must stay flat in n.
 3. ``packing``: the shared-prompt layout under bf16 autocast over float32 weights: the log-prob pass packed vs
    plain (difference, time, peak memory), and one packed update forward's gradient vs the plain one.
-4. ``trainer``: ``NRolloutGRPOTrainer`` with the HF engine on the device for 3 steps with a KL loss and the KL in
+4. ``passes_autocast``: the old-policy pass under bf16 autocast over float32 weights (as the trainer runs it with
+   ``bf16=True``) against the update's forward under the same autocast, and the same pass outside autocast.
+5. ``prefill_once``: the HF engine's prefill-once against n prefilled copies: the same samples and log-probs, and
+   the time of each.
+6. ``trainer``: ``NRolloutGRPOTrainer`` with the HF engine on the device for 3 steps with a KL loss and the KL in
    the reward (the path whose CPU-built mask crashed on CUDA): losses finite, the reward's KL penalty reported.
+
+Each section names what it imports (``SECTIONS``); those whose modules are missing are reported as skipped, so a
+GPU machine with torch and transformers only (no TRL) runs sections 1-5.
 
 The vLLM engine path is not here: vLLM's CUDA wheel cannot be brought to the lent GPU machine; it is pinned by
 tests/test_backends.py and by reading vLLM's sources (docs/backends.md). Writes JSON; exits 1 when a section failed.
@@ -207,10 +214,85 @@ SIZES = {
 }
 
 
+def check_passes_autocast(device: str, size: dict) -> dict:
+    """The old-policy pass as the trainer runs it with bf16=True over float32 weights (under the trainer's autocast)
+    against the update's own forward under the same autocast (the model's forward, log-softmax of its logits), and
+    the same pass outside autocast (what it was before: float32 against a bf16 update)."""
+    import torch
+
+    from trl_nrollout.logprobs import compute_log_probs
+
+    kind = device.split(":")[0]
+    model = _model(size["vocab"], size["hidden"], size["layers"]).to(device)
+    ps, cs = _samples(size["prompts"], 4, size["vocab"], size["prompt_len"], size["completion_len"] // 4, seed=5)
+    pid, pm, cid, cm = _padded(ps, cs, device)
+    with torch.no_grad(), torch.autocast(device_type=kind, dtype=torch.bfloat16):
+        passed = compute_log_probs(model, ps, cs, micro_batch_size=size["micro"]).logprobs
+        ids, am = torch.cat([pid, cid], 1), torch.cat([pm, cm.long()], 1)
+        logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+        update = logits[:, pid.shape[1] - 1:-1].float().log_softmax(-1).gather(-1, cid[..., None])[..., 0]
+    with torch.no_grad():
+        fp32 = compute_log_probs(model, ps, cs, micro_batch_size=size["micro"]).logprobs
+    real = cm.bool()
+    width = real.shape[1]
+    inside = float((passed[:, :width] - update).abs()[real].max())
+    outside = float((fp32[:, :width] - update).abs()[real].max())
+    return {"status": "ok" if inside <= outside else "failed", "tokens": int(real.sum()),
+            "autocast_pass_vs_update_max_abs": inside, "fp32_pass_vs_update_max_abs": outside}
+
+
+def check_prefill_once(device: str, size: dict) -> dict:
+    """The HF engine's prefill-once on the device: long prompts' KV caches computed once for their n samples give
+    the samples and log-probs of n copies (TRL's way), in less time."""
+    import torch
+
+    from trl_nrollout.rollout import hf_engine
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    model = _model(size["vocab"], size["hidden"], size["layers"]).to(device).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, size["vocab"], (size["prompt_len"] * 2,), generator=g).tolist()
+               for _ in range(max(2, size["prompts"] // 4))]
+    engine = hf_engine.HFEngine(model, pad_token_id=0, eos_token_ids=[1], batch_size=len(prompts))
+    opts = SamplingOptions(max_tokens=16, temperature=1.0, seed=4, ignore_eos=True)
+    runs, seconds = {}, {}
+    minimum = hf_engine.PREFILL_ONCE_MIN_TOKENS
+    for name, threshold in (("once", minimum), ("copies", 10**9)):
+        hf_engine.PREFILL_ONCE_MIN_TOKENS = threshold
+        try:
+            start = time.perf_counter()
+            runs[name] = engine.generate(prompts, 8, opts)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds[name] = time.perf_counter() - start
+        finally:
+            hf_engine.PREFILL_ONCE_MIN_TOKENS = minimum
+    same = runs["once"].completion_ids == runs["copies"].completion_ids
+    gap = max(abs(a - b) for r1, r2 in zip(runs["once"].logprobs, runs["copies"].logprobs) for a, b in zip(r1, r2))
+    return {"status": "ok" if same and gap < 0.05 else "failed", "same_samples": same, "logprob_max_abs": gap,
+            "seconds_once": seconds["once"], "seconds_copies": seconds["copies"],
+            "shared_samples": engine.prefill_shared_samples}
+
+
+#: Each section, what it imports beyond the standard library, and its function. A GPU machine lent without TRL
+#: (torch and transformers only) runs every section whose needs are met and reports the others as skipped.
+SECTIONS = (
+    ("logprob_precision", ("torch", "transformers"), check_precision),
+    ("logprob_memory", ("torch", "transformers"), check_memory),
+    ("packing", ("torch", "transformers"), check_packing),
+    ("passes_autocast", ("torch", "transformers"), check_passes_autocast),
+    ("prefill_once", ("torch", "transformers"), check_prefill_once),
+    ("trainer", ("torch", "transformers", "trl", "datasets", "accelerate"), lambda device, size: check_trainer(device, 3)),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib.util
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU at small sizes (no GPU needed)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
+    parser.add_argument("--only", nargs="*", help="run these sections only")
     args = parser.parse_args(argv)
     import torch
 
@@ -221,13 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     size = SIZES["dry" if args.dry_run else "gpu"]
     report: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
                     "torch": torch.__version__, "dry_run": args.dry_run}
-    for name, fn in (("logprob_precision", lambda: check_precision(device, size)),
-                     ("logprob_memory", lambda: check_memory(device, size)),
-                     ("packing", lambda: check_packing(device, size)),
-                     ("trainer", lambda: check_trainer(device, 3))):
+    for name, needs, fn in SECTIONS:
+        if args.only and name not in args.only:
+            continue
+        missing = [m for m in needs if importlib.util.find_spec(m) is None]
+        if missing:
+            report[name] = {"status": "skipped", "missing": missing, "seconds": 0.0}
+            print(f"[gpu_check] {name}: skipped (needs {', '.join(missing)})", flush=True)
+            continue
         start = time.perf_counter()
         try:
-            report[name] = fn()
+            report[name] = fn(device, size)
         except Exception as err:  # noqa: BLE001 - report every section
             report[name] = {"status": "failed", "error": f"{type(err).__name__}: {err}",
                             "traceback": traceback.format_exc()[-3000:]}
@@ -236,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items()}, indent=2, default=str)[:6000])
-    return 0 if all(report[k]["status"] == "ok" for k in ("logprob_precision", "logprob_memory", "packing", "trainer")) else 1
+    ran = [v for v in report.values() if isinstance(v, dict) and "status" in v]
+    return 0 if all(v["status"] in ("ok", "skipped") for v in ran) else 1
 
 
 if __name__ == "__main__":

@@ -31,3 +31,26 @@ def test_gpu_check_dry_run(tmp_path):
     trainer = report["trainer"]
     assert trainer["status"] == "ok" and trainer["steps"] == 3 and trainer["losses_finite"]
     assert abs(trainer["reward_kl_penalty"][0]) < 1e-6 < trainer["reward_kl_penalty"][-1]
+    autocast = report["passes_autocast"]
+    assert autocast["status"] == "ok" and autocast["autocast_pass_vs_update_max_abs"] < autocast[
+        "fp32_pass_vs_update_max_abs"]
+    prefill = report["prefill_once"]
+    assert prefill["status"] == "ok" and prefill["same_samples"] and prefill["shared_samples"] > 0
+
+
+def test_sections_whose_modules_are_missing_are_skipped(tmp_path, monkeypatch):
+    """A lent GPU machine has torch and transformers but not TRL: the sections that need TRL say so and are skipped,
+    the others run, and the exit status is 0 when those pass."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--only", "trainer", "passes_autocast"]) == 0
+    report = json.loads(out.read_text())
+    assert report["trainer"]["status"] == "skipped" and report["trainer"]["missing"] == ["trl"]
+    assert report["passes_autocast"]["status"] == "ok" and "logprob_memory" not in report
+
