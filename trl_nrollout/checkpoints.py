@@ -9,6 +9,7 @@ run killed while saving leaves a folder without them, which ``"true"`` skips.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def check_output_dir(output_dir: str | Path) -> None:
     """Create ``output_dir`` and write a file in it now, so that an unwritable folder is an error before a model
     loads (transformers finds out at its first save)."""
     folder = Path(output_dir).expanduser()
-    probe = folder / ".trl_nrollout_write_check"
+    probe = folder / f".trl_nrollout_write_check.{os.getpid()}"  # one per process: the ranks check at once
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
