@@ -134,7 +134,9 @@ def test_cuda_weight_sync_wakes_weights_then_loads_then_wakes_kv(tiny_model_path
     assert calls[0] == ("sleep", 1)
     assert calls[1] == ("wake_up", ("weights",))
     reloads = [c for c in calls if c[0] == "reload_weights"]
-    assert len(reloads) == stats["buckets"] >= 3  # whole layers per call, through reload_weights (not load_weights)
+    # one reload_weights call (not load_weights) fed every bucket of whole layers in turn
+    assert len(reloads) == 1 and stats["buckets"] >= 3
+    assert reloads[0][1] == len(dict(model.named_parameters(remove_duplicate=False)))  # every tensor, tied ones too
     assert calls[-2:] == [("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
     assert not g.sleeping
     g.sleep()
