@@ -251,7 +251,8 @@ def check_prefill_once(device: str, size: dict) -> dict:
 
     model = _model(size["vocab"], size["hidden"], size["layers"]).to(device).to(torch.bfloat16)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, size["vocab"], (size["prompt_len"] * 2,), generator=g).tolist()
+    length = max(size["prompt_len"] * 2, hf_engine.PREFILL_ONCE_MIN_TOKENS)  # long enough to be prefilled once
+    prompts = [torch.randint(3, size["vocab"], (length,), generator=g).tolist()
                for _ in range(max(2, size["prompts"] // 4))]
     engine = hf_engine.HFEngine(model, pad_token_id=0, eos_token_ids=[1], batch_size=len(prompts))
     opts = SamplingOptions(max_tokens=16, temperature=1.0, seed=4, ignore_eos=True)
