@@ -177,7 +177,7 @@ def test_tool_turns_on_the_hf_engine_under_zero3_with_synced_forwards(tmp_path):
     would wait forever; every rank now makes as many calls as the busiest one."""
     result = _run_tool_script(tmp_path, "hf", "sync", steps=2, config="zero3_cpu.yaml", timeout=600,
                               extra={"use_cpu": False, "ddp_backend": "gloo", "ds3_gather_for_generation": False,
-                                     "per_device_train_batch_size": 32})
+                                     "per_device_train_batch_size": 32, "bf16": False})
     turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
     assert len(turns) == 2 and max(turns) > 1.0
     _check_masks(result)
