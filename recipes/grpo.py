@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
                "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator,
                "trainer": kind, "lora_r": script_args.lora_r if peft_config is not None else None,
                "resumed_from": resume, "steps_trained": trainer.state.global_step - history.start_step,
-               "stopped_by": stopper.signal},
+               "stopped_by": stopper.signal, "unscored_steps": history.unscored_steps},
     )
     if trainer.accelerator.is_main_process:
         out = Path(training_args.output_dir)

@@ -90,6 +90,7 @@ class _Recorder:
                 runner.calls.append(("reset_encoder_cache",))
 
         self.llm_engine = _Engine()
+        self.engine_model = None  # set by a test that syncs weights
 
     def sleep(self, level=1):
         self.calls.append(("sleep", level))
@@ -99,6 +100,10 @@ class _Recorder:
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
+
+    def get_model(self):
+        """The engine's model (a stand-in: the checkpoint's own modules, which have every name it may receive)."""
+        return self.engine_model
 
     def reload_weights(self, weights_iterator=None):
         names = [n for n, _ in weights_iterator]
@@ -129,6 +134,7 @@ def test_cuda_weight_sync_wakes_weights_then_loads_then_wakes_kv(tiny_model_path
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     g = _group(cpu=False, sleep=True)
     g.sleep()
+    g.llm.engine_model = model
     stats = g.load_weights(model)
     calls = g.llm.calls
     assert calls[0] == ("sleep", 1)
@@ -153,7 +159,8 @@ def test_a_vision_language_engine_forgets_its_image_features_after_a_weight_sync
     g = _group(cpu=True, sleep=False)
     g.llm.llm_engine.model_config.is_multimodal_model = True
     try:
-        g.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_path))
+        g.llm.engine_model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        g.load_weights(g.llm.engine_model)
     finally:
         g.llm.llm_engine.model_config.is_multimodal_model = False
     assert g.llm.calls[-2:] == [("reset_prefix_cache",), ("reset_encoder_cache",)]
@@ -164,7 +171,8 @@ def test_cpu_sleep_is_a_no_op_and_weights_still_reload(tiny_model_path):
 
     g = _group(cpu=True, sleep=False)
     g.sleep()
-    g.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_path))
+    g.llm.engine_model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    g.load_weights(g.llm.engine_model)
     assert [c[0] for c in g.llm.calls if c[0] != "reload_weights"] == ["reset_prefix_cache"]
 
 

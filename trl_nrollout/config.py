@@ -374,6 +374,10 @@ class NRolloutConfig(GRPOConfig):
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise InputError(f"max_completion_length={self.max_completion_length}: each completion needs at least one "
                              "token; set max_completion_length to the longest completion to sample (e.g. 256).")
+        pad = self.pad_to_multiple_of
+        if pad is not None and pad != "auto" and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
+            raise InputError(f"pad_to_multiple_of={pad!r} must be a positive whole number of tokens (e.g. 8 or 64 for "
+                             "tensor-core friendly shapes), or None for no rounding.")
         if self.temperature < 0:
             raise InputError(f"temperature={self.temperature} must be >= 0 (1.0 samples from the policy itself).")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:

@@ -61,12 +61,14 @@ def critic_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, co
 
 
 def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_token_id: int,
-              device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              device: torch.device | str = "cpu", multiple_of: int | None = None
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """TRL's layout of token lists (:meth:`RolloutBatch.padded`): prompts left-padded ``[B, P]``, completions
-    right-padded ``[B, C]``, and their masks."""
+    right-padded ``[B, C]`` (both widths rounded up to ``multiple_of``, TRL's ``pad_to_multiple_of``), and their
+    masks."""
     b = len(prompts)
     t = RolloutBatch([list(p) for p in prompts], [list(c) for c in completions], [[] for _ in range(b)],
-                     ["stop"] * b, list(range(b))).padded(pad_token_id, device)
+                     ["stop"] * b, list(range(b))).padded(pad_token_id, device, multiple_of)
     return t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"]
 
 
@@ -83,11 +85,13 @@ def synced_count(count: int, device: torch.device | str, sync: bool) -> int:
 @torch.no_grad()
 def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
                    pad_token_id: int, micro_batch_size: int | None = None, max_token_len: int | None = None,
-                   device: torch.device | str | None = None, sync_forwards: bool | None = None) -> Tensor:
+                   device: torch.device | str | None = None, sync_forwards: bool | None = None,
+                   pad_to_multiple_of: int | None = None) -> Tensor:
     """The critic's values ``[B, C_max]`` of every completion token (0 past a completion's end), in input order,
     micro-batched like the log-prob passes (``micro_batch_size`` sequences, or a ``max_token_len`` budget). The
     critic is put in eval mode for the pass and its mode restored. Under ZeRO-3 (detected, or ``sync_forwards``)
-    every rank runs as many forwards as the busiest one. Every rank must call it, even with no samples."""
+    every rank runs as many forwards as the busiest one. Every rank must call it, even with no samples.
+    ``pad_to_multiple_of``: each forward's widths rounded up to a multiple of it (TRL's option)."""
     b = len(prompts)
     c_max = max((len(c) for c in completions), default=0)
     inner = unwrap_model(critic)
@@ -103,11 +107,13 @@ def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completi
     inner.eval()
     try:
         for idx in batches:
-            tensors = pad_batch([prompts[i] for i in idx], [completions[i] for i in idx], pad_token_id, device)
-            v = critic_values(critic, *tensors) * tensors[3]
+            tensors = pad_batch([prompts[i] for i in idx], [completions[i] for i in idx], pad_token_id, device,
+                                pad_to_multiple_of)
+            v = (critic_values(critic, *tensors) * tensors[3])[:, :c_max]
             values[torch.as_tensor(idx, device=device), :v.shape[1]] = v
         for _ in range(forwards - len(batches)):  # keep ZeRO-3's collectives in step with busier ranks
-            critic_values(critic, *pad_batch([[pad_token_id]], [[pad_token_id]], pad_token_id, device))
+            critic_values(critic, *pad_batch([[pad_token_id]], [[pad_token_id]], pad_token_id, device,
+                                             pad_to_multiple_of))
     finally:
         inner.train(was_training)
     return values

@@ -110,7 +110,8 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "vespo_lambda_neg": ("honored", _ANY, "VESPO's gamma-weight decay for negative advantages (loss_type='vespo')."),
     "off_policy_mask_threshold": ("honored", _ANY, "DeepSeek-V3.2's off-policy sequence mask (negative advantage and "
                                                    "mean sampler/policy KL above it), against the engine's log-probs."),
-    "pad_to_multiple_of": ("refused", "auto", "rollout tensors are padded to the batch's longest sequence only"),
+    "pad_to_multiple_of": ("honored", _ANY, "Prompt and completion tensors, generate()'s prompt batches and every "
+                           "log-prob, critic and training forward are padded to a multiple of it, as TRL pads."),
     "generation_kwargs": ("honored", _ANY, "Passed to the engine's sampler as TRL passes them: vLLM SamplingParams "
                                            "fields on the vLLM engine, generate() arguments on the HF engine (n, "
                                            "max_tokens, seed, logprobs are ours: an error names the option to use)."),
@@ -163,8 +164,6 @@ def check_trl_options(values: dict[str, Any]) -> None:
         if status != "refused" or name not in values:
             continue
         value = values[name]
-        if name == "pad_to_multiple_of" and value is None:
-            continue  # 'auto' resolves to None off Neuron devices: the same
         if not _same(value, neutral):
             raise UnsupportedTRLOption(
                 f"{name}={value!r} is not supported by NRolloutGRPOTrainer: {why}. Remove it (TRL's default "

@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
 from trl_nrollout.multimodal import MMInputs, collate
-from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, query_dtype
+from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, query_dtype, round_up
 
 Ids = Sequence[int] | Tensor
 
@@ -197,6 +197,7 @@ def compute_log_probs(
     mm_inputs: Sequence[MMInputs | None] | None = None,
     shared_prompts: bool = False,
     head_fp32: bool = False,
+    pad_to_multiple_of: int | None = None,
 ) -> LogProbOutput:
     """Score every completion token under ``model``; return ``[B, C_max]`` log-probs in the input order.
 
@@ -217,6 +218,8 @@ def compute_log_probs(
       model takes a 4D block mask (:func:`~trl_nrollout.packing.structural_reason`).
     - ``head_fp32``: apply the output head in float32 outside autocast (TRL's ``cast_lm_head_to_fp32``, as its
       fused head does in the update); otherwise the head runs under whatever autocast the caller opened.
+    - ``pad_to_multiple_of``: every forward's sequence length is rounded up to a multiple of it (TRL's option:
+      tensor-core friendly shapes); the extra columns are padding, masked out.
     - ``sync_forwards``: make every rank run as many forwards as the busiest one (needed under ZeRO-3, where
       each forward gathers parameters collectively, and under FSDP; detected automatically).
 
@@ -271,20 +274,20 @@ def compute_log_probs(
                 model, parts, [prompts[i] for i in idx], [completions[i] for i in idx], idx, logprobs, entropy,
                 temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side, chunk_rows=chunk_rows,
                 device=device, mm=None if mm is None else [mm[i] for i in idx], shared_prompts=shared_prompts,
-                head_fp32=head_fp32,
+                head_fp32=head_fp32, multiple_of=pad_to_multiple_of,
             )
         for _ in range(num_forwards - len(batches)):  # keep collectives in step with busier ranks
             _score_micro_batch(model, parts, [prompts[0]], [completions[0]], [0], logprobs.clone(), None,
                                temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side,
                                chunk_rows=chunk_rows, device=device, mm=None if mm is None else mm[:1],
-                               head_fp32=head_fp32)
+                               head_fp32=head_fp32, multiple_of=pad_to_multiple_of)
     finally:
         inner.train(was_training)
     return LogProbOutput(logprobs, entropy, num_forwards)
 
 
 def _packed_layout(module: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
-                   device: torch.device):
+                   device: torch.device, multiple_of: int | None = None):
     """The shared-prompt layout (:func:`~trl_nrollout.packing.pack_shared_prompts`) of a micro batch, with the
     block mask in the dtype ``module`` takes, and the prompt width ``P``; None where packing does not pay."""
     b, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
@@ -301,15 +304,15 @@ def _packed_layout(module: nn.Module, prompts: list[list[int]], completions: lis
     if not decide(prompt_ids, prompt_mask, completion_ids, width, dtype, query_dtype(weights, device.type))[0]:
         return None  # too little shared (or a mask over its bound: the trainer's update says so)
     pk = pack_shared_prompts(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
-                             pad_token_id, dtype=dtype)
+                             pad_token_id, dtype=dtype, pad_to_multiple_of=multiple_of)
     return pk, p_w
 
 
 def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
-                   device: torch.device) -> tuple[Tensor, Tensor] | None:
+                   device: torch.device, multiple_of: int | None = None) -> tuple[Tensor, Tensor] | None:
     """The decoder's last hidden states over the shared-prompt layout of a micro batch, flattened ``[G * L, H]``,
     and where sample ``r``'s completion token ``j`` is predicted ``[B, C]``; None where packing does not pay."""
-    layout = _packed_layout(decoder, prompts, completions, pad_token_id, device)
+    layout = _packed_layout(decoder, prompts, completions, pad_token_id, device, multiple_of)
     if layout is None:
         return None
     pk, _ = layout
@@ -319,12 +322,12 @@ def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: li
 
 
 def _packed_logits(model: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
-                   device: torch.device) -> tuple[Tensor, Tensor] | None:
+                   device: torch.device, multiple_of: int | None = None) -> tuple[Tensor, Tensor] | None:
     """The model's own forward (FSDP, or a head that is not a plain linear layer) over the shared-prompt layout:
     logits of the completion segments only (``logits_to_keep``; the shared prompt's positions predict no
     completion token but the last, which opens every segment), flattened ``[G * K, V]``, and where sample
     ``r``'s completion token ``j`` is predicted in them ``[B, C]``; None where packing does not pay."""
-    layout = _packed_layout(unwrap_model(model), prompts, completions, pad_token_id, device)
+    layout = _packed_layout(unwrap_model(model), prompts, completions, pad_token_id, device, multiple_of)
     if layout is None:
         return None
     pk, p_w = layout
@@ -337,9 +340,10 @@ def _packed_logits(model: nn.Module, prompts: list[list[int]], completions: list
 
 
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
-                       pad_side, chunk_rows, device, mm=None, shared_prompts=False, head_fp32=False) -> None:
+                       pad_side, chunk_rows, device, mm=None, shared_prompts=False, head_fp32=False,
+                       multiple_of=None) -> None:
     seqs = [p + c for p, c in zip(prompts, completions)]
-    width = max(len(s) for s in seqs)
+    width = round_up(max(len(s) for s in seqs), multiple_of)
     starts = [width - len(s) if pad_side == "left" else 0 for s in seqs]  # where each row's sequence begins
 
     # (row, position predicting the token, target token, output row, output column) of every completion token
@@ -364,8 +368,9 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     head = parts[1] if parts is not None else None
     selected = None
     if shared_prompts and len(prompts) > 1 and (parts is not None or mm is None):  # the shared-prompt layout
-        packed = (_packed_hidden(parts[0], prompts, completions, pad_token_id, device) if parts is not None
-                  else _packed_logits(model, prompts, completions, pad_token_id, device))
+        packed = (_packed_hidden(parts[0], prompts, completions, pad_token_id, device, multiple_of)
+                  if parts is not None else _packed_logits(model, prompts, completions, pad_token_id, device,
+                                                           multiple_of))
         if packed is not None:
             flat, index = packed
             selected = flat[index[rows_t, out_c_t]]

@@ -92,6 +92,13 @@ def structural_reason(config, *, images: bool = False, aux_loss: bool = False) -
     return None
 
 
+def round_up(width: int, multiple_of: int | None) -> int:
+    """``width`` rounded up to a multiple of ``multiple_of`` (None or 1: unchanged)."""
+    if not multiple_of or multiple_of <= 1:
+        return width
+    return -(-width // multiple_of) * multiple_of
+
+
 def mask_dtype(config, weights_dtype: torch.dtype) -> torch.dtype:
     """The packed mask's dtype for a model: boolean under SDPA (True: may attend; PyTorch turns it into the
     queries' dtype itself, whatever the mixed-precision setup, e.g. FSDP2's bf16 compute over float32 weights),
@@ -135,7 +142,7 @@ def decide(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, plai
 
 
 def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, pad_token_id: int,
-                        dtype: torch.dtype = torch.float32) -> PackedBatch:
+                        dtype: torch.dtype = torch.float32, pad_to_multiple_of: int | None = None) -> PackedBatch:
     """Pack a micro batch whose rows share prompts.
 
     Args:
@@ -144,6 +151,8 @@ def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids:
             mask drops it).
         pad_token_id: filler of the rows with fewer segments than the longest.
         dtype: ``torch.bool`` for a boolean mask, or the dtype of an additive one (see :func:`mask_dtype`).
+        pad_to_multiple_of: the packed length ``L`` is rounded up to a multiple of it (TRL's option); the extra
+            columns are padding no query attends to.
     """
     device = prompt_ids.device
     batch, width = prompt_ids.shape
@@ -154,7 +163,7 @@ def pack_shared_prompts(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids:
     counts = torch.bincount(inverse, minlength=groups)
     k_max = int(counts.max())
     seg_len = c + 1
-    length = width - 1 + k_max * seg_len
+    length = round_up(width - 1 + k_max * seg_len, pad_to_multiple_of)
     # each sample's slot within its prompt's row, in batch order (counted on the host: one transfer, not one per row)
     seen = [0] * groups
     slots = []

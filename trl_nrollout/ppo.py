@@ -36,7 +36,7 @@ from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.errors import InputError
 from trl_nrollout.logprobs import _is_zero3, pack_by_tokens, split_by_count
 from trl_nrollout.losses import LOSS_AGG_MODES, explained_variance, value_loss
-from trl_nrollout.trainer import NRolloutGRPOTrainer
+from trl_nrollout.trainer import NRolloutGRPOTrainer, fit_width
 from trl_nrollout.update import _loss_mask
 
 CRITIC_DIR = "critic"
@@ -199,7 +199,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         with self.accelerator.autocast():  # the precision the critic trains in (bf16=True: bf16 autocast)
             local = compute_values(critic, prompt_ids, completion_ids, pad_token_id=self._tokenizer.pad_token_id,
                                    micro_batch_size=args.critic_ppo_micro_batch_size_per_device or micro.per_device,
-                                   max_token_len=args.critic_ppo_max_token_len_per_device or micro.max_token_len)
+                                   max_token_len=args.critic_ppo_max_token_len_per_device or micro.max_token_len,
+                                   pad_to_multiple_of=self.pad_to_multiple_of)
         job = torch.zeros(num_samples, width, device=local.device)
         if local.numel():
             job[torch.as_tensor(mine, device=local.device), :local.shape[1]] = local
@@ -218,8 +219,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         mask = self._job_mask
         self._metric(mode, "critic/values/mean", float((values * mask).sum() / mask.sum().clamp(min=1)))
         self._metric(mode, "critic/returns/mean", float((returns * mask).sum() / mask.sum().clamp(min=1)))
-        out["old_values"] = values[self._mine, :c_max].to(dev)
-        out["returns"] = returns[self._mine, :c_max].to(dev)
+        out["old_values"] = fit_width(values[self._mine], c_max).to(dev)
+        out["returns"] = fit_width(returns[self._mine], c_max).to(dev)
         return out
 
     # ------------------------------------------------------------------ the update

@@ -28,12 +28,20 @@ def _fmt(value: float, unit: str = "") -> str:
     return f"{value:.3g}{unit}"
 
 
+def _number(value) -> bool:
+    """A finite number (not None, which TRL logs for a metric no sample had, nor NaN)."""
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
 def live_line(logs: Mapping[str, float]) -> str:
     """The postfix of the progress bar for one step's logs (keys that are missing are left out)."""
     parts = []
     if "reward" in logs:
         std = logs.get("reward_std")
-        parts.append(f"reward {logs['reward']:.3f}" + (f"±{std:.3f}" if std is not None else ""))
+        if not _number(logs["reward"]):  # every reward function declined every sample (TRL logs None)
+            parts.append("reward unscored")
+        else:
+            parts.append(f"reward {logs['reward']:.3f}" + (f"±{std:.3f}" if _number(std) else ""))
     if "response_length/mean" in logs:
         parts.append(f"len {logs['response_length/mean']:.1f}")
     if "perf/gen_tokens_per_s" in logs:
@@ -61,7 +69,7 @@ class LiveProgressCallback(ProgressCallback):
 def _series(history: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for h in history:
-        if key in h and "step" in h:
+        if key in h and "step" in h and _number(h[key]):  # an unscored step (None) leaves a gap
             xs.append(int(h["step"]))
             ys.append(float(h[key]))
     return xs, ys

@@ -57,11 +57,13 @@ class GenerationClock:
 
 
 class RewardHistory(TrainerCallback):
-    """Collects the mean reward of every logged training step (TRL logs it as ``reward``) and the step training
-    started from (``start_step``: 0, or the checkpoint's step when resuming)."""
+    """Collects the mean reward of every logged training step (TRL logs it as ``reward``), the steps logged
+    without one (``unscored_steps``: every reward function returned None for every sample, which TRL logs as
+    None) and the step training started from (``start_step``: 0, or the checkpoint's step when resuming)."""
 
     def __init__(self) -> None:
         self.rewards: list[float] = []
+        self.unscored_steps: list[int] = []
         self.started = time.perf_counter()
         self.start_step = 0
 
@@ -70,7 +72,11 @@ class RewardHistory(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
-            self.rewards.append(float(logs["reward"]))
+            value = logs["reward"]
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                self.unscored_steps.append(int(state.global_step))
+            else:
+                self.rewards.append(float(value))
 
 
 def build_summary(*, steps: int, rewards: list[float], gen_tokens_per_s: float, rollout_backend: str,
@@ -80,8 +86,8 @@ def build_summary(*, steps: int, rewards: list[float], gen_tokens_per_s: float, 
     start, end = reward_start_end(rewards)
     out = {
         "steps": int(steps),
-        "reward_start": round(start, 4),
-        "reward_end": round(end, 4),
+        "reward_start": None if math.isnan(start) else round(start, 4),  # None: no step was scored (JSON has no NaN)
+        "reward_end": None if math.isnan(end) else round(end, 4),
         "gen_tokens_per_s": round(gen_tokens_per_s, 1),
         "rollout_backend": rollout_backend,
         "checkpoint": checkpoint,

@@ -42,7 +42,7 @@ from trl_nrollout.checkpoints import ROLLOUT_STATE
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.data import check_prompts
 from trl_nrollout.dropin import UnsupportedTRLOption
-from trl_nrollout.errors import DatasetError
+from trl_nrollout.errors import DatasetError, InputError
 from trl_nrollout.layout import MicroBatch
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.losses import (
@@ -132,12 +132,12 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                 f"trainer generates with the {self.rollout_backend!r} engine; install vLLM and set use_vllm=True (or "
                 "rollout_backend='vllm'), or remove the regex.")
         self._check_prompt_tokens()  # before the engines start
+        self._packing_notice_shown = False  # read while the engine is built (the HF engine asks about packing)
         self.rollout_engine = self._start_engine(args.rollout_backend)
         self.generation_clock = GenerationClock()
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
             self.add_callback(LiveProgressCallback)
         self._last_synced_step: int | None = 0 if self.rollout_backend == "vllm" else None  # synced at start
-        self._packing_notice_shown = False
         self._rollout_tokens_local = 0
         self._last_step_end = time.perf_counter()
         self._update_time = 0.0
@@ -221,27 +221,30 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         return base.config._name_or_path or base.name_or_path
 
     def _start_engine(self, choice: str):
-        """Build the engine; a vLLM engine is checked at once (a weight sync and a one-token generation), because
-        vLLM on some platforms refuses some models only when they run (an attention head size the CPU backend
-        lacks, a MoE layout without a kernel, parameter names it cannot map). With rollout_backend='auto' such a
-        model falls back to the HF engine with one warning saying why (on every rank alike); with 'vllm' it is an
+        """Build the engine; a vLLM engine is built and checked at once (a weight sync and a one-token generation),
+        because vLLM refuses some models on some platforms, while it builds the engine (an architecture it cannot
+        inspect, a MoE layout without a kernel, a hybrid model that needs chunked prefill) or only when they run (an
+        attention head size the CPU backend lacks, parameter names it cannot map). With rollout_backend='auto' such
+        a model falls back to the HF engine with one warning saying why (on every rank alike); with 'vllm' it is an
         error naming the model, the reason and the fallback."""
-        refusal = self._merge_refusal() if self.rollout_backend == "vllm" else None
-        if refusal is not None:  # the same on every rank (the same adapter config)
+        refusal = self._vllm_refusal() if self.rollout_backend == "vllm" else None
+        if refusal is not None:  # the same on every rank (the same adapter config and options)
             return self._fall_back(choice, refusal)
-        engine = self._build_engine()
         if self.rollout_backend != "vllm":
-            return engine
-        error = ""
+            return self._build_engine()
+        lengths = self._vllm_lengths()  # a wrong length option is the user's error, not a reason to fall back
+        engine, error = None, ""
         try:
+            engine = self._build_engine(lengths)
             engine.load_weights(self.model)
             engine.generate_engine([[self._tokenizer.eos_token_id or 0]], 1, SamplingOptions(max_tokens=1))
         except Exception as err:  # noqa: BLE001 - reported (or re-raised) below with the model's name
-            error = f"{type(err).__name__}: {err}"
-        errors = [e for e in gather_object([error]) if e]
+            error = describe_error(err)
+        errors = [e for e in gather_object([error]) if e]  # every rank decides alike
         if not errors:
             return engine
-        engine.close()
+        if engine is not None:
+            engine.close()
         return self._fall_back(choice, errors[0])
 
     def _fall_back(self, choice: str, why: str):
@@ -254,12 +257,29 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                 "for this model, or rollout_backend='auto' to fall back to it automatically."
             )
         logger.warning("rollout_backend='auto': vLLM cannot run %r here (%s); using the HF engine (transformers "
-                       "generate) instead. Set rollout_backend='hf' to skip this check.", model, why[:300])
+                       "generate) instead. Set rollout_backend='hf' to skip this check.", model, why[:500])
         if self.args.rollout_seed_mode == "sample":
             raise ValueError(HF_SAMPLE_SEEDS)
         self._note_unused_vllm_settings(f"vLLM cannot run {model!r} here")
         self.rollout_backend = "hf"
         return self._build_engine()
+
+    def _vllm_refusal(self) -> str | None:
+        """Why the vLLM engines cannot serve this run as configured, known before they are built (None: they can):
+        adapters whose merge is not a plain LoRA delta, or ``generation_kwargs`` that vLLM's sampler does not take."""
+        return self._merge_refusal() or self._generation_kwargs_refusal()
+
+    def _generation_kwargs_refusal(self) -> str | None:
+        """``generation_kwargs`` keys vLLM's ``SamplingParams`` has no field for (``generate()`` arguments such as
+        ``num_beams``): TRL passes them to the sampler of the engine it uses, so they would fail at the first rollout."""
+        from trl_nrollout.rollout.vllm_group import unknown_sampling_keys
+
+        unknown = unknown_sampling_keys(self.args.generation_kwargs or {})
+        if not unknown:
+            return None
+        return (f"generation_kwargs {unknown} are not fields of vLLM's SamplingParams (they are transformers "
+                "generate() arguments); remove them to generate with vLLM, or generate with transformers "
+                "(rollout_backend='hf'), which takes them as TRL's own generate path does")
 
     def _merge_refusal(self) -> str | None:
         """Why the policy's adapters cannot be merged into the weights the vLLM engines receive (None: they can).
@@ -277,7 +297,31 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                             "with vLLM, or generate with the PEFT model itself (rollout_backend='hf')")
         return None
 
-    def _build_engine(self):
+    def _trusts_remote_code(self) -> bool:
+        """Whether the user trusted the policy's own code: ``trust_remote_code`` in ``model_init_kwargs`` (how TRL
+        loads a model id), or a model object whose class came from the checkpoint's code (the user loaded it with
+        ``trust_remote_code=True``). The vLLM engines then load the checkpoint with the same trust."""
+        if (self.args.model_init_kwargs or {}).get("trust_remote_code"):
+            return True
+        inner = self.accelerator.unwrap_model(self.model)
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        return type(base).__module__.startswith("transformers_modules")
+
+    def _vllm_lengths(self) -> tuple[int, int]:
+        """The vLLM engines' ``max_model_len`` and expected request length (prompt + completion), checked against
+        the model's context length."""
+        args: NRolloutConfig = self.args
+        completion = args.max_completion_length or 256
+        context = self._context_length()
+        max_len = args.rollout_max_model_len or context or (512 + completion)
+        if context and max_len > context:
+            raise InputError(
+                f"rollout_max_model_len={max_len} exceeds the model's context length ({context} tokens, "
+                f"max_position_embeddings); use at most {context}."
+            )
+        return max_len, min(max_len, self._prompt_length_hint() + completion)
+
+    def _build_engine(self, lengths: tuple[int, int] | None = None):
         args: NRolloutConfig = self.args
         if self.rollout_backend == "hf":
             return HFEngine(self.model, pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
@@ -286,18 +330,10 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                             shared_prompts=self._packing_allowed(self.model),
                             # TRL's generation context gathers ZeRO-3 parameters under this same condition
                             local_forwards=DistributedBackend(self.accelerator).is_zero3
-                            and bool(args.ds3_gather_for_generation))
+                            and bool(args.ds3_gather_for_generation), pad_to_multiple_of=self.pad_to_multiple_of)
         from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
-        completion = args.max_completion_length or 256
-        context = self._context_length()
-        max_len = args.rollout_max_model_len or context or (512 + completion)
-        if context and max_len > context:
-            raise ValueError(
-                f"rollout_max_model_len={max_len} exceeds the model's context length ({context} tokens, "
-                f"max_position_embeddings); use at most {context}."
-            )
-        expected = min(max_len, self._prompt_length_hint() + completion)
+        max_len, expected = lengths or self._vllm_lengths()
         return VLLMEngineGroup(
             self._model_path(), self.layout, rank=self.accelerator.process_index,
             local_rank=self.accelerator.local_process_index, dtype=args.rollout_dtype, max_model_len=max_len,
@@ -306,7 +342,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
             seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20,
-            seed_mode=args.rollout_seed_mode or "sample",
+            seed_mode=args.rollout_seed_mode or "sample", trust_remote_code=self._trusts_remote_code(),
         )
 
     def _context_length(self) -> int | None:
@@ -671,12 +707,12 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         dev = self.accelerator.device
         pad = self._tokenizer.pad_token_id
         rb = RolloutBatch(prompt_ids, completion_ids, rollout_lp, [r[3] for r in local], [i // n for i in mine])
-        tensors = rb.padded(pad, dev)
+        tensors = rb.padded(pad, dev, multiple_of=self.pad_to_multiple_of)  # TRL's pad_to_multiple_of
         c_max = tensors["completion_ids"].shape[1]
         out = {
             "prompt_ids": tensors["prompt_ids"], "prompt_mask": tensors["prompt_mask"],
             "completion_ids": tensors["completion_ids"], "completion_mask": tensors["completion_mask"],
-            "advantages": advantages[mine, :c_max].to(dev),  # the job's longest completion >= this rank's
+            "advantages": fit_width(advantages[mine], c_max).to(dev),
             "sampling_per_token_logps": tensors["logprobs"],
         }
         if mm is not None:  # a VLM's image tensors, per sample (they follow the samples through shuffles and splits)
@@ -688,9 +724,9 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                                                         dtype=tool_mask.dtype)
             out["tool_mask"] = tool_mask
         if old is not None and not on_policy:
-            out["old_per_token_logps"] = old[:, :c_max].to(dev)
+            out["old_per_token_logps"] = fit_width(old, c_max).to(dev)
         if ref is not None and self.beta != 0.0:
-            out["ref_per_token_logps"] = ref[:, :c_max].to(dev)
+            out["ref_per_token_logps"] = fit_width(ref, c_max).to(dev)
         if args.mask_truncated_completions:  # TRL's option: completions cut at max length take no part in the loss
             truncated = torch.tensor([r[3] == "length" for r in local], device=dev)
             out["completion_mask"] = out["completion_mask"] * (~truncated).unsqueeze(1).to(out["completion_mask"].dtype)
@@ -716,7 +752,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
             return compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
                                      pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
                                      max_token_len=micro.max_token_len, mm_inputs=mm, shared_prompts=shared,
-                                     head_fp32=bool(self.args.cast_lm_head_to_fp32)).logprobs
+                                     head_fp32=bool(self.args.cast_lm_head_to_fp32),
+                                     pad_to_multiple_of=self.pad_to_multiple_of).logprobs
 
     def _ref_log_probs(self, prompt_ids, completion_ids, mm=None) -> Tensor:
         micro = self.layout.ref_log_prob
@@ -786,6 +823,28 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+def describe_error(err: BaseException) -> str:
+    """One line saying why ``err`` was raised: its type and message, whitespace folded; for a validation error
+    (pydantic's, as vLLM's config raises) the messages alone, without the echoed input."""
+    errors = getattr(err, "errors", None)
+    messages: list[str] = []
+    if callable(errors):
+        try:
+            messages = [str(e.get("msg", "")) for e in errors() if isinstance(e, dict)]
+        except Exception:  # noqa: BLE001 - not pydantic's errors(): fall back to the message
+            messages = []
+    text = "; ".join(m for m in messages if m) or str(err)
+    return f"{type(err).__name__}: {' '.join(text.split())}"
+
+
+def fit_width(t: Tensor, width: int) -> Tensor:
+    """``t`` ``[B, W]`` cut or right-padded with zeros to ``[B, width]`` (per-token values of the job, which may be
+    wider than this rank's tensors, or narrower once those are padded to TRL's ``pad_to_multiple_of``)."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
 def _rows(rows: list[int], shown: int = 5) -> str:

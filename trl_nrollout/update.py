@@ -128,7 +128,7 @@ class PolicyUpdate:
                 self._packing_notice(reason)
             return None
         pk = pack_shared_prompts(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
-                                 self._tokenizer.pad_token_id, dtype=dtype)
+                                 self._tokenizer.pad_token_id, dtype=dtype, pad_to_multiple_of=self.pad_to_multiple_of)
         with self.accelerator.autocast():
             out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
                         shift_labels=pk.shift_labels, fused_lm_head=True)

@@ -13,6 +13,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from trl_nrollout.logprobs import compute_log_probs
 from trl_nrollout.multimodal import MMInputs, collate
+from trl_nrollout.packing import round_up
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import unwrap
 
@@ -150,13 +151,17 @@ class HFEngine:
     log-probs are recorded while generating (:class:`SampledLogProbs`: penalties, a user's processors and every
     sampling warper applied, vLLM's ``processed_logprobs``), so a rollout costs ``generate`` alone, as TRL's. Decoding modes other than sampling
     and greedy (beams, assisted decoding, set through TRL's ``generation_kwargs``) get them from
-    :func:`~trl_nrollout.logprobs.compute_log_probs` after ``generate`` instead (temperature only).
+    :func:`~trl_nrollout.logprobs.compute_log_probs` after ``generate`` instead (temperature only), and generate as
+    TRL does: each prompt repeated ``n`` times, one sequence per row (``num_return_sequences=n`` would ask beam search
+    for its ``n`` best beams, which needs ``num_beams >= n`` and is not TRL's sampling). ``pad_to_multiple_of``: each
+    prompt batch is left-padded to a multiple of it (TRL's option).
     """
 
     def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], batch_size: int = 64,
                  seed: int = 0, generation_context=None, shared_prompts: bool = False,
-                 local_forwards: bool = False) -> None:
+                 local_forwards: bool = False, pad_to_multiple_of: int | None = None) -> None:
         self.model = model
+        self.pad_to_multiple_of = pad_to_multiple_of  # TRL's option: prompt batches padded to a multiple of it
         self.local_forwards = local_forwards
         self.prefill_shared_samples = self.generated_samples = 0
         # a callable returning a context manager that yields the model to generate with (the trainer passes TRL's
@@ -209,10 +214,13 @@ class HFEngine:
                                do_sample=False, pad_token_id=self.pad_token_id)
             for s in starts:
                 chunk = prompts[s:s + self.batch_size]
-                width = max(len(p) for p in chunk)
-                ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+                width = round_up(max(len(p) for p in chunk), self.pad_to_multiple_of)
+                # not stepwise (beams...): as TRL, every sample is a row of its own (row g * n + k: sample k of g)
+                per_row = n if stepwise else 1
+                rows = chunk if stepwise else [p for p in chunk for _ in range(n)]
+                ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
                 mask = torch.zeros_like(ids)
-                for i, p in enumerate(chunk):
+                for i, p in enumerate(rows):
                     ids[i, width - len(p):] = torch.tensor(p)
                     mask[i, width - len(p):] = 1
                 greedy = sampling.temperature == 0
@@ -221,7 +229,7 @@ class HFEngine:
                     top_p=sampling.top_p if sampling.top_p < 1 else None,
                     top_k=sampling.top_k if sampling.top_k > 0 else None,
                     min_p=sampling.min_p or None, repetition_penalty=sampling.repetition_penalty,
-                    max_new_tokens=sampling.max_tokens, num_return_sequences=n,
+                    max_new_tokens=sampling.max_tokens, num_return_sequences=per_row,
                     eos_token_id=sorted(stop_ids) if not sampling.ignore_eos else None,
                     pad_token_id=self.pad_token_id,
                 )
@@ -234,8 +242,9 @@ class HFEngine:
                     user = options.get("logits_processor") or []
                     options["logits_processor"] = LogitsProcessorList([*user, *_own_warpers(options, device), recorder])
                 if mm is not None:  # images: the processor's tensors, per-token fields left-padded like the ids
-                    options.update(collate(mm[s:s + self.batch_size], device, width=width,
-                                           starts=[width - len(p) for p in chunk]))
+                    chunk_mm = mm[s:s + self.batch_size]
+                    options.update(collate(chunk_mm if stepwise else [m for m in chunk_mm for _ in range(n)], device,
+                                           width=width, starts=[width - len(p) for p in rows]))
                 ids, mask = ids.to(device), mask.to(device)
                 if n > 1 and width >= PREFILL_ONCE_MIN_TOKENS and mm is None and stepwise and not synced \
                         and not _OWN_CACHE.intersection(options) and not _own_cache_in_config(model):
@@ -263,6 +272,7 @@ class HFEngine:
             sample_mm = None if mm is None else [mm[g - group_offset] for g in groups]
             lp = compute_log_probs(model, prompt_ids, completion_ids, temperature=temp, micro_batch_size=64,
                                    pad_token_id=self.pad_token_id, mm_inputs=sample_mm,
+                                   pad_to_multiple_of=self.pad_to_multiple_of,
                                    shared_prompts=self.shared_prompts and mm is None).logprobs
             logprobs = [lp[i, :len(c)].tolist() for i, c in enumerate(completion_ids)]
         return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,

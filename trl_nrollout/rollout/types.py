@@ -8,6 +8,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from trl_nrollout.packing import round_up
+
 
 @dataclass(frozen=True)
 class SamplingOptions:
@@ -88,11 +90,13 @@ class RolloutBatch:
     def num_completion_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)
 
-    def padded(self, pad_token_id: int, device: torch.device | str = "cpu") -> dict[str, Tensor]:
-        """TRL-style tensors: prompts left-padded ``[B, P]``, completions and log-probs right-padded ``[B, C]``."""
+    def padded(self, pad_token_id: int, device: torch.device | str = "cpu", multiple_of: int | None = None
+               ) -> dict[str, Tensor]:
+        """TRL-style tensors: prompts left-padded ``[B, P]``, completions and log-probs right-padded ``[B, C]``;
+        ``P`` and ``C`` are rounded up to a multiple of ``multiple_of`` when given (TRL's ``pad_to_multiple_of``)."""
         b = len(self)
-        p_max = max((len(p) for p in self.prompt_ids), default=0)
-        c_max = max((len(c) for c in self.completion_ids), default=0)
+        p_max = round_up(max((len(p) for p in self.prompt_ids), default=0), multiple_of)
+        c_max = round_up(max((len(c) for c in self.completion_ids), default=0), multiple_of)
         prompt = torch.full((b, p_max), pad_token_id, dtype=torch.long)
         prompt_mask = torch.zeros(b, p_max, dtype=torch.long)
         comp = torch.full((b, c_max), pad_token_id, dtype=torch.long)

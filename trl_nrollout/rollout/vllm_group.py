@@ -26,7 +26,7 @@ from trl_nrollout.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.seeds import SEED_MODES, engine_seed, numpy_seeded, prompt_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
-from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
+from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, engine_has, iter_weight_buckets
 
 logger = logging.getLogger(__name__)
 _SLEEP_NOTICE_SHOWN = False
@@ -54,11 +54,22 @@ def _kv_bytes_default(model_path: str, max_seqs: int, expected_len: int, max_mod
     return max(16 << 20, int(per_token * tokens * 1.25))
 
 
+def unknown_sampling_keys(options: dict) -> list[str]:
+    """The keys of ``options`` (TRL's ``generation_kwargs``) that vLLM's ``SamplingParams`` has no public field
+    for, sorted (``SamplingParams(**options)`` would fail on them at the first rollout)."""
+    import msgspec
+    from vllm import SamplingParams
+
+    known = {f.name for f in msgspec.structs.fields(SamplingParams) if not f.name.startswith("_")}
+    return sorted(k for k in options if k not in known)
+
+
 def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = "auto", max_model_len: int = 1024,
                   expected_len: int | None = None, kv_cache_memory_bytes: int | None = None,
                   gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
                   enforce_eager: bool = False, enable_sleep_mode: bool = False, seed: int = 0,
-                  max_num_seqs: int | None = None, tokenizer: str | None = None) -> dict:
+                  max_num_seqs: int | None = None, tokenizer: str | None = None,
+                  trust_remote_code: bool = False) -> dict:
     """The keyword arguments of each rank's ``vllm.LLM`` (pure: no engine is built; pinned by the unit tests).
 
     - ``max_num_seqs`` (sequences run at once) defaults to the engine's samples, capped at
@@ -70,6 +81,7 @@ def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = 
       request after a partial prefill (``Generator.set_offset``), which CPU generators do not support ("CPU
       Generator does not use offset"); without chunking, a prompt is never prefilled in parts. KV blocks of
       :data:`CPU_BLOCK_SIZE` tokens: the n samples of a prompt each recompute its last partial block.
+    - ``trust_remote_code``: the user's choice for the policy (a checkpoint with its own code), passed on.
     - CUDA: ``gpu_memory_utilization`` is always passed (vLLM's default 0.92 fails its start-up check when the
       training model already holds GPU memory), and ``kv_cache_memory_bytes`` as well when given.
     """
@@ -78,7 +90,7 @@ def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = 
         model=model, tokenizer=tokenizer or model, dtype=dtype, max_model_len=max_model_len, seed=seed,
         enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=layout.rollout_tp_size,
         distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
-        max_num_seqs=max_seqs, skip_tokenizer_init=False,
+        max_num_seqs=max_seqs, skip_tokenizer_init=False, trust_remote_code=trust_remote_code,
     )
     if cpu:
         kwargs["dtype"] = "float32" if dtype == "auto" else dtype
@@ -117,6 +129,7 @@ class VLLMEngineGroup:
         seed: engine seed; the same seed and inputs give the same samples.
         max_num_seqs: sequences the engine runs at once (default: its samples, capped; see :func:`engine_kwargs`).
         weight_bucket_bytes: bound of the extra memory a weight sync uses.
+        trust_remote_code: load a checkpoint that ships its own model code (the user's choice for the policy).
     """
 
     def __init__(
@@ -139,6 +152,7 @@ class VLLMEngineGroup:
         weight_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         tokenizer: str | None = None,
         seed_mode: str = "sample",
+        trust_remote_code: bool = False,
     ) -> None:
         if seed_mode not in SEED_MODES:
             raise ValueError(f"seed_mode={seed_mode!r} is not one of {SEED_MODES} (rollout_seed_mode).")
@@ -175,7 +189,8 @@ class VLLMEngineGroup:
             model, layout, cpu=self.cpu, dtype=dtype, max_model_len=max_model_len, expected_len=expected_len,
             kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-            enable_sleep_mode=enable_sleep_mode, seed=seed, max_num_seqs=max_num_seqs, tokenizer=tokenizer)
+            enable_sleep_mode=enable_sleep_mode, seed=seed, max_num_seqs=max_num_seqs, tokenizer=tokenizer,
+            trust_remote_code=trust_remote_code)
         self.enable_sleep_mode = enable_sleep_mode and not self.cpu
         self.local_rank = rank if local_rank is None else local_rank
         from vllm import LLM
@@ -394,8 +409,11 @@ class VLLMEngineGroup:
         runner = self._model_runner()
         stats = {"bytes": 0, "buckets": 0, "peak_bucket_bytes": 0}
 
+        # the names of the engine's own parameters: a tied weight is sent under the names the engine's model has
+        engine_names = {n for n, _ in runner.get_model().named_parameters(remove_duplicate=False)}
+
         def weights():  # every bucket in turn, gathered when vLLM asks for its first tensor
-            for bucket in iter_weight_buckets(model, self.weight_bucket_bytes):
+            for bucket in iter_weight_buckets(model, self.weight_bucket_bytes, keep_alias=engine_has(engine_names)):
                 size = sum(t.numel() * t.element_size() for _, t in bucket)
                 stats["bytes"] += size
                 stats["peak_bucket_bytes"] = max(stats["peak_bucket_bytes"], size)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -137,10 +137,39 @@ def _lora_params(bucket: list[tuple[str, Tensor]], lora: dict) -> list[Tensor]:
     return list(out.values())
 
 
+def _drop_aliases(named: list[tuple[str, Tensor]], keep_alias: Callable[[str], bool] | None
+                  ) -> list[tuple[str, Tensor]]:
+    """``named`` without the second and later names of a tied parameter (``lm_head.weight`` when it is
+    ``embed_tokens.weight``) that ``keep_alias`` rejects (given the checkpoint name); None keeps every name."""
+    if keep_alias is None:
+        return named
+    seen: set[int] = set()
+    out = []
+    for name, p in named:
+        if id(p) in seen and not keep_alias(clean_name(name)):
+            continue
+        seen.add(id(p))
+        out.append((name, p))
+    return out
+
+
+def engine_has(engine_names: set[str]) -> Callable[[str], bool]:
+    """A ``keep_alias`` for :func:`iter_weight_buckets`: whether the engine's model has a parameter of that name
+    (possibly under a prefix of its own, e.g. ``language_model.``). vLLM's models differ where weights are tied:
+    Llama and Qwen2 keep an ``lm_head`` tied to the embeddings (and accept or skip the tensor), Gemma 1/2 and Cohere
+    compute the logits with the embeddings and have no ``lm_head`` at all (they reject the name)."""
+    def has(name: str) -> bool:
+        return any(e == name or e.endswith("." + name) for e in engine_names)
+    return has
+
+
 @torch.no_grad()
-def iter_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-                        ) -> Iterator[list[tuple[str, Tensor]]]:
-    """Yield buckets of ``(checkpoint name, full tensor)``; tensors are valid until the next bucket is asked for."""
+def iter_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        keep_alias: Callable[[str], bool] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+    """Yield buckets of ``(checkpoint name, full tensor)``; tensors are valid until the next bucket is asked for.
+
+    A tied parameter is sent under each of its names (the engine may expect any of them), except the names
+    ``keep_alias`` rejects (see :func:`engine_has`)."""
     fsdp1 = fsdp1_root(model)
     # FSDP1 replaces the parameters by flat shards: the original ones exist (full) only inside summon_full_params
     outer = _summon_fsdp1(fsdp1) if fsdp1 is not None else contextlib.nullcontext()
@@ -152,6 +181,7 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYT
         named = [(n, p) for n, p in inner.named_parameters(remove_duplicate=False) if not (peft and "lora_" in n)]
         if peft:  # modules_to_save copies: send the trained copy under the original name
             named = [(n, p) for n, p in named if ".original_module." not in n]
+        named = _drop_aliases(named, keep_alias)
         zero3 = any(hasattr(p, "ds_id") for _, p in named)
         yield from _buckets(named, bucket_bytes, zero3, peft, lora)
 
