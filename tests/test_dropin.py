@@ -8,6 +8,7 @@ import inspect
 from dataclasses import fields
 
 import pytest
+import torch
 from transformers import TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
@@ -263,3 +264,69 @@ def test_structured_outputs_regex_on_the_vllm_engine(tmp_path, monkeypatch):
     assert ("cache_implementation", "static") in hf._sampling("train").engine_kwargs
     out = hf._generate_and_score_completions([dict(digits_dataset(1)[0])] * 4)
     assert out["completion_ids"].shape[0] == 4
+
+
+def test_pad_to_multiple_of_pads_every_scoring_forward_and_changes_no_value():
+    """TRL's ``pad_to_multiple_of``: the log-prob passes (plain and shared-prompt layouts) and the critic's value pass
+    run forwards whose sequence length is a multiple of it, and give the same log-probs and values as unpadded ones
+    (the extra columns are masked padding)."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_nrollout.builtin import resolve_model
+    from trl_nrollout.critic import build_critic, compute_values
+    from trl_nrollout.logprobs import compute_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny-qwen2"), dtype=torch.float32)
+    long_prompt, short_prompt = list(range(5, 45)), [50, 51, 52]
+    prompts = [long_prompt] * 4 + [short_prompt] * 2  # the n samples of a prompt share it: the packed layout pays
+    completions = [[60, 61, 62], [63, 64], [65, 66, 67, 68, 69], [70], [71, 72], [73, 74, 75]]
+    widths: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
+    seen = {}
+    for shared in (False, True):
+        widths.clear()
+        plain = compute_log_probs(model, prompts, completions, shared_prompts=shared).logprobs
+        seen[shared] = list(widths)
+        widths.clear()
+        padded = compute_log_probs(model, prompts, completions, shared_prompts=shared, pad_to_multiple_of=8).logprobs
+        assert widths and all(w % 8 == 0 for w in widths), widths
+        torch.testing.assert_close(padded, plain, atol=2e-5, rtol=0)
+    assert seen[True] != seen[False] and all(w % 8 for w in seen[False] + seen[True])  # packed, and not aligned
+    hook.remove()
+    critic = build_critic(resolve_model("builtin:tiny-qwen2"), seed=1, dtype=torch.float32)
+    widths.clear()
+    hook = critic.model.embed_tokens.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
+    values = compute_values(critic, prompts, completions, pad_token_id=0)
+    padded = compute_values(critic, prompts, completions, pad_token_id=0, pad_to_multiple_of=16)
+    assert widths[0] % 16 and widths[1] % 16 == 0
+    torch.testing.assert_close(padded, values, atol=2e-5, rtol=0)
+    hook.remove()
+
+
+@pytest.mark.slow
+def test_pad_to_multiple_of_shapes_the_rollout_tensors_and_the_update_as_trl(tmp_path, monkeypatch):
+    """With ``pad_to_multiple_of=8`` the rollout tensors (prompts, completions and every per-token field) and every
+    forward of the update have widths that are multiples of 8, as TRL pads them; a step trains to a finite loss."""
+    from trl import GRPOConfig
+
+    import trl_nrollout.trainer as trainer_module
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=5, max_steps=1, use_cpu=True, report_to="none", save_strategy="no",
+                      pad_to_multiple_of=8, logging_steps=1, beta=0.1)
+    trainer = NRolloutGRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                                  train_dataset=digits_dataset(16))
+    batch = trainer._generate_and_score_completions([dict(digits_dataset(2)[i]) for i in range(2) for _ in range(4)])
+    per_token = {k: v.shape for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() == 2}
+    assert {"prompt_ids", "completion_ids", "advantages", "ref_per_token_logps"} <= set(per_token)
+    assert all(shape[1] % 8 == 0 for shape in per_token.values()), per_token
+    assert batch["completion_ids"].shape[1] == 8 and batch["completion_mask"].sum(-1).max() <= 5  # padded up
+    widths: list[int] = []
+    embed = trainer.model.get_input_embeddings()
+    embed.register_forward_hook(lambda mod, a, out: widths.append(a[0].shape[1]) if torch.is_grad_enabled() else None)
+    trainer.train()
+    assert widths and all(w % 8 == 0 for w in widths), widths  # the update's forwards (with gradient)
+    assert torch.isfinite(torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])).all()

@@ -125,7 +125,7 @@ def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict 
                                      "from trl import GRPOConfig\nfrom trl_nrollout import NRolloutGRPOTrainer")
                       .replace("trainer = GRPOTrainer(", "trainer = NRolloutGRPOTrainer("))
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    if config is not None:
+    if config is not None:  # one of the recipes' accelerate configs, or a path
         head = [accelerate, "launch", "--config_file", str(ROOT / "recipes/accelerate" / config)]
     else:
         head = [sys.executable] if procs == 1 else [accelerate, "launch", "--multi_gpu", "--num_processes", str(procs)]
@@ -174,10 +174,23 @@ def test_tool_turns_on_the_hf_engine_under_zero3_with_synced_forwards(tmp_path):
     """Two ZeRO-3 processes, the HF engine generating without gathering the parameters (every forward gathers them
     collectively, and transformers' generate keeps the ranks' decoding steps in step): the ranks continue different
     numbers of samples at each tool turn, so they would make different numbers of generate calls (or none) and one
-    would wait forever; every rank now makes as many calls as the busiest one."""
-    result = _run_tool_script(tmp_path, "hf", "sync", steps=2, config="zero3_cpu.yaml", timeout=600,
+    would wait forever; every rank now makes as many calls as the busiest one. ``stage3_param_persistence_threshold:
+    0`` partitions every parameter, as a real model's are (the tiny model's would otherwise all stay whole on every
+    rank, below DeepSpeed's default threshold, and its forwards would gather nothing: no rank could wait)."""
+    ds_config = tmp_path / "ds_zero3_partition_all.json"
+    ds_config.write_text(json.dumps({
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "zero_allow_untested_optimizer": True}))
+    accelerate_config = tmp_path / "zero3_partition_all.yaml"
+    accelerate_config.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+        f"  deepspeed_config_file: {ds_config}\n  zero3_init_flag: true\n"
+        "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\n")
+    result = _run_tool_script(tmp_path, "hf", "sync", steps=2, config=str(accelerate_config), timeout=600,
                               extra={"use_cpu": False, "ddp_backend": "gloo", "ds3_gather_for_generation": False,
                                      "per_device_train_batch_size": 32, "bf16": False})
+    assert result["partitioned_params"] == result["params"] > 0  # every parameter is split over the two ranks
     turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
     assert len(turns) == 2 and max(turns) > 1.0
     _check_masks(result)

@@ -82,15 +82,25 @@ def test_none_means_not_applicable_and_nan_follows_the_policy(tmp_path, caplog):
     import math
 
     from tests.assets.rewards_for_tests import nan_for_all
+    from trl_nrollout.report import write_report
+    from trl_nrollout.summary import RewardHistory, build_summary
     from trl_nrollout.trainer import RewardFunctionError
 
+    history = RewardHistory()
     with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
-        trainer = _trainer(tmp_path / "a", none_for_all)
+        # the live progress line on (pytest's log level turns it off by default): it shows the step as unscored
+        trainer = _trainer(tmp_path / "a", none_for_all, max_steps=2, disable_tqdm=False, logging_steps=1)
+        trainer.add_callback(history)
         trainer.train()
-    step = [h for h in trainer.state.log_history if "reward" in h][0]
-    assert step["reward"] is None or math.isnan(step["reward"])  # no scorable sample: no mean (logged as None)
-    assert step["critic/advantages/max"] == 0.0 and math.isfinite(step.get("loss", step.get("train_loss")))
+    steps = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(steps) == 2 and all(h["reward"] is None for h in steps)  # no scorable sample: no mean (TRL's None)
+    assert all(h["critic/advantages/max"] == 0.0 and math.isfinite(h["loss"]) for h in steps)
     assert any("every reward function returned None" in r.getMessage() for r in caplog.records)
+    assert history.unscored_steps == [1, 2] and history.rewards == []
+    summary = build_summary(steps=2, rewards=history.rewards, gen_tokens_per_s=1.0, rollout_backend="hf",
+                            checkpoint=None, wall_s=1.0, extra={"unscored_steps": history.unscored_steps})
+    assert summary["reward_start"] is None and summary["reward_end"] is None  # JSON has no NaN
+    assert write_report(trainer.state.log_history, tmp_path / "report.png") is not None  # gaps, not a crash
     with pytest.raises(RewardFunctionError, match=r"'nan_for_all' returned nan \(NaN/inf\).*reward_nan_policy='zero'"):
         _trainer(tmp_path / "b", nan_for_all).train()
     trainer = _trainer(tmp_path / "c", nan_for_all, reward_nan_policy="zero")

@@ -31,8 +31,11 @@ if __name__ == "__main__":
         if (tool_mask == 0).any():
             samples.append([trainer.processing_class.decode(ids[tool_mask == 0]),
                             trainer.processing_class.decode(ids[tool_mask == 1])])
+    params = list(trainer.model.parameters())
+    # ZeRO-3: a parameter this rank holds a part of only (DeepSpeed keeps small ones whole, persistent, on every rank)
+    partitioned = [p for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel]
     result = {"history": trainer.state.log_history, "rows": len(batch["completion_ids"]), "expected_rows": len(inputs),
-              "samples": samples[:8]}
+              "samples": samples[:8], "params": len(params), "partitioned_params": len(partitioned)}
     assert torch.is_tensor(batch["tool_mask"])
     if trainer.accelerator.is_main_process:
         with open(f"{out}/result.json", "w") as f:
