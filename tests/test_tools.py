@@ -121,9 +121,14 @@ def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict 
                      config: str | None = None, timeout: float = 900) -> list[dict]:
     script = tmp_path / "script.py"
     source = (ROOT / "tests/assets/tools_grpo_script.py").read_text()
+    # the class swapped; for the HF engine the config too, to say rollout_backend='hf' (a plain GRPOConfig with
+    # use_vllm=False leaves it at 'auto', which picks vLLM where it is installed, as here)
+    config_import = "from trl_nrollout import NRolloutConfig as GRPOConfig" if backend == "hf" else "from trl import GRPOConfig"
     script.write_text(source.replace("from trl import GRPOConfig, GRPOTrainer",
-                                     "from trl import GRPOConfig\nfrom trl_nrollout import NRolloutGRPOTrainer")
+                                     f"{config_import}\nfrom trl_nrollout import NRolloutGRPOTrainer")
                       .replace("trainer = GRPOTrainer(", "trainer = NRolloutGRPOTrainer("))
+    if backend == "hf":
+        extra = {"rollout_backend": "hf", **(extra or {})}
     accelerate = str(Path(sys.executable).parent / "accelerate")
     if config is not None:  # one of the recipes' accelerate configs, or a path
         head = [accelerate, "launch", "--config_file", str(ROOT / "recipes/accelerate" / config)]
@@ -171,12 +176,24 @@ def test_tool_turns_stay_collective_on_one_engine_over_two_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tool_turns_on_the_hf_engine_under_zero3_with_synced_forwards(tmp_path):
-    """Two ZeRO-3 processes, the HF engine generating without gathering the parameters (every forward gathers them
-    collectively, and transformers' generate keeps the ranks' decoding steps in step): the ranks continue different
-    numbers of samples at each tool turn, so they would make different numbers of generate calls (or none) and one
-    would wait forever; every rank now makes as many calls as the busiest one. ``stage3_param_persistence_threshold:
-    0`` partitions every parameter, as a real model's are (the tiny model's would otherwise all stay whole on every
-    rank, below DeepSpeed's default threshold, and its forwards would gather nothing: no rank could wait)."""
+    """A TRL tools script on two ZeRO-3 processes, every parameter partitioned, the HF engine generating without
+    gathering the parameters (every forward gathers them collectively): tool turns train, with TRL's masks. (The
+    ranks' uneven turns themselves: test_a_rank_with_fewer_tool_turn_samples_keeps_the_hf_engines_forwards_in_step.)"""
+    accelerate_config = _zero3_partition_all(tmp_path)
+    result = _run_tool_script(tmp_path, "hf", "sync", steps=2, config=str(accelerate_config), timeout=300,
+                              extra={"use_cpu": False, "ddp_backend": "gloo", "ds3_gather_for_generation": False,
+                                     "per_device_train_batch_size": 32, "bf16": False})
+    assert result["partitioned_params"] == result["params"] > 0  # every parameter is split over the two ranks
+    assert result["engine"] == "HFEngine"
+    turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
+    assert len(turns) == 2 and max(turns) > 1.0
+    _check_masks(result)
+
+
+def _zero3_partition_all(tmp_path) -> Path:
+    """An accelerate config for two ZeRO-3 CPU processes that partitions every parameter
+    (``stage3_param_persistence_threshold: 0``), as a real model's are: a tiny model's would otherwise all stay whole
+    on every rank, below DeepSpeed's default threshold, and its forwards would gather nothing (no rank could wait)."""
     ds_config = tmp_path / "ds_zero3_partition_all.json"
     ds_config.write_text(json.dumps({
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -187,13 +204,25 @@ def test_tool_turns_on_the_hf_engine_under_zero3_with_synced_forwards(tmp_path):
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
         f"  deepspeed_config_file: {ds_config}\n  zero3_init_flag: true\n"
         "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\n")
-    result = _run_tool_script(tmp_path, "hf", "sync", steps=2, config=str(accelerate_config), timeout=600,
-                              extra={"use_cpu": False, "ddp_backend": "gloo", "ds3_gather_for_generation": False,
-                                     "per_device_train_batch_size": 32, "bf16": False})
-    assert result["partitioned_params"] == result["params"] > 0  # every parameter is split over the two ranks
-    turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
-    assert len(turns) == 2 and max(turns) > 1.0
-    _check_masks(result)
+    return accelerate_config
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_rank_with_fewer_tool_turn_samples_keeps_the_hf_engines_forwards_in_step(tmp_path):
+    """ZeRO-3 over two ranks, every parameter partitioned, the HF engine without TRL's gather: rank 0 continues 5
+    samples at a tool turn (3 generate calls of 2) and rank 1 none. Each forward gathers parameters collectively, so
+    rank 0 would wait for rank 1 in its first call (here it fails when rank 1 exits; in training rank 1 would be
+    waiting in another collective: a hang); rank 1 makes filler calls until the busiest rank is done, and both
+    finish with their own samples (shown failing with the filler calls removed)."""
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    run_cmd([accelerate, "launch", "--config_file", str(_zero3_partition_all(tmp_path)),
+             str(ROOT / "tests/assets/hf_engine_uneven_turns.py"), str(tmp_path)],
+            timeout=240, env={**ENV, "PYTHONPATH": str(ROOT)})
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["partitioned"] == r["params"] > 0 for r in ranks)
+    assert len(ranks[0]["completions"]) == 5 and all(1 <= len(c) <= 3 for c in ranks[0]["completions"])
+    assert ranks[1]["completions"] == []
 
 
 @pytest.mark.slow

@@ -35,7 +35,8 @@ if __name__ == "__main__":
     # ZeRO-3: a parameter this rank holds a part of only (DeepSpeed keeps small ones whole, persistent, on every rank)
     partitioned = [p for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel]
     result = {"history": trainer.state.log_history, "rows": len(batch["completion_ids"]), "expected_rows": len(inputs),
-              "samples": samples[:8], "params": len(params), "partitioned_params": len(partitioned)}
+              "samples": samples[:8], "params": len(params), "partitioned_params": len(partitioned),
+              "engine": type(getattr(trainer, "rollout_engine", None)).__name__}
     assert torch.is_tensor(batch["tool_mask"])
     if trainer.accelerator.is_main_process:
         with open(f"{out}/result.json", "w") as f:
