@@ -158,7 +158,6 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         self.critic.train()
         self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=args.critic_learning_rate,
                                                   weight_decay=args.critic_weight_decay)
-        self._critic_micro_steps = 0
         self._critic_time = self._critic_logged_time = 0.0
         self._critic_ds = None  # the critic's own DeepSpeed engine (ZeRO-2/3), built once the policy's is
 
@@ -261,7 +260,9 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         critic = engine or self.critic
         # ZeRO-3 gathers in every forward and backward: every rank runs as many pieces (extra ones weigh 0)
         count = synced_count(len(pieces), mask.device, engine is not None and _is_zero3(self.critic))
-        boundary = (self._critic_micro_steps + 1) % self.args.gradient_accumulation_steps == 0
+        # the policy's optimizer step is the critic's: the Trainer says which micro step ends an accumulation (also
+        # an epoch's last, which may end one early), so the two cannot drift apart
+        boundary = self.accelerator.sync_gradients
         for k in range(count):
             idx = pieces[k] if k < len(pieces) else pieces[0][:1]
             sel = torch.as_tensor(idx, device=mask.device)
@@ -286,7 +287,6 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
                 self._metric(mode, "critic/vpred_mean", float((vpreds * m).sum() / n))
                 self._metric(mode, "critic/vf_explained_var",
                              explained_variance(vpreds, inputs["returns"][sel], m).item())
-        self._critic_micro_steps += 1
         if boundary:
             self._critic_step(mode)
         self._critic_time += time.perf_counter() - start
