@@ -27,5 +27,13 @@ echo "[setup] 3/3 trl-nrollout with trl, accelerate, transformers, datasets, dee
 DS_BUILD_OPS=0 pipq -e "$ROOT[dev]"
 DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import trl, vllm, deepspeed, trl_nrollout" >/dev/null 2>&1 \
   || { echo "[setup] import check failed" >&2; "$VENV/bin/python" -c "import trl, vllm, deepspeed, trl_nrollout"; exit 1; }
+# DeepSpeed compiles its CPU ops (CPU Adam for ZeRO-Offload, the shared-memory collectives of every ZeRO launch) the
+# first time a run needs them, about 65 s and 40 s here: once now, so that no training run (nor test) waits for it
+echo "[setup] compiling DeepSpeed's CPU ops (CPU Adam, shared-memory collectives; about 2 minutes, once)"
+DS_ACCELERATOR=cpu "$VENV/bin/python" -c "
+from deepspeed.accelerator import get_accelerator
+for name in ('CPUAdamBuilder', 'ShareMemCommBuilder'):
+    get_accelerator().create_op_builder(name).load(verbose=False)
+" >/dev/null 2>&1 || echo "[setup] DeepSpeed's CPU ops did not compile now; they compile at first use" >&2
 echo "$HASH" > "$STAMP"
 echo "[setup] done in $(( $(date +%s) - start )) s; environment size $(du -sh "$VENV" | cut -f1)"

@@ -224,7 +224,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_to_the_same_step_count(tmp_path
     import time
 
     out = tmp_path / "run"
-    args = [RECIPE, "--output_dir", str(out), "--use_cpu", "true", "--max_steps", "40", "--save_strategy", "steps",
+    args = [RECIPE, "--output_dir", str(out), "--use_cpu", "true", "--max_steps", "12", "--save_strategy", "steps",
             "--save_steps", "2"]
     log = (tmp_path / "run.log").open("w")
     proc = subprocess.Popen([ACCELERATE, "launch", "--cpu", "--num_processes", "1", *args], cwd=ROOT,
@@ -247,13 +247,13 @@ def test_sigterm_saves_a_checkpoint_that_resumes_to_the_same_step_count(tmp_path
     log.close()
     summary = json.loads((out / "run_summary.json").read_text())
     stopped = summary["steps"]
-    assert summary["stopped_by"] == "SIGTERM" and 2 <= stopped < 40
+    assert summary["stopped_by"] == "SIGTERM" and 2 <= stopped < 12
     from trl_nrollout.checkpoints import last_complete_checkpoint
 
     assert last_complete_checkpoint(out) == out / f"checkpoint-{stopped}"
-    resumed = launch(out, "--max_steps", "40", "--save_strategy", "steps", "--save_steps", "2",
+    resumed = launch(out, "--max_steps", "12", "--save_strategy", "steps", "--save_steps", "2",
                      "--resume_from_checkpoint", "true")
-    assert resumed["summary"]["steps"] == 40 and resumed["summary"]["steps_trained"] == 40 - stopped
+    assert resumed["summary"]["steps"] == 12 and resumed["summary"]["steps_trained"] == 12 - stopped
     assert resumed["summary"]["resumed_from"] == str(out / f"checkpoint-{stopped}")
 
 
