@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     if dist.is_available() and dist.is_initialized():  # a clean exit: no rank left with live gloo threads
         dist.destroy_process_group()
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # its process group is gone: a next run starts afresh
     return summary
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import os
@@ -23,17 +24,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+@contextlib.contextmanager
+def restored_distributed_env():
+    """An in-process vLLM engine sets RANK / WORLD_SIZE / MASTER_PORT in os.environ (its external launcher reads
+    them); later subprocesses must not inherit them (they would take the port or the rank)."""
+    before = {k: os.environ.get(k) for k in _DIST_ENV}
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @pytest.fixture(autouse=True)
 def _restore_distributed_env():
-    """An in-process vLLM engine sets RANK / WORLD_SIZE / MASTER_PORT in os.environ (its external launcher reads
-    them) and keeps that port bound; later subprocess tests must not inherit them (they would fail to bind it)."""
-    before = {k: os.environ.get(k) for k in _DIST_ENV}
-    yield
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with restored_distributed_env():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -229,6 +238,7 @@ def _tier_guard(request, monkeypatch):
 
     import trl_nrollout.rollout.hf_engine  # noqa: F401
     import trl_nrollout.rollout.vllm_group  # noqa: F401
+    import trl_nrollout.trainer  # noqa: F401 - TRL's trainer imports vLLM, which probes the platform in a process
 
     monkeypatch.setattr(_subprocess.Popen, "__init__", refuse("starts a process"))
     for module, attr, what in (("trl_nrollout.rollout.vllm_group", "VLLMEngineGroup", "starts a vLLM engine"),

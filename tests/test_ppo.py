@@ -293,34 +293,48 @@ def test_ppo_learns_the_builtin_task_with_n_1(tmp_path):
     assert sum(loss[-20:]) / 20 < sum(loss[:5]) / 5 / 10, loss
 
 
+# one optimizer step per rollout: with more, each process shuffles its own samples into the mini batches, so the
+# mini batches (not their union) differ between one and two processes (as with GRPO); and a checkpoint between the
+# optimizer steps of one rollout cannot hold the rollout's buffered samples (TRL's trainer has the same limit).
+# 6 steps with a checkpoint at 3: each run serves the two-process comparison and the resume test.
+PPO_SIX = [*PPO_RECIPE, "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3",
+           "--ppo_mini_batch_size", "32"]
+
+
 @pytest.fixture(scope="module")
 def ppo_one_process(tmp_path_factory):
     from tests.test_trainer import launch
 
-    return launch(tmp_path_factory.mktemp("ppo_one"), *PPO_TWO)
+    out = tmp_path_factory.mktemp("ppo_one")
+    return {**launch(out, *PPO_SIX), "out": out}
 
 
-# one optimizer step per rollout: with more, each process shuffles its own samples into the mini batches, so the
-# mini batches (not their union) differ between one and two processes (as with GRPO)
-PPO_TWO = [*PPO_RECIPE, "--max_steps", "4", "--ppo_mini_batch_size", "32"]
+@pytest.fixture(scope="module")
+def ppo_zero3(tmp_path_factory):
+    from tests.test_trainer import launch
+
+    out = tmp_path_factory.mktemp("ppo_zero3")
+    return {**launch(out, *PPO_SIX, config="zero3_cpu.yaml"), "out": out}
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["ddp", "zero2", "zero3"])
-def test_ppo_two_processes_reproduce_one(mode, ppo_one_process, tmp_path):
+def test_ppo_two_processes_reproduce_one(mode, ppo_one_process, tmp_path, request):
     """Two processes (two engines; the critic replicated with averaged gradients under DDP, or in its own DeepSpeed
     engine sharded like the policy under ZeRO-2/3) sample and learn what one process does: the same rewards, losses
-    and values, within float noise."""
+    and values, within float noise, over 6 steps."""
     from tests.test_trainer import launch
 
     one = ppo_one_process
     if mode == "ddp":
-        two = launch(tmp_path, *PPO_TWO, procs=2)
+        two = launch(tmp_path, *PPO_SIX, procs=2)
+    elif mode == "zero2":
+        two = launch(tmp_path, *PPO_SIX, config="zero2_cpu.yaml")
     else:
-        two = launch(tmp_path, *PPO_TWO, config=f"{mode}_cpu.yaml")
-    assert two["summary"]["processes"] == 2
+        two = request.getfixturevalue("ppo_zero3")  # also the uninterrupted run of the ZeRO-3 resume test
+    assert two["summary"]["processes"] == 2 and len(two["steps"]) == 6
     for key in ("reward", "loss", "critic/values/mean"):
         assert [h[key] for h in two["steps"]] == pytest.approx([h[key] for h in one["steps"]], abs=1e-4), key
 
@@ -328,31 +342,25 @@ def test_ppo_two_processes_reproduce_one(mode, ppo_one_process, tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["one_process", pytest.param("zero3", marks=pytest.mark.multiprocess)])
-def test_ppo_resume_gives_the_same_subsequent_steps(mode, tmp_path):
+def test_ppo_resume_gives_the_same_subsequent_steps(mode, tmp_path, request):
     """The critic and its optimizer are checkpointed (under ZeRO-3: the critic engine's shards): resuming at step 3
     of 6 trains steps 4-6 only and reproduces them (a run from scratch would train 6). One process resumes from
-    `true` (the last checkpoint of the output folder, where the checkpoint was copied), ZeRO-3 from a path."""
+    `true` (the last checkpoint of the output folder, where the checkpoint was copied), ZeRO-3 from a path. The
+    uninterrupted runs are the fixtures the two-process comparison reads."""
     import shutil
-    from functools import partial
 
     from tests.test_trainer import assert_resumed, launch
 
-    if mode == "zero3":
-        launch = partial(launch, config="zero3_cpu.yaml")
-
-    # one optimizer step per rollout: a checkpoint between the optimizer steps of one rollout cannot hold the
-    # rollout's buffered samples (TRL's trainer has the same limit)
-    common = [*PPO_RECIPE, "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3",
-              "--ppo_mini_batch_size", "32"]
-    full = launch(tmp_path / "full", *common)
-    checkpoint = tmp_path / "full" / "checkpoint-3"
+    full = request.getfixturevalue("ppo_one_process" if mode == "one_process" else "ppo_zero3")
+    checkpoint = full["out"] / "checkpoint-3"
     saved = checkpoint / "critic"
     assert (saved / "critic").is_dir() if mode == "zero3" else (saved / "optimizer.pt").exists()
     if mode == "one_process":
         shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoint-3")
         checkpoint = tmp_path / "resumed" / "checkpoint-3"
-    resumed = launch(tmp_path / "resumed", *common, "--resume_from_checkpoint",
-                     "true" if mode == "one_process" else str(checkpoint))
+    resumed = launch(tmp_path / "resumed", *PPO_SIX, "--resume_from_checkpoint",
+                     "true" if mode == "one_process" else str(checkpoint),
+                     config="zero3_cpu.yaml" if mode == "zero3" else None)
     assert_resumed(full, resumed, checkpoint, keys=("reward", "loss", "critic/values/mean", "critic/vf_loss"))
 
 

@@ -4,14 +4,12 @@ each estimator family and loss option is reachable from a recipe."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT
 from trl_nrollout.errors import InputError
 
 RECIPES = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
@@ -41,10 +39,12 @@ def test_the_verl_article_recipe_is_the_worked_example(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", [r for r in CPU_RECIPES if r.stem != "default"], ids=lambda p: p.stem)
 def test_cpu_recipes_train(recipe, tmp_path):
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    run_cmd([accelerate, "launch", "--cpu", "--num_processes", "1", str(ROOT / "recipes/grpo.py"), "--config",
-             str(recipe), "--output_dir", str(tmp_path), "--max_steps", "2", "--rollout_backend", "hf"],
-            timeout=400, env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    """In this process (``main`` is what `accelerate launch recipes/grpo.py` calls; test_trainer runs `make demo`
+    through the real launcher)."""
+    from tests.conftest import load_recipe
+
+    load_recipe().main(["--config", str(recipe), "--output_dir", str(tmp_path), "--max_steps", "2",
+                        "--rollout_backend", "hf"])
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["steps"] == 2 and summary["adv_estimator"] == yaml.safe_load(recipe.read_text())["adv_estimator"]
     history = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "loss" in h and "reward" in h]
@@ -65,7 +65,7 @@ def _gsm8k_like(folder: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_gsm8k_recipe_loads_and_trains_on_local_stand_ins(tmp_path):
+def test_gsm8k_recipe_loads_and_trains_on_local_stand_ins(recipe, tmp_path):
     """recipes/configs/gsm8k_qwen.yaml, offline: the real recipe with only the model and the dataset replaced by
     local stand-ins of the same shape (the built-in Qwen2 model; a GSM8K-shaped dataset with its `main` config),
     and the sizes cut for a CPU. Its dataset config, prompt column, system prompt (chat prompts through the model's
@@ -79,15 +79,12 @@ def test_gsm8k_recipe_loads_and_trains_on_local_stand_ins(tmp_path):
 
     assert math_answer_reward(["<answer>5</answer>", "<answer>6</answer>"], answer=[ds[0]["answer"]] * 2) == \
         [1.0, 0.0]  # ds[0]: 2 + 3
-    accelerate = str(Path(sys.executable).parent / "accelerate")
     out = tmp_path / "run"
-    run_cmd([accelerate, "launch", "--cpu", "--num_processes", "1", str(ROOT / "recipes/grpo.py"), "--config",
-             str(ROOT / "recipes/configs/gsm8k_qwen.yaml"), "--model_name_or_path", "builtin:tiny-qwen2",
-             "--dataset_name", str(data), "--output_dir", str(out), "--max_steps", "2", "--train_batch_size", "8",
-             "--rollout_n", "4", "--ppo_mini_batch_size", "8", "--ppo_micro_batch_size_per_device", "16",
-             "--max_completion_length", "16", "--use_cpu", "true", "--bf16", "false",
-             "--gradient_checkpointing", "false", "--save_strategy", "no"],
-            timeout=400, env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    recipe.main(["--config", str(ROOT / "recipes/configs/gsm8k_qwen.yaml"), "--model_name_or_path",
+                 "builtin:tiny-qwen2", "--dataset_name", str(data), "--output_dir", str(out), "--max_steps", "2",
+                 "--train_batch_size", "8", "--rollout_n", "4", "--ppo_mini_batch_size", "8",
+                 "--ppo_micro_batch_size_per_device", "16", "--max_completion_length", "16", "--use_cpu", "true",
+                 "--bf16", "false", "--gradient_checkpointing", "false", "--save_strategy", "no"])
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["steps"] == 2 and summary["rollout_backend"] == "vllm"
     history = [h for h in json.loads((out / "log_history.json").read_text()) if "reward" in h]
@@ -111,17 +108,14 @@ def test_the_recipe_picks_the_trainer_from_the_command_line_or_the_recipe(recipe
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_the_recipe_trains_lora_with_trls_options(tmp_path):
+def test_the_recipe_trains_lora_with_trls_options(recipe, tmp_path):
     """`--use_peft true --lora_r 4 --lora_target_modules q_proj v_proj` (TRL's ModelConfig names): the adapters train
     with a KL loss against the base model, the vLLM engine gets the merged weights (its log-probs are the
     trainer's; LoRA dropout off, which would make the training forward differ), and the output folder holds the
     adapter as configured."""
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    run_cmd([accelerate, "launch", "--cpu", "--num_processes", "1", str(ROOT / "recipes/grpo.py"), "--output_dir",
-             str(tmp_path), "--max_steps", "3", "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
-             "--lora_target_modules", "q_proj", "v_proj", "--lora_dropout", "0", "--use_kl_loss", "true",
-             "--kl_loss_coef", "0.01"],
-            timeout=400, env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    recipe.main(["--output_dir", str(tmp_path), "--max_steps", "3", "--use_peft", "true", "--lora_r", "4",
+                 "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj", "--lora_dropout", "0",
+                 "--use_kl_loss", "true", "--kl_loss_coef", "0.01", "--use_cpu", "true"])
     adapter = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
     assert not (tmp_path / "model.safetensors").exists()  # the adapter, not a full copy of the model
@@ -158,3 +152,15 @@ def test_push_to_hub_pushes_the_trained_model_at_the_end(recipe, tmp_path, monke
     assert summary["steps"] == 1
     assert calls[-1] == ("push", 1, {"dataset_name": "builtin:digits"})
     assert all(c[1] == 1 for c in calls if c[0] == "push")  # after the training step, not before
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_recipe_trains_twice_in_one_process_on_vllm(recipe, tmp_path):
+    """``main`` twice in one process (a notebook, a sweep, these tests): the first run's engine releases vLLM's process
+    groups with the default group it created, so the second engine starts (it used to fail on the first run's
+    groups, and rollout_backend='auto' then fell back to the HF engine)."""
+    for run in ("first", "second"):
+        summary = recipe.main(["--output_dir", str(tmp_path / run), "--max_steps", "1", "--train_batch_size", "8",
+                               "--use_cpu", "true", "--save_strategy", "no"])
+        assert summary["steps"] == 1 and summary["rollout_backend"] == "vllm", (run, summary)

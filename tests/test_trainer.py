@@ -24,7 +24,16 @@ ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, timeout: float = 600) -> dict:
-    """Run the recipe; return its summary and log history."""
+    """Run the recipe; return its summary and log history. One process without an accelerate config runs in this
+    process (``recipe.main``, the function `accelerate launch recipes/grpo.py` calls; a launch costs about 9 s of
+    imports and start-up); `make demo` is run as the README gives it by ``one_process_run``, and more processes or a
+    DeepSpeed config by a real `accelerate launch`."""
+    if procs == 1 and not config:
+        from tests.conftest import load_recipe, restored_distributed_env
+
+        with restored_distributed_env():  # a module-scoped fixture's run must not leave them to the tests
+            load_recipe().main(["--output_dir", str(out), "--use_cpu", "true", *extra])
+        return _read_run(out)
     if config:
         head = [ACCELERATE, "launch", "--config_file", str(ROOT / "recipes/accelerate" / config)]
     elif procs == 1:
@@ -33,6 +42,10 @@ def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, ti
         head = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(procs)]
     cpu = ["--use_cpu", "false", "--ddp_backend", "gloo"] if config and "zero" in config else ["--use_cpu", "true"]
     run_cmd([*head, RECIPE, "--output_dir", str(out), *cpu, *extra], timeout=timeout, env=ENV)
+    return _read_run(out)
+
+
+def _read_run(out: Path) -> dict:
     summary = json.loads((out / "run_summary.json").read_text())
     history = json.loads((out / "log_history.json").read_text())
     return {"summary": summary, "steps": [h for h in history if "reward" in h]}
@@ -160,10 +173,19 @@ def test_zero3_with_the_hf_engine_prefills_once_where_parameters_are_gathered(tm
     assert first[0]["loss"] == pytest.approx(first[1]["loss"], abs=1e-4)
 
 
+@pytest.fixture(scope="module")
+def zero2_dapo_run(tmp_path_factory):
+    """Two processes under DeepSpeed ZeRO-2 with the HF engine, DAPO's dynamic sampling, balanced batches and the
+    token-level rollout correction: one launch, read by two tests."""
+    return launch(tmp_path_factory.mktemp("zero2_dapo"), "--max_steps", "3", "--rollout_backend", "hf",
+                  "--filter_groups", "true", "--balance_batch", "true", "--rollout_is", "token", "--reward_funcs",
+                  "tests.assets.rewards_for_tests:constant_for_some_prompts", config="zero2_cpu.yaml")
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_zero2_with_the_hf_engine(tmp_path):
-    run = launch(tmp_path, "--max_steps", "3", "--rollout_backend", "hf", config="zero2_cpu.yaml")
+def test_zero2_with_the_hf_engine(zero2_dapo_run):
+    run = zero2_dapo_run
     assert run["summary"]["processes"] == 2 and run["summary"]["steps"] == 3
     assert all(math.isfinite(h["loss"]) for h in run["steps"])
 
@@ -297,11 +319,8 @@ def test_a_grpo_trainer_script_runs_unchanged_but_for_the_class(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_dynamic_sampling_balance_and_rollout_correction(tmp_path):
-    run = launch(tmp_path, "--max_steps", "3", "--rollout_backend", "hf", "--filter_groups", "true",
-                 "--balance_batch", "true", "--rollout_is", "token", "--reward_funcs",
-                 "tests.assets.rewards_for_tests:constant_for_some_prompts", procs=2)
-    steps = run["steps"]
+def test_dynamic_sampling_balance_and_rollout_correction(zero2_dapo_run):
+    steps = zero2_dapo_run["steps"]
     assert sum(h["dynamic_sampling/filtered_groups"] for h in steps) > 0
     assert max(h["dynamic_sampling/rounds"] for h in steps) >= 1
     assert all(h["balance/max_over_mean_tokens"] >= 1.0 for h in steps)

@@ -158,6 +158,7 @@ class VLLMEngineGroup:
             raise ValueError(f"seed_mode={seed_mode!r} is not one of {SEED_MODES} (rollout_seed_mode).")
         prepare_vllm_environment()
         _close_live_engines()  # one external-launcher engine per process: a new trainer releases the previous one
+        _forget_stale_vllm_groups()
         self.llm = None
         self.layout = layout
         self.rank = rank
@@ -445,6 +446,8 @@ class VLLMEngineGroup:
                 llm.llm_engine.engine_core.shutdown()
         except Exception as err:  # noqa: BLE001 - best effort at teardown
             logger.debug("vLLM engine shutdown: %s", err)
+        if self._owns_process_group:
+            _release_vllm_groups()
         self.llm = None
         _LIVE.discard(self)
 
@@ -485,6 +488,37 @@ def _close_live_engines() -> None:
     for group in list(_LIVE):
         logger.info("releasing the rollout engine of a previous trainer (vLLM runs one engine per process)")
         group.close()
+
+
+def _forget_stale_vllm_groups() -> None:
+    """vLLM's groups left by an engine whose default process group was destroyed since (the recipe's ``main`` ends
+    with ``destroy_process_group``): a new engine would reuse them and fail to start."""
+    import sys
+
+    parallel_state = sys.modules.get("vllm.distributed.parallel_state")
+    if parallel_state is None or parallel_state._WORLD is None:
+        return
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        _release_vllm_groups()
+
+
+def _release_vllm_groups() -> None:
+    """Forget vLLM's process groups after the shutdown of an engine that started torch.distributed itself (one
+    process). The shutdown destroys the default group but leaves vLLM's groups (world, TP, PP, ...) registered: a
+    later engine in this process (a second ``main`` of the recipe, a sweep) would reuse them and fail to start
+    ("not initialized in the world group map")."""
+    from vllm.distributed import parallel_state
+
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, parallel_state.GroupCoordinator):
+            try:
+                value.destroy()
+            except Exception as err:  # noqa: BLE001 - its torch group may already be gone with the default one
+                logger.debug("vLLM group %s: %s", name, err)
+            setattr(parallel_state, name, None)
+    parallel_state._NODE_COUNT = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 @contextlib.contextmanager
