@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -119,6 +120,98 @@ def run_cmd(args: list[str], timeout: float = 600, env: dict | None = None, cwd:
         pytest.fail(f"command failed ({proc.returncode}): {' '.join(args)}\n--- stdout\n{proc.stdout[-6000:]}\n"
                     f"--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+# ---------------------------------------------------------------------------------------------- recipe runs
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+RECIPE = str(ROOT / "recipes" / "grpo.py")
+ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, timeout: float = 600) -> dict:
+    """Run the recipe; return its summary and log history. One process without an accelerate config runs in this
+    process (``recipe.main``, the function `accelerate launch recipes/grpo.py` calls; a launch costs about 9 s of
+    imports and start-up); `make demo` is run as the README gives it by ``one_process_run``, and more processes or a
+    DeepSpeed config by a real `accelerate launch`."""
+    if procs == 1 and not config:
+        with restored_distributed_env():  # a module-scoped fixture's run must not leave them to the tests
+            load_recipe().main(["--output_dir", str(out), "--use_cpu", "true", *extra])
+        return _read_run(out)
+    if config:
+        head = [ACCELERATE, "launch", "--config_file", str(ROOT / "recipes/accelerate" / config)]
+    elif procs == 1:
+        head = [ACCELERATE, "launch", "--cpu", "--num_processes", "1"]
+    else:
+        head = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(procs)]
+    cpu = ["--use_cpu", "false", "--ddp_backend", "gloo"] if config and "zero" in config else ["--use_cpu", "true"]
+    run_cmd([*head, RECIPE, "--output_dir", str(out), *cpu, *extra], timeout=timeout, env=ENV)
+    return _read_run(out)
+
+
+def _read_run(out: Path) -> dict:
+    summary = json.loads((out / "run_summary.json").read_text())
+    history = json.loads((out / "log_history.json").read_text())
+    return {"summary": summary, "steps": [h for h in history if "reward" in h]}
+
+
+
+def rewards(run: dict) -> list[float]:
+    return [h["reward"] for h in run["steps"]]
+
+
+# what a resume must bring back beside the model: the optimizer and a scheduler that moves (linear), the adaptive KL
+# controller (KL in the reward), and the generator that draws DAPO's extra prompts (groups of prompts that mention
+# 'digits' score a constant 1.0 and are filtered out, so every step draws more)
+RESUME = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--learning_rate", "5e-3",
+          "--lr_scheduler_type", "linear", "--use_kl_in_reward", "true", "--kl_ctrl_type", "adaptive",
+          "--kl_target", "0.0001", "--kl_horizon", "50", "--filter_groups", "true", "--reward_funcs",
+          "tests.assets.rewards_for_tests:constant_for_some_prompts"]
+RESUMED_KEYS = ("reward", "loss", "learning_rate", "actor/reward_kl_penalty_coeff", "dynamic_sampling/rounds")
+
+
+def assert_resumed(full: dict, resumed: dict, checkpoint: Path, keys=RESUMED_KEYS) -> None:
+    """``resumed`` trained only steps 4-6, from ``checkpoint``, and logged what the uninterrupted run logged."""
+    assert resumed["summary"]["resumed_from"] == str(checkpoint)
+    assert resumed["summary"]["steps_trained"] == 3 and resumed["summary"]["steps"] == 6
+    tail = [h for h in full["steps"] if h["step"] > 3]
+    again = [h for h in resumed["steps"] if h["step"] > 3]
+    assert [h["step"] for h in again] == [4, 5, 6]
+    for a, b in zip(tail, again):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["step"])
+
+
+@pytest.fixture(scope="session")
+def zero3_long_prompt_runs(tmp_path_factory):
+    """Two processes under DeepSpeed ZeRO-3 with the HF engine, 2 steps on prompts of 80 tokens (long enough for the
+    shared-prompt forward to pay: a group packs into fewer tokens than its n plain rows) with a KL loss, one launch
+    per variant, run
+    on first request and shared: ``get("gathered")`` (ds3_gather_for_generation, TRL's default), ``"not_gathered"``,
+    and ``"plain"`` (gathered, shared_prompt_forward off). Read by the HF engine's prefill test (test_trainer) and
+    the shared-prompt forward's comparison with the plain layout (test_packing)."""
+    from transformers import AutoTokenizer
+
+    from trl_nrollout.builtin import digits_prompts, long_prompts, resolve_model
+
+    base = tmp_path_factory.mktemp("zero3_long_prompts")
+    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
+    data = base / "long.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in long_prompts(digits_prompts(32), tok, 80)))
+    # the old-policy and reference passes run (a KL loss; no on-policy skip): their micro batches hold whole groups,
+    # which is where the shared-prompt forward packs (the update's shuffled micro batches mix prompts)
+    common = ("--max_steps", "2", "--rollout_backend", "hf", "--dataset_name", str(data), "--save_strategy", "no",
+              "--beta", "0.04", "--skip_old_log_prob_when_on_policy", "false")
+    variants = {"gathered": ("--ds3_gather_for_generation", "true"),
+                "not_gathered": ("--ds3_gather_for_generation", "false"),
+                "plain": ("--ds3_gather_for_generation", "true", "--shared_prompt_forward", "false")}
+    runs: dict[str, dict] = {}
+
+    def get(variant: str) -> dict:
+        if variant not in runs:
+            runs[variant] = launch(base / variant, *common, *variants[variant], config="zero3_cpu.yaml", timeout=900)
+        return runs[variant]
+
+    return get
 
 
 def save_tiny_model(folder: Path, moe: bool = False, dtype=None, **config) -> str:

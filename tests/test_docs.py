@@ -3,6 +3,7 @@ block of the docs and the README runs as written (offline), and local links poin
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -34,13 +35,34 @@ def test_configuration_reference_is_current():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if blocks(d, "python")], ids=lambda p: p.name)
-def test_python_blocks_run(doc, tmp_path):
-    (tmp_path / "recipes").symlink_to(ROOT / "recipes")  # docs refer to the repository's recipes
-    code = "\n\n".join(blocks(doc, "python"))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=_env(),
-                          timeout=600)
-    assert proc.returncode == 0, f"{doc.name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+PYTHON_DOCS = [d for d in DOCS if blocks(d, "python")]
+
+
+@pytest.fixture(scope="module")
+def python_block_results(tmp_path_factory) -> tuple[dict, str]:
+    """Every doc's ```python blocks, run as one script per doc, all docs in one process (the imports of torch, TRL
+    and vLLM paid once; tests/assets/run_python_blocks.py), each in its own folder: ``({doc name: result}, the
+    run's output)``."""
+    base = tmp_path_factory.mktemp("python_blocks")
+    spec = []
+    for doc in PYTHON_DOCS:
+        folder = base / doc.name
+        folder.mkdir()
+        (folder / "recipes").symlink_to(ROOT / "recipes")  # docs refer to the repository's recipes
+        spec.append({"name": doc.name, "code": "\n\n".join(blocks(doc, "python")), "cwd": str(folder)})
+    (base / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/assets/run_python_blocks.py"), str(base / "spec.json"),
+                           str(base / "results.json")], cwd=base, capture_output=True, text=True, env=_env(),
+                          timeout=1200)
+    results = json.loads((base / "results.json").read_text()) if (base / "results.json").exists() else {}
+    return results, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("doc", PYTHON_DOCS, ids=lambda p: p.name)
+def test_python_blocks_run(doc, python_block_results):
+    results, output = python_block_results
+    assert doc.name in results, f"{doc.name} did not run (the runner stopped before it):\n{output}"
+    assert results[doc.name]["ok"], f"{doc.name}:\n{results[doc.name]['error']}\n{output}"
 
 
 @pytest.mark.parametrize("doc", [d for d in DOCS if blocks(d, "bash")], ids=lambda p: p.name)

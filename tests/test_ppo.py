@@ -278,7 +278,7 @@ def test_ppo_learns_the_builtin_task_with_n_1(tmp_path):
     loss falls tenfold."""
     import json
 
-    from tests.test_trainer import launch, rewards
+    from tests.conftest import launch, rewards
 
     run = launch(tmp_path, *PPO_RECIPE)
     r = rewards(run)
@@ -303,7 +303,7 @@ PPO_SIX = [*PPO_RECIPE, "--max_steps", "6", "--save_strategy", "steps", "--save_
 
 @pytest.fixture(scope="module")
 def ppo_one_process(tmp_path_factory):
-    from tests.test_trainer import launch
+    from tests.conftest import launch
 
     out = tmp_path_factory.mktemp("ppo_one")
     return {**launch(out, *PPO_SIX), "out": out}
@@ -311,7 +311,7 @@ def ppo_one_process(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ppo_zero3(tmp_path_factory):
-    from tests.test_trainer import launch
+    from tests.conftest import launch
 
     out = tmp_path_factory.mktemp("ppo_zero3")
     return {**launch(out, *PPO_SIX, config="zero3_cpu.yaml"), "out": out}
@@ -325,7 +325,7 @@ def test_ppo_two_processes_reproduce_one(mode, ppo_one_process, tmp_path, reques
     """Two processes (two engines; the critic replicated with averaged gradients under DDP, or in its own DeepSpeed
     engine sharded like the policy under ZeRO-2/3) sample and learn what one process does: the same rewards, losses
     and values, within float noise, over 6 steps."""
-    from tests.test_trainer import launch
+    from tests.conftest import launch
 
     one = ppo_one_process
     if mode == "ddp":
@@ -349,7 +349,7 @@ def test_ppo_resume_gives_the_same_subsequent_steps(mode, tmp_path, request):
     uninterrupted runs are the fixtures the two-process comparison reads."""
     import shutil
 
-    from tests.test_trainer import assert_resumed, launch
+    from tests.conftest import assert_resumed, launch
 
     full = request.getfixturevalue("ppo_one_process" if mode == "one_process" else "ppo_zero3")
     checkpoint = full["out"] / "checkpoint-3"
@@ -470,8 +470,7 @@ def test_ppo_critic_trains_under_zero_offload(tmp_path):
     import json
     import math
 
-    from tests.conftest import ROOT, run_cmd
-    from tests.test_trainer import ACCELERATE, ENV, RECIPE
+    from tests.conftest import ACCELERATE, ENV, RECIPE, ROOT, run_cmd
 
     config = tmp_path / "zero2_offload.yaml"
     config.write_text((ROOT / "recipes/accelerate/zero2_cpu.yaml").read_text()

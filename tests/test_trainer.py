@@ -16,43 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cmd
-
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
-RECIPE = str(ROOT / "recipes" / "grpo.py")
-ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-
-
-def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, timeout: float = 600) -> dict:
-    """Run the recipe; return its summary and log history. One process without an accelerate config runs in this
-    process (``recipe.main``, the function `accelerate launch recipes/grpo.py` calls; a launch costs about 9 s of
-    imports and start-up); `make demo` is run as the README gives it by ``one_process_run``, and more processes or a
-    DeepSpeed config by a real `accelerate launch`."""
-    if procs == 1 and not config:
-        from tests.conftest import load_recipe, restored_distributed_env
-
-        with restored_distributed_env():  # a module-scoped fixture's run must not leave them to the tests
-            load_recipe().main(["--output_dir", str(out), "--use_cpu", "true", *extra])
-        return _read_run(out)
-    if config:
-        head = [ACCELERATE, "launch", "--config_file", str(ROOT / "recipes/accelerate" / config)]
-    elif procs == 1:
-        head = [ACCELERATE, "launch", "--cpu", "--num_processes", "1"]
-    else:
-        head = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(procs)]
-    cpu = ["--use_cpu", "false", "--ddp_backend", "gloo"] if config and "zero" in config else ["--use_cpu", "true"]
-    run_cmd([*head, RECIPE, "--output_dir", str(out), *cpu, *extra], timeout=timeout, env=ENV)
-    return _read_run(out)
-
-
-def _read_run(out: Path) -> dict:
-    summary = json.loads((out / "run_summary.json").read_text())
-    history = json.loads((out / "log_history.json").read_text())
-    return {"summary": summary, "steps": [h for h in history if "reward" in h]}
-
-
-def rewards(run: dict) -> list[float]:
-    return [h["reward"] for h in run["steps"]]
+from tests.conftest import ACCELERATE, ENV, RECIPE, RESUME, ROOT, assert_resumed, launch, rewards, run_cmd
 
 
 @pytest.fixture(scope="module")
@@ -141,28 +105,20 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     elif mode == "ddp_tp2":
         run = launch(tmp_path, *extra, "--rollout_tp_size", "2", procs=2)
     else:
-        run = launch(tmp_path, *extra, config="zero3_cpu.yaml")
+        run = launch(tmp_path, *extra, "--save_strategy", "no", config="zero3_cpu.yaml")
     assert run["summary"]["processes"] == 2
     assert rewards(run) == pytest.approx(rewards(one_process_run)[:4], abs=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_zero3_with_the_hf_engine_prefills_once_where_parameters_are_gathered(tmp_path):
+def test_zero3_with_the_hf_engine_prefills_once_where_parameters_are_gathered(zero3_long_prompt_runs):
     """The HF engine under ZeRO-3 in two processes, prompts of 80 tokens. With ds3_gather_for_generation (TRL's
     default) the parameters are gathered and their hooks off, so every forward is local: each prompt is prefilled
     once for its n samples. Without it, generate's forwards gather parameters collectively, so the engine prefills
     n copies as generate does. Same seed, same samples: the first step's reward and loss agree."""
-    from transformers import AutoTokenizer
-
-    from trl_nrollout.builtin import digits_prompts, long_prompts, resolve_model
-
-    tok = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"))
-    data = tmp_path / "long.jsonl"
-    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in long_prompts(digits_prompts(32), tok, 80)))
-    common = ("--max_steps", "2", "--rollout_backend", "hf", "--dataset_name", str(data), "--save_strategy", "no")
-    runs = {gather: launch(tmp_path / gather, *common, "--ds3_gather_for_generation", gather,
-                           config="zero3_cpu.yaml", timeout=900) for gather in ("true", "false")}
+    runs = {gather: zero3_long_prompt_runs(variant) for gather, variant in (("true", "gathered"),
+                                                                           ("false", "not_gathered"))}
     for gather, shared in (("true", 1.0), ("false", 0.0)):
         run = runs[gather]
         assert run["summary"]["processes"] == 2 and run["summary"]["steps"] == 2
@@ -188,28 +144,6 @@ def test_zero2_with_the_hf_engine(zero2_dapo_run):
     run = zero2_dapo_run
     assert run["summary"]["processes"] == 2 and run["summary"]["steps"] == 3
     assert all(math.isfinite(h["loss"]) for h in run["steps"])
-
-
-# what a resume must bring back beside the model: the optimizer and a scheduler that moves (linear), the adaptive KL
-# controller (KL in the reward), and the generator that draws DAPO's extra prompts (groups of prompts that mention
-# 'digits' score a constant 1.0 and are filtered out, so every step draws more)
-RESUME = ["--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", "--learning_rate", "5e-3",
-          "--lr_scheduler_type", "linear", "--use_kl_in_reward", "true", "--kl_ctrl_type", "adaptive",
-          "--kl_target", "0.0001", "--kl_horizon", "50", "--filter_groups", "true", "--reward_funcs",
-          "tests.assets.rewards_for_tests:constant_for_some_prompts"]
-RESUMED_KEYS = ("reward", "loss", "learning_rate", "actor/reward_kl_penalty_coeff", "dynamic_sampling/rounds")
-
-
-def assert_resumed(full: dict, resumed: dict, checkpoint: Path, keys=RESUMED_KEYS) -> None:
-    """``resumed`` trained only steps 4-6, from ``checkpoint``, and logged what the uninterrupted run logged."""
-    assert resumed["summary"]["resumed_from"] == str(checkpoint)
-    assert resumed["summary"]["steps_trained"] == 3 and resumed["summary"]["steps"] == 6
-    tail = [h for h in full["steps"] if h["step"] > 3]
-    again = [h for h in resumed["steps"] if h["step"] > 3]
-    assert [h["step"] for h in again] == [4, 5, 6]
-    for a, b in zip(tail, again):
-        for key in keys:
-            assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a["step"])
 
 
 @pytest.mark.slow
