@@ -148,6 +148,34 @@ def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, ti
     return _read_run(out)
 
 
+def run_script_in_process(script: Path, *argv: str, env: dict | None = None) -> dict:
+    """Run a one-process script as ``python script argv...`` would, in this process (the imports of torch, TRL and
+    vLLM are paid once per session instead of once per script): ``__name__ == "__main__"``, its ``sys.argv`` and
+    ``env`` set while it runs. What the end of its process would release is released: the trainers it leaves open
+    are closed (engines, process groups), accelerate's state is reset, the environment restored. Returns the
+    script's globals."""
+    import runpy
+
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer
+
+    saved_argv, saved_env = sys.argv, dict(os.environ)
+    sys.argv = [str(script), *argv]
+    os.environ.update({k: v for k, v in (env or {}).items() if v is not None})
+    namespace: dict = {}
+    try:
+        namespace = runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = saved_argv
+        for value in list(namespace.values()):
+            if isinstance(value, Trainer) and hasattr(value, "close"):
+                value.close()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return namespace
+
+
 def _read_run(out: Path) -> dict:
     summary = json.loads((out / "run_summary.json").read_text())
     history = json.loads((out / "log_history.json").read_text())
@@ -247,6 +275,7 @@ def save_tiny_model(folder: Path, moe: bool = False, dtype=None, **config) -> st
 HEAVY = {
     "starts a process": re.compile(r"\b(run_cmd|launch|Popen|subprocess\.(run|call|check_call|check_output))\("),
     "trains": re.compile(r"\.train\("),
+    "runs a script": re.compile(r"\brun_script_in_process\("),
     "starts an engine": re.compile(r"\b(VLLMEngineGroup|HFEngine|LLM)\("),
     "runs a rollout": re.compile(r"\b(_generate_and_score_completions|generate_expanded|generate_engine)\("),
     "builds a trainer (model and engine)": re.compile(r"\b\w*Trainer\((?!\w*Error)"),

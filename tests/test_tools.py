@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, run_script_in_process
 from trl_nrollout.rollout.agent_loop import call_tools, run_tool_turns, split_tools
 from trl_nrollout.rollout.types import RolloutBatch
 
@@ -132,8 +132,11 @@ def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict 
     accelerate = str(Path(sys.executable).parent / "accelerate")
     if config is not None:  # one of the recipes' accelerate configs, or a path
         head = [accelerate, "launch", "--config_file", str(ROOT / "recipes/accelerate" / config)]
+    elif procs == 1:  # as `python script.py ...`, in this process (see run_script_in_process)
+        run_script_in_process(script, str(tmp_path), backend, tool, str(steps), json.dumps(extra or {}), env=ENV)
+        return json.loads((tmp_path / "result.json").read_text())
     else:
-        head = [sys.executable] if procs == 1 else [accelerate, "launch", "--multi_gpu", "--num_processes", str(procs)]
+        head = [accelerate, "launch", "--multi_gpu", "--num_processes", str(procs)]
     run_cmd([*head, str(script), str(tmp_path), backend, tool, str(steps), json.dumps(extra or {})],
             timeout=timeout, env={**ENV, "PYTHONPATH": str(ROOT)})
     return json.loads((tmp_path / "result.json").read_text())
