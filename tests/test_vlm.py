@@ -243,12 +243,14 @@ def test_image_tensors_stay_on_their_rank_unless_samples_move(vlm_path, tmp_path
     """The pool of a step is gathered to every rank; a VLM's image tensors go with it only where samples change
     ranks (balance_batch, DAPO's selection). Otherwise each rank keeps its own tensors, and the update still sees the
     images (its loss and gradients depend on them)."""
+    from trl_nrollout.stages import Sample
+
     gathered = []
     real_gather = trainer_module.gather_object
 
     def spy(obj):
-        if isinstance(obj, list) and obj and isinstance(obj[0], tuple) and len(obj[0]) == 6:
-            gathered.append([r[5] is not None for r in obj])
+        if isinstance(obj, list) and obj and isinstance(obj[0], Sample):  # the round's samples
+            gathered.append([s.mm is not None for s in obj])
         return real_gather(obj)
 
     monkeypatch.setattr(trainer_module, "gather_object", spy)

@@ -74,14 +74,13 @@ def _blocks(content: str | list) -> list:
 class MultiTurnRollout:
     """Mixin: episodes (environments), tool turns and custom rollout functions on the trainer's engines."""
 
-    def _start_episodes(self, inputs: list[dict]) -> list:
+    def _start_episodes(self, inputs: list[dict]) -> tuple[list, list]:
         """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
-        (a returned observation is appended to the prompt's last message), and each sample's tools."""
+        (a returned observation is appended to the prompt's last message), and each sample's tools (sync, async)."""
         factories = getattr(self, "environment_factories", None)
         if factories is None:
             prompts = attach_images([x["prompt"] for x in inputs], dataset_images(inputs))
-            self._sample_tools = [split_tools(list(self.tools or []))] * len(inputs)
-            return prompts
+            return prompts, [split_tools(list(self.tools or []))] * len(inputs)
         prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
         names = [x.get("environment") if self._multi_environment else None for x in inputs]
         unknown = sorted({str(n) for n in names if n not in factories})
@@ -97,8 +96,7 @@ class MultiTurnRollout:
                 pool.append(factories[name]())
             self.environments.append(pool[taken[name]])
             taken[name] += 1
-        self._sample_tools = [split_tools(list(self._standalone_tools) + _environment_tools(env))
-                              for env in self.environments]
+        tools = [split_tools(list(self._standalone_tools) + _environment_tools(env)) for env in self.environments]
         for i, (env, row) in enumerate(zip(self.environments, inputs)):
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
             observation = env.reset(**kwargs)
@@ -111,7 +109,7 @@ class MultiTurnRollout:
             else:
                 content = content + observation
             prompts[i] = prompts[i][:-1] + [{**last, "content": content}]
-        return prompts
+        return prompts, tools
 
     def _parse_turn(self, i: int, ids: list[int], prefix: list[int]) -> dict:
         """Sample ``i``'s assistant message from its turn's token ids (TRL's parser, with its prompt's tools)."""
@@ -121,8 +119,9 @@ class MultiTurnRollout:
             tools = self.tools
         return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
 
-    def _tool_turns(self, first: RolloutBatch, sampling: SamplingOptions, mode: str) -> Turns:
-        """Continue ``first`` turn by turn on the engine while samples call tools (see ``run_tool_turns``)."""
+    def _tool_turns(self, first: RolloutBatch, sampling: SamplingOptions, mode: str, tools: list) -> Turns:
+        """Continue ``first`` turn by turn on the engine while samples call tools (see ``run_tool_turns``);
+        ``tools``: each sample's (sync, async) tools, from :meth:`_start_episodes`."""
         loop = getattr(self, "async_loop", None)
         rank, width = self.accelerator.process_index, max(1, len(first))
 
@@ -136,7 +135,7 @@ class MultiTurnRollout:
         iterations = self.args.max_tool_calling_iterations
         return run_tool_turns(
             first, parse=self._parse_turn,
-            run_tools=lambda i, calls: call_tools(calls, *self._sample_tools[i], loop=loop),
+            run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop),
             suffix_ids=self._get_tool_suffix_ids, generate=generate,
             any_rank=lambda flag: any(gather_object([flag])), max_iterations=iterations,
             max_completion_length=self.args.max_completion_length, max_model_len=max_len)

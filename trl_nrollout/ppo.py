@@ -36,6 +36,7 @@ from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.errors import InputError
 from trl_nrollout.logprobs import _is_zero3, pack_by_tokens, split_by_count
 from trl_nrollout.losses import LOSS_AGG_MODES, explained_variance, value_loss
+from trl_nrollout.stages import Advantages, Assignment, LogProbs, Round, StepContext
 from trl_nrollout.trainer import NRolloutGRPOTrainer, fit_width
 from trl_nrollout.update import _loss_mask
 
@@ -188,38 +189,48 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
             model=self.critic, optimizer=optimizer, config=config)
         return self._critic_ds
 
-    # ------------------------------------------------------------------ values and GAE (rollout side)
-    def _estimator_options(self, options: dict, prompt_ids: list, completion_ids: list, mm: list | None,
-                           mine: list[int], num_samples: int, width: int, mode: str) -> dict:
+    # ------------------------------------------------------------------ values and GAE (the advantage stage)
+    def _advantages(self, collected: Round, assigned: Assignment, logps: LogProbs, ctx: StepContext) -> Advantages:
+        """GAE over the critic's values: the critic's value pass (:meth:`_critic_value_pass`), then the estimator
+        with them over the whole job; the job's mean value and return are logged."""
+        args: NRolloutPPOConfig = self.args
+        width = max(max(len(s.completion_ids) for s in collected.samples), 1)
+        values = self._critic_value_pass(assigned, len(collected), width, ctx.mode)
+        adv = self._estimate_advantages(collected, assigned, logps, ctx, values=values, gamma=args.gamma,
+                                        lam=args.lam)
+        mask = adv.response_mask
+        self._metric(ctx.mode, "critic/values/mean", float((values * mask).sum() / mask.sum().clamp(min=1)))
+        self._metric(ctx.mode, "critic/returns/mean", float((adv.returns * mask).sum() / mask.sum().clamp(min=1)))
+        return adv
+
+    def _critic_value_pass(self, assigned: Assignment, num_samples: int, width: int, mode: str) -> torch.Tensor:
+        """The critic's values of this rank's samples (micro-batched like the log-prob passes), assembled into the
+        job's ``[num_samples, width]`` (each sample is some rank's: a sum over the ranks), on the CPU."""
         args: NRolloutPPOConfig = self.args
         start = time.perf_counter()
         micro = self.layout.old_log_prob
         critic = self._critic_engine() or self.critic
         with self.accelerator.autocast():  # the precision the critic trains in (bf16=True: bf16 autocast)
-            local = compute_values(critic, prompt_ids, completion_ids, pad_token_id=self._tokenizer.pad_token_id,
+            local = compute_values(critic, assigned.prompt_ids, assigned.completion_ids,
+                                   pad_token_id=self._tokenizer.pad_token_id,
                                    micro_batch_size=args.critic_ppo_micro_batch_size_per_device or micro.per_device,
                                    max_token_len=args.critic_ppo_max_token_len_per_device or micro.max_token_len,
                                    pad_to_multiple_of=self.pad_to_multiple_of)
         job = torch.zeros(num_samples, width, device=local.device)
         if local.numel():
-            job[torch.as_tensor(mine, device=local.device), :local.shape[1]] = local
-        if self.accelerator.num_processes > 1:  # each sample is some rank's: the sum assembles the job
+            job[torch.as_tensor(assigned.mine, device=local.device), :local.shape[1]] = local
+        if self.accelerator.num_processes > 1:
             job = self.accelerator.reduce(job, reduction="sum")
-        self._job_values = job.cpu()
         self._metric(mode, "timing_s/values", time.perf_counter() - start)
-        return {**options, "values": self._job_values, "gamma": args.gamma, "lam": args.lam}
+        return job.cpu()
 
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        mode = "train" if self.model.training else "eval"
-        dev = out["completion_ids"].device
-        c_max = out["completion_ids"].shape[1]
-        values, returns = self._job_values, self._job_returns
-        mask = self._job_mask
-        self._metric(mode, "critic/values/mean", float((values * mask).sum() / mask.sum().clamp(min=1)))
-        self._metric(mode, "critic/returns/mean", float((returns * mask).sum() / mask.sum().clamp(min=1)))
-        out["old_values"] = fit_width(values[self._mine], c_max).to(dev)
-        out["returns"] = fit_width(returns[self._mine], c_max).to(dev)
+    def _trl_batch(self, assigned: Assignment, logps: LogProbs, adv: Advantages, ctx: StepContext) -> dict:
+        """TRL's batch, with the critic's values at the rollout (``old_values``) and the GAE returns of this rank's
+        samples ``[B, C]``, which the critic's update takes."""
+        out = super()._trl_batch(assigned, logps, adv, ctx)
+        dev, c_max = out["completion_ids"].device, out["completion_ids"].shape[1]
+        out["old_values"] = fit_width(adv.values[assigned.mine], c_max).to(dev)
+        out["returns"] = fit_width(adv.returns[assigned.mine], c_max).to(dev)
         return out
 
     # ------------------------------------------------------------------ the update

@@ -13,6 +13,7 @@ import inspect
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import gather, gather_object
@@ -23,6 +24,15 @@ logger = logging.getLogger("trl_nrollout.trainer")  # the trainer's logger: user
 
 #: Seconds between two "still waiting for reward function ..." lines while a reward call runs.
 WAIT_NOTICE_S = 60.0
+
+
+@dataclass
+class Scores:
+    """What scoring a round gives: ``rewards`` ``[G, F]`` of the job's samples (NaN: the function does not apply)
+    and the ``log_extra`` columns reward functions logged (job order; ``{}`` unless ``log_completions``)."""
+
+    rewards: Tensor
+    extra_logs: dict[str, list]
 
 
 class RewardFunctionError(RuntimeError):
@@ -124,24 +134,25 @@ def as_rewards(values, name: str, prompts: list) -> list[float | None]:
 class RewardScoring:
     """Scoring methods of the trainer (see the module docstring)."""
 
-    def _reward_kwargs(self, inputs: list[dict], rows: list[int] | None = None) -> dict:
-        """The dataset columns of ``inputs`` (one list per column) plus the trainer state, as reward kwargs; with
-        ``rows`` (indices of ``inputs`` in this rank's samples), per-sample extras are cut to those samples."""
+    def _reward_kwargs(self, inputs: list[dict], rows: list[int] | None = None, extra: dict | None = None) -> dict:
+        """The dataset columns of ``inputs`` (one list per column) plus the trainer state, as reward kwargs, and the
+        per-sample ``extra`` fields of a ``rollout_func`` (as TRL passes them); with ``rows`` (indices of ``inputs``
+        in this rank's samples), per-sample extras are cut to those samples."""
         keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
         # TRL's callables: log_extra (completion-table columns; kept as TRL keeps them without log_completions) and
         # log_metric (a scalar averaged over the step and logged beside the built-in metrics; see _flush_metrics)
         kwargs = {**{k: [x[k] for x in inputs] for k in keys}, "trainer_state": self.state,
                   "log_extra": self._log_completion_extra, "log_metric": self._log_metric}
-        per_sample = dict(getattr(self, "_rollout_extra", None) or {})  # rollout_func's extra fields, as in TRL
+        per_sample = dict(extra or {})
         if getattr(self, "environments", None) is not None:  # environment_factory: each sample's environment
             per_sample["environments"] = self.environments
         kwargs.update({k: v if rows is None else [v[r] for r in rows] for k, v in per_sample.items()})
         return kwargs
 
-    def _flush_reward_metrics(self, mode: str, local_count: int) -> None:
+    def _flush_reward_metrics(self, mode: str, local_count: int) -> dict[str, list]:
         """Metrics reward functions logged with ``log_metric`` this round: averaged over all ranks' calls (names
-        sorted, so every rank gathers in the same order), as TRL does. With ``log_completions``, the ``log_extra``
-        columns of the round's ``local_count`` samples are gathered (job order) into ``_round_extra_logs``."""
+        sorted, so every rank gathers in the same order), as TRL does. With ``log_completions``, returns the
+        ``log_extra`` columns of the round's ``local_count`` samples, gathered in job order (else ``{}``)."""
         for name in sorted(set(gather_object(list(self._pending_metrics)))):
             values = self._pending_metrics.get(name, [])
             stats = torch.tensor([float(sum(values)), float(len(values))], device=self.accelerator.device)
@@ -152,8 +163,8 @@ class RewardScoring:
         if self.log_completions:  # TRL's completions table: one value per sample (None where a rank gave none)
             for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
                 extra[column] = gather_object(list(self._pending_extra_logs.get(column, [None] * local_count)))
-        self._round_extra_logs = extra
         self._pending_extra_logs.clear()
+        return extra
 
     def _call_reward(self, func, name: str, prompts: list, completions: list, completion_ids: list,
                      kwargs: dict) -> list:
@@ -171,11 +182,11 @@ class RewardScoring:
         weighted = torch.nansum(rewards * self.reward_weights.cpu(), dim=-1)
         return weighted.masked_fill(torch.isnan(rewards).all(dim=-1), float("nan"))
 
-    def _score_local(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list
-                     ) -> tuple[Tensor, Tensor]:
+    def _score_local(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list,
+                     extra: dict | None = None) -> tuple[Tensor, Tensor]:
         """Rewards ``[B_local, F]`` of this rank's samples (None -> NaN) and where a function returned None
         ``[B_local, F]``; errors are collected, not raised (see _score)."""
-        kwargs = self._reward_kwargs(inputs)
+        kwargs = self._reward_kwargs(inputs, extra=extra)
         out = torch.zeros(len(prompts), len(self.reward_funcs))
         none = torch.zeros(len(prompts), len(self.reward_funcs), dtype=torch.bool)
         for i, (func, proc, name) in enumerate(zip(self.reward_funcs, self.reward_processing_classes,
@@ -211,7 +222,7 @@ class RewardScoring:
                        "it does not apply to them" if policy == "none" else "they score 0", policy)
         return [None if policy == "none" else 0.0] * len(prompts)
 
-    def _diagnose(self, exc: Exception, inputs, prompts, completions, completion_ids) -> str:
+    def _diagnose(self, exc: Exception, inputs, prompts, completions, completion_ids, extra=None) -> str:
         """Find which reward function and which sample raised, by calling them one sample at a time."""
         for func, name in zip(self.reward_funcs, self.reward_func_names):
             if isinstance(func, torch.nn.Module):
@@ -219,15 +230,16 @@ class RewardScoring:
             for j in range(len(prompts)):
                 try:
                     self._call_reward(func, name, [prompts[j]], [completions[j]], [completion_ids[j]],
-                                      self._reward_kwargs([inputs[j]], rows=[j]))
+                                      self._reward_kwargs([inputs[j]], rows=[j], extra=extra))
                 except Exception as e:  # noqa: BLE001 - reporting it is the point
                     return (f"reward function '{name}' raised {type(e).__name__}: {e} on sample {j} of rank "
                             f"{self.accelerator.process_index} (prompt={str(prompts[j])[:200]!r}, "
                             f"completion={str(completions[j])[:200]!r})")
         return f"reward computation raised {type(exc).__name__}: {exc}"
 
-    def _score(self, inputs, prompts, completions, completion_ids) -> Tensor:
-        """Rewards of every sample of the job ``[G, F]`` (gathered in rank order), NaN policy applied.
+    def _score(self, inputs, prompts, completions, completion_ids, extra: dict | None = None) -> Scores:
+        """Rewards of every sample of the job ``[G, F]`` (gathered in rank order), NaN policy applied, and the
+        ``log_extra`` columns the functions logged (``extra``: a ``rollout_func``'s per-sample fields, reward kwargs).
 
         An error on any rank stops every rank (no rank is left waiting in a collective) with a message naming the
         function and the sample.
@@ -235,16 +247,16 @@ class RewardScoring:
         error = ""
         empty = torch.zeros(len(prompts), len(self.reward_funcs))
         try:
-            local, none = self._score_local(inputs, prompts, completions, completion_ids)
+            local, none = self._score_local(inputs, prompts, completions, completion_ids, extra)
         except RewardFunctionError as e:
             error, local, none = str(e), empty, empty.bool()
         except Exception as e:  # noqa: BLE001
-            error = self._diagnose(e, inputs, prompts, completions, completion_ids)
+            error = self._diagnose(e, inputs, prompts, completions, completion_ids, extra)
             local, none = empty, empty.bool()
         errors = [e for e in gather_object([error]) if e]
         if errors:
             raise RewardFunctionError(errors[0])
-        self._flush_reward_metrics("train" if self.model.training else "eval", len(prompts))
+        extra_logs = self._flush_reward_metrics("train" if self.model.training else "eval", len(prompts))
         dev = self.accelerator.device
         rewards = gather(local.to(dev)).cpu()
         none = gather(none.to(dev).float()).cpu().bool()
@@ -265,4 +277,4 @@ class RewardScoring:
             logger.warning("every reward function returned None for sample %d of the step (prompt %r): it gets no "
                            "advantage; make sure at least one reward function applies to each sample.", row,
                            str(job_prompts[row])[:200])
-        return rewards
+        return Scores(rewards, extra_logs)

@@ -22,6 +22,30 @@ def reward_start_end(rewards: list[float], fraction: float = 0.1) -> tuple[float
     return _mean(rewards[:k]), _mean(rewards[-k:])
 
 
+class StepClock:
+    """Where one optimizer step's wall time goes, on this process: the rollout (``_prepare_inputs``), the update
+    (``training_step`` less the rollout it ran) and the tokens of this rank's last rollout (the step's throughput).
+    TRL's loop calls ``training_step`` once per micro step and runs a rollout in some of them; :meth:`step_done`
+    closes the optimizer step."""
+
+    def __init__(self) -> None:
+        self.rollout_s = 0.0
+        self.update_s = 0.0
+        #: prompt + completion tokens of this rank's samples in the last rollout (kept until the next one)
+        self.rollout_tokens = 0
+        self.last_end = time.perf_counter()
+
+    def step_done(self, other_s: float, steps_per_rollout: int) -> dict[str, float]:
+        """The step's timing metrics (``other_s``: update seconds spent on other models, e.g. PPO's critic); the
+        clock starts the next step."""
+        now = time.perf_counter()
+        step_s = now - self.last_end
+        metrics = {"timing_s/update_actor": self.update_s - self.rollout_s - other_s, "timing_s/step": step_s,
+                   "perf/throughput": self.rollout_tokens / max(1, steps_per_rollout) / max(step_s, 1e-9)}
+        self.update_s, self.rollout_s, self.last_end = 0.0, 0.0, now
+        return metrics
+
+
 class GenerationClock:
     """Accumulates generated tokens and the wall time spent generating them (per process).
 

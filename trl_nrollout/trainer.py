@@ -65,7 +65,8 @@ from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
-from trl_nrollout.summary import GenerationClock
+from trl_nrollout.stages import Advantages, Assignment, LogProbs, Round, Sample, StepContext
+from trl_nrollout.summary import GenerationClock, StepClock
 from trl_nrollout.update import PolicyUpdate
 
 logger = logging.getLogger(__name__)
@@ -138,10 +139,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
             self.add_callback(LiveProgressCallback)
         self._last_synced_step: int | None = 0 if self.rollout_backend == "vllm" else None  # synced at start
-        self._rollout_tokens_local = 0
-        self._last_step_end = time.perf_counter()
-        self._update_time = 0.0
-        self._rollout_time = 0.0
+        self.step_clock = StepClock()
         self._prompt_rng = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
 
     # ------------------------------------------------------------------ checkpoints
@@ -462,7 +460,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         """Generate for this rank's samples (TRL's order: each prompt repeated n times). Returns the batch, the
         prompts (text or messages) per sample and what a multi-turn or custom rollout adds (tool masks, messages)."""
         mode = "train" if self.model.training else "eval"
-        prompts = self._start_episodes(inputs)  # environments reset here (TRL's environment_factory)
+        prompts, tools = self._start_episodes(inputs)  # environments reset here (TRL's environment_factory)
         if self.rollout_func is not None:
             start = time.perf_counter()
             batch, episode = self._custom_rollout(prompts, n)
@@ -488,7 +486,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                                                           sample_offset=offset, mm=images.mm)
         episode = Episode(mm=images.mm if images is not None else None)
         if self.tools:  # TRL's tools / environments: turn by turn while samples call tools
-            turns = self._tool_turns(batch, sampling, mode)
+            turns = self._tool_turns(batch, sampling, mode, tools)
             batch = RolloutBatch(batch.prompt_ids, turns.completion_ids, turns.logprobs, turns.finish_reasons,
                                  batch.group_index)
             episode = Episode(tool_mask=turns.tool_mask, completions=turns.completions, turns=turns.turns,
@@ -521,36 +519,35 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
             return [[{"role": "assistant", "content": t}] for t in texts]
         return texts
 
-    def _one_round(self, inputs: list[dict], n: int, mode: str, round_: int = 0) -> dict:
-        """Generate and score this rank's samples; return the job-wide pool of this round (same on all ranks)."""
+    def _one_round(self, inputs: list[dict], ctx: StepContext, round_: int = 0) -> Round:
+        """Generate and score this rank's samples of ``inputs``: the job's samples of this round (the same on every
+        rank)."""
         t0 = time.perf_counter()
-        batch, prompts, episode = self._rollout(inputs, n, self._sampling(mode, round_=round_))
+        batch, prompts, episode = self._rollout(inputs, ctx.n, self._sampling(ctx.mode, round_=round_))
         t1 = time.perf_counter()
         completions = (episode.completions if episode.completions is not None
                        else self._decode(prompts, batch.completion_ids))
-        self._rollout_extra = episode.extra_fields  # rollout_func's extra fields: reward kwargs, as in TRL
-        rewards = self._score(inputs, prompts, completions, batch.completion_ids)
+        # rollout_func's extra fields are reward kwargs, as in TRL
+        scores = self._score(inputs, prompts, completions, batch.completion_ids, extra=episode.extra_fields)
         t2 = time.perf_counter()
-        self._log_turns(mode, episode)
+        self._log_turns(ctx.mode, episode)
         masks = episode.tool_mask or [None] * len(batch)
         # a VLM's image tensors travel with their samples (pickled once) only where samples change ranks (batch
         # balancing, DAPO's selection); otherwise each rank trains its own samples and keeps its tensors
-        mm = episode.mm or [None] * len(batch)
         moves = self.args.balance_batch or self.args.filter_groups
-        records = list(zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks,
-                           mm if moves else [None] * len(batch)))
-        pool = gather_object(records)
+        mm = (episode.mm or [None] * len(batch)) if moves else [None] * len(batch)
+        local = [Sample(p, c, lp, reason, mask, m) for p, c, lp, reason, mask, m in zip(
+            batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks, mm)]
         table = None
         if self.log_completions:  # TRL's completions table: the job's prompts and completions, in job order
             images = None
             if self.log_multimodal and any(gather_object([has_images(prompts)])):  # TRL's image column of the table
                 images = gather_object([prompt_images(p) for p in prompts])
             table = {"prompt": gather_object([without_images(p) for p in prompts]),
-                     "completion": gather_object(list(completions)), "images": images,
-                     "extra": self._round_extra_logs}
-        return {"records": pool, "rewards": rewards, "gen_s": t1 - t0, "reward_s": t2 - t1,
-                "gen_tokens": batch.num_completion_tokens, "table": table,
-                "mm_local": None if moves or episode.mm is None else list(episode.mm)}
+                     "completion": gather_object(list(completions)), "images": images, "extra": scores.extra_logs}
+        return Round(gather_object(local), scores.rewards, gen_s=t1 - t0, reward_s=t2 - t1,
+                     gen_tokens=batch.num_completion_tokens, table=table,
+                     mm_local=None if moves or episode.mm is None else list(episode.mm))
 
     def _draw_inputs(self, count: int) -> list[dict]:
         """``count`` fresh prompts from the training set (dynamic sampling), each repeated n times."""
@@ -560,186 +557,234 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         return [dict(ds[i]) for i in idx for _ in range(n)]
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        args: NRolloutConfig = self.args
-        mode = "train" if self.model.training else "eval"
-        n = self.num_generations if mode == "train" else self.num_generations_eval
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        step_start = time.perf_counter()
-        self._sync_weights(mode)
+        """One rollout step (TRL's hook): this rank's training batch from its ``inputs`` (TRL's rows, each prompt
+        repeated n times). The stages hand each other typed values (:mod:`trl_nrollout.stages`):
 
-        # ---- rollout + rewards, with DAPO's extra rounds when asked
-        rnd = self._one_round(inputs, n, mode)
-        records, rewards, table = rnd["records"], rnd["rewards"], rnd["table"]
-        gen_s, reward_s, gen_tokens = rnd["gen_s"], rnd["reward_s"], rnd["gen_tokens"]
-        total_groups = len(records) // n
-        rounds = 0
-        if mode == "train" and args.filter_groups:
-            while True:
-                scores = self._weighted(rewards).tolist()
-                group_of = [i // n for i in range(len(records))]
-                const = constant_groups(scores, group_of)
-                if len(set(group_of)) - len(const) >= total_groups or rounds >= args.filter_groups_max_rounds:
-                    break
-                rounds += 1
-                more = self._one_round(self._draw_inputs(len(inputs) // n), n, mode, round_=rounds)
-                table = _join_tables(table, more["table"], len(records))
-                records = records + more["records"]
-                rewards = torch.cat([rewards, more["rewards"]])
-                gen_s, reward_s = gen_s + more["gen_s"], reward_s + more["reward_s"]
-                gen_tokens += more["gen_tokens"]
-            chosen, filler = select_groups(sorted(set(group_of)), const, total_groups)
-            self._metric(mode, "dynamic_sampling/rounds", rounds)
-            self._metric(mode, "dynamic_sampling/filtered_groups", len(const))
-            self._metric(mode, "dynamic_sampling/filler_groups", filler)
-            keep = [g * n + k for g in chosen for k in range(n)]
-            records = [records[i] for i in keep]
-            rewards = rewards[keep]
-            table = _select_rows(table, keep)
-        self._metric(mode, "timing_s/gen", gen_s)
-        self._metric(mode, "timing_s/reward", reward_s)
-        self._metric(mode, "perf/gen_tokens_per_s", gen_tokens / max(gen_s, 1e-9))
+            _sync_weights                       the engines get the policy's weights (once per optimizer step)
+            _collect           -> Round         generate and score; DAPO: more rounds until the batch is full
+            _assign            -> Assignment    which of the job's samples this rank trains on
+            _log_prob_passes   -> LogProbs      old-policy and reference log-probs of those samples
+            _advantages        -> Advantages    the estimator over the whole job (PPO: with the critic's values)
+            _log_step                           the step's metrics and TRL's completions table
+            _trl_batch         -> dict          this rank's tensors in TRL's layout
+        """
+        mode = "train" if self.model.training else "eval"
+        ctx = StepContext(mode, self.num_generations if mode == "train" else self.num_generations_eval, inputs)
+        start = time.perf_counter()
+        self._sync_weights(mode)
+        collected = self._collect(ctx)
+        assigned = self._assign(collected, ctx)
+        logps = self._log_prob_passes(assigned, ctx)
+        adv = self._advantages(collected, assigned, logps, ctx)
+        self._log_step(collected, adv, ctx)
+        self._metric(mode, "timing_s/rollout_total", time.perf_counter() - start)
+        self.step_clock.rollout_tokens = assigned.num_tokens  # the step's throughput counts them
+        return self._trl_batch(assigned, logps, adv, ctx)
+
+    def _collect(self, ctx: StepContext) -> Round:
+        """Generate and score the step's samples, with DAPO's extra rounds when ``filter_groups`` asks: the job's
+        samples ``[G]`` and rewards ``[G, F]``, the same on every rank."""
+        collected = self._one_round(ctx.inputs, ctx)
+        if ctx.mode == "train" and self.args.filter_groups:
+            collected = self._dynamic_sampling(collected, ctx)
+        self._metric(ctx.mode, "timing_s/gen", collected.gen_s)
+        self._metric(ctx.mode, "timing_s/reward", collected.reward_s)
+        self._metric(ctx.mode, "perf/gen_tokens_per_s", collected.gen_tokens / max(collected.gen_s, 1e-9))
         if isinstance(self.rollout_engine, HFEngine):  # the samples whose prompt was prefilled once (of the job)
             engine = self.rollout_engine
             counts = torch.tensor([engine.prefill_shared_samples, engine.generated_samples], dtype=torch.long,
                                   device=self.accelerator.device)
             shared, total = self.accelerator.reduce(counts, reduction="sum").tolist()
-            self._metric(mode, "perf/prefill_shared_fraction", shared / max(total, 1.0))
+            self._metric(ctx.mode, "perf/prefill_shared_fraction", shared / max(total, 1.0))
             engine.prefill_shared_samples = engine.generated_samples = 0
+        return collected
 
-        # ---- which samples this rank trains on
-        per_rank = len(records) // world
-        if mode == "train" and args.balance_batch:
-            tokens = [sum(len(records[g * n + k][0]) + len(records[g * n + k][1]) for k in range(n))
-                      for g in range(len(records) // n)]
+    def _dynamic_sampling(self, first: Round, ctx: StepContext) -> Round:
+        """DAPO: while fewer groups than the step's have a spread of scores, another round of fresh prompts (up to
+        ``filter_groups_max_rounds``); then the step's number of groups, those with a spread first (filler groups of
+        constant score where too few have one)."""
+        n, pool = ctx.n, first
+        total_groups = len(first) // n
+        while True:
+            scores = self._weighted(pool.rewards).tolist()
+            group_of = [i // n for i in range(len(pool))]
+            const = constant_groups(scores, group_of)
+            if (len(set(group_of)) - len(const) >= total_groups
+                    or pool.extra_rounds >= self.args.filter_groups_max_rounds):
+                break
+            more = self._draw_inputs(len(ctx.inputs) // n)
+            pool = pool.then(self._one_round(more, ctx, round_=pool.extra_rounds + 1))
+        chosen, filler = select_groups(sorted(set(group_of)), const, total_groups)
+        self._metric(ctx.mode, "dynamic_sampling/rounds", pool.extra_rounds)
+        self._metric(ctx.mode, "dynamic_sampling/filtered_groups", len(const))
+        self._metric(ctx.mode, "dynamic_sampling/filler_groups", filler)
+        return pool.select([g * n + k for g in chosen for k in range(n)])
+
+    def _assign(self, collected: Round, ctx: StepContext) -> Assignment:
+        """The samples this rank trains on: whole groups balanced by tokens over the ranks (``balance_batch``), or
+        its slice of the job in order."""
+        samples, n = collected.samples, ctx.n
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        per_rank = len(samples) // world
+        if ctx.mode == "train" and self.args.balance_batch:
+            tokens = [sum(samples[g * n + k].num_tokens for k in range(n)) for g in range(len(samples) // n)]
             assignment = balance_groups(tokens, world)
             mine = [g * n + k for g in assignment[rank] for k in range(n)]
             loads = [sum(tokens[g] for g in a) for a in assignment]
-            self._metric(mode, "balance/max_over_mean_tokens", max(loads) / max(1e-9, sum(loads) / world))
+            self._metric(ctx.mode, "balance/max_over_mean_tokens", max(loads) / max(1e-9, sum(loads) / world))
         else:
             mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-        local = [records[i] for i in mine]
-        prompt_ids = [r[0] for r in local]
-        completion_ids = [r[1] for r in local]
-        rollout_lp = [r[2] for r in local]
-        mm = [r[5] for r in local] if any(r[5] is not None for r in local) else None
-        if rnd["mm_local"] is not None and any(x is not None for x in rnd["mm_local"]):
-            mm = rnd["mm_local"]  # this rank's own samples, in order (mine is its slice of the job)
+        local = [samples[i] for i in mine]
+        mm = [s.mm for s in local] if any(s.mm is not None for s in local) else None
+        if collected.mm_local is not None and any(x is not None for x in collected.mm_local):
+            mm = collected.mm_local  # this rank's own samples, in order (mine is its slice of the job)
+        return Assignment(mine, local, mm)
 
-        # ---- old-policy and reference log-prob passes (micro-batched, token-budgeted)
+    def _log_prob_passes(self, assigned: Assignment, ctx: StepContext) -> LogProbs:
+        """The old-policy and reference log-prob passes over this rank's samples (micro-batched, token-budgeted as
+        the layout says); the old-policy pass is skipped on-policy (one optimizer step per rollout) unless the KL is
+        in the reward."""
+        args: NRolloutConfig = self.args
         on_policy = (self.layout.optimizer_steps_per_rollout == 1 and args.skip_old_log_prob_when_on_policy
-                     and mode == "train")
+                     and ctx.mode == "train")
         old = ref = None
         t = time.perf_counter()
         if not on_policy or args.use_kl_in_reward:
-            old = self._log_probs(self.model, prompt_ids, completion_ids, self.layout.old_log_prob, mm)
-        self._metric(mode, "timing_s/old_log_prob", time.perf_counter() - t)
+            old = self._log_probs(self.model, assigned.prompt_ids, assigned.completion_ids, self.layout.old_log_prob,
+                                  assigned.mm)
+        self._metric(ctx.mode, "timing_s/old_log_prob", time.perf_counter() - t)
         t = time.perf_counter()
         if self.beta != 0.0 or args.use_kl_in_reward:
-            ref = self._ref_log_probs(prompt_ids, completion_ids, mm)
-        self._metric(mode, "timing_s/ref", time.perf_counter() - t)
+            ref = self._ref_log_probs(assigned.prompt_ids, assigned.completion_ids, assigned.mm)
+        self._metric(ctx.mode, "timing_s/ref", time.perf_counter() - t)
+        return LogProbs(old, ref, on_policy)
 
-        # ---- advantages over the whole job (groups may span ranks; batch-level estimators need everything)
+    def _advantages(self, collected: Round, assigned: Assignment, logps: LogProbs, ctx: StepContext) -> Advantages:
+        """The advantage estimator (``adv_estimator``) over the whole job: groups may span ranks, and batch-level
+        estimators need every sample. A critic's estimator needs a trainer with a critic (PPO overrides this
+        stage)."""
+        if self.args.adv_estimator == "gae":
+            raise ValueError("adv_estimator='gae' needs a critic (value model): use NRolloutPPOTrainer with "
+                             "NRolloutPPOConfig, or pick a critic-free estimator such as 'grpo'.")
+        return self._estimate_advantages(collected, assigned, logps, ctx)
+
+    def _estimate_advantages(self, collected: Round, assigned: Assignment, logps: LogProbs, ctx: StepContext,
+                             **estimator_options) -> Advantages:
+        """The advantage stage's work: weighted scores ``[G]`` (less the KL penalty when it is in the reward), the
+        outcome on each sample's last sampled token, and the estimator with ``estimator_options`` added to the
+        configured ones (PPO: the critic's ``values`` ``[G, T]``, ``gamma``, ``lam``). Unscorable samples (no reward
+        function applied) are left out of the baselines and get advantage 0, as in TRL."""
+        args: NRolloutConfig = self.args
+        samples, n = collected.samples, ctx.n
         t = time.perf_counter()
-        scores = self._weighted(rewards)  # [G]
-        t_max = max(max(len(r[1]) for r in records), 1)
-        resp_mask = response_mask([r[1] for r in records], [r[4] for r in records], t_max)  # tool results: 0
+        scores = self._weighted(collected.rewards)  # [G]
+        t_max = max(max(len(s.completion_ids) for s in samples), 1)
+        resp_mask = response_mask([s.completion_ids for s in samples], [s.tool_mask for s in samples], t_max)
         if args.use_kl_in_reward:
-            local_mask = resp_mask[mine, :old.shape[1]]  # old is as wide as this rank's longest completion
-            kl_local = sequence_kl(old, ref, local_mask, args.kl_penalty)  # [B_local], on old's device
-            kl_all = torch.zeros(len(records), device=kl_local.device)
-            kl_all[torch.tensor(mine, device=kl_local.device)] = kl_local
-            kl_all = gather(kl_all).view(world, -1).sum(0).cpu()
-            scores = scores - self.kl_ctrl.value * kl_all
-            mean_kl = float((kl_all / resp_mask.sum(-1).clamp(min=1)).mean())
-            self.kl_ctrl.update(mean_kl, n_steps=len(records))
-            self._metric(mode, "actor/reward_kl_penalty", mean_kl)
-            self._metric(mode, "actor/reward_kl_penalty_coeff", self.kl_ctrl.value)
+            scores = scores - self._reward_kl_penalty(logps, assigned, resp_mask, ctx)
         token_rewards = outcome_token_rewards(scores, resp_mask)  # on each sample's last sampled token
         options = dict(args.adv_estimator_kwargs or {})
         if args.adv_estimator in ("grpo", "grpo_passk"):
             options.setdefault("norm_adv_by_std_in_grpo", args.norm_adv_by_std_in_grpo)
         if args.adv_estimator == "remax":
-            options["reward_baselines"] = self._greedy_baselines(inputs, n, mode)
-        index = [i // n for i in range(len(records))]
-        self._mine, self._job_mask = mine, resp_mask
-        options = self._estimator_options(options, prompt_ids, completion_ids, mm, mine, len(records), t_max, mode)
-        self._job_returns = None
+            options["reward_baselines"] = self._greedy_baselines(ctx)
+        options.update(estimator_options)
+        index = [i // n for i in range(len(samples))]
+        returns = None
         scorable = ~torch.isnan(scores)
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: TRL computes these advantages itself
-            gdpo = normalize_then_sum(rewards, self.reward_weights.cpu(), n)
+            gdpo = normalize_then_sum(collected.rewards, self.reward_weights.cpu(), n)
             advantages = torch.nan_to_num(gdpo, nan=0.0).unsqueeze(-1) * resp_mask
         elif scorable.all():
-            advantages, self._job_returns = compute_advantages(args.adv_estimator, token_rewards, resp_mask, index,
-                                                               **options)
-        else:  # as TRL: unscorable samples (no reward function applied) are left out of the baselines, advantage 0
+            advantages, returns = compute_advantages(args.adv_estimator, token_rewards, resp_mask, index, **options)
+        else:
             keep = scorable.nonzero().squeeze(-1)
+            values = options.get("values")
             for per_sample in ("reward_baselines", "values"):
                 if per_sample in options:
                     options[per_sample] = options[per_sample][keep]
             advantages = torch.zeros_like(token_rewards)
-            self._job_returns = options["values"].new_zeros(token_rewards.shape) if "values" in options else None
+            returns = values.new_zeros(token_rewards.shape) if values is not None else None
             if keep.numel():
-                advantages[keep], returns = compute_advantages(args.adv_estimator, token_rewards[keep],
-                                                               resp_mask[keep], [index[i] for i in keep.tolist()],
-                                                               **options)
-                if self._job_returns is not None:
-                    self._job_returns[keep] = returns
+                advantages[keep], kept_returns = compute_advantages(args.adv_estimator, token_rewards[keep],
+                                                                    resp_mask[keep], [index[i] for i in keep.tolist()],
+                                                                    **options)
+                if returns is not None:
+                    returns[keep] = kept_returns
         advantages = torch.nan_to_num(advantages, nan=0.0)  # e.g. a ReMax baseline no reward function applied to
-        self._metric(mode, "timing_s/adv", time.perf_counter() - t)
+        self._metric(ctx.mode, "timing_s/adv", time.perf_counter() - t)
+        return Advantages(advantages, scores, resp_mask, returns=returns, values=estimator_options.get("values"))
 
-        # ---- metrics of the whole step
-        self._log_rollout_metrics(mode, rewards, scores, advantages, resp_mask, records, n)
-        if table is not None:  # TRL's log() prints / saves / uploads it (log_completions)
-            self._logs["prompt"].extend(table["prompt"])
-            self._logs["completion"].extend(table["completion"])
-            for i, name in enumerate(self.reward_func_names):
-                self._logs["rewards"][name].extend(rewards[:, i].tolist())
-            per_sample = (advantages * resp_mask).sum(-1) / resp_mask.sum(-1).clamp(min=1)
-            self._logs["advantages"].extend(per_sample.tolist())
-            for column, values in table["extra"].items():
-                self._logs["extra"][column].extend(values)
-            if table.get("images") is not None:
-                self._logs["images"].extend(table["images"])
-        self._metric(mode, "timing_s/rollout_total", time.perf_counter() - step_start)
-        self._rollout_tokens_local = sum(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
+    def _reward_kl_penalty(self, logps: LogProbs, assigned: Assignment, resp_mask: Tensor, ctx: StepContext
+                           ) -> Tensor:
+        """KL in the reward: each sample's penalty ``[G]``, the KL controller's coefficient times its KL to the
+        reference summed over its sampled tokens (this rank's samples computed here, the job's gathered); the
+        controller then moves with the job's mean KL per token."""
+        mine = assigned.mine
+        local_mask = resp_mask[mine, :logps.old.shape[1]]  # old is as wide as this rank's longest completion
+        kl_local = sequence_kl(logps.old, logps.ref, local_mask, self.args.kl_penalty)  # [B], on old's device
+        kl_all = torch.zeros(len(resp_mask), device=kl_local.device)
+        kl_all[torch.tensor(mine, device=kl_local.device)] = kl_local
+        kl_all = gather(kl_all).view(self.accelerator.num_processes, -1).sum(0).cpu()
+        penalty = self.kl_ctrl.value * kl_all
+        mean_kl = float((kl_all / resp_mask.sum(-1).clamp(min=1)).mean())
+        self.kl_ctrl.update(mean_kl, n_steps=len(resp_mask))
+        self._metric(ctx.mode, "actor/reward_kl_penalty", mean_kl)
+        self._metric(ctx.mode, "actor/reward_kl_penalty_coeff", self.kl_ctrl.value)
+        return penalty
 
-        # ---- this rank's tensors, in TRL's layout
+    def _log_step(self, collected: Round, adv: Advantages, ctx: StepContext) -> None:
+        """The step's metrics over the whole job, and TRL's completions table (``log_completions``: TRL's ``log()``
+        prints, saves or uploads it)."""
+        rewards, table = collected.rewards, collected.table
+        self._log_rollout_metrics(ctx.mode, rewards, adv.scores, adv.advantages, adv.response_mask,
+                                  collected.samples, ctx.n)
+        if table is None:
+            return
+        self._logs["prompt"].extend(table["prompt"])
+        self._logs["completion"].extend(table["completion"])
+        for i, name in enumerate(self.reward_func_names):
+            self._logs["rewards"][name].extend(rewards[:, i].tolist())
+        per_sample = (adv.advantages * adv.response_mask).sum(-1) / adv.response_mask.sum(-1).clamp(min=1)
+        self._logs["advantages"].extend(per_sample.tolist())
+        for column, values in table["extra"].items():
+            self._logs["extra"][column].extend(values)
+        if table.get("images") is not None:
+            self._logs["images"].extend(table["images"])
+
+    def _trl_batch(self, assigned: Assignment, logps: LogProbs, adv: Advantages, ctx: StepContext) -> dict[str, Any]:
+        """This rank's samples as TRL's training batch: prompts left-padded ``[B, P]``, completions, masks, the
+        engine's log-probs and the advantages right-padded ``[B, C]``; the old-policy and reference log-probs where
+        the update uses them; a VLM's image tensors and multi-turn's tool mask where present."""
+        args: NRolloutConfig = self.args
         dev = self.accelerator.device
-        pad = self._tokenizer.pad_token_id
-        rb = RolloutBatch(prompt_ids, completion_ids, rollout_lp, [r[3] for r in local], [i // n for i in mine])
-        tensors = rb.padded(pad, dev, multiple_of=self.pad_to_multiple_of)  # TRL's pad_to_multiple_of
+        local = assigned.samples
+        rb = RolloutBatch(assigned.prompt_ids, assigned.completion_ids, [s.logprobs for s in local],
+                          [s.finish_reason for s in local], [i // ctx.n for i in assigned.mine])
+        tensors = rb.padded(self._tokenizer.pad_token_id, dev, multiple_of=self.pad_to_multiple_of)
         c_max = tensors["completion_ids"].shape[1]
         out = {
             "prompt_ids": tensors["prompt_ids"], "prompt_mask": tensors["prompt_mask"],
             "completion_ids": tensors["completion_ids"], "completion_mask": tensors["completion_mask"],
-            "advantages": fit_width(advantages[mine], c_max).to(dev),
+            "advantages": fit_width(adv.advantages[assigned.mine], c_max).to(dev),
             "sampling_per_token_logps": tensors["logprobs"],
         }
-        if mm is not None:  # a VLM's image tensors, per sample (they follow the samples through shuffles and splits)
-            out["mm_inputs"] = mm
-        if any(r[4] is not None for r in local):  # multi-turn: tool-response tokens are not trained on (TRL's)
+        if assigned.mm is not None:  # a VLM's image tensors per sample (they follow the samples through shuffles)
+            out["mm_inputs"] = assigned.mm
+        if any(s.tool_mask is not None for s in local):  # multi-turn: tool-response tokens are not trained on (TRL's)
             tool_mask = torch.zeros_like(tensors["completion_mask"])
-            for i, r in enumerate(local):
-                tool_mask[i, :len(r[1])] = torch.tensor(r[4] if r[4] is not None else [1] * len(r[1]),
-                                                        dtype=tool_mask.dtype)
+            for i, s in enumerate(local):
+                tool_mask[i, :len(s.completion_ids)] = torch.tensor(
+                    s.tool_mask if s.tool_mask is not None else [1] * len(s.completion_ids), dtype=tool_mask.dtype)
             out["tool_mask"] = tool_mask
-        if old is not None and not on_policy:
-            out["old_per_token_logps"] = fit_width(old, c_max).to(dev)
-        if ref is not None and self.beta != 0.0:
-            out["ref_per_token_logps"] = fit_width(ref, c_max).to(dev)
+        if logps.old is not None and not logps.on_policy:
+            out["old_per_token_logps"] = fit_width(logps.old, c_max).to(dev)
+        if logps.ref is not None and self.beta != 0.0:
+            out["ref_per_token_logps"] = fit_width(logps.ref, c_max).to(dev)
         if args.mask_truncated_completions:  # TRL's option: completions cut at max length take no part in the loss
-            truncated = torch.tensor([r[3] == "length" for r in local], device=dev)
+            truncated = torch.tensor([s.truncated for s in local], device=dev)
             out["completion_mask"] = out["completion_mask"] * (~truncated).unsqueeze(1).to(out["completion_mask"].dtype)
         return out
-
-    def _estimator_options(self, options: dict, prompt_ids: list, completion_ids: list, mm: list | None,
-                           mine: list[int], num_samples: int, width: int, mode: str) -> dict:
-        """The advantage estimator's keyword arguments; a subclass adds what its estimator needs (PPO: the
-        critic's values ``[num_samples, width]`` of the whole job, from this rank's samples ``mine``)."""
-        if self.args.adv_estimator == "gae":
-            raise ValueError("adv_estimator='gae' needs a critic (value model): use NRolloutPPOTrainer with "
-                             "NRolloutPPOConfig, or pick a critic-free estimator such as 'grpo'.")
-        return options
 
     def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch, mm=None) -> Tensor:
         """One log-prob pass ``[B, C]``, cut into forwards as the layout's ``micro`` says (``mm``: a VLM's image
@@ -763,30 +808,31 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         with inner.disable_adapter():
             return self._log_probs(self.model, prompt_ids, completion_ids, micro, mm)
 
-    def _greedy_baselines(self, inputs: list[dict], n: int, mode: str) -> Tensor:
+    def _greedy_baselines(self, ctx: StepContext) -> Tensor:
         """ReMax: reward of one greedy completion per prompt, for every sample of the job ``[G]``."""
-        unique = inputs[::n]
-        batch, prompts, episode = self._rollout(unique, 1, self._sampling(mode, greedy=True))
+        unique = ctx.inputs[::ctx.n]
+        batch, prompts, episode = self._rollout(unique, 1, self._sampling(ctx.mode, greedy=True))
         completions = (episode.completions if episode.completions is not None
                        else self._decode(prompts, batch.completion_ids))
-        self._rollout_extra = episode.extra_fields
-        rewards = self._score(unique, prompts, completions, batch.completion_ids)
-        return self._weighted(rewards).repeat_interleave(n)  # [prompts of the job] -> [G]
+        scores = self._score(unique, prompts, completions, batch.completion_ids, extra=episode.extra_fields)
+        return self._weighted(scores.rewards).repeat_interleave(ctx.n)  # [prompts of the job] -> [G]
 
-    def _log_rollout_metrics(self, mode, rewards, scores, advantages, resp_mask, records, n: int) -> None:
-        """verl's metric names, and TRL's beside them (same values), so either dashboard keeps working."""
+    def _log_rollout_metrics(self, mode: str, rewards: Tensor, scores: Tensor, advantages: Tensor, resp_mask: Tensor,
+                             samples: list[Sample], n: int) -> None:
+        """verl's metric names, and TRL's beside them (same values), so either dashboard keeps working. ``rewards``
+        ``[G, F]``, ``scores`` ``[G]``, ``advantages`` and ``resp_mask`` ``[G, T]`` of the job's ``samples``."""
         for i, name in enumerate(self.reward_func_names):  # over the samples the function applied to (not None)
             self._metric(mode, f"rewards/{name}/mean", torch.nanmean(rewards[:, i]).item())
             self._metric(mode, f"rewards/{name}/std", _nanstd(rewards[:, i]))
         self._metric(mode, "reward", torch.nanmean(scores).item())
         self._metric(mode, "reward_std", _nanstd(scores))
-        lengths = torch.tensor([len(r[1]) if r[4] is None else sum(r[4]) for r in records], dtype=torch.float32)
+        lengths = torch.tensor([s.sampled_length for s in samples], dtype=torch.float32)
         self._metric(mode, "response_length/mean", lengths.mean().item())
         self._metric(mode, "response_length/max", lengths.max().item())
         self._metric(mode, "response_length/clip_ratio",
-                     sum(r[3] == "length" for r in records) / max(1, len(records)))
+                     sum(s.truncated for s in samples) / max(1, len(samples)))
         # TRL's names for the same figures
-        truncated = torch.tensor([r[3] == "length" for r in records])
+        truncated = torch.tensor([s.truncated for s in samples])
         self._metric(mode, "completions/mean_length", lengths.mean().item())
         self._metric(mode, "completions/min_length", lengths.min().item())
         self._metric(mode, "completions/max_length", lengths.max().item())
@@ -805,7 +851,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
             self._metric(mode, "critic/advantages/max", valid.max().item())
             self._metric(mode, "critic/advantages/min", valid.min().item())
         if mode == "train":
-            self.state.num_input_tokens_seen += int(sum(len(r[0]) + len(r[1]) for r in records))
+            self.state.num_input_tokens_seen += int(sum(s.num_tokens for s in samples))
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
 
     # ------------------------------------------------------------------ buffering with loss normalizers
@@ -818,7 +864,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             start = time.perf_counter()
             batch = self._generate_and_score_completions(generation_batch)
-            self._rollout_time += time.perf_counter() - start
+            self.step_clock.rollout_s += time.perf_counter() - start
             batch = shuffle_sequence_dict(batch)
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
@@ -851,34 +897,6 @@ def _rows(rows: list[int], shown: int = 5) -> str:
     """``"3, 9, 12"`` or ``"3, 9, 12, 20, 31 and 4 more"``."""
     head = ", ".join(str(r) for r in rows[:shown])
     return head + (f" and {len(rows) - shown} more" if len(rows) > shown else "")
-
-
-def _join_tables(first: dict | None, more: dict | None, rows_before: int) -> dict | None:
-    """Completions tables of two rounds, one after the other (a column missing in one round gets None there)."""
-    if first is None or more is None:
-        return None
-    rows_more = len(more["prompt"])
-    columns = set(first["extra"]) | set(more["extra"])
-    extra = {c: first["extra"].get(c, [None] * rows_before) + more["extra"].get(c, [None] * rows_more)
-             for c in sorted(columns)}
-    images = None
-    if first.get("images") is not None or more.get("images") is not None:
-        images = (first.get("images") or [[]] * rows_before) + (more.get("images") or [[]] * rows_more)
-    return {"prompt": first["prompt"] + more["prompt"], "completion": first["completion"] + more["completion"],
-            "extra": extra, "images": images}
-
-
-def _select_rows(table: dict | None, keep: list[int]) -> dict | None:
-    """The rows ``keep`` of a completions table."""
-    if table is None:
-        return None
-    def pick(values: list) -> list:
-        return [values[i] for i in keep]
-
-    images = table.get("images")
-    return {"prompt": pick(table["prompt"]), "completion": pick(table["completion"]),
-            "extra": {c: pick(v) for c, v in table["extra"].items()},
-            "images": None if images is None else pick(images)}
 
 
 def _nanstd(x: Tensor) -> float:

@@ -59,17 +59,12 @@ class PolicyUpdate:
     def training_step(self, model, inputs, num_items_in_batch):
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self._update_time += time.perf_counter() - start
+        self.step_clock.update_s += time.perf_counter() - start
         if self._step % self.current_gradient_accumulation_steps == 0:
-            now = time.perf_counter()
-            # training_step includes _prepare_inputs, hence the rollout when one ran: keep only the update
-            self._metric("train", "timing_s/update_actor",
-                         self._update_time - self._rollout_time - self._other_update_seconds())
-            step_s = now - self._last_step_end
-            self._metric("train", "timing_s/step", step_s)
-            steps = max(1, self.layout.optimizer_steps_per_rollout)
-            self._metric("train", "perf/throughput", self._rollout_tokens_local / steps / max(step_s, 1e-9))
-            self._update_time, self._rollout_time, self._last_step_end = 0.0, 0.0, now
+            # training_step includes _prepare_inputs, hence the rollout when one ran: the clock keeps only the update
+            metrics = self.step_clock.step_done(self._other_update_seconds(), self.layout.optimizer_steps_per_rollout)
+            for name, value in metrics.items():
+                self._metric("train", name, value)
         return loss
 
     def _other_update_seconds(self) -> float:
