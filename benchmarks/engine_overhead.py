@@ -44,7 +44,7 @@ def measure(args) -> dict:
     from vllm.inputs import TokensPrompt
 
     from trl_nrollout.builtin import digits_prompts, long_prompts
-    from trl_nrollout.layout import RolloutLayout
+    from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.rollout.types import SamplingOptions
     from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 

@@ -7,7 +7,7 @@ process's state just before them, and their wall time:
 - ``trl``: ``GRPOTrainer._get_per_token_logps_and_entropies`` as TRL calls it, chunked at
   ``per_device_train_batch_size``, which must hold all ``prompts x n`` samples of a step when
   ``steps_per_generation=1`` (so its chunk grows with n);
-- ``ours``: :func:`trl_nrollout.logprobs.compute_log_probs` with a fixed micro batch (``--micro-batch``) or
+- ``ours``: :func:`trl_nrollout.passes.logprobs.compute_log_probs` with a fixed micro batch (``--micro-batch``) or
   token budget (``--max-token-len``).
 
 The model is a random Qwen2 with a 32k vocabulary (the vocabulary is what makes this pass expensive), built in
@@ -90,7 +90,7 @@ def run_one(impl: str, n: int, args) -> dict:
                     GRPOTrainer._get_per_token_logps_and_entropies(fake_self, m, ids, mask, c_max, batch_size=batch,
                                                                    compute_entropy=m is policy)
     else:
-        from trl_nrollout.logprobs import compute_log_probs
+        from trl_nrollout.passes.logprobs import compute_log_probs
 
         def passes():
             for m in (policy, ref):

@@ -114,7 +114,7 @@ def run_one(impl: str, n: int, args) -> dict:
                  "load_avg_1m_at_start": round(load_start, 2)}
     start = time.perf_counter()
     if impl == "ours":
-        from trl_nrollout.layout import RolloutLayout
+        from trl_nrollout.plan.layout import RolloutLayout
         from trl_nrollout.rollout.types import SamplingOptions
         from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 

@@ -12,7 +12,7 @@ coefficient 0.001: ours ``use_kl_loss=True, kl_loss_coef=0.001``, TRL ``beta=0.0
 Each (implementation, n) runs ``--steps`` steps (default 5) in a fresh single process (``use_cpu=True``); the first
 step is a warm-up and is discarded, the others are averaged:
 
-- ``ours-vllm``: :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer` with
+- ``ours-vllm``: :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer` with
   ``NRolloutConfig(train_batch_size=P, rollout_n=n, rollout_backend="vllm")``;
 - ``ours-hf``: the same with ``rollout_backend="hf"`` (transformers generate);
 - ``trl``: TRL's ``GRPOTrainer`` with ``GRPOConfig(per_device_train_batch_size=P*n, num_generations=n)``, its
@@ -202,7 +202,7 @@ def build_trainer(impl: str, n: int, args):
                Dataset.from_dict({"prompt": long_prompts(digits_prompts(count), tok, args.prompt_tokens[0])}))
     if impl in OURS:
         from trl_nrollout.config import NRolloutConfig
-        from trl_nrollout.trainer import NRolloutGRPOTrainer
+        from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
         cfg = NRolloutConfig(train_batch_size=args.prompts, rollout_n=n, rollout_backend=impl.split("-")[1],
                              use_kl_loss=args.with_ref, kl_loss_coef=KL_COEF,

@@ -35,17 +35,17 @@ import yaml
 from transformers import TrainerCallback
 
 from trl_nrollout.builtin import resolve_model
-from trl_nrollout.checkpoints import check_output_dir, resolve_resume
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.data import load_prompts
 from trl_nrollout.errors import InputError
-from trl_nrollout.hub import parse_hub_ref, resolve_config
-from trl_nrollout.recipe_trust import enforce_recipe_trust, split_trust_flags
-from trl_nrollout.report import write_report
-from trl_nrollout.rewards import resolve_reward
+from trl_nrollout.recipe.data import load_prompts
+from trl_nrollout.recipe.hub import parse_hub_ref, resolve_config
+from trl_nrollout.recipe.report import write_report
+from trl_nrollout.recipe.rewards import resolve_reward
+from trl_nrollout.recipe.summary import RewardHistory, build_summary, write_summary
+from trl_nrollout.recipe.trust import enforce_recipe_trust, split_trust_flags
 from trl_nrollout.rollout.platform import launch_nodes
-from trl_nrollout.scoring import RewardFunctionError
-from trl_nrollout.summary import RewardHistory, build_summary, write_summary
+from trl_nrollout.trainer.checkpoints import check_output_dir, resolve_resume
+from trl_nrollout.trainer.scoring import RewardFunctionError
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "configs" / "default.yaml"
 #: Recipe keys that describe the launch, not the training (read by tools, ignored here).
@@ -60,7 +60,7 @@ def _config_class(kind: str):
         raise InputError(f"--trainer {kind!r}: use one of {list(TRAINERS)} (grpo: group advantages, no critic; "
                          "ppo: a critic and GAE).")
     if kind == "ppo":
-        from trl_nrollout.ppo import NRolloutPPOConfig
+        from trl_nrollout.trainer.ppo import NRolloutPPOConfig
 
         return NRolloutPPOConfig
     return NRolloutConfig
@@ -68,10 +68,10 @@ def _config_class(kind: str):
 
 def _trainer_class(kind: str):
     if kind == "ppo":
-        from trl_nrollout.ppo import NRolloutPPOTrainer
+        from trl_nrollout.trainer.ppo import NRolloutPPOTrainer
 
         return NRolloutPPOTrainer
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     return NRolloutGRPOTrainer
 
@@ -142,7 +142,7 @@ def _resolve_recipe(argv: list[str]) -> tuple[list[str], str]:
 
     A recipe from the Hub is data, not code: it may not enable ``trust_remote_code`` nor import reward modules
     unless this command line says ``--trust-remote-code`` / ``--allow-reward-module M`` (see
-    :mod:`trl_nrollout.recipe_trust`); it is refused before anything beyond the recipe is downloaded."""
+    :mod:`trl_nrollout.recipe.trust`); it is refused before anything beyond the recipe is downloaded."""
     argv, trust_remote_code, allowed_modules = split_trust_flags(argv)
     argv, trainer = _pop_trainer(argv)
     for i, arg in enumerate(argv):

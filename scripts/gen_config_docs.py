@@ -79,7 +79,7 @@ def ppo_help_table() -> list[tuple[str, str, str]]:
     from dataclasses import fields
 
     from trl_nrollout.config import NRolloutConfig
-    from trl_nrollout.ppo import NRolloutPPOConfig
+    from trl_nrollout.trainer.ppo import NRolloutPPOConfig
 
     base = {f.name: f.default for f in fields(NRolloutConfig)}
     return [(f.name, repr(f.default), f.metadata.get("help", "")) for f in fields(NRolloutPPOConfig)

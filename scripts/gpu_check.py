@@ -72,7 +72,7 @@ def check_precision(device: str, size: dict) -> dict:
 
     import torch
 
-    from trl_nrollout.logprobs import compute_log_probs
+    from trl_nrollout.passes.logprobs import compute_log_probs
 
     ref_model = _model(size["vocab"], size["hidden"], size["layers"]).to(device)
     bf16 = copy.deepcopy(ref_model).to(torch.bfloat16)
@@ -93,7 +93,7 @@ def check_precision(device: str, size: dict) -> dict:
 def check_memory(device: str, size: dict) -> dict:
     import torch
 
-    from trl_nrollout.logprobs import compute_log_probs
+    from trl_nrollout.passes.logprobs import compute_log_probs
 
     model = _model(size["vocab"], size["hidden"], size["layers"]).to(device).to(torch.bfloat16)
     rows = []
@@ -156,8 +156,8 @@ def check_packing(device: str, size: dict) -> dict:
     forward (boolean block mask through SDPA's CUDA kernels) vs the plain one."""
     import torch
 
-    from trl_nrollout.logprobs import compute_log_probs
-    from trl_nrollout.packing import pack_shared_prompts
+    from trl_nrollout.passes.logprobs import compute_log_probs
+    from trl_nrollout.passes.packing import pack_shared_prompts
 
     model = _model(size["vocab"], size["hidden"], size["layers"]).to(device)
     ps, cs = _samples(size["prompts"], 8, size["vocab"], size["prompt_len"] * 2, max(4, size["completion_len"] // 8))
@@ -220,7 +220,7 @@ def check_passes_autocast(device: str, size: dict) -> dict:
     the same pass outside autocast (what it was before: float32 against a bf16 update)."""
     import torch
 
-    from trl_nrollout.logprobs import compute_log_probs
+    from trl_nrollout.passes.logprobs import compute_log_probs
 
     kind = device.split(":")[0]
     model = _model(size["vocab"], size["hidden"], size["layers"]).to(device)

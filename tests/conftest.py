@@ -360,7 +360,7 @@ def _tier_guard(request, monkeypatch):
 
     import trl_nrollout.rollout.hf_engine  # noqa: F401
     import trl_nrollout.rollout.vllm_group  # noqa: F401
-    import trl_nrollout.trainer  # noqa: F401 - TRL's trainer imports vLLM, which probes the platform in a process
+    import trl_nrollout.trainer.grpo  # noqa: F401 - TRL's trainer imports vLLM, which probes the platform in a process
 
     monkeypatch.setattr(_subprocess.Popen, "__init__", refuse("starts a process"))
     for module, attr, what in (("trl_nrollout.rollout.vllm_group", "VLLMEngineGroup", "starts a vLLM engine"),

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout import advantages
-from trl_nrollout.advantages import available_estimators, compute_advantages, register_adv_est
+from trl_nrollout.algos import advantages
+from trl_nrollout.algos.advantages import available_estimators, compute_advantages, register_adv_est
 
 FAST = settings(max_examples=25, deadline=None)
 
@@ -403,7 +403,7 @@ def test_register_a_custom_estimator():
 def test_normalize_then_sum_is_gdpo(data, groups, n, funcs):
     """TRL's normalize_then_sum (GDPO), against a loop over groups and functions: each function's rewards are
     normalized in their group (NaN: the function does not apply), weighted, summed, then normalized over the batch."""
-    from trl_nrollout.advantages import normalize_then_sum
+    from trl_nrollout.algos.advantages import normalize_then_sum
 
     value = st.one_of(st.none(), st.integers(-5, 5).map(float))  # a grid: no float32 near-ties
     raw = data.draw(st.lists(st.lists(value, min_size=funcs, max_size=funcs), min_size=groups * n,
@@ -456,7 +456,7 @@ def tool_rows(draw, max_rows=6, max_len=7):
 def test_outcome_rewards_land_on_the_last_sampled_token(rows, data):
     """Each row's reward sits on its last sampled token (not on a trailing tool result), so every outcome
     estimator sees the sample's full reward over the response mask; rows with no sampled token get none."""
-    from trl_nrollout.advantages import outcome_token_rewards, response_mask
+    from trl_nrollout.algos.advantages import outcome_token_rewards, response_mask
 
     width = max([len(c) for c, _ in rows] + [1])
     mask = response_mask([c for c, _ in rows], [t for _, t in rows], width)
@@ -477,7 +477,7 @@ def test_outcome_rewards_land_on_the_last_sampled_token(rows, data):
 
 
 def test_response_mask_refuses_a_tool_mask_of_another_length():
-    from trl_nrollout.advantages import response_mask
+    from trl_nrollout.algos.advantages import response_mask
 
     with pytest.raises(ValueError, match="tool mask has 2 entries for 3 completion tokens"):
         response_mask([[1, 2, 3]], [[1, 0]], 3)

@@ -17,14 +17,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout.advantages import response_mask
-from trl_nrollout.layout import RolloutLayout
-from trl_nrollout.memory import DEFAULT_MAX_NUM_SEQS
+from trl_nrollout.algos.advantages import response_mask
+from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout import platform
 from trl_nrollout.rollout.seeds import SEED_BITS, prompt_seed, step_seed
 from trl_nrollout.rollout.types import SamplingOptions
 from trl_nrollout.rollout.vllm_group import VLLMEngineGroup, engine_kwargs
-from trl_nrollout.trainer import sequence_kl
+from trl_nrollout.trainer.grpo import sequence_kl
 
 LAYOUT = RolloutLayout.build(num_processes=2, rollout_tp_size=2, train_batch_size=64, rollout_n=16)  # 1024 samples
 

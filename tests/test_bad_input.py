@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from trl_nrollout.checkpoints import ROLLOUT_STATE, TRAINER_STATE, resolve_resume
 from trl_nrollout.errors import DatasetError, InputError
+from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE, TRAINER_STATE, resolve_resume
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_a_reward_call_past_its_timeout_is_abandoned_and_the_wait_is_reported(ca
     import logging
     import threading
 
-    from trl_nrollout.scoring import RewardTimeout, call_watched
+    from trl_nrollout.trainer.scoring import RewardTimeout, call_watched
 
     release = threading.Event()
 
@@ -203,7 +203,7 @@ def test_a_reward_call_past_its_timeout_is_abandoned_and_the_wait_is_reported(ca
     ([1.0], r"returned 1 rewards for 2 samples"),
 ])
 def test_unusable_rewards_name_the_function_and_the_sample(values, match):
-    from trl_nrollout.scoring import RewardFunctionError, as_rewards
+    from trl_nrollout.trainer.scoring import RewardFunctionError, as_rewards
 
     with pytest.raises(RewardFunctionError, match=match):
         as_rewards(values, "judge", ["p0", "p1"])

@@ -1,4 +1,4 @@
-"""The pure group-selection helpers (trl_nrollout.batching): DAPO's constant groups, selection, balance."""
+"""The pure group-selection helpers (trl_nrollout.algos.batching): DAPO's constant groups, selection, balance."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trl_nrollout.batching import balance_groups, constant_groups, select_groups
+from trl_nrollout.algos.batching import balance_groups, constant_groups, select_groups
 
 NAN = math.nan
 

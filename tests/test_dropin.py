@@ -83,7 +83,7 @@ def test_mapped_options(tmp_path):
 
 
 def test_a_plain_grpo_config_keeps_trls_loss_details(tmp_path):
-    from trl_nrollout.trainer import to_nrollout_config
+    from trl_nrollout.trainer.grpo import to_nrollout_config
 
     c = to_nrollout_config(GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                                       beta=0.04, use_cpu=True, report_to="none"))
@@ -106,7 +106,7 @@ def test_moe_router_aux_loss_is_added_as_trl_adds_it(tmp_path, monkeypatch):
     of the same size (about 1 for a random router: experts x sum of fraction x probability); with 0.0 it is off."""
     from trl import GRPOConfig, GRPOTrainer
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from tests.conftest import save_tiny_model
     from trl_nrollout import NRolloutGRPOTrainer
     from trl_nrollout.builtin import digits_dataset, digits_reward
@@ -138,7 +138,7 @@ def test_log_completions_writes_trls_table(tmp_path, monkeypatch):
     import pandas as pd
     from trl import GRPOConfig, GRPOTrainer
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutGRPOTrainer
     from trl_nrollout.builtin import digit_fraction, digits_dataset
 
@@ -175,7 +175,7 @@ def test_generation_kwargs_reach_the_engine(backend, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
     from trl import GRPOConfig
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutGRPOTrainer
     from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
 
@@ -206,7 +206,7 @@ def test_optimizer_steps_holding_part_of_a_group_as_trl(tmp_path, monkeypatch):
     advantages of each rollout sum to zero over its group (GRPO)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutGRPOTrainer
     from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
 
@@ -238,7 +238,7 @@ def test_structured_outputs_regex_on_the_vllm_engine(tmp_path, monkeypatch):
     would ignore it there); cache_implementation reaches the HF engine's generate()."""
     from trl import GRPOConfig
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutGRPOTrainer
     from trl_nrollout.builtin import digits_dataset, digits_reward
 
@@ -273,8 +273,8 @@ def test_pad_to_multiple_of_pads_every_scoring_forward_and_changes_no_value():
     from transformers import AutoModelForCausalLM
 
     from trl_nrollout.builtin import resolve_model
-    from trl_nrollout.critic import build_critic, compute_values
-    from trl_nrollout.logprobs import compute_log_probs
+    from trl_nrollout.passes.critic import build_critic, compute_values
+    from trl_nrollout.passes.logprobs import compute_log_probs
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny-qwen2"), dtype=torch.float32)
     long_prompt, short_prompt = list(range(5, 45)), [50, 51, 52]
@@ -309,7 +309,7 @@ def test_pad_to_multiple_of_shapes_the_rollout_tensors_and_the_update_as_trl(tmp
     forward of the update have widths that are multiples of 8, as TRL pads them; a step trains to a finite loss."""
     from trl import GRPOConfig
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutGRPOTrainer
     from trl_nrollout.builtin import digits_dataset, digits_reward
 

@@ -1,4 +1,4 @@
-"""Recipes on the Hub (:mod:`trl_nrollout.hub`), tested offline.
+"""Recipes on the Hub (:mod:`trl_nrollout.recipe.hub`), tested offline.
 
 What needs the network is not exercised here: the HTTP download of an uncached file by ``hf_hub_download`` and
 the upload requests of ``HfApi.create_repo`` / ``HfApi.create_commit``. Everything around them is: parsing
@@ -22,9 +22,9 @@ import pytest
 import yaml
 
 from tests.conftest import COMMIT, populate_cache
-from trl_nrollout import hub
 from trl_nrollout.cli import main
-from trl_nrollout.hub import HubError, HubRef, RecipeNotFoundError, parse_hub_ref, resolve_config
+from trl_nrollout.recipe import hub
+from trl_nrollout.recipe.hub import HubError, HubRef, RecipeNotFoundError, parse_hub_ref, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMIT_2 = "fedcba9876543210fedcba9876543210fedcba98"

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout import layout as layout_mod
-from trl_nrollout.layout import LayoutError, RolloutLayout, divisors, nearest_multiples
+from trl_nrollout.plan import layout as layout_mod
+from trl_nrollout.plan.layout import LayoutError, RolloutLayout, divisors, nearest_multiples
 
 EXAMPLE = dict(num_processes=6, rollout_tp_size=2, train_batch_size=60, rollout_n=12, log_prob_micro_batch_size=48)
 

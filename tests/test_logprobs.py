@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ROOT, run_cmd
-from trl_nrollout.logprobs import compute_log_probs, from_padded, pack_by_tokens
+from trl_nrollout.passes.logprobs import compute_log_probs, from_padded, pack_by_tokens
 
 TOL = 2e-5
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-import trl_nrollout.trainer as trainer_module
+import trl_nrollout.trainer.grpo as trainer_module
 from tests.conftest import save_tiny_model
 from trl_nrollout import NRolloutGRPOTrainer
 from trl_nrollout.builtin import digits_dataset, digits_reward

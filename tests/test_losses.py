@@ -13,7 +13,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout.losses import (
+from trl_nrollout.algos.losses import (
     KL_KINDS,
     LOSS_AGG_MODES,
     AdaptiveKLController,
@@ -395,7 +395,7 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
 @FAST
 @given(log_w=st.floats(-3, 3, width=32), positive=st.booleans())
 def test_vespo_weight_is_one_on_policy_and_falls_off(log_w, positive):
-    from trl_nrollout.losses import vespo_weights
+    from trl_nrollout.algos.losses import vespo_weights
 
     adv = torch.tensor([[1.0 if positive else -1.0]])
     phi = vespo_weights(adv, torch.tensor([[log_w]]), torch.zeros(1, 1), torch.ones(1, 1)).item()
@@ -406,7 +406,7 @@ def test_vespo_weight_is_one_on_policy_and_falls_off(log_w, positive):
 
 
 def test_off_policy_mask_drops_only_negative_far_off_policy_sequences():
-    from trl_nrollout.losses import off_policy_sequence_mask
+    from trl_nrollout.algos.losses import off_policy_sequence_mask
 
     logp = torch.zeros(4, 2)
     sampler = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.01, 0.0], [float("nan"), 0.5]])
@@ -416,7 +416,7 @@ def test_off_policy_mask_drops_only_negative_far_off_policy_sequences():
 
 
 def test_rollout_is_weights_truncate_and_mask():
-    from trl_nrollout.losses import rollout_is_weights
+    from trl_nrollout.algos.losses import rollout_is_weights
 
     old, rollout, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-2.0, 0.5]]), torch.ones(1, 2)
     w = [math.exp(2.0), math.exp(-0.5)]
@@ -429,7 +429,7 @@ def test_rollout_is_weights_truncate_and_mask():
 
 
 def test_high_entropy_mask_keeps_the_top_quantile_of_response_tokens():
-    from trl_nrollout.losses import entropy_quantile, high_entropy_mask
+    from trl_nrollout.algos.losses import entropy_quantile, high_entropy_mask
 
     ent = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])

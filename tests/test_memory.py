@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout.layout import LayoutError, RolloutLayout
-from trl_nrollout.memory import (
+from trl_nrollout.plan.layout import LayoutError, RolloutLayout
+from trl_nrollout.plan.memory import (
     DEFAULT_N_VALUES,
     ModelShape,
     check_model_fits_layout,

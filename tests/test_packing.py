@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout import packing
-from trl_nrollout.logprobs import compute_log_probs
-from trl_nrollout.packing import pack_shared_prompts, packed_shape, packing_pays
+from trl_nrollout.passes import packing
+from trl_nrollout.passes.logprobs import compute_log_probs
+from trl_nrollout.passes.packing import pack_shared_prompts, packed_shape, packing_pays
 
 
 @functools.lru_cache(maxsize=1)
@@ -30,7 +30,7 @@ def tiny():
 @contextlib.contextmanager
 def packed_batches():
     """The packed micro batches the log-prob passes build while inside (a spy on ``pack_shared_prompts``)."""
-    import trl_nrollout.logprobs as logprobs_module
+    import trl_nrollout.passes.logprobs as logprobs_module
 
     built = []
     real = logprobs_module.pack_shared_prompts
@@ -197,7 +197,7 @@ def _trainer(tmp_path, peft_config=None, **kw):
 
     from trl_nrollout.builtin import digits_prompts, digits_reward, long_prompts, resolve_model
     from trl_nrollout.config import NRolloutConfig
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     path = resolve_model("builtin:tiny-qwen2")
     tok = AutoTokenizer.from_pretrained(path)
@@ -222,7 +222,7 @@ def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monk
     """One real rollout (2 prompts of ~96 tokens x n=4, HF engine): the loss and every trained parameter's gradient
     are the same with and without packing (a full model, and LoRA adapters through PEFT's forward), and packing did
     run (half the tokens here)."""
-    import trl_nrollout.update as update_module
+    import trl_nrollout.trainer.update as update_module
 
     peft = None
     if lora:
@@ -250,7 +250,7 @@ def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monk
 def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monkeypatch, caplog):
     """Distinct prompts in a micro batch (nothing to share), a block mask over its memory bound and an attention
     implementation that ignores a 4D mask all run the plain forward; the last two say why, once."""
-    import trl_nrollout.update as update_module
+    import trl_nrollout.trainer.update as update_module
 
     trainer, data = _trainer(tmp_path, shared_prompt_forward=True)
     batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
@@ -313,7 +313,7 @@ def test_any_configured_sliding_window_keeps_the_plain_layout():
     window switched off (its default) and Llama (no window) do."""
     from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
-    from trl_nrollout.packing import structural_reason
+    from trl_nrollout.passes.packing import structural_reason
 
     assert structural_reason(MistralConfig(sliding_window=16)) == "the model has sliding-window layers"
     assert structural_reason(Phi3Config(sliding_window=2047)) == "the model has sliding-window layers"
@@ -330,8 +330,8 @@ def test_the_mask_bound_counts_what_sdpa_allocates():
     plain."""
     import torch
 
-    from trl_nrollout import packing
-    from trl_nrollout.packing import decide, mask_bytes, query_dtype
+    from trl_nrollout.passes import packing
+    from trl_nrollout.passes.packing import decide, mask_bytes, query_dtype
 
     g, length = 3, 100
     assert mask_bytes(g, length, torch.bool, torch.bfloat16) == g * length * (length + 2 * length + 2 * 104)

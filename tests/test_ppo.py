@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout.advantages import compute_advantages, gae_advantages
-from trl_nrollout.losses import explained_variance, value_loss
+from trl_nrollout.algos.advantages import compute_advantages, gae_advantages
+from trl_nrollout.algos.losses import explained_variance, value_loss
 
 FAST = settings(max_examples=30, deadline=None)
 
@@ -172,7 +172,7 @@ def test_explained_variance():
 
 
 def test_critic_values_line_up_with_completion_tokens_and_are_deterministic_in_train_mode():
-    from trl_nrollout.critic import build_critic, compute_values, critic_values, pad_batch
+    from trl_nrollout.passes.critic import build_critic, compute_values, critic_values, pad_batch
 
     critic = build_critic("builtin:tiny-qwen2", seed=1).train()  # train mode: no dropout noise (verl: 0 too)
     prompts, completions = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
@@ -209,7 +209,7 @@ def test_ppo_config_defaults_and_rules(tmp_path):
 
 
 def _hf_ppo(tmp_path, monkeypatch, **kw):
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutPPOConfig, NRolloutPPOTrainer
     from trl_nrollout.builtin import digits_dataset, digits_reward
 
@@ -223,7 +223,7 @@ def _hf_ppo(tmp_path, monkeypatch, **kw):
 
 
 def test_critic_free_trainer_refuses_gae_and_ppo_needs_its_config(tmp_path, monkeypatch):
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer, NRolloutPPOTrainer
     from trl_nrollout.builtin import digits_dataset, digits_reward
 
@@ -368,7 +368,7 @@ def test_ppo_with_lora_on_the_policy(tmp_path, monkeypatch):
     """LoRA adapters on the policy (the critic stays a full model, built from the base weights): both train."""
     from peft import LoraConfig
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutPPOConfig, NRolloutPPOTrainer
     from trl_nrollout.builtin import digits_dataset, digits_reward
 
@@ -391,7 +391,7 @@ def test_critic_from_a_reward_model_keeps_its_head(tmp_path):
     from transformers import AutoTokenizer, Qwen2ForSequenceClassification
 
     from tests.conftest import save_tiny_model
-    from trl_nrollout.critic import build_critic
+    from trl_nrollout.passes.critic import build_critic
 
     base = save_tiny_model(tmp_path / "base")
     rm = Qwen2ForSequenceClassification.from_pretrained(base, num_labels=1)
@@ -406,7 +406,7 @@ def test_critic_from_a_reward_model_keeps_its_head(tmp_path):
 
 def test_critic_token_budget_splits_like_the_count_split(tmp_path, monkeypatch):
     """critic_ppo_max_token_len_per_device packs sequences by tokens; the values do not depend on the split."""
-    from trl_nrollout.critic import compute_values
+    from trl_nrollout.passes.critic import compute_values
 
     trainer = _hf_ppo(tmp_path, monkeypatch, critic_ppo_max_token_len_per_device=40)
     g = torch.Generator().manual_seed(0)
@@ -438,7 +438,7 @@ def test_the_critic_follows_the_policys_precision_and_checkpointing(tmp_path, mo
     """From a bf16 checkpoint with bf16=True: the critic gets the policy's (float32) weights, so AdamW at lr 1e-5
     moves most of its entries (bf16 weights would round most updates away), and runs under the trainer's autocast;
     gradient_checkpointing (TRL's default: on) applies to the critic as to the policy."""
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from tests.conftest import save_tiny_model
     from trl_nrollout import NRolloutPPOConfig, NRolloutPPOTrainer
     from trl_nrollout.builtin import digits_dataset, digits_reward

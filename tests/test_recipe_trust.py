@@ -1,4 +1,4 @@
-"""A recipe from the Hub is data, not code (:mod:`trl_nrollout.recipe_trust`): a shared recipe cannot enable
+"""A recipe from the Hub is data, not code (:mod:`trl_nrollout.recipe.trust`): a shared recipe cannot enable
 ``trust_remote_code`` or import reward modules unless the launching command line allows it; local recipes are the
 user's own and unrestricted. Hub recipes come from a pre-populated offline cache, as in test_hub.py."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import load_recipe, populate_cache
 from trl_nrollout.cli import main
-from trl_nrollout.recipe_trust import (
+from trl_nrollout.recipe.trust import (
     UntrustedRecipeError,
     enforce_recipe_trust,
     module_allowed,

@@ -71,11 +71,11 @@ def test_gsm8k_recipe_loads_and_trains_on_local_stand_ins(recipe, tmp_path):
     and the sizes cut for a CPU. Its dataset config, prompt column, system prompt (chat prompts through the model's
     chat template) and math_answer reward against `#### N` answers all run."""
     data = _gsm8k_like(tmp_path / "gsm8k")
-    from trl_nrollout.data import load_prompts
+    from trl_nrollout.recipe.data import load_prompts
 
     ds = load_prompts(str(data), config="main", prompt_column="question", system_prompt="Solve it.")
     assert ds[0]["prompt"][0] == {"role": "system", "content": "Solve it."} and ds[0]["prompt"][1]["role"] == "user"
-    from trl_nrollout.rewards import math_answer_reward
+    from trl_nrollout.recipe.rewards import math_answer_reward
 
     assert math_answer_reward(["<answer>5</answer>", "<answer>6</answer>"], answer=[ds[0]["answer"]] * 2) == \
         [1.0, 0.0]  # ds[0]: 2 + 3
@@ -140,7 +140,7 @@ def test_push_to_hub_pushes_the_trained_model_at_the_end(recipe, tmp_path, monke
     after training. The Hub itself is replaced by a recorder (no network here)."""
     from transformers import Trainer
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
 
     calls = []
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout.logprobs import compute_log_probs
+from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.rollout import HFEngine, RolloutBatch, SamplingOptions, iter_weight_buckets
 from trl_nrollout.rollout.weight_sync import clean_name, plan_buckets
 

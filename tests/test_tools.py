@@ -276,7 +276,7 @@ class LuckyEnv:
 def _hf_trainer(tmp_path, monkeypatch, **kwargs):
     from trl import GRPOConfig
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutGRPOTrainer
 
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
@@ -351,10 +351,10 @@ def test_tool_results_get_no_advantage_reward_or_kl(tmp_path, monkeypatch):
     """Tokens the policy did not sample (a rollout_func's env_mask: here each sample's last token) are outside the
     estimators' response mask: the outcome reward is credited on the last sampled token, REINFORCE++ whitens over
     sampled tokens only, and the KL in the reward sums over sampled tokens only (as verl's multi-turn mask)."""
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.algos.losses import kl_penalty
     from trl_nrollout.builtin import digit_fraction, digits_dataset
-    from trl_nrollout.losses import kl_penalty
     from trl_nrollout.rollout.types import SamplingOptions
 
     def my_rollout(prompts, trainer):

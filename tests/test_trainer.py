@@ -204,7 +204,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_to_the_same_step_count(tmp_path
     summary = json.loads((out / "run_summary.json").read_text())
     stopped = summary["steps"]
     assert summary["stopped_by"] == "SIGTERM" and 2 <= stopped < 12
-    from trl_nrollout.checkpoints import last_complete_checkpoint
+    from trl_nrollout.trainer.checkpoints import last_complete_checkpoint
 
     assert last_complete_checkpoint(out) == out / f"checkpoint-{stopped}"
     resumed = launch(out, "--max_steps", "12", "--save_strategy", "steps", "--save_steps", "2",

@@ -7,7 +7,7 @@ import pytest
 from tests.assets.rewards_for_tests import async_digits, none_for_all, raises_on_long
 from trl_nrollout.builtin import digits_dataset, digits_reward
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.layout import LayoutError
+from trl_nrollout.plan.layout import LayoutError
 
 
 def cfg(tmp_path, **kw) -> NRolloutConfig:
@@ -58,7 +58,7 @@ def test_conflicts_are_errors_naming_the_option(tmp_path, kw, match):
 
 
 def _trainer(tmp_path, reward, **kw):
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     return NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[reward],
                                args=cfg(tmp_path, train_batch_size=2, rollout_n=4, **kw),
@@ -67,7 +67,7 @@ def _trainer(tmp_path, reward, **kw):
 
 @pytest.mark.slow
 def test_a_raising_reward_function_is_named_with_its_sample(tmp_path):
-    from trl_nrollout.trainer import RewardFunctionError
+    from trl_nrollout.trainer.grpo import RewardFunctionError
 
     trainer = _trainer(tmp_path, raises_on_long)
     with pytest.raises(RewardFunctionError, match=r"'raises_on_long' raised ZeroDivisionError: boom on sample \d+"):
@@ -82,9 +82,9 @@ def test_none_means_not_applicable_and_nan_follows_the_policy(tmp_path, caplog):
     import math
 
     from tests.assets.rewards_for_tests import nan_for_all
-    from trl_nrollout.report import write_report
-    from trl_nrollout.summary import RewardHistory, build_summary
-    from trl_nrollout.trainer import RewardFunctionError
+    from trl_nrollout.recipe.report import write_report
+    from trl_nrollout.recipe.summary import RewardHistory, build_summary
+    from trl_nrollout.trainer.grpo import RewardFunctionError
 
     history = RewardHistory()
     with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer"):
@@ -116,10 +116,10 @@ def test_none_rewards_are_combined_as_trl_combines_them(tmp_path, monkeypatch):
     reward function logs through TRL's log_metric (it also calls log_extra)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from tests.assets.rewards_for_tests import prompt_bonus, prompt_score
     from trl_nrollout.builtin import resolve_model
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)  # the HF engine on both sides
     model = resolve_model("builtin:tiny-qwen2")
@@ -145,8 +145,8 @@ def test_a_plain_grpo_config_is_accepted(tmp_path, monkeypatch, caplog):
 
     from trl import GRPOConfig
 
-    import trl_nrollout.trainer as trainer_module
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    import trl_nrollout.trainer.grpo as trainer_module
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)  # keep vLLM out of the pytest process
 
@@ -220,9 +220,9 @@ def test_adaptive_entropy_follows_trl(tmp_path, monkeypatch, target):
     same way (the tiny model's token entropy, about 5 nats, is below a target of 100 and above 0.2), and log it."""
     from trl import GRPOConfig, GRPOTrainer
 
-    import trl_nrollout.trainer as trainer_module
+    import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout.builtin import resolve_model
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
     coefs = {}
@@ -246,7 +246,7 @@ def test_mask_truncated_completions(tmp_path):
     loss, the others keep their mask; a step whose completions are all cut trains with a zero, finite loss."""
     import math
 
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], train_dataset=digits_dataset(16),
                                   args=cfg(tmp_path, train_batch_size=4, rollout_n=4, max_completion_length=3,
@@ -273,7 +273,7 @@ def test_a_non_finite_loss_stops_training_with_its_step(tmp_path, monkeypatch):
     the step with an error that names it, and no metric of that micro batch is logged."""
     import torch
 
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     trainer = _trainer(tmp_path, digits_reward)
     real = NRolloutGRPOTrainer._policy_logps
@@ -291,7 +291,7 @@ def test_a_non_finite_loss_stops_training_with_its_step(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_reward_function_returning_labels_is_named(tmp_path):
     from tests.assets.rewards_for_tests import says_good
-    from trl_nrollout.trainer import RewardFunctionError
+    from trl_nrollout.trainer.grpo import RewardFunctionError
 
     with pytest.raises(RewardFunctionError, match=r"reward function 'says_good' returned 'good' \(str\) for sample 0"):
         _trainer(tmp_path, says_good).train()
@@ -307,7 +307,7 @@ def test_a_reward_call_that_hangs_meets_its_timeout_policy(tmp_path, caplog):
     import time
 
     from tests.assets.rewards_for_tests import slow_digits
-    from trl_nrollout.trainer import RewardFunctionError
+    from trl_nrollout.trainer.grpo import RewardFunctionError
 
     start = time.perf_counter()
     with pytest.raises(RewardFunctionError, match=r"reward function 'slow_digits' did not return within "
@@ -338,7 +338,7 @@ def test_bf16_old_and_reference_passes_run_as_the_update_does(tmp_path, checkpoi
     import torch
 
     from tests.conftest import save_tiny_model
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     model = save_tiny_model(tmp_path / "model", dtype=getattr(torch, checkpoint))
     args = cfg(tmp_path / "out", train_batch_size=4, rollout_n=4, bf16=True, beta=0.04, max_completion_length=8,
@@ -359,7 +359,7 @@ def test_adapters_whose_merge_is_not_a_lora_delta_do_not_reach_vllm(tmp_path, ca
 
     from peft import LoraConfig
 
-    from trl_nrollout.trainer import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     def build(backend: str):
         args = cfg(tmp_path / backend, train_batch_size=2, rollout_n=4, rollout_backend=backend)

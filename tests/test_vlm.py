@@ -13,12 +13,12 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-import trl_nrollout.trainer as trainer_module
+import trl_nrollout.trainer.grpo as trainer_module
 from trl_nrollout import NRolloutGRPOTrainer
 from trl_nrollout.builtin import colour_image, colour_reward, image_dataset, resolve_model
 from trl_nrollout.dropin import UnsupportedTRLOption
-from trl_nrollout.logprobs import compute_log_probs
-from trl_nrollout.multimodal import (
+from trl_nrollout.passes.logprobs import compute_log_probs
+from trl_nrollout.passes.multimodal import (
     attach_images,
     check_expansion,
     collate,
@@ -243,7 +243,7 @@ def test_image_tensors_stay_on_their_rank_unless_samples_move(vlm_path, tmp_path
     """The pool of a step is gathered to every rank; a VLM's image tensors go with it only where samples change
     ranks (balance_batch, DAPO's selection). Otherwise each rank keeps its own tensors, and the update still sees the
     images (its loss and gradients depend on them)."""
-    from trl_nrollout.stages import Sample
+    from trl_nrollout.trainer.stages import Sample
 
     gathered = []
     real_gather = trainer_module.gather_object

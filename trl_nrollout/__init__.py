@@ -17,19 +17,19 @@ def __getattr__(name: str):
 
         return NRolloutConfig
     if name == "NRolloutGRPOTrainer":
-        from trl_nrollout.trainer import NRolloutGRPOTrainer
+        from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
         return NRolloutGRPOTrainer
     if name in ("NRolloutPPOConfig", "NRolloutPPOTrainer"):
-        from trl_nrollout import ppo
+        from trl_nrollout.trainer import ppo
 
         return getattr(ppo, name)
     if name == "RolloutLayout":
-        from trl_nrollout.layout import RolloutLayout
+        from trl_nrollout.plan.layout import RolloutLayout
 
         return RolloutLayout
     if name == "compute_advantages":
-        from trl_nrollout.advantages import compute_advantages
+        from trl_nrollout.algos.advantages import compute_advantages
 
         return compute_advantages
     raise AttributeError(name)

@@ -26,8 +26,7 @@ from typing import NamedTuple
 
 import yaml
 
-from .layout import LayoutError
-from .plan import (
+from trl_nrollout.plan.figures import (
     PLAN_OPTIONS,
     PlanError,
     build_layout,
@@ -37,6 +36,7 @@ from .plan import (
     n_values,
     plan_values,
 )
+from trl_nrollout.plan.layout import LayoutError
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -123,7 +123,7 @@ def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_recipe(args: argparse.Namespace) -> int:
-    from . import hub
+    from trl_nrollout.recipe import hub
 
     try:
         if args.recipe_command == "push":
@@ -141,7 +141,7 @@ def _run_recipe(args: argparse.Namespace) -> int:
         paths = hub.pull_recipe(args.ref, args.out, token=args.token)
         for path in paths:
             print(path)
-        from .recipe_trust import recipe_requests
+        from trl_nrollout.recipe.trust import recipe_requests
 
         data = yaml.safe_load(paths[0].read_text()) or {}
         if isinstance(data, dict):  # what the recipe asks for, before anyone runs it

@@ -1,6 +1,6 @@
 """``NRolloutConfig``: TRL's ``GRPOConfig`` that also speaks verl's rollout vocabulary.
 
-One mapping, applied in ``__post_init__`` and validated by :class:`~trl_nrollout.layout.RolloutLayout`
+One mapping, applied in ``__post_init__`` and validated by :class:`~trl_nrollout.plan.layout.RolloutLayout`
 (``P`` = number of processes):
 
 ==============================  =====================================================================
@@ -38,11 +38,11 @@ prefer_cpu_deepspeed()  # before DeepSpeed is imported
 
 from trl import GRPOConfig  # noqa: E402
 
-from trl_nrollout.advantages import available_estimators  # noqa: E402
+from trl_nrollout.algos.advantages import available_estimators  # noqa: E402
+from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES  # noqa: E402
 from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.errors import InputError  # noqa: E402
-from trl_nrollout.layout import LayoutError, RolloutLayout  # noqa: E402
-from trl_nrollout.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES  # noqa: E402
+from trl_nrollout.plan.layout import LayoutError, RolloutLayout  # noqa: E402
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, SEED_MODES  # noqa: E402
 
 #: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
@@ -66,7 +66,7 @@ _TRL_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps"
 
 @dataclass
 class NRolloutConfig(GRPOConfig):
-    """Configuration of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer`: every ``GRPOConfig`` option plus
+    """Configuration of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: every ``GRPOConfig`` option plus
     verl's rollout vocabulary. See the module docstring for the mapping."""
 
     # ---------------------------------------------------------------- batch arithmetic (verl vocabulary)

@@ -14,8 +14,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from trl_nrollout.layout import RolloutLayout
-from trl_nrollout.logprobs import compute_log_probs
+from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.rollout.types import SamplingOptions
 
 N = 3

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from trl_nrollout.layout import RolloutLayout
+from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.rollout.types import SamplingOptions
 
 PROMPTS, N, PROMPT_LEN, MAX_TOKENS = 64, 8, 300, 4

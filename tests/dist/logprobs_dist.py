@@ -17,8 +17,8 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 from transformers import AutoModelForCausalLM
 
-import trl_nrollout.logprobs as logprobs_module
-from trl_nrollout.logprobs import compute_log_probs
+import trl_nrollout.passes.logprobs as logprobs_module
+from trl_nrollout.passes.logprobs import compute_log_probs
 
 
 def samples(rank: int, num: int):

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from trl_nrollout.logprobs import compute_log_probs
-from trl_nrollout.multimodal import MMInputs, collate
-from trl_nrollout.packing import round_up
+from trl_nrollout.passes.logprobs import compute_log_probs
+from trl_nrollout.passes.multimodal import MMInputs, collate
+from trl_nrollout.passes.packing import round_up
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import unwrap
 
@@ -151,7 +151,7 @@ class HFEngine:
     log-probs are recorded while generating (:class:`SampledLogProbs`: penalties, a user's processors and every
     sampling warper applied, vLLM's ``processed_logprobs``), so a rollout costs ``generate`` alone, as TRL's. Decoding modes other than sampling
     and greedy (beams, assisted decoding, set through TRL's ``generation_kwargs``) get them from
-    :func:`~trl_nrollout.logprobs.compute_log_probs` after ``generate`` instead (temperature only), and generate as
+    :func:`~trl_nrollout.passes.logprobs.compute_log_probs` after ``generate`` instead (temperature only), and generate as
     TRL does: each prompt repeated ``n`` times, one sequence per row (``num_return_sequences=n`` would ask beam search
     for its ``n`` best beams, which needs ``num_beams >= n`` and is not TRL's sampling). ``pad_to_multiple_of``: each
     prompt batch is left-padded to a multiple of it (TRL's option).
@@ -171,7 +171,7 @@ class HFEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.batch_size = batch_size
         self.generator_seed = seed
-        # score the n samples of a prompt with the prompt once (trl_nrollout.packing); the trainer checks the model
+        # score the n samples of a prompt with the prompt once (trl_nrollout.passes.packing); the trainer checks the model
         self.shared_prompts = shared_prompts
         self._calls = 0
 

@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from trl_nrollout.packing import round_up
+from trl_nrollout.passes.packing import round_up
 
 
 @dataclass(frozen=True)

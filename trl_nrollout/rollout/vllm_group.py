@@ -21,8 +21,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from trl_nrollout.layout import RolloutLayout
-from trl_nrollout.memory import DEFAULT_MAX_NUM_SEQS
+from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.seeds import SEED_MODES, engine_seed, numpy_seeded, prompt_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
@@ -41,7 +41,7 @@ def _kv_bytes_default(model_path: str, max_seqs: int, expected_len: int, max_mod
                       dtype: str) -> int:
     """A CPU KV-cache size: every concurrent sequence at ``expected_len`` tokens, and at least one sequence at
     ``max_model_len`` (vLLM's start-up check), x1.25; at least 16 MiB."""
-    from trl_nrollout.memory import kv_bytes_per_token, kv_heads_per_gpu, load_model_shape
+    from trl_nrollout.plan.memory import kv_bytes_per_token, kv_heads_per_gpu, load_model_shape
 
     try:
         shape = load_model_shape(model_path, dtype=dtype if dtype != "auto" else None, count_params=False)
@@ -73,7 +73,7 @@ def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = 
     """The keyword arguments of each rank's ``vllm.LLM`` (pure: no engine is built; pinned by the unit tests).
 
     - ``max_num_seqs`` (sequences run at once) defaults to the engine's samples, capped at
-      :data:`~trl_nrollout.memory.DEFAULT_MAX_NUM_SEQS`: vLLM's sampler holds ``[max_num_seqs, vocab]`` float32
+      :data:`~trl_nrollout.plan.memory.DEFAULT_MAX_NUM_SEQS`: vLLM's sampler holds ``[max_num_seqs, vocab]`` float32
       buffers, so thousands of samples per engine must not become thousands of concurrent rows; vLLM schedules
       the rest as sequences finish.
     - CPU: float32 by default, eager mode, an explicit KV size (see :func:`_kv_bytes_default`), and no chunked

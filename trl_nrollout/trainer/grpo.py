@@ -6,7 +6,7 @@ One rollout step (``_generate_and_score_completions``), every arrow a call into 
     ->  rewards (scoring: TRL's reward contract)  ->  pool: DAPO filtering, balance (batching)
     ->  old / reference log-prob passes (logprobs)  ->  advantages (advantages registry)
 
-and the update (``_compute_loss``, in the :mod:`~trl_nrollout.update` mixin): PPO clipped loss, aggregation, KL
+and the update (``_compute_loss``, in the :mod:`~trl_nrollout.trainer.update` mixin): PPO clipped loss, aggregation, KL
 loss, entropy bonus (losses), the policy's forward in the plain or shared-prompt layout (packing). TRL's loop
 does the rest: data order (its RepeatSampler), buffering of a rollout over ``steps_per_generation`` micro steps,
 gradient accumulation, optimizer, logging, checkpoints.
@@ -30,27 +30,24 @@ from trl.data_utils import is_conversational
 from trl.distributed import DistributedBackend
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from trl_nrollout.advantages import (
+from trl_nrollout.algos.advantages import (
     compute_advantages,
     normalize_then_sum,
     outcome_token_rewards,
     response_mask,
 )
-from trl_nrollout.batching import balance_groups, constant_groups, select_groups
-from trl_nrollout.builtin import resolve_model
-from trl_nrollout.checkpoints import ROLLOUT_STATE
-from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.data import check_prompts
-from trl_nrollout.dropin import UnsupportedTRLOption
-from trl_nrollout.errors import DatasetError, InputError
-from trl_nrollout.layout import MicroBatch
-from trl_nrollout.logprobs import compute_log_probs
-from trl_nrollout.losses import (
+from trl_nrollout.algos.batching import balance_groups, constant_groups, select_groups
+from trl_nrollout.algos.losses import (
     AdaptiveKLController,
     FixedKLController,
     kl_penalty,
 )
-from trl_nrollout.multimodal import (
+from trl_nrollout.builtin import resolve_model
+from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.errors import DatasetError, InputError
+from trl_nrollout.passes.logprobs import compute_log_probs
+from trl_nrollout.passes.multimodal import (
     EncodedPrompts,
     check_expansion,
     encode_prompts,
@@ -58,16 +55,19 @@ from trl_nrollout.multimodal import (
     prompt_images,
     without_images,
 )
-from trl_nrollout.multiturn import Episode, MultiTurnRollout, check_images
-from trl_nrollout.report import LiveProgressCallback
+from trl_nrollout.plan.layout import MicroBatch
+from trl_nrollout.recipe.data import check_prompts
+from trl_nrollout.recipe.report import LiveProgressCallback
+from trl_nrollout.recipe.summary import GenerationClock, StepClock
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
-from trl_nrollout.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
-from trl_nrollout.stages import Advantages, Assignment, LogProbs, Round, Sample, StepContext
-from trl_nrollout.summary import GenerationClock, StepClock
-from trl_nrollout.update import PolicyUpdate
+from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE
+from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images
+from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
+from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, Sample, StepContext
+from trl_nrollout.trainer.update import PolicyUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' checkpoint, then the rollout stage's own state (:meth:`_save_rollout_state`); the file
-        :data:`~trl_nrollout.checkpoints.ROLLOUT_STATE` is written last, after every rank saved, so that a folder
+        :data:`~trl_nrollout.trainer.checkpoints.ROLLOUT_STATE` is written last, after every rank saved, so that a folder
         holding it is complete (``resume_from_checkpoint=true`` skips one a killed run left half written)."""
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
@@ -558,7 +558,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """One rollout step (TRL's hook): this rank's training batch from its ``inputs`` (TRL's rows, each prompt
-        repeated n times). The stages hand each other typed values (:mod:`trl_nrollout.stages`):
+        repeated n times). The stages hand each other typed values (:mod:`trl_nrollout.trainer.stages`):
 
             _sync_weights                       the engines get the policy's weights (once per optimizer step)
             _collect           -> Round         generate and score; DAPO: more rounds until the batch is full
@@ -911,7 +911,7 @@ def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: str)
     """KL-in-reward of each sample ``[B]``: the sum of the per-token ``kind`` estimate over the tokens of ``mask``.
 
     ``logprobs``, ``ref_logprobs``: ``[B, C]`` right-padded, on the training device; ``mask``: ``[B, C]`` 0/1, the
-    tokens the policy sampled (:func:`~trl_nrollout.advantages.response_mask`: tool results left out), moved to
+    tokens the policy sampled (:func:`~trl_nrollout.algos.advantages.response_mask`: tool results left out), moved to
     that same device (a CPU mask made ``use_kl_in_reward`` crash on CUDA).
     """
     mask = mask.to(device=logprobs.device, dtype=logprobs.dtype)

@@ -1,4 +1,4 @@
-"""The machinery behind every :class:`LayoutError` of :mod:`trl_nrollout.layout`: the error itself, the search for
+"""The machinery behind every :class:`LayoutError` of :mod:`trl_nrollout.plan.layout`: the error itself, the search for
 fixes (each suggested value is tried by building the layout again with it), and how fixes are put in words.
 
 Split from ``layout.py`` so that the layout's arithmetic reads on its own; nothing here knows the rules, which

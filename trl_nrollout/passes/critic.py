@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from trl_nrollout.logprobs import _is_zero3, pack_by_tokens, split_by_count, unwrap_model
+from trl_nrollout.passes.logprobs import _is_zero3, pack_by_tokens, split_by_count, unwrap_model
 from trl_nrollout.rollout.types import RolloutBatch
 
 

@@ -313,8 +313,8 @@ def plan_table(recipe_path: Path) -> tuple[str | None, list[str]]:
 
     Uses the very functions ``trl-nrollout plan --config <recipe>`` runs (layout only, no memory estimate).
     """
-    from .layout import LayoutError
-    from .plan import PlanError, build_layout, check_token_budgets, plan_values
+    from trl_nrollout.plan.figures import PlanError, build_layout, check_token_budgets, plan_values
+    from trl_nrollout.plan.layout import LayoutError
 
     try:
         values = plan_values(Path(recipe_path))

@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from trl_nrollout.hub import HubError
+from trl_nrollout.recipe.hub import HubError
 
 TRUST_FLAG = "--trust-remote-code"
 ALLOW_FLAG = "--allow-reward-module"
@@ -84,7 +84,7 @@ def _trust_keys(value, path: str) -> list[str]:
 
 def recipe_requests(data: Mapping) -> RecipeRequests:
     """Read a recipe's model, reward functions, ``trust_remote_code`` keys and reward modules."""
-    from trl_nrollout.rewards import BUILTIN_REWARDS
+    from trl_nrollout.recipe.rewards import BUILTIN_REWARDS
 
     rewards = data.get("reward_funcs") or []
     rewards = [rewards] if isinstance(rewards, str) else [str(r) for r in rewards]

@@ -1,6 +1,6 @@
 """TRL's agentic interfaces on our engine group: ``tools``, ``environment_factory`` and ``rollout_func``.
 
-A mixin of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer`. TRL's ``__init__`` still sets everything up (tool
+A mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`. TRL's ``__init__`` still sets everything up (tool
 schemas in the chat template, the response parser, the environment pool, the async event loop); generation turn by
 turn is :func:`~trl_nrollout.rollout.agent_loop.run_tool_turns` on our engines, collective over ranks.
 
@@ -25,7 +25,7 @@ import torch
 from accelerate.utils import gather_object
 from trl.chat_template_utils import parse_response
 
-from trl_nrollout.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
+from trl_nrollout.passes.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
 from trl_nrollout.rollout.agent_loop import Turns, call_tools, run_tool_turns, split_tools
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
@@ -42,7 +42,7 @@ class Episode:
     tool_calls: list[int] = field(default_factory=list)
     tool_failures: list[int] = field(default_factory=list)
     extra_fields: dict[str, list] = field(default_factory=dict)
-    mm: list | None = None  # a VLM's image tensors per sample (trl_nrollout.multimodal)
+    mm: list | None = None  # a VLM's image tensors per sample (trl_nrollout.passes.multimodal)
 
 
 def _environment_tools(environment: Any) -> list:

@@ -1,9 +1,9 @@
 """PPO with a critic on the same rollout stage: ``NRolloutPPOTrainer`` and ``NRolloutPPOConfig``.
 
-Everything of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer` is reused: engines, layout, rewards, log-prob
+Everything of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer` is reused: engines, layout, rewards, log-prob
 passes, policy loss. Added, as verl's PPO (``adv_estimator: gae`` with ``critic.*``):
 
-- a critic (:mod:`trl_nrollout.critic`), initialized from the policy (or ``critic_model_name_or_path``, e.g. a
+- a critic (:mod:`trl_nrollout.passes.critic`), initialized from the policy (or ``critic_model_name_or_path``, e.g. a
   reward model) with a fresh scalar head, and its own AdamW optimizer and learning rate;
 - after the log-prob passes, the critic's values of every completion token (micro-batched like them), GAE
   advantages and returns (``gamma``, ``lam``) over the whole job;
@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trl_nrollout.algos.losses import LOSS_AGG_MODES, explained_variance, value_loss
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.critic import build_critic, compute_values, critic_values, synced_count
 from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.errors import InputError
-from trl_nrollout.logprobs import _is_zero3, pack_by_tokens, split_by_count
-from trl_nrollout.losses import LOSS_AGG_MODES, explained_variance, value_loss
-from trl_nrollout.stages import Advantages, Assignment, LogProbs, Round, StepContext
-from trl_nrollout.trainer import NRolloutGRPOTrainer, fit_width
-from trl_nrollout.update import _loss_mask
+from trl_nrollout.passes.critic import build_critic, compute_values, critic_values, synced_count
+from trl_nrollout.passes.logprobs import _is_zero3, pack_by_tokens, split_by_count
+from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer, fit_width
+from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, StepContext
+from trl_nrollout.trainer.update import _loss_mask
 
 CRITIC_DIR = "critic"
 

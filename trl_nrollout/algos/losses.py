@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trl_nrollout.advantages import masked_mean
+from trl_nrollout.algos.advantages import masked_mean
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
                   "token-mean-micro")

@@ -49,7 +49,7 @@ def get_estimator(name: str) -> AdvantageFn:
     except KeyError:
         raise ValueError(
             f"adv_estimator={name!r} is not a registered estimator; use one of {available_estimators()} "
-            f"or register your own with @trl_nrollout.advantages.register_adv_est({name!r})."
+            f"or register your own with @trl_nrollout.algos.advantages.register_adv_est({name!r})."
         ) from None
 
 

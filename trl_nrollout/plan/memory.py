@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .layout import RolloutLayout
+    from trl_nrollout.plan.layout import RolloutLayout
 
 #: Tokens per KV-cache block in vLLM's paged attention (its default on GPUs).
 VLLM_BLOCK_SIZE = 16
@@ -240,8 +240,8 @@ class ModelShape:
 
 def check_model_fits_layout(shape: ModelShape, layout: RolloutLayout) -> None:
     """vLLM splits attention heads over the engine's ranks, and Ulysses sequence parallelism splits them over the
-    sequence-parallel group: raise :class:`~trl_nrollout.layout.LayoutError` (with a fix) when they cannot."""
-    from .layout import LayoutError, divisors
+    sequence-parallel group: raise :class:`~trl_nrollout.plan.layout.LayoutError` (with a fix) when they cannot."""
+    from trl_nrollout.plan.layout import LayoutError, divisors
 
     heads, kv = shape.num_attention_heads, shape.num_key_value_heads
 
@@ -456,7 +456,7 @@ def load_config_dict(name_or_path: str) -> tuple[dict[str, Any], str]:
     """The config of a ``builtin:`` name, a local folder (or ``config.json`` file) or a hub id, as a dict, with
     where it was read from. Local files are read as JSON (no transformers import); hub ids go through
     ``transformers.AutoConfig`` (needs the network or the local hub cache)."""
-    from .builtin import is_builtin, resolve_model
+    from trl_nrollout.builtin import is_builtin, resolve_model
 
     location = resolve_model(name_or_path) if is_builtin(name_or_path) else name_or_path
     path = Path(location)

@@ -1,4 +1,4 @@
-"""Reward scoring of a rollout, as a mixin of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer`: TRL's reward
+"""Reward scoring of a rollout, as a mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: TRL's reward
 function contract (signature, async functions, ``None`` = "does not apply", ``log_metric`` / ``log_extra``,
 reward models), errors that name the function and the sample on every rank, and the NaN-aware weighted sum.
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
-from trl_nrollout.multimodal import MMInputs, collate
-from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, query_dtype, round_up
+from trl_nrollout.passes.multimodal import MMInputs, collate
+from trl_nrollout.passes.packing import decide, mask_dtype, pack_shared_prompts, query_dtype, round_up
 
 Ids = Sequence[int] | Tensor
 
@@ -209,13 +209,13 @@ def compute_log_probs(
     - ``lean_head``: run the decoder, keep only completion positions, and apply the output head in chunks
       (default when the model allows it; FSDP-sharded models use their full forward instead).
 
-    - ``mm_inputs``: per sample, the processor's image tensors (:mod:`trl_nrollout.multimodal`) of a
+    - ``mm_inputs``: per sample, the processor's image tensors (:mod:`trl_nrollout.passes.multimodal`) of a
       vision-language model, or None; with images the model's own forward runs (it merges the image features) and
       positions are the model's own (right padding: they start at 0 on every row).
     - ``shared_prompts``: a micro batch whose samples share prompts runs each prompt once
-      (:mod:`trl_nrollout.packing`) where :func:`~trl_nrollout.packing.packing_pays` says it is cheaper, on the
+      (:mod:`trl_nrollout.passes.packing`) where :func:`~trl_nrollout.passes.packing.packing_pays` says it is cheaper, on the
       lean path and through the model's own forward alike (FSDP; images never pack); the caller vouches that the
-      model takes a 4D block mask (:func:`~trl_nrollout.packing.structural_reason`).
+      model takes a 4D block mask (:func:`~trl_nrollout.passes.packing.structural_reason`).
     - ``head_fp32``: apply the output head in float32 outside autocast (TRL's ``cast_lm_head_to_fp32``, as its
       fused head does in the update); otherwise the head runs under whatever autocast the caller opened.
     - ``pad_to_multiple_of``: every forward's sequence length is rounded up to a multiple of it (TRL's option:
@@ -288,7 +288,7 @@ def compute_log_probs(
 
 def _packed_layout(module: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
                    device: torch.device, multiple_of: int | None = None):
-    """The shared-prompt layout (:func:`~trl_nrollout.packing.pack_shared_prompts`) of a micro batch, with the
+    """The shared-prompt layout (:func:`~trl_nrollout.passes.packing.pack_shared_prompts`) of a micro batch, with the
     block mask in the dtype ``module`` takes, and the prompt width ``P``; None where packing does not pay."""
     b, width = len(prompts), max(len(p) + len(c) for p, c in zip(prompts, completions))
     p_w, c_w = max(len(p) for p in prompts), max(len(c) for c in completions)

@@ -1,4 +1,4 @@
-"""The policy update of :class:`~trl_nrollout.trainer.NRolloutGRPOTrainer`, as a mixin: the loss of a micro batch
+"""The policy update of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`, as a mixin: the loss of a micro batch
 (verl's clipped policy loss over TRL's inputs, rollout correction, KL loss, entropy bonus, MoE router loss), the
 policy's log-probs through TRL's fused head in the plain or the shared-prompt layout, the mini batch's loss
 normalizers, and the update's timing.
@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import gather
 from torch import Tensor
 
-from trl_nrollout.losses import (
+from trl_nrollout.algos.losses import (
     agg_loss,
     entropy_quantile,
     high_entropy_mask,
@@ -28,8 +28,14 @@ from trl_nrollout.losses import (
     rollout_is_weights,
     vespo_weights,
 )
-from trl_nrollout.multimodal import collate
-from trl_nrollout.packing import decide, mask_dtype, pack_shared_prompts, query_dtype, structural_reason
+from trl_nrollout.passes.multimodal import collate
+from trl_nrollout.passes.packing import (
+    decide,
+    mask_dtype,
+    pack_shared_prompts,
+    query_dtype,
+    structural_reason,
+)
 
 logger = logging.getLogger("trl_nrollout.trainer")  # the trainer's logger: users filter one name
 
@@ -78,7 +84,7 @@ class PolicyUpdate:
         and a MoE model's router load-balancing loss ``[]`` when TRL's ``aux_loss_enabled`` says so (else None).
 
         Unlike TRL's own pass, positions are counted from each sequence's first real token (``position_ids``
-        from the mask), as the engines and :func:`~trl_nrollout.logprobs.compute_log_probs` count them, so a
+        from the mask), as the engines and :func:`~trl_nrollout.passes.logprobs.compute_log_probs` count them, so a
         left-padded prompt scores the same as an unpadded one for every position scheme (RoPE is shift-invariant
         only up to rounding; learned absolute positions are not at all).
 
@@ -107,7 +113,7 @@ class PolicyUpdate:
     def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
                         ) -> tuple[Tensor, Tensor, None] | None:
         """``shared_prompt_forward`` on a model that takes it (:meth:`_packing_allowed`): log-probs and entropies
-        ``[B, C]`` from the packed layout (:mod:`trl_nrollout.packing`), or None where this micro batch runs the
+        ``[B, C]`` from the packed layout (:mod:`trl_nrollout.passes.packing`), or None where this micro batch runs the
         plain forward (a mask over its bound is said once)."""
         config = self.accelerator.unwrap_model(model).config
         prompt_ids = input_ids[:, :-logits_to_keep]
@@ -131,7 +137,7 @@ class PolicyUpdate:
 
     def _packing_allowed(self, model, *, images: bool = False, aux_loss: bool = False) -> bool:
         """Whether ``shared_prompt_forward`` may pack ``model``'s forwards: not switched off, and the model takes
-        the packed layout (:func:`~trl_nrollout.packing.structural_reason`; why not is said once)."""
+        the packed layout (:func:`~trl_nrollout.passes.packing.structural_reason`; why not is said once)."""
         if self.args.shared_prompt_forward is False:
             return False
         reason = structural_reason(self.accelerator.unwrap_model(model).config, images=images, aux_loss=aux_loss)

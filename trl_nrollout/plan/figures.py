@@ -1,7 +1,7 @@
 """The figures of ``trl-nrollout plan`` as a library: a recipe's options (YAML and overrides) -> the
-:class:`~trl_nrollout.layout.RolloutLayout` and, given a model, its :class:`~trl_nrollout.memory.MemoryEstimate`.
+:class:`~trl_nrollout.plan.layout.RolloutLayout` and, given a model, its :class:`~trl_nrollout.plan.memory.MemoryEstimate`.
 
-The command line (:mod:`trl_nrollout.cli`) only parses arguments and prints; :mod:`trl_nrollout.hub` uses the same
+The command line (:mod:`trl_nrollout.cli`) only parses arguments and prints; :mod:`trl_nrollout.recipe.hub` uses the same
 functions for a recipe's card. Heavy modules (torch, transformers) are imported only for a memory estimate.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .layout import LayoutError, RolloutLayout
+from trl_nrollout.plan.layout import LayoutError, RolloutLayout
 
 
 class PlanError(Exception):
@@ -87,7 +87,7 @@ def read_recipe(path: Path) -> dict[str, Any]:
 def local_recipe(config: str | Path) -> Path:
     """A local recipe path as is; an ``hf://`` reference resolved through the Hub cache (offline mode respected)."""
     if str(config).startswith("hf://"):
-        from trl_nrollout.hub import resolve_config
+        from trl_nrollout.recipe.hub import resolve_config
 
         try:
             return resolve_config(str(config))
@@ -107,7 +107,7 @@ def plan_values(config: str | Path | None, overrides: dict[str, Any] | None = No
 
 
 def n_values(text: str | None) -> tuple[int, ...]:
-    from .memory import DEFAULT_N_VALUES
+    from trl_nrollout.plan.memory import DEFAULT_N_VALUES
 
     if text is None:
         return DEFAULT_N_VALUES
@@ -131,8 +131,8 @@ def build_layout(values: dict[str, Any]) -> RolloutLayout:
 
 
 def build_memory(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[int, ...]):
-    """The :class:`~trl_nrollout.memory.MemoryEstimate` of ``plan`` options (loads the model's config)."""
-    from . import memory
+    """The :class:`~trl_nrollout.plan.memory.MemoryEstimate` of ``plan`` options (loads the model's config)."""
+    from trl_nrollout.plan import memory
 
     dtype = values.get("dtype")
     if dtype not in (None, "auto"):
@@ -193,7 +193,7 @@ def check_token_budgets(values: dict[str, Any]) -> None:
 
 def critic_rows(values: dict[str, Any], layout: RolloutLayout) -> list[tuple[str, str]]:
     """PPO's critic in the plan (a recipe with ``trainer: ppo`` or ``adv_estimator: gae``): its micro batches in
-    the value pass and in the update, as :class:`~trl_nrollout.ppo.NRolloutPPOTrainer` cuts them. Empty otherwise."""
+    the value pass and in the update, as :class:`~trl_nrollout.trainer.ppo.NRolloutPPOTrainer` cuts them. Empty otherwise."""
     if values.get("trainer") != "ppo" and layout.adv_estimator != "gae":
         return []
     micro = values.get("critic_ppo_micro_batch_size_per_device")

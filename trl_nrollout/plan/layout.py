@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trl_nrollout.layout_rules import (  # noqa: F401 - LayoutError, divisors, nearest_multiples are public here
+from trl_nrollout.plan.layout_rules import (  # noqa: F401 - LayoutError, divisors, nearest_multiples are public here
     Builder,
     LayoutError,
     _by_distance,
