@@ -69,8 +69,20 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="Print the figures as JSON (layout + a 'memory' dict).")
 
 
+def local_recipe(config: str | None) -> str | None:
+    """A local recipe path as is; an ``hf://`` reference resolved through the Hub cache (offline mode respected)."""
+    if config is None or not str(config).startswith("hf://"):
+        return config
+    from trl_nrollout.recipe.hub import resolve_config
+
+    try:
+        return str(resolve_config(str(config)))
+    except Exception as err:  # noqa: BLE001 - shown as a CLI error
+        raise PlanError(str(err)) from None
+
+
 def _run_plan(args: argparse.Namespace) -> int:
-    values = plan_values(args.config, {name: getattr(args, name) for name, _, _ in PLAN_OPTIONS})
+    values = plan_values(local_recipe(args.config), {name: getattr(args, name) for name, _, _ in PLAN_OPTIONS})
     ns = n_values(args.n_values)
     layout = build_layout(values)
     check_token_budgets(values)

@@ -134,7 +134,7 @@ def group_mean_std(scores: Tensor, gid: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return mean[gid], var.sqrt()[gid], count[gid]
 
 
-def constant_groups(scores: Tensor, gid: Tensor) -> Tensor:
+def in_constant_group(scores: Tensor, gid: Tensor) -> Tensor:
     """``[B]`` bool: True where every sample of the sample's group has exactly the same score (singletons too).
 
     Tested exactly (group max == group min), not through the std: the float mean of equal values can differ
@@ -203,7 +203,7 @@ def grpo_advantage(
     scores = _outcome(rewards, mask)
     gid = group_ids(index, scores.device)
     mean, std, _ = group_mean_std(scores, gid)
-    centered = torch.where(constant_groups(scores, gid), torch.zeros_like(scores), scores - mean)
+    centered = torch.where(in_constant_group(scores, gid), torch.zeros_like(scores), scores - mean)
     if norm_adv_by_std_in_grpo:
         if std_scope == "group":
             centered = centered / (std + epsilon)
@@ -234,7 +234,7 @@ def rloo_advantage(rewards: Tensor, mask: Tensor, index: Sequence[Hashable]) -> 
     gid = group_ids(index, scores.device)
     mean, _, count = group_mean_std(scores, gid)
     loo = (scores - mean) * count / (count - 1).clamp(min=1)
-    adv = torch.where(constant_groups(scores, gid), torch.zeros_like(scores), loo)
+    adv = torch.where(in_constant_group(scores, gid), torch.zeros_like(scores), loo)
     return _broadcast(adv, mask)
 
 
@@ -266,7 +266,7 @@ def reinforce_plus_plus_baseline_advantage(
     scores = _outcome(rewards, mask)
     gid = group_ids(index, scores.device)
     mean, _, _ = group_mean_std(scores, gid)
-    centered = torch.where(constant_groups(scores, gid), torch.zeros_like(scores), scores - mean)
+    centered = torch.where(in_constant_group(scores, gid), torch.zeros_like(scores), scores - mean)
     tok = centered.unsqueeze(-1) * mask
     adv = masked_whiten(tok, mask) * mask
     return adv, adv
@@ -303,7 +303,7 @@ def opo_advantage(rewards: Tensor, mask: Tensor, index: Sequence[Hashable]) -> t
     count = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, gid, torch.ones_like(scores))
     plain_mean = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, gid, scores) / count
     baseline = torch.where(den > 0, num / den.clamp(min=EPS), plain_mean)
-    adv = torch.where(constant_groups(scores, gid), torch.zeros_like(scores), scores - baseline[gid])
+    adv = torch.where(in_constant_group(scores, gid), torch.zeros_like(scores), scores - baseline[gid])
     return _broadcast(adv, mask)
 
 
@@ -350,7 +350,7 @@ def gpg_advantage(
     scores = _outcome(rewards, mask)
     gid = group_ids(index, scores.device)
     mean, _, _ = group_mean_std(scores, gid)
-    informative = ~constant_groups(scores, gid)
+    informative = ~in_constant_group(scores, gid)
     m = informative.sum().clamp(min=1).to(scores.dtype)
     alpha = scores.numel() / m
     adv = torch.where(informative, (scores - mean) * alpha, torch.zeros_like(scores))

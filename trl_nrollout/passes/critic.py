@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from trl_nrollout.passes.logprobs import _is_zero3, pack_by_tokens, split_by_count, unwrap_model
+from trl_nrollout.passes.distributed import is_zero3, synced_count
+from trl_nrollout.passes.logprobs import pack_by_tokens, split_by_count, unwrap_model
 from trl_nrollout.rollout.types import RolloutBatch
 
 
@@ -72,16 +73,6 @@ def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[i
     return t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"]
 
 
-def synced_count(count: int, device: torch.device | str, sync: bool) -> int:
-    """``count`` raised to the largest over the processes when ``sync`` (ZeRO-3 gathers parameters in every
-    forward and backward: all ranks must run as many)."""
-    if not (sync and torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return count
-    n = torch.tensor([count], device=device)
-    torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
-    return int(n.item())
-
-
 @torch.no_grad()
 def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
                    pad_token_id: int, micro_batch_size: int | None = None, max_token_len: int | None = None,
@@ -101,7 +92,7 @@ def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completi
     batches = [] if b == 0 or c_max == 0 else (
         pack_by_tokens(lengths, max_token_len, micro_batch_size) if max_token_len is not None
         else split_by_count(b, micro_batch_size or b))
-    sync = _is_zero3(inner) if sync_forwards is None else sync_forwards
+    sync = is_zero3(inner) if sync_forwards is None else sync_forwards
     forwards = synced_count(len(batches), device, sync)
     was_training = inner.training
     inner.eval()

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
+from trl_nrollout.passes.distributed import is_fsdp, is_zero3, synced_count
 from trl_nrollout.passes.multimodal import MMInputs, collate
 from trl_nrollout.passes.packing import decide, mask_dtype, pack_shared_prompts, query_dtype, round_up
 
@@ -110,24 +111,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _is_fsdp(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    if isinstance(model, FullyShardedDataParallel) or any(
-        isinstance(m, FullyShardedDataParallel) for m in model.modules()
-    ):
-        return True
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _is_zero3(model: nn.Module) -> bool:
-    """DeepSpeed ZeRO-3 partitions parameters and tags them with ``ds_id``."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
 def _lean_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """(decoder, output head) of a causal LM when its logits are just ``head(hidden)``; None otherwise."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -140,7 +123,7 @@ def _lean_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     decoder, head = base.get_decoder(), base.get_output_embeddings()
     if decoder is None or head is None or decoder is base:
         return None
-    if _is_zero3(head) and not isinstance(head, nn.Linear):
+    if is_zero3(head) and not isinstance(head, nn.Linear):
         return None  # ZeRO-3 needs a functional head (see _whole_head): only a plain Linear is known to be one
     return decoder, head
 
@@ -155,7 +138,7 @@ def _whole_head(head: nn.Module | None):
     weight is gathered once per micro batch (every rank runs the same number of micro batches) and applied
     functionally, without the module's hooks. Elsewhere the module itself is returned.
     """
-    if head is None or not any(hasattr(p, "ds_id") for p in head.parameters()):
+    if head is None or not is_zero3(head):
         yield head
         return
     import deepspeed
@@ -254,18 +237,14 @@ def compute_log_probs(
         raise ValueError(f"{len(mm)} mm_inputs for {b} samples; give one (or None) per sample.")
     if mm is not None and lean_head:
         raise ValueError("lean_head=True cannot take images: a vision-language model needs its own forward.")
-    if lean_head is not False and not _is_fsdp(inner) and mm is None:
+    if lean_head is not False and not is_fsdp(inner) and mm is None:
         parts = _lean_parts(inner)
         if lean_head and parts is None:
             raise ValueError("lean_head=True but the model's logits are not a plain head over its decoder.")
     # ZeRO-3 and FSDP gather parameters inside every forward: all ranks must run the same number of forwards.
-    num_forwards = len(batches)
     if sync_forwards is None:
-        sync_forwards = _is_zero3(inner) or _is_fsdp(inner)
-    if sync_forwards and torch.distributed.is_available() and torch.distributed.is_initialized():
-        n = torch.tensor([num_forwards], device=device)
-        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
-        num_forwards = int(n.item())
+        sync_forwards = is_zero3(inner) or is_fsdp(inner)
+    num_forwards = synced_count(len(batches), device, sync_forwards)
     was_training = inner.training
     inner.eval()
     try:

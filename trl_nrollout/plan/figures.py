@@ -84,22 +84,10 @@ def read_recipe(path: Path) -> dict[str, Any]:
     return values
 
 
-def local_recipe(config: str | Path) -> Path:
-    """A local recipe path as is; an ``hf://`` reference resolved through the Hub cache (offline mode respected)."""
-    if str(config).startswith("hf://"):
-        from trl_nrollout.recipe.hub import resolve_config
-
-        try:
-            return resolve_config(str(config))
-        except Exception as err:  # noqa: BLE001 - shown as a CLI error
-            raise PlanError(str(err)) from None
-    return Path(config)
-
-
 def plan_values(config: str | Path | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The options of a plan: the recipe's (``config``: a path or an ``hf://`` reference), overridden by the
-    non-None ``overrides`` (the flags given)."""
-    values = read_recipe(local_recipe(config)) if config is not None else {}
+    """The options of a plan: the recipe's (``config``: a local path; the command line resolves an ``hf://``
+    reference through the Hub cache first), overridden by the non-None ``overrides`` (the flags given)."""
+    values = read_recipe(Path(config)) if config is not None else {}
     for name, _, _ in PLAN_OPTIONS:
         if (overrides or {}).get(name) is not None:
             values[name] = overrides[name]

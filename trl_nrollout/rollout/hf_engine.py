@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
+from trl_nrollout.passes.distributed import generate_syncs_forwards
 from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.passes.multimodal import MMInputs, collate
 from trl_nrollout.passes.packing import round_up
@@ -89,16 +90,6 @@ def _max_over_ranks(value: int, device: torch.device) -> int:
     count = torch.tensor([value], device=device)
     torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
     return int(count.item())
-
-
-def _synced_forwards(model: nn.Module) -> bool:
-    """Whether ``generate`` keeps the ranks' forwards in step (``synced_gpus``: ZeRO-3 or FSDP over several ranks,
-    where a forward may gather parameters collectively); then no rank may run a forward the others do not."""
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    from transformers.integrations.fsdp import is_fsdp_managed_module
-
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return world > 1 and (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
 
 
 class SampledLogProbs(LogitsProcessor):
@@ -188,7 +179,7 @@ class HFEngine:
                   group_offset: int, mm: list[MMInputs | None] | None = None) -> RolloutBatch:
         if sampling.regex is not None:
             raise ValueError("structured outputs (a regex) need the vLLM engine; use rollout_backend='vllm'.")
-        synced = _synced_forwards(model) and not self.local_forwards
+        synced = generate_syncs_forwards(model) and not self.local_forwards
         if not prompts and not synced:  # nothing on this rank (a multi-turn step where others continue)
             return RolloutBatch([], [], [], [], [])
         device = next(model.parameters()).device

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from trl_nrollout.passes.distributed import has_zero3_parameters
+
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -182,7 +184,7 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYT
         if peft:  # modules_to_save copies: send the trained copy under the original name
             named = [(n, p) for n, p in named if ".original_module." not in n]
         named = _drop_aliases(named, keep_alias)
-        zero3 = any(hasattr(p, "ds_id") for _, p in named)
+        zero3 = has_zero3_parameters(named)
         yield from _buckets(named, bucket_bytes, zero3, peft, lora)
 
 

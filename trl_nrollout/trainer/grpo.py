@@ -27,7 +27,6 @@ from torch import Tensor
 from transformers.trainer_callback import ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
-from trl.distributed import DistributedBackend
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from trl_nrollout.algos.advantages import (
@@ -46,6 +45,7 @@ from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.errors import DatasetError, InputError
+from trl_nrollout.passes.distributed import zero3_configured
 from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.passes.multimodal import (
     EncodedPrompts,
@@ -327,7 +327,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                             generation_context=self._hf_generation_context,
                             shared_prompts=self._packing_allowed(self.model),
                             # TRL's generation context gathers ZeRO-3 parameters under this same condition
-                            local_forwards=DistributedBackend(self.accelerator).is_zero3
+                            local_forwards=zero3_configured(self.accelerator)
                             and bool(args.ds3_gather_for_generation), pad_to_multiple_of=self.pad_to_multiple_of)
         from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 

@@ -34,11 +34,12 @@ from trl_nrollout.algos.losses import LOSS_AGG_MODES, explained_variance, value_
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.errors import InputError
-from trl_nrollout.passes.critic import build_critic, compute_values, critic_values, synced_count
-from trl_nrollout.passes.logprobs import _is_zero3, pack_by_tokens, split_by_count
+from trl_nrollout.passes.critic import build_critic, compute_values, critic_values
+from trl_nrollout.passes.distributed import is_zero3, synced_count
+from trl_nrollout.passes.logprobs import pack_by_tokens, split_by_count
 from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer, fit_width
 from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, StepContext
-from trl_nrollout.trainer.update import _loss_mask
+from trl_nrollout.trainer.update import loss_mask
 
 CRITIC_DIR = "critic"
 
@@ -255,7 +256,7 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         optimizer step at the end of each accumulation (gradients averaged over the processes)."""
         args: NRolloutPPOConfig = self.args
         start = time.perf_counter()
-        mask = _loss_mask(inputs)
+        mask = loss_mask(inputs)
         rows = mask.shape[0]
         lengths = (inputs["prompt_mask"].sum(-1) + inputs["completion_mask"].sum(-1)).tolist()
         if args.critic_ppo_max_token_len_per_device is not None:
@@ -270,7 +271,7 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         engine = self._critic_engine()
         critic = engine or self.critic
         # ZeRO-3 gathers in every forward and backward: every rank runs as many pieces (extra ones weigh 0)
-        count = synced_count(len(pieces), mask.device, engine is not None and _is_zero3(self.critic))
+        count = synced_count(len(pieces), mask.device, engine is not None and is_zero3(self.critic))
         # the policy's optimizer step is the critic's: the Trainer says which micro step ends an accumulation (also
         # an epoch's last, which may end one early), so the two cannot drift apart
         boundary = self.accelerator.sync_gradients

@@ -20,7 +20,7 @@ from accelerate.utils import gather, gather_object
 from torch import Tensor
 from trl.data_utils import is_conversational
 
-logger = logging.getLogger("trl_nrollout.trainer")  # the trainer's logger: users filter one name
+logger = logging.getLogger(__name__)  # a child of trl_nrollout.trainer: filtering that name filters all
 
 #: Seconds between two "still waiting for reward function ..." lines while a reward call runs.
 WAIT_NOTICE_S = 60.0

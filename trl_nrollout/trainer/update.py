@@ -37,7 +37,7 @@ from trl_nrollout.passes.packing import (
     structural_reason,
 )
 
-logger = logging.getLogger("trl_nrollout.trainer")  # the trainer's logger: users filter one name
+logger = logging.getLogger(__name__)  # a child of trl_nrollout.trainer: filtering that name filters all
 
 
 class PolicyUpdate:
@@ -49,7 +49,7 @@ class PolicyUpdate:
         TRL's ``loss_is_scaled_for_ga`` says): token-mean over a mini batch then equals the mean over its tokens
         however it is split."""
         world = self.accelerator.num_processes
-        counts = torch.tensor([[_loss_mask(c).sum().item(), c["completion_mask"].shape[0]] for c in chunks],
+        counts = torch.tensor([[loss_mask(c).sum().item(), c["completion_mask"].shape[0]] for c in chunks],
                               dtype=torch.float64, device=self.accelerator.device)
         counts = gather(counts.unsqueeze(0)).view(world, len(chunks), 2).sum(0).cpu()
         dev = self.accelerator.device
@@ -204,7 +204,7 @@ class PolicyUpdate:
         logits_to_keep = completion_ids.size(1)
         logps, entropies, aux_loss = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
                                                         inputs.get("mm_inputs"))
-        mask = _loss_mask(inputs).to(logps.dtype)  # completion tokens, less tool results (multi-turn)
+        mask = loss_mask(inputs).to(logps.dtype)  # completion tokens, less tool results (multi-turn)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
         agg = dict(num_tokens=inputs["mb_tokens"], num_seqs=inputs["mb_seqs"])
@@ -302,7 +302,7 @@ _TRL_METRIC_NAMES = {
 }
 
 
-def _loss_mask(inputs: dict) -> Tensor:
+def loss_mask(inputs: dict) -> Tensor:
     """The tokens the loss counts ``[B, C]``: the completion's, less tool-response tokens (``tool_mask``)."""
     mask = inputs["completion_mask"]
     return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
