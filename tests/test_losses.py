@@ -437,3 +437,41 @@ def test_high_entropy_mask_keeps_the_top_quantile_of_response_tokens():
     kept = high_entropy_mask(ent, mask, threshold)
     assert kept.tolist() == [[0, 1, 1, 0], [1, 1, 0, 0]]  # the 3 highest of 7 tokens, never a masked one
     assert entropy_quantile(torch.empty(0), 0.5).item() == math.inf
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 4), cols=st.integers(1, 6))
+def test_a_registered_policy_loss_is_selected_by_name_and_weighted_like_the_built_in_ones(seed, rows, cols):
+    """``register_policy_loss`` adds a loss that ``policy_loss(loss_mode=...)`` and ``policy_loss_mode`` select:
+    its per-token loss is masked, multiplied by the rollout correction's weights (unless registered without) and
+    aggregated like the built-in ones; a name registered twice is refused."""
+    from trl_nrollout.algos import losses
+    from trl_nrollout.algos.losses import agg_loss, available_policy_losses, register_policy_loss
+    from trl_nrollout.config import NRolloutConfig
+    from trl_nrollout.errors import InputError
+
+    g = torch.Generator().manual_seed(seed)
+    logp, old = -torch.rand(rows, cols, generator=g), -torch.rand(rows, cols, generator=g)
+    adv = torch.randn(rows, cols, generator=g)
+    mask = (torch.rand(rows, cols, generator=g) > 0.3).float()
+    weights = torch.rand(rows, cols, generator=g) + 0.5
+
+    def reinforce(x):  # plain REINFORCE: -A log pi
+        return -x.advantages * x.log_prob, x.mask.new_zeros(()), x.mask.new_zeros(())
+
+    try:
+        register_policy_loss("test_reinforce")(reinforce)
+        register_policy_loss("test_reinforce_unweighted", token_weights=False)(reinforce)
+        assert {"test_reinforce", "test_reinforce_unweighted", "vanilla"} <= set(available_policy_losses())
+        with pytest.raises(ValueError, match="already registered"):
+            register_policy_loss("test_reinforce")(reinforce)
+        out = policy_loss(logp, old, adv, mask, loss_mode="test_reinforce", token_weights=weights)
+        assert torch.allclose(out.loss, agg_loss(-adv * logp * weights, mask, "token-mean"))
+        unweighted = policy_loss(logp, old, adv, mask, loss_mode="test_reinforce_unweighted", token_weights=weights)
+        assert torch.allclose(unweighted.loss, agg_loss(-adv * logp, mask, "token-mean"))
+        assert NRolloutConfig(output_dir="unused", use_cpu=True, bf16=False, policy_loss_mode="test_reinforce").policy_loss_mode == "test_reinforce"
+    finally:
+        losses._POLICY_LOSSES.pop("test_reinforce", None)
+        losses._POLICY_LOSSES.pop("test_reinforce_unweighted", None)
+    with pytest.raises(InputError, match="policy_loss_mode='test_reinforce' is not one of"):
+        NRolloutConfig(output_dir="unused", use_cpu=True, bf16=False, policy_loss_mode="test_reinforce")

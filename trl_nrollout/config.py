@@ -39,7 +39,7 @@ prefer_cpu_deepspeed()  # before DeepSpeed is imported
 from trl import GRPOConfig  # noqa: E402
 
 from trl_nrollout.algos.advantages import available_estimators  # noqa: E402
-from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSS_MODES  # noqa: E402
+from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy_losses  # noqa: E402
 from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout  # noqa: E402
@@ -118,7 +118,7 @@ class NRolloutConfig(GRPOConfig):
     loss_agg_mode: str = field(default="token-mean", metadata={
         "help": f"How per-token losses are reduced: {list(LOSS_AGG_MODES)} (TRL's loss_type sets it)."})
     policy_loss_mode: str = field(default="vanilla", metadata={
-        "help": f"Per-token policy loss (verl policy_loss.loss_mode): {list(POLICY_LOSS_MODES)}; 'vanilla' is PPO's "
+        "help": f"Per-token policy loss (verl policy_loss.loss_mode): {available_policy_losses()}; 'vanilla' is PPO's "
                 "clipped surrogate (TRL's loss_type sets it: cispo, sapo, vespo)."})
     use_kl_loss: bool = field(default=False, metadata={
         "help": "Add kl_loss_coef x KL(policy || reference) to the loss (needs a reference pass)."})
@@ -359,7 +359,7 @@ class NRolloutConfig(GRPOConfig):
             ("reward_nan_policy", self.reward_nan_policy, ["error", "zero"]),
             ("reward_timeout_policy", self.reward_timeout_policy, ["error", "none", "zero"]),
             ("ratio_level", self.ratio_level, [None, "token", "sequence"]),
-            ("policy_loss_mode", self.policy_loss_mode, list(POLICY_LOSS_MODES)),
+            ("policy_loss_mode", self.policy_loss_mode, available_policy_losses()),
         ]
         for name, value, allowed in checks:
             if value not in allowed:

@@ -7,6 +7,7 @@ the response tokens that count.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,6 @@ from trl_nrollout.algos.advantages import masked_mean
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
                   "token-mean-micro")
-#: per-token policy losses (verl's ``policy_loss.loss_mode``); TRL's ``loss_type`` names map onto them
-POLICY_LOSS_MODES = ("vanilla", "cispo", "sapo", "vespo")
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 
@@ -151,6 +150,104 @@ def vespo_weights(advantages: Tensor, log_prob: Tensor, old_log_prob: Tensor, re
         return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """What a per-token policy loss sees, all ``[B, T]``: the policy's ``log_prob`` (with gradient), the
+    ``advantages``, the importance ``ratio`` ``pi / pi_old`` (per token, or GSPO's per sequence broadcast) and the
+    response ``mask``; and the options of :func:`policy_loss` (``clip_ratio_high`` already defaulted to the low
+    bound)."""
+
+    log_prob: Tensor
+    advantages: Tensor
+    ratio: Tensor
+    mask: Tensor
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None
+    delta: float | None
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo_weight: Tensor | None
+
+
+#: a per-token policy loss: ``(per-token loss [B, T], clip fraction [], lower clip fraction [])``
+PolicyLossFn = Callable[[PolicyLossInputs], tuple[Tensor, Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class _PolicyLoss:
+    fn: PolicyLossFn
+    token_weights: bool  # whether the rollout correction's weights multiply its per-token loss
+
+
+_POLICY_LOSSES: dict[str, _PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, *, token_weights: bool = True) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: register a per-token policy loss under ``name`` (then ``policy_loss_mode=name`` selects it).
+    ``token_weights=False`` for a loss whose own weight already includes the rollout correction (VESPO's)."""
+
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in _POLICY_LOSSES:
+            raise ValueError(f"policy_loss_mode {name!r} is already registered (by {_POLICY_LOSSES[name].fn.__name__}).")
+        _POLICY_LOSSES[name] = _PolicyLoss(fn, token_weights)
+        return fn
+
+    return deco
+
+
+def available_policy_losses() -> list[str]:
+    """The registered ``policy_loss_mode`` names."""
+    return list(_POLICY_LOSSES)
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(x: PolicyLossInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped surrogate (Schulman et al. 2017) with clip-higher (DAPO), ``max(-A r, -A clip(r, 1 - low,
+    1 + high))``; for ``A < 0`` also capped at ``-A c`` (dual clip, Ye et al. 2020; ``clip_ratio_c=None``
+    disables). ``delta`` caps the unclipped ratio (INTELLECT-2's two-sided clip)."""
+    adv, ratio, mask = x.advantages, x.ratio, x.mask
+    unclipped = ratio if x.delta is None else ratio.clamp(max=x.delta)
+    loss1 = -adv * unclipped
+    loss2 = -adv * ratio.clamp(1 - x.clip_ratio_low, 1 + x.clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)
+    clipfrac = masked_mean((loss2 > loss1).to(mask.dtype), mask)
+    if x.clip_ratio_c is None:
+        return clipped, clipfrac, mask.new_zeros(())
+    if x.clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c={x.clip_ratio_c} must be > 1 (it caps -A * ratio at -A * c); use 3.0.")
+    loss3 = -adv * x.clip_ratio_c
+    clipfrac_lower = masked_mean(((clipped > loss3) & (adv < 0)).to(mask.dtype), mask)
+    return torch.where(adv < 0, torch.minimum(loss3, clipped), clipped), clipfrac, clipfrac_lower
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(x: PolicyLossInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """``-sg(min(r, clip_ratio_high)) A log pi``: the clipped ratio weights the log-likelihood, so no token loses
+    its gradient (MiniMax-M1 / ScaleRL; ``clip_ratio_high`` is the ratio bound itself, e.g. 5)."""
+    high = x.clip_ratio_high
+    per_token = -x.ratio.clamp(max=high).detach() * x.advantages * x.log_prob
+    clipfrac = masked_mean(((x.ratio > high) & (x.advantages > 0)).to(x.mask.dtype), x.mask)
+    return per_token, clipfrac, x.mask.new_zeros(())
+
+
+@register_policy_loss("sapo")
+def sapo_policy_loss(x: PolicyLossInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """``-A sigmoid(tau (r - 1)) 4 / tau``, a soft trust region, ``tau`` by the sign of ``A`` (SAPO)."""
+    tau = torch.where(x.advantages > 0, x.sapo_temperature_pos, x.sapo_temperature_neg)
+    per_token = -torch.sigmoid(tau * (x.ratio - 1)) * 4 / tau * x.advantages
+    return per_token, x.mask.new_zeros(()), x.mask.new_zeros(())
+
+
+@register_policy_loss("vespo", token_weights=False)
+def vespo_policy_loss(x: PolicyLossInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """``-phi A log pi`` with the sequence's gamma weight ``vespo_weight`` (:func:`vespo_weights`, which includes
+    the rollout correction)."""
+    if x.vespo_weight is None:
+        raise ValueError("loss_mode='vespo' needs vespo_weight (see vespo_weights).")
+    return -x.vespo_weight.detach() * x.advantages * x.log_prob, x.mask.new_zeros(()), x.mask.new_zeros(())
+
+
 def policy_loss(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -174,55 +271,29 @@ def policy_loss(
     """The policy-gradient loss of one micro batch. All inputs ``[B, T]``; ``ratio = pi / pi_old``
     (:func:`importance_ratio`, per token or GSPO's per sequence).
 
-    ``loss_mode`` (verl's ``policy_loss.loss_mode``; TRL's ``loss_type`` picks one):
-
-    - ``"vanilla"``: PPO's clipped surrogate (Schulman et al. 2017) with clip-higher (DAPO),
-      ``max(-A r, -A clip(r, 1 - low, 1 + high))``; for ``A < 0`` also capped at ``-A c`` (dual clip, Ye et al.
-      2020; ``clip_ratio_c=None`` disables). ``delta`` caps the unclipped ratio at ``delta`` (INTELLECT-2's
-      two-sided clip).
-    - ``"cispo"``: ``-sg(min(r, clip_ratio_high)) A log pi``: the clipped ratio weights the log-likelihood, so no
-      token loses its gradient (MiniMax-M1 / ScaleRL; ``clip_ratio_high`` is the ratio bound itself, e.g. 5).
-    - ``"sapo"``: ``-A sigmoid(tau (r - 1)) 4 / tau``, a soft trust region, ``tau`` by the sign of ``A`` (SAPO).
-    - ``"vespo"``: ``-phi A log pi`` with the sequence's gamma weight ``vespo_weight`` (:func:`vespo_weights`).
+    ``loss_mode`` (verl's ``policy_loss.loss_mode``; TRL's ``loss_type`` picks one) names a registered per-token
+    loss (:func:`register_policy_loss`): ``"vanilla"`` (PPO's clipped surrogate, :func:`vanilla_policy_loss`),
+    ``"cispo"``, ``"sapo"``, ``"vespo"``, or your own.
 
     ``token_mask`` (0/1: entropy-quantile or off-policy masks) and ``token_weights`` (rollout correction; not for
-    vespo, whose weight includes it) multiply the per-token loss; both carry no gradient.
+    a loss registered with ``token_weights=False``, such as vespo, whose weight includes it) multiply the
+    per-token loss; both carry no gradient. The per-token loss is then aggregated (``loss_agg_mode``).
     """
-    high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
+    if loss_mode not in _POLICY_LOSSES:
+        raise ValueError(f"loss_mode={loss_mode!r} is not known; use one of {available_policy_losses()}.")
+    entry = _POLICY_LOSSES[loss_mode]
     mask = response_mask.to(log_prob.dtype)
     ratio = importance_ratio(log_prob, old_log_prob, response_mask, ratio_level)
     log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
-    clipfrac_lower = mask.new_zeros(())
-    if loss_mode == "vanilla":
-        unclipped = ratio if delta is None else ratio.clamp(max=delta)
-        loss1 = -advantages * unclipped
-        loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + high)
-        clipped = torch.maximum(loss1, loss2)
-        clipfrac = masked_mean((loss2 > loss1).to(mask.dtype), mask)
-        per_token = clipped
-        if clip_ratio_c is not None:
-            if clip_ratio_c <= 1.0:
-                raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (it caps -A * ratio at -A * c); use 3.0.")
-            loss3 = -advantages * clip_ratio_c
-            clipfrac_lower = masked_mean(((clipped > loss3) & (advantages < 0)).to(mask.dtype), mask)
-            per_token = torch.where(advantages < 0, torch.minimum(loss3, clipped), clipped)
-    elif loss_mode == "cispo":
-        per_token = -ratio.clamp(max=high).detach() * advantages * log_prob
-        clipfrac = masked_mean(((ratio > high) & (advantages > 0)).to(mask.dtype), mask)
-    elif loss_mode == "sapo":
-        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
-        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
-        clipfrac = mask.new_zeros(())
-    elif loss_mode == "vespo":
-        if vespo_weight is None:
-            raise ValueError("loss_mode='vespo' needs vespo_weight (see vespo_weights).")
-        per_token = -vespo_weight.detach() * advantages * log_prob
-        clipfrac = mask.new_zeros(())
-    else:
-        raise ValueError(f"loss_mode={loss_mode!r} is not known; use one of {list(POLICY_LOSS_MODES)}.")
+    inputs = PolicyLossInputs(
+        log_prob, advantages, ratio, mask, clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_low if clip_ratio_high is None else clip_ratio_high, clip_ratio_c=clip_ratio_c,
+        delta=delta, sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        vespo_weight=vespo_weight)
+    per_token, clipfrac, clipfrac_lower = entry.fn(inputs)
     if token_mask is not None:
         per_token = per_token * token_mask.detach().to(per_token.dtype)
-    if token_weights is not None and loss_mode != "vespo":
+    if token_weights is not None and entry.token_weights:
         per_token = per_token * token_weights.detach()
     loss = agg_loss(per_token, mask, loss_agg_mode, **agg_kwargs)
     return PolicyLossOutput(
