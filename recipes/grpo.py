@@ -37,12 +37,13 @@ from transformers import TrainerCallback
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.errors import InputError
+from trl_nrollout.plan.recipe_file import read_recipe
 from trl_nrollout.recipe.data import load_prompts
 from trl_nrollout.recipe.hub import parse_hub_ref, resolve_config
 from trl_nrollout.recipe.report import write_report
 from trl_nrollout.recipe.rewards import resolve_reward
 from trl_nrollout.recipe.summary import RewardHistory, build_summary, write_summary
-from trl_nrollout.recipe.trust import enforce_recipe_trust, split_trust_flags
+from trl_nrollout.recipe.trust import enforce_recipe_trust, parse_recipe_command
 from trl_nrollout.rollout.platform import launch_nodes
 from trl_nrollout.trainer.checkpoints import check_output_dir, resolve_resume
 from trl_nrollout.trainer.scoring import RewardFunctionError
@@ -74,16 +75,6 @@ def _trainer_class(kind: str):
     from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     return NRolloutGRPOTrainer
-
-
-def _pop_trainer(argv: list[str]) -> tuple[list[str], str | None]:
-    """Take ``--trainer X`` (or ``--trainer=X``) off the command line."""
-    for i, arg in enumerate(argv):
-        if arg == "--trainer" and i + 1 < len(argv):
-            return argv[:i] + argv[i + 2:], argv[i + 1]
-        if arg.startswith("--trainer="):
-            return argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
-    return argv, None
 
 
 @dataclass
@@ -137,33 +128,28 @@ class ScriptArguments:
 
 
 def _resolve_recipe(argv: list[str]) -> tuple[list[str], str]:
-    """Put the default recipe in when none is given; turn a Hub reference into a cached local file; drop the
-    launch-only keys the argument parser does not know.
+    """The command line for TRL's parser and the trainer kind: the recipe script's own options taken off in one
+    parse (:func:`~trl_nrollout.recipe.trust.parse_recipe_command`), the default recipe put in when none is given, a
+    Hub reference turned into a cached local file, and the keys TRL's parser does not know (the launch's, the
+    trainer's) dropped.
 
     A recipe from the Hub is data, not code: it may not enable ``trust_remote_code`` nor import reward modules
     unless this command line says ``--trust-remote-code`` / ``--allow-reward-module M`` (see
     :mod:`trl_nrollout.recipe.trust`); it is refused before anything beyond the recipe is downloaded."""
-    argv, trust_remote_code, allowed_modules = split_trust_flags(argv)
-    argv, trainer = _pop_trainer(argv)
-    for i, arg in enumerate(argv):
-        if arg == "--config" or arg.startswith("--config="):
-            value = argv[i + 1] if arg == "--config" else arg.split("=", 1)[1]
-            rest = argv[i + 2:] if arg == "--config" else argv[i + 1:]
-            before = argv[:i]
-            break
-    else:
-        value, before, rest = str(DEFAULT_RECIPE), [], argv
+    command = parse_recipe_command(argv)
+    value = command.config or str(DEFAULT_RECIPE)
     path = resolve_config(value)
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_recipe(path)
     if parse_hub_ref(value) is not None:
-        enforce_recipe_trust(data, value, trust_remote_code=trust_remote_code, allow_reward_modules=allowed_modules)
-    trainer = trainer or data.get("trainer") or "grpo"  # the command line wins over the recipe
+        enforce_recipe_trust(data, value, trust_remote_code=command.trust_remote_code,
+                             allow_reward_modules=list(command.allow_reward_modules))
+    trainer = command.trainer or data.get("trainer") or "grpo"  # the command line wins over the recipe
     if any(k in data for k in (*LAUNCH_KEYS, "trainer")):
         data = {k: v for k, v in data.items() if k not in (*LAUNCH_KEYS, "trainer")}
         tmp = Path(tempfile.mkdtemp(prefix="trl_nrollout_recipe_")) / path.name
         tmp.write_text(yaml.safe_dump(data))
         path = tmp
-    return [*before, "--config", str(path), *rest], trainer
+    return ["--config", str(path), *command.rest], trainer
 
 
 class SaveAndStopOnSignal(TrainerCallback):
@@ -212,10 +198,7 @@ def _parse(argv: list[str], config_cls) -> tuple[ScriptArguments, NRolloutConfig
 
     parser = TrlParser((ScriptArguments, config_cls))
     known = sorted({s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")} - {"help"})
-    recipe = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) if "--config" in argv else None
-    if recipe is not None and not isinstance(recipe, dict):
-        raise InputError(f"the recipe {argv[argv.index('--config') + 1]!r} is not a YAML mapping of options "
-                         "(key: value lines).")
+    recipe = read_recipe(argv[argv.index("--config") + 1]) if "--config" in argv else None
     line = [t[2:].split("=", 1)[0] for i, t in enumerate(argv)
             if t.startswith("--") and t != "--config" and (i == 0 or argv[i - 1] != "--config")]
     for where, keys, prefix_ok in (("the recipe", [k for k in (recipe or {}) if k != "env"], False),

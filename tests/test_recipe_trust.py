@@ -12,8 +12,8 @@ from trl_nrollout.recipe.trust import (
     UntrustedRecipeError,
     enforce_recipe_trust,
     module_allowed,
+    parse_recipe_command,
     recipe_requests,
-    split_trust_flags,
 )
 
 REMOTE = b"""\
@@ -102,10 +102,13 @@ def test_trust_remote_code_is_found_wherever_it_is(data, keys):
 
 
 def test_flags_and_allow_list_rules():
-    rest, trust, allowed = split_trust_flags(["--x", "1", "--trust-remote-code", "--allow-reward-module", "a.b,c",
-                                              "--allow-reward-module=d"])
-    assert rest == ["--x", "1"] and trust and allowed == ["a.b", "c", "d"]
+    cmd = parse_recipe_command(["--x", "1", "--trust-remote-code", "--allow-reward-module", "a.b,c", "--config=r.yaml",
+                                "--allow-reward-module=d", "--trainer", "ppo", "--max_steps", "-1"])
+    assert cmd.rest == ["--x", "1", "--max_steps", "-1"] and cmd.trust_remote_code
+    assert cmd.allow_reward_modules == ("a.b", "c", "d") and cmd.config == "r.yaml" and cmd.trainer == "ppo"
+    plain = parse_recipe_command(["--configuration", "x", "--trainers", "y"])  # no abbreviation: TRL's options
+    assert plain.rest == ["--configuration", "x", "--trainers", "y"] and plain.config is None and not plain.trainer
     assert module_allowed("a.b.c", ["a.b"]) and not module_allowed("a.bc", ["a.b"])
     with pytest.raises(UntrustedRecipeError, match="needs a module name"):
-        split_trust_flags(["--allow-reward-module"])
+        parse_recipe_command(["--allow-reward-module"])
     assert enforce_recipe_trust({"reward_funcs": "digits"}, "hf://x/y/c.yaml").reward_funcs == ("digits",)

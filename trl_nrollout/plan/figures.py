@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout
+from trl_nrollout.plan.recipe_file import RecipeFileError, read_recipe
 
 
 class PlanError(Exception):
@@ -63,31 +64,24 @@ YAML_ALIASES = {
 }
 
 
-def read_recipe(path: Path) -> dict[str, Any]:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as err:
-        raise PlanError(f"--config {path}: {err.strerror or err}") from None
-    except yaml.YAMLError as err:
-        raise PlanError(f"--config {path} is not valid YAML: {err}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise PlanError(f"--config {path} must hold a mapping of options, not a {type(data).__name__}.")
+def plan_options_of(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The options of a recipe (:func:`~trl_nrollout.plan.recipe_file.read_recipe`) that a plan reads, under
+    their plan names (TRL's spellings mapped onto ours)."""
     known = {name for name, _, _ in PLAN_OPTIONS}
-    values = {k: v for k, v in data.items() if k in known}
+    values = {k: v for k, v in recipe.items() if k in known}
     for alias, name in YAML_ALIASES.items():
-        if alias in data and name not in values:
-            values[name] = data[alias]
+        if alias in recipe and name not in values:
+            values[name] = recipe[alias]
     return values
 
 
 def plan_values(config: str | Path | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The options of a plan: the recipe's (``config``: a local path; the command line resolves an ``hf://``
     reference through the Hub cache first), overridden by the non-None ``overrides`` (the flags given)."""
-    values = read_recipe(Path(config)) if config is not None else {}
+    try:
+        values = plan_options_of(read_recipe(config)) if config is not None else {}
+    except RecipeFileError as err:
+        raise PlanError(str(err)) from None
     for name, _, _ in PLAN_OPTIONS:
         if (overrides or {}).get(name) is not None:
             values[name] = overrides[name]

@@ -35,6 +35,7 @@ from urllib.parse import unquote
 import yaml
 
 from trl_nrollout.errors import InputError
+from trl_nrollout.plan.recipe_file import RecipeFileError, read_recipe
 
 HF_SCHEME = "hf://"
 #: ``hf://<prefix>/...`` -> repo type (``huggingface_hub``'s names).
@@ -208,10 +209,10 @@ def _snapshot_revision(path: Path, ref: HubRef) -> str | None:
 def accelerate_config_of(recipe: Path) -> str | None:
     """The ``accelerate_config`` a recipe YAML names (a path relative to the recipe), or ``None``."""
     try:
-        data = yaml.safe_load(recipe.read_text())
-    except (OSError, yaml.YAMLError):
+        data = read_recipe(recipe)
+    except RecipeFileError:
         return None
-    value = data.get(ACCELERATE_KEY) if isinstance(data, dict) else None
+    value = data.get(ACCELERATE_KEY)
     return value if isinstance(value, str) and value else None
 
 
@@ -445,10 +446,9 @@ def _recipe_files(folder: Path) -> tuple[Path, Path, list[Path]]:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise HubError(f"recipe push: {path} is not valid YAML: {err}") from None
-    return data if isinstance(data, dict) else {}
+        return read_recipe(path, option="recipe push:")
+    except RecipeFileError as err:
+        raise HubError(str(err)) from None
 
 
 def push_recipe(folder: str | Path, repo_id: str, *, token: str | None = None, private: bool = False,

@@ -19,6 +19,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from trl_nrollout.errors import InputError
 from trl_nrollout.recipe.hub import HubError
 
 TRUST_FLAG = "--trust-remote-code"
@@ -127,25 +128,36 @@ def enforce_recipe_trust(data: Mapping, source: str, *, trust_remote_code: bool 
     return req
 
 
-def split_trust_flags(argv: Sequence[str]) -> tuple[list[str], bool, list[str]]:
-    """Take ``--trust-remote-code`` and ``--allow-reward-module M`` (``=M``, repeatable, comma-separated) out of a
-    command line. Returns (the other arguments, trust_remote_code, allowed modules)."""
-    rest: list[str] = []
-    trust = False
-    allowed: list[str] = []
-    it = iter(range(len(argv)))
-    for i in it:
-        arg = argv[i]
-        if arg == TRUST_FLAG:
-            trust = True
-        elif arg == ALLOW_FLAG or arg.startswith(ALLOW_FLAG + "="):
-            if arg == ALLOW_FLAG:
-                if i + 1 >= len(argv):
-                    raise UntrustedRecipeError(f"{ALLOW_FLAG} needs a module name, e.g. {ALLOW_FLAG} mypkg.rewards.")
-                value = argv[next(it)]
-            else:
-                value = arg.split("=", 1)[1]
-            allowed += [m.strip() for m in value.split(",") if m.strip()]
-        else:
-            rest.append(arg)
-    return rest, trust, allowed
+def parse_recipe_command(argv: Sequence[str]) -> RecipeCommand:
+    """The recipe script's own options, taken off its command line in one parse: ``--config RECIPE``,
+    ``--trainer grpo|ppo``, ``--trust-remote-code`` and ``--allow-reward-module M`` (``=M``, repeatable,
+    comma-separated); everything else is left, in order, for TRL's parser."""
+    import argparse
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # one clear error, not argparse's usage and exit
+            if ALLOW_FLAG in message:
+                raise UntrustedRecipeError(f"{ALLOW_FLAG} needs a module name, e.g. {ALLOW_FLAG} mypkg.rewards.")
+            raise InputError(f"the command line: {message}")
+
+    parser = _Parser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--trainer", default=None)
+    parser.add_argument(TRUST_FLAG, dest="trust_remote_code", action="store_true")
+    parser.add_argument(ALLOW_FLAG, dest="allow", action="append", default=[])
+    ns, rest = parser.parse_known_args(list(argv))
+    allowed = tuple(m.strip() for value in ns.allow for m in value.split(",") if m.strip())
+    return RecipeCommand(ns.config, ns.trainer, ns.trust_remote_code, allowed, rest)
+
+
+@dataclass(frozen=True)
+class RecipeCommand:
+    """The recipe script's own options (:func:`parse_recipe_command`): ``config`` as given (None: the embedded
+    default), ``trainer`` (None: the recipe's, else GRPO), the trust the command line grants, and ``rest``: the
+    options for TRL's parser."""
+
+    config: str | None
+    trainer: str | None
+    trust_remote_code: bool
+    allow_reward_modules: tuple[str, ...]
+    rest: list[str]
