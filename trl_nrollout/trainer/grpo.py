@@ -1,15 +1,18 @@
 """``NRolloutGRPOTrainer``: TRL's ``GRPOTrainer`` with verl's rollout stage. Thin: it wires the parts together.
 
-One rollout step (``_generate_and_score_completions``), every arrow a call into another module:
+One rollout step (``_generate_and_score_completions``) is a sequence of stages, each returning a typed value
+(:mod:`trl_nrollout.trainer.stages`) that the next takes; every stage calls into another module:
 
-    weight sync (rollout.weight_sync)  ->  engine group: n samples per prompt (rollout.*)
-    ->  rewards (scoring: TRL's reward contract)  ->  pool: DAPO filtering, balance (batching)
-    ->  old / reference log-prob passes (logprobs)  ->  advantages (advantages registry)
+    _sync_weights (rollout.weight_sync) -> _collect: Round (engines in rollout/, rewards in scoring, DAPO's rounds)
+    -> _assign: Assignment (algos.batching) -> _log_prob_passes: LogProbs (passes.logprobs)
+    -> _advantages: Advantages (algos.advantages) -> _log_step -> _trl_batch: TRL's batch
 
-and the update (``_compute_loss``, in the :mod:`~trl_nrollout.trainer.update` mixin): PPO clipped loss, aggregation, KL
-loss, entropy bonus (losses), the policy's forward in the plain or shared-prompt layout (packing). TRL's loop
-does the rest: data order (its RepeatSampler), buffering of a rollout over ``steps_per_generation`` micro steps,
-gradient accumulation, optimizer, logging, checkpoints.
+The class is assembled from mixins, each a part of the trainer TRL's loop calls into: ``RewardScoring``
+(:mod:`.scoring`: ``_score``, called by ``_collect``), ``MultiTurnRollout`` (:mod:`.multiturn`: episodes and tool
+turns, called by ``_rollout``), ``PolicyUpdate`` (:mod:`.update`: ``training_step`` and ``_compute_loss``, called by
+TRL's loop for each micro batch: PPO clipped loss, aggregation, KL loss, entropy bonus, the policy's forward in the
+plain or shared-prompt layout). TRL's loop does the rest: data order (its RepeatSampler), buffering of a rollout over
+``steps_per_generation`` micro steps, gradient accumulation, optimizer, logging, checkpoints.
 """
 
 from __future__ import annotations
