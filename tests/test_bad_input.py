@@ -80,6 +80,8 @@ def test_a_missing_prompt_column_names_the_columns(run_recipe, tmp_path):
     (["--do_eval", "true"], r"do_eval=True: this recipe loads no evaluation set"),
     (["--eval_strategy", "steps"], r"do_eval=True \(eval_strategy='steps' turns it on\)"),
     (["--trainer", "ppo"], r"NRolloutPPOConfig\(adv_estimator='grpo'\): the PPO trainer trains a critic"),
+    (["--adv_estimator", "remax", "--filter_groups", "true"],
+     r"adv_estimator='remax' with filter_groups=True: ReMax's greedy baselines .* set filter_groups=False"),
 ])
 def test_invalid_options_are_refused_before_anything_loads(run_recipe, argv, match):
     with pytest.raises(InputError, match=match):

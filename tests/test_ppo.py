@@ -263,6 +263,11 @@ def test_critic_warmup_trains_only_the_critic(tmp_path, monkeypatch):
     trainer.train()
     assert all(torch.equal(policy0[n], p) for n, p in trainer.model.named_parameters())
     assert any(not torch.equal(critic0[n], p) for n, p in trainer.critic.named_parameters())
+    # the step's clock runs through the warm-up too (before, its rollouts were left to the first actor update's
+    # timing_s/update_actor, which came out negative)
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    assert logged and all(h["timing_s/step"] > 0 and h["perf/throughput"] > 0 for h in logged)
+    assert trainer.step_clock.rollout_s == 0.0
 
 
 # ---------------------------------------------------------------------------------------------- end to end

@@ -343,7 +343,7 @@ def test_two_nodes_keep_tp_groups_within_a_node(tmp_path):
     procs = [subprocess.Popen(
         [ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
          "4", "--main_process_ip", "127.0.0.1", "--main_process_port", port, RECIPE, "--output_dir", str(tmp_path),
-         "--use_cpu", "true", "--max_steps", "2", "--rollout_tp_size", "2", "--save_strategy", "no"],
+         "--use_cpu", "true", "--max_steps", "1", "--rollout_tp_size", "2", "--save_strategy", "no"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     outputs = []
     try:
@@ -354,7 +354,7 @@ def test_two_nodes_keep_tp_groups_within_a_node(tmp_path):
             proc.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outputs)
     summary = json.loads((tmp_path / "run_summary.json").read_text())
-    assert summary["processes"] == 4 and summary["nnodes"] == 2 and summary["steps"] == 2
+    assert summary["processes"] == 4 and summary["nnodes"] == 2 and summary["steps"] == 1
     assert summary["engine_ranks"] == [[0, 1], [2, 3]]  # node 0 = ranks 0, 1; node 1 = ranks 2, 3
 
 

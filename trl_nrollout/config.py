@@ -389,6 +389,11 @@ class NRolloutConfig(GRPOConfig):
                              f"{RESERVED_GENERATION_KWARGS[key]} instead.")
         if self.filter_groups_max_rounds < 0:
             raise InputError(f"filter_groups_max_rounds={self.filter_groups_max_rounds} must be >= 0.")
+        if self.filter_groups and self.adv_estimator == "remax":
+            raise InputError("adv_estimator='remax' with filter_groups=True: ReMax's greedy baselines are taken for "
+                             "the step's first prompts, while DAPO's selection may train groups drawn in later "
+                             "rounds, which would get another prompt's baseline; set filter_groups=False, or use "
+                             "a group estimator ('grpo', 'rloo') with filter_groups.")
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
             raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
                              "samples, capped at 1024).")

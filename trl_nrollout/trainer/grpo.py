@@ -578,7 +578,9 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         collected = self._collect(ctx)
         assigned = self._assign(collected, ctx)
         logps = self._log_prob_passes(assigned, ctx)
+        t = time.perf_counter()
         adv = self._advantages(collected, assigned, logps, ctx)
+        self._metric(mode, "timing_s/adv", time.perf_counter() - t)  # PPO: with its critic's value pass, as verl's
         self._log_step(collected, adv, ctx)
         self._metric(mode, "timing_s/rollout_total", time.perf_counter() - start)
         self.step_clock.rollout_tokens = assigned.num_tokens  # the step's throughput counts them
@@ -679,7 +681,6 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         function applied) are left out of the baselines and get advantage 0, as in TRL."""
         args: NRolloutConfig = self.args
         samples, n = collected.samples, ctx.n
-        t = time.perf_counter()
         scores = self._weighted(collected.rewards)  # [G]
         t_max = max(max(len(s.completion_ids) for s in samples), 1)
         resp_mask = response_mask([s.completion_ids for s in samples], [s.tool_mask for s in samples], t_max)
@@ -715,7 +716,6 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
                 if returns is not None:
                     returns[keep] = kept_returns
         advantages = torch.nan_to_num(advantages, nan=0.0)  # e.g. a ReMax baseline no reward function applied to
-        self._metric(ctx.mode, "timing_s/adv", time.perf_counter() - t)
         return Advantages(advantages, scores, resp_mask, returns=returns, values=estimator_options.get("values"))
 
     def _reward_kl_penalty(self, logps: LogProbs, assigned: Assignment, resp_mask: Tensor, ctx: StepContext

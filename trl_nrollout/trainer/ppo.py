@@ -244,6 +244,10 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         self._critic_update(prepared)
         self._critic_logged_time = 0.0  # no actor update to keep it out of
         self._step += 1
+        if self._step % self.current_gradient_accumulation_steps == 0:  # the step's clock, without an actor update
+            metrics = self.step_clock.step_done(0.0, self.layout.optimizer_steps_per_rollout)
+            for name in ("timing_s/step", "perf/throughput"):
+                self._metric("train", name, metrics[name])
         return torch.zeros((), device=self.accelerator.device)
 
     def _compute_loss(self, model, inputs):

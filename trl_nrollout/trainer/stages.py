@@ -1,4 +1,4 @@
-"""The typed values the stages of one rollout step hand each other (see ``NRolloutGRPOTrainer._rollout_step``).
+"""The typed values the stages of one rollout step hand each other (see ``NRolloutGRPOTrainer._generate_and_score_completions``).
 
     collect rounds  ->  Round        the job's samples (every rank's, job order), their rewards, the table
     assign          ->  Assignment   which of them this rank trains on
