@@ -156,8 +156,7 @@ def run_script_in_process(script: Path, *argv: str, env: dict | None = None) -> 
     script's globals."""
     import runpy
 
-    from accelerate.state import AcceleratorState
-    from transformers import Trainer
+    from tests.assets.run_python_blocks import release
 
     saved_argv, saved_env = sys.argv, dict(os.environ)
     sys.argv = [str(script), *argv]
@@ -167,12 +166,9 @@ def run_script_in_process(script: Path, *argv: str, env: dict | None = None) -> 
         namespace = runpy.run_path(str(script), run_name="__main__")
     finally:
         sys.argv = saved_argv
-        for value in list(namespace.values()):
-            if isinstance(value, Trainer) and hasattr(value, "close"):
-                value.close()
+        release(namespace)
         os.environ.clear()
         os.environ.update(saved_env)
-        AcceleratorState._reset_state(reset_partial_state=True)
     return namespace
 
 

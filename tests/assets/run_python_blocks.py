@@ -21,17 +21,16 @@ import time
 import traceback
 
 
-def _release(namespace: dict) -> None:
-    """Close what the block left open, as the end of its process would."""
+def release(namespace: dict) -> None:
+    """Close what a script's globals ``namespace`` left open, as the end of its process would: its trainers (their
+    engines and process groups), accelerate's process state. Also used by tests/conftest.run_script_in_process."""
     from accelerate.state import AcceleratorState
     from transformers import Trainer
 
     for value in list(namespace.values()):
         if isinstance(value, Trainer) and hasattr(value, "close"):
             value.close()
-    namespace.clear()
     AcceleratorState._reset_state(reset_partial_state=True)
-    gc.collect()
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -54,7 +53,9 @@ def main(spec_path: str, out_path: str) -> None:
             error = traceback.format_exc()
         finally:
             try:
-                _release(namespace)
+                release(namespace)
+                namespace.clear()
+                gc.collect()
             except Exception:  # noqa: BLE001
                 error = (error or "") + "\nreleasing the block's trainers failed:\n" + traceback.format_exc()
             os.chdir(home)
