@@ -19,11 +19,12 @@ from torch import nn
 
 def is_zero3(model: nn.Module) -> bool:
     """DeepSpeed ZeRO-3 partitions parameters and tags each with ``ds_id``."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+    return has_zero3_parameters(model.named_parameters())
 
 
-def has_zero3_parameters(named: list[tuple[str, torch.Tensor]]) -> bool:
-    """:func:`is_zero3` over ``(name, parameter)`` pairs (the weight sync's list)."""
+def has_zero3_parameters(named) -> bool:
+    """Whether any of ``(name, parameter)`` pairs (the weight sync's list, or ``named_parameters()``) is a ZeRO-3
+    partitioned parameter (tagged with ``ds_id``)."""
     return any(hasattr(p, "ds_id") for _, p in named)
 
 
