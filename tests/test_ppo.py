@@ -475,13 +475,13 @@ def test_ppo_critic_trains_under_zero_offload(tmp_path):
     import json
     import math
 
-    from tests.conftest import ACCELERATE, ENV, RECIPE, ROOT, run_cmd
+    from tests.conftest import ACCELERATE_LAUNCH, ENV, RECIPE, ROOT, run_cmd
 
     config = tmp_path / "zero2_offload.yaml"
     config.write_text((ROOT / "recipes/accelerate/zero2_cpu.yaml").read_text()
                       .replace("offload_optimizer_device: none", "offload_optimizer_device: cpu"))
     out = tmp_path / "run"
-    run_cmd([ACCELERATE, "launch", "--config_file", str(config), RECIPE, *PPO_RECIPE, "--output_dir", str(out),
+    run_cmd([*ACCELERATE_LAUNCH, "--config_file", str(config), RECIPE, *PPO_RECIPE, "--output_dir", str(out),
              "--use_cpu", "false", "--ddp_backend", "gloo", "--max_steps", "3", "--ppo_mini_batch_size", "32"],
             timeout=900, env=ENV)
     steps = [h for h in json.loads((out / "log_history.json").read_text()) if "reward" in h]

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_cmd, run_script_in_process
+from tests.conftest import ACCELERATE_LAUNCH, ROOT, run_cmd, run_script_in_process
 from trl_nrollout.rollout.agent_loop import call_tools, run_tool_turns, split_tools
 from trl_nrollout.rollout.types import RolloutBatch
 
@@ -129,14 +128,13 @@ def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict 
                       .replace("trainer = GRPOTrainer(", "trainer = NRolloutGRPOTrainer("))
     if backend == "hf":
         extra = {"rollout_backend": "hf", **(extra or {})}
-    accelerate = str(Path(sys.executable).parent / "accelerate")
     if config is not None:  # one of the recipes' accelerate configs, or a path
-        head = [accelerate, "launch", "--config_file", str(ROOT / "recipes/accelerate" / config)]
+        head = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes/accelerate" / config)]
     elif procs == 1:  # as `python script.py ...`, in this process (see run_script_in_process)
         run_script_in_process(script, str(tmp_path), backend, tool, str(steps), json.dumps(extra or {}), env=ENV)
         return json.loads((tmp_path / "result.json").read_text())
     else:
-        head = [accelerate, "launch", "--multi_gpu", "--num_processes", str(procs)]
+        head = [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", str(procs)]
     run_cmd([*head, str(script), str(tmp_path), backend, tool, str(steps), json.dumps(extra or {})],
             timeout=timeout, env={**ENV, "PYTHONPATH": str(ROOT)})
     return json.loads((tmp_path / "result.json").read_text())
@@ -218,8 +216,7 @@ def test_a_rank_with_fewer_tool_turn_samples_keeps_the_hf_engines_forwards_in_st
     rank 0 would wait for rank 1 in its first call (here it fails when rank 1 exits; in training rank 1 would be
     waiting in another collective: a hang); rank 1 makes filler calls until the busiest rank is done, and both
     finish with their own samples (shown failing with the filler calls removed)."""
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    run_cmd([accelerate, "launch", "--config_file", str(_zero3_partition_all(tmp_path)),
+    run_cmd([*ACCELERATE_LAUNCH, "--config_file", str(_zero3_partition_all(tmp_path)),
              str(ROOT / "tests/assets/hf_engine_uneven_turns.py"), str(tmp_path)],
             timeout=240, env={**ENV, "PYTHONPATH": str(ROOT)})
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

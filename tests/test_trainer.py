@@ -16,7 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ACCELERATE, ENV, RECIPE, RESUME, ROOT, assert_resumed, launch, rewards, run_cmd
+from tests.conftest import (
+    ACCELERATE_LAUNCH,
+    ENV,
+    RECIPE,
+    RESUME,
+    ROOT,
+    assert_resumed,
+    launch,
+    rewards,
+    run_cmd,
+)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +117,7 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     else:
         run = launch(tmp_path, *extra, "--save_strategy", "no", config="zero3_cpu.yaml")
     assert run["summary"]["processes"] == 2
+    assert run["summary"]["nnodes"] == 1  # one machine, whatever the engine's TP size (vLLM's CPU platform resets it)
     assert rewards(run) == pytest.approx(rewards(one_process_run)[:4], abs=1e-4)
 
 
@@ -150,20 +161,20 @@ def test_zero2_with_the_hf_engine(zero2_dapo_run):
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["one_process", pytest.param("zero3", marks=pytest.mark.multiprocess)])
 def test_resume_gives_the_same_subsequent_steps(mode, tmp_path):
-    """Stop after 3 of 6 steps (checkpoint), resume: the second run trains steps 4-6 only (a run from scratch would
-    train 6, and a seeded one would log the same history), and they match the uninterrupted run (optimizer,
+    """Stop after 2 of 4 steps (checkpoint), resume: the second run trains steps 3-4 only (a run from scratch would
+    train 4, and a seeded one would log the same history), and they match the uninterrupted run (optimizer,
     scheduler, KL controller, data order, DAPO's extra prompts). One process resumes from a path; two ZeRO-3
     processes from `true` (the last checkpoint of the output folder, where the checkpoint was copied)."""
     import shutil
 
     config = "zero3_cpu.yaml" if mode == "zero3" else None
     full = launch(tmp_path / "full", *RESUME, config=config)
-    assert any(h["dynamic_sampling/rounds"] > 0 for h in full["steps"] if h["step"] > 3)  # the generator is used
-    assert len({h["actor/reward_kl_penalty_coeff"] for h in full["steps"]}) == 6  # the controller moves
-    checkpoint = tmp_path / "full" / "checkpoint-3"
+    assert any(h["dynamic_sampling/rounds"] > 0 for h in full["steps"] if h["step"] > 2)  # the generator is used
+    assert len({h["actor/reward_kl_penalty_coeff"] for h in full["steps"]}) == 4  # the controller moves
+    checkpoint = tmp_path / "full" / "checkpoint-2"
     if mode == "zero3":
-        shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoint-3")
-        checkpoint = tmp_path / "resumed" / "checkpoint-3"
+        shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoint-2")
+        checkpoint = tmp_path / "resumed" / "checkpoint-2"
     resumed = launch(tmp_path / "resumed", *RESUME, "--resume_from_checkpoint",
                      "true" if mode == "zero3" else str(checkpoint), config=config)
     assert_resumed(full, resumed, checkpoint)
@@ -183,7 +194,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_to_the_same_step_count(tmp_path
     args = [RECIPE, "--output_dir", str(out), "--use_cpu", "true", "--max_steps", "12", "--save_strategy", "steps",
             "--save_steps", "2"]
     log = (tmp_path / "run.log").open("w")
-    proc = subprocess.Popen([ACCELERATE, "launch", "--cpu", "--num_processes", "1", *args], cwd=ROOT,
+    proc = subprocess.Popen([*ACCELERATE_LAUNCH, "--cpu", "--num_processes", "1", *args], cwd=ROOT,
                             env={**os.environ, **ENV}, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while not (out / "checkpoint-2" / "nrollout_state.json").exists():
@@ -228,7 +239,7 @@ def test_a_reward_call_that_hangs_on_one_rank_stops_or_scores_every_rank(tmp_pat
     assert run["summary"]["steps"] == 2 and run["summary"]["processes"] == 2
     assert all(0.0 <= h["reward"] < 0.5 for h in run["steps"])  # half the samples scored 0
     start = time.monotonic()
-    proc = subprocess.run([ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", RECIPE, "--output_dir",
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", RECIPE, "--output_dir",
                            str(tmp_path / "error"), "--use_cpu", "true", *common], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, **ENV}, timeout=400)
     assert proc.returncode != 0
@@ -275,9 +286,9 @@ def test_peft_lora_with_kl_loss_and_vllm_sync(mode, tmp_path):
     if mode == "one_process":
         cmd = [sys.executable, script, str(tmp_path)]
     elif mode == "ddp":
-        cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", script, str(tmp_path)]
+        cmd = [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", script, str(tmp_path)]
     else:
-        cmd = [ACCELERATE, "launch", "--config_file", str(ROOT / "recipes/accelerate/zero3_cpu.yaml"), script,
+        cmd = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes/accelerate/zero3_cpu.yaml"), script,
                str(tmp_path), "zero3", "hf" if mode == "zero3_hf" else "vllm"]
     run_cmd(cmd, timeout=600, env=ENV)
     result = json.loads((tmp_path / "log_history.json").read_text())
@@ -341,7 +352,7 @@ def test_two_nodes_keep_tp_groups_within_a_node(tmp_path):
         port = str(sock.getsockname()[1])
     env = {**os.environ, **ENV}
     procs = [subprocess.Popen(
-        [ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
+        [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
          "4", "--main_process_ip", "127.0.0.1", "--main_process_port", port, RECIPE, "--output_dir", str(tmp_path),
          "--use_cpu", "true", "--max_steps", "1", "--rollout_tp_size", "2", "--save_strategy", "no"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 import weakref
 from collections.abc import Sequence
@@ -197,7 +198,13 @@ class VLLMEngineGroup:
         from vllm import LLM
 
         start = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        launcher_local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            # vLLM's CPU platform sets LOCAL_WORLD_SIZE to the engine's TP size while it builds the engine; the
+            # launcher's value (processes per node) is what the job's layout and a later trainer read
+            _restore_env("LOCAL_WORLD_SIZE", launcher_local_world)
         self.startup_s = time.perf_counter() - start
         self.engine_kwargs = kwargs
         _LIVE.add(self)
@@ -481,6 +488,14 @@ class VLLMEngineGroup:
 
 #: Engine groups alive in this process (weakly held): vLLM's external launcher supports one engine per process.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    """Set ``os.environ[name]`` back to ``value`` (unset it where it was unset)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _close_live_engines() -> None:
