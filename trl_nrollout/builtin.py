@@ -23,6 +23,9 @@ from pathlib import Path
 BUILTIN_PREFIX = "builtin:"
 _BUILDERS_VERSION = "v1"
 
+#: How much ``tiny-qwen2-longtail`` scales the end-of-text token's (tied) embedding row.
+EOS_SCALE_LONGTAIL = 24.0
+
 #: Model sizes that can be asked for by name: ``builtin:<name>``.
 BUILTIN_MODELS: dict[str, dict] = {
     "tiny-qwen2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -37,6 +40,11 @@ BUILTIN_MODELS: dict[str, dict] = {
     # whole call of the built-in tool, so a random model calls it now and then and RL can make it call it always
     "tiny-qwen2-tools": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=512, tools=True),
+    # the tiny model whose end-of-text token is likelier where its hidden state points the end token's way: most
+    # completions end within a few dozen tokens, a few run to max_completion_length (a long tail, as in long
+    # chain-of-thought); the policy can learn to end sooner or later (partial-rollout tests and benchmarks)
+    "tiny-qwen2-longtail": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=384, eos_scale=EOS_SCALE_LONGTAIL),
     # a vision-language model (Idefics3 architecture: a SigLIP-style vision tower, a pixel-shuffle connector and a
     # Llama text model), 4 image tokens per 56x56 image; vLLM runs it on CPU without torchvision
     "tiny-idefics3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -136,7 +144,7 @@ def _atomic_folder(target: Path, seed: int):
 
 def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
                      num_attention_heads: int, num_key_value_heads: int, vocab_size: int, seed: int = 0,
-                     tools: bool = False, max_position_embeddings: int = 1024) -> Path:
+                     tools: bool = False, max_position_embeddings: int = 1024, eos_scale: float = 1.0) -> Path:
     """Train a byte-level BPE tokenizer on the built-in corpus and save it with a random Qwen2 model.
 
     ``tools``: Qwen2.5's chat template (as TRL ships it, so TRL's tool-call parser applies), its tool tokens, the
@@ -144,7 +152,8 @@ def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, 
     ends a turn (an EOS of the generation config, as a real model's ``<|im_end|>`` after a call).
 
     Writes to a temporary folder and renames it into place, so concurrent processes never see a half-built
-    model. Deterministic for a given seed.
+    model. Deterministic for a given seed. ``eos_scale``: the end-of-text token's embedding row (tied to the output
+    head) times this, so its logit swings widely with the hidden state: a long-tailed completion length.
     """
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -176,6 +185,9 @@ def build_tiny_model(target: Path, *, hidden_size: int, intermediate_size: int, 
             bos_token_id=None, dtype="float32",
         )
         model = Qwen2ForCausalLM(config)
+        if eos_scale != 1.0:
+            with torch.no_grad():
+                model.get_input_embeddings().weight[hf_tok.eos_token_id] *= eos_scale
         model.generation_config.eos_token_id = hf_tok.eos_token_id
         if tools:  # a call ends the turn, as <|im_end|> after a real model's call
             model.generation_config.eos_token_id = [hf_tok.eos_token_id, hf_tok.convert_tokens_to_ids(TOOL_CALL_TOKEN)]

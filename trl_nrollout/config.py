@@ -179,6 +179,22 @@ class NRolloutConfig(GRPOConfig):
     rollout_is_threshold_lower: float | None = field(default=None, metadata={
         "help": "Lower bound of the rollout importance weights (None: none; TRL vllm_importance_sampling_clip_min)."})
 
+    rollout_partial: bool = field(default=False, metadata={
+        "help": "Partial rollouts (verl's partial_rollout): a step's rollout ends as soon as the step's groups have "
+                "all n samples finished; the engine's other samples are stopped with their tokens and log-probs "
+                "kept and continue after the weight sync (prompt + their tokens so far). The step no longer waits "
+                "for its longest sample. Every token keeps the policy version that sampled it and its behaviour "
+                "log-prob (what rollout_is weights by). vLLM engines, single-turn prompts without images; not with "
+                "filter_groups."})
+    rollout_partial_oversample: float = field(default=0.5, metadata={
+        "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "
+                "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "
+                "so that the step can stop once its share has finished instead of waiting for the slowest group."})
+    max_staleness: int = field(default=1, metadata={
+        "help": "With rollout_partial: how many policy versions (optimizer steps) a sample's oldest token may lag "
+                "the policy that trains on it (TRL AsyncGRPO's max_staleness). An older sample is dropped and "
+                "started again. 0: nothing carries over (unfinished samples restart)."})
+
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={
         "help": "'vllm' (engine group), 'hf' (transformers generate) or 'auto' (vllm when installed). The vLLM "
@@ -394,6 +410,25 @@ class NRolloutConfig(GRPOConfig):
                              "the step's first prompts, while DAPO's selection may train groups drawn in later "
                              "rounds, which would get another prompt's baseline; set filter_groups=False, or use "
                              "a group estimator ('grpo', 'rloo') with filter_groups.")
+        if self.max_staleness < 0:
+            raise InputError(f"max_staleness={self.max_staleness} must be >= 0 (policy versions a sample may lag; "
+                             "1 lets an unfinished sample continue after one weight sync).")
+        if not self.rollout_partial_oversample >= 0:
+            raise InputError(f"rollout_partial_oversample={self.rollout_partial_oversample} must be >= 0 (0.5: half "
+                             "again as many groups in flight as the step trains).")
+        if self.rollout_partial and self.filter_groups:
+            raise InputError("rollout_partial=True with filter_groups=True: DAPO's filter needs each round's groups "
+                             "scored before the next round starts, which partial rollouts do not do yet; set "
+                             "filter_groups=False, or rollout_partial=False.")
+        if self.rollout_partial and self.adv_estimator == "remax":
+            raise InputError("adv_estimator='remax' with rollout_partial=True: ReMax takes its greedy baselines for "
+                             "the step's own prompts, while a partial rollout trains the groups that finished first "
+                             "(some from earlier steps); use a group estimator ('grpo', 'rloo'), or "
+                             "rollout_partial=False.")
+        if self.rollout_partial and self.rollout_backend == "hf":
+            raise InputError("rollout_partial=True needs vLLM engines (a request-level engine loop that can stop "
+                             "and continue samples); rollout_backend='hf' cannot. Set rollout_backend='vllm' (or "
+                             "'auto' with vLLM installed), or rollout_partial=False.")
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
             raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
                              "samples, capped at 1024).")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 import weakref
@@ -24,7 +23,9 @@ from torch import nn
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
+from trl_nrollout.rollout.partial import InFlightGroup, PartialRun, run_partial
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
+from trl_nrollout.rollout.requests import EngineLoop
 from trl_nrollout.rollout.seeds import SEED_MODES, engine_seed, numpy_seeded, prompt_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, engine_has, iter_weight_buckets
@@ -301,18 +302,20 @@ class VLLMEngineGroup:
         else:  # vLLM seeds sample k of a request with seed + k: prompt seeds n apart never share a seed
             params = [self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, group_offset + g, n)))
                       for g in range(len(prompts))]
-        with self._engine_rng(sampling.seed):
-            outputs = self.llm.generate(vllm_prompts(prompts, images), params, use_tqdm=False)
+        loop = EngineLoop(self.llm)
+        with self._engine_rng(sampling.seed):  # what LLM.generate does, through the same calls
+            requests = [loop.add(p, params[g] if isinstance(params, list) else params)
+                        for g, p in enumerate(vllm_prompts(prompts, images))]
+            loop.run()
         gen_s = time.perf_counter() - start
         prompt_ids, completion_ids, logprobs, reasons, groups = [], [], [], [], []
-        for g, out in enumerate(outputs):
-            if len(out.outputs) != n:
-                raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for a prompt, expected n={n}.")
-            for comp in out.outputs:
-                prompt_ids.append(list(out.prompt_token_ids))
-                completion_ids.append(list(comp.token_ids))
-                logprobs.append(_sampled_logprobs(comp.logprobs, comp.token_ids))
-                reasons.append("stop" if comp.finish_reason == "stop" else "length")
+        for g, (prompt, rid) in enumerate(zip(prompts, requests)):
+            engine_prompt = loop.prompt_ids(rid) if images is not None else list(prompt)
+            for sample in loop.request(rid):
+                prompt_ids.append(list(engine_prompt))
+                completion_ids.append(sample.token_ids)
+                logprobs.append(sample.logprobs)
+                reasons.append(sample.finish_reason)
                 groups.append(group_offset + g)
         return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups, timings={"generate_s": gen_s})
 
@@ -383,15 +386,47 @@ class VLLMEngineGroup:
         params = [self._sampling_params(1, replace(sampling, max_tokens=budget, seed=prompt_seed(sampling.seed, offset + g, 1)
                                                    if per_request else None))
                   for g, (_, budget) in enumerate(flat)]
+        loop = EngineLoop(self.llm)
         with self._engine_rng(sampling.seed):
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ctx) for ctx, _ in flat], params,
-                                        use_tqdm=False)
-        batch = RolloutBatch(
-            [ctx for ctx, _ in flat], [list(o.outputs[0].token_ids) for o in outputs],
-            [_sampled_logprobs(o.outputs[0].logprobs, o.outputs[0].token_ids) for o in outputs],
-            ["stop" if o.outputs[0].finish_reason == "stop" else "length" for o in outputs],
-            list(range(len(flat))))
+            requests = [loop.add(TokensPrompt(prompt_token_ids=ctx), p) for (ctx, _), p in zip(flat, params)]
+            loop.run()
+        done = [loop.request(rid)[0] for rid in requests]
+        batch = RolloutBatch([ctx for ctx, _ in flat], [d.token_ids for d in done], [d.logprobs for d in done],
+                             [d.finish_reason for d in done], list(range(len(flat))))
         return batch.slice(first, first + len(contexts))
+
+    def gather_tp(self, obj) -> list:
+        """``obj`` of every rank of this rank's TP group, in rank order (``[obj]`` at TP=1). Collective over the
+        TP group."""
+        return self._gather_tp(obj)
+
+    def run_partial(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int
+                    ) -> PartialRun:
+        """One step of a partial rollout on this rank's engine (see :mod:`trl_nrollout.rollout.partial`): run the
+        pool ``groups`` (the same on every rank of the TP group) until ``target`` of them have finished, stop the
+        others with their tokens kept; new tokens are tagged ``version``. Seeds: with a seed and
+        ``seed_mode="sample"``, request ``r`` of the call gets a seed from the call's seed, the engine's index and
+        its place (a sample continued in a later step draws from another seed than it would have uninterrupted)."""
+        if self.llm is None:
+            self.generate_engine([], 1, sampling)  # raises the closed-engine error
+        if self.sleeping:
+            self.wake_up()
+        for g in groups:
+            if not g.finished:
+                self.check_prompt_length(len(g.prompt_ids), sampling.max_tokens)
+        self._barrier_before_generate()
+        per_request = sampling.seed is not None and self.seed_mode == "sample"
+        base = engine_seed(sampling.seed, self.engine_index) if per_request else None
+
+        def make_params(n: int, budget: int, slot: int):
+            seed = base + slot if per_request else None
+            return self._sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
+
+        from vllm.inputs import TokensPrompt
+
+        with self._engine_rng(sampling.seed):
+            return run_partial(self.llm, groups, target, version, sampling.max_tokens, make_params,
+                               lambda ids: TokensPrompt(prompt_token_ids=list(ids)))
 
     # ------------------------------------------------------------------ weights
     def _model_runner(self):
@@ -570,24 +605,3 @@ def vllm_prompts(prompts: Sequence[Sequence[int]], images: Sequence[list] | None
         else:
             out.append(TokensPrompt(prompt_token_ids=list(p)))
     return out
-
-
-def _sampled_logprobs(source, tokens: Sequence[int]) -> list[float]:
-    """Log-prob of each sampled token, from vLLM's ``FlatLogprobs`` (fast path) or a list of per-step dicts."""
-    if source is None:
-        return [math.nan] * len(tokens)
-    if hasattr(source, "start_indices"):  # FlatLogprobs: parallel lists, one range per position
-        out = []
-        for pos, tok in enumerate(tokens):
-            lo, hi = source.start_indices[pos], source.end_indices[pos]
-            ids = source.token_ids[lo:hi]
-            out.append(float(source.logprobs[lo + ids.index(tok)]) if tok in ids else math.nan)
-        return out
-    return [_chosen_logprob(step, tok) for step, tok in zip(source, tokens)]
-
-
-def _chosen_logprob(step: dict, token: int) -> float:
-    """The sampled token's log-prob from a vLLM per-step ``{token_id: Logprob}`` dict."""
-    if token in step:
-        return float(step[token].logprob)
-    return float(next(iter(step.values())).logprob) if step else math.nan

@@ -68,6 +68,7 @@ from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE
 from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images
+from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
 from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, Sample, StepContext
 from trl_nrollout.trainer.update import PolicyUpdate
@@ -85,7 +86,7 @@ def to_nrollout_config(args: GRPOConfig) -> NRolloutConfig:
     return cfg
 
 
-class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTrainer):
+class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, PolicyUpdate, GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
@@ -138,6 +139,9 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         self._check_prompt_tokens()  # before the engines start
         self._packing_notice_shown = False  # read while the engine is built (the HF engine asks about packing)
         self.rollout_engine = self._start_engine(args.rollout_backend)
+        self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
+        if args.rollout_partial and (why := self._partial_refusal()) is not None:
+            raise UnsupportedTRLOption(why)
         self.generation_clock = GenerationClock()
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
             self.add_callback(LiveProgressCallback)
@@ -164,6 +168,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         os.makedirs(folder, exist_ok=True)
         torch.save({"prompt_rng": self._prompt_rng.get_state()},
                    os.path.join(folder, f"nrollout_rank{self.accelerator.process_index}.pt"))
+        if self.args.rollout_partial:
+            self._save_partial_pool(folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """transformers restores the optimizer and scheduler; the rollout stage restores the KL controller's
@@ -178,6 +184,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         rank_file = os.path.join(checkpoint, f"nrollout_rank{self.accelerator.process_index}.pt")
         if os.path.isfile(rank_file):
             self._prompt_rng.set_state(torch.load(rank_file, weights_only=True)["prompt_rng"])
+        if self.args.rollout_partial:
+            self._load_partial_pool(checkpoint)
 
     def close(self) -> None:
         """Release the rollout engines (call after training, before tearing down torch.distributed)."""
@@ -587,9 +595,13 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PolicyUpdate, GRPOTra
         return self._trl_batch(assigned, logps, adv, ctx)
 
     def _collect(self, ctx: StepContext) -> Round:
-        """Generate and score the step's samples, with DAPO's extra rounds when ``filter_groups`` asks: the job's
-        samples ``[G]`` and rewards ``[G, F]``, the same on every rank."""
-        collected = self._one_round(ctx.inputs, ctx)
+        """Generate and score the step's samples, with DAPO's extra rounds when ``filter_groups`` asks, or from the
+        pool of groups in flight with ``rollout_partial`` (:mod:`trl_nrollout.trainer.partial`): the job's samples
+        ``[G]`` and rewards ``[G, F]``, the same on every rank."""
+        if ctx.mode == "train" and self.args.rollout_partial:
+            collected = self._partial_round(ctx)
+        else:
+            collected = self._one_round(ctx.inputs, ctx)
         if ctx.mode == "train" and self.args.filter_groups:
             collected = self._dynamic_sampling(collected, ctx)
         self._metric(ctx.mode, "timing_s/gen", collected.gen_s)

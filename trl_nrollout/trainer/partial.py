@@ -1,0 +1,136 @@
+"""The trainer's side of partial rollouts (``rollout_partial=True``): the pool of groups in flight across steps.
+
+Each step this rank's new prompts join its engine's pool (gathered over the TP group, so every rank of an engine
+holds the same pool), samples staler than ``max_staleness`` start again, the engine runs the pool until the step's
+groups have finished (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_partial`), and the first groups
+to finish train, this rank taking its share. The rest stays in the pool, saved in every checkpoint (one file per
+rank), so a resumed run continues the samples that were in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict
+
+from accelerate.utils import gather_object
+
+from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.passes.multimodal import has_images
+from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
+from trl_nrollout.trainer.stages import Round, Sample, StepContext
+
+#: the in-flight pool of a rank, in each checkpoint
+POOL_FILE = "nrollout_partial_rank{rank}.json"
+
+
+class PartialRollouts:
+    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the partial-rollout step and its pool."""
+
+    def _partial_refusal(self) -> str | None:
+        """Why this trainer cannot roll out partially (None when it can)."""
+        if self.rollout_backend != "vllm":
+            return (f"rollout_partial=True needs vLLM engines, but this trainer generates with the "
+                    f"{self.rollout_backend!r} engine; install vLLM (rollout_backend='vllm'), or set "
+                    "rollout_partial=False.")
+        if self.tools or getattr(self, "environment_factories", None) or self.rollout_func is not None:
+            return ("rollout_partial=True with tools, environment_factory or rollout_func: multi-turn and custom "
+                    "rollouts are not partial yet; set rollout_partial=False for them.")
+        return None
+
+    def _partial_round(self, ctx: StepContext) -> Round:
+        """The step's groups from the pool: this rank's share of the ``target`` groups that finished first (the
+        job's samples ``[G]``, gathered, and their rewards ``[G, F]``)."""
+        args, n, engine = self.args, ctx.n, self.rollout_engine
+        version = self.state.global_step
+        t0 = time.perf_counter()
+        rows = ctx.inputs[::n]
+        prompts, _ = self._start_episodes(rows)
+        if has_images(prompts):
+            raise UnsupportedTRLOption("rollout_partial=True with image prompts: partial rollouts are text-only "
+                                       "for now; set rollout_partial=False for a vision-language dataset.")
+        prompt_ids = self._tokenize_prompts(prompts)[0]
+        rank = self.accelerator.process_index
+        new = [InFlightGroup.fresh((version, rank, g), list(ids), n, payload={"row": dict(row), "prompt": prompt})
+               for g, (ids, row, prompt) in enumerate(zip(prompt_ids, rows, prompts))]
+        tp = len(engine.tp_ranks)
+        target = len(rows) * tp  # the engine's share of the step's groups
+        extra = partial_top_up(target, len(self._partial_pool), args.rollout_partial_oversample, tp,
+                               engine.tp_ranks.index(rank))
+        if extra:
+            more = self._draw_inputs(extra)[::n]  # as DAPO's extra rounds draw them
+            more_prompts, _ = self._start_episodes(more)
+            more_ids = self._tokenize_prompts(more_prompts)[0]
+            new += [InFlightGroup.fresh((version, rank, len(rows) + g), list(ids), n,
+                                        payload={"row": dict(row), "prompt": prompt})
+                    for g, (ids, row, prompt) in enumerate(zip(more_ids, more, more_prompts))]
+        new = [g for chunk in engine.gather_tp(new) for g in chunk]  # the engine's new groups, rank order
+        pool, restarted = drop_stale(self._partial_pool, version, args.max_staleness)
+        run = engine.run_partial(pool + new, target, self._sampling(ctx.mode), version)
+        chosen, self._partial_pool = split_finished(run.groups, run.finish_order, target)
+        engine.sleep()
+        mine_at = engine.tp_ranks.index(rank) * len(rows)
+        mine = chosen[mine_at:mine_at + len(rows)]
+        t1 = time.perf_counter()
+        self.generation_clock.add(run.new_tokens, t1 - t0)
+
+        inputs = [g.payload["row"] for g in mine for _ in range(n)]
+        sample_prompts = [g.payload["prompt"] for g in mine for _ in range(n)]
+        samples = [Sample(list(g.prompt_ids), s.token_ids, s.logprobs, s.finish_reason) for g in mine
+                   for s in g.samples]
+        completion_ids = [s.completion_ids for s in samples]
+        completions = self._decode(sample_prompts, completion_ids)
+        scores = self._score(inputs, sample_prompts, completions, completion_ids)
+        t2 = time.perf_counter()
+        table = None
+        if self.log_completions:
+            table = {"prompt": gather_object(sample_prompts), "completion": gather_object(list(completions)),
+                     "images": None, "extra": scores.extra_logs}
+        staleness = [version - min(s.versions) for g in mine for s in g.samples]
+        counts = gather_object([[run.aborted, restarted, len(self._partial_pool), run.engine_steps,
+                                 max(staleness), sum(staleness) / len(staleness)]])
+        per_engine = counts[::len(engine.tp_ranks)]  # one entry per engine (its TP ranks agree)
+        self._metric(ctx.mode, "partial/aborted_samples", sum(c[0] for c in per_engine))
+        self._metric(ctx.mode, "partial/restarted_samples", sum(c[1] for c in per_engine))
+        self._metric(ctx.mode, "partial/pool_groups", sum(c[2] for c in per_engine))
+        self._metric(ctx.mode, "partial/engine_steps", max(c[3] for c in counts))
+        self._metric(ctx.mode, "partial/staleness_max", max(c[4] for c in counts))
+        self._metric(ctx.mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
+        return Round(gather_object(samples), scores.rewards, gen_s=t1 - t0, reward_s=t2 - t1,
+                     gen_tokens=run.new_tokens, table=table)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_partial_pool(self, folder: str) -> None:
+        """This rank's pool as JSON (its groups' prompts, tokens, log-probs, versions and dataset rows)."""
+        path = os.path.join(folder, POOL_FILE.format(rank=self.accelerator.process_index))
+        try:
+            text = json.dumps([asdict(g) for g in self._partial_pool])
+        except TypeError as err:
+            raise TypeError(f"rollout_partial=True saves the samples in flight with their dataset rows, and a row "
+                            f"holds a value JSON cannot write ({err}); keep the dataset's columns to text and "
+                            "numbers, or set rollout_partial=False.") from None
+        with open(path, "w") as fh:
+            fh.write(text)
+
+    def _load_partial_pool(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, POOL_FILE.format(rank=self.accelerator.process_index))
+        if not os.path.isfile(path):
+            return
+        with open(path) as fh:
+            self._partial_pool = [_group(d) for d in json.load(fh)]
+
+
+def partial_top_up(target: int, pooled: int, oversample: float, tp: int, tp_index: int) -> int:
+    """Groups the rank at ``tp_index`` of its TP group draws beyond its own prompts this step, so that the engine
+    holds ``ceil(target * (1 + oversample))`` groups in flight: its ``pooled`` groups carried over, the step's
+    ``target`` new ones, and the rest split over the TP group's ranks (the first ones draw one more)."""
+    need = max(0, math.ceil(target * (1 + oversample)) - pooled - target)
+    return need // tp + (tp_index < need % tp)
+
+
+def _group(d: dict) -> InFlightGroup:
+    key = d["key"]
+    return InFlightGroup(tuple(key) if isinstance(key, list) else key, list(d["prompt_ids"]),
+                         [PartialSample(**s) for s in d["samples"]], d["payload"], int(d["restarts"]))
