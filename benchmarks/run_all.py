@@ -25,6 +25,7 @@ BENCHMARKS: list[str] = [
     "step_benchmark.py",
     "overlap_probe.py",
     "ppo_critic_cost.py",
+    "partial_rollout.py",
 ]
 
 

@@ -39,22 +39,24 @@ def pools(draw):
 def test_no_sample_in_the_pool_is_staler_than_max_staleness(pool_version, max_staleness):
     """After ``drop_stale`` every sample's oldest token is at most ``max_staleness`` versions old; the samples
     within the bound are kept as they were (tokens, log-probs, versions); a stale one starts again empty and
-    unfinished in its own group, whose place in the pool is kept; the count says how many started again."""
+    unfinished in its own group, whose place in the pool is kept; the counts say how many started again and how many
+    tokens they dropped."""
     pool, version = pool_version
-    kept, restarted = drop_stale(pool, version, max_staleness)
+    kept, restarted, dropped = drop_stale(pool, version, max_staleness)
     assert [g.key for g in kept] == [g.key for g in pool]
-    stale = 0
+    stale = stale_tokens = 0
     for before, after in zip(pool, kept):
         assert after.n == before.n
         for s0, s1 in zip(before.samples, after.samples):
             oldest = s0.oldest_version()
             if oldest is not None and version - oldest > max_staleness:
                 stale += 1
+                stale_tokens += len(s0.token_ids)
                 assert s1.token_ids == [] and not s1.finished
             else:
                 assert s1 is s0
         assert after.staleness(version) <= max_staleness
-    assert restarted == stale
+    assert restarted == stale and dropped == stale_tokens
 
 
 @settings(max_examples=200, deadline=None)
@@ -187,7 +189,8 @@ def test_a_continued_sample_has_each_tokens_own_policy_logprob(engine, tiny_mode
         g = torch.Generator().manual_seed(7)
         for _, p in sorted(model1.named_parameters()):
             p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    pool = [InFlightGroup.fresh(g, [20 + g, 6, 7, 8], N) for g in range(8)]
+    # prompts longer than a KV block (32 tokens on CPU): the prefix cache holds their first block after version 0
+    pool = [InFlightGroup.fresh(g, [20 + g, *range(50, 89)], N) for g in range(8)]
     first = engine.run_partial(pool, 1, _options(seed=21), version=0)
     _, waiting = split_finished(first.groups, first.finish_order, 1)
     try:
@@ -208,7 +211,7 @@ def test_a_continued_sample_has_each_tokens_own_policy_logprob(engine, tiny_mode
 
 # ---------------------------------------------------------------------------------------------- training runs
 #: the long-tail model with the recipe: 4 prompts x 4 samples a step, completions up to 64 tokens
-PARTIAL = ["--model_name_or_path", "builtin:tiny-qwen2-longtail", "--rollout_partial", "true",
+PARTIAL = ["--model_name_or_path", "builtin:tiny-qwen2-longtail", "--rollout_partial", "true", "--max_staleness", "1",
            "--max_completion_length", "64", "--train_batch_size", "4", "--rollout_n", "4", "--learning_rate", "5e-3",
            "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2"]
 

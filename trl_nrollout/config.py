@@ -186,14 +186,15 @@ class NRolloutConfig(GRPOConfig):
                 "for its longest sample. Every token keeps the policy version that sampled it and its behaviour "
                 "log-prob (what rollout_is weights by). vLLM engines, single-turn prompts without images; not with "
                 "filter_groups."})
-    rollout_partial_oversample: float = field(default=0.5, metadata={
+    rollout_partial_oversample: float = field(default=1.0, metadata={
         "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "
                 "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "
                 "so that the step can stop once its share has finished instead of waiting for the slowest group."})
-    max_staleness: int = field(default=1, metadata={
+    max_staleness: int = field(default=2, metadata={
         "help": "With rollout_partial: how many policy versions (optimizer steps) a sample's oldest token may lag "
                 "the policy that trains on it (TRL AsyncGRPO's max_staleness). An older sample is dropped and "
-                "started again. 0: nothing carries over (unfinished samples restart)."})
+                "started again (its tokens are lost: a low bound restarts long samples, a bias against them). 0: "
+                "nothing carries over (unfinished samples restart)."})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={

@@ -81,13 +81,15 @@ class InFlightGroup:
         return version - min(oldest) if oldest else 0
 
 
-def drop_stale(groups: list[InFlightGroup], version: int, max_staleness: int) -> tuple[list[InFlightGroup], int]:
+def drop_stale(groups: list[InFlightGroup], version: int, max_staleness: int
+               ) -> tuple[list[InFlightGroup], int, int]:
     """The pool at the start of step ``version``: every sample whose oldest token is more than ``max_staleness``
-    versions old is dropped and starts again (empty, unfinished); its group keeps its place. Returns the groups and
-    the number of samples restarted. Afterwards no sample in the pool is staler than ``max_staleness``."""
+    versions old is dropped and starts again (empty, unfinished); its group keeps its place. Returns the groups, the
+    number of samples restarted and the tokens they dropped. Afterwards no sample in the pool is staler than
+    ``max_staleness``."""
     if max_staleness < 0:
         raise ValueError(f"max_staleness={max_staleness} must be >= 0.")
-    out, restarted = [], 0
+    out, restarted, dropped = [], 0, 0
     for g in groups:
         samples = []
         for s in g.samples:
@@ -95,11 +97,12 @@ def drop_stale(groups: list[InFlightGroup], version: int, max_staleness: int) ->
             if oldest is not None and version - oldest > max_staleness:
                 samples.append(PartialSample())
                 restarted += 1
+                dropped += len(s.token_ids)
             else:
                 samples.append(s)
         changed = any(a is not b for a, b in zip(samples, g.samples))
         out.append(replace(g, samples=samples, restarts=g.restarts + 1) if changed else g)
-    return out, restarted
+    return out, restarted, dropped
 
 
 def split_finished(groups: list[InFlightGroup], finish_order: list[int], target: int

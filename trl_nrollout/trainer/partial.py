@@ -67,7 +67,7 @@ class PartialRollouts:
                                         payload={"row": dict(row), "prompt": prompt})
                     for g, (ids, row, prompt) in enumerate(zip(more_ids, more, more_prompts))]
         new = [g for chunk in engine.gather_tp(new) for g in chunk]  # the engine's new groups, rank order
-        pool, restarted = drop_stale(self._partial_pool, version, args.max_staleness)
+        pool, restarted, dropped = drop_stale(self._partial_pool, version, args.max_staleness)
         run = engine.run_partial(pool + new, target, self._sampling(ctx.mode), version)
         chosen, self._partial_pool = split_finished(run.groups, run.finish_order, target)
         engine.sleep()
@@ -90,11 +90,12 @@ class PartialRollouts:
                      "images": None, "extra": scores.extra_logs}
         staleness = [version - min(s.versions) for g in mine for s in g.samples]
         counts = gather_object([[run.aborted, restarted, len(self._partial_pool), run.engine_steps,
-                                 max(staleness), sum(staleness) / len(staleness)]])
+                                 max(staleness), sum(staleness) / len(staleness), dropped]])
         per_engine = counts[::len(engine.tp_ranks)]  # one entry per engine (its TP ranks agree)
         self._metric(ctx.mode, "partial/aborted_samples", sum(c[0] for c in per_engine))
         self._metric(ctx.mode, "partial/restarted_samples", sum(c[1] for c in per_engine))
         self._metric(ctx.mode, "partial/pool_groups", sum(c[2] for c in per_engine))
+        self._metric(ctx.mode, "partial/dropped_tokens", sum(c[6] for c in per_engine))
         self._metric(ctx.mode, "partial/engine_steps", max(c[3] for c in counts))
         self._metric(ctx.mode, "partial/staleness_max", max(c[4] for c in counts))
         self._metric(ctx.mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
