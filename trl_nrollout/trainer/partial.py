@@ -74,7 +74,8 @@ class PartialRollouts:
         mine_at = engine.tp_ranks.index(rank) * len(rows)
         mine = chosen[mine_at:mine_at + len(rows)]
         t1 = time.perf_counter()
-        self.generation_clock.add(run.new_tokens, t1 - t0)
+        gen_tokens = run.new_tokens // tp  # this rank's share of its engine's tokens, as a synchronous round counts
+        self.generation_clock.add(gen_tokens, t1 - t0)
 
         inputs = [g.payload["row"] for g in mine for _ in range(n)]
         sample_prompts = [g.payload["prompt"] for g in mine for _ in range(n)]
@@ -100,7 +101,7 @@ class PartialRollouts:
         self._metric(ctx.mode, "partial/staleness_max", max(c[4] for c in counts))
         self._metric(ctx.mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
         return Round(gather_object(samples), scores.rewards, gen_s=t1 - t0, reward_s=t2 - t1,
-                     gen_tokens=run.new_tokens, table=table)
+                     gen_tokens=gen_tokens, table=table)
 
     # ------------------------------------------------------------------ checkpoints
     def _save_partial_pool(self, folder: str) -> None:
