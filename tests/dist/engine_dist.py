@@ -86,13 +86,14 @@ def main() -> None:
     # from its seed and the engine's index, and the caller's generator state is restored afterwards
     group.seed_mode = "engine"
     sent_seeds = []
-    real_generate = group.llm.generate
+    engine = group.llm.llm_engine
+    real_add = engine.add_request
 
-    def spy(vllm_prompts, params, **kw):
-        sent_seeds.extend(p.seed for p in (params if isinstance(params, list) else [params]))
-        return real_generate(vllm_prompts, params, **kw)
+    def spy(request_id, prompt, params, *args, **kw):  # every request the engine loop adds
+        sent_seeds.append(params.seed)
+        return real_add(request_id, prompt, params, *args, **kw)
 
-    group.llm.generate = spy
+    engine.add_request = spy
     state = torch.get_rng_state()
     eng_a = group.generate(prompts, N, opts)
     rng_restored = torch.equal(state, torch.get_rng_state())
@@ -101,7 +102,7 @@ def main() -> None:
     eng_engine = group.generate_engine([p for c in engine_prompts for p in c], N, opts)
     turns_a = group.generate_turns(prompts, [4] * len(prompts), opts)
     turns_b = group.generate_turns(prompts, [4] * len(prompts), opts)
-    del group.llm.generate
+    del engine.add_request
     group.seed_mode = "sample"
     engine_mode = {
         "seeds_sent": sorted({str(x) for x in sent_seeds}),
