@@ -1,0 +1,60 @@
+"""Partial rollouts in training runs (the recipe, one process and two ZeRO-3 processes sharing a TP=2 engine): steps
+stop before their slowest samples, and a checkpoint taken with samples in flight resumes to the same steps.
+
+In a module of its own: tests/test_partial.py holds a vLLM engine in this process for its module, and vLLM runs one
+engine per process.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# ---------------------------------------------------------------------------------------------- training runs
+#: the long-tail model with the recipe: 4 prompts x 4 samples a step, completions up to 64 tokens
+PARTIAL = ["--model_name_or_path", "builtin:tiny-qwen2-longtail", "--rollout_partial", "true", "--max_staleness", "1",
+           "--max_completion_length", "64", "--train_batch_size", "4", "--rollout_n", "4", "--learning_rate", "5e-3",
+           "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2"]
+
+
+def _pool(checkpoint, rank: int = 0) -> list[dict]:
+    import json
+
+    return json.loads((checkpoint / f"nrollout_partial_rank{rank}.json").read_text())
+
+
+def _check_partial_run(run: dict, max_staleness: int = 1) -> None:
+    steps = run["steps"]
+    assert [h["step"] for h in steps] == [1, 2, 3, 4]
+    assert sum(h["partial/aborted_samples"] for h in steps) > 0  # steps stopped before their slowest samples
+    assert all(h["partial/staleness_max"] <= max_staleness for h in steps)
+    assert any(h["partial/staleness_max"] > 0 for h in steps)  # samples continued across a weight sync trained
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["one_process", pytest.param("zero3_tp2", marks=pytest.mark.multiprocess)])
+def test_partial_rollouts_train_and_resume_with_samples_in_flight(mode, tmp_path):
+    """Partial rollouts on the long-tail model: steps stop before their slowest samples, which continue after the
+    weight sync (staleness within max_staleness=1). The checkpoint at step 2 holds the samples in flight (tokens,
+    log-probs, versions); resuming from it trains steps 3-4 exactly as the uninterrupted run did, which it could
+    not if the pool were lost (other groups would train). One process, and two ZeRO-3 processes sharing one
+    engine of TP=2 (every rank of the engine holds its pool)."""
+    import shutil
+
+    from tests.conftest import assert_resumed, launch
+
+    config, extra = (None, []) if mode == "one_process" else ("zero3_cpu.yaml", ["--rollout_tp_size", "2"])
+    full = launch(tmp_path / "full", *PARTIAL, *extra, config=config)
+    _check_partial_run(full)
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    ranks = 1 if mode == "one_process" else 2
+    pools = [_pool(checkpoint, r) for r in range(ranks)]
+    assert all(p == pools[0] for p in pools)  # the ranks of one engine hold the same pool
+    in_flight = [s for g in pools[0] for s in g["samples"] if s["finish_reason"] is None and s["token_ids"]]
+    assert in_flight and all(len(s["versions"]) == len(s["token_ids"]) == len(s["logprobs"]) for s in in_flight)
+    shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoint-2")
+    checkpoint = tmp_path / "resumed" / "checkpoint-2"
+    resumed = launch(tmp_path / "resumed", *PARTIAL, *extra, "--resume_from_checkpoint", str(checkpoint),
+                     config=config)
+    assert_resumed(full, resumed, checkpoint, keys=("reward", "loss", "partial/aborted_samples",
+                                                    "partial/staleness_mean", "completions/mean_length"))
