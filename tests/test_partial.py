@@ -28,8 +28,8 @@ def pools(draw):
         for _ in range(n):
             versions = sorted(draw(st.lists(st.integers(0, version), max_size=5)))
             finished = draw(st.booleans()) and bool(versions)
-            samples.append(PartialSample(list(range(len(versions))), [-1.0] * len(versions), versions,
-                                         "stop" if finished else None))
+            samples.append(PartialSample(token_ids=list(range(len(versions))), logprobs=[-1.0] * len(versions),
+                                         versions=versions, finish_reason="stop" if finished else None))
         groups.append(InFlightGroup(key, [1, 2], samples))
     return groups, version
 
@@ -66,7 +66,7 @@ def test_the_first_groups_to_finish_train_and_the_others_wait_whole(case):
     """``split_finished`` trains the first ``target`` groups of the finish order, in that order, and keeps every
     other group in the pool in pool order: no group is lost, repeated or split (each one whole, as it was)."""
     size, order, target = case
-    groups = [InFlightGroup(i, [1], [PartialSample([i], [0.0], [0], "stop")]) for i in range(size)]
+    groups = [InFlightGroup(i, [1], [PartialSample(token_ids=[i], logprobs=[0.0], versions=[0], finish_reason="stop")]) for i in range(size)]
     chosen, waiting = split_finished(groups, list(order), target)
     assert [g.key for g in chosen] == list(order[:target])
     assert [g.key for g in waiting] == sorted(set(range(size)) - set(order[:target]))

@@ -22,30 +22,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trl_nrollout.rollout.requests import EngineLoop
+from trl_nrollout.rollout.requests import EngineLoop, SampleProgress
 
 
 @dataclass
-class PartialSample:
-    """One sample of a group as far as it got: tokens ``[L]``, their behaviour log-probs ``[L]`` and the policy
-    version that sampled each ``[L]``; ``finish_reason`` None while unfinished (else ``"stop"`` / ``"length"``)."""
+class PartialSample(SampleProgress):
+    """One sample of a group as far as it got: the engine loop's tokens ``[L]``, behaviour log-probs ``[L]`` and
+    ``finish_reason`` (None while unfinished, else ``"stop"`` / ``"length"``), and the policy version that sampled
+    each token ``[L]``."""
 
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
     def oldest_version(self) -> int | None:
         return min(self.versions) if self.versions else None
 
     def extended(self, tokens: list[int], logprobs: list[float], version: int) -> PartialSample:
         """This sample with ``tokens`` appended, sampled by policy ``version``."""
-        return PartialSample(self.token_ids + tokens, self.logprobs + logprobs,
-                             self.versions + [version] * len(tokens), self.finish_reason)
+        return PartialSample(self.token_ids + tokens, self.logprobs + logprobs, self.finish_reason,
+                             self.versions + [version] * len(tokens))
 
 
 @dataclass
