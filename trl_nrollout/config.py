@@ -43,6 +43,7 @@ from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy
 from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout  # noqa: E402
+from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES  # noqa: E402
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, SEED_MODES  # noqa: E402
 
 #: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
@@ -195,6 +196,17 @@ class NRolloutConfig(GRPOConfig):
                 "the policy that trains on it (TRL AsyncGRPO's max_staleness). An older sample is dropped and "
                 "started again (its tokens are lost: a low bound restarts long samples, a bias against them). 0: "
                 "nothing carries over (unfinished samples restart)."})
+
+    rollout_multi_turn: str = field(default="turns", metadata={
+        "help": "How samples with tools (tools, environment_factory) advance. 'turns': turn by turn, every sample's "
+                "next turn waits for the whole batch's tool calls, run one at a time (TRL's GRPOTrainer). "
+                "'requests': no turn barrier (verl's agent loop): a sample whose turn calls tools leaves the engine "
+                "while they run (tool_workers at once) and re-enters with their results while the others keep "
+                "generating. Same masks, counts and messages; vLLM engines only."})
+    tool_workers: int = field(default=16, metadata={
+        "help": "With rollout_multi_turn='requests': how many samples' tool calls run at once (threads for sync "
+                "tools; async tools run on the trainer's event loop). Sync tools must then be thread-safe; 1 runs "
+                "them one at a time, still overlapped with generation."})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={
@@ -430,6 +442,17 @@ class NRolloutConfig(GRPOConfig):
             raise InputError("rollout_partial=True needs vLLM engines (a request-level engine loop that can stop "
                              "and continue samples); rollout_backend='hf' cannot. Set rollout_backend='vllm' (or "
                              "'auto' with vLLM installed), or rollout_partial=False.")
+        if self.rollout_multi_turn not in MULTI_TURN_MODES:
+            raise InputError(f"rollout_multi_turn={self.rollout_multi_turn!r} must be one of {list(MULTI_TURN_MODES)} "
+                             "('turns': TRL's turn-by-turn tool loop; 'requests': no turn barrier).")
+        if self.tool_workers < 1:
+            raise InputError(f"tool_workers={self.tool_workers} must be >= 1 (how many samples' tool calls run at "
+                             "once with rollout_multi_turn='requests'; 1: one at a time).")
+        if self.rollout_multi_turn == "requests" and self.rollout_backend == "hf":
+            raise InputError("rollout_multi_turn='requests' needs vLLM engines (a request-level engine loop: samples "
+                             "leave and re-enter the engine one by one); rollout_backend='hf' generates a batch per "
+                             "call. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or "
+                             "rollout_multi_turn='turns'.")
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
             raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
                              "samples, capped at 1024).")

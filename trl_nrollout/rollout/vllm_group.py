@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
+from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun, run_partial
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.requests import EngineLoop
@@ -344,6 +345,17 @@ class VLLMEngineGroup:
         if self._gather_tp(images is not None) != [False] * len(per_rank):
             local = images if images is not None else [[] for _ in sample_prompts]
             flat_images = [imgs for chunk in self._gather_tp(local) for imgs in chunk]
+        unique = self._whole_groups(flat, n)
+        mine = self.tp_ranks.index(self.rank)
+        first = sum(len(c) for c in per_rank[:mine])
+        offset = self.rank * len(sample_prompts) if sample_offset is None else sample_offset
+        batch = self.generate_engine(unique, n, sampling, group_offset=(offset - first) // n,
+                                     images=None if flat_images is None else flat_images[::n])
+        return batch.slice(first, first + len(sample_prompts))
+
+    def _whole_groups(self, flat: list[list[int]], n: int) -> list[list[int]]:
+        """The engine's prompts, one per group, from its samples' prompts ``flat`` (each repeated ``n`` times
+        consecutively); a clear error where they are not whole groups."""
         if len(flat) % n:
             raise ValueError(f"the {len(flat)} samples of engine {self.engine_index} are not whole groups of n={n}.")
         unique = flat[::n]
@@ -353,12 +365,7 @@ class VLLMEngineGroup:
                     f"samples {g * n}..{g * n + n - 1} of engine {self.engine_index} are not {n} copies of one "
                     f"prompt: prompts must be repeated n={n} times consecutively (TRL's RepeatSampler order)."
                 )
-        mine = self.tp_ranks.index(self.rank)
-        first = sum(len(c) for c in per_rank[:mine])
-        offset = self.rank * len(sample_prompts) if sample_offset is None else sample_offset
-        batch = self.generate_engine(unique, n, sampling, group_offset=(offset - first) // n,
-                                     images=None if flat_images is None else flat_images[::n])
-        return batch.slice(first, first + len(sample_prompts))
+        return unique
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
                        sample_offset: int = 0) -> RolloutBatch:
@@ -394,6 +401,56 @@ class VLLMEngineGroup:
         batch = RolloutBatch([ctx for ctx, _ in flat], [d.token_ids for d in done], [d.logprobs for d in done],
                              [d.finish_reason for d in done], list(range(len(flat))))
         return batch.slice(first, first + len(contexts))
+
+    def run_agents(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                   turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int,
+                   sample_offset: int | None = None) -> tuple[list[AgentSample], list[int], AgentStats]:
+        """Multi-turn episodes of this rank's samples (TRL's form: prompts repeated ``n`` times) without a turn
+        barrier (:func:`~trl_nrollout.rollout.agent_loop.run_agent_requests`): a sample whose turn calls tools
+        leaves the engine while they run (``workers`` threads) and re-enters with their results; the others keep
+        generating. Collective over the TP group. Returns this rank's samples in order, their groups' indices and
+        the engine's :class:`AgentStats`.
+
+        Seeds (``rollout_seed_mode="sample"``): the first turn's as :meth:`generate_expanded`'s; the turn after tool
+        round ``r`` of engine sample ``s`` draws from ``turn_seed(r)``, the engine's index and ``s``. A seed thus
+        fixes each request's draws whatever order the tools finish in; which samples share an engine step still
+        depends on the tools' timing (batch composition can move a float's last bits)."""
+        self._barrier_before_generate()
+        per_rank = self._gather_tp([list(p) for p in sample_prompts])
+        flat = [p for chunk in per_rank for p in chunk]
+        unique = self._whole_groups(flat, n)
+        mine_at = self.tp_ranks.index(self.rank)
+        first = sum(len(c) for c in per_rank[:mine_at])
+        offset = self.rank * len(sample_prompts) if sample_offset is None else sample_offset
+        group_offset = (offset - first) // n
+        if self.llm is None:
+            self.generate_engine([], 1, sampling)  # raises the closed-engine error
+        if self.sleeping:
+            self.wake_up()
+        self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
+        per_request = sampling.seed is not None and self.seed_mode == "sample"
+        from vllm.inputs import TokensPrompt
+
+        groups = []
+        for g, p in enumerate(unique):
+            seed = prompt_seed(sampling.seed, group_offset + g, n) if per_request else None
+            groups.append((list(p), TokensPrompt(prompt_token_ids=list(p)),
+                           self._sampling_params(n, replace(sampling, seed=seed))))
+
+        def continue_request(s: int, round_: int, context: list[int], budget: int):
+            base = turn_seed(round_) if per_request else None
+            seed = None if base is None else prompt_seed(base, self.engine_index * len(flat) + s, 1)
+            return (TokensPrompt(prompt_token_ids=list(context)),
+                    self._sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
+
+        mine = {first + i: i for i in range(len(sample_prompts))}
+        tp = len(self.tp_ranks) > 1
+        with self._engine_rng(sampling.seed):
+            samples, stats = run_agent_requests(
+                EngineLoop(self.llm, stream=True), groups, n, mine, agent, continue_request=continue_request,
+                exchange=self._gather_tp, workers=workers, poll_s=0.01 if tp else None)
+        return ([samples[first + i] for i in range(len(sample_prompts))],
+                [group_offset + (first + i) // n for i in range(len(sample_prompts))], stats)
 
     def gather_tp(self, obj) -> list:
         """``obj`` of every rank of this rank's TP group, in rank order (``[obj]`` at TP=1). Collective over the

@@ -142,6 +142,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
         self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
         if args.rollout_partial and (why := self._partial_refusal()) is not None:
             raise UnsupportedTRLOption(why)
+        if args.rollout_multi_turn == "requests" and (why := self._request_turns_refusal()) is not None:
+            raise UnsupportedTRLOption(why)
         self.generation_clock = GenerationClock()
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
             self.add_callback(LiveProgressCallback)
@@ -485,6 +487,11 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
             self.rollout_engine.check_prompt_length(longest, sampling.max_tokens)
         start = time.perf_counter()
         offset = self.accelerator.process_index * len(inputs)
+        if self.tools and self.args.rollout_multi_turn == "requests":  # no turn barrier: one episode loop
+            batch, episode = self._request_turns(prompt_ids, n, sampling, mode, tools, offset)
+            self.rollout_engine.sleep()
+            self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
+            return batch, prompts, episode
         if images is None:
             batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
                                                           sample_offset=offset)

@@ -26,7 +26,15 @@ from accelerate.utils import gather_object
 from trl.chat_template_utils import parse_response
 
 from trl_nrollout.passes.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
-from trl_nrollout.rollout.agent_loop import Turns, call_tools, run_tool_turns, split_tools
+from trl_nrollout.rollout.agent_loop import (
+    AgentCallbacks,
+    AgentStats,
+    Turns,
+    call_tools,
+    collect_turns,
+    run_tool_turns,
+    split_tools,
+)
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
@@ -139,6 +147,52 @@ class MultiTurnRollout:
             suffix_ids=self._get_tool_suffix_ids, generate=generate,
             any_rank=lambda flag: any(gather_object([flag])), max_iterations=iterations,
             max_completion_length=self.args.max_completion_length, max_model_len=max_len)
+
+    def _request_turns_refusal(self) -> str | None:
+        """Why ``rollout_multi_turn='requests'`` cannot run with this trainer (None: it can)."""
+        if self.rollout_backend != "vllm":
+            return (f"rollout_multi_turn='requests' needs vLLM engines, but this trainer generates with the "
+                    f"{self.rollout_backend!r} engine (rollout_backend='auto' without vLLM installed?); install "
+                    "vLLM, or set rollout_multi_turn='turns'.")
+        if self.rollout_func is not None:
+            return ("rollout_multi_turn='requests' with rollout_func: the function generates itself, so the trainer "
+                    "has no tool turns to run request by request; set rollout_multi_turn='turns' (the default).")
+        return None
+
+    def _request_turns(self, prompt_ids: list[list[int]], n: int, sampling: SamplingOptions, mode: str, tools: list,
+                       offset: int) -> tuple[RolloutBatch, Episode]:
+        """This rank's samples (prompts repeated n times) from their first turn to their end without a turn barrier
+        (:meth:`VLLMEngineGroup.run_agents`): a sample's tools run while the others generate."""
+        loop = getattr(self, "async_loop", None)
+        max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
+        agent = AgentCallbacks(
+            parse=self._parse_turn, run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop),
+            suffix_ids=self._get_tool_suffix_ids, max_iterations=self.args.max_tool_calling_iterations,
+            max_completion_length=self.args.max_completion_length, max_model_len=max_len)
+
+        def turn_seed(round_: int) -> int | None:
+            if sampling.seed is None:
+                return None
+            return step_seed(self.args.seed, self.state.global_step, round_, f"{mode}/turn")
+
+        samples, groups, stats = self.rollout_engine.run_agents(
+            [list(p) for p in prompt_ids], n, sampling, turn_seed, agent, self.args.tool_workers, sample_offset=offset)
+        turns = collect_turns(samples)
+        self._log_agent_stats(mode, stats)
+        batch = RolloutBatch([s.prompt_ids for s in samples], turns.completion_ids, turns.logprobs,
+                             turns.finish_reasons, groups)
+        return batch, Episode(tool_mask=turns.tool_mask, completions=turns.completions, turns=turns.turns,
+                              tool_calls=turns.tool_calls, tool_failures=turns.tool_failures)
+
+    def _log_agent_stats(self, mode: str, stats: AgentStats) -> None:
+        """How much the engine overlapped tools (means over ranks): ``tools/overlap`` the share of engine steps
+        taken while a tool ran, ``tools/engine_idle_s`` the seconds the engine waited with nothing to run,
+        ``tools/call_seconds`` the tool calls' summed seconds."""
+        every = gather_object([(stats.engine_steps, stats.steps_with_tools, stats.idle_s, stats.tool_s)])
+        steps = sum(e[0] for e in every)
+        self._metric(mode, "tools/overlap", sum(e[1] for e in every) / steps if steps else 0.0)
+        self._metric(mode, "tools/engine_idle_s", sum(e[2] for e in every) / len(every))
+        self._metric(mode, "tools/call_seconds", sum(e[3] for e in every) / len(every))
 
     def _custom_rollout(self, prompts: list, n: int) -> tuple[RolloutBatch, Episode]:
         """TRL's ``rollout_func(prompts, trainer)``: the user generates; we check and adopt what it returns."""
