@@ -36,7 +36,7 @@ def _turns(first_completions, replies, *, budget=20, iterations=None, model_len=
         others[0] -= 1
         return flag or others[0] >= 0
 
-    def generate(contexts, budgets, turn):
+    def generate(contexts, budgets, turn, samples):
         calls.append((turn, [list(c) for c in contexts], list(budgets)))
         out = [list(replies[turn - 1][k]) for k in range(len(contexts))]
         return RolloutBatch([list(c) for c in contexts], out, [[-0.5] * len(o) for o in out],

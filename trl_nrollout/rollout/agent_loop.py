@@ -183,7 +183,7 @@ def run_tool_turns(
     parse: Callable[[int, list[int], list[int]], dict],
     run_tools: Callable[[int, list[dict]], tuple[list[dict], int]],
     suffix_ids: Callable[[list[dict]], list[int]],
-    generate: Callable[[list[list[int]], list[int], int], RolloutBatch],
+    generate: Callable[[list[list[int]], list[int], int, list[int]], RolloutBatch],
     any_rank: Callable[[bool], bool],
     max_iterations: int | None,
     max_completion_length: int,
@@ -194,8 +194,9 @@ def run_tool_turns(
     - ``parse(i, ids, prefix)``: the assistant message of sample ``i``'s turn ``ids`` (after ``prefix`` tokens);
     - ``run_tools(i, tool_calls)``: sample ``i``'s tool messages and failure count (its own tools/environment);
     - ``suffix_ids(tool_messages)``: the tokens rendering those results and the next assistant header;
-    - ``generate(contexts, budgets, turn)``: one sample per context (token ids), at most ``budgets[k]`` tokens;
-      called on every rank, every turn, possibly with no contexts (collective engines);
+    - ``generate(contexts, budgets, turn, samples)``: one sample per context (token ids), at most ``budgets[k]``
+      tokens; ``samples[k]``: the index of context ``k``'s sample on this rank (its seed's input); called on every
+      rank, every turn, possibly with no contexts (collective engines);
     - ``any_rank(flag)``: whether ``flag`` holds on any rank (every rank calls it with its own flag).
 
     A sample stops when its turn calls no tool, after ``max_iterations`` tool rounds (None: until the completion
@@ -226,7 +227,7 @@ def run_tool_turns(
             raise RuntimeError(f"the tool turns did not end after {iteration - 1} turns with a budget of "
                                f"{max_completion_length} tokens: the ranks disagree about which samples continue.")
         budgets = [samples[i].budget(ctx, max_completion_length, max_model_len) for i, ctx in zip(continuing, contexts)]
-        out = generate(contexts, budgets, iteration)
+        out = generate(contexts, budgets, iteration, continuing)
         for k, i in enumerate(continuing):
             samples[i].add_turn(out.completion_ids[k], out.logprobs[k], out.finish_reasons[k], budgets[k],
                                 lambda ids, i=i, ctx=contexts[k]: parse(i, ids, ctx))

