@@ -122,7 +122,8 @@ def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict 
     source = (ROOT / "tests/assets/tools_grpo_script.py").read_text()
     # the class swapped; for the HF engine the config too, to say rollout_backend='hf' (a plain GRPOConfig with
     # use_vllm=False leaves it at 'auto', which picks vLLM where it is installed, as here)
-    config_import = "from trl_nrollout import NRolloutConfig as GRPOConfig" if backend == "hf" else "from trl import GRPOConfig"
+    ours = backend == "hf" or "rollout_multi_turn" in (extra or {})  # options only NRolloutConfig has
+    config_import = "from trl_nrollout import NRolloutConfig as GRPOConfig" if ours else "from trl import GRPOConfig"
     script.write_text(source.replace("from trl import GRPOConfig, GRPOTrainer",
                                      f"{config_import}\nfrom trl_nrollout import NRolloutGRPOTrainer")
                       .replace("trainer = GRPOTrainer(", "trainer = NRolloutGRPOTrainer("))
@@ -151,12 +152,15 @@ def _check_masks(result: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_trl_tools_script_learns_to_call_the_tool_on_vllm(tmp_path):
-    result = _run_tool_script(tmp_path, "vllm", "sync", steps=8)
+def test_a_trl_tools_script_learns_to_call_the_tool_on_vllm_without_a_turn_barrier(tmp_path):
+    """rollout_multi_turn='requests' (sync tool on the thread pool): the model learns to call the tool as with
+    turn-by-turn rollouts (whose samples the request-level ones equal, test_tool_requests.py), masks intact."""
+    result = _run_tool_script(tmp_path, "vllm", "sync", steps=8, extra={"rollout_multi_turn": "requests"})
     rewards = [h["reward"] for h in result["history"] if "reward" in h]
     assert rewards[0] < 0.3 and max(rewards[-2:]) > 0.8, rewards
     turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
     assert turns[-1] > 1.5 and all("tools/call_frequency" in h for h in result["history"] if "reward" in h)
+    assert all(0.0 <= h["tools/overlap"] <= 1.0 for h in result["history"] if "reward" in h)
     _check_masks(result)
 
 
@@ -169,6 +173,21 @@ def test_tool_turns_stay_collective_on_one_engine_over_two_ranks(tmp_path):
     result = _run_tool_script(tmp_path, "vllm", "sync", steps=3, procs=2,
                               extra={"vllm_tensor_parallel_size": 2, "per_device_train_batch_size": 32,
                                      "use_cpu": True})
+    turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
+    assert len(turns) == 3 and max(turns) > 1.0
+    _check_masks(result)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_request_level_tool_turns_agree_on_one_engine_over_two_ranks(tmp_path):
+    """rollout_multi_turn='requests' with an async tool, two processes, one vLLM engine at TP=2: the two ranks'
+    samples re-enter the one engine as their tools finish, each rank running its own samples' tools, and both ranks
+    add the same requests in the same steps (otherwise the TP engine's collectives would hang or fail)."""
+    result = _run_tool_script(tmp_path, "vllm", "async", steps=3, procs=2,
+                              extra={"vllm_tensor_parallel_size": 2, "per_device_train_batch_size": 32,
+                                     "use_cpu": True, "rollout_multi_turn": "requests"})
     turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
     assert len(turns) == 3 and max(turns) > 1.0
     _check_masks(result)
