@@ -26,6 +26,7 @@ BENCHMARKS: list[str] = [
     "overlap_probe.py",
     "ppo_critic_cost.py",
     "partial_rollout.py",
+    "tool_latency.py",
 ]
 
 

@@ -162,3 +162,29 @@ def test_a_slow_tool_does_not_hold_back_the_other_samples(tools_engine):
     assert during, f"no other sample's later turn ended while sample 0's tool ran: {later_turns}, tool {slow}"
     assert stats.steps_with_tools > 0
     assert samples[0].tool_calls >= 1 and samples[0].turns >= 2
+
+
+def test_config_refuses_bad_multi_turn_settings():
+    from trl_nrollout import NRolloutConfig
+    from trl_nrollout.errors import InputError
+
+    with pytest.raises(InputError, match="rollout_multi_turn='barrier' must be one of"):
+        NRolloutConfig(output_dir="/tmp/x", rollout_multi_turn="barrier")
+    with pytest.raises(InputError, match="tool_workers=0 must be >= 1"):
+        NRolloutConfig(output_dir="/tmp/x", tool_workers=0)
+    with pytest.raises(InputError, match="rollout_multi_turn='requests' needs vLLM engines"):
+        NRolloutConfig(output_dir="/tmp/x", rollout_multi_turn="requests", rollout_backend="hf")
+
+
+@pytest.mark.vllm
+def test_request_level_turns_with_a_rollout_func_are_refused_before_the_engine_starts(tmp_path):
+    """rollout_func generates itself: there are no tool turns for the trainer to run request by request."""
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.builtin import tool_dataset, tool_reward
+    from trl_nrollout.dropin import UnsupportedTRLOption
+
+    args = NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=8, rollout_multi_turn="requests")
+    with pytest.raises(UnsupportedTRLOption, match="rollout_multi_turn='requests' with rollout_func"):
+        NRolloutGRPOTrainer(model="builtin:tiny-qwen2-tools", reward_funcs=[tool_reward], args=args,
+                            train_dataset=tool_dataset(16), rollout_func=lambda prompts, trainer: {})

@@ -136,13 +136,13 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
                 f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} needs the vLLM engine, but this "
                 f"trainer generates with the {self.rollout_backend!r} engine; install vLLM and set use_vllm=True (or "
                 "rollout_backend='vllm'), or remove the regex.")
+        if args.rollout_multi_turn == "requests" and (why := self._request_turns_refusal()) is not None:
+            raise UnsupportedTRLOption(why)
         self._check_prompt_tokens()  # before the engines start
         self._packing_notice_shown = False  # read while the engine is built (the HF engine asks about packing)
         self.rollout_engine = self._start_engine(args.rollout_backend)
         self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
         if args.rollout_partial and (why := self._partial_refusal()) is not None:
-            raise UnsupportedTRLOption(why)
-        if args.rollout_multi_turn == "requests" and (why := self._request_turns_refusal()) is not None:
             raise UnsupportedTRLOption(why)
         self.generation_clock = GenerationClock()
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
