@@ -58,3 +58,21 @@ def test_partial_rollouts_train_and_resume_with_samples_in_flight(mode, tmp_path
                      config=config)
     assert_resumed(full, resumed, checkpoint, keys=("reward", "loss", "partial/aborted_samples",
                                                     "partial/staleness_mean", "completions/mean_length"))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_ppo_trains_on_partial_rollouts(tmp_path):
+    """PPO (a critic, GAE, n = 1) on the same partial rollout stage: its steps stop before their slowest samples,
+    samples continued across a weight sync train (staleness within the bound), and the critic's values and loss
+    stay finite on them (the critic values every token of a continued sample under the current critic)."""
+    import math
+
+    from tests.conftest import launch
+
+    options = [o for o in PARTIAL if o not in ("--save_strategy", "steps", "--save_steps", "2")]
+    options[options.index("--rollout_n") + 1] = "1"
+    options[options.index("--train_batch_size") + 1] = "8"
+    run = launch(tmp_path / "ppo", *options, "--trainer", "ppo", "--adv_estimator", "gae", "--save_strategy", "no")
+    _check_partial_run(run)
+    assert all(math.isfinite(h["critic/vf_loss"]) and math.isfinite(h["loss"]) for h in run["steps"])
