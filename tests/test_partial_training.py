@@ -76,3 +76,20 @@ def test_ppo_trains_on_partial_rollouts(tmp_path):
     run = launch(tmp_path / "ppo", *options, "--trainer", "ppo", "--adv_estimator", "gae", "--save_strategy", "no")
     _check_partial_run(run)
     assert all(math.isfinite(h["critic/vf_loss"]) and math.isfinite(h["loss"]) for h in run["steps"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_dapo_dynamic_sampling_on_partial_rollouts(tmp_path):
+    """filter_groups with rollout_partial: groups whose samples all scored alike are filtered as they finish, and
+    DAPO's extra rounds run the pool on with fresh prompts (the filtered groups' slots refilled at once), until
+    the step has its groups with a spread of scores (no filler groups needed), staleness still within the bound."""
+    from tests.conftest import launch
+
+    options = [o for o in PARTIAL if o not in ("--save_strategy", "steps", "--save_steps", "2")]
+    run = launch(tmp_path / "dapo", *options, "--filter_groups", "true", "--save_strategy", "no")
+    _check_partial_run(run)
+    steps = run["steps"]
+    assert sum(h["dynamic_sampling/filtered_groups"] for h in steps) > 0
+    assert sum(h["dynamic_sampling/rounds"] for h in steps) > 0
+    assert all(h["dynamic_sampling/filler_groups"] == 0 for h in steps if h["dynamic_sampling/rounds"] < 3)

@@ -185,8 +185,9 @@ class NRolloutConfig(GRPOConfig):
                 "all n samples finished; the engine's other samples are stopped with their tokens and log-probs "
                 "kept and continue after the weight sync (prompt + their tokens so far). The step no longer waits "
                 "for its longest sample. Every token keeps the policy version that sampled it and its behaviour "
-                "log-prob (what rollout_is weights by). vLLM engines, single-turn prompts without images; not with "
-                "filter_groups."})
+                "log-prob (what rollout_is weights by). With filter_groups, DAPO's filtered groups leave the pool at "
+                "once and extra rounds run the pool on with fresh prompts. vLLM engines, single-turn prompts without "
+                "images."})
     rollout_partial_oversample: float = field(default=1.0, metadata={
         "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "
                 "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "
@@ -429,10 +430,6 @@ class NRolloutConfig(GRPOConfig):
         if not self.rollout_partial_oversample >= 0:
             raise InputError(f"rollout_partial_oversample={self.rollout_partial_oversample} must be >= 0 (0.5: half "
                              "again as many groups in flight as the step trains).")
-        if self.rollout_partial and self.filter_groups:
-            raise InputError("rollout_partial=True with filter_groups=True: DAPO's filter needs each round's groups "
-                             "scored before the next round starts, which partial rollouts do not do yet; set "
-                             "filter_groups=False, or rollout_partial=False.")
         if self.rollout_partial and self.adv_estimator == "remax":
             raise InputError("adv_estimator='remax' with rollout_partial=True: ReMax takes its greedy baselines for "
                              "the step's own prompts, while a partial rollout trains the groups that finished first "

@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -637,7 +637,10 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
                     or pool.extra_rounds >= self.args.filter_groups_max_rounds):
                 break
             more = self._draw_inputs(len(ctx.inputs) // n)
-            pool = pool.then(self._one_round(more, ctx, round_=pool.extra_rounds + 1))
+            if self.args.rollout_partial:  # the pool runs on, with these prompts joining it
+                pool = pool.then(self._partial_round(replace(ctx, inputs=more), round_=pool.extra_rounds + 1))
+            else:
+                pool = pool.then(self._one_round(more, ctx, round_=pool.extra_rounds + 1))
         chosen, filler = select_groups(sorted(set(group_of)), const, total_groups)
         self._metric(ctx.mode, "dynamic_sampling/rounds", pool.extra_rounds)
         self._metric(ctx.mode, "dynamic_sampling/filtered_groups", len(const))

@@ -40,9 +40,11 @@ class PartialRollouts:
                     "rollouts are not partial yet; set rollout_partial=False for them.")
         return None
 
-    def _partial_round(self, ctx: StepContext) -> Round:
+    def _partial_round(self, ctx: StepContext, round_: int = 0) -> Round:
         """The step's groups from the pool: this rank's share of the ``target`` groups that finished first (the
-        job's samples ``[G]``, gathered, and their rewards ``[G, F]``)."""
+        job's samples ``[G]``, gathered, and their rewards ``[G, F]``). ``round_`` > 0: one of DAPO's extra rounds
+        (``filter_groups``), ``ctx.inputs`` then its fresh prompts; the filtered groups left the pool already, so
+        their slots go to the pool's other groups and these new ones at once."""
         args, n, engine = self.args, ctx.n, self.rollout_engine
         version = self.state.global_step
         t0 = time.perf_counter()
@@ -53,7 +55,8 @@ class PartialRollouts:
                                        "for now; set rollout_partial=False for a vision-language dataset.")
         prompt_ids = self._tokenize_prompts(prompts)[0]
         rank = self.accelerator.process_index
-        new = [InFlightGroup.fresh((version, rank, g), list(ids), n, payload={"row": dict(row), "prompt": prompt})
+        new = [InFlightGroup.fresh((version, round_, rank, g), list(ids), n,
+                                   payload={"row": dict(row), "prompt": prompt})
                for g, (ids, row, prompt) in enumerate(zip(prompt_ids, rows, prompts))]
         tp = len(engine.tp_ranks)
         target = len(rows) * tp  # the engine's share of the step's groups
@@ -63,12 +66,12 @@ class PartialRollouts:
             more = self._draw_inputs(extra)[::n]  # as DAPO's extra rounds draw them
             more_prompts, _ = self._start_episodes(more)
             more_ids = self._tokenize_prompts(more_prompts)[0]
-            new += [InFlightGroup.fresh((version, rank, len(rows) + g), list(ids), n,
+            new += [InFlightGroup.fresh((version, round_, rank, len(rows) + g), list(ids), n,
                                         payload={"row": dict(row), "prompt": prompt})
                     for g, (ids, row, prompt) in enumerate(zip(more_ids, more, more_prompts))]
         new = [g for chunk in engine.gather_tp(new) for g in chunk]  # the engine's new groups, rank order
         pool, restarted, dropped = drop_stale(self._partial_pool, version, args.max_staleness)
-        run = engine.run_partial(pool + new, target, self._sampling(ctx.mode), version)
+        run = engine.run_partial(pool + new, target, self._sampling(ctx.mode, round_=round_), version)
         chosen, self._partial_pool = split_finished(run.groups, run.finish_order, target)
         engine.sleep()
         mine_at = engine.tp_ranks.index(rank) * len(rows)
