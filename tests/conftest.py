@@ -126,7 +126,11 @@ def run_cmd(args: list[str], timeout: float = 600, env: dict | None = None, cwd:
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 # `accelerate-launch ARGS` is accelerate's own entry point for `accelerate launch ARGS` (the same parser and launch
 # function) without the `accelerate` command's other subcommands, whose imports cost about 3.5 s per launch here
-ACCELERATE_LAUNCH = [str(Path(sys.executable).parent / "accelerate-launch")]
+# the tests' launches go through a warm launcher (tests/zygote.py: one server per test session imports torch,
+# transformers, TRL and PEFT once and forks each launch's ranks; accelerate's own parser and environment); the
+# README's commands and the command-line tests run the real `accelerate launch`
+ZYGOTE_SOCKET = f"/tmp/trl_nrollout_launch_{os.getpid()}.sock"
+ACCELERATE_LAUNCH = [sys.executable, str(ROOT / "tests" / "zygote.py"), "run", ZYGOTE_SOCKET]
 RECIPE = str(ROOT / "recipes" / "grpo.py")
 ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
@@ -371,3 +375,10 @@ def _tier_guard(request, monkeypatch):
             cls = getattr(sys.modules[module], attr)
             monkeypatch.setattr(cls, "train" if attr == "Trainer" else "__init__", refuse(what))
     yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop this session's launch server (tests/zygote.py), if a test started one."""
+    if os.path.exists(ZYGOTE_SOCKET):
+        subprocess.run([sys.executable, str(ROOT / "tests" / "zygote.py"), "stop", ZYGOTE_SOCKET], timeout=60,
+                       check=False)

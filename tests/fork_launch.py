@@ -1,0 +1,180 @@
+"""``accelerate launch`` for the test suite, with each process forked from one that has already imported torch,
+transformers, TRL and PEFT.
+
+A real launch (``accelerate launch`` -> torchrun) starts every process as a fresh interpreter, and on the
+project's 2-core machines each pays about 12 s of imports before it does anything (transformers' trainer utilities
+6.9 s, of which PEFT 4.3 s and torch 2.5 s): with some forty multi-process tests that was a third of the suite.
+This launcher parses the same arguments with accelerate's own parser and validation, builds the same process
+environment with accelerate's own functions (``prepare_multi_gpu_env`` / ``prepare_deepspeed_cmd_env``: the
+DeepSpeed and FSDP configs, mixed precision, threads per process), imports the heavy modules once, and forks one
+process per rank, each running the script as ``__main__`` with torchrun's variables (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). The processes are real: separate
+interpreters after the fork, their own torch.distributed process group (gloo), DeepSpeed and vLLM imported and
+started in each. As torchrun does, the first rank that fails makes the others stop (SIGTERM, then SIGKILL) and the
+launcher exits with its code; SIGTERM / SIGINT to the launcher go to every rank.
+
+Launches with more than one machine run the real ``accelerate launch`` (one launch per node). The README's
+commands and the tests of the command line itself use the real ``accelerate launch`` too.
+
+    python tests/fork_launch.py [accelerate launch arguments] script.py [script arguments]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+
+GRACE_S = 15.0  # how long ranks get to stop after SIGTERM before SIGKILL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _environment(argv: list[str]) -> tuple[dict, int, str, list[str]] | None:
+    """accelerate's environment for the launch, its process count, script and script arguments (None: launch with
+    the real ``accelerate launch``)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
+
+    args = launch_command_parser().parse_args(argv)
+    args, defaults, mp_from_config_flag = _validate_launch_command(args)
+    if (args.num_machines or 1) > 1:
+        return None
+    if args.use_deepspeed and not args.cpu:
+        fields = list(defaults.deepspeed_config.keys()) if defaults else []
+        if mp_from_config_flag:
+            fields.append("mixed_precision")
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        _, env = prepare_deepspeed_cmd_env(args)
+    elif (args.multi_gpu or args.use_fsdp) and not args.cpu:
+        env = prepare_multi_gpu_env(args)
+    else:
+        _, env = prepare_simple_launcher_cmd_env(args)
+    return dict(env), int(args.num_processes or 1), args.training_script, list(args.training_script_args)
+
+
+def _preimport() -> None:
+    """What every rank imports first (the recipe's and TRL's trainer stack); vLLM and DeepSpeed stay to the ranks."""
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    import transformers.trainer  # noqa: F401
+    import trl  # noqa: F401
+    from trl import GRPOTrainer  # noqa: F401
+
+
+def _run_rank(env: dict, rank: int, world: int, port: int, script: str, script_args: list[str]) -> int:
+    import atexit
+    import runpy
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                       "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):  # read at start-up only
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:  # the OpenMP runtime read the launcher's value when torch was imported
+        import torch
+
+        torch.set_num_threads(int(threads))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:  # noqa: BLE001 - a rank's error is printed and becomes its exit code, as in torchrun
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def _closed(sock) -> bool:
+    """Whether the peer of ``sock`` closed it (readable with nothing to read)."""
+    import select
+
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def main(argv: list[str], watch=None) -> int:
+    """Launch; returns the exit code. ``watch``: a socket whose closing (the client that asked for this launch went
+    away, e.g. killed at a timeout) kills the ranks."""
+    prepared = _environment(argv)
+    if prepared is None:
+        os.execv(os.path.join(os.path.dirname(sys.executable), "accelerate-launch"), ["accelerate-launch", *argv])
+    env, world, script, script_args = prepared
+    env = {**os.environ, **env}
+    _preimport()
+    port = _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children: dict[int, int] = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_run_rank(env, rank, world, port, script, script_args))
+        children[pid] = rank
+
+    def forward(signum, _frame):
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    failed: int | None = None
+    deadline: float | None = None
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0 and watch is not None and _closed(watch):
+            print("[fork_launch] the caller went away; killing the ranks", file=sys.stderr)
+            forward(signal.SIGKILL, None)
+            watch = None
+            failed = failed or 1
+            continue
+        if pid == 0:
+            if deadline is not None and time.monotonic() > deadline:
+                forward(signal.SIGKILL, None)
+                deadline = None
+            time.sleep(0.05)
+            continue
+        rank = children.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and failed is None:
+            failed = code if code > 0 else 1
+            print(f"[fork_launch] rank {rank} exited with {code}; stopping the other ranks", file=sys.stderr)
+            forward(signal.SIGTERM, None)
+            deadline = time.monotonic() + GRACE_S
+    return failed or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

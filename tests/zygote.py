@@ -1,0 +1,177 @@
+"""A warm launcher for the test suite's multi-process runs: one server process imports torch, transformers, TRL
+and PEFT once per test session, and forks every ``accelerate launch`` the tests ask for (tests/fork_launch.py),
+whose ranks are forked in turn. A launch no longer pays about 12 s of imports per rank.
+
+``python tests/zygote.py run SOCKET [accelerate launch arguments] script.py [arguments]`` is what the tests run
+(``ACCELERATE_LAUNCH`` in conftest.py): a thin client that starts the server if none listens on ``SOCKET``, hands
+it its command, environment, working folder and its stdout / stderr (the file descriptors themselves, so output
+and pipes behave as for any child process), forwards SIGTERM / SIGINT to the launch, and exits with its code.
+If the client dies (a test's timeout kills it), the launch sees its connection close and kills its ranks.
+``python tests/zygote.py stop SOCKET`` ends the server (conftest.py does at the end of the session).
+
+The server itself never runs a launch: it only forks. It holds no threads and no process group, so every fork
+starts as clean as a fresh interpreter that has imported the same modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+IDLE_S = 1800.0  # a server nobody has asked for a launch this long stops
+
+
+def _send(sock, obj) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _recv(sock):
+    head = b""
+    while len(head) < 4:
+        chunk = sock.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    size, data = struct.unpack("!I", head)[0], b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return json.loads(data)
+
+
+def serve(path: str) -> None:
+    sys.path.insert(0, HERE)
+    import fork_launch
+
+    fork_launch._preimport()
+    if os.path.exists(path):
+        os.unlink(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launches are reaped by the kernel; their clients get the codes
+    server.settimeout(IDLE_S)
+    while True:
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:  # its session ended without stopping it (killed): do not linger
+            break
+        conn.settimeout(None)
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+        while len(msg) < 4 or len(msg) < 4 + struct.unpack("!I", msg[:4])[0]:
+            chunk = conn.recv(1 << 20)
+            if not chunk:
+                break
+            msg += chunk
+        size = struct.unpack("!I", msg[:4])[0]
+        request = json.loads(msg[4:4 + size])
+        if request.get("stop"):
+            conn.close()
+            break
+        pid = os.fork()
+        if pid == 0:  # the launch
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.setsid()
+            os.dup2(fds[0], 1)
+            os.dup2(fds[1], 2)
+            for fd in fds:
+                os.close(fd)
+            sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+            sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            _send(conn, {"pid": os.getpid()})
+            code = 1
+            try:
+                code = fork_launch.main(request["argv"], watch=conn)
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else 1
+            except BaseException:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                _send(conn, {"code": code})
+            finally:
+                os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+    server.close()
+    os.unlink(path)
+
+
+def _connect(path: str, start: bool):
+    deadline = time.monotonic() + 120
+    started = False
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return sock
+        except OSError:
+            sock.close()
+            if not start:
+                return None
+            if not started:
+                with open(path + ".log", "ab") as log:  # the server keeps its own copy of the descriptor
+                    subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path],
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd=HERE)
+                started = True
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the launch server did not start on {path}; see {path}.log") from None
+            time.sleep(0.2)
+
+
+def run(path: str, argv: list[str]) -> int:
+    sock = _connect(path, start=True)
+    data = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    socket.send_fds(sock, [struct.pack("!I", len(data)) + data], [1, 2])
+    first = _recv(sock)
+    if first is None:
+        print("[zygote] the launch server closed the connection", file=sys.stderr)
+        return 1
+    pid = first["pid"]
+
+    def forward(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    last = _recv(sock)
+    return 1 if last is None else int(last["code"])
+
+
+def stop(path: str) -> None:
+    sock = _connect(path, start=False)
+    if sock is None:
+        return
+    data = json.dumps({"stop": True}).encode()
+    socket.send_fds(sock, [struct.pack("!I", len(data)) + data], [1, 2])
+    sock.close()
+
+
+if __name__ == "__main__":
+    command, path, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if command == "serve":
+        serve(path)
+    elif command == "stop":
+        stop(path)
+    else:
+        sys.exit(run(path, rest))
