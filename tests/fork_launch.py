@@ -128,8 +128,15 @@ def main(argv: list[str], watch=None) -> int:
     """Launch; returns the exit code. ``watch``: a socket whose closing (the client that asked for this launch went
     away, e.g. killed at a timeout) kills the ranks."""
     prepared = _environment(argv)
-    if prepared is None:
-        os.execv(os.path.join(os.path.dirname(sys.executable), "accelerate-launch"), ["accelerate-launch", *argv])
+    if prepared is None:  # several machines: the real launcher, one per node, waited for here
+        import subprocess
+
+        proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "accelerate-launch"), *argv])
+        while proc.poll() is None:
+            if watch is not None and _closed(watch):
+                proc.kill()
+            time.sleep(0.05)
+        return proc.returncode
     env, world, script, script_args = prepared
     env = {**os.environ, **env}
     _preimport()
