@@ -104,14 +104,18 @@ def test_rloo_with_the_hf_engine_learns(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
-@pytest.mark.parametrize("mode", ["ddp_tp1", "ddp_tp2", "zero3_tp1"])
+@pytest.mark.parametrize("mode", ["ddp_tp1", "ddp_tp1_balanced", "ddp_tp2", "zero3_tp1"])
 def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     """Seeds are per prompt (its global index) and the loss is normalized over the whole mini batch, so two
-    processes (two engines, one engine of TP=2, or ZeRO-3 sharded training) sample and learn exactly what one
+    processes (two engines, two engines pulling the job's groups from one queue (rollout_dispatch='balanced', two
+    samples at a time each), one engine of TP=2, or ZeRO-3 sharded training) sample and learn exactly what one
     process does, within float noise."""
     extra = ["--max_steps", "4"]
     if mode == "ddp_tp1":
         run = launch(tmp_path, *extra, procs=2)
+    elif mode == "ddp_tp1_balanced":
+        run = launch(tmp_path, *extra, "--rollout_dispatch", "balanced", "--rollout_max_num_seqs", "2", procs=2)
+        assert all(0 <= h["rollout/moved_groups"] <= 1 and h["rollout/engine_idle_s"] >= 0 for h in run["steps"])
     elif mode == "ddp_tp2":
         run = launch(tmp_path, *extra, "--rollout_tp_size", "2", procs=2)
     else:

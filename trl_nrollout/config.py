@@ -44,6 +44,7 @@ from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout  # noqa: E402
 from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES  # noqa: E402
+from trl_nrollout.rollout.dispatch import DISPATCH_MODES  # noqa: E402
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, SEED_MODES  # noqa: E402
 
 #: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
@@ -208,6 +209,13 @@ class NRolloutConfig(GRPOConfig):
         "help": "With rollout_multi_turn='requests': how many samples' tool calls run at once (threads for sync "
                 "tools; async tools run on the trainer's event loop). Sync tools must then be thread-safe; 1 runs "
                 "them one at a time, still overlapped with generation."})
+    rollout_dispatch: str = field(default="shares", metadata={
+        "help": "Which engine generates which prompt group. 'shares': each engine its own ranks' prompts (the step "
+                "waits for the slowest engine). 'balanced': one queue for the job; each engine pulls the next groups "
+                "whenever it holds fewer than rollout_max_num_seqs samples (verl's least-loaded routing), and the "
+                "samples go back to their ranks. A group's seed follows the group, not the engine. Helps when an "
+                "engine runs fewer samples at once than its share; single-turn and turn-by-turn tool rollouts on "
+                "vLLM engines."})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={
@@ -450,6 +458,18 @@ class NRolloutConfig(GRPOConfig):
                              "leave and re-enter the engine one by one); rollout_backend='hf' generates a batch per "
                              "call. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or "
                              "rollout_multi_turn='turns'.")
+        if self.rollout_dispatch not in DISPATCH_MODES:
+            raise InputError(f"rollout_dispatch={self.rollout_dispatch!r} must be one of {list(DISPATCH_MODES)} "
+                             "('shares': each engine its own ranks' prompts; 'balanced': engines pull from one queue).")
+        if self.rollout_dispatch == "balanced" and self.rollout_backend == "hf":
+            raise InputError("rollout_dispatch='balanced' needs vLLM engines (a request-level loop that adds groups "
+                             "as it goes); rollout_backend='hf' generates each rank's batch in one call. Set "
+                             "rollout_backend='vllm' (or 'auto' with vLLM installed), or rollout_dispatch='shares'.")
+        if self.rollout_dispatch == "balanced" and self.rollout_partial:
+            raise InputError("rollout_dispatch='balanced' with rollout_partial=True: a partial rollout keeps a pool of "
+                             "groups in flight per engine across steps (saved with each rank's checkpoint) and "
+                             "already stops the tail instead of waiting for it. Use one: "
+                             "rollout_partial=True with rollout_dispatch='shares', or rollout_partial=False.")
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
             raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
                              "samples, capped at 1024).")

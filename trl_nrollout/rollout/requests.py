@@ -75,6 +75,12 @@ class EngineLoop:
     def has_unfinished(self) -> bool:
         return bool(self._open)
 
+    @property
+    def num_open(self) -> int:
+        """Requests of this loop not yet finished (each holds its ``n`` samples until its last one ends, unless
+        streaming)."""
+        return len(self._open)
+
     def step(self) -> list[tuple[str, int]]:
         """One engine step; returns the samples that finished in it."""
         finished = []

@@ -24,6 +24,7 @@ from torch import nn
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
+from trl_nrollout.rollout.dispatch import DISPATCH_MODES, PullStats, StoreQueue, run_pulled
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun, run_partial
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.requests import EngineLoop
@@ -33,6 +34,7 @@ from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, engine_has, i
 
 logger = logging.getLogger(__name__)
 _SLEEP_NOTICE_SHOWN = False
+_PULL_GROUPS = 0  # engine groups built in this process with a balanced dispatch (the same count on every rank)
 #: KV block size of a CPU engine: the smallest vLLM's CPU attention accepts (a multiple of 32; vLLM's CPU default
 #: is 128). vLLM's n samples of a prompt share its cached full blocks, but each sample recomputes the prompt's last
 #: partial block, up to ``block_size`` tokens: at 512-token prompts, n = 12, 32-token blocks made a rollout of
@@ -156,9 +158,12 @@ class VLLMEngineGroup:
         tokenizer: str | None = None,
         seed_mode: str = "sample",
         trust_remote_code: bool = False,
+        dispatch: str = "shares",
     ) -> None:
         if seed_mode not in SEED_MODES:
             raise ValueError(f"seed_mode={seed_mode!r} is not one of {SEED_MODES} (rollout_seed_mode).")
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch={dispatch!r} is not one of {DISPATCH_MODES} (rollout_dispatch).")
         prepare_vllm_environment()
         _close_live_engines()  # one external-launcher engine per process: a new trainer releases the previous one
         _forget_stale_vllm_groups()
@@ -171,6 +176,7 @@ class VLLMEngineGroup:
         self.weight_bucket_bytes = weight_bucket_bytes
         self.max_model_len = max_model_len
         self.seed_mode = seed_mode
+        self.dispatch = dispatch
         self._asleep: set[str] = set()
         self._tp_group = None
         dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -188,6 +194,17 @@ class VLLMEngineGroup:
                 g = torch.distributed.new_group(list(ranks), backend="gloo")
                 if rank in ranks:
                     self._tp_group = g
+        # rollout_dispatch="balanced" with several engines: the job's queue lives in the process group's store, and
+        # the samples go home over a gloo group of every rank (pickled lists: no device copies on an NCCL job)
+        self._world_group = None
+        self._store = None
+        self._pull_calls = 0
+        if dispatch == "balanced" and dist_on and layout.num_engines > 1:
+            self._world_group = torch.distributed.new_group(list(range(world)), backend="gloo")
+            self._store = torch.distributed.distributed_c10d._get_default_store()
+            global _PULL_GROUPS
+            _PULL_GROUPS += 1
+            self._pull_prefix = f"trl_nrollout/dispatch/{_PULL_GROUPS}"
         ensure_dist_env(rank, rank if local_rank is None else local_rank)
         kwargs = engine_kwargs(
             model, layout, cpu=self.cpu, dtype=dtype, max_model_len=max_model_len, expected_len=expected_len,
@@ -352,6 +369,104 @@ class VLLMEngineGroup:
         batch = self.generate_engine(unique, n, sampling, group_offset=(offset - first) // n,
                                      images=None if flat_images is None else flat_images[::n])
         return batch.slice(first, first + len(sample_prompts))
+
+    def generate_balanced(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                          sample_offset: int | None = None, images: list[list] | None = None
+                          ) -> tuple[RolloutBatch, PullStats]:
+        """:meth:`generate_expanded` with ``rollout_dispatch="balanced"`` (:mod:`trl_nrollout.rollout.dispatch`): the
+        job's groups form one queue; each engine pulls groups while it holds fewer than its ``max_num_seqs`` samples;
+        afterwards every rank gets the samples of its own prompts, in order. Group ``g`` of the job is seeded as
+        under ``"shares"`` (from ``g``), whichever engine runs it. Collective over every rank. Returns the batch and
+        this engine's :class:`~trl_nrollout.rollout.dispatch.PullStats` (its groups and busy seconds)."""
+        if self._world_group is None:  # one engine (or one process): its share is the whole queue
+            start = time.perf_counter()
+            batch = self.generate_expanded(sample_prompts, n, sampling, sample_offset=sample_offset, images=images)
+            busy = time.perf_counter() - start
+            return batch, PullStats(groups=sorted(set(batch.group_index)), claims=1, busy_s=busy)
+        self._barrier_before_generate()
+        world = torch.distributed.get_world_size()
+        per_rank = [None] * world
+        torch.distributed.all_gather_object(per_rank, ([list(p) for p in sample_prompts], images),
+                                            group=self._world_group)
+        flat = [p for prompts, _ in per_rank for p in prompts]
+        unique = self._whole_groups(flat, n)
+        flat_images = None
+        if any(imgs is not None for _, imgs in per_rank):
+            flat_images = [img for prompts, imgs in per_rank
+                           for img in (imgs if imgs is not None else [[] for _ in prompts])][::n]
+        counts = [len(prompts) for prompts, _ in per_rank]
+        offset = sum(counts[:self.rank])  # the job's samples in rank order (TRL's: rank r's start at r * its count)
+        if self.llm is None:
+            self.generate_engine([], 1, sampling)  # raises the closed-engine error
+        if self.sleeping:
+            self.wake_up()
+        self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
+        per_request = sampling.seed is not None and self.seed_mode == "sample"
+        shared = None if per_request else self._sampling_params(n, replace(sampling, seed=None))
+        engine_prompts = vllm_prompts(unique, flat_images)
+        loop = EngineLoop(self.llm)
+
+        def add_group(g: int) -> str:
+            params = shared or self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, g, n)))
+            return loop.add(engine_prompts[g], params)
+
+        leader = self.rank == self.tp_ranks[0]
+
+        def share(claim):  # the TP group's leader claims; its ranks run the same groups
+            return self._gather_tp(claim() if leader else None)[0]
+
+        self._pull_calls += 1
+        key = f"{self._pull_prefix}/{self._pull_calls}"
+        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        with self._engine_rng(sampling.seed):
+            requests, stats = run_pulled(loop, StoreQueue(self._store, key, len(unique)), add_group, n, capacity,
+                                         share=None if self._tp_group is None else share)
+        done = self._send_home(
+            {g: (loop.prompt_ids(rid) if flat_images is not None else list(unique[g]),
+                 [(x.token_ids, x.logprobs, x.finish_reason) for x in loop.request(rid)])
+             for g, rid in requests.items()} if leader else {},
+            counts, n)
+        if self.rank == 0:  # every rank is past its last claim
+            self._store.delete_key(key)
+        missing = sorted({s // n for s in range(offset, offset + len(sample_prompts))} - done.keys())
+        if missing:
+            raise RuntimeError(f"groups {missing[:5]} of the job's queue were generated by no engine (the queue's "
+                               f"counter in the process group's store was changed by another caller).")
+        prompt_ids, completion_ids, logprobs, reasons, groups = [], [], [], [], []
+        for s in range(offset, offset + len(sample_prompts)):
+            g, k = divmod(s, n)
+            prompt, samples = done[g]
+            tokens, lps, reason = samples[k]
+            prompt_ids.append(list(prompt))
+            completion_ids.append(list(tokens))
+            logprobs.append(list(lps))
+            reasons.append(reason)
+            groups.append(g)
+        batch = RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
+                             timings={"generate_s": stats.busy_s})
+        return batch, stats
+
+    def _send_home(self, held: dict[int, object], counts: list[int], n: int) -> dict[int, object]:
+        """Each engine's results ``held`` (by global group, on its leader) to the ranks that own the group's samples
+        (rank ``r`` owns the ``counts[r]`` samples after those of the ranks before it): one scatter per engine, each
+        rank receiving only its own groups. Returns this rank's groups."""
+        bounds = [sum(counts[:r]) for r in range(len(counts) + 1)]
+
+        def owners(g: int) -> list[int]:
+            return [r for r in range(len(counts)) if bounds[r] < (g + 1) * n and g * n < bounds[r + 1]]
+
+        received: dict[int, object] = {}
+        for ranks in self.layout.engine_ranks:
+            parts = None
+            if self.rank == ranks[0]:
+                parts = [{} for _ in counts]
+                for g, value in held.items():
+                    for r in owners(g):
+                        parts[r][g] = value
+            out = [None]
+            torch.distributed.scatter_object_list(out, parts, src=ranks[0], group=self._world_group)
+            received.update(out[0])
+        return received
 
     def _whole_groups(self, flat: list[list[int]], n: int) -> list[list[int]]:
         """The engine's prompts, one per group, from its samples' prompts ``flat`` (each repeated ``n`` times

@@ -1,0 +1,90 @@
+"""``rollout_dispatch``: which engine generates which group. The job's queue (pure), the config's and trainer's
+refusals, and real vLLM engines in two processes pulling from one queue: the same samples as fixed shares, each
+back on its own rank, work moved off a slow engine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import ROOT, run_cmd
+from trl_nrollout.rollout.dispatch import LocalQueue
+
+
+@settings(max_examples=200, deadline=None)
+@given(total=st.integers(0, 60), sizes=st.lists(st.integers(1, 9), min_size=1, max_size=40))
+def test_claims_hand_out_each_group_once_in_order(total, sizes):
+    """Whatever the claim sizes, the queue hands out 0..total-1 in order, each index once, then empty ranges."""
+    queue = LocalQueue(total)
+    got = [list(queue.claim(k)) for k in sizes]
+    flat = [g for claim in got for g in claim]
+    assert flat == list(range(min(total, sum(sizes))))
+    for k, claim in zip(sizes, got):
+        assert len(claim) <= k
+    if sum(sizes) >= total:
+        assert list(queue.claim(3)) == []
+
+
+def test_config_refuses_what_a_balanced_dispatch_cannot_do():
+    from trl_nrollout import NRolloutConfig
+    from trl_nrollout.errors import InputError
+
+    base = dict(output_dir="/tmp/x", report_to="none", use_cpu=True)
+    with pytest.raises(InputError, match=r"rollout_dispatch='least'.*must be one of \['shares', 'balanced'\]"):
+        NRolloutConfig(**base, rollout_dispatch="least")
+    with pytest.raises(InputError, match="needs vLLM engines.*rollout_backend='hf'.*rollout_dispatch='shares'"):
+        NRolloutConfig(**base, rollout_dispatch="balanced", rollout_backend="hf")
+    with pytest.raises(InputError, match="rollout_partial=True.*pool of groups in flight per engine"):
+        NRolloutConfig(**base, rollout_dispatch="balanced", rollout_partial=True)
+    assert NRolloutConfig(**base, rollout_dispatch="balanced").rollout_dispatch == "balanced"
+
+
+@pytest.fixture(scope="module")
+def balanced_runs(tmp_path_factory, tiny_model_path):
+    """Two processes, one engine each (TP=1); engine 0 slowed; fixed shares, then a balanced queue seeded and
+    unseeded."""
+    out = tmp_path_factory.mktemp("dispatch")
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    run_cmd([torchrun, "--nproc_per_node", "2", str(ROOT / "tests/dist/dispatch_dist.py"), "1", tiny_model_path,
+             str(out)], timeout=500, env={"ACCELERATE_USE_CPU": None})
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_a_balanced_queue_samples_what_fixed_shares_sample(balanced_runs):
+    """Each group is seeded from its place in the job, whichever engine runs it: every rank gets back the samples
+    of its own prompts, in order, token for token and log-prob for log-prob the fixed shares' samples."""
+    for res in balanced_runs:
+        shares, balanced = res["shares"], res["balanced"]
+        assert balanced["prompt_ids"] == res["prompts"] == shares["prompt_ids"]
+        assert balanced["group_index"] == shares["group_index"]
+        assert balanced["completion_ids"] == shares["completion_ids"]
+        assert len({len(c) for c in balanced["completion_ids"]}) > 1  # the stops apply: lengths differ
+        for got, want in zip(balanced["logprobs"], shares["logprobs"]):
+            assert got == pytest.approx(want, abs=1e-5)
+        assert balanced["finish_reasons"] == shares["finish_reasons"]
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["balanced", "unseeded"])
+def test_a_slow_engine_hands_its_groups_to_the_fast_one(balanced_runs, case):
+    """Engine 0 takes longer per step: the fast engine pulls groups of rank 0's prompts and runs more of the
+    job's groups; every group is generated once, by one engine; every rank still gets its own prompts' samples."""
+    per_engine = {res["engine_index"]: res[case]["engine_groups"] for res in balanced_runs}
+    total = sum(len(res["prompts"]) for res in balanced_runs) // 3
+    every = sorted(g for groups in per_engine.values() for g in groups)
+    assert every == list(range(total))
+    rank0_groups = set(range(total // 2))
+    assert set(per_engine[1]) & rank0_groups, per_engine
+    assert len(per_engine[1]) > len(per_engine[0]), per_engine
+    for res in balanced_runs:
+        assert res[case]["prompt_ids"] == res["prompts"]
+        assert len(res[case]["completion_ids"]) == len(res["prompts"])
+    assert balanced_runs[0]["store_keys_left"] == [False, False]  # the queue's counters were removed

@@ -1,0 +1,117 @@
+"""Which engine generates which group: fixed shares, or one job-wide queue that engines pull from.
+
+``rollout_dispatch="shares"`` (the default): each engine generates the groups of its own ranks (a TP group's ranks
+pool their prompts). The step's rollout lasts as long as its slowest engine: an engine whose groups happened to
+draw long completions keeps the others waiting.
+
+``rollout_dispatch="balanced"``: the step's groups form one queue for the whole job. Each engine keeps about
+``capacity`` samples outstanding (its ``max_num_seqs``) and, whenever a step of its own leaves fewer, claims the
+next groups of the queue from a counter every rank can reach (the process group's key-value store: one atomic
+``add`` per claim, no central process). An engine with less outstanding work thus claims sooner, and an engine slowed
+by long samples claims less. When the queue is empty and every engine has finished, the samples return to the ranks
+that own their prompts (one gather), in the order ``shares`` would give.
+
+What a seed fixes in this mode: a group's sampling seed comes from its place in the job (its global index), not from
+the engine that runs it, so each group draws the same numbers under either dispatch. Which engine runs a group, and
+which other samples share its engine steps, depend on timing; batch composition can move a float's last bits, so two
+balanced runs agree sample for sample where the engine's kernels are batch-invariant (the CPU runs in our tests),
+and otherwise up to near-ties. With a single engine both modes are the same.
+
+Balancing helps where an engine runs fewer samples at once than its share (``max_num_seqs`` below the share: the
+usual case at scale, when KV-cache memory bounds the batch); when every sample of the share runs at once, all of
+an engine's work has started at the first step and there is nothing left to move (a partial rollout then is the
+tool: it stops the tail instead).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+#: ``rollout_dispatch`` values
+DISPATCH_MODES = ("shares", "balanced")
+
+
+class LocalQueue:
+    """The job's queue of ``total`` groups in one process (threads may share it): :meth:`claim` hands out the next
+    indices. The same contract as :class:`StoreQueue`, whose counter lives in the process group's store."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def claim(self, k: int) -> range:
+        """The next ``k`` group indices (fewer at the end of the queue; an empty range once it is drained)."""
+        with self._lock:
+            start = self._next
+            self._next += k
+        return range(min(start, self.total), min(start + k, self.total))
+
+
+class StoreQueue:
+    """The job's queue of ``total`` groups, its head an atomic counter under ``key`` in a
+    ``torch.distributed.Store`` (every rank of the job reaches the same store). Use a fresh ``key`` per call."""
+
+    def __init__(self, store, key: str, total: int) -> None:
+        self.store = store
+        self.key = key
+        self.total = total
+
+    def claim(self, k: int) -> range:
+        end = int(self.store.add(self.key, k))  # atomic: the counter after our add
+        start = end - k
+        return range(min(start, self.total), min(end, self.total))
+
+
+@dataclass
+class PullStats:
+    """What one engine did in a balanced rollout: the groups it generated (global indices, claim order), its claims,
+    and the seconds from the call's start until its last sample finished (``busy_s``)."""
+
+    groups: list[int] = field(default_factory=list)
+    claims: int = 0
+    busy_s: float = 0.0
+
+
+def run_pulled(loop, queue, add_group: Callable[[int], str], n: int, capacity: int,
+               share: Callable[[Callable[[], list[int]]], list[int]] | None = None) -> tuple[dict[int, str], PullStats]:
+    """Run ``loop`` (an :class:`~trl_nrollout.rollout.requests.EngineLoop`) on groups pulled from ``queue`` until
+    the queue is drained and every pulled group has finished.
+
+    Before each engine step, while fewer than ``capacity`` samples are outstanding (``n`` per unfinished group), it
+    claims enough groups to reach ``capacity`` (at least one) and adds each with ``add_group(g) -> request id``.
+    ``share(claim)``: on a TP group, the group's leader calls ``claim()`` and every rank gets its result (the ranks
+    run the same requests and step in lockstep, so they reach each claim together); None: claim here.
+    Returns ``{group: request id}`` and the :class:`PullStats`."""
+    if n < 1 or capacity < 1:
+        raise ValueError(f"n={n} and capacity={capacity} must be >= 1.")
+    start = time.perf_counter()
+    requests: dict[int, str] = {}
+    stats = PullStats()
+    drained = False
+    while True:
+        outstanding = n * loop.num_open
+        if not drained and outstanding < capacity:
+            want = max(1, math.ceil((capacity - outstanding) / n))
+
+            def claim(want: int = want) -> list[int]:
+                return list(queue.claim(want))
+
+            got = claim() if share is None else share(claim)
+            stats.claims += 1
+            if not got:
+                drained = True
+            for g in got:
+                requests[g] = add_group(g)
+                stats.groups.append(g)
+        if not loop.has_unfinished:
+            if drained:
+                break
+            continue
+        loop.step()
+    stats.busy_s = time.perf_counter() - start
+    return requests, stats
