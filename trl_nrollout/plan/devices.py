@@ -1,0 +1,134 @@
+"""Device profiles for the step's cost model (:mod:`trl_nrollout.plan.cost`): what a device can do at best, and
+how much of it a rollout or a training step reaches.
+
+The named GPU profiles hold the vendor's datasheet figures (dense, no sparsity), cited per profile. The efficiency
+factors and fixed costs are ours: typical fractions of peak for vLLM decode and for a training step, to be replaced
+by a calibrated profile where one exists (``trl-nrollout plan --calibrate`` measures this machine and saves one).
+No torch at import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+TFLOPS = 1e12
+GBPS = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device (one rank of the job) for the cost model.
+
+    Peaks: ``flops`` (dense FLOP/s at the dtype the step runs in: bf16 on GPUs, float32 on a CPU), ``mem_bw``
+    (device memory, B/s), ``link_bw`` (between the devices of a node, per direction, B/s: TP all-reduces, ZeRO-3
+    gathers), ``memory_gib``. Efficiencies (fractions of a peak reached): ``mfu_prefill`` (prefill and decode
+    matmuls), ``mfu_train`` (training forwards and backwards), ``bw_eff`` (decode's weight and KV reads),
+    ``link_eff``. Fixed costs, seconds: ``step_s`` per engine step (scheduler, sampler, Python), ``seq_step_s`` per
+    running sequence per engine step beyond the roofline (sampling, output processing: large on a CPU),
+    ``call_s`` per generation call, ``forward_s`` per training forward (launches, hooks), ``sync_s`` per weight
+    sync, ``allreduce_s`` latency of one TP all-reduce. ``sync_bw`` the weight sync's B/s (None: half of
+    ``mem_bw x bw_eff``, a read and a write). ``source`` says where the figures come from."""
+
+    name: str
+    flops: float
+    mem_bw: float
+    link_bw: float
+    memory_gib: float
+    mfu_prefill: float = 0.5
+    mfu_train: float = 0.4
+    bw_eff: float = 0.7
+    link_eff: float = 0.7
+    step_s: float = 0.004
+    seq_step_s: float = 0.0
+    call_s: float = 0.05
+    forward_s: float = 0.004
+    sync_s: float = 0.1
+    allreduce_s: float = 2e-5
+    sync_bw: float | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("flops", "mem_bw", "link_bw", "memory_gib"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be > 0.")
+        for name in ("mfu_prefill", "mfu_train", "bw_eff", "link_eff"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be in (0, 1].")
+        for name in ("step_s", "seq_step_s", "call_s", "forward_s", "sync_s", "allreduce_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be >= 0.")
+
+    @property
+    def weight_sync_bw(self) -> float:
+        return self.sync_bw if self.sync_bw is not None else self.mem_bw * self.bw_eff / 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DeviceProfile:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"device profile: unknown keys {unknown}; known: {sorted(known)}.")
+        return cls(**data)
+
+
+_NVIDIA_A100 = "NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312 TFLOPS dense, NVLink 600 GB/s (both directions)"
+_NVIDIA_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: BF16 989 TFLOPS dense, HBM3 3.35 TB/s, NVLink 900 GB/s"
+_NVIDIA_H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: BF16 989 TFLOPS dense, HBM3e 4.8 TB/s, NVLink 900 GB/s"
+_NVIDIA_L40S = "NVIDIA L40S datasheet (2023): BF16 362 TFLOPS dense, GDDR6 864 GB/s, PCIe Gen4 x16 64 GB/s"
+
+#: named profiles: datasheet peaks (link bandwidth per direction: half the datasheet's bidirectional figure)
+PROFILES: dict[str, DeviceProfile] = {
+    "a100-40gb": DeviceProfile("a100-40gb", flops=312 * TFLOPS, mem_bw=1555 * GBPS, link_bw=300 * GBPS,
+                               memory_gib=40, source=_NVIDIA_A100 + "; HBM2 1,555 GB/s, 40 GB"),
+    "a100-80gb": DeviceProfile("a100-80gb", flops=312 * TFLOPS, mem_bw=2039 * GBPS, link_bw=300 * GBPS,
+                               memory_gib=80, source=_NVIDIA_A100 + "; HBM2e 2,039 GB/s, 80 GB"),
+    "h100": DeviceProfile("h100", flops=989 * TFLOPS, mem_bw=3350 * GBPS, link_bw=450 * GBPS, memory_gib=80,
+                          source=_NVIDIA_H100 + ", 80 GB"),
+    "h200": DeviceProfile("h200", flops=989 * TFLOPS, mem_bw=4800 * GBPS, link_bw=450 * GBPS, memory_gib=141,
+                          source=_NVIDIA_H200 + ", 141 GB"),
+    "l40s": DeviceProfile("l40s", flops=362 * TFLOPS, mem_bw=864 * GBPS, link_bw=32 * GBPS, memory_gib=48,
+                          source=_NVIDIA_L40S + ", 48 GB"),
+}
+
+
+def profiles_dir() -> Path:
+    """Where calibrated profiles are saved: ``$TRL_NROLLOUT_PROFILES``, else ``~/.cache/trl_nrollout/profiles``."""
+    env = os.environ.get("TRL_NROLLOUT_PROFILES")
+    return Path(env) if env else Path.home() / ".cache" / "trl_nrollout" / "profiles"
+
+
+def save_profile(profile: DeviceProfile, folder: Path | None = None) -> Path:
+    folder = folder or profiles_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{profile.name}.json"
+    path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+    return path
+
+
+def load_profile(name: str) -> DeviceProfile:
+    """A named profile (:data:`PROFILES`), a saved one (by name, from :func:`profiles_dir`), or a JSON file."""
+    if name in PROFILES:
+        return PROFILES[name]
+    path = Path(name)
+    if not (path.suffix == ".json" and path.is_file()):
+        path = profiles_dir() / f"{name}.json"
+    if path.is_file():
+        try:
+            return DeviceProfile.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"device profile {str(path)!r} is not a valid profile: {err}") from None
+    saved = sorted(p.stem for p in profiles_dir().glob("*.json")) if profiles_dir().is_dir() else []
+    raise ValueError(f"device={name!r} is not a known profile: use one of {sorted(PROFILES)}"
+                     + (f", a saved one ({', '.join(saved)})" if saved else "")
+                     + ", a profile JSON file, or measure this machine with `trl-nrollout plan --calibrate`.")
+
+
+def with_memory(profile: DeviceProfile, memory_gib: float | None) -> DeviceProfile:
+    """The profile with another memory size (``--gpu-memory-gib``), or unchanged."""
+    return profile if memory_gib is None else replace(profile, memory_gib=memory_gib)
