@@ -67,6 +67,16 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="n values of the KV-cache-vs-n table, comma separated. Default 1,4,8,12,16.")
     p.add_argument("--no-memory", action="store_true", help="Skip the memory estimate even when a model is given.")
     p.add_argument("--json", action="store_true", help="Print the figures as JSON (layout + a 'memory' dict).")
+    p.add_argument("--predict", action="store_true",
+                   help="Predict the step's seconds per phase and samples/s on --device, and how they grow with n "
+                        "(needs --model and --device).")
+    p.add_argument("--suggest", action="store_true",
+                   help="Search the layouts of --num-processes devices (TP size, max_num_seqs, n in --n-values when "
+                        "given, else the recipe's rollout_n) and rank them by predicted samples/s, with the reason "
+                        "each refused one fails (needs --model, --device, --train-batch-size).")
+    p.add_argument("--calibrate", action="store_true",
+                   help="Measure this machine (a matmul, a memory copy, engine decode steps and training forwards of "
+                        "--model) and save it as the device profile --device (default: 'local').")
 
 
 def local_recipe(config: str | None) -> str | None:
@@ -83,6 +93,17 @@ def local_recipe(config: str | None) -> str | None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     values = plan_values(local_recipe(args.config), {name: getattr(args, name) for name, _, _ in PLAN_OPTIONS})
+    if args.calibrate:
+        return _run_calibrate(values)
+    if args.suggest:
+        from trl_nrollout.plan.predict import suggest
+
+        allowed = n_values(args.n_values) if args.n_values else (values.get("rollout_n"),)
+        if allowed == (None,):
+            raise PlanError("--suggest needs rollout_n (or --n-values with the n values to search).")
+        found = suggest(values, tuple(int(n) for n in allowed))
+        print(json.dumps(found["json"], indent=2) if args.json else "\n".join(found["lines"]))
+        return EXIT_OK
     ns = n_values(args.n_values)
     layout = build_layout(values)
     check_token_budgets(values)
@@ -96,11 +117,18 @@ def _run_plan(args: argparse.Namespace) -> int:
             mem_error = f"memory estimate unavailable for {values['model_name_or_path']!r}: {err}"
             print(f"trl-nrollout: warning: {mem_error}", file=sys.stderr)
     critic = critic_rows(values, layout)
+    predicted = None
+    if args.predict:
+        from trl_nrollout.plan.predict import predict
+
+        predicted = predict(values, layout, ns)
     if args.json:
         out = layout.to_dict()
         if critic:
             out["critic"] = dict(critic)
         out["memory"] = mem.to_dict() if mem is not None else ({"error": mem_error} if mem_error else None)
+        if predicted is not None:
+            out["prediction"] = predicted["json"]
         print(json.dumps(out, indent=2))
         return EXIT_OK
     print("rollout layout")
@@ -111,6 +139,21 @@ def _run_plan(args: argparse.Namespace) -> int:
     if mem is not None:
         print()
         print(mem.table())
+    if predicted is not None:
+        print()
+        print("\n".join(predicted["lines"]))
+    return EXIT_OK
+
+
+def _run_calibrate(values: dict) -> int:
+    from trl_nrollout.plan.calibrate import calibrate
+    from trl_nrollout.plan.devices import save_profile
+
+    model = values.get("model_name_or_path") or "builtin:tiny-qwen2"
+    profile = calibrate(model, name=values.get("device") or "local", progress=lambda m: print(m, file=sys.stderr))
+    path = save_profile(profile)
+    print(json.dumps(profile.to_dict(), indent=2))
+    print(f"saved: {path} (use it with --device {profile.name})", file=sys.stderr)
     return EXIT_OK
 
 

@@ -243,10 +243,11 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
                      head_dim=dims.head_dim, dtype_bytes=dims.dtype_bytes, prompt_len=math.ceil(work.prompt_len),
                      response_len=work.completion_max, prompts_per_engine=layout.prompts_per_engine,
                      n=layout.rollout_n, tp_size=layout.rollout_tp_size, max_num_seqs=work.max_num_seqs)
-    engine_bytes = math.ceil(dims.num_parameters * dims.dtype_bytes / layout.rollout_tp_size) + kv.bytes_per_gpu_shared
+    engine_weights = math.ceil(dims.num_parameters * dims.dtype_bytes / layout.rollout_tp_size)
+    engine_bytes = engine_weights + kv.bytes_per_gpu_shared
     train_bytes = math.ceil(dims.num_parameters * TRAIN_BYTES_PER_PARAM * (2 if work.critic else 1)
                             / (dp if work.sharded else 1))
-    details.update(tokens_per_rank=tokens, forward_flops_per_rank=forward_flops, micro_steps=micro,
+    details.update(engine_weight_bytes=engine_weights, kv_bytes=kv.bytes_per_gpu_shared, tokens_per_rank=tokens, forward_flops_per_rank=forward_flops, micro_steps=micro,
                    optimizer_s=optimizer_s, weight_sync_bytes=sync_bytes)
     return StepPrediction(phases=phases, total_s=total, samples_per_s=layout.total_samples / total,
                           engine_bytes=engine_bytes, train_bytes=train_bytes, details=details)

@@ -48,7 +48,18 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
     ("gpu_memory_gib", float, "GPU memory in GiB: checks that weights and KV cache fit."),
     ("gpu_memory_utilization", float, "Fraction of GPU memory vLLM may use (TRL vllm_gpu_memory_utilization). "
                                       "Default 0.9."),
+    ("device", str, "Device profile of --predict / --suggest: h100, h200, a100-40gb, a100-80gb, l40s, a profile "
+                    "saved by --calibrate, or a profile JSON file."),
+    ("prompt_tokens_mean", float, "Mean prompt length in tokens (--predict). Default: max_prompt_length."),
+    ("completion_tokens_mean", float, "Mean completion length in tokens (--predict; the longest is "
+                                      "max_completion_length). Default: max_completion_length (an upper bound)."),
+    ("trainer_sharding", str, "none, zero3 or fsdp (--predict): sharded parameters are gathered per forward and "
+                              "optimizer states split over the ranks. Default none."),
 ]
+#: recipe keys a plan reads that have no flag: the trainer (PPO's critic rows), the critic's micro batches, and
+#: what --predict needs to know of the loss and the engine's sleep mode
+RECIPE_ONLY_KEYS = ("trainer", "critic_ppo_micro_batch_size_per_device", "critic_ppo_max_token_len_per_device",
+                    "use_kl_loss", "beta", "vllm_enable_sleep_mode")
 LAYOUT_KEYS = (
     "num_processes", "n_gpus_per_node", "nnodes", "rollout_tp_size", "train_batch_size", "rollout_n",
     "ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs", "log_prob_micro_batch_size",
@@ -67,7 +78,7 @@ YAML_ALIASES = {
 def plan_options_of(recipe: dict[str, Any]) -> dict[str, Any]:
     """The options of a recipe (:func:`~trl_nrollout.plan.recipe_file.read_recipe`) that a plan reads, under
     their plan names (TRL's spellings mapped onto ours)."""
-    known = {name for name, _, _ in PLAN_OPTIONS}
+    known = {name for name, _, _ in PLAN_OPTIONS} | set(RECIPE_ONLY_KEYS)
     values = {k: v for k, v in recipe.items() if k in known}
     for alias, name in YAML_ALIASES.items():
         if alias in recipe and name not in values:

@@ -1,0 +1,223 @@
+"""``trl-nrollout plan --predict / --suggest / --calibrate``: the step's cost model (pure, property-tested), the
+layout search and its refusals, the CLI, and a calibration on a real engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import ROOT
+from trl_nrollout.plan.cost import ModelDims, Workload, predict_step, suggest
+from trl_nrollout.plan.devices import PROFILES, DeviceProfile, load_profile, save_profile
+from trl_nrollout.plan.layout import RolloutLayout
+
+QWEN7 = ModelDims(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                  num_key_value_heads=4, head_dim=128, vocab_size=152064, name="Qwen2.5-7B")
+
+dims_st = st.builds(
+    lambda layers, hidden, heads, kv, vocab, tied: ModelDims(
+        num_hidden_layers=layers, hidden_size=hidden * heads, intermediate_size=4 * hidden * heads,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden, vocab_size=vocab,
+        tie_word_embeddings=tied),
+    st.integers(1, 48), st.sampled_from([32, 64, 128]), st.sampled_from([4, 8, 16, 32]), st.sampled_from([1, 2, 4]),
+    st.integers(1000, 200_000), st.booleans())
+work_st = st.builds(
+    lambda prompt, mean, extra, seqs, kl, packed, sharded: Workload(prompt, mean, math.ceil(mean) + extra, seqs, kl,
+                                                                    packed, sharded),
+    st.floats(0, 4096), st.floats(0, 4096), st.integers(0, 4096), st.integers(1, 2048), st.booleans(), st.booleans(),
+    st.booleans())
+device_st = st.sampled_from(sorted(PROFILES)).map(PROFILES.get)
+
+
+def _layout(world=8, tp=1, prompts=64, n=8, **kw):  # an estimator that takes any n, 1 included
+    return RolloutLayout.build(num_processes=world, rollout_tp_size=tp, train_batch_size=prompts, rollout_n=n,
+                               adv_estimator="reinforce_plus_plus", **kw)
+
+
+def test_the_parameter_count_matches_the_published_one():
+    """Qwen2.5-7B-Instruct: 7.62B parameters (its model card); Llama-3.1-8B: 8.03B."""
+    from trl_nrollout.plan.models import model_dims
+
+    assert model_dims("Qwen/Qwen2.5-7B-Instruct").num_parameters == pytest.approx(7.62e9, rel=0.005)
+    assert model_dims("meta-llama/Llama-3.1-8B-Instruct").num_parameters == pytest.approx(8.03e9, rel=0.005)
+
+
+def test_the_parameter_count_is_the_built_models(tiny_model_path):
+    """The analytic count equals the parameters of the model transformers builds from the same config."""
+    from trl_nrollout.plan.memory import count_parameters, load_config_dict
+    from trl_nrollout.plan.models import model_dims
+
+    assert model_dims(tiny_model_path).num_parameters == count_parameters(load_config_dict(tiny_model_path)[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(dims=dims_st, work=work_st, dev=device_st, n=st.sampled_from([1, 2, 4, 8, 12]), more=st.integers(1, 8))
+def test_more_samples_per_prompt_never_predict_less_time(dims, work, dev, n, more):
+    small = predict_step(dims, _layout(n=n), work, dev)
+    large = predict_step(dims, _layout(n=n + more), work, dev)
+    assert large.total_s >= small.total_s
+    for phase in ("generation", "old_log_prob", "ref_log_prob", "update"):
+        assert large.phases[phase] >= small.phases[phase] - 1e-12, phase
+
+
+@settings(max_examples=150, deadline=None)
+@given(dims=dims_st, work=work_st, dev=device_st, longer=st.integers(1, 2048))
+def test_longer_completions_never_predict_less_time(dims, work, dev, longer):
+    layout = _layout()
+    base = predict_step(dims, layout, work, dev)
+    long = predict_step(dims, layout, replace(work, completion_mean=work.completion_mean + longer,
+                                              completion_max=work.completion_max + longer), dev)
+    assert long.total_s > base.total_s and long.phases["generation"] > base.phases["generation"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(dims=dims_st, work=work_st, dev=device_st, factor=st.floats(1.0, 10.0))
+def test_a_faster_device_never_predicts_more_time(dims, work, dev, factor):
+    fast = replace(dev, flops=dev.flops * factor, mem_bw=dev.mem_bw * factor, link_bw=dev.link_bw * factor)
+    layout = _layout(tp=2)
+    assert predict_step(dims, layout, work, fast).total_s <= predict_step(dims, layout, work, dev).total_s
+
+
+@settings(max_examples=100, deadline=None)
+@given(dims=dims_st, work=work_st, dev=device_st)
+def test_tp2_halves_the_engine_weights_per_device_and_sharding_splits_the_trainer(dims, work, dev):
+    assume(dims.num_attention_heads % 2 == 0)
+    one = predict_step(dims, _layout(tp=1), work, dev)
+    two = predict_step(dims, _layout(tp=2), work, dev)
+    assert two.details["engine_weight_bytes"] == math.ceil(dims.num_parameters * dims.dtype_bytes / 2)
+    assert one.details["engine_weight_bytes"] == dims.num_parameters * dims.dtype_bytes
+    sharded = predict_step(dims, _layout(), replace(work, sharded=True), dev)
+    plain = predict_step(dims, _layout(), replace(work, sharded=False), dev)
+    assert sharded.train_bytes == math.ceil(plain.train_bytes / 8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(dims=dims_st, work=work_st, dev=device_st)
+def test_a_reference_pass_costs_what_the_old_policy_pass_costs(dims, work, dev):
+    """A KL term adds the reference pass, a forward of the same tokens as the old-policy pass; nothing else."""
+    layout = _layout()
+    with_kl = predict_step(dims, layout, replace(work, kl=True), dev)
+    without = predict_step(dims, layout, replace(work, kl=False), dev)
+    assert without.phases["ref_log_prob"] == 0
+    assert with_kl.phases["ref_log_prob"] == pytest.approx(with_kl.phases["old_log_prob"])
+    assert with_kl.total_s == pytest.approx(without.total_s + with_kl.phases["ref_log_prob"])
+
+
+def test_decode_waits_for_the_longest_sample_until_max_num_seqs_binds():
+    """Every sample running at once: as many engine steps as the longest completion. Capped below the share: the
+    engine works in waves, more steps; a cap of one sequence runs every token in turn."""
+    layout = _layout(world=1, prompts=4, n=4)  # 16 samples on one engine
+    work = Workload(prompt_len=32, completion_mean=100, completion_max=400)
+    dev = PROFILES["h100"]
+    assert predict_step(QWEN7, layout, work, dev).details["decode_steps"] == 400
+    waves = predict_step(QWEN7, layout, replace(work, max_num_seqs=4), dev).details["decode_steps"]
+    assert waves == 16 * 100 / 4 + 300
+    assert predict_step(QWEN7, layout, replace(work, max_num_seqs=1), dev).details["decode_steps"] == 1600 + 300
+
+
+def test_bad_profiles_and_workloads_are_refused_with_the_rule():
+    with pytest.raises(ValueError, match="mfu_train=1.5 must be in"):
+        replace(PROFILES["h100"], mfu_train=1.5)
+    with pytest.raises(ValueError, match="flops=0 must be > 0"):
+        DeviceProfile("x", flops=0, mem_bw=1, link_bw=1, memory_gib=1)
+    with pytest.raises(ValueError, match="completion_max=10 must be >= completion_mean=20"):
+        Workload(prompt_len=1, completion_mean=20, completion_max=10)
+    with pytest.raises(ValueError, match="device='tpu-v9' is not a known profile: use one of"):
+        load_profile("tpu-v9")
+
+
+def test_a_saved_profile_loads_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_NROLLOUT_PROFILES", str(tmp_path))
+    profile = replace(PROFILES["l40s"], name="my-box", step_s=0.01)
+    save_profile(profile)
+    assert load_profile("my-box") == profile
+    assert load_profile(str(tmp_path / "my-box.json")) == profile
+    (tmp_path / "broken.json").write_text(json.dumps({"name": "broken", "flops": 1}))
+    with pytest.raises(ValueError, match="is not a valid profile"):
+        load_profile("broken")
+
+
+def test_suggest_ranks_what_fits_and_says_why_the_rest_does_not():
+    """The article's example (6 GPUs, 60 prompts, n = 12, a 7B model): ranked by predicted samples/s, each fitting
+    layout within the device's memory, and the refusals named: a TP size that does not split the heads, a trainer
+    that does not fit beside the engine."""
+    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True)
+    found = suggest(QWEN7, 6, 60, work, PROFILES["h100"], n_values=[12], gpu_memory_utilization=0.5)
+    fit = [c for c in found if c.reason is None]
+    refused = [c for c in found if c.reason is not None]
+    assert fit and refused
+    rates = [c.prediction.samples_per_s for c in fit]
+    assert rates == sorted(rates, reverse=True)
+    for c in fit:
+        assert c.prediction.engine_bytes <= 0.5 * 80 * 2**30 and c.prediction.train_bytes <= 0.5 * 80 * 2**30
+    assert any("rollout_tp_size=3 does not split 28 attention heads" in c.reason for c in refused)
+    unsharded = suggest(QWEN7, 6, 60, replace(work, sharded=False), PROFILES["h100"], n_values=[12])
+    assert all(c.reason and "trainer states" in c.reason for c in unsharded if c.options.get("max_num_seqs"))
+    # a batch the engines cannot share evenly: refused with the layout's own reason
+    odd = suggest(QWEN7, 4, 6, work, PROFILES["h100"], n_values=[12])
+    assert any(c.options == {"rollout_tp_size": 1, "rollout_n": 12} and "not divisible" in c.reason for c in odd)
+
+
+def test_plan_suggest_answers_the_articles_question_without_torch():
+    """`plan --suggest` on the article's recipe: a ranked list, in under a second, torch never imported."""
+    code = ("import sys, time; t = time.perf_counter(); from trl_nrollout.cli import main; "
+            "rc = main(['plan', '--config', 'recipes/configs/verl_article.yaml', '--suggest', '--device', 'h100', "
+            "'--trainer-sharding', 'zero3', '--completion-tokens-mean', '300', '--prompt-tokens-mean', '150', "
+            "'--json']); print('SECONDS', time.perf_counter() - t, 'torch' in sys.modules, rc, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    seconds, torch_imported, rc = proc.stderr.split("SECONDS")[1].split()
+    assert float(seconds) < 1.0 and torch_imported == "False" and rc == "0"
+    out = json.loads(proc.stdout)
+    assert out["ranked"] and out["ranked"][0]["options"]["rollout_n"] == 12
+    rates = [c["prediction"]["samples_per_s"] for c in out["ranked"]]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_plan_predict_prints_the_phases_and_the_table_vs_n(capsys):
+    from trl_nrollout.cli import main
+
+    args = ["plan", "--config", "recipes/configs/verl_article.yaml", "--predict", "--device", "h100",
+            "--no-memory", "--n-values", "4,8,12"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["prediction"]
+    assert [row["n"] for row in out["vs_n"]] == [4, 8, 12]
+    steps = [row["total_s"] for row in out["vs_n"]]
+    assert steps == sorted(steps) and out["step"]["total_s"] == steps[2]
+    assert out["workload"]["kl"] is True  # the recipe's use_kl_loss
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "predicted step: Qwen/Qwen2.5-7B-Instruct" in text and "predicted step vs n" in text
+
+
+def test_plan_predict_refuses_what_it_cannot_answer(capsys):
+    from trl_nrollout.cli import main
+
+    base = ["plan", "--num-processes", "2", "--train-batch-size", "4", "--rollout-n", "2", "--predict"]
+    assert main([*base, "--model", "Qwen/Qwen2.5-7B-Instruct"]) == 2
+    assert "--predict and --suggest need a device: pass --device h100" in capsys.readouterr().err
+    assert main([*base, "--device", "h100"]) == 2
+    assert "need a model: pass --model" in capsys.readouterr().err
+    assert main([*base, "--device", "h100", "--model", "Qwen/Qwen2.5-7B-Instruct", "--trainer-sharding", "zero5"]) == 2
+    assert "trainer_sharding='zero5' must be one of ['none', 'zero3', 'fsdp']" in capsys.readouterr().err
+
+
+def test_the_plan_reads_the_critics_micro_batch_from_the_recipe(tmp_path, capsys):
+    """A recipe's trainer: ppo and critic_ppo_micro_batch_size_per_device reach the plan (keys without a flag)."""
+    import yaml
+
+    from trl_nrollout.cli import main
+
+    recipe = yaml.safe_load((ROOT / "recipes/configs/ppo.yaml").read_text())
+    recipe.update(critic_ppo_micro_batch_size_per_device=8, adv_estimator="reinforce_plus_plus")
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["plan", "--config", str(path), "--no-memory"]) == 0
+    assert "critic value micro batch     8 sequences per device per forward" in capsys.readouterr().out

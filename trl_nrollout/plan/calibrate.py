@@ -1,0 +1,144 @@
+"""``trl-nrollout plan --calibrate``: measure this machine's :class:`~trl_nrollout.plan.devices.DeviceProfile`.
+
+Short micro-benchmarks, each the median of a few repeats:
+
+- ``flops``: a float32 (CPU) or bfloat16 (CUDA) matmul of 2048 x 2048 matrices;
+- ``mem_bw``: a copy of a 256 MiB tensor (bytes read + written per second);
+- the engine's costs, on a real vLLM engine of the given model (one process): decode steps at 1 and at 64 running
+  sequences (``ignore_eos``, two completion lengths each, so the call's fixed cost cancels) give ``step_s`` and
+  ``seq_step_s`` beyond the roofline of those steps; a call with no decode gives ``call_s``; a prefill of 16
+  prompts of 256 tokens gives ``mfu_prefill``;
+- training forwards of the model at two token counts give ``forward_s`` (the fixed part) and ``mfu_train``;
+- a weight sync into the engine gives ``sync_s`` beyond the bytes at ``mem_bw``.
+
+``link_bw`` is not measured (one process): a quarter of ``mem_bw`` is assumed, and said in ``source``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+from trl_nrollout.plan.devices import DeviceProfile
+
+
+def _median_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_flops(device: str = "cpu", size: int = 2048) -> float:
+    import torch
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+
+    def run():
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    return 2 * size**3 / _median_time(run)
+
+
+def measure_mem_bw(device: str = "cpu", mib: int = 256) -> float:
+    import torch
+
+    src = torch.empty(mib << 18, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+
+    def run():
+        dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    return 2 * src.numel() * 4 / _median_time(run)
+
+
+def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None] = print) -> DeviceProfile:
+    """Measure this machine with ``model`` (a ``builtin:`` name, local folder or hub id) and return its profile."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_nrollout.builtin import resolve_model
+    from trl_nrollout.plan.cost import ModelDims
+    from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.plan.memory import load_config_dict
+    from trl_nrollout.rollout.types import SamplingOptions
+    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    progress("calibrate 1/5: matmul")
+    flops = measure_flops(device)
+    progress(f"  {flops / 1e9:.1f} GFLOP/s")
+    progress("calibrate 2/5: memory copy")
+    mem_bw = measure_mem_bw(device)
+    progress(f"  {mem_bw / 1e9:.1f} GB/s")
+    path = resolve_model(model)
+    config, _ = load_config_dict(path)
+    dims = ModelDims.from_config_dict(config, dtype="float32" if device == "cpu" else "bfloat16", name=model)
+    progress("calibrate 3/5: engine decode steps")
+    layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=16, rollout_n=8)
+    engine = VLLMEngineGroup(path, layout, rank=0, max_model_len=512, seed=0)
+
+    def call(prompts: int, n: int, tokens: int, prompt_len: int = 8) -> float:
+        ids = [[5 + (p * 7 + k) % 50 for k in range(prompt_len)] for p in range(prompts)]
+        options = SamplingOptions(max_tokens=tokens, temperature=1.0, seed=1, ignore_eos=True)
+        return _median_time(lambda: engine.generate_engine(ids, n, options), repeats=3)
+
+    matmul = dims.matmul_params
+    weights = matmul * dims.dtype_bytes
+
+    def roof(running: int, context: float) -> float:
+        compute = running * (2 * matmul + dims.attention_flops(context)) / flops
+        memory = (weights + running * context * dims.kv_bytes_per_token) / mem_bw
+        return max(compute, memory)
+
+    per_step = {}
+    for running, (prompts, n) in ((1, (1, 1)), (64, (8, 8))):
+        short, long = call(prompts, n, 8), call(prompts, n, 40)
+        per_step[running] = max((long - short) / 32 - roof(running, 8 + 24), 0.0)
+        progress(f"  {running} running: {(long - short) / 32 * 1e3:.2f} ms per step")
+    seq_step_s = max((per_step[64] - per_step[1]) / 63, 0.0)
+    step_s = max(per_step[1] - seq_step_s, 0.0)
+    call_s = max(call(1, 1, 1) - step_s - seq_step_s, 0.0)
+    prefill_t = max(call(16, 1, 1, prompt_len=256) - call_s - step_s - 16 * seq_step_s, 1e-6)
+    mfu_prefill = min(1.0, 16 * 256 * (2 * matmul + dims.attention_flops(128)) / flops / prefill_t)
+    progress("calibrate 4/5: weight sync")
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    sync_t = _median_time(lambda: engine.load_weights(policy), repeats=3)
+    sync_s = max(sync_t - dims.num_parameters * dims.dtype_bytes / (mem_bw / 2), 0.0)
+    engine.close()
+    progress("calibrate 5/5: training forwards")
+    policy.to(device)
+
+    def forward(batch: int, length: int) -> float:
+        ids = torch.randint(5, 100, (batch, length), device=device)
+        with torch.no_grad():
+            return _median_time(lambda: policy(input_ids=ids), repeats=3)
+
+    small, large = forward(2, 64), forward(8, 256)
+    tokens_small, tokens_large = 2 * 64, 8 * 256
+    per_token = max((large - small) / (tokens_large - tokens_small), 1e-12)
+    mfu_train = min(1.0, (2 * matmul + dims.attention_flops(128)) / flops / per_token)
+    forward_s = max(small - tokens_small * per_token, 0.0)
+    memory_gib = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
+                  else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
+    profile = DeviceProfile(
+        name=name, flops=flops, mem_bw=mem_bw, link_bw=mem_bw / 4, memory_gib=memory_gib, mfu_prefill=mfu_prefill,
+        mfu_train=mfu_train, bw_eff=1.0, link_eff=1.0, step_s=step_s, seq_step_s=seq_step_s, call_s=call_s,
+        forward_s=forward_s, sync_s=sync_s, allreduce_s=5e-5,
+        source=f"calibrated on this machine ({device}, {os.cpu_count()} CPUs, torch threads "
+               f"{torch.get_num_threads()}) with {model} at {time.strftime('%Y-%m-%d %H:%M')}; link_bw assumed "
+               f"mem_bw / 4 (not measured)")
+    progress(f"  step_s {step_s * 1e3:.2f} ms, seq_step_s {seq_step_s * 1e3:.3f} ms, call_s {call_s * 1e3:.1f} ms, "
+             f"mfu_prefill {mfu_prefill:.2f}, mfu_train {mfu_train:.2f}, forward_s {forward_s * 1e3:.1f} ms")
+    return profile
