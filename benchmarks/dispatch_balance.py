@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 pairs, fewer prompts")
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per rank")
-    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--rollout-n", dest="n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--slow-ms", type=float, default=5.0)
@@ -155,7 +155,7 @@ def main() -> None:
     raw = args.out / "dispatch_balance.rows.json"
     torchrun = str(Path(sys.executable).parent / "torchrun")
     cmd = [torchrun, "--nproc_per_node", "2", __file__, "--worker-out", str(raw), "--pairs", str(args.pairs),
-           "--prompts", str(args.prompts), "--n", str(args.n), "--max-tokens", str(args.max_tokens),
+           "--prompts", str(args.prompts), "--rollout-n", str(args.n), "--max-tokens", str(args.max_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--slow-ms", str(args.slow_ms)]
     start = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}

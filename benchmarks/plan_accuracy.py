@@ -43,9 +43,10 @@ def calibrate(out: Path) -> str:
     return str(out / "plan-accuracy.json")
 
 
-def measure(model: str, ns: list[int], lengths: list[int], steps: int, out: Path) -> list[dict]:
+def measure(model: str, ns: list[int], lengths: list[int], steps: int, out: Path, reuse: bool = False) -> list[dict]:
     folder = out / model.replace(":", "_").replace("/", "_")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/step_benchmark.py"), "--model", model, "--impls",
+    if not reuse:
+        subprocess.run([sys.executable, str(ROOT / "benchmarks/step_benchmark.py"), "--model", model, "--impls",
                     "ours-vllm", "--ns", *map(str, ns), "--prompt-tokens", *map(str, lengths), "--steps", str(steps),
                     "--no-colocate", "--out", str(folder)], cwd=ROOT, check=True)
     rows = json.loads((folder / "step_benchmark.json").read_text())["rows"]
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 512])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="the tiny model, n = 4 and 12, 32-token prompts")
+    ap.add_argument("--reuse", action="store_true",
+                    help="compare with the steps measured by an earlier run in --out (no new measurement)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plan_accuracy")
     ap.add_argument("--docs", action="store_true")
     args = ap.parse_args()
@@ -85,11 +88,12 @@ def main() -> None:
     load, busy = check_load("the plan accuracy benchmark")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    print("calibrating this machine ...", flush=True)
+    if args.profile is None:
+        print("calibrating this machine ...", flush=True)
     profile = load_profile(args.profile or calibrate(args.out))
     rows = []
     for model in args.models:
-        rows += measure(model, args.ns, args.prompt_tokens, args.steps, args.out)
+        rows += measure(model, args.ns, args.prompt_tokens, args.steps, args.out, args.reuse)
     results = []
     for row in rows:
         pred = predict(row, profile, 32)

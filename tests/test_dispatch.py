@@ -77,11 +77,11 @@ def test_a_balanced_queue_samples_what_fixed_shares_sample(balanced_runs):
 def test_a_slow_engine_hands_its_groups_to_the_fast_one(balanced_runs, case):
     """Engine 0 takes longer per step: the fast engine pulls groups of rank 0's prompts and runs more of the
     job's groups; every group is generated once, by one engine; every rank still gets its own prompts' samples.
-    Each engine holds at most max_num_seqs = n samples, so it claims one group at a time (and one empty claim at
-    the end): it pulls as it frees room, never its whole share at once."""
+    With max_num_seqs = n each engine runs one group and keeps one waiting: right after a claim it never holds a
+    group more than that (it pulls as it frees room, never its whole share at once)."""
     per_engine = {res["engine_index"]: res[case]["engine_groups"] for res in balanced_runs}
     for res in balanced_runs:
-        assert res[case]["claims"] == len(res[case]["engine_groups"]) + 1 and res[case]["engine_groups"]
+        assert res[case]["engine_groups"] and 2 * 3 <= res[case]["peak_outstanding"] < 3 * 3
     total = sum(len(res["prompts"]) for res in balanced_runs) // 3
     every = sorted(g for groups in per_engine.values() for g in groups)
     assert every == list(range(total))

@@ -47,7 +47,8 @@ def main() -> None:
                         "logprobs": batch.logprobs, "finish_reasons": batch.finish_reasons,
                         "group_index": batch.group_index, "seconds": seconds}
         if stats is not None:
-            result[name].update(engine_groups=stats.groups, claims=stats.claims, busy_s=stats.busy_s)
+            result[name].update(engine_groups=stats.groups, claims=stats.claims, busy_s=stats.busy_s,
+                                peak_outstanding=stats.peak_outstanding)
 
     record("shares", group.generate_expanded(mine, N, options, sample_offset=rank * len(mine)))
     engine_step = group.llm.llm_engine.step

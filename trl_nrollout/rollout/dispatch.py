@@ -5,7 +5,7 @@ pool their prompts). The step's rollout lasts as long as its slowest engine: an 
 draw long completions keeps the others waiting.
 
 ``rollout_dispatch="balanced"``: the step's groups form one queue for the whole job. Each engine keeps about
-``capacity`` samples outstanding (its ``max_num_seqs``) and, whenever a step of its own leaves fewer, claims the
+``max_num_seqs`` samples running and one group waiting and, whenever a step of its own leaves fewer, claims the
 next groups of the queue from a counter every rank can reach (the process group's key-value store: one atomic
 ``add`` per claim, no central process). An engine with less outstanding work thus claims sooner, and an engine slowed
 by long samples claims less. When the queue is empty and every engine has finished, the samples return to the ranks
@@ -70,33 +70,40 @@ class StoreQueue:
 @dataclass
 class PullStats:
     """What one engine did in a balanced rollout: the groups it generated (global indices, claim order), its claims,
-    and the seconds from the call's start until its last sample finished (``busy_s``)."""
+    the most samples it held right after a claim (``peak_outstanding``), and the seconds from the call's start until
+    its last sample finished (``busy_s``)."""
 
     groups: list[int] = field(default_factory=list)
     claims: int = 0
+    peak_outstanding: int = 0
     busy_s: float = 0.0
 
 
 def run_pulled(loop, queue, add_group: Callable[[int], str], n: int, capacity: int,
-               share: Callable[[Callable[[], list[int]]], list[int]] | None = None) -> tuple[dict[int, str], PullStats]:
+               share: Callable[[Callable[[], list[int]]], list[int]] | None = None,
+               outstanding: Callable[[], int] | None = None) -> tuple[dict[int, str], PullStats]:
     """Run ``loop`` (an :class:`~trl_nrollout.rollout.requests.EngineLoop`) on groups pulled from ``queue`` until
     the queue is drained and every pulled group has finished.
 
-    Before each engine step, while fewer than ``capacity`` samples are outstanding (``n`` per unfinished group), it
-    claims enough groups to reach ``capacity`` (at least one) and adds each with ``add_group(g) -> request id``.
+    Before each engine step, while the engine holds fewer than ``capacity + n`` unfinished samples
+    (``outstanding()``; default ``n`` per unfinished request), it claims enough groups to reach that (at least one)
+    and adds each with ``add_group(g) -> request id``: ``capacity`` samples run, about one group waits in the
+    engine's own queue, so a slot freed by a finished sample is refilled within the same step.
     ``share(claim)``: on a TP group, the group's leader calls ``claim()`` and every rank gets its result (the ranks
     run the same requests and step in lockstep, so they reach each claim together); None: claim here.
     Returns ``{group: request id}`` and the :class:`PullStats`."""
     if n < 1 or capacity < 1:
         raise ValueError(f"n={n} and capacity={capacity} must be >= 1.")
+    count = outstanding or (lambda: n * loop.num_open)
+    target = capacity + n
     start = time.perf_counter()
     requests: dict[int, str] = {}
     stats = PullStats()
     drained = False
     while True:
-        outstanding = n * loop.num_open
-        if not drained and outstanding < capacity:
-            want = max(1, math.ceil((capacity - outstanding) / n))
+        held = count()
+        if not drained and held < target:
+            want = max(1, math.ceil((target - held) / n))
 
             def claim(want: int = want) -> list[int]:
                 return list(queue.claim(want))
@@ -108,6 +115,7 @@ def run_pulled(loop, queue, add_group: Callable[[int], str], n: int, capacity: i
             for g in got:
                 requests[g] = add_group(g)
                 stats.groups.append(g)
+            stats.peak_outstanding = max(stats.peak_outstanding, count())
         if not loop.has_unfinished:
             if drained:
                 break

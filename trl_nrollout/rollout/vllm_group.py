@@ -374,7 +374,8 @@ class VLLMEngineGroup:
                           sample_offset: int | None = None, images: list[list] | None = None
                           ) -> tuple[RolloutBatch, PullStats]:
         """:meth:`generate_expanded` with ``rollout_dispatch="balanced"`` (:mod:`trl_nrollout.rollout.dispatch`): the
-        job's groups form one queue; each engine pulls groups while it holds fewer than its ``max_num_seqs`` samples;
+        job's groups form one queue; each engine pulls groups while it holds fewer than ``max_num_seqs + n`` unfinished
+        samples (vLLM counts each of a request's ``n`` samples until it ends);
         afterwards every rank gets the samples of its own prompts, in order. Group ``g`` of the job is seeded as
         under ``"shares"`` (from ``g``), whichever engine runs it. Collective over every rank. Returns the batch and
         this engine's :class:`~trl_nrollout.rollout.dispatch.PullStats` (its groups and busy seconds)."""
@@ -420,7 +421,8 @@ class VLLMEngineGroup:
         capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
         with self._engine_rng(sampling.seed):
             requests, stats = run_pulled(loop, StoreQueue(self._store, key, len(unique)), add_group, n, capacity,
-                                         share=None if self._tp_group is None else share)
+                                         share=None if self._tp_group is None else share,
+                                         outstanding=self.llm.llm_engine.get_num_unfinished_requests)
         done = self._send_home(
             {g: (loop.prompt_ids(rid) if flat_images is not None else list(unique[g]),
                  [(x.token_ids, x.logprobs, x.finish_reason) for x in loop.request(rid)])
