@@ -13,21 +13,37 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ROOT, run_cmd
-from trl_nrollout.rollout.dispatch import LocalQueue
+from trl_nrollout.rollout.dispatch import GroupQueue, LocalStore
 
 
 @settings(max_examples=200, deadline=None)
-@given(total=st.integers(0, 60), sizes=st.lists(st.integers(1, 9), min_size=1, max_size=40))
-def test_claims_hand_out_each_group_once_in_order(total, sizes):
-    """Whatever the claim sizes, the queue hands out 0..total-1 in order, each index once, then empty ranges."""
-    queue = LocalQueue(total)
-    got = [list(queue.claim(k)) for k in sizes]
-    flat = [g for claim in got for g in claim]
-    assert flat == list(range(min(total, sum(sizes))))
-    for k, claim in zip(sizes, got):
+@given(sizes=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+       claims=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 5)), min_size=1, max_size=80))
+def test_claims_hand_out_each_group_once_own_segment_first(sizes, claims):
+    """Engines claim in any interleaving and any sizes: each group goes to one engine once, in its segment's order;
+    an engine takes its own segment's groups before any other's (it steals only once its own are all handed out);
+    when everyone keeps claiming, every group is handed out."""
+    bounds = [sum(sizes[:e]) for e in range(len(sizes) + 1)]
+    segments = [range(bounds[e], bounds[e + 1]) for e in range(len(sizes))]
+    store = LocalStore()
+    queues = [GroupQueue(store, "k", segments, home) for home in range(len(sizes))]
+    got: list[list[int]] = [[] for _ in sizes]
+    for engine, k in claims:
+        engine %= len(sizes)
+        claim = list(queues[engine].claim(k))
         assert len(claim) <= k
-    if sum(sizes) >= total:
-        assert list(queue.claim(3)) == []
+        assert claim == list(range(claim[0], claim[0] + len(claim))) if claim else True  # in order
+        got[engine] += claim
+    for _ in range(bounds[-1] + 1):  # drain
+        for engine, q in enumerate(queues):
+            got[engine] += list(q.claim(3))
+    flat = sorted(g for groups in got for g in groups)
+    assert flat == list(range(bounds[-1]))
+    for engine, groups in enumerate(got):
+        own = [g in segments[engine] for g in groups]
+        assert own == sorted(own, reverse=True)  # own groups first, then stolen ones
+    for q in queues:
+        assert list(q.claim(2)) == []
 
 
 def test_config_refuses_what_a_balanced_dispatch_cannot_do():
@@ -75,7 +91,7 @@ def test_a_balanced_queue_samples_what_fixed_shares_sample(balanced_runs):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["balanced", "unseeded"])
 def test_a_slow_engine_hands_its_groups_to_the_fast_one(balanced_runs, case):
-    """Engine 0 takes longer per step: the fast engine pulls groups of rank 0's prompts and runs more of the
+    """Engine 0 takes longer per step: the fast engine steals groups of rank 0's prompts and runs more of the
     job's groups; every group is generated once, by one engine; every rank still gets its own prompts' samples.
     With max_num_seqs = n each engine runs one group and keeps one waiting: right after a claim it never holds a
     group more than that (it pulls as it frees room, never its whole share at once)."""
@@ -91,4 +107,4 @@ def test_a_slow_engine_hands_its_groups_to_the_fast_one(balanced_runs, case):
     for res in balanced_runs:
         assert res[case]["prompt_ids"] == res["prompts"]
         assert len(res[case]["completion_ids"]) == len(res["prompts"])
-    assert balanced_runs[0]["store_keys_left"] == [False, False]  # the queue's counters were removed
+    assert balanced_runs[0]["store_keys_left"] == [False] * 4  # the queue's counters were removed

@@ -63,7 +63,8 @@ def main() -> None:
         batch, stats = group.generate_balanced(mine, N, opts, sample_offset=rank * len(mine))
         record(name, batch, stats, time.perf_counter() - start)
     if rank == 0:  # the queue's counters were removed after each call
-        result["store_keys_left"] = [group._store.check([f"{group._pull_prefix}/{c}"]) for c in (1, 2)]
+        result["store_keys_left"] = [group._store.check([f"{group._pull_prefix}/{c}/{e}"])
+                                     for c in (1, 2) for e in (0, 1)]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     group.close()

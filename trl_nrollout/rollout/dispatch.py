@@ -4,11 +4,12 @@
 pool their prompts). The step's rollout lasts as long as its slowest engine: an engine whose groups happened to
 draw long completions keeps the others waiting.
 
-``rollout_dispatch="balanced"``: the step's groups form one queue for the whole job. Each engine keeps about
-``max_num_seqs`` samples running and one group waiting and, whenever a step of its own leaves fewer, claims the
-next groups of the queue from a counter every rank can reach (the process group's key-value store: one atomic
-``add`` per claim, no central process). An engine with less outstanding work thus claims sooner, and an engine slowed
-by long samples claims less. When the queue is empty and every engine has finished, the samples return to the ranks
+``rollout_dispatch="balanced"``: the step's groups form one queue for the whole job, cut into one segment per
+engine (its own ranks' groups). Each engine keeps about ``max_num_seqs`` samples running and one group waiting and,
+whenever a step of its own leaves fewer, claims the next groups of its own segment, and once that is empty the next
+groups of another engine's (work stealing), from counters every rank can reach (the process group's key-value
+store: one atomic ``add`` per claim, no central process). An engine with less outstanding work thus claims sooner,
+and the groups an engine slowed by long samples has not started go to the others. When the queue is empty and every engine has finished, the samples return to the ranks
 that own their prompts (one gather), in the order ``shares`` would give.
 
 What a seed fixes in this mode: a group's sampling seed comes from its place in the job (its global index), not from
@@ -35,36 +36,49 @@ from dataclasses import dataclass, field
 DISPATCH_MODES = ("shares", "balanced")
 
 
-class LocalQueue:
-    """The job's queue of ``total`` groups in one process (threads may share it): :meth:`claim` hands out the next
-    indices. The same contract as :class:`StoreQueue`, whose counter lives in the process group's store."""
+class LocalStore:
+    """A counter store in one process (threads may share it): the one call of ``torch.distributed.Store`` that
+    :class:`GroupQueue` uses, for tests and single-process runs."""
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self._next = 0
+    def __init__(self) -> None:
+        self._values: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def claim(self, k: int) -> range:
-        """The next ``k`` group indices (fewer at the end of the queue; an empty range once it is drained)."""
+    def add(self, key: str, amount: int) -> int:
         with self._lock:
-            start = self._next
-            self._next += k
-        return range(min(start, self.total), min(start + k, self.total))
+            self._values[key] = self._values.get(key, 0) + amount
+            return self._values[key]
 
 
-class StoreQueue:
-    """The job's queue of ``total`` groups, its head an atomic counter under ``key`` in a
-    ``torch.distributed.Store`` (every rank of the job reaches the same store). Use a fresh ``key`` per call."""
+class GroupQueue:
+    """The job's groups as one queue cut into segments, one per engine (its own ranks' groups, in order), each
+    segment's head an atomic counter under ``key/<segment>`` in ``store`` (a ``torch.distributed.Store`` every rank
+    reaches, or a :class:`LocalStore`). Engine ``home`` claims from its own segment first and, once that is empty,
+    from the others in turn (work stealing): engines that keep pace generate their own groups, and only the groups a
+    slower engine has not started move. Use a fresh ``key`` per call."""
 
-    def __init__(self, store, key: str, total: int) -> None:
+    def __init__(self, store, key: str, segments: list[range], home: int) -> None:
         self.store = store
         self.key = key
-        self.total = total
+        self.segments = segments
+        self.home = home
+        self._empty: set[int] = set()
 
     def claim(self, k: int) -> range:
-        end = int(self.store.add(self.key, k))  # atomic: the counter after our add
-        start = end - k
-        return range(min(start, self.total), min(end, self.total))
+        """The next ``k`` groups (fewer at the end of a segment; an empty range once every segment is drained)."""
+        count = len(self.segments)
+        for step in range(count):
+            seg = (self.home + step) % count
+            if seg in self._empty:
+                continue
+            part = self.segments[seg]
+            end = int(self.store.add(f"{self.key}/{seg}", k))  # atomic: the counter after our add
+            got = range(part.start + min(end - k, len(part)), part.start + min(end, len(part)))
+            if end >= len(part):
+                self._empty.add(seg)
+            if len(got):
+                return got
+        return range(0)
 
 
 @dataclass
