@@ -27,6 +27,8 @@ BENCHMARKS: list[str] = [
     "ppo_critic_cost.py",
     "partial_rollout.py",
     "tool_latency.py",
+    "dispatch_balance.py",
+    "plan_accuracy.py",
 ]
 
 

@@ -103,11 +103,22 @@ def test_tp2_halves_the_engine_weights_per_device_and_sharding_splits_the_traine
 def test_a_reference_pass_costs_what_the_old_policy_pass_costs(dims, work, dev):
     """A KL term adds the reference pass, a forward of the same tokens as the old-policy pass; nothing else."""
     layout = _layout()
+    work = replace(work, skip_old_on_policy=False)
     with_kl = predict_step(dims, layout, replace(work, kl=True), dev)
     without = predict_step(dims, layout, replace(work, kl=False), dev)
     assert without.phases["ref_log_prob"] == 0
     assert with_kl.phases["ref_log_prob"] == pytest.approx(with_kl.phases["old_log_prob"])
     assert with_kl.total_s == pytest.approx(without.total_s + with_kl.phases["ref_log_prob"])
+
+
+def test_the_old_policy_pass_runs_only_off_policy():
+    """As the trainer does: one optimizer step per rollout needs no old-policy pass (the update's own forward gives
+    the old log-probs); two mini batches, or the option turned off, bring it back."""
+    work = Workload(prompt_len=64, completion_mean=128, completion_max=256)
+    dev = PROFILES["h100"]
+    assert predict_step(QWEN7, _layout(), work, dev).phases["old_log_prob"] == 0
+    assert predict_step(QWEN7, _layout(ppo_mini_batch_size=32), work, dev).phases["old_log_prob"] > 0
+    assert predict_step(QWEN7, _layout(), replace(work, skip_old_on_policy=False), dev).phases["old_log_prob"] > 0
 
 
 def test_decode_waits_for_the_longest_sample_until_max_num_seqs_binds():

@@ -4,11 +4,12 @@ Short micro-benchmarks, each the median of a few repeats:
 
 - ``flops``: a float32 (CPU) or bfloat16 (CUDA) matmul of 2048 x 2048 matrices;
 - ``mem_bw``: a copy of a 256 MiB tensor (bytes read + written per second);
-- the engine's costs, on a real vLLM engine of the given model (one process): decode steps at 1 and at 64 running
+- the engine's costs, on a real vLLM engine of the given model (one process): decode steps at 1, 32 and 128 running
   sequences (``ignore_eos``, two completion lengths each, so the call's fixed cost cancels) give ``step_s`` and
-  ``seq_step_s`` beyond the roofline of those steps; a call with no decode gives ``call_s``; a prefill of 16
+  ``seq_step_s`` beyond the roofline of those steps (a least-squares line); a call with no decode gives ``call_s``; a prefill of 16
   prompts of 256 tokens gives ``mfu_prefill``;
-- training forwards of the model at two token counts give ``forward_s`` (the fixed part) and ``mfu_train``;
+- training steps (forward and backward of a language-model loss) at two token counts give ``forward_s`` (the
+  fixed part) and ``mfu_train``; an AdamW step over the model gives ``optimizer_bw``;
 - a weight sync into the engine gives ``sync_s`` beyond the bytes at ``mem_bw``.
 
 ``link_bw`` is not measured (one process): a quarter of ``mem_bw`` is assumed, and said in ``source``.
@@ -89,10 +90,17 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=16, rollout_n=8)
     engine = VLLMEngineGroup(path, layout, rank=0, max_model_len=512, seed=0)
 
+    calls = iter(range(1 << 30))
+
     def call(prompts: int, n: int, tokens: int, prompt_len: int = 8) -> float:
-        ids = [[5 + (p * 7 + k) % 50 for k in range(prompt_len)] for p in range(prompts)]
         options = SamplingOptions(max_tokens=tokens, temperature=1.0, seed=1, ignore_eos=True)
-        return _median_time(lambda: engine.generate_engine(ids, n, options), repeats=3)
+
+        def run():  # new prompts every run: vLLM's prefix cache would skip a repeated prompt's prefill
+            c = next(calls)
+            ids = [[5 + (c * 131 + p * 7 + k * 3) % 90 for k in range(prompt_len)] for p in range(prompts)]
+            engine.generate_engine(ids, n, options)
+
+        return _median_time(run, repeats=3)
 
     matmul = dims.matmul_params
     weights = matmul * dims.dtype_bytes
@@ -103,12 +111,15 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
         return max(compute, memory)
 
     per_step = {}
-    for running, (prompts, n) in ((1, (1, 1)), (64, (8, 8))):
+    for running, (prompts, n) in ((1, (1, 1)), (32, (4, 8)), (128, (16, 8))):
         short, long = call(prompts, n, 8), call(prompts, n, 40)
         per_step[running] = max((long - short) / 32 - roof(running, 8 + 24), 0.0)
         progress(f"  {running} running: {(long - short) / 32 * 1e3:.2f} ms per step")
-    seq_step_s = max((per_step[64] - per_step[1]) / 63, 0.0)
-    step_s = max(per_step[1] - seq_step_s, 0.0)
+    # least squares of step_s + seq_step_s x running over the three points
+    xs, ys = list(per_step), list(per_step.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    seq_step_s = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)
+    step_s = max(my - seq_step_s * mx, 0.0)
     call_s = max(call(1, 1, 1) - step_s - seq_step_s, 0.0)
     prefill_t = max(call(16, 1, 1, prompt_len=256) - call_s - step_s - 16 * seq_step_s, 1e-6)
     mfu_prefill = min(1.0, 16 * 256 * (2 * matmul + dims.attention_flops(128)) / flops / prefill_t)
@@ -117,25 +128,34 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     sync_t = _median_time(lambda: engine.load_weights(policy), repeats=3)
     sync_s = max(sync_t - dims.num_parameters * dims.dtype_bytes / (mem_bw / 2), 0.0)
     engine.close()
-    progress("calibrate 5/5: training forwards")
+    progress("calibrate 5/5: training steps and an optimizer step")
     policy.to(device)
 
-    def forward(batch: int, length: int) -> float:
+    def train_step(batch: int, length: int) -> float:  # forward + backward of a language-model loss
         ids = torch.randint(5, 100, (batch, length), device=device)
-        with torch.no_grad():
-            return _median_time(lambda: policy(input_ids=ids), repeats=3)
 
-    small, large = forward(2, 64), forward(8, 256)
+        def run():
+            policy.zero_grad(set_to_none=True)
+            policy(input_ids=ids, labels=ids).loss.backward()
+
+        return _median_time(run, repeats=3)
+
+    small, large = train_step(2, 64), train_step(8, 256)
     tokens_small, tokens_large = 2 * 64, 8 * 256
     per_token = max((large - small) / (tokens_large - tokens_small), 1e-12)
-    mfu_train = min(1.0, (2 * matmul + dims.attention_flops(128)) / flops / per_token)
-    forward_s = max(small - tokens_small * per_token, 0.0)
+    mfu_train = min(1.0, 3 * (2 * matmul + dims.attention_flops(128)) / flops / per_token)
+    forward_s = max(small - tokens_small * per_token, 0.0) / 2  # the update counts two per micro batch
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-7)
+    optimizer_t = _median_time(optimizer.step, repeats=3)
+    from trl_nrollout.plan.cost import OPTIMIZER_BYTES_PER_PARAM
+
+    optimizer_bw = dims.num_parameters * OPTIMIZER_BYTES_PER_PARAM / max(optimizer_t, 1e-9)
     memory_gib = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
     profile = DeviceProfile(
         name=name, flops=flops, mem_bw=mem_bw, link_bw=mem_bw / 4, memory_gib=memory_gib, mfu_prefill=mfu_prefill,
         mfu_train=mfu_train, bw_eff=1.0, link_eff=1.0, step_s=step_s, seq_step_s=seq_step_s, call_s=call_s,
-        forward_s=forward_s, sync_s=sync_s, allreduce_s=5e-5,
+        forward_s=forward_s, sync_s=sync_s, allreduce_s=5e-5, optimizer_bw=optimizer_bw,
         source=f"calibrated on this machine ({device}, {os.cpu_count()} CPUs, torch threads "
                f"{torch.get_num_threads()}) with {model} at {time.strftime('%Y-%m-%d %H:%M')}; link_bw assumed "
                f"mem_bw / 4 (not measured)")

@@ -14,7 +14,7 @@ A roofline model with fixed costs, per device, for one step of the layout (:clas
   plus ``sync_s``.
 - **old-policy / reference log-prob passes**: ``2 x params`` FLOPs per token (plus attention), the prompt once per
   group where the shared-prompt forward packs it, one ``forward_s`` per micro batch, a sharded trainer's weight
-  gather per forward.
+  gather per forward; no old-policy pass on-policy (one optimizer step per rollout), as the trainer skips it.
 - **update**: ``6 x params`` FLOPs per token (forward and backward) per PPO epoch, ``2 x forward_s`` per micro
   batch, the optimizer's pass over its states (16 bytes per parameter read and written, on the rank's shard), and
   a sharded trainer's gathers and reduce-scatters.
@@ -127,7 +127,9 @@ class Workload:
     """What a step processes beyond the layout: mean prompt tokens, completion tokens (mean and the longest, the
     tail a synchronous rollout waits for), the engines' ``max_num_seqs``, and which passes run: ``kl`` (a reference
     pass), ``packed`` (the shared-prompt forward: a group's prompt once in the passes), ``sharded`` (ZeRO-3 or FSDP:
-    parameters gathered per forward, optimizer states split), ``critic`` (PPO: a critic of the policy's size)."""
+    parameters gathered per forward, optimizer states split), ``critic`` (PPO: a critic of the policy's size),
+    ``skip_old_on_policy`` (the trainer's ``skip_old_log_prob_when_on_policy``: no old-policy pass when a rollout
+    makes one optimizer step)."""
 
     prompt_len: float
     completion_mean: float
@@ -137,6 +139,7 @@ class Workload:
     packed: bool = True
     sharded: bool = False
     critic: bool = False
+    skip_old_on_policy: bool = True
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.completion_mean < 0:
@@ -223,12 +226,13 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
     gather = _gather_s(dims, layout, work, dev)
     old = layout.old_log_prob.num_micro_batches
     ref = layout.ref_log_prob.num_micro_batches
-    old_s = forward_flops / train_rate + old * (dev.forward_s + gather)
+    on_policy = layout.optimizer_steps_per_rollout == 1 and work.skip_old_on_policy
+    old_s = 0.0 if on_policy else forward_flops / train_rate + old * (dev.forward_s + gather)
     ref_s = (forward_flops / train_rate + ref * (dev.forward_s + gather)) if work.kl else 0.0
     micro = math.ceil(layout.samples_per_rank / layout.ppo_micro_batch_size_per_device) * layout.ppo_epochs
     dp = layout.data_parallel_size
     shard = dims.num_parameters / (dp if work.sharded else 1)
-    optimizer_s = layout.optimizer_steps_per_rollout * shard * OPTIMIZER_BYTES_PER_PARAM / (dev.mem_bw * dev.bw_eff)
+    optimizer_s = layout.optimizer_steps_per_rollout * shard * OPTIMIZER_BYTES_PER_PARAM / dev.optimizer_rate
     reduce_s = 0.0 if dp == 1 else (layout.optimizer_steps_per_rollout * dims.num_parameters * 4 * (dp - 1) / dp
                                     / (dev.link_bw * dev.link_eff))
     update_s = (layout.ppo_epochs * 3 * forward_flops / train_rate + micro * (2 * dev.forward_s + 2 * gather)

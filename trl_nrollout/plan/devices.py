@@ -30,7 +30,8 @@ class DeviceProfile:
     running sequence per engine step beyond the roofline (sampling, output processing: large on a CPU),
     ``call_s`` per generation call, ``forward_s`` per training forward (launches, hooks), ``sync_s`` per weight
     sync, ``allreduce_s`` latency of one TP all-reduce. ``sync_bw`` the weight sync's B/s (None: half of
-    ``mem_bw x bw_eff``, a read and a write). ``source`` says where the figures come from."""
+    ``mem_bw x bw_eff``, a read and a write); ``optimizer_bw`` the optimizer step's B/s over its states (None:
+    ``mem_bw x bw_eff``). ``source`` says where the figures come from."""
 
     name: str
     flops: float
@@ -48,6 +49,7 @@ class DeviceProfile:
     sync_s: float = 0.1
     allreduce_s: float = 2e-5
     sync_bw: float | None = None
+    optimizer_bw: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -64,6 +66,10 @@ class DeviceProfile:
     @property
     def weight_sync_bw(self) -> float:
         return self.sync_bw if self.sync_bw is not None else self.mem_bw * self.bw_eff / 2
+
+    @property
+    def optimizer_rate(self) -> float:
+        return self.optimizer_bw if self.optimizer_bw is not None else self.mem_bw * self.bw_eff
 
     def to_dict(self) -> dict:
         return asdict(self)
