@@ -29,6 +29,7 @@ BENCHMARKS: list[str] = [
     "tool_latency.py",
     "dispatch_balance.py",
     "plan_accuracy.py",
+    "plan_published.py",
 ]
 
 
