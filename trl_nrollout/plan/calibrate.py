@@ -10,7 +10,9 @@ Short micro-benchmarks, each the median of a few repeats:
   prompts of 256 tokens gives ``mfu_prefill``;
 - training steps (forward and backward of a language-model loss) at two token counts give ``forward_s`` (the
   fixed part) and ``mfu_train``; an AdamW step over the model gives ``optimizer_bw``;
-- a weight sync into the engine gives ``sync_s`` beyond the bytes at ``mem_bw``.
+- a weight sync into the engine gives ``sync_s`` beyond the bytes at ``mem_bw``;
+- two short GRPO runs of the model (n = 4 and 12) give what the trainer adds around the engine and the model, per
+  sample and per step (``gen_sample_s``, ``train_sample_s``, ``train_fixed_s``, more ``call_s``).
 
 ``link_bw`` is not measured (one process): a quarter of ``mem_bw`` is assumed, and said in ``source``.
 """
@@ -64,8 +66,10 @@ def measure_mem_bw(device: str = "cpu", mib: int = 256) -> float:
     return 2 * src.numel() * 4 / _median_time(run)
 
 
-def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None] = print) -> DeviceProfile:
-    """Measure this machine with ``model`` (a ``builtin:`` name, local folder or hub id) and return its profile."""
+def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None] = print,
+              trainer_runs: bool = True) -> DeviceProfile:
+    """Measure this machine with ``model`` (a ``builtin:`` name, local folder or hub id) and return its profile;
+    ``trainer_runs``: also what our trainer adds around the engine and the model (two short training runs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -77,16 +81,16 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    progress("calibrate 1/5: matmul")
+    progress("calibrate 1/6: matmul")
     flops = measure_flops(device)
     progress(f"  {flops / 1e9:.1f} GFLOP/s")
-    progress("calibrate 2/5: memory copy")
+    progress("calibrate 2/6: memory copy")
     mem_bw = measure_mem_bw(device)
     progress(f"  {mem_bw / 1e9:.1f} GB/s")
     path = resolve_model(model)
     config, _ = load_config_dict(path)
     dims = ModelDims.from_config_dict(config, dtype="float32" if device == "cpu" else "bfloat16", name=model)
-    progress("calibrate 3/5: engine decode steps")
+    progress("calibrate 3/6: engine decode steps")
     layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=16, rollout_n=8)
     engine = VLLMEngineGroup(path, layout, rank=0, max_model_len=512, seed=0)
 
@@ -123,12 +127,12 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     call_s = max(call(1, 1, 1) - step_s - seq_step_s, 0.0)
     prefill_t = max(call(16, 1, 1, prompt_len=256) - call_s - step_s - 16 * seq_step_s, 1e-6)
     mfu_prefill = min(1.0, 16 * 256 * (2 * matmul + dims.attention_flops(128)) / flops / prefill_t)
-    progress("calibrate 4/5: weight sync")
+    progress("calibrate 4/6: weight sync")
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     sync_t = _median_time(lambda: engine.load_weights(policy), repeats=3)
     sync_s = max(sync_t - dims.num_parameters * dims.dtype_bytes / (mem_bw / 2), 0.0)
     engine.close()
-    progress("calibrate 5/5: training steps and an optimizer step")
+    progress("calibrate 5/6: training steps and an optimizer step")
     policy.to(device)
 
     def train_step(batch: int, length: int) -> float:  # forward + backward of a language-model loss
@@ -161,4 +165,52 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
                f"mem_bw / 4 (not measured)")
     progress(f"  step_s {step_s * 1e3:.2f} ms, seq_step_s {seq_step_s * 1e3:.3f} ms, call_s {call_s * 1e3:.1f} ms, "
              f"mfu_prefill {mfu_prefill:.2f}, mfu_train {mfu_train:.2f}, forward_s {forward_s * 1e3:.1f} ms")
+    if trainer_runs:
+        progress("calibrate 6/6: the trainer around them (two short runs, n = 4 and 12)")
+        profile = _trainer_residuals(profile, path, dims, progress)
     return profile
+
+
+def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callable[[str], None]) -> DeviceProfile:
+    """What the trainer adds around the engine and the model: two short GRPO runs of ``path`` (8 prompts of the
+    built-in ``digits`` task, n = 4 and 12, 32 new tokens, 4 steps, the first a warm-up), their ``timing_s/gen`` and
+    ``timing_s/update_actor`` against the profile's prediction: the difference's slope per sample gives
+    ``gen_sample_s`` and ``train_sample_s``, its intercept ``call_s`` (added) and ``train_fixed_s``."""
+    import statistics
+    import tempfile
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+    from trl_nrollout.config import NRolloutConfig
+    from trl_nrollout.plan.cost import Workload, predict_step
+    from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    data = digits_dataset(64)
+    prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in data["prompt"])
+    points = []
+    for n in (4, 12):
+        with tempfile.TemporaryDirectory() as out:
+            cfg = NRolloutConfig(output_dir=out, use_cpu=True, train_batch_size=8, rollout_n=n, max_completion_length=32,
+                                 max_steps=4, logging_steps=1, report_to="none", save_strategy="no",
+                                 learning_rate=1e-7, disable_tqdm=True, seed=0, log_completions=False)
+            trainer = NRolloutGRPOTrainer(model=path, reward_funcs=[digits_reward], args=cfg, train_dataset=data,
+                                          processing_class=tok)
+            trainer.train()
+            logs = [h for h in trainer.state.log_history if "timing_s/gen" in h][1:]
+            trainer.close()
+        layout = RolloutLayout.build(num_processes=1, train_batch_size=8, rollout_n=n)
+        mean_len = statistics.mean(h["response_length/mean"] for h in logs)
+        pred = predict_step(dims, layout, Workload(prompt_len, mean_len, 32), profile)
+        gen = statistics.mean(h["timing_s/gen"] for h in logs) - pred.phases["generation"]
+        upd = statistics.mean(h["timing_s/update_actor"] for h in logs) - pred.phases["update"]
+        points.append((8 * n, gen, upd))
+        progress(f"  n={n}: generation {gen * 1e3:+.0f} ms, update {upd * 1e3:+.0f} ms beyond the prediction")
+    (s1, g1, u1), (s2, g2, u2) = points
+    gen_slope, upd_slope = max((g2 - g1) / (s2 - s1), 0.0), max((u2 - u1) / (s2 - s1), 0.0)
+    return replace(profile, gen_sample_s=gen_slope, call_s=profile.call_s + max(g1 - gen_slope * s1, 0.0),
+                   train_sample_s=upd_slope, train_fixed_s=max(u1 - upd_slope * s1, 0.0),
+                   source=profile.source + "; trainer costs from two 4-step GRPO runs (8 prompts, n = 4 and 12)")

@@ -197,7 +197,7 @@ def _generation(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: Dev
     details = {"prefill_tokens_per_engine": prefill_tokens, "prefill_s": prefill_s, "decode_steps": steps,
                "mean_running": running, "decode_step_s": step_s, "decode_s": decode_s,
                "decode_bound": "memory" if memory >= compute else "compute", "tp_comm_per_step_s": comm}
-    return dev.call_s + prefill_s + decode_s, details
+    return dev.call_s + prefill_s + decode_s + dev.gen_sample_s * samples, details
 
 
 def _pass_tokens(layout: RolloutLayout, work: Workload) -> tuple[float, float]:
@@ -236,7 +236,8 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
     reduce_s = 0.0 if dp == 1 else (layout.optimizer_steps_per_rollout * dims.num_parameters * 4 * (dp - 1) / dp
                                     / (dev.link_bw * dev.link_eff))
     update_s = (layout.ppo_epochs * 3 * forward_flops / train_rate + micro * (2 * dev.forward_s + 2 * gather)
-                + optimizer_s + reduce_s)
+                + optimizer_s + reduce_s + layout.ppo_epochs * layout.samples_per_rank * dev.train_sample_s
+                + layout.optimizer_steps_per_rollout * dev.train_fixed_s)
     if work.critic:  # a value pass and the critic's own update, a model of the policy's size
         old_s += forward_flops / train_rate + old * (dev.forward_s + gather)
         update_s *= 2

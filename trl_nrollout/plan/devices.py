@@ -31,7 +31,11 @@ class DeviceProfile:
     ``call_s`` per generation call, ``forward_s`` per training forward (launches, hooks), ``sync_s`` per weight
     sync, ``allreduce_s`` latency of one TP all-reduce. ``sync_bw`` the weight sync's B/s (None: half of
     ``mem_bw x bw_eff``, a read and a write); ``optimizer_bw`` the optimizer step's B/s over its states (None:
-    ``mem_bw x bw_eff``). ``source`` says where the figures come from."""
+    ``mem_bw x bw_eff``). What a trainer adds around the engine and the model (calibrated; 0 in the datasheet
+    profiles): ``gen_sample_s`` per sample in the generation phase (requests in and out, bookkeeping),
+    ``train_sample_s`` per sample per update epoch (the loss's per-token work beyond the matmuls, masks, metrics),
+    ``train_fixed_s`` per optimizer step (clipping, the step's bookkeeping). ``source`` says where the figures come
+    from."""
 
     name: str
     flops: float
@@ -50,6 +54,9 @@ class DeviceProfile:
     allreduce_s: float = 2e-5
     sync_bw: float | None = None
     optimizer_bw: float | None = None
+    gen_sample_s: float = 0.0
+    train_sample_s: float = 0.0
+    train_fixed_s: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -59,7 +66,8 @@ class DeviceProfile:
         for name in ("mfu_prefill", "mfu_train", "bw_eff", "link_eff"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be in (0, 1].")
-        for name in ("step_s", "seq_step_s", "call_s", "forward_s", "sync_s", "allreduce_s"):
+        for name in ("step_s", "seq_step_s", "call_s", "forward_s", "sync_s", "allreduce_s", "gen_sample_s",
+                     "train_sample_s", "train_fixed_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be >= 0.")
 
