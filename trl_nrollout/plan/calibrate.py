@@ -180,6 +180,7 @@ def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callab
     import tempfile
     from dataclasses import replace
 
+    import torch
     from transformers import AutoTokenizer
 
     from trl_nrollout.builtin import digits_dataset, digits_reward
@@ -196,7 +197,8 @@ def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callab
         with tempfile.TemporaryDirectory() as out:
             cfg = NRolloutConfig(output_dir=out, use_cpu=True, train_batch_size=8, rollout_n=n, max_completion_length=32,
                                  max_steps=4, logging_steps=1, report_to="none", save_strategy="no",
-                                 learning_rate=1e-7, disable_tqdm=True, seed=0, log_completions=False)
+                                 learning_rate=1e-7, disable_tqdm=True, seed=0, log_completions=False,
+                                 bf16=torch.cuda.is_available())  # float32 on a CPU, as the other measurements
             trainer = NRolloutGRPOTrainer(model=path, reward_funcs=[digits_reward], args=cfg, train_dataset=data,
                                           processing_class=tok)
             trainer.train()
