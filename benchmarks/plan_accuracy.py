@@ -1,7 +1,7 @@
 """How well ``trl-nrollout plan --predict`` predicts measured steps on this machine.
 
-1. Calibrate this machine (``trl-nrollout plan --calibrate``, in a child process) with ``builtin:tiny-qwen2``, or
-   use ``--profile`` (a saved profile's name or a JSON file).
+1. Calibrate this machine (``trl-nrollout plan --calibrate``, in a child process) with each model, or use
+   ``--profile`` (a saved profile's name or a JSON file) for all.
 2. Measure steps with ``benchmarks/step_benchmark.py`` (ours, vLLM engine, one process): for each model
    (``--models``, default the tiny and medium built-ins), n = 4 / 8 / 12 / 16 and 32- and 512-token prompts.
 3. Predict each configuration with the cost model (the same layout; the workload as run: the prompt length, the
@@ -34,13 +34,15 @@ PHASE_MAP = {"generation": "gen", "weight_sync": "weight_sync", "old_log_prob": 
 GOAL_STEP, GOAL_PHASE, GOAL_RATIO = 0.25, 0.40, 0.15
 
 
-def calibrate(out: Path) -> str:
+def calibrate(out: Path, model: str) -> str:
+    """This machine's profile, calibrated with ``model`` (its engine's decode steps and the trainer around it)."""
     from common import CHILD_ENV
 
     env = {**os.environ, **CHILD_ENV, "TRL_NROLLOUT_PROFILES": str(out)}
-    subprocess.run([sys.executable, "-m", "trl_nrollout.cli", "plan", "--calibrate", "--device", "plan-accuracy",
-                    "--model", "builtin:tiny-qwen2"], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-    return str(out / "plan-accuracy.json")
+    name = "plan-accuracy-" + model.replace(":", "_").replace("/", "_")
+    subprocess.run([sys.executable, "-m", "trl_nrollout.cli", "plan", "--calibrate", "--device", name,
+                    "--model", model], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    return str(out / f"{name}.json")
 
 
 def measure(model: str, ns: list[int], lengths: list[int], steps: int, out: Path, reuse: bool = False) -> list[dict]:
@@ -88,15 +90,15 @@ def main() -> None:
     load, busy = check_load("the plan accuracy benchmark")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    if args.profile is None:
-        print("calibrating this machine ...", flush=True)
-    profile = load_profile(args.profile or calibrate(args.out))
-    rows = []
-    for model in args.models:
+    profiles, rows = {}, []
+    for model in args.models:  # calibrated with the model it predicts, as a user would (plan --calibrate --model)
+        if args.profile is None:
+            print(f"calibrating this machine with {model} ...", flush=True)
+        profiles[model] = load_profile(args.profile or calibrate(args.out, model))
         rows += measure(model, args.ns, args.prompt_tokens, args.steps, args.out, args.reuse)
     results = []
     for row in rows:
-        pred = predict(row, profile, 32)
+        pred = predict(row, profiles[row["model"]], 32)
         measured = {"step": row["step_s"], **{p: row["phases_s"][k] for p, k in PHASE_MAP.items()}}
         predicted = {"step": pred["total_s"], **{p: pred["phases"][p] for p in PHASE_MAP}}
         error = {k: predicted[k] / measured[k] - 1 if measured[k] > 0 else None for k in measured}
@@ -139,7 +141,7 @@ def main() -> None:
     print(table)
     (args.out / "plan_accuracy.md").write_text(table + "\n")
     (args.out / "plan_accuracy.json").write_text(json.dumps(
-        {"profile": profile.to_dict(), "results": results, "ratios": ratios, "verdict": verdict,
+        {"profiles": {m: p.to_dict() for m, p in profiles.items()}, "results": results, "ratios": ratios, "verdict": verdict,
          "load_at_start": load, "wall_s": time.perf_counter() - start}, indent=1))
     _plot(results, args.out / "plan_accuracy.png")
     if args.docs:

@@ -109,8 +109,13 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     matmul = dims.matmul_params
     weights = matmul * dims.dtype_bytes
 
+    # prefill first (a call of one step less its fixed cost), then decode beyond the same roofline as the model's
+    call_one = call(1, 1, 1)
+    prefill_t = max(call(16, 1, 1, prompt_len=256) - call_one, 1e-6)
+    mfu_prefill = min(1.0, 16 * 256 * (2 * matmul + dims.attention_flops(128)) / flops / prefill_t)
+
     def roof(running: int, context: float) -> float:
-        compute = running * (2 * matmul + dims.attention_flops(context)) / flops
+        compute = running * (2 * matmul + dims.attention_flops(context)) / (flops * mfu_prefill)
         memory = (weights + running * context * dims.kv_bytes_per_token) / mem_bw
         return max(compute, memory)
 
@@ -124,9 +129,7 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     seq_step_s = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs), 0.0)
     step_s = max(my - seq_step_s * mx, 0.0)
-    call_s = max(call(1, 1, 1) - step_s - seq_step_s, 0.0)
-    prefill_t = max(call(16, 1, 1, prompt_len=256) - call_s - step_s - 16 * seq_step_s, 1e-6)
-    mfu_prefill = min(1.0, 16 * 256 * (2 * matmul + dims.attention_flops(128)) / flops / prefill_t)
+    call_s = max(call_one - step_s - seq_step_s - roof(1, 8), 0.0)
     progress("calibrate 4/6: weight sync")
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     sync_t = _median_time(lambda: engine.load_weights(policy), repeats=3)
