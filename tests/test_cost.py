@@ -232,3 +232,25 @@ def test_the_plan_reads_the_critics_micro_batch_from_the_recipe(tmp_path, capsys
     path.write_text(yaml.safe_dump(recipe))
     assert main(["plan", "--config", str(path), "--no-memory"]) == 0
     assert "critic value micro batch     8 sequences per device per forward" in capsys.readouterr().out
+
+
+@pytest.mark.vllm
+def test_a_calibrated_profile_measures_this_machine_and_predicts(tmp_path, monkeypatch, tiny_model_path, capsys):
+    """`plan --calibrate`'s measurements on a real engine (the trainer runs left out here: they take a minute):
+    positive peaks, efficiencies within (0, 1], an engine step's fixed cost of a few milliseconds at most, saved and
+    loaded back, and usable by --predict."""
+    from trl_nrollout.cli import main
+    from trl_nrollout.plan.calibrate import calibrate
+
+    monkeypatch.setenv("TRL_NROLLOUT_PROFILES", str(tmp_path))
+    profile = calibrate(tiny_model_path, name="here", progress=lambda _: None, trainer_runs=False)
+    assert profile.flops > 1e9 and profile.mem_bw > 1e9 and profile.memory_gib > 1
+    assert 0 < profile.mfu_prefill <= 1 and 0 < profile.mfu_train <= 1
+    assert 0 <= profile.step_s < 0.05 and 0 <= profile.seq_step_s < 0.005 and profile.optimizer_rate > 0
+    save_profile(profile)
+    assert load_profile("here") == profile
+    assert main(["plan", "--num-processes", "1", "--train-batch-size", "8", "--rollout-n", "4", "--model",
+                 tiny_model_path, "--device", "here", "--predict", "--no-memory", "--max-prompt-length", "32",
+                 "--max-completion-length", "32", "--json"]) == 0
+    step = json.loads(capsys.readouterr().out)["prediction"]["step"]
+    assert 0 < step["total_s"] < 60 and step["phases"]["generation"] > 0
