@@ -284,6 +284,7 @@ HEAVY = {
     "starts an engine": re.compile(r"\b(VLLMEngineGroup|HFEngine|LLM)\("),
     "runs a rollout": re.compile(r"\b(_generate_and_score_completions|generate_expanded|generate_engine)\("),
     "builds a trainer (model and engine)": re.compile(r"\b\w*Trainer\((?!\w*Error)"),
+    "calibrates (an engine, training runs)": re.compile(r"\bcalibrate\("),
 }
 
 
