@@ -45,12 +45,13 @@ def calibrate(out: Path, model: str) -> str:
     return str(out / f"{name}.json")
 
 
-def measure(model: str, ns: list[int], lengths: list[int], steps: int, out: Path, reuse: bool = False) -> list[dict]:
+def measure(model: str, ns: list[int], lengths: list[int], steps: int, out: Path, reuse: bool = False,
+            repeats: int = 1) -> list[dict]:
     folder = out / model.replace(":", "_").replace("/", "_")
     if not reuse:
         subprocess.run([sys.executable, str(ROOT / "benchmarks/step_benchmark.py"), "--model", model, "--impls",
                     "ours-vllm", "--ns", *map(str, ns), "--prompt-tokens", *map(str, lengths), "--steps", str(steps),
-                    "--no-colocate", "--out", str(folder)], cwd=ROOT, check=True)
+                    "--no-colocate", "--repeats", str(repeats), "--out", str(folder)], cwd=ROOT, check=True)
     rows = json.loads((folder / "step_benchmark.json").read_text())["rows"]
     return [dict(r, model=model) for r in rows if r.get("impl") == "ours-vllm" and "phases_s" in r]
 
@@ -75,6 +76,8 @@ def main() -> None:
     ap.add_argument("--ns", type=int, nargs="+", default=[4, 8, 12, 16])
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 512])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="fresh processes per configuration (step_benchmark.py's --repeats: medians)")
     ap.add_argument("--quick", action="store_true", help="the tiny model, n = 4 and 12, 32-token prompts")
     ap.add_argument("--reuse", action="store_true",
                     help="compare with the steps measured by an earlier run in --out (no new measurement)")
@@ -95,7 +98,7 @@ def main() -> None:
         if args.profile is None:
             print(f"calibrating this machine with {model} ...", flush=True)
         profiles[model] = load_profile(args.profile or calibrate(args.out, model))
-        rows += measure(model, args.ns, args.prompt_tokens, args.steps, args.out, args.reuse)
+        rows += measure(model, args.ns, args.prompt_tokens, args.steps, args.out, args.reuse, args.repeats)
     results = []
     for row in rows:
         pred = predict(row, profiles[row["model"]], 32)
