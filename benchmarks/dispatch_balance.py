@@ -74,7 +74,7 @@ def worker(args) -> None:
                     batch = group.generate_expanded(mine, args.n, options, sample_offset=rank * len(mine))
                     busy, moved = time.perf_counter() - start, 0
                 else:
-                    batch, stats = group.generate_balanced(mine, args.n, options, sample_offset=rank * len(mine))
+                    batch, stats = group.generate_balanced(mine, args.n, options)
                     busy = stats.busy_s
                     per_engine = args.prompts  # groups per engine's ranks (TP=1)
                     moved = sum(1 for g in stats.groups if g // per_engine != group.engine_index)

@@ -60,7 +60,7 @@ def main() -> None:
         group.llm.llm_engine.step = slow_step
     for name, opts in (("balanced", options), ("unseeded", replace(options, seed=None))):
         start = time.perf_counter()
-        batch, stats = group.generate_balanced(mine, N, opts, sample_offset=rank * len(mine))
+        batch, stats = group.generate_balanced(mine, N, opts)
         record(name, batch, stats, time.perf_counter() - start)
     if rank == 0:  # the queue's counters were removed after each call
         result["store_keys_left"] = [group._store.check([f"{group._pull_prefix}/{c}/{e}"])

@@ -299,13 +299,8 @@ class VLLMEngineGroup:
             options["structured_outputs"] = StructuredOutputsParams(regex=sampling.regex)
         return SamplingParams(**options)
 
-    def generate_engine(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingOptions,
-                        group_offset: int = 0, images: Sequence[list] | None = None) -> RolloutBatch:
-        """Run this rank's engine on ``prompts`` (the same on every rank of the TP group): ``n`` samples each.
-
-        ``images``: per prompt, its images (vLLM's ``multi_modal_data``; the prompt then holds the image
-        placeholders unexpanded, and the returned ``prompt_ids`` are vLLM's, expanded)."""
-
+    def _ready(self) -> None:
+        """Before generating: a clear error if the engine was closed, and the engine woken if it sleeps."""
         if self.llm is None:
             raise RuntimeError(
                 "this rollout engine was closed (trainer.close(), or a newer trainer in this process replaced it: "
@@ -313,6 +308,15 @@ class VLLMEngineGroup:
             )
         if self.sleeping:
             self.wake_up()
+
+    def generate_engine(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingOptions,
+                        group_offset: int = 0, images: Sequence[list] | None = None) -> RolloutBatch:
+        """Run this rank's engine on ``prompts`` (the same on every rank of the TP group): ``n`` samples each.
+
+        ``images``: per prompt, its images (vLLM's ``multi_modal_data``; the prompt then holds the image
+        placeholders unexpanded, and the returned ``prompt_ids`` are vLLM's, expanded)."""
+
+        self._ready()
         self.check_prompt_length(max((len(p) for p in prompts), default=0), sampling.max_tokens)
         start = time.perf_counter()
         if sampling.seed is None or self.seed_mode == "engine":
@@ -371,8 +375,7 @@ class VLLMEngineGroup:
         return batch.slice(first, first + len(sample_prompts))
 
     def generate_balanced(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                          sample_offset: int | None = None, images: list[list] | None = None
-                          ) -> tuple[RolloutBatch, PullStats]:
+                          images: list[list] | None = None) -> tuple[RolloutBatch, PullStats]:
         """:meth:`generate_expanded` with ``rollout_dispatch="balanced"`` (:mod:`trl_nrollout.rollout.dispatch`): the
         job's groups form one queue; each engine pulls groups while it holds fewer than ``max_num_seqs + n`` unfinished
         samples (vLLM counts each of a request's ``n`` samples until it ends);
@@ -381,7 +384,7 @@ class VLLMEngineGroup:
         this engine's :class:`~trl_nrollout.rollout.dispatch.PullStats` (its groups and busy seconds)."""
         if self._world_group is None:  # one engine (or one process): its share is the whole queue
             start = time.perf_counter()
-            batch = self.generate_expanded(sample_prompts, n, sampling, sample_offset=sample_offset, images=images)
+            batch = self.generate_expanded(sample_prompts, n, sampling, images=images)
             busy = time.perf_counter() - start
             return batch, PullStats(groups=sorted(set(batch.group_index)), claims=1, busy_s=busy)
         self._barrier_before_generate()
@@ -397,10 +400,7 @@ class VLLMEngineGroup:
                            for img in (imgs if imgs is not None else [[] for _ in prompts])][::n]
         counts = [len(prompts) for prompts, _ in per_rank]
         offset = sum(counts[:self.rank])  # the job's samples in rank order (TRL's: rank r's start at r * its count)
-        if self.llm is None:
-            self.generate_engine([], 1, sampling)  # raises the closed-engine error
-        if self.sleeping:
-            self.wake_up()
+        self._ready()
         self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
         per_request = sampling.seed is not None and self.seed_mode == "sample"
         shared = None if per_request else self._sampling_params(n, replace(sampling, seed=None))
@@ -517,10 +517,7 @@ class VLLMEngineGroup:
         first = sum(len(chunk) for chunk, _ in per_rank[:mine])
         if not flat:
             return RolloutBatch([], [], [], [], [])
-        if self.llm is None:
-            self.generate_engine([], 1, sampling)  # raises the closed-engine error
-        if self.sleeping:
-            self.wake_up()
+        self._ready()
         from vllm.inputs import TokensPrompt
 
         for ctx, budget, _ in flat:
@@ -560,10 +557,7 @@ class VLLMEngineGroup:
         first = sum(len(c) for c in per_rank[:mine_at])
         offset = self.rank * len(sample_prompts) if sample_offset is None else sample_offset
         group_offset = (offset - first) // n
-        if self.llm is None:
-            self.generate_engine([], 1, sampling)  # raises the closed-engine error
-        if self.sleeping:
-            self.wake_up()
+        self._ready()
         self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
         per_request = sampling.seed is not None and self.seed_mode == "sample"
         from vllm.inputs import TokensPrompt
@@ -601,10 +595,7 @@ class VLLMEngineGroup:
         others with their tokens kept; new tokens are tagged ``version``. Seeds: with a seed and
         ``seed_mode="sample"``, request ``r`` of the call gets a seed from the call's seed, the engine's index and
         its place (a sample continued in a later step draws from another seed than it would have uninterrupted)."""
-        if self.llm is None:
-            self.generate_engine([], 1, sampling)  # raises the closed-engine error
-        if self.sleeping:
-            self.wake_up()
+        self._ready()
         for g in groups:
             if not g.finished:
                 self.check_prompt_length(len(g.prompt_ids), sampling.max_tokens)

@@ -514,7 +514,7 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
         if self.args.rollout_dispatch == "balanced":  # engines pull the job's groups from one queue
             batch, pulled = self.rollout_engine.generate_balanced(
                 images.engine_ids if images is not None else [list(p) for p in prompt_ids], n, sampling,
-                sample_offset=offset, images=images.images if images is not None else None)
+                images=images.images if images is not None else None)
             if images is not None:
                 check_expansion(batch.prompt_ids, prompt_ids)
             self._log_dispatch(mode, pulled, len(inputs), n)
