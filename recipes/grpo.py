@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
+    if getattr(trainer, "is_rollout_rank", False):  # rollout_ranks: this process generated for the trainers
+        trainer.close()
+        return {"rollout_rank": True, **trainer.stats}
     trainer.save_model(training_args.output_dir)
     summary = build_summary(
         steps=trainer.state.global_step,

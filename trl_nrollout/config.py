@@ -45,6 +45,7 @@ from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout  # noqa: E402
 from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES  # noqa: E402
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES  # noqa: E402
+from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge, split_world  # noqa: E402
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, SEED_MODES  # noqa: E402
 
 #: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
@@ -193,11 +194,25 @@ class NRolloutConfig(GRPOConfig):
         "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "
                 "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "
                 "so that the step can stop once its share has finished instead of waiting for the slowest group."})
-    max_staleness: int = field(default=2, metadata={
-        "help": "With rollout_partial: how many policy versions (optimizer steps) a sample's oldest token may lag "
-                "the policy that trains on it (TRL AsyncGRPO's max_staleness). An older sample is dropped and "
-                "started again (its tokens are lost: a low bound restarts long samples, a bias against them). 0: "
-                "nothing carries over (unfinished samples restart)."})
+    max_staleness: int | None = field(default=None, metadata={
+        "help": "How many policy versions (optimizer steps) a sample may lag the policy that trains on it (TRL "
+                "AsyncGRPO's max_staleness). With rollout_partial (default 2): a sample's oldest token; an older "
+                "sample is dropped and started again (its tokens are lost: a low bound restarts long samples, a bias "
+                "against them); 0: nothing carries over. With rollout_ranks (default 1, one-step-off-policy): how "
+                "many steps ahead the rollout ranks generate while the trainers train; 0: synchronous (the samples "
+                "of a colocated run, seeded)."})
+
+    rollout_ranks: int = field(default=0, metadata={
+        "help": "Processes of the launch that only generate (the last ones; whole nodes on several nodes); the "
+                "others train (verl's one-step-off-policy, TRL's server mode, inside one accelerate launch, without "
+                "Ray or a second program). Weights go from trainer rank 0 to them over torch.distributed (gloo) "
+                "after every optimizer step, samples come back with their behaviour log-probs; they generate "
+                "max_staleness steps ahead. 0: every process trains and generates (colocated). Batch sizes count "
+                "the trainers only. Single-turn text prompts on vLLM engines."})
+    rollout_rank_timeout_s: float = field(default=120.0, metadata={
+        "help": "With rollout_ranks: seconds without a heartbeat (written every second by every process) after "
+                "which a rank stops the launch, naming the silent rank and what it was doing (a dead or frozen "
+                "process); nothing waits forever."})
 
     rollout_multi_turn: str = field(default="turns", metadata={
         "help": "How samples with tools (tools, environment_factory) advance. 'turns': turn by turn, every sample's "
@@ -258,7 +273,13 @@ class NRolloutConfig(GRPOConfig):
                 "off. At 512-token prompts and n=8 the update ran 4.7x faster on CPU."})
 
     def __post_init__(self) -> None:
+        if self.max_staleness is None:
+            self.max_staleness = 1 if self.rollout_ranks else 2
+        self._split_rollout_ranks()  # before anything starts torch.distributed
         world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun; checked below
+        bridge = current_bridge()
+        if bridge is not None:  # batch sizes count the trainers (a rollout rank holds the trainers' config too)
+            world = bridge.roles.trainers
         self._check_choices()
         check_trl_options({f.name: getattr(self, f.name) for f in fields(GRPOConfig)})  # nothing silently ignored
         self._map_trl_options()
@@ -297,6 +318,29 @@ class NRolloutConfig(GRPOConfig):
         twins = {"rollout_tp_size": "vllm_tensor_parallel_size", "rollout_max_model_len": "vllm_max_model_length"}
         return [f"{name}={getattr(self, name)!r}" + (f" (or TRL's {twins[name]})" if name in twins else "")
                 for name in VLLM_ENGINE_OPTIONS if getattr(self, name) != defaults[name]]
+
+    @property
+    def world_size(self) -> int:
+        """The trainers' processes (TrainingArguments' meaning); on a rollout rank too, whose own world generates."""
+        bridge = current_bridge()
+        if bridge is not None and bridge.role == ROLLOUT and self.rollout_ranks:
+            return bridge.roles.trainers
+        return super().world_size
+
+    def _split_rollout_ranks(self) -> None:
+        """``rollout_ranks``: refuse what cannot run on rollout ranks, then split the launch (see
+        :mod:`trl_nrollout.rollout.ranks`)."""
+        if not self.rollout_ranks:
+            return
+        why = rollout_ranks_refusal(self)
+        if why:
+            raise InputError(why)
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 and current_bridge() is None:
+            raise InputError(
+                f"rollout_ranks={self.rollout_ranks} needs a launch of several processes (some train, "
+                f"{self.rollout_ranks} generate) but this is a single process; run it with `accelerate launch "
+                f"--num_processes {self.rollout_ranks + 1} ...` (more to train), or set rollout_ranks=0.")
+        split_world(self.rollout_ranks, self.rollout_tp_size, self.rollout_rank_timeout_s)
 
     def _trl_post_init(self) -> None:
         """``GRPOConfig``'s own checks and derived fields (a subclass may adapt them)."""
@@ -432,6 +476,9 @@ class NRolloutConfig(GRPOConfig):
                              "the step's first prompts, while DAPO's selection may train groups drawn in later "
                              "rounds, which would get another prompt's baseline; set filter_groups=False, or use "
                              "a group estimator ('grpo', 'rloo') with filter_groups.")
+        if not self.rollout_rank_timeout_s > 0:
+            raise InputError(f"rollout_rank_timeout_s={self.rollout_rank_timeout_s} must be > 0 (seconds a rank may be "
+                             "silent before the launch stops; e.g. 120).")
         if self.max_staleness < 0:
             raise InputError(f"max_staleness={self.max_staleness} must be >= 0 (policy versions a sample may lag; "
                              "1 lets an unfinished sample continue after one weight sync).")
@@ -483,8 +530,8 @@ class NRolloutConfig(GRPOConfig):
                              "rollout_is_threshold=2.0.")
 
     def _layout_kwargs(self, world: int) -> dict:
-        return dict(
-            num_processes=world, rollout_tp_size=self.rollout_tp_size, train_batch_size=self.train_batch_size,
+        return dict(  # with rollout_ranks the trainers hold no engine: their layout has none to split
+            num_processes=world, rollout_tp_size=1 if self.rollout_ranks else self.rollout_tp_size, train_batch_size=self.train_batch_size,
             rollout_n=self.rollout_n, ppo_mini_batch_size=self.ppo_mini_batch_size,
             ppo_mini_batch_samples=self.ppo_mini_batch_samples,
             ppo_micro_batch_size_per_device=self.ppo_micro_batch_size_per_device, ppo_epochs=self.ppo_epochs or 1,
@@ -572,6 +619,28 @@ class NRolloutConfig(GRPOConfig):
         """The :class:`RolloutLayout` this config trains with (what ``trl-nrollout plan`` prints) on ``nnodes``
         nodes (a TP group must stay within a node)."""
         return RolloutLayout.build(**self._layout_kwargs(num_processes or self.world_size), nnodes=nnodes)
+
+
+def rollout_ranks_refusal(config: NRolloutConfig) -> str | None:
+    """Why ``rollout_ranks`` cannot run with the other options of ``config`` (None: it can); the message names the
+    options and a fix. What depends on the trainer's arguments (tools, rollout_func) is checked by the trainer."""
+    r = config.rollout_ranks
+    if r < 0:
+        return f"rollout_ranks={r} must be >= 0 (processes that only generate; 0: every process trains)."
+    if config.rollout_backend == "hf":
+        return (f"rollout_ranks={r} runs vLLM engines on the rollout ranks; rollout_backend='hf' generates with the "
+                "training model itself. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or rollout_ranks=0.")
+    if config.rollout_partial:
+        return (f"rollout_ranks={r} with rollout_partial=True: partial rollouts keep each colocated engine's pool "
+                "across steps; on rollout ranks the engines generate whole steps ahead instead (max_staleness). Set "
+                "one of them.")
+    if config.rollout_dispatch == "balanced":
+        return (f"rollout_ranks={r} with rollout_dispatch='balanced': the rollout ranks split each job by whole "
+                "groups among their engines; set rollout_dispatch='shares' (the default).")
+    if config.rollout_multi_turn == "requests":
+        return (f"rollout_ranks={r} with rollout_multi_turn='requests': tool calls would run on the rollout ranks; "
+                "multi-turn rollouts are not on rollout ranks yet. Set rollout_ranks=0 for tools.")
+    return None
 
 
 def config_help_table() -> list[tuple[str, str, str]]:

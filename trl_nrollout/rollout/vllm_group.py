@@ -631,17 +631,30 @@ class VLLMEngineGroup:
         bare ``model.load_weights`` skips. A sleeping engine wakes its weights first, loads, resets the prefix
         cache (and a vision-language model's encoder cache), and only then wakes its KV cache. Returns bytes, buckets and seconds.
         """
+        engine_names = self.parameter_names()
+
+        def buckets():  # gathered when vLLM asks for a bucket's first tensor
+            yield from iter_weight_buckets(model, self.weight_bucket_bytes, keep_alias=engine_has(engine_names))
+
+        return self.load_buckets(buckets())
+
+    def parameter_names(self) -> set[str]:
+        """The names of the engine's own parameters (a tied weight is sent under the names the engine's model
+        has)."""
+        return {n for n, _ in self._model_runner().get_model().named_parameters(remove_duplicate=False)}
+
+    @torch.no_grad()
+    def load_buckets(self, buckets) -> dict:
+        """Load full weights given as an iterator of buckets (lists of ``(name, tensor)``, whole decoder layers),
+        each asked for only when vLLM has loaded the one before. Returns bytes, buckets and seconds."""
         start = time.perf_counter()
         if "weights" in self._asleep:  # weights first, KV cache only after the load: a lower peak (as TRL does)
             self.wake_up(["weights"])
         runner = self._model_runner()
         stats = {"bytes": 0, "buckets": 0, "peak_bucket_bytes": 0}
 
-        # the names of the engine's own parameters: a tied weight is sent under the names the engine's model has
-        engine_names = {n for n, _ in runner.get_model().named_parameters(remove_duplicate=False)}
-
-        def weights():  # every bucket in turn, gathered when vLLM asks for its first tensor
-            for bucket in iter_weight_buckets(model, self.weight_bucket_bytes, keep_alias=engine_has(engine_names)):
+        def weights():
+            for bucket in buckets:
                 size = sum(t.numel() * t.element_size() for _, t in bucket)
                 stats["bytes"] += size
                 stats["peak_bucket_bytes"] = max(stats["peak_bucket_bytes"], size)

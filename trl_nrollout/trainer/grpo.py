@@ -17,6 +17,7 @@ plain or shared-prompt layout). TRL's loop does the rest: data order (its Repeat
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -64,11 +65,13 @@ from trl_nrollout.recipe.report import LiveProgressCallback
 from trl_nrollout.recipe.summary import GenerationClock, StepClock
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
+from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE
 from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images
 from trl_nrollout.trainer.partial import PartialRollouts
+from trl_nrollout.trainer.rollout_ranks import RolloutRanks, RolloutRankWorker
 from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
 from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, Sample, StepContext
 from trl_nrollout.trainer.update import PolicyUpdate
@@ -86,12 +89,24 @@ def to_nrollout_config(args: GRPOConfig) -> NRolloutConfig:
     return cfg
 
 
-class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, PolicyUpdate, GRPOTrainer):
+class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, PartialRollouts, PolicyUpdate, GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
     :class:`NRolloutConfig` or a plain ``GRPOConfig`` (converted).
     """
+
+    def __new__(cls, *args, **kwargs):
+        """On a rollout rank (``rollout_ranks``) the trainer is a :class:`RolloutRankWorker`: the same script runs on
+        every process, and there ``train()`` serves the trainers."""
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        bridge = current_bridge()
+        if bridge is not None and bridge.role == ROLLOUT and getattr(config, "rollout_ranks", 0):
+            worker = RolloutRankWorker(config, kwargs.get("model", args[0] if args else None),
+                                       kwargs.get("processing_class"))
+            atexit.register(worker.close)  # until the trainers' stop (they close their side at exit)
+            return worker
+        return super().__new__(cls)
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
@@ -240,6 +255,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
         attention head size the CPU backend lacks, parameter names it cannot map). With rollout_backend='auto' such
         a model falls back to the HF engine with one warning saying why (on every rank alike); with 'vllm' it is an
         error naming the model, the reason and the fallback."""
+        if self.args.rollout_ranks:  # the engines live on the rollout ranks
+            return self._start_remote_engines()
         refusal = self._vllm_refusal() if self.rollout_backend == "vllm" else None
         if refusal is not None:  # the same on every rank (the same adapter config and options)
             return self._fall_back(choice, refusal)
@@ -430,10 +447,12 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
         self._metrics[mode][name].append(float(value))
 
     # ------------------------------------------------------------------ the rollout step
-    def _sampling(self, mode: str, greedy: bool = False, round_: int = 0) -> SamplingOptions:
+    def _sampling(self, mode: str, greedy: bool = False, round_: int = 0, step: int | None = None) -> SamplingOptions:
+        """The sampling options of the rollout at optimizer step ``step`` (default: now)."""
         args = self.args
         # a per-step seed: reproducible, and the same after resuming from a checkpoint
-        seed = step_seed(args.seed, self.state.global_step, round_, f"{mode}/greedy" if greedy else mode)
+        step = self.state.global_step if step is None else step
+        seed = step_seed(args.seed, step, round_, f"{mode}/greedy" if greedy else mode)
         return SamplingOptions(
             max_tokens=args.max_completion_length or 256, temperature=0.0 if greedy else self.temperature,
             top_p=self.top_p, top_k=self.top_k if self.top_k and self.top_k > 0 else -1, min_p=self.min_p or 0.0,
@@ -481,7 +500,10 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
             self._metric(mode, "timing_s/weight_sync", 0.0)  # the engine already holds these weights
             return
         start = time.perf_counter()
-        stats = self.rollout_engine.load_weights(self.model)
+        if self._remote:  # sent from a thread while the trainers go on (the rollout ranks load it before the next job)
+            stats = self.rollout_engine.load_weights(self.model, version=self.state.global_step)
+        else:
+            stats = self.rollout_engine.load_weights(self.model)
         self._last_synced_step = self.state.global_step
         self._metric(mode, "timing_s/weight_sync", time.perf_counter() - start)
         if stats.get("bytes"):
@@ -511,7 +533,11 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
             self.rollout_engine.sleep()
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode
-        if self.args.rollout_dispatch == "balanced":  # engines pull the job's groups from one queue
+        if self._remote:  # engines on rollout ranks: this step's job was maybe written steps ago
+            batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
+                                                          sample_offset=offset, ahead=self._ahead_jobs(mode))
+            self._log_remote(mode)
+        elif self.args.rollout_dispatch == "balanced":  # engines pull the job's groups from one queue
             batch, pulled = self.rollout_engine.generate_balanced(
                 images.engine_ids if images is not None else [list(p) for p in prompt_ids], n, sampling,
                 images=images.images if images is not None else None)
@@ -921,6 +947,8 @@ class NRolloutGRPOTrainer(RewardScoring, MultiTurnRollout, PartialRollouts, Poli
     # ------------------------------------------------------------------ buffering with loss normalizers
     def _prepare_inputs(self, generation_batch):
         mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            self._count_batch()  # rollout ranks read TRL's batches ahead: where the loop is
         if mode != "train":
             batch = self._generate_and_score_completions(generation_batch)
             return self._add_normalizers([batch], 1)[0]

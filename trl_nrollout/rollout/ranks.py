@@ -1,0 +1,280 @@
+"""Rollout ranks: some processes of one launch only generate, the others train (``rollout_ranks``).
+
+One ``accelerate launch`` of ``W`` processes is split into two torch.distributed worlds before accelerate starts:
+the first ``W - R`` global ranks train (DDP, DeepSpeed ZeRO or FSDP among themselves, rank 0 logs and saves) and the
+last ``R`` generate (their own world: vLLM engines of ``rollout_tp_size`` ranks within a node). Both worlds are set
+up on the launcher's rendezvous store, under their own prefixes, so no port is opened besides the launcher's.
+
+Between the two worlds (the *bridge*):
+
+- messages from trainer rank 0 to the rollout ranks (a start message, weight versions, generation jobs, the end),
+  and the rollout ranks' samples back, travel through the same store, one key each, read in order;
+- weights travel over a gloo process group of trainer rank 0 and the rollout ranks, one flat byte buffer per
+  bucket (``weight_sync_bucket_mb``), sent from a thread, so the trainers go on training while they travel;
+- every process writes a heartbeat (time and what it is doing) to the store every second; a watchdog thread stops
+  a process whose peer has not been heard from for ``rollout_rank_timeout_s`` (a dead or frozen process), with a
+  message naming the peer and what it was doing, so no rank waits forever.
+
+The math of who is who is in :class:`Roles` (pure); :func:`roles_refusal` says why a layout cannot work.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+TRAIN, ROLLOUT = "train", "rollout"
+_PREFIX = "trl_nrollout/bridge/"
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Who does what in a launch of ``world`` processes, ``local_world`` per node, whose last ``rollout_ranks``
+    only generate. Global ranks ``[0, trainers)`` train, ``[trainers, world)`` generate."""
+
+    world: int
+    rollout_ranks: int
+    local_world: int
+
+    @property
+    def trainers(self) -> int:
+        return self.world - self.rollout_ranks
+
+    def role(self, rank: int) -> str:
+        return TRAIN if rank < self.trainers else ROLLOUT
+
+    def role_rank(self, rank: int) -> int:
+        """The rank within its own world."""
+        return rank if rank < self.trainers else rank - self.trainers
+
+    def role_size(self, rank: int) -> int:
+        return self.trainers if rank < self.trainers else self.rollout_ranks
+
+    def role_local_world(self, rank: int) -> int:
+        """Processes of ``rank``'s role on its node (every node of a role holds the same number: see
+        :func:`roles_refusal`)."""
+        node = rank // self.local_world
+        first, last = node * self.local_world, (node + 1) * self.local_world
+        return sum(1 for r in range(first, last) if self.role(r) == self.role(rank))
+
+    def global_rank(self, role: str, role_rank: int) -> int:
+        return role_rank if role == TRAIN else self.trainers + role_rank
+
+    def rollout_globals(self) -> list[int]:
+        return list(range(self.trainers, self.world))
+
+
+def roles_refusal(world: int, rollout_ranks: int, local_world: int, rollout_tp_size: int = 1) -> str | None:
+    """Why ``rollout_ranks`` cannot split a launch of ``world`` processes (``local_world`` per node) into trainers
+    and engines of ``rollout_tp_size`` ranks; None when it can. The message names the option, the rule and a fix."""
+    if rollout_ranks < 0:
+        return f"rollout_ranks={rollout_ranks} must be >= 0 (processes that only generate; 0: every process trains)."
+    if rollout_ranks == 0:
+        return None
+    if world < 2:
+        return (f"rollout_ranks={rollout_ranks} needs at least 2 processes (one to train, one to generate) but the "
+                f"launch has {world}; launch more processes (accelerate launch --num_processes {rollout_ranks + 1}), "
+                "or set rollout_ranks=0.")
+    if rollout_ranks >= world:
+        return (f"rollout_ranks={rollout_ranks} leaves no process to train among the launch's {world}; use at most "
+                f"{world - 1}, or launch {rollout_ranks + 1} or more processes.")
+    if rollout_ranks % rollout_tp_size:
+        return (f"rollout_ranks={rollout_ranks} is not a multiple of rollout_tp_size={rollout_tp_size}: each engine "
+                f"takes rollout_tp_size rollout ranks; use rollout_ranks="
+                f"{max(rollout_tp_size, rollout_ranks - rollout_ranks % rollout_tp_size)}.")
+    if local_world < 1 or world % local_world:
+        return f"{local_world} processes per node do not divide the launch's {world} processes."
+    if world > local_world and rollout_ranks % local_world:
+        return (f"rollout_ranks={rollout_ranks} on {world // local_world} nodes of {local_world} processes would "
+                "leave a node with both trainers and rollout ranks, and the two worlds with unequal processes per "
+                f"node; use a multiple of {local_world} (whole nodes generate: the last ones).")
+    if rollout_tp_size > 1 and local_world % rollout_tp_size and world > local_world:
+        return (f"rollout_tp_size={rollout_tp_size} does not divide the {local_world} processes per node: an engine's "
+                "ranks must share a node.")
+    return None
+
+
+class RolloutRankError(RuntimeError):
+    """A rank of the other world died, hung, or failed; the message names it and what it was doing."""
+
+
+class Bridge:
+    """The link between the two worlds of this process's launch (see the module docstring). ``store``: the
+    launcher's store under the bridge's prefix; ``weights_group``: the gloo group of trainer rank 0 (its rank 0)
+    and the rollout ranks (1 + their rollout rank), None on the other trainers."""
+
+    def __init__(self, roles: Roles, rank: int, store, weights_group, timeout_s: float) -> None:
+        self.roles = roles
+        self.rank = rank
+        self.store = store
+        self.weights_group = weights_group
+        self.timeout_s = timeout_s
+        self.status = "starting"
+        self._watch: set[int] = set()  # the peers whose silence stops this process
+        self._stopped = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="trl_nrollout-heartbeat", daemon=True)
+        self._beat.start()
+        atexit.register(self.finish)
+
+    @property
+    def role(self) -> str:
+        return self.roles.role(self.rank)
+
+    @property
+    def is_leader(self) -> bool:
+        """Trainer rank 0: the one that talks to the rollout ranks."""
+        return self.rank == 0
+
+    def describe(self, rank: int) -> str:
+        return f"global rank {rank} ({self.roles.role(rank)} rank {self.roles.role_rank(rank)})"
+
+    # ------------------------------------------------------------------ liveness
+    def watch(self, ranks) -> None:
+        """From now on, stop this process when one of ``ranks`` has not written a heartbeat for ``timeout_s``."""
+        self._watch = set(ranks) - {self.rank}
+
+    def unwatch(self) -> None:
+        self._watch = set()
+
+    def finish(self) -> None:
+        """This rank is done (its peers no longer wait for it): the last heartbeat says so."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        try:
+            self.store.set(f"beat/{self.rank}", f"{time.time()}|done")
+        except Exception:  # noqa: BLE001 - the store's host may have exited first; nothing waits then
+            pass
+
+    def _heartbeat(self) -> None:
+        while not self._stopped.wait(1.0):
+            try:
+                self.store.set(f"beat/{self.rank}", f"{time.time()}|{self.status}")
+            except Exception:  # noqa: BLE001 - the store's host is gone: trainer rank 0 exited or died
+                if self._watch:
+                    self._die(f"the launcher's store (hosted by trainer rank 0 or the launcher) stopped answering "
+                              f"while this rank was {self.status}: trainer rank 0 died or exited")
+                return
+            if self._watch:
+                self._check_peers()
+
+    def peer_state(self, rank: int) -> tuple[float, str] | None:
+        """The last heartbeat of ``rank``: (seconds since, what it was doing), None before its first one."""
+        key = f"beat/{rank}"
+        if not self.store.check([key]):
+            return None
+        stamp, _, status = self.store.get(key).decode().partition("|")
+        return time.time() - float(stamp), status
+
+    def _check_peers(self) -> None:
+        for peer in sorted(self._watch):
+            state = self.peer_state(peer)
+            if state is None or state[1] == "done":
+                continue
+            silent, status = state
+            if silent > self.timeout_s:
+                self._die(f"{self.describe(peer)} has not been heard from for {silent:.0f} s (rollout_rank_timeout_s="
+                          f"{self.timeout_s:g}); it was last {status}. It died or hangs; see its own output above")
+
+    def _die(self, why: str) -> None:
+        """Stop this process at once (a thread cannot raise into the main thread, which may be blocked in a
+        collective): the launcher then stops the others."""
+        sys.stderr.write(f"\ntrl_nrollout: {self.describe(self.rank)} stops: {why}.\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    # ------------------------------------------------------------------ messages
+    def put(self, key: str, value) -> None:
+        self.store.set(key, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def take(self, key: str, sender: int, what: str, delete: bool = True):
+        """The value at ``key``, written by ``sender``; waits for it, checking that the sender lives (a
+        :class:`RolloutRankError` naming it otherwise). ``delete``: remove the key once read (one reader)."""
+        last = self.status
+        self.status = f"waiting for {what}"
+        try:
+            while not self.store.check([key]):
+                state = self.peer_state(sender)
+                if state is not None and state[0] > self.timeout_s and state[1] != "done":
+                    raise RolloutRankError(
+                        f"{self.describe(sender)} has not been heard from for {state[0]:.0f} s while this rank waited "
+                        f"for {what} (rollout_rank_timeout_s={self.timeout_s:g}); it was last {state[1]}.")
+                if state is not None and state[1] == "done":
+                    raise RolloutRankError(f"{self.describe(sender)} finished while this rank waited for {what}.")
+                time.sleep(0.005)
+            value = pickle.loads(self.store.get(key))
+            if delete:
+                self.store.delete_key(key)
+            if isinstance(value, dict) and value.get("kind") == "error":
+                raise RolloutRankError(f"{self.describe(sender)} failed: {value['message']}")
+            return value
+        finally:
+            self.status = last
+
+
+_BRIDGE: Bridge | None = None
+
+
+def current_bridge() -> Bridge | None:
+    """This process's bridge, once :func:`split_world` ran (None: no rollout ranks)."""
+    return _BRIDGE
+
+
+def split_world(rollout_ranks: int, rollout_tp_size: int = 1, timeout_s: float = 120.0) -> Bridge:
+    """Split this launch into trainers and rollout ranks (see the module docstring); idempotent within a process.
+
+    Reads the launcher's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``; sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` to this process's world (``LOCAL_RANK``
+    keeps the device index) and starts that world's default process group, so that accelerate, DeepSpeed and vLLM
+    see their own world only. Must run before anything starts torch.distributed (an ``Accelerator``, a
+    ``PartialState``); :class:`~trl_nrollout.config.NRolloutConfig` calls it first thing.
+    """
+    global _BRIDGE
+    if _BRIDGE is not None:
+        if _BRIDGE.roles.rollout_ranks != rollout_ranks:
+            raise ValueError(f"rollout_ranks={rollout_ranks}, but this launch was already split with rollout_ranks="
+                             f"{_BRIDGE.roles.rollout_ranks}; one launch has one split.")
+        return _BRIDGE
+    from trl_nrollout.errors import InputError
+
+    if torch.distributed.is_initialized():
+        raise InputError(
+            f"rollout_ranks={rollout_ranks} splits the launch's processes before torch.distributed starts, but it "
+            "was already started (an Accelerator, a PartialState or init_process_group ran before the config was "
+            "built); build NRolloutConfig first.")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    why = roles_refusal(world, rollout_ranks, local_world, rollout_tp_size)
+    if why:
+        raise InputError(why)
+    roles = Roles(world, rollout_ranks, local_world)
+    store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=timedelta(seconds=600)))
+    role = roles.role(rank)
+    timeout = timedelta(seconds=max(600.0, timeout_s))
+    os.environ["RANK"] = str(roles.role_rank(rank))
+    os.environ["WORLD_SIZE"] = str(roles.role_size(rank))
+    os.environ["LOCAL_WORLD_SIZE"] = str(roles.role_local_world(rank))
+    os.environ["TRL_NROLLOUT_ROLE"] = role
+    os.environ["TRL_NROLLOUT_GLOBAL_RANK"] = str(rank)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(
+        backend, store=torch.distributed.PrefixStore(f"trl_nrollout/{role}/", store), rank=roles.role_rank(rank),
+        world_size=roles.role_size(rank), timeout=timeout)
+    bridge_store = torch.distributed.PrefixStore(_PREFIX, store)
+    group = None
+    if rank == 0 or role == ROLLOUT:  # trainer rank 0 is the weights group's rank 0
+        members = 1 + rollout_ranks
+        group = torch.distributed.ProcessGroupGloo(
+            torch.distributed.PrefixStore("trl_nrollout/weights/", store),
+            0 if rank == 0 else 1 + roles.role_rank(rank), members, timeout)
+    _BRIDGE = Bridge(roles, rank, bridge_store, group, timeout_s)
+    return _BRIDGE

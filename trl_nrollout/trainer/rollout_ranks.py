@@ -1,0 +1,247 @@
+"""The trainer with ``rollout_ranks``: engines on processes of their own (:mod:`trl_nrollout.rollout.ranks`).
+
+On a trainer rank, :class:`RolloutRanks` (a mixin of the GRPO trainer) replaces the colocated engine by
+:class:`~trl_nrollout.rollout.remote.RemoteEngines` and feeds it the prompts of the next ``max_staleness`` steps,
+read ahead from TRL's own data loader (:meth:`RolloutRanks.get_batch_samples`), so the engines generate step
+``k + s`` while the trainers train step ``k``. On a rollout rank, the trainer class gives a
+:class:`RolloutRankWorker` instead: the user's script runs unchanged on every process, and ``train()`` there serves
+the trainers' jobs until they finish.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections import deque
+from typing import Any
+
+from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
+from trl_nrollout.rollout.remote import RemoteEngines, serve
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutRanks:
+    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the trainers' side of rollout ranks."""
+
+    def _rollout_ranks_refusal(self) -> str | None:
+        """What the trainer's arguments add to :func:`~trl_nrollout.config.rollout_ranks_refusal`."""
+        r = self.args.rollout_ranks
+        if self.tools or getattr(self, "environment_factories", None):
+            return (f"rollout_ranks={r} with tools or environment_factory: tool calls run where samples generate, "
+                    "and multi-turn rollouts are not on rollout ranks yet; set rollout_ranks=0 for tools.")
+        if self.rollout_func is not None:
+            return (f"rollout_ranks={r} with rollout_func: the function drives a colocated engine itself; set "
+                    "rollout_ranks=0 for it.")
+        return None
+
+    def _start_remote_engines(self) -> RemoteEngines:
+        """Start the rollout ranks' engines (the start message), then send them the initial weights."""
+        if (why := self._rollout_ranks_refusal()) is not None:
+            raise UnsupportedTRLOption(why)
+        if (refusal := self._vllm_refusal()) is not None:
+            raise UnsupportedTRLOption(f"rollout_ranks={self.args.rollout_ranks} generates with vLLM, which cannot "
+                                       f"serve this run: {refusal}.")
+        args = self.args
+        max_len, expected = self._vllm_lengths()
+        bridge = current_bridge()
+        settings = dict(
+            model=self._model_path(), dtype=args.rollout_dtype, max_model_len=max_len, expected_len=expected,
+            max_num_seqs=args.rollout_max_num_seqs, kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
+            enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
+            seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
+            trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples)
+        engines = RemoteEngines(bridge, settings, max_model_len=max_len, bucket_bytes=args.weight_sync_bucket_mb << 20)
+        engines.load_weights(self.model, version=0)
+        atexit.register(engines.close)  # the rollout ranks close their engines; trainer rank 0 waits for them
+        self._ahead: deque = deque()  # TRL's batches read ahead of the training loop
+        self._ahead_iter = None
+        self._handed = self._consumed = 0  # batches handed to the loop / prepared, in the epoch's order
+        self._held: dict = {}
+        return engines
+
+    @property
+    def _remote(self) -> bool:
+        return isinstance(getattr(self, "rollout_engine", None), RemoteEngines)
+
+    # ------------------------------------------------------------------ reading the data ahead
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """transformers' hook that takes a step's batches from the epoch's iterator: with rollout ranks, batches
+        read ahead (:meth:`_next_generation_inputs`) are handed out first, in their order, so the training loop
+        sees exactly the batches it would have read."""
+        if not self._remote:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        if epoch_iterator is not self._ahead_iter:  # a new epoch: what was read ahead of the last one was used
+            self._ahead_iter = epoch_iterator
+            self._ahead.clear()
+            self._handed = self._consumed = 0
+            self._held = {}
+        batches = []
+        for _ in range(num_batches):
+            if self._ahead:
+                item = self._ahead.popleft()
+            else:
+                try:
+                    item = next(epoch_iterator)
+                except StopIteration:
+                    break
+            self._held[self._handed] = item
+            self._handed += 1
+            batches.append(item)
+        self._held = {i: b for i, b in self._held.items() if i >= self._consumed - 1}
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def _count_batch(self) -> None:
+        """One batch of the epoch's iterator reached ``_prepare_inputs`` (train mode)."""
+        if self._remote:
+            self._consumed += 1
+
+    def _next_generation_inputs(self, steps: int) -> list[list[dict]]:
+        """The TRL rows of this rank's next ``steps`` generations (fewer at the end of the epoch): TRL generates on
+        every ``steps_per_generation * num_iterations``-th batch, so those batches of the epoch's iterator are read
+        ahead (and handed to the training loop later, unchanged)."""
+        if self._ahead_iter is None or steps == 0:
+            return []
+        every = self.args.steps_per_generation * self.num_iterations
+        current = self._consumed - 1  # the batch being prepared, in the epoch's order
+        out = []
+        for k in range(1, steps + 1):
+            index = current + k * every
+            if index < self._handed:  # already handed to the loop (a generation shorter than an optimizer step)
+                out.append(self._held[index])
+                continue
+            while len(self._ahead) <= index - self._handed:
+                try:
+                    self._ahead.append(next(self._ahead_iter))
+                except StopIteration:
+                    return out
+            out.append(self._ahead[index - self._handed])
+        return out
+
+    def _ahead_jobs(self, mode: str) -> list[tuple[list[list[int]], Any]]:
+        """This rank's prompt ids and sampling options of the next ``max_staleness`` generations."""
+        if mode != "train" or not self.args.max_staleness:
+            return []
+        jobs = []
+        steps_per_rollout = self.layout.optimizer_steps_per_rollout
+        for k, rows in enumerate(self._next_generation_inputs(self.args.max_staleness), start=1):
+            prompts, _ = self._start_episodes(rows)
+            ids = self._tokenize_prompts(prompts)[0]
+            step = self.state.global_step + k * steps_per_rollout
+            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step)))
+        return jobs
+
+    def _log_remote(self, mode: str) -> None:
+        """The step's view of the rollout ranks: how long the trainers waited for the samples, how stale they
+        were, and the last weight transfer's seconds and bytes (trainer rank 0 measures; the others log 0)."""
+        info = self.rollout_engine.last_job
+        self._metric(mode, "rollout/wait_s", info["wait_s"])
+        self._metric(mode, "rollout/staleness", self.state.global_step - info["version"])
+        transfer = self.rollout_engine.last_transfer
+        if transfer.get("seconds") is not None:
+            self._metric(mode, "weight_sync/transfer_s", transfer["seconds"])
+            self._metric(mode, "weight_sync/transfer_mb", transfer["bytes"] / 2**20)
+
+    # ------------------------------------------------------------------ the end of train() / evaluate()
+    def train(self, *args, **kwargs):
+        self._nr_training = True
+        try:
+            result = super().train(*args, **kwargs)
+        finally:
+            self._nr_training = False
+        if self._remote:
+            self.rollout_engine.end()  # the rollout ranks' train() returns
+        return result
+
+    def evaluate(self, *args, **kwargs):
+        result = super().evaluate(*args, **kwargs)
+        if self._remote and not getattr(self, "_nr_training", False):
+            self.rollout_engine.end()
+        return result
+
+
+class RolloutRankWorker:
+    """What ``NRolloutGRPOTrainer(...)`` gives on a rollout rank: ``train()`` and ``evaluate()`` serve the trainers'
+    jobs until they return (so the same script runs on every process); saving, pushing and logging are the
+    trainers' (no-ops here). Anything else a trainer has is not here: the error says so."""
+
+    _NO_OPS = ("save_model", "save_state", "push_to_hub", "log_metrics", "save_metrics", "create_model_card",
+               "add_callback", "remove_callback", "log")
+
+    def __init__(self, args, model=None, processing_class=None) -> None:
+        self.args = args
+        self.bridge: Bridge = current_bridge()
+        self._state: dict = {}
+        self.model = model
+        self.processing_class = processing_class
+        self.is_rollout_rank = True
+        self.stats: dict = {}
+
+    def _build_engine(self, settings: dict):
+        from trl_nrollout.plan.layout import RolloutLayout
+        from trl_nrollout.rollout.vllm_group import VLLMEngineGroup, _kv_bytes_default
+        from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
+
+        roles, args = self.bridge.roles, self.args
+        tp = args.rollout_tp_size
+        nodes = max(1, roles.rollout_ranks // roles.role_local_world(self.bridge.rank))
+        layout = RolloutLayout.build(num_processes=roles.rollout_ranks, nnodes=nodes, rollout_tp_size=tp,
+                                     train_batch_size=roles.rollout_ranks, rollout_n=1,
+                                     adv_estimator="reinforce_plus_plus")  # the engines' shape; sizes below
+        per_engine = -(-settings["job_samples"] // layout.num_engines)
+        max_seqs = settings["max_num_seqs"] or max(1, min(per_engine, DEFAULT_MAX_NUM_SEQS))
+        kv = settings["kv_cache_memory_bytes"]
+        if kv is None and _is_cpu():
+            dtype = "float32" if settings["dtype"] == "auto" else settings["dtype"]
+            kv = _kv_bytes_default(settings["model"], min(max_seqs, per_engine), settings["expected_len"],
+                                   settings["max_model_len"], tp, dtype)
+        return VLLMEngineGroup(
+            settings["model"], layout, rank=roles.role_rank(self.bridge.rank),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")), dtype=settings["dtype"],
+            max_model_len=settings["max_model_len"], expected_len=settings["expected_len"], max_num_seqs=max_seqs,
+            kv_cache_memory_bytes=kv, gpu_memory_utilization=settings["gpu_memory_utilization"],
+            enforce_eager=settings["enforce_eager"], enable_prefix_caching=settings["enable_prefix_caching"],
+            enable_sleep_mode=settings["enable_sleep_mode"], seed=settings["seed"],
+            seed_mode=settings["seed_mode"], trust_remote_code=settings["trust_remote_code"])
+
+    def _serve(self) -> dict:
+        if self._state.get("stopped"):
+            return self.stats
+        stats = serve(self.bridge, self._build_engine, self._state)
+        for k, v in stats.items():
+            self.stats[k] = self.stats.get(k, 0) + v
+        return stats
+
+    def train(self, *args, **kwargs):
+        """Serve the trainers' weights and jobs until their ``train()`` returns; returns what this rank did."""
+        return self._serve()
+
+    def evaluate(self, *args, **kwargs) -> dict:
+        self._serve()
+        return {}
+
+    def close(self) -> None:
+        """Serve until the trainers' stop (they close their side when they are done); nothing to wait for when
+        they already ended (an error there stopped them: theirs is the message to read)."""
+        if not self._state.get("stopped"):
+            try:
+                self._serve()
+            except RolloutRankError:
+                pass
+
+    def __getattr__(self, name: str):
+        if name in RolloutRankWorker._NO_OPS:
+            return lambda *a, **k: None
+        raise AttributeError(
+            f"{name!r}: this process is a rollout rank (rollout_ranks={self.args.rollout_ranks}): it generates for "
+            "the trainers and has no model to train, save or evaluate; guard trainer-only code with "
+            "`if not getattr(trainer, 'is_rollout_rank', False):`.")
+
+
+def _is_cpu() -> bool:
+    from trl_nrollout.rollout.platform import is_cpu_platform
+
+    return is_cpu_platform()
