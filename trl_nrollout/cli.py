@@ -35,6 +35,7 @@ from trl_nrollout.plan.figures import (
     critic_rows,
     n_values,
     plan_values,
+    split_rollout_ranks,
 )
 from trl_nrollout.plan.layout import LayoutError
 
@@ -105,6 +106,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(found["json"], indent=2) if args.json else "\n".join(found["lines"]))
         return EXIT_OK
     ns = n_values(args.n_values)
+    split = split_rollout_ranks(values)
+    if split is not None:  # the trainers' layout: their processes, no engine among them
+        values = split[0]
     layout = build_layout(values)
     check_token_budgets(values)
     mem, mem_error = None, None
@@ -129,10 +133,23 @@ def _run_plan(args: argparse.Namespace) -> int:
         out["memory"] = mem.to_dict() if mem is not None else ({"error": mem_error} if mem_error else None)
         if predicted is not None:
             out["prediction"] = predicted["json"]
+        if split is not None:
+            out["rollout_ranks"] = split[2]
         print(json.dumps(out, indent=2))
         return EXIT_OK
-    print("rollout layout")
-    print(layout.table())
+    if split is not None:
+        print("rollout ranks")
+        width = max(len(k) for k, _ in split[1])
+        print("\n".join(f"{k.ljust(width)}  {v}" for k, v in split[1]))
+        print()
+        print("trainers (batches and micro batches; no engine among them)")
+        engine_rows = ("rollout engines", "engine ranks", "prompts per engine", "samples per engine")
+        rows = [(k, v) for k, v in layout.rows() if k not in engine_rows]
+        width = max(len(k) for k, _ in rows)
+        print("\n".join([f"{k.ljust(width)}  {v}" for k, v in rows] + [f"note: {n}" for n in layout.notes]))
+    else:
+        print("rollout layout")
+        print(layout.table())
     width = max((len(k) for k, _ in layout.rows()), default=0)
     for key, text in critic:
         print(f"{key.ljust(width)}  {text}")

@@ -273,6 +273,14 @@ class NRolloutConfig(GRPOConfig):
                 "off. At 512-token prompts and n=8 the update ran 4.7x faster on CPU."})
 
     def __post_init__(self) -> None:
+        if self.vllm_mode not in ("colocate", "server"):
+            raise InputError(f"vllm_mode={self.vllm_mode!r} must be 'colocate' or 'server' (as in TRL).")
+        if self.vllm_mode == "server" and not self.rollout_ranks:
+            raise InputError(
+                "vllm_mode='server' asks for TRL's `trl vllm-serve`, a second program whose weight updates need NCCL "
+                "(CUDA devices) and an HTTP server; NRolloutGRPOTrainer runs the same split inside one launch: set "
+                "rollout_ranks=K and launch K more processes (they generate, the others train; weights travel over "
+                "torch.distributed), or use vllm_mode='colocate'.")
         if self.max_staleness is None:
             self.max_staleness = 1 if self.rollout_ranks else 2
         self._split_rollout_ranks()  # before anything starts torch.distributed

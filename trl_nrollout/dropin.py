@@ -122,16 +122,17 @@ TRL_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "num_completions_to_print": ("honored", _ANY, "Rows of the printed completions table."),
     "log_unique_prompts": ("honored", _ANY, "One row per prompt in the wandb/trackio table."),
     "log_completions_hub_repo": ("honored", _ANY, "TRL pushes the completions parquet files to this dataset repo."),
-    "vllm_mode": ("refused", "colocate", "our engines are always colocated with the trainer; a separate "
-                                         "`trl vllm-serve` server is not supported"),
+    "vllm_mode": ("mapped", _ANY, "'colocate' is rollout_ranks=0; 'server' (TRL's separate `trl vllm-serve`) maps "
+                                  "onto rollout_ranks: processes of the same launch that only generate (set it; an "
+                                  "error says so otherwise)"),
     "vllm_model_impl": ("refused", "vllm", "our engines use vLLM's own model implementations"),
     "vllm_structured_outputs_regex": ("honored", _ANY, "vLLM's structured outputs on our vLLM engines; with the HF "
                                                        "engine, an error (TRL ignores it there)."),
-    "vllm_server_base_url": ("refused", None, "server mode is not supported (vllm_mode)"),
-    "vllm_server_host": ("refused", "0.0.0.0", "server mode is not supported (vllm_mode)"),
-    "vllm_server_port": ("refused", 8000, "server mode is not supported (vllm_mode)"),
-    "vllm_server_timeout": ("refused", 240.0, "server mode is not supported (vllm_mode)"),
-    "vllm_group_port": ("refused", 51216, "server mode is not supported (vllm_mode)"),
+    "vllm_server_base_url": ("refused", None, "no server: rollout_ranks generate inside the launch (vllm_mode)"),
+    "vllm_server_host": ("refused", "0.0.0.0", "no server: rollout_ranks generate inside the launch (vllm_mode)"),
+    "vllm_server_port": ("refused", 8000, "no server: rollout_ranks generate inside the launch (vllm_mode)"),
+    "vllm_server_timeout": ("refused", 240.0, "no server: rollout_ranks generate inside the launch (vllm_mode)"),
+    "vllm_group_port": ("refused", 51216, "no server: rollout_ranks generate inside the launch (vllm_mode)"),
     "use_transformers_continuous_batching": ("refused", False, "generation is ours (rollout_backend)"),
     "transformers_continuous_batching_config": ("refused", None, "generation is ours (rollout_backend)"),
     "use_transformers_paged": ("refused", False, "generation is ours (rollout_backend)"),

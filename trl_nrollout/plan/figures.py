@@ -53,6 +53,10 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
     ("prompt_tokens_mean", float, "Mean prompt length in tokens (--predict). Default: max_prompt_length."),
     ("completion_tokens_mean", float, "Mean completion length in tokens (--predict; the longest is "
                                       "max_completion_length). Default: max_completion_length (an upper bound)."),
+    ("rollout_ranks", int, "Processes that only generate (the last ones); the others train. Default 0 "
+                           "(colocated: every process trains and generates)."),
+    ("max_staleness", int, "With rollout_ranks: steps the engines generate ahead of the trainers (default 1; 0: "
+                           "synchronous)."),
     ("trainer_sharding", str, "none, zero3 or fsdp (--predict): sharded parameters are gathered per forward and "
                               "optimizer states split over the ranks. Default none."),
 ]
@@ -111,6 +115,52 @@ def n_values(text: str | None) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise PlanError(f"--n-values={text!r} must be comma-separated positive integers, e.g. 1,4,8,12,16.")
     return values
+
+
+def split_rollout_ranks(values: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]], dict] | None:
+    """With ``rollout_ranks``: the trainers' plan options (their processes, no engine among them), the rows that
+    describe the rollout ranks, and those figures as JSON; None without rollout ranks. Raises :class:`PlanError`
+    for a split that cannot work (:func:`~trl_nrollout.rollout.ranks.roles_refusal`), with its fix."""
+    from trl_nrollout.rollout.ranks import roles_refusal
+
+    r = values.get("rollout_ranks") or 0
+    if not r:
+        if (values.get("rollout_ranks") or 0) < 0:
+            raise PlanError(roles_refusal(1, r, 1))
+        return None
+    nnodes = values.get("nnodes") or 1
+    world = values.get("num_processes") or ((values.get("n_gpus_per_node") or 1) * nnodes)
+    local = values.get("n_gpus_per_node") or max(1, world // nnodes)
+    tp = values.get("rollout_tp_size") or 1
+    why = roles_refusal(world, r, local, tp)
+    if why:
+        raise PlanError(why)
+    trainers = world - r
+    engines = r // tp
+    prompts = values.get("train_batch_size") or 0
+    n = values.get("rollout_n") or 0
+    staleness = values.get("max_staleness")
+    staleness = 1 if staleness is None else staleness
+    engine_ranks = [list(range(trainers + e * tp, trainers + (e + 1) * tp)) for e in range(engines)]
+    trainer_values = {**values, "num_processes": trainers, "rollout_tp_size": 1,
+                      "nnodes": 1 if world == local else nnodes - r // local, "n_gpus_per_node": None}
+    rows = [
+        ("launch", f"{world} processes = {trainers} trainers (global ranks 0..{trainers - 1}) + {r} rollout ranks "
+                   f"(global ranks {trainers}..{world - 1})"),
+        ("rollout engines", f"{r} rollout ranks / rollout_tp_size={tp} = {engines}; ranks "
+                            + ", ".join("(" + ",".join(map(str, e)) + ")" for e in engine_ranks[:8])
+                            + (" ..." if engines > 8 else "")),
+        ("prompts per engine", f"{prompts} / {engines} = {prompts / engines:g} ({prompts * n} samples per step in "
+                               "all; whole groups per engine)"),
+        ("generation", "synchronous (max_staleness=0): the trainers wait for each step's samples" if staleness == 0
+         else f"{staleness} step(s) ahead (max_staleness={staleness}): step k+{staleness}'s samples are generated "
+              f"while the trainers train step k, by a policy {staleness} optimizer step(s) older"),
+        ("weights", "trainer rank 0 -> every rollout rank after each optimizer step, over torch.distributed "
+                    "(gloo), from a thread while the trainers go on"),
+    ]
+    figures = {"processes": world, "trainers": trainers, "rollout_ranks": r, "rollout_tp_size": tp,
+               "engines": engines, "engine_ranks": engine_ranks, "max_staleness": staleness}
+    return trainer_values, rows, figures
 
 
 def build_layout(values: dict[str, Any]) -> RolloutLayout:

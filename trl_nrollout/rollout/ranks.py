@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -120,6 +121,7 @@ class Bridge:
         self.status = "starting"
         self._watch: set[int] = set()  # the peers whose silence stops this process
         self._stopped = threading.Event()
+        store.set(f"pid/{rank}", f"{socket.gethostname()}:{os.getpid()}")
         self._beat = threading.Thread(target=self._heartbeat, name="trl_nrollout-heartbeat", daemon=True)
         self._beat.start()
         atexit.register(self.finish)
@@ -134,7 +136,13 @@ class Bridge:
         return self.rank == 0
 
     def describe(self, rank: int) -> str:
-        return f"global rank {rank} ({self.roles.role(rank)} rank {self.roles.role_rank(rank)})"
+        where = ""
+        try:
+            if self.store.check([f"pid/{rank}"]):
+                where = f", process {self.store.get(f'pid/{rank}').decode()}"
+        except Exception:  # noqa: BLE001 - the store's host is gone; the rank alone says enough
+            pass
+        return f"global rank {rank} ({self.roles.role(rank)} rank {self.roles.role_rank(rank)}{where})"
 
     # ------------------------------------------------------------------ liveness
     def watch(self, ranks) -> None:
