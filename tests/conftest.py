@@ -135,7 +135,8 @@ RECIPE = str(ROOT / "recipes" / "grpo.py")
 ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, timeout: float = 600) -> dict:
+def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, timeout: float = 600,
+           config_processes: int | None = None) -> dict:
     """Run the recipe; return its summary and log history. One process without an accelerate config runs in this
     process (``recipe.main``, the function `accelerate launch recipes/grpo.py` calls; a launch costs about 9 s of
     imports and start-up); `make demo` is run as the README gives it by ``one_process_run``, and more processes or a
@@ -146,6 +147,8 @@ def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, ti
         return _read_run(out)
     if config:
         head = [*ACCELERATE_LAUNCH, "--config_file", str(ROOT / "recipes/accelerate" / config)]
+        if config_processes:  # the config file's count, overridden
+            head += ["--num_processes", str(config_processes)]
     elif procs == 1:
         head = [*ACCELERATE_LAUNCH, "--cpu", "--num_processes", "1"]
     else:

@@ -104,12 +104,15 @@ def test_rloo_with_the_hf_engine_learns(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
-@pytest.mark.parametrize("mode", ["ddp_tp1", "ddp_tp1_balanced", "ddp_tp2", "zero3_tp1"])
+@pytest.mark.parametrize("mode", ["ddp_tp1", "ddp_tp1_balanced", "ddp_tp2", "zero3_tp1", "ddp_rollout_rank",
+                                  "zero3_rollout_rank"])
 def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     """Seeds are per prompt (its global index) and the loss is normalized over the whole mini batch, so two
     processes (two engines, two engines pulling the job's groups from one queue (rollout_dispatch='balanced', two
     samples at a time each), one engine of TP=2, or ZeRO-3 sharded training) sample and learn exactly what one
-    process does, within float noise."""
+    process does, within float noise. ``*_rollout_rank``: two trainers (DDP or ZeRO-3) and a third process that
+    only generates (rollout_ranks=1), synchronous (max_staleness=0): the weights it receives after each update are
+    the trainers' (its log-probs match theirs) and it samples what the colocated engines sample."""
     extra = ["--max_steps", "4"]
     if mode == "ddp_tp1":
         run = launch(tmp_path, *extra, procs=2)
@@ -118,8 +121,16 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
         assert all(0 <= h["rollout/moved_groups"] <= 1 and h["rollout/engine_idle_s"] >= 0 for h in run["steps"])
     elif mode == "ddp_tp2":
         run = launch(tmp_path, *extra, "--rollout_tp_size", "2", procs=2)
+    elif mode == "ddp_rollout_rank":
+        run = launch(tmp_path, *extra, "--rollout_ranks", "1", "--max_staleness", "0", procs=3)
+    elif mode == "zero3_rollout_rank":
+        run = launch(tmp_path, *extra, "--save_strategy", "no", "--rollout_ranks", "1", "--max_staleness", "0",
+                     config="zero3_cpu.yaml", config_processes=3)
     else:
         run = launch(tmp_path, *extra, "--save_strategy", "no", config="zero3_cpu.yaml")
+    if mode.endswith("rollout_rank"):
+        assert [h["rollout/staleness"] for h in run["steps"]] == [0, 0, 0, 0]
+        assert max(h["rollout_corr/logprob_abs_diff_max"] for h in run["steps"]) < 1e-3
     assert run["summary"]["processes"] == 2
     assert run["summary"]["nnodes"] == 1  # one machine, whatever the engine's TP size (vLLM's CPU platform resets it)
     assert rewards(run) == pytest.approx(rewards(one_process_run)[:4], abs=1e-4)

@@ -1,0 +1,279 @@
+"""Rollout ranks (``rollout_ranks``): processes of one launch that only generate, the others train.
+
+The arithmetic of the split, the job slices and the weight buckets are properties (hypothesis); the options a split
+cannot serve are refused with the option and a fix (config, plan); real launches (2 trainers + 1 rollout rank, the
+warm launcher of the suite) check that a synchronous run samples and learns what a colocated run does, that the
+engine holds the trainer's weights after every transfer (ZeRO-3, LoRA), that one-step-off-policy samples one step
+stale, that a 2-"node" launch puts the rollout rank on its own node, and that a dead or frozen rank stops the launch
+within a bounded time with a message naming it. The reward curves and step times are in
+``benchmarks/rollout_ranks.py`` (docs/benchmarks.md), not here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import ACCELERATE_LAUNCH, ENV, RECIPE, ROOT, rewards
+from trl_nrollout.cli import main as cli_main
+from trl_nrollout.errors import InputError
+from trl_nrollout.rollout.ranks import ROLLOUT, TRAIN, Roles, roles_refusal
+from trl_nrollout.rollout.remote import job_slice, pack_bucket, unpack_bucket
+
+
+# ---------------------------------------------------------------------------------------------- the arithmetic
+@st.composite
+def launches(draw):
+    nodes = draw(st.integers(1, 4))
+    local = draw(st.integers(1, 8))
+    world = nodes * local
+    tp = draw(st.sampled_from([1, 2, 4]))
+    r = draw(st.integers(0, world))
+    return world, local, tp, r
+
+
+@settings(max_examples=300, deadline=None)
+@given(launches())
+def test_roles_split_the_launch_into_two_worlds(launch):
+    """Every process has one role; trainers are the first ranks (rank 0 among them: it logs and saves); each role's
+    ranks are numbered 0.. within their world and map back; a role's processes per node are the same on every node
+    it occupies (what accelerate and vLLM read as LOCAL_WORLD_SIZE), and an engine's ranks share a node."""
+    world, local, tp, r = launch
+    why = roles_refusal(world, r, local, tp)
+    if r == 0 or r >= world or r % tp or (world > local and r % local) or (tp > 1 and local % tp and world > local):
+        assert (why is None) == (r == 0)
+        return
+    assert why is None
+    roles = Roles(world, r, local)
+    assert roles.role(0) == TRAIN and roles.trainers == world - r
+    for role in (TRAIN, ROLLOUT):
+        ranks = [g for g in range(world) if roles.role(g) == role]
+        assert [roles.role_rank(g) for g in ranks] == list(range(len(ranks)))
+        assert all(roles.global_rank(role, roles.role_rank(g)) == g for g in ranks)
+        assert all(roles.role_size(g) == len(ranks) for g in ranks)
+        per_node = {}
+        for g in ranks:
+            per_node.setdefault(g // local, []).append(g)
+        assert {len(v) for v in per_node.values()} == {roles.role_local_world(ranks[0])}
+    rollout = roles.rollout_globals()
+    assert rollout == list(range(world - r, world))
+    for e in range(r // tp):  # an engine's ranks on one node
+        assert len({g // local for g in rollout[e * tp:(e + 1) * tp]}) == 1
+
+
+def test_layouts_that_cannot_split_are_refused_with_a_fix():
+    assert "at least 2 processes" in roles_refusal(1, 1, 1)
+    assert "leaves no process to train" in roles_refusal(3, 3, 3) and "use at most 2" in roles_refusal(3, 3, 3)
+    assert "use rollout_ranks=2" in roles_refusal(6, 3, 6, rollout_tp_size=2)
+    assert "use a multiple of 4" in roles_refusal(8, 2, 4)  # a node would hold both worlds
+    assert "must be >= 0" in roles_refusal(4, -1, 4)
+    assert roles_refusal(8, 4, 4, rollout_tp_size=2) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 40), st.sampled_from([1, 2, 4]), st.integers(1, 4))
+def test_job_slices_cover_the_job_with_whole_groups_per_engine(n, groups, tp, engines):
+    """The rollout ranks' slices of a job partition it in order; each engine's samples are whole groups (a group's
+    seed is its index in the job), engines' counts differ by at most one group, and an engine's ranks split its
+    samples evenly."""
+    total, r = n * groups, engines * tp
+    slices = [job_slice(total, n, r, tp, k) for k in range(r)]
+    assert slices[0][0] == 0 and slices[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))
+    per_engine = [(slices[e * tp][0], slices[e * tp + tp - 1][1]) for e in range(engines)]
+    assert all(first % n == 0 and last % n == 0 for first, last in per_engine)
+    counts = [(last - first) // n for first, last in per_engine]
+    assert max(counts) - min(counts) <= 1
+    for e in range(engines):
+        sizes = [b - a for a, b in slices[e * tp:(e + 1) * tp]]
+        assert max(sizes) - min(sizes) <= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64]),
+                          st.lists(st.integers(1, 5), min_size=0, max_size=3)), min_size=1, max_size=6),
+       st.integers(0, 2**31 - 1))
+def test_a_bucket_travels_as_bytes_and_comes_back_equal(spec, seed):
+    """A bucket packed into one byte buffer (what the weights group broadcasts) unpacks to tensors equal in name,
+    shape, dtype and every bit, whatever the mix of dtypes (each tensor aligned for its view)."""
+    gen = torch.Generator().manual_seed(seed)
+    bucket = [(f"layer.{i}", (torch.randn(shape, generator=gen) * 100).to(dtype)) for i, (dtype, shape) in
+              enumerate(spec)]
+    buf, layout = pack_bucket(bucket)
+    assert buf.dtype == torch.uint8
+    back = unpack_bucket(buf.clone(), layout)
+    assert [n for n, _ in back] == [n for n, _ in bucket]
+    for (_, a), (_, b) in zip(bucket, back):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("options,expected", [
+    (dict(rollout_ranks=1, rollout_backend="hf"), "rollout_backend='hf'"),
+    (dict(rollout_ranks=1, rollout_partial=True), "rollout_partial=True"),
+    (dict(rollout_ranks=1, rollout_dispatch="balanced"), "rollout_dispatch='balanced'"),
+    (dict(rollout_ranks=1, rollout_multi_turn="requests"), "rollout_multi_turn='requests'"),
+    (dict(rollout_ranks=1), "single process"),
+    (dict(rollout_ranks=-1), "must be >= 0"),
+    (dict(rollout_rank_timeout_s=0), "rollout_rank_timeout_s=0"),
+    (dict(vllm_mode="server"), "set rollout_ranks=K"),
+])
+def test_options_rollout_ranks_cannot_serve_are_refused(options, expected, tmp_path):
+    """Each refusal names the option and says what to do; none starts torch.distributed (a single process here)."""
+    from trl_nrollout import NRolloutConfig
+
+    with pytest.raises(InputError, match=None) as err:
+        NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=2, use_cpu=True, report_to="none",
+                       **options)
+    assert expected in str(err.value)
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_plan_prints_both_worlds_and_refuses_a_split_across_a_node(capsys):
+    assert cli_main(["plan", "--num-processes", "6", "--rollout-ranks", "2", "--rollout-tp-size", "2",
+                     "--train-batch-size", "60", "--rollout-n", "12"]) == 0
+    text = capsys.readouterr().out
+    assert "6 processes = 4 trainers (global ranks 0..3) + 2 rollout ranks (global ranks 4..5)" in text
+    assert "2 rollout ranks / rollout_tp_size=2 = 1; ranks (4,5)" in text
+    assert "samples per training rank    720 / 4 = 180" in text  # the trainers share the batch
+    assert cli_main(["plan", "--num-processes", "3", "--rollout-ranks", "1", "--train-batch-size", "8",
+                     "--rollout-n", "4", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["num_processes"] == 2 and figures["rollout_ranks"]["engine_ranks"] == [[2]]
+    assert figures["rollout_ranks"]["max_staleness"] == 1
+    assert cli_main(["plan", "--n-gpus-per-node", "4", "--nnodes", "2", "--rollout-ranks", "2",
+                     "--train-batch-size", "8", "--rollout-n", "4"]) == 2
+    assert "use a multiple of 4" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- real launches
+def _launch(out, *extra, config: str | None = None, procs: int = 3, timeout: float = 600):
+    head = [*ACCELERATE_LAUNCH, "--num_processes", str(procs)]
+    head += ["--config_file", str(ROOT / "recipes/accelerate" / config)] if config else ["--multi_gpu"]
+    device = ["--use_cpu", "false", "--ddp_backend", "gloo"] if config else ["--use_cpu", "true"]
+    proc = subprocess.run([*head, RECIPE, "--output_dir", str(out), *device, "--bf16", "false", *extra], cwd=ROOT,
+                          env={**os.environ, **ENV}, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    history = json.loads((out / "log_history.json").read_text())
+    return {"summary": json.loads((out / "run_summary.json").read_text()),
+            "steps": [h for h in history if "reward" in h]}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_one_step_off_policy_under_zero3_samples_one_step_stale(tmp_path):
+    """2 ZeRO-3 trainers + 1 rollout rank, max_staleness=1 (the default): the first step is generated with the
+    initial weights, and every later step's samples by the policy one optimizer step older (the step's job was
+    written before the previous update); the trainers log their wait and each transfer's bytes, which are the
+    model's. The engine's log-probs then differ from the trainer's by the one update (a synchronous run's stay at
+    float32 noise: test_trainer's rollout_ranks cases)."""
+    run = _launch(tmp_path, "--max_steps", "4", "--learning_rate", "1e-4", "--save_strategy", "no",
+                  config="zero3_cpu.yaml")
+    steps = run["steps"]
+    assert run["summary"]["processes"] == 2 and len(steps) == 4
+    assert [h["rollout/staleness"] for h in steps] == [0, 1, 1, 1]
+    from safetensors import safe_open
+
+    from trl_nrollout.builtin import resolve_model
+
+    with safe_open(os.path.join(resolve_model("builtin:tiny-qwen2"), "model.safetensors"), "pt") as f:
+        model_mb = sum(f.get_tensor(k).numel() * 4 for k in f.keys()) / 2**20
+    sent = [h["weight_sync/transfer_mb"] for h in steps if "weight_sync/transfer_mb" in h]
+    assert sent and all(mb == pytest.approx(model_mb, rel=0.05) for mb in sent)
+    assert all(h["rollout/wait_s"] >= 0 and math.isfinite(h["loss"]) for h in steps)
+    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-3  # sampled by the weights it trains from
+    assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps[1:]) > 1e-3  # one update older
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_a_lora_policy_reaches_the_rollout_rank_merged(tmp_path):
+    """LoRA trainers (2, DDP) and a rollout rank, synchronous: after every transfer the engine's log-probs equal the
+    trainer's (the adapters' deltas merged into the weights sent; the base model never changes), while the KL to
+    the base grows (the adapters train)."""
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
+                           str(ROOT / "tests/assets/peft_train.py"), str(tmp_path), "ddp", "vllm", "ranks"],
+                          cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "log_history.json").read_text())
+    steps = [h for h in result["history"] if "reward" in h]
+    assert result["processes"] == 2 and len(steps) == 3
+    assert [h["rollout/staleness"] for h in steps] == [0, 0, 0]
+    assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 1e-4
+    assert steps[0]["actor/kl_loss"] < 1e-5 < steps[-1]["actor/kl_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_two_nodes_with_the_rollout_rank_on_the_second(tmp_path):
+    """A 2-"node" launch on this machine (one process per node): node 0 trains, node 1 generates, and training
+    runs one step ahead."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    procs = [subprocess.Popen(
+        [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
+         "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port, RECIPE, "--output_dir", str(tmp_path),
+         "--use_cpu", "true", "--bf16", "false", "--max_steps", "3", "--rollout_ranks", "1", "--save_strategy", "no"],
+        cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=600)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outputs)
+    summary = json.loads((tmp_path / "run_summary.json").read_text())
+    assert summary["processes"] == 1 and summary["nnodes"] == 1 and summary["steps"] == 3  # the trainers' world
+    history = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "reward" in h]
+    assert [h["rollout/staleness"] for h in history] == [0, 1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode,silent", [("rollout_stop", "rollout rank 0"), ("rollout_kill", None),
+                                         ("trainer_stop", "train rank 1")])
+def test_a_dead_or_frozen_rank_stops_the_launch(mode, silent, tmp_path):
+    """A rollout rank frozen (SIGSTOP) or killed, or a trainer frozen, in the middle of training: the launch ends
+    with an error within a bounded time (rollout_rank_timeout_s=5), and for a frozen rank a message names it and
+    what it was doing; nothing waits forever."""
+    start = time.monotonic()
+    proc = subprocess.Popen([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
+                             str(ROOT / "tests/assets/rollout_ranks_fault.py"), str(tmp_path), mode],
+                            cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+        frozen = tmp_path / "frozen.pid"
+        if frozen.exists():  # whatever happened, the frozen process must not outlive the test
+            pid = int(frozen.read_text())
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+    elapsed = time.monotonic() - start
+    assert frozen.exists(), output[-4000:]  # the fault was injected (after two steps)
+    assert proc.returncode != 0, output[-4000:]
+    assert elapsed < 240, elapsed
+    if silent:
+        assert "has not been heard from" in output and silent in output, output[-4000:]
