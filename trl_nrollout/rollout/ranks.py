@@ -21,6 +21,7 @@ The math of who is who is in :class:`Roles` (pure); :func:`roles_refusal` says w
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import socket
@@ -157,10 +158,8 @@ class Bridge:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        try:
+        with contextlib.suppress(Exception):  # the store's host may have exited first; nothing waits then
             self.store.set(f"beat/{self.rank}", f"{time.time()}|done")
-        except Exception:  # noqa: BLE001 - the store's host may have exited first; nothing waits then
-            pass
 
     def _heartbeat(self) -> None:
         while not self._stopped.wait(1.0):
