@@ -11,6 +11,7 @@ the trainers' jobs until they finish.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 from collections import deque
@@ -227,10 +228,8 @@ class RolloutRankWorker:
         """Serve until the trainers' stop (they close their side when they are done); nothing to wait for when
         they already ended (an error there stopped them: theirs is the message to read)."""
         if not self._state.get("stopped"):
-            try:
+            with contextlib.suppress(RolloutRankError):
                 self._serve()
-            except RolloutRankError:
-                pass
 
     def __getattr__(self, name: str):
         if name in RolloutRankWorker._NO_OPS:
