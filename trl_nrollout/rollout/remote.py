@@ -230,10 +230,12 @@ class RemoteEngines:
 
     def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
                           sample_offset: int | None = None, ahead: list[tuple[list[list[int]], SamplingOptions]]
-                          = ()) -> RolloutBatch:
+                          = (), step_job: bool = False) -> RolloutBatch:
         """This trainer's samples of ``sample_prompts`` (each prompt repeated ``n`` times), generated on the rollout
         ranks; ``ahead``: this trainer's prompts and sampling of the next steps, written now (``max_staleness``
-        jobs at most) so that the engines sample them while the trainers train. Seeds follow the job order (every
+        jobs at most) so that the engines sample them while the trainers train. ``step_job``: this is a training
+        step's own job, which an earlier step may have written ahead (else: an evaluation, DAPO's extra round or
+        ReMax's greedy pass, generated now, after the jobs already written). Seeds follow the job order (every
         trainer's samples, rank order), as in a colocated run. A collective of the trainers."""
         every = _trainer_gather(([list(p) for p in sample_prompts], [([list(p) for p in a], s) for a, s in ahead]))
         job_prompts = [p for mine, _ in every for p in mine]
@@ -244,7 +246,7 @@ class RemoteEngines:
             self.bridge.watch(self.bridge.roles.rollout_globals())
             stale_s = 0.0
             results = None
-            while self._pending:  # a job written ahead: the one this step trains on, unless the data changed
+            while step_job and self._pending:  # written ahead: the one this step trains on, unless the data changed
                 job, prompts, n_ahead, sampling_ahead = self._pending.popleft()
                 t0 = time.perf_counter()
                 out = self._read_job(job)

@@ -509,7 +509,7 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         if stats.get("bytes"):
             self._metric(mode, "weight_sync/peak_bucket_mb", stats["peak_bucket_bytes"] / 2**20)
 
-    def _rollout(self, inputs: list[dict], n: int, sampling: SamplingOptions
+    def _rollout(self, inputs: list[dict], n: int, sampling: SamplingOptions, step_job: bool = False
                  ) -> tuple[RolloutBatch, list, Episode]:
         """Generate for this rank's samples (TRL's order: each prompt repeated n times). Returns the batch, the
         prompts (text or messages) per sample and what a multi-turn or custom rollout adds (tool masks, messages)."""
@@ -533,10 +533,12 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
             self.rollout_engine.sleep()
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode
-        if self._remote:  # engines on rollout ranks: this step's job was maybe written steps ago
-            batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
-                                                          sample_offset=offset, ahead=self._ahead_jobs(mode))
-            self._log_remote(mode)
+        if self._remote:  # engines on rollout ranks: the step's own job was maybe written steps ago (step_job)
+            batch = self.rollout_engine.generate_expanded(
+                [list(p) for p in prompt_ids], n, sampling, sample_offset=offset,
+                ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job)
+            if step_job:
+                self._log_remote(mode)
         elif self.args.rollout_dispatch == "balanced":  # engines pull the job's groups from one queue
             batch, pulled = self.rollout_engine.generate_balanced(
                 images.engine_ids if images is not None else [list(p) for p in prompt_ids], n, sampling,
@@ -606,7 +608,8 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         """Generate and score this rank's samples of ``inputs``: the job's samples of this round (the same on every
         rank)."""
         t0 = time.perf_counter()
-        batch, prompts, episode = self._rollout(inputs, ctx.n, self._sampling(ctx.mode, round_=round_))
+        batch, prompts, episode = self._rollout(inputs, ctx.n, self._sampling(ctx.mode, round_=round_),
+                                                step_job=round_ == 0)
         t1 = time.perf_counter()
         completions = (episode.completions if episode.completions is not None
                        else self._decode(prompts, batch.completion_ids))
