@@ -277,3 +277,22 @@ def test_a_dead_or_frozen_rank_stops_the_launch(mode, silent, tmp_path):
     assert elapsed < 240, elapsed
     if silent:
         assert "has not been heard from" in output and silent in output, output[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+@pytest.mark.parametrize("recipe", ["ppo", "remax"])
+def test_ppo_and_remax_run_one_step_off_on_a_rollout_rank(recipe, tmp_path):
+    """PPO (a critic, two optimizer steps per rollout in its recipe) and ReMax (a greedy pass per step, generated
+    after the job written ahead, not instead of it) on 2 trainers + 1 rollout rank: every step after the first
+    trains samples one rollout old (in optimizer steps: the rollout's optimizer steps), the greedy pass does not
+    discard the job written ahead (the trainers then wait for nothing), and the losses stay finite."""
+    run = _launch(tmp_path, "--config", str(ROOT / "recipes/configs" / f"{recipe}.yaml"), "--max_steps", "4",
+                  "--rollout_ranks", "1", "--save_strategy", "no")
+    steps = run["steps"]
+    lag = 2 if recipe == "ppo" else 1  # optimizer steps per rollout
+    assert [h["rollout/staleness"] for h in steps] == [0] + [lag] * (len(steps) - 1)
+    assert all(math.isfinite(h["loss"]) for h in steps)
+    if recipe == "ppo":
+        assert all(math.isfinite(h["critic/vf_loss"]) for h in steps)
