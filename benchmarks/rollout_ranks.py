@@ -6,10 +6,13 @@ the built-in digits task on ``builtin:tiny-qwen2``, 40 steps), each process pinn
 
 - ``colocated``: 2 processes, each trains and generates (the reference curve), seeds 0, 1, 2;
 - ``one-step-off``: 3 processes (2 ZeRO-3 trainers + 1 rollout rank, ``max_staleness=1``), seeds 0, 1, 2;
+- ``one-step-off+is``: the same with the rollout correction ``rollout_is="token"`` (each token weighted by the
+  trainer's / the engine's probability, truncated at 2), seeds 0, 1, 2;
 - ``synchronous``: the same 3 processes with ``max_staleness=0`` (the trainers wait for each step's samples), seed 0.
 
 Reported: the mean reward of the last 10 steps of each run and whether the one-step-off runs end within the
-colocated runs' spread (the goal: the same reward in the same number of steps), the median step time of the
+colocated runs' spread (the goal: the same reward in the same number of steps), the steps each run takes to reach
+rewards 0.5 and 0.9, the reward of its last step, the median step time of the
 synchronous and one-step-off runs on the same 3 processes (ratio; steps after the first two), where a step's time
 goes (waiting for samples, weight staging, update) and each weight transfer's bytes and seconds. Prints and saves
 ``rollout_ranks.json`` / ``.md`` / ``.png`` under ``--out``; ``--docs`` copies the plot to docs/img.
@@ -80,7 +83,14 @@ def summarize(runs: list[dict], tail: int) -> dict:
         by.setdefault(run["label"], []).append(run)
     end = {label: [statistics.mean(h["reward"] for h in r["steps"][-tail:]) for r in rs] for label, rs in by.items()}
     band = (min(end["colocated"]), max(end["colocated"]))
-    within = [band[0] <= v <= band[1] for v in end["one-step-off"]]
+    within = {label: [band[0] <= v <= band[1] for v in end[label]] for label in end if label != "colocated"}
+
+    def first(ys: list[float], threshold: float) -> int | None:
+        return next((i + 1 for i, y in enumerate(ys) if y >= threshold), None)
+
+    reach = {label: [{"0.5": first([h["reward"] for h in r["steps"]], 0.5),
+                      "0.9": first([h["reward"] for h in r["steps"]], 0.9),
+                      "last": r["steps"][-1]["reward"]} for r in rs] for label, rs in by.items()}
     timing = {}
     for label in ("synchronous", "one-step-off", "colocated"):
         run = by[label][0]
@@ -88,7 +98,7 @@ def summarize(runs: list[dict], tail: int) -> dict:
             "timing_s/step", "timing_s/gen", "rollout/wait_s", "timing_s/weight_sync", "timing_s/update_actor",
             "weight_sync/transfer_s", "weight_sync/transfer_mb", "rollout/staleness")}
     ratio = timing["one-step-off"]["timing_s/step"] / timing["synchronous"]["timing_s/step"]
-    return {"end_reward": end, "colocated_band": band, "within_band": within, "timing": timing,
+    return {"end_reward": end, "colocated_band": band, "within_band": within, "reach": reach, "timing": timing,
             "step_ratio_offpolicy_vs_sync": ratio}
 
 
@@ -100,8 +110,14 @@ def write_outputs(result: dict, out: Path, docs: bool) -> None:
         "| run | seeds | mean reward, last 10 steps |", "|---|---|---|"]
     for label, values in s["end_reward"].items():
         lines.append(f"| {label} | {len(values)} | " + ", ".join(f"{v:.3f}" for v in values) + " |")
-    lines += ["", f"colocated spread: [{s['colocated_band'][0]:.3f}, {s['colocated_band'][1]:.3f}]; one-step-off "
-              f"within it: {sum(s['within_band'])}/{len(s['within_band'])}", "",
+    lines += ["", f"colocated spread of the last-10-step means: [{s['colocated_band'][0]:.3f}, "
+              f"{s['colocated_band'][1]:.3f}]; within it: " + ", ".join(
+                  f"{label} {sum(v)}/{len(v)}" for label, v in s["within_band"].items()), "",
+              "| run | steps to reward 0.5 | steps to reward 0.9 | last step's reward |", "|---|---|---|---|"]
+    for label, rows in s["reach"].items():
+        cells = [", ".join(str(r[k]) for r in rows) for k in ("0.5", "0.9")]
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | " + ", ".join(f"{r['last']:.3f}" for r in rows) + " |")
+    lines += ["",
               "| median per step (s) | synchronous (3 procs) | one-step-off (3 procs) | colocated (2 procs) |",
               "|---|---|---|---|"]
     for key in ("timing_s/step", "timing_s/gen", "rollout/wait_s", "timing_s/weight_sync", "timing_s/update_actor",
@@ -117,7 +133,8 @@ def write_outputs(result: dict, out: Path, docs: bool) -> None:
     if plt is None:
         return
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"colocated": "tab:gray", "one-step-off": "tab:blue", "synchronous": "tab:orange"}
+    colors = {"colocated": "tab:gray", "one-step-off": "tab:blue", "one-step-off+is": "tab:green",
+              "synchronous": "tab:orange"}
     for run in result["runs"]:
         ys = [h["reward"] for h in run["steps"]]
         ax.plot(range(1, len(ys) + 1), ys, color=colors[run["label"]], alpha=0.8,
@@ -166,6 +183,8 @@ def main() -> int:
         runs.append(launch("colocated", 2, "0,1", seed, args.steps, out / "rollout_ranks_runs", []))
         runs.append(launch("one-step-off", 3, "0,0,1", seed, args.steps, out / "rollout_ranks_runs",
                            ["--rollout_ranks", "1"]))
+        runs.append(launch("one-step-off+is", 3, "0,0,1", seed, args.steps, out / "rollout_ranks_runs",
+                           ["--rollout_ranks", "1", "--rollout_is", "token"]))
     runs.append(launch("synchronous", 3, "0,0,1", args.seeds[0], args.steps, out / "rollout_ranks_runs",
                        ["--rollout_ranks", "1", "--max_staleness", "0"]))
     result = {"steps": args.steps, "seeds": args.seeds, "load": load, "busy_at_start": busy, "runs": runs,

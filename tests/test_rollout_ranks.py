@@ -221,7 +221,7 @@ def test_a_lora_policy_reaches_the_rollout_rank_merged(tmp_path):
 @pytest.mark.vllm
 def test_two_nodes_with_the_rollout_rank_on_the_second(tmp_path):
     """A 2-"node" launch on this machine (one process per node): node 0 trains, node 1 generates, and training
-    runs one step ahead."""
+    runs one step ahead. It asks for TRL's server mode (``vllm_mode="server"``), which maps onto rollout ranks."""
     import socket
 
     with socket.socket() as sock:
@@ -230,7 +230,8 @@ def test_two_nodes_with_the_rollout_rank_on_the_second(tmp_path):
     procs = [subprocess.Popen(
         [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
          "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port, RECIPE, "--output_dir", str(tmp_path),
-         "--use_cpu", "true", "--bf16", "false", "--max_steps", "3", "--rollout_ranks", "1", "--save_strategy", "no"],
+         "--use_cpu", "true", "--bf16", "false", "--max_steps", "3", "--rollout_ranks", "1", "--save_strategy", "no",
+         "--use_vllm", "true", "--vllm_mode", "server"],
         cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
     outputs = []
@@ -296,3 +297,21 @@ def test_ppo_and_remax_run_one_step_off_on_a_rollout_rank(recipe, tmp_path):
     assert all(math.isfinite(h["loss"]) for h in steps)
     if recipe == "ppo":
         assert all(math.isfinite(h["critic/vf_loss"]) for h in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_a_run_with_a_rollout_rank_resumes_to_the_same_steps(tmp_path):
+    """2 trainers + 1 rollout rank, synchronous, DAPO's extra rounds and the adaptive KL controller on (the suite's
+    resume recipe): stopped after 2 of 4 steps and resumed from the checkpoint, the second run trains steps 3-4
+    only and logs what the uninterrupted run logged (the rollout rank holds no state of its own: the weights it
+    needs come with the first transfer)."""
+    from tests.conftest import RESUME, assert_resumed
+
+    full = _launch(tmp_path / "full", *RESUME, "--rollout_ranks", "1", "--max_staleness", "0")
+    assert any(h["dynamic_sampling/rounds"] > 0 for h in full["steps"])  # extra rounds ran on the rollout rank
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    resumed = _launch(tmp_path / "resumed", *RESUME, "--rollout_ranks", "1", "--max_staleness", "0",
+                      "--resume_from_checkpoint", str(checkpoint))
+    assert_resumed(full, resumed, checkpoint)
