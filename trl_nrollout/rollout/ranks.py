@@ -202,11 +202,13 @@ class Bridge:
     def put(self, key: str, value) -> None:
         self.store.set(key, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def take(self, key: str, sender: int, what: str, delete: bool = True):
+    def take(self, key: str, sender: int, what: str, delete: bool = True, track: bool = True):
         """The value at ``key``, written by ``sender``; waits for it, checking that the sender lives (a
-        :class:`RolloutRankError` naming it otherwise). ``delete``: remove the key once read (one reader)."""
+        :class:`RolloutRankError` naming it otherwise). ``delete``: remove the key once read (one reader);
+        ``track``: the heartbeat says this rank is waiting for it (not from a helper thread)."""
         last = self.status
-        self.status = f"waiting for {what}"
+        if track:
+            self.status = f"waiting for {what}"
         try:
             while not self.store.check([key]):
                 state = self.peer_state(sender)
@@ -224,7 +226,8 @@ class Bridge:
                 raise RolloutRankError(f"{self.describe(sender)} failed: {value['message']}")
             return value
         finally:
-            self.status = last
+            if track:
+                self.status = last
 
 
 _BRIDGE: Bridge | None = None

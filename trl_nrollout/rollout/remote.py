@@ -18,6 +18,7 @@ steps ahead of the step that trains on it (``max_staleness=s``) is sampled by a 
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 from collections import deque
@@ -322,26 +323,74 @@ class RemoteEngines:
 
 
 # ---------------------------------------------------------------------- the rollout ranks' side
+class MessageReader:
+    """A rollout rank's reader of the trainers' messages, on a thread of its own: it reads them in order as soon as
+    they are written and receives each weight version into host buffers at once (a staging copy), while the
+    engine still generates the job before it; the loop then loads the staged version at the job boundary (a
+    memory copy instead of a transfer). At most one version is staged and not yet loaded. Errors (a silent trainer,
+    a failed transfer) reach the loop, which raises them."""
+
+    def __init__(self, bridge: Bridge, first: int) -> None:
+        self.bridge = bridge
+        self.next_index = first
+        self._queue: queue.Queue = queue.Queue()
+        self._slot = threading.Semaphore(1)
+        self._thread = threading.Thread(target=self._run, name="trl_nrollout-messages", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        bridge, readers = self.bridge, self.bridge.roles.rollout_ranks
+        i = self.next_index
+        try:
+            while True:
+                message = bridge.take(f"msg/{i}", 0, f"the trainers' message {i}", delete=False, track=False)
+                if bridge.store.add(f"read/{i}", 1) == readers:  # the last rollout rank to read it removes it
+                    bridge.store.delete_key(f"msg/{i}")
+                    bridge.store.delete_key(f"read/{i}")
+                i += 1
+                if message["kind"] == "weights":
+                    self._slot.acquire()
+                    t0 = time.perf_counter()
+                    staged = []
+                    for size, layout in zip(message["sizes"], message["layouts"]):
+                        buf = torch.empty(size, dtype=torch.uint8)
+                        _broadcast(bridge.weights_group, buf)
+                        staged.append((buf, layout))
+                    message = {**message, "staged": staged, "receive_s": time.perf_counter() - t0}
+                self._queue.put((i, message))
+                if message["kind"] in ("end", "stop"):
+                    return
+        except BaseException as err:  # noqa: BLE001 - raised by the loop, on the main thread
+            self._queue.put((i, err))
+
+    def next(self) -> tuple[int, dict]:
+        """The next message and the index after it (waits; raises what the thread met)."""
+        index, message = self._queue.get()
+        if isinstance(message, BaseException):
+            raise message
+        return index, message
+
+    def loaded(self) -> None:
+        """The staged version is in the engine: the next one may be received."""
+        self._slot.release()
+
+
 def serve(bridge: Bridge, build_engine, state: dict) -> dict:
-    """The rollout rank's loop: read the trainers' messages in order and act on them, until ``end`` (returns)
-    or ``stop`` (closes the engine). ``build_engine(settings)`` builds this rank's engine from the start message;
-    ``state`` keeps the next message's index and the engine between calls (``train()`` then ``evaluate()``).
-    Returns counts and seconds of what this rank did."""
+    """The rollout rank's loop: act on the trainers' messages in order (:class:`MessageReader` reads them), until
+    ``end`` (returns) or ``stop`` (closes the engine). ``build_engine(settings)`` builds this rank's engine from the
+    start message; ``state`` keeps the next message's index and the engine between calls (``train()`` then
+    ``evaluate()``). Returns counts and seconds of what this rank did."""
     roles = bridge.roles
     r = roles.role_rank(bridge.rank)
-    stats = {"jobs": 0, "samples": 0, "gen_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "idle_s": 0.0}
+    stats = {"jobs": 0, "samples": 0, "gen_s": 0.0, "weights_s": 0.0, "receive_s": 0.0, "weights_bytes": 0,
+             "idle_s": 0.0}
     bridge.watch(range(roles.world))
+    reader = MessageReader(bridge, state.setdefault("msg", 0))
     while True:
-        i = state.setdefault("msg", 0)
         t0 = time.perf_counter()
         bridge.status = "idle"
-        message = bridge.take(f"msg/{i}", 0, f"the trainers' message {i}", delete=False)
+        state["msg"], message = reader.next()
         stats["idle_s"] += time.perf_counter() - t0
-        # the last of the rollout ranks to read a message removes it
-        if bridge.store.add(f"read/{i}", 1) == roles.rollout_ranks:
-            bridge.store.delete_key(f"msg/{i}")
-            bridge.store.delete_key(f"read/{i}")
-        state["msg"] = i + 1
         kind = message["kind"]
         if kind == "start":
             bridge.status = "starting its engine"
@@ -353,19 +402,13 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
                 raise
             bridge.put(f"ready/{r}", answer)
         elif kind == "weights":
-            bridge.status = f"receiving weights version {message['version']}"
+            bridge.status = f"loading weights version {message['version']}"
             t0 = time.perf_counter()
-            engine = state["engine"]
-
-            def buckets(message=message):
-                for size, layout in zip(message["sizes"], message["layouts"]):
-                    buf = torch.empty(size, dtype=torch.uint8)
-                    _broadcast(bridge.weights_group, buf)
-                    yield unpack_bucket(buf, layout)
-
-            engine.load_buckets(buckets())
+            state["engine"].load_buckets(unpack_bucket(buf, layout) for buf, layout in message["staged"])
+            reader.loaded()
             state["version"] = message["version"]
             stats["weights_s"] += time.perf_counter() - t0
+            stats["receive_s"] += message["receive_s"]
             stats["weights_bytes"] += sum(message["sizes"])
         elif kind == "job":
             bridge.status = f"generating job {message['id']}"
