@@ -172,17 +172,19 @@ def _launch(out, *extra, config: str | None = None, procs: int = 3, timeout: flo
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
-def test_one_step_off_policy_under_zero3_samples_one_step_stale(tmp_path):
+@pytest.mark.parametrize("staleness,lags", [(1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])])
+def test_one_step_off_policy_under_zero3_samples_one_step_stale(staleness, lags, tmp_path):
     """2 ZeRO-3 trainers + 1 rollout rank, max_staleness=1 (the default): the first step is generated with the
     initial weights, and every later step's samples by the policy one optimizer step older (the step's job was
-    written before the previous update); the trainers log their wait and each transfer's bytes, which are the
-    model's. The engine's log-probs then differ from the trainer's by the one update (a synchronous run's stay at
-    float32 noise: test_trainer's rollout_ranks cases)."""
-    run = _launch(tmp_path, "--max_steps", "4", "--rollout_ranks", "1", "--learning_rate", "1e-4", "--save_strategy", "no",
-                  config="zero3_cpu.yaml")
+    written before the previous update); with max_staleness=2, two jobs are written ahead, so the lag grows to 2.
+    The trainers log their wait and each transfer's bytes, which are the model's. The engine's log-probs then
+    differ from the trainer's by the updates in between (a synchronous run's stay at float32 noise:
+    test_trainer's rollout_ranks cases)."""
+    run = _launch(tmp_path, "--max_steps", "4", "--rollout_ranks", "1", "--max_staleness", str(staleness),
+                  "--learning_rate", "1e-4", "--save_strategy", "no", config="zero3_cpu.yaml")
     steps = run["steps"]
     assert run["summary"]["processes"] == 2 and len(steps) == 4
-    assert [h["rollout/staleness"] for h in steps] == [0, 1, 1, 1]
+    assert [h["rollout/staleness"] for h in steps] == lags
     from transformers import AutoModelForCausalLM
 
     from trl_nrollout.builtin import resolve_model
