@@ -14,7 +14,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ROOT
-from trl_nrollout.plan.cost import ModelDims, Workload, predict_step, suggest
+from trl_nrollout.plan.cost import ModelDims, Workload, predict_split, predict_step, suggest
 from trl_nrollout.plan.devices import PROFILES, DeviceProfile, load_profile, save_profile
 from trl_nrollout.plan.layout import RolloutLayout
 
@@ -109,6 +109,24 @@ def test_a_reference_pass_costs_what_the_old_policy_pass_costs(dims, work, dev):
     assert without.phases["ref_log_prob"] == 0
     assert with_kl.phases["ref_log_prob"] == pytest.approx(with_kl.phases["old_log_prob"])
     assert with_kl.total_s == pytest.approx(without.total_s + with_kl.phases["ref_log_prob"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(dims=dims_st, work=work_st, dev=device_st, trainers=st.sampled_from([1, 2, 4, 8]),
+       engines=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2]))
+def test_a_split_launch_overlaps_generation_with_training_and_never_beats_its_longer_half(
+        dims, work, dev, trainers, engines, tp):
+    """With rollout ranks, a pipelined step (max_staleness >= 1) is the longer of generation and training plus the
+    transfer: never longer than the synchronous step (their sum plus the transfer), never shorter than either half;
+    twice the engines never predict a longer generation."""
+    layout_t = _layout(world=trainers, prompts=8 * trainers, n=4)
+    pred = predict_split(dims, _layout(world=engines * tp, tp=tp, prompts=8 * trainers, n=4), layout_t, work, dev)
+    assert pred.sync_s == pytest.approx(pred.generation_s + pred.transfer_s + pred.train_s)
+    assert max(pred.generation_s, pred.train_s) <= pred.pipelined_s <= pred.sync_s * (1 + 1e-12)
+    assert pred.step_s(0) == pred.sync_s and pred.step_s(2) == pred.pipelined_s
+    more = predict_split(dims, _layout(world=2 * engines * tp, tp=tp, prompts=16 * trainers, n=4), layout_t, work, dev)
+    half = predict_split(dims, _layout(world=engines * tp, tp=tp, prompts=16 * trainers, n=4), layout_t, work, dev)
+    assert more.generation_s <= half.generation_s * (1 + 1e-9)
 
 
 def test_the_old_policy_pass_runs_only_off_policy():

@@ -156,6 +156,24 @@ def test_the_plan_prints_both_worlds_and_refuses_a_split_across_a_node(capsys):
     assert "use a multiple of 4" in capsys.readouterr().err
 
 
+def test_the_plan_predicts_a_split_launch_beside_the_same_devices_colocated(capsys):
+    """``plan --predict --rollout-ranks``: the engines' generation, the trainers' phases, the transfer, the step
+    synchronous and pipelined, and the same devices colocated; the recipe's max_staleness picks which step."""
+    base = ["plan", "--num-processes", "16", "--rollout-ranks", "8", "--rollout-tp-size", "2", "--train-batch-size",
+            "64", "--rollout-n", "16", "--model", "Qwen/Qwen2.5-7B-Instruct", "--device", "h100", "--predict",
+            "--max-prompt-length", "512", "--max-completion-length", "1024", "--no-memory", "--json"]
+    assert cli_main(base) == 0
+    out = json.loads(capsys.readouterr().out)["prediction"]
+    split = out["split"]
+    assert split["pipelined_s"] == out["step_s"] < split["sync_s"]  # max_staleness defaults to 1
+    assert out["colocated"]["total_s"] > 0 and split["samples"] == 64 * 16
+    assert cli_main([*base, "--max-staleness", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["prediction"]["step_s"] == split["sync_s"]
+    assert cli_main(base[:-1]) == 0
+    text = capsys.readouterr().out
+    assert "8 trainers + 8 rollout ranks" in text and "the same 16 devices colocated" in text
+
+
 # ---------------------------------------------------------------------------------------------- real launches
 def _launch(out, *extra, config: str | None = None, procs: int = 3, timeout: float = 600):
     head = [*ACCELERATE_LAUNCH, "--num_processes", str(procs)]

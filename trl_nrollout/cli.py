@@ -122,7 +122,11 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(f"trl-nrollout: warning: {mem_error}", file=sys.stderr)
     critic = critic_rows(values, layout)
     predicted = None
-    if args.predict:
+    if args.predict and split is not None:
+        from trl_nrollout.plan.predict import predict_rollout_ranks
+
+        predicted = predict_rollout_ranks(values, layout, split[2])
+    elif args.predict:
         from trl_nrollout.plan.predict import predict
 
         predicted = predict(values, layout, ns)

@@ -339,3 +339,43 @@ def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Wo
                 (refused if why else fit).append(Candidate(options, pred, why))
     fit.sort(key=lambda c: -c.prediction.samples_per_s)
     return fit + refused
+
+
+# ---------------------------------------------------------------------------------------------- rollout ranks
+@dataclass(frozen=True)
+class SplitPrediction:
+    """A step with ``rollout_ranks``: the engines' generation (on the rollout ranks), the trainers' phases (on the
+    others), the weight transfer between them, and the step they make synchronous (``sync_s``: generation, then
+    the transfer, then training) and with ``max_staleness >= 1`` (``pipelined_s``: generation of the next step
+    beside training of this one, so the longer of the two, plus the transfer). Memory per device of each world."""
+
+    generation_s: float
+    train_s: float
+    transfer_s: float
+    sync_s: float
+    pipelined_s: float
+    samples: int
+    engine_bytes: int
+    train_bytes: int
+
+    def step_s(self, staleness: int) -> float:
+        return self.sync_s if staleness == 0 else self.pipelined_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def predict_split(dims: ModelDims, engines: RolloutLayout, trainers: RolloutLayout, work: Workload,
+                  dev: DeviceProfile) -> SplitPrediction:
+    """:func:`predict_step` for a launch split into ``engines`` (the rollout ranks' layout: their engines and each
+    engine's share of the step's samples) and ``trainers`` (the trainers' layout). The transfer is the trainers'
+    weight sync estimate (gathering, then the model's bytes over the bucket path)."""
+    gen = predict_step(dims, engines, work, dev)
+    train = predict_step(dims, trainers, work, dev)
+    train_s = sum(train.phases[p] for p in ("old_log_prob", "ref_log_prob", "update"))
+    transfer = train.phases["weight_sync"]
+    generation = gen.phases["generation"]
+    return SplitPrediction(generation_s=generation, train_s=train_s, transfer_s=transfer,
+                           sync_s=generation + transfer + train_s, pipelined_s=max(generation, train_s) + transfer,
+                           samples=trainers.total_samples, engine_bytes=gen.engine_bytes,
+                           train_bytes=train.train_bytes)

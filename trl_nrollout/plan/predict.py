@@ -6,11 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from trl_nrollout.plan.cost import PHASES, ModelDims, StepPrediction, Workload, predict_step, predict_vs_n
+from trl_nrollout.plan.cost import (
+    PHASES,
+    ModelDims,
+    StepPrediction,
+    Workload,
+    predict_split,
+    predict_step,
+    predict_vs_n,
+)
 from trl_nrollout.plan.cost import suggest as search
 from trl_nrollout.plan.devices import DeviceProfile, load_profile, with_memory
 from trl_nrollout.plan.figures import LAYOUT_KEYS, PlanError
-from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.plan.layout import LayoutError, RolloutLayout
 from trl_nrollout.plan.memory import (
     DEFAULT_MAX_COMPLETION_LENGTH,
     DEFAULT_MAX_NUM_SEQS,
@@ -155,3 +163,49 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10) ->
                      "refused": [c.to_dict() for c in refused], "notes": notes}, "lines": lines,
             "fit": fit, "refused": refused}
 
+
+
+def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split: dict[str, Any]) -> dict[str, Any]:
+    """``plan --predict`` with ``rollout_ranks``: the engines' generation on the rollout ranks, the trainers' phases,
+    the transfer, and the step synchronous and pipelined (``max_staleness``), beside the same devices colocated
+    (every process trains and generates) for comparison. ``split``: the figures of
+    :func:`~trl_nrollout.plan.figures.split_rollout_ranks`."""
+    dims, dev = dims_of(values), device_of(values)
+    work, notes = workload_of(values)
+    engines_n, tp = split["engines"], split["rollout_tp_size"]
+    prompts, n = trainers.train_batch_size, trainers.rollout_n
+    busiest = -(-prompts // engines_n)  # the engine with the most groups sets the generation time
+    if busiest * engines_n != prompts:
+        notes.append(f"{prompts} prompts over {engines_n} engines: the busiest engine's {busiest} set the time.")
+    try:
+        engines = RolloutLayout.build(num_processes=split["rollout_ranks"], rollout_tp_size=tp,
+                                      train_batch_size=busiest * engines_n, rollout_n=n,
+                                      adv_estimator=values.get("adv_estimator") or "grpo")
+        colocated = RolloutLayout.build(**{**{k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None},
+                                           "num_processes": split["processes"], "rollout_tp_size": tp, "nnodes": 1,
+                                           "n_gpus_per_node": None})
+    except LayoutError as err:
+        raise PlanError(str(err)) from None
+    pred = predict_split(dims, engines, trainers, work, dev)
+    together = predict_step(dims, colocated, work, dev)
+    staleness = split["max_staleness"]
+    step = pred.step_s(staleness)
+    rows = [(f"generation (rollout ranks, {engines_n} engines)", f"{pred.generation_s:.3g} s"),
+            ("training (old/ref passes, update)", f"{pred.train_s:.3g} s"),
+            ("weight transfer", f"{pred.transfer_s:.3g} s"),
+            ("step, synchronous (max_staleness=0)", f"{pred.sync_s:.3g} s"),
+            ("step, pipelined (max_staleness>=1)", f"{pred.pipelined_s:.3g} s"),
+            (f"this recipe (max_staleness={staleness})", f"{step:.3g} s -> {pred.samples / step:.3g} samples/s"),
+            (f"the same {split['processes']} devices colocated",
+             f"{together.total_s:.3g} s -> {together.samples_per_s:.3g} samples/s"),
+            ("memory per device", f"engine {pred.engine_bytes / 2**30:.3g} GiB, trainer "
+                                  f"{pred.train_bytes / 2**30:.3g} GiB")]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"predicted step: {dims.name} ({dims.num_parameters / 1e9:.3g}B params, {dims.dtype}) on {dev.name}, "
+             f"{split['trainers']} trainers + {split['rollout_ranks']} rollout ranks"]
+    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    lines += [f"note: {n}" for n in notes] + ([f"device: {dev.source}"] if dev.source else [])
+    return {"json": {"device": dev.to_dict(), "model": {"name": dims.name, "num_parameters": dims.num_parameters},
+                     "workload": work.__dict__, "split": pred.to_dict(), "step_s": step,
+                     "colocated": together.to_dict(), "notes": notes},
+            "lines": lines}
