@@ -49,6 +49,44 @@ def test_the_parameter_count_matches_the_published_one():
     assert model_dims("meta-llama/Llama-3.1-8B-Instruct").num_parameters == pytest.approx(8.03e9, rel=0.005)
 
 
+def test_a_mixture_of_experts_counts_all_its_parameters_and_multiplies_by_its_active_ones():
+    """Qwen3-30B-A3B as its model card gives it: 30.5B parameters, 3.3B activated per token; the FLOPs use the
+    activated ones, the memory all of them."""
+    from trl_nrollout.plan.models import model_dims
+
+    moe = model_dims("Qwen/Qwen3-30B-A3B")
+    assert moe.num_parameters == pytest.approx(30.5e9, rel=0.01)
+    assert moe.num_active_parameters == pytest.approx(3.3e9, rel=0.02)
+    assert moe.weights_read(1) == moe.matmul_params < moe.weights_read(16) < moe.weights_read(512)
+    assert moe.weights_read(512) == pytest.approx(moe.num_hidden_layers * moe.params_per_layer
+                                                  + moe.vocab_size * moe.hidden_size, rel=1e-3)
+
+
+moe_st = st.builds(
+    lambda layers, hidden, experts, k, inter: ModelDims(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter * experts, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=hidden // 8, vocab_size=32000, num_experts=experts,
+        experts_per_token=min(k, experts), moe_intermediate_size=inter),
+    st.integers(1, 48), st.sampled_from([512, 1024, 2048]), st.sampled_from([4, 8, 64, 128]), st.integers(1, 8),
+    st.sampled_from([256, 768, 1408]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(moe=moe_st, work=work_st, dev=device_st)
+def test_a_mixture_of_experts_never_predicts_more_time_than_its_dense_twin(moe, work, dev):
+    """A MoE model and the dense model with all its experts in one MLP (a few more columns for the router's
+    parameters): the MoE step never takes longer (each token multiplies by its experts only; a decode step reads
+    the experts its tokens use), while both hold the same weights on the engines, within 1%."""
+    dense = replace(moe, num_experts=0, experts_per_token=0, moe_intermediate_size=0,
+                    intermediate_size=moe.num_experts * moe.moe_intermediate_size + math.ceil(moe.num_experts / 3))
+    layout = _layout(world=4, prompts=16, n=4)
+    a, b = predict_step(moe, layout, work, dev), predict_step(dense, layout, work, dev)
+    for phase in a.phases:
+        assert a.phases[phase] <= b.phases[phase] * (1 + 1e-9) + 1e-12, phase
+    assert moe.num_parameters == pytest.approx(dense.num_parameters, rel=0.01)
+    assert moe.matmul_params <= dense.matmul_params
+
+
 def test_the_parameter_count_is_the_built_models(tiny_model_path):
     """The analytic count equals the parameters of the model transformers builds from the same config."""
     from trl_nrollout.plan.memory import count_parameters, load_config_dict

@@ -63,18 +63,51 @@ class ModelDims:
     dtype: str = "bfloat16"
     name: str = ""
     gated_mlp: bool = True
+    #: a mixture of experts (0: dense): experts per layer, experts each token goes through, an expert's
+    #: intermediate size, and an always-on shared expert's (Qwen2-MoE; 0: none)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def dtype_bytes(self) -> int:
         return dtype_bytes(self.dtype)
 
     @property
-    def params_per_layer(self) -> int:
+    def _attention_params(self) -> int:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + (q + 2 * kv)  # Q/K/V/O (+ QKV bias)
-        mlp = (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
-        return attention + mlp + 2 * self.hidden_size  # two norms
+        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size + (q + 2 * kv)  # Q/K/V/O (+ QKV bias)
+
+    def _mlp_params(self, experts: float) -> float:
+        """One layer's MLP parameters with ``experts`` of its experts counted (all of them: the layer's size; the
+        token's: what it multiplies by); a dense layer's whatever ``experts``."""
+        per = (3 if self.gated_mlp else 2) * self.hidden_size
+        if not self.num_experts:
+            return per * self.intermediate_size
+        shared = per * self.shared_expert_intermediate_size + (self.hidden_size if self.shared_expert_intermediate_size
+                                                                else 0)
+        return experts * per * self.moe_intermediate_size + self.hidden_size * self.num_experts + shared  # + router
+
+    @property
+    def params_per_layer(self) -> int:
+        return int(self._attention_params + self._mlp_params(self.num_experts) + 2 * self.hidden_size)  # two norms
+
+    @property
+    def active_params_per_layer(self) -> int:
+        """The parameters one token multiplies by in a layer (a MoE token: its experts only)."""
+        return int(self._attention_params + self._mlp_params(self.experts_per_token) + 2 * self.hidden_size)
+
+    def weights_read(self, tokens: float) -> float:
+        """Matmul parameters one forward over ``tokens`` tokens reads: all of a dense model's; a MoE layer's experts
+        that at least one token routes to (expected, with uniform routing: ``E (1 - (1 - k/E)^tokens)``)."""
+        if not self.num_experts:
+            return float(self.matmul_params)
+        k, e = self.experts_per_token, self.num_experts
+        touched = e * (1 - (1 - k / e) ** max(tokens, 1.0))
+        per_layer = self._attention_params + self._mlp_params(touched) + 2 * self.hidden_size
+        return self.num_hidden_layers * per_layer + self.vocab_size * self.hidden_size
 
     @property
     def num_parameters(self) -> int:
@@ -85,8 +118,16 @@ class ModelDims:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters a token multiplies by (the embedding lookup is not a matmul; the output head is)."""
-        return self.num_hidden_layers * self.params_per_layer + self.vocab_size * self.hidden_size
+        """Parameters a token multiplies by (the embedding lookup is not a matmul; the output head is; a MoE token's
+        own experts only)."""
+        return self.num_hidden_layers * self.active_params_per_layer + self.vocab_size * self.hidden_size
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token uses, embeddings included (a MoE model's "activated" count; a dense model's all)."""
+        embed = self.vocab_size * self.hidden_size
+        return (self.num_hidden_layers * self.active_params_per_layer
+                + embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -109,6 +150,11 @@ class ModelDims:
             raise ValueError(f"the model config{' of ' + name if name else ''} has no {', '.join(missing)}: the cost "
                              "model needs a decoder-only transformer's dimensions.")
         heads = int(cfg["num_attention_heads"])
+        # Qwen2/3-MoE name it num_experts, Mixtral num_local_experts (its intermediate_size is an expert's)
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if experts and not cfg.get("num_experts_per_tok"):
+            raise ValueError(f"the model config{' of ' + name if name else ''} has {experts} experts but no "
+                             "num_experts_per_tok: the cost model needs the experts each token uses.")
         if dtype in (None, "auto"):
             dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
         dtype = str(dtype).removeprefix("torch.")
@@ -118,7 +164,12 @@ class ModelDims:
                    num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                    head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
                    vocab_size=int(cfg["vocab_size"]), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   dtype=dtype, name=name, gated_mlp=cfg.get("model_type") not in UNGATED_MLP)
+                   dtype=dtype, name=name, gated_mlp=cfg.get("model_type") not in UNGATED_MLP,
+                   num_experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+                   moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+                   if experts else 0,
+                   shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+                   if experts else 0)
 
 
 # ---------------------------------------------------------------------------------------------- the workload
@@ -185,7 +236,7 @@ def _generation(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: Dev
     running = tokens / steps if steps else 0.0
     context = work.prompt_len + work.completion_mean / 2
     compute = running * (2 * matmul + dims.attention_flops(context)) / (tp * dev.flops * dev.mfu_prefill)
-    weights = matmul * dims.dtype_bytes / tp
+    weights = dims.weights_read(running) * dims.dtype_bytes / tp  # a MoE step reads the experts its tokens use
     kv = running * context * dims.kv_bytes_per_token / tp
     memory = (weights + kv) / (dev.mem_bw * dev.bw_eff)
     comm = 0.0

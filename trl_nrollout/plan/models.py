@@ -28,6 +28,11 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B-Instruct": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096,
                                              intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                                              vocab_size=128256, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # a mixture of experts: 128 experts per layer, 8 per token (30.5B parameters, 3.3B activated, as published)
+    "Qwen/Qwen3-30B-A3B": dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, intermediate_size=6144,
+                               moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                               num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                               tie_word_embeddings=False, torch_dtype="bfloat16"),
 }
 for _name in list(KNOWN_CONFIGS):  # the base models share their instruct models' shapes
     KNOWN_CONFIGS[_name.removesuffix("-Instruct")] = KNOWN_CONFIGS[_name]
