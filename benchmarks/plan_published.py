@@ -7,7 +7,10 @@ computes the policy's and the reference's log-probs every step), and the mean ge
 Seq len"; the page does not define it: we read it as the generated tokens, as its tokens/s/GPU figures imply). Not
 stated: the prompt lengths (we try 150 and 300 tokens; OpenMathInstruct-2's problems are short) and the engine's
 ``max_num_seqs`` (vLLM's default, 1,024). The training runs are Megatron with a distributed optimizer (``sharded``
-here). Model dimensions from each model's config.json.
+here; Megatron shards by tensor and pipeline parallelism and does not gather parameters for each forward as ZeRO-3
+does, so both trainers are priced: with per-forward gathers and without). Model dimensions from each model's
+config.json. The trainers span the runs' nodes (8 GPUs each), so their
+gradient reduce and gathers run at the DGX H100's InfiniBand speed (one 400 Gb/s port per GPU), not NVLink's.
 
 Prints and writes ``plan_published.json`` / ``.md`` under ``--out``. Goal (issue 33): within a factor of 1.5.
 
@@ -50,19 +53,22 @@ def main() -> None:
         dims = model_dims(model)
         layout = RolloutLayout.build(num_processes=gpus, rollout_tp_size=tp, train_batch_size=64, rollout_n=32,
                                      ppo_mini_batch_size=16)
-        for prompt in PROMPT_LENGTHS:
+        for prompt, sharded in [(p, s) for s in (True, False) for p in PROMPT_LENGTHS]:
             work = Workload(prompt_len=prompt, completion_mean=mean, completion_max=4096 - prompt, kl=True,
-                            sharded=True, skip_old_on_policy=False)
+                            sharded=sharded, skip_old_on_policy=False, nodes=gpus // 8)
             pred = predict_step(dims, layout, work, PROFILES["h100"])
             rows.append({"run": label, "model": model, "gpus": gpus, "rollout_tp": tp, "prompt_tokens": prompt,
+                         "trainer": "ZeRO-3 (gathers per forward)" if sharded else "no per-forward gathers",
                          "mean_generated": mean, "measured_s": measured, "predicted_s": pred.total_s,
                          "ratio": pred.total_s / measured, "phases": pred.phases,
                          "decode_bound": pred.details["decode_bound"]})
-    lines = [f"Source: {SOURCE}", "", "| run | prompt tokens (assumed) | measured step (s) | predicted (s) | predicted / "
-             "measured | generation / old+ref / update (s), predicted |", "|---|---|---|---|---|---|"]
+    lines = [f"Source: {SOURCE}", "", "| run | prompt tokens (assumed) | trainer modelled | measured step (s) | "
+             "predicted (s) | predicted / measured | generation / old+ref / update (s), predicted |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         p = r["phases"]
-        lines.append(f"| {r['run']} | {r['prompt_tokens']} | {r['measured_s']:.1f} | {r['predicted_s']:.1f} | "
+        lines.append(f"| {r['run']} | {r['prompt_tokens']} | {r['trainer']} | {r['measured_s']:.1f} | "
+                     f"{r['predicted_s']:.1f} | "
                      f"**{r['ratio']:.2f}** | {p['generation']:.1f} / {p['old_log_prob'] + p['ref_log_prob']:.1f} / "
                      f"{p['update']:.1f} |")
     ok = sum(1 / GOAL <= r["ratio"] <= GOAL for r in rows)

@@ -167,6 +167,22 @@ def test_a_split_launch_overlaps_generation_with_training_and_never_beats_its_lo
     assert more.generation_s <= half.generation_s * (1 + 1e-9)
 
 
+@settings(max_examples=100, deadline=None)
+@given(dims=dims_st, work=work_st, dev=device_st, nodes=st.integers(2, 16))
+def test_trainers_across_nodes_pay_the_nodes_links(dims, work, dev, nodes):
+    """Trainers spanning nodes reduce gradients (and ZeRO-3 gathers) over the nodes' links, slower than NVLink: never
+    less time than on one node, more as soon as there is data parallelism; the engines' generation is unchanged (a TP
+    group stays within a node); a profile without a node link prices them as its own."""
+    layout = _layout(world=8, prompts=16, n=4)
+    one, many = predict_step(dims, layout, work, dev), predict_step(dims, layout, replace(work, nodes=nodes), dev)
+    assert many.phases["generation"] == one.phases["generation"]
+    assert many.phases["update"] > one.phases["update"]
+    assert many.total_s >= one.total_s
+    flat = replace(dev, node_link_bw=None)
+    assert predict_step(dims, layout, replace(work, nodes=nodes), flat).total_s == predict_step(
+        dims, layout, work, flat).total_s
+
+
 def test_the_old_policy_pass_runs_only_off_policy():
     """As the trainer does: one optimizer step per rollout needs no old-policy pass (the update's own forward gives
     the old log-probs); two mini batches, or the option turned off, bring it back."""

@@ -191,6 +191,8 @@ class Workload:
     sharded: bool = False
     critic: bool = False
     skip_old_on_policy: bool = True
+    #: nodes the trainers span: beyond one, their gradient reduce and parameter gathers cross the nodes' links
+    nodes: int = 1
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.completion_mean < 0:
@@ -200,6 +202,8 @@ class Workload:
                              f"{self.completion_mean} (the longest completion bounds the mean).")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1.")
+        if self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes} must be >= 1.")
 
 
 # ---------------------------------------------------------------------------------------------- the prediction
@@ -258,12 +262,19 @@ def _pass_tokens(layout: RolloutLayout, work: Workload) -> tuple[float, float]:
     return prompt_tokens + samples * work.completion_mean, work.prompt_len + work.completion_mean
 
 
+def _dp_link(work: Workload, dev: DeviceProfile) -> float:
+    """B/s of the trainers' collectives: a ring over every data-parallel rank runs at its slowest link, the nodes'
+    when the ranks span several."""
+    slowest = dev.node_link_bw if work.nodes > 1 and dev.node_link_bw else dev.link_bw
+    return slowest * dev.link_eff
+
+
 def _gather_s(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: DeviceProfile) -> float:
     """A sharded trainer's all-gather of the parameters for one forward (ZeRO-3 / FSDP)."""
     dp = layout.data_parallel_size
     if not work.sharded or dp == 1:
         return 0.0
-    return dims.num_parameters * dims.dtype_bytes * (dp - 1) / dp / (dev.link_bw * dev.link_eff)
+    return dims.num_parameters * dims.dtype_bytes * (dp - 1) / dp / _dp_link(work, dev)
 
 
 def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: DeviceProfile) -> StepPrediction:
@@ -285,7 +296,7 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
     shard = dims.num_parameters / (dp if work.sharded else 1)
     optimizer_s = layout.optimizer_steps_per_rollout * shard * OPTIMIZER_BYTES_PER_PARAM / dev.optimizer_rate
     reduce_s = 0.0 if dp == 1 else (layout.optimizer_steps_per_rollout * dims.num_parameters * 4 * (dp - 1) / dp
-                                    / (dev.link_bw * dev.link_eff))
+                                    / _dp_link(work, dev))
     update_s = (layout.ppo_epochs * 3 * forward_flops / train_rate + micro * (2 * dev.forward_s + 2 * gather)
                 + optimizer_s + reduce_s + layout.ppo_epochs * layout.samples_per_rank * dev.train_sample_s
                 + layout.optimizer_steps_per_rollout * dev.train_fixed_s)

@@ -26,7 +26,8 @@ class DeviceProfile:
     (device memory, B/s), ``link_bw`` (between the devices of a node, per direction, B/s: TP all-reduces, ZeRO-3
     gathers), ``memory_gib``. Efficiencies (fractions of a peak reached): ``mfu_prefill`` (prefill and decode
     matmuls), ``mfu_train`` (training forwards and backwards), ``bw_eff`` (decode's weight and KV reads),
-    ``link_eff``. Fixed costs, seconds: ``step_s`` per engine step (scheduler, sampler, Python), ``seq_step_s`` per
+    ``link_eff``; ``node_link_bw`` (per device between nodes, per direction, B/s: a trainer's gradient reduce and
+    gathers when it spans nodes; None: as ``link_bw``). Fixed costs, seconds: ``step_s`` per engine step (scheduler, sampler, Python), ``seq_step_s`` per
     running sequence per engine step beyond the roofline (sampling, output processing: large on a CPU),
     ``call_s`` per generation call, ``forward_s`` per training forward (launches, hooks), ``sync_s`` per weight
     sync, ``allreduce_s`` latency of one TP all-reduce. ``sync_bw`` the weight sync's B/s (None: half of
@@ -46,6 +47,7 @@ class DeviceProfile:
     mfu_train: float = 0.4
     bw_eff: float = 0.7
     link_eff: float = 0.7
+    node_link_bw: float | None = None
     step_s: float = 0.004
     seq_step_s: float = 0.0
     call_s: float = 0.05
@@ -96,17 +98,25 @@ _NVIDIA_H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: BF16 989 TFLO
 _NVIDIA_H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: BF16 989 TFLOPS dense, HBM3e 4.8 TB/s, NVLink 900 GB/s"
 _NVIDIA_L40S = "NVIDIA L40S datasheet (2023): BF16 362 TFLOPS dense, GDDR6 864 GB/s, PCIe Gen4 x16 64 GB/s"
 
+#: between nodes, per GPU and direction: the DGX systems' one InfiniBand port per GPU (DGX A100 datasheet: 8x
+#: ConnectX-6 200 Gb/s HDR; DGX H100 / H200 datasheets: 8x ConnectX-7 400 Gb/s NDR); an L40S server has no reference
+#: system: one 100 Gb/s port per GPU assumed
+_IB_HDR, _IB_NDR, _ETH_100 = 200 / 8 * GBPS, 400 / 8 * GBPS, 100 / 8 * GBPS
+
 #: named profiles: datasheet peaks (link bandwidth per direction: half the datasheet's bidirectional figure)
 PROFILES: dict[str, DeviceProfile] = {
     "a100-40gb": DeviceProfile("a100-40gb", flops=312 * TFLOPS, mem_bw=1555 * GBPS, link_bw=300 * GBPS,
-                               memory_gib=40, source=_NVIDIA_A100 + "; HBM2 1,555 GB/s, 40 GB"),
+                               node_link_bw=_IB_HDR, memory_gib=40, source=_NVIDIA_A100 + "; HBM2 1,555 GB/s, 40 GB"),
     "a100-80gb": DeviceProfile("a100-80gb", flops=312 * TFLOPS, mem_bw=2039 * GBPS, link_bw=300 * GBPS,
-                               memory_gib=80, source=_NVIDIA_A100 + "; HBM2e 2,039 GB/s, 80 GB"),
+                               node_link_bw=_IB_HDR, memory_gib=80, source=_NVIDIA_A100 + "; HBM2e 2,039 GB/s, 80 GB"),
     "h100": DeviceProfile("h100", flops=989 * TFLOPS, mem_bw=3350 * GBPS, link_bw=450 * GBPS, memory_gib=80,
+                          node_link_bw=_IB_NDR,
                           source=_NVIDIA_H100 + ", 80 GB"),
     "h200": DeviceProfile("h200", flops=989 * TFLOPS, mem_bw=4800 * GBPS, link_bw=450 * GBPS, memory_gib=141,
+                          node_link_bw=_IB_NDR,
                           source=_NVIDIA_H200 + ", 141 GB"),
     "l40s": DeviceProfile("l40s", flops=362 * TFLOPS, mem_bw=864 * GBPS, link_bw=32 * GBPS, memory_gib=48,
+                          node_link_bw=_ETH_100,
                           source=_NVIDIA_L40S + ", 48 GB"),
 }
 

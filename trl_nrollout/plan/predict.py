@@ -81,7 +81,8 @@ def workload_of(values: dict[str, Any]) -> tuple[Workload, list[str]]:
         work = Workload(prompt_len=float(prompt), completion_mean=float(completion), completion_max=int(completion_max),
                         max_num_seqs=int(values.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS), kl=kl,
                         sharded=sharding != "none",
-                        critic=values.get("trainer") == "ppo" or values.get("adv_estimator") == "gae")
+                        critic=values.get("trainer") == "ppo" or values.get("adv_estimator") == "gae",
+                        nodes=int(values.get("nnodes") or 1))
     except ValueError as err:
         raise PlanError(str(err)) from None
     return work, notes
