@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -154,6 +155,16 @@ def test_the_plan_prints_both_worlds_and_refuses_a_split_across_a_node(capsys):
     assert cli_main(["plan", "--n-gpus-per-node", "4", "--nnodes", "2", "--rollout-ranks", "2",
                      "--train-batch-size", "8", "--rollout-n", "4"]) == 2
     assert "use a multiple of 4" in capsys.readouterr().err
+
+
+def test_the_plan_of_a_split_launch_imports_no_torch():
+    """The split's arithmetic is pure: a plan with rollout ranks answers before torch is even installed."""
+    code = ("import sys\nfrom trl_nrollout.cli import main\n"
+            "assert main(['plan', '--num-processes', '3', '--rollout-ranks', '1', '--train-batch-size', '8', "
+            "'--rollout-n', '4']) == 0\n"
+            "heavy = [m for m in ('torch', 'transformers', 'trl', 'vllm') if m in sys.modules]\nassert not heavy, heavy\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_the_plan_predicts_a_split_launch_beside_the_same_devices_colocated(capsys):

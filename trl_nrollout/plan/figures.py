@@ -121,7 +121,7 @@ def split_rollout_ranks(values: dict[str, Any]) -> tuple[dict[str, Any], list[tu
     """With ``rollout_ranks``: the trainers' plan options (their processes, no engine among them), the rows that
     describe the rollout ranks, and those figures as JSON; None without rollout ranks. Raises :class:`PlanError`
     for a split that cannot work (:func:`~trl_nrollout.rollout.ranks.roles_refusal`), with its fix."""
-    from trl_nrollout.rollout.ranks import roles_refusal
+    from trl_nrollout.plan.roles import roles_refusal
 
     r = values.get("rollout_ranks") or 0
     if not r:
