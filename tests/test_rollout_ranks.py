@@ -346,3 +346,22 @@ def test_a_run_with_a_rollout_rank_resumes_to_the_same_steps(tmp_path):
     resumed = _launch(tmp_path / "resumed", *RESUME, "--rollout_ranks", "1", "--max_staleness", "0",
                       "--resume_from_checkpoint", str(checkpoint))
     assert_resumed(full, resumed, checkpoint)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_evaluation_goes_through_the_rollout_rank_without_losing_the_job_written_ahead(tmp_path):
+    """Evaluation every 2 steps inside train() and once after it (on every process: the rollout rank serves it):
+    the evaluation's samples are generated after the job already written for the next training step, which stays
+    that step's (the lag stays one step after each evaluation), and every evaluation logs its reward."""
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
+                           str(ROOT / "tests/assets/rollout_ranks_eval.py"), str(tmp_path)],
+                          cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "log_history.json").read_text())
+    steps = [h for h in result["history"] if "reward" in h]
+    assert [h["rollout/staleness"] for h in steps] == [0, 1, 1, 1]
+    evals = [h for h in result["history"] if "eval_reward" in h]
+    assert [h["step"] for h in evals] == [2, 4, 4] and all(math.isfinite(h["eval_reward"]) for h in evals)
+    assert math.isfinite(result["final"]["eval_reward"])

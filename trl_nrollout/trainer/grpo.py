@@ -609,7 +609,7 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         rank)."""
         t0 = time.perf_counter()
         batch, prompts, episode = self._rollout(inputs, ctx.n, self._sampling(ctx.mode, round_=round_),
-                                                step_job=round_ == 0)
+                                                step_job=round_ == 0 and ctx.mode == "train")
         t1 = time.perf_counter()
         completions = (episode.completions if episode.completions is not None
                        else self._decode(prompts, batch.completion_ids))

@@ -128,10 +128,13 @@ class RolloutRanks:
             return []
         jobs = []
         steps_per_rollout = self.layout.optimizer_steps_per_rollout
+        last = self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
         for k, rows in enumerate(self._next_generation_inputs(self.args.max_staleness), start=1):
+            step = self.state.global_step + k * steps_per_rollout
+            if last is not None and step >= last:  # the run ends before that step: nothing to generate for it
+                break
             prompts, _ = self._start_episodes(rows)
             ids = self._tokenize_prompts(prompts)[0]
-            step = self.state.global_step + k * steps_per_rollout
             jobs.append(([list(p) for p in ids], self._sampling(mode, step=step)))
         return jobs
 
