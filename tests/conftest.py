@@ -158,6 +158,30 @@ def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, ti
     return _read_run(out)
 
 
+def launch_two_nodes(out: Path, per_node: int, *extra: str, timeout: float = 600) -> None:
+    """The recipe as a 2-"node" launch on this machine (accelerate, --num_machines 2, ``per_node`` processes each,
+    a free local port); fails the test with both nodes' output when a node fails."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    procs = [subprocess.Popen(
+        [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
+         str(2 * per_node), "--main_process_ip", "127.0.0.1", "--main_process_port", port, RECIPE, "--output_dir",
+         str(out), "--use_cpu", "true", *extra],
+        cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outputs)
+
+
 def run_script_in_process(script: Path, *argv: str, env: dict | None = None) -> dict:
     """Run a one-process script as ``python script argv...`` would, in this process (the imports of torch, TRL and
     vLLM are paid once per session instead of once per script): ``__name__ == "__main__"``, its ``sys.argv`` and

@@ -25,7 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import ACCELERATE_LAUNCH, ENV, RECIPE, ROOT
+from tests.conftest import ACCELERATE_LAUNCH, ENV, RECIPE, ROOT, launch_two_nodes
 from trl_nrollout.cli import main as cli_main
 from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.ranks import ROLLOUT, TRAIN, Roles, roles_refusal
@@ -253,26 +253,8 @@ def test_a_lora_policy_reaches_the_rollout_rank_merged(tmp_path):
 def test_two_nodes_with_the_rollout_rank_on_the_second(tmp_path):
     """A 2-"node" launch on this machine (one process per node): node 0 trains, node 1 generates, and training
     runs one step ahead. It asks for TRL's server mode (``vllm_mode="server"``), which maps onto rollout ranks."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    procs = [subprocess.Popen(
-        [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
-         "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port, RECIPE, "--output_dir", str(tmp_path),
-         "--use_cpu", "true", "--bf16", "false", "--max_steps", "3", "--rollout_ranks", "1", "--save_strategy", "no",
-         "--use_vllm", "true", "--vllm_mode", "server"],
-        cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in (0, 1)]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=600)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outputs)
+    launch_two_nodes(tmp_path, 1, "--bf16", "false", "--max_steps", "3", "--rollout_ranks", "1", "--save_strategy",
+                     "no", "--use_vllm", "true", "--vllm_mode", "server")
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["processes"] == 1 and summary["nnodes"] == 1 and summary["steps"] == 3  # the trainers' world
     history = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "reward" in h]

@@ -24,6 +24,7 @@ from tests.conftest import (
     ROOT,
     assert_resumed,
     launch,
+    launch_two_nodes,
     rewards,
     run_cmd,
 )
@@ -359,26 +360,7 @@ def test_zero3_kl_loss_with_long_completions(tmp_path):
 def test_two_nodes_keep_tp_groups_within_a_node(tmp_path):
     """A 2-"node" launch on this machine (accelerate, --num_machines 2, 2 processes per node, TP=2): the trainer
     learns the node count from the launcher, every engine's ranks lie on one node, and training runs."""
-    import socket
-    import subprocess
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    env = {**os.environ, **ENV}
-    procs = [subprocess.Popen(
-        [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
-         "4", "--main_process_ip", "127.0.0.1", "--main_process_port", port, RECIPE, "--output_dir", str(tmp_path),
-         "--use_cpu", "true", "--max_steps", "1", "--rollout_tp_size", "2", "--save_strategy", "no"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=600)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outputs)
+    launch_two_nodes(tmp_path, 2, "--max_steps", "1", "--rollout_tp_size", "2", "--save_strategy", "no")
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["processes"] == 4 and summary["nnodes"] == 2 and summary["steps"] == 1
     assert summary["engine_ranks"] == [[0, 1], [2, 3]]  # node 0 = ranks 0, 1; node 1 = ranks 2, 3
