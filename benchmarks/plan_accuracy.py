@@ -62,8 +62,9 @@ def predict(row: dict, profile, max_completion_length: int) -> dict:
     from trl_nrollout.plan.models import model_dims
 
     dims = model_dims(row["model"], dtype="float32")
-    layout = RolloutLayout.build(num_processes=1, train_batch_size=row["prompts"], rollout_n=row["n"])
-    samples = row["prompts"] * row["n"]
+    prompts, n = int(row["prompts"]), int(row["n"])  # medians over repeats come back as floats
+    layout = RolloutLayout.build(num_processes=1, train_batch_size=prompts, rollout_n=n)
+    samples = prompts * n
     mean = row["gen_tokens_per_step"] / samples
     work = Workload(prompt_len=float(row["prompt_tokens"]), completion_mean=mean, completion_max=max_completion_length)
     return predict_step(dims, layout, work, profile).to_dict()
@@ -80,7 +81,8 @@ def main() -> None:
                     help="fresh processes per configuration (step_benchmark.py's --repeats: medians)")
     ap.add_argument("--quick", action="store_true", help="the tiny model, n = 4 and 12, 32-token prompts")
     ap.add_argument("--reuse", action="store_true",
-                    help="compare with the steps measured by an earlier run in --out (no new measurement)")
+                    help="compare with the steps measured and the profiles calibrated by an earlier run in --out "
+                         "(no new measurement)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plan_accuracy")
     ap.add_argument("--docs", action="store_true")
     args = ap.parse_args()
@@ -95,9 +97,11 @@ def main() -> None:
     start = time.perf_counter()
     profiles, rows = {}, []
     for model in args.models:  # calibrated with the model it predicts, as a user would (plan --calibrate --model)
-        if args.profile is None:
+        saved = args.out / f"plan-accuracy-{model.replace(':', '_').replace('/', '_')}.json"
+        reused = args.reuse and args.profile is None and saved.is_file()
+        if args.profile is None and not reused:
             print(f"calibrating this machine with {model} ...", flush=True)
-        profiles[model] = load_profile(args.profile or calibrate(args.out, model))
+        profiles[model] = load_profile(args.profile or (str(saved) if reused else calibrate(args.out, model)))
         rows += measure(model, args.ns, args.prompt_tokens, args.steps, args.out, args.reuse, args.repeats)
     results = []
     for row in rows:
@@ -105,7 +109,7 @@ def main() -> None:
         measured = {"step": row["step_s"], **{p: row["phases_s"][k] for p, k in PHASE_MAP.items()}}
         predicted = {"step": pred["total_s"], **{p: pred["phases"][p] for p in PHASE_MAP}}
         error = {k: predicted[k] / measured[k] - 1 if measured[k] > 0 else None for k in measured}
-        results.append({"model": row["model"], "n": row["n"], "prompt_tokens": row["prompt_tokens"],
+        results.append({"model": row["model"], "n": int(row["n"]), "prompt_tokens": int(row["prompt_tokens"]),
                         "measured": measured, "predicted": predicted, "error": error,
                         "unmodelled_s": row["phases_s"].get("reward", 0) + row["phases_s"].get("adv", 0)
                         + row["phases_s"].get("other", 0) + row["phases_s"].get("ref", 0)})

@@ -193,6 +193,62 @@ def test_the_old_policy_pass_runs_only_off_policy():
     assert predict_step(QWEN7, _layout(), replace(work, skip_old_on_policy=False), dev).phases["old_log_prob"] > 0
 
 
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.integers(1, 96), completion=st.integers(1, 48), groups=st.integers(1, 4), n=st.integers(1, 8),
+       micro=st.integers(1, 32))
+def test_the_plan_lays_out_the_forwards_the_trainer_runs(prompt, completion, groups, n, micro):
+    """The plan's training passes (:func:`pass_shape`) are the trainer's: for a rank's samples (a prompt's n side by
+    side) cut into micro batches, the same decision to pack (the trainer's own rule on real tensors,
+    ``packing.decide``) and the same tokens through the model (packed rows ``G x L`` from ``packed_shape``, or
+    plain ``B x (P + C)``), and every query-key pair of those rows."""
+    import torch
+
+    from trl_nrollout.passes.packing import decide, packed_shape
+    from trl_nrollout.plan.cost import pass_shape
+
+    assume(micro <= groups * n)
+    samples = groups * n
+    prompt_ids = torch.arange(groups * prompt).reshape(groups, prompt).repeat_interleave(n, 0) + 5
+    completion_ids = torch.randint(5, 50, (samples, completion))
+    work = Workload(prompt_len=prompt, completion_mean=completion / 2, completion_max=completion)
+    shape = pass_shape(samples, micro, n, work, query_bytes=4)
+    tokens = pairs = 0
+    packed = []
+    for start in range(0, samples, micro):
+        rows = slice(start, start + micro)
+        p, c = prompt_ids[rows], completion_ids[rows]
+        pack, _ = decide(p, torch.ones_like(p), c, prompt + completion, torch.bool, torch.float32)
+        g, length = packed_shape(p, c) if pack else (p.shape[0], prompt + completion)
+        tokens, pairs = tokens + g * length, pairs + g * length * length
+        packed.append(pack)
+    assert shape.forwards == len(packed)
+    aligned = micro % n == 0 or n % micro == 0  # every micro batch holds whole groups, or a part of one prompt's
+    assume(aligned and all(k == packed[0] for k in packed))
+    assert shape.packed == packed[0]
+    assert shape.tokens == pytest.approx(tokens) and shape.pairs == pytest.approx(pairs)
+
+
+def test_padding_and_packing_set_what_the_update_costs():
+    """At a user's size the update's tokens are the trainer's: 512-token prompts x n = 16 pack into one row per
+    prompt (8 rows of 511 + 16 x 33 = 1,039 tokens, not 128 x 544); 32-token prompts do not pack (the packed rows'
+    attention would cost more) and are padded to the longest completion; a trainer without padding
+    (``padding_free``) costs less than the padded one."""
+    from trl_nrollout.plan.cost import pass_shape
+
+    long = Workload(prompt_len=512, completion_mean=20, completion_max=32)
+    shape = pass_shape(128, 128, 16, long)
+    assert shape.packed and shape.tokens == 8 * 1039 and shape.pairs == 8 * 1039**2
+    assert not pass_shape(128, 128, 16, replace(long, packed=False)).packed
+    short = Workload(prompt_len=32, completion_mean=20, completion_max=32)
+    shape = pass_shape(32, 32, 4, short)
+    assert not shape.packed and shape.tokens == 32 * 64 and shape.pairs == 32 * 64**2
+    free = pass_shape(32, 32, 4, replace(short, padding_free=True))
+    assert free.tokens == 32 * 52 and free.pairs < shape.pairs
+    layout, dev = _layout(world=1, prompts=8, n=4), PROFILES["h100"]
+    padded = predict_step(QWEN7, layout, replace(short, packed=False), dev).phases["update"]
+    assert predict_step(QWEN7, layout, replace(short, packed=False, padding_free=True), dev).phases["update"] < padded
+
+
 def test_decode_waits_for_the_longest_sample_until_max_num_seqs_binds():
     """Every sample running at once: as many engine steps as the longest completion. Capped below the share: the
     engine works in waves, more steps; a cap of one sequence runs every token in turn."""
@@ -208,6 +264,8 @@ def test_decode_waits_for_the_longest_sample_until_max_num_seqs_binds():
 def test_bad_profiles_and_workloads_are_refused_with_the_rule():
     with pytest.raises(ValueError, match="mfu_train=1.5 must be in"):
         replace(PROFILES["h100"], mfu_train=1.5)
+    with pytest.raises(ValueError, match="mfu_attention=0 must be in"):
+        replace(PROFILES["h100"], mfu_attention=0)
     with pytest.raises(ValueError, match="flops=0 must be > 0"):
         DeviceProfile("x", flops=0, mem_bw=1, link_bw=1, memory_gib=1)
     with pytest.raises(ValueError, match="completion_max=10 must be >= completion_mean=20"):
@@ -248,6 +306,47 @@ def test_suggest_ranks_what_fits_and_says_why_the_rest_does_not():
     assert any(c.options == {"rollout_tp_size": 1, "rollout_n": 12} and "not divisible" in c.reason for c in odd)
 
 
+def test_suggest_ranks_split_launches_beside_colocated_ones():
+    """With rollout ranks in the search: every split the launch allows is priced by :func:`predict_split` (the
+    pipelined step with max_staleness >= 1, the synchronous one with 0), ranked with the colocated layouts by
+    samples/s; a split the launch refuses says why (a node holding both worlds; one trainer too small for the
+    model's states); a rollout rank holds only its engine, a trainer only its states."""
+    from trl_nrollout.plan.cost import split_candidates
+
+    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True)
+    found = suggest(QWEN7, 6, 60, work, PROFILES["h100"], n_values=[12], rollout_ranks=True)
+    fit = [c for c in found if c.reason is None]
+    rates = [c.prediction.samples_per_s for c in fit]
+    assert rates == sorted(rates, reverse=True)
+    splits = [c for c in fit if c.options["rollout_ranks"]]
+    assert splits and any(c.options["rollout_ranks"] == 0 for c in fit)
+    assert {c.options["rollout_ranks"] for c in splits} == {1, 2, 3, 4}
+    refused = [c for c in found if c.reason is not None]
+    # one trainer left holds all of a 7B model's Adam states: more than an H100's 80 GiB
+    assert all("trainer states" in c.reason for c in refused if c.options.get("rollout_ranks") == 5)
+    assert any(c.options.get("rollout_ranks") == 5 for c in refused)
+    for c in splits[:5]:
+        d, p = c.prediction.details, c.prediction
+        assert p.total_s == pytest.approx(d["pipelined_s"]) and d["pipelined_s"] < d["sync_s"]
+        assert p.total_s >= max(p.phases["generation"], p.phases["update"])
+        assert p.samples_per_s == pytest.approx(60 * 12 / p.total_s)
+    # two nodes of 8: only whole nodes generate (the launch's own rule, said with the split it refuses)
+    nodes = split_candidates(QWEN7, 16, 64, work, PROFILES["h100"], n_values=[8], max_num_seqs_values=[256],
+                             gpu_memory_utilization=0.9, layout_extra=None, max_staleness=1, local_world=8)
+    assert {c.options["rollout_ranks"] for c in nodes if c.reason is None} == {8}
+    assert any(c.options == {"rollout_ranks": 4, "rollout_tp_size": 1} and "leave a node with both trainers and "
+               "rollout ranks" in c.reason for c in nodes)
+    sync = split_candidates(QWEN7, 6, 60, work, PROFILES["h100"], n_values=[12], max_num_seqs_values=[256],
+                            gpu_memory_utilization=0.9, layout_extra=None, max_staleness=0, local_world=6)
+    for c in (c for c in sync if c.prediction is not None):
+        assert c.prediction.total_s == pytest.approx(c.prediction.details["sync_s"])
+    # the whole device for the engine: a rollout rank is refused only for its engine's memory
+    small = replace(PROFILES["l40s"], memory_gib=16)
+    tight = split_candidates(QWEN7, 6, 60, work, small, n_values=[12], max_num_seqs_values=[1024],
+                             gpu_memory_utilization=0.9, layout_extra=None, max_staleness=1, local_world=6)
+    assert any(c.reason and "on a rollout rank" in c.reason for c in tight)
+
+
 def test_plan_suggest_answers_the_articles_question_without_torch():
     """`plan --suggest` on the article's recipe: a ranked list, in under a second, torch never imported."""
     code = ("import sys, time; t = time.perf_counter(); from trl_nrollout.cli import main; "
@@ -262,6 +361,13 @@ def test_plan_suggest_answers_the_articles_question_without_torch():
     assert out["ranked"] and out["ranked"][0]["options"]["rollout_n"] == 12
     rates = [c["prediction"]["samples_per_s"] for c in out["ranked"]]
     assert rates == sorted(rates, reverse=True)
+    split = subprocess.run([sys.executable, "-c", code.replace("'--json'", "'--suggest-rollout-ranks', '--json'")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    seconds, torch_imported, rc = split.stderr.split("SECONDS")[1].split()
+    assert float(seconds) < 1.0 and torch_imported == "False" and rc == "0"
+    ranked = json.loads(split.stdout)["ranked"]
+    assert any(c["options"]["rollout_ranks"] for c in ranked) and any(not c["options"]["rollout_ranks"]
+                                                                      for c in ranked)
 
 
 def test_plan_predict_prints_the_phases_and_the_table_vs_n(capsys):
@@ -290,6 +396,9 @@ def test_plan_predict_refuses_what_it_cannot_answer(capsys):
     assert "need a model: pass --model" in capsys.readouterr().err
     assert main([*base, "--device", "h100", "--model", "Qwen/Qwen2.5-7B-Instruct", "--trainer-sharding", "zero5"]) == 2
     assert "trainer_sharding='zero5' must be one of ['none', 'zero3', 'fsdp']" in capsys.readouterr().err
+    assert main([*base, "--device", "h100", "--model", "Qwen/Qwen2.5-7B-Instruct", "--suggest-rollout-ranks"]) == 2
+    assert "--suggest-rollout-ranks adds the split launches to --suggest's search: pass --suggest" in \
+        capsys.readouterr().err
 
 
 def test_the_plan_reads_the_critics_micro_batch_from_the_recipe(tmp_path, capsys):
@@ -317,7 +426,8 @@ def test_a_calibrated_profile_measures_this_machine_and_predicts(tmp_path, monke
     monkeypatch.setenv("TRL_NROLLOUT_PROFILES", str(tmp_path))
     profile = calibrate(tiny_model_path, name="here", progress=lambda _: None, trainer_runs=False)
     assert profile.flops > 1e9 and profile.mem_bw > 1e9 and profile.memory_gib > 1
-    assert 0 < profile.mfu_prefill <= 1 and 0 < profile.mfu_train <= 1
+    assert 0 < profile.mfu_prefill <= 1 and 0 < profile.mfu_train <= 1 and 0 < profile.attention_mfu <= 1
+    assert profile.mfu_attention is not None  # measured (masked rows of 1 x 1,024 against 4 x 256 tokens)
     assert 0 <= profile.step_s < 0.05 and 0 <= profile.seq_step_s < 0.005 and profile.optimizer_rate > 0
     save_profile(profile)
     assert load_profile("here") == profile

@@ -75,6 +75,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="Search the layouts of --num-processes devices (TP size, max_num_seqs, n in --n-values when "
                         "given, else the recipe's rollout_n) and rank them by predicted samples/s, with the reason "
                         "each refused one fails (needs --model, --device, --train-batch-size).")
+    p.add_argument("--suggest-rollout-ranks", action="store_true",
+                   help="With --suggest: also rank launches split into trainers and rollout ranks (engines on "
+                        "processes of their own, generating --max-staleness steps ahead, default 1), every split the "
+                        "launch allows.")
     p.add_argument("--calibrate", action="store_true",
                    help="Measure this machine (a matmul, a memory copy, engine decode steps and training forwards of "
                         "--model) and save it as the device profile --device (default: 'local').")
@@ -96,13 +100,15 @@ def _run_plan(args: argparse.Namespace) -> int:
     values = plan_values(local_recipe(args.config), {name: getattr(args, name) for name, _, _ in PLAN_OPTIONS})
     if args.calibrate:
         return _run_calibrate(values)
+    if args.suggest_rollout_ranks and not args.suggest:
+        raise PlanError("--suggest-rollout-ranks adds the split launches to --suggest's search: pass --suggest too.")
     if args.suggest:
         from trl_nrollout.plan.predict import suggest
 
         allowed = n_values(args.n_values) if args.n_values else (values.get("rollout_n"),)
         if allowed == (None,):
             raise PlanError("--suggest needs rollout_n (or --n-values with the n values to search).")
-        found = suggest(values, tuple(int(n) for n in allowed))
+        found = suggest(values, tuple(int(n) for n in allowed), rollout_ranks=args.suggest_rollout_ranks)
         print(json.dumps(found["json"], indent=2) if args.json else "\n".join(found["lines"]))
         return EXIT_OK
     ns = n_values(args.n_values)

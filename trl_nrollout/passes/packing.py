@@ -19,9 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-#: Bound of a micro batch's packed block mask (``G x L x L`` in the weights' dtype): beyond it the trainer runs the
-#: plain forward (512-token prompts, n = 16 and 1,024-token completions would need about 1 GiB per prompt).
-MAX_PACKED_MASK_BYTES = 256 << 20
+from trl_nrollout.passes.packing_rules import (  # noqa: F401  (re-exported: the trainer's names)
+    MAX_PACKED_MASK_BYTES,
+    mask_bytes_of,
+    packed_length,
+    packing_pays,
+)
 
 
 @dataclass
@@ -58,15 +61,7 @@ def packed_shape(prompt_ids: Tensor, completion_ids: Tensor, prompt_mask: Tensor
     ``prompt_ids [B, P]`` (``prompt_mask``: its padding), ``completion_ids [B, C]``."""
     rows, inverse = _distinct_prompts(prompt_ids, prompt_mask)
     k = int(torch.bincount(inverse).max())
-    return rows.shape[0], prompt_ids.shape[1] - 1 + k * (completion_ids.shape[1] + 1)
-
-
-def packing_pays(batch: int, width: int, groups: int, length: int) -> bool:
-    """Whether a micro batch of ``batch`` rows of ``width`` tokens runs cheaper as ``groups`` packed rows of
-    ``length`` tokens: at least a quarter of the tokens saved (the linear layers' work) and no more attention work
-    (SDPA computes a block-masked ``L x L`` in full, so ``G x L^2`` must not exceed the plain ``B x T^2``; short
-    prompts with long completions fail this: their packed rows are n completions long)."""
-    return groups * length <= 0.75 * batch * width and groups * length * length <= batch * width * width
+    return rows.shape[0], packed_length(prompt_ids.shape[1], k, completion_ids.shape[1])
 
 
 def _attention(config) -> str:
@@ -112,19 +107,13 @@ def query_dtype(weights_dtype: torch.dtype, device_type: str) -> torch.dtype:
 
 
 def mask_bytes(groups: int, length: int, dtype: torch.dtype, queries: torch.dtype = torch.float32) -> int:
-    """Peak bytes of a packed micro batch's block mask ``[G, 1, L, L]`` in ``dtype``. Under SDPA a boolean mask is
-    also turned into an additive copy in the queries' dtype ``queries``, and, when ``L`` is not a multiple of 8, a
-    copy padded to one besides (PyTorch aligns the mask's last dimension); all of them are counted."""
-    def size(dt: torch.dtype, columns: int) -> int:
-        return groups * length * columns * torch.empty((), dtype=dt).element_size()
+    """Peak bytes of a packed micro batch's block mask ``[G, 1, L, L]`` in ``dtype``
+    (:func:`~trl_nrollout.passes.packing_rules.mask_bytes_of`): a boolean mask under SDPA with its copies in the
+    queries' dtype ``queries``, an additive mask alone."""
+    def size(dt: torch.dtype) -> int:
+        return torch.empty((), dtype=dt).element_size()
 
-    total = size(dtype, length)
-    if dtype == torch.bool:
-        total += size(queries, length)
-        if length % 8:
-            total += size(queries, -(-length // 8) * 8)
-    return total
-
+    return mask_bytes_of(groups, length, size(dtype), size(queries) if dtype == torch.bool else None)
 
 def decide(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, plain_width: int,
            dtype: torch.dtype, queries: torch.dtype = torch.float32) -> tuple[bool, str | None]:

@@ -8,11 +8,13 @@ Short micro-benchmarks, each the median of a few repeats:
   sequences (``ignore_eos``, two completion lengths each, so the call's fixed cost cancels) give ``step_s`` and
   ``seq_step_s`` beyond the roofline of those steps (a least-squares line); a call with no decode gives ``call_s``; a prefill of 16
   prompts of 256 tokens gives ``mfu_prefill``;
-- training steps (forward and backward of a language-model loss) at two token counts give ``forward_s`` (the
-  fixed part) and ``mfu_train``; an AdamW step over the model gives ``optimizer_bw``;
+- training steps (forward and backward of a language-model loss, rows padded as the trainer's are) at three
+  shapes give ``forward_s`` (the fixed part), ``mfu_train`` (per token: 2 x 64 against 4 x 256) and
+  ``mfu_attention`` (per query-key pair: 4 x 256 against 1 x 1,024, the same tokens); an AdamW step over the
+  model gives ``optimizer_bw``;
 - a weight sync into the engine gives ``sync_s`` beyond the bytes at ``mem_bw``;
 - two short GRPO runs of the model (n = 4 and 12) give what the trainer adds around the engine and the model, per
-  sample and per step (``gen_sample_s``, ``train_sample_s``, ``train_fixed_s``, more ``call_s``).
+  sample, per token and per step (``gen_sample_s``, ``train_token_s``, ``train_fixed_s``, more ``call_s``).
 
 ``link_bw`` is not measured (one process): a quarter of ``mem_bw`` is assumed, and said in ``source``.
 """
@@ -74,7 +76,7 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     from transformers import AutoModelForCausalLM
 
     from trl_nrollout.builtin import resolve_model
-    from trl_nrollout.plan.cost import ModelDims
+    from trl_nrollout.plan.cost import ModelDims, decode_step_s
     from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.plan.memory import load_config_dict
     from trl_nrollout.rollout.types import SamplingOptions
@@ -107,17 +109,17 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
         return _median_time(run, repeats=3)
 
     matmul = dims.matmul_params
-    weights = matmul * dims.dtype_bytes
 
     # prefill first (a call of one step less its fixed cost), then decode beyond the same roofline as the model's
     call_one = call(1, 1, 1)
     prefill_t = max(call(16, 1, 1, prompt_len=256) - call_one, 1e-6)
     mfu_prefill = min(1.0, 16 * 256 * (2 * matmul + dims.attention_flops(128)) / flops / prefill_t)
 
+    bare = DeviceProfile(name=name, flops=flops, mem_bw=mem_bw, link_bw=mem_bw / 4, memory_gib=1.0,
+                         mfu_prefill=mfu_prefill, bw_eff=1.0)
+
     def roof(running: int, context: float) -> float:
-        compute = running * (2 * matmul + dims.attention_flops(context)) / (flops * mfu_prefill)
-        memory = (weights + running * context * dims.kv_bytes_per_token) / mem_bw
-        return max(compute, memory)
+        return decode_step_s(dims, running, context, 1, bare)[0]
 
     per_step = {}
     for running, (prompts, n) in ((1, (1, 1)), (32, (4, 8)), (128, (16, 8))):
@@ -140,18 +142,25 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
 
     def train_step(batch: int, length: int) -> float:  # forward + backward of a language-model loss
         ids = torch.randint(5, 100, (batch, length), device=device)
+        mask = torch.ones_like(ids)
+        mask[:, -1] = 0  # a padded row, as the trainer's: attention under a mask, every query-key pair computed
 
         def run():
             policy.zero_grad(set_to_none=True)
-            policy(input_ids=ids, labels=ids).loss.backward()
+            policy(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
 
         return _median_time(run, repeats=3)
 
-    small, large = train_step(2, 64), train_step(8, 256)
-    tokens_small, tokens_large = 2 * 64, 8 * 256
-    per_token = max((large - small) / (tokens_large - tokens_small), 1e-12)
-    mfu_train = min(1.0, 3 * (2 * matmul + dims.attention_flops(128)) / flops / per_token)
-    forward_s = max(small - tokens_small * per_token, 0.0) / 2  # the update counts two per micro batch
+    long = min(1024, int(config.get("max_position_embeddings") or 1024))
+    shapes = [(2, 64), (1024 // long * 4, long // 4), (1024 // long, long)]  # the last two: the same tokens
+    (ta, tb, tc) = (train_step(*shape) for shape in shapes)
+    (na, nb, nc) = (b * length for b, length in shapes)
+    (pa, pb, pc) = (b * length * length for b, length in shapes)
+    per_pair = max((tc - tb) / (pc - pb), 1e-15)
+    per_token = max((tb - per_pair * pb - (ta - per_pair * pa)) / (nb - na), 1e-12)
+    mfu_train = min(1.0, 3 * 2 * matmul / flops / per_token)
+    mfu_attention = min(1.0, 3 * dims.attention_flops_per_pair / flops / per_pair)
+    forward_s = max(ta - na * per_token - pa * per_pair, 0.0) / 2  # the update counts two per micro batch
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-7)
     optimizer_t = _median_time(optimizer.step, repeats=3)
     from trl_nrollout.plan.cost import OPTIMIZER_BYTES_PER_PARAM
@@ -161,42 +170,52 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
     profile = DeviceProfile(
         name=name, flops=flops, mem_bw=mem_bw, link_bw=mem_bw / 4, memory_gib=memory_gib, mfu_prefill=mfu_prefill,
-        mfu_train=mfu_train, bw_eff=1.0, link_eff=1.0, step_s=step_s, seq_step_s=seq_step_s, call_s=call_s,
+        mfu_train=mfu_train, mfu_attention=mfu_attention, bw_eff=1.0, link_eff=1.0, step_s=step_s, seq_step_s=seq_step_s, call_s=call_s,
         forward_s=forward_s, sync_s=sync_s, allreduce_s=5e-5, optimizer_bw=optimizer_bw,
         source=f"calibrated on this machine ({device}, {os.cpu_count()} CPUs, torch threads "
                f"{torch.get_num_threads()}) with {model} at {time.strftime('%Y-%m-%d %H:%M')}; link_bw assumed "
                f"mem_bw / 4 (not measured)")
     progress(f"  step_s {step_s * 1e3:.2f} ms, seq_step_s {seq_step_s * 1e3:.3f} ms, call_s {call_s * 1e3:.1f} ms, "
-             f"mfu_prefill {mfu_prefill:.2f}, mfu_train {mfu_train:.2f}, forward_s {forward_s * 1e3:.1f} ms")
+             f"mfu_prefill {mfu_prefill:.2f}, mfu_train {mfu_train:.2f}, mfu_attention {mfu_attention:.2f}, "
+             f"forward_s {forward_s * 1e3:.1f} ms")
     if trainer_runs:
-        progress("calibrate 6/6: the trainer around them (two short runs, n = 4 and 12)")
+        progress("calibrate 6/6: the trainer around them (three short runs: n = 4 and 12, and n = 8 at 256-token "
+                 "prompts)")
         profile = _trainer_residuals(profile, path, dims, progress)
     return profile
 
 
 def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callable[[str], None]) -> DeviceProfile:
-    """What the trainer adds around the engine and the model: two short GRPO runs of ``path`` (8 prompts of the
-    built-in ``digits`` task, n = 4 and 12, 32 new tokens, 4 steps, the first a warm-up), their ``timing_s/gen`` and
-    ``timing_s/update_actor`` against the profile's prediction: the difference's slope per sample gives
-    ``gen_sample_s`` and ``train_sample_s``, its intercept ``call_s`` (added) and ``train_fixed_s``."""
+    """What the trainer adds around the engine and the model: three short GRPO runs of ``path`` (8 prompts of the
+    built-in ``digits`` task, 32 new tokens, 4 steps, the first a warm-up: n = 4 and 12 with the task's short
+    prompts, and n = 8 with 256-token prompts, whose micro batch packs), their ``timing_s/gen`` and
+    ``timing_s/update_actor`` against the profile's prediction. The two short runs: the generation's difference per
+    sample gives ``gen_sample_s`` (its intercept: more ``call_s``), the update's per token of its forwards (as
+    :func:`~trl_nrollout.plan.cost.pass_shape` lays them out) ``train_token_s`` (its intercept: ``train_fixed_s``).
+    The long run: what its update takes beyond those, per query-key pair of attention, lowers (or raises)
+    ``mfu_attention`` (the trainer's packed rows: block masks, fresh memory). The weight sync's mean difference is
+    added to ``sync_s`` (the trainer gathers and buckets the weights)."""
     import statistics
     import tempfile
     from dataclasses import replace
 
     import torch
+    from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from trl_nrollout.builtin import digits_dataset, digits_reward
+    from trl_nrollout.builtin import digits_dataset, digits_prompts, digits_reward, long_prompts
     from trl_nrollout.config import NRolloutConfig
-    from trl_nrollout.plan.cost import Workload, predict_step
+    from trl_nrollout.plan.cost import Workload, pass_shape, predict_step
     from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(path)
-    data = digits_dataset(64)
-    prompt_len = statistics.mean(len(tok(p)["input_ids"]) for p in data["prompt"])
-    points = []
-    for n in (4, 12):
+    short = digits_dataset(64)
+    long = Dataset.from_dict({"prompt": long_prompts(digits_prompts(64), tok, 256)})
+    points, syncs = [], []
+    for n, data in ((4, short), (12, short), (8, long)):
+        lengths = [len(tok(p)["input_ids"]) for p in data["prompt"]]
+        prompt_len = statistics.mean(lengths)
         with tempfile.TemporaryDirectory() as out:
             cfg = NRolloutConfig(output_dir=out, use_cpu=True, train_batch_size=8, rollout_n=n, max_completion_length=32,
                                  max_steps=4, logging_steps=1, report_to="none", save_strategy="no",
@@ -209,13 +228,27 @@ def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callab
             trainer.close()
         layout = RolloutLayout.build(num_processes=1, train_batch_size=8, rollout_n=n)
         mean_len = statistics.mean(h["response_length/mean"] for h in logs)
-        pred = predict_step(dims, layout, Workload(prompt_len, mean_len, 32), profile)
+        work = Workload(prompt_len, mean_len, 32, prompt_max=max(lengths))  # rows padded to the longest prompt
+        pred = predict_step(dims, layout, work, profile)
+        shape = pass_shape(layout.samples_per_rank, layout.ppo_micro_batch_size_per_device, n, work,
+                           query_bytes=dims.dtype_bytes)
         gen = statistics.mean(h["timing_s/gen"] for h in logs) - pred.phases["generation"]
         upd = statistics.mean(h["timing_s/update_actor"] for h in logs) - pred.phases["update"]
-        points.append((8 * n, gen, upd))
-        progress(f"  n={n}: generation {gen * 1e3:+.0f} ms, update {upd * 1e3:+.0f} ms beyond the prediction")
-    (s1, g1, u1), (s2, g2, u2) = points
-    gen_slope, upd_slope = max((g2 - g1) / (s2 - s1), 0.0), max((u2 - u1) / (s2 - s1), 0.0)
+        syncs.append(statistics.mean(h.get("timing_s/weight_sync", 0.0) for h in logs) - pred.phases["weight_sync"])
+        points.append((8 * n, shape.tokens, shape.pairs, gen, upd))
+        progress(f"  n={n}, {prompt_len:.0f}-token prompts: generation {gen * 1e3:+.0f} ms, update {upd * 1e3:+.0f} ms "
+                 "beyond the prediction")
+    (s1, t1, _, g1, u1), (s2, t2, _, g2, u2), (_, t3, p3, _, u3) = points
+    gen_slope, upd_slope = max((g2 - g1) / (s2 - s1), 0.0), max((u2 - u1) / (t2 - t1), 0.0)
+    fixed = u1 - upd_slope * t1
+    if fixed < 0:  # a step's cost per token grew with its tokens: the line through zero closest to both points
+        upd_slope, fixed = max((t1 * u1 + t2 * u2) / (t1 * t1 + t2 * t2), 0.0), 0.0
+    # the long run's update beyond the short runs' fit, per query-key pair: attention slower (or faster) than measured
+    per_pair = 3 * dims.attention_flops_per_pair / (profile.flops * profile.attention_mfu)
+    per_pair = max(per_pair + (u3 - fixed - upd_slope * t3) / max(p3, 1.0), per_pair / 4)
+    mfu_attention = min(1.0, 3 * dims.attention_flops_per_pair / profile.flops / per_pair)
     return replace(profile, gen_sample_s=gen_slope, call_s=profile.call_s + max(g1 - gen_slope * s1, 0.0),
-                   train_sample_s=upd_slope, train_fixed_s=max(u1 - upd_slope * s1, 0.0),
-                   source=profile.source + "; trainer costs from two 4-step GRPO runs (8 prompts, n = 4 and 12)")
+                   train_token_s=upd_slope, train_fixed_s=fixed, mfu_attention=mfu_attention,
+                   sync_s=profile.sync_s + max(statistics.mean(syncs), 0.0),
+                   source=profile.source + "; trainer costs from three 4-step GRPO runs (8 prompts, n = 4 and 12, "
+                                           "and n = 8 at 256-token prompts)")

@@ -7,17 +7,21 @@ A roofline model with fixed costs, per device, for one step of the layout (:clas
   group (vLLM's ``n`` shares its KV blocks). Decode runs ``steps`` engine steps with ``running`` sequences on
   average: with every sample of the share running at once (``max_num_seqs`` not below it) the step count is the
   longest completion (the tail); otherwise the engine works through its samples in waves, ``samples x mean /
-  max_num_seqs`` steps plus the last wave's tail. One step costs the larger of its matmul FLOPs and its memory
-  traffic (the weights once, each running sequence's KV cache), plus the TP all-reduces (two per layer), plus
+  max_num_seqs`` steps plus the last wave's tail. One step costs its roofline (:func:`decode_step_s`: the linear
+  layers' larger of their FLOPs and the weights read once, then attention's larger of its FLOPs and each running
+  sequence's KV cache read: separate kernels, one after the other), plus the TP all-reduces (two per layer), plus
   ``step_s + seq_step_s x running``.
 - **weight sync**: the engine's weights once over ``weight_sync_bw`` (plus a ZeRO-3/FSDP gather over the link),
   plus ``sync_s``.
-- **old-policy / reference log-prob passes**: ``2 x params`` FLOPs per token (plus attention), the prompt once per
-  group where the shared-prompt forward packs it, one ``forward_s`` per micro batch, a sharded trainer's weight
-  gather per forward; no old-policy pass on-policy (one optimizer step per rollout), as the trainer skips it.
-- **update**: ``6 x params`` FLOPs per token (forward and backward) per PPO epoch, ``2 x forward_s`` per micro
-  batch, the optimizer's pass over its states (16 bytes per parameter read and written, on the rank's shard), and
-  a sharded trainer's gathers and reduce-scatters.
+- **old-policy / reference log-prob passes**: the forwards the trainer runs (:func:`pass_shape`): each micro
+  batch padded to its longest completion, or packed with each prompt once where the trainer's own rule
+  (:func:`~trl_nrollout.passes.packing_rules.packing_pays`) packs it; ``2 x params`` FLOPs per token through the
+  linear layers (padding included) and attention over every query-key pair of a row (a masked SDPA computes its
+  ``L x L`` in full), one ``forward_s`` per micro batch, a sharded trainer's weight gather per forward; no
+  old-policy pass on-policy (one optimizer step per rollout), as the trainer skips it.
+- **update**: the same forwards, three times the FLOPs (forward and backward) per PPO epoch, ``2 x forward_s`` per
+  micro batch, the optimizer's pass over its states (16 bytes per parameter read and written, on the rank's
+  shard), and a sharded trainer's gathers and reduce-scatters.
 
 Memory per device: the engine's weights and KV cache (:mod:`trl_nrollout.plan.memory`) and the trainer's
 parameters, gradients and Adam states (bf16 weights and grads + fp32 master and moments: 16 bytes per parameter,
@@ -33,6 +37,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from trl_nrollout.passes.packing_rules import (
+    MAX_PACKED_MASK_BYTES,
+    mask_bytes_of,
+    packed_length,
+    packing_pays,
+)
 from trl_nrollout.plan.devices import DeviceProfile
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout, divisors
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS, dtype_bytes, estimate_kv
@@ -137,6 +147,12 @@ class ModelDims:
         """FLOPs of one token's attention over ``context`` earlier tokens (QK^T and AV, all layers)."""
         return 4.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * context
 
+    @property
+    def attention_flops_per_pair(self) -> float:
+        """FLOPs of attention per query-key pair (all layers): a row of ``L`` tokens under a full mask costs
+        ``L^2`` pairs."""
+        return self.attention_flops(1.0)
+
     @classmethod
     def from_config_dict(cls, config: dict[str, Any], *, dtype: str | None = None, name: str = "") -> ModelDims:
         """Read a ``config.json``-style dict (a multimodal config's ``text_config`` when the top level has no
@@ -180,7 +196,10 @@ class Workload:
     pass), ``packed`` (the shared-prompt forward: a group's prompt once in the passes), ``sharded`` (ZeRO-3 or FSDP:
     parameters gathered per forward, optimizer states split), ``critic`` (PPO: a critic of the policy's size),
     ``skip_old_on_policy`` (the trainer's ``skip_old_log_prob_when_on_policy``: no old-policy pass when a rollout
-    makes one optimizer step)."""
+    makes one optimizer step), ``padding_free`` (a trainer that concatenates sequences without padding, with
+    causal attention per sequence, as Megatron's and verl's remove-padding do; ours pads each micro batch to its
+    longest prompt and completion, as TRL does), ``prompt_max`` (the longest prompt, the padded rows' prompt
+    width)."""
 
     prompt_len: float
     completion_mean: float
@@ -193,6 +212,14 @@ class Workload:
     skip_old_on_policy: bool = True
     #: nodes the trainers span: beyond one, their gradient reduce and parameter gathers cross the nodes' links
     nodes: int = 1
+    padding_free: bool = False
+    #: the longest prompt of a micro batch (its rows are left-padded to it); None: ``prompt_len``
+    prompt_max: float | None = None
+
+    @property
+    def prompt_width(self) -> float:
+        """Prompt columns of a padded training row."""
+        return self.prompt_len if self.prompt_max is None else self.prompt_max
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.completion_mean < 0:
@@ -204,6 +231,9 @@ class Workload:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1.")
         if self.nodes < 1:
             raise ValueError(f"nodes={self.nodes} must be >= 1.")
+        if self.prompt_max is not None and self.prompt_max < self.prompt_len:
+            raise ValueError(f"prompt_max={self.prompt_max} must be >= prompt_len={self.prompt_len} (the longest "
+                             "prompt bounds the mean).")
 
 
 # ---------------------------------------------------------------------------------------------- the prediction
@@ -223,6 +253,21 @@ class StepPrediction:
         return asdict(self)
 
 
+def decode_step_s(dims: ModelDims, running: float, context: float, tp: int, dev: DeviceProfile) -> tuple[float, str]:
+    """The roofline of one decode step of an engine of ``tp`` devices with ``running`` sequences of ``context``
+    tokens on average: the linear layers (the larger of their FLOPs and the weights they read) then attention (the
+    larger of its FLOPs and the KV cache it reads), and which bound the step ("memory", "compute" or "mixed")."""
+    rate = tp * dev.flops * dev.mfu_prefill
+    bandwidth = tp * dev.mem_bw * dev.bw_eff
+    linear_compute = running * 2 * dims.matmul_params / rate
+    linear_memory = dims.weights_read(running) * dims.dtype_bytes / bandwidth  # a MoE step: the experts it uses
+    attention_compute = running * dims.attention_flops(context) / rate
+    attention_memory = running * context * dims.kv_bytes_per_token / bandwidth
+    memory = (linear_memory >= linear_compute, attention_memory >= attention_compute)
+    bound = "memory" if all(memory) else "compute" if not any(memory) else "mixed"
+    return max(linear_compute, linear_memory) + max(attention_compute, attention_memory), bound
+
+
 def _generation(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: DeviceProfile) -> tuple[float, dict]:
     tp = layout.rollout_tp_size
     groups = layout.prompts_per_engine
@@ -239,27 +284,66 @@ def _generation(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: Dev
         steps = max(float(work.completion_max), tokens / running_cap + work.completion_max - work.completion_mean)
     running = tokens / steps if steps else 0.0
     context = work.prompt_len + work.completion_mean / 2
-    compute = running * (2 * matmul + dims.attention_flops(context)) / (tp * dev.flops * dev.mfu_prefill)
-    weights = dims.weights_read(running) * dims.dtype_bytes / tp  # a MoE step reads the experts its tokens use
-    kv = running * context * dims.kv_bytes_per_token / tp
-    memory = (weights + kv) / (dev.mem_bw * dev.bw_eff)
+    roofline, bound = decode_step_s(dims, running, context, tp, dev)
     comm = 0.0
     if tp > 1:  # two all-reduces of [running, hidden] per layer (attention out, MLP out)
         volume = running * dims.hidden_size * dims.dtype_bytes * 2 * (tp - 1) / tp
         comm = 2 * dims.num_hidden_layers * (volume / (dev.link_bw * dev.link_eff) + dev.allreduce_s)
-    step_s = max(compute, memory) + comm + dev.step_s + dev.seq_step_s * running
+    step_s = roofline + comm + dev.step_s + dev.seq_step_s * running
     decode_s = steps * step_s
     details = {"prefill_tokens_per_engine": prefill_tokens, "prefill_s": prefill_s, "decode_steps": steps,
                "mean_running": running, "decode_step_s": step_s, "decode_s": decode_s,
-               "decode_bound": "memory" if memory >= compute else "compute", "tp_comm_per_step_s": comm}
+               "decode_bound": bound, "tp_comm_per_step_s": comm}
     return dev.call_s + prefill_s + decode_s + dev.gen_sample_s * samples, details
 
 
-def _pass_tokens(layout: RolloutLayout, work: Workload) -> tuple[float, float]:
-    """Tokens one training rank processes in a pass, and the mean sequence length its attention sees."""
-    samples = layout.samples_per_rank
-    prompt_tokens = (samples / layout.rollout_n if work.packed else samples) * work.prompt_len
-    return prompt_tokens + samples * work.completion_mean, work.prompt_len + work.completion_mean
+@dataclass(frozen=True)
+class PassShape:
+    """The forwards of one training pass over a rank's samples, as the trainer lays them out: ``forwards`` micro
+    batches, ``tokens`` through the linear layers in all (padding and prompt copies included), ``pairs``: the
+    query-key pairs attention computes in all, and whether the micro batches are ``packed`` (shared prompts)."""
+
+    forwards: int
+    tokens: float
+    pairs: float
+    packed: bool
+
+    def flops(self, dims: ModelDims) -> float:
+        """FLOPs of one forward pass over all of it."""
+        return self.tokens * 2 * dims.matmul_params + self.pairs * dims.attention_flops_per_pair
+
+
+def pass_shape(samples: int, per_forward: int, n: int, work: Workload, *, max_token_len: int | None = None,
+               query_bytes: int = 4) -> PassShape:
+    """The forwards of a pass over ``samples`` samples (a rank's; a prompt's ``n`` samples side by side) cut into
+    micro batches of ``per_forward`` samples, or of as many as fit ``max_token_len`` padded tokens.
+
+    Each micro batch is padded to the longest prompt (``work.prompt_width``) and the longest completion
+    (``work.completion_max``, the tail: the update's rows are padded to the step's longest, as TRL's) and packed with each prompt once where the trainer packs it
+    (``work.packed``; :func:`~trl_nrollout.passes.packing_rules.packing_pays` and the mask's bound, the trainer's own
+    rule): ``G`` rows of ``L = P - 1 + K (C + 1)`` tokens, ``G L^2`` pairs (the block mask's square, computed in
+    full). Plain: ``B`` rows of ``P + C`` tokens, ``B (P + C)^2`` pairs (a padding mask: no causal skipping).
+    ``work.padding_free``: the real tokens only, causal attention per sequence. ``query_bytes``: attention's query
+    dtype (the packed mask's copy under SDPA)."""
+    if samples <= 0:
+        return PassShape(0, 0.0, 0.0, False)
+    plain_width = work.prompt_width + work.completion_max
+    if max_token_len is not None:
+        per_forward = min(per_forward, max(1, int(max_token_len // max(plain_width, 1.0))))
+    size = max(1, min(per_forward, samples))
+    forwards = math.ceil(samples / size)
+    if work.padding_free:
+        length = work.prompt_len + work.completion_mean
+        return PassShape(forwards, samples * length, samples * length * length / 2, False)
+    per_prompt = min(n, size)  # a micro batch holds whole groups, or a part of one prompt's
+    groups = math.ceil(size / per_prompt)
+    if work.packed and size > 1:
+        length = packed_length(work.prompt_width, per_prompt, work.completion_max)
+        mask = mask_bytes_of(groups, math.ceil(length), 1, query_bytes)
+        if packing_pays(size, plain_width, groups, length) and mask <= MAX_PACKED_MASK_BYTES:
+            rows = groups * samples / size  # the last micro batch may be short: rows in proportion
+            return PassShape(forwards, rows * length, rows * length * length, True)
+    return PassShape(forwards, samples * plain_width, samples * plain_width * plain_width, False)
 
 
 def _dp_link(work: Workload, dev: DeviceProfile) -> float:
@@ -277,31 +361,46 @@ def _gather_s(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: Devic
     return dims.num_parameters * dims.dtype_bytes * (dp - 1) / dp / _dp_link(work, dev)
 
 
+def _compute_s(shape: PassShape, dims: ModelDims, dev: DeviceProfile) -> float:
+    """Seconds of one forward over ``shape``'s tokens: the linear layers at ``mfu_train``, attention's pairs at
+    ``mfu_attention``."""
+    linear = shape.tokens * 2 * dims.matmul_params / (dev.flops * dev.mfu_train)
+    return linear + shape.pairs * dims.attention_flops_per_pair / (dev.flops * dev.attention_mfu)
+
+
 def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: DeviceProfile) -> StepPrediction:
     """Seconds per phase of one training step of ``layout`` on devices ``dev`` (see the module docstring)."""
     gen_s, details = _generation(dims, layout, work, dev)
     sync_bytes = dims.num_parameters * dims.dtype_bytes
     sync_s = dev.sync_s + sync_bytes / dev.weight_sync_bw + _gather_s(dims, layout, work, dev)
-    tokens, seq = _pass_tokens(layout, work)
-    forward_flops = tokens * (2 * dims.matmul_params + dims.attention_flops(seq / 2))
-    train_rate = dev.flops * dev.mfu_train
     gather = _gather_s(dims, layout, work, dev)
-    old = layout.old_log_prob.num_micro_batches
-    ref = layout.ref_log_prob.num_micro_batches
+    samples = layout.samples_per_rank
+    n = layout.rollout_n
+
+    def shape(micro) -> PassShape:  # a log-prob pass, cut as its MicroBatch says
+        return pass_shape(samples, micro.per_device, n, work, max_token_len=micro.max_token_len,
+                          query_bytes=dims.dtype_bytes)
+
+    def forward_s(p: PassShape) -> float:
+        return _compute_s(p, dims, dev) + p.forwards * (dev.forward_s + gather)
+
     on_policy = layout.optimizer_steps_per_rollout == 1 and work.skip_old_on_policy
-    old_s = 0.0 if on_policy else forward_flops / train_rate + old * (dev.forward_s + gather)
-    ref_s = (forward_flops / train_rate + ref * (dev.forward_s + gather)) if work.kl else 0.0
-    micro = math.ceil(layout.samples_per_rank / layout.ppo_micro_batch_size_per_device) * layout.ppo_epochs
+    old_shape, ref_shape = shape(layout.old_log_prob), shape(layout.ref_log_prob)
+    old_s = 0.0 if on_policy else forward_s(old_shape)
+    ref_s = forward_s(ref_shape) if work.kl else 0.0
+    update = pass_shape(samples, layout.ppo_micro_batch_size_per_device, n, work, query_bytes=dims.dtype_bytes)
+    micro = update.forwards * layout.ppo_epochs
     dp = layout.data_parallel_size
     shard = dims.num_parameters / (dp if work.sharded else 1)
     optimizer_s = layout.optimizer_steps_per_rollout * shard * OPTIMIZER_BYTES_PER_PARAM / dev.optimizer_rate
     reduce_s = 0.0 if dp == 1 else (layout.optimizer_steps_per_rollout * dims.num_parameters * 4 * (dp - 1) / dp
                                     / _dp_link(work, dev))
-    update_s = (layout.ppo_epochs * 3 * forward_flops / train_rate + micro * (2 * dev.forward_s + 2 * gather)
-                + optimizer_s + reduce_s + layout.ppo_epochs * layout.samples_per_rank * dev.train_sample_s
+    update_s = (layout.ppo_epochs * (3 * _compute_s(update, dims, dev) + update.tokens * dev.train_token_s
+                                     + samples * dev.train_sample_s)
+                + micro * (2 * dev.forward_s + 2 * gather) + optimizer_s + reduce_s
                 + layout.optimizer_steps_per_rollout * dev.train_fixed_s)
     if work.critic:  # a value pass and the critic's own update, a model of the policy's size
-        old_s += forward_flops / train_rate + old * (dev.forward_s + gather)
+        old_s += forward_s(old_shape)
         update_s *= 2
     phases = {"generation": gen_s, "weight_sync": sync_s, "old_log_prob": old_s, "ref_log_prob": ref_s,
               "update": update_s}
@@ -314,7 +413,9 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
     engine_bytes = engine_weights + kv.bytes_per_gpu_shared
     train_bytes = math.ceil(dims.num_parameters * TRAIN_BYTES_PER_PARAM * (2 if work.critic else 1)
                             / (dp if work.sharded else 1))
-    details.update(engine_weight_bytes=engine_weights, kv_bytes=kv.bytes_per_gpu_shared, tokens_per_rank=tokens, forward_flops_per_rank=forward_flops, micro_steps=micro,
+    details.update(engine_weight_bytes=engine_weights, kv_bytes=kv.bytes_per_gpu_shared,
+                   update_tokens_per_rank=update.tokens, update_pairs_per_rank=update.pairs,
+                   update_packed=update.packed, forward_flops_per_rank=update.flops(dims), micro_steps=micro,
                    optimizer_s=optimizer_s, weight_sync_bytes=sync_bytes)
     return StepPrediction(phases=phases, total_s=total, samples_per_s=layout.total_samples / total,
                           engine_bytes=engine_bytes, train_bytes=train_bytes, details=details)
@@ -364,23 +465,39 @@ def fits_memory(prediction: StepPrediction, dev: DeviceProfile, gpu_memory_utili
     return None
 
 
+def _caps(max_num_seqs_values: Sequence[int], samples_per_engine: int) -> list[int]:
+    """The ``max_num_seqs`` values worth trying: each one below the engine's samples, and the smallest that covers
+    them (larger ones run every sample at once just the same)."""
+    caps = sorted(set(max_num_seqs_values))
+    covering = [s for s in caps if s >= samples_per_engine]
+    return [s for s in caps if s <= samples_per_engine or s == covering[0]]
+
+
+def _tp_refusal(dims: ModelDims, tp: int) -> str | None:
+    if dims.num_attention_heads % tp or (dims.num_key_value_heads % tp and tp % dims.num_key_value_heads):
+        return (f"rollout_tp_size={tp} does not split {dims.num_attention_heads} attention heads / "
+                f"{dims.num_key_value_heads} KV heads")
+    return None
+
+
 def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Workload, dev: DeviceProfile, *,
             n_values: Sequence[int], max_num_seqs_values: Sequence[int] = (64, 128, 256, 512, 1024),
-            gpu_memory_utilization: float = 0.5, sleep_mode: bool = False, layout_extra: dict | None = None
+            gpu_memory_utilization: float = 0.5, sleep_mode: bool = False, layout_extra: dict | None = None,
+            rollout_ranks: bool = False, max_staleness: int = 1, local_world: int | None = None
             ) -> list[Candidate]:
     """Every layout of ``num_processes`` devices and ``train_batch_size`` prompts over TP sizes, ``n_values`` and
     ``max_num_seqs_values``: the ones that fit ranked by predicted samples per second (best first), then the refused
-    ones with their reasons."""
+    ones with their reasons. ``rollout_ranks``: also every split of the devices into trainers and rollout ranks
+    (:func:`split_candidates`, generating ``max_staleness`` steps ahead; ``local_world`` devices per node)."""
     if num_processes < 1 or train_batch_size < 1:
         raise ValueError(f"num_processes={num_processes} and train_batch_size={train_batch_size} must be >= 1.")
     if not n_values:
         raise ValueError("n_values is empty: give at least one rollout_n.")
     fit, refused = [], []
     for tp in divisors(num_processes):
-        if dims.num_attention_heads % tp or (dims.num_key_value_heads % tp and tp % dims.num_key_value_heads):
-            refused.append(Candidate({"rollout_tp_size": tp}, None,
-                                     f"rollout_tp_size={tp} does not split {dims.num_attention_heads} attention "
-                                     f"heads / {dims.num_key_value_heads} KV heads"))
+        why = _tp_refusal(dims, tp)
+        if why:
+            refused.append(Candidate({"rollout_tp_size": tp}, None, why))
             continue
         for n in n_values:
             kwargs = {**(layout_extra or {}), "num_processes": num_processes, "rollout_tp_size": tp,
@@ -390,15 +507,19 @@ def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Wo
             except LayoutError as err:
                 refused.append(Candidate({"rollout_tp_size": tp, "rollout_n": n}, None, str(err).split("; ")[0]))
                 continue
-            caps = sorted(set(max_num_seqs_values))
-            covering = [s for s in caps if s >= layout.samples_per_engine]
-            for seqs in caps:
+            for seqs in _caps(max_num_seqs_values, layout.samples_per_engine):
                 options = {"rollout_tp_size": tp, "rollout_n": n, "max_num_seqs": seqs}
-                if seqs > layout.samples_per_engine and seqs != covering[0]:
-                    continue  # the same as a smaller cap that already runs every sample at once
+                if rollout_ranks:
+                    options["rollout_ranks"] = 0
                 pred = predict_step(dims, layout, replace(work, max_num_seqs=seqs), dev)
                 why = fits_memory(pred, dev, gpu_memory_utilization, sleep_mode)
                 (refused if why else fit).append(Candidate(options, pred, why))
+    if rollout_ranks:
+        for c in split_candidates(dims, num_processes, train_batch_size, work, dev, n_values=n_values,
+                                  max_num_seqs_values=max_num_seqs_values,
+                                  gpu_memory_utilization=gpu_memory_utilization, layout_extra=layout_extra,
+                                  max_staleness=max_staleness, local_world=local_world or num_processes):
+            (refused if c.reason else fit).append(c)
     fit.sort(key=lambda c: -c.prediction.samples_per_s)
     return fit + refused
 
@@ -441,3 +562,64 @@ def predict_split(dims: ModelDims, engines: RolloutLayout, trainers: RolloutLayo
                            sync_s=generation + transfer + train_s, pipelined_s=max(generation, train_s) + transfer,
                            samples=trainers.total_samples, engine_bytes=gen.engine_bytes,
                            train_bytes=train.train_bytes)
+
+
+def split_candidates(dims: ModelDims, num_processes: int, train_batch_size: int, work: Workload,
+                     dev: DeviceProfile, *, n_values: Sequence[int], max_num_seqs_values: Sequence[int],
+                     gpu_memory_utilization: float, layout_extra: dict | None, max_staleness: int,
+                     local_world: int) -> list[Candidate]:
+    """Every split of ``num_processes`` devices into trainers and ``rollout_ranks`` (a multiple of the engines'
+    TP size, as the launch allows: :func:`~trl_nrollout.plan.roles.roles_refusal`), each TP size, ``n`` and
+    ``max_num_seqs``, predicted by :func:`predict_split`: the step is the pipelined one with ``max_staleness >= 1``
+    (generation of the next step beside training), else the synchronous one. Memory per device: a rollout rank
+    holds its engine (within ``gpu_memory_utilization``), a trainer its states (the whole device). The candidates'
+    ``phases`` are the engines' generation and the trainers' phases; ``details`` say the split."""
+    from trl_nrollout.plan.roles import roles_refusal
+
+    extra = dict(layout_extra or {})
+    out = []
+    for tp in divisors(num_processes):
+        if _tp_refusal(dims, tp):
+            continue  # said once by the colocated search
+        for ranks in range(tp, num_processes, tp):
+            options = {"rollout_ranks": ranks, "rollout_tp_size": tp}
+            why = roles_refusal(num_processes, ranks, local_world, tp)
+            if why:
+                out.append(Candidate(options, None, why.split("; ")[0]))
+                continue
+            engines_n = ranks // tp
+            busiest = -(-train_batch_size // engines_n)  # the engine with the most groups sets the time
+            for n in n_values:
+                try:
+                    engines = RolloutLayout.build(num_processes=ranks, rollout_tp_size=tp,
+                                                  train_batch_size=busiest * engines_n, rollout_n=n,
+                                                  adv_estimator="reinforce_plus_plus")  # any n: trainers check it
+                    trainers = RolloutLayout.build(**{**extra, "num_processes": num_processes - ranks,
+                                                      "rollout_tp_size": 1, "train_batch_size": train_batch_size,
+                                                      "rollout_n": n})
+                except LayoutError as err:
+                    out.append(Candidate({**options, "rollout_n": n}, None, str(err).split("; ")[0]))
+                    continue
+                for seqs in _caps(max_num_seqs_values, engines.samples_per_engine):
+                    w = replace(work, max_num_seqs=seqs)
+                    gen, train = predict_step(dims, engines, w, dev), predict_step(dims, trainers, w, dev)
+                    split = predict_split(dims, engines, trainers, w, dev)
+                    total = split.step_s(max_staleness)
+                    phases = {**train.phases, "generation": gen.phases["generation"]}
+                    details = {**gen.details, "rollout_ranks": ranks, "trainers": num_processes - ranks,
+                               "max_staleness": max_staleness, "sync_s": split.sync_s,
+                               "pipelined_s": split.pipelined_s}
+                    pred = StepPrediction(phases=phases, total_s=total, samples_per_s=split.samples / total,
+                                          engine_bytes=split.engine_bytes, train_bytes=split.train_bytes,
+                                          details=details)
+                    memory = dev.memory_gib * 2**30
+                    why = None
+                    if split.engine_bytes > memory * gpu_memory_utilization:
+                        why = (f"engine weights + KV cache {split.engine_bytes / 2**30:.1f} GiB > "
+                               f"{gpu_memory_utilization:g} x {dev.memory_gib:g} GiB on a rollout rank (raise "
+                               "rollout_tp_size or lower max_num_seqs)")
+                    elif split.train_bytes > memory:
+                        why = (f"trainer states {split.train_bytes / 2**30:.1f} GiB > the {dev.memory_gib:g} GiB of "
+                               f"a trainer's device (shard the trainer: ZeRO-3 / FSDP, or more trainers)")
+                    out.append(Candidate({**options, "rollout_n": n, "max_num_seqs": seqs}, pred, why))
+    return out

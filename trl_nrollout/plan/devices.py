@@ -34,8 +34,10 @@ class DeviceProfile:
     ``mem_bw x bw_eff``, a read and a write); ``optimizer_bw`` the optimizer step's B/s over its states (None:
     ``mem_bw x bw_eff``). What a trainer adds around the engine and the model (calibrated; 0 in the datasheet
     profiles): ``gen_sample_s`` per sample in the generation phase (requests in and out, bookkeeping),
-    ``train_sample_s`` per sample per update epoch (the loss's per-token work beyond the matmuls, masks, metrics),
-    ``train_fixed_s`` per optimizer step (clipping, the step's bookkeeping). ``source`` says where the figures come
+    ``train_sample_s`` per sample and ``train_token_s`` per token per update epoch (the loss's work beyond the
+    matmuls, masks, metrics; a CPU's first touch of fresh activation memory), ``train_fixed_s`` per optimizer step
+    (clipping, the step's bookkeeping). ``mfu_attention``: the training passes' efficiency on attention's
+    query-key pairs (None: ``mfu_train``; a CPU's attention kernels under a mask run below its matmuls). ``source`` says where the figures come
     from."""
 
     name: str
@@ -59,19 +61,26 @@ class DeviceProfile:
     gen_sample_s: float = 0.0
     train_sample_s: float = 0.0
     train_fixed_s: float = 0.0
+    mfu_attention: float | None = None
+    train_token_s: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
         for name in ("flops", "mem_bw", "link_bw", "memory_gib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be > 0.")
-        for name in ("mfu_prefill", "mfu_train", "bw_eff", "link_eff"):
-            if not 0 < getattr(self, name) <= 1:
+        for name in ("mfu_prefill", "mfu_train", "bw_eff", "link_eff", "mfu_attention"):
+            if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be in (0, 1].")
         for name in ("step_s", "seq_step_s", "call_s", "forward_s", "sync_s", "allreduce_s", "gen_sample_s",
-                     "train_sample_s", "train_fixed_s"):
+                     "train_sample_s", "train_fixed_s", "train_token_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be >= 0.")
+
+    @property
+    def attention_mfu(self) -> float:
+        """The training passes' efficiency on attention (``mfu_attention``, or ``mfu_train`` when not set)."""
+        return self.mfu_attention if self.mfu_attention is not None else self.mfu_train
 
     @property
     def weight_sync_bw(self) -> float:

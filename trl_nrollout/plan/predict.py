@@ -122,9 +122,11 @@ def predict(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[int, 
             "lines": [line for line in lines if line != ""]}
 
 
-def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10) -> dict[str, Any]:
+def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, rollout_ranks: bool = False
+            ) -> dict[str, Any]:
     """The layouts that fit, ranked by predicted samples/s, and the refused ones with reasons (JSON-ready), with
-    their table lines."""
+    their table lines. ``rollout_ranks``: also the launches split into trainers and rollout ranks (generating
+    ``max_staleness`` steps ahead, default 1)."""
     dims, dev = dims_of(values), device_of(values)
     work, notes = workload_of(values)
     world = values.get("num_processes") or (values.get("n_gpus_per_node") or 0) * (values.get("nnodes") or 1)
@@ -136,21 +138,32 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10) ->
     extra = {k: values[k] for k in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device",
                                     "log_prob_micro_batch_size_per_device",
                                     "ref_log_prob_micro_batch_size_per_device") if values.get(k) is not None}
+    staleness = values.get("max_staleness")
+    staleness = 1 if staleness is None else int(staleness)
+    nnodes = int(values.get("nnodes") or 1)
+    local = int(values.get("n_gpus_per_node") or max(1, int(world) // nnodes))
     try:
         found = search(dims, int(world), int(prompts), work, dev, n_values=n_values, gpu_memory_utilization=util,
-                       sleep_mode=bool(values.get("vllm_enable_sleep_mode")), layout_extra=extra)
+                       sleep_mode=bool(values.get("vllm_enable_sleep_mode")), layout_extra=extra,
+                       rollout_ranks=rollout_ranks, max_staleness=staleness, local_world=local)
     except ValueError as err:
         raise PlanError(str(err)) from None
     fit = [c for c in found if c.reason is None]
     refused = [c for c in found if c.reason is not None]
     lines = [f"layouts for {dims.name} on {world} x {dev.name}, {prompts} prompts per step, ranked by predicted "
              f"samples/s ({len(fit)} fit, {len(refused)} refused):",
-             "rank  tp  n   max_num_seqs  step (s)  samples/s  generation (s)  engine GiB  trainer GiB"]
+             "rank  tp  n   max_num_seqs  step (s)  samples/s  generation (s)  engine GiB  trainer GiB"
+             + ("  trainers + rollout ranks" if rollout_ranks else "")]
     for i, c in enumerate(fit[:top], 1):
         p, o = c.prediction, c.options
+        split = ""
+        if rollout_ranks:
+            r = o.get("rollout_ranks", 0)
+            split = (f"  {int(world) - r} + {r} (max_staleness={staleness})" if r
+                     else "  colocated (every process both)")
         lines.append(f"{i:>4}  {o['rollout_tp_size']:>2}  {o['rollout_n']:<3} {o['max_num_seqs']:>12}  "
                      f"{p.total_s:>8.3g}  {p.samples_per_s:>9.3g}  {p.phases['generation']:>14.3g}  "
-                     f"{p.engine_bytes / 2**30:>10.3g}  {p.train_bytes / 2**30:>11.3g}")
+                     f"{p.engine_bytes / 2**30:>10.3g}  {p.train_bytes / 2**30:>11.3g}{split}")
     if refused:
         lines.append("refused:")
         seen = set()
