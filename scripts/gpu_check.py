@@ -18,6 +18,12 @@ Sections (each reports ``status`` ok / failed with the error, so one failure doe
    the time of each.
 6. ``trainer``: ``NRolloutGRPOTrainer`` with the HF engine on the device for 3 steps with a KL loss and the KL in
    the reward (the path whose CPU-built mask crashed on CUDA): losses finite, the reward's KL penalty reported.
+7. ``training_rates``: the device's side of ``trl-nrollout plan --calibrate`` that needs no vLLM: a bf16 matmul's
+   FLOP/s, a copy's bytes/s, and the training rates of a bf16 model of about a billion parameters on padded rows
+   (``mfu_train`` per token, ``mfu_attention`` per query-key pair, the fixed cost per micro batch, the optimizer's
+   bytes/s), each beside the named profile of the device's kind (its datasheet peaks, the default efficiencies);
+   ``profile`` in the report is a partial profile to save under ``$TRL_NROLLOUT_PROFILES`` (the engine's costs
+   keep the named profile's defaults).
 
 Each section names what it imports (``SECTIONS``); those whose modules are missing are reported as skipped, so a
 GPU machine with torch and transformers only (no TRL) runs sections 1-5.
@@ -209,9 +215,45 @@ def check_packing(device: str, size: dict) -> dict:
 
 
 SIZES = {
-    "gpu": dict(vocab=32768, hidden=512, layers=4, prompts=16, prompt_len=256, completion_len=512, micro=8),
-    "dry": dict(vocab=2048, hidden=64, layers=2, prompts=4, prompt_len=16, completion_len=24, micro=4),
+    "gpu": dict(vocab=32768, hidden=512, layers=4, prompts=16, prompt_len=256, completion_len=512, micro=8,
+                rates=dict(hidden=2048, layers=16, rows=16, long=2048)),
+    "dry": dict(vocab=2048, hidden=64, layers=2, prompts=4, prompt_len=16, completion_len=24, micro=4,
+                rates=dict(hidden=64, layers=2, rows=1, long=256)),
 }
+
+
+def check_training_rates(device: str, size: dict) -> dict:
+    """Section 7: this device's training rates for the cost model (see the module docstring)."""
+    import dataclasses
+
+    import torch
+
+    from trl_nrollout.plan.calibrate import measure_flops, measure_mem_bw, measure_training
+    from trl_nrollout.plan.cost import ModelDims
+    from trl_nrollout.plan.devices import PROFILES
+
+    r = size["rates"]
+    model = _model(size["vocab"], r["hidden"], r["layers"]).train()
+    model = model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    dims = ModelDims.from_config_dict(model.config.to_dict(), dtype=str(model.dtype))
+    flops, mem_bw = measure_flops(device), measure_mem_bw(device)
+    rates = measure_training(model, dims, flops, device, rows=r["rows"], long=r["long"], vocab=size["vocab"])
+    name = torch.cuda.get_device_name(0).lower() if device == "cuda" else "cpu"
+    kind = next((k for k in ("h200", "h100", "l40s") if k in name), None) or (
+        ("a100-40gb" if "40gb" in name else "a100-80gb") if "a100" in name else None)
+    named = PROFILES.get(kind) if kind else None
+    profile = dataclasses.replace(named, name=f"{kind}-calibrated", flops=flops, mem_bw=mem_bw,
+                                  mfu_train=rates["mfu_train"], mfu_attention=rates["mfu_attention"],
+                                  forward_s=rates["forward_s"], optimizer_bw=rates["optimizer_bw"],
+                                  source=f"gpu_check.py training_rates on {name}: flops, mem_bw and the training "
+                                         f"rates measured; the rest {kind}'s defaults") if named else None
+    finite = all(math.isfinite(v) and v > 0 for k, v in rates.items() if k != "forward_s")
+    return {"status": "ok" if finite and 0 < rates["mfu_train"] <= 1 else "failed", "params": dims.num_parameters,
+            "flops": flops, "mem_bw": mem_bw, **rates,
+            "named_profile": None if named is None else {"name": named.name, "flops": named.flops,
+                                                         "mem_bw": named.mem_bw, "mfu_train": named.mfu_train,
+                                                         "mfu_attention": named.attention_mfu},
+            "profile": None if profile is None else profile.to_dict()}
 
 
 def check_passes_autocast(device: str, size: dict) -> dict:
@@ -284,6 +326,7 @@ SECTIONS = (
     ("passes_autocast", ("torch", "transformers"), check_passes_autocast),
     ("prefill_once", ("torch", "transformers"), check_prefill_once),
     ("trainer", ("torch", "transformers", "trl", "datasets", "accelerate"), lambda device, size: check_trainer(device, 3)),
+    ("training_rates", ("torch", "transformers"), check_training_rates),
 )
 
 

@@ -36,6 +36,9 @@ def test_gpu_check_dry_run(tmp_path):
         "fp32_pass_vs_update_max_abs"]
     prefill = report["prefill_once"]
     assert prefill["status"] == "ok" and prefill["same_samples"] and prefill["shared_samples"] > 0
+    rates = report["training_rates"]  # plan --calibrate's training side, without vLLM
+    assert rates["status"] == "ok" and 0 < rates["mfu_train"] <= 1 and 0 < rates["mfu_attention"] <= 1
+    assert rates["seconds_per_pair"] > 0 and rates["optimizer_bw"] > 0 and rates["profile"] is None  # no named CPU
 
 
 def test_sections_whose_modules_are_missing_are_skipped(tmp_path, monkeypatch):

@@ -68,6 +68,46 @@ def measure_mem_bw(device: str = "cpu", mib: int = 256) -> float:
     return 2 * src.numel() * 4 / _median_time(run)
 
 
+def measure_training(policy, dims, flops: float, device: str = "cpu", *, rows: int = 1, long: int = 1024,
+                     vocab: int = 100) -> dict[str, float]:
+    """The training rates of ``policy`` (a causal LM on ``device``; ``dims`` its :class:`ModelDims`) at ``flops``
+    peak: forward + backward of a language-model loss on padded rows (attention under a mask, every query-key pair
+    computed, as the trainer's) at three shapes, ``2r x 64``, ``4r x long/4`` and ``r x long`` (``r = rows``; the
+    last two hold the same tokens): the fixed cost per micro batch (``forward_s``, half of it: the update counts
+    two), ``mfu_train`` per token through the linear layers, ``mfu_attention`` per query-key pair; and an AdamW step
+    over the model (``optimizer_bw``, bytes of its states per second). Token ids below ``vocab``."""
+    import torch
+
+    from trl_nrollout.plan.cost import OPTIMIZER_BYTES_PER_PARAM
+
+    def train_step(batch: int, length: int) -> float:
+        ids = torch.randint(5, vocab, (batch, length), device=device)
+        mask = torch.ones_like(ids)
+        mask[:, -1] = 0  # a padded row, as the trainer's: attention under a mask, every query-key pair computed
+
+        def run():
+            policy.zero_grad(set_to_none=True)
+            policy(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+            if device != "cpu":
+                torch.cuda.synchronize()
+
+        return _median_time(run, repeats=3)
+
+    shapes = [(2 * rows, 64), (4 * rows, long // 4), (rows, long)]  # the last two: the same tokens
+    (ta, tb, tc) = (train_step(*shape) for shape in shapes)
+    (na, nb, _) = (b * length for b, length in shapes)
+    (pa, pb, pc) = (b * length * length for b, length in shapes)
+    per_pair = max((tc - tb) / (pc - pb), 1e-15)
+    per_token = max((tb - per_pair * pb - (ta - per_pair * pa)) / (nb - na), 1e-12)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-7)
+    optimizer_t = _median_time(optimizer.step, repeats=3)
+    return {"mfu_train": min(1.0, 3 * 2 * dims.matmul_params / flops / per_token),
+            "mfu_attention": min(1.0, 3 * dims.attention_flops_per_pair / flops / per_pair),
+            "forward_s": max(ta - na * per_token - pa * per_pair, 0.0) / 2,
+            "optimizer_bw": dims.num_parameters * OPTIMIZER_BYTES_PER_PARAM / max(optimizer_t, 1e-9),
+            "seconds_per_token": per_token, "seconds_per_pair": per_pair}
+
+
 def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None] = print,
               trainer_runs: bool = True) -> DeviceProfile:
     """Measure this machine with ``model`` (a ``builtin:`` name, local folder or hub id) and return its profile;
@@ -140,32 +180,10 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     progress("calibrate 5/6: training steps and an optimizer step")
     policy.to(device)
 
-    def train_step(batch: int, length: int) -> float:  # forward + backward of a language-model loss
-        ids = torch.randint(5, 100, (batch, length), device=device)
-        mask = torch.ones_like(ids)
-        mask[:, -1] = 0  # a padded row, as the trainer's: attention under a mask, every query-key pair computed
-
-        def run():
-            policy.zero_grad(set_to_none=True)
-            policy(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-
-        return _median_time(run, repeats=3)
-
     long = min(1024, int(config.get("max_position_embeddings") or 1024))
-    shapes = [(2, 64), (1024 // long * 4, long // 4), (1024 // long, long)]  # the last two: the same tokens
-    (ta, tb, tc) = (train_step(*shape) for shape in shapes)
-    (na, nb, nc) = (b * length for b, length in shapes)
-    (pa, pb, pc) = (b * length * length for b, length in shapes)
-    per_pair = max((tc - tb) / (pc - pb), 1e-15)
-    per_token = max((tb - per_pair * pb - (ta - per_pair * pa)) / (nb - na), 1e-12)
-    mfu_train = min(1.0, 3 * 2 * matmul / flops / per_token)
-    mfu_attention = min(1.0, 3 * dims.attention_flops_per_pair / flops / per_pair)
-    forward_s = max(ta - na * per_token - pa * per_pair, 0.0) / 2  # the update counts two per micro batch
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-7)
-    optimizer_t = _median_time(optimizer.step, repeats=3)
-    from trl_nrollout.plan.cost import OPTIMIZER_BYTES_PER_PARAM
-
-    optimizer_bw = dims.num_parameters * OPTIMIZER_BYTES_PER_PARAM / max(optimizer_t, 1e-9)
+    rates = measure_training(policy, dims, flops, device, long=long)
+    mfu_train, mfu_attention = rates["mfu_train"], rates["mfu_attention"]
+    forward_s, optimizer_bw = rates["forward_s"], rates["optimizer_bw"]
     memory_gib = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
     profile = DeviceProfile(
