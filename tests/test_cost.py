@@ -331,9 +331,17 @@ def test_suggest_ranks_split_launches_beside_colocated_ones():
         assert p.total_s >= max(p.phases["generation"], p.phases["update"])
         assert p.samples_per_s == pytest.approx(60 * 12 / p.total_s)
     # two nodes of 8: only whole nodes generate (the launch's own rule, said with the split it refuses)
-    nodes = split_candidates(QWEN7, 16, 64, work, PROFILES["h100"], n_values=[8], max_num_seqs_values=[256],
-                             gpu_memory_utilization=0.9, layout_extra=None, max_staleness=1, local_world=8)
+    nodes = split_candidates(QWEN7, 16, 64, replace(work, nodes=2), PROFILES["h100"], n_values=[8],
+                             max_num_seqs_values=[256], gpu_memory_utilization=0.9, layout_extra=None,
+                             max_staleness=1, local_world=8)
     assert {c.options["rollout_ranks"] for c in nodes if c.reason is None} == {8}
+    # the 8 trainers share node 0: their collectives run at NVLink speed, not over the nodes' links
+    split = next(c for c in nodes if c.reason is None)
+    trainers = RolloutLayout.build(num_processes=8, rollout_tp_size=1, train_batch_size=64, rollout_n=8)
+    one_node = predict_step(QWEN7, trainers, replace(work, max_num_seqs=256), PROFILES["h100"])
+    two_nodes = predict_step(QWEN7, trainers, replace(work, max_num_seqs=256, nodes=2), PROFILES["h100"])
+    assert split.prediction.phases["update"] == pytest.approx(one_node.phases["update"])
+    assert two_nodes.phases["update"] > one_node.phases["update"]
     assert any(c.options == {"rollout_ranks": 4, "rollout_tp_size": 1} and "leave a node with both trainers and "
                "rollout ranks" in c.reason for c in nodes)
     sync = split_candidates(QWEN7, 6, 60, work, PROFILES["h100"], n_values=[12], max_num_seqs_values=[256],

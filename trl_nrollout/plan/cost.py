@@ -572,8 +572,9 @@ def split_candidates(dims: ModelDims, num_processes: int, train_batch_size: int,
     TP size, as the launch allows: :func:`~trl_nrollout.plan.roles.roles_refusal`), each TP size, ``n`` and
     ``max_num_seqs``, predicted by :func:`predict_split`: the step is the pipelined one with ``max_staleness >= 1``
     (generation of the next step beside training), else the synchronous one. Memory per device: a rollout rank
-    holds its engine (within ``gpu_memory_utilization``), a trainer its states (the whole device). The candidates'
-    ``phases`` are the engines' generation and the trainers' phases; ``details`` say the split."""
+    holds its engine (within ``gpu_memory_utilization``), a trainer its states (the whole device); the trainers'
+    collectives cross the nodes' links only when the trainers span several nodes. The candidates' ``phases`` are
+    the engines' generation and the trainers' phases; ``details`` say the split."""
     from trl_nrollout.plan.roles import roles_refusal
 
     extra = dict(layout_extra or {})
@@ -585,7 +586,7 @@ def split_candidates(dims: ModelDims, num_processes: int, train_batch_size: int,
             options = {"rollout_ranks": ranks, "rollout_tp_size": tp}
             why = roles_refusal(num_processes, ranks, local_world, tp)
             if why:
-                out.append(Candidate(options, None, why.split("; ")[0]))
+                out.append(Candidate(options, None, why))
                 continue
             engines_n = ranks // tp
             busiest = -(-train_batch_size // engines_n)  # the engine with the most groups sets the time
@@ -600,8 +601,9 @@ def split_candidates(dims: ModelDims, num_processes: int, train_batch_size: int,
                 except LayoutError as err:
                     out.append(Candidate({**options, "rollout_n": n}, None, str(err).split("; ")[0]))
                     continue
+                trainer_nodes = max(1, -(-(num_processes - ranks) // local_world))  # the rollout ranks: the last
                 for seqs in _caps(max_num_seqs_values, engines.samples_per_engine):
-                    w = replace(work, max_num_seqs=seqs)
+                    w = replace(work, max_num_seqs=seqs, nodes=trainer_nodes)
                     gen, train = predict_step(dims, engines, w, dev), predict_step(dims, trainers, w, dev)
                     split = predict_split(dims, engines, trainers, w, dev)
                     total = split.step_s(max_staleness)
