@@ -13,8 +13,9 @@ Short micro-benchmarks, each the median of a few repeats:
   ``mfu_attention`` (per query-key pair: 4 x 256 against 1 x 1,024, the same tokens); an AdamW step over the
   model gives ``optimizer_bw``;
 - a weight sync into the engine gives ``sync_s`` beyond the bytes at ``mem_bw``;
-- two short GRPO runs of the model (n = 4 and 12) give what the trainer adds around the engine and the model, per
-  sample, per token and per step (``gen_sample_s``, ``train_token_s``, ``train_fixed_s``, more ``call_s``).
+- three short GRPO runs of the model (n = 4 and 12 at the task's short prompts, n = 8 at 256-token prompts) give
+  what the trainer adds around the engine and the model, per sample, per token and per step (``gen_sample_s``,
+  ``train_token_s``, ``train_fixed_s``, more ``call_s``), and correct ``mfu_attention`` and ``sync_s``.
 
 ``link_bw`` is not measured (one process): a quarter of ``mem_bw`` is assumed, and said in ``source``.
 """
