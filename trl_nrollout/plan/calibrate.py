@@ -112,7 +112,7 @@ def measure_training(policy, dims, flops: float, device: str = "cpu", *, rows: i
 def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None] = print,
               trainer_runs: bool = True) -> DeviceProfile:
     """Measure this machine with ``model`` (a ``builtin:`` name, local folder or hub id) and return its profile;
-    ``trainer_runs``: also what our trainer adds around the engine and the model (two short training runs)."""
+    ``trainer_runs``: also what our trainer adds around the engine and the model (three short training runs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
