@@ -46,6 +46,7 @@ from trl_nrollout.passes.packing_rules import (
 from trl_nrollout.plan.devices import DeviceProfile
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout, divisors
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS, dtype_bytes, estimate_kv
+from trl_nrollout.plan.roles import ROLLOUT_RANK_GPU_MEMORY_UTILIZATION
 
 #: model types whose MLP has two matrices (up, down) instead of three (gate, up, down)
 UNGATED_MLP = ("gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2")
@@ -483,12 +484,15 @@ def _tp_refusal(dims: ModelDims, tp: int) -> str | None:
 def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Workload, dev: DeviceProfile, *,
             n_values: Sequence[int], max_num_seqs_values: Sequence[int] = (64, 128, 256, 512, 1024),
             gpu_memory_utilization: float = 0.5, sleep_mode: bool = False, layout_extra: dict | None = None,
+            rollout_gpu_memory_utilization: float | None = None,
             rollout_ranks: bool = False, max_staleness: int = 1, local_world: int | None = None
             ) -> list[Candidate]:
     """Every layout of ``num_processes`` devices and ``train_batch_size`` prompts over TP sizes, ``n_values`` and
     ``max_num_seqs_values``: the ones that fit ranked by predicted samples per second (best first), then the refused
     ones with their reasons. ``rollout_ranks``: also every split of the devices into trainers and rollout ranks
-    (:func:`split_candidates`, generating ``max_staleness`` steps ahead; ``local_world`` devices per node)."""
+    (:func:`split_candidates`, generating ``max_staleness`` steps ahead; ``local_world`` devices per node), whose
+    engines take ``rollout_gpu_memory_utilization`` of their device (default: a dedicated device's 0.9, what the
+    trainer gives them)."""
     if num_processes < 1 or train_batch_size < 1:
         raise ValueError(f"num_processes={num_processes} and train_batch_size={train_batch_size} must be >= 1.")
     if not n_values:
@@ -517,7 +521,8 @@ def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Wo
     if rollout_ranks:
         for c in split_candidates(dims, num_processes, train_batch_size, work, dev, n_values=n_values,
                                   max_num_seqs_values=max_num_seqs_values,
-                                  gpu_memory_utilization=gpu_memory_utilization, layout_extra=layout_extra,
+                                  gpu_memory_utilization=rollout_gpu_memory_utilization or ROLLOUT_RANK_GPU_MEMORY_UTILIZATION,
+                                  layout_extra=layout_extra,
                                   max_staleness=max_staleness, local_world=local_world or num_processes):
             (refused if c.reason else fit).append(c)
     fit.sort(key=lambda c: -c.prediction.samples_per_s)

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TRAIN, ROLLOUT = "train", "rollout"
+#: The engine's fraction of a rollout rank's device by default: the device holds nothing else (no trainer states,
+#: no sleeping), unlike a colocated engine (TRL's vllm_gpu_memory_utilization default, 0.3).
+ROLLOUT_RANK_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,43 @@ class Bridge:
 
     # ------------------------------------------------------------------ messages
     def put(self, key: str, value) -> None:
-        self.store.set(key, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        """Write ``value`` (pickled) at ``key``. A value over :data:`CHUNK_BYTES` travels in parts ``key#1 ...``
+        written first, then ``key`` itself (a header with the count), so a reader that sees ``key`` sees all of it:
+        the launcher's store refuses a single value over 8 MiB (torch's libuv server drops the connection)."""
+        for k, part in enumerate(encode_value(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)), start=0):
+            self.store.set(key if k == 0 else f"{key}#{k}", part)
+
+    def _read(self, key: str, delete: bool):
+        head = self.store.get(key)
+        parts = [self.store.get(f"{key}#{k}") for k in range(1, chunk_count(head))]
+        if delete:
+            self.drop(key, head)
+        return pickle.loads(decode_value(head, parts))
+
+    def drop(self, key: str, head: bytes | None = None) -> None:
+        """Remove ``key`` and its parts."""
+        head = self.store.get(key) if head is None else head
+        for k in range(1, chunk_count(head)):
+            self.store.delete_key(f"{key}#{k}")
+        self.store.delete_key(key)
+
+    def wait_for(self, key: str, sender: int, what: str) -> None:
+        """Wait until ``key`` exists, checking once per :data:`POLL_S` that ``sender`` lives (the store's own
+        ``wait``, not a busy poll: one call per second per waiter, whatever the launch's size)."""
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=POLL_S))
+                return
+            except Exception as err:  # noqa: BLE001 - torch raises DistStoreError (a RuntimeError) on the timeout
+                if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
+                    raise
+            state = self.peer_state(sender)
+            if state is not None and state[0] > self.timeout_s and state[1] != "done":
+                raise RolloutRankError(
+                    f"{self.describe(sender)} has not been heard from for {state[0]:.0f} s while this rank waited "
+                    f"for {what} (rollout_rank_timeout_s={self.timeout_s:g}); it was last {state[1]}.")
+            if state is not None and state[1] == "done" and not self.store.check([key]):
+                raise RolloutRankError(f"{self.describe(sender)} finished while this rank waited for {what}.")
 
     def take(self, key: str, sender: int, what: str, delete: bool = True, track: bool = True):
         """The value at ``key``, written by ``sender``; waits for it, checking that the sender lives (a
@@ -145,24 +181,42 @@ class Bridge:
         if track:
             self.status = f"waiting for {what}"
         try:
-            while not self.store.check([key]):
-                state = self.peer_state(sender)
-                if state is not None and state[0] > self.timeout_s and state[1] != "done":
-                    raise RolloutRankError(
-                        f"{self.describe(sender)} has not been heard from for {state[0]:.0f} s while this rank waited "
-                        f"for {what} (rollout_rank_timeout_s={self.timeout_s:g}); it was last {state[1]}.")
-                if state is not None and state[1] == "done":
-                    raise RolloutRankError(f"{self.describe(sender)} finished while this rank waited for {what}.")
-                time.sleep(0.005)
-            value = pickle.loads(self.store.get(key))
-            if delete:
-                self.store.delete_key(key)
+            self.wait_for(key, sender, what)
+            value = self._read(key, delete)
             if isinstance(value, dict) and value.get("kind") == "error":
                 raise RolloutRankError(f"{self.describe(sender)} failed: {value['message']}")
             return value
         finally:
             if track:
                 self.status = last
+
+
+#: The largest part of a value written to the store (the libuv store server refuses values over 8 MiB).
+CHUNK_BYTES = 4 << 20
+#: Seconds between liveness checks while waiting for a key.
+POLL_S = 1.0
+
+
+def encode_value(data: bytes, chunk: int | None = None) -> list[bytes]:
+    """``data`` as the store's values: one (a 0 byte, then the data) when it fits ``chunk`` bytes, else a header (a 1
+    byte, then the count of parts as 8 bytes) followed by the parts, each at most ``chunk`` bytes."""
+    chunk = CHUNK_BYTES if chunk is None else chunk
+    if len(data) + 1 <= chunk:
+        return [b"\x00" + data]
+    parts = [data[i:i + chunk] for i in range(0, len(data), chunk)]
+    return [b"\x01" + (len(parts) + 1).to_bytes(8, "little"), *parts]
+
+
+def chunk_count(head: bytes) -> int:
+    """How many values (the header included) :func:`encode_value` wrote for the value whose first one is ``head``."""
+    return 1 if head[:1] == b"\x00" else int.from_bytes(head[1:9], "little")
+
+
+def decode_value(head: bytes, parts: list[bytes]) -> bytes:
+    """The data of :func:`encode_value`'s values (``head`` and the rest)."""
+    if head[:1] == b"\x00":
+        return head[1:]
+    return b"".join(parts)
 
 
 _BRIDGE: Bridge | None = None
@@ -173,7 +227,8 @@ def current_bridge() -> Bridge | None:
     return _BRIDGE
 
 
-def split_world(rollout_ranks: int, rollout_tp_size: int = 1, timeout_s: float = 120.0) -> Bridge:
+def split_world(rollout_ranks: int, rollout_tp_size: int = 1, timeout_s: float = 120.0,
+                group_timeout_s: float = 1800.0) -> Bridge:
     """Split this launch into trainers and rollout ranks (see the module docstring); idempotent within a process.
 
     Reads the launcher's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
@@ -204,7 +259,10 @@ def split_world(rollout_ranks: int, rollout_tp_size: int = 1, timeout_s: float =
     roles = Roles(world, rollout_ranks, local_world)
     store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=timedelta(seconds=600)))
     role = roles.role(rank)
-    timeout = timedelta(seconds=max(600.0, timeout_s))
+    # the process groups' timeout is the trainer's ddp_timeout (``group_timeout_s``), as accelerate would set it:
+    # a collective waits that long. Waits that depend on the other world (a job, the engines' start) do not block
+    # in a collective: they wait on store keys and check the sender's heartbeat (``timeout_s``).
+    timeout = timedelta(seconds=group_timeout_s)
     os.environ["RANK"] = str(roles.role_rank(rank))
     os.environ["WORLD_SIZE"] = str(roles.role_size(rank))
     os.environ["LOCAL_WORLD_SIZE"] = str(roles.role_local_world(rank))

@@ -5,11 +5,18 @@ Trainer rank 0 writes messages ``msg/0, msg/1, ...`` that every rollout rank rea
 
     start     the engine's settings (model, lengths, seed...); each rollout rank builds its engine and answers
               ``ready/<r>`` with its parameter names (or the error that stopped it)
-    weights   a policy version: its buckets' names, shapes and dtypes; the bytes follow over the weights group
-    job       the job's prompts (every trainer's, in rank order, each repeated n times), n, the sampling options;
-              rollout rank r generates its slice (:func:`job_slice`) and answers ``out/<job>/<r>``
+    weights   a policy version; its buckets follow over the weights group, each a size, then a byte buffer (its
+              layout, then the tensors, cast to the engine's dtype), ended by a size of 0
+    job       the job's prompts (every trainer's groups, in rank order, each prompt once), n, the sampling options;
+              rollout rank r generates its slice (:func:`job_slice`) and answers ``out/<job>/<r>`` (token ids and
+              log-probs as flat arrays)
     end       the trainers' ``train()`` (or ``evaluate()``) returned: the rollout ranks' returns too
     stop      the trainers are done: the rollout ranks close their engines
+
+Values larger than the store takes travel in parts (:meth:`~trl_nrollout.rollout.ranks.Bridge.put`). Trainer rank 0
+hands each other trainer its own samples through the store (``home/<call>/<rank>``): the other trainers wait on a
+key, checking trainer rank 0's heartbeat, never inside a collective while the engines work (a job may take longer
+than the process groups' timeout).
 
 Jobs run in the order they were written, each with the last weights written before it, so a job written ``s``
 steps ahead of the step that trains on it (``max_staleness=s``) is sampled by a policy ``s`` versions older.
@@ -18,12 +25,14 @@ steps ahead of the step that trains on it (``max_staleness=s``) is sampled by a 
 from __future__ import annotations
 
 import math
+import pickle
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -46,14 +55,23 @@ def job_slice(total: int, n: int, rollout_ranks: int, tp: int, r: int) -> tuple[
     return first + count * t // tp, first + count * (t + 1) // tp
 
 
-def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[tuple[str, tuple, str, int]]]:
-    """One bucket as a flat CPU byte buffer and its layout ``[(name, shape, dtype, offset)]``."""
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+                out: torch.Tensor | None = None, pin: bool = False) -> tuple[torch.Tensor, list[tuple[str, tuple, str, int]]]:
+    """One bucket as a flat CPU byte buffer and its layout ``[(name, shape, dtype, offset)]``. ``dtype``: floating
+    tensors are cast to it first (the engine's dtype: what it keeps of them anyway, e.g. bf16 instead of the float32
+    that FSDP2 or an fp32 master hands out). ``out``: a buffer to pack into when it is large enough (a view of it is
+    returned), else a new one (page-locked with ``pin``: a device-to-host copy and a send run from it faster)."""
+    cast = [(name, t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t)
+            for name, t in bucket]
     layout, offset = [], 0
-    for name, t in bucket:
+    for name, t in cast:
         layout.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch."), offset))
         offset += math.ceil(t.numel() * t.element_size() / _ALIGN) * _ALIGN
-    buf = torch.empty(offset, dtype=torch.uint8)
-    for (_, t), (_, _, _, at) in zip(bucket, layout):
+    if out is not None and out.numel() >= offset:
+        buf = out[:offset]
+    else:
+        buf = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+    for (_, t), (_, _, _, at) in zip(cast, layout):
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         buf[at:at + flat.numel()].copy_(flat)  # device -> host here
     return buf, layout
@@ -68,6 +86,21 @@ def unpack_bucket(buf: torch.Tensor, layout: list[tuple[str, tuple, str, int]]) 
         size = numel * torch.empty((), dtype=dt).element_size()
         out.append((name, buf[at:at + size].view(dt).view(shape)))
     return out
+
+
+def frame_bucket(buf: torch.Tensor, layout: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """What crosses the weights group for one bucket: a header ``[size of the layout, size of the data]`` (int64)
+    and the pickled layout (bytes); the data itself follows as ``buf``."""
+    meta = torch.frombuffer(bytearray(pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    return torch.tensor([meta.numel(), buf.numel()], dtype=torch.int64), meta
+
+
+def _dtype_of(name: str | None) -> torch.dtype | None:
+    """The engine's dtype as vLLM names it (``torch.bfloat16`` or ``bfloat16``); None when unknown."""
+    if not name:
+        return None
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else None
 
 
 def _broadcast(group, buf: torch.Tensor) -> None:
@@ -85,32 +118,46 @@ def _trainer_gather(obj) -> list:
     return out
 
 
-def _trainer_broadcast(obj):
-    """Trainer rank 0's ``obj`` on every trainer rank."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 @dataclass
 class JobResult:
-    """What one rollout rank generated for its slice of a job."""
+    """What one rollout rank generated for its slice of a job, as flat arrays (4 bytes a token and a log-prob
+    instead of a pickled list of Python numbers): ``tokens`` and ``logprobs`` ``[sum of lengths]``, ``lengths``
+    ``[samples]``."""
 
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
+    tokens: np.ndarray  # int32 [total tokens]
+    logprobs: np.ndarray  # float32 [total tokens]
+    lengths: np.ndarray  # int64 [samples]
     finish_reasons: list[str]
     gen_s: float
     version: int
+
+    @classmethod
+    def of(cls, completion_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
+           gen_s: float, version: int) -> JobResult:
+        lengths = np.array([len(c) for c in completion_ids], dtype=np.int64)
+        flat = [t for c in completion_ids for t in c]
+        lps = [x for lp in logprobs for x in lp]
+        return cls(np.array(flat, dtype=np.int32), np.array(lps, dtype=np.float32), lengths, list(finish_reasons),
+                   gen_s, version)
+
+    def rows(self) -> list[tuple[list[int], list[float], str]]:
+        """``(completion ids, log-probs, finish reason)`` of each sample."""
+        ends = np.cumsum(self.lengths)
+        starts = ends - self.lengths
+        tokens, lps = self.tokens.tolist(), self.logprobs.tolist()
+        return [(tokens[a:b], lps[a:b], f) for a, b, f in zip(starts.tolist(), ends.tolist(), self.finish_reasons)]
 
 
 class RemoteEngines:
     """The rollout ranks' engines, seen from a trainer rank: the engine interface the trainer calls
     (``generate_expanded``, ``load_weights``, ``check_prompt_length``, ``sleep``, ``close``), each a collective of
-    the trainers. Trainer rank 0 talks to the rollout ranks; the others take part in the trainers' gathers.
+    the trainers. Trainer rank 0 talks to the rollout ranks and hands the other trainers their part through the
+    store; they wait on a key (checking its heartbeat), never inside a collective while the engines work.
 
     ``lookahead`` jobs may be written before the step that trains on them (``max_staleness``)."""
+
+    #: Buckets packed and not yet sent, at most (trainer rank 0's host memory: this many buckets, not the model).
+    SEND_QUEUE = 2
 
     def __init__(self, bridge: Bridge, settings: dict, *, max_model_len: int, bucket_bytes: int) -> None:
         self.bridge = bridge
@@ -118,35 +165,60 @@ class RemoteEngines:
         self.bucket_bytes = bucket_bytes
         self.engine_index = 0
         self.tp_ranks = [torch.distributed.get_rank() if torch.distributed.is_initialized() else 0]
+        self.rank = self.tp_ranks[0]
+        self.trainers = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self._msg = 0
         self._jobs = 0
-        self._pending: deque = deque()  # (job id, prompts, n, sampling) written ahead, oldest first
+        self._calls = 0  # hand-outs from trainer rank 0 to the others (the same count on every trainer)
+        self._pending: deque = deque()  # (job id, groups, n, sampling) written ahead, oldest first
         self._sender: threading.Thread | None = None
+        self._send_queue: queue.Queue | None = None
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(self.SEND_QUEUE):
+            self._free.put(None)  # buffers to pack into (allocated at the first use, grown when a bucket needs it)
         self._send_error: list[BaseException] = []
         self._closed = False
         self.version = -1
         self.last_transfer: dict = {}
-        names = None
-        error = None
+        answer: dict = {}
         if bridge.is_leader:
-            bridge.watch(bridge.roles.rollout_globals())
+            self._watch()
             self._post({"kind": "start", **settings})
             try:
                 answers = [bridge.take(f"ready/{r}", bridge.roles.global_rank("rollout", r),
                                        f"rollout rank {r}'s engine to start")
                            for r in range(bridge.roles.rollout_ranks)]
-                names = answers[0]["names"]
+                answer = {"names": answers[0]["names"], "dtype": answers[0].get("dtype")}
             except RolloutRankError as err:
-                error = str(err)
-        names, error = _trainer_broadcast((names, error))
-        if error:
-            raise RolloutRankError(error)
-        self.engine_names = set(names)
+                answer = {"error": str(err)}
+        answer = self._hand_out([answer] * self.trainers, "the rollout ranks' engines to start")
+        if answer.get("error"):
+            raise RolloutRankError(answer["error"])
+        self.engine_names = set(answer["names"])
+        self.engine_dtype = _dtype_of(answer.get("dtype"))
 
     # ------------------------------------------------------------------ messages
+    def _watch(self) -> None:
+        """Trainer rank 0 watches every other rank of the launch (one reader of all heartbeats); the others watch
+        it only (:func:`serve`), so the store answers a few calls per rank and second whatever the launch's size."""
+        self.bridge.watch(range(self.bridge.roles.world))
+
     def _post(self, message: dict) -> None:
         self.bridge.put(f"msg/{self._msg}", message)
         self._msg += 1
+
+    def _hand_out(self, values: list, what: str):
+        """Trainer rank 0 gives trainer ``t`` ``values[t]`` (its own part, through the store); every trainer
+        returns its value. The others wait for the key (checking trainer rank 0 lives), not in a collective."""
+        call = self._calls
+        self._calls += 1
+        if self.trainers == 1:
+            return values[0]
+        if self.bridge.is_leader:
+            for t in range(1, self.trainers):
+                self.bridge.put(f"home/{call}/{t}", values[t])
+            return values[0]
+        return self.bridge.take(f"home/{call}/{self.rank}", 0, f"{what} (from trainer rank 0)")
 
     def check_prompt_length(self, longest: int, max_tokens: int) -> None:
         if longest + max_tokens > self.max_model_len:
@@ -174,41 +246,73 @@ class RemoteEngines:
         if self._send_error:
             raise RolloutRankError(f"sending weights to the rollout ranks failed: {self._send_error[0]}")
 
+    def _take_buffer(self) -> torch.Tensor | None:
+        while True:  # a free buffer, or the sender's failure (it stopped returning them)
+            try:
+                return self._free.get(timeout=1.0)
+            except queue.Empty:
+                if self._send_error or (self._sender is not None and not self._sender.is_alive()):
+                    self._join_sender()
+                    raise RolloutRankError("sending weights to the rollout ranks stopped") from None
+
     @torch.no_grad()
     def load_weights(self, model: nn.Module, version: int = 0) -> dict:
         """Send the policy's weights (policy ``version``) to every rollout rank: every trainer takes part (ZeRO-3
-        and FSDP gather collectively); trainer rank 0 copies each bucket to a host buffer and a thread sends them
-        over the weights group while the trainers go on. Returns the bytes, buckets and seconds of the copy."""
+        and FSDP gather collectively); trainer rank 0 casts each bucket to the engine's dtype, packs it into one of
+        :attr:`SEND_QUEUE` reused host buffers (pinned where a GPU is) and a thread sends it over the weights group
+        while the next bucket is gathered and packed; the last buckets leave while the trainers go on. Returns the
+        bytes, buckets and seconds of the gather and copy."""
         start = time.perf_counter()
         leader = self.bridge.is_leader
+        stats = {"bytes": 0, "buckets": 0, "peak_bucket_bytes": 0}
         if leader:
-            self.bridge.watch(self.bridge.roles.rollout_globals())
+            self._watch()
             self._join_sender()  # the previous version has left: its buffers are free
-        packed = []
-        for bucket in iter_weight_buckets(model, self.bucket_bytes, keep_alias=engine_has(self.engine_names)):
-            if leader:
-                packed.append(pack_bucket(bucket))
-        stats = {"bytes": sum(b.numel() for b, _ in packed), "buckets": len(packed),
-                 "peak_bucket_bytes": max((b.numel() for b, _ in packed), default=0)}
-        if leader:
-            self._post({"kind": "weights", "version": version, "layouts": [lay for _, lay in packed],
-                        "sizes": [b.numel() for b, _ in packed]})
-            group = self.bridge.weights_group
-            self.last_transfer = transfer = {"version": version, "bytes": stats["bytes"], "seconds": None}
-
-            def send() -> None:
-                t0 = time.perf_counter()
-                try:
-                    for buf, _ in packed:
-                        _broadcast(group, buf)
-                except BaseException as err:  # noqa: BLE001 - raised on the trainer's thread at the next call
-                    self._send_error.append(err)
-                transfer["seconds"] = time.perf_counter() - t0
-
-            self._sender = threading.Thread(target=send, name="trl_nrollout-weights", daemon=True)
+            self._post({"kind": "weights", "version": version})
+            self._send_queue = queue.Queue()
+            transfer = {"version": version, "bytes": 0, "seconds": None}
+            self.last_transfer = transfer
+            self._sender = threading.Thread(target=self._send, args=(self._send_queue, transfer),
+                                            name="trl_nrollout-weights", daemon=True)
             self._sender.start()
+        try:
+            for bucket in iter_weight_buckets(model, self.bucket_bytes, keep_alias=engine_has(self.engine_names)):
+                if not leader:
+                    continue
+                buf, layout = pack_bucket(bucket, self.engine_dtype, out=self._take_buffer(),
+                                          pin=torch.cuda.is_available())
+                stats["bytes"] += buf.numel()
+                stats["buckets"] += 1
+                stats["peak_bucket_bytes"] = max(stats["peak_bucket_bytes"], buf.numel())
+                self._send_queue.put((buf, layout))
+        finally:
+            if leader:
+                self._send_queue.put(None)  # the end of this version (the sender sends a size of 0)
+        if leader:
+            self.last_transfer["bytes"] = stats["bytes"]
         self.version = version
         return {**stats, "seconds": time.perf_counter() - start}
+
+    def _send(self, work: queue.Queue, transfer: dict) -> None:
+        """The sender thread of trainer rank 0: each packed bucket as a header, its layout and its data, then a
+        header of zeros; each buffer goes back to the pool once sent."""
+        group, t0 = self.bridge.weights_group, time.perf_counter()
+        try:
+            while True:
+                item = work.get()
+                if item is None:
+                    _broadcast(group, torch.zeros(2, dtype=torch.int64))
+                    break
+                buf, layout = item
+                head, meta = frame_bucket(buf, layout)
+                _broadcast(group, head)
+                _broadcast(group, meta)
+                _broadcast(group, buf)
+                self._free.put(buf if buf._base is None else buf._base)
+        except BaseException as err:  # noqa: BLE001 - raised on the trainer's thread at the next call
+            self._send_error.append(err)
+            self._free.put(None)  # the packer may wait for a buffer: it sees the error instead
+        transfer["seconds"] = time.perf_counter() - t0
 
     def wait_sent(self) -> float | None:
         """Wait until the last weights have left (trainer rank 0); their transfer's seconds."""
@@ -218,10 +322,10 @@ class RemoteEngines:
         return None
 
     # ------------------------------------------------------------------ generation
-    def _write_job(self, prompts: list[list[int]], n: int, sampling: SamplingOptions) -> int:
+    def _write_job(self, groups: list[list[int]], n: int, sampling: SamplingOptions) -> int:
         job = self._jobs
         self._jobs += 1
-        self._post({"kind": "job", "id": job, "prompts": prompts, "n": n, "sampling": sampling})
+        self._post({"kind": "job", "id": job, "prompts": groups, "n": n, "sampling": sampling})
         return job
 
     def _read_job(self, job: int) -> list[JobResult]:
@@ -238,51 +342,54 @@ class RemoteEngines:
         step's own job, which an earlier step may have written ahead (else: an evaluation, DAPO's extra round or
         ReMax's greedy pass, generated now, after the jobs already written). Seeds follow the job order (every
         trainer's samples, rank order), as in a colocated run. A collective of the trainers."""
-        every = _trainer_gather(([list(p) for p in sample_prompts], [([list(p) for p in a], s) for a, s in ahead]))
-        job_prompts = [p for mine, _ in every for p in mine]
+        mine = _groups_of(sample_prompts, n)
+        every = _trainer_gather((mine, [(_groups_of(a, n), s) for a, s in ahead]))
+        job_groups = [g for groups, _ in every for g in groups]
         depth = min(len(a) for _, a in every)
-        future = [([p for _, a in every for p in a[k][0]], every[0][1][k][1]) for k in range(depth)]
-        payload = None
+        future = [([g for _, a in every for g in a[k][0]], every[0][1][k][1]) for k in range(depth)]
+        parts = [None] * self.trainers
         if self.bridge.is_leader:
-            self.bridge.watch(self.bridge.roles.rollout_globals())
+            self._watch()
             stale_s = 0.0
             results = None
             while step_job and self._pending:  # written ahead: the one this step trains on, unless the data changed
-                job, prompts, n_ahead, sampling_ahead = self._pending.popleft()
+                job, groups, n_ahead, sampling_ahead = self._pending.popleft()
                 t0 = time.perf_counter()
                 out = self._read_job(job)
                 stale_s += time.perf_counter() - t0
-                if prompts == job_prompts and n_ahead == n and sampling_ahead == sampling:
+                if groups == job_groups and n_ahead == n and sampling_ahead == sampling:
                     results = out
                     break
             wait_start = time.perf_counter()
             if results is None:  # nothing written ahead (the first step, after a resume, evaluation)
-                job = self._write_job(job_prompts, n, sampling)
+                job = self._write_job(job_groups, n, sampling)
                 self._queue_ahead(future, n)
                 results = self._read_job(job)
             else:
                 self._queue_ahead(future, n)
-            wait_s = time.perf_counter() - wait_start + stale_s
-            payload = ([x for res in results for x in zip(res.completion_ids, res.logprobs, res.finish_reasons)],
-                       {"wait_s": wait_s, "gen_s": max(r.gen_s for r in results),
-                        "version": min(r.version for r in results)})
-        samples, info = _trainer_broadcast(payload)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        first = sum(len(mine) for mine, _ in every[:rank])
-        mine = samples[first:first + len(sample_prompts)]
-        groups = [(first + i) // n for i in range(len(mine))]
-        batch = RolloutBatch([list(p) for p in sample_prompts], [c for c, _, _ in mine], [lp for _, lp, _ in mine],
-                             [f for _, _, f in mine], groups, timings={"generate_s": info["gen_s"]})
+            info = {"wait_s": time.perf_counter() - wait_start + stale_s, "gen_s": max(r.gen_s for r in results),
+                    "version": min(r.version for r in results)}
+            rows = [x for res in results for x in res.rows()]
+            first = 0
+            for t, (groups, _) in enumerate(every):  # each trainer its own samples only
+                count = len(groups) * n
+                parts[t] = (rows[first:first + count], info)
+                first += count
+        rows, info = self._hand_out(parts, "the samples of this step")
+        groups_before = sum(len(groups) for groups, _ in every[:self.rank])
+        index = [groups_before + i // n for i in range(len(rows))]
+        batch = RolloutBatch([list(p) for p in sample_prompts], [c for c, _, _ in rows], [lp for _, lp, _ in rows],
+                             [f for _, _, f in rows], index, timings={"generate_s": info["gen_s"]})
         self.last_job = info
         return batch
 
     def _queue_ahead(self, future: list, n: int) -> None:
         """Write the next steps' jobs that are not written yet (trainer rank 0)."""
-        for k, (prompts, sampling) in enumerate(future):
+        for k, (groups, sampling) in enumerate(future):
             if k < len(self._pending):
                 continue
-            job = self._write_job(prompts, n, sampling)
-            self._pending.append((job, prompts, n, sampling))
+            job = self._write_job(groups, n, sampling)
+            self._pending.append((job, groups, n, sampling))
 
     # ------------------------------------------------------------------ the end
     def end(self) -> None:
@@ -319,7 +426,12 @@ class RemoteEngines:
                 state = self.bridge.peer_state(roles.global_rank("rollout", r))
                 if self.bridge.store.check([f"bye/{r}"]) or (state is not None and state[1] == "done"):
                     left.discard(r)
-            time.sleep(0.01)
+            time.sleep(0.05)
+
+
+def _groups_of(sample_prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each group's prompt once (``sample_prompts`` holds each prompt ``n`` times in a row)."""
+    return [list(sample_prompts[i]) for i in range(0, len(sample_prompts), n)]
 
 
 # ---------------------------------------------------------------------- the rollout ranks' side
@@ -345,18 +457,14 @@ class MessageReader:
             while True:
                 message = bridge.take(f"msg/{i}", 0, f"the trainers' message {i}", delete=False, track=False)
                 if bridge.store.add(f"read/{i}", 1) == readers:  # the last rollout rank to read it removes it
-                    bridge.store.delete_key(f"msg/{i}")
+                    bridge.drop(f"msg/{i}")
                     bridge.store.delete_key(f"read/{i}")
                 i += 1
                 if message["kind"] == "weights":
                     self._slot.acquire()
                     t0 = time.perf_counter()
-                    staged = []
-                    for size, layout in zip(message["sizes"], message["layouts"]):
-                        buf = torch.empty(size, dtype=torch.uint8)
-                        _broadcast(bridge.weights_group, buf)
-                        staged.append((buf, layout))
-                    message = {**message, "staged": staged, "receive_s": time.perf_counter() - t0}
+                    message = {**message, "staged": receive_buckets(bridge.weights_group),
+                               "receive_s": time.perf_counter() - t0}
                 self._queue.put((i, message))
                 if message["kind"] in ("end", "stop"):
                     return
@@ -375,6 +483,23 @@ class MessageReader:
         self._slot.release()
 
 
+def receive_buckets(group) -> list[tuple[torch.Tensor, list]]:
+    """A rollout rank's side of one weight version (see :meth:`RemoteEngines._send`): the buckets' buffers and
+    layouts, until a header of zeros."""
+    staged = []
+    while True:
+        head = torch.empty(2, dtype=torch.int64)
+        _broadcast(group, head)
+        meta_size, size = head.tolist()
+        if size == 0 and meta_size == 0:
+            return staged
+        meta = torch.empty(meta_size, dtype=torch.uint8)
+        _broadcast(group, meta)
+        buf = torch.empty(size, dtype=torch.uint8)
+        _broadcast(group, buf)
+        staged.append((buf, pickle.loads(meta.numpy().tobytes())))
+
+
 def serve(bridge: Bridge, build_engine, state: dict) -> dict:
     """The rollout rank's loop: act on the trainers' messages in order (:class:`MessageReader` reads them), until
     ``end`` (returns) or ``stop`` (closes the engine). ``build_engine(settings)`` builds this rank's engine from the
@@ -384,7 +509,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
     r = roles.role_rank(bridge.rank)
     stats = {"jobs": 0, "samples": 0, "gen_s": 0.0, "weights_s": 0.0, "receive_s": 0.0, "weights_bytes": 0,
              "idle_s": 0.0}
-    bridge.watch(range(roles.world))
+    bridge.watch([0])  # trainer rank 0 watches everyone else; a rollout rank watches it only
     reader = MessageReader(bridge, state.setdefault("msg", 0))
     while True:
         t0 = time.perf_counter()
@@ -396,7 +521,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             bridge.status = "starting its engine"
             try:
                 engine = state["engine"] = build_engine(message)
-                answer = {"names": sorted(engine.parameter_names())}
+                answer = {"names": sorted(engine.parameter_names()), "dtype": str(engine.dtype)}
             except Exception as err:  # noqa: BLE001 - the trainers raise it, naming this rank
                 bridge.put(f"ready/{r}", {"kind": "error", "message": f"{type(err).__name__}: {err}"})
                 raise
@@ -409,25 +534,25 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             state["version"] = message["version"]
             stats["weights_s"] += time.perf_counter() - t0
             stats["receive_s"] += message["receive_s"]
-            stats["weights_bytes"] += sum(message["sizes"])
+            stats["weights_bytes"] += sum(buf.numel() for buf, _ in message["staged"])
         elif kind == "job":
             bridge.status = f"generating job {message['id']}"
             engine = state["engine"]
-            prompts, n = message["prompts"], message["n"]
-            start, stop = job_slice(len(prompts), n, roles.rollout_ranks, engine.layout.rollout_tp_size, r)
+            groups, n = message["prompts"], message["n"]
+            start, stop = job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, r)
             t0 = time.perf_counter()
             try:
                 if stop > start or engine.layout.rollout_tp_size > 1:
-                    batch = engine.generate_expanded(prompts[start:stop], n, message["sampling"], sample_offset=start)
-                    engine.sleep()
+                    prompts = [groups[i // n] for i in range(start, stop)]
+                    batch = engine.generate_expanded(prompts, n, message["sampling"], sample_offset=start)
                 else:
                     batch = RolloutBatch([], [], [], [], [])
             except Exception as err:  # noqa: BLE001 - the trainers raise it, naming this rank
                 bridge.put(f"out/{message['id']}/{r}", {"kind": "error", "message": f"{type(err).__name__}: {err}"})
                 raise
             gen_s = time.perf_counter() - t0
-            bridge.put(f"out/{message['id']}/{r}", JobResult(batch.completion_ids, batch.logprobs,
-                                                             batch.finish_reasons, gen_s, state.get("version", 0)))
+            bridge.put(f"out/{message['id']}/{r}", JobResult.of(batch.completion_ids, batch.logprobs,
+                                                                batch.finish_reasons, gen_s, state.get("version", 0)))
             stats["jobs"] += 1
             stats["samples"] += stop - start
             stats["gen_s"] += gen_s

@@ -52,9 +52,13 @@ class RolloutRanks:
             model=self._model_path(), dtype=args.rollout_dtype, max_model_len=max_len, expected_len=expected,
             max_num_seqs=args.rollout_max_num_seqs, kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
-            enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
+            enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=False,
             seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
             trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples)
+        if args.vllm_enable_sleep_mode:
+            logger.warning("vllm_enable_sleep_mode=True has no use with rollout_ranks=%d: the engines' devices hold "
+                           "nothing else, so they stay awake (and keep their KV cache) between jobs.",
+                           args.rollout_ranks)
         engines = RemoteEngines(bridge, settings, max_model_len=max_len, bucket_bytes=args.weight_sync_bucket_mb << 20)
         engines.load_weights(self.model, version=0)
         atexit.register(engines.close)  # the rollout ranks close their engines; trainer rank 0 waits for them
