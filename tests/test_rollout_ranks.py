@@ -28,8 +28,17 @@ from hypothesis import strategies as st
 from tests.conftest import ACCELERATE_LAUNCH, ENV, RECIPE, ROOT, launch_two_nodes
 from trl_nrollout.cli import main as cli_main
 from trl_nrollout.errors import InputError
-from trl_nrollout.rollout.ranks import ROLLOUT, TRAIN, Roles, roles_refusal
-from trl_nrollout.rollout.remote import job_slice, pack_bucket, unpack_bucket
+from trl_nrollout.rollout.ranks import (
+    ROLLOUT,
+    TRAIN,
+    Bridge,
+    Roles,
+    decode_value,
+    encode_value,
+    roles_refusal,
+)
+from trl_nrollout.rollout.remote import JobResult, job_slice, pack_bucket, unpack_bucket
+from trl_nrollout.rollout.vllm_group import barrier_scope
 
 
 # ---------------------------------------------------------------------------------------------- the arithmetic
@@ -116,6 +125,108 @@ def test_a_bucket_travels_as_bytes_and_comes_back_equal(spec, seed):
     assert [n for n, _ in back] == [n for n, _ in bucket]
     for (_, a), (_, b) in zip(bucket, back):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+                          st.lists(st.integers(1, 5), min_size=0, max_size=3)), min_size=1, max_size=5),
+       st.sampled_from([torch.bfloat16, torch.float16]), st.booleans())
+def test_a_bucket_is_cast_to_the_engines_dtype_before_it_travels(spec, dtype, reuse):
+    """Floating tensors travel in the engine's dtype (FSDP2 / fp32 masters hand out float32: half the bytes), equal
+    to the trainer's cast; integer tensors unchanged; a reused buffer large enough is packed in place."""
+    bucket = [(f"w.{i}", (torch.randn(shape) * 10).to(dt)) for i, (dt, shape) in enumerate(spec)]
+    pool = torch.empty(1 << 12, dtype=torch.uint8) if reuse else None
+    buf, layout = pack_bucket(bucket, dtype, out=pool)
+    if reuse:
+        assert buf.data_ptr() == pool.data_ptr()
+    for (_, a), (_, b) in zip(bucket, unpack_bucket(buf.clone(), layout)):
+        expected = a.to(dtype) if a.is_floating_point() else a
+        assert b.dtype == expected.dtype and torch.equal(b, expected)
+    assert buf.numel() <= sum(-(-a.numel() * (2 if a.is_floating_point() else 8) // 16) * 16 for _, a in bucket)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.integers(2, 64))
+def test_a_value_larger_than_a_part_is_split_and_joined_back(data, chunk):
+    """Every value written to the store is at most ``chunk`` bytes; the parts join back to the data."""
+    values = encode_value(data, chunk)
+    assert all(len(v) <= max(chunk, 9) for v in values)
+    assert decode_value(values[0], values[1:]) == data
+    if len(data) + 1 > chunk:
+        assert len(values) == 1 + -(-len(data) // chunk)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=6), max_size=6))
+def test_a_job_result_travels_as_flat_arrays_and_comes_back_equal(rows):
+    """A rollout rank's samples (token ids, log-probs, finish reasons) as flat arrays give back every sample."""
+    lps = [[-float(t % 97) / 7 for t in r] for r in rows]
+    reasons = ["stop" if len(r) % 2 else "length" for r in rows]
+    back = JobResult.of(rows, lps, reasons, 1.5, 3).rows()
+    assert [c for c, _, _ in back] == rows and [f for _, _, f in back] == reasons
+    for (_, lp, _), want in zip(back, lps):
+        assert lp == pytest.approx(want, abs=1e-6)
+
+
+def test_a_result_over_the_stores_limit_crosses_a_real_store(monkeypatch):
+    """torch's libuv store (the launcher's) drops a connection that sets a value over 8 MiB; a job's samples at a
+    user's size (64 prompts x 8 x 4k tokens) are more: the bridge writes them in parts. Mutation: parts of 16 MiB
+    -> the store resets the connection and the test fails."""
+    from datetime import timedelta
+
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, timeout=timedelta(seconds=20))
+    client = torch.distributed.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True,
+                                        timeout=timedelta(seconds=20))
+    roles = Roles(world=2, rollout_ranks=1, local_world=2)
+    writer = Bridge(roles, 1, torch.distributed.PrefixStore("b/", client), None, 30.0)
+    reader = Bridge(roles, 0, torch.distributed.PrefixStore("b/", server), None, 30.0)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, 150_000, (64 * 8, 4096), generator=gen).tolist()
+        result = JobResult.of(tokens, [[-0.5] * 4096] * len(tokens), ["length"] * len(tokens), 9.0, 2)
+        assert result.tokens.nbytes + result.logprobs.nbytes > 8 << 20
+        writer.put("out/0/0", result)
+        back = reader.take("out/0/0", 1, "the job")
+        assert back.rows()[-1][0] == tokens[-1] and back.version == 2
+        assert not server.check(["b/out/0/0"]) and not server.check(["b/out/0/0#1"])  # read once, removed
+    finally:
+        writer.finish()
+        reader.finish()
+
+
+def test_a_tp_engine_on_rollout_ranks_waits_for_its_own_ranks_only():
+    """Colocated TP engines on GPUs meet on the whole default group before generating (training collectives may be
+    in flight); on rollout ranks only the engine's own ranks meet (a barrier over every rollout rank made the
+    engines start every job in lockstep); none on CPU, TP 1 or one process. (The barrier runs on GPUs only: this is
+    the rule the engine applies.)"""
+    assert barrier_scope(2, cpu=False, distributed=True, rollout_rank=False) == "world"
+    assert barrier_scope(2, cpu=False, distributed=True, rollout_rank=True) == "tp"
+    assert barrier_scope(1, cpu=False, distributed=True, rollout_rank=True) is None
+    assert barrier_scope(2, cpu=True, distributed=True, rollout_rank=False) is None
+    assert barrier_scope(2, cpu=False, distributed=False, rollout_rank=False) is None
+
+
+def _exchange_worker(rank: int, world: int, path: str) -> None:
+    from trl_nrollout.rollout.vllm_group import exchange_objects
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    # rank r sends rank d a list of r * 1000 + d numbers (nothing to itself when r == d == 1)
+    out = [None if (rank == 1 and d == 1) else list(range(rank * 1000 + d)) for d in range(world)]
+    got = exchange_objects(out)
+    for src, value in enumerate(got):
+        if src == 1 and rank == 1:
+            assert value is None
+        else:
+            assert value == list(range(src * 1000 + rank)), (rank, src)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_samples_go_home_in_one_exchange_each_rank_its_own(tmp_path):
+    """Balanced dispatch sends each rank only its groups, uneven sizes, in one all-to-all (3 gloo processes):
+    every rank receives exactly what each sender meant for it. Mutation: swap the two split lists -> wrong sizes,
+    the test fails."""
+    torch.multiprocessing.spawn(_exchange_worker, args=(3, str(tmp_path / "rdv")), nprocs=3, join=True)
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -291,6 +402,22 @@ def test_a_dead_or_frozen_rank_stops_the_launch(mode, silent, tmp_path):
     assert elapsed < 240, elapsed
     if silent:
         assert "has not been heard from" in output and silent in output, output[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_a_job_longer_than_the_collectives_timeout_does_not_stop_the_trainers(tmp_path):
+    """The rollout rank is frozen for 15 s in the middle of training (a job that takes that long) while the process
+    groups' timeout is ddp_timeout=6: trainer rank 1 waits for its samples on a store key (checking trainer rank 0's
+    heartbeat), not inside a collective, so the run ends normally. Mutation: hand the samples out with a broadcast
+    of the trainers' group (as before) -> trainer rank 1's collective times out after 6 s and the launch fails."""
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
+                           str(ROOT / "tests/assets/rollout_ranks_fault.py"), str(tmp_path), "slow_job"],
+                          cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=400)
+    assert (tmp_path / "frozen.pid").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert (tmp_path / "done").read_text() == "5"
 
 
 @pytest.mark.slow

@@ -156,22 +156,22 @@ class Bridge:
         self.store.delete_key(key)
 
     def wait_for(self, key: str, sender: int, what: str) -> None:
-        """Wait until ``key`` exists, checking once per :data:`POLL_S` that ``sender`` lives (the store's own
-        ``wait``, not a busy poll: one call per second per waiter, whatever the launch's size)."""
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=POLL_S))
-                return
-            except Exception as err:  # noqa: BLE001 - torch raises DistStoreError (a RuntimeError) on the timeout
-                if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
-                    raise
-            state = self.peer_state(sender)
-            if state is not None and state[0] > self.timeout_s and state[1] != "done":
-                raise RolloutRankError(
-                    f"{self.describe(sender)} has not been heard from for {state[0]:.0f} s while this rank waited "
-                    f"for {what} (rollout_rank_timeout_s={self.timeout_s:g}); it was last {state[1]}.")
-            if state is not None and state[1] == "done" and not self.store.check([key]):
-                raise RolloutRankError(f"{self.describe(sender)} finished while this rank waited for {what}.")
+        """Wait until ``key`` exists: checks it at intervals growing from 1 ms to :data:`POLL_MAX_S` (a quick answer
+        stays quick, a long wait costs a few store calls a second), and once per :data:`LIVENESS_S` that ``sender``
+        lives. (The store's own ``wait`` with a timeout logs a C++ warning at every timeout.)"""
+        delay, checked = 0.001, time.monotonic()
+        while not self.store.check([key]):
+            if time.monotonic() - checked >= LIVENESS_S:
+                checked = time.monotonic()
+                state = self.peer_state(sender)
+                if state is not None and state[0] > self.timeout_s and state[1] != "done":
+                    raise RolloutRankError(
+                        f"{self.describe(sender)} has not been heard from for {state[0]:.0f} s while this rank waited "
+                        f"for {what} (rollout_rank_timeout_s={self.timeout_s:g}); it was last {state[1]}.")
+                if state is not None and state[1] == "done" and not self.store.check([key]):
+                    raise RolloutRankError(f"{self.describe(sender)} finished while this rank waited for {what}.")
+            time.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
 
     def take(self, key: str, sender: int, what: str, delete: bool = True, track: bool = True):
         """The value at ``key``, written by ``sender``; waits for it, checking that the sender lives (a
@@ -193,8 +193,9 @@ class Bridge:
 
 #: The largest part of a value written to the store (the libuv store server refuses values over 8 MiB).
 CHUNK_BYTES = 4 << 20
-#: Seconds between liveness checks while waiting for a key.
-POLL_S = 1.0
+#: Longest pause between two checks of a key waited for, and between two checks that its writer lives.
+POLL_MAX_S = 0.05
+LIVENESS_S = 1.0
 
 
 def encode_value(data: bytes, chunk: int | None = None) -> list[bytes]:
@@ -276,8 +277,10 @@ def split_world(rollout_ranks: int, rollout_tp_size: int = 1, timeout_s: float =
     group = None
     if rank == 0 or role == ROLLOUT:  # trainer rank 0 is the weights group's rank 0
         members = 1 + rollout_ranks
+        # a transfer waits for the other world (a rollout rank busy receiving, a trainer gathering ZeRO-3 shards):
+        # the heartbeats stop a dead or frozen peer, so the group itself may wait long (and a transfer may be long)
         group = torch.distributed.ProcessGroupGloo(
             torch.distributed.PrefixStore("trl_nrollout/weights/", store),
-            0 if rank == 0 else 1 + roles.role_rank(rank), members, timeout)
+            0 if rank == 0 else 1 + roles.role_rank(rank), members, max(timeout, timedelta(hours=2)))
     _BRIDGE = Bridge(roles, rank, bridge_store, group, timeout_s)
     return _BRIDGE

@@ -439,14 +439,16 @@ class MessageReader:
     """A rollout rank's reader of the trainers' messages, on a thread of its own: it reads them in order as soon as
     they are written and receives each weight version into host buffers at once (a staging copy), while the
     engine still generates the job before it; the loop then loads the staged version at the job boundary (a
-    memory copy instead of a transfer). At most one version is staged and not yet loaded. Errors (a silent trainer,
+    memory copy instead of a transfer). At most ``max_staleness`` versions are staged and not yet loaded (the
+    weights of step ``k`` follow the job of step ``k + max_staleness`` in the trainers' messages, so a new version
+    never waits for a job to end, and trainer rank 0 never holds more than a few buckets). Errors (a silent trainer,
     a failed transfer) reach the loop, which raises them."""
 
-    def __init__(self, bridge: Bridge, first: int) -> None:
+    def __init__(self, bridge: Bridge, first: int, slots: int = 1) -> None:
         self.bridge = bridge
         self.next_index = first
         self._queue: queue.Queue = queue.Queue()
-        self._slot = threading.Semaphore(1)
+        self._slot = threading.Semaphore(slots)
         self._thread = threading.Thread(target=self._run, name="trl_nrollout-messages", daemon=True)
         self._thread.start()
 
@@ -460,6 +462,8 @@ class MessageReader:
                     bridge.drop(f"msg/{i}")
                     bridge.store.delete_key(f"read/{i}")
                 i += 1
+                if message["kind"] == "start":  # versions staged at most: one per job written ahead
+                    self._slot = threading.Semaphore(_staged_versions(message))
                 if message["kind"] == "weights":
                     self._slot.acquire()
                     t0 = time.perf_counter()
@@ -481,6 +485,10 @@ class MessageReader:
     def loaded(self) -> None:
         """The staged version is in the engine: the next one may be received."""
         self._slot.release()
+
+
+def _staged_versions(start: dict) -> int:
+    return max(1, int(start.get("max_staleness") or 1))
 
 
 def receive_buckets(group) -> list[tuple[torch.Tensor, list]]:
@@ -510,7 +518,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
     stats = {"jobs": 0, "samples": 0, "gen_s": 0.0, "weights_s": 0.0, "receive_s": 0.0, "weights_bytes": 0,
              "idle_s": 0.0}
     bridge.watch([0])  # trainer rank 0 watches everyone else; a rollout rank watches it only
-    reader = MessageReader(bridge, state.setdefault("msg", 0))
+    reader = MessageReader(bridge, state.setdefault("msg", 0), state.get("slots", 1))
     while True:
         t0 = time.perf_counter()
         bridge.status = "idle"
@@ -518,6 +526,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
         stats["idle_s"] += time.perf_counter() - t0
         kind = message["kind"]
         if kind == "start":
+            state["slots"] = _staged_versions(message)
             bridge.status = "starting its engine"
             try:
                 engine = state["engine"] = build_engine(message)

@@ -54,7 +54,8 @@ class RolloutRanks:
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=False,
             seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
-            trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples)
+            trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples,
+            max_staleness=args.max_staleness)
         if args.vllm_enable_sleep_mode:
             logger.warning("vllm_enable_sleep_mode=True has no use with rollout_ranks=%d: the engines' devices hold "
                            "nothing else, so they stay awake (and keep their KV cache) between jobs.",
