@@ -361,6 +361,24 @@ def test_suggest_ranks_split_launches_beside_colocated_ones():
     assert any(c.reason and "on a rollout rank" in c.reason for c in tight)
 
 
+def test_suggest_gives_rollout_ranks_a_dedicated_devices_memory():
+    """A rollout rank's engine has its device to itself: ``suggest`` checks it against 0.9 of the device (what the
+    trainer gives it by default), not the colocated engines' fraction; a split whose engine needs between half and
+    0.9 of the device fits by default and is refused at 0.5."""
+    from trl_nrollout.plan.roles import ROLLOUT_RANK_GPU_MEMORY_UTILIZATION
+
+    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True)
+    kw = dict(n_values=[12], max_num_seqs_values=[64, 256, 1024], rollout_ranks=True)
+    dev = replace(PROFILES["l40s"], memory_gib=24)
+    default = {str(c.options): c.reason for c in suggest(QWEN7, 6, 60, work, dev, **kw)}
+    half = {str(c.options): c.reason for c in suggest(QWEN7, 6, 60, work, dev, rollout_gpu_memory_utilization=0.5,
+                                                       **kw)}
+    engine_refused = {k for k, why in half.items() if why and "on a rollout rank" in why}
+    assert ROLLOUT_RANK_GPU_MEMORY_UTILIZATION == 0.9
+    assert any(default[k] is None for k in engine_refused)
+    assert all(half[k] is not None for k, why in default.items() if why and "on a rollout rank" in why)
+
+
 def test_plan_suggest_answers_the_articles_question_without_torch():
     """`plan --suggest` on the article's recipe: a ranked list, in under a second, torch never imported."""
     code = ("import sys, time; t = time.perf_counter(); from trl_nrollout.cli import main; "

@@ -229,6 +229,22 @@ def test_samples_go_home_in_one_exchange_each_rank_its_own(tmp_path):
     torch.multiprocessing.spawn(_exchange_worker, args=(3, str(tmp_path / "rdv")), nprocs=3, join=True)
 
 
+def test_the_engines_memory_default_follows_where_they_live(tmp_path):
+    """Colocated engines keep TRL's 0.3 of the device (not reported as a setting the HF engine would leave unused);
+    a value the user sets is theirs (reported); rollout ranks default to 0.9 (the config resolves it before the
+    split: :data:`ROLLOUT_RANK_GPU_MEMORY_UTILIZATION`, which ``plan`` uses too)."""
+    from trl_nrollout import NRolloutConfig
+
+    args = NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert args.vllm_gpu_memory_utilization == 0.3
+    assert not any(s.startswith("vllm_gpu_memory_utilization") for s in args.vllm_engine_settings())
+    mine = NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", vllm_gpu_memory_utilization=0.5)
+    assert "vllm_gpu_memory_utilization=0.5" in mine.vllm_engine_settings()
+    from trl_nrollout.plan.roles import ROLLOUT_RANK_GPU_MEMORY_UTILIZATION
+
+    assert ROLLOUT_RANK_GPU_MEMORY_UTILIZATION == 0.9
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("options,expected", [
     (dict(rollout_ranks=1, rollout_backend="hf"), "rollout_backend='hf'"),

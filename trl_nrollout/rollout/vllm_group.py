@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -229,6 +230,11 @@ class VLLMEngineGroup:
         _LIVE.add(self)
 
     @property
+    def dtype(self) -> str:
+        """The engine's weights' dtype (vLLM's model config, e.g. ``torch.bfloat16``)."""
+        return str(self.llm.llm_engine.model_config.dtype)
+
+    @property
     def sleeping(self) -> bool:
         return bool(self._asleep)
 
@@ -241,13 +247,20 @@ class VLLMEngineGroup:
         return out
 
     def _barrier_before_generate(self) -> None:
-        """TP > 1 on GPUs: all ranks meet on the default (NCCL) group before the engine's own TP collectives, so
-        that no training collective still in flight (a LoRA gradient all-reduce, a ZeRO gather) interleaves with
-        them (TRL does the same for LoRA + TP > 1, its issue #3671; we do it for every model: one barrier per
-        rollout). On CPU the TP gather below, over gloo, already orders the ranks."""
-        if self._dist and self.layout.rollout_tp_size > 1 and not self.cpu:
-            nccl = torch.distributed.get_backend() == "nccl"  # device_ids is an NCCL-only argument
+        """TP > 1 on GPUs: the ranks meet before the engine's own TP collectives, so that no training collective
+        still in flight (a LoRA gradient all-reduce, a ZeRO gather) interleaves with them (TRL does the same for LoRA
+        + TP > 1, its issue #3671; we do it for every model: one barrier per rollout). Where the barrier is, by
+        :func:`barrier_scope`: the whole default group when the engines share the trainers' devices, the engine's
+        own TP group on rollout ranks (no training collective there: a barrier over every rollout rank would make
+        the engines start each job in lockstep), none on CPU (the TP gather over gloo already orders the ranks)."""
+        scope = barrier_scope(self.layout.rollout_tp_size, self.cpu, self._dist, _on_rollout_rank())
+        if scope is None:
+            return
+        nccl = torch.distributed.get_backend() == "nccl"  # device_ids is an NCCL-only argument
+        if scope == "world":
             torch.distributed.barrier(**({"device_ids": [self.local_rank]} if nccl else {}))
+        else:
+            torch.distributed.barrier(group=self._tp_group)
 
     @contextlib.contextmanager
     def _engine_rng(self, seed: int | None):
@@ -460,24 +473,21 @@ class VLLMEngineGroup:
 
     def _send_home(self, held: dict[int, object], counts: list[int], n: int) -> dict[int, object]:
         """Each engine's results ``held`` (by global group, on its leader) to the ranks that own the group's samples
-        (rank ``r`` owns the ``counts[r]`` samples after those of the ranks before it): one scatter per engine, each
-        rank receiving only its own groups. Returns this rank's groups."""
+        (rank ``r`` owns the ``counts[r]`` samples after those of the ranks before it): one exchange of every rank
+        with every rank (:func:`exchange_objects`), each rank receiving only its own groups, nothing padded.
+        Returns this rank's groups."""
         bounds = [sum(counts[:r]) for r in range(len(counts) + 1)]
 
         def owners(g: int) -> list[int]:
             return [r for r in range(len(counts)) if bounds[r] < (g + 1) * n and g * n < bounds[r + 1]]
 
+        parts: list[dict] = [{} for _ in counts]
+        for g, value in held.items():  # only an engine's leader holds results
+            for r in owners(g):
+                parts[r][g] = value
         received: dict[int, object] = {}
-        for ranks in self.layout.engine_ranks:
-            parts = None
-            if self.rank == ranks[0]:
-                parts = [{} for _ in counts]
-                for g, value in held.items():
-                    for r in owners(g):
-                        parts[r][g] = value
-            out = [None]
-            torch.distributed.scatter_object_list(out, parts, src=ranks[0], group=self._world_group)
-            received.update(out[0])
+        for part in exchange_objects([part or None for part in parts], self._world_group):
+            received.update(part or {})
         return received
 
     def _whole_groups(self, flat: list[list[int]], n: int) -> list[list[int]]:
@@ -787,6 +797,45 @@ def _keep_default_process_group():
         yield
     finally:
         parallel_state.destroy_distributed_environment = original
+
+
+def barrier_scope(tp: int, cpu: bool, distributed: bool, rollout_rank: bool) -> str | None:
+    """Where an engine's ranks meet before a generation (:meth:`VLLMEngineGroup._barrier_before_generate`):
+    ``"world"`` (the default group: colocated TP engines on GPUs), ``"tp"`` (the engine's own ranks: TP engines on
+    rollout ranks, where no training collective runs), or None (TP 1, CPU, one process)."""
+    if not distributed or tp <= 1 or cpu:
+        return None
+    return "tp" if rollout_rank else "world"
+
+
+def _on_rollout_rank() -> bool:
+    from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
+
+    bridge = current_bridge()
+    return bridge is not None and bridge.role == ROLLOUT
+
+
+def exchange_objects(outgoing: list, group=None) -> list:
+    """``outgoing[r]`` (any picklable value; None sends nothing) to rank ``r`` of ``group``, from every rank at once:
+    returns what each rank sent this one (None where it sent nothing). Two ``all_to_all_single`` calls (the sizes,
+    then the bytes, uneven splits), so each byte travels once and only to its rank (a scatter of pickled objects
+    per sender pads every part to the largest and runs once per sender)."""
+    world = torch.distributed.get_world_size(group)
+    blobs = [b"" if obj is None else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) for obj in outgoing]
+    if len(blobs) != world:
+        raise ValueError(f"exchange_objects: {len(blobs)} values for a group of {world} ranks.")
+    send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+    recv_sizes = torch.empty(world, dtype=torch.int64)
+    torch.distributed.all_to_all_single(recv_sizes, send_sizes, group=group)
+    send = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)[:int(send_sizes.sum())]
+    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    torch.distributed.all_to_all_single(recv, send, output_split_sizes=recv_sizes.tolist(),
+                                        input_split_sizes=send_sizes.tolist(), group=group)
+    out, at = [], 0
+    for size in recv_sizes.tolist():
+        out.append(pickle.loads(recv[at:at + size].numpy().tobytes()) if size else None)
+        at += size
+    return out
 
 
 def vllm_prompts(prompts: Sequence[Sequence[int]], images: Sequence[list] | None = None) -> list:
