@@ -1,0 +1,163 @@
+"""Padding-free rows (:mod:`trl_nrollout.passes.padfree`): the layout's arithmetic (properties) and, on the tiny
+built-in model, that a packed row gives each sample the log-probs of its own unpadded forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_nrollout.passes.padfree import (
+    balanced_parts,
+    block_causal_mask,
+    budget_count,
+    budgeted_parts,
+    pack_rows,
+    row_bins,
+    unpad,
+    workload,
+)
+
+lengths_st = st.lists(st.integers(1, 60), min_size=1, max_size=24)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths_st, st.integers(0, 40))
+def test_rows_hold_every_sample_once_within_the_row_length(lengths, extra):
+    row_len = max(lengths) + extra
+    rows = row_bins(lengths, row_len)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= row_len for r in rows)
+    # first fit leaves at most one row half empty or less: rows <= 2 x total / row_len + 1
+    assert len(rows) <= 2 * sum(lengths) / row_len + 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(0.1, 100.0), min_size=1, max_size=30), st.integers(1, 8))
+def test_balanced_parts_cover_the_items_evenly(weights, k):
+    parts = balanced_parts(weights, k)
+    assert len(parts) == k and sorted(i for p in parts for i in p) == list(range(len(weights)))
+    if len(weights) >= k:
+        assert all(parts)
+    loads = [sum(weights[i] for i in p) for p in parts]
+    # longest-processing-time: the heaviest part is at most the mean plus the heaviest item
+    assert max(loads) <= sum(weights) / k + max(weights) + 1e-9
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths_st, st.integers(0, 60), st.integers(0, 3))
+def test_budgeted_parts_are_as_many_as_asked_each_within_the_budget(lengths, extra, more):
+    """Every data-parallel rank runs ``count`` micro batches (the busiest rank's :func:`budget_count`), each at
+    most the budget's real tokens, whatever this rank's own samples need."""
+    budget = max(lengths) + extra
+    count = budget_count(lengths, budget) + more
+    parts = budgeted_parts(lengths, budget, count, hidden_size=64)
+    assert len(parts) == count
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in p) <= budget for p in parts)
+
+
+def test_a_budget_below_the_longest_sample_names_the_option():
+    with pytest.raises(ValueError, match=r"ppo_max_token_len_per_device=10 is below the longest sample \(12 tokens"):
+        budget_count([3, 12], 10)
+    assert workload(100, 64) > workload(50, 64) * 2 - 1  # attention pairs make work grow faster than tokens
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 7)), min_size=1, max_size=8), st.integers(0, 3),
+       st.sampled_from([None, 4, 8]))
+def test_positions_restart_with_every_sequence_and_the_mask_keeps_each_to_itself(shape, extra, multiple):
+    """Each sequence's positions run 0..len-1 (transformers' own reading of packed positions,
+    ``find_packed_sequence_indices``, finds one sequence per sample); the mask lets a token see exactly the earlier
+    tokens of its own sequence; each completion token is read at the position before it. Mutation: one running
+    position per row -> transformers sees one sequence, the test fails."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    gen = torch.Generator().manual_seed(len(shape))
+    prompts = [torch.randint(5, 50, (p,), generator=gen) for p, _ in shape]
+    completions = [torch.randint(5, 50, (c,), generator=gen) for _, c in shape]
+    longest = max(p + c for p, c in shape)
+    packed = pack_rows(prompts, completions, pad_token_id=0, row_len=longest + extra, pad_to_multiple_of=multiple)
+    width = packed.input_ids.shape[1]
+    assert width >= longest and (multiple is None or width % multiple == 0)
+    seq = find_packed_sequence_indices(packed.position_ids)
+    seq = torch.zeros_like(packed.position_ids) if seq is None else seq
+    mask = packed.attention_mask[:, 0]
+    for r, members in enumerate(packed.rows):
+        at = 0
+        for b in members:
+            n = prompts[b].numel() + completions[b].numel()
+            assert packed.position_ids[r, at:at + n].tolist() == list(range(n))
+            assert len(set(seq[r, at:at + n].tolist())) == 1
+            assert seq[r, at].item() not in seq[r, :at].tolist()
+            block = mask[r, at:at + n, at:at + n]
+            assert torch.equal(block, torch.ones(n, n, dtype=torch.bool).tril())
+            assert not mask[r, at:at + n, :at].any() and not mask[r, at:at + n, at + n:].any()
+            tokens = torch.cat([prompts[b], completions[b]])
+            assert torch.equal(packed.input_ids[r, at:at + n], tokens)
+            k = completions[b].numel()
+            flat = packed.input_ids.reshape(-1)
+            assert torch.equal(flat[packed.index[b, :k] + 1], completions[b])  # each position predicts the next
+            assert packed.valid[b].sum().item() == k
+            at += n
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for attn in ("sdpa", "eager"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attn,
+                                                     dtype=torch.float32).eval()
+        out[attn] = model
+    return out
+
+
+def _row_logprobs(model, packed):
+    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                   attention_mask=packed.attention_mask).logits.float()
+    flat_ids = packed.input_ids.reshape(-1)
+    nxt = torch.cat([flat_ids[1:], flat_ids[:1]]).view_as(packed.input_ids)
+    per_pos = torch.log_softmax(logits, -1).gather(-1, nxt[..., None]).squeeze(-1)
+    return packed.gather(per_pos)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@torch.no_grad()
+def test_a_packed_row_gives_each_sample_its_own_forwards_log_probs(tiny, attn):
+    """Long-tailed samples packed padding-free: every completion token's log-prob equals the one of the sample's
+    own unpadded forward (fp32, 1e-5), under SDPA (boolean mask) and eager (additive mask); and a token's log-prob
+    does not move when another sequence in its row changes (no attention across sequences). Mutation: a causal
+    mask without the blocks -> the other sequences leak in (the test fails by about 1)."""
+    model = tiny[attn]
+    gen = torch.Generator().manual_seed(3)
+    shape = [(7, 40), (3, 2), (12, 9), (5, 60), (4, 1), (9, 17)]
+    prompts = [torch.randint(5, 300, (p,), generator=gen) for p, _ in shape]
+    completions = [torch.randint(5, 300, (c,), generator=gen) for _, c in shape]
+    dtype = torch.bool if attn == "sdpa" else torch.float32
+    packed = pack_rows(prompts, completions, pad_token_id=0, mask_dtype=dtype)
+    assert len(packed.rows) < len(shape)  # several samples share a row
+    got = _row_logprobs(model, packed)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        ids = torch.cat([p, c])[None]
+        lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1]
+        want = lp.gather(-1, ids[0, 1:, None]).squeeze(-1)[p.numel() - 1:]
+        assert torch.allclose(got[b, :c.numel()], want, atol=1e-5), (b, (got[b, :c.numel()] - want).abs().max())
+    # change every other sample: the first sample of a shared row must not see it
+    row = next(r for r in packed.rows if len(r) > 1)
+    changed = [c if i == row[0] else torch.randint(5, 300, c.shape, generator=gen) for i, c in enumerate(completions)]
+    again = _row_logprobs(model, pack_rows(prompts, changed, pad_token_id=0, mask_dtype=dtype))
+    assert torch.allclose(again[row[0]], got[row[0]], atol=1e-6)
+
+
+def test_unpad_takes_the_real_tokens_of_trls_layout():
+    prompt_ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    prompt_mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    completion_ids = torch.tensor([[11, 0, 0], [12, 13, 0]])
+    prompts, completions = unpad(prompt_ids, prompt_mask, completion_ids, torch.tensor([1, 2]))
+    assert [p.tolist() for p in prompts] == [[5, 6], [7, 8, 9, 10]]
+    assert [c.tolist() for c in completions] == [[11], [12, 13]]
+    assert block_causal_mask(torch.tensor([[0, 0, 1]]))[0, 0].tolist() == [[True, False, False], [True, True, False],
+                                                                             [False, False, True]]

@@ -1,0 +1,207 @@
+"""Padding-free rows: a micro batch's samples as rows of concatenated real tokens (no padding between them).
+
+The padded layout runs every sample of a micro batch at the width of the longest (TRL's layout: prompts
+left-padded, completions right-padded), so at long-tailed completion lengths most token slots are padding.
+:func:`pack_rows` lays the samples' real tokens (prompt then completion) end to end into rows of at most
+``row_len`` tokens (first-fit decreasing, :func:`row_bins`), each sequence with its own positions (``0 ..
+len - 1``) and attending to itself only::
+
+    row 0: [p0 c0 | p3 c3 | p5 c5 | pad]      positions [0 1 .. | 0 1 .. | 0 1 .. | 0]
+    row 1: [p1 c1 | p2 c2 | p4 c4       ]
+
+Attention stays inside each sequence by a block-diagonal causal mask ``[R, 1, L, L]`` (what SDPA and eager attention
+take: transformers 5.19 with SDPA does NOT separate sequences from ``position_ids`` alone, measured here: logits
+off by about 2), or, for flash-attention's varlen kernels, by the positions alone (``mask=None``: transformers
+reads the sequence starts from where the positions return to 0). Rows are at most as long as the micro batch's
+longest sample by default, so a row's ``L x L`` attention (which SDPA computes in full under a mask) is never more
+than one padded row's.
+
+:func:`balanced_parts` cuts a rank's samples into a given number of micro batches of even work (tokens and attention
+pairs, :func:`workload`); :func:`budget_count` is the number a token budget needs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+#: attention implementations that take a 4D block mask; flash-attention's take packed rows by their positions.
+MASKED_ATTENTION = ("sdpa", "eager")
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn",
+                    "kernels-community/vllm-flash-attn3")
+
+
+@dataclass
+class PackedRows:
+    """A micro batch of ``B`` samples as ``R`` padding-free rows of ``L`` tokens.
+
+    - ``input_ids``, ``position_ids``: ``[R, L]``; positions restart at 0 with every sequence (and on the padding at
+      a row's end, which is a sequence of its own that nothing reads).
+    - ``attention_mask``: ``[R, 1, L, L]`` block-diagonal causal (bool: True where a query may attend, or additive in
+      the given dtype), or None for varlen attention (sequences known from the positions).
+    - ``index``: ``[B, C]`` flat positions into ``[R * L]``: the position whose output predicts sample ``b``'s
+      completion token ``j`` (0 past the sample's completion: :attr:`valid` says which are real).
+    - ``valid``: ``[B, C]`` bool, ``j < completion length of b``.
+    - ``rows``: each row's samples, in the order they sit in it.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor | None
+    index: Tensor
+    valid: Tensor
+    rows: list[list[int]]
+
+    def gather(self, per_position: Tensor) -> Tensor:
+        """``[R, L]`` per-position values (log-probs, entropies) -> ``[B, C]`` per completion token, 0 past the end."""
+        out = per_position.reshape(-1)[self.index]
+        return out.masked_fill(~self.valid, 0)
+
+    @property
+    def token_slots(self) -> int:
+        return self.input_ids.numel()
+
+
+def row_bins(lengths: Sequence[int], row_len: int) -> list[list[int]]:
+    """Sample indices in rows of at most ``row_len`` tokens (first-fit decreasing; ties by index). A sample longer
+    than ``row_len`` is an error (the caller picks ``row_len >= max(lengths)``)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if order and lengths[order[0]] > row_len:
+        raise ValueError(f"a sample of {lengths[order[0]]} tokens does not fit a row of {row_len}.")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for r, left in enumerate(room):
+            if lengths[i] <= left:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(row_len - lengths[i])
+    return rows
+
+
+def block_causal_mask(segments: Tensor, dtype: torch.dtype = torch.bool) -> Tensor:
+    """``[R, 1, L, L]``: query ``t`` may attend key ``s`` when ``s <= t`` and both lie in the same sequence.
+    ``segments``: ``[R, L]`` sequence number of each position (any ids; padding a sequence of its own)."""
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+    allowed = causal & (segments[:, :, None] == segments[:, None, :])
+    if dtype == torch.bool:
+        return allowed[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def pack_rows(prompts: Sequence[Tensor], completions: Sequence[Tensor], pad_token_id: int, *,
+              row_len: int | None = None, mask_dtype: torch.dtype | None = torch.bool,
+              pad_to_multiple_of: int | None = None, completion_width: int | None = None) -> PackedRows:
+    """Pack ``B`` samples (each prompt ``prompts[b]`` ``[P_b]`` then completion ``completions[b]`` ``[C_b]``, real
+    tokens only, on one device) into padding-free rows.
+
+    Args:
+        row_len: tokens per row at most (default: the longest sample, so no row attends over more pairs than a
+            padded row would); rounded up to ``pad_to_multiple_of`` (TRL's option: it rounds the row, not each
+            sample).
+        mask_dtype: ``torch.bool`` (SDPA), an additive mask's dtype (eager), or None (varlen attention: positions
+            only).
+        completion_width: ``C`` of :attr:`PackedRows.index` (default: the longest completion).
+    """
+    if len(prompts) != len(completions) or not prompts:
+        raise ValueError(f"pack_rows needs as many prompts as completions, at least one ({len(prompts)}, "
+                         f"{len(completions)}).")
+    device = prompts[0].device
+    lengths = [int(p.numel()) + int(c.numel()) for p, c in zip(prompts, completions)]
+    if any(p.numel() == 0 for p in prompts):
+        raise ValueError("pack_rows: every sample needs at least one prompt token (the position predicting its "
+                         "first completion token).")
+    width = max(lengths) if row_len is None else max(row_len, max(lengths))
+    if pad_to_multiple_of and pad_to_multiple_of > 1:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    rows = row_bins(lengths, width)
+    c_width = max(int(c.numel()) for c in completions) if completion_width is None else completion_width
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=prompts[0].dtype, device=device)
+    position_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+    segments = torch.full((len(rows), width), -1, dtype=torch.long, device=device)
+    index = torch.zeros(len(prompts), c_width, dtype=torch.long, device=device)
+    valid = torch.zeros(len(prompts), c_width, dtype=torch.bool, device=device)
+    for r, members in enumerate(rows):
+        at = 0
+        for b in members:
+            p, c = prompts[b], completions[b]
+            n = lengths[b]
+            input_ids[r, at:at + p.numel()] = p
+            input_ids[r, at + p.numel():at + n] = c
+            position_ids[r, at:at + n] = torch.arange(n, device=device)
+            segments[r, at:at + n] = b
+            k = min(int(c.numel()), c_width)
+            start = r * width + at + int(p.numel()) - 1  # predicts the completion's first token
+            index[b, :k] = start + torch.arange(k, device=device)
+            valid[b, :k] = True
+            at += n
+        if at < width:  # the row's tail: a sequence of its own, positions from 0
+            position_ids[r, at:] = torch.arange(width - at, device=device)
+    mask = None if mask_dtype is None else block_causal_mask(segments, mask_dtype)
+    return PackedRows(input_ids, position_ids, mask, index, valid, rows)
+
+
+def unpad(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_len: Tensor
+          ) -> tuple[list[Tensor], list[Tensor]]:
+    """TRL's padded layout (``prompt_ids``/``prompt_mask`` ``[B, P]`` left-padded, ``completion_ids`` ``[B, C]``
+    right-padded, ``completion_len`` ``[B]`` each completion's length, tool results inside it included) as each
+    sample's real prompt and completion tokens."""
+    prompts = [ids[mask.bool()] for ids, mask in zip(prompt_ids, prompt_mask)]
+    completions = [ids[:int(n)] for ids, n in zip(completion_ids, completion_len.tolist())]
+    return prompts, completions
+
+
+def workload(length: int, hidden_size: int = 4096) -> float:
+    """A sample's training work, in attention-pair units: its linear layers (``6 x hidden`` per token, the ratio of
+    a decoder layer's matmul FLOPs per token, ~24 h^2, to its attention FLOPs per query-key pair, ~4 h) plus its
+    causal pairs."""
+    return 6.0 * hidden_size * length + length * (length + 1) / 2
+
+
+def balanced_parts(weights: Sequence[float], k: int) -> list[list[int]]:
+    """Indices into ``k`` parts of even total weight: longest processing time first (each item, heaviest first, to
+    the lightest part; ties by part index), every part non-empty when there are at least ``k`` items. Each part's
+    indices are sorted."""
+    if k < 1:
+        raise ValueError(f"balanced_parts: k={k} must be >= 1.")
+    heap = [(0.0, 0, p) for p in range(k)]  # (load, items, part)
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        load, count, p = heapq.heappop(heap)
+        parts[p].append(i)
+        heapq.heappush(heap, (load + weights[i], count + 1, p))
+    return [sorted(p) for p in parts]
+
+
+def budget_count(lengths: Sequence[int], budget: int) -> int:
+    """How many micro batches a rank's samples need so that each holds at most ``budget`` real tokens (first-fit
+    decreasing; at least one). A sample longer than the budget is an error naming the option."""
+    if not lengths:
+        return 1
+    longest = max(lengths)
+    if longest > budget:
+        raise ValueError(f"ppo_max_token_len_per_device={budget} is below the longest sample ({longest} tokens, prompt "
+                         f"+ completion); every sample must fit one micro batch: use at least {longest} (e.g. "
+                         "max_prompt_length + max_completion_length).")
+    return len(row_bins(lengths, budget))
+
+
+def budgeted_parts(lengths: Sequence[int], budget: int, count: int, hidden_size: int = 4096) -> list[list[int]]:
+    """A rank's samples in exactly ``count`` micro batches (the largest :func:`budget_count` over the data-parallel
+    ranks, so that every rank runs as many forwards) of even work (:func:`balanced_parts` on :func:`workload`); where
+    evening the work breaks the budget, the parts of first-fit decreasing, topped up with empty parts."""
+    parts = balanced_parts([workload(n, hidden_size) for n in lengths], count)
+    if all(sum(lengths[i] for i in p) <= budget for p in parts):
+        return parts
+    bins = row_bins(lengths, budget)
+    return [sorted(b) for b in bins] + [[] for _ in range(count - len(bins))]
