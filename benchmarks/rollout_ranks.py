@@ -6,7 +6,8 @@ the built-in digits task on ``builtin:tiny-qwen2``, 40 steps), each process pinn
 
 - ``colocated``: 2 processes, each trains and generates (the reference curve), seeds 0, 1, 2;
 - ``one-step-off``: 3 processes (2 ZeRO-3 trainers + 1 rollout rank, ``max_staleness=1``), seeds 0, 1, 2;
-- ``one-step-off+is``: the same with the rollout correction ``rollout_is="token"`` (each token weighted by the
+- ``one-step-off+is``: the same with the rollout correction ``rollout_is="token"`` (what the trainer now does by
+  default with rollout ranks: ``decoupled_loss``; the plain arm turns it off) (each token weighted by the
   trainer's / the engine's probability, truncated at 2), seeds 0, 1, 2;
 - ``synchronous``: the same 3 processes with ``max_staleness=0`` (the trainers wait for each step's samples), seed 0.
 
@@ -182,7 +183,7 @@ def main() -> int:
     for seed in args.seeds:
         runs.append(launch("colocated", 2, "0,1", seed, args.steps, out / "rollout_ranks_runs", []))
         runs.append(launch("one-step-off", 3, "0,0,1", seed, args.steps, out / "rollout_ranks_runs",
-                           ["--rollout_ranks", "1"]))
+                           ["--rollout_ranks", "1", "--decoupled_loss", "false"]))  # uncorrected (the default corrects)
         runs.append(launch("one-step-off+is", 3, "0,0,1", seed, args.steps, out / "rollout_ranks_runs",
                            ["--rollout_ranks", "1", "--rollout_is", "token"]))
     runs.append(launch("synchronous", 3, "0,0,1", args.seeds[0], args.steps, out / "rollout_ranks_runs",

@@ -13,11 +13,11 @@ command line (``--output_dir runs/x --max_steps 20``). At the end a summary is p
 differ only in the trainer class.
 
 What transformers leaves to scripts, this one does: ``--resume_from_checkpoint PATH`` (or ``true``: the last
-complete checkpoint in ``output_dir``) resumes; ``--push_to_hub true`` pushes the trained model at the end (its
+complete and readable checkpoint in ``output_dir``; a damaged one is skipped with a warning) resumes; ``--push_to_hub true`` pushes the trained model at the end (its
 save, then a push naming the dataset in the model card), as TRL's scripts do; ``do_eval`` / ``do_predict`` are refused (the recipe loads no evaluation set). SIGTERM (a scheduler's
 preemption) finishes the step, saves a checkpoint and ends the run; resume it with ``--resume_from_checkpoint
-true``. A mistake in the options, the recipe or the data is one message on stderr (no traceback) and exit status 2,
-before a model is loaded wherever the check needs no model.
+true``. A mistake in the options, the recipe or the data (a ``reward_funcs`` entry that does not import included) is one
+message on stderr (no traceback) and exit status 2, before a model is loaded wherever the check needs no model.
 """
 
 from __future__ import annotations
@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
     _check_script_fields(training_args)
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     check_output_dir(training_args.output_dir)
+    # every name the recipe imports (reward_funcs 'module:function'), before the data and the model: a reference
+    # that does not resolve is an InputError (the one-line error, exit 2), not a traceback after the model loads
+    reward_funcs = [resolve_reward(r) for r in script_args.reward_funcs]
 
     dataset = load_prompts(script_args.dataset_name, split=script_args.dataset_split,
                            prompt_column=script_args.dataset_prompt_column,
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     stopper = SaveAndStopOnSignal()
     trainer = _trainer_class(kind)(
         model=resolve_model(script_args.model_name_or_path),
-        reward_funcs=[resolve_reward(r) for r in script_args.reward_funcs],
+        reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=dataset,
         callbacks=[history, stopper],
@@ -270,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
                "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator,
                "trainer": kind, "lora_r": script_args.lora_r if peft_config is not None else None,
                "resumed_from": resume, "steps_trained": trainer.state.global_step - history.start_step,
-               "stopped_by": stopper.signal, "unscored_steps": history.unscored_steps},
+               "stopped_by": stopper.signal, "unscored_steps": history.unscored_steps,
+               **trainer.truncated_steps.summary()},
     )
     if trainer.accelerator.is_main_process:
         out = Path(training_args.output_dir)

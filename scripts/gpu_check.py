@@ -228,15 +228,17 @@ def check_training_rates(device: str, size: dict) -> dict:
 
     import torch
 
-    from trl_nrollout.plan.calibrate import measure_flops, measure_mem_bw, measure_training
+    from trl_nrollout.plan.calibrate import bf16_supported, measure_flops, measure_mem_bw, measure_training
     from trl_nrollout.plan.cost import ModelDims
     from trl_nrollout.plan.devices import PROFILES
 
     r = size["rates"]
     model = _model(size["vocab"], r["hidden"], r["layers"]).train()
-    model = model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    dtype = torch.bfloat16 if bf16_supported(device) else torch.float32  # as plan --calibrate measures
+    model = model.to(device=device, dtype=dtype)
     dims = ModelDims.from_config_dict(model.config.to_dict(), dtype=str(model.dtype))
-    flops, mem_bw = measure_flops(device), measure_mem_bw(device)
+    # every clock read after a synchronize of the device (calibrate.synchronize): the optimizer step's kernels too
+    flops, mem_bw = measure_flops(device, dtype=dtype), measure_mem_bw(device)
     rates = measure_training(model, dims, flops, device, rows=r["rows"], long=r["long"], vocab=size["vocab"])
     name = torch.cuda.get_device_name(0).lower() if device == "cuda" else "cpu"
     kind = next((k for k in ("h200", "h100", "l40s") if k in name), None) or (

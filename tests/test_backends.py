@@ -254,3 +254,57 @@ def test_ranks_for_vllm_come_from_accelerate_when_the_launcher_set_none(monkeypa
     assert os.environ["RANK"] == "5" and os.environ["LOCAL_RANK"] == "1"
     with pytest.raises(RuntimeError, match="LOCAL_RANK=1 in the environment but this process is local_rank 0"):
         platform.ensure_dist_env(5, 0)
+
+
+# ---------------------------------------------------------------------------------------------- engine start
+def test_a_start_memory_check_names_the_setting_and_the_shortfall():
+    """The checks made on each rank before any collective (``_start_engine``): vLLM's start-up memory request on a
+    GPU (``vllm_gpu_memory_utilization`` of the total must be free), the KV cache against the memory available on
+    the CPU."""
+    from trl_nrollout.trainer.grpo import by_rank, memory_refusal
+
+    gib = 2 ** 30
+    assert memory_refusal(cpu=False, free=40 * gib, total=80 * gib, utilization=0.5, kv_bytes=None, where="GPU 0") is None
+    why = memory_refusal(cpu=False, free=30 * gib, total=80 * gib, utilization=0.5, kv_bytes=None, where="GPU 3")
+    assert "30.0 GiB free of 80.0 GiB on GPU 3" in why and "vllm_gpu_memory_utilization=0.5" in why
+    assert memory_refusal(cpu=True, free=8 * gib, total=16 * gib, utilization=0.9, kv_bytes=gib, where="m") is None
+    why = memory_refusal(cpu=True, free=8 * gib, total=16 * gib, utilization=0.3, kv_bytes=9 * gib, where="m")
+    assert "rollout_kv_cache_memory_bytes=" in why and "9.0 GiB" in why and "8.0 GiB available" in why
+    assert by_rank([(1, "b"), (0, None), (2, "b"), (3, "c")], 4) == "ranks 1, 2: b; rank 3: c"
+    assert by_rank([(0, "a")], 1) == "a"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_an_engine_start_that_fails_on_one_rank_never_hangs_the_others(tmp_path):
+    """Two CPU processes, one vLLM engine at TP=2, rollout_backend='auto' (tests/assets/engine_start_one_rank.py):
+    a KV cache setting only rank 1 gets, larger than the machine, is refused before any collective and both ranks
+    fall back alike (and train), or stop alike under 'vllm', naming rank 1 (vLLM's own check found it on rank 1
+    alone, inside its memory all-reduce over every rank: the launch hung, rank 1 in the verdicts' gather); a
+    failure on both ranks inside the engine's collectives still falls back alike; one on rank 1 only (injected in
+    the script: a stand-in for the CUDA failures a CPU cannot produce) stops the job with an error naming rank 1
+    and the reason, instead of hanging (rank 0 waits in vLLM's collective). A hang fails the test at the timeout.
+    Shown failing: with each rank's check decided alone (its verdict not gathered) case 1 hangs; with a failed
+    rank going straight to the gather (the old code) case 4 hangs."""
+    import json
+    import subprocess
+
+    from tests.conftest import ACCELERATE_LAUNCH, ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"}
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2",
+                           str(ROOT / "tests/assets/engine_start_one_rank.py"), str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "case 4 started its engine" not in output, output[-4000:]
+    assert "rank 1 could not start its vLLM engine" in output and "injected on rank 1" in output, output[-4000:]
+    assert "did not report within 15 s" in output and "rollout_backend='hf'" in output
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        first = result["preflight"]
+        assert first["backend"] == "hf" and first["engine"] == "HFEngine" and first["steps"] == 1
+        assert len(first["warnings"]) == 1 and "(rank 1: the engine's KV cache of" in first["warnings"][0]
+        assert "rank 1: " in result["vllm"] and "rollout_kv_cache_memory_bytes" in result["vllm"]
+        assert result["alike"]["backend"] == "hf" and len(result["alike"]["warnings"]) == 1
+        assert "ranks 0, 1: " in result["alike"]["warnings"][0] and "head_dim=24" in result["alike"]["warnings"][0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -82,10 +83,84 @@ def test_a_missing_prompt_column_names_the_columns(run_recipe, tmp_path):
     (["--trainer", "ppo"], r"NRolloutPPOConfig\(adv_estimator='grpo'\): the PPO trainer trains a critic"),
     (["--adv_estimator", "remax", "--filter_groups", "true"],
      r"adv_estimator='remax' with filter_groups=True: ReMax's greedy baselines .* set filter_groups=False"),
+    # NaN, inf and negative numbers: torch's optimizer found learning_rate=nan only after the model loaded
+    (["--learning_rate", "nan"], r"learning_rate=nan must be a finite number >= 0; set learning_rate to such a "
+                                 r"number, e.g. 1e-06 \(the default\)"),
+    (["--learning_rate", "inf"], r"learning_rate=inf must be a finite number >= 0"),
+    (["--learning_rate=-1e-5"], r"learning_rate=-1e-05 must be a finite number >= 0"),
+    (["--beta", "nan"], r"beta=nan must be a finite number >= 0 \(0: no KL loss\)"),
+    (["--epsilon", "-0.2"], r"epsilon=-0.2 must be a finite number >= 0"),
+    (["--max_grad_norm", "inf"], r"max_grad_norm=inf must be a finite number >= 0 \(0: no clipping\)"),
+    (["--weight_decay", "-0.1"], r"weight_decay=-0.1 must be a finite number >= 0"),
+    (["--temperature", "nan"], r"temperature=nan must be a finite number; set temperature to such a number"),
+    (["--adam_beta2", "1.0"], r"adam_beta2=1.0 must be a finite number in \[0, 1\)"),
+    (["--reward_weights", "1.0", "nan"], r"reward_weights=\[1.0, nan\] holds nan: each value must be a finite "
+                                         r"number"),
+    # an option without effect in the run's combination is said, not ignored
+    (["--tool_workers", "4"], r"tool_workers=4 sets how many samples' tool calls run at once with "
+                              r"rollout_multi_turn='requests', but rollout_multi_turn='turns' .* would do nothing"),
 ])
 def test_invalid_options_are_refused_before_anything_loads(run_recipe, argv, match):
     with pytest.raises(InputError, match=match):
         run_recipe(*argv)
+
+
+def test_requests_turns_without_tools_is_refused_before_the_model_loads(recipe, tmp_path, monkeypatch):
+    """rollout_multi_turn='requests' changes how tool turns run; the recipe passes no tools (nor does a trainer built
+    without tools= / environment_factory=), so it would do nothing: the trainer refuses it before loading the model
+    (the model loader fails the test if it gets that far)."""
+    import trl_nrollout.trainer.grpo as trainer_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the option was refused")
+
+    monkeypatch.setattr(trainer_module.GRPOTrainer, "__init__", no_load)
+    with pytest.raises(InputError, match=r"rollout_multi_turn='requests' changes how samples with tool calls advance "
+                                         r".* no tools= and no environment_factory=.* would do nothing"):
+        recipe.main(["--output_dir", str(tmp_path), "--rollout_multi_turn", "requests", "--max_steps", "1"])
+
+
+# ---------------------------------------------------------------------------------------------- reward references
+def _modules(folder: Path) -> None:
+    (folder / "my_rewards.py").write_text("WEIGHT = 2\n\ndef exact_reward(completions, **kw):\n"
+                                          "    return [0.0] * len(completions)\n")
+    (folder / "needs_dep.py").write_text("import nosuchdependency_xyz\n")
+    (folder / "bad_syntax.py").write_text("def f(:\n")
+    (folder / "raises_at_import.py").write_text("CONFIG = {}\nKEY = CONFIG['missing']\n")
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("nosuch.module:f", r"reward_funcs entry 'nosuch.module:f': no module named 'nosuch' on Python's path\. Check "
+                        r"the spelling; .* e\.g\. PYTHONPATH="),
+    ("my_rewards:exact_rewrd", r"module 'my_rewards' has no function 'exact_rewrd'; did you mean "
+                               r"my_rewards:exact_reward\?"),
+    ("my_rewards:nothing_like_it", r"has no function 'nothing_like_it'; its functions: \['exact_reward'\]"),
+    ("my_rewards:WEIGHT", r"my_rewards\.WEIGHT is a int, not a function"),
+    ("needs_dep:f", r"module 'needs_dep' was found but importing it failed: No module named "
+                    r"'nosuchdependency_xyz'\. Install what it imports"),
+    ("bad_syntax:f", r"importing module 'bad_syntax' raised SyntaxError: .*bad_syntax\.py, line 1"),
+    ("raises_at_import:f", r"importing module 'raises_at_import' raised KeyError: 'missing' \(.*raises_at_import\.py, "
+                           r"line 2\)"),
+    ("my_rewards:", r"'my_rewards:' is neither a built-in reward .* nor an import path 'package.module:function'"),
+])
+def test_a_reward_function_that_does_not_resolve_is_refused_before_the_data(run_recipe, tmp_path, monkeypatch,
+                                                                            spec, match):
+    """Every reward_funcs reference the recipe imports by name is resolved with the other options, before the data
+    and the model: a reference that does not resolve is an InputError (the one-line error), not a traceback."""
+    _modules(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(InputError, match=match):
+        run_recipe("--reward_funcs", "digits", spec, "--dataset_name", str(tmp_path / "no_such_data.jsonl"))
+
+
+def test_a_reward_reference_error_is_the_recipes_one_line_and_exit_2(recipe, tmp_path, capsys):
+    """From the command line (the recipe's ``cli``, what ``python recipes/grpo.py`` runs): ``error:`` and the message
+    on one line of stderr, exit status 2, no traceback (it was a ValueError traceback, exit 1)."""
+    code = recipe.cli(["--output_dir", str(tmp_path), "--reward_funcs", "nosuch.module:f"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines() == [err.splitlines()[-1]]
+    assert err.startswith("error: reward_funcs entry 'nosuch.module:f': no module named 'nosuch'")
 
 
 def test_a_typo_in_a_recipe_key_names_the_nearest_option(run_recipe, tmp_path):
@@ -101,8 +176,10 @@ def test_an_unwritable_output_dir_is_refused_first(recipe, tmp_path):
 
 
 def _checkpoint(folder: Path, complete: bool = True) -> Path:
+    import torch
+
     folder.mkdir(parents=True)
-    (folder / "nrollout_rank0.pt").write_bytes(b"")
+    torch.save({"prompt_rng": torch.Generator().get_state()}, folder / "nrollout_rank0.pt")
     if complete:
         (folder / TRAINER_STATE).write_text("{}")
         (folder / ROLLOUT_STATE).write_text("{}")
@@ -128,6 +205,43 @@ def test_resume_true_takes_the_last_complete_checkpoint(tmp_path):
         resolve_resume(str(tmp_path), tmp_path / "elsewhere")
     with pytest.raises(InputError, match=r"'nowhere' is not a folder"):
         resolve_resume("nowhere", tmp_path)
+
+
+def test_a_checkpoint_file_cut_short_is_named_with_why(tmp_path):
+    """damaged_file reads headers, not tensors: a safetensors file shorter than its header says, a torch.save archive
+    without its end (zip directory), an empty .pt, a state JSON cut mid-way, an index naming a shard that is not
+    there; the first damaged file in path order, with why. The real run (test_dropin) truncates a real checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    from trl_nrollout.trainer.checkpoints import damaged_file
+
+    folder = _checkpoint(tmp_path / "checkpoint-1")
+    save_file({"w": torch.ones(64, 64)}, folder / "model.safetensors")
+    torch.save({"state": torch.ones(64)}, folder / "optimizer.pt")
+    assert damaged_file(folder) is None
+
+    def cut(name: str, keep: int | None = None) -> tuple[Path, str]:
+        path = folder / name
+        size = path.stat().st_size
+        os.truncate(path, size // 2 if keep is None else keep)
+        found = damaged_file(folder)
+        assert found is not None and found[0] == path, found
+        return found
+
+    assert re.fullmatch(r"it holds \d+ bytes but its header describes \d+ \(it was cut short\)",
+                        cut("model.safetensors")[1])
+    (folder / "model.safetensors").unlink()
+    assert "is not a complete torch.save archive" in cut("nrollout_rank0.pt")[1]
+    assert cut("nrollout_rank0.pt", keep=0)[1] == "it is empty (0 bytes)"
+    (folder / "nrollout_rank0.pt").unlink()
+    assert "is not a complete torch.save archive" in cut("optimizer.pt")[1]
+    (folder / "optimizer.pt").unlink()
+    (folder / TRAINER_STATE).write_text('{"global_step": 1, "log_hi')
+    assert damaged_file(folder)[1].startswith("it is not valid JSON")
+    (folder / TRAINER_STATE).write_text("{}")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-1-of-2.safetensors"}}))
+    assert damaged_file(folder)[1] == "it maps weights to model-1-of-2.safetensors, which is missing"
 
 
 def test_the_recipe_checks_the_resume_target_before_loading(run_recipe, tmp_path):
@@ -210,3 +324,21 @@ def test_unusable_rewards_name_the_function_and_the_sample(values, match):
     with pytest.raises(RewardFunctionError, match=match):
         as_rewards(values, "judge", ["p0", "p1"])
     assert as_rewards([1, None, True], "judge", ["a", "b", "c"]) == [1.0, None, 1.0]
+
+
+def test_generation_kwargs_from_the_command_line_are_json(tmp_path):
+    """``--generation_kwargs '{"min_tokens": 5}'`` (the command line gives a string) is read as the JSON object it
+    is, before the reserved-keys check (which saw the string's characters and refused 'n'); a string that is not a
+    JSON object is refused naming the option and the form. Mutation: drop the JSON parse -> "sets 'n'" error."""
+    from transformers import HfArgumentParser
+
+    from trl_nrollout import NRolloutConfig
+
+    parser = HfArgumentParser(NRolloutConfig)
+    base = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none"]
+    (args,) = parser.parse_args_into_dataclasses([*base, "--generation_kwargs", '{"min_tokens": 5}'])
+    assert args.generation_kwargs == {"min_tokens": 5}
+    with pytest.raises(InputError, match=r"generation_kwargs='\{min_tokens: 5\}' is not JSON"):
+        parser.parse_args_into_dataclasses([*base, "--generation_kwargs", "{min_tokens: 5}"])
+    with pytest.raises(InputError, match="must be a JSON object"):
+        parser.parse_args_into_dataclasses([*base, "--generation_kwargs", "[1, 2]"])

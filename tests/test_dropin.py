@@ -330,3 +330,107 @@ def test_pad_to_multiple_of_shapes_the_rollout_tensors_and_the_update_as_trl(tmp
     trainer.train()
     assert widths and all(w % 8 == 0 for w in widths), widths  # the update's forwards (with gradient)
     assert torch.isfinite(torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])).all()
+
+
+@pytest.mark.slow
+def test_resume_true_passes_over_a_damaged_checkpoint_in_the_recipe_and_the_trainer(tmp_path, monkeypatch, caplog):
+    """A real run's two checkpoints, the newest one's model.safetensors cut short (a disk that filled up, a copy that
+    did not finish): `resume_from_checkpoint=true` resumes from the older one with a warning naming the damaged file,
+    in the recipe and in the drop-in class's ``trainer.train(resume_from_checkpoint=True)`` (transformers'
+    get_last_checkpoint took the newest folder and failed in safetensors); a path to the damaged one is an error
+    naming the file, in both, before anything loads."""
+    import logging
+    import os
+
+    from transformers import TrainerCallback
+
+    import trl_nrollout.trainer.grpo as trainer_module
+    from tests.conftest import launch, load_recipe
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+    from trl_nrollout.errors import InputError
+
+    small = ["--rollout_backend", "hf", "--train_batch_size", "2", "--rollout_n", "4", "--max_completion_length", "6"]
+    out = tmp_path / "run"
+    launch(out, *small, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1")
+    older, newest = out / "checkpoint-1", out / "checkpoint-2"
+    weights = newest / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    damaged = (rf"checkpoint-2' is a damaged checkpoint: .*checkpoint-2/model.safetensors cannot be read \(it holds "
+               rf"{weights.stat().st_size} bytes but its header describes \d+ \(it was cut short\)\)\. Resume from "
+               r"another checkpoint \(checkpoint-1 beside it\)")
+    with pytest.raises(InputError, match=damaged):  # the recipe: before the model loads
+        load_recipe().main(["--output_dir", str(out), "--use_cpu", "true", *small, "--resume_from_checkpoint",
+                            str(newest)])
+
+    def skipped_warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()
+                and f"{weights}: it holds" in r.getMessage() and f"resuming from {older}" in r.getMessage()]
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    args = NRolloutConfig(output_dir=str(out), use_cpu=True, report_to="none", rollout_backend="hf",
+                          train_batch_size=2, rollout_n=4, max_completion_length=6, max_steps=2, save_strategy="no",
+                          learning_rate=2e-3, lr_scheduler_type="constant", logging_steps=1, seed=42)
+    trained = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            trained.append(state.global_step)
+
+    trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                                  train_dataset=digits_dataset(16), callbacks=[Steps()])
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer.checkpoints"):
+        trainer.train(resume_from_checkpoint=True)  # the drop-in class, as a TRL script calls it
+    assert len(skipped_warnings()) == 1
+    assert trained == [2]  # step 1 came from checkpoint-1
+    with pytest.raises(InputError, match=damaged):
+        trainer.train(resume_from_checkpoint=str(newest))
+    trainer.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout.trainer.checkpoints"):
+        resumed = launch(out, *small, "--max_steps", "2", "--save_strategy", "no", "--resume_from_checkpoint", "true")
+    assert len(skipped_warnings()) == 1
+    assert resumed["summary"]["resumed_from"] == str(older) and resumed["summary"]["steps_trained"] == 1
+
+
+class _CountingEnv:
+    """A TRL environment with one tool (routing by the dataset's `environment` column picks it)."""
+
+    def reset(self, **row) -> None:
+        self.calls = 0
+
+    def count(self) -> str:
+        """Counts a call.
+
+        Returns:
+            The number of calls so far, as digits.
+        """
+        self.calls += 1
+        return str(self.calls)
+
+
+@pytest.mark.slow
+def test_an_unknown_environment_is_refused_in_trls_words(tmp_path, monkeypatch):
+    """Users and tests match TRL's error for a sample that names an environment environment_factory does not have:
+    TRL's GRPOTrainer and ours, on the same model, factories and sample, raise a message that starts with the same
+    words (ours adds a fix)."""
+    import trl_nrollout.trainer.grpo as trainer_module
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import resolve_model, tool_dataset
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    model = resolve_model("builtin:tiny-qwen2-tools")
+    dataset = tool_dataset(8).map(lambda row: {"environment": "counter"})
+    row = {**dict(dataset[0]), "environment": "calculator"}
+    messages = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=4, max_steps=1, use_cpu=True, report_to="none", save_strategy="no")
+        trainer = cls(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+                      train_dataset=dataset, environment_factory={"counter": _CountingEnv})
+        with pytest.raises(ValueError) as err:
+            trainer._generate_and_score_completions([row] * 4)
+        messages[name] = str(err.value)
+    assert "which is not among the environments passed to `environment_factory`" in messages["trl"]
+    assert messages["ours"].startswith(messages["trl"]), messages
+    assert "Fix the dataset's `environment` column" in messages["ours"]

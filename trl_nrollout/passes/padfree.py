@@ -46,6 +46,8 @@ class PackedRows:
     - ``index``: ``[B, C]`` flat positions into ``[R * L]``: the position whose output predicts sample ``b``'s
       completion token ``j`` (0 past the sample's completion: :attr:`valid` says which are real).
     - ``valid``: ``[B, C]`` bool, ``j < completion length of b``.
+    - ``shift_labels``: ``[R, L]``, the token each position predicts where it is scored (``-100`` elsewhere): TRL's
+      fused LM head's ``shift_labels``.
     - ``rows``: each row's samples, in the order they sit in it.
     """
 
@@ -54,6 +56,7 @@ class PackedRows:
     attention_mask: Tensor | None
     index: Tensor
     valid: Tensor
+    shift_labels: Tensor
     rows: list[list[int]]
 
     def gather(self, per_position: Tensor) -> Tensor:
@@ -147,8 +150,28 @@ def pack_rows(prompts: Sequence[Tensor], completions: Sequence[Tensor], pad_toke
             at += n
         if at < width:  # the row's tail: a sequence of its own, positions from 0
             position_ids[r, at:] = torch.arange(width - at, device=device)
+    shift_labels = torch.full((len(rows), width), -100, dtype=torch.long, device=device)
+    shift_labels.view(-1)[index[valid]] = input_ids.view(-1)[index[valid] + 1].long()
     mask = None if mask_dtype is None else block_causal_mask(segments, mask_dtype)
-    return PackedRows(input_ids, position_ids, mask, index, valid, rows)
+    return PackedRows(input_ids, position_ids, mask, index, valid, shift_labels, rows)
+
+
+def padfree_pays(lengths: Sequence[int], plain_width: int, row_width: int | None = None) -> tuple[bool, int, int]:
+    """Whether ``B`` samples of ``lengths`` real tokens, which the plain layout runs as ``B`` rows of
+    ``plain_width``, run cheaper as padding-free rows of ``row_width`` (default: the longest sample): at least a
+    tenth of the token slots saved (the rows' attention, ``R x L^2`` under a mask, is never more than the plain
+    ``B x T^2`` since ``L <= T``). Returns (pays, rows, row width)."""
+    width = max(lengths) if row_width is None else max(row_width, max(lengths))
+    rows = len(row_bins(lengths, width))
+    return rows * width <= 0.9 * len(lengths) * plain_width, rows, width
+
+
+def prefix_lengths(mask: Tensor) -> Tensor | None:
+    """``[B]`` lengths of right-padded rows of ``mask`` ``[B, C]`` (1: a real token), or None when a row has a hole
+    (a masked token before a real one: the sequence is not its first ``n`` tokens)."""
+    lengths = mask.sum(-1)
+    prefix = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
+    return lengths if torch.equal(prefix, mask.bool()) else None
 
 
 def unpad(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_len: Tensor

@@ -26,33 +26,74 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 from trl_nrollout.plan.devices import DeviceProfile
 
 
-def _median_time(fn: Callable[[], object], repeats: int = 5) -> float:
+def synchronize(*where: Any) -> None:
+    """Wait until the work queued on the devices of ``where`` has finished (each a tensor, a module, whose
+    parameters' devices count, a ``torch.device`` or a device name): a CUDA kernel returns before it has run, so a
+    clock read right after it would time its launch only. Any accelerator (``torch.accelerator``); the CPU runs
+    synchronously, nothing to wait for."""
+    import torch
+
+    devices: set = set()
+    for item in where:
+        if isinstance(item, torch.Tensor):
+            devices.add(item.device)
+        elif isinstance(item, torch.nn.Module):
+            devices.update(p.device for p in item.parameters())
+        else:
+            devices.add(torch.device(item))
+    for device in devices:
+        if device.type not in ("cpu", "meta"):
+            torch.accelerator.synchronize(device)
+
+
+def _median_time(fn: Callable[[], object], repeats: int = 5, on: Any = "cpu") -> float:
+    """The median seconds of ``repeats`` calls of ``fn`` after one warm-up call; the devices of ``on`` (see
+    :func:`synchronize`) are synchronized before each clock read, so that each call's device work is timed, not
+    its launch (nor the previous call's queue)."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        synchronize(on)
         start = time.perf_counter()
         fn()
+        synchronize(on)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def measure_flops(device: str = "cpu", size: int = 2048) -> float:
+def trainer_device_args(device: str, has_bf16: bool) -> dict[str, bool]:
+    """The trainer arguments of ``--calibrate``'s GRPO runs on ``device`` (``"cpu"``, ``"cuda"``, any accelerator's
+    type): on the CPU only where there is no accelerator (``use_cpu``), and in bfloat16 where the device supports
+    it (the precision the other measurements take there), float32 otherwise (the CPU's measurements)."""
+    cpu = device == "cpu"
+    return {"use_cpu": cpu, "bf16": not cpu and has_bf16}
+
+
+def bf16_supported(device: str) -> bool:
+    """Whether ``device`` (a type: ``"cuda"``...) computes in bfloat16 natively; False for the CPU (float32 there)."""
     import torch
 
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
+def measure_flops(device: str = "cpu", size: int = 2048, dtype=None) -> float:
+    """FLOP/s of a ``size`` x ``size`` matmul in ``dtype`` (default: float32 on the CPU, bfloat16 elsewhere)."""
+    import torch
+
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
 
-    def run():
-        a @ b
-        if device != "cpu":
-            torch.cuda.synchronize()
-
-    return 2 * size**3 / _median_time(run)
+    return 2 * size**3 / _median_time(lambda: a @ b, on=a)
 
 
 def measure_mem_bw(device: str = "cpu", mib: int = 256) -> float:
@@ -61,12 +102,7 @@ def measure_mem_bw(device: str = "cpu", mib: int = 256) -> float:
     src = torch.empty(mib << 18, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
 
-    def run():
-        dst.copy_(src)
-        if device != "cpu":
-            torch.cuda.synchronize()
-
-    return 2 * src.numel() * 4 / _median_time(run)
+    return 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), on=dst)
 
 
 def measure_training(policy, dims, flops: float, device: str = "cpu", *, rows: int = 1, long: int = 1024,
@@ -89,10 +125,8 @@ def measure_training(policy, dims, flops: float, device: str = "cpu", *, rows: i
         def run():
             policy.zero_grad(set_to_none=True)
             policy(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-            if device != "cpu":
-                torch.cuda.synchronize()
 
-        return _median_time(run, repeats=3)
+        return _median_time(run, repeats=3, on=policy)
 
     shapes = [(2 * rows, 64), (4 * rows, long // 4), (rows, long)]  # the last two: the same tokens
     (ta, tb, tc) = (train_step(*shape) for shape in shapes)
@@ -101,7 +135,7 @@ def measure_training(policy, dims, flops: float, device: str = "cpu", *, rows: i
     per_pair = max((tc - tb) / (pc - pb), 1e-15)
     per_token = max((tb - per_pair * pb - (ta - per_pair * pa)) / (nb - na), 1e-12)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-7)
-    optimizer_t = _median_time(optimizer.step, repeats=3)
+    optimizer_t = _median_time(optimizer.step, repeats=3, on=policy)  # its kernels too, not their launch
     return {"mfu_train": min(1.0, 3 * 2 * dims.matmul_params / flops / per_token),
             "mfu_attention": min(1.0, 3 * dims.attention_flops_per_pair / flops / per_pair),
             "forward_s": max(ta - na * per_token - pa * per_pair, 0.0) / 2,
@@ -124,15 +158,16 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if bf16_supported(device) else torch.float32  # as the trainer runs (trainer_device_args)
     progress("calibrate 1/6: matmul")
-    flops = measure_flops(device)
+    flops = measure_flops(device, dtype=dtype)
     progress(f"  {flops / 1e9:.1f} GFLOP/s")
     progress("calibrate 2/6: memory copy")
     mem_bw = measure_mem_bw(device)
     progress(f"  {mem_bw / 1e9:.1f} GB/s")
     path = resolve_model(model)
     config, _ = load_config_dict(path)
-    dims = ModelDims.from_config_dict(config, dtype="float32" if device == "cpu" else "bfloat16", name=model)
+    dims = ModelDims.from_config_dict(config, dtype=str(dtype).removeprefix("torch."), name=model)
     progress("calibrate 3/6: engine decode steps")
     layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=16, rollout_n=8)
     engine = VLLMEngineGroup(path, layout, rank=0, max_model_len=512, seed=0)
@@ -174,7 +209,7 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     step_s = max(my - seq_step_s * mx, 0.0)
     call_s = max(call_one - step_s - seq_step_s - roof(1, 8), 0.0)
     progress("calibrate 4/6: weight sync")
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     sync_t = _median_time(lambda: engine.load_weights(policy), repeats=3)
     sync_s = max(sync_t - dims.num_parameters * dims.dtype_bytes / (mem_bw / 2), 0.0)
     engine.close()
@@ -200,11 +235,12 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     if trainer_runs:
         progress("calibrate 6/6: the trainer around them (three short runs: n = 4 and 12, and n = 8 at 256-token "
                  "prompts)")
-        profile = _trainer_residuals(profile, path, dims, progress)
+        profile = _trainer_residuals(profile, path, dims, progress, device)
     return profile
 
 
-def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callable[[str], None]) -> DeviceProfile:
+def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callable[[str], None],
+                       device: str = "cpu") -> DeviceProfile:
     """What the trainer adds around the engine and the model: three short GRPO runs of ``path`` (8 prompts of the
     built-in ``digits`` task, 32 new tokens, 4 steps, the first a warm-up: n = 4 and 12 with the task's short
     prompts, and n = 8 with 256-token prompts, whose micro batch packs), their ``timing_s/gen`` and
@@ -213,12 +249,12 @@ def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callab
     :func:`~trl_nrollout.plan.cost.pass_shape` lays them out) ``train_token_s`` (its intercept: ``train_fixed_s``).
     The long run: what its update takes beyond those, per query-key pair of attention, lowers (or raises)
     ``mfu_attention`` (the trainer's packed rows: block masks, fresh memory). The weight sync's mean difference is
-    added to ``sync_s`` (the trainer gathers and buckets the weights)."""
+    added to ``sync_s`` (the trainer gathers and buckets the weights). The runs train on ``device``
+    (:func:`trainer_device_args`: the CPU only without an accelerator, bfloat16 where the device has it)."""
     import statistics
     import tempfile
     from dataclasses import replace
 
-    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -236,10 +272,10 @@ def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callab
         lengths = [len(tok(p)["input_ids"]) for p in data["prompt"]]
         prompt_len = statistics.mean(lengths)
         with tempfile.TemporaryDirectory() as out:
-            cfg = NRolloutConfig(output_dir=out, use_cpu=True, train_batch_size=8, rollout_n=n, max_completion_length=32,
+            cfg = NRolloutConfig(output_dir=out, train_batch_size=8, rollout_n=n, max_completion_length=32,
                                  max_steps=4, logging_steps=1, report_to="none", save_strategy="no",
                                  learning_rate=1e-7, disable_tqdm=True, seed=0, log_completions=False,
-                                 bf16=torch.cuda.is_available())  # float32 on a CPU, as the other measurements
+                                 **trainer_device_args(device, bf16_supported(device)))
             trainer = NRolloutGRPOTrainer(model=path, reward_funcs=[digits_reward], args=cfg, train_dataset=data,
                                           processing_class=tok)
             trainer.train()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from trl_nrollout.plan.layout_rules import (  # noqa: F401 - LayoutError, divisors, nearest_multiples are public here
@@ -209,13 +210,12 @@ def _build(a: dict[str, Any], suggest: bool, cls: type | None = None) -> Rollout
                 f"prompts x rollout_n={n}; set only one of them",
                 rule="mini_samples_conflict", option="ppo_mini_batch_samples", value=mini_samples,
                 candidates=[{"ppo_mini_batch_samples": None}])
-        if total % mini_samples or mini_samples % dp:
+        if mini_samples % dp:  # it need not divide the step's samples: TRL's loop runs steps across two rollouts
             raise b.fail(
-                f"ppo_mini_batch_samples={mini_samples} must divide the {total} samples of a step and split evenly "
-                f"over the {dp} data-parallel ranks",
+                f"ppo_mini_batch_samples={mini_samples} must split evenly over the {dp} data-parallel ranks (each "
+                f"rank trains the same number of samples per optimizer step)",
                 rule="mini_samples_divide", option="ppo_mini_batch_samples", value=mini_samples,
-                candidates=[{"ppo_mini_batch_samples": d} for d in _by_distance(mini_samples, divisors(total))
-                            if d % dp == 0])
+                candidates=[{"ppo_mini_batch_samples": m} for m in _multiples_near(mini_samples, dp)])
         mini = mini_samples // n if mini_samples % n == 0 else mini_samples / n
     elif train_batch_size % mini:
         raise b.fail(
@@ -243,6 +243,24 @@ def _build(a: dict[str, Any], suggest: bool, cls: type | None = None) -> Rollout
             candidates=[{"ppo_micro_batch_size_per_device": d} for d in _by_distance(micro, divisors(mini_per_rank))],
         )
     grad_accum = mini_per_rank // micro
+    b.step()
+    if samples_per_rank % micro:  # only where optimizer steps span rollouts: else implied by the rules above
+        raise b.fail(
+            f"ppo_micro_batch_size_per_device={micro} does not divide the {samples_per_rank} samples each rank gets "
+            f"per rollout (its micro batches are cut from one rollout: TRL's steps_per_generation = samples per "
+            f"rank / micro batch)",
+            rule="micro_divides_rollout", option="ppo_micro_batch_size_per_device", value=micro,
+            candidates=[{"ppo_micro_batch_size_per_device": d}
+                        for d in _by_distance(micro, divisors(math.gcd(samples_per_rank, mini_per_rank)))])
+    steps = Fraction(total * a["ppo_epochs"], mini_per_rank * dp)  # optimizer steps per rollout
+    if total % (mini_per_rank * dp):
+        notes.append(
+            f"an optimizer step takes {mini_per_rank * dp} samples and a rollout makes {total}: some optimizer steps "
+            f"run on from one pass over a rollout into the next (ppo_epochs={a['ppo_epochs']})"
+            + (" or into the next rollout" if steps.denominator != 1 else "")
+            + ", as TRL's loop runs them (a new rollout every steps_per_generation x num_iterations micro batches, "
+              "whatever optimizer step it falls in); their losses are normalized by TRL's rule (the rollout's "
+              "tokens x gradient_accumulation_steps / steps_per_generation).")
 
     # ---------------------------------------------------------------- log-prob passes
     old = _micro_batch(
@@ -278,7 +296,7 @@ def _build(a: dict[str, Any], suggest: bool, cls: type | None = None) -> Rollout
         data_parallel_size=dp,
         samples_per_rank=samples_per_rank,
         mini_batch_samples_per_rank=mini_per_rank,
-        optimizer_steps_per_rollout=(total // (mini_per_rank * dp)) * a["ppo_epochs"],
+        optimizer_steps_per_rollout=int(steps) if steps.denominator == 1 else float(steps),
         gradient_accumulation_steps=grad_accum,
         old_log_prob=old,
         ref_log_prob=ref,
@@ -341,6 +359,14 @@ def _micro_batch(
     )
 
 
+def _steps(value: int | float) -> str:
+    """Optimizer steps per rollout in words: ``3``, or ``2.667 (8/3)`` where steps span rollouts."""
+    if isinstance(value, int):
+        return str(value)
+    frac = Fraction(value).limit_denominator(10_000)
+    return f"{value:.4g} ({frac.numerator}/{frac.denominator})"
+
+
 @dataclass(frozen=True)
 class RolloutLayout:
     """Validated arithmetic of one rollout step. Build it with :meth:`RolloutLayout.build`."""
@@ -363,7 +389,8 @@ class RolloutLayout:
     data_parallel_size: int
     samples_per_rank: int
     mini_batch_samples_per_rank: int
-    optimizer_steps_per_rollout: int
+    #: a fraction where optimizer steps span two rollouts (TRL's layouts, e.g. 18-sample steps over 24-sample rollouts)
+    optimizer_steps_per_rollout: int | float
     gradient_accumulation_steps: int
     old_log_prob: MicroBatch
     ref_log_prob: MicroBatch
@@ -411,6 +438,12 @@ class RolloutLayout:
         """Samples per optimizer step, all ranks."""
         return self.mini_batch_samples_per_rank * self.data_parallel_size
 
+    @property
+    def spans_rollouts(self) -> bool:
+        """Whether some optimizer steps take micro batches of two rollouts (``optimizer_steps_per_rollout`` not a
+        whole number: TRL's loop, which this trainer follows, then starts a rollout inside an optimizer step)."""
+        return not float(self.optimizer_steps_per_rollout).is_integer()
+
     # ------------------------------------------------------------------ who does what
     def engine_of_rank(self, rank: int) -> int:
         """Index of the engine (TP group) that ``rank`` belongs to."""
@@ -448,10 +481,12 @@ class RolloutLayout:
         return sample // self.rollout_n
 
     def mini_batch_ranges(self, rank: int) -> list[range]:
-        """Global sample indices of each optimizer step's share on ``rank`` (one epoch, in order)."""
+        """Global sample indices of each optimizer step's share on ``rank`` (one epoch, in order); the last one is
+        shorter where optimizer steps do not divide the rollout (:attr:`spans_rollouts`: the step goes on into the
+        next pass or rollout)."""
         share = self.rank_sample_range(rank)
         m = self.mini_batch_samples_per_rank
-        return [range(s, s + m) for s in range(share.start, share.stop, m)]
+        return [range(s, min(s + m, share.stop)) for s in range(share.start, share.stop, m)]
 
     def micro_batch_ranges(self, rank: int, ref: bool = False) -> list[range]:
         """Global sample indices of each forward of the old-policy (or, ``ref=True``, reference) log-prob pass
@@ -509,7 +544,7 @@ class RolloutLayout:
             ("mini batch", f"{self.ppo_mini_batch_size:g} prompts = {self.mini_batch_samples} samples = "
                            f"{self.mini_batch_samples_per_rank} per rank"),
             ("optimizer steps per rollout", f"{self.total_samples} / {self.mini_batch_samples} samples x "
-                                            f"ppo_epochs={self.ppo_epochs} = {self.optimizer_steps_per_rollout}"),
+                                            f"ppo_epochs={self.ppo_epochs} = {_steps(self.optimizer_steps_per_rollout)}"),
             ("gradient accumulation", f"{self.mini_batch_samples_per_rank} / micro {self.ppo_micro_batch_size_per_device}"
                                       f" = {self.gradient_accumulation_steps}"),
             ("old log-prob micro batch", mb(self.old_log_prob)),

@@ -3,12 +3,15 @@ resolver recipes use: a built-in name or any ``module:function`` import path."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import os
 import re
 from collections.abc import Callable
 from fractions import Fraction
 
 from trl_nrollout.builtin import digits_reward
+from trl_nrollout.errors import InputError
 
 RewardFunc = Callable[..., list]
 
@@ -95,20 +98,51 @@ BUILTIN_REWARDS: dict[str, RewardFunc] = {
 
 
 def resolve_reward(spec: str) -> RewardFunc:
-    """A reward function from a built-in name or a ``package.module:function`` path."""
+    """A reward function from a built-in name or a ``package.module:function`` path. A reference that does not
+    resolve (no such module, the module failing to import, no such function) is an :class:`InputError` naming the
+    entry, what went wrong and a fix: the recipe prints it as its one-line ``error:`` (exit status 2)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
-        raise ValueError(
+    module_name, colon, attr = spec.partition(":")
+    if not colon or not module_name or not attr:
+        raise InputError(
             f"reward_funcs entry {spec!r} is neither a built-in reward {sorted(BUILTIN_REWARDS)} nor an import "
             "path 'package.module:function'; use one of those."
         )
-    module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward_funcs entry {spec!r}: cannot import module {module_name!r} ({e}).") from e
+    except ImportError as err:
+        if err.name is not None and module_name.startswith(err.name) and module_name[len(err.name):][:1] in ("", "."):
+            raise InputError(  # the module itself (or a package of its path) is not found
+                f"reward_funcs entry {spec!r}: no module named {err.name!r} on Python's path. Check the spelling; "
+                f"a module file of yours must be in a folder on PYTHONPATH (python puts the script's folder on the "
+                f"path, not the current one): e.g. PYTHONPATH={os.getcwd()} for a module in the current folder."
+            ) from None
+        raise InputError(f"reward_funcs entry {spec!r}: module {module_name!r} was found but importing it failed: "
+                         f"{err}. Install what it imports, or fix the import.") from None
+    except Exception as err:  # noqa: BLE001 - the user's module failed at import time: its error, where it happened
+        raise InputError(f"reward_funcs entry {spec!r}: importing module {module_name!r} raised "
+                         f"{type(err).__name__}: {err}{_where(err)}. Fix the module (python -c 'import "
+                         f"{module_name}' shows the whole traceback).") from None
     func = getattr(module, attr, None)
     if not callable(func):
-        raise ValueError(f"reward_funcs entry {spec!r}: module {module_name!r} has no function {attr!r}.")
+        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        close = difflib.get_close_matches(attr, found, n=1)
+        what = (f"module {module_name!r} has no function {attr!r}" if func is None else
+                f"{module_name}.{attr} is a {type(func).__name__}, not a function")
+        raise InputError(f"reward_funcs entry {spec!r}: {what}"
+                         + (f"; did you mean {module_name}:{close[0]}?" if close else
+                            f"; its functions: {found[:10]}." if found else "; it defines no function."))
     return func
+
+
+def _where(err: BaseException) -> str:
+    """`` (file, line N)`` of the innermost frame an exception was raised in, or ``""`` (a SyntaxError's message
+    names them itself)."""
+    if isinstance(err, SyntaxError):  # its message names the file and the line
+        return ""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f" ({tb.tb_frame.f_code.co_filename}, line {tb.tb_lineno})" if tb is not None else ""

@@ -80,6 +80,44 @@ class GenerationClock:
         return (self.tokens - self.first_tokens) / seconds
 
 
+class TruncatedSteps:
+    """The training rollouts whose every completion hit ``max_completion_length`` (TRL says so only in the
+    ``completions/clipped_ratio`` metric): such a step learns from rewards of unfinished answers (or, with
+    ``mask_truncated_completions``, from nothing). :meth:`observe` returns the warning to give the first time (once
+    per run), :meth:`summary` the figures of ``run_summary.json``."""
+
+    def __init__(self) -> None:
+        self.all_truncated = 0  # rollouts whose every completion was cut
+        self.max_fraction = 0.0  # the largest fraction of a rollout's completions cut
+        self.warned = False
+
+    def observe(self, step: int, truncated: int, total: int, max_completion_length: int,
+                masked: bool = False) -> str | None:
+        """Count one rollout of ``total`` completions, ``truncated`` of them cut at ``max_completion_length``,
+        trained at optimizer step ``step``; the warning text when it is the run's first rollout cut everywhere,
+        else None."""
+        if total <= 0:
+            return None
+        fraction = truncated / total
+        self.max_fraction = max(self.max_fraction, fraction)
+        if truncated < total:
+            return None
+        self.all_truncated += 1
+        if self.warned:
+            return None
+        self.warned = True
+        loss = ("mask_truncated_completions=True leaves none of them in the loss: the step trains on nothing" if masked
+                else "their rewards judge answers cut off before they end")
+        return (f"step {step}: all {total} completions of the rollout ({fraction:.0%}) hit "
+                f"max_completion_length={max_completion_length} and were truncated; {loss}. Raise "
+                f"max_completion_length, or ask for shorter answers. Said once; run_summary.json counts such "
+                f"steps (all_truncated_steps) and the largest truncated fraction (max_truncated_fraction).")
+
+    def summary(self) -> dict:
+        """``all_truncated_steps`` (rollouts cut everywhere) and ``max_truncated_fraction`` (of any rollout)."""
+        return {"all_truncated_steps": self.all_truncated, "max_truncated_fraction": round(self.max_fraction, 4)}
+
+
 class RewardHistory(TrainerCallback):
     """Collects the mean reward of every logged training step (TRL logs it as ``reward``), the steps logged
     without one (``unscored_steps``: every reward function returned None for every sample, which TRL logs as

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import replace
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from trl_nrollout.passes.distributed import generate_syncs_forwards
+from trl_nrollout.passes.distributed import generate_syncs_forwards, is_fsdp, is_zero3
 from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.passes.multimodal import MMInputs, collate
 from trl_nrollout.passes.packing import round_up
@@ -92,6 +93,14 @@ def _max_over_ranks(value: int, device: torch.device) -> int:
     return int(count.item())
 
 
+def _forwards_collective(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` as it stands (outside any generation context) gathers parameters collectively
+    over the ranks: ZeRO-3 or FSDP with more than one rank. Every rank must then run as many forwards as the
+    busiest one."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return world > 1 and (generate_syncs_forwards(model) or is_zero3(model) or is_fsdp(model))
+
+
 class SampledLogProbs(LogitsProcessor):
     """Records the log-probability of each generated token under the distribution it was sampled from, during
     ``generate`` itself: no second forward over prompts and completions.
@@ -168,20 +177,63 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingOptions,
                  group_offset: int = 0, mm: list[MMInputs | None] | None = None) -> RolloutBatch:
-        """``n`` samples of each prompt; ``mm``: per prompt, a vision-language model's image tensors (or None)."""
-        if self.generation_context is None:
-            return self._generate(unwrap(self.model), prompts, n, sampling, group_offset, mm)
-        with self.generation_context() as model:
-            return self._generate(model, prompts, n, sampling, group_offset, mm)
+        """``n`` samples of each prompt; ``mm``: per prompt, a vision-language model's image tensors (or None).
+
+        Every rank calls it the same number of times under ZeRO-3 or FSDP, possibly with no prompts (a multi-turn
+        step where its samples stopped calling tools): the generation context (TRL's, which gathers ZeRO-3
+        parameters), ``generate``'s steps and the log-prob pass are collective there, and a rank with nothing to do
+        takes part in each of them with filler work (see :meth:`_generate` and :meth:`_score_after`)."""
+        context = (contextlib.nullcontext(unwrap(self.model)) if self.generation_context is None
+                   else self.generation_context())
+        with context as model:
+            batch, recorded = self._generate(model, prompts, n, sampling, group_offset, mm)
+        # the forward pass for decoding modes whose log-probs were not recorded (beams...) runs after the context:
+        # TRL's context gathers ZeRO-3 parameters with GatheredParameters, which the pass's own gather of the output
+        # head would nest in (DeepSpeed refuses overlapping contexts); outside, the forwards are collective again
+        return self._score_after(model, batch, recorded, sampling, group_offset, mm)
+
+    @torch.no_grad()
+    def _score_after(self, model: nn.Module, batch: RolloutBatch, recorded: bool, sampling: SamplingOptions,
+                     group_offset: int, mm: list[MMInputs | None] | None) -> RolloutBatch:
+        """Fill ``batch.logprobs`` with a forward pass (:func:`compute_log_probs`) where ``generate`` did not record
+        them (``recorded`` False). Where the forwards are collective (ZeRO-3, FSDP over several ranks) the ranks
+        agree first whether any of them needs the pass (an all-reduce every rank makes), and a rank with no samples
+        scores a one-token filler sample so that it runs as many forwards as the busiest rank."""
+        start = time.perf_counter()
+        collective = _forwards_collective(model)
+        needed = not recorded and len(batch) > 0
+        if collective:
+            needed = bool(_max_over_ranks(int(needed), next(model.parameters()).device))
+        if not needed:
+            return batch
+        temp = sampling.temperature if sampling.temperature > 0 else 1.0
+        if not len(batch):  # filler: one token scored, the result dropped; the pass raises it to the others' count
+            compute_log_probs(model, [[self.pad_token_id]], [[self.pad_token_id]], temperature=temp,
+                              micro_batch_size=64, pad_token_id=self.pad_token_id, sync_forwards=True)
+            return batch
+        sample_mm = None if mm is None else [mm[g - group_offset] for g in batch.group_index]
+        lp = compute_log_probs(model, batch.prompt_ids, batch.completion_ids, temperature=temp, micro_batch_size=64,
+                               pad_token_id=self.pad_token_id, mm_inputs=sample_mm,
+                               pad_to_multiple_of=self.pad_to_multiple_of, sync_forwards=collective,
+                               shared_prompts=self.shared_prompts and mm is None).logprobs
+        batch.logprobs = [lp[i, :len(c)].tolist() for i, c in enumerate(batch.completion_ids)]
+        batch.timings["logprob_s"] = batch.timings.get("logprob_s", 0.0) + time.perf_counter() - start
+        return batch
 
     @torch.no_grad()
     def _generate(self, model: nn.Module, prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                  group_offset: int, mm: list[MMInputs | None] | None = None) -> RolloutBatch:
+                  group_offset: int, mm: list[MMInputs | None] | None = None) -> tuple[RolloutBatch, bool]:
+        """The samples, and whether their log-probs were recorded while generating (False: ``logprobs`` holds
+        empty lists, to be filled by :meth:`_score_after`)."""
         if sampling.regex is not None:
             raise ValueError("structured outputs (a regex) need the vLLM engine; use rollout_backend='vllm'.")
-        synced = generate_syncs_forwards(model) and not self.local_forwards
+        # under ZeRO-3 or FSDP over several ranks generate steps the ranks together (transformers' synced_gpus: an
+        # all-reduce per new token), also inside TRL's context that gathered the ZeRO-3 parameters (local_forwards:
+        # their hooks are off, but DeepSpeed's start-of-forward hook stays and may broadcast): every rank makes as
+        # many generate calls as the busiest one, a rank with nothing to generate included
+        synced = generate_syncs_forwards(model)
         if not prompts and not synced:  # nothing on this rank (a multi-turn step where others continue)
-            return RolloutBatch([], [], [], [], [])
+            return RolloutBatch([], [], [], [], []), True
         device = next(model.parameters()).device
         starts = range(0, len(prompts), self.batch_size)
         # under synced forwards every rank must make as many generate calls as the busiest one: a rank with fewer
@@ -191,7 +243,6 @@ class HFEngine:
         was_training = model.training
         model.eval()
         start = time.perf_counter()
-        temp = sampling.temperature if sampling.temperature > 0 else 1.0
         stepwise = not any(k in _NOT_STEPWISE and v not in (None, 1, False) for k, v in sampling.engine_kwargs)
         seed = sampling.seed if sampling.seed is not None else self.generator_seed + self._calls
         self._calls += 1
@@ -202,7 +253,7 @@ class HFEngine:
             for _ in range(extra_calls):  # one-token prompt, one new token; generate keeps stepping with the others
                 filler = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=device)
                 model.generate(input_ids=filler, attention_mask=torch.ones_like(filler), max_new_tokens=1,
-                               do_sample=False, pad_token_id=self.pad_token_id)
+                               do_sample=False, pad_token_id=self.pad_token_id, synced_gpus=True)
             for s in starts:
                 chunk = prompts[s:s + self.batch_size]
                 width = round_up(max(len(p) for p in chunk), self.pad_to_multiple_of)
@@ -227,6 +278,7 @@ class HFEngine:
                 if sampling.suppress_token_ids:
                     options["suppress_tokens"] = list(sampling.suppress_token_ids)
                 options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
+                options["synced_gpus"] = synced  # but not over whether the ranks step together: that is ours to say
                 recorder = None
                 if stepwise:
                     recorder = SampledLogProbs()
@@ -237,7 +289,8 @@ class HFEngine:
                     options.update(collate(chunk_mm if stepwise else [m for m in chunk_mm for _ in range(n)], device,
                                            width=width, starts=[width - len(p) for p in rows]))
                 ids, mask = ids.to(device), mask.to(device)
-                if n > 1 and width >= PREFILL_ONCE_MIN_TOKENS and mm is None and stepwise and not synced \
+                if n > 1 and width >= PREFILL_ONCE_MIN_TOKENS and mm is None and stepwise \
+                        and (self.local_forwards or not synced) \
                         and not _OWN_CACHE.intersection(options) and not _own_cache_in_config(model):
                     ids, mask = self._prefill_once(model, ids, mask, n, options)
                     self.prefill_shared_samples += len(chunk) * n
@@ -258,16 +311,11 @@ class HFEngine:
                         logprobs.append(recorded[k][:len(comp)])
         finally:
             model.train(was_training)
-        gen_s = time.perf_counter() - start
-        if len(logprobs) != len(completion_ids):  # not recorded while generating (see _NOT_STEPWISE): a forward
-            sample_mm = None if mm is None else [mm[g - group_offset] for g in groups]
-            lp = compute_log_probs(model, prompt_ids, completion_ids, temperature=temp, micro_batch_size=64,
-                                   pad_token_id=self.pad_token_id, mm_inputs=sample_mm,
-                                   pad_to_multiple_of=self.pad_to_multiple_of,
-                                   shared_prompts=self.shared_prompts and mm is None).logprobs
-            logprobs = [lp[i, :len(c)].tolist() for i, c in enumerate(completion_ids)]
+        recorded = len(logprobs) == len(completion_ids)  # not (see _NOT_STEPWISE): a forward, in _score_after
+        if not recorded:
+            logprobs = [[] for _ in completion_ids]
         return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
-                            timings={"generate_s": gen_s, "logprob_s": time.perf_counter() - start - gen_s})
+                            timings={"generate_s": time.perf_counter() - start, "logprob_s": 0.0}), recorded
 
     @staticmethod
     def _prefill_once(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, n: int,

@@ -9,6 +9,15 @@ rollout continues it later from prompt + those tokens).
 
 Samples are keyed ``(request, index)``: the request id :meth:`EngineLoop.add` returned and the sample's index
 among the request's ``n`` (vLLM's child requests).
+
+Tensor parallelism: each rank of a TP engine (vLLM's external launcher) runs its own scheduler, and the ranks stay
+in step only while their schedulers make the same decisions. An abort breaks that: vLLM frees the aborted requests'
+KV blocks in an order of its own per process (``Scheduler.finish_requests`` iterates a ``set`` of request ids, which
+carry a random suffix ``InputProcessor`` draws per process and are hashed with Python's per-process salt), and the
+order of the free blocks decides which cached prefix the next allocation evicts; a request could then hit the prefix
+cache on one rank and miss on another, and the ranks would run different batches (a collective of mismatched sizes:
+a crash, a hang, or mixed tokens). So at TP > 1 :meth:`EngineLoop.abort` resets the prefix cache: every rank's cache
+is empty again, hence alike.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ class EngineLoop:
         self._prompt_ids: dict[str, list[int]] = {}
         self._open: set[str] = set()
         self.steps = 0
+        parallel = getattr(getattr(self.engine, "vllm_config", None), "parallel_config", None)
+        self.tensor_parallel_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
 
     def add(self, prompt: Any, params) -> str:
         """Queue ``prompt`` (a vLLM prompt: ``TokensPrompt`` with optional ``multi_modal_data``) with ``params``
@@ -114,11 +125,24 @@ class EngineLoop:
 
     def abort(self, request_ids: Sequence[str] | None = None) -> list[tuple[str, int]]:
         """Abort ``request_ids`` (default: every unfinished request); their unfinished samples keep their tokens
-        and get ``finish_reason="abort"``. Returns those samples."""
+        and get ``finish_reason="abort"``. Returns those samples.
+
+        At tensor-parallel size > 1 the prefix cache is reset afterwards (see the module's docstring: the ranks free
+        the aborted blocks in different orders); requests still running in the engine are then preempted and
+        recomputed, alike on every rank."""
         ids = sorted(self._open if request_ids is None else set(request_ids) & self._open, key=int)
         if not ids:
             return []
         self.engine.abort_request(ids)
+        if self.tensor_parallel_size > 1:
+            running = self.engine.has_unfinished_requests()
+            if not self.llm.reset_prefix_cache(reset_running_requests=running):
+                raise RuntimeError(
+                    f"the prefix cache of this tensor-parallel engine (size {self.tensor_parallel_size}) could not be "
+                    "reset after an abort: vLLM still holds KV blocks of finished requests (a KV connector's "
+                    "delayed frees?), and the ranks, which freed the aborted blocks in different orders, could "
+                    "schedule different batches from here on. Run partial rollouts at TP > 1 without a KV "
+                    "connector, or set rollout_tp_size=1.")
         aborted = []
         for rid in ids:
             self._open.discard(rid)

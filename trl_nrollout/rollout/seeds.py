@@ -49,6 +49,16 @@ def engine_seed(base: int, engine_index: int) -> int:
     return _hash_seed(f"{base}/engine/{engine_index}")
 
 
+def turn_seed(base: int, round_: int) -> int:
+    """Base seed of the requests of turn ``round_`` (0: the first turn; ``r``: the turn after tool round ``r``) in
+    a multi-turn call seeded ``base``: below 2^SEED_BITS, unrelated across rounds and bases. Pure, so the ranks of a
+    TP engine give a request the same seed whatever other code in their processes drew from NumPy's or torch's
+    global generators (which vLLM reads for a request without a seed) and whatever order the tools finish in."""
+    if round_ < 0:
+        raise ValueError(f"round_={round_} must be >= 0.")
+    return _hash_seed(f"{base}/turn/{round_}")
+
+
 @contextlib.contextmanager
 def numpy_seeded(seed: int):
     """NumPy's global generator seeded with ``seed`` inside the block and restored after it (vLLM's Model Runner V2

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import pickle
+import secrets
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -29,7 +30,14 @@ from trl_nrollout.rollout.dispatch import DISPATCH_MODES, GroupQueue, PullStats,
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun, run_partial
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.requests import EngineLoop
-from trl_nrollout.rollout.seeds import SEED_MODES, engine_seed, numpy_seeded, prompt_seed
+from trl_nrollout.rollout.seeds import (
+    SEED_BITS,
+    SEED_MODES,
+    engine_seed,
+    numpy_seeded,
+    prompt_seed,
+)
+from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, engine_has, iter_weight_buckets
 
@@ -558,7 +566,15 @@ class VLLMEngineGroup:
         Seeds (``rollout_seed_mode="sample"``): the first turn's as :meth:`generate_expanded`'s; the turn after tool
         round ``r`` of engine sample ``s`` draws from ``turn_seed(r)``, the engine's index and ``s``. A seed thus
         fixes each request's draws whatever order the tools finish in; which samples share an engine step still
-        depends on the tools' timing (batch composition can move a float's last bits)."""
+        depends on the tools' timing (batch composition can move a float's last bits).
+
+        TP > 1 without those seeds (``rollout_seed_mode="engine"``, or no seed): every request still gets a seed of
+        its own, from a base of the call's (the seed and the engine's index; without a seed, a number the TP group's
+        first rank draws), the turn (:func:`~trl_nrollout.rollout.seeds.turn_seed`) and the sample's place in the
+        engine, the same on each rank. The tools run on threads while the engine samples, on the rank that owns the
+        sample only; a tool drawing from NumPy's global generator (whence vLLM's Model Runner V2 seeds a request
+        without a seed) or torch's (whence the V1 runner samples one) would make that rank sample other tokens than
+        the others."""
         self._barrier_before_generate()
         per_rank = self._gather_tp([list(p) for p in sample_prompts])
         flat = [p for chunk in per_rank for p in chunk]
@@ -570,17 +586,25 @@ class VLLMEngineGroup:
         self._ready()
         self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
         per_request = sampling.seed is not None and self.seed_mode == "sample"
+        own_base = None  # TP > 1 without per-request seeds: the base of the seeds every rank gives the requests
+        if not per_request and len(self.tp_ranks) > 1:
+            own_base = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
+                        else self._gather_tp(secrets.randbits(SEED_BITS))[0])
         from vllm.inputs import TokensPrompt
 
         groups = []
         for g, p in enumerate(unique):
             seed = prompt_seed(sampling.seed, group_offset + g, n) if per_request else None
+            if own_base is not None:
+                seed = prompt_seed(own_turn_seed(own_base, 0), g, n)
             groups.append((list(p), TokensPrompt(prompt_token_ids=list(p)),
                            self._sampling_params(n, replace(sampling, seed=seed))))
 
         def continue_request(s: int, round_: int, context: list[int], budget: int):
             base = turn_seed(round_) if per_request else None
             seed = None if base is None else prompt_seed(base, self.engine_index * len(flat) + s, 1)
+            if own_base is not None:
+                seed = prompt_seed(own_turn_seed(own_base, round_), s, 1)
             return (TokensPrompt(prompt_token_ids=list(context)),
                     self._sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
 

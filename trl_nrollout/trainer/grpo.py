@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import fields, replace
@@ -62,13 +63,13 @@ from trl_nrollout.passes.multimodal import (
 from trl_nrollout.plan.layout import MicroBatch
 from trl_nrollout.recipe.data import check_prompts
 from trl_nrollout.recipe.report import LiveProgressCallback
-from trl_nrollout.recipe.summary import GenerationClock, StepClock
+from trl_nrollout.recipe.summary import GenerationClock, StepClock, TruncatedSteps
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
-from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE
+from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE, check_resume_folder, resolve_resume
 from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images
 from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.rollout_ranks import RolloutRanks, RolloutRankWorker
@@ -124,6 +125,13 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
             args = NRolloutConfig(output_dir=f"{name}-NRollout-GRPO")
         elif not isinstance(args, NRolloutConfig):
             args = to_nrollout_config(args)
+        if args.rollout_multi_turn == "requests" and not tools and environment_factory is None and rollout_func is None:
+            raise InputError(  # no option is silently ignored; checked before the model loads
+                "rollout_multi_turn='requests' changes how samples with tool calls advance (no turn barrier), but "
+                "this trainer has no tools= and no environment_factory=: every sample is a single turn, so it would "
+                "do nothing. Pass tools= or environment_factory= to NRolloutGRPOTrainer, or remove "
+                "rollout_multi_turn (recipes/grpo.py passes no tools: train with tools from your own script, see "
+                "docs/tools.md).")
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,
@@ -166,9 +174,23 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
             self.add_callback(LiveProgressCallback)
         self._last_synced_step: int | None = 0 if self.rollout_backend == "vllm" else None  # synced at start
         self.step_clock = StepClock()
+        self.truncated_steps = TruncatedSteps()  # rollouts whose every completion hit max_completion_length
+        self._note_corrections()
         self._prompt_rng = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
 
     # ------------------------------------------------------------------ checkpoints
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """TRL's ``train``, with ``resume_from_checkpoint`` resolved as the recipe resolves it
+        (:func:`~trl_nrollout.trainer.checkpoints.resolve_resume`): ``True`` takes the newest complete and readable
+        checkpoint of ``output_dir`` (transformers' ``get_last_checkpoint`` takes the newest folder, and a weights
+        file cut short there fails deep in safetensors), naming a damaged one it skips in a warning; a path must be a
+        complete, readable checkpoint (an error names the damaged file)."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = resolve_resume(True, self.args.output_dir)
+        elif isinstance(resume_from_checkpoint, str | os.PathLike):
+            resume_from_checkpoint = check_resume_folder(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' checkpoint, then the rollout stage's own state (:meth:`_save_rollout_state`); the file
         :data:`~trl_nrollout.trainer.checkpoints.ROLLOUT_STATE` is written last, after every rank saved, so that a folder
@@ -254,7 +276,16 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         inspect, a MoE layout without a kernel, a hybrid model that needs chunked prefill) or only when they run (an
         attention head size the CPU backend lacks, parameter names it cannot map). With rollout_backend='auto' such
         a model falls back to the HF engine with one warning saying why (on every rank alike); with 'vllm' it is an
-        error naming the model, the reason and the fallback."""
+        error naming the model, the reason and the fallback.
+
+        Building, syncing and generating are collective (vLLM's groups, its all-reduce of the memory left for the
+        KV cache over every rank, the TP group's forwards, a ZeRO-3 gather): a failure on one rank only leaves the
+        others inside them. So the checks that can fail on one rank alone (its memory: :func:`memory_refusal`) are
+        made first, before any collective, and their verdicts gathered; and a rank that fails later reports it in
+        the process group's store and waits up to :data:`ENGINE_START_WAIT_S` for the other ranks' reports: when
+        all come (their engines failed too, or started) the ranks decide alike as before; when not, the others are
+        stuck in a collective and this rank stops with an error naming itself and the reason (the launcher then
+        stops the others) rather than hang."""
         if self.args.rollout_ranks:  # the engines live on the rollout ranks
             return self._start_remote_engines()
         refusal = self._vllm_refusal() if self.rollout_backend == "vllm" else None
@@ -263,6 +294,10 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         if self.rollout_backend != "vllm":
             return self._build_engine()
         lengths = self._vllm_lengths()  # a wrong length option is the user's error, not a reason to fall back
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        refusals = gather_object([(rank, self._vllm_preflight(lengths))])  # before any collective
+        if any(why for _, why in refusals):
+            return self._fall_back(choice, by_rank(refusals, world))
         engine, error = None, ""
         try:
             engine = self._build_engine(lengths)
@@ -270,12 +305,49 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
             engine.generate_engine([[self._tokenizer.eos_token_id or 0]], 1, SamplingOptions(max_tokens=1))
         except Exception as err:  # noqa: BLE001 - reported (or re-raised) below with the model's name
             error = describe_error(err)
-        errors = [e for e in gather_object([error]) if e]  # every rank decides alike
-        if not errors:
+        if not _all_ranks_report(bool(error), rank, world):
+            raise RuntimeError(
+                f"rank {rank} could not start its vLLM engine for {self._model_path()!r} ({error}), and the other "
+                f"ranks did not report within {ENGINE_START_WAIT_S:.0f} s: they are inside the engine's collectives "
+                "(vLLM's groups, its memory all-reduce, the tensor-parallel forwards, the weight sync) and cannot "
+                "leave them, so the job stops here instead of falling back (a fallback on one rank would hang the "
+                "others). Fix the cause on that rank (e.g. free device memory or lower vllm_gpu_memory_utilization "
+                "/ rollout_kv_cache_memory_bytes), or set rollout_backend='hf'.")
+        errors = gather_object([(rank, error)])  # every rank decides alike
+        if not any(why for _, why in errors):
             return engine
         if engine is not None:
             engine.close()
-        return self._fall_back(choice, errors[0])
+        return self._fall_back(choice, by_rank(errors, world))
+
+    def _vllm_preflight(self, lengths: tuple[int, int]) -> str | None:
+        """Why this rank's vLLM engine would fail vLLM's start-up memory check (see :func:`memory_refusal`), found
+        before any collective; None where it passes or cannot be measured (vLLM then decides)."""
+        from trl_nrollout.rollout.platform import is_cpu_platform
+        from trl_nrollout.rollout.vllm_group import engine_kwargs
+
+        args: NRolloutConfig = self.args
+        try:
+            cpu = is_cpu_platform()
+            kwargs = engine_kwargs(self._model_path(), self.layout, cpu=cpu, dtype=args.rollout_dtype,
+                                   max_model_len=lengths[0], expected_len=lengths[1],
+                                   max_num_seqs=args.rollout_max_num_seqs,
+                                   kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
+                                   gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+            if cpu:
+                import psutil
+
+                memory = psutil.virtual_memory()
+                free, total, where = memory.available, memory.total, "this node's memory"
+            else:
+                device = torch.device("cuda", torch.cuda.current_device())
+                free, total = torch.cuda.mem_get_info(device)
+                where = f"GPU {device.index}"
+        except Exception as err:  # noqa: BLE001 - a check ahead of vLLM's own: where it cannot measure, vLLM decides
+            logger.debug("vLLM start-up memory check skipped (%s)", err)
+            return None
+        return memory_refusal(cpu=cpu, free=free, total=total, utilization=kwargs.get("gpu_memory_utilization"),
+                              kv_bytes=kwargs.get("kv_cache_memory_bytes"), where=where)
 
     def _fall_back(self, choice: str, why: str):
         """vLLM cannot serve this model (``why``): an error under rollout_backend='vllm', the HF engine with one
@@ -742,17 +814,20 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         args: NRolloutConfig = self.args
         on_policy = (self.layout.optimizer_steps_per_rollout == 1 and args.skip_old_log_prob_when_on_policy
                      and ctx.mode == "train")
-        old = ref = None
+        old = ref = mass = None
+        support = self._sampling_support()  # a truncating sampler: the pass also gives the mass it keeps
         t = time.perf_counter()
-        if not on_policy or args.use_kl_in_reward:
+        if not on_policy or args.use_kl_in_reward or support is not None:
             old = self._log_probs(self.model, assigned.prompt_ids, assigned.completion_ids, self.layout.old_log_prob,
-                                  assigned.mm)
+                                  assigned.mm, support=support)
+            if support is not None:
+                old, mass = old
         self._metric(ctx.mode, "timing_s/old_log_prob", time.perf_counter() - t)
         t = time.perf_counter()
         if self.beta != 0.0 or args.use_kl_in_reward:
             ref = self._ref_log_probs(assigned.prompt_ids, assigned.completion_ids, assigned.mm)
         self._metric(ctx.mode, "timing_s/ref", time.perf_counter() - t)
-        return LogProbs(old, ref, on_policy)
+        return LogProbs(old, ref, on_policy, mass)
 
     def _advantages(self, collected: Round, assigned: Assignment, logps: LogProbs, ctx: StepContext) -> Advantages:
         """The advantage estimator (``adv_estimator``) over the whole job: groups may span ranks, and batch-level
@@ -874,24 +949,30 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
             out["old_per_token_logps"] = fit_width(logps.old, c_max).to(dev)
         if logps.ref is not None and self.beta != 0.0:
             out["ref_per_token_logps"] = fit_width(logps.ref, c_max).to(dev)
+        if logps.support_log_mass is not None:  # what the sampler kept: the engine's log-probs are over it
+            out["sampling_support_log_mass"] = fit_width(logps.support_log_mass, c_max).to(dev)
         if args.mask_truncated_completions:  # TRL's option: completions cut at max length take no part in the loss
             truncated = torch.tensor([s.truncated for s in local], device=dev)
             out["completion_mask"] = out["completion_mask"] * (~truncated).unsqueeze(1).to(out["completion_mask"].dtype)
         return out
 
-    def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch, mm=None) -> Tensor:
+    def _log_probs(self, model, prompt_ids, completion_ids, micro: MicroBatch, mm=None, support=None
+                   ) -> Tensor | tuple[Tensor, Tensor]:
         """One log-prob pass ``[B, C]``, cut into forwards as the layout's ``micro`` says (``mm``: a VLM's image
-        tensors per sample)."""
+        tensors per sample); with ``support`` (:meth:`_sampling_support`) also the log of the mass the sampler
+        keeps at each token ``[B, C]``."""
         shared = self._packing_allowed(model, images=mm is not None and any(mm))
         # under the trainer's autocast, as the update's forward (accelerate wraps only the top-level forward, which
         # the lean pass does not call): with bf16=True over float32 weights both run in bf16, so the first step's
         # ratio is exactly 1 and a KL against the policy's own weights is 0; the head as TRL's fused head runs it
         with self.accelerator.autocast():
-            return compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
-                                     pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
-                                     max_token_len=micro.max_token_len, mm_inputs=mm, shared_prompts=shared,
-                                     head_fp32=bool(self.args.cast_lm_head_to_fp32),
-                                     pad_to_multiple_of=self.pad_to_multiple_of).logprobs
+            out = compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
+                                    pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
+                                    max_token_len=micro.max_token_len, mm_inputs=mm, shared_prompts=shared,
+                                    head_fp32=bool(self.args.cast_lm_head_to_fp32),
+                                    pad_to_multiple_of=self.pad_to_multiple_of, support=support,
+                                    padding_free=mm is None and self._padfree_allowed(model))
+        return out.logprobs if support is None else (out.logprobs, out.support_log_mass)
 
     def _ref_log_probs(self, prompt_ids, completion_ids, mm=None) -> Tensor:
         micro = self.layout.ref_log_prob
@@ -930,6 +1011,12 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         self._metric(mode, "completions/min_length", lengths.min().item())
         self._metric(mode, "completions/max_length", lengths.max().item())
         self._metric(mode, "completions/clipped_ratio", truncated.float().mean().item())
+        if mode == "train":  # a rollout cut short everywhere: said once, counted in the run summary
+            warning = self.truncated_steps.observe(self.state.global_step + 1, int(truncated.sum()), len(samples),
+                                                   self.args.max_completion_length or 256,
+                                                   bool(self.args.mask_truncated_completions))
+            if warning and self.accelerator.is_main_process:
+                logger.warning(warning)
         terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
         self._metric(mode, "completions/mean_terminated_length", terminated.mean().item())
         self._metric(mode, "completions/min_terminated_length", terminated.min().item())
@@ -964,6 +1051,69 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+#: seconds a rank whose vLLM engine failed to start waits for the other ranks' reports (``_start_engine``): they
+#: are building the same engine in step with it, so a failure they share comes within seconds; a missing report
+#: means a rank waits in a collective the failed rank will never join
+ENGINE_START_WAIT_S = 120.0
+_ENGINE_STARTS = [0]  # engine starts in this process, the same count on every rank: the store keys' prefix
+
+
+def memory_refusal(*, cpu: bool, free: int, total: int, utilization: float | None, kv_bytes: int | None,
+                   where: str) -> str | None:
+    """Why vLLM's start-up memory check would fail on a rank (None: it passes), from that rank's ``free`` and
+    ``total`` bytes: on a GPU, free memory below ``utilization`` of the total (vLLM requests that fraction,
+    ``vllm_gpu_memory_utilization``); on the CPU, a KV cache of ``kv_bytes`` (``rollout_kv_cache_memory_bytes``, or
+    its CPU default) larger than the available memory. Pure: the trainer measures, this decides."""
+    gib = 2 ** 30
+    if cpu:
+        if kv_bytes and kv_bytes > free:
+            return (f"the engine's KV cache of {kv_bytes / gib:.1f} GiB (rollout_kv_cache_memory_bytes={kv_bytes}) "
+                    f"exceeds the {free / gib:.1f} GiB available of {where}; set rollout_kv_cache_memory_bytes "
+                    "below it")
+        return None
+    requested = math.ceil(total * (utilization or 0.0))
+    if free < 0:
+        return (f"{free / gib:.1f} GiB free of {total / gib:.1f} GiB on {where} is less than "
+                f"vllm_gpu_memory_utilization={utilization} requests ({requested / gib:.1f} GiB); lower "
+                "vllm_gpu_memory_utilization or free memory on that device")
+    return None
+
+
+def by_rank(verdicts: list[tuple[int, str | None]], world: int) -> str:
+    """The reasons among ``(rank, reason or None)`` verdicts, each once with the ranks that gave it (``"rank 1:
+    ..."``, ``"ranks 0, 1: ..."``); a reason alone where one process runs."""
+    ranks: dict[str, list[int]] = {}
+    for rank, why in sorted(verdicts, key=lambda v: v[0]):
+        if why:
+            ranks.setdefault(why, []).append(rank)
+    if world <= 1:
+        return "; ".join(ranks)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {why}" for why, r in ranks.items())
+
+
+def _all_ranks_report(failed: bool, rank: int, world: int, wait_s: float | None = None) -> bool:
+    """Post this rank's engine start (``failed`` or not) in the process group's store; a rank that failed then
+    waits up to ``wait_s`` (default :data:`ENGINE_START_WAIT_S`) for every rank's post. True when they all came
+    (every rank reaches the gather of verdicts that follows) or this rank did not fail; False when a rank stayed
+    silent (it waits in a collective this rank cannot join). One process: always True."""
+    if world <= 1 or not torch.distributed.is_initialized():
+        return True
+    from datetime import timedelta
+
+    store = torch.distributed.distributed_c10d._get_default_store()
+    _ENGINE_STARTS[0] += 1
+    prefix = f"trl_nrollout/engine_start/{_ENGINE_STARTS[0]}"
+    store.set(f"{prefix}/{rank}", "failed" if failed else "started")
+    if not failed:
+        return True
+    try:
+        store.wait([f"{prefix}/{r}" for r in range(world)],
+                   timedelta(seconds=ENGINE_START_WAIT_S if wait_s is None else wait_s))
+    except torch.distributed.DistStoreError:  # a timeout: some rank never posted
+        return False
+    return True
 
 
 def describe_error(err: BaseException) -> str:

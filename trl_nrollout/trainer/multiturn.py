@@ -91,10 +91,12 @@ class MultiTurnRollout:
             return prompts, [split_tools(list(self.tools or []))] * len(inputs)
         prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
         names = [x.get("environment") if self._multi_environment else None for x in inputs]
-        unknown = sorted({str(n) for n in names if n not in factories})
-        if unknown:
-            raise ValueError(f"samples name environment(s) {unknown}, which are not among environment_factory's "
-                             f"{list(factories)}; fix the dataset's `environment` column or add the factories.")
+        unknown = sorted({n for n in names if n not in factories}, key=str)
+        if unknown:  # TRL's words (users and tests match them), then the others and a fix
+            others = f" (also {unknown[1:]!r})" if len(unknown) > 1 else ""
+            raise ValueError(f"Example has `environment={unknown[0]!r}`, which is not among the environments passed "
+                             f"to `environment_factory`. Expected one of: {list(factories)}.{others} Fix the "
+                             "dataset's `environment` column, or add the factory to environment_factory.")
         self._batch_environments = names  # TRL's _tokenize_prompts renders each prompt with its environment's tools
         taken: Counter = Counter()
         self.environments = []

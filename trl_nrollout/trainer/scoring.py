@@ -259,6 +259,7 @@ class RewardScoring:
         extra_logs = self._flush_reward_metrics("train" if self.model.training else "eval", len(prompts))
         dev = self.accelerator.device
         rewards = gather(local.to(dev)).cpu()
+        local_none = none
         none = gather(none.to(dev).float()).cpu().bool()
         # None: "does not apply to this sample" (TRL's meaning), kept as NaN; a NaN or inf a function computed is a bug
         bad = (torch.isnan(rewards) | torch.isinf(rewards)) & ~none
@@ -271,10 +272,26 @@ class RewardScoring:
                     "set reward_nan_policy='zero' to count such rewards as 0."
                 )
             rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
-        if none.all(dim=-1).any():  # the same on every rank (gathered): the prompts are gathered only then
+        if none.all(dim=-1).any():  # the same on every rank (gathered): the rows are gathered only then
             row = int(none.all(dim=-1).nonzero()[0])
-            job_prompts = gather_object(list(prompts))
-            logger.warning("every reward function returned None for sample %d of the step (prompt %r): it gets no "
-                           "advantage; make sure at least one reward function applies to each sample.", row,
-                           str(job_prompts[row])[:200])
+            unscored = [self._row_kwargs(inputs, prompts, completions, extra, j)
+                        for j in local_none.all(dim=-1).nonzero().flatten().tolist()[:1]]
+            first = next(r for r in gather_object(unscored) if r is not None)
+            # TRL's words (users and tests match them), then ours: which sample, and what it means for training
+            logger.warning("All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at "
+                           "least one reward function returns a valid reward. (Sample %d of the step: it gets no "
+                           "advantage.)", first, row)
         return Scores(rewards, extra_logs)
+
+    @staticmethod
+    def _row_kwargs(inputs: list[dict], prompts: list, completions: list, extra: dict | None, j: int) -> dict:
+        """What the reward functions got for sample ``j`` of this rank, as TRL's warning shows it: its dataset columns
+        and a ``rollout_func``'s fields, the prompt and the completion (long values cut to 200 characters)."""
+        def short(value):
+            text = repr(value)
+            return value if len(text) <= 200 else text[:200] + "..."
+
+        row = {k: short(v) for k, v in inputs[j].items() if k not in ("prompt", "completion", "completion_ids")}
+        row.update({k: short(v[j]) for k, v in (extra or {}).items() if isinstance(v, list) and len(v) > j})
+        row["prompt"], row["completion"] = short(prompts[j]), short(completions[j])
+        return row

@@ -109,12 +109,16 @@ class Assignment:
 @dataclass
 class LogProbs:
     """The log-prob passes over this rank's samples: old-policy ``old`` and reference ``ref`` ``[B, C]`` (None
-    where the pass did not run); ``on_policy``: the old-policy pass was skipped because the update takes one
-    optimizer step per rollout (the update's own log-probs are the old ones)."""
+    where the pass did not run); ``on_policy``: the update takes one optimizer step per rollout, so its own
+    log-probs are the old ones (the old-policy pass was skipped, or ran only for ``support_log_mass``);
+    ``support_log_mass`` ``[B, C]``: with a truncating sampler (top-k, top-p, min-p), the log of the probability
+    mass the sampler kept at each token under the old policy (None without truncation): the engine's log-probs
+    are over that support."""
 
     old: Tensor | None
     ref: Tensor | None
     on_policy: bool = False
+    support_log_mass: Tensor | None = None
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 
 import torch
 from accelerate.utils import gather
@@ -26,16 +27,21 @@ from trl_nrollout.algos.losses import (
     off_policy_sequence_mask,
     policy_loss,
     rollout_is_weights,
+    sampling_support_log_mass,
     vespo_weights,
 )
+from trl_nrollout.passes.logprobs import SupportFn
 from trl_nrollout.passes.multimodal import collate
 from trl_nrollout.passes.packing import (
+    MAX_PACKED_MASK_BYTES,
     decide,
+    mask_bytes,
     mask_dtype,
     pack_shared_prompts,
     query_dtype,
     structural_reason,
 )
+from trl_nrollout.passes.padfree import pack_rows, padfree_pays, prefix_lengths, unpad
 
 logger = logging.getLogger(__name__)  # a child of trl_nrollout.trainer: filtering that name filters all
 
@@ -47,19 +53,62 @@ class PolicyUpdate:
         """Attach to each micro batch the token and sequence counts of its whole mini batch (all ranks), divided by
         the number of ranks (whose gradients are averaged; the micro losses of one optimizer step are summed, as
         TRL's ``loss_is_scaled_for_ga`` says): token-mean over a mini batch then equals the mean over its tokens
-        however it is split."""
+        however it is split.
+
+        Where the ``accum`` micro batches of an optimizer step do not tile the rollout's chunks (TRL's layouts whose
+        optimizer steps span two rollouts, or the end of one pass over a rollout and the start of the next, e.g.
+        ``gradient_accumulation_steps=3``, ``steps_per_generation=4``), a mini batch's tokens are not all known when
+        its first micro batch runs: every micro batch then takes TRL's normalizer, the rollout's tokens (all ranks)
+        times ``accum / len(chunks)``, the mean tokens of ``accum`` micro batches (:func:`mini_batch_normalizers`)."""
         world = self.accelerator.num_processes
         counts = torch.tensor([[loss_mask(c).sum().item(), c["completion_mask"].shape[0]] for c in chunks],
                               dtype=torch.float64, device=self.accelerator.device)
         counts = gather(counts.unsqueeze(0)).view(world, len(chunks), 2).sum(0).cpu()
         dev = self.accelerator.device
-        for k, c in enumerate(chunks):
-            mb = slice((k // accum) * accum, (k // accum + 1) * accum)
-            tokens, seqs = counts[mb].sum(0).tolist()
+        for c, (tokens, seqs) in zip(chunks, mini_batch_normalizers(counts.tolist(), accum)):
             # at least one: a mini batch whose tokens are all masked (mask_truncated_completions) has a zero loss
             c["mb_tokens"] = torch.tensor(max(tokens, 1.0) / world, device=dev)
             c["mb_seqs"] = torch.tensor(max(seqs, 1.0) / world, device=dev)
         return chunks
+
+    # ------------------------------------------------------------------ what the engine's log-probs are over
+    def _sampling_support(self) -> SupportFn | None:
+        """The trainer's replay of the sampler's cut (top-k, top-p, min-p; TRL's options, or ``generation_kwargs``
+        where they override them): a function giving the log of the probability mass the sampler keeps at each
+        position (:func:`~trl_nrollout.algos.losses.sampling_support_log_mass`), or None where nothing is cut. The
+        engines report each token's log-prob over the tokens they kept, renormalized (vLLM's
+        ``processed_logprobs``; the HF engine records the same), while the trainer's log-probs are over the whole
+        vocabulary: subtracting this mass puts the trainer's on the engine's support, so that the rollout
+        correction and the mismatch metrics compare like with like (TRL issue 6789). The HF engine's decoding modes
+        other than sampling (beams...) score their samples with the trainer's own pass: nothing to replay."""
+        from trl_nrollout.rollout.hf_engine import _NOT_STEPWISE
+
+        extra = dict(self.args.generation_kwargs or {})
+        if self.rollout_backend == "hf" and any(k in _NOT_STEPWISE and v not in (None, 1, False)
+                                                for k, v in extra.items()):
+            return None
+        top_k = extra.get("top_k", self.top_k) or 0
+        top_p = extra.get("top_p", self.top_p)
+        min_p = extra.get("min_p", self.min_p) or 0.0
+        top_p = 1.0 if top_p is None else float(top_p)
+        if not (top_k > 0 or top_p < 1.0 or min_p > 0.0):
+            return None
+        return partial(sampling_support_log_mass, top_k=int(top_k), top_p=top_p, min_p=float(min_p),
+                       min_p_first=self.rollout_backend != "hf")  # vLLM cuts min-p first, generate() last
+
+    def _note_corrections(self) -> None:
+        """One line, on the main process, when the decoupled loss is on by default because samples can be older
+        than the policy that trains on them (``decoupled_loss=None`` resolved by the config)."""
+        args = self.args
+        reason = getattr(args, "_stale_reason", None)
+        if reason is None or not args.decoupled_loss or not self.accelerator.is_main_process:
+            return
+        bound = ("no upper bound" if args.rollout_is_threshold is None else
+                 f"at most rollout_is_threshold={args.rollout_is_threshold:g}")
+        logger.warning("%s: the decoupled PPO loss is on (decoupled_loss=None): the clip against the policy at the "
+                       "update, each %s's loss times its importance weight of that policy over the one that sampled "
+                       "it (rollout_is=%r, %s, mode %r); decoupled_loss=False turns it off.",
+                       reason, args.rollout_is, args.rollout_is, bound, args.rollout_is_mode)
 
     # ------------------------------------------------------------------ the update
     def training_step(self, model, inputs, num_items_in_batch):
@@ -95,6 +144,10 @@ class PolicyUpdate:
             packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep)
             if packed is not None:
                 return packed
+        if mm is None and self._padfree_allowed(model, aux_loss=self.aux_loss_enabled):
+            rows = self._padfree_forward(model, input_ids, attention_mask, logits_to_keep)
+            if rows is not None:
+                return rows
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
         extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
@@ -130,6 +183,53 @@ class PolicyUpdate:
             return None
         pk = pack_shared_prompts(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
                                  self._tokenizer.pad_token_id, dtype=dtype, pad_to_multiple_of=self.pad_to_multiple_of)
+        with self.accelerator.autocast():
+            out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
+                        shift_labels=pk.shift_labels, fused_lm_head=True)
+        return pk.gather(out.log_probs), pk.gather(out.entropy), None
+
+    def _padfree_allowed(self, model, *, aux_loss: bool = False) -> bool:
+        """Whether ``padding_free`` may lay ``model``'s forwards out as padding-free rows: not switched off, and the
+        model takes a 4D block mask (the shared-prompt layout's rule; why not is said once)."""
+        if self.args.padding_free is False:
+            return False
+        reason = structural_reason(self.accelerator.unwrap_model(model).config, aux_loss=aux_loss)
+        if reason is not None and not getattr(self, "_padfree_notice_shown", False):
+            self._padfree_notice_shown = True
+            logger.log(logging.WARNING if self.args.padding_free else logging.INFO,
+                       "padding_free%s is not used: %s; the padded forward runs.",
+                       "=True" if self.args.padding_free else " (default)", reason)
+        return reason is None
+
+    def _padfree_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
+                         ) -> tuple[Tensor, Tensor, None] | None:
+        """Log-probs and entropies ``[B, C]`` from padding-free rows (:mod:`trl_nrollout.passes.padfree`): the micro
+        batch's real tokens end to end in rows as long as its longest sample, through TRL's fused head; None where
+        the padded forward runs (too little padding to save, completions with masked holes, a mask over its
+        bound)."""
+        c = logits_to_keep
+        completion_len = prefix_lengths(attention_mask[:, -c:])
+        if completion_len is None:
+            return None
+        prompts, completions = unpad(input_ids[:, :-c], attention_mask[:, :-c], input_ids[:, -c:], completion_len)
+        lengths = [p.numel() + q.numel() for p, q in zip(prompts, completions)]
+        pays, rows, width = padfree_pays(lengths, input_ids.shape[1])
+        if not pays:
+            return None
+        config = self.accelerator.unwrap_model(model).config
+        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        dtype = mask_dtype(config, weights)
+        with self.accelerator.autocast():
+            queries = query_dtype(weights, input_ids.device.type)
+        if mask_bytes(rows, width, dtype, queries) > MAX_PACKED_MASK_BYTES:
+            return None
+        pk = pack_rows(prompts, completions, self._tokenizer.pad_token_id, mask_dtype=dtype,
+                       pad_to_multiple_of=self.pad_to_multiple_of, completion_width=c)
+        if not getattr(self, "_padfree_said", False):
+            self._padfree_said = True
+            logger.info("padding_free: the update runs padding-free rows (this micro batch: %d rows of %d tokens "
+                        "instead of %d rows of %d).", pk.input_ids.shape[0], pk.input_ids.shape[1],
+                        input_ids.shape[0], input_ids.shape[1])
         with self.accelerator.autocast():
             out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
                         shift_labels=pk.shift_labels, fused_lm_head=True)
@@ -211,20 +311,27 @@ class PolicyUpdate:
         if args.loss_agg_mode == "seq-mean-token-sum-norm":
             agg["norm_length"] = args.max_completion_length
 
-        # rollout / trainer mismatch: drift metrics always, importance weights when asked
+        # rollout / trainer mismatch: drift metrics always, importance weights when asked (the decoupled loss of
+        # stale samples: the clip against ``old``, the proximal policy, times the weight of ``old`` over the engine's
+        # behaviour policy). With a truncating sampler the engine's log-probs are over the tokens it kept: the
+        # trainer's are put on that support (less the log of the mass kept) wherever the two are compared.
         rollout = inputs["sampling_per_token_logps"]
-        diff = ((old - rollout) * mask).detach().abs()
         n_tok = mask.sum().clamp(min=1)
         # metrics stay on the device until one host transfer at the end (no sync per metric on a GPU)
         stats: dict[str, Tensor] = {}
+        support = inputs.get("sampling_support_log_mass")
+        old_cmp, logps_cmp = (old, logps) if support is None else (old - support, logps - support)
+        if support is not None:
+            stats["rollout_corr/sampling_kept_mass"] = (support.exp() * mask).sum() / n_tok
+        diff = ((old_cmp - rollout) * mask).detach().abs()
         stats["rollout_corr/logprob_abs_diff_mean"] = diff.sum() / n_tok
         stats["rollout_corr/logprob_abs_diff_max"] = diff.amax() if diff.numel() else diff.sum()  # 0 when all masked
-        stats["rollout_corr/kl"] = (kl_penalty(rollout, old, "k3") * mask).sum() / n_tok
+        stats["rollout_corr/kl"] = (kl_penalty(rollout, old_cmp, "k3") * mask).sum() / n_tok
         adv = inputs["advantages"]  # [B, T] from our estimators; [B] (one per sample) from a TRL-style subclass
         adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
         weights = None
         if args.rollout_is is not None:
-            weights = rollout_is_weights(old, rollout, mask, level=args.rollout_is, mode=args.rollout_is_mode,
+            weights = rollout_is_weights(old_cmp, rollout, mask, level=args.rollout_is, mode=args.rollout_is_mode,
                                          upper=args.rollout_is_threshold, lower=args.rollout_is_threshold_lower)
             full = weights.expand_as(mask)
             if args.rollout_is_mode == "mask":
@@ -237,7 +344,7 @@ class PolicyUpdate:
             entropy_mask = high_entropy_mask(entropies, mask, threshold)
         token_mask = entropy_mask
         if args.off_policy_mask_threshold is not None:
-            keep = off_policy_sequence_mask(adv, logps, rollout, mask, args.off_policy_mask_threshold)
+            keep = off_policy_sequence_mask(adv, logps_cmp, rollout, mask, args.off_policy_mask_threshold)
             token_mask = keep if token_mask is None else token_mask * keep
             stats["off_policy_mask/dropped_fraction"] = (1 - keep).mean()
         vespo = None
@@ -300,6 +407,28 @@ _TRL_METRIC_NAMES = {
     "sampling/sampling_logp_difference/max": "rollout_corr/logprob_abs_diff_max",
     "policy_loss": "actor/pg_loss", "entropy": "actor/entropy", "kl": "actor/kl_loss",
 }
+
+
+def mini_batch_normalizers(counts: list[list[float]], accum: int) -> list[tuple[float, float]]:
+    """The (tokens, sequences) each micro batch of a rollout normalizes its loss by, from ``counts``, the (tokens,
+    sequences) of each of the rollout's micro batches (all ranks) in the order TRL's loop trains them, ``accum``
+    of them per optimizer step (``gradient_accumulation_steps``).
+
+    When ``accum`` divides the number of micro batches, each optimizer step takes ``accum`` consecutive ones: each
+    micro batch gets its own step's totals. Otherwise TRL's loop runs optimizer steps across the end of the rollout
+    (into the next pass over it, or the next rollout), whose micro batches are not known yet: each micro batch gets
+    TRL's normalizer, the rollout's totals times ``accum / len(counts)`` (TRL's ``num_items_in_batch x
+    gradient_accumulation_steps / steps_per_generation``)."""
+    k = len(counts)
+    if k % accum:
+        tokens = sum(c[0] for c in counts) * accum / k
+        seqs = sum(c[1] for c in counts) * accum / k
+        return [(tokens, seqs)] * k
+    out = []
+    for i in range(k):
+        window = counts[(i // accum) * accum:(i // accum + 1) * accum]
+        out.append((sum(c[0] for c in window), sum(c[1] for c in window)))
+    return out
 
 
 def loss_mask(inputs: dict) -> Tensor:
