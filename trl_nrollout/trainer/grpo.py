@@ -1074,7 +1074,7 @@ def memory_refusal(*, cpu: bool, free: int, total: int, utilization: float | Non
                     "below it")
         return None
     requested = math.ceil(total * (utilization or 0.0))
-    if free < 0:
+    if free < requested:
         return (f"{free / gib:.1f} GiB free of {total / gib:.1f} GiB on {where} is less than "
                 f"vllm_gpu_memory_utilization={utilization} requests ({requested / gib:.1f} GiB); lower "
                 "vllm_gpu_memory_utilization or free memory on that device")
