@@ -364,9 +364,10 @@ class NRolloutConfig(GRPOConfig):
                 "torch.distributed), or use vllm_mode='colocate'.")
         if self.max_staleness is None:
             self.max_staleness = 1 if self.rollout_ranks else 2
-        if self.vllm_gpu_memory_utilization is None:  # the default for where the engines live (not the user's)
-            self.vllm_gpu_memory_utilization = ROLLOUT_RANK_GPU_MEMORY_UTILIZATION if self.rollout_ranks else 0.3
-            self._default_gpu_memory_utilization = self.vllm_gpu_memory_utilization
+        # the default for where the engines live; a value equal to it (TRL's 0.3 from a GRPOConfig) is not a setting
+        self._default_gpu_memory_utilization = ROLLOUT_RANK_GPU_MEMORY_UTILIZATION if self.rollout_ranks else 0.3
+        if self.vllm_gpu_memory_utilization is None:
+            self.vllm_gpu_memory_utilization = self._default_gpu_memory_utilization
         self._split_rollout_ranks()  # before anything starts torch.distributed
         world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun; checked below
         bridge = current_bridge()
