@@ -40,11 +40,18 @@ def grpo_args(tmp_path, **kw):
     return GRPOConfig(**{**base, **kw})
 
 
-def build(model, args, **kw):
+def build(model, args, reward=digits_reward, **kw):
     from trl_nrollout import NRolloutGRPOTrainer
 
-    return NRolloutGRPOTrainer(model=model, reward_funcs=[digits_reward], args=args, train_dataset=digits_dataset(8),
-                               **kw)
+    return NRolloutGRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=digits_dataset(8), **kw)
+
+
+def varied_reward(completions, **kwargs) -> list[float]:
+    """A reward that differs between almost any two completions (their characters' codes), so that a group of
+    random completions has a learning signal (the digits reward is 0 for most of a random model's 4-token
+    completions, and a step with equal rewards trains nothing: a test of trained weights then fails by chance)."""
+    text = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(sum(map(ord, t)) % 97) / 97 for t in text]
 
 
 def fallback_warnings(caplog) -> list[str]:
@@ -87,7 +94,7 @@ def test_tied_weights_are_sent_under_the_names_the_engine_has(tiny_model_path):
 def test_gemma2_trains_on_vllm_and_its_engine_receives_the_trained_embeddings(gemma2, tmp_path):
     """A Gemma 2 (tied embeddings) under ``auto`` generates with vLLM, and each weight sync gives the engine the
     trained embeddings, which are also its output head."""
-    trainer = build(gemma2, grpo_args(tmp_path, max_steps=2, learning_rate=1e-2))
+    trainer = build(gemma2, grpo_args(tmp_path, max_steps=2, learning_rate=1e-2), reward=varied_reward)
     try:
         assert trainer.rollout_backend == "vllm"
         before = trainer.accelerator.unwrap_model(trainer.model).model.embed_tokens.weight.detach().float().clone()
