@@ -25,15 +25,13 @@ from torch import Tensor, nn
 from trl_nrollout.passes.distributed import is_fsdp, is_zero3, synced_count
 from trl_nrollout.passes.multimodal import MMInputs, collate
 from trl_nrollout.passes.packing import (
-    MAX_PACKED_MASK_BYTES,
     decide,
-    mask_bytes,
     mask_dtype,
     pack_shared_prompts,
     query_dtype,
     round_up,
 )
-from trl_nrollout.passes.padfree import budget_count, budgeted_parts, pack_rows, padfree_pays
+from trl_nrollout.passes.padfree import budget_count, budgeted_parts, pack_rows, padfree_fits
 
 Ids = Sequence[int] | Tensor
 
@@ -363,12 +361,10 @@ def _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_to
     """The features (hidden states on the lean path, else logits) ``[tokens, H or V]`` of every completion token
     ``(rows_t[k], cols_t[k])`` from padding-free rows; None where they would not save a tenth of the slots."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    pays, rows, row_width = padfree_pays(lengths, width)
     module = parts[0] if parts is not None else unwrap_model(model)
     weights = next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32)
     dtype = mask_dtype(getattr(unwrap_model(model), "config", None), weights)
-    if not pays or mask_bytes(rows, round_up(row_width, multiple_of), dtype,
-                              query_dtype(weights, device.type)) > MAX_PACKED_MASK_BYTES:
+    if not padfree_fits(lengths, width, dtype, query_dtype(weights, device.type), multiple_of):
         return None
     pk = pack_rows([torch.tensor(p, dtype=torch.long, device=device) for p in prompts],
                    [torch.tensor(c, dtype=torch.long, device=device) for c in completions], pad_token_id,

@@ -166,6 +166,18 @@ def padfree_pays(lengths: Sequence[int], plain_width: int, row_width: int | None
     return rows * width <= 0.9 * len(lengths) * plain_width, rows, width
 
 
+def padfree_fits(lengths: Sequence[int], plain_width: int, mask_dtype: torch.dtype, queries: torch.dtype,
+                 pad_to_multiple_of: int | None = None) -> bool:
+    """Whether a micro batch runs as padding-free rows: they save a tenth of the slots (:func:`padfree_pays`) and
+    their block mask, rows rounded to ``pad_to_multiple_of``, stays within the shared-prompt layout's bound
+    (:data:`~trl_nrollout.passes.packing_rules.MAX_PACKED_MASK_BYTES`; ``mask_dtype`` and ``queries`` as
+    :func:`~trl_nrollout.passes.packing.mask_bytes` takes them). The update and the log-prob passes decide alike."""
+    from trl_nrollout.passes.packing import MAX_PACKED_MASK_BYTES, mask_bytes, round_up
+
+    pays, rows, width = padfree_pays(lengths, plain_width)
+    return pays and mask_bytes(rows, round_up(width, pad_to_multiple_of), mask_dtype, queries) <= MAX_PACKED_MASK_BYTES
+
+
 def prefix_lengths(mask: Tensor) -> Tensor | None:
     """``[B]`` lengths of right-padded rows of ``mask`` ``[B, C]`` (1: a real token), or None when a row has a hole
     (a masked token before a real one: the sequence is not its first ``n`` tokens)."""

@@ -33,15 +33,13 @@ from trl_nrollout.algos.losses import (
 from trl_nrollout.passes.logprobs import SupportFn
 from trl_nrollout.passes.multimodal import collate
 from trl_nrollout.passes.packing import (
-    MAX_PACKED_MASK_BYTES,
     decide,
-    mask_bytes,
     mask_dtype,
     pack_shared_prompts,
     query_dtype,
     structural_reason,
 )
-from trl_nrollout.passes.padfree import pack_rows, padfree_pays, prefix_lengths, unpad
+from trl_nrollout.passes.padfree import pack_rows, padfree_fits, prefix_lengths, unpad
 
 logger = logging.getLogger(__name__)  # a child of trl_nrollout.trainer: filtering that name filters all
 
@@ -213,15 +211,12 @@ class PolicyUpdate:
             return None
         prompts, completions = unpad(input_ids[:, :-c], attention_mask[:, :-c], input_ids[:, -c:], completion_len)
         lengths = [p.numel() + q.numel() for p, q in zip(prompts, completions)]
-        pays, rows, width = padfree_pays(lengths, input_ids.shape[1])
-        if not pays:
-            return None
         config = self.accelerator.unwrap_model(model).config
         weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         dtype = mask_dtype(config, weights)
         with self.accelerator.autocast():
             queries = query_dtype(weights, input_ids.device.type)
-        if mask_bytes(rows, width, dtype, queries) > MAX_PACKED_MASK_BYTES:
+        if not padfree_fits(lengths, input_ids.shape[1], dtype, queries, self.pad_to_multiple_of):
             return None
         pk = pack_rows(prompts, completions, self._tokenizer.pad_token_id, mask_dtype=dtype,
                        pad_to_multiple_of=self.pad_to_multiple_of, completion_width=c)
