@@ -14,6 +14,7 @@ from trl_nrollout.passes.padfree import (
     budget_count,
     budgeted_parts,
     pack_rows,
+    padded_budget_count,
     row_bins,
     unpad,
     workload,
@@ -51,11 +52,16 @@ def test_budgeted_parts_are_as_many_as_asked_each_within_the_budget(lengths, ext
     """Every data-parallel rank runs ``count`` micro batches (the busiest rank's :func:`budget_count`), each at
     most the budget's real tokens, whatever this rank's own samples need."""
     budget = max(lengths) + extra
-    count = budget_count(lengths, budget) + more
-    parts = budgeted_parts(lengths, budget, count, hidden_size=64)
-    assert len(parts) == count
-    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in p) <= budget for p in parts)
+    for padded in (False, True):
+        need = padded_budget_count(lengths, budget) if padded else budget_count(lengths, budget)
+        count = min(need + more, len(lengths))
+        parts = budgeted_parts(lengths, budget, count, hidden_size=64, padded=padded)
+        assert len(parts) == count and all(parts)
+        assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+        if padded:  # the padded layout's cost: samples x the longest
+            assert all(len(p) * max(lengths[i] for i in p) <= budget for p in parts)
+        else:
+            assert all(sum(lengths[i] for i in p) <= budget for p in parts)
 
 
 def test_a_budget_below_the_longest_sample_names_the_option():

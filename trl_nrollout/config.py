@@ -153,6 +153,18 @@ class NRolloutConfig(GRPOConfig):
                 "mini batch of a rank."})
     ppo_epochs: int | None = field(default=None, metadata={
         "help": "Passes over each rollout (TRL num_iterations)."})
+    use_dynamic_bsz: bool | None = field(default=None, metadata={
+        "help": "Token-budgeted micro batches for the update (verl's name): the samples of each optimizer step on a "
+                "rank are cut into micro batches of at most ppo_max_token_len_per_device tokens (real tokens when "
+                "the forward is padding-free, samples x the longest when padded), of even work, as many on every "
+                "rank (at least gradient_accumulation_steps); gradients equal the count-based update's. The "
+                "old-policy and reference passes take the same budget unless set. None (default): on when "
+                "ppo_max_token_len_per_device is set; True without a budget: a default from the model's size and "
+                "the device's memory (`trl-nrollout plan` prints it)."})
+    ppo_max_token_len_per_device: int | None = field(default=None, metadata={
+        "help": "Token budget of one update micro batch per device (verl's ppo_max_token_len_per_gpu): prompt + "
+                "completion tokens; at least the longest sample (max_prompt_length + max_completion_length). "
+                "Setting it turns use_dynamic_bsz on."})
     log_prob_micro_batch_size: int | None = field(default=None, metadata={
         "help": "Global micro batch of the old-policy log-prob pass, divided by the data-parallel size (verl's "
                 "older normalization). Set this or log_prob_micro_batch_size_per_device, not both."})
@@ -388,6 +400,7 @@ class NRolloutConfig(GRPOConfig):
         self.use_vllm = False  # the engines are ours, not TRL's (use_vllm=True was mapped onto rollout_backend)
         if self.rollout_tp_size > 1:
             self.vllm_tensor_parallel_size = self.rollout_tp_size
+        self._resolve_dynamic_bsz()
         if self.sequence_parallel_size != 1:
             raise InputError(
                 f"sequence_parallel_size={self.sequence_parallel_size}: TRL's trainer builds inputs after generation "
@@ -405,6 +418,23 @@ class NRolloutConfig(GRPOConfig):
                 f"WORLD_SIZE={world} in the environment but the trainer sees {self.world_size} processes; launch with "
                 "`accelerate launch` or `torchrun` so that both agree."
             )
+
+    def _resolve_dynamic_bsz(self) -> None:
+        """``use_dynamic_bsz`` None -> on exactly when a budget is given; a budget with it off is a contradiction;
+        the log-prob passes follow an explicit budget unless they have their own size."""
+        budget = self.ppo_max_token_len_per_device
+        if budget is not None and budget < 1:
+            raise InputError(f"ppo_max_token_len_per_device={budget} must be >= 1 (tokens per update micro batch per "
+                             "device, at least the longest sample: max_prompt_length + max_completion_length).")
+        if self.use_dynamic_bsz is False and budget is not None:
+            raise InputError(f"use_dynamic_bsz=False with ppo_max_token_len_per_device={budget}: the budget only "
+                             "applies to token-budgeted micro batches; remove one of them.")
+        if self.use_dynamic_bsz is None:
+            self.use_dynamic_bsz = budget is not None
+        passes_sized = any(getattr(self, name) is not None for name in (
+            "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_device", "log_prob_max_token_len_per_device"))
+        if self.use_dynamic_bsz and budget is not None and not passes_sized:
+            self.log_prob_max_token_len_per_device = budget
 
     def _check_numbers(self) -> None:
         """NaN, inf or a value outside its range in any number option (:func:`number_refusal`) is an error here,

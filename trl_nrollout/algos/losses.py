@@ -62,6 +62,7 @@ def agg_loss(
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
     norm_length: int | None = None,
+    row_tokens: Tensor | None = None,
 ) -> Tensor:
     """Reduce a ``[B, T]`` loss to a scalar.
 
@@ -71,7 +72,9 @@ def agg_loss(
     - ``seq-mean-token-sum-norm``: token sum / (sequences x ``norm_length``), a constant length (Dr. GRPO);
       ``norm_length`` defaults to ``T``.
     - ``token-mean-micro``: the token mean of this micro batch alone, whatever ``num_tokens`` says (TRL's
-      ``bnpo``; the trainer divides it by the accumulation steps).
+      ``bnpo``; the trainer divides it by the accumulation steps). ``row_tokens`` ``[B]``: each row's own
+      denominator instead (the tokens of the micro batch it was counted in, when micro batches are re-cut by a
+      token budget).
 
     "Sequences" are the rows with at least one masked token (a fully masked row, e.g. padding, neither adds
     to the loss nor dilutes it; as verl). ``num_tokens`` / ``num_seqs`` override the denominators, so that
@@ -81,6 +84,8 @@ def agg_loss(
     mask = loss_mask.to(loss_mat.dtype)
     masked = torch.where(mask != 0, loss_mat * mask, 0.0)  # [B, T]
     if loss_agg_mode == "token-mean-micro":
+        if row_tokens is not None:
+            return (masked.sum(-1) / row_tokens.to(loss_mat.dtype).clamp(min=1)).sum()
         return masked.sum() / mask.sum().clamp(min=1)
     if loss_agg_mode == "token-mean":
         denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=loss_mat.dtype)

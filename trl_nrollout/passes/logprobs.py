@@ -279,7 +279,7 @@ def compute_log_probs(
     if budgeted:  # every rank as many micro batches as the busiest needs, each of even work, within the budget
         num_forwards = synced_count(count, device, sync_forwards)
         hidden = getattr(getattr(inner, "config", None), "hidden_size", None) or 4096
-        batches = [p for p in budgeted_parts(lengths, max_token_len, num_forwards, hidden) if p]
+        batches = budgeted_parts(lengths, max_token_len, min(num_forwards, b), hidden)  # fillers make up the rest
     else:
         num_forwards = synced_count(len(batches), device, sync_forwards)
     was_training = inner.training

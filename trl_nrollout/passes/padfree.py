@@ -231,12 +231,55 @@ def budget_count(lengths: Sequence[int], budget: int) -> int:
     return len(row_bins(lengths, budget))
 
 
-def budgeted_parts(lengths: Sequence[int], budget: int, count: int, hidden_size: int = 4096) -> list[list[int]]:
-    """A rank's samples in exactly ``count`` micro batches (the largest :func:`budget_count` over the data-parallel
-    ranks, so that every rank runs as many forwards) of even work (:func:`balanced_parts` on :func:`workload`); where
-    evening the work breaks the budget, the parts of first-fit decreasing, topped up with empty parts."""
+def budgeted_parts(lengths: Sequence[int], budget: int, count: int, hidden_size: int = 4096, *,
+                   padded: bool = False) -> list[list[int]]:
+    """A rank's samples in exactly ``count`` non-empty micro batches (``count``: the largest :func:`budget_count`
+    over the data-parallel ranks, so that every rank runs as many forwards; at most ``len(lengths)``) of even work
+    (:func:`balanced_parts` on :func:`workload`). Where evening the work breaks the budget, the parts of first-fit
+    decreasing, the most populous split until there are ``count``. ``padded``: a micro batch costs its samples times
+    its longest (the padded layout, :func:`padded_budget_parts`) instead of its real tokens."""
+    if not 1 <= count <= max(len(lengths), 1):
+        raise ValueError(f"budgeted_parts: count={count} must be between 1 and the {len(lengths)} samples.")
+    if padded:
+        return split_to(padded_budget_parts(lengths, budget), count)
     parts = balanced_parts([workload(n, hidden_size) for n in lengths], count)
     if all(sum(lengths[i] for i in p) <= budget for p in parts):
         return parts
-    bins = row_bins(lengths, budget)
-    return [sorted(b) for b in bins] + [[] for _ in range(count - len(bins))]
+    return split_to([sorted(b) for b in row_bins(lengths, budget)], count)
+
+
+def padded_budget_parts(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Samples in micro batches whose padded size (samples x the longest) is at most ``budget``: longest first, each
+    micro batch takes the next samples while they fit (neighbours in length, so little padding). A sample longer
+    than the budget is an error naming the option (:func:`budget_count`)."""
+    budget_count(lengths, budget)  # the error for a sample over the budget
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts: list[list[int]] = []
+    for i in order:
+        if parts and (len(parts[-1]) + 1) * lengths[parts[-1][0]] <= budget:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return [sorted(p) for p in parts] or [[]]
+
+
+def split_to(parts: list[list[int]], count: int) -> list[list[int]]:
+    """``parts`` made exactly ``count`` (more than there are: the most populous split in halves, which keeps every
+    part within the budget it met; fewer: the smallest merged is NOT done, the caller asks for at least as many as it
+    has). Each part's indices sorted."""
+    parts = [sorted(p) for p in parts if p]
+    if len(parts) > count:
+        raise ValueError(f"split_to: {len(parts)} parts cannot become {count}.")
+    while len(parts) < count:
+        big = max(range(len(parts)), key=lambda j: (len(parts[j]), -j))
+        if len(parts[big]) < 2:
+            raise ValueError(f"split_to: {sum(map(len, parts))} samples cannot fill {count} non-empty parts.")
+        half = len(parts[big]) // 2
+        parts[big], extra = parts[big][:half], parts[big][half:]
+        parts.insert(big + 1, extra)
+    return parts
+
+
+def padded_budget_count(lengths: Sequence[int], budget: int) -> int:
+    """How many padded micro batches (:func:`padded_budget_parts`) a rank's samples need under ``budget``."""
+    return len(padded_budget_parts(lengths, budget)) if lengths else 1

@@ -966,8 +966,11 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         # the lean pass does not call): with bf16=True over float32 weights both run in bf16, so the first step's
         # ratio is exactly 1 and a KL against the policy's own weights is 0; the head as TRL's fused head runs it
         with self.accelerator.autocast():
+            # under a token budget the count is a cap only where the user set one (verl: the budget replaces it)
+            per_device = None if micro.max_token_len is not None and micro.source.startswith("default") else \
+                micro.per_device
             out = compute_log_probs(model, prompt_ids, completion_ids, temperature=self.temperature,
-                                    pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=micro.per_device,
+                                    pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=per_device,
                                     max_token_len=micro.max_token_len, mm_inputs=mm, shared_prompts=shared,
                                     head_fp32=bool(self.args.cast_lm_head_to_fp32),
                                     pad_to_multiple_of=self.pad_to_multiple_of, support=support,
@@ -1049,7 +1052,8 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
             self.step_clock.rollout_s += time.perf_counter() - start
             batch = shuffle_sequence_dict(batch)
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
-            self._buffered_inputs = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
+            chunks = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
+            self._buffered_inputs = chunks if not self.args.use_dynamic_bsz else self._budgeted_steps(chunks)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
 

@@ -241,7 +241,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         # critic warm-up (verl): the rollout and the critic's update run, the policy's gradient is not computed
         model.train()
         prepared = self._prepare_inputs(inputs)
-        self._critic_update(prepared)
+        for part, _ in self._each_part(model, prepared):  # under a token budget: each micro batch, one boundary
+            self._critic_update(part)
         self._critic_logged_time = 0.0  # no actor update to keep it out of
         self._step += 1
         if self._step % self.current_gradient_accumulation_steps == 0:  # the step's clock, without an actor update

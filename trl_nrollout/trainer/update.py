@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
-from accelerate.utils import gather
+from accelerate.utils import DistributedType, gather
 from torch import Tensor
 
 from trl_nrollout.algos.losses import (
@@ -30,6 +32,14 @@ from trl_nrollout.algos.losses import (
     sampling_support_log_mass,
     vespo_weights,
 )
+from trl_nrollout.passes.budget import (
+    BudgetedStep,
+    concat_batches,
+    sample_lengths,
+    select_rows,
+    slot_sizes,
+    with_micro_tokens,
+)
 from trl_nrollout.passes.logprobs import SupportFn
 from trl_nrollout.passes.multimodal import collate
 from trl_nrollout.passes.packing import (
@@ -39,7 +49,15 @@ from trl_nrollout.passes.packing import (
     query_dtype,
     structural_reason,
 )
-from trl_nrollout.passes.padfree import pack_rows, padfree_fits, prefix_lengths, unpad
+from trl_nrollout.passes.padfree import (
+    budget_count,
+    budgeted_parts,
+    pack_rows,
+    padded_budget_count,
+    padfree_fits,
+    prefix_lengths,
+    unpad,
+)
 
 logger = logging.getLogger(__name__)  # a child of trl_nrollout.trainer: filtering that name filters all
 
@@ -68,6 +86,109 @@ class PolicyUpdate:
             c["mb_tokens"] = torch.tensor(max(tokens, 1.0) / world, device=dev)
             c["mb_seqs"] = torch.tensor(max(seqs, 1.0) / world, device=dev)
         return chunks
+
+    # ------------------------------------------------------------------ token-budgeted micro batches
+    def _update_budget(self) -> int:
+        """Tokens per update micro batch per device (``ppo_max_token_len_per_device``)."""
+        budget = self.args.ppo_max_token_len_per_device
+        if budget is None:
+            raise ValueError("use_dynamic_bsz=True needs ppo_max_token_len_per_device (tokens per update micro batch "
+                             "per device, at least max_prompt_length + max_completion_length).")
+        return budget
+
+    def _budgeted_steps(self, chunks: list[dict]) -> list[BudgetedStep]:
+        """A rollout's count-based micro batches (TRL's ``steps_per_generation`` of them, normalizers attached) re-cut
+        under the token budget (:mod:`trl_nrollout.passes.budget`): the samples of each optimizer step pooled, cut
+        into micro batches of at most the budget's tokens (real tokens where the forward is padding-free, padded
+        size otherwise) of even work, as many on every rank, spread over the optimizer step's micro steps. Where
+        TRL's optimizer steps span rollouts (``gradient_accumulation_steps`` does not divide the micro batches),
+        each micro step's samples are cut alone."""
+        budget = self._update_budget()
+        accum = self.args.gradient_accumulation_steps
+        window = accum if len(chunks) % accum == 0 else 1
+        padded = any("mm_inputs" in c for c in chunks) or not self._padfree_allowed(self.model)
+        pools, needs = [], []
+        for start in range(0, len(chunks), window):
+            group = [with_micro_tokens(c, loss_mask(c).sum()) for c in chunks[start:start + window]]
+            pool = concat_batches(group)
+            lengths = sample_lengths(pool)
+            need = padded_budget_count(lengths, budget) if padded else budget_count(lengths, budget)
+            pools.append((pool, lengths))
+            needs.append(max(need, window))
+        # every rank runs as many forwards (ZeRO-3 / FSDP gather in each): the busiest rank's count, per optimizer step
+        every = gather(torch.tensor([needs], device=self.accelerator.device))  # [ranks, optimizer steps]
+        counts = every.amax(0).cpu()
+        self._metric("train", "update/micro_batches", float(counts.sum()))
+        self._metric("train", "update/micro_batches_least_rank", float(every.amin(0).sum()))
+        hidden = getattr(self.accelerator.unwrap_model(self.model).config, "hidden_size", None) or 4096
+        steps: list[BudgetedStep] = []
+        for (pool, lengths), count in zip(pools, counts.tolist()):
+            own = budgeted_parts(lengths, budget, min(count, len(lengths)), hidden, padded=padded)
+            parts = [select_rows(pool, idx, self.pad_to_multiple_of) for idx in own]
+            # a rank with fewer samples than the busiest rank's count: forwards that weigh nothing keep it in step
+            parts += [{**select_rows(pool, [0], self.pad_to_multiple_of), "loss_scale": 0.0}
+                      for _ in range(count - len(own))]
+            at = 0
+            for size in slot_sizes(count, window):
+                steps.append(BudgetedStep(parts[at:at + size]))
+                at += size
+        if not getattr(self, "_budget_said", False) and self.accelerator.is_main_process:
+            self._budget_said = True
+            logger.info("use_dynamic_bsz: the update runs micro batches of at most %d %s tokens per device (%d for "
+                        "this rollout's %d micro steps, the busiest rank's count on every rank).", budget,
+                        "padded" if padded else "real", int(counts.sum()), len(chunks))
+        return steps
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not isinstance(inputs, BudgetedStep):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        # every micro batch but the last: forward and backward here, gradients held; the last one's loss goes back to
+        # the Trainer, which backpropagates it (and, at the accumulation boundary, syncs and steps)
+        done: list[Tensor] = []
+        for part, last in self._each_part(model, inputs):
+            loss = self._part_loss(model, part)
+            if last:
+                return loss + torch.stack(done).sum() if done else loss
+            self.accelerator.backward(loss, **self._backward_kwargs())
+            done.append(loss.detach())
+        raise AssertionError("a budgeted micro step holds at least one micro batch")
+
+    def _part_loss(self, model, part: dict) -> Tensor:
+        loss = self._compute_loss(model, part)
+        scale = part.get("loss_scale")
+        return loss if scale is None else loss * scale
+
+    def _backward_kwargs(self) -> dict:
+        """What the Trainer passes to ``accelerator.backward`` (our losses are already scaled for accumulation)."""
+        return {"scale_wrt_gas": False} if self.accelerator.distributed_type == DistributedType.DEEPSPEED else {}
+
+    def _each_part(self, model, inputs) -> Iterator[tuple[dict, bool]]:
+        """The micro batches of one micro step with whether each is the last; every one but the last runs with the
+        gradients held (:meth:`_gradients_held`). A plain TRL batch is one micro batch."""
+        parts = inputs.parts if isinstance(inputs, BudgetedStep) else [inputs]
+        for i, part in enumerate(parts):
+            if i == len(parts) - 1:
+                yield part, True
+            else:
+                with self._gradients_held(model):
+                    yield part, False
+
+    @contextmanager
+    def _gradients_held(self, model) -> Iterator[None]:
+        """A micro batch that is not its micro step's last: no gradient sync and no optimizer step after its
+        backward, even at the accumulation boundary (accelerate's ``sync_gradients`` off: DeepSpeed neither reduces
+        as at a boundary nor steps; DDP / FSDP2 ``no_sync``). Off the boundary the Trainer already holds them."""
+        acc = self.accelerator
+        if not acc.sync_gradients:
+            yield
+            return
+        acc.gradient_state._set_sync_gradients(False)
+        try:
+            with acc.no_sync(model):
+                yield
+        finally:
+            acc.gradient_state._set_sync_gradients(True)
 
     # ------------------------------------------------------------------ what the engine's log-probs are over
     def _sampling_support(self) -> SupportFn | None:
@@ -250,7 +371,8 @@ class PolicyUpdate:
                    "shared_prompt_forward%s is not used: %s; the plain forward runs.",
                    "=True" if explicit else " (default)", reason)
 
-    def _entropy_bonus(self, entropies: Tensor, mask: Tensor, mode: str) -> Tensor:
+    def _entropy_bonus(self, entropies: Tensor, mask: Tensor, mode: str, micro_tokens: Tensor | None = None
+                       ) -> Tensor:
         """TRL's entropy bonus, by TRL's rules (``entropy_coef``, ``use_adaptive_entropy``, ``entropy_target``...).
 
         The bonus is ``coef x`` the mean token entropy of the micro batch (scaled for gradient accumulation, like
@@ -262,7 +384,10 @@ class PolicyUpdate:
         """
         args = self.args
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        entropy_loss = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        if micro_tokens is None:
+            entropy_loss = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        else:  # re-cut under a token budget: each sample over the tokens of its count-based micro batch
+            entropy_loss = ((entropies * mask).sum(-1) / micro_tokens.clamp(min=1.0)).sum() / accumulation
         adaptive = self.use_adaptive_entropy
         coef = self.entropy_coef if not adaptive or self._last_world_entropy <= args.entropy_target else 0.0
         if adaptive and mode == "train":
@@ -305,6 +430,9 @@ class PolicyUpdate:
         agg = dict(num_tokens=inputs["mb_tokens"], num_seqs=inputs["mb_seqs"])
         if args.loss_agg_mode == "seq-mean-token-sum-norm":
             agg["norm_length"] = args.max_completion_length
+        micro_tokens = inputs.get("micro_tokens")  # [B] under a token budget: each sample's count-based micro batch
+        if micro_tokens is not None and args.loss_agg_mode == "token-mean-micro":
+            agg["row_tokens"] = micro_tokens
 
         # rollout / trainer mismatch: drift metrics always, importance weights when asked (the decoupled loss of
         # stale samples: the clip against ``old``, the proximal policy, times the weight of ``old`` over the engine's
@@ -365,9 +493,12 @@ class PolicyUpdate:
         if args.loss_agg_mode == "token-mean-micro":  # TRL's bnpo: this micro batch's mean, over the accumulation
             loss = loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
         if self._entropy_bonus_enabled:
-            loss = loss - self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
+            loss = loss - self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode,
+                                              micro_tokens)
         if aux_loss is not None:  # TRL's MoE router loss, router_aux_loss_coef (default: the model's own coefficient)
             accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            if micro_tokens is not None:  # this micro batch's share of its count-based micro batches' tokens
+                accumulation = accumulation / (mask.sum(-1) / micro_tokens.clamp(min=1)).sum().clamp(min=1e-8)
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             stats["aux_loss"] = aux_loss.detach()
         ratio = torch.exp((logps - old).detach())

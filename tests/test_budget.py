@@ -1,0 +1,163 @@
+"""Token-budgeted micro batches for the update (``use_dynamic_bsz`` / ``ppo_max_token_len_per_device``).
+
+The property: re-cutting an optimizer step's samples under a token budget changes how many forwards run and how
+wide they are, never the gradient. Each case builds our trainer from a plain config on a tiny model, makes one
+rollout's batch of 12 samples of long-tailed lengths (left-padded prompts of 2-9 tokens, completions of 0-20),
+cuts it as TRL's loop does (two micro batches of 6, one optimizer step), and compares the summed gradients of the
+count-based update with the budgeted one (several micro batches per micro step), for every TRL loss type, GSPO's
+sequence ratio, the entropy bonus, and both forward layouts (padding-free rows and padded micro batches).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trl.trainer.utils import split_tensor_dict
+
+import trl_nrollout.trainer.grpo as trainer_module
+import trl_nrollout.trainer.update as update_module
+from tests.conftest import save_tiny_model
+from trl_nrollout import NRolloutGRPOTrainer
+from trl_nrollout.builtin import digits_dataset, digits_reward
+from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.dropin import TRL_LOSS_TYPES
+from trl_nrollout.errors import InputError
+from trl_nrollout.passes.budget import BudgetedStep, concat_batches, sample_lengths, select_rows, slot_sizes
+
+ROWS, PROMPT, COMPLETION = 12, 9, 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    return save_tiny_model(tmp_path_factory.mktemp("budget") / "model")
+
+
+def _trainer(model_dir: str, tmp_path, monkeypatch, **options) -> NRolloutGRPOTrainer:
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    args = NRolloutConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
+                          gradient_accumulation_steps=2, steps_per_generation=2, max_completion_length=COMPLETION,
+                          use_cpu=True, report_to="none", bf16=False, save_strategy="no", seed=1, temperature=0.9,
+                          **options)
+    trainer = NRolloutGRPOTrainer(model=model_dir, reward_funcs=[digits_reward], args=args,
+                                  train_dataset=digits_dataset(12))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 2
+    return trainer
+
+
+def _batch(trainer: NRolloutGRPOTrainer, seed: int) -> dict:
+    """12 samples in TRL's layout: left-padded prompts, right-padded completions of long-tailed lengths, log-probs
+    around the model's own so that ratios clip."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    prompt_len = torch.randint(2, PROMPT + 1, (ROWS,), generator=g)
+    completion_len = torch.tensor([1, 20, 2, 0, 3, 17, 1, 5, 2, 20, 1, 4])
+    prompt_mask = (torch.arange(PROMPT)[None] >= PROMPT - prompt_len[:, None]).long()
+    prompt_ids = torch.randint(3, vocab, (ROWS, PROMPT), generator=g).masked_fill(prompt_mask == 0, 0)
+    completion_mask = (torch.arange(COMPLETION)[None] < completion_len[:, None]).long()
+    completion_ids = torch.randint(3, vocab, (ROWS, COMPLETION), generator=g).masked_fill(completion_mask == 0, 0)
+    base = -2.0 + 0.1 * torch.randn(ROWS, COMPLETION, generator=g)
+    return {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids, "completion_mask": completion_mask,
+        "advantages": torch.randn(ROWS, COMPLETION, generator=g),
+        "old_per_token_logps": base + 0.3 * torch.randn(ROWS, COMPLETION, generator=g),
+        "sampling_per_token_logps": base + 0.4 * torch.randn(ROWS, COMPLETION, generator=g),
+        "ref_per_token_logps": base + 0.3 * torch.randn(ROWS, COMPLETION, generator=g),
+    }
+
+
+def _grads(trainer, steps: list) -> tuple[float, list[torch.Tensor]]:
+    """The optimizer step's loss and summed gradients over TRL's micro steps, each through the Trainer's own
+    ``compute_loss`` then ``accelerator.backward`` (as ``training_step`` does)."""
+    trainer.model.zero_grad()
+    total = 0.0
+    for inputs in steps:
+        loss = trainer.compute_loss(trainer.model, inputs)
+        trainer.accelerator.backward(loss)
+        total += loss.item()
+    return total, [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+
+CASES = [dict(loss_type=t) for t in sorted(TRL_LOSS_TYPES) if t != "vespo"] + [
+    dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_neg=1.0),
+    dict(loss_type="dapo", importance_sampling_level="sequence"),  # GSPO's sequence ratio
+    dict(loss_type="bnpo", entropy_coef=0.1),  # the entropy bonus: a per-micro-batch mean, like bnpo
+    dict(loss_type="dapo", beta=0.05),
+]
+
+
+@pytest.mark.parametrize("layout", ["padding_free", "padded"])
+@pytest.mark.parametrize("options", CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_budgeted_micro_batches_give_the_count_based_gradient(options, layout, model_dir, tmp_path, monkeypatch):
+    """Mutations tried: each micro batch normalized by its own tokens (``agg_loss`` without ``row_tokens``) ->
+    bnpo fails; the parts' losses summed without their backward (only the last part trained) -> every case fails;
+    ``_gradients_held`` not restoring ``sync_gradients`` -> the next micro step's count differs."""
+    trainer = _trainer(model_dir, tmp_path, monkeypatch, padding_free=layout == "padding_free",
+                       shared_prompt_forward=False, ppo_max_token_len_per_device=40, **options)
+    assert trainer.args.use_dynamic_bsz
+    batch = _batch(trainer, seed=len(str(options)))
+    chunks = trainer._add_normalizers(split_tensor_dict(batch, 2), 2)
+    plain_loss, plain = _grads(trainer, chunks)
+    steps = trainer._budgeted_steps(chunks)
+    assert len(steps) == 2 and all(isinstance(s, BudgetedStep) for s in steps)
+    parts = [p for s in steps for p in s.parts]
+    assert len(parts) > 2, "the budget must cut the step finer than TRL's two micro batches"
+    assert all(sum(sample_lengths(p)) <= 40 if layout == "padding_free" else
+               p["completion_ids"].shape[0] * max(sample_lengths(p)) <= 40 for p in parts)
+    assert sorted(len(s) for s in steps) and sum(len(s) for s in steps) == ROWS
+    rows = []
+    real = update_module.pack_rows
+    monkeypatch.setattr(update_module, "pack_rows", lambda *a, **kw: rows.append(1) or real(*a, **kw))
+    budget_loss, budgeted = _grads(trainer, steps)
+    assert bool(rows) == (layout == "padding_free")
+    assert sum(g.abs().sum().item() for g in plain) > 1e-3, "a degenerate case tests nothing"
+    assert trainer.accelerator.sync_gradients, "the micro step's boundary state is restored"
+    assert abs(budget_loss - plain_loss) < 1e-5 * max(1.0, abs(plain_loss))
+    for a, b in zip(budgeted, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_micro_batch_holds_its_own_width(model_dir, tmp_path, monkeypatch):
+    """A selection is cut to its own longest prompt (left) and completion (right): a micro batch of short samples
+    is not as wide as the step's longest. Mutation: keep the full width -> fails."""
+    trainer = _trainer(model_dir, tmp_path, monkeypatch, ppo_max_token_len_per_device=40)
+    batch = _batch(trainer, seed=3)
+    short = [i for i, n in enumerate(batch["completion_mask"].sum(-1).tolist()) if 0 < n <= 3]
+    part = select_rows(batch, short)
+    assert part["completion_ids"].shape[1] == 3
+    assert part["prompt_ids"].shape[1] == int(batch["prompt_mask"][short].sum(-1).max())
+    assert torch.equal(part["completion_ids"], batch["completion_ids"][short][:, :3])
+    assert torch.equal(part["prompt_mask"].sum(-1), batch["prompt_mask"][short].sum(-1))
+    assert select_rows(batch, short, multiple_of=8)["completion_ids"].shape[1] == 8
+    both = concat_batches([select_rows(batch, [0, 1]), select_rows(batch, [0, 1])])
+    assert both["completion_ids"].shape[0] == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 16))
+def test_slot_sizes_spread_the_micro_batches_over_the_micro_steps(count, slots):
+    if count < slots:
+        with pytest.raises(ValueError, match="cannot fill"):
+            slot_sizes(count, slots)
+        return
+    sizes = slot_sizes(count, slots)
+    assert sum(sizes) == count and len(sizes) == slots and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_dynamic_bsz_options_resolve_and_refuse(tmp_path):
+    def cfg(**kw):
+        return NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+
+    assert cfg().use_dynamic_bsz is False
+    on = cfg(ppo_max_token_len_per_device=4096)
+    assert on.use_dynamic_bsz and on.log_prob_max_token_len_per_device == 4096
+    assert cfg(ppo_max_token_len_per_device=4096, log_prob_micro_batch_size_per_device=4) \
+        .log_prob_max_token_len_per_device is None
+    with pytest.raises(InputError, match=r"use_dynamic_bsz=False with ppo_max_token_len_per_device=4096"):
+        cfg(use_dynamic_bsz=False, ppo_max_token_len_per_device=4096)
+    with pytest.raises(InputError, match=r"ppo_max_token_len_per_device=0 must be >= 1"):
+        cfg(ppo_max_token_len_per_device=0)

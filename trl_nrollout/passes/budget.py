@@ -1,0 +1,114 @@
+"""Token-budgeted micro batches for the policy update (verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``).
+
+TRL's loop cuts a rank's rollout into ``steps_per_generation`` micro batches by count and takes an optimizer step
+every ``gradient_accumulation_steps`` of them, each micro batch as wide as the step's longest sample. Under a token
+budget the samples of one optimizer step (its ``gradient_accumulation_steps`` micro batches, pooled) are cut instead
+into micro batches of at most ``budget`` tokens each (:func:`~trl_nrollout.passes.padfree.budgeted_parts`: real tokens
+when the forward is padding-free, samples x the longest when it is padded), of even work, as many on every rank
+(the busiest rank's count, at least one per TRL micro step), and handed to TRL's micro steps in order
+(:func:`slot_sizes`); a micro step runs its micro batches one after another, each a forward and a backward, with the
+gradients synchronised after the last (:class:`BudgetedStep`).
+
+Every micro batch keeps the normalizers of its optimizer step (the loss is a sum over micro batches of per-token sums
+over global counts, so the cut does not change the gradient) and each sample carries ``micro_tokens``, the tokens
+of the count-based micro batch it came from, so that TRL's per-micro-batch mean (``bnpo``, ``token-mean-micro``) and
+the entropy bonus normalize as they did before the cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: the batch keys laid out as left-padded prompts ``[B, P]``; every other ``[B, C]`` tensor is right-padded completions
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+
+
+@dataclass
+class BudgetedStep:
+    """One of TRL's micro steps (one ``training_step``) under a token budget: its micro batches, each a TRL batch
+    dict (``prompt_ids`` ``[b, P']``, ``completion_ids`` ``[b, C']``...), run in order; gradients are synchronised
+    after the last."""
+
+    parts: list[dict[str, Any]]
+
+    def __len__(self) -> int:
+        return sum(int(p["completion_ids"].shape[0]) for p in self.parts)
+
+
+def sample_lengths(batch: dict[str, Any]) -> list[int]:
+    """Each sample's tokens in a forward: real prompt tokens plus its completion up to the last masked-in token
+    (``[B]`` as a list). A completion whose mask is all zeros (``mask_truncated_completions``) counts its prompt."""
+    prompt = batch["prompt_mask"].sum(-1)
+    mask = batch["completion_mask"]
+    width = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    completion = (mask.bool() * width).amax(-1) if mask.shape[1] else torch.zeros_like(prompt)
+    return (prompt + completion).tolist()
+
+
+def slot_sizes(count: int, slots: int) -> list[int]:
+    """How many of ``count`` micro batches each of ``slots`` micro steps runs: as even as possible, at least one
+    each (``count >= slots``), the extra ones on the last micro steps."""
+    if count < slots or slots < 1:
+        raise ValueError(f"slot_sizes: {count} micro batches cannot fill {slots} micro steps (one at least each).")
+    base, extra = divmod(count, slots)
+    return [base + (i >= slots - extra) for i in range(slots)]
+
+
+def concat_batches(batches: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """TRL micro batches of one rollout (same widths) as one: per-sample tensors and lists concatenated, scalars
+    (the normalizers, equal within an optimizer step) taken from the first."""
+    out: dict[str, Any] = {}
+    rows = int(batches[0]["completion_ids"].shape[0])
+    for key, value in batches[0].items():
+        if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+            out[key] = torch.cat([b[key] for b in batches])
+        elif isinstance(value, list) and len(value) == rows:
+            out[key] = [x for b in batches for x in b[key]]
+        else:
+            out[key] = value
+    return out
+
+
+def select_rows(batch: dict[str, Any], index: Sequence[int], multiple_of: int | None = None) -> dict[str, Any]:
+    """Samples ``index`` of a TRL batch, each tensor cut to the selection's own widths: prompts keep their last
+    ``P'`` columns (left-padded), completions their first ``C'`` (right-padded), ``P'`` and ``C'`` the longest of
+    the selection (rounded up to ``multiple_of``, TRL's ``pad_to_multiple_of``). Scalars are kept."""
+    rows = int(batch["completion_ids"].shape[0])
+    prompt_w, completion_w = int(batch["prompt_ids"].shape[1]), int(batch["completion_ids"].shape[1])
+    idx = torch.as_tensor(list(index), dtype=torch.long, device=batch["completion_ids"].device)
+    lengths_p = batch["prompt_mask"][idx].sum(-1)
+    mask = batch["completion_mask"][idx]
+    cols = torch.arange(1, completion_w + 1, device=mask.device)
+    lengths_c = (mask.bool() * cols).amax(-1) if completion_w else torch.zeros_like(lengths_p)
+    p_keep = min(prompt_w, _round_up(int(lengths_p.max()) if len(idx) else 0, multiple_of))
+    c_keep = min(completion_w, _round_up(max(int(lengths_c.max()) if len(idx) else 0, 1), multiple_of))
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+            value = value[idx]
+            if key in PROMPT_KEYS:
+                value = value[:, prompt_w - p_keep:]
+            elif value.dim() >= 2 and value.shape[1] == completion_w:
+                value = value[:, :c_keep]
+            out[key] = value
+        elif isinstance(value, list) and len(value) == rows:
+            out[key] = [value[i] for i in idx.tolist()]
+        else:
+            out[key] = value
+    return out
+
+
+def with_micro_tokens(batch: dict[str, Any], tokens: Tensor) -> dict[str, Any]:
+    """``batch`` with ``micro_tokens`` ``[B]``: every sample tagged with ``tokens`` (``[]``), the loss tokens of
+    the count-based micro batch it belongs to."""
+    rows = int(batch["completion_ids"].shape[0])
+    return {**batch, "micro_tokens": tokens.to(torch.float32).reshape(()).expand(rows).clone()}
+
+
+def _round_up(n: int, multiple: int | None) -> int:
+    return -(-n // multiple) * multiple if multiple and multiple > 1 else n
