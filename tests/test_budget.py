@@ -152,7 +152,9 @@ def test_dynamic_bsz_options_resolve_and_refuse(tmp_path):
     def cfg(**kw):
         return NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
 
-    assert cfg().use_dynamic_bsz is False
+    assert cfg().use_dynamic_bsz is False  # TRL's fields: per_device_train_batch_size counts, as in TRL
+    assert cfg(train_batch_size=4, rollout_n=2).use_dynamic_bsz  # verl's, no micro batch: budgeted by default
+    assert not cfg(train_batch_size=4, rollout_n=2, ppo_micro_batch_size_per_device=2).use_dynamic_bsz
     on = cfg(ppo_max_token_len_per_device=4096)
     assert on.use_dynamic_bsz and on.log_prob_max_token_len_per_device == 4096
     assert cfg(ppo_max_token_len_per_device=4096, log_prob_micro_batch_size_per_device=4) \
@@ -161,3 +163,20 @@ def test_dynamic_bsz_options_resolve_and_refuse(tmp_path):
         cfg(use_dynamic_bsz=False, ppo_max_token_len_per_device=4096)
     with pytest.raises(InputError, match=r"ppo_max_token_len_per_device=0 must be >= 1"):
         cfg(ppo_max_token_len_per_device=0)
+
+
+def test_the_default_budget_follows_the_model_and_never_refuses_a_sample(model_dir, tmp_path, monkeypatch):
+    """``use_dynamic_bsz=True`` without a budget: the default of ``default_update_token_budget`` for this model on
+    a CPU (16,384 tokens), the old-policy and reference passes take it, and a step with a longer sample raises it
+    to that sample; a budget the user set refuses such a sample, naming the option. Mutation: the default not
+    raised to the longest sample -> the 20,000-token step is refused."""
+    from trl_nrollout.plan.activations import CPU_DEFAULT_TOKEN_BUDGET
+
+    trainer = _trainer(model_dir, tmp_path, monkeypatch, use_dynamic_bsz=True)
+    assert trainer.update_budget.tokens == CPU_DEFAULT_TOKEN_BUDGET and not trainer.update_budget.explicit
+    assert trainer.layout.old_log_prob.max_token_len == trainer.layout.ref_log_prob.max_token_len == 16384
+    assert trainer._budget_for([30, 20_000]) == 20_000
+    explicit = _trainer(model_dir, tmp_path / "explicit", monkeypatch, ppo_max_token_len_per_device=12)
+    chunks = explicit._add_normalizers(split_tensor_dict(_batch(explicit, seed=5), 2), 2)
+    with pytest.raises(ValueError, match=r"ppo_max_token_len_per_device=12 is below the longest sample"):
+        explicit._budgeted_steps(chunks)

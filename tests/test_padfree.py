@@ -224,3 +224,37 @@ def test_the_update_and_the_old_policy_pass_padding_free_equal_the_padded(tmp_pa
     padded = compute_log_probs(trainer.model, prompts, completions, max_token_len=budget)
     assert used and free.num_forwards <= padded.num_forwards
     assert torch.allclose(free.logprobs, padded.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_the_critics_values_and_their_gradients_are_the_padded_ones(tiny_model_path, attn, monkeypatch):
+    """PPO's critic (a token-classification head over the decoder): its value pass under a real-token budget and
+    its training forward, padding-free vs padded, give the same values ``[B, C]`` and the same gradients, and the
+    rows did run. Mutation: gather the value one position late (``index + 1``) -> the values differ."""
+    import trl_nrollout.passes.critic as critic_module
+    from trl_nrollout.passes.critic import build_critic, compute_values, critic_values, pad_batch
+
+    critic = build_critic(tiny_model_path, seed=3, dtype=torch.float32)
+    critic.config._attn_implementation = attn
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in (3, 7, 2, 5, 4, 6)]
+    completions = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in (1, 24, 2, 0, 3, 18)]
+    rows = []
+    real = critic_module.pack_rows
+    monkeypatch.setattr(critic_module, "pack_rows", lambda *a, **kw: rows.append(1) or real(*a, **kw))
+    budget = 2 * max(len(p) + len(c) for p, c in zip(prompts, completions))
+    free = compute_values(critic, prompts, completions, pad_token_id=0, max_token_len=budget, padding_free=True)
+    assert rows, "the padding-free rows ran"
+    padded = compute_values(critic, prompts, completions, pad_token_id=0, max_token_len=budget)
+    torch.testing.assert_close(free, padded, atol=1e-5, rtol=1e-4)
+    assert free.abs().sum() > 0
+
+    tensors = pad_batch(prompts, completions, 0)
+    grads = []
+    for padding_free in (True, False):
+        critic.zero_grad()
+        values = critic_values(critic, *tensors, padding_free=padding_free) * tensors[3]
+        (values ** 2).sum().backward()
+        grads.append([p.grad.clone() for p in critic.parameters() if p.grad is not None])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -121,22 +121,30 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     samples at a time each), one engine of TP=2, or ZeRO-3 sharded training) sample and learn exactly what one
     process does, within float noise. ``*_rollout_rank``: two trainers (DDP or ZeRO-3) and a third process that
     only generates (rollout_ranks=1), synchronous (max_staleness=0): the weights it receives after each update are
-    the trainers' (its log-probs match theirs) and it samples what the colocated engines sample."""
+    the trainers' (its log-probs match theirs) and it samples what the colocated engines sample. ``ddp_tp2`` and
+    ``zero3_tp1`` update under a token budget (``ppo_max_token_len_per_device``: ~16 micro batches a step instead of
+    one; ranks whose samples need different numbers run the busiest rank's count) and still learn exactly what the
+    one count-based process learns (mutations: each rank its own count -> ZeRO-3 hangs in a gather and times out;
+    gradients not held between micro batches -> DeepSpeed steps after every one and the rewards part)."""
     extra = ["--max_steps", "4"]
     if mode == "ddp_tp1":
         run = launch(tmp_path, *extra, procs=2)
     elif mode == "ddp_tp1_balanced":
         run = launch(tmp_path, *extra, "--rollout_dispatch", "balanced", "--rollout_max_num_seqs", "2", procs=2)
         assert all(0 <= h["rollout/moved_groups"] <= 1 and h["rollout/engine_idle_s"] >= 0 for h in run["steps"])
-    elif mode == "ddp_tp2":
-        run = launch(tmp_path, *extra, "--rollout_tp_size", "2", procs=2)
+    elif mode == "ddp_tp2":  # and the update under a token budget (DDP: gradients held until the last micro batch)
+        run = launch(tmp_path, *extra, "--rollout_tp_size", "2", "--ppo_max_token_len_per_device", "60", procs=2)
     elif mode == "ddp_rollout_rank":
         run = launch(tmp_path, *extra, "--rollout_ranks", "1", "--max_staleness", "0", procs=3)
     elif mode == "zero3_rollout_rank":
         run = launch(tmp_path, *extra, "--save_strategy", "no", "--rollout_ranks", "1", "--max_staleness", "0",
                      config="zero3_cpu.yaml", config_processes=3)
-    else:
-        run = launch(tmp_path, *extra, "--save_strategy", "no", config="zero3_cpu.yaml")
+    else:  # ZeRO-3 under a token budget: ranks needing different numbers of micro batches run the busiest's count
+        run = launch(tmp_path, *extra, "--save_strategy", "no", "--ppo_max_token_len_per_device", "60",
+                     config="zero3_cpu.yaml")
+    if mode in ("ddp_tp2", "zero3_tp1"):  # the ranks' own needs differed in a step, and both ran as many
+        counts = [(h["update/micro_batches"], h["update/micro_batches_least_rank"]) for h in run["steps"]]
+        assert any(least < most for most, least in counts), counts
     if mode.endswith("rollout_rank"):
         assert [h["rollout/staleness"] for h in run["steps"]] == [0, 0, 0, 0]
         assert max(h["rollout_corr/logprob_abs_diff_max"] for h in run["steps"]) < 1e-3

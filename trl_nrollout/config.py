@@ -159,8 +159,10 @@ class NRolloutConfig(GRPOConfig):
                 "the forward is padding-free, samples x the longest when padded), of even work, as many on every "
                 "rank (at least gradient_accumulation_steps); gradients equal the count-based update's. The "
                 "old-policy and reference passes take the same budget unless set. None (default): on when "
-                "ppo_max_token_len_per_device is set; True without a budget: a default from the model's size and "
-                "the device's memory (`trl-nrollout plan` prints it)."})
+                "ppo_max_token_len_per_device is set, or with verl's batch fields (train_batch_size) and no "
+                "ppo_micro_batch_size_per_device; off with TRL's (per_device_train_batch_size counts, as in TRL). "
+                "Without a budget: a default from the model's size and the device's memory, never below the "
+                "step's longest sample (`trl-nrollout plan` prints it)."})
     ppo_max_token_len_per_device: int | None = field(default=None, metadata={
         "help": "Token budget of one update micro batch per device (verl's ppo_max_token_len_per_gpu): prompt + "
                 "completion tokens; at least the longest sample (max_prompt_length + max_completion_length). "
@@ -429,8 +431,10 @@ class NRolloutConfig(GRPOConfig):
         if self.use_dynamic_bsz is False and budget is not None:
             raise InputError(f"use_dynamic_bsz=False with ppo_max_token_len_per_device={budget}: the budget only "
                              "applies to token-budgeted micro batches; remove one of them.")
-        if self.use_dynamic_bsz is None:
-            self.use_dynamic_bsz = budget is not None
+        if self.use_dynamic_bsz is None:  # verl's layout without a micro batch: budgeted (a rank's whole mini batch
+            # per forward is no default at reasoning lengths); TRL's fields: per_device_train_batch_size, as TRL
+            self.use_dynamic_bsz = budget is not None or (self.train_batch_size is not None
+                                                          and self.ppo_micro_batch_size_per_device is None)
         passes_sized = any(getattr(self, name) is not None for name in (
             "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_device", "log_prob_max_token_len_per_device"))
         if self.use_dynamic_bsz and budget is not None and not passes_sized:

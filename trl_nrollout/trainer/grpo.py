@@ -141,6 +141,14 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         # (prompts per step) in NRolloutConfig; HF Trainer copied it into _train_batch_size: restore its meaning.
         self._train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)
         self.layout = args.rollout_layout(self.accelerator.num_processes, launch_nodes(self.accelerator.num_processes))
+        self.update_budget = self._resolve_update_budget()
+        old = self.layout.old_log_prob
+        if self.update_budget is not None and old.max_token_len is None and old.source.startswith("default"):
+            # the passes follow the update's budget where their size is a default (the reference pass, the old's)
+            ref = self.layout.ref_log_prob
+            self.layout = replace(self.layout, old_log_prob=replace(old, max_token_len=self.update_budget.tokens),
+                                  ref_log_prob=replace(ref, max_token_len=self.update_budget.tokens)
+                                  if ref.max_token_len is None and ref.source.startswith("default") else ref)
         if args.balance_batch and self.layout.samples_per_rank % self.layout.rollout_n:
             raise ValueError(
                 f"balance_batch=True assigns whole groups to ranks, but each rank trains on "

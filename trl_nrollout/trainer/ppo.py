@@ -37,6 +37,7 @@ from trl_nrollout.errors import InputError
 from trl_nrollout.passes.critic import build_critic, compute_values, critic_values
 from trl_nrollout.passes.distributed import is_zero3, synced_count
 from trl_nrollout.passes.logprobs import pack_by_tokens, split_by_count
+from trl_nrollout.passes.padfree import budget_count, budgeted_parts
 from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer, fit_width
 from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, StepContext
 from trl_nrollout.trainer.update import loss_mask
@@ -212,11 +213,13 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         micro = self.layout.old_log_prob
         critic = self._critic_engine() or self.critic
         with self.accelerator.autocast():  # the precision the critic trains in (bf16=True: bf16 autocast)
+            budget = args.critic_ppo_max_token_len_per_device or micro.max_token_len
+            count = args.critic_ppo_micro_batch_size_per_device or (
+                None if budget is not None and micro.source.startswith("default") else micro.per_device)
             local = compute_values(critic, assigned.prompt_ids, assigned.completion_ids,
-                                   pad_token_id=self._tokenizer.pad_token_id,
-                                   micro_batch_size=args.critic_ppo_micro_batch_size_per_device or micro.per_device,
-                                   max_token_len=args.critic_ppo_max_token_len_per_device or micro.max_token_len,
-                                   pad_to_multiple_of=self.pad_to_multiple_of)
+                                   pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=count,
+                                   max_token_len=budget, pad_to_multiple_of=self.pad_to_multiple_of,
+                                   padding_free=self._padfree_allowed(self.critic))
         job = torch.zeros(num_samples, width, device=local.device)
         if local.numel():
             job[torch.as_tensor(assigned.mine, device=local.device), :local.shape[1]] = local
@@ -264,9 +267,13 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         mask = loss_mask(inputs)
         rows = mask.shape[0]
         lengths = (inputs["prompt_mask"].sum(-1) + inputs["completion_mask"].sum(-1)).tolist()
-        if args.critic_ppo_max_token_len_per_device is not None:
-            pieces = pack_by_tokens(lengths, args.critic_ppo_max_token_len_per_device,
-                                    args.critic_ppo_micro_batch_size_per_device)
+        padding_free = self._padfree_allowed(self.critic)
+        budget = args.critic_ppo_max_token_len_per_device
+        if budget is not None and padding_free and args.critic_ppo_micro_batch_size_per_device is None:
+            hidden = getattr(self.critic.config, "hidden_size", None) or 4096  # real tokens, even work
+            pieces = budgeted_parts(lengths, budget, budget_count(lengths, budget), hidden)
+        elif budget is not None:
+            pieces = pack_by_tokens(lengths, budget, args.critic_ppo_micro_batch_size_per_device)
         else:
             pieces = split_by_count(rows, args.critic_ppo_micro_batch_size_per_device or rows)
         agg = dict(num_tokens=inputs["mb_tokens"], num_seqs=inputs["mb_seqs"])
@@ -285,7 +292,9 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
             sel = torch.as_tensor(idx, device=mask.device)
             with self.accelerator.autocast():
                 vpreds = critic_values(critic, inputs["prompt_ids"][sel], inputs["prompt_mask"][sel],
-                                       inputs["completion_ids"][sel], inputs["completion_mask"][sel])
+                                       inputs["completion_ids"][sel], inputs["completion_mask"][sel],
+                                       padding_free=padding_free, pad_token_id=self._tokenizer.pad_token_id,
+                                       pad_to_multiple_of=self.pad_to_multiple_of)
             m = mask[sel].to(vpreds.dtype) * (1.0 if k < len(pieces) else 0.0)
             loss, clipfrac = value_loss(vpreds, inputs["returns"][sel], inputs["old_values"][sel], m,
                                         args.cliprange_value, args.critic_loss_agg_mode, **agg)

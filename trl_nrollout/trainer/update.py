@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -58,8 +59,19 @@ from trl_nrollout.passes.padfree import (
     prefix_lengths,
     unpad,
 )
+from trl_nrollout.plan.activations import default_update_token_budget
+from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM
 
-logger = logging.getLogger(__name__)  # a child of trl_nrollout.trainer: filtering that name filters all
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpdateBudget:
+    """The update's token budget per device: ``tokens``, and whether the user set it (a default grows to the
+    longest sample instead of refusing it)."""
+
+    tokens: int
+    explicit: bool  # a child of trl_nrollout.trainer: filtering that name filters all
 
 
 class PolicyUpdate:
@@ -88,13 +100,44 @@ class PolicyUpdate:
         return chunks
 
     # ------------------------------------------------------------------ token-budgeted micro batches
-    def _update_budget(self) -> int:
-        """Tokens per update micro batch per device (``ppo_max_token_len_per_device``)."""
-        budget = self.args.ppo_max_token_len_per_device
-        if budget is None:
-            raise ValueError("use_dynamic_bsz=True needs ppo_max_token_len_per_device (tokens per update micro batch "
-                             "per device, at least max_prompt_length + max_completion_length).")
-        return budget
+    def _resolve_update_budget(self) -> UpdateBudget | None:
+        """The update's token budget per device (None: count-based micro batches): ``ppo_max_token_len_per_device``,
+        or with ``use_dynamic_bsz`` and no budget the default for this model and device
+        (:func:`~trl_nrollout.plan.activations.default_update_token_budget`: half of what the device has left after
+        the trainer's states, in activation bytes per token; on a CPU 16,384 tokens), said once in the log. The
+        old-policy and reference passes take it too where their size is a default."""
+        args = self.args
+        if not args.use_dynamic_bsz:
+            return None
+        if args.ppo_max_token_len_per_device is not None:
+            return UpdateBudget(args.ppo_max_token_len_per_device, explicit=True)
+        inner = self.accelerator.unwrap_model(self.model)
+        params = list(inner.parameters())
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        weight_bytes = params[0].element_size() if params else 2
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        sharded = (plugin is not None and plugin.zero_stage == 3) or self.is_fsdp_enabled
+        state = (total * weight_bytes + trainable * (TRAIN_BYTES_PER_PARAM - 2)) // (
+            self.accelerator.num_processes if sharded else 1)  # grads, fp32 master and two Adam moments per trainable
+        device = self.accelerator.device
+        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        longest = self._prompt_length_hint() + (args.max_completion_length or 256)
+        tokens = default_update_token_budget(
+            inner.config.to_dict(), device_memory_bytes=memory, state_bytes_per_device=state, longest_sample=longest,
+            gradient_checkpointing=bool(args.gradient_checkpointing),
+            dtype_bytes=2 if (args.bf16 or args.fp16) else 4)
+        if self.accelerator.is_main_process:
+            where = "a CPU" if memory is None else f"{memory / 2**30:.0f} GiB of {device.type} memory"
+            logger.info("use_dynamic_bsz: ppo_max_token_len_per_device=%d by default (%d parameters, %s; "
+                        "`trl-nrollout plan` prints the same); set it to change.", tokens, total, where)
+        return UpdateBudget(tokens, explicit=False)
+
+    def _budget_for(self, lengths: list[int]) -> int:
+        """The budget one rank's samples are cut under: the configured one (a sample over it is an error naming the
+        option), or the default, raised to this step's longest sample (a default never refuses a sample)."""
+        budget = self.update_budget
+        return budget.tokens if budget.explicit else max(budget.tokens, max(lengths, default=1))
 
     def _budgeted_steps(self, chunks: list[dict]) -> list[BudgetedStep]:
         """A rollout's count-based micro batches (TRL's ``steps_per_generation`` of them, normalizers attached) re-cut
@@ -103,7 +146,6 @@ class PolicyUpdate:
         size otherwise) of even work, as many on every rank, spread over the optimizer step's micro steps. Where
         TRL's optimizer steps span rollouts (``gradient_accumulation_steps`` does not divide the micro batches),
         each micro step's samples are cut alone."""
-        budget = self._update_budget()
         accum = self.args.gradient_accumulation_steps
         window = accum if len(chunks) % accum == 0 else 1
         padded = any("mm_inputs" in c for c in chunks) or not self._padfree_allowed(self.model)
@@ -112,8 +154,9 @@ class PolicyUpdate:
             group = [with_micro_tokens(c, loss_mask(c).sum()) for c in chunks[start:start + window]]
             pool = concat_batches(group)
             lengths = sample_lengths(pool)
+            budget = self._budget_for(lengths)
             need = padded_budget_count(lengths, budget) if padded else budget_count(lengths, budget)
-            pools.append((pool, lengths))
+            pools.append((pool, lengths, budget))
             needs.append(max(need, window))
         # every rank runs as many forwards (ZeRO-3 / FSDP gather in each): the busiest rank's count, per optimizer step
         every = gather(torch.tensor([needs], device=self.accelerator.device))  # [ranks, optimizer steps]
@@ -122,7 +165,7 @@ class PolicyUpdate:
         self._metric("train", "update/micro_batches_least_rank", float(every.amin(0).sum()))
         hidden = getattr(self.accelerator.unwrap_model(self.model).config, "hidden_size", None) or 4096
         steps: list[BudgetedStep] = []
-        for (pool, lengths), count in zip(pools, counts.tolist()):
+        for (pool, lengths, budget), count in zip(pools, counts.tolist()):
             own = budgeted_parts(lengths, budget, min(count, len(lengths)), hidden, padded=padded)
             parts = [select_rows(pool, idx, self.pad_to_multiple_of) for idx in own]
             # a rank with fewer samples than the busiest rank's count: forwards that weigh nothing keep it in step
@@ -135,7 +178,8 @@ class PolicyUpdate:
         if not getattr(self, "_budget_said", False) and self.accelerator.is_main_process:
             self._budget_said = True
             logger.info("use_dynamic_bsz: the update runs micro batches of at most %d %s tokens per device (%d for "
-                        "this rollout's %d micro steps, the busiest rank's count on every rank).", budget,
+                        "this rollout's %d micro steps, the busiest rank's count on every rank).",
+                        self.update_budget.tokens,
                         "padded" if padded else "real", int(counts.sum()), len(chunks))
         return steps
 
