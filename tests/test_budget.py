@@ -37,12 +37,13 @@ def model_dir(tmp_path_factory) -> str:
 
 def _trainer(model_dir: str, tmp_path, monkeypatch, **options) -> NRolloutGRPOTrainer:
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    peft_config = options.pop("peft_config", None)
     args = NRolloutConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
                           gradient_accumulation_steps=2, steps_per_generation=2, max_completion_length=COMPLETION,
-                          use_cpu=True, report_to="none", bf16=False, save_strategy="no", seed=1, temperature=0.9,
-                          **options)
+                          use_cpu=True, report_to="none", save_strategy="no", seed=1, temperature=0.9,
+                          **{"bf16": False, **options})
     trainer = NRolloutGRPOTrainer(model=model_dir, reward_funcs=[digits_reward], args=args,
-                                  train_dataset=digits_dataset(12))
+                                  train_dataset=digits_dataset(12), peft_config=peft_config)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
     return trainer
@@ -180,3 +181,37 @@ def test_the_default_budget_follows_the_model_and_never_refuses_a_sample(model_d
     chunks = explicit._add_normalizers(split_tensor_dict(_batch(explicit, seed=5), 2), 2)
     with pytest.raises(ValueError, match=r"ppo_max_token_len_per_device=12 is below the longest sample"):
         explicit._budgeted_steps(chunks)
+
+
+@pytest.mark.parametrize("variant", ["lora", "bf16"])
+def test_budgeted_gradients_with_lora_and_a_bf16_checkpoint(variant, model_dir, tmp_path, monkeypatch):
+    """The same equality through PEFT's LoRA forward (the adapters' gradients, fp32: 1e-4) and from a bf16 checkpoint
+    trained with ``bf16=True`` (CPU autocast, as on a GPU; padding-free rows and budgeted micro batches round
+    differently from the padded batch, so within bf16's tolerance: 2% of the gradient's norm). Mutation: only the
+    last micro batch of each micro step trained -> both fail."""
+    options: dict = {}
+    if variant == "lora":
+        from peft import LoraConfig
+
+        trainer = _trainer(model_dir, tmp_path, monkeypatch, ppo_max_token_len_per_device=40,
+                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  lora_dropout=0.0, init_lora_weights=False), **options)
+    else:
+        torch.manual_seed(0)
+        bf16_dir = save_tiny_model(tmp_path / "bf16_model", dtype=torch.bfloat16)
+        trainer = _trainer(bf16_dir, tmp_path, monkeypatch, ppo_max_token_len_per_device=40, bf16=True,
+                           model_init_kwargs={"dtype": "auto"})  # the checkpoint's bf16 weights, not TRL's fp32 load
+        assert next(trainer.model.parameters()).dtype == torch.bfloat16
+    chunks = trainer._add_normalizers(split_tensor_dict(_batch(trainer, seed=11), 2), 2)
+    _, plain = _grads(trainer, chunks)
+    steps = trainer._budgeted_steps(chunks)
+    assert sum(len(s.parts) for s in steps) > 2
+    _, budgeted = _grads(trainer, steps)
+    if variant == "lora":
+        assert 0 < len(plain) < sum(1 for _ in trainer.model.parameters())  # the adapters only
+        for a, b in zip(budgeted, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    else:
+        flat_a = torch.cat([g.float().flatten() for g in budgeted])
+        flat_b = torch.cat([g.float().flatten() for g in plain])
+        assert flat_b.norm() > 0 and (flat_a - flat_b).norm() <= 0.02 * flat_b.norm()

@@ -242,10 +242,72 @@ def budgeted_parts(lengths: Sequence[int], budget: int, count: int, hidden_size:
         raise ValueError(f"budgeted_parts: count={count} must be between 1 and the {len(lengths)} samples.")
     if padded:
         return split_to(padded_budget_parts(lengths, budget), count)
+    runs = length_runs(lengths, budget, count, hidden_size)
+    if runs is not None:
+        return runs
     parts = balanced_parts([workload(n, hidden_size) for n in lengths], count)
     if all(sum(lengths[i] for i in p) <= budget for p in parts):
         return parts
     return split_to([sorted(b) for b in row_bins(lengths, budget)], count)
+
+
+def rows_cost(lengths: Sequence[int], hidden_size: int = 4096) -> float:
+    """The work of one padding-free micro batch (attention-pair units, as :func:`workload`): its real tokens'
+    linear layers, and the attention of its rows, each as long as its longest sample, which SDPA under a block mask
+    computes in full (``rows x L (L + 1) / 2`` pairs, rows by :func:`row_bins`)."""
+    if not lengths:
+        return 0.0
+    width = max(lengths)
+    return 6.0 * hidden_size * sum(lengths) + len(row_bins(lengths, width)) * width * (width + 1) / 2
+
+
+def length_runs(lengths: Sequence[int], budget: int, count: int, hidden_size: int = 4096) -> list[list[int]] | None:
+    """``count`` micro batches of samples of neighbouring lengths (runs of the samples sorted longest first), each
+    within ``budget`` real tokens, the most expensive as cheap as possible (:func:`rows_cost`, binary search over
+    the bound with a greedy fill): a long-tailed batch's short samples then share short rows instead of filling the
+    rows of its longest (whose attention a block mask pays in full). None where runs cannot meet the budget in
+    ``count`` parts (first-fit decreasing packs tighter: the caller falls back to it)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    linear = 6.0 * hidden_size
+
+    def fill(bound: float) -> list[list[int]] | None:
+        parts: list[list[int]] = []
+        rooms: list[int] = []  # the current part's rows' free tokens (first-fit, longest first: its row_bins)
+        width = tokens = 0
+        for i in order:
+            n = lengths[i]
+            if parts:
+                fits = next((r for r, left in enumerate(rooms) if n <= left), None)
+                rows = len(rooms) + (fits is None)
+                if tokens + n <= budget and linear * (tokens + n) + rows * width * (width + 1) / 2 <= bound:
+                    parts[-1].append(i)
+                    tokens += n
+                    if fits is None:
+                        rooms.append(width - n)
+                    else:
+                        rooms[fits] -= n
+                    continue
+            if len(parts) == count:
+                return None
+            parts.append([i])
+            width, tokens, rooms = n, n, [0]
+        return parts
+
+    high = rows_cost(lengths, hidden_size) + 1.0
+    best = fill(high)
+    if best is None:  # runs need more than count parts under the budget
+        return None
+    low = max(rows_cost([n], hidden_size) for n in lengths)
+    for _ in range(40):  # bisection on the bound
+        if high - low <= 1e-6 * high:
+            break
+        mid = (low + high) / 2
+        found = fill(mid)
+        if found is None:
+            low = mid
+        else:
+            high, best = mid, found
+    return split_to(best, count)
 
 
 def padded_budget_parts(lengths: Sequence[int], budget: int) -> list[list[int]]:
