@@ -215,3 +215,30 @@ def test_budgeted_gradients_with_lora_and_a_bf16_checkpoint(variant, model_dir, 
         flat_a = torch.cat([g.float().flatten() for g in budgeted])
         flat_b = torch.cat([g.float().flatten() for g in plain])
         assert flat_b.norm() > 0 and (flat_a - flat_b).norm() <= 0.02 * flat_b.norm()
+
+
+def test_a_groups_samples_train_together_with_their_prompt_once(model_dir, tmp_path, monkeypatch):
+    """Samples of one prompt (TRL's groups of ``num_generations``, shuffled across the rollout) land in one budgeted
+    micro batch, whose rows then hold each prompt once (padding-free units), with the count-based gradient.
+    Mutation: cut samples instead of groups (``_budget_items`` returning single samples) -> groups are split."""
+    trainer = _trainer(model_dir, tmp_path, monkeypatch, ppo_max_token_len_per_device=120)
+    batch = _batch(trainer, seed=21)
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(2))  # TRL shuffles before splitting
+    for key in ("prompt_ids", "prompt_mask"):  # groups of 3 samples share a prompt (a long one: units pay)
+        batch[key] = batch[key][torch.arange(ROWS) // 3 * 3][order]
+    chunks = trainer._add_normalizers(split_tensor_dict(batch, 2), 2)
+    _, plain = _grads(trainer, chunks)
+    steps = trainer._budgeted_steps(chunks)
+    prompt_of = {tuple(r.tolist()) for r in batch["prompt_ids"]}
+    for part in (p for s in steps for p in s.parts):
+        keys = [tuple(r.tolist()) for r in torch.nn.functional.pad(part["prompt_ids"], (PROMPT - part[
+            "prompt_ids"].shape[1], 0))]
+        for key in set(keys):  # a group whose tokens fit the budget is whole in its micro batch
+            assert keys.count(key) == 3 or key not in prompt_of, keys
+    units = []
+    real = update_module.pack_rows
+    monkeypatch.setattr(update_module, "pack_rows", lambda *a, **kw: units.append(kw.get("units")) or real(*a, **kw))
+    _, budgeted = _grads(trainer, steps)
+    assert any(u for u in units), "a micro batch ran with each prompt once"
+    for a, b in zip(budgeted, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -218,11 +218,15 @@ def _loss_and_grads(trainer, batch: dict) -> tuple[torch.Tensor, list[torch.Tens
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monkeypatch, lora):
+@pytest.mark.parametrize(("lora", "layout"), [(False, "segments"), (True, "segments"), (False, "rows"),
+                                              (True, "rows")])
+def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monkeypatch, lora, layout):
     """One real rollout (2 prompts of ~96 tokens x n=4, HF engine): the loss and every trained parameter's gradient
     are the same with and without packing (a full model, and LoRA adapters through PEFT's forward), and packing did
-    run (half the tokens here)."""
+    run (half the tokens here): ``segments``, the shared-prompt layout alone (``padding_free=False``: fixed-width
+    completion segments, one group per row), and ``rows``, the default: padding-free rows whose units are whole
+    groups (each prompt once, its completions' real tokens behind it). Mutation (rows): a completion attending to
+    its group's other completions (``visible`` without the segment test) -> the loss differs."""
     import trl_nrollout.trainer.update as update_module
 
     peft = None
@@ -230,15 +234,22 @@ def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monk
         from peft import LoraConfig
 
         peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    trainer, data = _trainer(tmp_path, peft_config=peft, shared_prompt_forward=True)
+    trainer, data = _trainer(tmp_path, peft_config=peft, shared_prompt_forward=True,
+                             padding_free=False if layout == "segments" else None)
     batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
     batch = trainer._add_normalizers([batch], 1)[0]
     calls = []
-    real = update_module.pack_shared_prompts
-    monkeypatch.setattr(update_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    if layout == "segments":
+        real = update_module.pack_shared_prompts
+        monkeypatch.setattr(update_module, "pack_shared_prompts",
+                            lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    else:
+        real = update_module.pack_rows
+        monkeypatch.setattr(update_module, "pack_rows",
+                            lambda *a, **kw: (calls.append(1) if kw.get("units") else None) or real(*a, **kw))
     packed_loss, packed_grads = _loss_and_grads(trainer, batch)
     assert calls, "the packed forward did not run"
-    trainer.args.shared_prompt_forward = False
+    trainer.args.shared_prompt_forward = trainer.args.padding_free = False
     plain_loss, plain_grads = _loss_and_grads(trainer, batch)
     assert len(calls) == 1
     assert torch.allclose(packed_loss, plain_loss, atol=1e-6, rtol=1e-5)
@@ -253,7 +264,7 @@ def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monke
     implementation that ignores a 4D mask all run the plain forward; the last two say why, once."""
     import trl_nrollout.trainer.update as update_module
 
-    trainer, data = _trainer(tmp_path, shared_prompt_forward=True)
+    trainer, data = _trainer(tmp_path, shared_prompt_forward=True, padding_free=False)
     batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
     batch = trainer._add_normalizers([batch], 1)[0]
     calls = []

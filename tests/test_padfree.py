@@ -13,9 +13,12 @@ from trl_nrollout.passes.padfree import (
     block_causal_mask,
     budget_count,
     budgeted_parts,
+    choose_units,
     pack_rows,
     padded_budget_count,
     row_bins,
+    shared_units,
+    unit_lengths,
     unpad,
     workload,
 )
@@ -156,6 +159,53 @@ def test_a_packed_row_gives_each_sample_its_own_forwards_log_probs(tiny, attn):
     changed = [c if i == row[0] else torch.randint(5, 300, c.shape, generator=gen) for i, c in enumerate(completions)]
     again = _row_logprobs(model, pack_rows(prompts, changed, pad_token_id=0, mask_dtype=dtype))
     assert torch.allclose(again[row[0]], got[row[0]], atol=1e-6)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@torch.no_grad()
+def test_groups_packed_with_their_prompt_once_give_each_sample_its_own_log_probs(tiny, attn):
+    """Shared-prompt units in padding-free rows (three groups of 1-4 samples, a group's prompt once, its
+    completions' real tokens behind it, several groups to a row): every completion token's log-prob is the one of
+    the sample's own unpadded forward, and stays put when a sibling's completion (same group) or another group
+    changes. Mutation: segments that see each other (``visible`` without the segment test) -> siblings leak in."""
+    model = tiny[attn]
+    gen = torch.Generator().manual_seed(5)
+    groups = [(6, [3, 20, 1]), (2, [9]), (11, [4, 4, 30, 2])]
+    prompts, completions, units = [], [], []
+    for plen, lens in groups:
+        prompt = torch.randint(5, 300, (plen,), generator=gen)
+        units.append(list(range(len(prompts), len(prompts) + len(lens))))
+        for n in lens:
+            prompts.append(prompt)
+            completions.append(torch.randint(5, 300, (n,), generator=gen))
+    assert shared_units(prompts) == units
+    dtype = torch.bool if attn == "sdpa" else torch.float32
+    packed = pack_rows(prompts, completions, pad_token_id=0, mask_dtype=dtype, units=units, row_len=60)
+    assert len(packed.rows) < len(units)  # several groups share a row
+    slots = packed.token_slots
+    assert sum(unit_lengths([p.numel() for p in prompts], [c.numel() for c in completions], units)) <= slots
+    assert packed.position_ids.max() < max(p.numel() + c.numel() for p, c in zip(prompts, completions))
+    got = _row_logprobs(model, packed)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        ids = torch.cat([p, c])[None]
+        lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1]
+        want = lp.gather(-1, ids[0, 1:, None]).squeeze(-1)[p.numel() - 1:]
+        assert torch.allclose(got[b, :c.numel()], want, atol=1e-5), (b, (got[b, :c.numel()] - want).abs().max())
+    changed = [c if i == 0 else torch.randint(5, 300, c.shape, generator=gen) for i, c in enumerate(completions)]
+    again = _row_logprobs(model, pack_rows(prompts, changed, pad_token_id=0, mask_dtype=dtype, units=units,
+                                           row_len=60))
+    assert torch.allclose(again[0], got[0], atol=1e-6)  # its siblings (1, 2) and the other groups changed
+    with pytest.raises(ValueError, match="need a mask"):
+        pack_rows(prompts, completions, pad_token_id=0, mask_dtype=None, units=units)
+
+
+def test_units_are_chosen_where_a_groups_prompt_once_makes_the_rows_cheaper():
+    """Long prompts with short completions: one prompt per group pays; short prompts under long completions: a
+    whole group per row would cost more attention than it saves, so one sample per unit."""
+    units = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert choose_units([500] * 8, [20] * 8, units, hidden_size=64) == units
+    assert choose_units([4] * 8, [500] * 8, units, hidden_size=64) is None
+    assert choose_units([500] * 2, [20] * 2, [[0], [1]], hidden_size=64) is None
 
 
 def test_unpad_takes_the_real_tokens_of_trls_layout():

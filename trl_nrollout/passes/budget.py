@@ -110,5 +110,25 @@ def with_micro_tokens(batch: dict[str, Any], tokens: Tensor) -> dict[str, Any]:
     return {**batch, "micro_tokens": tokens.to(torch.float32).reshape(()).expand(rows).clone()}
 
 
+def budget_units(units: Sequence[Sequence[int]], prompt_lens: Sequence[int], completion_lens: Sequence[int],
+                 budget: int) -> list[list[int]]:
+    """Groups of samples sharing a prompt (:func:`~trl_nrollout.passes.padfree.shared_units`) as the items a token
+    budget cuts, so that a group's samples train in one micro batch (its prompt once,
+    :func:`~trl_nrollout.passes.padfree.unit_lengths`): a group over ``budget`` tokens is split, in order, into
+    as few runs as fit (a sample on its own always fits: the caller checked the budget against each)."""
+    from trl_nrollout.passes.padfree import unit_lengths
+
+    out: list[list[int]] = []
+    for unit in units:
+        run: list[int] = []
+        for b in unit:
+            if run and unit_lengths(prompt_lens, completion_lens, [[*run, b]])[0] > budget:
+                out.append(run)
+                run = []
+            run.append(b)
+        out.append(run)
+    return out
+
+
 def _round_up(n: int, multiple: int | None) -> int:
     return -(-n // multiple) * multiple if multiple and multiple > 1 else n

@@ -16,7 +16,14 @@ from torch import Tensor, nn
 from trl_nrollout.passes.distributed import is_zero3, synced_count
 from trl_nrollout.passes.logprobs import pack_by_tokens, split_by_count, unwrap_model
 from trl_nrollout.passes.packing import mask_dtype, query_dtype
-from trl_nrollout.passes.padfree import budget_count, budgeted_parts, pack_rows, padfree_fits, prefix_lengths, unpad
+from trl_nrollout.passes.padfree import (
+    budget_count,
+    budgeted_parts,
+    pack_rows,
+    padfree_layout,
+    prefix_lengths,
+    unpad,
+)
 from trl_nrollout.rollout.types import RolloutBatch
 
 
@@ -53,16 +60,17 @@ def build_critic(name_or_path: str, *, seed: int = 0, dtype: torch.dtype | None 
 
 def critic_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                   completion_mask: Tensor, *, padding_free: bool = False, pad_token_id: int = 0,
-                  pad_to_multiple_of: int | None = None) -> Tensor:
+                  pad_to_multiple_of: int | None = None, shared_prompts: bool = True) -> Tensor:
     """Values ``[B, C]`` of a left-padded prompt batch ``[B, P]`` followed by right-padded completions ``[B, C]``
     (TRL's layout), with gradient; positions count from each sequence's first real token.
 
     ``padding_free``: the real tokens in padding-free rows (:func:`~trl_nrollout.passes.padfree.pack_rows`, a
-    block-diagonal mask: same values) wherever that saves a tenth of the slots (:func:`padfree_fits`); 0 past each
+    block-diagonal mask: same values) wherever that saves a tenth of the slots, a group's prompt once where
+    ``shared_prompts`` allows and it pays (:func:`~trl_nrollout.passes.padfree.padfree_layout`); 0 past each
     completion's end."""
     if padding_free:
         values = _padfree_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask, pad_token_id,
-                                 pad_to_multiple_of)
+                                 pad_to_multiple_of, shared_prompts)
         if values is not None:
             return values
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -74,23 +82,28 @@ def critic_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, co
 
 
 def _padfree_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                    completion_mask: Tensor, pad_token_id: int, pad_to_multiple_of: int | None) -> Tensor | None:
+                    completion_mask: Tensor, pad_token_id: int, pad_to_multiple_of: int | None,
+                    shared_prompts: bool = True) -> Tensor | None:
     """:func:`critic_values` from padding-free rows, or None where the padded forward runs (masked holes in a
     completion, too little padding to save, a mask over its bound)."""
     completion_len = prefix_lengths(completion_mask)
     if completion_len is None:
         return None
     prompts, completions = unpad(prompt_ids, prompt_mask, completion_ids, completion_len)
-    lengths = [p.numel() + c.numel() for p, c in zip(prompts, completions)]
+    if not prompts:
+        return None
     inner = unwrap_model(critic)
     weights = next((p.dtype for p in inner.parameters() if p.is_floating_point()), torch.float32)
     dtype = mask_dtype(inner.config, weights)
     queries = query_dtype(weights, prompt_ids.device.type)
-    if not lengths or not padfree_fits(lengths, prompt_ids.shape[1] + completion_ids.shape[1], dtype, queries,
-                                       pad_to_multiple_of):
+    fits, units = padfree_layout([p.numel() for p in prompts], completion_len.tolist(),
+                                 prompt_ids.shape[1] + completion_ids.shape[1], dtype, queries,
+                                 prompts=prompts if shared_prompts else None, pad_to_multiple_of=pad_to_multiple_of,
+                                 hidden_size=getattr(inner.config, "hidden_size", None) or 4096)
+    if not fits:
         return None
     pk = pack_rows(prompts, completions, pad_token_id, mask_dtype=dtype, pad_to_multiple_of=pad_to_multiple_of,
-                   completion_width=completion_ids.shape[1])
+                   completion_width=completion_ids.shape[1], units=units)
     out = critic(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids)
     return pk.gather(out.logits[..., 0].float())
 
@@ -111,7 +124,8 @@ def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[i
 def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
                    pad_token_id: int, micro_batch_size: int | None = None, max_token_len: int | None = None,
                    device: torch.device | str | None = None, sync_forwards: bool | None = None,
-                   pad_to_multiple_of: int | None = None, padding_free: bool = False) -> Tensor:
+                   pad_to_multiple_of: int | None = None, padding_free: bool = False, shared_prompts: bool = True
+                   ) -> Tensor:
     """The critic's values ``[B, C_max]`` of every completion token (0 past a completion's end), in input order,
     micro-batched like the log-prob passes (``micro_batch_size`` sequences, or a ``max_token_len`` budget). The
     critic is put in eval mode for the pass and its mode restored. Under ZeRO-3 (detected, or ``sync_forwards``)
@@ -147,7 +161,8 @@ def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completi
             tensors = pad_batch([prompts[i] for i in idx], [completions[i] for i in idx], pad_token_id, device,
                                 pad_to_multiple_of)
             v = (critic_values(critic, *tensors, padding_free=padding_free, pad_token_id=pad_token_id,
-                               pad_to_multiple_of=pad_to_multiple_of) * tensors[3])[:, :c_max]
+                               pad_to_multiple_of=pad_to_multiple_of, shared_prompts=shared_prompts)
+                 * tensors[3])[:, :c_max]
             values[torch.as_tensor(idx, device=device), :v.shape[1]] = v
         for _ in range(forwards - len(batches)):  # keep ZeRO-3's collectives in step with busier ranks
             critic_values(critic, *pad_batch([[pad_token_id]], [[pad_token_id]], pad_token_id, device,

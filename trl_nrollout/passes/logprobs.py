@@ -31,7 +31,7 @@ from trl_nrollout.passes.packing import (
     query_dtype,
     round_up,
 )
-from trl_nrollout.passes.padfree import budget_count, budgeted_parts, pack_rows, padfree_fits
+from trl_nrollout.passes.padfree import budget_count, budgeted_parts, pack_rows, padfree_layout
 
 Ids = Sequence[int] | Tensor
 
@@ -357,18 +357,23 @@ def _packed_logits(model: nn.Module, prompts: list[list[int]], completions: list
 
 
 def _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_token_id, device, width,
-                      multiple_of) -> Tensor | None:
+                      multiple_of, shared_prompts: bool = False) -> Tensor | None:
     """The features (hidden states on the lean path, else logits) ``[tokens, H or V]`` of every completion token
-    ``(rows_t[k], cols_t[k])`` from padding-free rows; None where they would not save a tenth of the slots."""
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    ``(rows_t[k], cols_t[k])`` from padding-free rows (a group's prompt once where ``shared_prompts`` allows and it
+    pays); None where they would not save a tenth of the slots."""
     module = parts[0] if parts is not None else unwrap_model(model)
     weights = next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32)
-    dtype = mask_dtype(getattr(unwrap_model(model), "config", None), weights)
-    if not padfree_fits(lengths, width, dtype, query_dtype(weights, device.type), multiple_of):
+    config = getattr(unwrap_model(model), "config", None)
+    dtype = mask_dtype(config, weights)
+    fits, units = padfree_layout([len(p) for p in prompts], [len(c) for c in completions], width, dtype,
+                                 query_dtype(weights, device.type), prompts=prompts if shared_prompts else None,
+                                 pad_to_multiple_of=multiple_of,
+                                 hidden_size=getattr(config, "hidden_size", None) or 4096)
+    if not fits:
         return None
     pk = pack_rows([torch.tensor(p, dtype=torch.long, device=device) for p in prompts],
                    [torch.tensor(c, dtype=torch.long, device=device) for c in completions], pad_token_id,
-                   mask_dtype=dtype, pad_to_multiple_of=multiple_of)
+                   mask_dtype=dtype, pad_to_multiple_of=multiple_of, units=units)
     if parts is not None:
         flat = parts[0](input_ids=pk.input_ids, attention_mask=pk.attention_mask,
                         position_ids=pk.position_ids).last_hidden_state
@@ -405,16 +410,16 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     # logits [tokens, V] from the model's own forward otherwise (FSDP, a head that is not a plain linear layer)
     head = parts[1] if parts is not None else None
     selected = None
-    if shared_prompts and len(prompts) > 1 and (parts is not None or mm is None):  # the shared-prompt layout
+    if padding_free and mm is None and len(prompts) > 1:  # padding-free rows (shared prompts once, where it pays)
+        selected = _padfree_selected(model, parts, prompts, completions, rows_t, out_c_t, pad_token_id, device,
+                                     width, multiple_of, shared_prompts=shared_prompts)
+    if selected is None and shared_prompts and len(prompts) > 1 and (parts is not None or mm is None):
         packed = (_packed_hidden(parts[0], prompts, completions, pad_token_id, device, multiple_of)
                   if parts is not None else _packed_logits(model, prompts, completions, pad_token_id, device,
                                                            multiple_of))
-        if packed is not None:
+        if packed is not None:  # the shared-prompt layout (fixed-width segments)
             flat, index = packed
             selected = flat[index[rows_t, out_c_t]]
-    if selected is None and padding_free and mm is None and len(prompts) > 1:  # padding-free rows
-        selected = _padfree_selected(model, parts, prompts, completions, rows_t, out_c_t, pad_token_id, device,
-                                     width, multiple_of)
     if selected is None:  # the plain layout: one padded row per sequence
         input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
         attn = torch.zeros(len(seqs), width, dtype=torch.long)

@@ -102,80 +102,168 @@ def block_causal_mask(segments: Tensor, dtype: torch.dtype = torch.bool) -> Tens
     return mask[:, None]
 
 
+def unit_causal_mask(units: Tensor, segments: Tensor, dtype: torch.dtype = torch.bool) -> Tensor:
+    """``[R, 1, L, L]``: query ``t`` may attend key ``s <= t`` of its own unit (``units`` ``[R, L]``: ids) when the
+    key lies in the unit's shared prompt (``segments == -1``) or in the query's own segment (``segments``: each
+    sample's id). A unit of one sample is one causal sequence (:func:`block_causal_mask`)."""
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+    same_unit = units[:, :, None] == units[:, None, :]
+    visible = (segments[:, None, :] == -1) | (segments[:, :, None] == segments[:, None, :])
+    allowed = causal & same_unit & visible
+    if dtype == torch.bool:
+        return allowed[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def shared_units(prompts: Sequence[Sequence[int] | Tensor]) -> list[list[int]]:
+    """Sample indices grouped by identical prompt (a group's samples), in order of first appearance."""
+    seen: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompts):
+        key = tuple(p.tolist()) if isinstance(p, Tensor) else tuple(p)
+        seen.setdefault(key, []).append(i)
+    return list(seen.values())
+
+
+def unit_lengths(prompt_lens: Sequence[int], completion_lens: Sequence[int], units: Sequence[Sequence[int]]
+                 ) -> list[int]:
+    """Tokens of each unit in :func:`pack_rows`'s layout: its prompt but the last token once, then per sample the
+    prompt's last token and the completion (``p - 1 + sum(n_i + 1)``; a unit of one sample: ``p + n``)."""
+    return [prompt_lens[u[0]] - 1 + sum(completion_lens[b] + 1 for b in u) for u in units]
+
+
 def pack_rows(prompts: Sequence[Tensor], completions: Sequence[Tensor], pad_token_id: int, *,
               row_len: int | None = None, mask_dtype: torch.dtype | None = torch.bool,
-              pad_to_multiple_of: int | None = None, completion_width: int | None = None) -> PackedRows:
+              pad_to_multiple_of: int | None = None, completion_width: int | None = None,
+              units: Sequence[Sequence[int]] | None = None) -> PackedRows:
     """Pack ``B`` samples (each prompt ``prompts[b]`` ``[P_b]`` then completion ``completions[b]`` ``[C_b]``, real
     tokens only, on one device) into padding-free rows.
 
     Args:
-        row_len: tokens per row at most (default: the longest sample, so no row attends over more pairs than a
+        row_len: tokens per row at most (default: the longest unit, so no row attends over more pairs than a
             padded row would); rounded up to ``pad_to_multiple_of`` (TRL's option: it rounds the row, not each
             sample).
         mask_dtype: ``torch.bool`` (SDPA), an additive mask's dtype (eager), or None (varlen attention: positions
-            only).
+            only; every unit a single sample).
         completion_width: ``C`` of :attr:`PackedRows.index` (default: the longest completion).
+        units: samples sharing a prompt (each sample in one unit; default: every sample alone), laid out with
+            the prompt once: its tokens but the last, then per sample the prompt's last token (which predicts the
+            completion's first) and the completion, each sample attending to the shared prompt and to itself only
+            (the shared-prompt layout, padding-free: several groups to a row)::
+
+                row: [p0 .. p(n-2) | p(n-1) c1 | p(n-1) c2 | ... | next unit ...]
     """
     if len(prompts) != len(completions) or not prompts:
         raise ValueError(f"pack_rows needs as many prompts as completions, at least one ({len(prompts)}, "
                          f"{len(completions)}).")
     device = prompts[0].device
-    lengths = [int(p.numel()) + int(c.numel()) for p, c in zip(prompts, completions)]
     if any(p.numel() == 0 for p in prompts):
         raise ValueError("pack_rows: every sample needs at least one prompt token (the position predicting its "
                          "first completion token).")
+    units = [[b] for b in range(len(prompts))] if units is None else [list(u) for u in units]
+    if sorted(b for u in units for b in u) != list(range(len(prompts))):
+        raise ValueError("pack_rows: units must hold every sample exactly once.")
+    if mask_dtype is None and any(len(u) > 1 for u in units):
+        raise ValueError("pack_rows: shared-prompt units need a mask (varlen attention only separates sequences).")
+    p_lens = [int(p.numel()) for p in prompts]
+    c_lens = [int(c.numel()) for c in completions]
+    lengths = unit_lengths(p_lens, c_lens, units)
     width = max(lengths) if row_len is None else max(row_len, max(lengths))
     if pad_to_multiple_of and pad_to_multiple_of > 1:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
-    rows = row_bins(lengths, width)
-    c_width = max(int(c.numel()) for c in completions) if completion_width is None else completion_width
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=prompts[0].dtype, device=device)
-    position_ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    segments = torch.full((len(rows), width), -1, dtype=torch.long, device=device)
+    bins = row_bins(lengths, width)
+    c_width = max(c_lens) if completion_width is None else completion_width
+    rows = len(bins)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=prompts[0].dtype, device=device)
+    position_ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+    unit_ids = torch.full((rows, width), -1, dtype=torch.long, device=device)
+    segments = torch.full((rows, width), -1, dtype=torch.long, device=device)
     index = torch.zeros(len(prompts), c_width, dtype=torch.long, device=device)
     valid = torch.zeros(len(prompts), c_width, dtype=torch.bool, device=device)
-    for r, members in enumerate(rows):
+    for r, members in enumerate(bins):
         at = 0
-        for b in members:
-            p, c = prompts[b], completions[b]
-            n = lengths[b]
-            input_ids[r, at:at + p.numel()] = p
-            input_ids[r, at + p.numel():at + n] = c
-            position_ids[r, at:at + n] = torch.arange(n, device=device)
-            segments[r, at:at + n] = b
-            k = min(int(c.numel()), c_width)
-            start = r * width + at + int(p.numel()) - 1  # predicts the completion's first token
-            index[b, :k] = start + torch.arange(k, device=device)
-            valid[b, :k] = True
-            at += n
+        for u in members:
+            unit = units[u]
+            prompt = prompts[unit[0]]
+            head = p_lens[unit[0]] - 1
+            input_ids[r, at:at + head] = prompt[:-1]
+            position_ids[r, at:at + head] = torch.arange(head, device=device)
+            unit_ids[r, at:at + lengths[u]] = u
+            at += head
+            for b in unit:
+                n = c_lens[b]
+                input_ids[r, at] = prompt[-1]
+                input_ids[r, at + 1:at + 1 + n] = completions[b]
+                position_ids[r, at:at + 1 + n] = head + torch.arange(n + 1, device=device)
+                segments[r, at:at + 1 + n] = b
+                k = min(n, c_width)
+                index[b, :k] = r * width + at + torch.arange(k, device=device)  # predicts the completion's token
+                valid[b, :k] = True
+                at += n + 1
         if at < width:  # the row's tail: a sequence of its own, positions from 0
             position_ids[r, at:] = torch.arange(width - at, device=device)
-    shift_labels = torch.full((len(rows), width), -100, dtype=torch.long, device=device)
+            unit_ids[r, at:] = len(units) + r
+    shift_labels = torch.full((rows, width), -100, dtype=torch.long, device=device)
     shift_labels.view(-1)[index[valid]] = input_ids.view(-1)[index[valid] + 1].long()
-    mask = None if mask_dtype is None else block_causal_mask(segments, mask_dtype)
-    return PackedRows(input_ids, position_ids, mask, index, valid, shift_labels, rows)
+    mask = None if mask_dtype is None else unit_causal_mask(unit_ids, segments, mask_dtype)
+    return PackedRows(input_ids, position_ids, mask, index, valid, shift_labels, [
+        [b for u in members for b in units[u]] for members in bins])
 
 
-def padfree_pays(lengths: Sequence[int], plain_width: int, row_width: int | None = None) -> tuple[bool, int, int]:
-    """Whether ``B`` samples of ``lengths`` real tokens, which the plain layout runs as ``B`` rows of
-    ``plain_width``, run cheaper as padding-free rows of ``row_width`` (default: the longest sample): at least a
-    tenth of the token slots saved (the rows' attention, ``R x L^2`` under a mask, is never more than the plain
-    ``B x T^2`` since ``L <= T``). Returns (pays, rows, row width)."""
+def choose_units(prompt_lens: Sequence[int], completion_lens: Sequence[int], units: Sequence[Sequence[int]],
+                 hidden_size: int = 4096) -> list[list[int]] | None:
+    """The shared-prompt units where they make the rows cheaper than one sample per unit (:func:`rows_cost` of
+    the units' lengths against the samples', at least 5% less), else None: a group's prompt once pays where prompts
+    are long against completions; rows as long as a whole group cost attention where they are not."""
+    if all(len(u) == 1 for u in units):
+        return None
+    alone = [p + n for p, n in zip(prompt_lens, completion_lens)]
+    shared = unit_lengths(prompt_lens, completion_lens, units)
+    if rows_cost(shared, hidden_size) <= 0.95 * rows_cost(alone, hidden_size):
+        return [list(u) for u in units]
+    return None
+
+
+def padfree_pays(lengths: Sequence[int], plain_width: int, row_width: int | None = None, samples: int | None = None
+                 ) -> tuple[bool, int, int]:
+    """Whether ``B`` samples (``samples``, default ``len(lengths)``) laid out as units of ``lengths`` tokens (a
+    sample each, or shared-prompt units), which the plain layout runs as ``B`` rows of ``plain_width``, run cheaper
+    as padding-free rows of ``row_width`` (default: the longest unit): at least a tenth of the token slots saved.
+    Returns (pays, rows, row width)."""
     width = max(lengths) if row_width is None else max(row_width, max(lengths))
     rows = len(row_bins(lengths, width))
-    return rows * width <= 0.9 * len(lengths) * plain_width, rows, width
+    count = len(lengths) if samples is None else samples
+    return rows * width <= 0.9 * count * plain_width, rows, width
 
 
 def padfree_fits(lengths: Sequence[int], plain_width: int, mask_dtype: torch.dtype, queries: torch.dtype,
-                 pad_to_multiple_of: int | None = None) -> bool:
+                 pad_to_multiple_of: int | None = None, samples: int | None = None) -> bool:
     """Whether a micro batch runs as padding-free rows: they save a tenth of the slots (:func:`padfree_pays`) and
     their block mask, rows rounded to ``pad_to_multiple_of``, stays within the shared-prompt layout's bound
     (:data:`~trl_nrollout.passes.packing_rules.MAX_PACKED_MASK_BYTES`; ``mask_dtype`` and ``queries`` as
     :func:`~trl_nrollout.passes.packing.mask_bytes` takes them). The update and the log-prob passes decide alike."""
     from trl_nrollout.passes.packing import MAX_PACKED_MASK_BYTES, mask_bytes, round_up
 
-    pays, rows, width = padfree_pays(lengths, plain_width)
+    pays, rows, width = padfree_pays(lengths, plain_width, samples=samples)
     return pays and mask_bytes(rows, round_up(width, pad_to_multiple_of), mask_dtype, queries) <= MAX_PACKED_MASK_BYTES
+
+
+def padfree_layout(prompt_lens: Sequence[int], completion_lens: Sequence[int], plain_width: int,
+                   mask_dtype: torch.dtype, queries: torch.dtype, *, prompts: Sequence | None = None,
+                   pad_to_multiple_of: int | None = None, hidden_size: int = 4096
+                   ) -> tuple[bool, list[list[int]] | None]:
+    """The padding-free decision of one micro batch, the same in the update, the log-prob passes and the critic:
+    whether its rows run (:func:`padfree_fits`), and in units of a shared prompt (``prompts`` given: the
+    shared-prompt layout is allowed; :func:`choose_units`) or one sample each (None)."""
+    units = None
+    if prompts is not None and len(prompts) > 1:
+        units = choose_units(prompt_lens, completion_lens, shared_units(prompts), hidden_size)
+    lengths = (unit_lengths(prompt_lens, completion_lens, units) if units is not None
+               else [p + n for p, n in zip(prompt_lens, completion_lens)])
+    fits = padfree_fits(lengths, plain_width, mask_dtype, queries, pad_to_multiple_of, samples=len(prompt_lens))
+    return fits, units
 
 
 def prefix_lengths(mask: Tensor) -> Tensor | None:

@@ -219,7 +219,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
             local = compute_values(critic, assigned.prompt_ids, assigned.completion_ids,
                                    pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=count,
                                    max_token_len=budget, pad_to_multiple_of=self.pad_to_multiple_of,
-                                   padding_free=self._padfree_allowed(self.critic))
+                                   padding_free=self._padfree_allowed(self.critic),
+                                   shared_prompts=args.shared_prompt_forward is not False)
         job = torch.zeros(num_samples, width, device=local.device)
         if local.numel():
             job[torch.as_tensor(assigned.mine, device=local.device), :local.shape[1]] = local
@@ -294,7 +295,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
                 vpreds = critic_values(critic, inputs["prompt_ids"][sel], inputs["prompt_mask"][sel],
                                        inputs["completion_ids"][sel], inputs["completion_mask"][sel],
                                        padding_free=padding_free, pad_token_id=self._tokenizer.pad_token_id,
-                                       pad_to_multiple_of=self.pad_to_multiple_of)
+                                       pad_to_multiple_of=self.pad_to_multiple_of,
+                                       shared_prompts=args.shared_prompt_forward is not False)
             m = mask[sel].to(vpreds.dtype) * (1.0 if k < len(pieces) else 0.0)
             loss, clipfrac = value_loss(vpreds, inputs["returns"][sel], inputs["old_values"][sel], m,
                                         args.cliprange_value, args.critic_loss_agg_mode, **agg)

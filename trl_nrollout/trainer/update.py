@@ -35,6 +35,7 @@ from trl_nrollout.algos.losses import (
 )
 from trl_nrollout.passes.budget import (
     BudgetedStep,
+    budget_units,
     concat_batches,
     sample_lengths,
     select_rows,
@@ -55,8 +56,11 @@ from trl_nrollout.passes.padfree import (
     budgeted_parts,
     pack_rows,
     padded_budget_count,
-    padfree_fits,
+    padfree_layout,
     prefix_lengths,
+    shared_units,
+    split_to,
+    unit_lengths,
     unpad,
 )
 from trl_nrollout.plan.activations import default_update_token_budget
@@ -149,14 +153,20 @@ class PolicyUpdate:
         accum = self.args.gradient_accumulation_steps
         window = accum if len(chunks) % accum == 0 else 1
         padded = any("mm_inputs" in c for c in chunks) or not self._padfree_allowed(self.model)
+        shared = not padded and self.args.shared_prompt_forward is not False  # a group's samples in one micro batch
         pools, needs = [], []
         for start in range(0, len(chunks), window):
             group = [with_micro_tokens(c, loss_mask(c).sum()) for c in chunks[start:start + window]]
             pool = concat_batches(group)
             lengths = sample_lengths(pool)
             budget = self._budget_for(lengths)
-            need = padded_budget_count(lengths, budget) if padded else budget_count(lengths, budget)
-            pools.append((pool, lengths, budget))
+            if padded:
+                items, need = None, padded_budget_count(lengths, budget)
+            else:
+                budget_count(lengths, budget)  # a sample over an explicit budget: the error naming the option
+                items = self._budget_items(pool, lengths, budget) if shared else [[b] for b in range(len(lengths))]
+                need = budget_count(self._item_lengths(pool, lengths, items), budget)
+            pools.append((pool, lengths, budget, items))
             needs.append(max(need, window))
         # every rank runs as many forwards (ZeRO-3 / FSDP gather in each): the busiest rank's count, per optimizer step
         every = gather(torch.tensor([needs], device=self.accelerator.device))  # [ranks, optimizer steps]
@@ -165,8 +175,13 @@ class PolicyUpdate:
         self._metric("train", "update/micro_batches_least_rank", float(every.amin(0).sum()))
         hidden = getattr(self.accelerator.unwrap_model(self.model).config, "hidden_size", None) or 4096
         steps: list[BudgetedStep] = []
-        for (pool, lengths, budget), count in zip(pools, counts.tolist()):
-            own = budgeted_parts(lengths, budget, min(count, len(lengths)), hidden, padded=padded)
+        for (pool, lengths, budget, items), count in zip(pools, counts.tolist()):
+            if items is None:
+                own = budgeted_parts(lengths, budget, min(count, len(lengths)), hidden, padded=True)
+            else:  # whole groups (or single samples) as the items cut; split further only to reach the count
+                by_item = budgeted_parts(self._item_lengths(pool, lengths, items), budget,
+                                         min(count, len(items)), hidden)
+                own = split_to([[b for i in part for b in items[i]] for part in by_item], min(count, len(lengths)))
             parts = [select_rows(pool, idx, self.pad_to_multiple_of) for idx in own]
             # a rank with fewer samples than the busiest rank's count: forwards that weigh nothing keep it in step
             parts += [{**select_rows(pool, [0], self.pad_to_multiple_of), "loss_scale": 0.0}
@@ -182,6 +197,20 @@ class PolicyUpdate:
                         self.update_budget.tokens,
                         "padded" if padded else "real", int(counts.sum()), len(chunks))
         return steps
+
+    @staticmethod
+    def _budget_items(pool: dict, lengths: list[int], budget: int) -> list[list[int]]:
+        """The pool's samples grouped by prompt (runs of a group within the budget): what the budget cuts."""
+        prompts = [tuple(ids[m.bool()].tolist()) for ids, m in zip(pool["prompt_ids"], pool["prompt_mask"])]
+        prompt_lens = [len(p) for p in prompts]
+        return budget_units(shared_units(prompts), prompt_lens,
+                            [n - p for n, p in zip(lengths, prompt_lens)], budget)
+
+    @staticmethod
+    def _item_lengths(pool: dict, lengths: list[int], items: list[list[int]]) -> list[int]:
+        """Tokens of each item in padding-free rows: a group's prompt once (:func:`unit_lengths`)."""
+        prompt_lens = pool["prompt_mask"].sum(-1).tolist()
+        return unit_lengths(prompt_lens, [n - p for n, p in zip(lengths, prompt_lens)], items)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not isinstance(inputs, BudgetedStep):
@@ -303,14 +332,14 @@ class PolicyUpdate:
         ``mm``: per sample, a vision-language model's image tensors (TRL's ``forward_kwargs``); the model then
         places its positions itself, as in TRL, and its vision tower is trained.
         """
-        if self._packing_allowed(model, images=mm is not None, aux_loss=self.aux_loss_enabled):
-            packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep)
-            if packed is not None:
-                return packed
         if mm is None and self._padfree_allowed(model, aux_loss=self.aux_loss_enabled):
             rows = self._padfree_forward(model, input_ids, attention_mask, logits_to_keep)
             if rows is not None:
                 return rows
+        if self._packing_allowed(model, images=mm is not None, aux_loss=self.aux_loss_enabled):
+            packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep)
+            if packed is not None:
+                return packed
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
         extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
@@ -375,21 +404,25 @@ class PolicyUpdate:
         if completion_len is None:
             return None
         prompts, completions = unpad(input_ids[:, :-c], attention_mask[:, :-c], input_ids[:, -c:], completion_len)
-        lengths = [p.numel() + q.numel() for p, q in zip(prompts, completions)]
         config = self.accelerator.unwrap_model(model).config
         weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         dtype = mask_dtype(config, weights)
         with self.accelerator.autocast():
             queries = query_dtype(weights, input_ids.device.type)
-        if not padfree_fits(lengths, input_ids.shape[1], dtype, queries, self.pad_to_multiple_of):
+        shared = self.args.shared_prompt_forward is not False  # a group's prompt once, its completions behind it
+        fits, units = padfree_layout([p.numel() for p in prompts], completion_len.tolist(), input_ids.shape[1],
+                                     dtype, queries, prompts=prompts if shared else None,
+                                     pad_to_multiple_of=self.pad_to_multiple_of,
+                                     hidden_size=getattr(config, "hidden_size", None) or 4096)
+        if not fits:
             return None
         pk = pack_rows(prompts, completions, self._tokenizer.pad_token_id, mask_dtype=dtype,
-                       pad_to_multiple_of=self.pad_to_multiple_of, completion_width=c)
+                       pad_to_multiple_of=self.pad_to_multiple_of, completion_width=c, units=units)
         if not getattr(self, "_padfree_said", False):
             self._padfree_said = True
-            logger.info("padding_free: the update runs padding-free rows (this micro batch: %d rows of %d tokens "
-                        "instead of %d rows of %d).", pk.input_ids.shape[0], pk.input_ids.shape[1],
-                        input_ids.shape[0], input_ids.shape[1])
+            logger.info("padding_free: the update runs padding-free rows%s (this micro batch: %d rows of %d tokens "
+                        "instead of %d rows of %d).", " with each prompt once per group" if units else "",
+                        pk.input_ids.shape[0], pk.input_ids.shape[1], input_ids.shape[0], input_ids.shape[1])
         with self.accelerator.autocast():
             out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
                         shift_labels=pk.shift_labels, fused_lm_head=True)
