@@ -214,11 +214,293 @@ def check_packing(device: str, size: dict) -> dict:
     return out
 
 
+def _padfree_lengths(count: int, cap: int, seed: int) -> list[int]:
+    """``count`` long-tailed completion lengths: an exponential of mean ``cap / 4`` clipped to ``[1, cap]``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.empty(count).exponential_(1.0 / (cap / 4), generator=g)
+    return [int(min(max(1, round(float(x))), cap)) for x in draws]
+
+
+def _padfree_batch(prompt_lens: list[int], completion_lens: list[int], vocab: int, device: str, seed: int):
+    """Random token samples (prompt, completion) of the given lengths on ``device``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randint(3, vocab, (p,), generator=g).to(device) for p in prompt_lens]
+    cs = [torch.randint(3, vocab, (c,), generator=g).to(device) for c in completion_lens]
+    return ps, cs
+
+
+def _padded_inputs(ps: list, cs: list):
+    """The padded layout of samples (prompts left-padded, completions right-padded): ``input_ids``,
+    ``attention_mask``, ``position_ids`` ``[B, P + C]`` and ``index``/``valid`` ``[B, C]`` (flat positions predicting
+    each completion token, as :attr:`PackedRows.index`)."""
+    import torch
+
+    pid, pm, cid, cm = _padded([p.tolist() for p in ps], [c.tolist() for c in cs], str(ps[0].device))
+    ids, am = torch.cat([pid, cid], 1), torch.cat([pm, cm.long()], 1)
+    width, p_w = ids.shape[1], pid.shape[1]
+    index = (torch.arange(len(ps), device=ids.device)[:, None] * width + p_w - 1
+             + torch.arange(cid.shape[1], device=ids.device)[None, :])
+    return ids, am, (am.cumsum(-1) - 1).clamp(min=0), index, cm.bool()
+
+
+def _scored_logprobs(model, input_ids, attention_mask, position_ids, index, valid):
+    """``[B, C]`` log-probs of each completion token (0 past the end) from the forward of rows ``input_ids``: the
+    head on the scored positions only (padded and packed rows pay the same head)."""
+    import torch
+
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+                         ).last_hidden_state
+    flat = input_ids.reshape(-1)
+    labels = flat[(index + 1).clamp(max=flat.numel() - 1)]
+    logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1])[index[valid]]).float()
+    out = torch.zeros(index.shape, dtype=torch.float32, device=input_ids.device)
+    out[valid] = logits.log_softmax(-1).gather(-1, labels[valid][:, None])[:, 0]
+    return out
+
+
+def _layout(model, ps: list, cs: list, layout: str):
+    """The forward arguments of samples in ``layout``: "padded", "packed" (block mask in the attention's form: bool
+    for SDPA and flex, additive in the model's dtype for eager), "packed_nomask" (the packed rows without their
+    mask: the negative control) or "varlen" (positions only, flash-attention)."""
+    import torch
+
+    from trl_nrollout.passes.padfree import pack_rows
+
+    if layout == "padded":
+        return _padded_inputs(ps, cs)
+    attn = model.config._attn_implementation
+    mask_dtype = None if layout in ("varlen", "packed_nomask") else (model.dtype if attn == "eager" else torch.bool)
+    pk = pack_rows(ps, cs, pad_token_id=0, mask_dtype=mask_dtype)
+    return pk.input_ids, pk.attention_mask, pk.position_ids, pk.index, pk.valid
+
+
+def _equality_samples(device: str, size: dict):
+    """The equality check's samples: prompts of varied lengths, long-tailed completions."""
+    cfg = size["padfree"]
+    half = cfg["prompt_len"] // 2
+    plens = [half + (i * 7) % (half + 1) for i in range(cfg["eq_samples"])]
+    clens = _padfree_lengths(cfg["eq_samples"], cfg["eq_cap"], seed=1)
+    return _padfree_batch(plens, clens, size["vocab"], device, seed=2)
+
+
+def _equality(model, device: str, size: dict, attn: str) -> dict:
+    """Max abs difference of packed rows' log-probs against the padded layout's under ``attn`` (float32; bf16 for
+    flash-attention); for SDPA also the packed rows without their mask (``extra``: the negative control)."""
+    import torch
+
+    ps, cs = _equality_samples(device, size)
+    dtype = torch.bfloat16 if attn.startswith("flash") else torch.float32
+    m = model.to(dtype)
+    m.set_attn_implementation(attn)
+    with torch.no_grad():
+        ref = _scored_logprobs(m, *_layout(m, ps, cs, "padded"))
+        got = _scored_logprobs(m, *_layout(m, ps, cs, "varlen" if attn.startswith("flash") else "packed"))
+        valid = _padded_inputs(ps, cs)[4]
+        res = {"dtype": str(dtype).replace("torch.", ""), "max_abs_diff": float((got - ref).abs()[valid].max()),
+               "finite": bool(torch.isfinite(got[valid]).all()), "tokens": int(valid.sum())}
+        if attn == "sdpa":
+            control = _scored_logprobs(m, *_layout(m, ps, cs, "packed_nomask"))
+            res["extra"] = {"sdpa_without_mask_max_abs_diff": float((control - ref).abs()[valid].max())}
+    return res
+
+
+def _equality_in_child(device: str, attn: str, timeout: int = 150) -> dict:
+    """:func:`_equality` of ``attn`` in a child process (``--equality-child``): its result, or ``{"error": ...}``
+    naming how the child ended (a crash of the attention's kernels, a refusal, a timeout)."""
+    import subprocess
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--equality-child", attn]
+    if not device.startswith("cuda"):
+        cmd.append("--dry-run")
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
+    if run.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    return {"error": f"child exit {run.returncode}: {(run.stderr or run.stdout).strip()[-300:]}"}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def check_padding_free(device: str, size: dict) -> dict:
+    """Padding-free rows (:func:`~trl_nrollout.passes.padfree.pack_rows`) on the device (issue 45), on a decoder of
+    ``size["padfree"]`` (about 0.8B parameters on the GPU, random weights):
+
+    a. ``equality``: per-token log-probs of packed rows against the padded layout, float32 weights (bf16 for
+       flash-attention, which has no float32 kernels), per attention implementation: SDPA (bool block mask), eager
+       (additive), flash_attention_2 (positions only) and flex_attention (bool block mask) where they load; the
+       negative control: SDPA on the packed rows without their mask.
+    b. ``speed``: forward + backward seconds per real token, bf16, long-tailed completion lengths (exponential of
+       mean cap / 4 clipped to the cap) against uniform ones of the same real tokens and the same prompts, per layout
+       (padded, packed + SDPA mask, flash varlen where available); goal: long-tailed / uniform <= 1.15 padding-free.
+    c. ``memory``: peak CUDA memory of one forward + backward of a token budget of short samples against the same
+       budget with one sample at the cap in place of short ones; goal: ratio <= 1.10 for packed rows (padded for
+       contrast). None on the CPU."""
+    import importlib.util
+
+    import torch
+
+    from trl_nrollout.passes.padfree import pack_rows
+
+    cfg = size["padfree"]
+    cuda = device.startswith("cuda")
+    with torch.device(device):
+        model = _model(size["vocab"], cfg["hidden"], cfg["layers"], seed=11)
+    model = model.to(device).eval()
+    params = sum(p.numel() for p in model.parameters())
+    out: dict = {"status": "ok", "params": params, "sizes": cfg}
+    print(f"[gpu_check] padding_free: model of {params / 1e6:.0f}M parameters on {device}", flush=True)
+
+    # ---- a. equality (float32; flash in bf16); flex_attention in a child process (its CPU path crashed the
+    # process here: malloc(): unaligned tcache chunk), so that a crash is reported, not the end of the report
+    impls = {"sdpa": True, "eager": True, "flex_attention": True,
+             "flash_attention_2": cuda and importlib.util.find_spec("flash_attn") is not None}
+    equality, unavailable = {}, {}
+    for attn, possible in impls.items():
+        if not possible:
+            unavailable[attn] = "no CUDA device" if not cuda else "the flash_attn package is not installed"
+        elif attn == "flex_attention":
+            got = _equality_in_child(device, attn)
+            (equality if "max_abs_diff" in got else unavailable)[attn] = got.get("error", got)
+        else:
+            try:
+                got = _equality(model, device, size, attn)
+                out.update(got.pop("extra", {}))
+                equality[attn] = got
+            except Exception as err:  # noqa: BLE001 - an implementation transformers or torch refuses here
+                unavailable[attn] = f"{type(err).__name__}: {str(err)[:300]}"
+        print(f"[gpu_check] padding_free: equality {attn}: {equality.get(attn, unavailable.get(attn))}", flush=True)
+    model.to(torch.float32).set_attn_implementation("sdpa")
+    out["equality"], out["unavailable"] = equality, unavailable
+
+    # ---- b. speed (bf16, forward + backward)
+    model = model.to(torch.bfloat16).train()
+    model.gradient_checkpointing_disable()
+    varlen = "flash_attention_2" in equality
+
+    def step(ps, cs, layout: str) -> float:
+        m_attn = "flash_attention_2" if layout == "varlen" else "sdpa"
+        model.set_attn_implementation(m_attn)
+        args = _layout(model, ps, cs, layout)
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        start = time.perf_counter()
+        lp = _scored_logprobs(model, *args)
+        (-lp.sum() / args[4].sum()).backward()
+        _sync(device)
+        return time.perf_counter() - start
+
+    n = cfg["speed_samples"]
+    prompt_lens = [cfg["prompt_len"]] * n
+    tailed = _padfree_lengths(n, cfg["cap"], seed=3)
+    total = sum(tailed)
+    uniform = [total // n + (1 if i < total % n else 0) for i in range(n)]  # the same real tokens
+    speed: dict = {"samples": n, "real_tokens": sum(prompt_lens) + total, "tailed_max": max(tailed),
+                   "tailed_mean": total / n, "uniform": uniform[0]}
+    def budgeted(ps, cs) -> float:
+        """The update's cut: micro batches of at most ``speed_budget`` real tokens (neighbouring lengths,
+        :func:`budgeted_parts`), each packed where the trainer's rule says it pays, else padded."""
+        from trl_nrollout.passes.padfree import budget_count, budgeted_parts, padfree_fits
+
+        lengths = [p.numel() + c.numel() for p, c in zip(ps, cs)]
+        budget = max(cfg.get("speed_budget", 4096), max(lengths))
+        total = 0.0
+        for idx in budgeted_parts(lengths, budget, budget_count(lengths, budget), cfg["hidden"]):
+            sub = [lengths[i] for i in idx]
+            how = "packed" if len(idx) > 1 and padfree_fits(sub, max(sub), torch.bool, torch.bfloat16) else "padded"
+            total += step([ps[i] for i in idx], [cs[i] for i in idx], how)
+        return total
+
+    layouts = ["padded", "packed", "budgeted"] + (["varlen"] if varlen else [])
+    for layout in layouts:
+        row: dict = {}
+        try:
+            for name, lens in (("uniform", uniform), ("tailed", tailed)):
+                ps, cs = _padfree_batch(prompt_lens, lens, size["vocab"], device, seed=4)
+                times = [budgeted(ps, cs) if layout == "budgeted" else step(ps, cs, layout)
+                         for _ in range(cfg["repeats"] + 1)][1:]  # the first warms up
+                row[f"{name}_s_per_token"] = min(times) / speed["real_tokens"]
+            row["tailed_over_uniform"] = row["tailed_s_per_token"] / row["uniform_s_per_token"]
+        except torch.OutOfMemoryError as err:
+            row["error"] = f"OutOfMemoryError: {str(err)[:200]}"
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        speed[layout] = row
+        print(f"[gpu_check] padding_free: speed {layout}: {row}", flush=True)
+    speed["goal_packed_ok"] = speed["packed"].get("tailed_over_uniform", math.inf) <= 1.15
+    out["speed"] = speed
+
+    # ---- c. memory (one forward + backward at a token budget)
+    short = cfg["short_len"]
+    count = cfg["budget"] // (cfg["prompt_len"] + short)
+    long_total = cfg["prompt_len"] + cfg["cap"]
+    replaced = -(-long_total // (cfg["prompt_len"] + short))  # short samples the long one replaces
+    cases = {"short": [short] * count, "one_long": [cfg["cap"]] + [short] * (count - replaced)}
+    memory: dict = {"budget": cfg["budget"], "short_samples": count, "replaced": replaced,
+                    "real_tokens": {k: len(v) * cfg["prompt_len"] + sum(v) for k, v in cases.items()}}
+    for layout in ("packed", "padded"):
+        row = {}
+        for name, lens in cases.items():
+            ps, cs = _padfree_batch([cfg["prompt_len"]] * len(lens), lens, size["vocab"], device, seed=5)
+            slots = len(lens) * (cfg["prompt_len"] + max(lens))
+            if layout == "padded" and slots > 4 * cfg["budget"]:  # ~1.4 MB of activations a slot at 0.8B: no OOM
+                row[f"{name}_skipped"] = f"{slots} padded slots > 4 x the budget"
+                row[f"{name}_slots"] = slots
+                continue
+            try:
+                step(ps, cs, layout)  # warm (the allocator's caches, kernels' workspaces)
+                model.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                step(ps, cs, layout)
+                row[f"{name}_peak_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None
+            except torch.OutOfMemoryError as err:
+                row[f"{name}_error"] = f"OutOfMemoryError: {str(err)[:200]}"
+                model.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+            if layout == "packed":
+                row[f"{name}_slots"] = pack_rows(ps, cs, pad_token_id=0, mask_dtype=None).token_slots
+            else:
+                row[f"{name}_slots"] = slots
+        if row.get("short_peak_mib") and row.get("one_long_peak_mib"):
+            row["one_long_over_short"] = row["one_long_peak_mib"] / row["short_peak_mib"]
+        memory[layout] = row
+        print(f"[gpu_check] padding_free: memory {layout}: {row}", flush=True)
+    memory["goal_packed_ok"] = (memory["packed"].get("one_long_over_short", 0.0) <= 1.10) if cuda else None
+    out["memory"] = memory
+    model.zero_grad(set_to_none=True)
+    model.set_attn_implementation("sdpa")
+
+    tol = cfg["tolerance"]
+    exact = all(v["finite"] and v["max_abs_diff"] <= (tol * 10 if v["dtype"] == "bfloat16" else tol)
+                for v in equality.values())
+    control = out.get("sdpa_without_mask_max_abs_diff", 0.0) > 10 * tol
+    out["status"] = "ok" if exact and control and "sdpa" in equality and "eager" in equality else "failed"
+    return out
+
+
 SIZES = {
     "gpu": dict(vocab=32768, hidden=512, layers=4, prompts=16, prompt_len=256, completion_len=512, micro=8,
-                rates=dict(hidden=2048, layers=16, rows=16, long=2048)),
+                rates=dict(hidden=2048, layers=16, rows=16, long=2048),
+                padfree=dict(hidden=2048, layers=16, prompt_len=128, eq_samples=8, eq_cap=256, cap=2048,
+                             speed_samples=16, repeats=2, budget=16384, short_len=128, tolerance=2e-3)),
     "dry": dict(vocab=2048, hidden=64, layers=2, prompts=4, prompt_len=16, completion_len=24, micro=4,
-                rates=dict(hidden=64, layers=2, rows=1, long=256)),
+                rates=dict(hidden=64, layers=2, rows=1, long=256),
+                padfree=dict(hidden=64, layers=2, prompt_len=8, eq_samples=8, eq_cap=48, cap=64,
+                             speed_samples=6, repeats=1, budget=256, short_len=8, tolerance=2e-3)),
 }
 
 
@@ -329,6 +611,7 @@ SECTIONS = (
     ("prefill_once", ("torch", "transformers"), check_prefill_once),
     ("trainer", ("torch", "transformers", "trl", "datasets", "accelerate"), lambda device, size: check_trainer(device, 3)),
     ("training_rates", ("torch", "transformers"), check_training_rates),
+    ("padding_free", ("torch", "transformers"), check_padding_free),
 )
 
 
@@ -339,8 +622,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU at small sizes (no GPU needed)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     parser.add_argument("--only", nargs="*", help="run these sections only")
+    parser.add_argument("--equality-child", help=argparse.SUPPRESS)  # padding_free's equality of one attention
     args = parser.parse_args(argv)
     import torch
+
+    if args.equality_child:
+        device = "cpu" if args.dry_run else "cuda"
+        size = SIZES["dry" if args.dry_run else "gpu"]
+        with torch.device(device):
+            model = _model(size["vocab"], size["padfree"]["hidden"], size["padfree"]["layers"], seed=11)
+        try:
+            got = _equality(model.eval(), device, size, args.equality_child)
+        except Exception as err:  # noqa: BLE001 - the parent reports it
+            got = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        got.pop("extra", None)
+        print(json.dumps(got), flush=True)
+        return 0
 
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: use --dry-run to exercise the script on the CPU", file=sys.stderr)

@@ -39,11 +39,17 @@ def test_gpu_check_dry_run(tmp_path):
     rates = report["training_rates"]  # plan --calibrate's training side, without vLLM
     assert rates["status"] == "ok" and 0 < rates["mfu_train"] <= 1 and 0 < rates["mfu_attention"] <= 1
     assert rates["seconds_per_pair"] > 0 and rates["optimizer_bw"] > 0 and rates["profile"] is None  # no named CPU
+    assert report["padding_free"]["status"] == "ok"  # its numbers: test_sections_whose_modules_are_missing...
 
 
+@pytest.mark.slow  # padding_free runs flex_attention in a child process
 def test_sections_whose_modules_are_missing_are_skipped(tmp_path, monkeypatch):
     """A lent GPU machine has torch and transformers but not TRL: the sections that need TRL say so and are skipped,
-    the others run, and the exit status is 0 when those pass."""
+    the others run, and the exit status is 0 when those pass. ``padding_free`` (issue 45) runs there alone: packed
+    rows give the padded layout's log-probs under SDPA and eager (float32), the packed rows without their block mask
+    do not (the negative control), flash-attention is reported unavailable on the CPU, and the long-tailed batch
+    costs packed rows fewer slots than padded ones. Mutations: the block mask dropped from the packed layout (the
+    equality fails), the control given the mask (it no longer differs)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts/gpu_check.py")
@@ -52,10 +58,25 @@ def test_sections_whose_modules_are_missing_are_skipped(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
     out = tmp_path / "report.json"
-    assert gpu_check.main(["--dry-run", "--out", str(out), "--only", "trainer", "passes_autocast"]) == 0
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--only", "trainer", "passes_autocast",
+                           "padding_free"]) == 0
     report = json.loads(out.read_text())
     assert report["trainer"]["status"] == "skipped" and report["trainer"]["missing"] == ["trl"]
     assert report["passes_autocast"]["status"] == "ok" and "logprob_memory" not in report
+    pf = report["padding_free"]
+    assert pf["status"] == "ok", pf
+    eq = pf["equality"]
+    assert set(eq) >= {"sdpa", "eager"} and all(v["finite"] and v["tokens"] > 20 for v in eq.values())
+    assert eq["sdpa"]["max_abs_diff"] < 1e-4 and eq["eager"]["max_abs_diff"] < 1e-4
+    assert pf["sdpa_without_mask_max_abs_diff"] > 1e-2 > 100 * eq["sdpa"]["max_abs_diff"]  # the mask matters
+    assert pf["unavailable"]["flash_attention_2"] == "no CUDA device"
+    speed = pf["speed"]
+    assert speed["tailed_max"] > 2 * speed["tailed_mean"]  # a long tail, against uniform lengths of equal tokens
+    for layout in ("padded", "packed"):
+        assert speed[layout]["tailed_over_uniform"] > 0
+    memory = pf["memory"]
+    assert memory["packed"]["one_long_slots"] < memory["padded"]["one_long_slots"]
+    assert memory["packed"]["short_peak_mib"] is None and memory["goal_packed_ok"] is None  # no CUDA allocator
 
 
 
