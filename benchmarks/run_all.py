@@ -30,6 +30,7 @@ BENCHMARKS: list[str] = [
     "dispatch_balance.py",
     "plan_accuracy.py",
     "plan_published.py",
+    "training_side_vs_trl.py",
 ]
 
 
