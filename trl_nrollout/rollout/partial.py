@@ -122,13 +122,15 @@ class PartialRun:
 
 
 def run_partial(llm, groups: list[InFlightGroup], target: int, version: int, max_tokens: int,
-                make_params: Callable[[int, int, int | None], Any], prompt: Callable[[list[int]], Any]) -> PartialRun:
+                make_params: Callable[[int, int, int | None], Any], prompt: Callable[[list[int]], Any],
+                lora_request: Any = None) -> PartialRun:
     """Run one engine on the pool until ``target`` groups have finished (or none is left unfinished), then abort
     the rest, keeping their tokens. ``make_params(n, max_tokens, seed_slot)`` builds the SamplingParams of one
     request (``seed_slot``: the request's place among this call's requests, spaced by ``n``, for the caller's
     seeds); ``prompt(ids)`` the engine's prompt. New tokens are tagged ``version``. Every rank of a TP group calls
-    it with the same pool and makes the same decisions (they see the same outputs)."""
-    loop = EngineLoop(llm, stream=True)
+    it with the same pool and makes the same decisions (they see the same outputs). ``lora_request``: the adapter
+    version every request uses (a sample continued after a sync continues under the new adapter)."""
+    loop = EngineLoop(llm, stream=True, lora_request=lora_request)
     owner: dict[str, tuple[int, list[int]]] = {}  # request -> (pool index, the sample indices it serves)
     slot = 0
     finish_order = [i for i, g in enumerate(groups) if g.finished]

@@ -6,7 +6,9 @@ Trainer rank 0 writes messages ``msg/0, msg/1, ...`` that every rollout rank rea
     start     the engine's settings (model, lengths, seed...); each rollout rank builds its engine and answers
               ``ready/<r>`` with its parameter names (or the error that stopped it)
     weights   a policy version; its buckets follow over the weights group, each a size, then a byte buffer (its
-              layout, then the tensors, cast to the engine's dtype), ended by a size of 0
+              layout, then the tensors, cast to the engine's dtype), ended by a size of 0. With ``adapter``: the
+              buckets hold the LoRA adapter's tensors only (``rollout_lora_sync="adapter"``), loaded as a new
+              adapter version; the base weights stay
     job       the job's prompts (every trainer's groups, in rank order, each prompt once), n, the sampling options;
               rollout rank r generates its slice (:func:`job_slice`) and answers ``out/<job>/<r>`` (token ids and
               log-probs as flat arrays)
@@ -38,7 +40,7 @@ from torch import nn
 
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
-from trl_nrollout.rollout.weight_sync import engine_has, iter_weight_buckets
+from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
 
 _ALIGN = 16  # byte alignment of each tensor in a bucket's flat buffer (a view as any dtype needs it)
 
@@ -256,19 +258,36 @@ class RemoteEngines:
                     raise RolloutRankError("sending weights to the rollout ranks stopped") from None
 
     @torch.no_grad()
-    def load_weights(self, model: nn.Module, version: int = 0) -> dict:
+    def load_weights(self, model: nn.Module, version: int = 0, merge_lora: bool = True) -> dict:
         """Send the policy's weights (policy ``version``) to every rollout rank: every trainer takes part (ZeRO-3
         and FSDP gather collectively); trainer rank 0 casts each bucket to the engine's dtype, packs it into one of
         :attr:`SEND_QUEUE` reused host buffers (pinned where a GPU is) and a thread sends it over the weights group
         while the next bucket is gathered and packed; the last buckets leave while the trainers go on. Returns the
-        bytes, buckets and seconds of the gather and copy."""
+        bytes, buckets and seconds of the gather and copy. ``merge_lora=False``: a PEFT model's base weights
+        without its adapter (engines serving the adapter themselves)."""
+        return self._send_version(version, iter_weight_buckets(
+            model, self.bucket_bytes, keep_alias=engine_has(self.engine_names), merge_lora=merge_lora))
+
+    @torch.no_grad()
+    def load_adapter(self, model: nn.Module, version: int = 0) -> dict:
+        """Send only the policy's LoRA adapter (policy ``version``; ``rollout_lora_sync="adapter"``): every trainer
+        gathers the adapter's tensors (ZeRO-3 / FSDP: collectively, the adapter only), trainer rank 0 sends them as
+        one bucket; each rollout rank loads them as a new adapter version of its engine. Returns the bytes, buckets
+        and seconds of the gather and copy."""
         start = time.perf_counter()
+        tensors = adapter_tensors(model)
+        return self._send_version(version, iter([sorted(tensors.items())]), adapter=True, start=start)
+
+    def _send_version(self, version: int, buckets, adapter: bool = False, start: float | None = None) -> dict:
+        """Post a ``weights`` message and send ``buckets`` (iterated on every trainer: gathers are collective;
+        trainer rank 0 packs and sends them)."""
+        start = time.perf_counter() if start is None else start
         leader = self.bridge.is_leader
         stats = {"bytes": 0, "buckets": 0, "peak_bucket_bytes": 0}
         if leader:
             self._watch()
             self._join_sender()  # the previous version has left: its buffers are free
-            self._post({"kind": "weights", "version": version})
+            self._post({"kind": "weights", "version": version, **({"adapter": True} if adapter else {})})
             self._send_queue = queue.Queue()
             transfer = {"version": version, "bytes": 0, "seconds": None}
             self.last_transfer = transfer
@@ -276,7 +295,7 @@ class RemoteEngines:
                                             name="trl_nrollout-weights", daemon=True)
             self._sender.start()
         try:
-            for bucket in iter_weight_buckets(model, self.bucket_bytes, keep_alias=engine_has(self.engine_names)):
+            for bucket in buckets:
                 if not leader:
                     continue
                 buf, layout = pack_bucket(bucket, self.engine_dtype, out=self._take_buffer(),
@@ -538,7 +557,11 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
         elif kind == "weights":
             bridge.status = f"loading weights version {message['version']}"
             t0 = time.perf_counter()
-            state["engine"].load_buckets(unpack_bucket(buf, layout) for buf, layout in message["staged"])
+            if message.get("adapter"):  # the LoRA adapter only: a new adapter version, the base stays
+                state["engine"].load_adapter_tensors(
+                    {name: t for buf, layout in message["staged"] for name, t in unpack_bucket(buf, layout)})
+            else:
+                state["engine"].load_buckets(unpack_bucket(buf, layout) for buf, layout in message["staged"])
             reader.loaded()
             state["version"] = message["version"]
             stats["weights_s"] += time.perf_counter() - t0

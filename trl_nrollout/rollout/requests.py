@@ -47,13 +47,15 @@ class EngineLoop:
 
     ``stream=False``: outputs arrive when a request's ``n`` samples have all finished (``generate``'s mode, the
     least Python work per step). ``stream=True``: every step delivers each running sample's new tokens, so
-    :attr:`samples` always holds what each sample has so far.
+    :attr:`samples` always holds what each sample has so far. ``lora_request``: the vLLM ``LoRARequest`` every
+    request of the loop carries (the adapter version it samples from; None: the base weights).
     """
 
-    def __init__(self, llm, *, stream: bool = False) -> None:
+    def __init__(self, llm, *, stream: bool = False, lora_request=None) -> None:
         self.llm = llm
         self.engine = llm.llm_engine
         self.stream = stream
+        self.lora_request = lora_request
         self.samples: dict[tuple[str, int], SampleProgress] = {}
         self._n: dict[str, int] = {}
         self._prompt_ids: dict[str, list[int]] = {}
@@ -70,7 +72,10 @@ class EngineLoop:
         params = params.clone()
         params.output_kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         request_id = str(next(self.llm.request_counter))  # generate's ids: unique among the LLM's requests
-        self.engine.add_request(request_id, self._render(prompt), params)
+        if self.lora_request is None:
+            self.engine.add_request(request_id, self._render(prompt), params)
+        else:
+            self.engine.add_request(request_id, self._render(prompt), params, lora_request=self.lora_request)
         self._n[request_id] = params.n
         self._open.add(request_id)
         for k in range(params.n):

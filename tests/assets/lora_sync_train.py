@@ -1,0 +1,37 @@
+"""Run by tests/test_lora_sync.py: NRolloutGRPOTrainer with a LoRA adapter and an explicit ``rollout_lora_sync``.
+Writes log_history.json (and the adapter's bytes) from trainer rank 0.
+
+    python lora_sync_train.py OUT adapter                                             # one process
+    accelerate launch --multi_gpu --num_processes 3 lora_sync_train.py OUT adapter ranks   # 2 trainers, 1 rollout rank
+"""
+
+import json
+import sys
+
+from peft import LoraConfig
+
+from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+from trl_nrollout.builtin import digits_dataset, digits_reward
+from trl_nrollout.rollout.weight_sync import adapter_bytes
+
+if __name__ == "__main__":
+    out, lora_sync = sys.argv[1], sys.argv[2]
+    extra = dict(rollout_ranks=1, max_staleness=0) if "ranks" in sys.argv[3:] else {}
+    args = NRolloutConfig(output_dir=out, train_batch_size=8, rollout_n=4, max_completion_length=8, max_steps=3,
+                          learning_rate=1e-2, use_kl_loss=True, kl_loss_coef=0.01, rollout_lora_sync=lora_sync,
+                          logging_steps=1, report_to="none", bf16=False, save_strategy="no", seed=0, use_cpu=True,
+                          **extra)
+    trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], args=args,
+                                  train_dataset=digits_dataset(64),
+                                  peft_config=LoraConfig(r=8, lora_alpha=32, use_rslora=True, lora_dropout=0.0,
+                                                         target_modules=["q_proj", "v_proj", "gate_proj"]))
+    trainer.train()
+    if getattr(trainer, "is_rollout_rank", False):
+        trainer.close()
+        sys.exit(0)
+    if trainer.accelerator.is_main_process:
+        lora, full = adapter_bytes(trainer.accelerator.unwrap_model(trainer.model))
+        with open(f"{out}/log_history.json", "w") as f:
+            json.dump({"history": trainer.state.log_history, "processes": trainer.accelerator.num_processes,
+                       "adapter_bytes": lora, "model_bytes": full, "lora_sync": trainer._lora_sync()}, f)
+    trainer.close()
