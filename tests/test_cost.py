@@ -295,7 +295,10 @@ def test_suggest_ranks_what_fits_and_says_why_the_rest_does_not():
     """The article's example (6 GPUs, 60 prompts, n = 12, a 7B model): ranked by predicted samples/s, each fitting
     layout within the device's memory, and the refusals named: a TP size that does not split the heads, a trainer
     that does not fit beside the engine."""
-    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True)
+    # the update under a token budget on padding-free rows: the count-based default (a rank's whole mini batch of
+    # 120 samples per forward) would hold 50 GiB of activations at these lengths, and nothing would fit
+    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True, padfree_rows=True,
+                    update_token_budget=8192)
     found = suggest(QWEN7, 6, 60, work, PROFILES["h100"], n_values=[12], gpu_memory_utilization=0.5)
     fit = [c for c in found if c.reason is None]
     refused = [c for c in found if c.reason is not None]
@@ -303,7 +306,7 @@ def test_suggest_ranks_what_fits_and_says_why_the_rest_does_not():
     rates = [c.prediction.samples_per_s for c in fit]
     assert rates == sorted(rates, reverse=True)
     for c in fit:
-        assert c.prediction.engine_bytes <= 0.5 * 80 * 2**30 and c.prediction.train_bytes <= 0.5 * 80 * 2**30
+        assert c.prediction.engine_bytes <= 0.5 * 80 * 2**30 and c.prediction.trainer_bytes <= 0.5 * 80 * 2**30
     assert any("rollout_tp_size=3 does not split 28 attention heads" in c.reason for c in refused)
     unsharded = suggest(QWEN7, 6, 60, replace(work, sharded=False), PROFILES["h100"], n_values=[12])
     assert all(c.reason and "trainer states" in c.reason for c in unsharded if c.options.get("max_num_seqs"))
@@ -319,7 +322,8 @@ def test_suggest_ranks_split_launches_beside_colocated_ones():
     model's states); a rollout rank holds only its engine, a trainer only its states."""
     from trl_nrollout.plan.cost import split_candidates
 
-    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True)
+    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True,
+                    padfree_rows=True, update_token_budget=8192)  # a budgeted update (see above)
     found = suggest(QWEN7, 6, 60, work, PROFILES["h100"], n_values=[12], rollout_ranks=True)
     fit = [c for c in found if c.reason is None]
     rates = [c.prediction.samples_per_s for c in fit]
@@ -367,7 +371,8 @@ def test_suggest_gives_rollout_ranks_a_dedicated_devices_memory():
     0.9 of the device fits by default and is refused at 0.5."""
     from trl_nrollout.plan.roles import ROLLOUT_RANK_GPU_MEMORY_UTILIZATION
 
-    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True)
+    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True,
+                    padfree_rows=True, update_token_budget=2048)  # small: a 24 GiB trainer
     kw = dict(n_values=[12], max_num_seqs_values=[64, 256, 1024], rollout_ranks=True)
     dev = replace(PROFILES["l40s"], memory_gib=24)
     default = {str(c.options): c.reason for c in suggest(QWEN7, 6, 60, work, dev, **kw)}
@@ -427,7 +432,7 @@ def test_plan_predict_refuses_what_it_cannot_answer(capsys):
     assert main([*base, "--device", "h100"]) == 2
     assert "need a model: pass --model" in capsys.readouterr().err
     assert main([*base, "--device", "h100", "--model", "Qwen/Qwen2.5-7B-Instruct", "--trainer-sharding", "zero5"]) == 2
-    assert "trainer_sharding='zero5' must be one of ['none', 'zero3', 'fsdp']" in capsys.readouterr().err
+    assert "trainer_sharding='zero5' must be one of ['none', 'zero2', 'zero3', 'fsdp']" in capsys.readouterr().err
     assert main([*base, "--device", "h100", "--model", "Qwen/Qwen2.5-7B-Instruct", "--suggest-rollout-ranks"]) == 2
     assert "--suggest-rollout-ranks adds the split launches to --suggest's search: pass --suggest" in \
         capsys.readouterr().err

@@ -10,7 +10,9 @@ its KV-cache and weight memory, from a recipe YAML and/or flags, before any GPU 
     trl-nrollout plan --num-processes 6 --rollout-tp-size 2 --train-batch-size 60 --rollout-n 12 \\
         --log-prob-micro-batch-size 48 [--model-name-or-path builtin:tiny-qwen2] [--json]
 
-Exit status: 0 on success, 2 on an invalid layout or bad arguments (the reason on stderr).
+Exit status: 0 on success, 2 on an invalid layout or bad arguments (the reason on stderr), 3 when ``--predict``
+finds that the layout does not fit the device's memory (the figures on stdout, which limit binds first and the fix
+on stderr).
 Heavy modules (torch, transformers) are imported only when a model's memory is estimated.
 """
 
@@ -34,6 +36,7 @@ from trl_nrollout.plan.figures import (
     check_token_budgets,
     critic_rows,
     n_values,
+    parse_bool,
     plan_values,
     split_rollout_ranks,
 )
@@ -41,6 +44,9 @@ from trl_nrollout.plan.layout import LayoutError
 
 EXIT_OK = 0
 EXIT_INVALID = 2
+#: ``plan --predict``: the layout is valid but does not fit the device's memory (the figures are printed, the reason
+#: and the fix on stderr)
+EXIT_DOES_NOT_FIT = 3
 
 
 class Command(NamedTuple):
@@ -55,6 +61,13 @@ class Command(NamedTuple):
 CliError = PlanError
 
 
+def _bool_arg(text: str) -> bool:
+    try:
+        return parse_bool(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{err}; use true or false") from None
+
+
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=str, metavar="YAML",
                    help="A recipe YAML (a path or an hf://user/repo/file.yaml reference); keys named like the options below (unknown keys are ignored).")
@@ -62,6 +75,10 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
         if name == "model_name_or_path":
             flags.append("--model")  # the short spelling the README and docs use
+        if typ is bool:  # --flag alone is true; --flag false says it
+            p.add_argument(*flags, dest=name, type=_bool_arg, nargs="?", const=True, default=None, help=help_text,
+                           metavar="BOOL")
+            continue
         metavar = {int: "N", float: "X"}.get(typ, "NAME")
         p.add_argument(*flags, dest=name, type=typ, default=None, help=help_text, metavar=metavar)
     p.add_argument("--n-values", type=str, default=None, metavar="LIST",
@@ -98,6 +115,8 @@ def local_recipe(config: str | None) -> str | None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     values = plan_values(local_recipe(args.config), {name: getattr(args, name) for name, _, _ in PLAN_OPTIONS})
+    if args.config:
+        values["_config"] = args.config  # named in the launch command --suggest prints
     if args.calibrate:
         return _run_calibrate(values)
     if args.suggest_rollout_ranks and not args.suggest:
@@ -116,7 +135,22 @@ def _run_plan(args: argparse.Namespace) -> int:
     if split is not None:  # the trainers' layout: their processes, no engine among them
         values = split[0]
     layout = build_layout(values)
+    from trl_nrollout.plan.update_budget import (
+        check_update_budget,
+        update_budget,
+        update_rows,
+        with_log_prob_budget,
+    )
+
+    budget = update_budget(values, layout, colocated=split is None)
+    check_update_budget(values, budget)
+    if budget is not None:  # the log-prob passes take the update's budget unless sized (the trainer's rule)
+        budgeted = with_log_prob_budget(values, budget)
+        if budgeted is not values:
+            values = budgeted
+            layout = build_layout(values)
     check_token_budgets(values)
+    update = update_rows(values, layout, budget)
     mem, mem_error = None, None
     if values.get("model_name_or_path") and not args.no_memory:
         try:
@@ -131,22 +165,26 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.predict and split is not None:
         from trl_nrollout.plan.predict import predict_rollout_ranks
 
-        predicted = predict_rollout_ranks(values, layout, split[2])
+        predicted = predict_rollout_ranks(values, layout, split[2], budget=budget)
     elif args.predict:
         from trl_nrollout.plan.predict import predict
 
-        predicted = predict(values, layout, ns)
+        predicted = predict(values, layout, ns, budget=budget)
     if args.json:
         out = layout.to_dict()
         if critic:
             out["critic"] = dict(critic)
+        out["update"] = {"use_dynamic_bsz": budget is not None,
+                         "ppo_max_token_len_per_device": None if budget is None else budget.tokens,
+                         "source": None if budget is None else budget.source,
+                         "rule": dict((k.strip(), v) for k, v in update)}
         out["memory"] = mem.to_dict() if mem is not None else ({"error": mem_error} if mem_error else None)
         if predicted is not None:
             out["prediction"] = predicted["json"]
         if split is not None:
             out["rollout_ranks"] = split[2]
         print(json.dumps(out, indent=2))
-        return EXIT_OK
+        return _fit_status(predicted)
     if split is not None:
         print("rollout ranks")
         width = max(len(k) for k, _ in split[1])
@@ -161,7 +199,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         print("rollout layout")
         print(layout.table())
     width = max((len(k) for k, _ in layout.rows()), default=0)
-    for key, text in critic:
+    for key, text in [*update, *critic]:
         print(f"{key.ljust(width)}  {text}")
     if mem is not None:
         print()
@@ -169,7 +207,17 @@ def _run_plan(args: argparse.Namespace) -> int:
     if predicted is not None:
         print()
         print("\n".join(predicted["lines"]))
-    return EXIT_OK
+    return _fit_status(predicted)
+
+
+def _fit_status(predicted: dict | None) -> int:
+    """``--predict``'s exit status: :data:`EXIT_DOES_NOT_FIT` (with the reason and the fix on stderr) when the
+    layout does not fit the device's memory."""
+    if predicted is None or predicted.get("fits", True):
+        return EXIT_OK
+    sys.stdout.flush()
+    print(f"trl-nrollout plan: error: {predicted['message']}", file=sys.stderr)
+    return EXIT_DOES_NOT_FIT
 
 
 def _run_calibrate(values: dict) -> int:

@@ -46,7 +46,7 @@ from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy
 from trl_nrollout.dropin import TRL_LOSS_TYPES, check_trl_options  # noqa: E402
 from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout  # noqa: E402
-from trl_nrollout.plan.roles import ROLLOUT_RANK_GPU_MEMORY_UTILIZATION  # noqa: E402
+from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION, ROLLOUT_RANK_GPU_MEMORY_UTILIZATION  # noqa: E402
 from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES  # noqa: E402
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES  # noqa: E402
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge, split_world  # noqa: E402
@@ -390,7 +390,8 @@ class NRolloutConfig(GRPOConfig):
         if self.max_staleness is None:
             self.max_staleness = 1 if self.rollout_ranks else 2
         # the default for where the engines live; a value equal to it (TRL's 0.3 from a GRPOConfig) is not a setting
-        self._default_gpu_memory_utilization = ROLLOUT_RANK_GPU_MEMORY_UTILIZATION if self.rollout_ranks else 0.3
+        self._default_gpu_memory_utilization = (ROLLOUT_RANK_GPU_MEMORY_UTILIZATION if self.rollout_ranks
+                                                else COLOCATED_GPU_MEMORY_UTILIZATION)
         if self.vllm_gpu_memory_utilization is None:
             self.vllm_gpu_memory_utilization = self._default_gpu_memory_utilization
         self._split_rollout_ranks()  # before anything starts torch.distributed

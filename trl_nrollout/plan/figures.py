@@ -47,7 +47,8 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
     ("max_num_seqs", int, "Sequences an engine runs at once (rollout_max_num_seqs). Default 1024."),
     ("gpu_memory_gib", float, "GPU memory in GiB: checks that weights and KV cache fit."),
     ("gpu_memory_utilization", float, "Fraction of GPU memory vLLM may use (TRL vllm_gpu_memory_utilization). "
-                                      "Default 0.9."),
+                                      "Default: the trainer's, 0.3 on a device shared with a trainer, 0.9 on "
+                                      "rollout ranks."),
     ("device", str, "Device profile of --predict / --suggest: h100, h200, a100-40gb, a100-80gb, l40s, a profile "
                     "saved by --calibrate, or a profile JSON file."),
     ("prompt_tokens_mean", float, "Mean prompt length in tokens (--predict). Default: max_prompt_length."),
@@ -59,18 +60,40 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
                            "synchronous)."),
     ("trainer_sharding", str, "none, zero3 or fsdp (--predict): sharded parameters are gathered per forward and "
                               "optimizer states split over the ranks. Default none."),
+    ("use_dynamic_bsz", bool, "Token-budgeted update micro batches (verl's name): each optimizer step's samples on a "
+                              "rank cut into micro batches of at most ppo_max_token_len_per_device tokens. Default: "
+                              "on when ppo_max_token_len_per_device is given."),
+    ("ppo_max_token_len_per_device", int, "Tokens per update micro batch per device (prompt + completion; real "
+                                          "tokens with padding-free rows). Turns use_dynamic_bsz on. Default with "
+                                          "use_dynamic_bsz: from the model's size and the device's memory."),
+    ("padding_free", bool, "Padding-free training rows (the trainer's padding_free; --predict). Default true (the "
+                           "trainer's default where the model takes a block mask)."),
+    ("rollout_partial", bool, "Partial rollouts (the trainer's rollout_partial): each engine keeps (1 + "
+                              "rollout_partial_oversample) x its share of groups in flight: their KV cache is "
+                              "counted. Default false."),
+    ("rollout_partial_oversample", float, "With rollout_partial: extra groups in flight per group of an engine's "
+                                          "share. Default 1.0 (the trainer's)."),
+    ("lora_r", int, "Train rank-r LoRA adapters (TRL's use_peft / lora_r; --predict, --suggest): frozen base "
+                    "weights, the adapters' optimizer states only. A recipe's use_peft: true means its lora_r "
+                    "(default 16)."),
+    ("gradient_checkpointing", bool, "TRL's gradient_checkpointing: the update's activation memory and the default "
+                                     "token budget. Default true (TRL's)."),
 ]
 #: recipe keys a plan reads that have no flag: the trainer (PPO's critic rows), the critic's micro batches, and
 #: what --predict needs to know of the loss and the engine's sleep mode
 RECIPE_ONLY_KEYS = ("trainer", "critic_ppo_micro_batch_size_per_device", "critic_ppo_max_token_len_per_device",
-                    "use_kl_loss", "beta", "vllm_enable_sleep_mode")
+                    "use_kl_loss", "beta", "vllm_enable_sleep_mode", "use_peft")
 LAYOUT_KEYS = (
     "num_processes", "n_gpus_per_node", "nnodes", "rollout_tp_size", "train_batch_size", "rollout_n",
     "ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs", "log_prob_micro_batch_size",
     "log_prob_micro_batch_size_per_device", "ref_log_prob_micro_batch_size",
     "ref_log_prob_micro_batch_size_per_device", "log_prob_max_token_len_per_device",
-    "ref_log_prob_max_token_len_per_device", "sequence_parallel_size", "adv_estimator",
+    "ref_log_prob_max_token_len_per_device", "sequence_parallel_size", "adv_estimator", "ppo_mini_batch_samples",
 )
+#: TRL's batch fields (a recipe without train_batch_size: the trainer derives the layout from them) and TRL's
+#: defaults for them
+TRL_BATCH_FIELDS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "steps_per_generation": None,
+                    "generation_batch_size": None, "num_iterations": 1}
 #: TRL names read from a recipe when the verl-named key is absent.
 YAML_ALIASES = {
     "num_generations": "rollout_n",
@@ -79,10 +102,22 @@ YAML_ALIASES = {
 }
 
 
+def parse_bool(text: str | bool) -> bool:
+    """A boolean flag's value: true / false, yes / no, on / off, 1 / 0 (any case)."""
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("true", "yes", "on", "1"):
+        return True
+    if value in ("false", "no", "off", "0"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
+
+
 def plan_options_of(recipe: dict[str, Any]) -> dict[str, Any]:
     """The options of a recipe (:func:`~trl_nrollout.plan.recipe_file.read_recipe`) that a plan reads, under
     their plan names (TRL's spellings mapped onto ours)."""
-    known = {name for name, _, _ in PLAN_OPTIONS} | set(RECIPE_ONLY_KEYS)
+    known = {name for name, _, _ in PLAN_OPTIONS} | set(RECIPE_ONLY_KEYS) | set(TRL_BATCH_FIELDS)
     values = {k: v for k, v in recipe.items() if k in known}
     for alias, name in YAML_ALIASES.items():
         if alias in recipe and name not in values:
@@ -94,13 +129,50 @@ def plan_values(config: str | Path | None, overrides: dict[str, Any] | None = No
     """The options of a plan: the recipe's (``config``: a local path; the command line resolves an ``hf://``
     reference through the Hub cache first), overridden by the non-None ``overrides`` (the flags given)."""
     try:
-        values = plan_options_of(read_recipe(config)) if config is not None else {}
+        recipe = read_recipe(config) if config is not None else {}
     except RecipeFileError as err:
         raise PlanError(str(err)) from None
+    values = plan_options_of(recipe)
+    launch = recipe.get("accelerate_config")
+    if launch and values.get("trainer_sharding") is None and config is not None:
+        sharding = sharding_of(Path(config).parent / str(launch))
+        if sharding is not None:
+            values["trainer_sharding"] = sharding
     for name, _, _ in PLAN_OPTIONS:
         if (overrides or {}).get(name) is not None:
             values[name] = overrides[name]
-    return values
+    return trl_batch_values(values)
+
+
+def pool_factor(values: dict[str, Any]) -> float:
+    """Groups an engine keeps in flight per group of its share: ``1 + rollout_partial_oversample`` (default 1.0, the
+    trainer's) with ``rollout_partial``, else 1."""
+    if not values.get("rollout_partial"):
+        return 1.0
+    extra = values.get("rollout_partial_oversample")
+    extra = 1.0 if extra is None else float(extra)
+    if not extra >= 0:
+        raise PlanError(f"rollout_partial_oversample={extra!r} must be >= 0 (extra groups in flight per group of an "
+                        "engine's share; the default is 1.0).")
+    return 1.0 + extra
+
+
+def sharding_of(accelerate_config: str | Path) -> str | None:
+    """The trainer sharding an accelerate config launches (``none``, ``zero2``, ``zero3`` or ``fsdp``), or None where
+    the file cannot be read (the plan then assumes none, as without a recipe)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(accelerate_config).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    kind = str(data.get("distributed_type", "")).upper()
+    if kind == "DEEPSPEED":
+        stage = int((data.get("deepspeed_config") or {}).get("zero_stage", 0) or 0)
+        return "zero3" if stage == 3 else "zero2" if stage == 2 else "none"
+    if kind == "FSDP":
+        return "fsdp"
+    return "none"
 
 
 def n_values(text: str | None) -> tuple[int, ...]:
@@ -163,13 +235,44 @@ def split_rollout_ranks(values: dict[str, Any]) -> tuple[dict[str, Any], list[tu
     return trainer_values, rows, figures
 
 
+def trl_batch_values(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the verl-named layout a recipe of TRL's batch fields trains with, derived as the trainer's
+    config derives it (``NRolloutConfig._derive_verl_fields``): where ``train_batch_size`` is not set and TRL's
+    fields (``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``steps_per_generation``,
+    ``generation_batch_size``, ``num_iterations``; ``num_generations`` is read as ``rollout_n``) are, with TRL's
+    defaults for the others. A :class:`PlanError` where TRL's own rule fails (groups split)."""
+    if values.get("train_batch_size") is not None or not any(values.get(k) is not None for k in TRL_BATCH_FIELDS):
+        return values
+    trl = {k: values.get(k) if values.get(k) is not None else default for k, default in TRL_BATCH_FIELDS.items()}
+    world = values.get("num_processes") or (values.get("n_gpus_per_node") or 1) * (values.get("nnodes") or 1)
+    n = values.get("rollout_n") or 8  # TRL's num_generations default
+    micro = trl["per_device_train_batch_size"]
+    steps = trl["steps_per_generation"] or trl["gradient_accumulation_steps"]
+    samples = trl["generation_batch_size"] or micro * world * steps
+    if samples % n:
+        raise PlanError(f"generation_batch_size={samples} samples (per_device_train_batch_size={micro} x {world} "
+                        f"processes x steps_per_generation {steps}) is not divisible by num_generations={n}: groups "
+                        "would be split (TRL's rule too); use a per_device_train_batch_size or steps_per_generation "
+                        f"that makes it a multiple of {n}, or set train_batch_size (prompts) instead.")
+    mini = micro * world * trl["gradient_accumulation_steps"]
+    out = {**values, "rollout_n": n, "train_batch_size": samples // n, "ppo_micro_batch_size_per_device": micro,
+           "ppo_epochs": trl["num_iterations"]}
+    if mini % n or samples % mini:  # an optimizer step holding part of a group, or spanning two rollouts
+        out.update(ppo_mini_batch_size=None, ppo_mini_batch_samples=mini)
+    else:
+        out["ppo_mini_batch_size"] = mini // n
+    return out
+
+
 def build_layout(values: dict[str, Any]) -> RolloutLayout:
-    """The :class:`RolloutLayout` of ``plan`` options (raises :class:`PlanError` for a missing required one)."""
+    """The :class:`RolloutLayout` of ``plan`` options (raises :class:`PlanError` for a missing required one); a
+    recipe of TRL's batch fields is read as the trainer reads it (:func:`trl_batch_values`)."""
+    values = trl_batch_values(values)
     missing = [k for k in ("train_batch_size", "rollout_n") if values.get(k) is None]
     if missing:
         raise PlanError(" and ".join(
             f"{k} is required: pass --{k.replace('_', '-')} or set {k} in the --config YAML" for k in missing
-        ) + ".")
+        ) + " (or TRL's per_device_train_batch_size / gradient_accumulation_steps / num_generations in the YAML).")
     return RolloutLayout.build(**{k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None})
 
 
@@ -198,20 +301,31 @@ def build_memory(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[
     max_num_seqs = memory.DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
         raise PlanError(f"max_num_seqs={max_num_seqs!r} must be a positive integer (the default is 1024).")
-    util = values.get("gpu_memory_utilization")
-    gib = values.get("gpu_memory_gib")
-    if util is not None and not 0 < util <= 1:
-        raise PlanError(f"gpu_memory_utilization={util!r} must be in (0, 1], e.g. 0.9.")
-    if gib is not None and util is None:
-        util = 0.9
+    from trl_nrollout.plan.update_budget import engine_utilization
 
-    shape = memory.load_model_shape(values["model_name_or_path"], dtype=dtype)
+    gib = values.get("gpu_memory_gib")
+    util = engine_utilization(values, rollout_ranks=bool(values.get("rollout_ranks")))
+    if gib is None and values.get("gpu_memory_utilization") is None:
+        util = None
+
+    from trl_nrollout.plan.models import KNOWN_CONFIGS, model_dims
+
+    name = values["model_name_or_path"]
+    if name in KNOWN_CONFIGS:  # offline and without torch: the config and the parameter count are known
+        shape = memory.ModelShape.from_config_dict(KNOWN_CONFIGS[name], dtype=dtype, name=name,
+                                                   num_parameters=model_dims(name).num_parameters)
+    else:
+        shape = memory.load_model_shape(name, dtype=dtype)
     memory.check_model_fits_layout(shape, layout)
     if shape.num_parameters is None:
         notes.append("parameter count unavailable (transformers could not build this architecture): no weights "
                      "figure.")
+    factor = pool_factor(values)
+    if factor > 1:
+        notes.append(f"rollout_partial: each engine keeps {factor:g} x its share of groups in flight (1 + "
+                     "rollout_partial_oversample); the KV figures count them.")
     return memory.estimate_memory(
-        shape, layout, max_prompt_length=lengths["max_prompt_length"],
+        shape, layout, pool_factor=factor, max_prompt_length=lengths["max_prompt_length"],
         max_completion_length=lengths["max_completion_length"], max_num_seqs=max_num_seqs, n_values=n_values,
         gpu_memory_gib=gib, gpu_memory_utilization=util, notes=notes,
     )

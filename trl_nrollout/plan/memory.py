@@ -430,14 +430,20 @@ def estimate_memory(
     gpu_memory_utilization: float | None = None,
     block_size: int = VLLM_BLOCK_SIZE,
     notes: Iterable[str] = (),
+    pool_factor: float = 1.0,
 ) -> MemoryEstimate:
-    """The memory estimate of ``layout``'s engines for a model of shape ``shape`` (see the module docstring)."""
+    """The memory estimate of ``layout``'s engines for a model of shape ``shape`` (see the module docstring).
+    ``pool_factor``: the groups an engine keeps in flight per group of its share (partial rollouts: ``1 +
+    rollout_partial_oversample``)."""
+    if pool_factor < 1:
+        raise ValueError(f"pool_factor={pool_factor} must be >= 1 (groups in flight per group of the engine's share).")
+    pool = math.ceil(layout.prompts_per_engine * pool_factor - 1e-9)
 
     def at(n: int) -> KVEstimate:
         return estimate_kv(
             num_layers=shape.num_hidden_layers, num_kv_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
             dtype_bytes=shape.dtype_bytes, prompt_len=max_prompt_length, response_len=max_completion_length,
-            prompts_per_engine=layout.prompts_per_engine, n=n, tp_size=layout.rollout_tp_size,
+            prompts_per_engine=pool, n=n, tp_size=layout.rollout_tp_size,
             max_num_seqs=max_num_seqs, block_size=block_size,
         )
 
@@ -455,7 +461,8 @@ def estimate_memory(
 def load_config_dict(name_or_path: str) -> tuple[dict[str, Any], str]:
     """The config of a ``builtin:`` name, a local folder (or ``config.json`` file) or a hub id, as a dict, with
     where it was read from. Local files are read as JSON (no transformers import); hub ids go through
-    ``transformers.AutoConfig`` (needs the network or the local hub cache)."""
+    ``transformers.AutoConfig``, the local Hub cache first, then the network (models the plan knows offline never
+    get here: :data:`~trl_nrollout.plan.models.KNOWN_CONFIGS`)."""
     from trl_nrollout.builtin import is_builtin, resolve_model
 
     location = resolve_model(name_or_path) if is_builtin(name_or_path) else name_or_path
@@ -468,6 +475,10 @@ def load_config_dict(name_or_path: str) -> tuple[dict[str, Any], str]:
         raise ValueError(f"model_name_or_path={name_or_path!r} is a folder without a config.json.")
     from transformers import AutoConfig
 
+    try:  # the Hub cache first: a model read before answers without the network (and without its retries offline)
+        return AutoConfig.from_pretrained(location, local_files_only=True).to_dict(), location
+    except OSError:
+        pass
     return AutoConfig.from_pretrained(location).to_dict(), location
 
 

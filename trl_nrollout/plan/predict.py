@@ -4,20 +4,24 @@ model or a local config."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from trl_nrollout.plan.cost import (
     PHASES,
     ModelDims,
     StepPrediction,
     Workload,
+    memory_checks,
+    padfree_token_cap,
     predict_split,
     predict_step,
     predict_vs_n,
 )
 from trl_nrollout.plan.cost import suggest as search
 from trl_nrollout.plan.devices import DeviceProfile, load_profile, with_memory
-from trl_nrollout.plan.figures import LAYOUT_KEYS, PlanError
+from trl_nrollout.plan.figures import LAYOUT_KEYS, PlanError, pool_factor
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout
 from trl_nrollout.plan.memory import (
     DEFAULT_MAX_COMPLETION_LENGTH,
@@ -25,7 +29,12 @@ from trl_nrollout.plan.memory import (
     DEFAULT_MAX_PROMPT_LENGTH,
 )
 
-SHARDING = ("none", "zero3", "fsdp")
+if TYPE_CHECKING:
+    from trl_nrollout.plan.update_budget import UpdateBudget
+
+SHARDING = ("none", "zero2", "zero3", "fsdp")
+#: the shardings ``--suggest`` tries when none is given (FSDP is priced as ZeRO-3: the same gathers and splits)
+SEARCHED_SHARDING = ("none", "zero2", "zero3")
 
 
 def device_of(values: dict[str, Any]) -> DeviceProfile:
@@ -53,8 +62,9 @@ def dims_of(values: dict[str, Any]) -> ModelDims:
         raise PlanError(f"model_name_or_path={model!r}: {err}") from None
 
 
-def workload_of(values: dict[str, Any]) -> tuple[Workload, list[str]]:
-    """The workload of ``plan`` options, and notes on what was assumed."""
+def workload_of(values: dict[str, Any], budget: UpdateBudget | None = None) -> tuple[Workload, list[str]]:
+    """The workload of ``plan`` options, and notes on what was assumed. ``budget``: the update's token budget
+    (:func:`~trl_nrollout.plan.update_budget.update_budget`; None: count-based micro batches)."""
     notes = []
     prompt_max = values.get("max_prompt_length")
     if prompt_max is None:
@@ -77,15 +87,149 @@ def workload_of(values: dict[str, Any]) -> tuple[Workload, list[str]]:
     if sharding not in SHARDING:
         raise PlanError(f"trainer_sharding={sharding!r} must be one of {list(SHARDING)}.")
     kl = bool(values.get("use_kl_loss")) or float(values.get("beta") or 0) > 0
+    lora = lora_rank(values)
     try:
         work = Workload(prompt_len=float(prompt), completion_mean=float(completion), completion_max=int(completion_max),
                         max_num_seqs=int(values.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS), kl=kl,
-                        sharded=sharding != "none",
+                        sharded=sharding in ("zero3", "fsdp"), optimizer_sharded=sharding == "zero2", lora_r=lora,
                         critic=values.get("trainer") == "ppo" or values.get("adv_estimator") == "gae",
-                        nodes=int(values.get("nnodes") or 1))
+                        nodes=int(values.get("nnodes") or 1), padfree_rows=values.get("padding_free") is not False,
+                        update_token_budget=None if budget is None else budget.tokens,
+                        gradient_checkpointing=values.get("gradient_checkpointing") is not False,
+                        pool_factor=pool_factor(values))
     except ValueError as err:
         raise PlanError(str(err)) from None
     return work, notes
+
+
+def lora_rank(values: dict[str, Any]) -> int | None:
+    """The LoRA rank a recipe trains with: ``--lora-r``, or the recipe's ``use_peft`` (TRL's ModelConfig; its
+    ``lora_r``, default 16); None: full training."""
+    r = values.get("lora_r")
+    if values.get("use_peft") and r is None:
+        r = 16
+    if r is None or values.get("use_peft") is False:
+        return None
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise PlanError(f"lora_r={r!r} must be a whole number >= 1 (the LoRA adapters' rank, e.g. 16).")
+    return r
+
+
+def verdict(values: dict[str, Any], dims: ModelDims, layout: RolloutLayout | None, work: Workload,
+            dev: DeviceProfile, pred: StepPrediction, *, colocated: bool = True) -> dict[str, Any]:
+    """Whether ``pred`` fits ``dev``'s memory (:func:`~trl_nrollout.plan.cost.memory_checks`, the rule ``--suggest``
+    applies), each limit's line, the one that binds first (the largest share over its limit), and a fix that makes
+    every limit fit, found by pricing the usual changes one at a time."""
+    from trl_nrollout.plan.update_budget import engine_utilization
+
+    util = engine_utilization(values, rollout_ranks=not colocated)
+    sleep = bool(values.get("vllm_enable_sleep_mode"))
+    checks = memory_checks(pred, dev, util, sleep, colocated=colocated)
+    failing = sorted((c for c in checks if not c.fits), key=lambda c: -c.ratio)
+    out: dict[str, Any] = {"fits": not failing, "checks": [c.__dict__ for c in checks],
+                           "lines": [c.line() for c in checks], "binds": failing[0].what if failing else None,
+                           "fix": None}
+    if not failing:
+        return out
+
+    if layout is None:  # a split launch: a budgeted update where the trainers' states leave room, else the search
+        first = failing[0]
+        trainer = next(c for c in checks if c.what == "trainer")
+        per_token = pred.activation_bytes / max(pred.details.get("update_slots_per_forward", 0.0), 1.0)
+        tokens = None
+        if (not trainer.fits and pred.activation_bytes and work.update_token_budget is None
+                and all(c.fits for c in failing if c.what != "trainer")):
+            from trl_nrollout.plan.activations import default_update_token_budget
+
+            longest = math.ceil(work.row_width)
+            if pred.train_bytes + longest * per_token <= trainer.limit:
+                tokens = default_update_token_budget(dims, device_memory_bytes=trainer.limit,
+                                                     state_bytes_per_device=pred.train_bytes, longest_sample=longest,
+                                                     gradient_checkpointing=work.gradient_checkpointing,
+                                                     dtype_bytes=min(dims.dtype_bytes, 2),
+                                                     max_tokens=padfree_token_cap(longest, min(dims.dtype_bytes, 2))
+                                                     if work.padfree_rows else None)
+        out["fix"] = (f"use_dynamic_bsz (its default budget here: ppo_max_token_len_per_device {tokens})" if tokens
+                      else "run `trl-nrollout plan --suggest --suggest-rollout-ranks` with these options (it searches "
+                           "the splits, TP, max_num_seqs and the trainers' sharding)")
+        out["message"] = (f"this layout does not fit {dev.name}'s {dev.memory_gib:g} GiB: the {first.what} binds "
+                          f"first ({first.used / 2**30:.3g} GiB > {first.limit / 2**30:.3g} GiB, "
+                          f"{first.limit_parts}). Fix: {out['fix']}.")
+        return out
+
+    def fits(w: Workload, u: float = util, sl: bool = sleep) -> bool:
+        return all(c.fits for c in memory_checks(predict_step(dims, layout, w, dev), dev, u, sl, colocated=colocated))
+
+    fixes = []
+    if any(c.what == "engine" for c in failing):
+        kv, weights = pred.details["kv_bytes"], pred.details["engine_weight_bytes"]
+        running = max(1.0, min(layout.samples_per_engine, work.max_num_seqs))
+        room = dev.memory_gib * 2**30 * util - weights
+        seqs = int(room // (kv / running)) if room > 0 else 0
+        if seqs >= 1 and fits(replace(work, max_num_seqs=seqs)):
+            fixes.append(f"max_num_seqs {seqs} (rollout_max_num_seqs: the KV cache of fewer sequences at once)")
+        for tp in (t for t in (2, 4, 8) if t > layout.rollout_tp_size and layout.num_processes % t == 0):
+            try:
+                bigger = RolloutLayout.build(**{**{k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None},
+                                                "rollout_tp_size": tp})
+            except LayoutError:
+                continue
+            if all(c.fits for c in memory_checks(predict_step(dims, bigger, work, dev), dev, util, sleep,
+                                                 colocated=colocated)):
+                fixes.append(f"rollout_tp_size {tp}")
+                break
+    if any(c.what == "trainer" for c in failing):
+        trainer_room = next(c for c in checks if c.what == "trainer").limit
+        per_token = pred.activation_bytes / max(pred.details["update_slots_per_forward"], 1.0)
+
+        def budget_for(w: Workload, room: float) -> int | None:  # the trainer's default budget beside w's states
+            from trl_nrollout.plan.activations import default_update_token_budget
+            from trl_nrollout.plan.cost import padfree_token_cap
+
+            longest = math.ceil(w.row_width)
+            states = predict_step(dims, layout, w, dev).train_bytes
+            if states + longest * per_token > room:
+                return None
+            return default_update_token_budget(
+                dims, device_memory_bytes=int(room), state_bytes_per_device=states, longest_sample=longest,
+                gradient_checkpointing=w.gradient_checkpointing, dtype_bytes=min(dims.dtype_bytes, 2),
+                max_tokens=padfree_token_cap(longest, min(dims.dtype_bytes, 2)) if w.padfree_rows else None)
+
+        steps: list[tuple[str, Workload, bool]] = [("", work, sleep)]
+        if not work.sharded:
+            steps.append(("trainer_sharding zero3 (accelerate launch --config_file recipes/accelerate/zero3.yaml)",
+                          replace(work, sharded=True, optimizer_sharded=False), sleep))
+        found = None
+        for label, w, sl in steps:
+            if label and fits(w, sl=sl):
+                found = label
+                break
+            room = dev.memory_gib * 2**30 if sl or not colocated else trainer_room
+            tokens = budget_for(w, room)
+            if tokens is not None and fits(replace(w, update_token_budget=tokens), sl=sl):
+                found = " with ".join(x for x in (label, f"use_dynamic_bsz (its default budget here: "
+                                                         f"ppo_max_token_len_per_device {tokens})") if x)
+                break
+            if colocated and not sl:
+                tokens = budget_for(w, dev.memory_gib * 2**30)
+                w2 = w if tokens is None else replace(w, update_token_budget=tokens)
+                if fits(w2, sl=True):
+                    found = " with ".join(x for x in (label, "" if tokens is None else
+                                                      f"use_dynamic_bsz (ppo_max_token_len_per_device {tokens})",
+                                                      "vllm_enable_sleep_mode true") if x)
+                    break
+        if found:
+            fixes.append(found)
+    first = failing[0]
+    out["fix"] = ("; or ".join(fixes) if fixes else
+                  "no single change fits it: run `trl-nrollout plan --suggest` with these options (it searches TP, "
+                  "max_num_seqs, n and the trainer's sharding), or use more or larger devices")
+    out["message"] = (f"this layout does not fit {dev.name}'s {dev.memory_gib:g} GiB: the {first.what} binds first "
+                      f"({first.used / 2**30:.3g} GiB > {first.limit / 2**30:.3g} GiB, {first.limit_parts})"
+                      + "".join(f"; the {c.what} too ({c.used / 2**30:.3g} > {c.limit / 2**30:.3g} GiB)"
+                                for c in failing[1:])
+                      + f". Fix: {out['fix']}.")
+    return out
 
 
 def prediction_rows(pred: StepPrediction) -> list[tuple[str, str]]:
@@ -94,22 +238,31 @@ def prediction_rows(pred: StepPrediction) -> list[tuple[str, str]]:
     rows += [("  step", f"{pred.total_s:.3g} s -> {pred.samples_per_s:.3g} samples/s"),
              ("  decode", f"{d['decode_steps']:.0f} engine steps x {d['decode_step_s'] * 1e3:.3g} ms "
                           f"({d['mean_running']:.0f} sequences running on average, {d['decode_bound']}-bound)"),
+             ("  update forwards", f"{d['update_forwards_per_epoch']:.0f} per rank per epoch, "
+                                   f"{d['update_slots_per_forward']:,.0f} token slots each ("
+                                   + ("shared-prompt rows" if d.get("update_packed") else
+                                      "padding-free rows" if d.get("update_padfree") else "padded rows") + ")"),
              ("  memory per device", f"engine {pred.engine_bytes / 2**30:.3g} GiB (weights + KV), trainer "
-                                     f"{pred.train_bytes / 2**30:.3g} GiB (weights, grads, Adam)")]
+                                     f"{pred.train_bytes / 2**30:.3g} GiB (weights, grads, Adam) + "
+                                     f"{pred.activation_bytes / 2**30:.3g} GiB (update activations)")]
     return rows
 
 
-def predict(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[int, ...]) -> dict[str, Any]:
-    """The prediction of ``layout`` and how it grows with ``n`` (JSON-ready), with its table lines."""
+def predict(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[int, ...],
+            budget: UpdateBudget | None = None) -> dict[str, Any]:
+    """The prediction of ``layout`` and how it grows with ``n`` (JSON-ready), with its table lines. ``budget``: the
+    update's token budget (:func:`~trl_nrollout.plan.update_budget.update_budget`)."""
     dims, dev = dims_of(values), device_of(values)
-    work, notes = workload_of(values)
+    work, notes = workload_of(values, budget)
     pred = predict_step(dims, layout, work, dev)
     kwargs = {k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None}
     table = predict_vs_n(dims, kwargs, work, dev, sorted({*n_values, layout.rollout_n}))
     base = dict(table).get(layout.rollout_n, pred).total_s
+    fit = verdict(values, dims, layout, work, dev, pred)
     lines = [f"predicted step: {dims.name} ({dims.num_parameters / 1e9:.3g}B params, {dims.dtype}) on {dev.name}"]
-    width = max(len(k) for k, _ in prediction_rows(pred))
-    lines += [f"{k.ljust(width)}  {v}" for k, v in prediction_rows(pred)]
+    rows = prediction_rows(pred) + [("  memory check", line) for line in fit["lines"]]
+    width = max(len(k) for k, _ in rows)
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines += ["", f"predicted step vs n ({layout.train_batch_size} prompts per step):",
               "   n  step (s)  vs this n  generation (s)  update (s)  samples/s"]
     for n, p in table:
@@ -118,8 +271,9 @@ def predict(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[int, 
     lines += [f"note: {n}" for n in notes] + [f"device: {dev.source}" if dev.source else ""]
     return {"json": {"device": dev.to_dict(), "model": {"name": dims.name, "num_parameters": dims.num_parameters},
                      "workload": work.__dict__, "step": pred.to_dict(),
-                     "vs_n": [{"n": n, **p.to_dict()} for n, p in table], "notes": notes},
-            "lines": [line for line in lines if line != ""]}
+                     "vs_n": [{"n": n, **p.to_dict()} for n, p in table], "notes": notes,
+                     "fits": fit["fits"], "memory": fit},
+            "lines": [line for line in lines if line != ""], "fits": fit["fits"], "message": fit.get("message")}
 
 
 def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, rollout_ranks: bool = False
@@ -134,7 +288,10 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     if not world or not prompts:
         raise PlanError("--suggest needs the devices and the prompts per step: pass --num-processes (or "
                         "--n-gpus-per-node and --nnodes) and --train-batch-size.")
-    util = values.get("gpu_memory_utilization") or 0.5
+    from trl_nrollout.plan.update_budget import engine_utilization
+
+    util = engine_utilization(values)
+    shardings = SEARCHED_SHARDING if not values.get("trainer_sharding") else None
     extra = {k: values[k] for k in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device",
                                     "log_prob_micro_batch_size_per_device",
                                     "ref_log_prob_micro_batch_size_per_device") if values.get(k) is not None}
@@ -145,14 +302,18 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     try:
         found = search(dims, int(world), int(prompts), work, dev, n_values=n_values, gpu_memory_utilization=util,
                        sleep_mode=bool(values.get("vllm_enable_sleep_mode")), layout_extra=extra,
-                       rollout_ranks=rollout_ranks, max_staleness=staleness, local_world=local)
+                       rollout_ranks=rollout_ranks, max_staleness=staleness, local_world=local,
+                       shardings=shardings,
+                       try_dynamic_bsz=not any(values.get(k) is not None for k in (
+                           "ppo_micro_batch_size_per_device", "use_dynamic_bsz", "ppo_max_token_len_per_device")))
     except ValueError as err:
         raise PlanError(str(err)) from None
     fit = [c for c in found if c.reason is None]
     refused = [c for c in found if c.reason is not None]
     lines = [f"layouts for {dims.name} on {world} x {dev.name}, {prompts} prompts per step, ranked by predicted "
              f"samples/s ({len(fit)} fit, {len(refused)} refused):",
-             "rank  tp  n   max_num_seqs  step (s)  samples/s  generation (s)  engine GiB  trainer GiB"
+             "rank  tp  n   max_num_seqs  sharding  update micro batch  step (s)  samples/s  generation (s)  "
+             "engine GiB  trainer GiB"
              + ("  trainers + rollout ranks" if rollout_ranks else "")]
     for i, c in enumerate(fit[:top], 1):
         p, o = c.prediction, c.options
@@ -161,9 +322,14 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
             r = o.get("rollout_ranks", 0)
             split = (f"  {int(world) - r} + {r} (max_staleness={staleness})" if r
                      else "  colocated (every process both)")
+        shard = o.get("trainer_sharding") or values.get("trainer_sharding") or "none"
+        update = (f"<= {o['ppo_max_token_len_per_device']} tokens" if o.get("use_dynamic_bsz") else
+                  f"<= {work.update_token_budget} tokens" if work.update_token_budget else "count")
         lines.append(f"{i:>4}  {o['rollout_tp_size']:>2}  {o['rollout_n']:<3} {o['max_num_seqs']:>12}  "
-                     f"{p.total_s:>8.3g}  {p.samples_per_s:>9.3g}  {p.phases['generation']:>14.3g}  "
-                     f"{p.engine_bytes / 2**30:>10.3g}  {p.train_bytes / 2**30:>11.3g}{split}")
+                     f"{shard:>8}  {update:>18}  {p.total_s:>8.3g}  {p.samples_per_s:>9.3g}  {p.phases['generation']:>14.3g}  "
+                     f"{p.engine_bytes / 2**30:>10.3g}  {p.trainer_bytes / 2**30:>11.3g}{split}")
+    if fit:
+        lines.append("run the first: " + launch_command(values, fit[0].options, int(world)))
     if refused:
         lines.append("refused:")
         seen = set()
@@ -179,13 +345,29 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
 
 
 
-def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split: dict[str, Any]) -> dict[str, Any]:
+def launch_command(values: dict[str, Any], options: dict[str, Any], world: int) -> str:
+    """The command that runs a suggested layout: the accelerate config of its trainer sharding, the recipe, the
+    options that differ from the recipe's."""
+    sharding = options.get("trainer_sharding") or values.get("trainer_sharding") or "none"
+    from trl_nrollout.plan.cost import SHARDING_CONFIGS
+
+    names = {"rollout_tp_size": "rollout_tp_size", "rollout_n": "rollout_n", "max_num_seqs": "rollout_max_num_seqs",
+             "rollout_ranks": "rollout_ranks", "use_dynamic_bsz": "use_dynamic_bsz",
+             "ppo_max_token_len_per_device": "ppo_max_token_len_per_device"}
+    flags = " ".join(f"--{names[k]} {v}" for k, v in options.items() if k in names and (k != "rollout_ranks" or v))
+    config = f" --config {values['_config']}" if values.get("_config") else ""
+    return (f"accelerate launch --config_file {SHARDING_CONFIGS[sharding]} --num_processes {world} recipes/grpo.py"
+            f"{config} {flags}")
+
+
+def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split: dict[str, Any],
+                          budget: UpdateBudget | None = None) -> dict[str, Any]:
     """``plan --predict`` with ``rollout_ranks``: the engines' generation on the rollout ranks, the trainers' phases,
     the transfer, and the step synchronous and pipelined (``max_staleness``), beside the same devices colocated
     (every process trains and generates) for comparison. ``split``: the figures of
     :func:`~trl_nrollout.plan.figures.split_rollout_ranks`."""
     dims, dev = dims_of(values), device_of(values)
-    work, notes = workload_of(values)
+    work, notes = workload_of(values, budget)
     engines_n, tp = split["engines"], split["rollout_tp_size"]
     prompts, n = trainers.train_batch_size, trainers.rollout_n
     busiest = -(-prompts // engines_n)  # the engine with the most groups sets the generation time
@@ -195,13 +377,22 @@ def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split
         engines = RolloutLayout.build(num_processes=split["rollout_ranks"], rollout_tp_size=tp,
                                       train_batch_size=busiest * engines_n, rollout_n=n,
                                       adv_estimator=values.get("adv_estimator") or "grpo")
+    except LayoutError as err:
+        raise PlanError(str(err)) from None
+    try:  # the comparison only: a batch the split shares may not split over every device's engine
         colocated = RolloutLayout.build(**{**{k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None},
                                            "num_processes": split["processes"], "rollout_tp_size": tp, "nnodes": 1,
                                            "n_gpus_per_node": None})
     except LayoutError as err:
-        raise PlanError(str(err)) from None
+        colocated = None
+        notes.append(f"the same {split['processes']} devices colocated are not compared: "
+                     f"{str(err).split('; ')[0]}.")
     pred = predict_split(dims, engines, trainers, work, dev)
-    together = predict_step(dims, colocated, work, dev)
+    together = None if colocated is None else predict_step(dims, colocated, work, dev)
+    trained = predict_step(dims, trainers, work, dev)
+    fit = verdict(values, dims, None, work, dev, StepPrediction(
+        phases={}, total_s=0.0, samples_per_s=0.0, engine_bytes=pred.engine_bytes, train_bytes=trained.train_bytes,
+        activation_bytes=trained.activation_bytes, details=trained.details), colocated=False)
     staleness = split["max_staleness"]
     step = pred.step_s(staleness)
     rows = [(f"generation (rollout ranks, {engines_n} engines)", f"{pred.generation_s:.3g} s"),
@@ -210,10 +401,12 @@ def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split
             ("step, synchronous (max_staleness=0)", f"{pred.sync_s:.3g} s"),
             ("step, pipelined (max_staleness>=1)", f"{pred.pipelined_s:.3g} s"),
             (f"this recipe (max_staleness={staleness})", f"{step:.3g} s -> {pred.samples / step:.3g} samples/s"),
-            (f"the same {split['processes']} devices colocated",
-             f"{together.total_s:.3g} s -> {together.samples_per_s:.3g} samples/s"),
+            *([] if together is None else [(f"the same {split['processes']} devices colocated",
+                                             f"{together.total_s:.3g} s -> {together.samples_per_s:.3g} samples/s")]),
             ("memory per device", f"engine {pred.engine_bytes / 2**30:.3g} GiB, trainer "
-                                  f"{pred.train_bytes / 2**30:.3g} GiB")]
+                                  f"{pred.train_bytes / 2**30:.3g} GiB"),
+            *[("memory check", line.replace("engine ", "engine (a rollout rank) ", 1)
+               .replace("trainer ", "trainer (a trainer's device) ", 1)) for line in fit["lines"]]]
     width = max(len(k) for k, _ in rows)
     lines = [f"predicted step: {dims.name} ({dims.num_parameters / 1e9:.3g}B params, {dims.dtype}) on {dev.name}, "
              f"{split['trainers']} trainers + {split['rollout_ranks']} rollout ranks"]
@@ -221,5 +414,6 @@ def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split
     lines += [f"note: {n}" for n in notes] + ([f"device: {dev.source}"] if dev.source else [])
     return {"json": {"device": dev.to_dict(), "model": {"name": dims.name, "num_parameters": dims.num_parameters},
                      "workload": work.__dict__, "split": pred.to_dict(), "step_s": step,
-                     "colocated": together.to_dict(), "notes": notes},
-            "lines": lines}
+                     "colocated": None if together is None else together.to_dict(), "notes": notes,
+                     "fits": fit["fits"], "memory": fit},
+            "lines": lines, "fits": fit["fits"], "message": fit.get("message")}

@@ -9,6 +9,9 @@ TRAIN, ROLLOUT = "train", "rollout"
 #: The engine's fraction of a rollout rank's device by default: the device holds nothing else (no trainer states,
 #: no sleeping), unlike a colocated engine (TRL's vllm_gpu_memory_utilization default, 0.3).
 ROLLOUT_RANK_GPU_MEMORY_UTILIZATION = 0.9
+#: The engine's fraction of a device it shares with a trainer by default (TRL's vllm_gpu_memory_utilization, 0.3):
+#: the trainer's weights, gradients, optimizer states and activations take the rest.
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.3
 
 
 @dataclass(frozen=True)

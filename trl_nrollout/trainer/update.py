@@ -64,7 +64,7 @@ from trl_nrollout.passes.padfree import (
     unpad,
 )
 from trl_nrollout.plan.activations import default_update_token_budget
-from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM
+from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM, padfree_token_cap
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +126,17 @@ class PolicyUpdate:
             self.accelerator.num_processes if sharded else 1)  # grads, fp32 master and two Adam moments per trainable
         device = self.accelerator.device
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        if memory is not None and not args.rollout_ranks and not args.vllm_enable_sleep_mode \
+                and args.rollout_backend != "hf":  # a colocated engine keeps its share while the trainer works
+            memory = int(memory * (1 - args.vllm_gpu_memory_utilization))
         longest = self._prompt_length_hint() + (args.max_completion_length or 256)
+        padfree = self._padfree_allowed(self.model)
         tokens = default_update_token_budget(
             inner.config.to_dict(), device_memory_bytes=memory, state_bytes_per_device=state, longest_sample=longest,
             gradient_checkpointing=bool(args.gradient_checkpointing),
-            dtype_bytes=2 if (args.bf16 or args.fp16) else 4)
+            dtype_bytes=2 if (args.bf16 or args.fp16) else 4,
+            # beyond it the rows' block mask is over its bound and the micro batch would run padded (plan's rule)
+            max_tokens=padfree_token_cap(longest) if padfree and memory is not None else None)
         if self.accelerator.is_main_process:
             where = "a CPU" if memory is None else f"{memory / 2**30:.0f} GiB of {device.type} memory"
             logger.info("use_dynamic_bsz: ppo_max_token_len_per_device=%d by default (%d parameters, %s; "
