@@ -133,6 +133,15 @@ def _row_logprobs(model, packed):
     return packed.gather(per_pos)
 
 
+def _assert_each_samples_own_log_probs(model, prompts, completions, got) -> None:
+    """Every completion token's log-prob in ``got`` ``[B, C]`` is the one of the sample's own unpadded forward."""
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        ids = torch.cat([p, c])[None]
+        lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1]
+        want = lp.gather(-1, ids[0, 1:, None]).squeeze(-1)[p.numel() - 1:]
+        assert torch.allclose(got[b, :c.numel()], want, atol=1e-5), (b, (got[b, :c.numel()] - want).abs().max())
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @torch.no_grad()
 def test_a_packed_row_gives_each_sample_its_own_forwards_log_probs(tiny, attn):
@@ -149,11 +158,7 @@ def test_a_packed_row_gives_each_sample_its_own_forwards_log_probs(tiny, attn):
     packed = pack_rows(prompts, completions, pad_token_id=0, mask_dtype=dtype)
     assert len(packed.rows) < len(shape)  # several samples share a row
     got = _row_logprobs(model, packed)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        ids = torch.cat([p, c])[None]
-        lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1]
-        want = lp.gather(-1, ids[0, 1:, None]).squeeze(-1)[p.numel() - 1:]
-        assert torch.allclose(got[b, :c.numel()], want, atol=1e-5), (b, (got[b, :c.numel()] - want).abs().max())
+    _assert_each_samples_own_log_probs(model, prompts, completions, got)
     # change every other sample: the first sample of a shared row must not see it
     row = next(r for r in packed.rows if len(r) > 1)
     changed = [c if i == row[0] else torch.randint(5, 300, c.shape, generator=gen) for i, c in enumerate(completions)]
@@ -186,11 +191,7 @@ def test_groups_packed_with_their_prompt_once_give_each_sample_its_own_log_probs
     assert sum(unit_lengths([p.numel() for p in prompts], [c.numel() for c in completions], units)) <= slots
     assert packed.position_ids.max() < max(p.numel() + c.numel() for p, c in zip(prompts, completions))
     got = _row_logprobs(model, packed)
-    for b, (p, c) in enumerate(zip(prompts, completions)):
-        ids = torch.cat([p, c])[None]
-        lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1]
-        want = lp.gather(-1, ids[0, 1:, None]).squeeze(-1)[p.numel() - 1:]
-        assert torch.allclose(got[b, :c.numel()], want, atol=1e-5), (b, (got[b, :c.numel()] - want).abs().max())
+    _assert_each_samples_own_log_probs(model, prompts, completions, got)
     changed = [c if i == 0 else torch.randint(5, 300, c.shape, generator=gen) for i, c in enumerate(completions)]
     again = _row_logprobs(model, pack_rows(prompts, changed, pad_token_id=0, mask_dtype=dtype, units=units,
                                            row_len=60))
