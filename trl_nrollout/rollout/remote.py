@@ -294,6 +294,9 @@ class RemoteEngines:
             self._sender = threading.Thread(target=self._send, args=(self._send_queue, transfer),
                                             name="trl_nrollout-weights", daemon=True)
             self._sender.start()
+        # trainer rank 0 may have waited for the previous version to leave (a rollout rank busy or frozen for
+        # longer than ddp_timeout): the others wait for it here, on a store key, not in the gathers' collective
+        self._hand_out([None] * self.trainers, f"the start of weights version {version}")
         try:
             for bucket in buckets:
                 if not leader:
@@ -309,6 +312,7 @@ class RemoteEngines:
                 self._send_queue.put(None)  # the end of this version (the sender sends a size of 0)
         if leader:
             self.last_transfer["bytes"] = stats["bytes"]
+        self._hand_out([None] * self.trainers, f"weights version {version} packed")  # (it may wait for buffers)
         self.version = version
         return {**stats, "seconds": time.perf_counter() - start}
 
