@@ -5,7 +5,9 @@ A rank's micro batch of ``--samples`` samples (``--prompt`` prompt tokens each) 
 long-tailed (a clipped exponential, mean = cap / 4, cap ``--cap``) or uniform at the same mean (the same real
 tokens), on ``builtin:small-qwen2`` (float32, SDPA): one forward and backward of the completion tokens' log-probs
 (what the update runs per micro batch), in the padded layout (every sample as wide as the longest, TRL's) and in
-padding-free rows (:func:`trl_nrollout.passes.padfree.pack_rows`, rows as long as the longest sample). Reported:
+padding-free rows (:func:`trl_nrollout.passes.padfree.pack_rows`, rows as long as the longest sample, under a
+block mask), under the token budget (``budgeted``), and as one varlen row (``varlen``: every sample in one row, no
+mask, each sequence attending to itself by its boundaries; on the CPU one SDPA per sequence). Reported:
 seconds per real token of each, and the long-tailed / uniform ratio of each layout (the goal: <= 1.15 padding-free;
 the padded layout pays for the tail's longest sample on every row), median of ``--repeats``. Prints and saves
 ``padding_free.json`` / ``.md`` / ``.png`` under ``--out``; ``--docs`` copies the plot to docs/img.
@@ -28,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import check_load, pyplot, save_figure, write_table  # noqa: E402
 
-LAYOUTS = ("padded", "padding-free", "budgeted")
+LAYOUTS = ("padded", "padding-free", "budgeted", "varlen")
 
 
 def lengths_of(kind: str, samples: int, cap: int, seed: int = 0) -> list[int]:
@@ -81,7 +83,7 @@ def step_seconds(model, prompts, completions, layout: str, repeats: int, budget:
 def _forward_backward(model, prompts, completions, layout: str) -> None:
     import torch
 
-    from trl_nrollout.passes.padfree import pack_rows
+    from trl_nrollout.passes.padfree import pack_rows, rows_attention
 
     if layout == "padded":
         width = max(p.numel() + c.numel() for p, c in zip(prompts, completions))
@@ -94,10 +96,10 @@ def _forward_backward(model, prompts, completions, layout: str) -> None:
         logits = model(input_ids=ids, attention_mask=mask).logits
         lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = (lp * mask[:, 1:]).sum()
-    else:
-        pk = pack_rows(prompts, completions, 0)
-        logits = model(input_ids=pk.input_ids, position_ids=pk.position_ids,
-                       attention_mask=pk.attention_mask).logits
+    else:  # padding-free: rows under a block mask, or (varlen) one row whose sequences SDPA runs one by one
+        pk = pack_rows(prompts, completions, 0, mask_dtype=None if layout == "varlen" else torch.bool)
+        with rows_attention(model.config, pk):
+            logits = model(input_ids=pk.input_ids, **pk.forward_kwargs()).logits
         labels = pk.shift_labels.clamp(min=0)
         lp = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
         loss = (lp * (pk.shift_labels >= 0)).sum()
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
               for layout in LAYOUTS}
     result = {"load_at_start": load, "busy_at_start": busy, "samples": args.samples, "cap": args.cap,
               "prompt": args.prompt, "rows": rows, "tail_over_uniform": ratios,
-              "budget": budget, "goal_met": min(ratios["padding-free"], ratios["budgeted"]) <= 1.15}
+              "budget": budget, "goal_met": min(ratios[k] for k in LAYOUTS if k != "padded") <= 1.15}
     args.out.mkdir(parents=True, exist_ok=True)
     lines = [f"# Padding-free forwards: {args.samples} samples, {args.prompt}-token prompts, completions capped at "
              f"{args.cap} (mean {args.cap // 4}), small-qwen2 fp32, forward + backward (load {load[0]:.2f})", "",
@@ -152,8 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['us_per_real_token']:.1f} |" for r in rows]
     lines += ["", f"long-tailed / uniform, per real token: padded **{ratios['padded']:.2f}x**, padding-free (one "
                   f"micro batch) **{ratios['padding-free']:.2f}x**, budgeted ({budget} real tokens per micro batch, as "
-                  f"the update cuts them) **{ratios['budgeted']:.2f}x** (goal <= 1.15: "
-                  f"{'met' if result['goal_met'] else 'not met'})"]
+                  f"the update cuts them) **{ratios['budgeted']:.2f}x**, varlen (one row, SDPA per sequence) "
+                  f"**{ratios['varlen']:.2f}x** (goal <= 1.15: {'met' if result['goal_met'] else 'not met'}); "
+                  f"varlen / padding-free, long-tailed: "
+                  f"{by[('long-tailed', 'varlen')]['seconds'] / by[('long-tailed', 'padding-free')]['seconds']:.2f}x"]
     print(write_table(result, lines, args.out, "padding_free"))
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -161,11 +165,11 @@ def main(argv: list[str] | None = None) -> dict:
     for i, layout in enumerate(LAYOUTS):
         vals = [by[(k, layout)]["us_per_real_token"] for k in ("uniform", "long-tailed")]
         ax.bar([i * 3, i * 3 + 1], vals, color=["tab:gray", "tab:blue"])
-    ax.set_xticks([0, 1, 3, 4, 6, 7], ["padded\nuniform", "padded\nlong tail", "padding-free\nuniform",
-                                       "padding-free\nlong tail", "budgeted\nuniform", "budgeted\nlong tail"])
+    ax.set_xticks([t for i in range(len(LAYOUTS)) for t in (i * 3, i * 3 + 1)],
+                  [f"{layout}\n{kind}" for layout in LAYOUTS for kind in ("uniform", "long tail")], fontsize=7)
     ax.set_ylabel("us per real token (fwd + bwd)")
     ax.set_title(f"long tail / uniform: padded {ratios['padded']:.2f}x, padding-free {ratios['padding-free']:.2f}x, "
-                 f"budgeted {ratios['budgeted']:.2f}x", fontsize=9)
+                 f"budgeted {ratios['budgeted']:.2f}x, varlen {ratios['varlen']:.2f}x", fontsize=9)
     save_figure(fig, args.out / "padding_free.png")
     if args.docs:
         shutil.copy(args.out / "padding_free.png", ROOT / "docs" / "img" / "padding_free.png")

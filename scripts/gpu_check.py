@@ -25,6 +25,11 @@ Sections (each reports ``status`` ok / failed with the error, so one failure doe
    ``profile`` in the report is a partial profile to save under ``$TRL_NROLLOUT_PROFILES`` (the engine's costs
    keep the named profile's defaults).
 
+8. ``padding_free``: padding-free rows against the padded layout per attention implementation (equality, speed
+   per real token at long-tailed lengths, peak memory at a token budget).
+9. ``varlen``: the same for varlen rows (no mask) through PyTorch's own flash-attention varlen kernel, which the
+   trainer runs for an SDPA model on CUDA in half precision; whether the kernel ran; gradients.
+
 Each section names what it imports (``SECTIONS``); those whose modules are missing are reported as skipped, so a
 GPU machine with torch and transformers only (no TRL) runs sections 1-5.
 
@@ -492,6 +497,173 @@ def check_padding_free(device: str, size: dict) -> dict:
     return out
 
 
+def check_varlen(device: str, size: dict) -> dict:
+    """Varlen attention for padding-free rows (:mod:`trl_nrollout.passes.varlen`), the layout the trainer runs for an
+    SDPA model on CUDA in half precision (PyTorch's own flash-attention varlen kernel, no flash-attn package), on a
+    decoder of ``size["padfree"]``:
+
+    a. ``equality``: per-token log-probs of varlen rows (one row, no mask) against the padded layout and against
+       block-masked rows, bf16; the same in float32 (one SDPA per sequence); whether PyTorch's kernel ran.
+    b. ``gradient``: one forward + backward of varlen rows against the padded layout's: relative difference of the
+       gradients (bf16).
+    c. ``speed``: forward + backward seconds per real token, long-tailed completions (exponential of mean cap / 4,
+       clipped) over uniform ones of the same real tokens: padded, block-masked rows, varlen rows; goal <= 1.15.
+    d. ``memory``: peak memory of a token budget of short samples against the same budget with one sample at the
+       cap: varlen rows; goal <= 1.10."""
+    import torch
+
+    import trl_nrollout.passes.varlen as varlen_module
+    from trl_nrollout.passes.padfree import pack_rows
+    from trl_nrollout.passes.varlen import VARLEN_NAME, register, varlen_kwargs
+
+    register()
+    cfg = size["padfree"]
+    cuda = device.startswith("cuda")
+    with torch.device(device):
+        model = _model(size["vocab"], cfg["hidden"], cfg["layers"], seed=11)
+    model = model.to(device).eval()
+    out: dict = {"status": "ok", "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
+                 "kernel_here": varlen_module.torch_varlen_runs(device.split(":")[0], torch.bfloat16)}
+    calls = []
+    real = varlen_module._flash_varlen
+    varlen_module._flash_varlen = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+
+    def rows(ps, cs, how: str):
+        """(forward kwargs, index, valid) of samples laid out ``how``: padded, mask (block mask) or varlen."""
+        if how == "padded":
+            ids, am, pos, index, valid = _padded_inputs(ps, cs)
+            return ids, {"attention_mask": am, "position_ids": pos}, index, valid
+        pk = pack_rows(ps, cs, pad_token_id=0, mask_dtype=None if how == "varlen" else torch.bool)
+        kw = ({"position_ids": pk.position_ids, **varlen_kwargs(pk.position_ids)} if how == "varlen"
+              else {"attention_mask": pk.attention_mask, "position_ids": pk.position_ids})
+        return pk.input_ids, kw, pk.index, pk.valid
+
+    def scored(ids, kw, index, valid):
+        model.config._attn_implementation = VARLEN_NAME if "cu_seq_lens_q" in kw else "sdpa"
+        hidden = model.model(input_ids=ids, **kw).last_hidden_state
+        flat = ids.reshape(-1)
+        labels = flat[(index + 1).clamp(max=flat.numel() - 1)]
+        logits = model.lm_head(hidden.reshape(-1, hidden.shape[-1])[index[valid]]).float()
+        lp = torch.zeros(index.shape, dtype=torch.float32, device=ids.device)
+        lp[valid] = logits.log_softmax(-1).gather(-1, labels[valid][:, None])[:, 0]
+        return lp
+
+    # ---- a. equality
+    ps, cs = _equality_samples(device, size)
+    valid = _padded_inputs(ps, cs)[4]
+    equality = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model.to(dtype)
+        calls.clear()
+        with torch.no_grad():
+            ref = scored(*rows(ps, cs, "padded"))
+            masked = scored(*rows(ps, cs, "mask"))
+            got = scored(*rows(ps, cs, "varlen"))
+        name = str(dtype).replace("torch.", "")
+        equality[name] = {"varlen_vs_padded": float((got - ref).abs()[valid].max()),
+                          "mask_vs_padded": float((masked - ref).abs()[valid].max()),
+                          "varlen_vs_mask": float((got - masked).abs()[valid].max()),
+                          "finite": bool(torch.isfinite(got[valid]).all()), "torch_kernel_calls": len(calls)}
+        print(f"[gpu_check] varlen: equality {name}: {equality[name]}", flush=True)
+    out["equality"] = equality
+
+    # ---- b. gradient (bf16)
+    try:
+        model.to(torch.bfloat16).train()
+        grads = {}
+        for how in ("padded", "varlen"):
+            model.zero_grad(set_to_none=True)
+            ids, kw, index, v = rows(ps, cs, how)
+            (-scored(ids, kw, index, v).sum() / v.sum()).backward()
+            grads[how] = [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
+        num = sum(float((a - b).norm() ** 2) for a, b in zip(grads["varlen"], grads["padded"])) ** 0.5
+        den = sum(float(b.norm() ** 2) for b in grads["padded"]) ** 0.5
+        out["gradient"] = {"relative_diff": num / max(den, 1e-30), "tensors": len(grads["padded"])}
+        print(f"[gpu_check] varlen: gradient {out['gradient']}", flush=True)
+        del grads
+    except Exception as err:  # noqa: BLE001 - a kernel without backward, OOM...: said, the rest runs
+        out["gradient"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        model.zero_grad(set_to_none=True)
+
+    # ---- c. speed
+    try:
+        def step(ps, cs, how: str) -> float:
+            ids, kw, index, v = rows(ps, cs, how)
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            start = time.perf_counter()
+            (-scored(ids, kw, index, v).sum() / v.sum()).backward()
+            _sync(device)
+            return time.perf_counter() - start
+
+        n = cfg["speed_samples"]
+        prompt_lens = [cfg["prompt_len"]] * n
+        tailed = _padfree_lengths(n, cfg["cap"], seed=3)
+        total = sum(tailed)
+        uniform = [total // n + (1 if i < total % n else 0) for i in range(n)]
+        speed: dict = {"samples": n, "real_tokens": sum(prompt_lens) + total, "tailed_max": max(tailed)}
+        for how in ("padded", "mask", "varlen"):
+            row: dict = {}
+            try:
+                for name, lens in (("uniform", uniform), ("tailed", tailed)):
+                    ps2, cs2 = _padfree_batch(prompt_lens, lens, size["vocab"], device, seed=4)
+                    times = [step(ps2, cs2, how) for _ in range(cfg["repeats"] + 1)][1:]
+                    row[f"{name}_s_per_token"] = min(times) / speed["real_tokens"]
+                row["tailed_over_uniform"] = row["tailed_s_per_token"] / row["uniform_s_per_token"]
+            except torch.OutOfMemoryError as err:
+                row["error"] = f"OutOfMemoryError: {str(err)[:200]}"
+                model.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+            speed[how] = row
+            print(f"[gpu_check] varlen: speed {how}: {row}", flush=True)
+        if "tailed_s_per_token" in speed["varlen"] and "tailed_s_per_token" in speed["padded"]:
+            speed["varlen_over_padded_tailed"] = speed["varlen"]["tailed_s_per_token"] / speed["padded"]["tailed_s_per_token"]
+        if "tailed_s_per_token" in speed["varlen"] and "tailed_s_per_token" in speed["mask"]:
+            speed["varlen_over_mask_tailed"] = speed["varlen"]["tailed_s_per_token"] / speed["mask"]["tailed_s_per_token"]
+        speed["goal_ok"] = speed["varlen"].get("tailed_over_uniform", math.inf) <= 1.15
+        out["speed"] = speed
+    except Exception as err:  # noqa: BLE001 - a kernel without backward, OOM...: said, the rest runs
+        out["speed"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        model.zero_grad(set_to_none=True)
+
+    # ---- d. memory (varlen rows at a token budget)
+    try:
+        short = cfg["short_len"]
+        count = cfg["budget"] // (cfg["prompt_len"] + short)
+        replaced = -(-(cfg["prompt_len"] + cfg["cap"]) // (cfg["prompt_len"] + short))
+        memory: dict = {"budget": cfg["budget"]}
+        for name, lens in (("short", [short] * count), ("one_long", [cfg["cap"]] + [short] * (count - replaced))):
+            ps2, cs2 = _padfree_batch([cfg["prompt_len"]] * len(lens), lens, size["vocab"], device, seed=5)
+            step(ps2, cs2, "varlen")
+            model.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            step(ps2, cs2, "varlen")
+            memory[f"{name}_peak_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None
+        if memory.get("short_peak_mib"):
+            memory["one_long_over_short"] = memory["one_long_peak_mib"] / memory["short_peak_mib"]
+        out["memory"] = memory
+        print(f"[gpu_check] varlen: memory {memory}", flush=True)
+    except Exception as err:  # noqa: BLE001 - a kernel without backward, OOM...: said, the rest runs
+        out["memory"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        model.zero_grad(set_to_none=True)
+
+    varlen_module._flash_varlen = real
+    model.config._attn_implementation = "sdpa"
+    model.zero_grad(set_to_none=True)
+
+    tol = cfg["tolerance"]
+    fp32 = equality["float32"]["varlen_vs_padded"] <= tol
+    bf16_eq = equality["bfloat16"]
+    bf16 = bf16_eq["finite"] and bf16_eq["varlen_vs_padded"] <= max(2 * bf16_eq["mask_vs_padded"], 10 * tol)
+    kernel = (equality["bfloat16"]["torch_kernel_calls"] > 0) == out["kernel_here"]
+    grad_ok = out["gradient"].get("relative_diff", math.inf) < 0.05
+    out["status"] = "ok" if fp32 and bf16 and kernel and grad_ok else "failed"
+    return out
+
+
 SIZES = {
     "gpu": dict(vocab=32768, hidden=512, layers=4, prompts=16, prompt_len=256, completion_len=512, micro=8,
                 rates=dict(hidden=2048, layers=16, rows=16, long=2048),
@@ -612,6 +784,7 @@ SECTIONS = (
     ("trainer", ("torch", "transformers", "trl", "datasets", "accelerate"), lambda device, size: check_trainer(device, 3)),
     ("training_rates", ("torch", "transformers"), check_training_rates),
     ("padding_free", ("torch", "transformers"), check_padding_free),
+    ("varlen", ("torch", "transformers"), check_varlen),
 )
 
 

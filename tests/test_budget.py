@@ -25,6 +25,7 @@ from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.dropin import TRL_LOSS_TYPES
 from trl_nrollout.errors import InputError
 from trl_nrollout.passes.budget import BudgetedStep, concat_batches, sample_lengths, select_rows, slot_sizes
+from trl_nrollout.passes.varlen import VARLEN_NAME
 
 ROWS, PROMPT, COMPLETION = 12, 9, 20
 
@@ -91,14 +92,18 @@ CASES = [dict(loss_type=t) for t in sorted(TRL_LOSS_TYPES) if t != "vespo"] + [
 ]
 
 
-@pytest.mark.parametrize("layout", ["padding_free", "padded"])
+@pytest.mark.parametrize("layout", ["padding_free", "varlen", "padded"])
 @pytest.mark.parametrize("options", CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_budgeted_micro_batches_give_the_count_based_gradient(options, layout, model_dir, tmp_path, monkeypatch):
-    """Mutations tried: each micro batch normalized by its own tokens (``agg_loss`` without ``row_tokens``) ->
+    """``varlen``: the model loaded with ``attn_implementation="trl_nrollout_varlen"`` (padding-free rows without a
+    mask, each sequence attending to itself by its boundaries; what CUDA runs through PyTorch's flash kernel).
+    Mutations tried: each micro batch normalized by its own tokens (``agg_loss`` without ``row_tokens``) ->
     bnpo fails; the parts' losses summed without their backward (only the last part trained) -> every case fails;
-    ``_gradients_held`` not restoring ``sync_gradients`` -> the next micro step's count differs."""
-    trainer = _trainer(model_dir, tmp_path, monkeypatch, padding_free=layout == "padding_free",
-                       shared_prompt_forward=False, ppo_max_token_len_per_device=40, **options)
+    ``_gradients_held`` not restoring ``sync_gradients`` -> the next micro step's count differs; varlen attention
+    over the whole row (one causal SDPA, the boundaries ignored) -> every varlen case fails."""
+    extra = {"model_init_kwargs": {"attn_implementation": VARLEN_NAME}} if layout == "varlen" else {}
+    trainer = _trainer(model_dir, tmp_path, monkeypatch, padding_free=layout != "padded",
+                       shared_prompt_forward=False, ppo_max_token_len_per_device=40, **extra, **options)
     assert trainer.args.use_dynamic_bsz
     batch = _batch(trainer, seed=len(str(options)))
     chunks = trainer._add_normalizers(split_tensor_dict(batch, 2), 2)
@@ -107,14 +112,15 @@ def test_budgeted_micro_batches_give_the_count_based_gradient(options, layout, m
     assert len(steps) == 2 and all(isinstance(s, BudgetedStep) for s in steps)
     parts = [p for s in steps for p in s.parts]
     assert len(parts) > 2, "the budget must cut the step finer than TRL's two micro batches"
-    assert all(sum(sample_lengths(p)) <= 40 if layout == "padding_free" else
+    assert all(sum(sample_lengths(p)) <= 40 if layout != "padded" else
                p["completion_ids"].shape[0] * max(sample_lengths(p)) <= 40 for p in parts)
     assert sorted(len(s) for s in steps) and sum(len(s) for s in steps) == ROWS
     rows = []
     real = update_module.pack_rows
-    monkeypatch.setattr(update_module, "pack_rows", lambda *a, **kw: rows.append(1) or real(*a, **kw))
+    monkeypatch.setattr(update_module, "pack_rows", lambda *a, **kw: rows.append(kw["mask_dtype"]) or real(*a, **kw))
     budget_loss, budgeted = _grads(trainer, steps)
-    assert bool(rows) == (layout == "padding_free")
+    assert bool(rows) == (layout != "padded")
+    assert all((dtype is None) == (layout == "varlen") for dtype in rows), rows  # varlen rows carry no mask
     assert sum(g.abs().sum().item() for g in plain) > 1e-3, "a degenerate case tests nothing"
     assert trainer.accelerator.sync_gradients, "the micro step's boundary state is restored"
     assert abs(budget_loss - plain_loss) < 1e-5 * max(1.0, abs(plain_loss))

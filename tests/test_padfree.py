@@ -22,6 +22,7 @@ from trl_nrollout.passes.padfree import (
     unpad,
     workload,
 )
+from trl_nrollout.passes.varlen import VARLEN_NAME, register
 
 lengths_st = st.lists(st.integers(1, 60), min_size=1, max_size=24)
 
@@ -116,8 +117,9 @@ def test_positions_restart_with_every_sequence_and_the_mask_keeps_each_to_itself
 def tiny(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
+    register()
     out = {}
-    for attn in ("sdpa", "eager"):
+    for attn in ("sdpa", "eager", VARLEN_NAME):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attn,
                                                      dtype=torch.float32).eval()
         out[attn] = model
@@ -125,8 +127,7 @@ def tiny(tiny_model_path):
 
 
 def _row_logprobs(model, packed):
-    logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                   attention_mask=packed.attention_mask).logits.float()
+    logits = model(input_ids=packed.input_ids, **packed.forward_kwargs()).logits.float()
     flat_ids = packed.input_ids.reshape(-1)
     nxt = torch.cat([flat_ids[1:], flat_ids[:1]]).view_as(packed.input_ids)
     per_pos = torch.log_softmax(logits, -1).gather(-1, nxt[..., None]).squeeze(-1)
@@ -142,27 +143,29 @@ def _assert_each_samples_own_log_probs(model, prompts, completions, got) -> None
         assert torch.allclose(got[b, :c.numel()], want, atol=1e-5), (b, (got[b, :c.numel()] - want).abs().max())
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", VARLEN_NAME])
 @torch.no_grad()
 def test_a_packed_row_gives_each_sample_its_own_forwards_log_probs(tiny, attn):
     """Long-tailed samples packed padding-free: every completion token's log-prob equals the one of the sample's
-    own unpadded forward (fp32, 1e-5), under SDPA (boolean mask) and eager (additive mask); and a token's log-prob
-    does not move when another sequence in its row changes (no attention across sequences). Mutation: a causal
-    mask without the blocks -> the other sequences leak in (the test fails by about 1)."""
+    own unpadded forward (fp32, 1e-5), under SDPA (boolean mask), eager (additive mask) and varlen attention (no
+    mask: every sample in one row, separated by its boundaries; on CPU one SDPA per sequence); and a token's
+    log-prob does not move when another sequence in its row changes (no attention across sequences). Mutations: a
+    causal mask without the blocks -> the other sequences leak in (the test fails by about 1); varlen attention
+    over the whole row (one causal SDPA, boundaries ignored) -> fails likewise."""
     model = tiny[attn]
     gen = torch.Generator().manual_seed(3)
     shape = [(7, 40), (3, 2), (12, 9), (5, 60), (4, 1), (9, 17)]
     prompts = [torch.randint(5, 300, (p,), generator=gen) for p, _ in shape]
     completions = [torch.randint(5, 300, (c,), generator=gen) for _, c in shape]
-    dtype = torch.bool if attn == "sdpa" else torch.float32
-    packed = pack_rows(prompts, completions, pad_token_id=0, mask_dtype=dtype)
-    assert len(packed.rows) < len(shape)  # several samples share a row
+    dtype = {"sdpa": torch.bool, "eager": torch.float32}.get(attn)
+    packed = pack_rows(prompts, completions, pad_token_id=0, mask_dtype=dtype, pad_to_multiple_of=8)
+    assert len(packed.rows) == 1 if dtype is None else len(packed.rows) < len(shape)  # several samples share a row
     got = _row_logprobs(model, packed)
     _assert_each_samples_own_log_probs(model, prompts, completions, got)
     # change every other sample: the first sample of a shared row must not see it
     row = next(r for r in packed.rows if len(r) > 1)
     changed = [c if i == row[0] else torch.randint(5, 300, c.shape, generator=gen) for i, c in enumerate(completions)]
-    again = _row_logprobs(model, pack_rows(prompts, changed, pad_token_id=0, mask_dtype=dtype))
+    again = _row_logprobs(model, pack_rows(prompts, changed, pad_token_id=0, mask_dtype=dtype, pad_to_multiple_of=8))
     assert torch.allclose(again[row[0]], got[row[0]], atol=1e-6)
 
 
@@ -277,7 +280,7 @@ def test_the_update_and_the_old_policy_pass_padding_free_equal_the_padded(tmp_pa
     assert torch.allclose(free.logprobs, padded.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", VARLEN_NAME])
 def test_the_critics_values_and_their_gradients_are_the_padded_ones(tiny_model_path, attn, monkeypatch):
     """PPO's critic (a token-classification head over the decoder): its value pass under a real-token budget and
     its training forward, padding-free vs padded, give the same values ``[B, C]`` and the same gradients, and the
@@ -292,10 +295,10 @@ def test_the_critics_values_and_their_gradients_are_the_padded_ones(tiny_model_p
     completions = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in (1, 24, 2, 0, 3, 18)]
     rows = []
     real = critic_module.pack_rows
-    monkeypatch.setattr(critic_module, "pack_rows", lambda *a, **kw: rows.append(1) or real(*a, **kw))
+    monkeypatch.setattr(critic_module, "pack_rows", lambda *a, **kw: rows.append(kw["mask_dtype"]) or real(*a, **kw))
     budget = 2 * max(len(p) + len(c) for p, c in zip(prompts, completions))
     free = compute_values(critic, prompts, completions, pad_token_id=0, max_token_len=budget, padding_free=True)
-    assert rows, "the padding-free rows ran"
+    assert rows and all((d is None) == (attn == VARLEN_NAME) for d in rows), rows  # the rows ran, varlen unmasked
     padded = compute_values(critic, prompts, completions, pad_token_id=0, max_token_len=budget)
     torch.testing.assert_close(free, padded, atol=1e-5, rtol=1e-4)
     assert free.abs().sum() > 0

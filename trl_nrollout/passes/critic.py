@@ -15,13 +15,15 @@ from torch import Tensor, nn
 
 from trl_nrollout.passes.distributed import is_zero3, synced_count
 from trl_nrollout.passes.logprobs import pack_by_tokens, split_by_count, unwrap_model
-from trl_nrollout.passes.packing import mask_dtype, query_dtype
+from trl_nrollout.passes.packing import query_dtype
 from trl_nrollout.passes.padfree import (
     budget_count,
     budgeted_parts,
     pack_rows,
     padfree_layout,
     prefix_lengths,
+    rows_attention,
+    rows_mask_dtype,
     unpad,
 )
 from trl_nrollout.rollout.types import RolloutBatch
@@ -94,8 +96,8 @@ def _padfree_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, 
         return None
     inner = unwrap_model(critic)
     weights = next((p.dtype for p in inner.parameters() if p.is_floating_point()), torch.float32)
-    dtype = mask_dtype(inner.config, weights)
     queries = query_dtype(weights, prompt_ids.device.type)
+    dtype = rows_mask_dtype(inner.config, weights, queries, prompt_ids.device.type)  # None: varlen attention
     fits, units = padfree_layout([p.numel() for p in prompts], completion_len.tolist(),
                                  prompt_ids.shape[1] + completion_ids.shape[1], dtype, queries,
                                  prompts=prompts if shared_prompts else None, pad_to_multiple_of=pad_to_multiple_of,
@@ -104,7 +106,8 @@ def _padfree_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, 
         return None
     pk = pack_rows(prompts, completions, pad_token_id, mask_dtype=dtype, pad_to_multiple_of=pad_to_multiple_of,
                    completion_width=completion_ids.shape[1], units=units)
-    out = critic(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids)
+    with rows_attention(inner.config, pk):
+        out = critic(input_ids=pk.input_ids, **pk.forward_kwargs())
     return pk.gather(out.logits[..., 0].float())
 
 

@@ -31,7 +31,14 @@ from trl_nrollout.passes.packing import (
     query_dtype,
     round_up,
 )
-from trl_nrollout.passes.padfree import budget_count, budgeted_parts, pack_rows, padfree_layout
+from trl_nrollout.passes.padfree import (
+    budget_count,
+    budgeted_parts,
+    pack_rows,
+    padfree_layout,
+    rows_attention,
+    rows_mask_dtype,
+)
 
 Ids = Sequence[int] | Tensor
 
@@ -230,7 +237,8 @@ def compute_log_probs(
       as ``support_log_mass`` ``[B, C]`` (the trainer's replay of a truncating sampler's cut).
     - ``padding_free``: a micro batch whose samples leave padding runs as padding-free rows
       (:mod:`trl_nrollout.passes.padfree`) where that saves a tenth of its token slots (after the shared-prompt
-      layout, which wins where it applies); the caller vouches that the model takes a 4D block mask. With
+      layout, which wins where it applies); the caller vouches that the model takes a 4D block mask or
+      varlen boundaries (:mod:`~trl_nrollout.passes.varlen`). With
       ``max_token_len`` the budget then counts real tokens, and the micro batches, as many on every rank as the
       busiest needs, hold even work (:func:`~trl_nrollout.passes.padfree.budgeted_parts`).
 
@@ -364,9 +372,10 @@ def _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_to
     module = parts[0] if parts is not None else unwrap_model(model)
     weights = next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32)
     config = getattr(unwrap_model(model), "config", None)
-    dtype = mask_dtype(config, weights)
+    queries = query_dtype(weights, device.type)
+    dtype = rows_mask_dtype(config, weights, queries, device.type)  # None: varlen attention
     fits, units = padfree_layout([len(p) for p in prompts], [len(c) for c in completions], width, dtype,
-                                 query_dtype(weights, device.type), prompts=prompts if shared_prompts else None,
+                                 queries, prompts=prompts if shared_prompts else None,
                                  pad_to_multiple_of=multiple_of,
                                  hidden_size=getattr(config, "hidden_size", None) or 4096)
     if not fits:
@@ -374,11 +383,11 @@ def _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_to
     pk = pack_rows([torch.tensor(p, dtype=torch.long, device=device) for p in prompts],
                    [torch.tensor(c, dtype=torch.long, device=device) for c in completions], pad_token_id,
                    mask_dtype=dtype, pad_to_multiple_of=multiple_of, units=units)
-    if parts is not None:
-        flat = parts[0](input_ids=pk.input_ids, attention_mask=pk.attention_mask,
-                        position_ids=pk.position_ids).last_hidden_state
-    else:
-        flat = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids).logits
+    with rows_attention(config, pk):
+        if parts is not None:
+            flat = parts[0](input_ids=pk.input_ids, **pk.forward_kwargs()).last_hidden_state
+        else:
+            flat = model(input_ids=pk.input_ids, **pk.forward_kwargs()).logits
     return flat.reshape(-1, flat.shape[-1])[pk.index[rows_t, cols_t]]
 
 

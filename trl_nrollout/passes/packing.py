@@ -69,16 +69,24 @@ def _attention(config) -> str:
     return getattr(config, "_attn_implementation", None) or "sdpa"
 
 
-def structural_reason(config, *, images: bool = False, aux_loss: bool = False) -> str | None:
-    """Why a model cannot take the packed layout at all (None: it can). ``config``: the model's config."""
+def structural_reason(config, *, images: bool = False, aux_loss: bool = False, varlen: bool = False) -> str | None:
+    """Why a model cannot take the packed layout at all (None: it can). ``config``: the model's config. ``varlen``:
+    rows that separate their sequences by boundaries are enough (padding-free rows), so flash-attention's varlen
+    kernels serve too (:data:`~trl_nrollout.passes.varlen.VARLEN_ATTENTION`)."""
+    from trl_nrollout.passes.varlen import VARLEN_ATTENTION
+
     layers = getattr(config, "layer_types", None) or ["full_attention"]
     attn = _attention(config)
     if images:
         return "the prompts hold images (a vision-language model places its own positions)"
     if aux_loss:
         return "the MoE router loss counts every token of the plain layout"
-    if attn not in ("sdpa", "eager"):
-        return f"attn_implementation={attn!r} ignores a 4D block mask (use 'sdpa' or 'eager')"
+    if varlen and attn in VARLEN_ATTENTION:
+        pass
+    elif attn not in ("sdpa", "eager"):
+        return (f"attn_implementation={attn!r} ignores a 4D block mask (use 'sdpa' or 'eager'"
+                + (", or a varlen attention: " + ", ".join(repr(a) for a in VARLEN_ATTENTION) if varlen else "")
+                + ")")
     # a configured window is applied unless the config switches it off: Mistral-v0.1 and Phi-3 apply theirs from
     # `sliding_window` alone (no layer_types, no use_sliding_window); Qwen2 nulls it when use_sliding_window=False
     window = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)

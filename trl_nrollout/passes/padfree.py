@@ -22,6 +22,7 @@ pairs, :func:`workload`); :func:`budget_count` is the number a token budget need
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-#: attention implementations that take a 4D block mask; flash-attention's take packed rows by their positions.
+from trl_nrollout.passes.varlen import packed_attention, varlen_forward, varlen_kwargs
+
+#: attention implementations that take a 4D block mask (varlen ones: :data:`~.varlen.VARLEN_ATTENTION`).
 MASKED_ATTENTION = ("sdpa", "eager")
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn",
-                    "kernels-community/vllm-flash-attn3")
 
 
 @dataclass
@@ -67,6 +68,31 @@ class PackedRows:
     @property
     def token_slots(self) -> int:
         return self.input_ids.numel()
+
+    def forward_kwargs(self) -> dict:
+        """The model's keyword arguments for these rows: the block mask and positions, or for varlen attention
+        (no mask) the positions and the sequences' boundaries (:func:`~trl_nrollout.passes.varlen.varlen_kwargs`).
+        Run a varlen forward within :func:`rows_attention`."""
+        if self.attention_mask is None:
+            return {"position_ids": self.position_ids, **varlen_kwargs(self.position_ids)}
+        return {"attention_mask": self.attention_mask, "position_ids": self.position_ids}
+
+
+def rows_attention(config, rows: PackedRows):
+    """The context a forward of ``rows`` runs in: a model whose attention is SDPA runs varlen attention for rows
+    without a mask (:func:`~trl_nrollout.passes.varlen.varlen_forward`), else nothing changes."""
+    return varlen_forward(config) if rows.attention_mask is None else contextlib.nullcontext()
+
+
+def rows_mask_dtype(config, weights: torch.dtype, queries: torch.dtype, device_type: str) -> torch.dtype | None:
+    """The mask dtype of a model's padding-free rows (:func:`~trl_nrollout.passes.packing.mask_dtype`), or None
+    where its rows run varlen attention (:func:`~trl_nrollout.passes.varlen.packed_attention`: flash-attention, or
+    SDPA on CUDA in half precision)."""
+    from trl_nrollout.passes.packing import mask_dtype
+
+    if packed_attention(config, device_type, queries) == "varlen":
+        return None
+    return mask_dtype(config, weights)
 
 
 def row_bins(lengths: Sequence[int], row_len: int) -> list[list[int]]:
@@ -143,10 +169,10 @@ def pack_rows(prompts: Sequence[Tensor], completions: Sequence[Tensor], pad_toke
 
     Args:
         row_len: tokens per row at most (default: the longest unit, so no row attends over more pairs than a
-            padded row would); rounded up to ``pad_to_multiple_of`` (TRL's option: it rounds the row, not each
-            sample).
+            padded row would under a mask; varlen attention: every token in one row); rounded up to
+            ``pad_to_multiple_of`` (TRL's option: it rounds the row, not each sample).
         mask_dtype: ``torch.bool`` (SDPA), an additive mask's dtype (eager), or None (varlen attention: positions
-            only; every unit a single sample).
+            and sequence boundaries, :meth:`PackedRows.forward_kwargs`; every unit a single sample).
         completion_width: ``C`` of :attr:`PackedRows.index` (default: the longest completion).
         units: samples sharing a prompt (each sample in one unit; default: every sample alone), laid out with
             the prompt once: its tokens but the last, then per sample the prompt's last token (which predicts the
@@ -170,7 +196,9 @@ def pack_rows(prompts: Sequence[Tensor], completions: Sequence[Tensor], pad_toke
     p_lens = [int(p.numel()) for p in prompts]
     c_lens = [int(c.numel()) for c in completions]
     lengths = unit_lengths(p_lens, c_lens, units)
-    width = max(lengths) if row_len is None else max(row_len, max(lengths))
+    if row_len is None:
+        row_len = sum(lengths) if mask_dtype is None else max(lengths)  # varlen: no L x L to bound
+    width = max(row_len, max(lengths))
     if pad_to_multiple_of and pad_to_multiple_of > 1:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     bins = row_bins(lengths, width)
@@ -238,27 +266,31 @@ def padfree_pays(lengths: Sequence[int], plain_width: int, row_width: int | None
     return rows * width <= 0.9 * count * plain_width, rows, width
 
 
-def padfree_fits(lengths: Sequence[int], plain_width: int, mask_dtype: torch.dtype, queries: torch.dtype,
+def padfree_fits(lengths: Sequence[int], plain_width: int, mask_dtype: torch.dtype | None, queries: torch.dtype,
                  pad_to_multiple_of: int | None = None, samples: int | None = None) -> bool:
     """Whether a micro batch runs as padding-free rows: they save a tenth of the slots (:func:`padfree_pays`) and
     their block mask, rows rounded to ``pad_to_multiple_of``, stays within the shared-prompt layout's bound
     (:data:`~trl_nrollout.passes.packing_rules.MAX_PACKED_MASK_BYTES`; ``mask_dtype`` and ``queries`` as
-    :func:`~trl_nrollout.passes.packing.mask_bytes` takes them). The update and the log-prob passes decide alike."""
+    :func:`~trl_nrollout.passes.packing.mask_bytes` takes them; None: varlen attention, one row, no mask). The
+    update and the log-prob passes decide alike."""
     from trl_nrollout.passes.packing import MAX_PACKED_MASK_BYTES, mask_bytes, round_up
 
+    if mask_dtype is None:  # varlen attention: one row of every token, no mask
+        return padfree_pays(lengths, plain_width, round_up(sum(lengths), pad_to_multiple_of), samples=samples)[0]
     pays, rows, width = padfree_pays(lengths, plain_width, samples=samples)
     return pays and mask_bytes(rows, round_up(width, pad_to_multiple_of), mask_dtype, queries) <= MAX_PACKED_MASK_BYTES
 
 
 def padfree_layout(prompt_lens: Sequence[int], completion_lens: Sequence[int], plain_width: int,
-                   mask_dtype: torch.dtype, queries: torch.dtype, *, prompts: Sequence | None = None,
+                   mask_dtype: torch.dtype | None, queries: torch.dtype, *, prompts: Sequence | None = None,
                    pad_to_multiple_of: int | None = None, hidden_size: int = 4096
                    ) -> tuple[bool, list[list[int]] | None]:
     """The padding-free decision of one micro batch, the same in the update, the log-prob passes and the critic:
     whether its rows run (:func:`padfree_fits`), and in units of a shared prompt (``prompts`` given: the
-    shared-prompt layout is allowed; :func:`choose_units`) or one sample each (None)."""
+    shared-prompt layout is allowed; :func:`choose_units`) or one sample each (None; always under varlen
+    attention, ``mask_dtype`` None, which separates sequences only)."""
     units = None
-    if prompts is not None and len(prompts) > 1:
+    if prompts is not None and len(prompts) > 1 and mask_dtype is not None:
         units = choose_units(prompt_lens, completion_lens, shared_units(prompts), hidden_size)
     lengths = (unit_lengths(prompt_lens, completion_lens, units) if units is not None
                else [p + n for p, n in zip(prompt_lens, completion_lens)])
@@ -320,17 +352,19 @@ def budget_count(lengths: Sequence[int], budget: int) -> int:
 
 
 def budgeted_parts(lengths: Sequence[int], budget: int, count: int, hidden_size: int = 4096, *,
-                   padded: bool = False) -> list[list[int]]:
+                   padded: bool = False, varlen: bool = False) -> list[list[int]]:
     """A rank's samples in exactly ``count`` non-empty micro batches (``count``: the largest :func:`budget_count`
     over the data-parallel ranks, so that every rank runs as many forwards; at most ``len(lengths)``) of even work
     (:func:`balanced_parts` on :func:`workload`). Where evening the work breaks the budget, the parts of first-fit
     decreasing, the most populous split until there are ``count``. ``padded``: a micro batch costs its samples times
-    its longest (the padded layout, :func:`padded_budget_parts`) instead of its real tokens."""
+    its longest (the padded layout, :func:`padded_budget_parts`) instead of its real tokens. ``varlen``: the rows
+    run varlen attention (each sample's pairs only), so no runs of neighbouring lengths are needed to keep short
+    samples out of long rows' masks."""
     if not 1 <= count <= max(len(lengths), 1):
         raise ValueError(f"budgeted_parts: count={count} must be between 1 and the {len(lengths)} samples.")
     if padded:
         return split_to(padded_budget_parts(lengths, budget), count)
-    runs = length_runs(lengths, budget, count, hidden_size)
+    runs = None if varlen else length_runs(lengths, budget, count, hidden_size)
     if runs is not None:
         return runs
     parts = balanced_parts([workload(n, hidden_size) for n in lengths], count)

@@ -58,15 +58,19 @@ from trl_nrollout.passes.padfree import (
     padded_budget_count,
     padfree_layout,
     prefix_lengths,
+    rows_attention,
+    rows_mask_dtype,
     shared_units,
     split_to,
     unit_lengths,
     unpad,
 )
+from trl_nrollout.passes.varlen import register as register_varlen
 from trl_nrollout.plan.activations import default_update_token_budget
 from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM, padfree_token_cap
 
 logger = logging.getLogger(__name__)
+register_varlen()  # attn_implementation="trl_nrollout_varlen" loads wherever the trainer is imported
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,9 @@ class PolicyUpdate:
         accum = self.args.gradient_accumulation_steps
         window = accum if len(chunks) % accum == 0 else 1
         padded = any("mm_inputs" in c for c in chunks) or not self._padfree_allowed(self.model)
-        shared = not padded and self.args.shared_prompt_forward is not False  # a group's samples in one micro batch
+        varlen = not padded and self._rows_varlen(self.model)  # rows cost their pairs only, no L x L mask
+        # a group's samples in one micro batch (its prompt once: a mask's layout)
+        shared = not padded and not varlen and self.args.shared_prompt_forward is not False
         pools, needs = [], []
         for start in range(0, len(chunks), window):
             group = [with_micro_tokens(c, loss_mask(c).sum()) for c in chunks[start:start + window]]
@@ -186,7 +192,7 @@ class PolicyUpdate:
                 own = budgeted_parts(lengths, budget, min(count, len(lengths)), hidden, padded=True)
             else:  # whole groups (or single samples) as the items cut; split further only to reach the count
                 by_item = budgeted_parts(self._item_lengths(pool, lengths, items), budget,
-                                         min(count, len(items)), hidden)
+                                         min(count, len(items)), hidden, varlen=varlen)
                 own = split_to([[b for i in part for b in items[i]] for part in by_item], min(count, len(lengths)))
             parts = [select_rows(pool, idx, self.pad_to_multiple_of) for idx in own]
             # a rank with fewer samples than the busiest rank's count: forwards that weigh nothing keep it in step
@@ -391,13 +397,23 @@ class PolicyUpdate:
         model takes a 4D block mask (the shared-prompt layout's rule; why not is said once)."""
         if self.args.padding_free is False:
             return False
-        reason = structural_reason(self.accelerator.unwrap_model(model).config, aux_loss=aux_loss)
+        reason = structural_reason(self.accelerator.unwrap_model(model).config, aux_loss=aux_loss, varlen=True)
         if reason is not None and not getattr(self, "_padfree_notice_shown", False):
             self._padfree_notice_shown = True
             logger.log(logging.WARNING if self.args.padding_free else logging.INFO,
                        "padding_free%s is not used: %s; the padded forward runs.",
                        "=True" if self.args.padding_free else " (default)", reason)
         return reason is None
+
+    def _rows_varlen(self, model) -> bool:
+        """Whether ``model``'s padding-free rows run varlen attention (no mask: flash-attention, or SDPA on CUDA in
+        half precision; :func:`~trl_nrollout.passes.padfree.rows_mask_dtype`)."""
+        config = self.accelerator.unwrap_model(model).config
+        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        device = self.accelerator.device.type
+        with self.accelerator.autocast():
+            queries = query_dtype(weights, device)
+        return rows_mask_dtype(config, weights, queries, device) is None
 
     def _padfree_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
                          ) -> tuple[Tensor, Tensor, None] | None:
@@ -412,9 +428,9 @@ class PolicyUpdate:
         prompts, completions = unpad(input_ids[:, :-c], attention_mask[:, :-c], input_ids[:, -c:], completion_len)
         config = self.accelerator.unwrap_model(model).config
         weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        dtype = mask_dtype(config, weights)
         with self.accelerator.autocast():
             queries = query_dtype(weights, input_ids.device.type)
+        dtype = rows_mask_dtype(config, weights, queries, input_ids.device.type)  # None: varlen attention
         shared = self.args.shared_prompt_forward is not False  # a group's prompt once, its completions behind it
         fits, units = padfree_layout([p.numel() for p in prompts], completion_len.tolist(), input_ids.shape[1],
                                      dtype, queries, prompts=prompts if shared else None,
@@ -426,12 +442,13 @@ class PolicyUpdate:
                        pad_to_multiple_of=self.pad_to_multiple_of, completion_width=c, units=units)
         if not getattr(self, "_padfree_said", False):
             self._padfree_said = True
-            logger.info("padding_free: the update runs padding-free rows%s (this micro batch: %d rows of %d tokens "
-                        "instead of %d rows of %d).", " with each prompt once per group" if units else "",
+            logger.info("padding_free: the update runs padding-free rows%s, %s (this micro batch: %d rows of %d "
+                        "tokens instead of %d rows of %d).", " with each prompt once per group" if units else "",
+                        "varlen attention" if dtype is None else "a block-diagonal mask",
                         pk.input_ids.shape[0], pk.input_ids.shape[1], input_ids.shape[0], input_ids.shape[1])
-        with self.accelerator.autocast():
-            out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
-                        shift_labels=pk.shift_labels, fused_lm_head=True)
+        with self.accelerator.autocast(), rows_attention(config, pk):
+            out = model(input_ids=pk.input_ids, shift_labels=pk.shift_labels, fused_lm_head=True,
+                        **pk.forward_kwargs())
         return pk.gather(out.log_probs), pk.gather(out.entropy), None
 
     def _packing_allowed(self, model, *, images: bool = False, aux_loss: bool = False) -> bool:

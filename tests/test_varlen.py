@@ -1,0 +1,203 @@
+"""Varlen attention for padding-free rows (:mod:`trl_nrollout.passes.varlen`): the sequences of a packed row are
+separated by their boundaries (``cu_seqlens``), not by an ``L x L`` mask.
+
+On CPU :data:`VARLEN_NAME` runs one causal SDPA per sequence (exact); on CUDA in half precision it calls PyTorch's
+flash-attention varlen kernel, which cannot run here: ``scripts/gpu_check.py`` (section ``varlen``) checks it on a
+GPU. A model loaded with flash-attention takes the same boundaries through transformers' own flash path; flash-attn
+needs a GPU, so one test stands our exact CPU varlen function in for its kernel (said there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_nrollout.passes.packing import structural_reason
+from trl_nrollout.passes.padfree import pack_rows, padfree_layout, rows_attention, rows_mask_dtype
+from trl_nrollout.passes.varlen import (
+    VARLEN_NAME,
+    cu_seqlens,
+    packed_attention,
+    register,
+    torch_varlen_runs,
+    varlen_attention,
+    varlen_forward,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 12)), min_size=1, max_size=8), st.sampled_from([1, 8]))
+def test_boundaries_are_each_sequences_start_in_row_order(shape, multiple):
+    """``cu_seqlens`` of varlen rows (every sample in one row, rounded to ``pad_to_multiple_of``) lists each sample's
+    start and end in the row's order, then the padding tail's. Mutation: ``cu`` without the final total -> fails."""
+    prompts = [torch.arange(1, p + 1) for p, _ in shape]
+    completions = [torch.arange(1, c + 1) for _, c in shape]
+    packed = pack_rows(prompts, completions, 0, mask_dtype=None, pad_to_multiple_of=multiple)
+    assert packed.attention_mask is None and len(packed.rows) == 1
+    lengths = [shape[b][0] + shape[b][1] for b in packed.rows[0]]
+    tail = packed.input_ids.shape[1] - sum(lengths)
+    assert 0 <= tail < multiple
+    cu, longest = cu_seqlens(packed.position_ids)
+    want = torch.tensor([0, *lengths, *([tail] if tail else [])]).cumsum(0)
+    assert cu.dtype == torch.int32 and cu.tolist() == want.tolist()
+    assert longest == max(lengths + [tail])
+
+
+def test_which_rows_run_varlen_attention():
+    """The decision: flash-attention and :data:`VARLEN_NAME` always; SDPA only where PyTorch's varlen kernel runs
+    (CUDA, half precision); eager and SDPA elsewhere take the block mask. Mutation: SDPA on CPU counted varlen ->
+    the CPU row fails (and every CPU padding-free forward would lose its mask's exactness check)."""
+    from transformers import Qwen2Config
+
+    def config(attn):
+        c = Qwen2Config(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16)
+        c._attn_implementation = attn
+        return c
+
+    has_kernel = torch_varlen_runs("cuda", torch.bfloat16)  # this torch has PyTorch's varlen kernel (2.9 and later)
+    assert packed_attention(config("flash_attention_2"), "cpu", torch.float32) == "varlen"
+    assert packed_attention(config(VARLEN_NAME), "cpu", torch.float32) == "varlen"
+    assert packed_attention(config("sdpa"), "cpu", torch.bfloat16) == "mask"
+    assert packed_attention(config("sdpa"), "cuda", torch.float32) == "mask"  # the flash kernel has no fp32
+    assert packed_attention(config("sdpa"), "cuda", torch.bfloat16) == ("varlen" if has_kernel else "mask")
+    assert packed_attention(config("eager"), "cuda", torch.bfloat16) == "mask"
+    assert rows_mask_dtype(config("sdpa"), torch.float32, torch.float32, "cpu") == torch.bool
+    assert rows_mask_dtype(config("flash_attention_2"), torch.bfloat16, torch.bfloat16, "cuda") is None
+    assert structural_reason(config("flash_attention_2"), varlen=True) is None
+    assert "4D block mask" in structural_reason(config("flash_attention_2"))  # the shared-prompt layout needs one
+    # varlen rows: one row, no units (a group's prompt once needs a mask), no mask bound
+    fits, units = padfree_layout([5, 5, 5], [1, 30, 2], 35, None, torch.bfloat16,
+                                 prompts=[torch.arange(5)] * 3)
+    assert fits and units is None
+
+
+def test_sdpa_runs_varlen_within_the_context_and_gets_its_implementation_back(tiny_model_path):
+    """``varlen_forward`` swaps an SDPA model to :data:`VARLEN_NAME` for the rows' forward and restores it even when
+    the forward raises; a flash-attention model keeps its own. Mutation: restore outside ``finally`` -> fails."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="sdpa", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="boom"), varlen_forward(model.config):
+        assert model.config._attn_implementation == VARLEN_NAME
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = "eager"
+    with varlen_forward(model.config):
+        assert model.config._attn_implementation == "eager"
+
+
+def _per_token(model, input_ids, packed, **kwargs) -> torch.Tensor:
+    logits = model(input_ids=input_ids, **kwargs).logits.float()
+    flat = input_ids.reshape(-1)
+    nxt = torch.cat([flat[1:], flat[:1]]).view_as(input_ids)
+    return packed.gather(torch.log_softmax(logits, -1).gather(-1, nxt[..., None]).squeeze(-1))
+
+
+def _own(model, prompts, completions) -> list[torch.Tensor]:
+    out = []
+    for p, c in zip(prompts, completions):
+        ids = torch.cat([p, c])[None]
+        lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1]
+        out.append(lp.gather(-1, ids[0, 1:, None]).squeeze(-1)[p.numel() - 1:])
+    return out
+
+
+@torch.no_grad()
+def test_a_flash_attention_model_takes_the_rows_by_their_boundaries(tiny_model_path, monkeypatch):
+    """A model configured with ``flash_attention_2`` gets varlen rows (no mask) with ``cu_seq_lens_q/k`` and
+    ``max_length_q/k``, transformers' padding-free flash path. flash-attn needs a GPU, so its kernel is replaced by
+    our exact CPU varlen function (the mock stands for the GPU kernel only; the rows, the kwargs and the model's
+    forward are real): each sample's log-probs equal its own forward's. Mutations: the rows' kwargs without the
+    boundaries (``forward_kwargs`` giving positions only, which transformers' flash path reads as one sequence
+    here) -> fails; rows built with a mask -> the flash path gets a 4D mask it cannot take."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import AttentionInterface
+
+    register()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="sdpa",
+                                                 dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(5)
+    shape = [(6, 30), (3, 1), (9, 12), (4, 0), (5, 22)]
+    prompts = [torch.randint(5, 300, (p,), generator=gen) for p, _ in shape]
+    completions = [torch.randint(5, 300, (c,), generator=gen) for _, c in shape]
+    want = _own(model, prompts, completions)
+
+    seen = []
+
+    def kernel(module, query, key, value, attention_mask, **kwargs):  # stands for flash-attn's GPU kernel
+        seen.append((attention_mask, kwargs.get("cu_seq_lens_q")))
+        kwargs.pop("position_ids", None)  # flash reads boundaries from these kwargs only, never guesses here
+        return varlen_attention(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "flash_attention_2", kernel)
+    model.config._attn_implementation = "flash_attention_2"
+    dtype = rows_mask_dtype(model.config, torch.float32, torch.float32, "cpu")
+    assert dtype is None
+    packed = pack_rows(prompts, completions, 0, mask_dtype=dtype, pad_to_multiple_of=8)
+    with rows_attention(model.config, packed):
+        assert model.config._attn_implementation == "flash_attention_2"  # its own kernel, not swapped
+        got = _per_token(model, packed.input_ids, packed, **packed.forward_kwargs())
+    assert seen and all(mask is None and cu is not None for mask, cu in seen)
+    for b, w in enumerate(want):
+        torch.testing.assert_close(got[b, :w.numel()], w, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_the_varlen_implementation_serves_padded_batches_generation_and_flattened_rows(tiny_model_path):
+    """A model loaded with ``attn_implementation="trl_nrollout_varlen"`` is an SDPA model wherever no rows come:
+    a left-padded batch gives SDPA's logits, greedy generation the same tokens; and rows flattened by a data
+    collator (positions restarting at 0, no boundaries given) are separated by their positions. Mutation: the
+    mask function returning None for a padded batch -> the padded logits differ."""
+    from transformers import AutoModelForCausalLM
+
+    register()
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="sdpa",
+                                                dtype=torch.float32).eval()
+    varlen = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=VARLEN_NAME,
+                                                  dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(5, 300, (n,), generator=gen) for n in (4, 11, 7)]
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_side="left")
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True,
+                                           padding_side="left")
+    a, b = sdpa(input_ids=ids, attention_mask=mask).logits, varlen(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(a * mask[..., None], b * mask[..., None])
+    torch.testing.assert_close(varlen.generate(seqs[1][None], max_new_tokens=6, do_sample=False),
+                               sdpa.generate(seqs[1][None], max_new_tokens=6, do_sample=False))
+    prompts, completions = [s[:2] for s in seqs], [s[2:] for s in seqs]
+    packed = pack_rows(prompts, completions, 0, mask_dtype=None)
+    got = _per_token(varlen, packed.input_ids, packed, position_ids=packed.position_ids)
+    for k, w in enumerate(_own(sdpa, prompts, completions)):
+        torch.testing.assert_close(got[k, :w.numel()], w, atol=1e-5, rtol=1e-5)
+
+
+def test_a_varlen_kernel_that_fails_falls_back_to_sdpa_per_sequence_and_says_so(tiny_model_path, monkeypatch,
+                                                                                  caplog):
+    """Where PyTorch's varlen kernel raises (a head size or a GPU it lacks), the rows run one SDPA per sequence (the
+    same result) and a warning says so once. The kernel is CUDA-only: here it is stood in for by a function that
+    raises, and the device check by one that says it runs. Mutation: no fallback (the error propagates) -> fails."""
+    import logging
+
+    import trl_nrollout.passes.varlen as varlen_module
+
+    monkeypatch.setattr(varlen_module, "_KERNEL_FAILED", [])
+    monkeypatch.setattr(varlen_module, "torch_varlen_runs", lambda device_type, dtype: True)
+
+    def kernel(*args, **kwargs):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
+
+    monkeypatch.setattr(varlen_module, "_flash_varlen", kernel)
+    gen = torch.Generator().manual_seed(7)
+    query, key, value = (torch.randn(1, h, 12, 8, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with caplog.at_level(logging.WARNING, logger=varlen_module.__name__):
+        out = [varlen_attention(None, query, key, value, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)[0]
+               for _ in range(2)]
+    assert sum("varlen attention kernel failed" in r.getMessage() for r in caplog.records) == 1
+    torch.testing.assert_close(out[0], out[1])
+    for s, e in ((0, 5), (5, 12)):  # each sequence by itself
+        want = torch.nn.functional.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                                                is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out[0][:, s:e], want.transpose(1, 2))
