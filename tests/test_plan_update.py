@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 from hypothesis import given, settings
@@ -149,6 +149,19 @@ def test_nemo_rl_workload_update_is_priced_padding_free():
     assert ours.details["update_padfree"] and ours.details["update_slots_per_forward"] <= budget + width / 2
     assert ours.phases["update"] / ideal.phases["update"] < 1.3
     assert ours.total_s / ideal.total_s < 1.15
+    # on CUDA in half precision the rows run varlen attention: no mask (so no cap: the budget the memory allows),
+    # each sequence's pairs only -> within 1.1x of the ideal (issue 45's goal); mutation: varlen rows priced as
+    # masked rows (R x W^2 pairs) -> over 1.1x
+    varlen_budget = default_update_token_budget(dims, device_memory_bytes=int(80 * 2**30 * 0.7),
+                                                state_bytes_per_device=dims.num_parameters * TRAIN_BYTES_PER_PARAM // 16,
+                                                longest_sample=int(width), gradient_checkpointing=True)
+    assert varlen_budget > budget
+    varlen = predict_step(dims, RolloutLayout.build(**NEMO_LAYOUT, log_prob_max_token_len_per_device=varlen_budget),
+                          replace(NEMO_WORK, padfree_rows=True, varlen_rows=True, update_token_budget=varlen_budget),
+                          dev)
+    assert varlen.details["update_padfree"]
+    assert varlen.phases["update"] / ideal.phases["update"] < 1.1
+    assert varlen.phases["update"] < ours.phases["update"]
 
 
 # ---------------------------------------------------------------------------------------------- plan's command line
@@ -156,10 +169,12 @@ NEMO_FLAGS = ["--num-processes", "16", "--train-batch-size", "64", "--rollout-n"
               "--model", LLAMA, "--max-prompt-length", "150", "--max-completion-length", "3946", "--no-memory"]
 
 
-def test_plan_prints_the_update_rule_and_the_default_budget(capsys):
+def test_plan_prints_the_update_rule_and_the_default_budget(capsys, tmp_path):
     """Without a budget: the count-based rule. With --use-dynamic-bsz and a device: the default budget (the model's
-    activations per token, the trainer's free memory beside the colocated engine at its 0.3, the mask's cap), and
-    the log-prob passes take it; --json says the same."""
+    activations per token, the trainer's free memory beside the colocated engine at its 0.3), and the log-prob
+    passes take it; on a CUDA profile the rows run varlen attention (no mask, no cap), on a profile whose rows take
+    a block mask the mask's bound caps it; --json says the same. Mutation: the cap applied under varlen too ->
+    the H100's budget is 18,432, the test fails."""
     code, out, _ = run(capsys, *NEMO_FLAGS)
     assert code == 0 and "update micro batch           32 sequences per device per forward" in out
     code, out, _ = run(capsys, *NEMO_FLAGS, "--use-dynamic-bsz", "--device", "h100")
@@ -169,10 +184,15 @@ def test_plan_prints_the_update_rule_and_the_default_budget(capsys):
     assert "0.5 x (56.00 GiB for the trainer - states 119.66 GiB) -> 4,096 tokens (the floor" in out
     code, out, _ = run(capsys, *NEMO_FLAGS, "--use-dynamic-bsz", "--device", "h100", "--trainer-sharding", "zero3")
     assert "0.5 x (56.00 GiB for the trainer - states 7.48 GiB) -> 52,224 tokens" in out
+    assert "up to 18,432" not in out and "old log-prob micro batch     dynamic, <= 52224 tokens per forward" in out
+    masked = _masked_h100(tmp_path)  # the same device, its training attention under a block mask
+    code, out, _ = run(capsys, *NEMO_FLAGS, "--use-dynamic-bsz", "--device", str(masked), "--trainer-sharding",
+                       "zero3")
+    assert "0.5 x (56.00 GiB for the trainer - states 7.48 GiB) -> 52,224 tokens" in out
     assert "up to 18,432 real tokens -> 18,432" in out
     assert "old log-prob micro batch     dynamic, <= 18432 tokens per forward" in out
-    code, out, _ = run(capsys, *NEMO_FLAGS, "--use-dynamic-bsz", "--device", "h100", "--trainer-sharding", "zero3",
-                       "--json")
+    code, out, _ = run(capsys, *NEMO_FLAGS, "--use-dynamic-bsz", "--device", str(masked), "--trainer-sharding",
+                       "zero3", "--json")
     d = json.loads(out)["update"]
     assert d["use_dynamic_bsz"] and d["ppo_max_token_len_per_device"] == 18432
 
@@ -191,12 +211,23 @@ def test_plan_explicit_budget_and_its_errors(capsys):
     assert code == 2 and "'maybe' is not true or false" in err
 
 
-def test_plan_predict_prices_the_budgeted_update(capsys):
+def _masked_h100(tmp_path) -> str:
+    """An H100 profile whose training attention takes a block mask only (no varlen rows: a CPU's way)."""
+    masked = tmp_path / "h100-masked.json"
+    masked.write_text(json.dumps({**asdict(PROFILES["h100"]), "name": "h100-masked", "varlen_attention": False}))
+    return str(masked)
+
+
+def test_plan_predict_prices_the_budgeted_update(capsys, tmp_path):
     """``--predict`` with a budget runs padding-free micro batches of the budget's size (the update row says so)
-    and predicts a faster update than the count-based padded one on the same workload."""
-    flags = [*NEMO_FLAGS, "--device", "h100", "--completion-tokens-mean", "1019", "--prompt-tokens-mean", "150",
-             "--trainer-sharding", "zero3", "--gpu-memory-utilization", "0.6", "--max-num-seqs", "32", "--predict",
-             "--json"]
+    and predicts a faster update than the count-based padded one on the same workload (a device whose rows take a
+    block mask: its rows' mask is over its bound, so the count-based micro batch runs padded). On the H100's own
+    profile the rows run varlen attention (no mask), so even the count-based micro batch runs them and fits."""
+    common = ["--completion-tokens-mean", "1019", "--prompt-tokens-mean", "150", "--trainer-sharding", "zero3",
+              "--gpu-memory-utilization", "0.6", "--max-num-seqs", "32", "--predict", "--json"]
+    code, out, _ = run(capsys, *NEMO_FLAGS, "--device", "h100", *common)
+    assert code == 0 and json.loads(out)["prediction"]["step"]["details"]["update_padfree"]
+    flags = [*NEMO_FLAGS, "--device", _masked_h100(tmp_path), *common]
     code, out, _ = run(capsys, *flags)
     count = json.loads(out)["prediction"]["step"]
     assert code == 3  # a rank's 32 samples padded to 4,096 per forward: 60 GiB of activations beside the engine

@@ -226,6 +226,7 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
         name=name, flops=flops, mem_bw=mem_bw, link_bw=mem_bw / 4, memory_gib=memory_gib, mfu_prefill=mfu_prefill,
         mfu_train=mfu_train, mfu_attention=mfu_attention, bw_eff=1.0, link_eff=1.0, step_s=step_s, seq_step_s=seq_step_s, call_s=call_s,
         forward_s=forward_s, sync_s=sync_s, allreduce_s=5e-5, optimizer_bw=optimizer_bw,
+        varlen_attention=device == "cuda" and dtype in (torch.bfloat16, torch.float16),
         source=f"calibrated on this machine ({device}, {os.cpu_count()} CPUs, torch threads "
                f"{torch.get_num_threads()}) with {model} at {time.strftime('%Y-%m-%d %H:%M')}; link_bw assumed "
                f"mem_bw / 4 (not measured)")

@@ -248,6 +248,10 @@ class Workload:
     #: otherwise the padded rows. Unlike ``padding_free`` (an ideal varlen trainer), the rows' last tokens and the
     #: rows' ``L x L`` attention are paid.
     padfree_rows: bool = False
+    #: the padding-free rows run varlen attention (:attr:`DeviceProfile.varlen_attention`: every sample in one row,
+    #: each sequence's causal pairs only, no mask and so no cap from its bound), as the trainer does on CUDA in half
+    #: precision; the shared-prompt units (a mask's layout) are then not used where the rows pay
+    varlen_rows: bool = False
     #: the update's token budget per device (``use_dynamic_bsz`` / ``ppo_max_token_len_per_device``): each optimizer
     #: step's samples on a rank cut into micro batches of at most this many tokens (real tokens with padding-free
     #: rows, samples x the longest when padded), as many as the budget needs and at least
@@ -431,6 +435,9 @@ def _micro_batch_cost(size: float, n: int, work: Workload, query_bytes: int) -> 
         length = work.sample_len
         return size * length, size * length * length / 2, False, False
     plain_width = work.row_width
+    if work.padfree_rows and work.varlen_rows and size * work.sample_len <= 0.9 * max(1, round(size)) * plain_width:
+        length = work.sample_len  # one varlen row: the real tokens, each sequence's causal pairs (the trainer's first
+        return size * length, size * length * length / 2, False, True  # choice, before the shared-prompt layout)
     whole = max(1, round(size))
     per_prompt = min(n, whole)  # a micro batch holds whole groups, or a part of one prompt's
     groups = math.ceil(whole / per_prompt)
@@ -734,7 +741,8 @@ def default_budget(dims: ModelDims, layout: RolloutLayout, work: Workload, train
     return default_update_token_budget(dims, device_memory_bytes=trainer_memory_bytes,
                                        state_bytes_per_device=int(states), longest_sample=longest,
                                        gradient_checkpointing=work.gradient_checkpointing, dtype_bytes=queries,
-                                       max_tokens=padfree_token_cap(longest, queries) if work.padfree_rows else None)
+                                       max_tokens=padfree_token_cap(longest, queries)
+                                       if work.padfree_rows and not work.varlen_rows else None)
 
 
 def _shardings(work: Workload, shardings: Sequence[str] | None) -> list[tuple[str | None, Workload]]:

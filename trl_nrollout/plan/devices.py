@@ -63,6 +63,10 @@ class DeviceProfile:
     train_fixed_s: float = 0.0
     mfu_attention: float | None = None
     train_token_s: float = 0.0
+    #: the training forwards' attention takes a packed row's sequences by their boundaries (varlen: a CUDA device in
+    #: half precision, PyTorch's flash kernel or flash-attention's), so padding-free rows cost each sequence's pairs
+    #: only and need no mask; False: a block mask over each row (SDPA computes its ``L x L`` pairs), as on a CPU
+    varlen_attention: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -114,17 +118,17 @@ _IB_HDR, _IB_NDR, _ETH_100 = 200 / 8 * GBPS, 400 / 8 * GBPS, 100 / 8 * GBPS
 
 #: named profiles: datasheet peaks (link bandwidth per direction: half the datasheet's bidirectional figure)
 PROFILES: dict[str, DeviceProfile] = {
-    "a100-40gb": DeviceProfile("a100-40gb", flops=312 * TFLOPS, mem_bw=1555 * GBPS, link_bw=300 * GBPS,
+    "a100-40gb": DeviceProfile("a100-40gb", varlen_attention=True, flops=312 * TFLOPS, mem_bw=1555 * GBPS, link_bw=300 * GBPS,
                                node_link_bw=_IB_HDR, memory_gib=40, source=_NVIDIA_A100 + "; HBM2 1,555 GB/s, 40 GB"),
-    "a100-80gb": DeviceProfile("a100-80gb", flops=312 * TFLOPS, mem_bw=2039 * GBPS, link_bw=300 * GBPS,
+    "a100-80gb": DeviceProfile("a100-80gb", varlen_attention=True, flops=312 * TFLOPS, mem_bw=2039 * GBPS, link_bw=300 * GBPS,
                                node_link_bw=_IB_HDR, memory_gib=80, source=_NVIDIA_A100 + "; HBM2e 2,039 GB/s, 80 GB"),
-    "h100": DeviceProfile("h100", flops=989 * TFLOPS, mem_bw=3350 * GBPS, link_bw=450 * GBPS, memory_gib=80,
+    "h100": DeviceProfile("h100", varlen_attention=True, flops=989 * TFLOPS, mem_bw=3350 * GBPS, link_bw=450 * GBPS, memory_gib=80,
                           node_link_bw=_IB_NDR,
                           source=_NVIDIA_H100 + ", 80 GB"),
-    "h200": DeviceProfile("h200", flops=989 * TFLOPS, mem_bw=4800 * GBPS, link_bw=450 * GBPS, memory_gib=141,
+    "h200": DeviceProfile("h200", varlen_attention=True, flops=989 * TFLOPS, mem_bw=4800 * GBPS, link_bw=450 * GBPS, memory_gib=141,
                           node_link_bw=_IB_NDR,
                           source=_NVIDIA_H200 + ", 141 GB"),
-    "l40s": DeviceProfile("l40s", flops=362 * TFLOPS, mem_bw=864 * GBPS, link_bw=32 * GBPS, memory_gib=48,
+    "l40s": DeviceProfile("l40s", varlen_attention=True, flops=362 * TFLOPS, mem_bw=864 * GBPS, link_bw=32 * GBPS, memory_gib=48,
                           node_link_bw=_ETH_100,
                           source=_NVIDIA_L40S + ", 48 GB"),
 }

@@ -94,12 +94,25 @@ def workload_of(values: dict[str, Any], budget: UpdateBudget | None = None) -> t
                         sharded=sharding in ("zero3", "fsdp"), optimizer_sharded=sharding == "zero2", lora_r=lora,
                         critic=values.get("trainer") == "ppo" or values.get("adv_estimator") == "gae",
                         nodes=int(values.get("nnodes") or 1), padfree_rows=values.get("padding_free") is not False,
+                        varlen_rows=rows_varlen(values),
                         update_token_budget=None if budget is None else budget.tokens,
                         gradient_checkpointing=values.get("gradient_checkpointing") is not False,
                         pool_factor=pool_factor(values))
     except ValueError as err:
         raise PlanError(str(err)) from None
     return work, notes
+
+
+def rows_varlen(values: dict[str, Any]) -> bool:
+    """Whether the trainer's padding-free rows run varlen attention for ``plan`` options: padding-free, a device whose
+    profile says so (:attr:`~trl_nrollout.plan.devices.DeviceProfile.varlen_attention`: CUDA), half precision
+    (``bf16``, TRL's default on a GPU, not switched off)."""
+    if values.get("padding_free") is False or not values.get("device") or values.get("bf16") is False:
+        return False
+    try:
+        return device_of(values).varlen_attention
+    except PlanError:
+        return False
 
 
 def lora_rank(values: dict[str, Any]) -> int | None:
@@ -148,7 +161,7 @@ def verdict(values: dict[str, Any], dims: ModelDims, layout: RolloutLayout | Non
                                                      gradient_checkpointing=work.gradient_checkpointing,
                                                      dtype_bytes=min(dims.dtype_bytes, 2),
                                                      max_tokens=padfree_token_cap(longest, min(dims.dtype_bytes, 2))
-                                                     if work.padfree_rows else None)
+                                                     if work.padfree_rows and not work.varlen_rows else None)
         out["fix"] = (f"use_dynamic_bsz (its default budget here: ppo_max_token_len_per_device {tokens})" if tokens
                       else "run `trl-nrollout plan --suggest --suggest-rollout-ranks` with these options (it searches "
                            "the splits, TP, max_num_seqs and the trainers' sharding)")
@@ -193,7 +206,8 @@ def verdict(values: dict[str, Any], dims: ModelDims, layout: RolloutLayout | Non
             return default_update_token_budget(
                 dims, device_memory_bytes=int(room), state_bytes_per_device=states, longest_sample=longest,
                 gradient_checkpointing=w.gradient_checkpointing, dtype_bytes=min(dims.dtype_bytes, 2),
-                max_tokens=padfree_token_cap(longest, min(dims.dtype_bytes, 2)) if w.padfree_rows else None)
+                max_tokens=padfree_token_cap(longest, min(dims.dtype_bytes, 2))
+                if w.padfree_rows and not w.varlen_rows else None)
 
         steps: list[tuple[str, Workload, bool]] = [("", work, sleep)]
         if not work.sharded:

@@ -131,7 +131,9 @@ def update_budget(values: dict[str, Any], layout: RolloutLayout, *, state_bytes:
         critic = values.get("trainer") == "ppo" or values.get("adv_estimator") == "gae"
         state_bytes = int(trainer_state_bytes(dims, states, layout.data_parallel_size) * (2 if critic else 1))
     memory = trainer_memory_bytes(values, gib, colocated=colocated)
-    free = values.get("padding_free") is not False
+    from trl_nrollout.plan.predict import rows_varlen
+
+    free = values.get("padding_free") is not False and not rows_varlen(values)  # varlen rows: no mask, no cap
     cap = padfree_token_cap(longest, min(dims.dtype_bytes, 2)) if free else None
     tokens = default_update_token_budget(dims, device_memory_bytes=memory, state_bytes_per_device=state_bytes,
                                          longest_sample=longest, gradient_checkpointing=gc,

@@ -139,8 +139,10 @@ class PolicyUpdate:
             inner.config.to_dict(), device_memory_bytes=memory, state_bytes_per_device=state, longest_sample=longest,
             gradient_checkpointing=bool(args.gradient_checkpointing),
             dtype_bytes=2 if (args.bf16 or args.fp16) else 4,
-            # beyond it the rows' block mask is over its bound and the micro batch would run padded (plan's rule)
-            max_tokens=padfree_token_cap(longest) if padfree and memory is not None else None)
+            # beyond it the rows' block mask is over its bound and the micro batch would run padded (plan's rule);
+            # varlen rows have no mask
+            max_tokens=padfree_token_cap(longest) if padfree and memory is not None
+            and not self._rows_varlen(self.model) else None)
         if self.accelerator.is_main_process:
             where = "a CPU" if memory is None else f"{memory / 2**30:.0f} GiB of {device.type} memory"
             logger.info("use_dynamic_bsz: ppo_max_token_len_per_device=%d by default (%d parameters, %s; "
