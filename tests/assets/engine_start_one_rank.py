@@ -25,12 +25,12 @@ import torch
 from tests.conftest import save_tiny_model
 from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
 from trl_nrollout.builtin import digits_dataset, digits_reward
-from trl_nrollout.trainer import grpo
+from trl_nrollout.trainer import engines
 
 if __name__ == "__main__":
     out = sys.argv[1]
     rank = int(os.environ["RANK"])
-    grpo.ENGINE_START_WAIT_S = 15.0  # a failed rank's wait for the others' reports (rank 0 never reports in case 4)
+    engines.ENGINE_START_WAIT_S = 15.0  # a failed rank's wait for the others' reports (rank 0 never reports in case 4)
     warnings: list[str] = []
 
     class Keep(logging.Handler):

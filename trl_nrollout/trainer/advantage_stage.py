@@ -1,0 +1,189 @@
+"""The advantage stage of ``NRolloutGRPOTrainer``'s rollout step: the estimator over the step's rewards (and the KL
+in the reward, the greedy baselines ReMax takes), and the step's rollout metrics. A mixin: ``_advantages`` takes
+the step's ``Round``, ``Assignment`` and ``LogProbs`` and returns its ``Advantages``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from accelerate.utils import gather
+from torch import Tensor
+
+from trl_nrollout.algos.advantages import (
+    compute_advantages,
+    normalize_then_sum,
+    outcome_token_rewards,
+    response_mask,
+)
+from trl_nrollout.algos.losses import kl_penalty
+from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, Sample, StepContext
+
+logger = logging.getLogger(__name__)
+
+
+class AdvantageStage:
+    """The advantage estimator and the rollout metrics of a rollout step (see the module docstring)."""
+
+    def _advantages(self, collected: Round, assigned: Assignment, logps: LogProbs, ctx: StepContext) -> Advantages:
+        """The advantage estimator (``adv_estimator``) over the whole job: groups may span ranks, and batch-level
+        estimators need every sample. A critic's estimator needs a trainer with a critic (PPO overrides this
+        stage)."""
+        if self.args.adv_estimator == "gae":
+            raise ValueError("adv_estimator='gae' needs a critic (value model): use NRolloutPPOTrainer with "
+                             "NRolloutPPOConfig, or pick a critic-free estimator such as 'grpo'.")
+        return self._estimate_advantages(collected, assigned, logps, ctx)
+
+    def _estimate_advantages(self, collected: Round, assigned: Assignment, logps: LogProbs, ctx: StepContext,
+                             **estimator_options) -> Advantages:
+        """The advantage stage's work: weighted scores ``[G]`` (less the KL penalty when it is in the reward), the
+        outcome on each sample's last sampled token, and the estimator with ``estimator_options`` added to the
+        configured ones (PPO: the critic's ``values`` ``[G, T]``, ``gamma``, ``lam``). Unscorable samples (no reward
+        function applied) are left out of the baselines and get advantage 0, as in TRL."""
+        args: NRolloutConfig = self.args
+        samples, n = collected.samples, ctx.n
+        scores = self._weighted(collected.rewards)  # [G]
+        t_max = max(max(len(s.completion_ids) for s in samples), 1)
+        resp_mask = response_mask([s.completion_ids for s in samples], [s.tool_mask for s in samples], t_max)
+        if args.use_kl_in_reward:
+            scores = scores - self._reward_kl_penalty(logps, assigned, resp_mask, ctx)
+        token_rewards = outcome_token_rewards(scores, resp_mask)  # on each sample's last sampled token
+        options = dict(args.adv_estimator_kwargs or {})
+        if args.adv_estimator in ("grpo", "grpo_passk"):
+            options.setdefault("norm_adv_by_std_in_grpo", args.norm_adv_by_std_in_grpo)
+        if args.adv_estimator == "remax":
+            options["reward_baselines"] = self._greedy_baselines(ctx)
+        options.update(estimator_options)
+        index = [i // n for i in range(len(samples))]
+        returns = None
+        scorable = ~torch.isnan(scores)
+        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: TRL computes these advantages itself
+            gdpo = normalize_then_sum(collected.rewards, self.reward_weights.cpu(), n)
+            advantages = torch.nan_to_num(gdpo, nan=0.0).unsqueeze(-1) * resp_mask
+        elif scorable.all():
+            advantages, returns = compute_advantages(args.adv_estimator, token_rewards, resp_mask, index, **options)
+        else:
+            keep = scorable.nonzero().squeeze(-1)
+            values = options.get("values")
+            for per_sample in ("reward_baselines", "values"):
+                if per_sample in options:
+                    options[per_sample] = options[per_sample][keep]
+            advantages = torch.zeros_like(token_rewards)
+            returns = values.new_zeros(token_rewards.shape) if values is not None else None
+            if keep.numel():
+                advantages[keep], kept_returns = compute_advantages(args.adv_estimator, token_rewards[keep],
+                                                                    resp_mask[keep], [index[i] for i in keep.tolist()],
+                                                                    **options)
+                if returns is not None:
+                    returns[keep] = kept_returns
+        advantages = torch.nan_to_num(advantages, nan=0.0)  # e.g. a ReMax baseline no reward function applied to
+        return Advantages(advantages, scores, resp_mask, returns=returns, values=estimator_options.get("values"))
+
+    def _reward_kl_penalty(self, logps: LogProbs, assigned: Assignment, resp_mask: Tensor, ctx: StepContext
+                           ) -> Tensor:
+        """KL in the reward: each sample's penalty ``[G]``, the KL controller's coefficient times its KL to the
+        reference summed over its sampled tokens (this rank's samples computed here, the job's gathered); the
+        controller then moves with the job's mean KL per token."""
+        mine = assigned.mine
+        local_mask = resp_mask[mine, :logps.old.shape[1]]  # old is as wide as this rank's longest completion
+        kl_local = sequence_kl(logps.old, logps.ref, local_mask, self.args.kl_penalty)  # [B], on old's device
+        kl_all = torch.zeros(len(resp_mask), device=kl_local.device)
+        kl_all[torch.tensor(mine, device=kl_local.device)] = kl_local
+        kl_all = gather(kl_all).view(self.accelerator.num_processes, -1).sum(0).cpu()
+        penalty = self.kl_ctrl.value * kl_all
+        mean_kl = float((kl_all / resp_mask.sum(-1).clamp(min=1)).mean())
+        self.kl_ctrl.update(mean_kl, n_steps=len(resp_mask))
+        self._metric(ctx.mode, "actor/reward_kl_penalty", mean_kl)
+        self._metric(ctx.mode, "actor/reward_kl_penalty_coeff", self.kl_ctrl.value)
+        return penalty
+
+    def _log_step(self, collected: Round, adv: Advantages, ctx: StepContext) -> None:
+        """The step's metrics over the whole job, and TRL's completions table (``log_completions``: TRL's ``log()``
+        prints, saves or uploads it)."""
+        rewards, table = collected.rewards, collected.table
+        self._log_rollout_metrics(ctx.mode, rewards, adv.scores, adv.advantages, adv.response_mask,
+                                  collected.samples, ctx.n)
+        if table is None:
+            return
+        self._logs["prompt"].extend(table["prompt"])
+        self._logs["completion"].extend(table["completion"])
+        for i, name in enumerate(self.reward_func_names):
+            self._logs["rewards"][name].extend(rewards[:, i].tolist())
+        per_sample = (adv.advantages * adv.response_mask).sum(-1) / adv.response_mask.sum(-1).clamp(min=1)
+        self._logs["advantages"].extend(per_sample.tolist())
+        for column, values in table["extra"].items():
+            self._logs["extra"][column].extend(values)
+        if table.get("images") is not None:
+            self._logs["images"].extend(table["images"])
+
+    def _greedy_baselines(self, ctx: StepContext) -> Tensor:
+        """ReMax: reward of one greedy completion per prompt, for every sample of the job ``[G]``."""
+        unique = ctx.inputs[::ctx.n]
+        batch, prompts, episode = self._rollout(unique, 1, self._sampling(ctx.mode, greedy=True))
+        completions = (episode.completions if episode.completions is not None
+                       else self._decode(prompts, batch.completion_ids))
+        scores = self._score(unique, prompts, completions, batch.completion_ids, extra=episode.extra_fields)
+        return self._weighted(scores.rewards).repeat_interleave(ctx.n)  # [prompts of the job] -> [G]
+
+    def _log_rollout_metrics(self, mode: str, rewards: Tensor, scores: Tensor, advantages: Tensor, resp_mask: Tensor,
+                             samples: list[Sample], n: int) -> None:
+        """verl's metric names, and TRL's beside them (same values), so either dashboard keeps working. ``rewards``
+        ``[G, F]``, ``scores`` ``[G]``, ``advantages`` and ``resp_mask`` ``[G, T]`` of the job's ``samples``."""
+        for i, name in enumerate(self.reward_func_names):  # over the samples the function applied to (not None)
+            self._metric(mode, f"rewards/{name}/mean", torch.nanmean(rewards[:, i]).item())
+            self._metric(mode, f"rewards/{name}/std", _nanstd(rewards[:, i]))
+        self._metric(mode, "reward", torch.nanmean(scores).item())
+        self._metric(mode, "reward_std", _nanstd(scores))
+        lengths = torch.tensor([s.sampled_length for s in samples], dtype=torch.float32)
+        self._metric(mode, "response_length/mean", lengths.mean().item())
+        self._metric(mode, "response_length/max", lengths.max().item())
+        self._metric(mode, "response_length/clip_ratio",
+                     sum(s.truncated for s in samples) / max(1, len(samples)))
+        # TRL's names for the same figures
+        truncated = torch.tensor([s.truncated for s in samples])
+        self._metric(mode, "completions/mean_length", lengths.mean().item())
+        self._metric(mode, "completions/min_length", lengths.min().item())
+        self._metric(mode, "completions/max_length", lengths.max().item())
+        self._metric(mode, "completions/clipped_ratio", truncated.float().mean().item())
+        if mode == "train":  # a rollout cut short everywhere: said once, counted in the run summary
+            warning = self.truncated_steps.observe(self.state.global_step + 1, int(truncated.sum()), len(samples),
+                                                   self.args.max_completion_length or 256,
+                                                   bool(self.args.mask_truncated_completions))
+            if warning and self.accelerator.is_main_process:
+                logger.warning(warning)
+        terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+        self._metric(mode, "completions/mean_terminated_length", terminated.mean().item())
+        self._metric(mode, "completions/min_terminated_length", terminated.min().item())
+        self._metric(mode, "completions/max_terminated_length", terminated.max().item())
+        if n > 1 and len(scores) % n == 0:
+            group_std = scores.view(-1, n).std(-1)
+            self._metric(mode, "frac_reward_zero_std",
+                         torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item())
+        valid = advantages[resp_mask.bool()]
+        if valid.numel():
+            self._metric(mode, "critic/advantages/mean", valid.mean().item())
+            self._metric(mode, "critic/advantages/max", valid.max().item())
+            self._metric(mode, "critic/advantages/min", valid.min().item())
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(sum(s.num_tokens for s in samples))
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
+
+
+def _nanstd(x: Tensor) -> float:
+    """Sample standard deviation over the non-NaN entries (0 for fewer than two; NaN for none, as TRL logs)."""
+    valid = x[~torch.isnan(x)]
+    if valid.numel() == 0:
+        return float("nan")
+    return valid.std().item() if valid.numel() > 1 else 0.0
+
+
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: str) -> Tensor:
+    """KL-in-reward of each sample ``[B]``: the sum of the per-token ``kind`` estimate over the tokens of ``mask``.
+
+    ``logprobs``, ``ref_logprobs``: ``[B, C]`` right-padded, on the training device; ``mask``: ``[B, C]`` 0/1, the
+    tokens the policy sampled (:func:`~trl_nrollout.algos.advantages.response_mask`: tool results left out), moved to
+    that same device (a CPU mask made ``use_kl_in_reward`` crash on CUDA).
+    """
+    mask = mask.to(device=logprobs.device, dtype=logprobs.dtype)
+    return (kl_penalty(logprobs, ref_logprobs, kind) * mask).sum(-1)

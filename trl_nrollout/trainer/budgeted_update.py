@@ -1,0 +1,220 @@
+"""Token-budgeted micro batches for the update (``use_dynamic_bsz`` / ``ppo_max_token_len_per_device``): the
+budget (explicit, or the default from the model and the device), each optimizer step's samples re-cut under it (as
+many micro batches on every rank), and the Trainer's ``compute_loss`` running a micro step's micro batches with the
+gradients held until the last. A mixin of ``PolicyUpdate``'s trainer (docs/training.md)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import DistributedType, gather
+from torch import Tensor
+
+from trl_nrollout.passes.budget import (
+    BudgetedStep,
+    budget_units,
+    concat_batches,
+    sample_lengths,
+    select_rows,
+    slot_sizes,
+    with_micro_tokens,
+)
+from trl_nrollout.passes.padfree import (
+    budget_count,
+    budgeted_parts,
+    padded_budget_count,
+    shared_units,
+    split_to,
+    unit_lengths,
+)
+from trl_nrollout.plan.activations import default_update_token_budget
+from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM, padfree_token_cap
+from trl_nrollout.trainer.update import loss_mask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpdateBudget:
+    """The update's token budget per device: ``tokens``, and whether the user set it (a default grows to the
+    longest sample instead of refusing it)."""
+
+    tokens: int
+    explicit: bool  # a child of trl_nrollout.trainer: filtering that name filters all
+
+
+class BudgetedMicroBatches:
+    """The update's token budget and its micro batches (see the module docstring)."""
+
+    def _resolve_update_budget(self) -> UpdateBudget | None:
+        """The update's token budget per device (None: count-based micro batches): ``ppo_max_token_len_per_device``,
+        or with ``use_dynamic_bsz`` and no budget the default for this model and device
+        (:func:`~trl_nrollout.plan.activations.default_update_token_budget`: half of what the device has left after
+        the trainer's states, in activation bytes per token; on a CPU 16,384 tokens), said once in the log. The
+        old-policy and reference passes take it too where their size is a default."""
+        args = self.args
+        if not args.use_dynamic_bsz:
+            return None
+        if args.ppo_max_token_len_per_device is not None:
+            return UpdateBudget(args.ppo_max_token_len_per_device, explicit=True)
+        inner = self.accelerator.unwrap_model(self.model)
+        params = list(inner.parameters())
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        weight_bytes = params[0].element_size() if params else 2
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        sharded = (plugin is not None and plugin.zero_stage == 3) or self.is_fsdp_enabled
+        state = (total * weight_bytes + trainable * (TRAIN_BYTES_PER_PARAM - 2)) // (
+            self.accelerator.num_processes if sharded else 1)  # grads, fp32 master and two Adam moments per trainable
+        device = self.accelerator.device
+        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        if memory is not None and not args.rollout_ranks and not args.vllm_enable_sleep_mode \
+                and args.rollout_backend != "hf":  # a colocated engine keeps its share while the trainer works
+            memory = int(memory * (1 - args.vllm_gpu_memory_utilization))
+        longest = self._prompt_length_hint() + (args.max_completion_length or 256)
+        padfree = self._padfree_allowed(self.model)
+        tokens = default_update_token_budget(
+            inner.config.to_dict(), device_memory_bytes=memory, state_bytes_per_device=state, longest_sample=longest,
+            gradient_checkpointing=bool(args.gradient_checkpointing),
+            dtype_bytes=2 if (args.bf16 or args.fp16) else 4,
+            # beyond it the rows' block mask is over its bound and the micro batch would run padded (plan's rule);
+            # varlen rows have no mask
+            max_tokens=padfree_token_cap(longest) if padfree and memory is not None
+            and not self._rows_varlen(self.model) else None)
+        if self.accelerator.is_main_process:
+            where = "a CPU" if memory is None else f"{memory / 2**30:.0f} GiB of {device.type} memory"
+            logger.info("use_dynamic_bsz: ppo_max_token_len_per_device=%d by default (%d parameters, %s; "
+                        "`trl-nrollout plan` prints the same); set it to change.", tokens, total, where)
+        return UpdateBudget(tokens, explicit=False)
+
+    def _budget_for(self, lengths: list[int]) -> int:
+        """The budget one rank's samples are cut under: the configured one (a sample over it is an error naming the
+        option), or the default, raised to this step's longest sample (a default never refuses a sample)."""
+        budget = self.update_budget
+        return budget.tokens if budget.explicit else max(budget.tokens, max(lengths, default=1))
+
+    def _budgeted_steps(self, chunks: list[dict]) -> list[BudgetedStep]:
+        """A rollout's count-based micro batches (TRL's ``steps_per_generation`` of them, normalizers attached) re-cut
+        under the token budget (:mod:`trl_nrollout.passes.budget`): the samples of each optimizer step pooled, cut
+        into micro batches of at most the budget's tokens (real tokens where the forward is padding-free, padded
+        size otherwise) of even work, as many on every rank, spread over the optimizer step's micro steps. Where
+        TRL's optimizer steps span rollouts (``gradient_accumulation_steps`` does not divide the micro batches),
+        each micro step's samples are cut alone."""
+        accum = self.args.gradient_accumulation_steps
+        window = accum if len(chunks) % accum == 0 else 1
+        padded = any("mm_inputs" in c for c in chunks) or not self._padfree_allowed(self.model)
+        varlen = not padded and self._rows_varlen(self.model)  # rows cost their pairs only, no L x L mask
+        # a group's samples in one micro batch (its prompt once: a mask's layout)
+        shared = not padded and not varlen and self.args.shared_prompt_forward is not False
+        pools, needs = [], []
+        for start in range(0, len(chunks), window):
+            group = [with_micro_tokens(c, loss_mask(c).sum()) for c in chunks[start:start + window]]
+            pool = concat_batches(group)
+            lengths = sample_lengths(pool)
+            budget = self._budget_for(lengths)
+            if padded:
+                items, need = None, padded_budget_count(lengths, budget)
+            else:
+                budget_count(lengths, budget)  # a sample over an explicit budget: the error naming the option
+                items = self._budget_items(pool, lengths, budget) if shared else [[b] for b in range(len(lengths))]
+                need = budget_count(self._item_lengths(pool, lengths, items), budget)
+            pools.append((pool, lengths, budget, items))
+            needs.append(max(need, window))
+        # every rank runs as many forwards (ZeRO-3 / FSDP gather in each): the busiest rank's count, per optimizer step
+        every = gather(torch.tensor([needs], device=self.accelerator.device))  # [ranks, optimizer steps]
+        counts = every.amax(0).cpu()
+        self._metric("train", "update/micro_batches", float(counts.sum()))
+        self._metric("train", "update/micro_batches_least_rank", float(every.amin(0).sum()))
+        hidden = getattr(self.accelerator.unwrap_model(self.model).config, "hidden_size", None) or 4096
+        steps: list[BudgetedStep] = []
+        for (pool, lengths, budget, items), count in zip(pools, counts.tolist()):
+            if items is None:
+                own = budgeted_parts(lengths, budget, min(count, len(lengths)), hidden, padded=True)
+            else:  # whole groups (or single samples) as the items cut; split further only to reach the count
+                by_item = budgeted_parts(self._item_lengths(pool, lengths, items), budget,
+                                         min(count, len(items)), hidden, varlen=varlen)
+                own = split_to([[b for i in part for b in items[i]] for part in by_item], min(count, len(lengths)))
+            parts = [select_rows(pool, idx, self.pad_to_multiple_of) for idx in own]
+            # a rank with fewer samples than the busiest rank's count: forwards that weigh nothing keep it in step
+            parts += [{**select_rows(pool, [0], self.pad_to_multiple_of), "loss_scale": 0.0}
+                      for _ in range(count - len(own))]
+            at = 0
+            for size in slot_sizes(count, window):
+                steps.append(BudgetedStep(parts[at:at + size]))
+                at += size
+        if not getattr(self, "_budget_said", False) and self.accelerator.is_main_process:
+            self._budget_said = True
+            logger.info("use_dynamic_bsz: the update runs micro batches of at most %d %s tokens per device (%d for "
+                        "this rollout's %d micro steps, the busiest rank's count on every rank).",
+                        self.update_budget.tokens,
+                        "padded" if padded else "real", int(counts.sum()), len(chunks))
+        return steps
+
+    @staticmethod
+    def _budget_items(pool: dict, lengths: list[int], budget: int) -> list[list[int]]:
+        """The pool's samples grouped by prompt (runs of a group within the budget): what the budget cuts."""
+        prompts = [tuple(ids[m.bool()].tolist()) for ids, m in zip(pool["prompt_ids"], pool["prompt_mask"])]
+        prompt_lens = [len(p) for p in prompts]
+        return budget_units(shared_units(prompts), prompt_lens,
+                            [n - p for n, p in zip(lengths, prompt_lens)], budget)
+
+    @staticmethod
+    def _item_lengths(pool: dict, lengths: list[int], items: list[list[int]]) -> list[int]:
+        """Tokens of each item in padding-free rows: a group's prompt once (:func:`unit_lengths`)."""
+        prompt_lens = pool["prompt_mask"].sum(-1).tolist()
+        return unit_lengths(prompt_lens, [n - p for n, p in zip(lengths, prompt_lens)], items)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not isinstance(inputs, BudgetedStep):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        # every micro batch but the last: forward and backward here, gradients held; the last one's loss goes back to
+        # the Trainer, which backpropagates it (and, at the accumulation boundary, syncs and steps)
+        done: list[Tensor] = []
+        for part, last in self._each_part(model, inputs):
+            loss = self._part_loss(model, part)
+            if last:
+                return loss + torch.stack(done).sum() if done else loss
+            self.accelerator.backward(loss, **self._backward_kwargs())
+            done.append(loss.detach())
+        raise AssertionError("a budgeted micro step holds at least one micro batch")
+
+    def _part_loss(self, model, part: dict) -> Tensor:
+        loss = self._compute_loss(model, part)
+        scale = part.get("loss_scale")
+        return loss if scale is None else loss * scale
+
+    def _backward_kwargs(self) -> dict:
+        """What the Trainer passes to ``accelerator.backward`` (our losses are already scaled for accumulation)."""
+        return {"scale_wrt_gas": False} if self.accelerator.distributed_type == DistributedType.DEEPSPEED else {}
+
+    def _each_part(self, model, inputs) -> Iterator[tuple[dict, bool]]:
+        """The micro batches of one micro step with whether each is the last; every one but the last runs with the
+        gradients held (:meth:`_gradients_held`). A plain TRL batch is one micro batch."""
+        parts = inputs.parts if isinstance(inputs, BudgetedStep) else [inputs]
+        for i, part in enumerate(parts):
+            if i == len(parts) - 1:
+                yield part, True
+            else:
+                with self._gradients_held(model):
+                    yield part, False
+
+    @contextmanager
+    def _gradients_held(self, model) -> Iterator[None]:
+        """A micro batch that is not its micro step's last: no gradient sync and no optimizer step after its
+        backward, even at the accumulation boundary (accelerate's ``sync_gradients`` off: DeepSpeed neither reduces
+        as at a boundary nor steps; DDP / FSDP2 ``no_sync``). Off the boundary the Trainer already holds them."""
+        acc = self.accelerator
+        if not acc.sync_gradients:
+            yield
+            return
+        acc.gradient_state._set_sync_gradients(False)
+        try:
+            with acc.no_sync(model):
+                yield
+        finally:
+            acc.gradient_state._set_sync_gradients(True)
