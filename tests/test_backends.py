@@ -24,7 +24,8 @@ from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout import platform
 from trl_nrollout.rollout.seeds import SEED_BITS, prompt_seed, step_seed
 from trl_nrollout.rollout.types import SamplingOptions
-from trl_nrollout.rollout.vllm_group import VLLMEngineGroup, engine_kwargs
+from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+from trl_nrollout.rollout.vllm_settings import engine_kwargs
 from trl_nrollout.trainer.advantage_stage import sequence_kl
 
 LAYOUT = RolloutLayout.build(num_processes=2, rollout_tp_size=2, train_batch_size=64, rollout_n=16)  # 1024 samples

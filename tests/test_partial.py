@@ -127,7 +127,7 @@ def test_the_engine_loop_samples_what_generate_samples(engine):
 
     from trl_nrollout.rollout.requests import EngineLoop, sampled_logprobs
     from trl_nrollout.rollout.seeds import prompt_seed
-    from trl_nrollout.rollout.vllm_group import vllm_prompts
+    from trl_nrollout.rollout.vllm_process import vllm_prompts
 
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
     opts = _options(seed=3)

@@ -38,7 +38,7 @@ from trl_nrollout.rollout.ranks import (
     roles_refusal,
 )
 from trl_nrollout.rollout.remote import JobResult, job_slice, pack_bucket, unpack_bucket
-from trl_nrollout.rollout.vllm_group import barrier_scope
+from trl_nrollout.rollout.vllm_process import barrier_scope
 
 
 # ---------------------------------------------------------------------------------------------- the arithmetic
@@ -207,7 +207,7 @@ def test_a_tp_engine_on_rollout_ranks_waits_for_its_own_ranks_only():
 
 
 def _exchange_worker(rank: int, world: int, path: str) -> None:
-    from trl_nrollout.rollout.vllm_group import exchange_objects
+    from trl_nrollout.rollout.vllm_process import exchange_objects
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     # rank r sends rank d a list of r * 1000 + d numbers (nothing to itself when r == d == 1)

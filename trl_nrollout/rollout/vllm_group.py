@@ -13,20 +13,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import secrets
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
-from torch import nn
 
 from trl_nrollout.plan.layout import RolloutLayout
-from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
-from trl_nrollout.rollout.dispatch import DISPATCH_MODES, GroupQueue, PullStats, run_pulled
+from trl_nrollout.rollout.dispatch import DISPATCH_MODES
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun, run_partial
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.requests import EngineLoop
@@ -39,104 +35,30 @@ from trl_nrollout.rollout.seeds import (
 )
 from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.rollout.vllm_balanced import BalancedDispatch
+from trl_nrollout.rollout.vllm_process import (
+    _LIVE,
+    _close_live_engines,
+    _forget_stale_vllm_groups,
+    _keep_default_process_group,
+    _on_rollout_rank,
+    _release_vllm_groups,
+    _restore_env,
+    barrier_scope,
+    vllm_prompts,
+)
+from trl_nrollout.rollout.vllm_settings import engine_kwargs
+from trl_nrollout.rollout.vllm_weights import EngineWeights
 from trl_nrollout.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
-    adapter_nbytes,
-    adapter_tensors,
-    engine_has,
-    iter_weight_buckets,
-    next_vllm_lora_rank,
 )
 
 logger = logging.getLogger(__name__)
 _SLEEP_NOTICE_SHOWN = False
 _PULL_GROUPS = 0  # engine groups built in this process with a balanced dispatch (the same count on every rank)
-#: KV block size of a CPU engine: the smallest vLLM's CPU attention accepts (a multiple of 32; vLLM's CPU default
-#: is 128). vLLM's n samples of a prompt share its cached full blocks, but each sample recomputes the prompt's last
-#: partial block, up to ``block_size`` tokens: at 512-token prompts, n = 12, 32-token blocks made a rollout of
-#: builtin:medium-qwen2 1.7x faster than 128-token ones, timed by hand (docs/backends.md; short prompts gain too).
-CPU_BLOCK_SIZE = 32
 
 
-def _kv_bytes_default(model_path: str, max_seqs: int, expected_len: int, max_model_len: int, tp: int,
-                      dtype: str) -> int:
-    """A CPU KV-cache size: every concurrent sequence at ``expected_len`` tokens, and at least one sequence at
-    ``max_model_len`` (vLLM's start-up check), x1.25; at least 16 MiB."""
-    from trl_nrollout.plan.memory import kv_bytes_per_token, kv_heads_per_gpu, load_model_shape
-
-    try:
-        shape = load_model_shape(model_path, dtype=dtype if dtype != "auto" else None, count_params=False)
-    except (OSError, ValueError) as err:  # config unreadable: a generous fixed size
-        logger.warning("could not read the model config of %s (%s); KV cache set to 256 MiB", model_path, err)
-        return 256 << 20
-    per_token = kv_bytes_per_token(shape.num_hidden_layers, kv_heads_per_gpu(shape.num_key_value_heads, tp),
-                                   shape.head_dim, shape.dtype_bytes)
-    tokens = max(max_model_len, max_seqs * min(expected_len, max_model_len))
-    return max(16 << 20, int(per_token * tokens * 1.25))
-
-
-def unknown_sampling_keys(options: dict) -> list[str]:
-    """The keys of ``options`` (TRL's ``generation_kwargs``) that vLLM's ``SamplingParams`` has no public field
-    for, sorted (``SamplingParams(**options)`` would fail on them at the first rollout)."""
-    import msgspec
-    from vllm import SamplingParams
-
-    known = {f.name for f in msgspec.structs.fields(SamplingParams) if not f.name.startswith("_")}
-    return sorted(k for k in options if k not in known)
-
-
-def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = "auto", max_model_len: int = 1024,
-                  expected_len: int | None = None, kv_cache_memory_bytes: int | None = None,
-                  gpu_memory_utilization: float = 0.3, enable_prefix_caching: bool = True,
-                  enforce_eager: bool = False, enable_sleep_mode: bool = False, seed: int = 0,
-                  max_num_seqs: int | None = None, tokenizer: str | None = None,
-                  trust_remote_code: bool = False, lora_rank: int | None = None) -> dict:
-    """The keyword arguments of each rank's ``vllm.LLM`` (pure: no engine is built; pinned by the unit tests).
-
-    - ``max_num_seqs`` (sequences run at once) defaults to the engine's samples, capped at
-      :data:`~trl_nrollout.plan.memory.DEFAULT_MAX_NUM_SEQS`: vLLM's sampler holds ``[max_num_seqs, vocab]`` float32
-      buffers, so thousands of samples per engine must not become thousands of concurrent rows; vLLM schedules
-      the rest as sequences finish.
-    - CPU: float32 by default, eager mode, an explicit KV size (see :func:`_kv_bytes_default`), and no chunked
-      prefill with a token budget of at least ``max_model_len``: vLLM rewinds the random generator of a seeded
-      request after a partial prefill (``Generator.set_offset``), which CPU generators do not support ("CPU
-      Generator does not use offset"); without chunking, a prompt is never prefilled in parts. KV blocks of
-      :data:`CPU_BLOCK_SIZE` tokens: the n samples of a prompt each recompute its last partial block.
-    - ``trust_remote_code``: the user's choice for the policy (a checkpoint with its own code), passed on.
-    - CUDA: ``gpu_memory_utilization`` is always passed (vLLM's default 0.92 fails its start-up check when the
-      training model already holds GPU memory), and ``kv_cache_memory_bytes`` as well when given.
-    - ``lora_rank`` (``rollout_lora_sync="adapter"``): LoRA enabled, one adapter slot (every request uses the
-      newest adapter version; the previous one is dropped when the next arrives), ``max_lora_rank`` the smallest
-      value vLLM accepts that holds the rank.
-    """
-    max_seqs = max_num_seqs or max(1, min(layout.samples_per_engine, DEFAULT_MAX_NUM_SEQS))
-    kwargs: dict = dict(
-        model=model, tokenizer=tokenizer or model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-        enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=layout.rollout_tp_size,
-        distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
-        max_num_seqs=max_seqs, skip_tokenizer_init=False, trust_remote_code=trust_remote_code,
-    )
-    if lora_rank is not None:
-        kwargs.update(enable_lora=True, max_lora_rank=next_vllm_lora_rank(lora_rank), max_loras=1, max_cpu_loras=1)
-    if cpu:
-        kwargs["dtype"] = "float32" if dtype == "auto" else dtype
-        kwargs["enforce_eager"] = True
-        kwargs["enable_chunked_prefill"] = False
-        kwargs["block_size"] = CPU_BLOCK_SIZE
-        kwargs["max_num_batched_tokens"] = max(max_model_len, max_seqs, 4096)
-        kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or _kv_bytes_default(
-            model, min(max_seqs, layout.samples_per_engine), expected_len or max_model_len, max_model_len,
-            layout.rollout_tp_size, kwargs["dtype"])
-    else:
-        kwargs["enforce_eager"] = enforce_eager
-        kwargs["enable_sleep_mode"] = enable_sleep_mode
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if kv_cache_memory_bytes:
-            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-    return kwargs
-
-
-class VLLMEngineGroup:
+class VLLMEngineGroup(EngineWeights, BalancedDispatch):
     """The rollout engines of a job. Build it on every rank, with the same arguments.
 
     Args:
@@ -419,123 +341,6 @@ class VLLMEngineGroup:
                                      images=None if flat_images is None else flat_images[::n])
         return batch.slice(first, first + len(sample_prompts))
 
-    def generate_balanced(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                          images: list[list] | None = None) -> tuple[RolloutBatch, PullStats]:
-        """:meth:`generate_expanded` with ``rollout_dispatch="balanced"`` (:mod:`trl_nrollout.rollout.dispatch`): the
-        job's groups form one queue; each engine pulls groups while it holds fewer than ``max_num_seqs + n`` unfinished
-        samples (vLLM counts each of a request's ``n`` samples until it ends);
-        afterwards every rank gets the samples of its own prompts, in order. Group ``g`` of the job is seeded as
-        under ``"shares"`` (from ``g``), whichever engine runs it. Collective over every rank. Returns the batch and
-        this engine's :class:`~trl_nrollout.rollout.dispatch.PullStats` (its groups and busy seconds)."""
-        if self._world_group is None:  # one engine (or one process): its share is the whole queue
-            start = time.perf_counter()
-            batch = self.generate_expanded(sample_prompts, n, sampling, images=images)
-            busy = time.perf_counter() - start
-            return batch, PullStats(groups=sorted(set(batch.group_index)), claims=1, busy_s=busy)
-        self._barrier_before_generate()
-        world = torch.distributed.get_world_size()
-        per_rank = [None] * world
-        torch.distributed.all_gather_object(per_rank, ([list(p) for p in sample_prompts], images),
-                                            group=self._world_group)
-        flat = [p for prompts, _ in per_rank for p in prompts]
-        unique = self._whole_groups(flat, n)
-        flat_images = None
-        if any(imgs is not None for _, imgs in per_rank):
-            flat_images = [img for prompts, imgs in per_rank
-                           for img in (imgs if imgs is not None else [[] for _ in prompts])][::n]
-        counts = [len(prompts) for prompts, _ in per_rank]
-        offset = sum(counts[:self.rank])  # the job's samples in rank order (TRL's: rank r's start at r * its count)
-        self._ready()
-        self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
-        per_request = sampling.seed is not None and self.seed_mode == "sample"
-        shared = None if per_request else self._sampling_params(n, replace(sampling, seed=None))
-        engine_prompts = vllm_prompts(unique, flat_images)
-        loop = self._loop()
-
-        def add_group(g: int) -> str:
-            params = shared or self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, g, n)))
-            return loop.add(engine_prompts[g], params)
-
-        leader = self.rank == self.tp_ranks[0]
-
-        def share(claim):  # the TP group's leader claims; its ranks run the same groups
-            return self._gather_tp(claim() if leader else None)[0]
-
-        self._pull_calls += 1
-        key = f"{self._pull_prefix}/{self._pull_calls}"
-        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
-        with self._engine_rng(sampling.seed):
-            queue = GroupQueue(self._store, key, self._segments(counts, n), self.engine_index)
-            requests, stats = run_pulled(loop, queue, add_group, n, capacity,
-                                         share=None if self._tp_group is None else share,
-                                         outstanding=self.llm.llm_engine.get_num_unfinished_requests)
-        done = self._send_home(
-            {g: (loop.prompt_ids(rid) if flat_images is not None else list(unique[g]),
-                 [(x.token_ids, x.logprobs, x.finish_reason) for x in loop.request(rid)])
-             for g, rid in requests.items()} if leader else {},
-            counts, n)
-        if self.rank == 0:  # every rank is past its last claim
-            for seg in range(self.layout.num_engines):
-                self._store.delete_key(f"{key}/{seg}")
-        missing = sorted({s // n for s in range(offset, offset + len(sample_prompts))} - done.keys())
-        if missing:
-            raise RuntimeError(f"groups {missing[:5]} of the job's queue were generated by no engine (the queue's "
-                               f"counter in the process group's store was changed by another caller).")
-        prompt_ids, completion_ids, logprobs, reasons, groups = [], [], [], [], []
-        for s in range(offset, offset + len(sample_prompts)):
-            g, k = divmod(s, n)
-            prompt, samples = done[g]
-            tokens, lps, reason = samples[k]
-            prompt_ids.append(list(prompt))
-            completion_ids.append(list(tokens))
-            logprobs.append(list(lps))
-            reasons.append(reason)
-            groups.append(g)
-        batch = RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
-                             timings={"generate_s": stats.busy_s})
-        return batch, stats
-
-    def _segments(self, counts: list[int], n: int) -> list[range]:
-        """Each engine's own groups (those whose first sample belongs to one of its ranks), in job order."""
-        bounds = [sum(counts[:r]) for r in range(len(counts) + 1)]
-        total = bounds[-1] // n
-        firsts = [bounds[ranks[0]] for ranks in self.layout.engine_ranks] + [bounds[-1]]
-        return [range(min(-(-firsts[e] // n), total), min(-(-firsts[e + 1] // n), total))
-                for e in range(self.layout.num_engines)]
-
-    def _send_home(self, held: dict[int, object], counts: list[int], n: int) -> dict[int, object]:
-        """Each engine's results ``held`` (by global group, on its leader) to the ranks that own the group's samples
-        (rank ``r`` owns the ``counts[r]`` samples after those of the ranks before it): one exchange of every rank
-        with every rank (:func:`exchange_objects`), each rank receiving only its own groups, nothing padded.
-        Returns this rank's groups."""
-        bounds = [sum(counts[:r]) for r in range(len(counts) + 1)]
-
-        def owners(g: int) -> list[int]:
-            return [r for r in range(len(counts)) if bounds[r] < (g + 1) * n and g * n < bounds[r + 1]]
-
-        parts: list[dict] = [{} for _ in counts]
-        for g, value in held.items():  # only an engine's leader holds results
-            for r in owners(g):
-                parts[r][g] = value
-        received: dict[int, object] = {}
-        for part in exchange_objects([part or None for part in parts], self._world_group):
-            received.update(part or {})
-        return received
-
-    def _whole_groups(self, flat: list[list[int]], n: int) -> list[list[int]]:
-        """The engine's prompts, one per group, from its samples' prompts ``flat`` (each repeated ``n`` times
-        consecutively); a clear error where they are not whole groups."""
-        if len(flat) % n:
-            raise ValueError(f"the {len(flat)} samples of engine {self.engine_index} are not whole groups of n={n}.")
-        unique = flat[::n]
-        for g, p in enumerate(unique):
-            if any(flat[g * n + k] != p for k in range(n)):
-                raise ValueError(
-                    f"samples {g * n}..{g * n + n - 1} of engine {self.engine_index} are not {n} copies of one "
-                    f"prompt: prompts must be repeated n={n} times consecutively (TRL's RepeatSampler order)."
-                )
-        return unique
-
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
                        sample_offset: int = 0, sample_ids: list[int] | None = None,
                        num_samples: int | None = None) -> RolloutBatch:
@@ -671,133 +476,7 @@ class VLLMEngineGroup:
             return run_partial(self.llm, groups, target, version, sampling.max_tokens, make_params,
                                lambda ids: TokensPrompt(prompt_token_ids=list(ids)), lora_request=self.lora_request)
 
-    # ------------------------------------------------------------------ weights
-    def _model_runner(self):
-        executor = self.llm.llm_engine.model_executor
-        worker = executor.driver_worker
-        worker = getattr(worker, "worker", worker)
-        return worker.model_runner
-
-    @torch.no_grad()
-    def load_weights(self, model: nn.Module, merge_lora: bool = True) -> dict:
-        """Push the training model's weights into this rank's engine, a bounded bucket at a time.
-
-        Every rank of the job must call it (ZeRO-3 / FSDP gather collectively; every TP rank loads the full
-        tensors and vLLM keeps its shard). On every platform through one call of the model runner's
-        ``reload_weights``, fed whole decoder layers a bucket at a time: it runs the model's ``load_weights`` and then vLLM's post-load processing
-        (``process_weights_after_loading``: CPU weight prepacking, MLA / quantized / MoE derived weights), which a
-        bare ``model.load_weights`` skips. A sleeping engine wakes its weights first, loads, resets the prefix
-        cache (and a vision-language model's encoder cache), and only then wakes its KV cache. Returns bytes, buckets and seconds.
-        ``merge_lora=False``: a PEFT model's base weights without its adapter (an engine serving the adapter itself).
-        """
-        engine_names = self.parameter_names()
-
-        def buckets():  # gathered when vLLM asks for a bucket's first tensor
-            yield from iter_weight_buckets(model, self.weight_bucket_bytes, keep_alias=engine_has(engine_names),
-                                           merge_lora=merge_lora)
-
-        return self.load_buckets(buckets())
-
-    def parameter_names(self) -> set[str]:
-        """The names of the engine's own parameters (a tied weight is sent under the names the engine's model
-        has)."""
-        return {n for n, _ in self._model_runner().get_model().named_parameters(remove_duplicate=False)}
-
-    @torch.no_grad()
-    def load_buckets(self, buckets) -> dict:
-        """Load full weights given as an iterator of buckets (lists of ``(name, tensor)``, whole decoder layers),
-        each asked for only when vLLM has loaded the one before. Returns bytes, buckets and seconds."""
-        start = time.perf_counter()
-        if "weights" in self._asleep:  # weights first, KV cache only after the load: a lower peak (as TRL does)
-            self.wake_up(["weights"])
-        runner = self._model_runner()
-        stats = {"bytes": 0, "buckets": 0, "peak_bucket_bytes": 0}
-
-        def weights():
-            for bucket in buckets:
-                size = sum(t.numel() * t.element_size() for _, t in bucket)
-                stats["bytes"] += size
-                stats["peak_bucket_bytes"] = max(stats["peak_bucket_bytes"], size)
-                stats["buckets"] += 1
-                yield from bucket
-
-        # one reload for the whole model: vLLM's layer-wise reload processes each layer as soon as its tensors are
-        # in (buckets never split a layer), and a call per bucket would re-initialise every layer and warn about
-        # every layer outside the bucket (thousands of lines per sync on a 7B model)
-        runner.reload_weights(weights_iterator=weights())
-        self.llm.reset_prefix_cache()
-        if getattr(getattr(self.llm.llm_engine, "model_config", None), "is_multimodal_model", False):
-            # image features computed by the old vision tower are stale (and the reload emptied the runner's side of
-            # the encoder cache, which the scheduler's side must forget too, or the next image is a cache miss)
-            self.llm.llm_engine.reset_encoder_cache()
-        if self._asleep:
-            self.wake_up()
-        return {**stats, "seconds": time.perf_counter() - start}
-
-    @torch.no_grad()
-    def load_adapter(self, model: nn.Module) -> dict:
-        """Hand the engine the training model's LoRA adapter as a new version (``rollout_lora_sync="adapter"``): only
-        the adapter's tensors are gathered (:func:`~trl_nrollout.rollout.weight_sync.adapter_tensors`) and loaded;
-        the base weights stay. Every rank of the job calls it (ZeRO-3 / FSDP gather collectively). Returns bytes,
-        tensors and seconds."""
-        start = time.perf_counter()
-        tensors = adapter_tensors(model)
-        stats = self.load_adapter_tensors(tensors)
-        return {**stats, "seconds": time.perf_counter() - start}
-
-    @torch.no_grad()
-    def load_adapter_tensors(self, tensors: dict[str, torch.Tensor]) -> dict:
-        """Load an adapter given as PEFT-named tensors (``base_model.model.<module>.lora_A.weight`` ``[r, in]``,
-        ``...lora_B.weight`` ``[out, r]``, scaling already folded into ``lora_B``) as a new version, in memory: a
-        vLLM ``LoRAModel`` built from the tensors goes straight into this rank's LoRA manager (no file; vLLM's
-        request path would load one from ``lora_path``), replacing the previous version, and every following
-        request of this engine carries the new version's ``LoRARequest`` (a new ``lora_int_id`` and name, so no
-        cached prefix computed under an older adapter is reused). Every TP rank loads the full tensors; vLLM's LoRA
-        layers keep their shard. Returns bytes and tensors."""
-        if self.lora_rank is None:
-            raise RuntimeError("this engine was built without LoRA (lora_rank=None): send full weights with "
-                               "load_weights, or build it with lora_rank (rollout_lora_sync='adapter').")
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.peft_helper import PEFTHelper
-        from vllm.lora.request import LoRARequest
-
-        if "weights" in self._asleep:  # the LoRA slots live with the weights
-            self.wake_up(["weights"])
-        manager = self._model_runner().lora_manager
-        adapters = manager._adapter_manager
-        modules = sorted({name.split(".lora_")[0].split(".")[-1] for name in tensors})
-        served = set()
-        for module in adapters.supported_lora_modules:
-            served.update(adapters.packed_modules_mapping.get(module, [module]))
-        unserved = [m for m in modules if m not in served]
-        if unserved:
-            raise ValueError(f"the adapter targets {unserved}, which vLLM's LoRA does not serve on this model (it "
-                             f"serves {sorted(served)}); target those modules only, or set rollout_lora_sync='merged'.")
-        rank = max(int(t.shape[0]) for name, t in tensors.items() if name.endswith("lora_A.weight"))
-        if rank > self.lora_rank:
-            raise ValueError(f"an adapter of rank {rank} reached an engine built for rank {self.lora_rank}.")
-        # alpha = r: the engine's scaling is 1, PEFT's scaling is folded into lora_B already
-        helper = PEFTHelper.from_dict({"r": rank, "lora_alpha": rank, "target_modules": modules,
-                                       "vllm_max_position_embeddings": manager.max_position_embeddings})
-        helper.validate_legal(manager.lora_config)
-        mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
-        self._adapter_id += 1
-        lora = LoRAModel.from_lora_tensors(
-            self._adapter_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
-            model_vocab_size=manager.vocab_size,
-            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-            skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None))
-        for old in list(adapters.list_adapters()):
-            adapters.remove_adapter(old)
-        adapters.add_adapter(lora)
-        adapters.activate_adapter(self._adapter_id)
-        self.lora_request = LoRARequest(lora_name=f"trl-nrollout-policy-{self._adapter_id}",
-                                        lora_int_id=self._adapter_id, lora_path="trl-nrollout://in-memory")
-        self.llm.reset_prefix_cache()
-        if self._asleep:
-            self.wake_up()
-        return {"bytes": adapter_nbytes(tensors), "tensors": len(tensors), "adapter_id": self._adapter_id}
-
+    # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
         """Shut the engine down now (frees its memory and its process groups), not at interpreter exit."""
         llm = getattr(self, "llm", None)
@@ -841,128 +520,3 @@ class VLLMEngineGroup:
         if wanted:
             self.llm.wake_up(tags=sorted(wanted))
         self._asleep -= wanted
-
-
-#: Engine groups alive in this process (weakly held): vLLM's external launcher supports one engine per process.
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def _restore_env(name: str, value: str | None) -> None:
-    """Set ``os.environ[name]`` back to ``value`` (unset it where it was unset)."""
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
-def _close_live_engines() -> None:
-    """Release every engine group still alive in this process (a trainer built after another one)."""
-    for group in list(_LIVE):
-        logger.info("releasing the rollout engine of a previous trainer (vLLM runs one engine per process)")
-        group.close()
-
-
-def _forget_stale_vllm_groups() -> None:
-    """vLLM's groups left by an engine whose default process group was destroyed since (the recipe's ``main`` ends
-    with ``destroy_process_group``): a new engine would reuse them and fail to start."""
-    import sys
-
-    parallel_state = sys.modules.get("vllm.distributed.parallel_state")
-    if parallel_state is None or parallel_state._WORLD is None:
-        return
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        _release_vllm_groups()
-
-
-def _release_vllm_groups() -> None:
-    """Forget vLLM's process groups after the shutdown of an engine that started torch.distributed itself (one
-    process). The shutdown destroys the default group but leaves vLLM's groups (world, TP, PP, ...) registered: a
-    later engine in this process (a second ``main`` of the recipe, a sweep) would reuse them and fail to start
-    ("not initialized in the world group map")."""
-    from vllm.distributed import parallel_state
-
-    for name, value in list(vars(parallel_state).items()):
-        if isinstance(value, parallel_state.GroupCoordinator):
-            try:
-                value.destroy()
-            except Exception as err:  # noqa: BLE001 - its torch group may already be gone with the default one
-                logger.debug("vLLM group %s: %s", name, err)
-            setattr(parallel_state, name, None)
-    parallel_state._NODE_COUNT = None
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _keep_default_process_group():
-    """During a vLLM shutdown: release vLLM's world group but not torch's default process group."""
-    from vllm.distributed import parallel_state
-
-    original = parallel_state.destroy_distributed_environment
-
-    def release_world_only() -> None:
-        if parallel_state._WORLD is not None:
-            parallel_state._WORLD.destroy()
-        parallel_state._WORLD = None
-        parallel_state._NODE_COUNT = None
-
-    parallel_state.destroy_distributed_environment = release_world_only
-    try:
-        yield
-    finally:
-        parallel_state.destroy_distributed_environment = original
-
-
-def barrier_scope(tp: int, cpu: bool, distributed: bool, rollout_rank: bool) -> str | None:
-    """Where an engine's ranks meet before a generation (:meth:`VLLMEngineGroup._barrier_before_generate`):
-    ``"world"`` (the default group: colocated TP engines on GPUs), ``"tp"`` (the engine's own ranks: TP engines on
-    rollout ranks, where no training collective runs), or None (TP 1, CPU, one process)."""
-    if not distributed or tp <= 1 or cpu:
-        return None
-    return "tp" if rollout_rank else "world"
-
-
-def _on_rollout_rank() -> bool:
-    from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
-
-    bridge = current_bridge()
-    return bridge is not None and bridge.role == ROLLOUT
-
-
-def exchange_objects(outgoing: list, group=None) -> list:
-    """``outgoing[r]`` (any picklable value; None sends nothing) to rank ``r`` of ``group``, from every rank at once:
-    returns what each rank sent this one (None where it sent nothing). Two ``all_to_all_single`` calls (the sizes,
-    then the bytes, uneven splits), so each byte travels once and only to its rank (a scatter of pickled objects
-    per sender pads every part to the largest and runs once per sender)."""
-    world = torch.distributed.get_world_size(group)
-    blobs = [b"" if obj is None else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) for obj in outgoing]
-    if len(blobs) != world:
-        raise ValueError(f"exchange_objects: {len(blobs)} values for a group of {world} ranks.")
-    send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
-    recv_sizes = torch.empty(world, dtype=torch.int64)
-    torch.distributed.all_to_all_single(recv_sizes, send_sizes, group=group)
-    send = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)[:int(send_sizes.sum())]
-    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-    torch.distributed.all_to_all_single(recv, send, output_split_sizes=recv_sizes.tolist(),
-                                        input_split_sizes=send_sizes.tolist(), group=group)
-    out, at = [], 0
-    for size in recv_sizes.tolist():
-        out.append(pickle.loads(recv[at:at + size].numpy().tobytes()) if size else None)
-        at += size
-    return out
-
-
-def vllm_prompts(prompts: Sequence[Sequence[int]], images: Sequence[list] | None = None) -> list:
-    """vLLM's inputs: token ids, with ``multi_modal_data`` for a prompt that has images (one image as itself, more
-    as a list, as TRL passes them)."""
-    from vllm.inputs import TokensPrompt
-
-    out = []
-    for g, p in enumerate(prompts):
-        imgs = images[g] if images is not None else None
-        if imgs:
-            out.append(TokensPrompt(prompt_token_ids=list(p), multi_modal_data={"image": imgs[0] if len(imgs) == 1
-                                                                                 else list(imgs)}))
-        else:
-            out.append(TokensPrompt(prompt_token_ids=list(p)))
-    return out

@@ -93,7 +93,7 @@ class EngineSetup:
         """Why this rank's vLLM engine would fail vLLM's start-up memory check (see :func:`memory_refusal`), found
         before any collective; None where it passes or cannot be measured (vLLM then decides)."""
         from trl_nrollout.rollout.platform import is_cpu_platform
-        from trl_nrollout.rollout.vllm_group import engine_kwargs
+        from trl_nrollout.rollout.vllm_settings import engine_kwargs
 
         args: NRolloutConfig = self.args
         try:
@@ -143,7 +143,7 @@ class EngineSetup:
     def _generation_kwargs_refusal(self) -> str | None:
         """``generation_kwargs`` keys vLLM's ``SamplingParams`` has no field for (``generate()`` arguments such as
         ``num_beams``): TRL passes them to the sampler of the engine it uses, so they would fail at the first rollout."""
-        from trl_nrollout.rollout.vllm_group import unknown_sampling_keys
+        from trl_nrollout.rollout.vllm_settings import unknown_sampling_keys
 
         unknown = unknown_sampling_keys(self.args.generation_kwargs or {})
         if not unknown:

@@ -192,7 +192,8 @@ class RolloutRankWorker:
     def _build_engine(self, settings: dict):
         from trl_nrollout.plan.layout import RolloutLayout
         from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
-        from trl_nrollout.rollout.vllm_group import VLLMEngineGroup, _kv_bytes_default
+        from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+        from trl_nrollout.rollout.vllm_settings import _kv_bytes_default
 
         roles, args = self.bridge.roles, self.args
         tp = args.rollout_tp_size

@@ -1,0 +1,140 @@
+"""Balanced dispatch on a ``VLLMEngineGroup`` (``rollout_dispatch="balanced"``): the job's groups in one queue
+that every engine pulls from while it has room, each group's samples sent home to the rank that owns its prompt. A
+mixin of :class:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
+from trl_nrollout.rollout.dispatch import GroupQueue, PullStats, run_pulled
+from trl_nrollout.rollout.seeds import prompt_seed
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.rollout.vllm_process import exchange_objects, vllm_prompts
+
+logger = logging.getLogger(__name__)
+
+
+class BalancedDispatch:
+    """One balanced queue of the job's groups over the engines (see the module docstring)."""
+
+    def generate_balanced(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                          images: list[list] | None = None) -> tuple[RolloutBatch, PullStats]:
+        """:meth:`generate_expanded` with ``rollout_dispatch="balanced"`` (:mod:`trl_nrollout.rollout.dispatch`): the
+        job's groups form one queue; each engine pulls groups while it holds fewer than ``max_num_seqs + n`` unfinished
+        samples (vLLM counts each of a request's ``n`` samples until it ends);
+        afterwards every rank gets the samples of its own prompts, in order. Group ``g`` of the job is seeded as
+        under ``"shares"`` (from ``g``), whichever engine runs it. Collective over every rank. Returns the batch and
+        this engine's :class:`~trl_nrollout.rollout.dispatch.PullStats` (its groups and busy seconds)."""
+        if self._world_group is None:  # one engine (or one process): its share is the whole queue
+            start = time.perf_counter()
+            batch = self.generate_expanded(sample_prompts, n, sampling, images=images)
+            busy = time.perf_counter() - start
+            return batch, PullStats(groups=sorted(set(batch.group_index)), claims=1, busy_s=busy)
+        self._barrier_before_generate()
+        world = torch.distributed.get_world_size()
+        per_rank = [None] * world
+        torch.distributed.all_gather_object(per_rank, ([list(p) for p in sample_prompts], images),
+                                            group=self._world_group)
+        flat = [p for prompts, _ in per_rank for p in prompts]
+        unique = self._whole_groups(flat, n)
+        flat_images = None
+        if any(imgs is not None for _, imgs in per_rank):
+            flat_images = [img for prompts, imgs in per_rank
+                           for img in (imgs if imgs is not None else [[] for _ in prompts])][::n]
+        counts = [len(prompts) for prompts, _ in per_rank]
+        offset = sum(counts[:self.rank])  # the job's samples in rank order (TRL's: rank r's start at r * its count)
+        self._ready()
+        self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
+        per_request = sampling.seed is not None and self.seed_mode == "sample"
+        shared = None if per_request else self._sampling_params(n, replace(sampling, seed=None))
+        engine_prompts = vllm_prompts(unique, flat_images)
+        loop = self._loop()
+
+        def add_group(g: int) -> str:
+            params = shared or self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, g, n)))
+            return loop.add(engine_prompts[g], params)
+
+        leader = self.rank == self.tp_ranks[0]
+
+        def share(claim):  # the TP group's leader claims; its ranks run the same groups
+            return self._gather_tp(claim() if leader else None)[0]
+
+        self._pull_calls += 1
+        key = f"{self._pull_prefix}/{self._pull_calls}"
+        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        with self._engine_rng(sampling.seed):
+            queue = GroupQueue(self._store, key, self._segments(counts, n), self.engine_index)
+            requests, stats = run_pulled(loop, queue, add_group, n, capacity,
+                                         share=None if self._tp_group is None else share,
+                                         outstanding=self.llm.llm_engine.get_num_unfinished_requests)
+        done = self._send_home(
+            {g: (loop.prompt_ids(rid) if flat_images is not None else list(unique[g]),
+                 [(x.token_ids, x.logprobs, x.finish_reason) for x in loop.request(rid)])
+             for g, rid in requests.items()} if leader else {},
+            counts, n)
+        if self.rank == 0:  # every rank is past its last claim
+            for seg in range(self.layout.num_engines):
+                self._store.delete_key(f"{key}/{seg}")
+        missing = sorted({s // n for s in range(offset, offset + len(sample_prompts))} - done.keys())
+        if missing:
+            raise RuntimeError(f"groups {missing[:5]} of the job's queue were generated by no engine (the queue's "
+                               f"counter in the process group's store was changed by another caller).")
+        prompt_ids, completion_ids, logprobs, reasons, groups = [], [], [], [], []
+        for s in range(offset, offset + len(sample_prompts)):
+            g, k = divmod(s, n)
+            prompt, samples = done[g]
+            tokens, lps, reason = samples[k]
+            prompt_ids.append(list(prompt))
+            completion_ids.append(list(tokens))
+            logprobs.append(list(lps))
+            reasons.append(reason)
+            groups.append(g)
+        batch = RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
+                             timings={"generate_s": stats.busy_s})
+        return batch, stats
+
+    def _segments(self, counts: list[int], n: int) -> list[range]:
+        """Each engine's own groups (those whose first sample belongs to one of its ranks), in job order."""
+        bounds = [sum(counts[:r]) for r in range(len(counts) + 1)]
+        total = bounds[-1] // n
+        firsts = [bounds[ranks[0]] for ranks in self.layout.engine_ranks] + [bounds[-1]]
+        return [range(min(-(-firsts[e] // n), total), min(-(-firsts[e + 1] // n), total))
+                for e in range(self.layout.num_engines)]
+
+    def _send_home(self, held: dict[int, object], counts: list[int], n: int) -> dict[int, object]:
+        """Each engine's results ``held`` (by global group, on its leader) to the ranks that own the group's samples
+        (rank ``r`` owns the ``counts[r]`` samples after those of the ranks before it): one exchange of every rank
+        with every rank (:func:`exchange_objects`), each rank receiving only its own groups, nothing padded.
+        Returns this rank's groups."""
+        bounds = [sum(counts[:r]) for r in range(len(counts) + 1)]
+
+        def owners(g: int) -> list[int]:
+            return [r for r in range(len(counts)) if bounds[r] < (g + 1) * n and g * n < bounds[r + 1]]
+
+        parts: list[dict] = [{} for _ in counts]
+        for g, value in held.items():  # only an engine's leader holds results
+            for r in owners(g):
+                parts[r][g] = value
+        received: dict[int, object] = {}
+        for part in exchange_objects([part or None for part in parts], self._world_group):
+            received.update(part or {})
+        return received
+
+    def _whole_groups(self, flat: list[list[int]], n: int) -> list[list[int]]:
+        """The engine's prompts, one per group, from its samples' prompts ``flat`` (each repeated ``n`` times
+        consecutively); a clear error where they are not whole groups."""
+        if len(flat) % n:
+            raise ValueError(f"the {len(flat)} samples of engine {self.engine_index} are not whole groups of n={n}.")
+        unique = flat[::n]
+        for g, p in enumerate(unique):
+            if any(flat[g * n + k] != p for k in range(n)):
+                raise ValueError(
+                    f"samples {g * n}..{g * n + n - 1} of engine {self.engine_index} are not {n} copies of one "
+                    f"prompt: prompts must be repeated n={n} times consecutively (TRL's RepeatSampler order)."
+                )
+        return unique
