@@ -37,7 +37,8 @@ from trl_nrollout.rollout.ranks import (
     encode_value,
     roles_refusal,
 )
-from trl_nrollout.rollout.remote import JobResult, job_slice, pack_bucket, unpack_bucket
+from trl_nrollout.rollout.remote import JobResult
+from trl_nrollout.rollout.remote_buckets import job_slice, pack_bucket, unpack_bucket
 from trl_nrollout.rollout.vllm_process import barrier_scope
 
 
