@@ -28,7 +28,7 @@ class RolloutRanks:
     """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the trainers' side of rollout ranks."""
 
     def _rollout_ranks_refusal(self) -> str | None:
-        """What the trainer's arguments add to :func:`~trl_nrollout.config.rollout_ranks_refusal`."""
+        """What the trainer's arguments add to :func:`~trl_nrollout.config_checks.rollout_ranks_refusal`."""
         r = self.args.rollout_ranks
         if self.tools or getattr(self, "environment_factories", None):
             return (f"rollout_ranks={r} with tools or environment_factory: tool calls run where samples generate, "

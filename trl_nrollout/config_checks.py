@@ -1,0 +1,289 @@
+"""The checks of :class:`~trl_nrollout.config.NRolloutConfig`'s options, made in its ``__post_init__``: numbers in
+their ranges (no NaN or inf anywhere), sampling options, choices and the combinations of options that cannot run
+together (each refusal names the options, the values, the rule and a fix), and optimizer steps that span rollouts.
+A mixin of the config (no fields)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+from trl_nrollout.algos.advantages import available_estimators
+from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy_losses
+from trl_nrollout.errors import InputError
+from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES
+from trl_nrollout.rollout.dispatch import DISPATCH_MODES
+from trl_nrollout.rollout.seeds import SEED_MODES
+from trl_nrollout.rollout.weight_sync import LORA_SYNC_MODES
+
+if TYPE_CHECKING:
+    from trl_nrollout.config import NRolloutConfig
+
+
+def _at_least_0(v: float) -> bool:
+    return v >= 0
+
+
+#: number options with a range beyond "a finite number" (NaN and inf are refused in every number option: none gives
+#: them a meaning): name -> (the rule, whether a value meets it). Names ending in ``learning_rate``,
+#: ``weight_decay`` or ``max_grad_norm`` (PPO's critic_* too) follow the rule of that name. torch's optimizers check
+#: the learning rate, epsilon, betas and weight decay only when they are built, after the model loaded (a rank-0
+#: traceback); the others would train on, meaning nothing.
+NUMBER_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "learning_rate": (">= 0", _at_least_0),
+    "weight_decay": (">= 0 (0: none)", _at_least_0),
+    "max_grad_norm": (">= 0 (0: no clipping)", _at_least_0),
+    "adam_epsilon": (">= 0", _at_least_0),
+    "adam_beta1": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "adam_beta2": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "num_train_epochs": (">= 0", _at_least_0),
+    "warmup_steps": (">= 0 (below 1: a fraction of the steps)", _at_least_0),
+    "beta": (">= 0 (0: no KL loss)", _at_least_0),
+    "kl_loss_coef": (">= 0", _at_least_0),
+    "kl_coef": (">= 0 (the KL penalty in the reward)", _at_least_0),
+    "epsilon": (">= 0 (the clip range below 1)", _at_least_0),
+    "epsilon_high": (">= 0 (the clip range above 1)", _at_least_0),
+    "clip_ratio_low": (">= 0 (the clip range below 1)", _at_least_0),
+    "clip_ratio_high": (">= 0 (the clip range above 1)", _at_least_0),
+    "top_p": ("in (0, 1] (1.0: no nucleus cut)", lambda v: 0 < v <= 1),
+}
+
+
+def number_refusal(name: str, value, default=None, optional: bool = False) -> str | None:
+    """Why ``value`` cannot be option ``name`` (NaN or inf, a number option's or an element of a list of them, or
+    outside :data:`NUMBER_RULES`), as a message naming the option, the value, the rule and a fix (``optional``: the
+    option also takes None); None when it can. Values that are not numbers are left to the option's own checks."""
+    items = value if isinstance(value, list | tuple) else [value]
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int | float):
+            continue
+        rule = NUMBER_RULES.get(name) or next(
+            (r for key, r in NUMBER_RULES.items() if key in ("learning_rate", "weight_decay", "max_grad_norm")
+             and name.endswith(key)), None)
+        if math.isfinite(item) and (rule is None or rule[1](item)):
+            continue
+        must = "a finite number" + (f" {rule[0]}" if rule else "")
+        if items is value:  # a list option (reward_weights)
+            return f"{name}={value!r} holds {item!r}: each value must be {must}; fix that value."
+        example = (f", e.g. {default!r} (the default)" if isinstance(default, int | float) and not isinstance(default, bool)
+                   else ", or leave it unset (None, the default)" if default is None else "")
+        if optional and default is not None:
+            example += " or None (off)"
+        return f"{name}={value!r} must be {must}; set {name} to such a number{example}."
+    return None
+
+
+#: engine arguments the rollout stage sets itself (generation_kwargs may not): name -> the option to use
+RESERVED_GENERATION_KWARGS = {
+    "n": "num_generations / rollout_n", "num_return_sequences": "num_generations / rollout_n",
+    "max_tokens": "max_completion_length", "max_new_tokens": "max_completion_length", "seed": "seed",
+    "logprobs": "nothing (the engines always return the sampled tokens' log-probs)",
+    "flat_logprobs": "nothing (set by the engine)", "detokenize": "nothing (set by the engine)",
+    "input_ids": "the dataset's prompts", "attention_mask": "the dataset's prompts",
+}
+
+
+def stale_sample_reason(rollout_ranks: int, rollout_partial: bool, max_staleness: int | None) -> str | None:
+    """Why a sample can be older than the policy that trains on it, in words (None: it cannot, e.g. the
+    synchronous colocated default): rollout ranks generating ``max_staleness >= 1`` steps ahead, or partial rollouts
+    continuing samples across ``max_staleness >= 1`` weight syncs."""
+    if not max_staleness or max_staleness < 1:
+        return None
+    steps = f"{max_staleness} optimizer step{'s' if max_staleness > 1 else ''}"
+    if rollout_ranks:
+        return (f"rollout_ranks={rollout_ranks} with max_staleness={max_staleness}: the rollout ranks generate up to "
+                f"{steps} ahead, so a sample can be {steps} older than the policy that trains on it")
+    if rollout_partial:
+        return (f"rollout_partial=True with max_staleness={max_staleness}: a sample continued across weight syncs "
+                f"keeps tokens up to {steps} older than the policy that trains on it")
+    return None
+
+
+def rollout_ranks_refusal(config: NRolloutConfig) -> str | None:
+    """Why ``rollout_ranks`` cannot run with the other options of ``config`` (None: it can); the message names the
+    options and a fix. What depends on the trainer's arguments (tools, rollout_func) is checked by the trainer."""
+    r = config.rollout_ranks
+    if r < 0:
+        return f"rollout_ranks={r} must be >= 0 (processes that only generate; 0: every process trains)."
+    if config.rollout_backend == "hf":
+        return (f"rollout_ranks={r} runs vLLM engines on the rollout ranks; rollout_backend='hf' generates with the "
+                "training model itself. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or rollout_ranks=0.")
+    if config.rollout_partial:
+        return (f"rollout_ranks={r} with rollout_partial=True: partial rollouts keep each colocated engine's pool "
+                "across steps; on rollout ranks the engines generate whole steps ahead instead (max_staleness). Set "
+                "one of them.")
+    if config.rollout_dispatch == "balanced":
+        return (f"rollout_ranks={r} with rollout_dispatch='balanced': the rollout ranks split each job by whole "
+                "groups among their engines; set rollout_dispatch='shares' (the default).")
+    if config.rollout_multi_turn == "requests":
+        return (f"rollout_ranks={r} with rollout_multi_turn='requests': tool calls would run on the rollout ranks; "
+                "multi-turn rollouts are not on rollout ranks yet. Set rollout_ranks=0 for tools.")
+    return None
+
+
+class ConfigChecks:
+    """The option checks of :class:`~trl_nrollout.config.NRolloutConfig` (see the module docstring)."""
+
+    def _check_numbers(self) -> None:
+        """NaN, inf or a value outside its range in any number option (:func:`number_refusal`) is an error here,
+        with the other options, before anything loads: ``learning_rate=nan`` would otherwise be found by torch's
+        optimizer after the model loaded, and ``beta=nan`` not at all."""
+        for f in fields(self):
+            why = number_refusal(f.name, getattr(self, f.name), f.default, optional="None" in str(f.type))
+            if why is not None:
+                raise InputError(why)
+
+    def _check_steps_spanning_rollouts(self, world: int) -> None:
+        """Optimizer steps that span two rollouts (TRL's layouts, e.g. gradient_accumulation_steps=3 with
+        steps_per_generation=4) start a rollout inside an optimizer step, when TRL's loop asks for it: rollout ranks
+        and partial rollouts generate a rollout per optimizer step (jobs written ahead, pools versioned by step)."""
+        if not (self.rollout_ranks or self.rollout_partial):
+            return
+        layout = RolloutLayout.build(**self._layout_kwargs(world))
+        if layout.spans_rollouts:
+            option = f"rollout_ranks={self.rollout_ranks}" if self.rollout_ranks else "rollout_partial=True"
+            raise InputError(
+                f"{option} with optimizer steps that span two rollouts ({layout.mini_batch_samples} samples per "
+                f"optimizer step, {layout.total_samples} per rollout, ppo_epochs={layout.ppo_epochs}: "
+                f"{layout.optimizer_steps_per_rollout:.4g} optimizer steps per rollout): {option.split('=')[0]} "
+                "generates whole rollouts per optimizer step. Make gradient_accumulation_steps divide "
+                "steps_per_generation x num_iterations (or ppo_mini_batch_samples divide the rollout's samples), "
+                f"or set {'rollout_ranks=0' if self.rollout_ranks else 'rollout_partial=False'}.")
+
+    def _check_sampling(self) -> None:
+        """Greedy decoding with several samples per prompt: the n samples are identical, so every group advantage
+        is 0 and nothing is learned (and vLLM refuses n > 1 with temperature 0 at the first rollout)."""
+        n = self.rollout_n or self.num_generations
+        if self.temperature == 0 and n > 1:
+            raise InputError(
+                f"temperature=0 (greedy) with rollout_n={n} gives {n} identical samples per prompt: the "
+                f"{self.adv_estimator!r} advantages compare samples of a prompt, so they are all 0 and nothing is "
+                "learned. Sample with temperature > 0 (1.0 samples from the policy itself), or set rollout_n=1 "
+                "with an estimator that needs no group (e.g. adv_estimator='reinforce_plus_plus').")
+
+    def _check_choices(self) -> None:
+        checks = [
+            ("adv_estimator", self.adv_estimator, available_estimators()),
+            ("loss_agg_mode", self.loss_agg_mode, list(LOSS_AGG_MODES)),
+            ("rollout_backend", self.rollout_backend, ["auto", "vllm", "hf"]),
+            ("rollout_seed_mode", self.rollout_seed_mode, [None, *SEED_MODES]),
+            ("kl_ctrl_type", self.kl_ctrl_type, ["fixed", "adaptive"]),
+            ("rollout_is", self.rollout_is, [None, "token", "sequence"]),
+            ("rollout_is_mode", self.rollout_is_mode, ["truncate", "mask"]),
+            ("reward_nan_policy", self.reward_nan_policy, ["error", "zero"]),
+            ("reward_timeout_policy", self.reward_timeout_policy, ["error", "none", "zero"]),
+            ("ratio_level", self.ratio_level, [None, "token", "sequence"]),
+            ("policy_loss_mode", self.policy_loss_mode, available_policy_losses()),
+        ]
+        for name, value, allowed in checks:
+            if value not in allowed:
+                raise InputError(f"{name}={value!r} is not one of {allowed}; pick one of them.")
+        for name in ("kl_loss_type", "kl_penalty"):
+            kind = getattr(self, name)
+            if kind.rstrip("+") not in KL_KINDS:
+                raise InputError(f"{name}={kind!r} is not a KL estimator; use one of {list(KL_KINDS)} (or with '+').")
+        if self.reward_timeout_s is not None and not self.reward_timeout_s > 0:
+            raise InputError(f"reward_timeout_s={self.reward_timeout_s} must be > 0 seconds (e.g. 60), or None for no "
+                             "limit.")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise InputError(f"max_completion_length={self.max_completion_length}: each completion needs at least one "
+                             "token; set max_completion_length to the longest completion to sample (e.g. 256).")
+        pad = self.pad_to_multiple_of
+        if pad is not None and pad != "auto" and (isinstance(pad, bool) or not isinstance(pad, int) or pad < 1):
+            raise InputError(f"pad_to_multiple_of={pad!r} must be a positive whole number of tokens (e.g. 8 or 64 for "
+                             "tensor-core friendly shapes), or None for no rounding.")
+        if self.temperature < 0:
+            raise InputError(f"temperature={self.temperature} must be >= 0 (1.0 samples from the policy itself).")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise InputError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (e.g. 3.0) or None to disable dual clip.")
+        if isinstance(self.generation_kwargs, str):  # the command line gives JSON (TrainingArguments parses it later)
+            try:
+                self.generation_kwargs = json.loads(self.generation_kwargs)
+            except json.JSONDecodeError as err:
+                raise InputError(f"generation_kwargs={self.generation_kwargs!r} is not JSON ({err.msg}); give a "
+                                 "JSON object, e.g. --generation_kwargs '{\"min_tokens\": 16}'.") from None
+            if not isinstance(self.generation_kwargs, dict):
+                raise InputError(f"generation_kwargs={self.generation_kwargs!r} must be a JSON object of sampling "
+                                 "options, e.g. '{\"min_tokens\": 16}'.")
+        reserved = sorted(set(self.generation_kwargs or {}) & set(RESERVED_GENERATION_KWARGS))
+        if reserved:
+            key = reserved[0]
+            raise InputError(f"generation_kwargs sets {key!r}, which the rollout stage controls; use "
+                             f"{RESERVED_GENERATION_KWARGS[key]} instead.")
+        if self.filter_groups_max_rounds < 0:
+            raise InputError(f"filter_groups_max_rounds={self.filter_groups_max_rounds} must be >= 0.")
+        if self.filter_groups and self.adv_estimator == "remax":
+            raise InputError("adv_estimator='remax' with filter_groups=True: ReMax's greedy baselines are taken for "
+                             "the step's first prompts, while DAPO's selection may train groups drawn in later "
+                             "rounds, which would get another prompt's baseline; set filter_groups=False, or use "
+                             "a group estimator ('grpo', 'rloo') with filter_groups.")
+        if not self.rollout_rank_timeout_s > 0:
+            raise InputError(f"rollout_rank_timeout_s={self.rollout_rank_timeout_s} must be > 0 (seconds a rank may be "
+                             "silent before the launch stops; e.g. 120).")
+        if self.max_staleness < 0:
+            raise InputError(f"max_staleness={self.max_staleness} must be >= 0 (policy versions a sample may lag; "
+                             "1 lets an unfinished sample continue after one weight sync).")
+        if not self.rollout_partial_oversample >= 0:
+            raise InputError(f"rollout_partial_oversample={self.rollout_partial_oversample} must be >= 0 (0.5: half "
+                             "again as many groups in flight as the step trains).")
+        if self.rollout_partial and self.adv_estimator == "remax":
+            raise InputError("adv_estimator='remax' with rollout_partial=True: ReMax takes its greedy baselines for "
+                             "the step's own prompts, while a partial rollout trains the groups that finished first "
+                             "(some from earlier steps); use a group estimator ('grpo', 'rloo'), or "
+                             "rollout_partial=False.")
+        if self.rollout_partial and self.rollout_backend == "hf":
+            raise InputError("rollout_partial=True needs vLLM engines (a request-level engine loop that can stop "
+                             "and continue samples); rollout_backend='hf' cannot. Set rollout_backend='vllm' (or "
+                             "'auto' with vLLM installed), or rollout_partial=False.")
+        if self.rollout_multi_turn not in MULTI_TURN_MODES:
+            raise InputError(f"rollout_multi_turn={self.rollout_multi_turn!r} must be one of {list(MULTI_TURN_MODES)} "
+                             "('turns': TRL's turn-by-turn tool loop; 'requests': no turn barrier).")
+        if self.tool_workers < 1:
+            raise InputError(f"tool_workers={self.tool_workers} must be >= 1 (how many samples' tool calls run at "
+                             "once with rollout_multi_turn='requests'; 1: one at a time).")
+        default_workers = next(f.default for f in fields(self) if f.name == "tool_workers")
+        if self.tool_workers != default_workers and self.rollout_multi_turn != "requests":
+            raise InputError(f"tool_workers={self.tool_workers} sets how many samples' tool calls run at once with "
+                             f"rollout_multi_turn='requests', but rollout_multi_turn={self.rollout_multi_turn!r} "
+                             "runs them turn by turn: it would do nothing. Set rollout_multi_turn='requests' too, or "
+                             "remove tool_workers.")
+        if self.rollout_multi_turn == "requests" and self.rollout_backend == "hf":
+            raise InputError("rollout_multi_turn='requests' needs vLLM engines (a request-level engine loop: samples "
+                             "leave and re-enter the engine one by one); rollout_backend='hf' generates a batch per "
+                             "call. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or "
+                             "rollout_multi_turn='turns'.")
+        if self.rollout_lora_sync not in LORA_SYNC_MODES:
+            raise InputError(f"rollout_lora_sync={self.rollout_lora_sync!r} must be one of {list(LORA_SYNC_MODES)} "
+                             "('merged': full weights with the adapter merged in; 'adapter': the engines serve the "
+                             "adapter, only it travels; 'auto': by the adapter's size).")
+        if self.rollout_lora_sync != "auto" and self.rollout_backend == "hf":
+            raise InputError(f"rollout_lora_sync={self.rollout_lora_sync!r} configures the vLLM engines' weight sync; "
+                             "rollout_backend='hf' generates with the PEFT model itself and syncs nothing. Remove "
+                             "rollout_lora_sync, or set rollout_backend='vllm'.")
+        if self.rollout_dispatch not in DISPATCH_MODES:
+            raise InputError(f"rollout_dispatch={self.rollout_dispatch!r} must be one of {list(DISPATCH_MODES)} "
+                             "('shares': each engine its own ranks' prompts; 'balanced': engines pull from one queue).")
+        if self.rollout_dispatch == "balanced" and self.rollout_backend == "hf":
+            raise InputError("rollout_dispatch='balanced' needs vLLM engines (a request-level loop that adds groups "
+                             "as it goes); rollout_backend='hf' generates each rank's batch in one call. Set "
+                             "rollout_backend='vllm' (or 'auto' with vLLM installed), or rollout_dispatch='shares'.")
+        if self.rollout_dispatch == "balanced" and self.rollout_partial:
+            raise InputError("rollout_dispatch='balanced' with rollout_partial=True: a partial rollout keeps a pool of "
+                             "groups in flight per engine across steps (saved with each rank's checkpoint) and "
+                             "already stops the tail instead of waiting for it. Use one: "
+                             "rollout_partial=True with rollout_dispatch='shares', or rollout_partial=False.")
+        if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
+            raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
+                             "samples, capped at 1024).")
+        upper, lower = self.rollout_is_threshold, self.rollout_is_threshold_lower
+        if upper is not None and upper <= 0:
+            raise InputError(f"rollout_is_threshold={upper} must be > 0 (e.g. 2.0).")
+        if lower is not None and upper is not None and lower >= upper:
+            raise InputError(f"rollout_is_threshold_lower={lower} must be below rollout_is_threshold={upper}.")
+        if self.rollout_is is not None and self.rollout_is_mode == "truncate" and upper is None and lower is None:
+            raise InputError("rollout_is_mode='truncate' needs rollout_is_threshold or rollout_is_threshold_lower; set "
+                             "rollout_is_threshold=2.0.")
