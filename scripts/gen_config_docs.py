@@ -1,5 +1,6 @@
-"""Write docs/configuration.md from NRolloutConfig's field help, and the TRL-options table of docs/migrating.md
-from trl_nrollout/dropin.py, so neither can drift from the code.
+"""Write docs/configuration.md from NRolloutConfig's field help, the TRL-options table of docs/migrating.md from
+trl_nrollout/dropin.py, and the rollout's refusal table of docs/architecture.md from trl_nrollout/rollout/axes.py,
+so none can drift from the code.
 
     python scripts/gen_config_docs.py          # rewrite the file
     python scripts/gen_config_docs.py --check  # exit 1 when the file is stale (used by the tests)
@@ -12,7 +13,20 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 MIGRATING = OUT.parent / "migrating.md"
+ARCHITECTURE = OUT.parent / "architecture.md"
 START, END = "<!-- trl-options:start", "<!-- trl-options:end -->"
+AXES_START, AXES_END = "<!-- rollout-refusals:start", "<!-- rollout-refusals:end -->"
+
+
+def render_architecture(text: str) -> str:
+    """``text`` (docs/architecture.md) with the rollout's refusal table between its markers replaced by the one
+    :func:`trl_nrollout.rollout.axes.refusal_table` renders."""
+    from trl_nrollout.rollout.axes import refusal_table
+
+    head, rest = text.split(AXES_START, 1)
+    marker_line, _, _ = rest.partition("\n")
+    _, tail = rest.split(AXES_END, 1)
+    return head + AXES_START + marker_line + "\n" + "\n".join(refusal_table()) + "\n" + AXES_END + tail
 
 
 def render_migrating(text: str) -> str:
@@ -87,7 +101,8 @@ def ppo_help_table() -> list[tuple[str, str, str]]:
 
 
 if __name__ == "__main__":
-    outputs = {OUT: render(), MIGRATING: render_migrating(MIGRATING.read_text())}
+    outputs = {OUT: render(), MIGRATING: render_migrating(MIGRATING.read_text()),
+               ARCHITECTURE: render_architecture(ARCHITECTURE.read_text())}
     if "--check" in sys.argv:
         stale = [str(path) for path, text in outputs.items() if not path.exists() or path.read_text() != text]
         if stale:

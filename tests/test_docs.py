@@ -40,6 +40,8 @@ def test_configuration_reference_is_current():
     assert gen.OUT.read_text() == gen.render(), "docs/configuration.md is stale: run python scripts/gen_config_docs.py"
     assert gen.MIGRATING.read_text() == gen.render_migrating(gen.MIGRATING.read_text()), (
         "docs/migrating.md's options table is stale: run python scripts/gen_config_docs.py")
+    assert gen.ARCHITECTURE.read_text() == gen.render_architecture(gen.ARCHITECTURE.read_text()), (
+        "docs/architecture.md's refusal table is stale: run python scripts/gen_config_docs.py")
 
 
 PYTHON_DOCS = [d for d in DOCS if blocks(d, "python")]

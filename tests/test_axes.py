@@ -1,0 +1,99 @@
+"""The rollout's refusal table (:data:`trl_nrollout.rollout.axes.REFUSALS`) is the code's: every row is refused
+where it says, with a message naming both of its sides, and docs/architecture.md's table is generated from it
+(tests/test_docs.py). Mutation tried: a row whose check is lifted (``rollout_partial`` with ``rollout_dispatch=
+'balanced'`` no longer refused in ``_check_choices``) -> its case fails here, so the table cannot claim a refusal
+the code no longer makes (nor miss one it makes, for the checks listed)."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.config_checks import rollout_ranks_refusal
+from trl_nrollout.errors import InputError
+from trl_nrollout.rollout.axes import REFUSALS, refusal_table
+from trl_nrollout.trainer.engines import EngineSetup
+from trl_nrollout.trainer.multiturn import MultiTurnRollout
+from trl_nrollout.trainer.partial import PartialRollouts
+from trl_nrollout.trainer.rollout_ranks import RolloutRanks
+
+
+def _config_error(tmp_path, **options) -> str:
+    with pytest.raises(InputError) as err:
+        NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **options)
+    return str(err.value)
+
+
+def _ranks(**options) -> str | None:
+    base = dict(rollout_ranks=1, rollout_backend="vllm", rollout_partial=False, rollout_dispatch="shares",
+                rollout_multi_turn="turns")
+    return rollout_ranks_refusal(SimpleNamespace(**{**base, **options}))
+
+
+def _trainer(**attrs) -> SimpleNamespace:
+    base = dict(rollout_backend="vllm", tools=None, environment_factories=None, rollout_func=None,
+                args=SimpleNamespace(rollout_ranks=1, rollout_multi_turn="turns"))
+    return SimpleNamespace(**{**base, **attrs})
+
+
+#: how each row is made to happen: the message its check gives (the real check, called on the options)
+CASES = {
+    ("rollout_ranks", "rollout_backend='hf'"): lambda tmp: _ranks(rollout_backend="hf"),
+    ("rollout_partial=True", "rollout_backend='hf'"): lambda tmp: _config_error(
+        tmp, rollout_partial=True, rollout_backend="hf"),
+    ("rollout_dispatch='balanced'", "rollout_backend='hf'"): lambda tmp: _config_error(
+        tmp, rollout_dispatch="balanced", rollout_backend="hf"),
+    ("rollout_multi_turn='requests'", "rollout_backend='hf'"): lambda tmp: _config_error(
+        tmp, rollout_multi_turn="requests", rollout_backend="hf"),
+    ("rollout_dispatch='balanced'", "rollout_func"): lambda tmp: EngineSetup._dispatch_refusal(
+        _trainer(rollout_func=print)),
+    ("rollout_multi_turn='requests'", "rollout_func"): lambda tmp: MultiTurnRollout._request_turns_refusal(
+        _trainer(rollout_func=print)),
+    ("rollout_ranks", "rollout_partial=True"): lambda tmp: _ranks(rollout_partial=True),
+    ("rollout_ranks", "rollout_dispatch='balanced'"): lambda tmp: _ranks(rollout_dispatch="balanced"),
+    ("rollout_ranks", "rollout_multi_turn='requests'"): lambda tmp: _ranks(rollout_multi_turn="requests"),
+    ("rollout_ranks", "tools or environment_factory"): lambda tmp: RolloutRanks._rollout_ranks_refusal(
+        _trainer(tools=[print])),
+    ("rollout_ranks", "rollout_func"): lambda tmp: RolloutRanks._rollout_ranks_refusal(_trainer(rollout_func=print)),
+    ("rollout_partial=True", "rollout_dispatch='balanced'"): lambda tmp: _config_error(
+        tmp, rollout_partial=True, rollout_dispatch="balanced"),
+    ("rollout_partial=True", "tools, environment_factory or rollout_func"): lambda tmp: (
+        PartialRollouts._partial_refusal(_trainer(tools=[print]))),
+    # the pool's round refuses image prompts where it tokenizes them (a whole step to reach): its message, read
+    ("rollout_partial=True", "image prompts"): lambda tmp: inspect.getsource(PartialRollouts._partial_round),
+    ("rollout_partial=True", "adv_estimator='remax'"): lambda tmp: _config_error(
+        tmp, rollout_partial=True, adv_estimator="remax"),
+    ("rollout_dispatch='balanced'", "tools and rollout_multi_turn='requests'"): lambda tmp: (
+        EngineSetup._dispatch_refusal(_trainer(tools=[print], args=SimpleNamespace(rollout_multi_turn="requests")))),
+}
+
+
+def _names(side: str) -> list[str]:
+    """The option names a side mentions (``rollout_ranks``, ``tools or environment_factory`` -> both...)."""
+    words = side.replace(",", " ").replace(" or ", " ").replace(" and ", " ").split()
+    return [w.split("=")[0] if "=" in w else w for w in words if "_" in w or w == "tools"] or [side]
+
+
+def test_every_row_has_a_case_and_every_case_a_row():
+    assert {(r.first, r.second) for r in REFUSALS} == set(CASES)
+    assert len(refusal_table()) == len(REFUSALS) + 2
+
+
+@pytest.mark.parametrize("row", REFUSALS, ids=lambda r: f"{r.first}+{r.second}")
+def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
+    message = CASES[(row.first, row.second)](tmp_path)
+    assert message, f"{row.first} with {row.second} is not refused any more: lift the row from REFUSALS"
+    for side in (row.first, row.second):
+        for name in _names(side):
+            assert name in message, (name, message)
+    owner, _, attr = row.where.rpartition(".")
+    namespace = {"config_checks": __import__("trl_nrollout.config_checks", fromlist=["x"]),
+                 "ConfigChecks": __import__("trl_nrollout.config_checks", fromlist=["x"]).ConfigChecks,
+                 "EngineSetup": EngineSetup, "MultiTurnRollout": MultiTurnRollout, "PartialRollouts": PartialRollouts,
+                 "RolloutRanks": RolloutRanks}
+    assert callable(getattr(namespace[owner], attr)), row.where
+    if row.kind == "machine":
+        assert "rollout_backend='hf'" in (row.first, row.second)  # the only machine limit today: the HF engine

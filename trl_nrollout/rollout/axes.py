@@ -1,0 +1,90 @@
+"""The rollout's four axes, and every combination of them that is refused today, in one table.
+
+A rollout step is one choice on each axis:
+
+- **placement**, where the engines live: colocated with the trainers (``rollout_ranks=0``), or on rollout ranks;
+- **dispatch**, how work reaches them: fixed shares (``rollout_dispatch="shares"``) or one balanced queue;
+- **end**, when the step's rollout ends: every sample done, or partial (``rollout_partial=True``: the first groups
+  to finish train, the rest stay in flight across weight syncs);
+- **episode**, what one sample is: one completion, TRL tools turn by turn or request by request, an environment
+  (``environment_factory``), a ``rollout_func``, a prompt with images.
+
+The engine (``rollout_backend``) is not an axis but the machine: the HF engine (transformers ``generate`` on the
+training model) cannot abort or stream a request, so it cannot run what needs a request-level loop. :data:`REFUSALS`
+lists each refused pair once, with its kind: ``machine`` (what the machine cannot do), ``by definition`` (what the
+option means excludes it) or ``not yet`` (a part to build); docs/architecture.md's table is generated from it
+(``scripts/gen_config_docs.py``), and tests/test_axes.py checks that each row is refused where it says, with a
+message naming both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: the axes and their choices (the option that selects each)
+AXES: dict[str, dict[str, str]] = {
+    "placement": {"colocated": "rollout_ranks=0", "rollout ranks": "rollout_ranks>0"},
+    "dispatch": {"shares": "rollout_dispatch='shares'", "balanced": "rollout_dispatch='balanced'"},
+    "end": {"whole": "rollout_partial=False", "partial": "rollout_partial=True"},
+    "episode": {"one completion": "(default)", "tools, turn by turn": "tools, rollout_multi_turn='turns'",
+                "tools, request by request": "tools, rollout_multi_turn='requests'",
+                "environment": "environment_factory", "custom": "rollout_func", "images": "image prompts"},
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refused pair: ``first`` with ``second`` (each an option as a user writes it), the ``kind`` (machine / by
+    definition / not yet), ``where`` the check lives (a function or method, for the tests and for whoever lifts
+    it) and ``why`` in a few words."""
+
+    first: str
+    second: str
+    kind: str
+    where: str
+    why: str
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("rollout_ranks", "rollout_backend='hf'", "machine", "config_checks.rollout_ranks_refusal",
+            "the HF engine generates with the training model itself: it cannot live on another process"),
+    Refusal("rollout_partial=True", "rollout_backend='hf'", "machine", "ConfigChecks._check_choices",
+            "the HF engine cannot abort a request, so a sample cannot stop and continue later"),
+    Refusal("rollout_dispatch='balanced'", "rollout_backend='hf'", "machine", "ConfigChecks._check_choices",
+            "the HF engine has no request-level loop to add groups to while it generates"),
+    Refusal("rollout_multi_turn='requests'", "rollout_backend='hf'", "machine", "ConfigChecks._check_choices",
+            "the HF engine has no request-level loop: samples cannot re-enter it one by one"),
+    Refusal("rollout_dispatch='balanced'", "rollout_func", "by definition", "EngineSetup._dispatch_refusal",
+            "the function makes its own engine calls: the trainer has no groups to queue"),
+    Refusal("rollout_multi_turn='requests'", "rollout_func", "by definition", "MultiTurnRollout._request_turns_refusal",
+            "the function generates itself: there are no tool turns to run request by request"),
+    Refusal("rollout_ranks", "rollout_partial=True", "not yet", "config_checks.rollout_ranks_refusal",
+            "partial rollouts keep a pool per colocated engine; rollout ranks run whole jobs"),
+    Refusal("rollout_ranks", "rollout_dispatch='balanced'", "not yet", "config_checks.rollout_ranks_refusal",
+            "the rollout ranks split each job by whole groups among their engines"),
+    Refusal("rollout_ranks", "rollout_multi_turn='requests'", "not yet", "config_checks.rollout_ranks_refusal",
+            "tool calls would run on the rollout ranks"),
+    Refusal("rollout_ranks", "tools or environment_factory", "not yet", "RolloutRanks._rollout_ranks_refusal",
+            "multi-turn rollouts are not on rollout ranks"),
+    Refusal("rollout_ranks", "rollout_func", "not yet", "RolloutRanks._rollout_ranks_refusal",
+            "the function drives a colocated engine itself"),
+    Refusal("rollout_partial=True", "rollout_dispatch='balanced'", "not yet", "ConfigChecks._check_choices",
+            "a partial rollout keeps a pool per engine; the balanced queue hands groups out per step"),
+    Refusal("rollout_partial=True", "tools, environment_factory or rollout_func", "not yet",
+            "PartialRollouts._partial_refusal", "multi-turn and custom rollouts are not partial"),
+    Refusal("rollout_partial=True", "image prompts", "not yet", "PartialRollouts._partial_round",
+            "partial rollouts are text-only"),
+    Refusal("rollout_partial=True", "adv_estimator='remax'", "not yet", "ConfigChecks._check_choices",
+            "ReMax's greedy baselines are generated for the step's prompts, not for groups that started earlier"),
+    Refusal("rollout_dispatch='balanced'", "tools and rollout_multi_turn='requests'", "not yet",
+            "EngineSetup._dispatch_refusal", "a sample re-enters the engine that holds its context"),
+)
+
+
+def refusal_table() -> list[str]:
+    """:data:`REFUSALS` as a markdown table (docs/architecture.md), machine-imposed rows first."""
+    order = {"machine": 0, "by definition": 1, "not yet": 2}
+    rows = ["| option | with | kind | why | checked in |", "|---|---|---|---|---|"]
+    for r in sorted(REFUSALS, key=lambda r: order[r.kind]):
+        rows.append(f"| `{r.first}` | `{r.second}` | {r.kind} | {r.why} | `{r.where}` |")
+    return rows
