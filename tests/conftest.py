@@ -56,22 +56,17 @@ def tiny_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def recipe():
-    """``recipes/grpo.py`` as a module (``recipe.main(argv)``, its parsers and checks), loaded once."""
+    """The recipe as a module (``recipe.main(argv)``, its parsers and checks): :mod:`trl_nrollout.recipe.run`, which
+    ``recipes/grpo.py`` and ``trl-nrollout train`` run."""
     return load_recipe()
 
 
 def load_recipe():
-    """``recipes/grpo.py`` as a module, registered in ``sys.modules`` (dataclasses look their module up while the
-    file executes)."""
-    import importlib.util
+    """:mod:`trl_nrollout.recipe.run`, the module behind ``recipes/grpo.py`` (a wrapper of it) and ``trl-nrollout
+    train``: patching its functions patches every launch's."""
+    import importlib
 
-    if "grpo_recipe" in sys.modules:
-        return sys.modules["grpo_recipe"]
-    spec = importlib.util.spec_from_file_location("grpo_recipe", ROOT / "recipes" / "grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("trl_nrollout.recipe.run")
 
 
 #: The commit hash of the Hub repositories laid out by :func:`populate_cache`.

@@ -1,4 +1,5 @@
-"""The ``trl-nrollout`` command.
+"""The ``trl-nrollout`` command: ``plan``, ``recipe`` (Hub recipes) and ``train`` (a recipe run in this process:
+``trl-nrollout train --config gsm8k_qwen --max_steps 20``, the code of ``accelerate launch recipes/grpo.py``).
 
 Subcommands live in :data:`COMMANDS` (name -> :class:`Command`: help, a function adding its arguments, a function
 running it and returning the exit status). To add one, write those two functions and add an entry; ``main`` and
@@ -55,6 +56,9 @@ class Command(NamedTuple):
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    #: the command parses its own arguments: every word after its name is handed over as ``args.argv`` (its
+    #: ``--help`` included)
+    passthrough: bool = False
 
 
 #: A user error reported as ``trl-nrollout: error: <message>`` with exit status 2.
@@ -282,6 +286,19 @@ def _run_recipe(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
 
 
+# ---------------------------------------------------------------------------------------------- train
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """None: ``train`` hands every word to the recipe's parser (TRL's, over the recipe's dataclasses)."""
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    """The recipe (:func:`trl_nrollout.recipe.run.cli`, what ``accelerate launch recipes/grpo.py`` runs) in this
+    process: a mistake in the options, the recipe or the data is one ``error:`` line and exit status 2."""
+    from trl_nrollout.recipe.run import cli as run_recipe
+
+    return run_recipe(list(args.argv))
+
+
 # ---------------------------------------------------------------------------------------------- dispatch
 COMMANDS: dict[str, Command] = {
     "plan": Command(
@@ -294,6 +311,14 @@ COMMANDS: dict[str, Command] = {
         add_arguments=_add_recipe_arguments,
         run=_run_recipe,
     ),
+    "train": Command(
+        help="Train from a recipe (a YAML file, a shipped recipe's name such as gsm8k_qwen, or hf://...) in this "
+             "process; options after it override the recipe's (--max_steps 20). Under accelerate: accelerate "
+             "launch -m trl_nrollout.recipe.run --config ...",
+        add_arguments=_add_train_arguments,
+        run=_run_train,
+        passthrough=True,
+    ),
 }
 
 
@@ -304,13 +329,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command in COMMANDS.items():
-        p = sub.add_parser(name, help=command.help, description=command.help)
+        p = sub.add_parser(name, help=command.help, description=command.help, add_help=not command.passthrough)
         command.add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``trl-nrollout`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS and COMMANDS[argv[0]].passthrough:  # its words are its own parser's
+        return COMMANDS[argv[0]].run(argparse.Namespace(command=argv[0], argv=argv[1:]))
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
