@@ -457,8 +457,8 @@ def test_a_calibrated_profile_measures_this_machine_and_predicts(tmp_path, monke
     """`plan --calibrate`'s measurements on a real engine (the trainer runs left out here: they take a minute):
     positive peaks, efficiencies within (0, 1], an engine step's fixed cost of a few milliseconds at most, saved and
     loaded back, and usable by --predict."""
+    from trl_nrollout.calibrate import calibrate
     from trl_nrollout.cli import main
-    from trl_nrollout.plan.calibrate import calibrate
 
     monkeypatch.setenv("TRL_NROLLOUT_PROFILES", str(tmp_path))
     profile = calibrate(tiny_model_path, name="here", progress=lambda _: None, trainer_runs=False)
@@ -468,6 +468,7 @@ def test_a_calibrated_profile_measures_this_machine_and_predicts(tmp_path, monke
     assert 0 <= profile.step_s < 0.05 and 0 <= profile.seq_step_s < 0.005 and profile.optimizer_rate > 0
     save_profile(profile)
     assert load_profile("here") == profile
+    capsys.readouterr()  # what the engine printed (vLLM's log goes to stdout when it is first imported here)
     assert main(["plan", "--num-processes", "1", "--train-batch-size", "8", "--rollout-n", "4", "--model",
                  tiny_model_path, "--device", "here", "--predict", "--no-memory", "--max-prompt-length", "32",
                  "--max-completion-length", "32", "--json"]) == 0

@@ -85,7 +85,7 @@ def test_calibration_trainer_runs_train_on_the_accelerator_in_its_precision():
     """``plan --calibrate``'s GRPO runs: on the CPU only where there is no accelerator, bfloat16 where the device
     has it (they ran with use_cpu=True on CUDA: the trainer's costs of a CPU run beside a GPU's measurements).
     Shown failing with the old arguments (use_cpu=True, bf16 whenever CUDA is there)."""
-    from trl_nrollout.plan.calibrate import bf16_supported, trainer_device_args
+    from trl_nrollout.plan.measure import bf16_supported, trainer_device_args
 
     assert trainer_device_args("cpu", False) == {"use_cpu": True, "bf16": False}
     assert trainer_device_args("cpu", True) == {"use_cpu": True, "bf16": False}  # float32, as the CPU's measurements
@@ -105,7 +105,7 @@ def test_calibration_timings_synchronize_the_models_device_before_each_clock_rea
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trl_nrollout.plan import calibrate
+    from trl_nrollout.plan import measure as calibrate
     from trl_nrollout.plan.cost import ModelDims
 
     torch.manual_seed(0)
@@ -133,12 +133,12 @@ def test_calibration_timings_synchronize_the_models_device_before_each_clock_rea
 
 
 def test_synchronize_waits_for_the_accelerator_the_tensors_are_on(monkeypatch):
-    """:func:`~trl_nrollout.plan.calibrate.synchronize` waits for each accelerator its arguments are on, once, and
+    """:func:`~trl_nrollout.plan.measure.synchronize` waits for each accelerator its arguments are on, once, and
     not for the CPU. There is no GPU here: ``torch.accelerator.synchronize`` is replaced by a recorder (a mock only
     for the GPU), given a CUDA device beside CPU tensors and a CPU module."""
     import torch
 
-    from trl_nrollout.plan.calibrate import synchronize
+    from trl_nrollout.plan.measure import synchronize
 
     calls = []
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: calls.append(device))

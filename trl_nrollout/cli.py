@@ -225,7 +225,7 @@ def _fit_status(predicted: dict | None) -> int:
 
 
 def _run_calibrate(values: dict) -> int:
-    from trl_nrollout.plan.calibrate import calibrate
+    from trl_nrollout.calibrate import calibrate
     from trl_nrollout.plan.devices import save_profile
 
     model = values.get("model_name_or_path") or "builtin:tiny-qwen2"
