@@ -338,6 +338,37 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _speed(section: str, cfg: dict, vocab: int, device: str, model, layouts: list[str], time_layout) -> dict:
+    """Forward + backward seconds per real token of each of ``layouts`` (``time_layout(prompts, completions,
+    layout)``: seconds of one), long-tailed completions (exponential of mean cap / 4, clipped) against uniform ones
+    of the same real tokens and the same prompts, the best of ``cfg["repeats"]`` after a warm-up; an out-of-memory
+    layout is reported as such and the others still run."""
+    import torch
+
+    n = cfg["speed_samples"]
+    prompt_lens = [cfg["prompt_len"]] * n
+    tailed = _padfree_lengths(n, cfg["cap"], seed=3)
+    total = sum(tailed)
+    uniform = [total // n + (1 if i < total % n else 0) for i in range(n)]  # the same real tokens
+    speed: dict = {"samples": n, "real_tokens": sum(prompt_lens) + total, "tailed_max": max(tailed),
+                   "tailed_mean": total / n, "uniform": uniform[0]}
+    for layout in layouts:
+        row: dict = {}
+        try:
+            for name, lens in (("uniform", uniform), ("tailed", tailed)):
+                ps, cs = _padfree_batch(prompt_lens, lens, vocab, device, seed=4)
+                times = [time_layout(ps, cs, layout) for _ in range(cfg["repeats"] + 1)][1:]  # the first warms up
+                row[f"{name}_s_per_token"] = min(times) / speed["real_tokens"]
+            row["tailed_over_uniform"] = row["tailed_s_per_token"] / row["uniform_s_per_token"]
+        except torch.OutOfMemoryError as err:
+            row["error"] = f"OutOfMemoryError: {str(err)[:200]}"
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        speed[layout] = row
+        print(f"[gpu_check] {section}: speed {layout}: {row}", flush=True)
+    return speed
+
+
 def check_padding_free(device: str, size: dict) -> dict:
     """Padding-free rows (:func:`~trl_nrollout.passes.padfree.pack_rows`) on the device (issue 45), on a decoder of
     ``size["padfree"]`` (about 0.8B parameters on the GPU, random weights):
@@ -406,13 +437,6 @@ def check_padding_free(device: str, size: dict) -> dict:
         _sync(device)
         return time.perf_counter() - start
 
-    n = cfg["speed_samples"]
-    prompt_lens = [cfg["prompt_len"]] * n
-    tailed = _padfree_lengths(n, cfg["cap"], seed=3)
-    total = sum(tailed)
-    uniform = [total // n + (1 if i < total % n else 0) for i in range(n)]  # the same real tokens
-    speed: dict = {"samples": n, "real_tokens": sum(prompt_lens) + total, "tailed_max": max(tailed),
-                   "tailed_mean": total / n, "uniform": uniform[0]}
     def budgeted(ps, cs) -> float:
         """The update's cut: micro batches of at most ``speed_budget`` real tokens (neighbouring lengths,
         :func:`budgeted_parts`), each packed where the trainer's rule says it pays, else padded."""
@@ -428,21 +452,8 @@ def check_padding_free(device: str, size: dict) -> dict:
         return total
 
     layouts = ["padded", "packed", "budgeted"] + (["varlen"] if varlen else [])
-    for layout in layouts:
-        row: dict = {}
-        try:
-            for name, lens in (("uniform", uniform), ("tailed", tailed)):
-                ps, cs = _padfree_batch(prompt_lens, lens, size["vocab"], device, seed=4)
-                times = [budgeted(ps, cs) if layout == "budgeted" else step(ps, cs, layout)
-                         for _ in range(cfg["repeats"] + 1)][1:]  # the first warms up
-                row[f"{name}_s_per_token"] = min(times) / speed["real_tokens"]
-            row["tailed_over_uniform"] = row["tailed_s_per_token"] / row["uniform_s_per_token"]
-        except torch.OutOfMemoryError as err:
-            row["error"] = f"OutOfMemoryError: {str(err)[:200]}"
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        speed[layout] = row
-        print(f"[gpu_check] padding_free: speed {layout}: {row}", flush=True)
+    speed = _speed("padding_free", cfg, size["vocab"], device, model, layouts,
+                   lambda ps, cs, layout: budgeted(ps, cs) if layout == "budgeted" else step(ps, cs, layout))
     speed["goal_packed_ok"] = speed["packed"].get("tailed_over_uniform", math.inf) <= 1.15
     out["speed"] = speed
 
@@ -596,26 +607,7 @@ def check_varlen(device: str, size: dict) -> dict:
             _sync(device)
             return time.perf_counter() - start
 
-        n = cfg["speed_samples"]
-        prompt_lens = [cfg["prompt_len"]] * n
-        tailed = _padfree_lengths(n, cfg["cap"], seed=3)
-        total = sum(tailed)
-        uniform = [total // n + (1 if i < total % n else 0) for i in range(n)]
-        speed: dict = {"samples": n, "real_tokens": sum(prompt_lens) + total, "tailed_max": max(tailed)}
-        for how in ("padded", "mask", "varlen"):
-            row: dict = {}
-            try:
-                for name, lens in (("uniform", uniform), ("tailed", tailed)):
-                    ps2, cs2 = _padfree_batch(prompt_lens, lens, size["vocab"], device, seed=4)
-                    times = [step(ps2, cs2, how) for _ in range(cfg["repeats"] + 1)][1:]
-                    row[f"{name}_s_per_token"] = min(times) / speed["real_tokens"]
-                row["tailed_over_uniform"] = row["tailed_s_per_token"] / row["uniform_s_per_token"]
-            except torch.OutOfMemoryError as err:
-                row["error"] = f"OutOfMemoryError: {str(err)[:200]}"
-                model.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
-            speed[how] = row
-            print(f"[gpu_check] varlen: speed {how}: {row}", flush=True)
+        speed = _speed("varlen", cfg, size["vocab"], device, model, ["padded", "mask", "varlen"], step)
         if "tailed_s_per_token" in speed["varlen"] and "tailed_s_per_token" in speed["padded"]:
             speed["varlen_over_padded_tailed"] = speed["varlen"]["tailed_s_per_token"] / speed["padded"]["tailed_s_per_token"]
         if "tailed_s_per_token" in speed["varlen"] and "tailed_s_per_token" in speed["mask"]:
