@@ -20,6 +20,7 @@ The trainer runs a model's SDPA forwards of padding-free rows through :data:`VAR
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 from collections.abc import Iterator
@@ -59,8 +60,9 @@ def varlen_kwargs(position_ids: Tensor) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+@functools.cache
 def _torch_varlen():
-    """PyTorch's varlen flash-attention function, or None where this torch has none."""
+    """PyTorch's varlen flash-attention function, or None where this torch has none (looked up once)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -73,11 +75,17 @@ def torch_varlen_runs(device_type: str, dtype: torch.dtype) -> bool:
     return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _torch_varlen() is not None
 
 
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """The keyword names of PyTorch's varlen function (read once: it runs in every layer of every forward)."""
+    return frozenset(inspect.signature(_torch_varlen()).parameters)
+
+
 def _flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest: int, scale: float | None
                   ) -> Tensor:
     """PyTorch's varlen kernel, causal: ``query`` ``[T, H, D]``, ``key``/``value`` ``[T, H_kv, D]`` -> ``[T, H, D]``."""
     fn = _torch_varlen()
-    params = inspect.signature(fn).parameters
+    params = _varlen_params()
     extra: dict = {"scale": scale}
     if "window_size" in params:  # torch >= 2.10: causal as a window of (everything before, nothing after)
         extra["window_size"] = (-1, 0)
