@@ -164,6 +164,80 @@ def test_a_slow_tool_does_not_hold_back_the_other_samples(tools_engine):
     assert samples[0].tool_calls >= 1 and samples[0].turns >= 2
 
 
+@pytest.mark.vllm
+def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(tools_engine):
+    """Tool-calling episodes in a partial rollout (rollout/partial_agents.py): each call trains the first group to
+    finish, aborts the running turns (tokens kept) and waits for the running tools; the others continue at the next
+    version. Checked over calls until the pool is empty: every trained group is whole; each sample's tokens, mask,
+    log-probs and versions align; its tool-result tokens (mask 0) are exactly the rendered results; a turn stopped by
+    an abort is parsed once, whole, when it ends (the parser sees each turn's tokens from its own context: the turns
+    and results add up to the completion); turns were stopped and continued under a later version."""
+    import json
+    from dataclasses import asdict
+
+    from trl_nrollout.rollout.partial import InFlightGroup, split_finished
+    from trl_nrollout.rollout.partial_agents import AgentPartialSample
+    from trl_nrollout.rollout.types import SamplingOptions
+    from trl_nrollout.trainer.partial import _group
+
+    engine, tokenizer, stops = tools_engine
+    prompts = _prompts(tokenizer, 4)[::N]
+    budget = 64
+    opts = SamplingOptions(max_tokens=budget, temperature=1.0, seed=_turn_seed(0), stop_token_ids=stops)
+    script = ScriptedAgent(tokenizer, {})
+    agent = script.callbacks(budget)
+    turns_seen: dict[tuple, list[tuple[int, list[int]]]] = {}  # (group, sample) -> (context length, turn tokens)
+    keys: list = []  # the call's pool, by place: parse gets a sample's place in the pool it was given
+
+    def parse(i, ids, prefix):
+        turns_seen.setdefault((keys[i // N], i % N), []).append((len(prefix), list(ids)))
+        return script.parse(i, ids, prefix)
+
+    agent.parse = parse
+    pool = [InFlightGroup.fresh(g, p, N, sample=AgentPartialSample) for g, p in enumerate(prompts)]
+    trained, aborted, version = [], 0, 0
+    continued = set()
+    while pool:
+        keys[:] = [g.key for g in pool]
+        run, stats = engine.run_partial_agents(pool, 1, opts, version, agent, workers=4, owns=lambda g: True)
+        chosen, pool = split_finished(run.groups, run.finish_order, 1)
+        trained += [(version, g) for g in chosen]
+        aborted += run.aborted
+        continued |= {(g.key, k) for g in pool for k, s in enumerate(g.samples) if s.turn_ids}
+        # a checkpoint writes the pool as JSON and reads back the same episodes (trainer/partial.py)
+        assert [_group(json.loads(json.dumps(asdict(g)))) for g in pool] == pool
+        assert all(not s.turn_ids or not s.finished for g in pool for s in g.samples)
+        version += 1
+        assert version <= 20, "the pool does not empty"
+    assert aborted > 0 and continued, "no turn was stopped and continued"
+    assert sorted(g.key for _, g in trained) == list(range(len(prompts)))
+    suffix = script.suffix
+    for at, group in trained:
+        assert group.finished and group.n == N
+        for s in group.samples:
+            e = s.episode
+            assert len(e.completion_ids) == len(e.tool_mask) == len(e.logprobs) == len(s.versions)
+            assert all(0 <= v <= at for v in s.versions) and s.versions == sorted(s.versions)
+            masked = [t for t, m in zip(e.completion_ids, e.tool_mask) if m == 0]
+            assert masked == suffix * (e.turns - 1)  # tool tokens are exactly the rendered results
+            assert all(lp == 0.0 for lp, m in zip(e.logprobs, e.tool_mask) if m == 0)
+            assert all(lp < 0.0 for lp, m in zip(e.logprobs, e.tool_mask) if m == 1)
+            assert e.turns - 1 <= e.tool_calls <= e.turns  # the last turn's calls: results dropped if too long
+    # each turn was parsed once, whole, after its own context: the parsed turns and the results between them are
+    # the sample's completion (a turn stopped by an abort and parsed in pieces, or not at all, breaks this)
+    for _, group in trained:
+        for k, s in enumerate(group.samples):
+            seen = turns_seen[(group.key, k)]
+            assert len(seen) == s.episode.turns
+            rebuilt: list[int] = []
+            for j, (context, ids) in enumerate(seen):
+                assert context == len(group.prompt_ids) + len(rebuilt)
+                rebuilt += ids + (suffix if j < len(seen) - 1 else [])
+            assert rebuilt == s.episode.completion_ids
+    stale = [s for at, g in trained for s in g.samples if s.versions and s.versions[-1] > s.versions[0]]
+    assert stale, "no trained sample spans two versions"
+
+
 def test_config_refuses_bad_multi_turn_settings():
     from trl_nrollout import NRolloutConfig
     from trl_nrollout.errors import InputError

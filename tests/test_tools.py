@@ -152,15 +152,21 @@ def _check_masks(result: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_trl_tools_script_learns_to_call_the_tool_on_vllm_without_a_turn_barrier(tmp_path):
-    """rollout_multi_turn='requests' (sync tool on the thread pool): the model learns to call the tool as with
-    turn-by-turn rollouts (whose samples the request-level ones equal, test_tool_requests.py), masks intact."""
-    result = _run_tool_script(tmp_path, "vllm", "sync", steps=8, extra={"rollout_multi_turn": "requests"})
-    rewards = [h["reward"] for h in result["history"] if "reward" in h]
+def test_a_trl_tools_script_learns_to_call_the_tool_on_vllm_in_partial_rollouts_without_a_turn_barrier(tmp_path):
+    """rollout_multi_turn='requests' (sync tool on the thread pool) with rollout_partial=True: the model learns to
+    call the tool as with turn-by-turn rollouts (whose samples the request-level ones equal, test_tool_requests.py),
+    masks intact, while each step trains the groups that finished first and continues the others' episodes after
+    the weight sync (staleness within max_staleness)."""
+    result = _run_tool_script(tmp_path, "vllm", "sync", steps=8, extra={
+        "rollout_multi_turn": "requests", "rollout_partial": True, "max_staleness": 1})
+    steps = [h for h in result["history"] if "reward" in h]
+    rewards = [h["reward"] for h in steps]
     assert rewards[0] < 0.3 and max(rewards[-2:]) > 0.8, rewards
-    turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
-    assert turns[-1] > 1.5 and all("tools/call_frequency" in h for h in result["history"] if "reward" in h)
-    assert all(0.0 <= h["tools/overlap"] <= 1.0 for h in result["history"] if "reward" in h)
+    turns = [h["num_turns/mean"] for h in steps]
+    assert turns[-1] > 1.5 and all("tools/call_frequency" in h for h in steps)
+    assert all(0.0 <= h["tools/overlap"] <= 1.0 for h in steps)
+    assert sum(h["partial/aborted_samples"] for h in steps) > 0  # steps stopped before their slowest episodes
+    assert all(h["partial/staleness_max"] <= 1 for h in steps) and any(h["partial/staleness_max"] > 0 for h in steps)
     _check_masks(result)
 
 

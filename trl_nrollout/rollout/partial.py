@@ -36,6 +36,10 @@ class PartialSample(SampleProgress):
     def oldest_version(self) -> int | None:
         return min(self.versions) if self.versions else None
 
+    def restarted(self) -> PartialSample:
+        """The sample started again from its prompt (too stale)."""
+        return PartialSample()
+
     def extended(self, tokens: list[int], logprobs: list[float], version: int) -> PartialSample:
         """This sample with ``tokens`` appended, sampled by policy ``version``."""
         return PartialSample(self.token_ids + tokens, self.logprobs + logprobs, self.finish_reason,
@@ -54,8 +58,11 @@ class InFlightGroup:
     restarts: int = 0
 
     @classmethod
-    def fresh(cls, key: int, prompt_ids: list[int], n: int, payload: Any = None) -> InFlightGroup:
-        return cls(key, list(prompt_ids), [PartialSample() for _ in range(n)], payload)
+    def fresh(cls, key: int, prompt_ids: list[int], n: int, payload: Any = None,
+              sample: Callable[[], Any] = PartialSample) -> InFlightGroup:
+        """A group not started yet; ``sample()`` makes each of its ``n`` samples (a
+        :class:`~trl_nrollout.rollout.partial_agents.AgentPartialSample` for tool-calling episodes)."""
+        return cls(key, list(prompt_ids), [sample() for _ in range(n)], payload)
 
     @property
     def n(self) -> int:
@@ -89,7 +96,7 @@ def drop_stale(groups: list[InFlightGroup], version: int, max_staleness: int
         for s in g.samples:
             oldest = s.oldest_version()
             if oldest is not None and version - oldest > max_staleness:
-                samples.append(PartialSample())
+                samples.append(s.restarted())
                 restarted += 1
                 dropped += len(s.token_ids)
             else:

@@ -476,6 +476,41 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             return run_partial(self.llm, groups, target, version, sampling.max_tokens, make_params,
                                lambda ids: TokensPrompt(prompt_token_ids=list(ids)), lora_request=self.lora_request)
 
+    def run_partial_agents(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int,
+                           agent: AgentCallbacks, workers: int, owns: Callable[[InFlightGroup], bool]
+                           ) -> tuple[PartialRun, AgentStats]:
+        """:meth:`run_partial` for tool-calling episodes (:mod:`trl_nrollout.rollout.partial_agents`): the pool's
+        samples run turn after turn as requests, a group's tools on the rank ``owns`` names, until ``target``
+        groups have finished. Seeds as :meth:`run_partial`'s; at TP > 1 every request gets a seed (from the call's
+        seed, or a base the TP group's first rank draws), so a tool drawing from a global generator on one rank
+        cannot make the ranks sample apart."""
+        self._ready()
+        for g in groups:
+            if not g.finished:
+                self.check_prompt_length(len(g.prompt_ids), sampling.max_tokens)
+        self._barrier_before_generate()
+        seeded = sampling.seed is not None and self.seed_mode == "sample"
+        base = None
+        if seeded:
+            base = engine_seed(sampling.seed, self.engine_index)
+        elif len(self.tp_ranks) > 1:
+            base = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
+                    else self._gather_tp(secrets.randbits(SEED_BITS))[0])
+
+        def make_params(n: int, budget: int, slot: int):
+            seed = None if base is None else base + slot
+            return self._sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
+
+        from vllm.inputs import TokensPrompt
+
+        from trl_nrollout.rollout.partial_agents import run_partial_agents
+
+        with self._engine_rng(sampling.seed):
+            return run_partial_agents(
+                self._loop(stream=True), groups, target, version, agent, make_params=make_params,
+                prompt=lambda ids: TokensPrompt(prompt_token_ids=list(ids)), owns=owns, exchange=self._gather_tp,
+                workers=workers, poll_s=0.01 if len(self.tp_ranks) > 1 else None)
+
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
         """Shut the engine down now (frees its memory and its process groups), not at interpreter exit."""

@@ -19,7 +19,10 @@ from accelerate.utils import gather_object
 
 from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import has_images
+from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, call_tools, split_tools
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
+from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.stages import Round, Sample, StepContext
 
 #: the in-flight pool of a rank, in each checkpoint
@@ -35,9 +38,14 @@ class PartialRollouts:
             return (f"rollout_partial=True needs vLLM engines, but this trainer generates with the "
                     f"{self.rollout_backend!r} engine; install vLLM (rollout_backend='vllm'), or set "
                     "rollout_partial=False.")
-        if self.tools or getattr(self, "environment_factories", None) or self.rollout_func is not None:
-            return ("rollout_partial=True with tools, environment_factory or rollout_func: multi-turn and custom "
-                    "rollouts are not partial yet; set rollout_partial=False for them.")
+        if getattr(self, "environment_factories", None) or self.rollout_func is not None:
+            return ("rollout_partial=True with environment_factory or rollout_func: environments and custom "
+                    "rollouts are not partial yet (tools are); set rollout_partial=False for them.")
+        if self.tools and self.args.rollout_multi_turn != "requests":
+            return (f"rollout_partial=True with tools and rollout_multi_turn={self.args.rollout_multi_turn!r}: a turn "
+                    "barrier waits for every sample's turn, while a partial rollout stops before its slowest "
+                    "samples; set rollout_multi_turn='requests' (each sample's turns run as requests, its tools "
+                    "while the others generate), or rollout_partial=False.")
         return None
 
     def _partial_round(self, ctx: StepContext, round_: int = 0) -> Round:
@@ -55,8 +63,9 @@ class PartialRollouts:
                                        "for now; set rollout_partial=False for a vision-language dataset.")
         prompt_ids = self._tokenize_prompts(prompts)[0]
         rank = self.accelerator.process_index
+        kind = AgentPartialSample if self.tools else PartialSample
         new = [InFlightGroup.fresh((version, round_, rank, g), list(ids), n,
-                                   payload={"row": dict(row), "prompt": prompt})
+                                   payload={"row": dict(row), "prompt": prompt}, sample=kind)
                for g, (ids, row, prompt) in enumerate(zip(prompt_ids, rows, prompts))]
         tp = len(engine.tp_ranks)
         target = len(rows) * tp  # the engine's share of the step's groups
@@ -67,11 +76,17 @@ class PartialRollouts:
             more_prompts, _ = self._start_episodes(more)
             more_ids = self._tokenize_prompts(more_prompts)[0]
             new += [InFlightGroup.fresh((version, round_, rank, len(rows) + g), list(ids), n,
-                                        payload={"row": dict(row), "prompt": prompt})
+                                        payload={"row": dict(row), "prompt": prompt}, sample=kind)
                     for g, (ids, row, prompt) in enumerate(zip(more_ids, more, more_prompts))]
         new = [g for chunk in engine.gather_tp(new) for g in chunk]  # the engine's new groups, rank order
         pool, restarted, dropped = drop_stale(self._partial_pool, version, args.max_staleness)
-        run = engine.run_partial(pool + new, target, self._sampling(ctx.mode, round_=round_), version)
+        sampling = self._sampling(ctx.mode, round_=round_)
+        if self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_agents.py)
+            run, stats = engine.run_partial_agents(pool + new, target, sampling, version, self._partial_agent(),
+                                                   args.tool_workers, owns=lambda g: g.key[2] == rank)
+            self._log_agent_stats(ctx.mode, stats)
+        else:
+            run = engine.run_partial(pool + new, target, sampling, version)
         chosen, self._partial_pool = split_finished(run.groups, run.finish_order, target)
         engine.sleep()
         mine_at = engine.tp_ranks.index(rank) * len(rows)
@@ -82,17 +97,27 @@ class PartialRollouts:
 
         inputs = [g.payload["row"] for g in mine for _ in range(n)]
         sample_prompts = [g.payload["prompt"] for g in mine for _ in range(n)]
-        samples = [Sample(list(g.prompt_ids), s.token_ids, s.logprobs, s.finish_reason) for g in mine
-                   for s in g.samples]
+        flat = [s for g in mine for s in g.samples]
+        if self.tools:  # an episode: its turns and tool results (masked), its messages for the rewards
+            episodes = [s.episode for s in flat]
+            samples = [Sample(list(g.prompt_ids), e.completion_ids, e.logprobs, e.finish_reason, e.tool_mask)
+                       for g in mine for e in (s.episode for s in g.samples)]
+            completions = [e.messages for e in episodes]
+            self._log_turns(ctx.mode, Episode(turns=[e.turns for e in episodes],
+                                              tool_calls=[e.tool_calls for e in episodes],
+                                              tool_failures=[e.tool_failures for e in episodes]))
+        else:
+            samples = [Sample(list(g.prompt_ids), s.token_ids, s.logprobs, s.finish_reason) for g in mine
+                       for s in g.samples]
+            completions = self._decode(sample_prompts, [s.completion_ids for s in samples])
         completion_ids = [s.completion_ids for s in samples]
-        completions = self._decode(sample_prompts, completion_ids)
         scores = self._score(inputs, sample_prompts, completions, completion_ids)
         t2 = time.perf_counter()
         table = None
         if self.log_completions:
             table = {"prompt": gather_object(sample_prompts), "completion": gather_object(list(completions)),
                      "images": None, "extra": scores.extra_logs}
-        staleness = [version - min(s.versions) for g in mine for s in g.samples]
+        staleness = [version - (s.oldest_version() if s.oldest_version() is not None else version) for s in flat]
         counts = gather_object([[run.aborted, restarted, len(self._partial_pool), run.engine_steps,
                                  max(staleness), sum(staleness) / len(staleness), dropped]])
         per_engine = counts[::len(engine.tp_ranks)]  # one entry per engine (its TP ranks agree)
@@ -105,6 +130,17 @@ class PartialRollouts:
         self._metric(ctx.mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
         return Round(gather_object(samples), scores.rewards, gen_s=t1 - t0, reward_s=t2 - t1,
                      gen_tokens=gen_tokens, table=table)
+
+    def _partial_agent(self) -> AgentCallbacks:
+        """What the pool's tool-calling episodes need from the trainer: TRL's parser and tools (the same for every
+        sample: environments are not partial), the tool results' tokens, the limits."""
+        loop = getattr(self, "async_loop", None)
+        sync, asyn = split_tools(list(self.tools or []))
+        max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
+        return AgentCallbacks(
+            parse=self._parse_turn, run_tools=lambda i, calls: call_tools(calls, sync, asyn, loop=loop),
+            suffix_ids=self._get_tool_suffix_ids, max_iterations=self.args.max_tool_calling_iterations,
+            max_completion_length=self.args.max_completion_length, max_model_len=max_len)
 
     # ------------------------------------------------------------------ checkpoints
     def _save_partial_pool(self, folder: str) -> None:
@@ -138,4 +174,12 @@ def partial_top_up(target: int, pooled: int, oversample: float, tp: int, tp_inde
 def _group(d: dict) -> InFlightGroup:
     key = d["key"]
     return InFlightGroup(tuple(key) if isinstance(key, list) else key, list(d["prompt_ids"]),
-                         [PartialSample(**s) for s in d["samples"]], d["payload"], int(d["restarts"]))
+                         [_sample(s) for s in d["samples"]], d["payload"], int(d["restarts"]))
+
+
+def _sample(d: dict) -> PartialSample | AgentPartialSample:
+    """A pool sample from its JSON: a tool-calling episode (it has ``episode``) or a single-turn sample."""
+    if "episode" not in d:
+        return PartialSample(**d)
+    episode = None if d["episode"] is None else AgentSample(**d["episode"])
+    return AgentPartialSample(**{**d, "episode": episode})
