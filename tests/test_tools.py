@@ -187,15 +187,19 @@ def test_tool_turns_stay_collective_on_one_engine_over_two_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.multiprocess
-def test_request_level_tool_turns_agree_on_one_engine_over_two_ranks(tmp_path):
-    """rollout_multi_turn='requests' with an async tool, two processes, one vLLM engine at TP=2: the two ranks'
-    samples re-enter the one engine as their tools finish, each rank running its own samples' tools, and both ranks
-    add the same requests in the same steps (otherwise the TP engine's collectives would hang or fail)."""
+def test_request_level_tool_turns_in_partial_rollouts_agree_on_one_engine_over_two_ranks(tmp_path):
+    """rollout_multi_turn='requests' with partial rollouts and an async tool, two processes, one vLLM engine at TP=2:
+    the pool's episodes re-enter the one engine as their tools finish, each group's tools running on the rank that
+    brought its prompt, and both ranks add the same requests in the same steps and hold the same episodes (their
+    exchanged tool results; otherwise the TP engine's collectives would hang or fail, and the ranks would train
+    different samples). The request loop without partial rollouts agrees at TP=2 too: tests/dist/tp_agreement.py."""
     result = _run_tool_script(tmp_path, "vllm", "async", steps=3, procs=2,
                               extra={"vllm_tensor_parallel_size": 2, "per_device_train_batch_size": 32,
-                                     "use_cpu": True, "rollout_multi_turn": "requests"})
-    turns = [h["num_turns/mean"] for h in result["history"] if "num_turns/mean" in h]
-    assert len(turns) == 3 and max(turns) > 1.0
+                                     "use_cpu": True, "rollout_multi_turn": "requests", "rollout_partial": True,
+                                     "max_staleness": 1})
+    steps = [h for h in result["history"] if "num_turns/mean" in h]
+    assert len(steps) == 3 and max(h["num_turns/mean"] for h in steps) > 1.0
+    assert sum(h["partial/aborted_samples"] for h in steps) > 0
     _check_masks(result)
 
 
