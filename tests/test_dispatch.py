@@ -89,6 +89,28 @@ def test_a_balanced_queue_samples_what_fixed_shares_sample(balanced_runs):
 
 @pytest.mark.vllm
 @pytest.mark.multiprocess
+def test_tool_episodes_from_a_balanced_queue_equal_the_fixed_shares_episodes(balanced_runs):
+    """Tool-calling episodes request by request (a scripted agent) pulled from one balanced queue, engine 0 slowed:
+    the fast engine runs some of rank 0's groups' episodes (their tools on its rank), and every rank gets back its own
+    prompts' episodes, in order, turn for turn and token for token the fixed shares' (each request is seeded from
+    its group or sample in the job, whichever engine runs it), with their tool masks."""
+    engines = {res["engine_index"]: res["agents_balanced"]["engine_groups"] for res in balanced_runs}
+    total = sum(len(res["prompts"]) for res in balanced_runs) // 3
+    assert sorted(g for groups in engines.values() for g in groups) == list(range(total))
+    assert set(engines[1]) & set(range(total // 2)), engines  # rank 0's groups ran on engine 1
+    for res in balanced_runs:
+        shares, balanced = res["agents_shares"], res["agents_balanced"]
+        assert balanced["prompt_ids"] == res["prompts"] == shares["prompt_ids"]
+        assert balanced["group_index"] == shares["group_index"]
+        assert max(shares["turns"]) > 1, "the script should call the tool"
+        for key in ("completion_ids", "tool_mask", "turns"):
+            assert balanced[key] == shares[key], key
+        for got, want in zip(balanced["logprobs"], shares["logprobs"]):
+            assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["balanced", "unseeded"])
 def test_a_slow_engine_hands_its_groups_to_the_fast_one(balanced_runs, case):
     """Engine 0 takes longer per step: the fast engine steals groups of rank 0's prompts and runs more of the

@@ -204,6 +204,23 @@ def test_request_level_tool_turns_in_partial_rollouts_agree_on_one_engine_over_t
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_request_level_tool_episodes_from_a_balanced_queue_over_two_engines(tmp_path):
+    """rollout_multi_turn='requests' with rollout_dispatch='balanced', two processes, one engine each: the job's
+    groups are pulled from one queue and their episodes run on the engine that pulled them; each rank trains its
+    own prompts' episodes (groups of n kept, masks intact), and the dispatch is logged. That the episodes equal the
+    fixed shares' sample for sample: tests/test_dispatch.py."""
+    result = _run_tool_script(tmp_path, "vllm", "sync", steps=2, procs=2,
+                              extra={"per_device_train_batch_size": 16, "use_cpu": True,
+                                     "rollout_multi_turn": "requests", "rollout_dispatch": "balanced"})
+    steps = [h for h in result["history"] if "num_turns/mean" in h]
+    assert len(steps) == 2 and max(h["num_turns/mean"] for h in steps) > 1.0
+    assert all(0.0 <= h["rollout/moved_groups"] <= 1.0 and h["rollout/engine_idle_s"] >= 0 for h in steps)
+    _check_masks(result)
+
+
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tool_turns_on_the_hf_engine_under_zero3_with_synced_forwards(tmp_path):
     """A TRL tools script on two ZeRO-3 processes, every parameter partitioned, the HF engine generating without

@@ -247,8 +247,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "waits for the slowest engine). 'balanced': one queue for the job; each engine pulls the next groups "
                 "whenever it holds fewer than rollout_max_num_seqs samples (verl's least-loaded routing), and the "
                 "samples go back to their ranks. A group's seed follows the group, not the engine. Helps when an "
-                "engine runs fewer samples at once than its share; single-turn and turn-by-turn tool rollouts on "
-                "vLLM engines."})
+                "engine runs fewer samples at once than its share; single-turn and tool rollouts (request-level: whole "
+                "episodes on the engine that pulled them) on vLLM engines."})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={

@@ -27,6 +27,30 @@ def prompts_of(rank: int) -> list[list[int]]:
     return [[5 + rank, 6 + p, 7, 8 + (p * 3) % 5][: 2 + (rank + p) % 3] for p in range(PROMPTS_PER_RANK)]
 
 
+def agent_callbacks():
+    """A scripted agent: a turn calls the tool when it has an odd number of tokens; the tool's result renders as
+    three fixed tokens; at most two tool rounds."""
+    from trl_nrollout.rollout.agent_loop import AgentCallbacks
+
+    def parse(i, ids, prefix):
+        call = {"type": "function", "function": {"name": "t", "arguments": {}}}
+        return {"role": "assistant", "content": "", **({"tool_calls": [call]} if len(ids) % 2 else {})}
+
+    return AgentCallbacks(parse=parse, run_tools=lambda i, calls: ([{"role": "tool", "name": "t", "content": "7"}
+                                                                    for _ in calls], 0),
+                          suffix_ids=lambda messages: [9, 41, 42], max_iterations=2, max_completion_length=24,
+                          max_model_len=128)
+
+
+def record_agents(samples, groups, stats=None) -> dict:
+    out = {"prompt_ids": [s.prompt_ids for s in samples], "completion_ids": [s.completion_ids for s in samples],
+           "tool_mask": [s.tool_mask for s in samples], "turns": [s.turns for s in samples],
+           "logprobs": [s.logprobs for s in samples], "group_index": groups}
+    if stats is not None:
+        out["engine_groups"] = stats.groups
+    return out
+
+
 def main() -> None:
     tp, model_dir, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     torch.distributed.init_process_group("gloo")
@@ -51,6 +75,10 @@ def main() -> None:
                                 peak_outstanding=stats.peak_outstanding)
 
     record("shares", group.generate_expanded(mine, N, options, sample_offset=rank * len(mine)))
+    # tool-calling episodes request by request: fixed shares, then (engine 0 slowed) a balanced queue
+    samples, groups, _ = group.run_agents(mine, N, options, lambda r: 500 + r, agent_callbacks(), workers=4,
+                                          sample_offset=rank * len(mine))
+    result["agents_shares"] = record_agents(samples, groups)
     engine_step = group.llm.llm_engine.step
     if group.engine_index == 0:  # engine 0 is the slow one from here on
         def slow_step():
@@ -62,6 +90,9 @@ def main() -> None:
         start = time.perf_counter()
         batch, stats = group.generate_balanced(mine, N, opts)
         record(name, batch, stats, time.perf_counter() - start)
+    samples, groups, _, pulled = group.run_agents_balanced(mine, N, options, lambda r: 500 + r, agent_callbacks(),
+                                                           workers=4)
+    result["agents_balanced"] = record_agents(samples, groups, pulled)
     if rank == 0:  # the queue's counters were removed after each call
         result["store_keys_left"] = [group._store.check([f"{group._pull_prefix}/{c}/{e}"])
                                      for c in (1, 2) for e in (0, 1)]

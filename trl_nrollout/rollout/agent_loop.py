@@ -322,6 +322,8 @@ def run_agent_requests(
     exchange: Callable[[Any], list],
     workers: int,
     poll_s: float | None = None,
+    pull: Callable[[], tuple[list[tuple[int, list[int], Any, Any]], bool]] | None = None,
+    run_pulled: bool = False,
 ) -> tuple[dict[int, AgentSample], AgentStats]:
     """Multi-turn episodes without a turn barrier, on one engine: each sample is its own request from turn to turn.
 
@@ -332,6 +334,10 @@ def run_agent_requests(
     ``exchange(obj)``: every rank of the engine's TP group calls it each iteration and gets all ranks' objects in
     rank order (``lambda o: [o]`` for one rank); ``poll_s``: how long an idle engine waits for a tool before the
     next exchange (None: until one finishes, right for one rank; a TP group must hear from every rank).
+    ``pull()``: more groups from a queue shared with other engines (``rollout_dispatch="balanced"``), called on every
+    rank of the TP group each iteration (it agrees across them): ``([(g, prompt_ids, prompt, params)], drained)``,
+    the job's group ``g`` with its samples ``g * n + k``; ``run_pulled``: this rank runs the pulled groups' tools
+    (the TP group's leader).
 
     When a sample's turn ends, its tool calls go to a :class:`ToolRunner` and the engine goes on with the others;
     when the results are in, the sample re-enters as a new request (prompt + completion + results) at the next
@@ -351,6 +357,7 @@ def run_agent_requests(
             keys[(rid, k)] = g * n + k
             first_prompt[g * n + k] = list(prompt_ids)
     remaining = len(groups) * n
+    drained = pull is None
     stats = AgentStats(requests=len(groups))
     runner = ToolRunner(agent.run_tools, workers)
     updates: list[tuple[int, list[int] | None, int, int]] = []  # (sample, context or None: ended, budget, round)
@@ -384,7 +391,20 @@ def run_agent_requests(
                 updates.append((s, context, budget, sample.rounds + 1))
 
     try:
-        while remaining:
+        while remaining or not drained:
+            if not drained:
+                pulled, drained = pull()
+                for g, prompt_ids, prompt, params in pulled:
+                    rid = loop.add(prompt, params)
+                    stats.requests += 1
+                    for k in range(n):
+                        keys[(rid, k)] = g * n + k
+                        first_prompt[g * n + k] = list(prompt_ids)
+                        if run_pulled:
+                            mine[g * n + k] = g * n + k
+                    remaining += n
+                if not remaining:
+                    continue
             if loop.has_unfinished or updates:
                 tools_done(0.0)
             else:  # the engine has nothing to run: wait for a tool

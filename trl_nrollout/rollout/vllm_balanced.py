@@ -5,14 +5,19 @@ mixin of :class:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup`."""
 from __future__ import annotations
 
 import logging
+import math
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
+from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.dispatch import GroupQueue, PullStats, run_pulled
-from trl_nrollout.rollout.seeds import prompt_seed
+from trl_nrollout.rollout.seeds import SEED_BITS, engine_seed, prompt_seed
+from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_process import exchange_objects, vllm_prompts
 
@@ -97,6 +102,90 @@ class BalancedDispatch:
         batch = RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
                              timings={"generate_s": stats.busy_s})
         return batch, stats
+
+    def run_agents_balanced(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                            turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int
+                            ) -> tuple[list[AgentSample], list[int], AgentStats, PullStats]:
+        """:meth:`run_agents` with ``rollout_dispatch="balanced"``: the job's groups form one queue that every engine
+        pulls from while it has room (as :meth:`generate_balanced`), each pulled group's episodes run request by
+        request on the engine that pulled it (its tools on that engine's first rank: ``tools=`` are the same
+        functions on every rank), and the finished episodes go home to the ranks that own their prompts.
+        Seeds depend on the job's group and sample, not on the engine: with a seed and ``seed_mode="sample"`` group
+        ``g``'s first turn as under ``"shares"``, the turn after tool round ``r`` of the job's sample ``s`` from
+        ``turn_seed(r)`` and ``s``. Collective over every rank. Returns this rank's samples in order, their groups,
+        the engine's :class:`AgentStats` and its :class:`PullStats` (the groups it ran, its busy seconds)."""
+        if self._world_group is None:  # one engine: its share is the whole queue
+            start = time.perf_counter()
+            samples, groups, stats = self.run_agents(sample_prompts, n, sampling, turn_seed, agent, workers)
+            return samples, groups, stats, PullStats(groups=sorted(set(groups)), claims=1,
+                                                     busy_s=time.perf_counter() - start)
+        self._barrier_before_generate()
+        per_rank: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(per_rank, [list(p) for p in sample_prompts], group=self._world_group)
+        flat = [p for prompts in per_rank for p in prompts]
+        unique = self._whole_groups(flat, n)
+        counts = [len(prompts) for prompts in per_rank]
+        offset = sum(counts[:self.rank])
+        self._ready()
+        self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
+        per_request = sampling.seed is not None and self.seed_mode == "sample"
+        own_base = None  # TP > 1 without per-request seeds: every request still gets one (see run_agents)
+        if not per_request and len(self.tp_ranks) > 1:
+            own_base = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
+                        else self._gather_tp(secrets.randbits(SEED_BITS))[0])
+
+        from vllm.inputs import TokensPrompt
+
+        def first_request(g: int):
+            seed = prompt_seed(sampling.seed, g, n) if per_request else None
+            if own_base is not None:
+                seed = prompt_seed(own_turn_seed(own_base, 0), g, n)
+            return (list(unique[g]), TokensPrompt(prompt_token_ids=list(unique[g])),
+                    self._sampling_params(n, replace(sampling, seed=seed)))
+
+        def continue_request(s: int, round_: int, context: list[int], budget: int):
+            base = turn_seed(round_) if per_request else None
+            seed = None if base is None else prompt_seed(base, s, 1)
+            if own_base is not None:
+                seed = prompt_seed(own_turn_seed(own_base, round_), s, 1)
+            return (TokensPrompt(prompt_token_ids=list(context)),
+                    self._sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
+
+        leader = self.rank == self.tp_ranks[0]
+        self._pull_calls += 1
+        key = f"{self._pull_prefix}/{self._pull_calls}"
+        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        outstanding = self.llm.llm_engine.get_num_unfinished_requests
+        pulled_groups: list[int] = []
+        start = time.perf_counter()
+        with self._engine_rng(sampling.seed):
+            queue = GroupQueue(self._store, key, self._segments(counts, n), self.engine_index)
+
+            def pull():
+                held = outstanding()
+                if held >= capacity + n:
+                    return [], False
+                want = max(1, math.ceil((capacity + n - held) / n))
+                got = self._gather_tp(list(queue.claim(want)) if leader else None)[0]
+                pulled_groups.extend(got)
+                return [(g, *first_request(g)) for g in got], not got
+
+            samples, stats = run_agent_requests(
+                self._loop(stream=True), [], n, {}, agent, continue_request=continue_request,
+                exchange=self._gather_tp, workers=workers, poll_s=0.01 if len(self.tp_ranks) > 1 else None,
+                pull=pull, run_pulled=leader)
+        busy = time.perf_counter() - start
+        done = self._send_home({g: [samples[g * n + k] for k in range(n)] for g in pulled_groups} if leader else {},
+                               counts, n)
+        if self.rank == 0:  # every rank is past its last claim
+            for seg in range(self.layout.num_engines):
+                self._store.delete_key(f"{key}/{seg}")
+        mine = range(offset, offset + len(sample_prompts))
+        missing = sorted({s // n for s in mine} - done.keys())
+        if missing:
+            raise RuntimeError(f"groups {missing[:5]} of the job's queue were run by no engine.")
+        return ([done[s // n][s % n] for s in mine], [s // n for s in mine], stats,
+                PullStats(groups=sorted(pulled_groups), claims=1, busy_s=busy))
 
     def _segments(self, counts: list[int], n: int) -> list[range]:
         """Each engine's own groups (those whose first sample belongs to one of its ranks), in job order."""

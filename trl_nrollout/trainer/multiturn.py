@@ -178,8 +178,14 @@ class MultiTurnRollout:
                 return None
             return step_seed(self.args.seed, self.state.global_step, round_, f"{mode}/turn")
 
-        samples, groups, stats = self.rollout_engine.run_agents(
-            [list(p) for p in prompt_ids], n, sampling, turn_seed, agent, self.args.tool_workers, sample_offset=offset)
+        prompts = [list(p) for p in prompt_ids]
+        if self.args.rollout_dispatch == "balanced":  # episodes run on whichever engine pulled their group
+            samples, groups, stats, pulled = self.rollout_engine.run_agents_balanced(
+                prompts, n, sampling, turn_seed, agent, self.args.tool_workers)
+            self._log_dispatch(mode, pulled, len(prompts), n)
+        else:
+            samples, groups, stats = self.rollout_engine.run_agents(
+                prompts, n, sampling, turn_seed, agent, self.args.tool_workers, sample_offset=offset)
         turns = collect_turns(samples)
         self._log_agent_stats(mode, stats)
         batch = RolloutBatch([s.prompt_ids for s in samples], turns.completion_ids, turns.logprobs,
