@@ -55,8 +55,8 @@ CASES = {
     ("rollout_ranks", "rollout_partial=True"): lambda tmp: _ranks(rollout_partial=True),
     ("rollout_ranks", "rollout_dispatch='balanced'"): lambda tmp: _ranks(rollout_dispatch="balanced"),
     ("rollout_ranks", "rollout_multi_turn='requests'"): lambda tmp: _ranks(rollout_multi_turn="requests"),
-    ("rollout_ranks", "tools or environment_factory"): lambda tmp: RolloutRanks._rollout_ranks_refusal(
-        _trainer(tools=[print])),
+    ("rollout_ranks", "environment_factory"): lambda tmp: RolloutRanks._rollout_ranks_refusal(
+        _trainer(environment_factories={"e": print})),
     ("rollout_ranks", "rollout_func"): lambda tmp: RolloutRanks._rollout_ranks_refusal(_trainer(rollout_func=print)),
     ("rollout_partial=True", "rollout_dispatch='balanced'"): lambda tmp: _config_error(
         tmp, rollout_partial=True, rollout_dispatch="balanced"),

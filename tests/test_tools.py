@@ -122,7 +122,9 @@ def _run_tool_script(tmp_path, backend: str, tool: str, steps: int, extra: dict 
     source = (ROOT / "tests/assets/tools_grpo_script.py").read_text()
     # the class swapped; for the HF engine the config too, to say rollout_backend='hf' (a plain GRPOConfig with
     # use_vllm=False leaves it at 'auto', which picks vLLM where it is installed, as here)
-    ours = backend == "hf" or "rollout_multi_turn" in (extra or {})  # options only NRolloutConfig has
+    from trl import GRPOConfig
+
+    ours = backend == "hf" or bool(set(extra or {}) - set(GRPOConfig.__dataclass_fields__))  # NRolloutConfig's
     config_import = "from trl_nrollout import NRolloutConfig as GRPOConfig" if ours else "from trl import GRPOConfig"
     script.write_text(source.replace("from trl import GRPOConfig, GRPOTrainer",
                                      f"{config_import}\nfrom trl_nrollout import NRolloutGRPOTrainer")
@@ -217,6 +219,24 @@ def test_request_level_tool_episodes_from_a_balanced_queue_over_two_engines(tmp_
     steps = [h for h in result["history"] if "num_turns/mean" in h]
     assert len(steps) == 2 and max(h["num_turns/mean"] for h in steps) > 1.0
     assert all(0.0 <= h["rollout/moved_groups"] <= 1.0 and h["rollout/engine_idle_s"] >= 0 for h in steps)
+    _check_masks(result)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_tool_turns_on_a_rollout_rank_one_step_off(tmp_path):
+    """rollout_ranks=1 with tools (turn by turn), one trainer and one rollout rank: each step's first turns were
+    generated a step ahead on the rollout rank, each tool turn is one job of the rollout rank while the tools run on
+    the trainer; the model learns to call the tool as colocated (turns > 1, masks intact), on samples one step
+    stale."""
+    result = _run_tool_script(tmp_path, "vllm", "sync", steps=6, procs=2,
+                              extra={"per_device_train_batch_size": 32, "use_cpu": True, "rollout_ranks": 1,
+                                     "max_staleness": 1})
+    steps = [h for h in result["history"] if "num_turns/mean" in h]
+    assert len(steps) == 6 and max(h["num_turns/mean"] for h in steps) > 1.0
+    assert any(h["rollout/staleness"] == 1 for h in steps)  # first turns generated one step ahead
+    assert result["engine"] == "RemoteEngines"
     _check_masks(result)
 
 

@@ -120,8 +120,9 @@ def rollout_ranks_refusal(config: NRolloutConfig) -> str | None:
         return (f"rollout_ranks={r} with rollout_dispatch='balanced': the rollout ranks split each job by whole "
                 "groups among their engines; set rollout_dispatch='shares' (the default).")
     if config.rollout_multi_turn == "requests":
-        return (f"rollout_ranks={r} with rollout_multi_turn='requests': tool calls would run on the rollout ranks; "
-                "multi-turn rollouts are not on rollout ranks yet. Set rollout_ranks=0 for tools.")
+        return (f"rollout_ranks={r} with rollout_multi_turn='requests': a sample's re-entry needs its tools where its "
+                "engine runs, and the tools run on the trainers; set rollout_multi_turn='turns' (each tool turn one "
+                "job of the rollout ranks) or rollout_ranks=0.")
     return None
 
 

@@ -22,6 +22,9 @@ if __name__ == "__main__":
     trainer = GRPOTrainer(model=resolve_model("builtin:tiny-qwen2-tools"), reward_funcs=[tool_reward], args=args,
                           train_dataset=tool_dataset(128), tools=[lucky_number if tool == "sync" else lucky_number_async])
     trainer.train()
+    if getattr(trainer, "is_rollout_rank", False):  # rollout_ranks: this process generates for the trainers
+        trainer.close()  # serves the final rollout below until the trainers close
+        sys.exit(0)
     dataset = tool_dataset(128)
     inputs = [dict(dataset[i]) for i in range(2) for _ in range(args.num_generations)]
     batch = trainer._generate_and_score_completions(inputs)
@@ -41,3 +44,5 @@ if __name__ == "__main__":
     if trainer.accelerator.is_main_process:
         with open(f"{out}/result.json", "w") as f:
             json.dump(result, f)
+    if hasattr(trainer, "close"):  # NRolloutGRPOTrainer: its engines (rollout_ranks: the rollout ranks stop)
+        trainer.close()

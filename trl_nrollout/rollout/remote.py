@@ -344,6 +344,39 @@ class RemoteEngines:
         self.last_job = info
         return batch
 
+    def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
+                       sample_offset: int = 0, sample_ids: list[int] | None = None,
+                       num_samples: int | None = None) -> RolloutBatch:
+        """One more turn of multi-turn samples, generated on the rollout ranks (the tools ran on the trainers): one
+        sample per context, each with its own budget, as :meth:`VLLMEngineGroup.generate_turns`. Every trainer calls
+        it (possibly with no contexts); one job holds every trainer's contexts, rank order. Seeds (with a seed and
+        ``seed_mode="sample"``) come from each sample's place in the job: ``sample_ids[k]`` among this trainer's
+        ``num_samples``, after the trainers before it. The job is generated after those written ahead (a later
+        step's first turns may come first) and with the weights the rollout ranks hold then. A collective of the
+        trainers. Returns this trainer's samples in order."""
+        ids = list(range(len(contexts))) if sample_ids is None else list(sample_ids)
+        count = len(contexts) if num_samples is None else int(num_samples)
+        every = _trainer_gather(([(list(c), int(b), int(i)) for c, b, i in zip(contexts, budgets, ids)], count))
+        before = [sum(c for _, c in every[:t]) for t in range(len(every))]
+        flat = [(ctx, budget, before[t] + i) for t, (chunk, _) in enumerate(every) for ctx, budget, i in chunk]
+        parts: list = [None] * self.trainers
+        if self.bridge.is_leader:
+            self._watch()
+            rows: list = []
+            if flat:
+                job = self._jobs
+                self._jobs += 1
+                self._post({"kind": "job", "id": job, "prompts": [c for c, _, _ in flat], "n": 1, "sampling": sampling,
+                            "budgets": [b for _, b, _ in flat], "sample_ids": [s for _, _, s in flat]})
+                rows = [x for res in self._read_job(job) for x in res.rows()]
+            first = 0
+            for t, (chunk, _) in enumerate(every):
+                parts[t] = rows[first:first + len(chunk)]
+                first += len(chunk)
+        rows = self._hand_out(parts, "a tool turn's samples")
+        return RolloutBatch([list(c) for c in contexts], [c for c, _, _ in rows], [lp for _, lp, _ in rows],
+                            [f for _, _, f in rows], list(range(len(contexts))))
+
     def _queue_ahead(self, future: list, n: int) -> None:
         """Write the next steps' jobs that are not written yet (trainer rank 0)."""
         for k, (groups, sampling) in enumerate(future):
@@ -516,7 +549,11 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             start, stop = job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, r)
             t0 = time.perf_counter()
             try:
-                if stop > start or engine.layout.rollout_tp_size > 1:
+                if "budgets" in message:  # a tool turn: one sample per context, each with its budget
+                    batch = engine.generate_turns(groups[start:stop], message["budgets"][start:stop],
+                                                  message["sampling"], sample_ids=message["sample_ids"][start:stop],
+                                                  num_samples=0)
+                elif stop > start or engine.layout.rollout_tp_size > 1:
                     prompts = [groups[i // n] for i in range(start, stop)]
                     batch = engine.generate_expanded(prompts, n, message["sampling"], sample_offset=start)
                 else:

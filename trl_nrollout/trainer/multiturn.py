@@ -180,6 +180,8 @@ class MultiTurnRollout:
 
         prompts = [list(p) for p in prompt_ids]
         if self.args.rollout_dispatch == "balanced":  # episodes run on whichever engine pulled their group
+            shared = split_tools(list(self.tools or []))  # the same on every rank (environments are refused here)
+            agent = replace(agent, run_tools=lambda i, calls: call_tools(calls, *shared, loop=loop))
             samples, groups, stats, pulled = self.rollout_engine.run_agents_balanced(
                 prompts, n, sampling, turn_seed, agent, self.args.tool_workers)
             self._log_dispatch(mode, pulled, len(prompts), n)

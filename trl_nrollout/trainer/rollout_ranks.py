@@ -30,9 +30,10 @@ class RolloutRanks:
     def _rollout_ranks_refusal(self) -> str | None:
         """What the trainer's arguments add to :func:`~trl_nrollout.config_checks.rollout_ranks_refusal`."""
         r = self.args.rollout_ranks
-        if self.tools or getattr(self, "environment_factories", None):
-            return (f"rollout_ranks={r} with tools or environment_factory: tool calls run where samples generate, "
-                    "and multi-turn rollouts are not on rollout ranks yet; set rollout_ranks=0 for tools.")
+        if getattr(self, "environment_factories", None):
+            return (f"rollout_ranks={r} with environment_factory: an environment's reset writes its sample's prompt "
+                    "at the sample's own step, so its first turn cannot be generated steps ahead on the rollout "
+                    "ranks (tools= can: their turns run on the trainers); set rollout_ranks=0 for environments.")
         if self.rollout_func is not None:
             return (f"rollout_ranks={r} with rollout_func: the function drives a colocated engine itself; set "
                     "rollout_ranks=0 for it.")
