@@ -67,8 +67,6 @@ CASES = {
         + PartialRollouts._partial_refusal(_trainer(rollout_func=print))),
     # the pool's round refuses image prompts where it tokenizes them (a whole step to reach): its message, read
     ("rollout_partial=True", "image prompts"): lambda tmp: inspect.getsource(PartialRollouts._partial_round),
-    ("rollout_partial=True", "adv_estimator='remax'"): lambda tmp: _config_error(
-        tmp, rollout_partial=True, adv_estimator="remax"),
     ("rollout_dispatch='balanced'", "environment_factory and rollout_multi_turn='requests'"): lambda tmp: (
         EngineSetup._dispatch_refusal(_trainer(environment_factories={"e": print},
                                                args=SimpleNamespace(rollout_multi_turn="requests")))),

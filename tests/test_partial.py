@@ -84,8 +84,6 @@ def test_config_refuses_what_partial_rollouts_cannot_do():
 
     with pytest.raises(InputError, match="max_staleness=-2 must be >= 0"):
         NRolloutConfig(output_dir="/tmp/x", max_staleness=-2)
-    with pytest.raises(InputError, match="adv_estimator='remax' with rollout_partial=True"):
-        NRolloutConfig(output_dir="/tmp/x", rollout_partial=True, adv_estimator="remax")
     with pytest.raises(InputError, match="rollout_partial_oversample=-0.5 must be >= 0"):
         NRolloutConfig(output_dir="/tmp/x", rollout_partial_oversample=-0.5)
     with pytest.raises(InputError, match="rollout_partial=True needs vLLM engines"):

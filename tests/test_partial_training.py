@@ -102,3 +102,26 @@ def test_dapo_dynamic_sampling_on_partial_rollouts(tmp_path):
     assert sum(h["dynamic_sampling/filtered_groups"] for h in steps) > 0
     assert sum(h["dynamic_sampling/rounds"] for h in steps) > 0
     assert all(h["dynamic_sampling/filler_groups"] == 0 for h in steps if h["dynamic_sampling/rounds"] < 3)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_remax_takes_its_greedy_baselines_for_the_groups_a_partial_rollout_trains(tmp_path, monkeypatch):
+    """ReMax on partial rollouts: each step trains the groups that finished first (some started steps earlier),
+    and the greedy baselines are generated for exactly those groups' prompts, not for the step's new prompts
+    (a reward function records the prompts of every call: the samples' call, then the greedy call)."""
+    import json
+
+    from tests.conftest import launch
+
+    log = tmp_path / "prompts.jsonl"
+    monkeypatch.setenv("NROLLOUT_TEST_PROMPT_LOG", str(log))
+    options = [o for o in PARTIAL if o not in ("--save_strategy", "steps", "--save_steps", "2")]
+    options[options.index("--max_steps") + 1] = "3"
+    run = launch(tmp_path / "remax", *options, "--adv_estimator", "remax", "--save_strategy", "no",
+                 "--reward_funcs", "tests.assets.rewards_for_tests:digits_recording_prompts")
+    assert sum(h["partial/aborted_samples"] for h in run["steps"]) > 0
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 2 * len(run["steps"])  # per step: the samples, then one greedy completion per prompt
+    for sampled, greedy in zip(calls[::2], calls[1::2]):
+        assert sampled[::4] == greedy  # n = 4 samples per prompt; the baselines' prompts are the trained ones

@@ -231,11 +231,6 @@ class ConfigChecks:
         if not self.rollout_partial_oversample >= 0:
             raise InputError(f"rollout_partial_oversample={self.rollout_partial_oversample} must be >= 0 (0.5: half "
                              "again as many groups in flight as the step trains).")
-        if self.rollout_partial and self.adv_estimator == "remax":
-            raise InputError("adv_estimator='remax' with rollout_partial=True: ReMax takes its greedy baselines for "
-                             "the step's own prompts, while a partial rollout trains the groups that finished first "
-                             "(some from earlier steps); use a group estimator ('grpo', 'rloo'), or "
-                             "rollout_partial=False.")
         if self.rollout_partial and self.rollout_backend == "hf":
             raise InputError("rollout_partial=True needs vLLM engines (a request-level engine loop that can stop "
                              "and continue samples); rollout_backend='hf' cannot. Set rollout_backend='vllm' (or "

@@ -63,3 +63,14 @@ def slow_digits(completions, **kwargs):
     if os.environ.get("RANK", "1") == "1" or os.environ.get("WORLD_SIZE", "1") == "1":
         time.sleep(600)
     return [digit_fraction(c) for c in completions]
+
+
+def digits_recording_prompts(completions, prompts, **kwargs):
+    """The digit fraction; each call appends the prompts it scored as one JSON line to the file named by
+    ``NROLLOUT_TEST_PROMPT_LOG`` (which samples a step scored, and for which prompts ReMax took its baselines)."""
+    import json
+    import os
+
+    with open(os.environ["NROLLOUT_TEST_PROMPT_LOG"], "a") as fh:
+        fh.write(json.dumps([str(p) for p in prompts]) + "\n")
+    return [digit_fraction(c) for c in completions]

@@ -78,8 +78,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "an environment per sample would live across steps and checkpoints; the function generates itself"),
     Refusal("rollout_partial=True", "image prompts", "not yet", "PartialRollouts._partial_round",
             "partial rollouts are text-only"),
-    Refusal("rollout_partial=True", "adv_estimator='remax'", "not yet", "ConfigChecks._check_choices",
-            "ReMax's greedy baselines are generated for the step's prompts, not for groups that started earlier"),
     Refusal("rollout_dispatch='balanced'", "environment_factory and rollout_multi_turn='requests'", "not yet",
             "EngineSetup._dispatch_refusal",
             "an episode runs on the engine that pulled it; its environment lives on its prompt's rank"),

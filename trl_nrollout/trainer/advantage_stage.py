@@ -53,7 +53,7 @@ class AdvantageStage:
         if args.adv_estimator in ("grpo", "grpo_passk"):
             options.setdefault("norm_adv_by_std_in_grpo", args.norm_adv_by_std_in_grpo)
         if args.adv_estimator == "remax":
-            options["reward_baselines"] = self._greedy_baselines(ctx)
+            options["reward_baselines"] = self._greedy_baselines(ctx, collected.rows)
         options.update(estimator_options)
         index = [i // n for i in range(len(samples))]
         returns = None
@@ -117,9 +117,11 @@ class AdvantageStage:
         if table.get("images") is not None:
             self._logs["images"].extend(table["images"])
 
-    def _greedy_baselines(self, ctx: StepContext) -> Tensor:
-        """ReMax: reward of one greedy completion per prompt, for every sample of the job ``[G]``."""
-        unique = ctx.inputs[::ctx.n]
+    def _greedy_baselines(self, ctx: StepContext, rows: list[dict] | None = None) -> Tensor:
+        """ReMax: reward of one greedy completion per prompt, for every sample of the job ``[G]``: the prompts of
+        ``rows`` (this rank's samples' rows, ``n`` per group: a partial rollout's groups that finished first), else
+        of the step's inputs. Generated now, with the weights being trained."""
+        unique = (ctx.inputs if rows is None else rows)[::ctx.n]
         batch, prompts, episode = self._rollout(unique, 1, self._sampling(ctx.mode, greedy=True))
         completions = (episode.completions if episode.completions is not None
                        else self._decode(prompts, batch.completion_ids))

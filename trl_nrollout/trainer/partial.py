@@ -129,7 +129,7 @@ class PartialRollouts:
         self._metric(ctx.mode, "partial/staleness_max", max(c[4] for c in counts))
         self._metric(ctx.mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
         return Round(gather_object(samples), scores.rewards, gen_s=t1 - t0, reward_s=t2 - t1,
-                     gen_tokens=gen_tokens, table=table)
+                     gen_tokens=gen_tokens, table=table, rows=inputs)
 
     def _partial_agent(self) -> AgentCallbacks:
         """What the pool's tool-calling episodes need from the trainer: TRL's parser and tools (the same for every

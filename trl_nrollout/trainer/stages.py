@@ -67,6 +67,9 @@ class Round:
     mm_local: list | None = None
     #: DAPO's extra rounds and what its filter did (0 without dynamic sampling)
     extra_rounds: int = 0
+    #: this rank's dataset rows of its samples, ``n`` per group, where they are not the step's inputs (a partial
+    #: rollout trains the groups that finished first); None: the step's inputs
+    rows: list[dict] | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
