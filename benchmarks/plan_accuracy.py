@@ -57,9 +57,10 @@ def measure(model: str, ns: list[int], lengths: list[int], steps: int, out: Path
 
 
 def predict(row: dict, profile, max_completion_length: int) -> dict:
-    from trl_nrollout.plan.cost import Workload, predict_step
+    from trl_nrollout.plan.cost import predict_step
     from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.plan.models import model_dims
+    from trl_nrollout.plan.workload import Workload
 
     dims = model_dims(row["model"], dtype="float32")
     prompts, n = int(row["prompts"]), int(row["n"])  # medians over repeats come back as floats

@@ -48,10 +48,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--quick", action="store_true", help="the same (it takes well under a second)")
     args = ap.parse_args()
-    from trl_nrollout.plan.cost import Workload, predict_step
+    from trl_nrollout.plan.cost import predict_step
     from trl_nrollout.plan.devices import PROFILES
     from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.plan.models import model_dims
+    from trl_nrollout.plan.workload import Workload
 
     rows = []
     for label, model, gpus, tp, mean, measured in RUNS:

@@ -674,8 +674,8 @@ def check_training_rates(device: str, size: dict) -> dict:
 
     import torch
 
-    from trl_nrollout.plan.cost import ModelDims
     from trl_nrollout.plan.devices import PROFILES
+    from trl_nrollout.plan.dims import ModelDims
     from trl_nrollout.plan.measure import bf16_supported, measure_flops, measure_mem_bw, measure_training
 
     r = size["rates"]

@@ -14,9 +14,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ROOT
-from trl_nrollout.plan.cost import ModelDims, Workload, predict_split, predict_step, suggest
+from trl_nrollout.plan.cost import predict_step
 from trl_nrollout.plan.devices import PROFILES, DeviceProfile, load_profile, save_profile
+from trl_nrollout.plan.dims import ModelDims
 from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.plan.search import predict_split, suggest
+from trl_nrollout.plan.workload import Workload
 
 QWEN7 = ModelDims(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                   num_key_value_heads=4, head_dim=128, vocab_size=152064, name="Qwen2.5-7B")
@@ -212,7 +215,7 @@ def test_the_plan_lays_out_the_forwards_the_trainer_runs(prompt, completion, sha
     import torch
 
     from trl_nrollout.passes.packing import decide, packed_shape
-    from trl_nrollout.plan.cost import pass_shape
+    from trl_nrollout.plan.shapes import pass_shape
 
     groups, n, micro = shape
     samples = groups * n
@@ -239,7 +242,7 @@ def test_padding_and_packing_set_what_the_update_costs():
     prompt (8 rows of 511 + 16 x 33 = 1,039 tokens, not 128 x 544); 32-token prompts do not pack (the packed rows'
     attention would cost more) and are padded to the longest completion; a trainer without padding
     (``padding_free``) costs less than the padded one."""
-    from trl_nrollout.plan.cost import pass_shape
+    from trl_nrollout.plan.shapes import pass_shape
 
     long = Workload(prompt_len=512, completion_mean=20, completion_max=32)
     shape = pass_shape(128, 128, 16, long)
@@ -320,7 +323,7 @@ def test_suggest_ranks_split_launches_beside_colocated_ones():
     pipelined step with max_staleness >= 1, the synchronous one with 0), ranked with the colocated layouts by
     samples/s; a split the launch refuses says why (a node holding both worlds; one trainer too small for the
     model's states); a rollout rank holds only its engine, a trainer only its states."""
-    from trl_nrollout.plan.cost import split_candidates
+    from trl_nrollout.plan.search import split_candidates
 
     work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True,
                     padfree_rows=True, update_token_budget=8192)  # a budgeted update (see above)

@@ -106,7 +106,7 @@ def test_calibration_timings_synchronize_the_models_device_before_each_clock_rea
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from trl_nrollout.plan import measure as calibrate
-    from trl_nrollout.plan.cost import ModelDims
+    from trl_nrollout.plan.dims import ModelDims
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,

@@ -12,9 +12,11 @@ import pytest
 
 from tests.conftest import ROOT
 from trl_nrollout.cli import EXIT_DOES_NOT_FIT, main
-from trl_nrollout.plan.cost import ModelDims, Workload, trainer_state_bytes
+from trl_nrollout.plan.cost import trainer_state_bytes
+from trl_nrollout.plan.dims import ModelDims
 from trl_nrollout.plan.models import KNOWN_CONFIGS, model_dims
 from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION, ROLLOUT_RANK_GPU_MEMORY_UTILIZATION
+from trl_nrollout.plan.workload import Workload
 
 #: the issue's 7B example: 6 H100s, 3 engines of TP 2, 60 prompts x n = 12
 ARTICLE = ["--num-processes", "6", "--rollout-tp-size", "2", "--train-batch-size", "60", "--rollout-n", "12",

@@ -49,7 +49,8 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     from transformers import AutoModelForCausalLM
 
     from trl_nrollout.builtin import resolve_model
-    from trl_nrollout.plan.cost import ModelDims, decode_step_s
+    from trl_nrollout.plan.cost import decode_step_s
+    from trl_nrollout.plan.dims import ModelDims
     from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.plan.memory import load_config_dict
     from trl_nrollout.rollout.types import SamplingOptions
@@ -145,7 +146,7 @@ def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callab
     prompts, and n = 8 with 256-token prompts, whose micro batch packs), their ``timing_s/gen`` and
     ``timing_s/update_actor`` against the profile's prediction. The two short runs: the generation's difference per
     sample gives ``gen_sample_s`` (its intercept: more ``call_s``), the update's per token of its forwards (as
-    :func:`~trl_nrollout.plan.cost.pass_shape` lays them out) ``train_token_s`` (its intercept: ``train_fixed_s``).
+    :func:`~trl_nrollout.plan.shapes.pass_shape` lays them out) ``train_token_s`` (its intercept: ``train_fixed_s``).
     The long run: what its update takes beyond those, per query-key pair of attention, lowers (or raises)
     ``mfu_attention`` (the trainer's packed rows: block masks, fresh memory). The weight sync's mean difference is
     added to ``sync_s`` (the trainer gathers and buckets the weights). The runs train on ``device``
@@ -158,8 +159,10 @@ def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callab
 
     from trl_nrollout.builtin import digits_dataset, digits_prompts, digits_reward, long_prompts
     from trl_nrollout.config import NRolloutConfig
-    from trl_nrollout.plan.cost import Workload, pass_shape, predict_step
+    from trl_nrollout.plan.cost import predict_step
     from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.plan.shapes import pass_shape
+    from trl_nrollout.plan.workload import Workload
     from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(path)

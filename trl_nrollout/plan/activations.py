@@ -16,7 +16,7 @@ locally and finds it exactly):
 - attention with a memory-efficient kernel (SDPA's flash / memory-efficient kernels, flash-attention; no ``L x L``
   probabilities): the queries, keys and values after the rotary embedding and the output, which is also the output
   projection's input (``b (2q + 2kv)``), and the log-sum-exp per head (``4 x heads``, float32);
-- Qwen3's per-head norms of the queries and keys (``q_norm`` / ``k_norm``, :data:`~trl_nrollout.plan.cost.QK_NORM`)
+- Qwen3's per-head norms of the queries and keys (``q_norm`` / ``k_norm``, :data:`~trl_nrollout.plan.dims.QK_NORM`)
   add their float32 inputs, ``1 / rms`` per head and the normalized values: ``(4 + b)(q + kv) + 4 (heads +
   kv_heads)``;
 - a gated MLP (SwiGLU: gate, up, down): the gate's output (for SiLU), SiLU's output and the up projection's (for the
@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from trl_nrollout.plan.cost import ModelDims
+from trl_nrollout.plan.dims import ModelDims
 
 #: the token budget's granularity: budgets are rounded down to a multiple of it
 BUDGET_ROUNDING = 1024
@@ -106,7 +106,7 @@ def activation_bytes_per_token(config: dict[str, Any] | ModelDims, *, dtype_byte
     Args:
         config: the model's ``config.json`` as a dict (``hidden_size``, ``intermediate_size``,
             ``num_hidden_layers``, ``num_attention_heads``, ``vocab_size``; ``num_key_value_heads``, ``head_dim``
-            and the experts' fields where the model has them), or its :class:`~trl_nrollout.plan.cost.ModelDims`.
+            and the experts' fields where the model has them), or its :class:`~trl_nrollout.plan.dims.ModelDims`.
         dtype_bytes: bytes per element of the activations (2: bf16 / fp16; 4: float32).
         gradient_checkpointing: each layer keeps its input only, one layer's full activations live at a time.
 
@@ -139,7 +139,7 @@ def default_update_token_budget(config: dict[str, Any] | ModelDims, *, device_me
     :data:`CPU_DEFAULT_TOKEN_BUDGET` ``)``.
 
     Args:
-        config: the model's config dict or :class:`~trl_nrollout.plan.cost.ModelDims`.
+        config: the model's config dict or :class:`~trl_nrollout.plan.dims.ModelDims`.
         device_memory_bytes: the device's memory (bytes), or None (unknown: a CPU).
         state_bytes_per_device: what the trainer's states take on the device (weights, gradients, optimizer states,
             their shard when sharded), bytes.
@@ -149,7 +149,7 @@ def default_update_token_budget(config: dict[str, Any] | ModelDims, *, device_me
         fraction: the share of the memory left after the states that activations may take, in (0, 1].
         max_tokens: a cap from elsewhere (None: none), applied before the floor: e.g. the most real tokens whose
             padding-free rows' block mask stays within its bound
-            (:func:`~trl_nrollout.plan.cost.padfree_token_cap`), beyond which the trainer runs the micro batch padded
+            (:func:`~trl_nrollout.plan.shapes.padfree_token_cap`), beyond which the trainer runs the micro batch padded
             (samples x the longest: several times the tokens the budget meant).
 
     Returns:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trl_nrollout.plan.cost import ModelDims
+from trl_nrollout.plan.dims import ModelDims
 
 #: hub id -> the config.json fields the cost model reads (copied from each repo's config.json)
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {

@@ -8,19 +8,9 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from trl_nrollout.plan.cost import (
-    PHASES,
-    ModelDims,
-    StepPrediction,
-    Workload,
-    memory_checks,
-    padfree_token_cap,
-    predict_split,
-    predict_step,
-    predict_vs_n,
-)
-from trl_nrollout.plan.cost import suggest as search
+from trl_nrollout.plan.cost import PHASES, StepPrediction, predict_step, predict_vs_n
 from trl_nrollout.plan.devices import DeviceProfile, load_profile, with_memory
+from trl_nrollout.plan.dims import ModelDims
 from trl_nrollout.plan.figures import LAYOUT_KEYS, PlanError, pool_factor
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout
 from trl_nrollout.plan.memory import (
@@ -28,6 +18,10 @@ from trl_nrollout.plan.memory import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MAX_PROMPT_LENGTH,
 )
+from trl_nrollout.plan.search import memory_checks, predict_split
+from trl_nrollout.plan.search import suggest as search
+from trl_nrollout.plan.shapes import padfree_token_cap
+from trl_nrollout.plan.workload import Workload
 
 if TYPE_CHECKING:
     from trl_nrollout.plan.update_budget import UpdateBudget
@@ -130,7 +124,7 @@ def lora_rank(values: dict[str, Any]) -> int | None:
 
 def verdict(values: dict[str, Any], dims: ModelDims, layout: RolloutLayout | None, work: Workload,
             dev: DeviceProfile, pred: StepPrediction, *, colocated: bool = True) -> dict[str, Any]:
-    """Whether ``pred`` fits ``dev``'s memory (:func:`~trl_nrollout.plan.cost.memory_checks`, the rule ``--suggest``
+    """Whether ``pred`` fits ``dev``'s memory (:func:`~trl_nrollout.plan.search.memory_checks`, the rule ``--suggest``
     applies), each limit's line, the one that binds first (the largest share over its limit), and a fix that makes
     every limit fit, found by pricing the usual changes one at a time."""
     from trl_nrollout.plan.update_budget import engine_utilization
@@ -197,7 +191,7 @@ def verdict(values: dict[str, Any], dims: ModelDims, layout: RolloutLayout | Non
 
         def budget_for(w: Workload, room: float) -> int | None:  # the trainer's default budget beside w's states
             from trl_nrollout.plan.activations import default_update_token_budget
-            from trl_nrollout.plan.cost import padfree_token_cap
+            from trl_nrollout.plan.shapes import padfree_token_cap
 
             longest = math.ceil(w.row_width)
             states = predict_step(dims, layout, w, dev).train_bytes
@@ -363,7 +357,7 @@ def launch_command(values: dict[str, Any], options: dict[str, Any], world: int) 
     """The command that runs a suggested layout: the accelerate config of its trainer sharding, the recipe, the
     options that differ from the recipe's."""
     sharding = options.get("trainer_sharding") or values.get("trainer_sharding") or "none"
-    from trl_nrollout.plan.cost import SHARDING_CONFIGS
+    from trl_nrollout.plan.search import SHARDING_CONFIGS
 
     names = {"rollout_tp_size": "rollout_tp_size", "rollout_n": "rollout_n", "max_num_seqs": "rollout_max_num_seqs",
              "rollout_ranks": "rollout_ranks", "use_dynamic_bsz": "use_dynamic_bsz",

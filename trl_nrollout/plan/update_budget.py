@@ -19,11 +19,13 @@ from trl_nrollout.plan.activations import (
     activation_bytes_per_token,
     default_update_token_budget,
 )
-from trl_nrollout.plan.cost import Workload, padfree_token_cap, trainer_state_bytes
+from trl_nrollout.plan.cost import trainer_state_bytes
 from trl_nrollout.plan.figures import PlanError
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_COMPLETION_LENGTH, DEFAULT_MAX_PROMPT_LENGTH, fmt_bytes
 from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION, ROLLOUT_RANK_GPU_MEMORY_UTILIZATION
+from trl_nrollout.plan.shapes import padfree_token_cap
+from trl_nrollout.plan.workload import Workload
 
 #: the log-prob passes' own sizes: any of them set keeps them off the update's budget (the config's rule)
 LOG_PROB_SIZES = ("log_prob_micro_batch_size", "log_prob_micro_batch_size_per_device",

@@ -32,7 +32,8 @@ from trl_nrollout.passes.padfree import (
     unit_lengths,
 )
 from trl_nrollout.plan.activations import default_update_token_budget
-from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM, padfree_token_cap
+from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM
+from trl_nrollout.plan.shapes import padfree_token_cap
 from trl_nrollout.trainer.update import loss_mask
 
 logger = logging.getLogger(__name__)
