@@ -53,7 +53,6 @@ CASES = {
     ("rollout_multi_turn='requests'", "rollout_func"): lambda tmp: MultiTurnRollout._request_turns_refusal(
         _trainer(rollout_func=print)),
     ("rollout_ranks", "rollout_partial=True"): lambda tmp: _ranks(rollout_partial=True),
-    ("rollout_ranks", "rollout_dispatch='balanced'"): lambda tmp: _ranks(rollout_dispatch="balanced"),
     ("rollout_ranks", "rollout_multi_turn='requests'"): lambda tmp: _ranks(rollout_multi_turn="requests"),
     ("rollout_ranks", "environment_factory"): lambda tmp: RolloutRanks._rollout_ranks_refusal(
         _trainer(environment_factories={"e": print})),

@@ -330,18 +330,26 @@ def _launch(out, *extra, config: str | None = None, procs: int = 3, timeout: flo
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
-@pytest.mark.parametrize("staleness,lags", [(1, [0, 1, 1, 1]), (2, [0, 1, 2, 2])])
-def test_one_step_off_policy_under_zero3_samples_one_step_stale(staleness, lags, tmp_path):
+@pytest.mark.parametrize("staleness,lags,ranks,dispatch", [(1, [0, 1, 1, 1], 1, "shares"),
+                                                          (2, [0, 1, 2, 2], 2, "balanced")])
+def test_one_step_off_policy_under_zero3_samples_one_step_stale(staleness, lags, ranks, dispatch, tmp_path):
     """2 ZeRO-3 trainers + 1 rollout rank, max_staleness=1 (the default): the first step is generated with the
     initial weights, and every later step's samples by the policy one optimizer step older (the step's job was
-    written before the previous update); with max_staleness=2, two jobs are written ahead, so the lag grows to 2.
+    written before the previous update); with max_staleness=2 (1 ZeRO-3 trainer + 2 rollout ranks, their two
+    engines pulling each job's groups from one balanced queue), two jobs are written ahead, so the lag grows to 2.
     The trainers log their wait and each transfer's bytes, which are the model's. The engine's log-probs then
     differ from the trainer's by the updates in between (a synchronous run's stay at float32 noise:
-    test_trainer's rollout_ranks cases)."""
-    run = _launch(tmp_path, "--max_steps", "4", "--rollout_ranks", "1", "--max_staleness", str(staleness),
-                  "--learning_rate", "1e-4", "--save_strategy", "no", config="zero3_cpu.yaml")
+    test_trainer's rollout_ranks cases). That a balanced queue samples what fixed shares sample: test_dispatch.py
+    (the rollout ranks run the same generate_balanced)."""
+    run = _launch(tmp_path, "--max_steps", "4", "--rollout_ranks", str(ranks), "--max_staleness", str(staleness),
+                  "--rollout_dispatch", dispatch, "--learning_rate", "1e-4", "--save_strategy", "no",
+                  config="zero3_cpu.yaml")
     steps = run["steps"]
-    assert run["summary"]["processes"] == 2 and len(steps) == 4
+    assert run["summary"]["processes"] == 3 - ranks and len(steps) == 4
+    if dispatch == "balanced":  # the rollout ranks' engines pulled the job's groups (the share run by another)
+        assert all(0.0 <= h["rollout/moved_groups"] <= 1.0 for h in steps)
+    else:
+        assert all("rollout/moved_groups" not in h for h in steps)
     assert [h["rollout/staleness"] for h in steps] == lags
     from transformers import AutoModelForCausalLM
 

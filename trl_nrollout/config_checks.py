@@ -116,9 +116,6 @@ def rollout_ranks_refusal(config: NRolloutConfig) -> str | None:
         return (f"rollout_ranks={r} with rollout_partial=True: partial rollouts keep each colocated engine's pool "
                 "across steps; on rollout ranks the engines generate whole steps ahead instead (max_staleness). Set "
                 "one of them.")
-    if config.rollout_dispatch == "balanced":
-        return (f"rollout_ranks={r} with rollout_dispatch='balanced': the rollout ranks split each job by whole "
-                "groups among their engines; set rollout_dispatch='shares' (the default).")
     if config.rollout_multi_turn == "requests":
         return (f"rollout_ranks={r} with rollout_multi_turn='requests': a sample's re-entry needs its tools where its "
                 "engine runs, and the tools run on the trainers; set rollout_multi_turn='turns' (each tool turn one "

@@ -60,8 +60,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "the function generates itself: there are no tool turns to run request by request"),
     Refusal("rollout_ranks", "rollout_partial=True", "not yet", "config_checks.rollout_ranks_refusal",
             "partial rollouts keep a pool per colocated engine; rollout ranks run whole jobs"),
-    Refusal("rollout_ranks", "rollout_dispatch='balanced'", "not yet", "config_checks.rollout_ranks_refusal",
-            "the rollout ranks split each job by whole groups among their engines"),
     Refusal("rollout_ranks", "rollout_multi_turn='requests'", "not yet", "config_checks.rollout_ranks_refusal",
             "tools run on the trainers; a request-level episode re-enters the engine that runs its tools"),
     Refusal("rollout_ranks", "environment_factory", "not yet", "RolloutRanks._rollout_ranks_refusal",

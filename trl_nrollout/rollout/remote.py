@@ -70,15 +70,18 @@ class JobResult:
     finish_reasons: list[str]
     gen_s: float
     version: int
+    #: rollout_dispatch="balanced": the job's groups this rank's engine ran and how many of them another engine
+    #: owned under fixed shares (its TP group's first rank reports; None elsewhere and under "shares")
+    balanced: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, completion_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
-           gen_s: float, version: int) -> JobResult:
+           gen_s: float, version: int, balanced: tuple[int, int] | None = None) -> JobResult:
         lengths = np.array([len(c) for c in completion_ids], dtype=np.int64)
         flat = [t for c in completion_ids for t in c]
         lps = [x for lp in logprobs for x in lp]
         return cls(np.array(flat, dtype=np.int32), np.array(lps, dtype=np.float32), lengths, list(finish_reasons),
-                   gen_s, version)
+                   gen_s, version, balanced)
 
     def rows(self) -> list[tuple[list[int], list[float], str]]:
         """``(completion ids, log-probs, finish reason)`` of each sample."""
@@ -330,6 +333,9 @@ class RemoteEngines:
                 self._queue_ahead(future, n)
             info = {"wait_s": time.perf_counter() - wait_start + stale_s, "gen_s": max(r.gen_s for r in results),
                     "version": min(r.version for r in results)}
+            pulled = [r.balanced for r in results if r.balanced is not None]
+            if pulled:  # the share of the job's groups an engine other than their own ran
+                info["moved_groups"] = sum(m for _, m in pulled) / max(1, sum(g for g, _ in pulled))
             rows = [x for res in results for x in res.rows()]
             first = 0
             for t, (groups, _) in enumerate(every):  # each trainer its own samples only
@@ -524,6 +530,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             bridge.status = "starting its engine"
             try:
                 engine = state["engine"] = build_engine(message)
+                state["dispatch"] = message.get("dispatch", "shares")
                 answer = {"names": sorted(engine.parameter_names()), "dtype": str(engine.dtype)}
             except Exception as err:  # noqa: BLE001 - the trainers raise it, naming this rank
                 bridge.put(f"ready/{r}", {"kind": "error", "message": f"{type(err).__name__}: {err}"})
@@ -548,11 +555,20 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             groups, n = message["prompts"], message["n"]
             start, stop = job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, r)
             t0 = time.perf_counter()
+            balanced = None
             try:
                 if "budgets" in message:  # a tool turn: one sample per context, each with its budget
                     batch = engine.generate_turns(groups[start:stop], message["budgets"][start:stop],
                                                   message["sampling"], sample_ids=message["sample_ids"][start:stop],
                                                   num_samples=0)
+                elif state.get("dispatch") == "balanced":  # the engines pull the job's groups from one queue
+                    prompts = [groups[i // n] for i in range(start, stop)]
+                    batch, pulled = engine.generate_balanced(prompts, n, message["sampling"])
+                    if engine.rank == engine.tp_ranks[0]:
+                        tp = engine.layout.rollout_tp_size
+                        first = job_slice(len(groups) * n, n, roles.rollout_ranks, tp, r)[0] // n
+                        last = job_slice(len(groups) * n, n, roles.rollout_ranks, tp, r + tp - 1)[1] // n
+                        balanced = (len(pulled.groups), sum(1 for g in pulled.groups if not first <= g < last))
                 elif stop > start or engine.layout.rollout_tp_size > 1:
                     prompts = [groups[i // n] for i in range(start, stop)]
                     batch = engine.generate_expanded(prompts, n, message["sampling"], sample_offset=start)
@@ -563,7 +579,8 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
                 raise
             gen_s = time.perf_counter() - t0
             bridge.put(f"out/{message['id']}/{r}", JobResult.of(batch.completion_ids, batch.logprobs,
-                                                                batch.finish_reasons, gen_s, state.get("version", 0)))
+                                                                batch.finish_reasons, gen_s, state.get("version", 0),
+                                                                balanced))
             stats["jobs"] += 1
             stats["samples"] += stop - start
             stats["gen_s"] += gen_s

@@ -56,7 +56,7 @@ class RolloutRanks:
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=False,
             seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
             trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples,
-            max_staleness=args.max_staleness, lora_rank=self._engine_lora_rank())
+            max_staleness=args.max_staleness, lora_rank=self._engine_lora_rank(), dispatch=args.rollout_dispatch)
         if args.vllm_enable_sleep_mode:
             logger.warning("vllm_enable_sleep_mode=True has no use with rollout_ranks=%d: the engines' devices hold "
                            "nothing else, so they stay awake (and keep their KV cache) between jobs.",
@@ -150,6 +150,8 @@ class RolloutRanks:
         info = self.rollout_engine.last_job
         self._metric(mode, "rollout/wait_s", info["wait_s"])
         self._metric(mode, "rollout/staleness", self.state.global_step - info["version"])
+        if info.get("moved_groups") is not None:  # rollout_dispatch="balanced" on the rollout ranks
+            self._metric(mode, "rollout/moved_groups", info["moved_groups"])
         transfer = self.rollout_engine.last_transfer
         if transfer.get("seconds") is not None:
             self._metric(mode, "weight_sync/transfer_s", transfer["seconds"])
@@ -217,7 +219,7 @@ class RolloutRankWorker:
             enforce_eager=settings["enforce_eager"], enable_prefix_caching=settings["enable_prefix_caching"],
             enable_sleep_mode=settings["enable_sleep_mode"], seed=settings["seed"],
             seed_mode=settings["seed_mode"], trust_remote_code=settings["trust_remote_code"],
-            lora_rank=settings.get("lora_rank"))
+            lora_rank=settings.get("lora_rank"), dispatch=settings.get("dispatch", "shares"))
 
     def _serve(self) -> dict:
         if self._state.get("stopped"):
