@@ -189,13 +189,19 @@ def test_the_default_budget_follows_the_model_and_never_refuses_a_sample(model_d
         explicit._budgeted_steps(chunks)
 
 
+@pytest.mark.parametrize("layout", ["padding_free", "varlen"])
 @pytest.mark.parametrize("variant", ["lora", "bf16"])
-def test_budgeted_gradients_with_lora_and_a_bf16_checkpoint(variant, model_dir, tmp_path, monkeypatch):
+def test_budgeted_gradients_with_lora_and_a_bf16_checkpoint(variant, layout, model_dir, tmp_path, monkeypatch):
     """The same equality through PEFT's LoRA forward (the adapters' gradients, fp32: 1e-4) and from a bf16 checkpoint
     trained with ``bf16=True`` (CPU autocast, as on a GPU; padding-free rows and budgeted micro batches round
-    differently from the padded batch, so within bf16's tolerance: 2% of the gradient's norm). Mutation: only the
-    last micro batch of each micro step trained -> both fail."""
+    differently from the padded batch, so within bf16's tolerance: 2% of the gradient's norm), with masked rows and
+    with varlen rows (``attn_implementation="trl_nrollout_varlen"``; the count-based side runs the padded batch
+    through the same attention function, SDPA with the padding mask). Mutations: only the last micro batch of each
+    micro step trained -> all fail; varlen attention over the whole row (the boundaries ignored) -> both varlen
+    cases fail."""
     options: dict = {}
+    if layout == "varlen":
+        options["model_init_kwargs"] = {"attn_implementation": VARLEN_NAME}
     if variant == "lora":
         from peft import LoraConfig
 
@@ -205,14 +211,20 @@ def test_budgeted_gradients_with_lora_and_a_bf16_checkpoint(variant, model_dir, 
     else:
         torch.manual_seed(0)
         bf16_dir = save_tiny_model(tmp_path / "bf16_model", dtype=torch.bfloat16)
-        trainer = _trainer(bf16_dir, tmp_path, monkeypatch, ppo_max_token_len_per_device=40, bf16=True,
-                           model_init_kwargs={"dtype": "auto"})  # the checkpoint's bf16 weights, not TRL's fp32 load
+        # the checkpoint's bf16 weights, not TRL's fp32 load
+        options["model_init_kwargs"] = {**options.get("model_init_kwargs", {}), "dtype": "auto"}
+        trainer = _trainer(bf16_dir, tmp_path, monkeypatch, ppo_max_token_len_per_device=40, bf16=True, **options)
         assert next(trainer.model.parameters()).dtype == torch.bfloat16
+    assert trainer._rows_varlen(trainer.model) == (layout == "varlen")
     chunks = trainer._add_normalizers(split_tensor_dict(_batch(trainer, seed=11), 2), 2)
     _, plain = _grads(trainer, chunks)
     steps = trainer._budgeted_steps(chunks)
     assert sum(len(s.parts) for s in steps) > 2
+    rows = []
+    real = update_module.pack_rows
+    monkeypatch.setattr(update_module, "pack_rows", lambda *a, **kw: rows.append(kw["mask_dtype"]) or real(*a, **kw))
     _, budgeted = _grads(trainer, steps)
+    assert rows and all((dtype is None) == (layout == "varlen") for dtype in rows), rows  # padding-free rows ran
     if variant == "lora":
         assert 0 < len(plain) < sum(1 for _ in trainer.model.parameters())  # the adapters only
         for a, b in zip(budgeted, plain, strict=True):
@@ -248,3 +260,73 @@ def test_a_groups_samples_train_together_with_their_prompt_once(model_dir, tmp_p
     assert any(u for u in units), "a micro batch ran with each prompt once"
     for a, b in zip(budgeted, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_ranks_with_unequal_work_reproduce_one_padded_process(model_dir, tmp_path, monkeypatch):
+    """The token-budgeted padding-free update in 2 processes (one launch: tests/dist/update_dist.py) under plain
+    torch FSDP2 (``fully_shard`` on gloo, as test_logprobs.py runs it: accelerate cannot run FSDP on a CPU) with
+    masked rows and with varlen rows, and under the trainer's DDP (``accelerator.prepare``) with varlen rows, each
+    case a loss aggregation of its own (token-mean with the KL loss, Dr. GRPO's, GSPO's sequence ratio). The ranks'
+    work differs (a rollout of 16 samples on rank 0, 8 on rank 1, two optimizer steps: in the first rank 0 needs 5
+    micro batches under the budget, rank 1's 4 long samples 4): both run the busiest rank's count in each step
+    (rank 1 one forward that weighs nothing), nothing hangs (FSDP2 gathers in every forward; the launch's timeout
+    turns a hang into a failure), and the per-token log-probs, the loss and the gradients (summed over the two
+    optimizer steps) equal one process training both ranks' samples count-based in the padded layout (fp32).
+    Mutations tried: each rank its own count (``counts = torch.tensor(needs)`` for the busiest rank's in
+    ``_budgeted_steps``) -> the ranks' FSDP2 collectives no longer pair up (gloo: "collective mismatch") and the
+    launch fails; the weightless forward weighing 1 (``loss_scale`` ignored in ``_part_loss``) -> the loss and the
+    gradients differ; varlen attention over the whole row (the boundaries ignored) -> the varlen cases' log-probs
+    differ; only the last micro batch of each micro step trained -> fails."""
+    import json
+
+    from tests.conftest import ACCELERATE_LAUNCH, ENV, ROOT, run_cmd
+    from tests.dist.update_dist import CASES, CHUNKS, record_logps, trainer_options
+
+    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/dist/update_dist.py"),
+             model_dir, str(tmp_path)], timeout=300, env=ENV)
+    # one process trains both ranks' samples: its count-based micro batch i holds both ranks' micro batch i (the
+    # same optimizer steps, so the same normalizers)
+    per_rank = [split_tensor_dict(torch.load(tmp_path / f"batch{r}.pt"), CHUNKS) for r in range(2)]
+    union = [concat_batches([a, b]) for a, b in zip(*per_rank)]
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    for case, (wrap, options) in CASES.items():
+        ranks = [json.loads((tmp_path / f"{case}_rank{r}.json").read_text()) for r in range(2)]
+        # as many forwards on both ranks, the busiest rank's count, though their own needs differed
+        assert ranks[0]["parts_per_micro_step"] == ranks[1]["parts_per_micro_step"], (case, ranks)
+        assert ranks[0]["forwards"] == ranks[1]["forwards"] == ranks[0]["micro_batches"] == 7, case
+        assert all(r["micro_batches_least_rank"] == 6 for r in ranks), case  # rank 1 alone: 4 + 2
+        assert [r["weightless_forwards"] for r in ranks] == [0, 1], case
+        assert all(r["sync_gradients_restored"] for r in ranks)
+        # padding-free rows ran, of the case's attention (masked rows pay on rank 0's mixed lengths only)
+        layout = "varlen" if "varlen" in case else "mask"
+        assert all(set(r["rows"]) <= {layout} for r in ranks) and ranks[0]["padfree_forwards"] >= 3, (case, ranks)
+        assert layout == "mask" or ranks[1]["padfree_forwards"] >= 2, (case, ranks)
+        if wrap == "fsdp2":
+            assert all(r["local_numel"] < r["full_numel"] for r in ranks), case  # really sharded
+        # one process, both ranks' samples, count-based micro batches, the padded layout
+        ref_options = {k: v for k, v in options.items() if k != "model_init_kwargs"}
+        args = NRolloutConfig(output_dir=str(tmp_path / f"{case}_ref"), padding_free=False,
+                              **trainer_options(), **ref_options)
+        ref = NRolloutGRPOTrainer(model=model_dir, reward_funcs=[digits_reward], args=args,
+                                  train_dataset=digits_dataset(8))
+        ref.model.train()
+        ref.current_gradient_accumulation_steps = 2
+        assert not ref.args.use_dynamic_bsz
+        logps, _ = record_logps(ref)
+        ref_loss, _ = _grads(ref, ref._add_normalizers([dict(c) for c in union], 2))
+        ref_grads = {n: p.grad for n, p in ref.model.named_parameters() if p.grad is not None}
+        got = {**ranks[0]["logps"], **ranks[1]["logps"]}
+        assert sorted(got, key=int) == [str(k) for k in sorted(logps)] and len(got) == 24, case
+        worst = max((torch.tensor(got[str(k)]) - torch.tensor(v)).abs().max().item() for k, v in logps.items() if v)
+        assert worst < 1e-5, (case, worst)
+        # each rank's loss is over its own tokens, normalized by the totals over the ranks: their mean is one's
+        loss = sum(r["loss"] for r in ranks) / 2
+        assert abs(loss - ref_loss) < 1e-5 * max(1.0, abs(ref_loss)), (case, loss, ref_loss)
+        grads = torch.load(tmp_path / f"{case}_grads.pt")
+        assert grads.keys() == ref_grads.keys() and sum(g.abs().sum() for g in ref_grads.values()) > 1e-3
+        for name, g in grads.items():  # within 1e-5 of each tensor's largest entry
+            want = ref_grads[name]
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                       msg=lambda m, case=case, name=name: f"{case} {name}: {m}")
