@@ -56,14 +56,14 @@ CASES = {
     ("rollout_ranks", "rollout_multi_turn='requests'"): lambda tmp: _ranks(rollout_multi_turn="requests"),
     ("rollout_ranks", "environment_factory"): lambda tmp: RolloutRanks._rollout_ranks_refusal(
         _trainer(environment_factories={"e": print})),
-    ("rollout_ranks", "rollout_func"): lambda tmp: RolloutRanks._rollout_ranks_refusal(_trainer(rollout_func=print)),
     ("rollout_partial=True", "rollout_dispatch='balanced'"): lambda tmp: _config_error(
         tmp, rollout_partial=True, rollout_dispatch="balanced"),
     ("rollout_partial=True", "tools and rollout_multi_turn='turns'"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(tools=[print]))),
-    ("rollout_partial=True", "environment_factory or rollout_func"): lambda tmp: (
-        PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}))
-        + PartialRollouts._partial_refusal(_trainer(rollout_func=print))),
+    ("rollout_partial=True", "environment_factory"): lambda tmp: (
+        PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}))),
+    ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(
+        _trainer(rollout_func=print)),
     # the pool's round refuses image prompts where it tokenizes them (a whole step to reach): its message, read
     ("rollout_partial=True", "image prompts"): lambda tmp: inspect.getsource(PartialRollouts._partial_round),
     ("rollout_dispatch='balanced'", "environment_factory and rollout_multi_turn='requests'"): lambda tmp: (

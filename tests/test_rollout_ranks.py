@@ -250,7 +250,6 @@ def test_the_engines_memory_default_follows_where_they_live(tmp_path):
 @pytest.mark.parametrize("options,expected", [
     (dict(rollout_ranks=1, rollout_backend="hf"), "rollout_backend='hf'"),
     (dict(rollout_ranks=1, rollout_partial=True), "rollout_partial=True"),
-    (dict(rollout_ranks=1, rollout_dispatch="balanced"), "rollout_dispatch='balanced'"),
     (dict(rollout_ranks=1, rollout_multi_turn="requests"), "rollout_multi_turn='requests'"),
     (dict(rollout_ranks=1), "single process"),
     (dict(rollout_ranks=-1), "must be >= 0"),
@@ -500,3 +499,21 @@ def test_evaluation_goes_through_the_rollout_rank_without_losing_the_job_written
     evals = [h for h in result["history"] if "eval_reward" in h]
     assert [h["step"] for h in evals] == [2, 4, 4] and all(math.isfinite(h["eval_reward"]) for h in evals)
     assert math.isfinite(result["final"]["eval_reward"])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_a_rollout_func_generates_on_the_rollout_rank(tmp_path):
+    """A TRL rollout_func that generates through trainer.rollout_engine, with one trainer and one rollout rank: its
+    calls are jobs of the rollout rank (the engine it sees is RemoteEngines), its extra field reaches the reward,
+    and the steps train (finite loss, some reward)."""
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2",
+                           str(ROOT / "tests/assets/rollout_func_ranks.py"), str(tmp_path)], cwd=ROOT,
+                          env={**os.environ, **ENV}, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["seen"] == ["RemoteEngines"] * 3
+    steps = [h for h in result["history"] if "reward" in h]
+    assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps)
+    assert max(h["reward"] for h in steps) > 0  # the extra field reached the reward on the trainer

@@ -38,9 +38,14 @@ class PartialRollouts:
             return (f"rollout_partial=True needs vLLM engines, but this trainer generates with the "
                     f"{self.rollout_backend!r} engine; install vLLM (rollout_backend='vllm'), or set "
                     "rollout_partial=False.")
-        if getattr(self, "environment_factories", None) or self.rollout_func is not None:
-            return ("rollout_partial=True with environment_factory or rollout_func: environments and custom "
-                    "rollouts are not partial yet (tools are); set rollout_partial=False for them.")
+        if self.rollout_func is not None:
+            return ("rollout_partial=True with rollout_func: the function generates whole samples itself, so the "
+                    "trainer cannot stop its requests and continue them after a weight sync; set "
+                    "rollout_partial=False, or use tools= (partial with rollout_multi_turn='requests').")
+        if getattr(self, "environment_factories", None):
+            return ("rollout_partial=True with environment_factory: an environment per sample would have to live "
+                    "across steps and checkpoints, which is not built yet (tools= are partial); set "
+                    "rollout_partial=False for environments.")
         if self.tools and self.args.rollout_multi_turn != "requests":
             return (f"rollout_partial=True with tools and rollout_multi_turn={self.args.rollout_multi_turn!r}: a turn "
                     "barrier waits for every sample's turn, while a partial rollout stops before its slowest "

@@ -34,9 +34,6 @@ class RolloutRanks:
             return (f"rollout_ranks={r} with environment_factory: an environment's reset writes its sample's prompt "
                     "at the sample's own step, so its first turn cannot be generated steps ahead on the rollout "
                     "ranks (tools= can: their turns run on the trainers); set rollout_ranks=0 for environments.")
-        if self.rollout_func is not None:
-            return (f"rollout_ranks={r} with rollout_func: the function drives a colocated engine itself; set "
-                    "rollout_ranks=0 for it.")
         return None
 
     def _start_remote_engines(self) -> RemoteEngines:
