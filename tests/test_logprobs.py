@@ -161,27 +161,31 @@ def test_empty_prompt_is_a_clear_error():
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "zero3", "fsdp1", "fsdp2"])
-def test_two_processes_match_one(mode, tiny_model_path, tmp_path):
+@pytest.mark.parametrize("modes", [["ddp"], ["zero3", "fsdp1", "fsdp2"]], ids=["ddp", "zero3+fsdp1+fsdp2"])
+def test_two_processes_match_one(modes, tiny_model_path, tmp_path):
     """Under 2-process DDP, DeepSpeed ZeRO-3 and plain torch FSDP1/FSDP2 (gloo, CPU) the pass gives the
     single-process numbers, in the plain and the shared-prompt layout; ranks with different numbers of micro
     batches do not hang (ZeRO-3 / FSDP gather per
     forward), nor do ranks that need different numbers of output-head chunks (under ZeRO-3 each call of the head
-    module gathers its weight; the timeout turns such a hang into a failure)."""
-    env = {"ACCELERATE_USE_CPU": "1"} if mode == "ddp" else {"ACCELERATE_USE_CPU": None}
+    module gathers its weight; the timeout turns such a hang into a failure). The sharded wrappers share one launch
+    (each model wrapped and checked in turn); DDP, accelerate's CPU launch, has its own."""
+    env = {"ACCELERATE_USE_CPU": "1"} if modes == ["ddp"] else {"ACCELERATE_USE_CPU": None}
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    run_cmd([torchrun, "--nproc_per_node", "2", str(ROOT / "tests/dist/logprobs_dist.py"), mode, tiny_model_path,
-             str(tmp_path)], timeout=240, env=env)
+    run_cmd([torchrun, "--nproc_per_node", "2", str(ROOT / "tests/dist/logprobs_dist.py"), ",".join(modes),
+             tiny_model_path, str(tmp_path)], timeout=240, env=env)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    full = sum(p.numel() for p in tiny_model().parameters())
     for res in results:
-        assert res["world"] == 2
-        assert res["max_abs_diff"] < TOL and res["max_abs_diff_entropy"] < TOL and res["max_abs_diff_mb1_left"] < TOL
-        assert res["max_abs_diff_small_head_chunks"] < TOL
-        assert res["training_mode_restored"]
-        # the shared-prompt layout ran in every micro batch (FSDP: through the model's own forward) and matches
-        assert res["packed_forwards"] == res["packed_micro_batches"] > 0
-        assert res["max_abs_diff_packed"] < TOL and res["max_abs_diff_packed_entropy"] < TOL
-    if mode in ("zero3", "fsdp1", "fsdp2"):
-        assert results[0]["num_forwards"] == results[1]["num_forwards"]
-        full = sum(p.numel() for p in tiny_model().parameters())
-        assert all(r["local_numel_after_wrap"] < full for r in results)  # really sharded
+        assert res["world"] == 2 and list(res["modes"]) == modes
+    for mode in modes:
+        for res in results:
+            one = res["modes"][mode]
+            assert one["max_abs_diff"] < TOL and one["max_abs_diff_entropy"] < TOL, mode
+            assert one["max_abs_diff_mb1_left"] < TOL and one["max_abs_diff_small_head_chunks"] < TOL, mode
+            assert one["training_mode_restored"], mode
+            # the shared-prompt layout ran in every micro batch (FSDP: through the model's own forward) and matches
+            assert one["packed_forwards"] == one["packed_micro_batches"] > 0, mode
+            assert one["max_abs_diff_packed"] < TOL and one["max_abs_diff_packed_entropy"] < TOL, mode
+        if mode in ("zero3", "fsdp1", "fsdp2"):
+            assert results[0]["modes"][mode]["num_forwards"] == results[1]["modes"][mode]["num_forwards"], mode
+            assert all(r["modes"][mode]["local_numel_after_wrap"] < full for r in results), mode  # really sharded

@@ -43,14 +43,16 @@ def _check_common(results: list[dict], tp: int) -> None:
         assert res["seeded_repeat_equal"] and res["unseeded_differs"]
         # the engine's log-probs are the trainer's (temperature-processed) log-probs of the same tokens
         assert res["gap_before_sync"] < TOL
-        # a sync changes generation and the engine then agrees with the updated training model
-        assert res["generation_changed"]
-        assert res["gap_after_sync"] < TOL
-        sync = res["sync"]
-        assert sync["buckets"] == 3 and sync["peak_bucket_bytes"] < sync["bytes"]  # bounded, layer by layer
-        # the buckets stream through one reload call, which warns about nothing (a call per bucket warned about
-        # every layer outside it, each sync)
-        assert res["reload_calls"] == 1 and res["sync_warnings"] == []
+        assert list(res["syncs"]) == res["modes"]  # one sync per mode, in order
+        for mode, one in res["syncs"].items():
+            # a sync changes generation and the engine then agrees with the updated training model
+            assert one["generation_changed"], mode
+            assert one["gap_after_sync"] < TOL, mode
+            sync = one["sync"]
+            assert sync["buckets"] == 3 and sync["peak_bucket_bytes"] < sync["bytes"], mode  # layer by layer
+            # the buckets stream through one reload call, which warns about nothing (a call per bucket warned
+            # about every layer outside it, each sync)
+            assert one["reload_calls"] == 1 and one["sync_warnings"] == [], mode
         assert res["engine_batch_size"] == tp * PROMPTS_PER_RANK * N
         # rollout_seed_mode="engine": vLLM gets no per-request seed, the call's seed still decides the samples,
         # and the caller's random state is untouched
@@ -66,7 +68,7 @@ def _check_common(results: list[dict], tp: int) -> None:
 def test_one_process_peft_merged_sync(tmp_path, tiny_model_path):
     (res,) = _run(tmp_path, 1, "peft", 1, tiny_model_path)
     _check_common([res], 1)
-    assert res["base_untouched"] is True
+    assert res["syncs"]["peft"]["base_untouched"] is True
 
 
 @pytest.mark.multiprocess
@@ -76,41 +78,54 @@ def test_two_engines_tp1_ddp(tmp_path, tiny_model_path):
     assert results[0]["engine_digest"] != results[1]["engine_digest"]  # independent engines, own prompts
 
 
+TP2_SHARDED_MODES = ["zero3", "zero3_peft", "fsdp1", "fsdp2", "fsdp2_peft"]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["zero3", "fsdp1", "fsdp2", "zero3_peft", "fsdp2_peft"])
-def test_one_engine_tp2_sharded_training_model(tmp_path, tiny_model_path, mode):
+def test_one_engine_tp2_sharded_training_model(tmp_path, tiny_model_path):
     """The engine agrees with the training model after a sync however the trainer shards it: ZeRO-3, FSDP1 (the
     parameters exist only as flat shards outside summon_full_params), FSDP2, and LoRA under ZeRO-3 (the adapters
-    are partitioned too) and under FSDP2 (the delta is a sharded DTensor)."""
-    results = _run(tmp_path, 2, mode, 2, tiny_model_path)
+    are partitioned too) and under FSDP2 (the delta is a sharded DTensor).
+
+    One launch, one engine over both ranks: the generation checks run once, then the five training models (each
+    with weights of its own) sync in turn, and every sync is checked as a launch of its own was (the engine's
+    generation changes, its log-probs match that model's, layer by layer in one reload call, no warning)."""
+    results = _run(tmp_path, 2, ",".join(TP2_SHARDED_MODES), 2, tiny_model_path)
+    assert all(res["modes"] == TP2_SHARDED_MODES for res in results)
     _check_common(results, 2)
 
 
-def _run_large(tmp_path, tp: int, procs: int, model: str) -> list[dict]:
+def _run_large(tmp_path, tps: list[int], procs: int, model: str) -> list[dict]:
+    """Per rank: {TP size: that run's results}, the TP sizes run in turn by one launch of ``procs`` processes."""
     script = str(ROOT / "tests/dist/large_rollout.py")
-    out = tmp_path / f"tp{tp}_p{procs}"
+    out = tmp_path / f"tp{'_'.join(map(str, tps))}_p{procs}"
     out.mkdir()
     head = [sys.executable] if procs == 1 else [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node",
                                                  str(procs)]
-    run_cmd([*head, script, str(tp), model, str(out)], timeout=500, env={"ACCELERATE_USE_CPU": None})
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]
+    run_cmd([*head, script, ",".join(map(str, tps)), model, str(out)], timeout=500, env={"ACCELERATE_USE_CPU": None})
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]
+    assert all(r["rank"] == i and list(r["tp"]) == [str(tp) for tp in tps] for i, r in enumerate(ranks))
+    return [{tp: r["tp"][str(tp)] for tp in tps} for r in ranks]
 
 
 @pytest.mark.multiprocess
 def test_user_sized_rollout_one_and_two_processes(tmp_path, tiny_model_path):
     """64 prompts of 300 tokens x n=8 per step: the engine's prompt tokens are several times vLLM's scheduler
     budget. Seeded (used to crash on CPU in vLLM's partial-prefill bookkeeping) and unseeded; one process, two
-    engines (TP=1) and one engine over two ranks (TP=2) sample exactly the same completions."""
-    one = _run_large(tmp_path, 1, 1, tiny_model_path)
-    assert one[0]["engine_prompt_tokens"] >= 4 * 4096
-    assert one[0]["seeded_again_equal"] and one[0]["unseeded_count"] == 64 * 8 and one[0]["unseeded_lengths_ok"]
-    completions = one[0]["seeded"]
-    assert one[0]["group_index"] == [g for g in range(64) for _ in range(8)]
+    engines (TP=1) and one engine over two ranks (TP=2) sample exactly the same completions. The two-process runs
+    share one launch: two TP=1 engines, closed, then one TP=2 engine (a closed group leaves the launcher's process
+    group usable for the next)."""
+    (one,) = [r[1] for r in _run_large(tmp_path, [1], 1, tiny_model_path)]
+    assert one["engine_prompt_tokens"] >= 4 * 4096
+    assert one["seeded_again_equal"] and one["unseeded_count"] == 64 * 8 and one["unseeded_lengths_ok"]
+    completions = one["seeded"]
+    assert one["group_index"] == [g for g in range(64) for _ in range(8)]
     # prompts 0 and 1 are equal, yet no sample of one repeats a sample of the other at a shifted index
     assert all(completions[k] != completions[8 + k - 1] for k in range(1, 8))
     assert completions[:8] != completions[8:16]
+    ranks = _run_large(tmp_path, [1, 2], 2, tiny_model_path)
     for tp in (1, 2):
-        two = _run_large(tmp_path, tp, 2, tiny_model_path)
+        two = [r[tp] for r in ranks]
         assert all(r["seeded_again_equal"] and r["unseeded_lengths_ok"] for r in two)
         assert all(r["process_group_alive_after_close"] for r in two)  # close() left the launcher's group
         assert two[0]["seeded"] + two[1]["seeded"] == completions, f"tp={tp}"

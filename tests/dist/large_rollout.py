@@ -5,7 +5,8 @@ token budget of 4,096), seeded and unseeded. On CPU, seeded requests used to cra
 bookkeeping ("CPU Generator does not use offset"). Prompts 0 and 1 are equal: their samples must still differ
 (vLLM seeds sample k of a request with seed + k; prompt seeds must be n apart).
 
-argv: tp, model folder, output folder. Writes rank<r>.json with this rank's completions.
+argv: tp sizes (one, or several joined by commas: one launch runs them in turn, each engine group closed before the
+next starts), model folder, output folder. Writes rank<r>.json: per TP size, this rank's completions.
 """
 
 import json
@@ -27,12 +28,8 @@ def all_prompts() -> list[list[int]]:
     return prompts
 
 
-def main() -> None:
-    tp, model_dir, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        torch.distributed.init_process_group("gloo")
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+def rollout(tp: int, world: int, rank: int, model_dir: str) -> dict:
+    """This rank's share of the rollout on an engine group of TP size ``tp``, closed at the end."""
     layout = RolloutLayout.build(num_processes=world, rollout_tp_size=tp, train_batch_size=PROMPTS, rollout_n=N)
     from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
@@ -44,7 +41,6 @@ def main() -> None:
     again = group.generate(mine, N, seeded, group_offset=rank * per_rank)
     unseeded = group.generate(mine, N, SamplingOptions(max_tokens=MAX_TOKENS, temperature=1.0))
     result = {
-        "rank": rank,
         "budget": group.engine_kwargs.get("max_num_batched_tokens"),
         "engine_prompt_tokens": layout.prompts_per_engine * PROMPT_LEN,
         "seeded": first.completion_ids,
@@ -57,6 +53,16 @@ def main() -> None:
     group.close()
     # the engine's shutdown releases vLLM's groups; a process group the launcher made must survive it
     result["process_group_alive_after_close"] = torch.distributed.is_initialized()
+    return result
+
+
+def main() -> None:
+    tps, model_dir, out_dir = [int(t) for t in sys.argv[1].split(",")], sys.argv[2], sys.argv[3]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    result = {"rank": rank, "tp": {str(tp): rollout(tp, world, rank, model_dir) for tp in tps}}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     if torch.distributed.is_initialized():

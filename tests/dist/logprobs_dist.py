@@ -1,9 +1,10 @@
 """Run by tests/test_logprobs.py under ``torchrun --nproc_per_node 2``: the micro-batched log-prob pass of a
 DDP- or ZeRO-3-wrapped model gives the same numbers as a plain single-process model.
 
-argv: mode (ddp | zero3 | fsdp1 | fsdp2), model folder, output folder. Each rank scores a different, ragged set
-of samples with a token budget (so ranks run different numbers of micro batches: ZeRO-3 must keep its
-collectives in step) and writes its max abs difference to the plain model's result. A pass with a tiny output-head
+argv: modes (ddp | zero3 | fsdp1 | fsdp2, or several of zero3, fsdp1, fsdp2 joined by commas: one launch then checks
+each wrapped model in turn; ddp, accelerate's own CPU launch, runs alone), model folder, output folder. Each rank
+scores a different, ragged set of samples with a token budget (so ranks run different numbers of micro batches: ZeRO-3 must keep its
+collectives in step) and writes its max abs difference to the plain model's result (per mode). A pass with a tiny output-head
 chunk (``chunk_rows=3``) makes the ranks need different numbers of head chunks per forward: under ZeRO-3 each call
 of the head module would be a collective, and such a pass used to hang.
 """
@@ -40,53 +41,36 @@ def grouped_samples(rank: int, prompts: int, n: int):
     return [p for p in distinct for _ in range(n)], completions
 
 
-def main() -> None:
-    mode, model_dir, out_dir = sys.argv[1:4]
-    # the plain model is loaded before the accelerator: with a ZeRO-3 plugin active, from_pretrained partitions
-    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    kwargs = [InitProcessGroupKwargs(backend="gloo")]
+def load(model_dir: str):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def wrap(mode: str, model, accelerator):
+    """(the model as ``mode`` wraps it, its local parameter count after wrapping)."""
     if mode == "fsdp1":  # plain torch FSDP1 (the wrapper class), one unit per decoder layer
-        import torch.distributed as dist
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        dist.init_process_group("gloo")
-        rank, world, barrier = dist.get_rank(), dist.get_world_size(), dist.barrier
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         layer_cls = type(model.model.layers[0])
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), device_id=torch.device("cpu"))
-        sharded = sum(p.numel() for p in model.parameters())
-    elif mode == "fsdp2":  # plain torch FSDP2 (accelerate cannot run FSDP on CPU)
-        import torch.distributed as dist
+        return model, sum(p.numel() for p in model.parameters())
+    if mode == "fsdp2":  # plain torch FSDP2 (accelerate cannot run FSDP on CPU)
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-        sharded = sum(p.to_local().numel() for p in model.parameters())
-        world = dist.get_world_size()
-        barrier = dist.barrier
-    elif mode == "zero3":
-        plugin = DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=1)
-        accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=kwargs)
-    else:
-        accelerator = Accelerator(cpu=True, kwargs_handlers=kwargs)
-    if mode not in ("fsdp1", "fsdp2"):
-        rank, world, barrier = accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if mode in ("fsdp1", "fsdp2"):
-        pass
-    elif mode == "zero3":
+        return model, sum(p.to_local().numel() for p in model.parameters())
+    if mode == "zero3":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         loader = torch.utils.data.DataLoader(list(range(8)), batch_size=1)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        sharded = sum(p.numel() for p in model.module.parameters())  # 0: ZeRO-3 keeps only shards
-    else:
-        model = accelerator.prepare(model)
-        sharded = -1
+        return model, sum(p.numel() for p in model.module.parameters())  # 0: ZeRO-3 keeps only shards
+    return accelerator.prepare(model), -1
+
+
+def check(mode: str, model, plain, rank: int, sharded: int) -> dict:
+    """The log-prob passes of ``model`` against the plain single-process model's."""
     model.train()  # the pass must put it in eval mode and restore training mode after
     prompts, completions = samples(rank, 12 + 7 * rank)  # ragged, and a different count per rank
     ref = compute_log_probs(plain, prompts, completions, with_entropy=True)
@@ -105,9 +89,7 @@ def main() -> None:
                                    shared_prompts=True)
     finally:
         logprobs_module.pack_shared_prompts = real_pack
-    result = {
-        "rank": rank,
-        "world": world,
+    return {
         "mode": mode,
         "local_numel_after_wrap": sharded,
         "num_forwards": got.num_forwards,
@@ -121,9 +103,34 @@ def main() -> None:
         "max_abs_diff_packed": float((packed.logprobs - g_ref.logprobs).abs().max()),
         "max_abs_diff_packed_entropy": float((packed.entropy - g_ref.entropy).abs().max()),
     }
+
+
+def main() -> None:
+    modes, model_dir, out_dir = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+    if "ddp" in modes and len(modes) > 1:
+        raise SystemExit(f"ddp runs alone (accelerate's CPU launch), not with {modes}")
+    # the plain model, and FSDP's models, are loaded before the accelerator: with a ZeRO-3 plugin active,
+    # from_pretrained partitions
+    plain = load(model_dir)
+    models = {mode: load(model_dir) for mode in modes if mode in ("fsdp1", "fsdp2")}
+    kwargs = [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = None
+    if "zero3" in modes:
+        plugin = DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=1)
+        accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=kwargs)
+    elif "ddp" in modes:
+        accelerator = Accelerator(cpu=True, kwargs_handlers=kwargs)
+    else:
+        torch.distributed.init_process_group("gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    results = {}
+    for mode in modes:
+        model = models.pop(mode) if mode in models else load(model_dir)  # ZeRO-3's: partitioned at load
+        model, sharded = wrap(mode, model, accelerator)
+        results[mode] = check(mode, model, plain, rank, sharded)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    barrier()
+        json.dump({"rank": rank, "world": world, "modes": results}, f)
+    torch.distributed.barrier()
 
 
 if __name__ == "__main__":
