@@ -37,14 +37,14 @@ from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_balanced import BalancedDispatch
 from trl_nrollout.rollout.vllm_process import (
-    _LIVE,
-    _close_live_engines,
-    _forget_stale_vllm_groups,
-    _keep_default_process_group,
-    _on_rollout_rank,
-    _release_vllm_groups,
-    _restore_env,
+    LIVE_ENGINES,
     barrier_scope,
+    close_live_engines,
+    forget_stale_vllm_groups,
+    keep_default_process_group,
+    on_rollout_rank,
+    release_vllm_groups,
+    restore_env,
     vllm_prompts,
 )
 from trl_nrollout.rollout.vllm_settings import engine_kwargs
@@ -115,8 +115,8 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch={dispatch!r} is not one of {DISPATCH_MODES} (rollout_dispatch).")
         prepare_vllm_environment()
-        _close_live_engines()  # one external-launcher engine per process: a new trainer releases the previous one
-        _forget_stale_vllm_groups()
+        close_live_engines()  # one external-launcher engine per process: a new trainer releases the previous one
+        forget_stale_vllm_groups()
         self.llm = None
         self.layout = layout
         self.rank = rank
@@ -174,10 +174,10 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         finally:
             # vLLM's CPU platform sets LOCAL_WORLD_SIZE to the engine's TP size while it builds the engine; the
             # launcher's value (processes per node) is what the job's layout and a later trainer read
-            _restore_env("LOCAL_WORLD_SIZE", launcher_local_world)
+            restore_env("LOCAL_WORLD_SIZE", launcher_local_world)
         self.startup_s = time.perf_counter() - start
         self.engine_kwargs = kwargs
-        _LIVE.add(self)
+        LIVE_ENGINES.add(self)
 
     @property
     def dtype(self) -> str:
@@ -203,7 +203,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         :func:`barrier_scope`: the whole default group when the engines share the trainers' devices, the engine's
         own TP group on rollout ranks (no training collective there: a barrier over every rollout rank would make
         the engines start each job in lockstep), none on CPU (the TP gather over gloo already orders the ranks)."""
-        scope = barrier_scope(self.layout.rollout_tp_size, self.cpu, self._dist, _on_rollout_rank())
+        scope = barrier_scope(self.layout.rollout_tp_size, self.cpu, self._dist, on_rollout_rank())
         if scope is None:
             return
         nccl = torch.distributed.get_backend() == "nccl"  # device_ids is an NCCL-only argument
@@ -520,14 +520,14 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         try:
             # vLLM's shutdown tears down its distributed state, including torch's default process group; when
             # that group is accelerate's (a multi-process job), only vLLM's own groups are released
-            with contextlib.nullcontext() if self._owns_process_group else _keep_default_process_group():
+            with contextlib.nullcontext() if self._owns_process_group else keep_default_process_group():
                 llm.llm_engine.engine_core.shutdown()
         except Exception as err:  # noqa: BLE001 - best effort at teardown
             logger.debug("vLLM engine shutdown: %s", err)
         if self._owns_process_group:
-            _release_vllm_groups()
+            release_vllm_groups()
         self.llm = None
-        _LIVE.discard(self)
+        LIVE_ENGINES.discard(self)
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:

@@ -17,10 +17,10 @@ logger = logging.getLogger(__name__)
 
 
 #: Engine groups alive in this process (weakly held): vLLM's external launcher supports one engine per process.
-_LIVE: weakref.WeakSet = weakref.WeakSet()
+LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
-def _restore_env(name: str, value: str | None) -> None:
+def restore_env(name: str, value: str | None) -> None:
     """Set ``os.environ[name]`` back to ``value`` (unset it where it was unset)."""
     if value is None:
         os.environ.pop(name, None)
@@ -28,14 +28,14 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def _close_live_engines() -> None:
+def close_live_engines() -> None:
     """Release every engine group still alive in this process (a trainer built after another one)."""
-    for group in list(_LIVE):
+    for group in list(LIVE_ENGINES):
         logger.info("releasing the rollout engine of a previous trainer (vLLM runs one engine per process)")
         group.close()
 
 
-def _forget_stale_vllm_groups() -> None:
+def forget_stale_vllm_groups() -> None:
     """vLLM's groups left by an engine whose default process group was destroyed since (the recipe's ``main`` ends
     with ``destroy_process_group``): a new engine would reuse them and fail to start."""
     import sys
@@ -44,10 +44,10 @@ def _forget_stale_vllm_groups() -> None:
     if parallel_state is None or parallel_state._WORLD is None:
         return
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        _release_vllm_groups()
+        release_vllm_groups()
 
 
-def _release_vllm_groups() -> None:
+def release_vllm_groups() -> None:
     """Forget vLLM's process groups after the shutdown of an engine that started torch.distributed itself (one
     process). The shutdown destroys the default group but leaves vLLM's groups (world, TP, PP, ...) registered: a
     later engine in this process (a second ``main`` of the recipe, a sweep) would reuse them and fail to start
@@ -67,7 +67,7 @@ def _release_vllm_groups() -> None:
 
 
 @contextlib.contextmanager
-def _keep_default_process_group():
+def keep_default_process_group():
     """During a vLLM shutdown: release vLLM's world group but not torch's default process group."""
     from vllm.distributed import parallel_state
 
@@ -95,7 +95,7 @@ def barrier_scope(tp: int, cpu: bool, distributed: bool, rollout_rank: bool) -> 
     return "tp" if rollout_rank else "world"
 
 
-def _on_rollout_rank() -> bool:
+def on_rollout_rank() -> bool:
     from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
 
     bridge = current_bridge()
