@@ -233,9 +233,11 @@ def test_card_of_the_worked_example(recipe_folder):
     data = ModelCard(card).data  # the front matter parses as huggingface_hub reads it
     assert data.tags == ["trl", "trl-nrollout", "grpo", "recipe"] and data.library_name == "trl-nrollout"
     for text in ("## What it trains", "The worked example of DESIGN.md", "`Qwen/Qwen2.5-7B-Instruct`",
-                 "accelerate launch recipes/grpo.py --config hf://me/worked/config.yaml",
+                 "trl-nrollout train --config hf://me/worked/config.yaml",
+                 "accelerate launch -m trl_nrollout.recipe.run --config hf://me/worked/config.yaml",
                  "trl-nrollout recipe pull hf://me/worked/config.yaml --out recipe/",
-                 "accelerate launch --config_file recipe/accelerate.yaml",
+                 "accelerate launch --config_file recipe/accelerate.yaml -m trl_nrollout.recipe.run "
+                 "--config recipe/config.yaml", "`recipes/grpo.py` in place of `-m trl_nrollout.recipe.run`",
                  "rollout engines              6 / rollout_tp_size=2 = 3", "3 x 240 = 720",
                  "| python | 3.11.7 |", "| trl | 1.16.0 |"):
         assert text in card, text

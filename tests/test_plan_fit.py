@@ -129,7 +129,7 @@ def test_suggest_searches_sharding_and_the_update_budget_and_prints_the_command(
     code, out, _ = run(capsys, *ARTICLE, "--suggest")
     first = d["ranked"][0]["options"]
     assert (f"run the first: accelerate launch --config_file {first['accelerate_config']} --num_processes 6 "
-            f"recipes/grpo.py --rollout_tp_size {first['rollout_tp_size']}") in out
+            f"-m trl_nrollout.recipe.run --rollout_tp_size {first['rollout_tp_size']}") in out
     # a sharding the user fixed is the only one tried
     code, out, _ = run(capsys, *ARTICLE, "--suggest", "--json", "--trainer-sharding", "zero3")
     assert {c["options"].get("trainer_sharding") for c in json.loads(out)["ranked"]} == {None}

@@ -354,8 +354,9 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
 
 
 def launch_command(values: dict[str, Any], options: dict[str, Any], world: int) -> str:
-    """The command that runs a suggested layout: the accelerate config of its trainer sharding, the recipe, the
-    options that differ from the recipe's."""
+    """The command that runs a suggested layout: the accelerate config of its trainer sharding, the installed recipe
+    (``-m trl_nrollout.recipe.run``; a clone's ``recipes/grpo.py`` is the same program), the options that differ
+    from the recipe's."""
     sharding = options.get("trainer_sharding") or values.get("trainer_sharding") or "none"
     from trl_nrollout.plan.search import SHARDING_CONFIGS
 
@@ -364,8 +365,8 @@ def launch_command(values: dict[str, Any], options: dict[str, Any], world: int) 
              "ppo_max_token_len_per_device": "ppo_max_token_len_per_device"}
     flags = " ".join(f"--{names[k]} {v}" for k, v in options.items() if k in names and (k != "rollout_ranks" or v))
     config = f" --config {values['_config']}" if values.get("_config") else ""
-    return (f"accelerate launch --config_file {SHARDING_CONFIGS[sharding]} --num_processes {world} recipes/grpo.py"
-            f"{config} {flags}")
+    return (f"accelerate launch --config_file {SHARDING_CONFIGS[sharding]} --num_processes {world} "
+            f"-m trl_nrollout.recipe.run{config} {flags}")
 
 
 def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split: dict[str, Any],

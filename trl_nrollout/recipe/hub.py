@@ -5,7 +5,7 @@ accelerate config it names with the key ``accelerate_config: accelerate.yaml``),
 way open-r1 shares its recipes::
 
     trl-nrollout recipe push recipes/my_recipe user/my-recipe [--private] [--dry-run]
-    accelerate launch recipes/grpo.py --config hf://user/my-recipe/config.yaml
+    accelerate launch -m trl_nrollout.recipe.run --config hf://user/my-recipe/config.yaml
 
 References (the ``hf://`` form of ``huggingface_hub``'s ``HfFileSystem``):
 
@@ -360,14 +360,17 @@ def build_model_card(recipe: Mapping[str, Any], plan_table: str | None, versions
     lines += ["", f"The full recipe is [`{recipe_name}`]({recipe_name}).", ""]
 
     accel = recipe.get(ACCELERATE_KEY)
-    lines += ["## How to run it", "", "From a checkout of trl-nrollout (`pip install -e .`):", "", "```bash",
-              f"accelerate launch recipes/grpo.py --config {ref}", "```", ""]
+    lines += ["## How to run it", "", "With trl-nrollout installed (`pip install -e .` in a clone of it):", "",
+              "```bash", f"trl-nrollout train --config {ref}   # one process",
+              f"accelerate launch -m trl_nrollout.recipe.run --config {ref}", "```", ""]
     if isinstance(accel, str):
         lines += [f"The recipe names the accelerate config `{accel}`; fetch both and launch with it:", "",
                   "```bash", f"trl-nrollout recipe pull {ref} --out recipe/",
-                  f"accelerate launch --config_file recipe/{accel} recipes/grpo.py --config recipe/{recipe_name}",
+                  f"accelerate launch --config_file recipe/{accel} -m trl_nrollout.recipe.run "
+                  f"--config recipe/{recipe_name}",
                   "```", ""]
-    lines += ["Files are cached in the Hugging Face cache; with `HF_HUB_OFFLINE=1` the cached copy is used.", ""]
+    lines += ["Files are cached in the Hugging Face cache; with `HF_HUB_OFFLINE=1` the cached copy is used. From "
+              "the clone, `recipes/grpo.py` in place of `-m trl_nrollout.recipe.run` is the same program.", ""]
 
     lines += ["## Rollout plan", ""]
     if plan_table is not None:
