@@ -451,6 +451,15 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         TP group."""
         return self._gather_tp(obj)
 
+    def _start_pool(self, groups: list[InFlightGroup], sampling: SamplingOptions) -> None:
+        """Before a partial rollout's call: the engine ready, every unfinished group's prompt within the engine's
+        length, the ranks met (TP on GPUs)."""
+        self._ready()
+        for g in groups:
+            if not g.finished:
+                self.check_prompt_length(len(g.prompt_ids), sampling.max_tokens)
+        self._barrier_before_generate()
+
     def run_partial(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int
                     ) -> PartialRun:
         """One step of a partial rollout on this rank's engine (see :mod:`trl_nrollout.rollout.partial`): run the
@@ -458,11 +467,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         others with their tokens kept; new tokens are tagged ``version``. Seeds: with a seed and
         ``seed_mode="sample"``, request ``r`` of the call gets a seed from the call's seed, the engine's index and
         its place (a sample continued in a later step draws from another seed than it would have uninterrupted)."""
-        self._ready()
-        for g in groups:
-            if not g.finished:
-                self.check_prompt_length(len(g.prompt_ids), sampling.max_tokens)
-        self._barrier_before_generate()
+        self._start_pool(groups, sampling)
         per_request = sampling.seed is not None and self.seed_mode == "sample"
         base = engine_seed(sampling.seed, self.engine_index) if per_request else None
 
@@ -484,11 +489,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         groups have finished. Seeds as :meth:`run_partial`'s; at TP > 1 every request gets a seed (from the call's
         seed, or a base the TP group's first rank draws), so a tool drawing from a global generator on one rank
         cannot make the ranks sample apart."""
-        self._ready()
-        for g in groups:
-            if not g.finished:
-                self.check_prompt_length(len(g.prompt_ids), sampling.max_tokens)
-        self._barrier_before_generate()
+        self._start_pool(groups, sampling)
         seeded = sampling.seed is not None and self.seed_mode == "sample"
         base = None
         if seeded:
