@@ -3,6 +3,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+# DeepSpeed's compiled CPU ops: inside the environment, where scripts/setup_env.sh compiled them (see there why)
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: env demo test test-fast lint bench plan clean
 

@@ -10,6 +10,13 @@ VENV="${VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 HASH="$(cat "$ROOT/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
 STAMP="$VENV/.trl_nrollout_env"
+# DeepSpeed's compiled CPU ops live inside the environment (the Makefile and tests/conftest.py point torch there too),
+# not in ~/.cache/torch_extensions: a fresh environment compiles into a fresh folder. torch waits without end on a
+# folder's `lock` file while another process compiles; a compile that was killed leaves that file behind and every
+# later run (a ZeRO-Offload test, CI on a copied home folder) would wait on it forever. A compile takes ~2 minutes
+# here, so a lock older than 30 minutes is such a leftover and is removed.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
+[[ -d "$TORCH_EXTENSIONS_DIR" ]] && find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2>/dev/null || true
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then exit 0; fi
 start=$(date +%s)
 pipq() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
@@ -29,11 +36,11 @@ DS_ACCELERATOR=cpu "$VENV/bin/python" -c "import trl, vllm, deepspeed, trl_nroll
   || { echo "[setup] import check failed" >&2; "$VENV/bin/python" -c "import trl, vllm, deepspeed, trl_nrollout"; exit 1; }
 # DeepSpeed compiles its CPU ops (CPU Adam for ZeRO-Offload, the shared-memory collectives of every ZeRO launch) the
 # first time a run needs them, about 65 s and 40 s here: once now, so that no training run (nor test) waits for it
-echo "[setup] compiling DeepSpeed's CPU ops (CPU Adam, shared-memory collectives; about 2 minutes, once)"
-DS_ACCELERATOR=cpu "$VENV/bin/python" -c "
+echo "[setup] compiling DeepSpeed's CPU ops (CPU Adam, shared-memory collectives; about 2 minutes, once) into $TORCH_EXTENSIONS_DIR"
+DS_ACCELERATOR=cpu timeout 1200 "$VENV/bin/python" -c "
 from deepspeed.accelerator import get_accelerator
 for name in ('CPUAdamBuilder', 'ShareMemCommBuilder'):
     get_accelerator().create_op_builder(name).load(verbose=False)
-" >/dev/null 2>&1 || echo "[setup] DeepSpeed's CPU ops did not compile now; they compile at first use" >&2
+" >/dev/null 2>&1 || echo "[setup] DeepSpeed's CPU ops did not compile within 20 minutes; they compile at first use" >&2
 echo "$HASH" > "$STAMP"
 echo "[setup] done in $(( $(date +%s) - start )) s; environment size $(du -sh "$VENV" | cut -f1)"

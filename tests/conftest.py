@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,13 @@ PYTHON = sys.executable
 # Keep CPU runs light and quiet; vLLM-specific settings are applied by the library itself.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# DeepSpeed's CPU ops: where scripts/setup_env.sh compiled them (inside the environment, not ~/.cache). A `lock` left
+# there by a killed compile (a compile takes ~2 minutes) would make every ZeRO-Offload run wait forever: removed.
+_EXTENSIONS = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")))
+for _lock in _EXTENSIONS.rglob("lock"):
+    with contextlib.suppress(OSError):
+        if _lock.stat().st_mtime < time.time() - 1800:
+            _lock.unlink()
 
 
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
