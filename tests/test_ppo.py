@@ -270,6 +270,38 @@ def test_critic_warmup_trains_only_the_critic(tmp_path, monkeypatch):
     assert trainer.step_clock.rollout_s == 0.0
 
 
+@pytest.mark.parametrize("budget", [None, 24])
+def test_the_critic_trains_on_each_micro_batch_the_policy_trained_on(tmp_path, monkeypatch, budget):
+    """The update's hook (``_after_policy_step``) hands the critic exactly the micro batches the policy's loss ran on,
+    each once, in order, with its optimizer step on the last micro batch of each accumulation; under a token budget
+    (several micro batches per micro step) likewise. Four micro steps per rollout, two per optimizer step."""
+    kw = {"ppo_max_token_len_per_device": budget} if budget else {}
+    trainer = _hf_ppo(tmp_path, monkeypatch, ppo_micro_batch_size_per_device=2, **kw)
+    policy, critic = [], []
+    compute_loss, critic_update = trainer._compute_loss, trainer._critic_update
+
+    def recorded_loss(model, inputs):
+        if model.training:
+            policy.append(inputs["completion_ids"])
+        return compute_loss(model, inputs)
+
+    def recorded_critic(inputs, boundary):
+        critic.append((inputs["completion_ids"], boundary))
+        return critic_update(inputs, boundary)
+
+    monkeypatch.setattr(trainer, "_compute_loss", recorded_loss)
+    monkeypatch.setattr(trainer, "_critic_update", recorded_critic)
+    trainer.train()
+    accum = trainer.args.gradient_accumulation_steps
+    assert (trainer.args.steps_per_generation, accum, trainer.state.global_step) == (4, 2, 2)
+    assert len(critic) == len(policy) >= 4
+    assert all(c is p for (c, _), p in zip(critic, policy))  # the same tensors: the same micro batches, in order
+    # the critic's optimizer steps where the policy's do: once per optimizer step, on its last micro batch
+    assert sum(b for _, b in critic) == trainer.state.global_step and critic[-1][1]
+    if budget is not None:
+        assert len(critic) > 4  # the budget cut micro steps into several micro batches
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 PPO_RECIPE = ["--config", "recipes/configs/ppo.yaml"]
 

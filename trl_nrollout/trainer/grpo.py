@@ -14,7 +14,8 @@ The class is assembled from mixins, each a part of the trainer TRL's loop calls 
 (:mod:`.scoring`: ``_score``, called by ``_collect``), ``MultiTurnRollout`` (:mod:`.multiturn`: episodes and tool
 turns, called by ``_rollout``), ``PolicyUpdate`` (:mod:`.update`: ``training_step`` and ``_compute_loss``, called by
 TRL's loop for each micro batch: PPO clipped loss, aggregation, KL loss, entropy bonus, the policy's forward in the
-plain or shared-prompt layout). TRL's loop does the rest: data order (its RepeatSampler), buffering of a rollout over
+plain or shared-prompt layout; ``_after_policy_step``, the hook where other models train on the same micro step:
+PPO's critic). TRL's loop does the rest: data order (its RepeatSampler), buffering of a rollout over
 ``steps_per_generation`` micro steps, gradient accumulation, optimizer, logging, checkpoints.
 """
 

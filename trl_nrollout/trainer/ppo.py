@@ -7,9 +7,10 @@ passes, policy loss. Added, as verl's PPO (``adv_estimator: gae`` with ``critic.
   reward model) with a fresh scalar head, and its own AdamW optimizer and learning rate;
 - after the log-prob passes, the critic's values of every completion token (micro-batched like them), GAE
   advantages and returns (``gamma``, ``lam``) over the whole job;
-- in every training micro batch, the critic's clipped value loss (``cliprange_value``) next to the policy loss,
-  normalized like it (the micro losses of one optimizer step add up to the mini batch's loss); the critic steps
-  with the policy's optimizer steps; during the first ``critic_warmup`` steps only the critic trains (verl);
+- after the policy's forward and backward on each micro step, the update's hook (``_after_policy_step``) trains the
+  critic on the same micro batches: its clipped value loss (``cliprange_value``), normalized like the policy's (the
+  micro losses of one optimizer step add up to the mini batch's loss); the critic steps with the policy's optimizer
+  steps; during the first ``critic_warmup`` steps only the critic trains (verl);
 - verl's metric names: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``, ``critic/values/mean``,
   ``critic/returns/mean``, ``critic/vf_explained_var``, ``critic/grad_norm``, and ``timing_s/values``,
   ``timing_s/update_critic``;
@@ -34,6 +35,7 @@ from trl_nrollout.algos.losses import LOSS_AGG_MODES, explained_variance, value_
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.errors import InputError
+from trl_nrollout.passes.budget import BudgetedStep
 from trl_nrollout.passes.critic import build_critic, compute_values, critic_values
 from trl_nrollout.passes.distributed import is_zero3, synced_count
 from trl_nrollout.passes.logprobs import pack_by_tokens, split_by_count
@@ -244,9 +246,7 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         # critic warm-up (verl): the rollout and the critic's update run, the policy's gradient is not computed
         model.train()
-        prepared = self._prepare_inputs(inputs)
-        for part, _ in self._each_part(model, prepared):  # under a token budget: each micro batch, one boundary
-            self._critic_update(part)
+        self._after_policy_step(self._prepare_inputs(inputs))
         self._critic_logged_time = 0.0  # no actor update to keep it out of
         self._step += 1
         if self._step % self.current_gradient_accumulation_steps == 0:  # the step's clock, without an actor update
@@ -255,14 +255,18 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
                 self._metric("train", name, metrics[name])
         return torch.zeros((), device=self.accelerator.device)
 
-    def _compute_loss(self, model, inputs):
-        if model.training and "returns" in inputs:
-            self._critic_update(inputs)
-        return super()._compute_loss(model, inputs)
+    def _after_policy_step(self, batch) -> None:
+        """The critic's update on the micro step the policy trained on: each of its micro batches (one, or a token
+        budget's several), the critic's optimizer step with the last one where the micro step ends an
+        accumulation (the Trainer's boundary: the policy's optimizer step is the critic's)."""
+        parts = batch.parts if isinstance(batch, BudgetedStep) else [batch]
+        boundary = self.accelerator.sync_gradients
+        for i, part in enumerate(parts):
+            self._critic_update(part, boundary=boundary and i == len(parts) - 1)
 
-    def _critic_update(self, inputs: dict) -> None:
+    def _critic_update(self, inputs: dict, boundary: bool) -> None:
         """The critic's value loss on one training micro batch (in critic micro batches), backward, and an
-        optimizer step at the end of each accumulation (gradients averaged over the processes)."""
+        optimizer step where ``boundary`` (the end of an accumulation; gradients averaged over the processes)."""
         args: NRolloutPPOConfig = self.args
         start = time.perf_counter()
         mask = loss_mask(inputs)
@@ -285,9 +289,6 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         critic = engine or self.critic
         # ZeRO-3 gathers in every forward and backward: every rank runs as many pieces (extra ones weigh 0)
         count = synced_count(len(pieces), mask.device, engine is not None and is_zero3(self.critic))
-        # the policy's optimizer step is the critic's: the Trainer says which micro step ends an accumulation (also
-        # an epoch's last, which may end one early), so the two cannot drift apart
-        boundary = self.accelerator.sync_gradients
         for k in range(count):
             idx = pieces[k] if k < len(pieces) else pieces[0][:1]
             sel = torch.as_tensor(idx, device=mask.device)

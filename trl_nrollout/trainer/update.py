@@ -121,6 +121,7 @@ class PolicyUpdate:
     def training_step(self, model, inputs, num_items_in_batch):
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        self._after_policy_step(self._trained_batch())
         self.step_clock.update_s += time.perf_counter() - start
         if self._step % self.current_gradient_accumulation_steps == 0:
             # training_step includes _prepare_inputs, hence the rollout when one ran: the clock keeps only the update
@@ -128,6 +129,17 @@ class PolicyUpdate:
             for name, value in metrics.items():
                 self._metric("train", name, value)
         return loss
+
+    def _trained_batch(self):
+        """The micro step's batch the policy just trained on: what ``_prepare_inputs`` handed TRL's
+        ``training_step`` (a TRL batch dict, or a :class:`BudgetedStep` of micro batches under a token budget);
+        TRL's ``training_step`` has counted the step already."""
+        return self._buffered_inputs[(self._step - 1) % self.args.steps_per_generation]
+
+    def _after_policy_step(self, batch) -> None:
+        """The update's hook for other models trained on the same micro step (PPO: the critic), after the policy's
+        forward and backward and before the optimizer step; ``self.accelerator.sync_gradients`` says whether this
+        micro step ends an accumulation. Nothing for GRPO."""
 
     def _other_update_seconds(self) -> float:
         """Seconds of this optimizer step's training_step spent on other models (PPO: the critic), which
