@@ -26,6 +26,7 @@ steps ahead of the step that trains on it (``max_staleness=s``) is sampled by a 
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import queue
 import threading
@@ -589,12 +590,15 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             bridge.unwatch()
             return stats
         elif kind == "stop":
-            bridge.status = "done"
+            # not "done" yet: trainer rank 0 (the store's host) leaves once every rollout rank said bye or is done,
+            # and a heartbeat saying "done" while the engine still closed let it leave before the bye was written
+            bridge.status = "closing its engine"
             engine = state.pop("engine", None)
             if engine is not None:
                 engine.close()
             bridge.unwatch()
-            bridge.put(f"bye/{r}", True)
+            with contextlib.suppress(Exception):  # trainer rank 0 stopped waiting (rollout_rank_timeout_s): nothing to say
+                bridge.put(f"bye/{r}", True)
             bridge.finish()
             state["stopped"] = True
             return stats
