@@ -1,12 +1,11 @@
 """The rollout's refusal table (:data:`trl_nrollout.rollout.axes.REFUSALS`) is the code's: every row is refused
 where it says, with a message naming both of its sides, and docs/architecture.md's table is generated from it
 (tests/test_docs.py). Mutation tried: a row whose check is lifted (``rollout_partial`` with ``rollout_dispatch=
-'balanced'`` no longer refused in ``_check_choices``) -> its case fails here, so the table cannot claim a refusal
+'balanced'`` and tools no longer refused in ``_partial_refusal``) -> its case fails here, so the table cannot claim a refusal
 the code no longer makes (nor miss one it makes, for the checks listed)."""
 
 from __future__ import annotations
 
-import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -53,19 +52,17 @@ CASES = {
     ("rollout_multi_turn='requests'", "rollout_func"): lambda tmp: MultiTurnRollout._request_turns_refusal(
         _trainer(rollout_func=print)),
     ("rollout_ranks", "rollout_partial=True"): lambda tmp: _ranks(rollout_partial=True),
-    ("rollout_ranks", "rollout_multi_turn='requests'"): lambda tmp: _ranks(rollout_multi_turn="requests"),
     ("rollout_ranks", "environment_factory"): lambda tmp: RolloutRanks._rollout_ranks_refusal(
         _trainer(environment_factories={"e": print})),
-    ("rollout_partial=True", "rollout_dispatch='balanced'"): lambda tmp: _config_error(
-        tmp, rollout_partial=True, rollout_dispatch="balanced"),
+    ("rollout_partial=True", "rollout_dispatch='balanced' and tools"): lambda tmp: (
+        PartialRollouts._partial_refusal(_trainer(tools=[print], args=SimpleNamespace(
+            rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced")))),
     ("rollout_partial=True", "tools and rollout_multi_turn='turns'"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(tools=[print]))),
     ("rollout_partial=True", "environment_factory"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}))),
     ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(
         _trainer(rollout_func=print)),
-    # the pool's round refuses image prompts where it tokenizes them (a whole step to reach): its message, read
-    ("rollout_partial=True", "image prompts"): lambda tmp: inspect.getsource(PartialRollouts._partial_round),
     ("rollout_dispatch='balanced'", "environment_factory and rollout_multi_turn='requests'"): lambda tmp: (
         EngineSetup._dispatch_refusal(_trainer(environment_factories={"e": print},
                                                args=SimpleNamespace(rollout_multi_turn="requests")))),
@@ -98,3 +95,11 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
     assert callable(getattr(namespace[owner], attr)), row.where
     if row.kind == "machine":
         assert "rollout_backend='hf'" in (row.first, row.second)  # the only machine limit today: the HF engine
+
+
+def test_lifted_rows_are_no_longer_refused():
+    """Rows lifted from the table run now: rollout ranks with request-level tool episodes (they run whole on the
+    rollout ranks, tests/test_tools.py::test_tool_episodes_on_a_rollout_rank_one_step_off)."""
+    assert _ranks(rollout_multi_turn="requests") is None
+    assert RolloutRanks._rollout_ranks_refusal(_trainer(tools=[print], args=SimpleNamespace(
+        rollout_ranks=1, rollout_multi_turn="requests"))) is None

@@ -55,8 +55,8 @@ def test_config_refuses_what_a_balanced_dispatch_cannot_do():
         NRolloutConfig(**base, rollout_dispatch="least")
     with pytest.raises(InputError, match="needs vLLM engines.*rollout_backend='hf'.*rollout_dispatch='shares'"):
         NRolloutConfig(**base, rollout_dispatch="balanced", rollout_backend="hf")
-    with pytest.raises(InputError, match="rollout_partial=True.*pool of groups in flight per engine"):
-        NRolloutConfig(**base, rollout_dispatch="balanced", rollout_partial=True)
+    # partial rollouts run on the balanced queue (one job-wide pool: tests below)
+    assert NRolloutConfig(**base, rollout_dispatch="balanced", rollout_partial=True).rollout_partial
     assert NRolloutConfig(**base, rollout_dispatch="balanced").rollout_dispatch == "balanced"
 
 
@@ -130,3 +130,59 @@ def test_a_slow_engine_hands_its_groups_to_the_fast_one(balanced_runs, case):
         assert res[case]["prompt_ids"] == res["prompts"]
         assert len(res[case]["completion_ids"]) == len(res["prompts"])
     assert balanced_runs[0]["store_keys_left"] == [False] * 4  # the queue's counters were removed
+
+
+def _by_key(groups: list[dict]) -> dict[tuple, dict]:
+    return {tuple(g["key"]): g for g in groups}
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_partial_rollouts_pull_the_jobs_pool_from_one_queue(balanced_runs):
+    """rollout_partial with a balanced queue, engine 0 slowed: the job's pool (every rank's groups) is one queue.
+    Both ranks hold the same pool and finish order afterwards; half the job's groups finished whole and train, the
+    rest stays in flight with its tokens, each tagged with its version; the fast engine ran some of rank 0's groups.
+    Every request is seeded as fixed shares seeds it on the group's home engine, whichever engine runs it: each
+    sample is a prefix of (or equal to) the same sample run to its end under shares. The pool continued at version 1
+    with engine 0 arriving late: engine 1 pulls and continues the samples engine 0 stopped (leftovers are not kept
+    per engine); every group finishes, each token's version is the call that sampled it.
+    Mutations tried: a request seeded by the engine that runs it (not its group's home) -> the prefix check fails;
+    leftovers queued under the engine that last ran them and not stolen -> the continuation check fails."""
+    r0, r1 = balanced_runs
+    total = len(r0["partial_shares"]) + len(r1["partial_shares"])
+    shares = {**_by_key(r0["partial_shares"]), **_by_key(r1["partial_shares"])}
+    for name in ("partial_balanced", "partial_continued"):
+        for key in ("groups", "finish_order"):
+            assert r0[name][key] == r1[name][key], (name, key)  # one job pool, the same on every rank
+    first, second = r0["partial_balanced"], r0["partial_continued"]
+    groups = first["groups"]
+    assert len(groups) == total
+    trained = [groups[i] for i in first["finish_order"][:total // 2]]
+    assert all(s["finish_reason"] is not None for g in trained for s in g["samples"])  # whole groups
+    assert r0["partial_balanced"]["aborted"] + r1["partial_balanced"]["aborted"] > 0
+    ran = {res["engine_index"]: set(res["partial_balanced"]["engine_groups"]) for res in balanced_runs}
+    assert ran[1] & set(range(total // 2)), ran  # the fast engine ran some of rank 0's groups
+    assert not ran[0] & ran[1]
+    for g in groups:
+        ref = shares[tuple(g["key"])]
+        for got, want in zip(g["samples"], ref["samples"]):
+            length = len(got["token_ids"])
+            assert got["token_ids"] == want["token_ids"][:length], g["key"]
+            assert got["logprobs"] == pytest.approx(want["logprobs"][:length], abs=1e-5)
+            assert got["versions"] == [0] * length
+            if got["finish_reason"] is not None:
+                assert got["token_ids"] == want["token_ids"] and got["finish_reason"] == want["finish_reason"]
+    stopped_on_0 = {tuple(groups[i]["key"]) for i in ran[0]
+                    if any(s["finish_reason"] is None and s["token_ids"] for s in groups[i]["samples"])}
+    continued = second["groups"]
+    ran_second = {res["engine_index"]: res["partial_continued"]["engine_groups"] for res in balanced_runs}
+    moved = {tuple(continued[i]["key"]) for i in ran_second[1]} & stopped_on_0
+    assert moved, (ran_second, stopped_on_0)  # stopped on engine 0, continued on engine 1
+    assert all(s["finish_reason"] is not None for g in continued for s in g["samples"])
+    for g in continued:
+        before = _by_key(groups)[tuple(g["key"])]
+        for s, s0 in zip(g["samples"], before["samples"]):
+            assert s["token_ids"][:len(s0["token_ids"])] == s0["token_ids"]  # its tokens kept, then continued
+            assert s["versions"] == [0] * len(s0["token_ids"]) + [1] * (len(s["token_ids"]) - len(s0["token_ids"]))
+            assert len(s["logprobs"]) == len(s["token_ids"])
+    assert r0["partial_keys_left"] == [False] * 6  # the queue's and the finish counter's keys were removed

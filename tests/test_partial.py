@@ -73,6 +73,44 @@ def test_the_first_groups_to_finish_train_and_the_others_wait_whole(case):
     assert all(g is groups[g.key] for g in chosen + waiting)
 
 
+@settings(max_examples=200, deadline=None)
+@given(pools(), st.lists(st.integers(0, 2), min_size=6, max_size=6))
+def test_a_balanced_pools_seeds_are_each_home_engines_shares_seeds(pool_version, home_of):
+    """Under a balanced queue each request's seed slot is the one fixed shares gives it on its group's home engine
+    (``home_seed_slots`` of the job's pool restricted to a home = the slots of that home's pool alone), whatever the
+    other engines' groups around it; the queue holds every unfinished group once, in its home's segment, pool order.
+    Mutation tried: one slot counter for the whole job (not per home) -> the slots differ and this fails."""
+    from trl_nrollout.rollout.partial_queue import home_seed_slots, queue_order
+
+    pool, _ = pool_version
+    homes = [home_of[i] for i in range(len(pool))]
+    slots = home_seed_slots(pool, homes, 8)
+    for e in range(3):
+        mine = [i for i, h in enumerate(homes) if h == e]
+        alone = home_seed_slots([pool[i] for i in mine], [e] * len(mine), 8)
+        assert {(mine[j], k): v for (j, k), v in alone.items()} == {key: v for key, v in slots.items()
+                                                                    if homes[key[0]] == e}
+    order, segments = queue_order(pool, homes, 3)
+    assert sorted(order) == [i for i, g in enumerate(pool) if not g.finished]
+    for e, seg in enumerate(segments):
+        assert [order[p] for p in seg] == [i for i in range(len(pool)) if homes[i] == e and not pool[i].finished]
+
+
+def test_a_balanced_partial_runs_finish_order_is_the_jobs():
+    """The engines' parts merged: groups finished before the call first (pool order), then by ticket (whichever
+    engine finished them), then those cut at their budget when aborted; the updates of every engine applied."""
+    from trl_nrollout.rollout.partial_queue import partial_result
+
+    done = PartialSample(token_ids=[1], logprobs=[0.0], versions=[0], finish_reason="stop")
+    pool = [InFlightGroup.fresh(i, [1], 1) for i in range(5)]
+    pool[3] = InFlightGroup(3, [1], [done])
+    parts = [({0: InFlightGroup(0, [1], [done]), 4: InFlightGroup(4, [1], [done])}, {0: 2}),
+             ({1: InFlightGroup(1, [1], [done])}, {1: 1}), ({}, {})]
+    run = partial_result(pool, parts, [0, 4], 1, 5, 3, [3])
+    assert run.finish_order == [3, 1, 0, 4] and run.engine_groups == [0, 4]
+    assert [g.finished for g in run.groups] == [True, True, False, True, True]
+
+
 def test_max_staleness_below_zero_is_refused():
     with pytest.raises(ValueError, match="max_staleness=-1 must be >= 0"):
         drop_stale([], 3, -1)

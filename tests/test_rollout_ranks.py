@@ -169,6 +169,35 @@ def test_a_job_result_travels_as_flat_arrays_and_comes_back_equal(rows):
         assert lp == pytest.approx(want, abs=1e-6)
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=6), max_size=6))
+def test_tool_episodes_from_a_rollout_rank_keep_each_samples_mask_and_messages(rows):
+    """An agent job's answer (rollout_multi_turn='requests' on rollout ranks): each sample's tool mask (one flat
+    int8 array for the job) and its messages and counts come back, pickled as the bridge sends them, for the right
+    sample. Mutation: pack_extras slicing each mask one token late -> a sample gets its neighbour's mask."""
+    import pickle
+
+    from trl_nrollout.rollout.agent_loop import AgentSample
+    from trl_nrollout.rollout.remote_agents import episode_extras, sum_stats
+
+    masks = [[(t + k) % 2 for k, t in enumerate(r)] for r in rows]
+    samples = [AgentSample([1, 2], r, m, [-0.5] * len(r), "stop", [{"role": "assistant", "content": f"s{i}"}],
+                           turns=i + 1, tool_calls=i, tool_failures=i % 2)
+               for i, (r, m) in enumerate(zip(rows, masks))]
+    result = pickle.loads(pickle.dumps(JobResult.of(rows, [s.logprobs for s in samples], ["stop"] * len(rows), 1.0,
+                                                    2, extras=episode_extras(samples), agent_stats=(3, 1, 0.5, 0.2, 4))))
+    back = result.extras()
+    assert [e["tool_mask"] for e in back] == masks and [c for c, _, _ in result.rows()] == rows
+    assert [e["completions"][0]["content"] for e in back] == [f"s{i}" for i in range(len(rows))]
+    assert [(e["turns"], e["tool_calls"], e["tool_failures"]) for e in back] == [
+        (i + 1, i, i % 2) for i in range(len(rows))]
+    assert JobResult.of(rows, [[0.0] * len(r) for r in rows], ["stop"] * len(rows), 1.0, 2).extras() == [None] * len(
+        rows)
+    stats = sum_stats([result.agent_stats, None, (1, 1, 1.5, 0.4, 2)])  # steps summed, seconds a rank's mean
+    assert (stats.engine_steps, stats.steps_with_tools, stats.requests) == (4, 2, 6)
+    assert (stats.idle_s, stats.tool_s) == pytest.approx((1.0, 0.3))
+
+
 def test_a_result_over_the_stores_limit_crosses_a_real_store(monkeypatch):
     """torch's libuv store (the launcher's) drops a connection that sets a value over 8 MiB; a job's samples at a
     user's size (64 prompts x 8 x 4k tokens) are more: the bridge writes them in parts. Mutation: parts of 16 MiB
@@ -250,7 +279,6 @@ def test_the_engines_memory_default_follows_where_they_live(tmp_path):
 @pytest.mark.parametrize("options,expected", [
     (dict(rollout_ranks=1, rollout_backend="hf"), "rollout_backend='hf'"),
     (dict(rollout_ranks=1, rollout_partial=True), "rollout_partial=True"),
-    (dict(rollout_ranks=1, rollout_multi_turn="requests"), "rollout_multi_turn='requests'"),
     (dict(rollout_ranks=1), "single process"),
     (dict(rollout_ranks=-1), "must be >= 0"),
     (dict(rollout_rank_timeout_s=0), "rollout_rank_timeout_s=0"),

@@ -25,6 +25,7 @@ from trl_nrollout.passes.multimodal import (
     dataset_images,
     encode_prompts,
     has_images,
+    prompt_images,
     without_images,
 )
 
@@ -85,6 +86,27 @@ def test_an_engine_expansion_that_differs_from_the_processors_is_an_error():
 
 
 # ---------------------------------------------------------------------------------------------- log-probs
+def test_a_partial_pool_with_images_is_saved_and_read_back_with_its_images():
+    """A checkpoint's pool (JSON) keeps a group's images, its prompt's and its dataset row's: PIL images written as
+    lossless PNGs and read back with the same pixels and mode; text fields stay as they were.
+    Mutation tried: the JSON read back without the image hook -> the images come back as dicts and this fails."""
+    from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
+    from trl_nrollout.trainer.partial import pool_from_json, pool_to_json
+
+    red, blue = colour_image("red", 1), colour_image("blue", 2)
+    row = {"prompt": [{"role": "user", "content": "a"}], "image": red, "colour": "red"}
+    prompt = attach_images([row["prompt"]], [[red, blue]])[0]
+    group = InFlightGroup((3, 0, 1, 0), [1, 4, 4, 2], [PartialSample([7, 8], [-0.5, -1.0], None, [2, 2]),
+                                                       PartialSample()], {"row": row, "prompt": prompt},
+                          images=[red, blue])
+    (back,) = pool_from_json(pool_to_json([group]))
+    assert back.key == group.key and back.prompt_ids == group.prompt_ids and back.samples == group.samples
+    images = [*back.images, back.payload["row"]["image"], *prompt_images(back.payload["prompt"])]
+    for got, want in zip(images, [red, blue, red, red, blue]):
+        assert got.mode == want.mode and list(got.getdata()) == list(want.getdata())
+    assert back.payload["row"]["colour"] == "red"
+
+
 def test_log_probs_of_a_vlm_see_the_images_and_do_not_depend_on_batching(vlm_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -210,6 +232,7 @@ def test_vllm_engine_sees_the_images_and_gets_the_trained_vision_tower(vlm_path,
     exact = replace(sampling, suppress_token_ids=())
     assert drift() < 1e-2
     synced = drift(exact)
+    stopped = _partial_images_first(trainer, sampling)  # partial rollouts with images: stopped at version 0
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
             if "vision_model" in name and name.endswith("weight") and p.dim() == 2:
@@ -219,10 +242,103 @@ def test_vllm_engine_sees_the_images_and_gets_the_trained_vision_tower(vlm_path,
     resynced = drift(exact)
     assert synced < 1e-4 and resynced < 1e-4, (synced, resynced)  # measured: 1e-6
     assert stale > 1e-2, stale  # the vision weights really travel (measured: 0.16)
+    _partial_images_continued(trainer, sampling, *stopped)  # ... and continued at version 1, with their images
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "vision_model" in n}
     trainer.train()  # three steps: two syncs with new vision weights (once an encoder-cache miss in vLLM)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if n in before)
     assert all(h["sampling/sampling_logp_difference/max"] < 1e-2 for h in trainer.state.log_history[:-1])
+    trainer.close()
+
+
+#: stop tokens the random VLM (vocabulary 384) samples often: completions of many lengths, so a partial run stops some
+PARTIAL_STOPS = tuple(range(10, 100))
+
+
+def _image_logprobs(trainer, enc, groups) -> list[list[float]]:
+    """The trainer's log-probs of every sample of ``groups`` (keys index ``enc``) with its prompt's images."""
+    samples = [(g.key, s) for g in groups for s in g.samples if s.token_ids]
+    out = compute_log_probs(trainer.model, [enc.ids[k] for k, _ in samples], [s.token_ids for _, s in samples],
+                            mm_inputs=[enc.mm[k] for k, _ in samples], temperature=trainer.temperature).logprobs
+    return [out[i, :len(s.token_ids)].tolist() for i, (_, s) in enumerate(samples)]
+
+
+def _partial_images_first(trainer, sampling):
+    """A partial run of six image groups at version 0 (the trainer's weights): one group trains, the others stop
+    with their tokens; each kept log-prob is the trainer's with the images (the image token is suppressed in vLLM,
+    which moves ~3e-3: tolerance 1e-2). Returns the prompts' encoding, the waiting groups and the options."""
+    from trl_nrollout.rollout.partial import InFlightGroup, split_finished
+
+    data = [dict(r) for r in image_dataset(6, seed=8)]
+    enc = encode_prompts(trainer.processing_class, attach_images([r["prompt"] for r in data], dataset_images(data)))
+    options = replace(sampling, max_tokens=24, stop_token_ids=PARTIAL_STOPS)
+    pool = [InFlightGroup.fresh(g, enc.engine_ids[g], 3, images=enc.images[g]) for g in range(6)]
+    assert all(g.images for g in pool)
+    first = trainer.rollout_engine.run_partial(pool, 1, options, version=0)
+    _, waiting = split_finished(first.groups, first.finish_order, 1)
+    assert first.aborted > 0 and any(s.token_ids and not s.finished for g in waiting for s in g.samples)
+    kept = [s.logprobs for g in first.groups for s in g.samples if s.token_ids]
+    for got, want in zip(kept, _image_logprobs(trainer, enc, first.groups)):
+        assert got == pytest.approx(want, abs=1e-2)
+    return enc, waiting, options
+
+
+def _partial_images_continued(trainer, sampling, enc, waiting, options):
+    """The waiting groups continue at version 1 (the vision tower changed and synced), each continued sample
+    resubmitted with its prompt's images: every group finishes; a sample holds its version-0 tokens and log-probs
+    unchanged, then tokens of version 1 (tokens, log-probs and versions of one length, as on the text path); the
+    version-1 tokens' log-probs are the new model's with the images (the old model's differ: the tags matter).
+    Mutation tried: a continued sample resubmitted without its images -> vLLM refuses the placeholders without
+    images (or, were they dropped from the ids too, the log-probs are those of another prompt)."""
+    second = trainer.rollout_engine.run_partial(waiting, len(waiting), replace(options, seed=(options.seed or 0) + 1),
+                                                version=1)
+    assert all(g.finished for g in second.groups)
+    both = 0
+    for before, after in zip(waiting, second.groups):
+        for s0, s in zip(before.samples, after.samples):
+            assert len(s.token_ids) == len(s.logprobs) == len(s.versions) <= options.max_tokens
+            assert s.token_ids[:len(s0.token_ids)] == s0.token_ids and s.logprobs[:len(s0.logprobs)] == s0.logprobs
+            assert s.versions == [0] * len(s0.token_ids) + [1] * (len(s.token_ids) - len(s0.token_ids))
+            both += {0, 1} <= set(s.versions)
+    assert both, "no sample was stopped at version 0 and continued at version 1"
+    new = [s for g in second.groups for s in g.samples if s.token_ids]
+    gap = 0.0
+    for s, want in zip(new, _image_logprobs(trainer, enc, second.groups)):
+        for lp, ref, v in zip(s.logprobs, want, s.versions):
+            if v == 1:
+                assert lp == pytest.approx(ref, abs=1e-2)
+            else:
+                gap = max(gap, abs(lp - ref))
+    assert gap > 1e-2, gap  # version-0 tokens are not the new model's: each token keeps its own policy's log-prob
+
+
+@pytest.mark.vllm
+def test_partial_rollouts_train_a_vlm_and_keep_its_images_in_flight(vlm_path, tmp_path):
+    """rollout_partial=True on image prompts: two steps stop before their slowest samples (stop tokens make the
+    lengths differ), the groups that train are encoded again with their images (the update's forward needs the image
+    tensors), and the checkpoint's pool holds the samples in flight with their images, read back as PIL images.
+    Mutation tried: the trained groups' prompts without their image tensors (engine ids, no tensors) -> the trainer's
+    log-probs part from vLLM's (the update itself runs: the random VLM reads the placeholders as text)."""
+    from PIL import Image
+
+    from trl_nrollout import NRolloutConfig
+    from trl_nrollout.trainer.partial import POOL_FILE, pool_from_json
+
+    args = NRolloutConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
+                          max_completion_length=16, use_cpu=True, report_to="none", bf16=False, seed=3, max_steps=2,
+                          learning_rate=1e-3, use_vllm=True, rollout_partial=True, max_staleness=1, logging_steps=1,
+                          save_strategy="steps", save_steps=2,
+                          generation_kwargs={"stop_token_ids": list(PARTIAL_STOPS)})
+    trainer = NRolloutGRPOTrainer(model=vlm_path, reward_funcs=[colour_reward], train_dataset=image_dataset(24),
+                                  args=args)
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "partial/aborted_samples" in h]
+    assert len(steps) == 2 and sum(h["partial/aborted_samples"] for h in steps) > 0
+    # step 1's tokens are all the current policy's: the trainer's log-probs (its prompts encoded again with their
+    # images) are vLLM's up to the suppressed image token (~3e-3); without the image tensors they are not
+    assert steps[0]["sampling/sampling_logp_difference/max"] < 1e-2, steps[0]
+    pool = pool_from_json((tmp_path / "checkpoint-2" / POOL_FILE.format(rank=0)).read_text())
+    in_flight = [g for g in pool if g.started and not g.finished]
+    assert in_flight and all(g.images and isinstance(g.images[0], Image.Image) for g in pool)
     trainer.close()
 
 

@@ -202,8 +202,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "kept and continue after the weight sync (prompt + their tokens so far). The step no longer waits "
                 "for its longest sample. Every token keeps the policy version that sampled it and its behaviour "
                 "log-prob (what rollout_is weights by). With filter_groups, DAPO's filtered groups leave the pool at "
-                "once and extra rounds run the pool on with fresh prompts. vLLM engines, single-turn prompts without "
-                "images."})
+                "once and extra rounds run the pool on with fresh prompts. vLLM engines; image prompts (their images "
+                "go with every request) and rollout_dispatch='balanced' (one job-wide pool) included."})
     rollout_partial_oversample: float = field(default=1.0, metadata={
         "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "
                 "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "
@@ -237,7 +237,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "next turn waits for the whole batch's tool calls, run one at a time (TRL's GRPOTrainer). "
                 "'requests': no turn barrier (verl's agent loop): a sample whose turn calls tools leaves the engine "
                 "while they run (tool_workers at once) and re-enters with their results while the others keep "
-                "generating. Same masks, counts and messages; vLLM engines only."})
+                "generating. Same masks, counts and messages; vLLM engines only. With rollout_ranks: each "
+                "episode runs whole on a rollout rank, with the tools= that process's trainer was built with."})
     tool_workers: int = field(default=16, metadata={
         "help": "With rollout_multi_turn='requests': how many samples' tool calls run at once (threads for sync "
                 "tools; async tools run on the trainer's event loop). Sync tools must then be thread-safe; 1 runs "
@@ -248,7 +249,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "whenever it holds fewer than rollout_max_num_seqs samples (verl's least-loaded routing), and the "
                 "samples go back to their ranks. A group's seed follows the group, not the engine. Helps when an "
                 "engine runs fewer samples at once than its share; single-turn and tool rollouts (request-level: whole "
-                "episodes on the engine that pulled them) on vLLM engines."})
+                "episodes on the engine that pulled them) on vLLM engines, and partial rollouts (the job's pool, "
+                "groups in flight included, in the queue)."})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={

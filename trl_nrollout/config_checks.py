@@ -116,10 +116,6 @@ def rollout_ranks_refusal(config: NRolloutConfig) -> str | None:
         return (f"rollout_ranks={r} with rollout_partial=True: partial rollouts keep each colocated engine's pool "
                 "across steps; on rollout ranks the engines generate whole steps ahead instead (max_staleness). Set "
                 "one of them.")
-    if config.rollout_multi_turn == "requests":
-        return (f"rollout_ranks={r} with rollout_multi_turn='requests': a sample's re-entry needs its tools where its "
-                "engine runs, and the tools run on the trainers; set rollout_multi_turn='turns' (each tool turn one "
-                "job of the rollout ranks) or rollout_ranks=0.")
     return None
 
 
@@ -264,11 +260,6 @@ class ConfigChecks:
             raise InputError("rollout_dispatch='balanced' needs vLLM engines (a request-level loop that adds groups "
                              "as it goes); rollout_backend='hf' generates each rank's batch in one call. Set "
                              "rollout_backend='vllm' (or 'auto' with vLLM installed), or rollout_dispatch='shares'.")
-        if self.rollout_dispatch == "balanced" and self.rollout_partial:
-            raise InputError("rollout_dispatch='balanced' with rollout_partial=True: a partial rollout keeps a pool of "
-                             "groups in flight per engine across steps (saved with each rank's checkpoint) and "
-                             "already stops the tail instead of waiting for it. Use one: "
-                             "rollout_partial=True with rollout_dispatch='shares', or rollout_partial=False.")
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
             raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
                              "samples, capped at 1024).")

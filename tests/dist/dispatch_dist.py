@@ -2,7 +2,7 @@
 vLLM engines (TP=1: P engines; TP=2 with 4 processes: two engines of two ranks).
 
 argv: tp, model folder, output folder. Writes rank<r>.json with, per case, what this rank got and what its engine
-generated. Engine 0 is slowed (every engine step waits ``SLOW_S`` more: a slower device, or an engine whose
+generated (and partial rollouts of the job's pool, fixed shares then a balanced queue). Engine 0 is slowed (every engine step waits ``SLOW_S`` more: a slower device, or an engine whose
 samples run long), so that a balanced queue has work to move.
 """
 
@@ -10,16 +10,18 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.rollout.partial import InFlightGroup, split_finished
 from trl_nrollout.rollout.types import SamplingOptions
 
 N = 3
 PROMPTS_PER_RANK = 4
 SLOW_S = 0.03
+LATE_S = 3.0  # engine 0 starts the continued partial call this much later
 STOPS = tuple(range(10, 40))  # completions of many lengths
 
 
@@ -75,6 +77,12 @@ def main() -> None:
                                 peak_outstanding=stats.peak_outstanding)
 
     record("shares", group.generate_expanded(mine, N, options, sample_offset=rank * len(mine)))
+    # partial rollouts: the job's pool of fresh groups, every rank's prompts; under fixed shares (each engine its own
+    # ranks' groups, run to the end: the reference), then (engine 0 slowed, below) from one balanced queue
+    job = [InFlightGroup.fresh((0, 0, r, g), p, N) for r in range(world) for g, p in enumerate(prompts_of(r))]
+    homes = [layout.engine_of_rank(g.key[2]) for g in job]
+    own = [g for g, h in zip(job, homes) if h == group.engine_index]
+    result["partial_shares"] = [asdict(g) for g in group.run_partial(own, len(own), options, version=0).groups]
     # tool-calling episodes request by request: fixed shares, then (engine 0 slowed) a balanced queue
     samples, groups, _ = group.run_agents(mine, N, options, lambda r: 500 + r, agent_callbacks(), workers=4,
                                           sample_offset=rank * len(mine))
@@ -93,9 +101,22 @@ def main() -> None:
     samples, groups, _, pulled = group.run_agents_balanced(mine, N, options, lambda r: 500 + r, agent_callbacks(),
                                                            workers=4)
     result["agents_balanced"] = record_agents(samples, groups, pulled)
+    # partial on the balanced queue, engine 0 slowed: half the job's groups train, the rest stays in flight; then
+    # the pool continues at version 1 with engine 0 arriving late (still busy elsewhere): engine 1 takes what it can
+    first = group.run_partial_balanced(job, len(job) // 2, options, 0, homes)
+    _, waiting = split_finished(first.groups, first.finish_order, len(job) // 2)
+    if group.engine_index == 0:
+        time.sleep(LATE_S)
+    second = group.run_partial_balanced(waiting, len(waiting), replace(options, seed=78), 1,
+                                        [layout.engine_of_rank(g.key[2]) for g in waiting])
+    for name, run in (("partial_balanced", first), ("partial_continued", second)):
+        result[name] = {"groups": [asdict(g) for g in run.groups], "finish_order": run.finish_order,
+                        "engine_groups": run.engine_groups, "aborted": run.aborted}
     if rank == 0:  # the queue's counters were removed after each call
         result["store_keys_left"] = [group._store.check([f"{group._pull_prefix}/{c}/{e}"])
                                      for c in (1, 2) for e in (0, 1)]
+        result["partial_keys_left"] = [group._store.check([f"{group._pull_prefix}/{c}/{e}"])
+                                       for c in (4, 5) for e in ("0", "1", "finished")]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     group.close()

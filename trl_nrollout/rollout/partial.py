@@ -49,20 +49,24 @@ class PartialSample(SampleProgress):
 @dataclass
 class InFlightGroup:
     """One prompt's ``n`` samples in flight. ``key``: unique in the run (seeds and order); ``prompt_ids``: the
-    prompt's tokens; ``payload``: what the caller carries with the group (the dataset row it scores against)."""
+    prompt's tokens as the engine takes them (image placeholders not expanded); ``payload``: what the caller carries
+    with the group (the dataset row it scores against); ``images``: the prompt's images (vLLM's
+    ``multi_modal_data``), sent with the prompt on every request of the group, continuations included (None: text)."""
 
     key: int
     prompt_ids: list[int]
     samples: list[PartialSample]
     payload: Any = None
     restarts: int = 0
+    images: list | None = None
 
     @classmethod
     def fresh(cls, key: int, prompt_ids: list[int], n: int, payload: Any = None,
-              sample: Callable[[], Any] = PartialSample) -> InFlightGroup:
+              sample: Callable[[], Any] = PartialSample, images: list | None = None) -> InFlightGroup:
         """A group not started yet; ``sample()`` makes each of its ``n`` samples (a
         :class:`~trl_nrollout.rollout.partial_agents.AgentPartialSample` for tool-calling episodes)."""
-        return cls(key, list(prompt_ids), [sample() for _ in range(n)], payload)
+        return cls(key, list(prompt_ids), [sample() for _ in range(n)], payload,
+                   images=list(images) if images else None)
 
     @property
     def n(self) -> int:
@@ -119,53 +123,35 @@ def split_finished(groups: list[InFlightGroup], finish_order: list[int], target:
 class PartialRun:
     """What one engine call of a partial rollout did: ``groups`` (the pool after the call, updated),
     ``finish_order`` (pool indices of finished groups, in the order they finished: those already finished first),
-    and counts: ``aborted`` samples stopped with their tokens kept, ``engine_steps``, ``new_tokens``."""
+    and counts: ``aborted`` samples stopped with their tokens kept, ``engine_steps``, ``new_tokens``. With a
+    balanced queue (:mod:`trl_nrollout.rollout.partial_queue`): the job's pool, its finish order, this engine's
+    counts, and ``engine_groups``, the pool indices this engine ran (in claim order)."""
 
     groups: list[InFlightGroup]
     finish_order: list[int]
     aborted: int
     engine_steps: int
     new_tokens: int
+    engine_groups: list[int] = field(default_factory=list)
 
 
-def run_partial(llm, groups: list[InFlightGroup], target: int, version: int, max_tokens: int,
-                make_params: Callable[[int, int, int | None], Any], prompt: Callable[[list[int]], Any],
-                lora_request: Any = None) -> PartialRun:
-    """Run one engine on the pool until ``target`` groups have finished (or none is left unfinished), then abort
-    the rest, keeping their tokens. ``make_params(n, max_tokens, seed_slot)`` builds the SamplingParams of one
-    request (``seed_slot``: the request's place among this call's requests, spaced by ``n``, for the caller's
-    seeds); ``prompt(ids)`` the engine's prompt. New tokens are tagged ``version``. Every rank of a TP group calls
-    it with the same pool and makes the same decisions (they see the same outputs). ``lora_request``: the adapter
-    version every request uses (a sample continued after a sync continues under the new adapter)."""
-    loop = EngineLoop(llm, stream=True, lora_request=lora_request)
-    owner: dict[str, tuple[int, list[int]]] = {}  # request -> (pool index, the sample indices it serves)
-    slot = 0
-    finish_order = [i for i, g in enumerate(groups) if g.finished]
-    for i, g in enumerate(groups):
-        if g.finished:
-            continue
-        if not g.started:  # one request of n samples: the engine shares the prompt's prefill among them
-            rid = loop.add(prompt(g.prompt_ids), make_params(g.n, max_tokens, slot))
-            owner[rid] = (i, list(range(g.n)))
-            slot += g.n
-            continue
-        for k, s in enumerate(g.samples):
-            if s.finished:
-                continue
-            budget = max_tokens - len(s.token_ids)
-            rid = loop.add(prompt(g.prompt_ids + s.token_ids), make_params(1, budget, slot))
-            owner[rid] = (i, [k])
-            slot += 1
-    pending = {i: sum(not s.finished for s in g.samples) for i, g in enumerate(groups) if not g.finished}
-    while len(finish_order) < target and loop.has_unfinished:
-        for rid, _ in loop.step():  # a sample finished: its group finishes with its last sample
-            i = owner[rid][0]
-            pending[i] -= 1
-            if pending[i] == 0:
-                finish_order.append(i)
-        if not llm.llm_engine.has_unfinished_requests():
-            break
-    aborted = len(loop.abort())
+def pending_requests(g: InFlightGroup, max_tokens: int) -> list[tuple[list[int], list[int], int]]:
+    """The requests that run group ``g`` on: ``(sample indices, prompt ids, token budget)`` each. A fresh group is
+    one request of its ``n`` samples (the engine shares the prompt's prefill among them); a started one, one request
+    per unfinished sample (prompt + its tokens so far, the rest of its budget); a finished one, none."""
+    if g.finished:
+        return []
+    if not g.started:
+        return [(list(range(g.n)), list(g.prompt_ids), max_tokens)]
+    return [([k], g.prompt_ids + s.token_ids, max_tokens - len(s.token_ids))
+            for k, s in enumerate(g.samples) if not s.finished]
+
+
+def merge_progress(loop: EngineLoop, owner: dict[str, tuple[int, list[int]]], groups: list[InFlightGroup],
+                   version: int, max_tokens: int) -> tuple[list[InFlightGroup], int]:
+    """The pool ``groups`` with what the (stopped) ``loop``'s requests sampled appended to their samples, tagged
+    ``version`` (``owner``: request -> (pool index, its sample indices)); an aborted sample stays unfinished unless
+    its budget is spent. Returns the updated pool and the new tokens."""
     updated = list(groups)
     new_tokens = 0
     for rid, (i, ks) in owner.items():
@@ -180,6 +166,39 @@ def run_partial(llm, groups: list[InFlightGroup], target: int, version: int, max
             samples[k] = merged
             new_tokens += len(p.token_ids)
         updated[i] = replace(updated[i], samples=samples)
+    return updated, new_tokens
+
+
+def run_partial(llm, groups: list[InFlightGroup], target: int, version: int, max_tokens: int,
+                make_params: Callable[[int, int, int | None], Any], prompt: Callable[[list[int], list | None], Any],
+                lora_request: Any = None) -> PartialRun:
+    """Run one engine on the pool until ``target`` groups have finished (or none is left unfinished), then abort
+    the rest, keeping their tokens. ``make_params(n, max_tokens, seed_slot)`` builds the SamplingParams of one
+    request (``seed_slot``: the request's place among this call's requests, spaced by ``n``, for the caller's
+    seeds); ``prompt(ids, images)`` the engine's prompt (``images``: the group's, on every request of it). New
+    tokens are tagged ``version``. Every rank of a TP group calls it with the same pool and makes the same decisions
+    (they see the same outputs). ``lora_request``: the adapter version every request uses (a sample continued after
+    a sync continues under the new adapter)."""
+    loop = EngineLoop(llm, stream=True, lora_request=lora_request)
+    owner: dict[str, tuple[int, list[int]]] = {}  # request -> (pool index, the sample indices it serves)
+    slot = 0
+    finish_order = [i for i, g in enumerate(groups) if g.finished]
+    for i, g in enumerate(groups):
+        for ks, ids, budget in pending_requests(g, max_tokens):
+            rid = loop.add(prompt(ids, g.images), make_params(len(ks), budget, slot))
+            owner[rid] = (i, ks)
+            slot += len(ks)
+    pending = {i: sum(not s.finished for s in g.samples) for i, g in enumerate(groups) if not g.finished}
+    while len(finish_order) < target and loop.has_unfinished:
+        for rid, _ in loop.step():  # a sample finished: its group finishes with its last sample
+            i = owner[rid][0]
+            pending[i] -= 1
+            if pending[i] == 0:
+                finish_order.append(i)
+        if not llm.llm_engine.has_unfinished_requests():
+            break
+    aborted = len(loop.abort())
+    updated, new_tokens = merge_progress(loop, owner, groups, version, max_tokens)
     for i, g in enumerate(updated):  # a group whose last sample was cut at its budget when aborted
         if g.finished and i not in finish_order:
             finish_order.append(i)

@@ -11,7 +11,8 @@ Trainer rank 0 writes messages ``msg/0, msg/1, ...`` that every rollout rank rea
               adapter version; the base weights stay
     job       the job's prompts (every trainer's groups, in rank order, each prompt once), n, the sampling options;
               rollout rank r generates its slice (:func:`job_slice`) and answers ``out/<job>/<r>`` (token ids and
-              log-probs as flat arrays)
+              log-probs as flat arrays). With ``agent``: whole tool episodes on the rollout ranks, with their
+              tools (:mod:`~trl_nrollout.rollout.remote_agents`), answered with their tool masks and messages
     end       the trainers' ``train()`` (or ``evaluate()``) returned: the rollout ranks' returns too
     stop      the trainers are done: the rollout ranks close their engines
 
@@ -32,13 +33,13 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import astuple
 
-import numpy as np
 import torch
 from torch import nn
 
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
+from trl_nrollout.rollout.remote_agents import JobResult, run_agent_job, sum_stats
 from trl_nrollout.rollout.remote_buckets import dtype_of, frame_bucket, job_slice, pack_bucket, unpack_bucket
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
@@ -57,39 +58,6 @@ def _trainer_gather(obj) -> list:
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)
     return out
-
-
-@dataclass
-class JobResult:
-    """What one rollout rank generated for its slice of a job, as flat arrays (4 bytes a token and a log-prob
-    instead of a pickled list of Python numbers): ``tokens`` and ``logprobs`` ``[sum of lengths]``, ``lengths``
-    ``[samples]``."""
-
-    tokens: np.ndarray  # int32 [total tokens]
-    logprobs: np.ndarray  # float32 [total tokens]
-    lengths: np.ndarray  # int64 [samples]
-    finish_reasons: list[str]
-    gen_s: float
-    version: int
-    #: rollout_dispatch="balanced": the job's groups this rank's engine ran and how many of them another engine
-    #: owned under fixed shares (its TP group's first rank reports; None elsewhere and under "shares")
-    balanced: tuple[int, int] | None = None
-
-    @classmethod
-    def of(cls, completion_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
-           gen_s: float, version: int, balanced: tuple[int, int] | None = None) -> JobResult:
-        lengths = np.array([len(c) for c in completion_ids], dtype=np.int64)
-        flat = [t for c in completion_ids for t in c]
-        lps = [x for lp in logprobs for x in lp]
-        return cls(np.array(flat, dtype=np.int32), np.array(lps, dtype=np.float32), lengths, list(finish_reasons),
-                   gen_s, version, balanced)
-
-    def rows(self) -> list[tuple[list[int], list[float], str]]:
-        """``(completion ids, log-probs, finish reason)`` of each sample."""
-        ends = np.cumsum(self.lengths)
-        starts = ends - self.lengths
-        tokens, lps = self.tokens.tolist(), self.logprobs.tolist()
-        return [(tokens[a:b], lps[a:b], f) for a, b, f in zip(starts.tolist(), ends.tolist(), self.finish_reasons)]
 
 
 class RemoteEngines:
@@ -287,10 +255,12 @@ class RemoteEngines:
         return None
 
     # ------------------------------------------------------------------ generation
-    def _write_job(self, groups: list[list[int]], n: int, sampling: SamplingOptions) -> int:
+    def _write_job(self, groups: list[list[int]], n: int, sampling: SamplingOptions, agent: dict | None = None
+                   ) -> int:
         job = self._jobs
         self._jobs += 1
-        self._post({"kind": "job", "id": job, "prompts": groups, "n": n, "sampling": sampling})
+        self._post({"kind": "job", "id": job, "prompts": groups, "n": n, "sampling": sampling,
+                    **({"agent": agent} if agent is not None else {})})
         return job
 
     def _read_job(self, job: int) -> list[JobResult]:
@@ -299,35 +269,53 @@ class RemoteEngines:
                 for r in range(roles.rollout_ranks)]
 
     def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                          sample_offset: int | None = None, ahead: list[tuple[list[list[int]], SamplingOptions]]
-                          = (), step_job: bool = False) -> RolloutBatch:
+                          sample_offset: int | None = None, ahead: list[tuple] = (), step_job: bool = False
+                          ) -> RolloutBatch:
         """This trainer's samples of ``sample_prompts`` (each prompt repeated ``n`` times), generated on the rollout
         ranks; ``ahead``: this trainer's prompts and sampling of the next steps, written now (``max_staleness``
         jobs at most) so that the engines sample them while the trainers train. ``step_job``: this is a training
         step's own job, which an earlier step may have written ahead (else: an evaluation, DAPO's extra round or
         ReMax's greedy pass, generated now, after the jobs already written). Seeds follow the job order (every
         trainer's samples, rank order), as in a colocated run. A collective of the trainers."""
+        batch, _ = self._job_samples(sample_prompts, n, sampling, ahead, step_job, None)
+        return batch
+
+    def run_agents(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, agent: dict,
+                   ahead: list[tuple] = (), step_job: bool = False) -> tuple[RolloutBatch, list[dict]]:
+        """This trainer's request-level tool episodes (``sample_prompts``: each prompt ``n`` times), each a whole
+        episode generated on the rollout ranks with their tools (:func:`~trl_nrollout.rollout.remote_agents.
+        run_agent_job`); ``agent``: the job's ``{"step", "mode"}`` (the turns' seeds); ``ahead`` and ``step_job``
+        as in :meth:`generate_expanded` (later steps' episodes run while the trainers train). Returns the batch and
+        each sample's tool mask (``[L]``, 0 on tool-result tokens) and episode fields. A collective of the
+        trainers."""
+        return self._job_samples(sample_prompts, n, sampling, ahead, step_job, agent)
+
+    def _job_samples(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, ahead: list[tuple],
+                     step_job: bool, agent: dict | None) -> tuple[RolloutBatch, list]:
+        """:meth:`generate_expanded` and :meth:`run_agents`: this trainer's batch and each sample's extras
+        (None for a single-turn job). ``ahead``: ``(prompts, sampling)`` or ``(prompts, sampling, agent)``."""
         mine = _groups_of(sample_prompts, n)
-        every = _trainer_gather((mine, [(_groups_of(a, n), s) for a, s in ahead]))
+        every = _trainer_gather((mine, [(_groups_of(a[0], n), a[1], a[2] if len(a) > 2 else None) for a in ahead]))
         job_groups = [g for groups, _ in every for g in groups]
         depth = min(len(a) for _, a in every)
-        future = [([g for _, a in every for g in a[k][0]], every[0][1][k][1]) for k in range(depth)]
+        future = [([g for _, a in every for g in a[k][0]], every[0][1][k][1], every[0][1][k][2])
+                  for k in range(depth)]
         parts = [None] * self.trainers
         if self.bridge.is_leader:
             self._watch()
             stale_s = 0.0
             results = None
             while step_job and self._pending:  # written ahead: the one this step trains on, unless the data changed
-                job, groups, n_ahead, sampling_ahead = self._pending.popleft()
+                job, groups, n_ahead, sampling_ahead, agent_ahead = self._pending.popleft()
                 t0 = time.perf_counter()
                 out = self._read_job(job)
                 stale_s += time.perf_counter() - t0
-                if groups == job_groups and n_ahead == n and sampling_ahead == sampling:
+                if groups == job_groups and n_ahead == n and sampling_ahead == sampling and agent_ahead == agent:
                     results = out
                     break
             wait_start = time.perf_counter()
             if results is None:  # nothing written ahead (the first step, after a resume, evaluation)
-                job = self._write_job(job_groups, n, sampling)
+                job = self._write_job(job_groups, n, sampling, agent)
                 self._queue_ahead(future, n)
                 results = self._read_job(job)
             else:
@@ -337,7 +325,8 @@ class RemoteEngines:
             pulled = [r.balanced for r in results if r.balanced is not None]
             if pulled:  # the share of the job's groups an engine other than their own ran
                 info["moved_groups"] = sum(m for _, m in pulled) / max(1, sum(g for g, _ in pulled))
-            rows = [x for res in results for x in res.rows()]
+            info["agent_stats"] = sum_stats([r.agent_stats for r in results])
+            rows = [(*x, e) for res in results for x, e in zip(res.rows(), res.extras())]
             first = 0
             for t, (groups, _) in enumerate(every):  # each trainer its own samples only
                 count = len(groups) * n
@@ -346,10 +335,10 @@ class RemoteEngines:
         rows, info = self._hand_out(parts, "the samples of this step")
         groups_before = sum(len(groups) for groups, _ in every[:self.rank])
         index = [groups_before + i // n for i in range(len(rows))]
-        batch = RolloutBatch([list(p) for p in sample_prompts], [c for c, _, _ in rows], [lp for _, lp, _ in rows],
-                             [f for _, _, f in rows], index, timings={"generate_s": info["gen_s"]})
+        batch = RolloutBatch([list(p) for p in sample_prompts], [r[0] for r in rows], [r[1] for r in rows],
+                             [r[2] for r in rows], index, timings={"generate_s": info["gen_s"]})
         self.last_job = info
-        return batch
+        return batch, [r[3] for r in rows]
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
                        sample_offset: int = 0, sample_ids: list[int] | None = None,
@@ -381,16 +370,16 @@ class RemoteEngines:
                 parts[t] = rows[first:first + len(chunk)]
                 first += len(chunk)
         rows = self._hand_out(parts, "a tool turn's samples")
-        return RolloutBatch([list(c) for c in contexts], [c for c, _, _ in rows], [lp for _, lp, _ in rows],
-                            [f for _, _, f in rows], list(range(len(contexts))))
+        return RolloutBatch([list(c) for c in contexts], [r[0] for r in rows], [r[1] for r in rows],
+                            [r[2] for r in rows], list(range(len(contexts))))
 
     def _queue_ahead(self, future: list, n: int) -> None:
         """Write the next steps' jobs that are not written yet (trainer rank 0)."""
-        for k, (groups, sampling) in enumerate(future):
+        for k, (groups, sampling, agent) in enumerate(future):
             if k < len(self._pending):
                 continue
-            job = self._write_job(groups, n, sampling)
-            self._pending.append((job, groups, n, sampling))
+            job = self._write_job(groups, n, sampling, agent)
+            self._pending.append((job, groups, n, sampling, agent))
 
     # ------------------------------------------------------------------ the end
     def end(self) -> None:
@@ -532,6 +521,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             try:
                 engine = state["engine"] = build_engine(message)
                 state["dispatch"] = message.get("dispatch", "shares")
+                state["agent"] = message.get("agent")  # tools on the rollout ranks (remote_agents)
                 answer = {"names": sorted(engine.parameter_names()), "dtype": str(engine.dtype)}
             except Exception as err:  # noqa: BLE001 - the trainers raise it, naming this rank
                 bridge.put(f"ready/{r}", {"kind": "error", "message": f"{type(err).__name__}: {err}"})
@@ -556,32 +546,37 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             groups, n = message["prompts"], message["n"]
             start, stop = job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, r)
             t0 = time.perf_counter()
-            balanced = None
+            balanced = pulled = extras = agent_stats = None
             try:
-                if "budgets" in message:  # a tool turn: one sample per context, each with its budget
+                if message.get("agent") is not None:  # whole tool episodes, request by request, tools here
+                    prompts = [groups[i // n] for i in range(start, stop)]
+                    batch, pulled, extras, stats_ = run_agent_job(engine, message, state, prompts, n, start,
+                                                                  state.get("dispatch") == "balanced")
+                    agent_stats = astuple(stats_)
+                elif "budgets" in message:  # a tool turn: one sample per context, each with its budget
                     batch = engine.generate_turns(groups[start:stop], message["budgets"][start:stop],
                                                   message["sampling"], sample_ids=message["sample_ids"][start:stop],
                                                   num_samples=0)
                 elif state.get("dispatch") == "balanced":  # the engines pull the job's groups from one queue
                     prompts = [groups[i // n] for i in range(start, stop)]
                     batch, pulled = engine.generate_balanced(prompts, n, message["sampling"])
-                    if engine.rank == engine.tp_ranks[0]:
-                        tp = engine.layout.rollout_tp_size
-                        first = job_slice(len(groups) * n, n, roles.rollout_ranks, tp, r)[0] // n
-                        last = job_slice(len(groups) * n, n, roles.rollout_ranks, tp, r + tp - 1)[1] // n
-                        balanced = (len(pulled.groups), sum(1 for g in pulled.groups if not first <= g < last))
                 elif stop > start or engine.layout.rollout_tp_size > 1:
                     prompts = [groups[i // n] for i in range(start, stop)]
                     batch = engine.generate_expanded(prompts, n, message["sampling"], sample_offset=start)
                 else:
                     batch = RolloutBatch([], [], [], [], [])
+                if pulled is not None and engine.rank == engine.tp_ranks[0]:
+                    tp = engine.layout.rollout_tp_size
+                    first = job_slice(len(groups) * n, n, roles.rollout_ranks, tp, r)[0] // n
+                    last = job_slice(len(groups) * n, n, roles.rollout_ranks, tp, r + tp - 1)[1] // n
+                    balanced = (len(pulled.groups), sum(1 for g in pulled.groups if not first <= g < last))
             except Exception as err:  # noqa: BLE001 - the trainers raise it, naming this rank
                 bridge.put(f"out/{message['id']}/{r}", {"kind": "error", "message": f"{type(err).__name__}: {err}"})
                 raise
             gen_s = time.perf_counter() - t0
             bridge.put(f"out/{message['id']}/{r}", JobResult.of(batch.completion_ids, batch.logprobs,
                                                                 batch.finish_reasons, gen_s, state.get("version", 0),
-                                                                balanced))
+                                                                balanced, extras, agent_stats))
             stats["jobs"] += 1
             stats["samples"] += stop - start
             stats["gen_s"] += gen_s

@@ -16,10 +16,22 @@ import torch
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.dispatch import GroupQueue, PullStats, run_pulled
+from trl_nrollout.rollout.partial import InFlightGroup, PartialRun
+from trl_nrollout.rollout.partial_queue import (
+    home_seed_slots,
+    partial_result,
+    queue_order,
+    run_partial_pulled,
+)
 from trl_nrollout.rollout.seeds import SEED_BITS, engine_seed, prompt_seed
 from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_process import exchange_objects, vllm_prompts
+
+
+def partial_prompt(ids: list[int], images: list | None):
+    """A partial rollout's request prompt: token ids, with the group's images (``multi_modal_data``) if it has any."""
+    return vllm_prompts([ids], [images] if images else None)[0]
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +198,70 @@ class BalancedDispatch:
             raise RuntimeError(f"groups {missing[:5]} of the job's queue were run by no engine.")
         return ([done[s // n][s % n] for s in mine], [s // n for s in mine], stats,
                 PullStats(groups=sorted(pulled_groups), claims=1, busy_s=busy))
+
+    def run_partial_balanced(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions,
+                             version: int, homes: list[int]) -> PartialRun:
+        """:meth:`run_partial` on the job's pool with ``rollout_dispatch="balanced"``
+        (:mod:`trl_nrollout.rollout.partial_queue`): ``groups`` is the job's pool (the same on every rank: groups in
+        flight from earlier steps and every rank's new ones), ``homes[i]`` the engine of the rank that drew group
+        ``i``'s prompt. Its unfinished groups form one queue every engine pulls from while it has room; once
+        ``target`` groups of the job have finished, every engine stops and aborts the rest, their tokens kept.
+        Seeds (``seed_mode="sample"``): each request as :meth:`run_partial` seeds it on the group's home engine
+        (:func:`~trl_nrollout.rollout.partial_queue.home_seed_slots`), whichever engine runs it. Collective over every
+        rank. Returns the job's pool updated and its finish order (the same on every rank), with this engine's counts
+        and the pool indices it ran (``engine_groups``)."""
+        if self._world_group is None:  # one engine (or one process): its pool is the job's
+            run = self.run_partial(groups, target, sampling, version)
+            run.engine_groups = [i for i, g in enumerate(groups) if not g.finished]
+            return run
+        self._start_pool(groups, sampling)
+        per_request = sampling.seed is not None and self.seed_mode == "sample"
+        slots = home_seed_slots(groups, homes, sampling.max_tokens)
+        bases = {e: engine_seed(sampling.seed, e) for e in set(homes)} if per_request else {}
+
+        def params(i: int, ks: list[int], budget: int):
+            seed = bases[homes[i]] + slots[(i, ks[0])] if per_request else None
+            return self._sampling_params(len(ks), replace(sampling, max_tokens=budget, seed=seed))
+
+        order, segments = queue_order(groups, homes, self.layout.num_engines)
+        finished_before = [i for i, g in enumerate(groups) if g.finished]
+        self._pull_calls += 1
+        key = f"{self._pull_prefix}/{self._pull_calls}"
+        store = self._store
+        leader = self.rank == self.tp_ranks[0]
+        queue = GroupQueue(store, key, segments, self.engine_index)
+
+        def finish(done: list[int]) -> list[int]:  # job-wide tickets, in the order the store saw the groups
+            end = len(finished_before) + int(store.add(f"{key}/finished", len(done)))
+            return list(range(end - len(done), end))
+
+        def reached() -> bool:
+            return len(finished_before) + int(store.add(f"{key}/finished", 0)) >= target
+
+        share = None if self._tp_group is None else (lambda fn: self._gather_tp(fn() if leader else None)[0])
+        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        with self._engine_rng(sampling.seed):
+            updated, tickets, pulled, aborted, steps, new_tokens = run_partial_pulled(
+                self._loop(stream=True), groups, version, sampling.max_tokens,
+                claim=lambda k: [order[p] for p in queue.claim(k)], finish=finish, reached=reached, params=params,
+                prompt=partial_prompt, capacity=capacity,
+                outstanding=self.llm.llm_engine.get_num_unfinished_requests, share=share)
+        parts: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, ({i: updated[i] for i in pulled}, tickets) if leader else ({}, {}),
+                                            group=self._world_group)
+        if self.rank == 0:  # every rank is past its last claim
+            for name in [*map(str, range(self.layout.num_engines)), "finished"]:
+                store.delete_key(f"{key}/{name}")
+        return partial_result(groups, parts, pulled, aborted, steps, new_tokens, finished_before)
+
+    def gather_job(self, obj) -> list:
+        """``obj`` of every rank of the job, in rank order (``[obj]`` with one engine: see :meth:`gather_tp`).
+        Collective over every rank."""
+        if self._world_group is None:
+            return self._gather_tp(obj)
+        out: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(out, obj, group=self._world_group)
+        return out
 
     def _segments(self, counts: list[int], n: int) -> list[range]:
         """Each engine's own groups (those whose first sample belongs to one of its ranks), in job order."""

@@ -35,7 +35,7 @@ from trl_nrollout.rollout.seeds import (
 )
 from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
-from trl_nrollout.rollout.vllm_balanced import BalancedDispatch
+from trl_nrollout.rollout.vllm_balanced import BalancedDispatch, partial_prompt
 from trl_nrollout.rollout.vllm_process import (
     LIVE_ENGINES,
     barrier_scope,
@@ -466,7 +466,8 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         pool ``groups`` (the same on every rank of the TP group) until ``target`` of them have finished, stop the
         others with their tokens kept; new tokens are tagged ``version``. Seeds: with a seed and
         ``seed_mode="sample"``, request ``r`` of the call gets a seed from the call's seed, the engine's index and
-        its place (a sample continued in a later step draws from another seed than it would have uninterrupted)."""
+        its place (a sample continued in a later step draws from another seed than it would have uninterrupted).
+        A group with images sends them with every request, a continued sample's included."""
         self._start_pool(groups, sampling)
         per_request = sampling.seed is not None and self.seed_mode == "sample"
         base = engine_seed(sampling.seed, self.engine_index) if per_request else None
@@ -475,11 +476,9 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             seed = base + slot if per_request else None
             return self._sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
 
-        from vllm.inputs import TokensPrompt
-
         with self._engine_rng(sampling.seed):
-            return run_partial(self.llm, groups, target, version, sampling.max_tokens, make_params,
-                               lambda ids: TokensPrompt(prompt_token_ids=list(ids)), lora_request=self.lora_request)
+            return run_partial(self.llm, groups, target, version, sampling.max_tokens, make_params, partial_prompt,
+                               lora_request=self.lora_request)
 
     def run_partial_agents(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int,
                            agent: AgentCallbacks, workers: int, owns: Callable[[InFlightGroup], bool]

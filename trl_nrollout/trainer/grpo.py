@@ -102,7 +102,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         bridge = current_bridge()
         if bridge is not None and bridge.role == ROLLOUT and getattr(config, "rollout_ranks", 0):
             worker = RolloutRankWorker(config, kwargs.get("model", args[0] if args else None),
-                                       kwargs.get("processing_class"))
+                                       kwargs.get("processing_class"), kwargs.get("tools"))
             atexit.register(worker.close)  # until the trainers' stop (they close their side at exit)
             return worker
         return super().__new__(cls)
@@ -128,7 +128,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
                 "rollout_multi_turn='requests' changes how samples with tool calls advance (no turn barrier), but "
                 "this trainer has no tools= and no environment_factory=: every sample is a single turn, so it would "
                 "do nothing. Pass tools= or environment_factory= to NRolloutGRPOTrainer, or remove "
-                "rollout_multi_turn (recipes/grpo.py passes no tools: train with tools from your own script, see "
+                "rollout_multi_turn (the recipe, trl-nrollout train / -m trl_nrollout.recipe.run, passes no tools: "
+                "train with tools from your own script, see "
                 "docs/tools.md).")
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
@@ -318,7 +319,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         start = time.perf_counter()
         offset = self.accelerator.process_index * len(inputs)
         if self.tools and self.args.rollout_multi_turn == "requests":  # no turn barrier: one episode loop
-            batch, episode = self._request_turns(prompt_ids, n, sampling, mode, tools, offset)
+            batch, episode = self._request_turns(prompt_ids, n, sampling, mode, tools, offset, step_job)
             self.rollout_engine.sleep()
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode

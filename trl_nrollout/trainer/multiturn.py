@@ -163,9 +163,13 @@ class MultiTurnRollout:
         return None
 
     def _request_turns(self, prompt_ids: list[list[int]], n: int, sampling: SamplingOptions, mode: str, tools: list,
-                       offset: int) -> tuple[RolloutBatch, Episode]:
+                       offset: int, step_job: bool = False) -> tuple[RolloutBatch, Episode]:
         """This rank's samples (prompts repeated n times) from their first turn to their end without a turn barrier
-        (:meth:`VLLMEngineGroup.run_agents`): a sample's tools run while the others generate."""
+        (:meth:`VLLMEngineGroup.run_agents`): a sample's tools run while the others generate. With rollout ranks
+        the episodes run there, tools included (:meth:`RolloutRanks._remote_request_turns`; ``step_job``: this is
+        a training step's own job, maybe written steps ahead)."""
+        if self._remote:
+            return self._remote_request_turns(prompt_ids, n, sampling, mode, step_job)
         loop = getattr(self, "async_loop", None)
         max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
         agent = AgentCallbacks(

@@ -5,20 +5,31 @@ holds the same pool), samples staler than ``max_staleness`` start again, the eng
 groups have finished (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_partial`), and the first groups
 to finish train, this rank taking its share. The rest stays in the pool, saved in every checkpoint (one file per
 rank), so a resumed run continues the samples that were in flight.
+
+With ``rollout_dispatch="balanced"`` and several engines the pool is the job's (every rank's new prompts gathered
+over every rank, so every rank holds the same pool): its unfinished groups form one queue the engines pull from
+(:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.run_partial_balanced`), the job's first groups to
+finish train, rank ``r`` taking the ``r``-th share of them.
+
+Image prompts: a group holds its prompt's engine ids (placeholders not expanded) and its images, sent with every
+request of the group, a continued sample's included; when it trains, the processor encodes its prompt again (the
+expanded ids and the image tensors the model trains on). A checkpoint's pool keeps the images: a PIL image in the
+JSON is written as ``{"__image_png__": <base64 PNG>}`` (lossless) and read back as a PIL image.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.dropin import UnsupportedTRLOption
-from trl_nrollout.passes.multimodal import has_images
+from trl_nrollout.passes.multimodal import encode_prompts
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, call_tools, split_tools
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
 from trl_nrollout.rollout.partial_agents import AgentPartialSample
@@ -51,6 +62,11 @@ class PartialRollouts:
                     "barrier waits for every sample's turn, while a partial rollout stops before its slowest "
                     "samples; set rollout_multi_turn='requests' (each sample's turns run as requests, its tools "
                     "while the others generate), or rollout_partial=False.")
+        if self.tools and getattr(self.args, "rollout_dispatch", "shares") == "balanced":
+            return ("rollout_partial=True with rollout_dispatch='balanced' and tools: a partial rollout of "
+                    "tool-calling episodes keeps a pool per engine (its tools run on the ranks that own its groups), "
+                    "a job-wide balanced pool is built for single-turn samples only so far; set "
+                    "rollout_dispatch='shares' for tools, or drop the tools.")
         return None
 
     def _partial_round(self, ctx: StepContext, round_: int = 0) -> Round:
@@ -62,47 +78,45 @@ class PartialRollouts:
         version = self.state.global_step
         t0 = time.perf_counter()
         rows = ctx.inputs[::n]
-        prompts, _ = self._start_episodes(rows)
-        if has_images(prompts):
-            raise UnsupportedTRLOption("rollout_partial=True with image prompts: partial rollouts are text-only "
-                                       "for now; set rollout_partial=False for a vision-language dataset.")
-        prompt_ids = self._tokenize_prompts(prompts)[0]
         rank = self.accelerator.process_index
-        kind = AgentPartialSample if self.tools else PartialSample
-        new = [InFlightGroup.fresh((version, round_, rank, g), list(ids), n,
-                                   payload={"row": dict(row), "prompt": prompt}, sample=kind)
-               for g, (ids, row, prompt) in enumerate(zip(prompt_ids, rows, prompts))]
+        # rollout_dispatch="balanced" with several engines: one pool for the job, the same on every rank, whose
+        # groups every engine pulls from (rollout/partial_queue.py); else a pool per engine (its TP group's ranks)
+        job = args.rollout_dispatch == "balanced" and getattr(engine, "_world_group", None) is not None
+        counts = gather_object([len(rows)]) if job else [len(rows)] * len(engine.tp_ranks)
+        new = self._new_groups(rows, n, version, round_, rank, 0)
         tp = len(engine.tp_ranks)
-        target = len(rows) * tp  # the engine's share of the step's groups
-        extra = partial_top_up(target, len(self._partial_pool), args.rollout_partial_oversample, tp,
-                               engine.tp_ranks.index(rank))
+        target = sum(counts) if job else len(rows) * tp  # the pool's share of the step's groups
+        extra = (partial_top_up(target, len(self._partial_pool), args.rollout_partial_oversample, len(counts), rank)
+                 if job else partial_top_up(target, len(self._partial_pool), args.rollout_partial_oversample, tp,
+                                            engine.tp_ranks.index(rank)))
         if extra:
-            more = self._draw_inputs(extra)[::n]  # as DAPO's extra rounds draw them
-            more_prompts, _ = self._start_episodes(more)
-            more_ids = self._tokenize_prompts(more_prompts)[0]
-            new += [InFlightGroup.fresh((version, round_, rank, len(rows) + g), list(ids), n,
-                                        payload={"row": dict(row), "prompt": prompt}, sample=kind)
-                    for g, (ids, row, prompt) in enumerate(zip(more_ids, more, more_prompts))]
-        new = [g for chunk in engine.gather_tp(new) for g in chunk]  # the engine's new groups, rank order
+            new += self._new_groups(self._draw_inputs(extra)[::n], n, version, round_, rank, len(rows))  # as DAPO draws
+        gathered = engine.gather_job(new) if job else engine.gather_tp(new)
+        new = [g for chunk in gathered for g in chunk]  # the pool's new groups, rank order
         pool, restarted, dropped = drop_stale(self._partial_pool, version, args.max_staleness)
         sampling = self._sampling(ctx.mode, round_=round_)
         if self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_agents.py)
             run, stats = engine.run_partial_agents(pool + new, target, sampling, version, self._partial_agent(),
                                                    args.tool_workers, owns=lambda g: g.key[2] == rank)
             self._log_agent_stats(ctx.mode, stats)
+        elif job:
+            homes = [self.layout.engine_of_rank(g.key[2]) for g in pool + new]
+            run = engine.run_partial_balanced(pool + new, target, sampling, version, homes)
         else:
             run = engine.run_partial(pool + new, target, sampling, version)
         chosen, self._partial_pool = split_finished(run.groups, run.finish_order, target)
         engine.sleep()
-        mine_at = engine.tp_ranks.index(rank) * len(rows)
+        mine_at = sum(counts[:rank]) if job else engine.tp_ranks.index(rank) * len(rows)
         mine = chosen[mine_at:mine_at + len(rows)]
         t1 = time.perf_counter()
-        gen_tokens = run.new_tokens // tp  # this rank's share of its engine's tokens, as a synchronous round counts
+        # this rank's share of its engine's tokens, as a synchronous round counts
+        gen_tokens = run.new_tokens // tp
         self.generation_clock.add(gen_tokens, t1 - t0)
 
         inputs = [g.payload["row"] for g in mine for _ in range(n)]
         sample_prompts = [g.payload["prompt"] for g in mine for _ in range(n)]
         flat = [s for g in mine for s in g.samples]
+        mm_local = None  # a VLM's image tensors of this rank's samples, where they do not travel with them
         if self.tools:  # an episode: its turns and tool results (masked), its messages for the rewards
             episodes = [s.episode for s in flat]
             samples = [Sample(list(g.prompt_ids), e.completion_ids, e.logprobs, e.finish_reason, e.tool_mask)
@@ -112,9 +126,13 @@ class PartialRollouts:
                                               tool_calls=[e.tool_calls for e in episodes],
                                               tool_failures=[e.tool_failures for e in episodes]))
         else:
-            samples = [Sample(list(g.prompt_ids), s.token_ids, s.logprobs, s.finish_reason) for g in mine
-                       for s in g.samples]
+            prompt_ids, mm = self._trained_prompts(mine, n)
+            samples = [Sample(p, s.token_ids, s.logprobs, s.finish_reason, mm=m)
+                       for p, m, s in zip(prompt_ids, mm, (s for g in mine for s in g.samples))]
             completions = self._decode(sample_prompts, [s.completion_ids for s in samples])
+            if not (args.balance_batch or args.filter_groups):  # image tensors stay here (see _one_round)
+                mm_local = [s.mm for s in samples] if any(m is not None for m in mm) else None
+                samples = [replace(s, mm=None) for s in samples]
         completion_ids = [s.completion_ids for s in samples]
         scores = self._score(inputs, sample_prompts, completions, completion_ids)
         t2 = time.perf_counter()
@@ -126,15 +144,40 @@ class PartialRollouts:
         counts = gather_object([[run.aborted, restarted, len(self._partial_pool), run.engine_steps,
                                  max(staleness), sum(staleness) / len(staleness), dropped]])
         per_engine = counts[::len(engine.tp_ranks)]  # one entry per engine (its TP ranks agree)
+        per_pool = counts[:1] if job else per_engine  # the job's pool is on every rank; else one per engine
         self._metric(ctx.mode, "partial/aborted_samples", sum(c[0] for c in per_engine))
-        self._metric(ctx.mode, "partial/restarted_samples", sum(c[1] for c in per_engine))
-        self._metric(ctx.mode, "partial/pool_groups", sum(c[2] for c in per_engine))
-        self._metric(ctx.mode, "partial/dropped_tokens", sum(c[6] for c in per_engine))
+        self._metric(ctx.mode, "partial/restarted_samples", sum(c[1] for c in per_pool))
+        self._metric(ctx.mode, "partial/pool_groups", sum(c[2] for c in per_pool))
+        self._metric(ctx.mode, "partial/dropped_tokens", sum(c[6] for c in per_pool))
         self._metric(ctx.mode, "partial/engine_steps", max(c[3] for c in counts))
         self._metric(ctx.mode, "partial/staleness_max", max(c[4] for c in counts))
         self._metric(ctx.mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
         return Round(gather_object(samples), scores.rewards, gen_s=t1 - t0, reward_s=t2 - t1,
-                     gen_tokens=gen_tokens, table=table, rows=inputs)
+                     gen_tokens=gen_tokens, table=table, rows=inputs, mm_local=mm_local)
+
+    def _new_groups(self, rows: list[dict], n: int, version: int, round_: int, rank: int, first: int
+                    ) -> list[InFlightGroup]:
+        """The pool's new groups of this rank's dataset ``rows`` (one per prompt, ``n`` samples, keyed ``(version,
+        round, rank, first + g)``): each with the prompt's engine ids (image placeholders not expanded) and its images."""
+        prompts, _ = self._start_episodes(rows)
+        images = self._encode_images(prompts)  # None for text; refuses images with tools or a plain tokenizer
+        ids = images.engine_ids if images is not None else self._tokenize_prompts(prompts)[0]
+        kind = AgentPartialSample if self.tools else PartialSample
+        return [InFlightGroup.fresh((version, round_, rank, first + g), list(p), n,
+                                    payload={"row": dict(row), "prompt": prompt}, sample=kind,
+                                    images=images.images[g] if images is not None else None)
+                for g, (p, row, prompt) in enumerate(zip(ids, rows, prompts))]
+
+    def _trained_prompts(self, groups: list[InFlightGroup], n: int) -> tuple[list[list[int]], list]:
+        """Per sample of ``groups`` (``n`` each): the prompt ids the model trains on and its image tensors. A text
+        group's are its ids (None); a group with images is encoded again by the processor (placeholders expanded,
+        its tensors), as the synchronous round encodes it."""
+        if not any(g.images for g in groups):
+            return [list(g.prompt_ids) for g in groups for _ in range(n)], [None] * (len(groups) * n)
+        enc = encode_prompts(self.processing_class, [g.payload["prompt"] for g in groups], tools=self.tools,
+                             chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs)
+        return ([list(enc.ids[j]) for j in range(len(groups)) for _ in range(n)],
+                [enc.mm[j] for j in range(len(groups)) for _ in range(n)])
 
     def _partial_agent(self) -> AgentCallbacks:
         """What the pool's tool-calling episodes need from the trainer: TRL's parser and tools (the same for every
@@ -149,10 +192,10 @@ class PartialRollouts:
 
     # ------------------------------------------------------------------ checkpoints
     def _save_partial_pool(self, folder: str) -> None:
-        """This rank's pool as JSON (its groups' prompts, tokens, log-probs, versions and dataset rows)."""
+        """This rank's pool as JSON (its groups' prompts, tokens, log-probs, versions, dataset rows and images)."""
         path = os.path.join(folder, POOL_FILE.format(rank=self.accelerator.process_index))
         try:
-            text = json.dumps([asdict(g) for g in self._partial_pool])
+            text = pool_to_json(self._partial_pool)
         except TypeError as err:
             raise TypeError(f"rollout_partial=True saves the samples in flight with their dataset rows, and a row "
                             f"holds a value JSON cannot write ({err}); keep the dataset's columns to text and "
@@ -165,7 +208,43 @@ class PartialRollouts:
         if not os.path.isfile(path):
             return
         with open(path) as fh:
-            self._partial_pool = [_group(d) for d in json.load(fh)]
+            self._partial_pool = pool_from_json(fh.read())
+
+
+#: how a PIL image is written in a pool's JSON (a lossless PNG, base64)
+IMAGE_KEY = "__image_png__"
+
+
+def _image_to_json(value):
+    """``json.dumps``'s ``default``: a PIL image as ``{IMAGE_KEY: base64 PNG}``; anything else is JSON's error."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return {IMAGE_KEY: base64.b64encode(buffer.getvalue()).decode("ascii")}
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _image_from_json(d: dict):
+    """``json.loads``'s ``object_hook``: the PIL image of ``{IMAGE_KEY: ...}`` (pixels and mode as saved)."""
+    if len(d) == 1 and IMAGE_KEY in d:
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(base64.b64decode(d[IMAGE_KEY])))
+        image.load()
+        return image
+    return d
+
+
+def pool_to_json(groups: list[InFlightGroup]) -> str:
+    """A pool as JSON text: every group's fields, PIL images (prompt messages, dataset rows, ``images``) as PNGs."""
+    return json.dumps([asdict(g) for g in groups], default=_image_to_json)
+
+
+def pool_from_json(text: str) -> list[InFlightGroup]:
+    """The pool :func:`pool_to_json` wrote, images read back as PIL images."""
+    return [_group(d) for d in json.loads(text, object_hook=_image_from_json)]
 
 
 def partial_top_up(target: int, pooled: int, oversample: float, tp: int, tp_index: int) -> int:
@@ -179,7 +258,7 @@ def partial_top_up(target: int, pooled: int, oversample: float, tp: int, tp_inde
 def _group(d: dict) -> InFlightGroup:
     key = d["key"]
     return InFlightGroup(tuple(key) if isinstance(key, list) else key, list(d["prompt_ids"]),
-                         [_sample(s) for s in d["samples"]], d["payload"], int(d["restarts"]))
+                         [_sample(s) for s in d["samples"]], d["payload"], int(d["restarts"]), d.get("images"))
 
 
 def _sample(d: dict) -> PartialSample | AgentPartialSample:

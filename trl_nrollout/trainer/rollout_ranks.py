@@ -20,6 +20,7 @@ from typing import Any
 from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines, serve
+from trl_nrollout.rollout.remote_agents import agent_settings
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ class RolloutRanks:
             seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
             trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples,
             max_staleness=args.max_staleness, lora_rank=self._engine_lora_rank(), dispatch=args.rollout_dispatch)
+        if self._remote_agents:  # whole tool episodes run on the rollout ranks: what their loop needs of ours
+            settings["agent"] = agent_settings(
+                self.processing_class, self.chat_template, self.chat_template_kwargs, seed=args.seed,
+                max_iterations=args.max_tool_calling_iterations, max_completion_length=args.max_completion_length,
+                max_model_len=max_len, workers=args.tool_workers)
         if args.vllm_enable_sleep_mode:
             logger.warning("vllm_enable_sleep_mode=True has no use with rollout_ranks=%d: the engines' devices hold "
                            "nothing else, so they stay awake (and keep their KV cache) between jobs.",
@@ -70,6 +76,35 @@ class RolloutRanks:
     @property
     def _remote(self) -> bool:
         return isinstance(getattr(self, "rollout_engine", None), RemoteEngines)
+
+    @property
+    def _remote_agents(self) -> bool:
+        """Tool episodes run request by request on the rollout ranks (``rollout_multi_turn="requests"``)."""
+        return bool(self.args.rollout_ranks and self.tools and self.args.rollout_multi_turn == "requests")
+
+    def _agent_job(self, mode: str, step: int) -> dict | None:
+        """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
+        as the colocated loop's), or None for single-turn jobs."""
+        return {"step": step, "mode": mode} if self._remote_agents else None
+
+    def _remote_request_turns(self, prompt_ids: list[list[int]], n: int, sampling, mode: str, step_job: bool):
+        """:meth:`_request_turns` with engines on rollout ranks: each sample's whole episode (its turns, its tools)
+        runs on a rollout rank as part of a job, the next ``max_staleness`` steps' jobs written ahead as for
+        single-turn samples. Returns the batch and its :class:`~trl_nrollout.trainer.multiturn.Episode` (tool
+        masks, messages, counts) as the colocated loop gives them."""
+        from trl_nrollout.rollout.agent_loop import AgentStats
+        from trl_nrollout.trainer.multiturn import Episode
+
+        batch, extras = self.rollout_engine.run_agents(
+            [list(p) for p in prompt_ids], n, sampling, self._agent_job(mode, self.state.global_step),
+            ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job)
+        if step_job:
+            self._log_remote(mode)
+        self._log_agent_stats(mode, self.rollout_engine.last_job.get("agent_stats") or AgentStats())
+        return batch, Episode(tool_mask=[e["tool_mask"] for e in extras],
+                              completions=[e["completions"] for e in extras], turns=[e["turns"] for e in extras],
+                              tool_calls=[e["tool_calls"] for e in extras],
+                              tool_failures=[e["tool_failures"] for e in extras])
 
     # ------------------------------------------------------------------ reading the data ahead
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -125,8 +160,9 @@ class RolloutRanks:
             out.append(self._ahead[index - self._handed])
         return out
 
-    def _ahead_jobs(self, mode: str) -> list[tuple[list[list[int]], Any]]:
-        """This rank's prompt ids and sampling options of the next ``max_staleness`` generations."""
+    def _ahead_jobs(self, mode: str) -> list[tuple[list[list[int]], Any, dict | None]]:
+        """This rank's prompt ids, sampling options and agent entry (:meth:`_agent_job`) of the next
+        ``max_staleness`` generations."""
         if mode != "train" or not self.args.max_staleness:
             return []
         jobs = []
@@ -138,7 +174,7 @@ class RolloutRanks:
                 break
             prompts, _ = self._start_episodes(rows)
             ids = self._tokenize_prompts(prompts)[0]
-            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step)))
+            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step)))
         return jobs
 
     def _log_remote(self, mode: str) -> None:
@@ -180,10 +216,10 @@ class RolloutRankWorker:
     _NO_OPS = ("save_model", "save_state", "push_to_hub", "log_metrics", "save_metrics", "create_model_card",
                "add_callback", "remove_callback", "log")
 
-    def __init__(self, args, model=None, processing_class=None) -> None:
+    def __init__(self, args, model=None, processing_class=None, tools=None) -> None:
         self.args = args
         self.bridge: Bridge = current_bridge()
-        self._state: dict = {}
+        self._state: dict = {"tools": list(tools or [])}  # rollout_multi_turn="requests": the episodes' tools
         self.model = model
         self.processing_class = processing_class
         self.is_rollout_rank = True

@@ -1,0 +1,184 @@
+"""Request-level tool episodes on rollout ranks (``rollout_ranks`` with ``rollout_multi_turn="requests"``).
+
+A whole episode is a job of the rollout ranks: each rollout rank runs the request-level agent loop the colocated
+path runs (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_agents`, or ``run_agents_balanced`` with
+``rollout_dispatch="balanced"``) on its own engine, with the user's tools (the same script builds the trainer on
+every process, so the rollout rank holds the same ``tools=``), the trainers' tokenizer (pickled into the start
+message, with the response template TRL set on it) and chat template. It answers each episode's tokens, tool masks
+(0 on tool-result tokens), the engine's log-probs, finish reasons and what the rewards need (messages, counts);
+the trainers turn them into the same batch and episode the colocated path gives.
+
+- :func:`agent_settings`: what the trainers add to the start message (``agent``);
+- :func:`episode_extras` / :func:`pack_extras`: the per-sample fields a :class:`JobResult`
+  carries besides tokens and log-probs (the tool masks as one flat ``int8`` array);
+- :func:`run_agent_job`: a rollout rank's side of one agent job.
+
+:class:`JobResult` is what a rollout rank answers for its slice of any job (single-turn, a tool turn, episodes).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, call_tools, split_tools
+from trl_nrollout.rollout.seeds import step_seed
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+
+#: The fields of an episode beyond its tokens, log-probs and finish reason (one value per sample).
+EPISODE_FIELDS = ("completions", "turns", "tool_calls", "tool_failures")
+
+
+def agent_settings(processing_class: Any, chat_template: str | None, chat_template_kwargs: dict | None, *, seed: int,
+                   max_iterations: int | None, max_completion_length: int, max_model_len: int, workers: int) -> dict:
+    """The ``agent`` entry of the start message: the trainers' tokenizer (or processor), pickled as TRL left it
+    (its response template parses the tool calls), the chat template rendering the tool results, and the limits and
+    seed of the colocated loop (:class:`AgentCallbacks`)."""
+    return {"processing_class": pickle.dumps(processing_class, protocol=pickle.HIGHEST_PROTOCOL),
+            "chat_template": chat_template, "chat_template_kwargs": dict(chat_template_kwargs or {}), "seed": seed,
+            "max_iterations": max_iterations, "max_completion_length": max_completion_length,
+            "max_model_len": max_model_len, "workers": workers}
+
+
+def agent_callbacks(settings: dict, tools: list) -> tuple[AgentCallbacks, int]:
+    """The rollout rank's :class:`AgentCallbacks` (and tool workers) from the start message's ``agent`` entry and
+    the rollout rank's own ``tools``: parsing and tool-result rendering exactly as TRL's trainer does them (its
+    ``_get_tool_suffix_ids``, called on the same tokenizer and chat template)."""
+    from transformers import PreTrainedTokenizerBase
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import parse_response
+
+    processing_class = pickle.loads(settings["processing_class"])
+    is_vlm = not isinstance(processing_class, PreTrainedTokenizerBase)
+    tokenizer = processing_class.tokenizer if is_vlm else processing_class
+    view = SimpleNamespace(processing_class=processing_class, chat_template=settings["chat_template"],
+                           chat_template_kwargs=settings["chat_template_kwargs"], _is_vlm=is_vlm,
+                           _tokenizer=tokenizer)
+    sync, asyn = split_tools(list(tools))
+    agent = AgentCallbacks(
+        parse=lambda i, ids, prefix: parse_response(tokenizer, ids, prefix=prefix, tools=tools),
+        run_tools=lambda i, calls: call_tools(calls, sync, asyn),
+        suffix_ids=lambda messages: GRPOTrainer._get_tool_suffix_ids(view, messages),
+        max_iterations=settings["max_iterations"], max_completion_length=settings["max_completion_length"],
+        max_model_len=settings["max_model_len"])
+    return agent, int(settings["workers"])
+
+
+def episode_extras(samples: list[AgentSample]) -> tuple[np.ndarray, list[dict]]:
+    """The samples' tool masks as one flat array (``int8 [sum of lengths]``, in the samples' order, each as long as
+    its completion) and their other fields (:data:`EPISODE_FIELDS`), one dict per sample."""
+    mask = np.array([m for s in samples for m in s.tool_mask], dtype=np.int8)
+    fields = [{"completions": s.messages, "turns": s.turns, "tool_calls": s.tool_calls,
+               "tool_failures": s.tool_failures} for s in samples]
+    return mask, fields
+
+
+def pack_extras(tool_mask: np.ndarray | None, fields: list[dict] | None, lengths: np.ndarray) -> list[dict | None]:
+    """Per sample: its ``tool_mask`` (a list, ``[L]``) and :data:`EPISODE_FIELDS`, or None for a single-turn job."""
+    if tool_mask is None or fields is None:
+        return [None] * len(lengths)
+    ends = np.cumsum(lengths)
+    masks = tool_mask.tolist()
+    return [{"tool_mask": masks[b - n:b], **f} for b, n, f in zip(ends.tolist(), lengths.tolist(), fields)]
+
+
+def run_agent_job(engine, message: dict, state: dict, prompts: list[list[int]], n: int, sample_offset: int,
+                  balanced: bool) -> tuple[RolloutBatch, Any, tuple[np.ndarray, list[dict]],
+                                                                AgentStats]:
+    """A rollout rank's slice of an agent job: ``prompts`` (each repeated ``n`` times, from the job's sample
+    ``sample_offset`` on) as request-level episodes on ``engine``. Seeds as the colocated loop's: the first turn by
+    the job's group and sample, the turn after tool round ``r`` from ``step_seed(seed, step, r, mode + "/turn")``
+    (the step and mode of the job's ``agent`` entry). ``state``: the rollout rank's (the start message's ``agent``
+    settings, its ``tools``; the callbacks are built once and kept there). Returns the batch, the balanced
+    dispatch's pull stats (None under fixed shares), the tool masks and fields (:func:`episode_extras`) and the engine's stats."""
+    settings, tools = state.get("agent"), state.get("tools")
+    if settings is None:
+        raise RuntimeError("an agent job reached a rollout rank whose start message had no agent settings "
+                           "(a version mismatch between the trainers and the rollout ranks?)")
+    if not tools:
+        raise RuntimeError("rollout_multi_turn='requests' runs the tools on the rollout ranks, but this rollout "
+                           "rank's trainer was built without tools=: build NRolloutGRPOTrainer with the same tools= "
+                           "on every process (the same script runs everywhere).")
+    if "agent_callbacks" not in state:
+        state["agent_callbacks"] = agent_callbacks(settings, tools)
+    agent, workers = state["agent_callbacks"]
+    sampling: SamplingOptions = message["sampling"]
+    job = message["agent"]
+
+    def turn_seed(round_: int) -> int | None:
+        if sampling.seed is None:
+            return None
+        return step_seed(settings["seed"], job["step"], round_, f"{job['mode']}/turn")
+
+    pulled = None
+    if not prompts and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
+        samples, stats = [], AgentStats()
+    elif balanced:
+        samples, _, stats, pulled = engine.run_agents_balanced(prompts, n, sampling, turn_seed, agent, workers)
+    else:
+        samples, _, stats = engine.run_agents(prompts, n, sampling, turn_seed, agent, workers,
+                                              sample_offset=sample_offset)
+    batch = RolloutBatch([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
+                         [s.logprobs for s in samples], [s.finish_reason for s in samples],
+                         list(range(len(samples))))
+    return batch, pulled, episode_extras(samples), stats
+
+
+def sum_stats(stats: list[tuple | None]) -> AgentStats | None:
+    """The job's :class:`AgentStats` over the rollout ranks that reported them (None when none did): engine steps
+    and requests summed (their ratio is the job's overlap), seconds averaged over the ranks (as the colocated
+    metrics average them over the trainers)."""
+    got = [AgentStats(*s) for s in stats if s is not None]
+    if not got:
+        return None
+    return AgentStats(engine_steps=sum(s.engine_steps for s in got), steps_with_tools=sum(s.steps_with_tools for s in got),
+                      idle_s=sum(s.idle_s for s in got) / len(got), tool_s=sum(s.tool_s for s in got) / len(got),
+                      requests=sum(s.requests for s in got))
+
+
+@dataclass
+class JobResult:
+    """What one rollout rank generated for its slice of a job, as flat arrays (4 bytes a token and a log-prob
+    instead of a pickled list of Python numbers): ``tokens`` and ``logprobs`` ``[sum of lengths]``, ``lengths``
+    ``[samples]``."""
+
+    tokens: np.ndarray  # int32 [total tokens]
+    logprobs: np.ndarray  # float32 [total tokens]
+    lengths: np.ndarray  # int64 [samples]
+    finish_reasons: list[str]
+    gen_s: float
+    version: int
+    #: rollout_dispatch="balanced": the job's groups this rank's engine ran and how many of them another engine
+    #: owned under fixed shares (its TP group's first rank reports; None elsewhere and under "shares")
+    balanced: tuple[int, int] | None = None
+    #: an agent job (tools on the rollout ranks): the tool masks ``int8 [total tokens]``, each sample's other
+    #: fields and the engine's AgentStats as a tuple (:mod:`~trl_nrollout.rollout.remote_agents`); else None
+    tool_mask: np.ndarray | None = None
+    episodes: list[dict] | None = None
+    agent_stats: tuple | None = None
+
+    @classmethod
+    def of(cls, completion_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
+           gen_s: float, version: int, balanced: tuple[int, int] | None = None, extras=None,
+           agent_stats: tuple | None = None) -> JobResult:
+        lengths = np.array([len(c) for c in completion_ids], dtype=np.int64)
+        flat = [t for c in completion_ids for t in c]
+        lps = [x for lp in logprobs for x in lp]
+        mask, episodes = extras if extras is not None else (None, None)
+        return cls(np.array(flat, dtype=np.int32), np.array(lps, dtype=np.float32), lengths, list(finish_reasons),
+                   gen_s, version, balanced, mask, episodes, agent_stats)
+
+    def rows(self) -> list[tuple[list[int], list[float], str]]:
+        """``(completion ids, log-probs, finish reason)`` of each sample."""
+        ends = np.cumsum(self.lengths)
+        starts = ends - self.lengths
+        tokens, lps = self.tokens.tolist(), self.logprobs.tolist()
+        return [(tokens[a:b], lps[a:b], f) for a, b, f in zip(starts.tolist(), ends.tolist(), self.finish_reasons)]
+
+    def extras(self) -> list[dict | None]:
+        """Each sample's tool mask and episode fields (an agent job), or None."""
+        return pack_extras(self.tool_mask, self.episodes, self.lengths)
