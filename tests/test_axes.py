@@ -103,3 +103,19 @@ def test_lifted_rows_are_no_longer_refused():
     assert _ranks(rollout_multi_turn="requests") is None
     assert RolloutRanks._rollout_ranks_refusal(_trainer(tools=[print], args=SimpleNamespace(
         rollout_ranks=1, rollout_multi_turn="requests"))) is None
+
+
+@pytest.mark.parametrize("option, off, check", [
+    ("rollout_partial=True", "rollout_partial=False", PartialRollouts._partial_refusal),
+    ("rollout_dispatch='balanced'", "rollout_dispatch='shares'", EngineSetup._dispatch_refusal),
+    ("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", MultiTurnRollout._request_turns_refusal)])
+def test_the_hf_engine_chosen_by_auto_is_refused_with_the_tables_reason(tmp_path, option, off, check):
+    """rollout_backend='auto' without vLLM gives the HF engine: the trainer's check refuses each machine row with the
+    reason the table states (the config's check, for rollout_backend='hf', says the same), what chose the engine, and
+    the fix. Mutation tried: the trainer's partial check with its own message (no table reason) -> fails."""
+    row = next(r for r in REFUSALS if r.first == option and r.kind == "machine")
+    message = check(_trainer(rollout_backend="hf"))
+    assert message is not None and row.why in message and "rollout_backend='auto' chose the HF engine" in message
+    assert message.endswith(f"or {off}.")
+    assert row.why in CASES[(row.first, row.second)](tmp_path)  # the config's check: the same reason
+    assert check(_trainer()) is None  # vLLM engines: nothing to refuse

@@ -16,6 +16,7 @@ from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES
+from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES
 from trl_nrollout.rollout.seeds import SEED_MODES
 from trl_nrollout.rollout.weight_sync import LORA_SYNC_MODES
@@ -225,9 +226,7 @@ class ConfigChecks:
             raise InputError(f"rollout_partial_oversample={self.rollout_partial_oversample} must be >= 0 (0.5: half "
                              "again as many groups in flight as the step trains).")
         if self.rollout_partial and self.rollout_backend == "hf":
-            raise InputError("rollout_partial=True needs vLLM engines (a request-level engine loop that can stop "
-                             "and continue samples); rollout_backend='hf' cannot. Set rollout_backend='vllm' (or "
-                             "'auto' with vLLM installed), or rollout_partial=False.")
+            raise InputError(machine_refusal("rollout_partial=True", "rollout_partial=False"))
         if self.rollout_multi_turn not in MULTI_TURN_MODES:
             raise InputError(f"rollout_multi_turn={self.rollout_multi_turn!r} must be one of {list(MULTI_TURN_MODES)} "
                              "('turns': TRL's turn-by-turn tool loop; 'requests': no turn barrier).")
@@ -241,10 +240,7 @@ class ConfigChecks:
                              "runs them turn by turn: it would do nothing. Set rollout_multi_turn='requests' too, or "
                              "remove tool_workers.")
         if self.rollout_multi_turn == "requests" and self.rollout_backend == "hf":
-            raise InputError("rollout_multi_turn='requests' needs vLLM engines (a request-level engine loop: samples "
-                             "leave and re-enter the engine one by one); rollout_backend='hf' generates a batch per "
-                             "call. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or "
-                             "rollout_multi_turn='turns'.")
+            raise InputError(machine_refusal("rollout_multi_turn='requests'", "rollout_multi_turn='turns'"))
         if self.rollout_lora_sync not in LORA_SYNC_MODES:
             raise InputError(f"rollout_lora_sync={self.rollout_lora_sync!r} must be one of {list(LORA_SYNC_MODES)} "
                              "('merged': full weights with the adapter merged in; 'adapter': the engines serve the "
@@ -257,9 +253,7 @@ class ConfigChecks:
             raise InputError(f"rollout_dispatch={self.rollout_dispatch!r} must be one of {list(DISPATCH_MODES)} "
                              "('shares': each engine its own ranks' prompts; 'balanced': engines pull from one queue).")
         if self.rollout_dispatch == "balanced" and self.rollout_backend == "hf":
-            raise InputError("rollout_dispatch='balanced' needs vLLM engines (a request-level loop that adds groups "
-                             "as it goes); rollout_backend='hf' generates each rank's batch in one call. Set "
-                             "rollout_backend='vllm' (or 'auto' with vLLM installed), or rollout_dispatch='shares'.")
+            raise InputError(machine_refusal("rollout_dispatch='balanced'", "rollout_dispatch='shares'"))
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
             raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
                              "samples, capped at 1024).")

@@ -78,6 +78,16 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
+def machine_refusal(option: str, off: str, *, auto: bool = False) -> str:
+    """The error for ``option`` (as :data:`REFUSALS` writes it) on the HF engine: the machine's row's reason and the
+    fix (vLLM engines, or ``off``). ``auto``: the HF engine is what ``rollout_backend='auto'`` chose (vLLM is not
+    installed), not the user's setting. One message for the config's check and the trainer's."""
+    row = next(r for r in REFUSALS if r.first == option and r.second == "rollout_backend='hf'" and r.kind == "machine")
+    chosen = "rollout_backend='auto' chose the HF engine (vLLM is not installed)" if auto else "rollout_backend='hf'"
+    return (f"{option} needs vLLM engines: {row.why}, and {chosen}. Set rollout_backend='vllm' (or 'auto' with vLLM "
+            f"installed), or {off}.")
+
+
 def refusal_table() -> list[str]:
     """:data:`REFUSALS` as a markdown table (docs/architecture.md), machine-imposed rows first."""
     order = {"machine": 0, "by definition": 1, "not yet": 2}

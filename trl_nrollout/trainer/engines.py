@@ -16,6 +16,7 @@ from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.errors import DatasetError, InputError
 from trl_nrollout.passes.distributed import zero3_configured
 from trl_nrollout.passes.multimodal import has_images
+from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.hf_engine import HFEngine
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS
 from trl_nrollout.rollout.types import SamplingOptions
@@ -344,9 +345,7 @@ class EngineSetup:
     def _dispatch_refusal(self) -> str | None:
         """Why ``rollout_dispatch='balanced'`` cannot run with this trainer (None: it can)."""
         if self.rollout_backend != "vllm":
-            return (f"rollout_dispatch='balanced' needs vLLM engines, but this trainer generates with the "
-                    f"{self.rollout_backend!r} engine (rollout_backend='auto' without vLLM installed?); install vLLM, "
-                    "or set rollout_dispatch='shares'.")
+            return machine_refusal("rollout_dispatch='balanced'", "rollout_dispatch='shares'", auto=True)
         if self.rollout_func is not None:
             return ("rollout_dispatch='balanced' with rollout_func: the function makes its own engine calls, so the "
                     "trainer has no groups to queue; set rollout_dispatch='shares' (the default).")

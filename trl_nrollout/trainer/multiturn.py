@@ -35,6 +35,7 @@ from trl_nrollout.rollout.agent_loop import (
     run_tool_turns,
     split_tools,
 )
+from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
@@ -154,9 +155,7 @@ class MultiTurnRollout:
     def _request_turns_refusal(self) -> str | None:
         """Why ``rollout_multi_turn='requests'`` cannot run with this trainer (None: it can)."""
         if self.rollout_backend != "vllm":
-            return (f"rollout_multi_turn='requests' needs vLLM engines, but this trainer generates with the "
-                    f"{self.rollout_backend!r} engine (rollout_backend='auto' without vLLM installed?); install "
-                    "vLLM, or set rollout_multi_turn='turns'.")
+            return machine_refusal("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", auto=True)
         if self.rollout_func is not None:
             return ("rollout_multi_turn='requests' with rollout_func: the function generates itself, so the trainer "
                     "has no tool turns to run request by request; set rollout_multi_turn='turns' (the default).")

@@ -31,6 +31,7 @@ from accelerate.utils import gather_object
 
 from trl_nrollout.passes.multimodal import encode_prompts
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, call_tools, split_tools
+from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
 from trl_nrollout.rollout.partial_agents import AgentPartialSample
 from trl_nrollout.trainer.multiturn import Episode
@@ -46,9 +47,7 @@ class PartialRollouts:
     def _partial_refusal(self) -> str | None:
         """Why this trainer cannot roll out partially (None when it can)."""
         if self.rollout_backend != "vllm":
-            return (f"rollout_partial=True needs vLLM engines, but this trainer generates with the "
-                    f"{self.rollout_backend!r} engine; install vLLM (rollout_backend='vllm'), or set "
-                    "rollout_partial=False.")
+            return machine_refusal("rollout_partial=True", "rollout_partial=False", auto=True)
         if self.rollout_func is not None:
             return ("rollout_partial=True with rollout_func: the function generates whole samples itself, so the "
                     "trainer cannot stop its requests and continue them after a weight sync; set "
