@@ -101,10 +101,17 @@ def test_the_parameter_count_is_the_built_models(tiny_model_path):
 @settings(max_examples=150, deadline=None)
 @given(dims=dims_st, work=work_st, dev=device_st, n=st.sampled_from([1, 2, 4, 8, 12]), more=st.integers(1, 8))
 def test_more_samples_per_prompt_never_predict_less_time(dims, work, dev, n, more):
+    """More samples per prompt cost at least as much, in every phase, except where the update's layout changes: the
+    trainer lays a micro batch out with its prompts shared only while the block mask stays under
+    ``MAX_PACKED_MASK_BYTES``, and a larger n can cut smaller micro batches whose masks fit (e.g. 3,255-token prompts
+    with 1-token completions: n=4 -> 32-sample micro batches, a 425 MB mask, padded; n=5 -> packed, 0.68x the update
+    time). The model follows the trainer's rule there, so the exception is only that switch, toward packing."""
     small = predict_step(dims, _layout(n=n), work, dev)
     large = predict_step(dims, _layout(n=n + more), work, dev)
-    assert large.total_s >= small.total_s
-    for phase in ("generation", "old_log_prob", "ref_log_prob", "update"):
+    switched = large.details["update_packed"] and not small.details["update_packed"]
+    if not switched:
+        assert large.total_s >= small.total_s
+    for phase in ("generation", "old_log_prob", "ref_log_prob") + (() if switched else ("update",)):
         assert large.phases[phase] >= small.phases[phase] - 1e-12, phase
 
 
@@ -435,7 +442,7 @@ def test_plan_predict_refuses_what_it_cannot_answer(capsys):
     assert main([*base, "--device", "h100"]) == 2
     assert "need a model: pass --model" in capsys.readouterr().err
     assert main([*base, "--device", "h100", "--model", "Qwen/Qwen2.5-7B-Instruct", "--trainer-sharding", "zero5"]) == 2
-    assert "trainer_sharding='zero5' must be one of ['none', 'zero2', 'zero3', 'fsdp']" in capsys.readouterr().err
+    assert "trainer_sharding='zero5' must be one of ['none', 'zero2', 'zero3', 'fsdp', 'zero3_offload']" in capsys.readouterr().err
     assert main([*base, "--device", "h100", "--model", "Qwen/Qwen2.5-7B-Instruct", "--suggest-rollout-ranks"]) == 2
     assert "--suggest-rollout-ranks adds the split launches to --suggest's search: pass --suggest" in \
         capsys.readouterr().err

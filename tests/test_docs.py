@@ -89,3 +89,19 @@ def test_local_links_exist(doc):
         if "://" in target or target.startswith("mailto:"):
             continue
         assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+
+
+def test_the_readmes_benchmark_figures_are_docs_benchmarks():
+    """The README's measured figures are docs/benchmarks.md's (issue 50: one place): the goals table's rollout
+    throughput (tiny and medium model) and step time at 512-token prompts, and the padding-free rows' speed-up on
+    the long tail, each quoted as the benchmark page states it."""
+    readme, bench = (ROOT / "README.md").read_text(), (ROOT / "docs" / "benchmarks.md").read_text()
+    rollout = re.search(r"\| rollout at 512-token prompts, n = 12: .*? \| tiny \*\*([\d.]+x)\*\*; medium "
+                        r"\*\*([\d.]+x)\*\* \|", bench)
+    step = re.search(r"\| step time at 512-token prompts, n = 8: .*? \| \*\*([\d.]+x)\*\*", bench)
+    rows = re.search(r"padding-free\s+rows run the micro batch ([\d.]+x) faster than the padded layout", bench)
+    assert rollout and step and rows, "docs/benchmarks.md no longer states the figures the README quotes"
+    flat = " ".join(readme.split())
+    assert f"({rollout[1]}-{rollout[2]} TRL's generation throughput at 512-token prompts and n = 12" in flat
+    assert f"at 512-token prompts and n = 8 a whole step took {step[1]} TRL's" in flat
+    assert f"at a 512-token cap ran {rows[1]} faster than padded" in flat

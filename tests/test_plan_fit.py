@@ -39,7 +39,7 @@ def test_predict_exits_3_naming_the_trainers_memory_and_zero3(capsys):
                      r"\(what the engine leaves\): DOES NOT FIT", out)
     assert re.search(r"memory check\s+engine 10.6 GiB .* vs 24 GiB \(gpu_memory_utilization 0.3 x 80 GiB\): fits", out)
     assert "the trainer binds first (166 GiB > 56 GiB" in err
-    assert "Fix: trainer_sharding zero3 (accelerate launch --config_file recipes/accelerate/zero3.yaml) with " \
+    assert "Fix: trainer_sharding zero3 (trl-nrollout train --accelerate_config zero3) with " \
            "use_dynamic_bsz" in err
     # the fix, applied, fits: exit 0
     budget = int(re.search(r"ppo_max_token_len_per_device (\d+)", err).group(1))
@@ -128,8 +128,8 @@ def test_suggest_searches_sharding_and_the_update_budget_and_prints_the_command(
     assert any(c["options"].get("trainer_sharding") == "none" for c in d["refused"])
     code, out, _ = run(capsys, *ARTICLE, "--suggest")
     first = d["ranked"][0]["options"]
-    assert (f"run the first: accelerate launch --config_file {first['accelerate_config']} --num_processes 6 "
-            f"-m trl_nrollout.recipe.run --rollout_tp_size {first['rollout_tp_size']}") in out
+    assert (f"run the first: trl-nrollout train --accelerate_config {first['trainer_sharding']} --num_processes 6 "
+            f"--rollout_tp_size {first['rollout_tp_size']}") in out
     # a sharding the user fixed is the only one tried
     code, out, _ = run(capsys, *ARTICLE, "--suggest", "--json", "--trainer-sharding", "zero3")
     assert {c["options"].get("trainer_sharding") for c in json.loads(out)["ranked"]} == {None}

@@ -94,3 +94,45 @@ def test_the_wheel_carries_the_recipes(tmp_path):
     assert found.returncode == 0, found.stderr[-3000:]
     path = Path(found.stdout.strip().splitlines()[-1])
     assert path.is_relative_to(site) and path.read_text() == (ROOT / "recipes/configs/gsm8k_qwen.yaml").read_text()
+
+
+def test_train_launches_under_accelerate_with_a_shipped_config_by_name(monkeypatch, capsys):
+    """``trl-nrollout train --accelerate_config zero3 --num_processes 8 ...`` (TRL's ``--accelerate_config``):
+    accelerate's own parser gets the installed zero3.yaml as ``--config_file``, the launch flags, ``-m
+    trl_nrollout.recipe.run`` and the recipe's words in order; a clone's ``recipes/accelerate/zero3.yaml`` run from
+    elsewhere resolves to the same file; an unknown name is one error naming the shipped configs; without a launch
+    flag nothing is launched."""
+    import accelerate.commands.launch as accel
+
+    from trl_nrollout.cli import main
+    from trl_nrollout.recipe.launch import ACCELERATE_DIR, accelerate_argv, packaged_accelerate_config
+
+    launched = []
+    monkeypatch.setattr(accel, "launch_command", launched.append)
+    monkeypatch.chdir(ROOT / "tests")  # not the clone's root: recipes/accelerate/ is not here
+    argv = ["train", "--accelerate_config", "zero3", "--config", "gsm8k_qwen", "--num_processes=8", "--max_steps",
+            "20", "--num_machines", "2", "--machine_rank", "1"]
+    assert main(argv) == 0
+    args = launched[0]
+    assert Path(args.config_file) == ACCELERATE_DIR / "zero3.yaml" and args.config_file != "zero3"
+    assert (args.num_processes, args.num_machines, args.machine_rank, args.module) == (8, 2, 1, True)
+    assert args.training_script == "trl_nrollout.recipe.run"
+    assert args.training_script_args == ["--config", "gsm8k_qwen", "--max_steps", "20"]
+    assert packaged_accelerate_config("recipes/accelerate/zero3_cpu.yaml") == str(ACCELERATE_DIR / "zero3_cpu.yaml")
+    assert packaged_accelerate_config("zero2.yaml") == str(ACCELERATE_DIR / "zero2.yaml")
+    assert main(["train", "--accelerate_config", "zero4", "--config", "ppo"]) == 2
+    err = capsys.readouterr().err
+    assert "--accelerate_config 'zero4' is neither a file nor" in err and "'zero3'" in err and "'fsdp'" in err
+    assert accelerate_argv(["--config", "ppo", "--max_steps", "1"]) is None
+    assert main(["train", "--config", "ppo", "--num_processes"]) == 2
+    assert "--num_processes needs a value" in capsys.readouterr().err and len(launched) == 1
+
+
+def test_plan_takes_a_shipped_recipes_name_as_train_does(monkeypatch, capsys):
+    """``trl-nrollout plan --config verl_article`` (the name the recipes' comments print) plans the shipped file,
+    from a folder that is not the clone's root; a local file of that name would win (``packaged_recipe``'s rule)."""
+    from trl_nrollout.cli import main
+
+    monkeypatch.chdir(ROOT / "tests")
+    assert main(["plan", "--config", "verl_article"]) == 0
+    assert "6 / rollout_tp_size=2 = 3" in capsys.readouterr().out

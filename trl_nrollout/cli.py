@@ -1,5 +1,7 @@
 """The ``trl-nrollout`` command: ``plan``, ``recipe`` (Hub recipes) and ``train`` (a recipe run in this process:
-``trl-nrollout train --config gsm8k_qwen --max_steps 20``, the code of ``accelerate launch recipes/grpo.py``).
+``trl-nrollout train --config gsm8k_qwen --max_steps 20``, the code of ``accelerate launch -m trl_nrollout.recipe.run``;
+``trl-nrollout train --accelerate_config zero3 --num_processes 8 --config ...`` launches it under accelerate with a
+shipped accelerate config, as TRL's ``trl grpo --accelerate_config zero3`` does).
 
 Subcommands live in :data:`COMMANDS` (name -> :class:`Command`: help, a function adding its arguments, a function
 running it and returning the exit status). To add one, write those two functions and add an entry; ``main`` and
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -106,8 +109,15 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def local_recipe(config: str | None) -> str | None:
-    """A local recipe path as is; an ``hf://`` reference resolved through the Hub cache (offline mode respected)."""
+    """A local recipe path as is; a shipped recipe's name (``verl_article``, as ``train --config`` takes it) as its
+    installed file; an ``hf://`` reference resolved through the Hub cache (offline mode respected)."""
     if config is None or not str(config).startswith("hf://"):
+        from trl_nrollout.recipe.launch import ACCELERATE_DIR
+
+        name = str(config) if str(config).endswith((".yaml", ".yml")) else f"{config}.yaml"
+        shipped = ACCELERATE_DIR.parent / "configs" / name
+        if config is not None and "/" not in str(config) and not Path(config).is_file() and shipped.is_file():
+            return str(shipped)
         return config
     from trl_nrollout.recipe.hub import resolve_config
 
@@ -292,11 +302,38 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    """The recipe (:func:`trl_nrollout.recipe.run.cli`, what ``accelerate launch recipes/grpo.py`` runs) in this
-    process: a mistake in the options, the recipe or the data is one ``error:`` line and exit status 2."""
+    """The recipe (:func:`trl_nrollout.recipe.run.cli`, what ``accelerate launch -m trl_nrollout.recipe.run``
+    runs) in this process: a mistake in the options, the recipe or the data is one ``error:`` line and exit status
+    2. With launch flags (``--accelerate_config zero3 --num_processes 8``, :mod:`trl_nrollout.recipe.launch`) the
+    recipe runs under ``accelerate launch`` instead, a shipped accelerate config found by name (TRL's CLI's way)."""
+    from trl_nrollout.errors import InputError
+    from trl_nrollout.recipe.launch import accelerate_argv
+
+    try:
+        launch = accelerate_argv(list(args.argv))
+    except InputError as err:
+        print(f"trl-nrollout train: error: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    if launch is not None:
+        return _accelerate_launch(launch)
     from trl_nrollout.recipe.run import cli as run_recipe
 
     return run_recipe(list(args.argv))
+
+
+def _accelerate_launch(launch: list[str]) -> int:
+    """``accelerate launch`` with the arguments ``launch`` (its own parser and launcher, in this process, as TRL's
+    CLI calls them); the exit status of the launched processes."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    print("trl-nrollout train: accelerate launch " + " ".join(launch), file=sys.stderr)
+    try:
+        launch_command(launch_command_parser().parse_args(launch))
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    except subprocess.CalledProcessError as err:
+        return err.returncode
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
@@ -313,8 +350,9 @@ COMMANDS: dict[str, Command] = {
     ),
     "train": Command(
         help="Train from a recipe (a YAML file, a shipped recipe's name such as gsm8k_qwen, or hf://...) in this "
-             "process; options after it override the recipe's (--max_steps 20). Under accelerate: accelerate "
-             "launch -m trl_nrollout.recipe.run --config ...",
+             "process; options after it override the recipe's (--max_steps 20). Under accelerate: --accelerate_config "
+             "zero3 (a shipped config's name or a file) --num_processes 8 [--num_machines, --machine_rank, "
+             "--main_process_ip, --main_process_port], or accelerate launch -m trl_nrollout.recipe.run --config ...",
         add_arguments=_add_train_arguments,
         run=_run_train,
         passthrough=True,

@@ -7,12 +7,15 @@ A roofline model with fixed costs, per device, for one step of the layout (:clas
   group (vLLM's ``n`` shares its KV blocks). Decode runs ``steps`` engine steps with ``running`` sequences on
   average: with every sample of the share running at once (``max_num_seqs`` not below it) the step count is the
   longest completion (the tail); otherwise the engine works through its samples in waves, ``samples x mean /
-  max_num_seqs`` steps plus the last wave's tail. One step costs its roofline (:func:`decode_step_s`: the linear
+  max_num_seqs`` steps plus the last wave's tail. Partial rollouts (``work.partial``): the pool in flight (the
+  share x ``pool_factor``, up to ``max_num_seqs``) runs, and a step ends with its share's tokens, no tail:
+  ``samples x mean / running`` steps (the steady state). One step costs its roofline (:func:`decode_step_s`: the linear
   layers' larger of their FLOPs and the weights read once, then attention's larger of its FLOPs and each running
   sequence's KV cache read: separate kernels, one after the other), plus the TP all-reduces (two per layer), plus
   ``step_s + seq_step_s x running``.
-- **weight sync**: the engine's weights once over ``weight_sync_bw`` (plus a ZeRO-3/FSDP gather over the link),
-  plus ``sync_s``.
+- **weight sync** (colocated: an on-device copy into the engine): the engine's weights once over ``weight_sync_bw``
+  (plus a ZeRO-3/FSDP gather over the link), plus ``sync_s``. Rollout ranks' transfer (through host memory over
+  gloo): :func:`trl_nrollout.plan.search.host_transfer_s`.
 - **old-policy / reference log-prob passes**: the forwards the trainer runs
   (:func:`~trl_nrollout.plan.shapes.pass_shape`), micro batch by micro batch: packed with each prompt once where the
   trainer's own rule (:func:`~trl_nrollout.passes.packing_rules.packing_pays`) packs it, else as padding-free rows
@@ -113,7 +116,10 @@ def _generation(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: Dev
     prefill_flops = groups * work.prompt_len * (2 * matmul + dims.attention_flops(work.prompt_len / 2))
     prefill_s = prefill_flops / (tp * dev.flops * dev.mfu_prefill)
     tokens = samples * work.completion_mean
-    if samples <= work.max_num_seqs:
+    if work.partial:  # steady state: the pool (its share x pool_factor) runs; a step's tokens at its width, no tail
+        running_cap = min(math.ceil(samples * work.pool_factor - 1e-9), work.max_num_seqs)
+        steps = tokens / running_cap
+    elif samples <= work.max_num_seqs:
         steps = float(work.completion_max)
     else:  # waves of max_num_seqs, then the last wave's tail
         steps = max(float(work.completion_max), tokens / running_cap + work.completion_max - work.completion_mean)
@@ -162,6 +168,8 @@ def trainer_state_bytes(dims: ModelDims, work: Workload, dp: int = 1) -> float:
     trained = dims.num_parameters if work.lora_r is None else dims.lora_parameters(work.lora_r)
     frozen = 0 if work.lora_r is None else dims.num_parameters * dims.dtype_bytes
     weights, rest = frozen + trained * 2, trained * (TRAIN_BYTES_PER_PARAM - 2)
+    if work.optimizer_offloaded:  # fp32 master weights and Adam moments on the host: the bf16 gradients stay
+        rest = trained * 2
     if work.sharded:
         return (weights + rest) / dp
     if work.optimizer_sharded:
@@ -197,6 +205,9 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
     trained = dims.num_parameters if work.lora_r is None else dims.lora_parameters(work.lora_r)
     shard = trained / (dp if work.sharded else 1)
     optimizer_s = layout.optimizer_steps_per_rollout * shard * OPTIMIZER_BYTES_PER_PARAM / dev.optimizer_rate
+    if work.optimizer_offloaded:  # the host's Adam over its states, the gradients down and the weights up (bf16)
+        optimizer_s = layout.optimizer_steps_per_rollout * shard * (OPTIMIZER_BYTES_PER_PARAM / dev.host_optimizer_bw
+                                                                    + 4 / dev.host_rate)
     reduce_s = 0.0 if dp == 1 else (layout.optimizer_steps_per_rollout * trained * 4 * (dp - 1) / dp
                                     / _dp_link(work, dev))
     update_s = (layout.ppo_epochs * (3 * _compute_s(update, dims, dev) + update.tokens * dev.train_token_s

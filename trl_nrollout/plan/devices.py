@@ -32,7 +32,14 @@ class DeviceProfile:
     ``call_s`` per generation call, ``forward_s`` per training forward (launches, hooks), ``sync_s`` per weight
     sync, ``allreduce_s`` latency of one TP all-reduce. ``sync_bw`` the weight sync's B/s (None: half of
     ``mem_bw x bw_eff``, a read and a write); ``optimizer_bw`` the optimizer step's B/s over its states (None:
-    ``mem_bw x bw_eff``). What a trainer adds around the engine and the model (calibrated; 0 in the datasheet
+    ``mem_bw x bw_eff``). The rollout ranks' weight transfer (trainer rank 0's device -> its host -> the rollout
+    ranks' hosts over gloo -> their devices): ``host_bw`` a device's copy to or from host memory, per direction, B/s
+    (the PCIe link; None: ``mem_bw x bw_eff``, a CPU's copy is a memcpy); ``gloo_bw`` one host-to-host stream of
+    gloo's TCP transport, B/s (on one node through the loopback; between nodes also at most ``node_link_bw``;
+    5 GB/s assumed, not a datasheet figure: set it in a profile where measured); ``host_optimizer_bw`` the B/s over
+    its states of an optimizer step offloaded to the host (ZeRO-Offload's CPU Adam, one device's share of its host:
+    10 GB/s assumed).
+    What a trainer adds around the engine and the model (calibrated; 0 in the datasheet
     profiles): ``gen_sample_s`` per sample in the generation phase (requests in and out, bookkeeping),
     ``train_sample_s`` per sample and ``train_token_s`` per token per update epoch (the loss's work beyond the
     matmuls, masks, metrics; a CPU's first touch of fresh activation memory), ``train_fixed_s`` per optimizer step
@@ -67,10 +74,13 @@ class DeviceProfile:
     #: half precision, PyTorch's flash kernel or flash-attention's), so padding-free rows cost each sequence's pairs
     #: only and need no mask; False: a block mask over each row (SDPA computes its ``L x L`` pairs), as on a CPU
     varlen_attention: bool = False
+    host_bw: float | None = None
+    gloo_bw: float = 5 * GBPS
+    host_optimizer_bw: float = 10 * GBPS
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("flops", "mem_bw", "link_bw", "memory_gib"):
+        for name in ("flops", "mem_bw", "link_bw", "memory_gib", "gloo_bw", "host_optimizer_bw"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be > 0.")
         for name in ("mfu_prefill", "mfu_train", "bw_eff", "link_eff", "mfu_attention"):
@@ -89,6 +99,11 @@ class DeviceProfile:
     @property
     def weight_sync_bw(self) -> float:
         return self.sync_bw if self.sync_bw is not None else self.mem_bw * self.bw_eff / 2
+
+    @property
+    def host_rate(self) -> float:
+        """B/s of one copy between the device and host memory (``host_bw`` at ``link_eff``; a CPU: a memcpy)."""
+        return self.host_bw * self.link_eff if self.host_bw is not None else self.mem_bw * self.bw_eff
 
     @property
     def optimizer_rate(self) -> float:
@@ -115,21 +130,24 @@ _NVIDIA_L40S = "NVIDIA L40S datasheet (2023): BF16 362 TFLOPS dense, GDDR6 864 G
 #: ConnectX-6 200 Gb/s HDR; DGX H100 / H200 datasheets: 8x ConnectX-7 400 Gb/s NDR); an L40S server has no reference
 #: system: one 100 Gb/s port per GPU assumed
 _IB_HDR, _IB_NDR, _ETH_100 = 200 / 8 * GBPS, 400 / 8 * GBPS, 100 / 8 * GBPS
+#: a device's link to host memory, per direction (half the datasheets' bidirectional figure): PCIe Gen4 x16 64 GB/s
+#: (A100, L40S), PCIe Gen5 x16 128 GB/s (H100 / H200 SXM)
+_PCIE4, _PCIE5 = 32 * GBPS, 64 * GBPS
 
 #: named profiles: datasheet peaks (link bandwidth per direction: half the datasheet's bidirectional figure)
 PROFILES: dict[str, DeviceProfile] = {
     "a100-40gb": DeviceProfile("a100-40gb", varlen_attention=True, flops=312 * TFLOPS, mem_bw=1555 * GBPS, link_bw=300 * GBPS,
-                               node_link_bw=_IB_HDR, memory_gib=40, source=_NVIDIA_A100 + "; HBM2 1,555 GB/s, 40 GB"),
+                               node_link_bw=_IB_HDR, host_bw=_PCIE4, memory_gib=40, source=_NVIDIA_A100 + "; HBM2 1,555 GB/s, 40 GB"),
     "a100-80gb": DeviceProfile("a100-80gb", varlen_attention=True, flops=312 * TFLOPS, mem_bw=2039 * GBPS, link_bw=300 * GBPS,
-                               node_link_bw=_IB_HDR, memory_gib=80, source=_NVIDIA_A100 + "; HBM2e 2,039 GB/s, 80 GB"),
+                               node_link_bw=_IB_HDR, host_bw=_PCIE4, memory_gib=80, source=_NVIDIA_A100 + "; HBM2e 2,039 GB/s, 80 GB"),
     "h100": DeviceProfile("h100", varlen_attention=True, flops=989 * TFLOPS, mem_bw=3350 * GBPS, link_bw=450 * GBPS, memory_gib=80,
-                          node_link_bw=_IB_NDR,
+                          node_link_bw=_IB_NDR, host_bw=_PCIE5,
                           source=_NVIDIA_H100 + ", 80 GB"),
     "h200": DeviceProfile("h200", varlen_attention=True, flops=989 * TFLOPS, mem_bw=4800 * GBPS, link_bw=450 * GBPS, memory_gib=141,
-                          node_link_bw=_IB_NDR,
+                          node_link_bw=_IB_NDR, host_bw=_PCIE5,
                           source=_NVIDIA_H200 + ", 141 GB"),
     "l40s": DeviceProfile("l40s", varlen_attention=True, flops=362 * TFLOPS, mem_bw=864 * GBPS, link_bw=32 * GBPS, memory_gib=48,
-                          node_link_bw=_ETH_100,
+                          node_link_bw=_ETH_100, host_bw=_PCIE4,
                           source=_NVIDIA_L40S + ", 48 GB"),
 }
 

@@ -58,8 +58,10 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
                            "(colocated: every process trains and generates)."),
     ("max_staleness", int, "With rollout_ranks: steps the engines generate ahead of the trainers (default 1; 0: "
                            "synchronous)."),
-    ("trainer_sharding", str, "none, zero3 or fsdp (--predict): sharded parameters are gathered per forward and "
-                              "optimizer states split over the ranks. Default none."),
+    ("trainer_sharding", str, "none, zero2, zero3, fsdp or zero3_offload (--predict): sharded parameters are "
+                              "gathered per forward and optimizer states split over the ranks; zero3_offload keeps "
+                              "the optimizer on the host (ZeRO-Offload). Default: the recipe's accelerate config's, "
+                              "else none."),
     ("use_dynamic_bsz", bool, "Token-budgeted update micro batches (verl's name): each optimizer step's samples on a "
                               "rank cut into micro batches of at most ppo_max_token_len_per_device tokens. Default: "
                               "on when ppo_max_token_len_per_device is given."),
@@ -158,7 +160,8 @@ def pool_factor(values: dict[str, Any]) -> float:
 
 
 def sharding_of(accelerate_config: str | Path) -> str | None:
-    """The trainer sharding an accelerate config launches (``none``, ``zero2``, ``zero3`` or ``fsdp``), or None where
+    """The trainer sharding an accelerate config launches (``none``, ``zero2``, ``zero3``, ``zero3_offload`` or
+    ``fsdp``), or None where
     the file cannot be read (the plan then assumes none, as without a recipe)."""
     import yaml
 
@@ -168,7 +171,10 @@ def sharding_of(accelerate_config: str | Path) -> str | None:
         return None
     kind = str(data.get("distributed_type", "")).upper()
     if kind == "DEEPSPEED":
-        stage = int((data.get("deepspeed_config") or {}).get("zero_stage", 0) or 0)
+        ds = data.get("deepspeed_config") or {}
+        stage = int(ds.get("zero_stage", 0) or 0)
+        if stage == 3 and str(ds.get("offload_optimizer_device", "none")).lower() == "cpu":
+            return "zero3_offload"
         return "zero3" if stage == 3 else "zero2" if stage == 2 else "none"
     if kind == "FSDP":
         return "fsdp"
@@ -231,7 +237,8 @@ def split_rollout_ranks(values: dict[str, Any]) -> tuple[dict[str, Any], list[tu
                     "(gloo), from a thread while the trainers go on"),
     ]
     figures = {"processes": world, "trainers": trainers, "rollout_ranks": r, "rollout_tp_size": tp,
-               "engines": engines, "engine_ranks": engine_ranks, "max_staleness": staleness}
+               "engines": engines, "engine_ranks": engine_ranks, "max_staleness": staleness,
+               "cross_node": world > local}
     return trainer_values, rows, figures
 
 

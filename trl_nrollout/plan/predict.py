@@ -24,11 +24,16 @@ from trl_nrollout.plan.shapes import padfree_token_cap
 from trl_nrollout.plan.workload import Workload
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from trl_nrollout.plan.search import Candidate
     from trl_nrollout.plan.update_budget import UpdateBudget
 
-SHARDING = ("none", "zero2", "zero3", "fsdp")
+SHARDING = ("none", "zero2", "zero3", "fsdp", "zero3_offload")
 #: the shardings ``--suggest`` tries when none is given (FSDP is priced as ZeRO-3: the same gathers and splits)
 SEARCHED_SHARDING = ("none", "zero2", "zero3")
+#: tried by ``--suggest`` where none of those fits: the optimizer offloaded to host memory (slower steps)
+OFFLOAD_SHARDING = ("zero3_offload",)
 
 
 def device_of(values: dict[str, Any]) -> DeviceProfile:
@@ -85,13 +90,14 @@ def workload_of(values: dict[str, Any], budget: UpdateBudget | None = None) -> t
     try:
         work = Workload(prompt_len=float(prompt), completion_mean=float(completion), completion_max=int(completion_max),
                         max_num_seqs=int(values.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS), kl=kl,
-                        sharded=sharding in ("zero3", "fsdp"), optimizer_sharded=sharding == "zero2", lora_r=lora,
+                        sharded=sharding in ("zero3", "fsdp", "zero3_offload"), optimizer_sharded=sharding == "zero2",
+                        optimizer_offloaded=sharding == "zero3_offload", lora_r=lora,
                         critic=values.get("trainer") == "ppo" or values.get("adv_estimator") == "gae",
                         nodes=int(values.get("nnodes") or 1), padfree_rows=values.get("padding_free") is not False,
                         varlen_rows=rows_varlen(values),
                         update_token_budget=None if budget is None else budget.tokens,
                         gradient_checkpointing=values.get("gradient_checkpointing") is not False,
-                        pool_factor=pool_factor(values))
+                        pool_factor=pool_factor(values), partial=bool(values.get("rollout_partial")))
     except ValueError as err:
         raise PlanError(str(err)) from None
     return work, notes
@@ -205,7 +211,7 @@ def verdict(values: dict[str, Any], dims: ModelDims, layout: RolloutLayout | Non
 
         steps: list[tuple[str, Workload, bool]] = [("", work, sleep)]
         if not work.sharded:
-            steps.append(("trainer_sharding zero3 (accelerate launch --config_file recipes/accelerate/zero3.yaml)",
+            steps.append(("trainer_sharding zero3 (trl-nrollout train --accelerate_config zero3)",
                           replace(work, sharded=True, optimizer_sharded=False), sleep))
         found = None
         for label, w, sl in steps:
@@ -307,15 +313,23 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     staleness = 1 if staleness is None else int(staleness)
     nnodes = int(values.get("nnodes") or 1)
     local = int(values.get("n_gpus_per_node") or max(1, int(world) // nnodes))
-    try:
-        found = search(dims, int(world), int(prompts), work, dev, n_values=n_values, gpu_memory_utilization=util,
-                       sleep_mode=bool(values.get("vllm_enable_sleep_mode")), layout_extra=extra,
-                       rollout_ranks=rollout_ranks, max_staleness=staleness, local_world=local,
-                       shardings=shardings,
-                       try_dynamic_bsz=not any(values.get(k) is not None for k in (
-                           "ppo_micro_batch_size_per_device", "use_dynamic_bsz", "ppo_max_token_len_per_device")))
-    except ValueError as err:
-        raise PlanError(str(err)) from None
+    def run(tried: Sequence[str] | None) -> list[Candidate]:
+        try:
+            return search(dims, int(world), int(prompts), work, dev, n_values=n_values, gpu_memory_utilization=util,
+                          sleep_mode=bool(values.get("vllm_enable_sleep_mode")), layout_extra=extra,
+                          rollout_ranks=rollout_ranks, max_staleness=staleness, local_world=local,
+                          shardings=tried,
+                          try_dynamic_bsz=not any(values.get(k) is not None for k in (
+                              "ppo_micro_batch_size_per_device", "use_dynamic_bsz", "ppo_max_token_len_per_device")))
+        except ValueError as err:
+            raise PlanError(str(err)) from None
+
+    found = run(shardings)
+    if shardings is not None and not any(c.reason is None for c in found):  # sharding alone fits nothing
+        found = [c for c in run(OFFLOAD_SHARDING) if c.reason is None] + found
+        notes.append("no layout fits with the trainer sharded on its devices alone: tried ZeRO-3 with the optimizer "
+                     "offloaded to host memory (zero3_offload: slower optimizer steps, host memory per device "
+                     "12 bytes per trained parameter / data-parallel size).")
     fit = [c for c in found if c.reason is None]
     refused = [c for c in found if c.reason is not None]
     lines = [f"layouts for {dims.name} on {world} x {dev.name}, {prompts} prompts per step, ranked by predicted "
@@ -354,9 +368,10 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
 
 
 def launch_command(values: dict[str, Any], options: dict[str, Any], world: int) -> str:
-    """The command that runs a suggested layout: the accelerate config of its trainer sharding, the installed recipe
-    (``-m trl_nrollout.recipe.run``; a clone's ``recipes/grpo.py`` is the same program), the options that differ
-    from the recipe's."""
+    """The command that runs a suggested layout: ``trl-nrollout train`` under accelerate with the shipped accelerate
+    config of its trainer sharding by name (``--accelerate_config zero3``: ``accelerate launch --config_file
+    recipes/accelerate/zero3.yaml -m trl_nrollout.recipe.run``, found where the package is installed), the options
+    that differ from the recipe's."""
     sharding = options.get("trainer_sharding") or values.get("trainer_sharding") or "none"
     from trl_nrollout.plan.search import SHARDING_CONFIGS
 
@@ -365,8 +380,8 @@ def launch_command(values: dict[str, Any], options: dict[str, Any], world: int) 
              "ppo_max_token_len_per_device": "ppo_max_token_len_per_device"}
     flags = " ".join(f"--{names[k]} {v}" for k, v in options.items() if k in names and (k != "rollout_ranks" or v))
     config = f" --config {values['_config']}" if values.get("_config") else ""
-    return (f"accelerate launch --config_file {SHARDING_CONFIGS[sharding]} --num_processes {world} "
-            f"-m trl_nrollout.recipe.run{config} {flags}")
+    name = SHARDING_CONFIGS[sharding].rsplit("/", 1)[-1].removesuffix(".yaml")  # a shipped config, by name
+    return f"trl-nrollout train --accelerate_config {name} --num_processes {world}{config} {flags}"
 
 
 def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split: dict[str, Any],
@@ -396,7 +411,7 @@ def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split
         colocated = None
         notes.append(f"the same {split['processes']} devices colocated are not compared: "
                      f"{str(err).split('; ')[0]}.")
-    pred = predict_split(dims, engines, trainers, work, dev)
+    pred = predict_split(dims, engines, trainers, work, dev, cross_node=split.get("cross_node", False))
     together = None if colocated is None else predict_step(dims, colocated, work, dev)
     trained = predict_step(dims, trainers, work, dev)
     fit = verdict(values, dims, None, work, dev, StepPrediction(
@@ -406,7 +421,9 @@ def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split
     step = pred.step_s(staleness)
     rows = [(f"generation (rollout ranks, {engines_n} engines)", f"{pred.generation_s:.3g} s"),
             ("training (old/ref passes, update)", f"{pred.train_s:.3g} s"),
-            ("weight transfer", f"{pred.transfer_s:.3g} s"),
+            ("weight transfer", f"{pred.transfer_s:.3g} s (device -> host, gloo "
+                                + ("over the node link" if split.get("cross_node") else "on the node")
+                                + " -> rollout ranks' devices)"),
             ("step, synchronous (max_staleness=0)", f"{pred.sync_s:.3g} s"),
             ("step, pipelined (max_staleness>=1)", f"{pred.pipelined_s:.3g} s"),
             (f"this recipe (max_staleness={staleness})", f"{step:.3g} s -> {pred.samples / step:.3g} samples/s"),

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from trl_nrollout.plan.cost import StepPrediction, predict_step, trainer_state_bytes
+from trl_nrollout.plan.cost import StepPrediction, _gather_s, predict_step, trainer_state_bytes
 from trl_nrollout.plan.devices import DeviceProfile
 from trl_nrollout.plan.dims import ModelDims
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout, divisors
@@ -35,7 +35,8 @@ class Candidate:
 
 #: the trainer's sharding choices (``trainer_sharding``) and the accelerate config of this repository that gives each
 SHARDING_CONFIGS = {"none": "recipes/accelerate/ddp.yaml", "zero2": "recipes/accelerate/zero2.yaml",
-                    "zero3": "recipes/accelerate/zero3.yaml", "fsdp": "recipes/accelerate/fsdp.yaml"}
+                    "zero3": "recipes/accelerate/zero3.yaml", "fsdp": "recipes/accelerate/fsdp.yaml",
+                    "zero3_offload": "recipes/accelerate/zero3_offload.yaml"}
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,8 @@ def _shardings(work: Workload, shardings: Sequence[str] | None) -> list[tuple[st
     unknown = [x for x in shardings if x not in SHARDING_CONFIGS]
     if unknown:
         raise ValueError(f"trainer sharding {unknown} unknown: use {list(SHARDING_CONFIGS)}.")
-    return [(x, replace(work, sharded=x in ("zero3", "fsdp"), optimizer_sharded=x == "zero2")) for x in shardings]
+    return [(x, replace(work, sharded=x in ("zero3", "fsdp", "zero3_offload"), optimizer_sharded=x == "zero2",
+                        optimizer_offloaded=x == "zero3_offload")) for x in shardings]
 
 
 def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Workload, dev: DeviceProfile, *,
@@ -232,15 +234,33 @@ class SplitPrediction:
         return asdict(self)
 
 
+def host_transfer_s(weight_bytes: float, receivers: int, cross_node: bool, dev: DeviceProfile,
+                    gather_s: float = 0.0) -> float:
+    """Seconds to move ``weight_bytes`` of the policy from trainer rank 0 to ``receivers`` rollout ranks as the
+    launch does (:class:`~trl_nrollout.rollout.remote.RemoteEngines`): trainer rank 0 gathers (``gather_s``) and
+    copies each bucket to host memory (``host_rate``) while a thread broadcasts the previous one over gloo (host to
+    host, a binomial tree: ``ceil(log2(receivers + 1))`` rounds at ``gloo_bw``, at most the node link's
+    ``node_link_bw x link_eff`` when the rollout ranks are on another node: ``cross_node``), so the longer of the
+    two; then each rollout rank copies the version to its device (``host_rate``); plus ``sync_s``."""
+    rounds = max(1, math.ceil(math.log2(receivers + 1)))
+    net = dev.gloo_bw
+    if cross_node and dev.node_link_bw:
+        net = min(net, dev.node_link_bw * dev.link_eff)
+    to_host = gather_s + weight_bytes / dev.host_rate
+    return dev.sync_s + max(to_host, rounds * weight_bytes / net) + weight_bytes / dev.host_rate
+
+
 def predict_split(dims: ModelDims, engines: RolloutLayout, trainers: RolloutLayout, work: Workload,
-                  dev: DeviceProfile) -> SplitPrediction:
+                  dev: DeviceProfile, *, cross_node: bool = False) -> SplitPrediction:
     """:func:`~trl_nrollout.plan.cost.predict_step` for a launch split into ``engines`` (the rollout ranks' layout:
     their engines and each engine's share of the step's samples) and ``trainers`` (the trainers' layout). The
-    transfer is the trainers' weight sync estimate (gathering, then the model's bytes over the bucket path)."""
+    transfer goes through host memory over gloo (:func:`host_transfer_s`; ``cross_node``: the rollout ranks sit
+    on another node than trainer rank 0), after the trainers' gather of a sharded model."""
     gen = predict_step(dims, engines, work, dev)
     train = predict_step(dims, trainers, work, dev)
     train_s = sum(train.phases[p] for p in ("old_log_prob", "ref_log_prob", "update"))
-    transfer = train.phases["weight_sync"]
+    transfer = host_transfer_s(train.details["weight_sync_bytes"], engines.num_processes, cross_node, dev,
+                               _gather_s(dims, trainers, work, dev))
     generation = gen.phases["generation"]
     return SplitPrediction(generation_s=generation, train_s=train_s, transfer_s=transfer,
                            sync_s=generation + transfer + train_s, pipelined_s=max(generation, train_s) + transfer,
@@ -289,7 +309,8 @@ def split_candidates(dims: ModelDims, num_processes: int, train_batch_size: int,
                 for seqs in _caps(max_num_seqs_values, engines.samples_per_engine):
                     w = replace(work, max_num_seqs=seqs, nodes=trainer_nodes)
                     gen, train = predict_step(dims, engines, w, dev), predict_step(dims, trainers, w, dev)
-                    split = predict_split(dims, engines, trainers, w, dev)
+                    split = predict_split(dims, engines, trainers, w, dev,
+                                          cross_node=num_processes > local_world)
                     total = split.step_s(max_staleness)
                     phases = {**train.phases, "generation": gen.phases["generation"]}
                     details = {**gen.details, "rollout_ranks": ranks, "trainers": num_processes - ranks,

@@ -62,9 +62,15 @@ class Workload:
     #: ZeRO-2: gradients and optimizer states split over the data-parallel ranks, the weights whole on each (no
     #: gathers per forward); ``sharded`` (ZeRO-3 / FSDP) splits the weights too
     optimizer_sharded: bool = False
+    #: the optimizer offloaded to host memory (ZeRO-Offload, ``trainer_sharding="zero3_offload"``): the fp32 master
+    #: weights and Adam moments live on the host and step there; the device holds the bf16 weights and gradients
+    optimizer_offloaded: bool = False
     #: groups an engine keeps in flight per group of its share: partial rollouts (``rollout_partial``) keep
     #: ``1 + rollout_partial_oversample`` of them, and their KV cache (1: the step's share only)
     pool_factor: float = 1.0
+    #: partial rollouts (``rollout_partial``): a step ends when its share of groups is complete, the pool's other
+    #: samples go on in the next step, so no step waits for the longest completion (the tail is cut)
+    partial: bool = False
 
     @property
     def sample_len(self) -> float:
