@@ -54,6 +54,7 @@ CASES = {
     ("rollout_ranks", "rollout_partial=True"): lambda tmp: _ranks(rollout_partial=True),
     ("rollout_ranks", "environment_factory"): lambda tmp: RolloutRanks._rollout_ranks_refusal(
         _trainer(environment_factories={"e": print})),
+    ("rollout_ranks", "image prompts"): lambda tmp: RolloutRanks._rollout_ranks_refusal(_trainer(_is_vlm=True)),
     ("rollout_partial=True", "rollout_dispatch='balanced' and tools"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(tools=[print], args=SimpleNamespace(
             rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced")))),

@@ -62,6 +62,8 @@ REFUSALS: tuple[Refusal, ...] = (
             "partial rollouts keep a pool per colocated engine; rollout ranks run whole jobs"),
     Refusal("rollout_ranks", "environment_factory", "not yet", "RolloutRanks._rollout_ranks_refusal",
             "an environment's reset writes its prompt at its own step: its first turn cannot be generated ahead"),
+    Refusal("rollout_ranks", "image prompts", "not yet", "RolloutRanks._rollout_ranks_refusal",
+            "a job carries each prompt's token ids, not its images"),
     Refusal("rollout_partial=True", "rollout_dispatch='balanced' and tools", "not yet",
             "PartialRollouts._partial_refusal",
             "the job-wide balanced pool runs single-turn samples; tool-calling episodes keep a pool per engine"),

@@ -35,6 +35,10 @@ class RolloutRanks:
             return (f"rollout_ranks={r} with environment_factory: an environment's reset writes its sample's prompt "
                     "at the sample's own step, so its first turn cannot be generated steps ahead on the rollout "
                     "ranks (tools= can: their turns run on the trainers); set rollout_ranks=0 for environments.")
+        if getattr(self, "_is_vlm", False):
+            return (f"rollout_ranks={r} with image prompts (a vision-language model): the rollout ranks' jobs carry "
+                    "each prompt's token ids only, not its images, so the engines would generate without seeing "
+                    "them; set rollout_ranks=0 for vision-language models.")
         return None
 
     def _start_remote_engines(self) -> RemoteEngines:
