@@ -1,0 +1,143 @@
+"""Run by tests/test_combinations.py: one trainer per combination of the rollout's axes, built and trained (2 steps)
+one after another in this process (the pytest process, colocated engines; main() also serves as a rollout rank's
+script, building its worker per combination, but no test launches it so: rollout-rank combinations are covered by
+the launches tests/test_combinations.py names).
+
+argv: output folder, JSON list of combinations ``{"name", "episode", "options"}`` (``options``: NRolloutConfig
+fields; ``episode``: one of :data:`EPISODES`). Writes ``<name>.json`` per combination (trainer rank 0): for each
+training step, the Round ``_assign`` received (each sample's prompt and completion ids, tool mask, whether its
+image tensors came along; for tool episodes the text of the masked and the trained tokens) and the log history.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+from trl_nrollout.builtin import (
+    TOOL_CALL_TOKEN,
+    colour_reward,
+    digits_dataset,
+    digits_reward,
+    image_dataset,
+    lucky_number,
+    resolve_model,
+    tool_dataset,
+    tool_reward,
+)
+from trl_nrollout.rollout.types import SamplingOptions
+
+#: the episode kinds (tests/test_combinations.py CHOICES) and the model each runs on
+EPISODES = {"one completion": "builtin:tiny-qwen2", "tools": "builtin:tiny-qwen2-tools",
+            "environment": "builtin:tiny-qwen2-tools", "custom": "builtin:tiny-qwen2", "images": "builtin:tiny-idefics3"}
+
+
+class LuckyEnv:
+    """A TRL environment: reset per episode, one tool (its public method), its own reward."""
+
+    def reset(self, **row) -> None:
+        self.calls = 0
+
+    def lucky_number(self) -> str:
+        """Returns today's lucky number.
+
+        Returns:
+            The lucky number, as digits.
+        """
+        self.calls += 1
+        return "7"
+
+    def get_reward(self) -> float:
+        return float(self.calls > 0)
+
+
+def custom_rollout(prompts: list, trainer) -> dict:
+    """A user's rollout on the trainer's engine (one sample per entry: each prompt comes n times), the last token of
+    each sample masked (``env_mask``)."""
+    ids = [trainer.processing_class(text=p)["input_ids"] for p in prompts]
+    batch = trainer.rollout_engine.generate_expanded(ids, 1, SamplingOptions(max_tokens=8, temperature=1.0))
+    return {"prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
+            "env_mask": [[1] * (len(c) - 1) + [0] for c in batch.completion_ids]}
+
+
+def build(out: str, combo: dict):
+    """The combination's trainer: 2 prompts x n=4 per step, 2 steps."""
+    episode, model = combo["episode"], resolve_model(EPISODES[combo["episode"]])
+    options = dict(output_dir=f"{out}/{combo['name']}", per_device_train_batch_size=8, num_generations=4,
+                   max_completion_length=16, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none",
+                   use_cpu=True, bf16=False, save_strategy="no", seed=0, rollout_backend="vllm")
+    kwargs: dict = {}
+    if episode in ("tools", "environment"):
+        from transformers import AutoTokenizer
+
+        # the call token made likely, so that 2 steps of a random model hold tool calls and results to mask
+        call = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(TOOL_CALL_TOKEN)
+        options.update(max_completion_length=40, generation_kwargs={"logit_bias": {call: 6.0}})
+        kwargs = dict(reward_funcs=[tool_reward], train_dataset=tool_dataset(32))
+        kwargs.update(tools=[lucky_number]) if episode == "tools" else kwargs.update(environment_factory=LuckyEnv)
+    elif episode == "images":
+        kwargs = dict(reward_funcs=[colour_reward], train_dataset=image_dataset(16))
+    else:
+        kwargs = dict(reward_funcs=[digits_reward], train_dataset=digits_dataset(32))
+        if episode == "custom":
+            kwargs.update(rollout_func=custom_rollout)
+    args = NRolloutConfig(**{**options, **combo["options"]})
+    return NRolloutGRPOTrainer(model=model, args=args, **kwargs)
+
+
+def _spans(mask: list[int], value: int) -> list[tuple[int, int]]:
+    """The maximal runs ``[start, end)`` of ``value`` in ``mask``."""
+    runs, start = [], None
+    for i, v in enumerate([*mask, None]):
+        if v == value and start is None:
+            start = i
+        elif v != value and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def record(trainer, rounds: list) -> None:
+    """Wrap ``trainer._assign``: each training step's Round, summarized into ``rounds``."""
+    assign = trainer._assign
+    decode = trainer.processing_class.decode
+
+    def spy(collected, ctx):
+        if ctx.mode == "train":
+            samples = []
+            for s in collected.samples:
+                row = {"prompt_ids": list(s.prompt_ids), "completion_ids": list(s.completion_ids),
+                       "tool_mask": None if s.tool_mask is None else list(s.tool_mask), "mm": s.mm is not None}
+                if s.tool_mask is not None:  # the text of each masked run and of each trained run
+                    ids = s.completion_ids
+                    row["masked"] = [decode(ids[a:b]) for a, b in _spans(s.tool_mask, 0)]
+                    row["trained"] = [decode(ids[a:b]) for a, b in _spans(s.tool_mask, 1)]
+                samples.append(row)
+            mm_local = None if collected.mm_local is None else [m is not None for m in collected.mm_local]
+            rounds.append({"n": ctx.n, "samples": samples, "mm_local": mm_local, "step": trainer.state.global_step})
+        return assign(collected, ctx)
+
+    trainer._assign = spy
+
+
+def main(out: str, combos: list[dict]) -> None:
+    trainer = None
+    for combo in combos:
+        trainer = build(out, combo)
+        if getattr(trainer, "is_rollout_rank", False):  # serves this combination's trainer until its train() returns
+            trainer.train()
+            continue
+        rounds: list = []
+        record(trainer, rounds)
+        trainer.train()
+        if trainer.accelerator.is_main_process:
+            with open(f"{out}/{combo['name']}.json", "w") as fh:
+                json.dump({"rounds": rounds, "history": trainer.state.log_history,
+                           "engine": type(trainer.rollout_engine).__name__}, fh)
+    if trainer is not None:  # rollout ranks: the trainer's stop, the rollout rank's last serve (the trainers before
+        trainer.close()      # it ended theirs with train(); a new trainer's engine releases the last one's)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))

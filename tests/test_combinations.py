@@ -1,0 +1,131 @@
+"""Every combination of the rollout's axes that the refusal table allows runs (issue 46): colocated engines, each
+dispatch x end x episode, one trainer after another in this process (tests/assets/axes_combinations.py), 2 steps of 2
+prompts x n=4 each, checking what each step trained on: groups (n contiguous samples of one prompt), masks (tool
+results masked, the rest trained; a rollout_func's env_mask), images carried, partial rollouts' staleness within
+max_staleness and the balanced queue's metrics.
+
+The combinations are derived from :data:`~trl_nrollout.rollout.axes.REFUSALS` at test time: a row lifted from the
+table joins the run; a refused combination is left out (tests/test_axes.py checks that each row is refused).
+Rollout-rank combinations need launches of their own and are covered by the launches named in
+:data:`RANKS_COVERED`, not here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from tests.conftest import ROOT, run_script_in_process
+from trl_nrollout.rollout.axes import AXES, REFUSALS
+
+#: each choice: the options it sets and the words of the refusal table it stands for
+DISPATCH = {"shares": ({}, set()), "balanced": ({"rollout_dispatch": "balanced"}, {"rollout_dispatch='balanced'"})}
+END = {"whole": ({}, set()), "partial": ({"rollout_partial": True}, {"rollout_partial=True"})}
+#: episode choice -> (the script's episode kind, options, words); an environment's methods become the trainer's tools
+EPISODE = {
+    "one completion": ("one completion", {}, set()),
+    "tools, turn by turn": ("tools", {}, {"tools", "rollout_multi_turn='turns'"}),
+    "tools, request by request": ("tools", {"rollout_multi_turn": "requests"},
+                                  {"tools", "rollout_multi_turn='requests'"}),
+    "environment, turn by turn": ("environment", {}, {"environment_factory", "tools", "rollout_multi_turn='turns'"}),
+    "environment, request by request": ("environment", {"rollout_multi_turn": "requests"},
+                                        {"environment_factory", "tools", "rollout_multi_turn='requests'"}),
+    "custom": ("custom", {}, {"rollout_func"}),
+    "images": ("images", {}, {"image prompts"}),
+}
+#: the rollout-rank combinations and the launches that run them (the rest are refused by the table)
+RANKS_COVERED = {
+    "one completion, shares / balanced": "test_rollout_ranks.py::test_one_step_off_policy_under_zero3_samples_one_step_stale",
+    "tools turn by turn / request by request": "test_tools.py::test_tool_episodes_on_a_rollout_rank_one_step_off",
+    "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
+}
+
+
+def _side_holds(side: str, words: set[str]) -> bool:
+    return all(part in words for part in side.split(" and "))
+
+
+def refused(words: set[str]) -> bool:
+    """Whether a refusal row of the table refuses a combination standing for ``words`` (colocated, vLLM)."""
+    return any(_side_holds(r.first, words) and _side_holds(r.second, words) for r in REFUSALS)
+
+
+def combinations() -> tuple[list[dict], list[dict]]:
+    """The colocated combinations: (allowed ones as the script's entries, refused ones)."""
+    allowed, refused_ = [], []
+    for (d, (d_opts, d_words)), (e, (e_opts, e_words)), (k, (kind, k_opts, k_words)) in itertools.product(
+            DISPATCH.items(), END.items(), EPISODE.items()):
+        words = d_words | e_words | k_words
+        entry = {"name": f"{d}-{e}-{k}".replace(", ", "_").replace(" ", "_"), "episode": kind,
+                 "options": {**d_opts, **e_opts, **k_opts}, "words": sorted(words)}
+        (refused_ if refused(words) else allowed).append(entry)
+    return allowed, refused_
+
+
+def test_the_combinations_follow_the_refusal_table():
+    """The run covers every colocated combination the table allows, and only those. Mutation tried: a row added to
+    REFUSALS -> its combinations leave the run (the count check fails); every choice of AXES is mapped."""
+    assert set(DISPATCH) == set(AXES["dispatch"]) and set(END) == set(AXES["end"])
+    assert {k.split(",")[0] for k in EPISODE} == {k.split(",")[0] for k in AXES["episode"]}
+    words = set().union(*(w for _, w in DISPATCH.values()), *(w for _, w in END.values()),
+                        *(w for *_, w in EPISODE.values()), {"rollout_ranks", "rollout_backend='hf'"})
+    for r in REFUSALS:  # every word of the table is one a combination can stand for
+        assert all(p in words for side in (r.first, r.second) for p in side.split(" and ")), r
+    allowed, refused_ = combinations()
+    assert len(allowed) + len(refused_) == 2 * 2 * len(EPISODE)
+    names = {c["name"] for c in refused_}
+    # what the table says today (by definition or not yet): a change of the table changes these on purpose
+    assert "shares-partial-custom" in names and "balanced-whole-custom" in names
+    assert "shares-partial-tools_request_by_request" not in names and "balanced-partial-images" not in names
+
+
+ALLOWED, _ = combinations()
+RENDERED = "<tool_response>\n7\n</tool_response>"  # the tool's result as the chat template renders it
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_every_allowed_combination_trains_on_whole_groups_with_their_masks(tmp_path):
+    """One process, one trainer per allowed combination, 2 steps each (see the module docstring). Mutations tried:
+    tool masks dropped from the samples -> the mask checks fail."""
+    entries = [{k: v for k, v in c.items() if k != "words"} for c in ALLOWED]
+    run_script_in_process(ROOT / "tests/assets/axes_combinations.py", str(tmp_path), json.dumps(entries),
+                          env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"})
+    for combo in ALLOWED:
+        result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
+        name, kind, words = combo["name"], combo["episode"], set(combo["words"])
+        assert result["engine"] == "VLLMEngineGroup", name
+        rounds = result["rounds"]
+        assert len(rounds) == 2, name
+        called = 0
+        for rnd in rounds:
+            n, samples = rnd["n"], rnd["samples"]
+            assert n == 4 and samples and len(samples) % n == 0, name
+            for g in range(0, len(samples), n):  # groups: n contiguous samples of one prompt
+                assert len({tuple(s["prompt_ids"]) for s in samples[g:g + n]}) == 1, name
+            for s in samples:
+                assert s["completion_ids"], name
+                if kind in ("tools", "environment"):
+                    assert s["tool_mask"] is not None and len(s["tool_mask"]) == len(s["completion_ids"]), name
+                    for text in s["masked"]:  # masked: the rendered tool results (a random model may sample the
+                        assert RENDERED in text, (name, text)  # <tool_response> token itself: not a result)
+                    assert all(RENDERED not in t for t in s["trained"]), name
+                    called += bool(s["masked"])
+                elif kind == "custom":  # the rollout_func's env_mask: its last token
+                    assert s["tool_mask"] == [1] * (len(s["completion_ids"]) - 1) + [0], name
+                else:
+                    assert s["tool_mask"] is None, name
+            if kind == "images":
+                carried = rnd["mm_local"] or [s["mm"] for s in samples]
+                assert carried and all(carried), name
+        if kind in ("tools", "environment"):
+            assert called, f"{name}: no sample called the tool"
+        logged = {k for h in result["history"] for k in h}
+        if "rollout_partial=True" in words:
+            stale = [h["partial/staleness_max"] for h in result["history"] if "partial/staleness_max" in h]
+            assert stale and max(stale) <= 1, name  # max_staleness=1 (the default)
+        if "rollout_dispatch='balanced'" in words and "rollout_partial=True" not in words:
+            assert "rollout/moved_groups" in logged, name  # (partial on one engine: the pool is the job's already;
+            # the job-wide queue over two engines: test_dispatch.py::test_partial_rollouts_pull_the_jobs_pool...)
