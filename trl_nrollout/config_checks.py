@@ -244,7 +244,18 @@ class ConfigChecks:
         if self.rollout_lora_sync not in LORA_SYNC_MODES:
             raise InputError(f"rollout_lora_sync={self.rollout_lora_sync!r} must be one of {list(LORA_SYNC_MODES)} "
                              "('merged': full weights with the adapter merged in; 'adapter': the engines serve the "
-                             "adapter, only it travels; 'auto': by the adapter's size).")
+                             "adapter, only it travels; 'auto': the cheaper step, priced).")
+        if self.rollout_lora_sync_device is not None:
+            from trl_nrollout.plan.devices import load_profile
+
+            if self.rollout_lora_sync != "auto":
+                raise InputError(f"rollout_lora_sync_device={self.rollout_lora_sync_device!r} prices "
+                                 f"rollout_lora_sync='auto', but rollout_lora_sync={self.rollout_lora_sync!r} is fixed: "
+                                 "remove rollout_lora_sync_device, or set rollout_lora_sync='auto'.")
+            try:
+                load_profile(self.rollout_lora_sync_device)
+            except ValueError as err:
+                raise InputError(f"rollout_lora_sync_device={self.rollout_lora_sync_device!r}: {err}") from None
         if self.rollout_lora_sync != "auto" and self.rollout_backend == "hf":
             raise InputError(f"rollout_lora_sync={self.rollout_lora_sync!r} configures the vLLM engines' weight sync; "
                              "rollout_backend='hf' generates with the PEFT model itself and syncs nothing. Remove "

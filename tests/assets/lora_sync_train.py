@@ -2,6 +2,7 @@
 Writes log_history.json (and the adapter's bytes) from trainer rank 0.
 
     python lora_sync_train.py OUT adapter                                             # one process
+    python lora_sync_train.py OUT auto device=PROFILE.json        # 'auto' priced on a device profile
     accelerate launch --multi_gpu --num_processes 3 lora_sync_train.py OUT adapter ranks   # 2 trainers, 1 rollout rank
 """
 
@@ -17,6 +18,9 @@ from trl_nrollout.rollout.weight_sync import adapter_bytes
 if __name__ == "__main__":
     out, lora_sync = sys.argv[1], sys.argv[2]
     extra = dict(rollout_ranks=1, max_staleness=0) if "ranks" in sys.argv[3:] else {}
+    for a in sys.argv[3:]:
+        if a.startswith("device="):  # rollout_lora_sync='auto' priced on this device profile
+            extra["rollout_lora_sync_device"] = a.split("=", 1)[1]
     args = NRolloutConfig(output_dir=out, train_batch_size=8, rollout_n=4, max_completion_length=8, max_steps=3,
                           learning_rate=1e-2, use_kl_loss=True, kl_loss_coef=0.01, rollout_lora_sync=lora_sync,
                           logging_steps=1, report_to="none", bf16=False, save_strategy="no", seed=0, use_cpu=True,

@@ -180,9 +180,17 @@ def trainer_state_bytes(dims: ModelDims, work: Workload, dp: int = 1) -> float:
 def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: DeviceProfile) -> StepPrediction:
     """Seconds per phase of one training step of ``layout`` on devices ``dev`` (see the module docstring)."""
     gen_s, details = _generation(dims, layout, work, dev)
-    sync_bytes = dims.num_parameters * dims.dtype_bytes
-    sync_s = dev.sync_s + sync_bytes / dev.weight_sync_bw + _gather_s(dims, layout, work, dev)
     gather = _gather_s(dims, layout, work, dev)
+    adapter = work.lora_r is not None and work.lora_sync == "adapter"
+    if adapter:  # the engines serve the adapter: only its tensors travel (gathered alone), generation at the kernels'
+        # slowdown (the base went once, before the first step)
+        sync_bytes = (work.lora_adapter_bytes if work.lora_adapter_bytes is not None
+                      else dims.lora_parameters(work.lora_r) * dims.dtype_bytes)
+        sync_s = dev.sync_s + sync_bytes / dev.weight_sync_bw
+        gen_s *= dev.lora_slowdown(work.lora_r)
+    else:
+        sync_bytes = dims.num_parameters * dims.dtype_bytes
+        sync_s = dev.sync_s + sync_bytes / dev.weight_sync_bw + gather
     samples = layout.samples_per_rank
     n = layout.rollout_n
 
@@ -236,7 +244,8 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
                    update_tokens_per_rank=update.tokens, update_pairs_per_rank=update.pairs,
                    update_packed=update.packed, update_padfree=update.padfree,
                    update_forwards_per_epoch=update.forwards, update_slots_per_forward=update.slots_per_forward, forward_flops_per_rank=update.flops(dims), micro_steps=micro,
-                   optimizer_s=optimizer_s, weight_sync_bytes=sync_bytes)
+                   optimizer_s=optimizer_s, weight_sync_bytes=sync_bytes,
+                   lora_sync=work.lora_sync if work.lora_r is not None else None)
     return StepPrediction(phases=phases, total_s=total, samples_per_s=layout.total_samples / total,
                           engine_bytes=engine_bytes, train_bytes=train_bytes, details=details,
                           activation_bytes=activation_bytes)

@@ -77,10 +77,16 @@ class DeviceProfile:
     host_bw: float | None = None
     gloo_bw: float = 5 * GBPS
     host_optimizer_bw: float = 10 * GBPS
+    #: the engines' generation time when they serve a LoRA adapter of rank ``lora_gen_rank`` themselves
+    #: (``rollout_lora_sync="adapter"``: vLLM's LoRA kernels beside every targeted layer) over the same rollout on
+    #: merged weights; other ranks by :meth:`lora_slowdown`. GPUs: 1.15 at rank 16 ASSUMED (not measured here: the
+    #: lent GPU machine has no vLLM); ``plan --calibrate`` measures it on this machine's engine
+    lora_gen_slowdown: float = 1.15
+    lora_gen_rank: int = 16
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("flops", "mem_bw", "link_bw", "memory_gib", "gloo_bw", "host_optimizer_bw"):
+        for name in ("flops", "mem_bw", "link_bw", "memory_gib", "gloo_bw", "host_optimizer_bw", "lora_gen_rank"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be > 0.")
         for name in ("mfu_prefill", "mfu_train", "bw_eff", "link_eff", "mfu_attention"):
@@ -90,6 +96,15 @@ class DeviceProfile:
                      "train_sample_s", "train_fixed_s", "train_token_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"device profile {self.name!r}: {name}={getattr(self, name)!r} must be >= 0.")
+        if not self.lora_gen_slowdown >= 1:
+            raise ValueError(f"device profile {self.name!r}: lora_gen_slowdown={self.lora_gen_slowdown!r} must be >= 1 "
+                             "(generation with the LoRA kernels over generation on merged weights).")
+
+    def lora_slowdown(self, rank: int) -> float:
+        """Generation time with the engines serving a rank-``rank`` adapter over merged weights: the measured (or
+        assumed) ``lora_gen_slowdown`` at ``lora_gen_rank``, its excess scaled by the rank (the kernels' extra work
+        is ``r x (in + out)`` per targeted layer and token)."""
+        return 1 + (self.lora_gen_slowdown - 1) * rank / self.lora_gen_rank
 
     @property
     def attention_mfu(self) -> float:
@@ -187,3 +202,15 @@ def load_profile(name: str) -> DeviceProfile:
 def with_memory(profile: DeviceProfile, memory_gib: float | None) -> DeviceProfile:
     """The profile with another memory size (``--gpu-memory-gib``), or unchanged."""
     return profile if memory_gib is None else replace(profile, memory_gib=memory_gib)
+
+
+def datasheet_profile(gpu_name: str, memory_gib: float) -> DeviceProfile | None:
+    """The named profile of a CUDA device as torch names it (``torch.cuda.get_device_name``, e.g. ``"NVIDIA H100 80GB
+    HBM3"``) with its memory, or None for a device :data:`PROFILES` does not hold."""
+    name = gpu_name.lower()
+    for key, match in (("h200", "h200"), ("h100", "h100"), ("l40s", "l40s")):
+        if match in name:
+            return PROFILES[key]
+    if "a100" in name:
+        return PROFILES["a100-80gb" if memory_gib > 60 else "a100-40gb"]
+    return None

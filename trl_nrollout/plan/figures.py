@@ -78,6 +78,9 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
     ("lora_r", int, "Train rank-r LoRA adapters (TRL's use_peft / lora_r; --predict, --suggest): frozen base "
                     "weights, the adapters' optimizer states only. A recipe's use_peft: true means its lora_r "
                     "(default 16)."),
+    ("rollout_lora_sync", str, "With lora_r: how the adapter reaches the engines (the trainer's rollout_lora_sync; "
+                               "--predict): merged (the model's bytes per sync), adapter (the adapter's bytes, "
+                               "generation at the device's LoRA slowdown) or auto (the cheaper step). Default auto."),
     ("gradient_checkpointing", bool, "TRL's gradient_checkpointing: the update's activation memory and the default "
                                      "token budget. Default true (TRL's)."),
 ]

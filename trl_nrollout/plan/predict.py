@@ -97,10 +97,39 @@ def workload_of(values: dict[str, Any], budget: UpdateBudget | None = None) -> t
                         varlen_rows=rows_varlen(values),
                         update_token_budget=None if budget is None else budget.tokens,
                         gradient_checkpointing=values.get("gradient_checkpointing") is not False,
-                        pool_factor=pool_factor(values), partial=bool(values.get("rollout_partial")))
+                        pool_factor=pool_factor(values), partial=bool(values.get("rollout_partial")),
+                        lora_sync="adapter" if lora is not None and lora_sync_mode(values) == "adapter" else "merged")
     except ValueError as err:
         raise PlanError(str(err)) from None
     return work, notes
+
+
+def lora_sync_mode(values: dict[str, Any]) -> str:
+    """``rollout_lora_sync`` of ``plan`` options (the trainer's default ``"auto"`` when not set)."""
+    mode = values.get("rollout_lora_sync") or "auto"
+    if mode not in ("merged", "adapter", "auto"):
+        raise PlanError(f"rollout_lora_sync={mode!r} must be 'merged', 'adapter' or 'auto' (the trainer's default: "
+                        "the cheaper step of the two, priced).")
+    return mode
+
+
+def resolve_lora_sync(values: dict[str, Any], dims: ModelDims, layout: RolloutLayout, work: Workload,
+                      dev: DeviceProfile, split: tuple[RolloutLayout, dict[str, Any]] | None = None
+                      ) -> tuple[Workload, str | None]:
+    """``work`` with ``rollout_lora_sync="auto"`` decided as the trainer decides it (the cheaper step,
+    :func:`~trl_nrollout.plan.lora.price_lora_sync`), and the note saying why; unchanged without LoRA or with
+    an explicit mode. ``split``: rollout ranks (the engines' layout and the split's figures), ``layout`` then the
+    trainers'."""
+    if work.lora_r is None or lora_sync_mode(values) != "auto":
+        return work, None
+    from trl_nrollout.plan.lora import price_lora_sync
+
+    if split is None:
+        price = price_lora_sync(dims, layout, work, dev)
+    else:
+        price = price_lora_sync(dims, layout, work, dev, engines=split[0], cross_node=split[1].get("cross_node", False),
+                                staleness=split[1]["max_staleness"])
+    return replace(work, lora_sync=price.choice), price.reason() + "."
 
 
 def rows_varlen(values: dict[str, Any]) -> bool:
@@ -256,6 +285,10 @@ def prediction_rows(pred: StepPrediction) -> list[tuple[str, str]]:
                                    f"{d['update_slots_per_forward']:,.0f} token slots each ("
                                    + ("shared-prompt rows" if d.get("update_packed") else
                                       "padding-free rows" if d.get("update_padfree") else "padded rows") + ")"),
+             ("  weight sync", f"{d['weight_sync_bytes'] / 2**20:,.1f} MiB per sync ("
+                               + ("the LoRA adapter: the engines serve it" if d.get("lora_sync") == "adapter" else
+                                  "full weights, the LoRA adapter merged in" if d.get("lora_sync") else "full weights")
+                               + ")"),
              ("  memory per device", f"engine {pred.engine_bytes / 2**30:.3g} GiB (weights + KV), trainer "
                                      f"{pred.train_bytes / 2**30:.3g} GiB (weights, grads, Adam) + "
                                      f"{pred.activation_bytes / 2**30:.3g} GiB (update activations)")]
@@ -268,6 +301,8 @@ def predict(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[int, 
     update's token budget (:func:`~trl_nrollout.plan.update_budget.update_budget`)."""
     dims, dev = dims_of(values), device_of(values)
     work, notes = workload_of(values, budget)
+    work, why = resolve_lora_sync(values, dims, layout, work, dev)
+    notes += [why] if why else []
     pred = predict_step(dims, layout, work, dev)
     kwargs = {k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None}
     table = predict_vs_n(dims, kwargs, work, dev, sorted({*n_values, layout.rollout_n}))
@@ -297,6 +332,8 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     ``max_staleness`` steps ahead, default 1)."""
     dims, dev = dims_of(values), device_of(values)
     work, notes = workload_of(values)
+    if work.lora_r is not None and lora_sync_mode(values) == "auto":
+        notes.append("rollout_lora_sync='auto' is searched as merged weights; --predict prices both for a layout.")
     world = values.get("num_processes") or (values.get("n_gpus_per_node") or 0) * (values.get("nnodes") or 1)
     prompts = values.get("train_batch_size")
     if not world or not prompts:
@@ -411,6 +448,8 @@ def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split
         colocated = None
         notes.append(f"the same {split['processes']} devices colocated are not compared: "
                      f"{str(err).split('; ')[0]}.")
+    work, why = resolve_lora_sync(values, dims, trainers, work, dev, split=(engines, split))
+    notes += [why] if why else []
     pred = predict_split(dims, engines, trainers, work, dev, cross_node=split.get("cross_node", False))
     together = None if colocated is None else predict_step(dims, colocated, work, dev)
     trained = predict_step(dims, trainers, work, dev)

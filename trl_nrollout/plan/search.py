@@ -259,8 +259,9 @@ def predict_split(dims: ModelDims, engines: RolloutLayout, trainers: RolloutLayo
     gen = predict_step(dims, engines, work, dev)
     train = predict_step(dims, trainers, work, dev)
     train_s = sum(train.phases[p] for p in ("old_log_prob", "ref_log_prob", "update"))
+    adapter = train.details.get("lora_sync") == "adapter"  # the adapter alone is gathered: no sharded-model gather
     transfer = host_transfer_s(train.details["weight_sync_bytes"], engines.num_processes, cross_node, dev,
-                               _gather_s(dims, trainers, work, dev))
+                               0.0 if adapter else _gather_s(dims, trainers, work, dev))
     generation = gen.phases["generation"]
     return SplitPrediction(generation_s=generation, train_s=train_s, transfer_s=transfer,
                            sync_s=generation + transfer + train_s, pipelined_s=max(generation, train_s) + transfer,

@@ -59,6 +59,12 @@ class Workload:
     #: LoRA adapters of this rank on every linear layer (None: full training): the base weights are frozen (held in
     #: their dtype, no gradients, no optimizer states), the adapters trained with AdamW
     lora_r: int | None = None
+    #: how the LoRA policy reaches the engines (``rollout_lora_sync`` once decided): ``"merged"`` full weights per
+    #: sync, or ``"adapter"`` (the adapter's bytes per sync, generation at the device's LoRA slowdown)
+    lora_sync: str = "merged"
+    #: the adapter's bytes where known (a trainer pricing its own adapter); None: rank-``lora_r`` adapters on every
+    #: linear layer in the model's dtype
+    lora_adapter_bytes: int | None = None
     #: ZeRO-2: gradients and optimizer states split over the data-parallel ranks, the weights whole on each (no
     #: gathers per forward); ``sharded`` (ZeRO-3 / FSDP) splits the weights too
     optimizer_sharded: bool = False
@@ -97,6 +103,9 @@ class Workload:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1.")
         if self.nodes < 1:
             raise ValueError(f"nodes={self.nodes} must be >= 1.")
+        if self.lora_sync not in ("merged", "adapter"):
+            raise ValueError(f"lora_sync={self.lora_sync!r} must be 'merged' or 'adapter' (decide 'auto' with "
+                             "trl_nrollout.plan.lora.price_lora_sync first).")
         if self.update_token_budget is not None and self.update_token_budget < self.row_width:
             raise ValueError(f"ppo_max_token_len_per_device={self.update_token_budget} is below the longest sample "
                              f"({self.row_width:g} tokens, prompt + completion); every sample must fit one micro "

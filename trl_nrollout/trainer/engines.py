@@ -239,14 +239,56 @@ class EngineSetup:
             if self._is_peft():
                 inner = self.accelerator.unwrap_model(self.model)
                 lora, full = adapter_bytes(inner)
+                priced = self._lora_sync_priced(inner, lora) if self.args.rollout_lora_sync == "auto" else None
                 mode = choose_lora_sync(self.args.rollout_lora_sync, lora, full, adapter_refusal(inner),
                                         quantized=quantized_base(inner), mergeable=can_dequantize(inner),
-                                        cpu=is_cpu_platform())
+                                        cpu=is_cpu_platform(), priced=priced)
                 logger.info("rollout_lora_sync=%r: %s sync (adapter %.2f MiB, model %.2f MiB)",
                             self.args.rollout_lora_sync, mode, lora / 2**20, full / 2**20)
             self._lora_sync_mode = mode
             self._base_synced = False
         return self._lora_sync_mode
+
+    def _lora_sync_priced(self, inner, adapter_nbytes: int) -> str | None:
+        """``rollout_lora_sync='auto'``'s choice by the cost model (:func:`~trl_nrollout.plan.lora.price_lora_sync`:
+        this run's layout, its completions at ``max_completion_length``, a notional 512-token prompt, the adapter's
+        bytes, the device's LoRA slowdown) on ``rollout_lora_sync_device``'s profile, else the GPU's datasheet profile;
+        None where no profile is known (a CPU without a calibrated profile named): the size rule decides."""
+        from trl_nrollout.plan.devices import datasheet_profile, load_profile
+        from trl_nrollout.plan.dims import ModelDims
+        from trl_nrollout.plan.layout import LayoutError, RolloutLayout
+        from trl_nrollout.plan.lora import price_lora_sync
+        from trl_nrollout.plan.workload import Workload
+        from trl_nrollout.rollout.weight_sync import adapter_ranks
+
+        args = self.args
+        if args.rollout_lora_sync_device is not None:
+            dev = load_profile(args.rollout_lora_sync_device)
+        elif torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            dev = datasheet_profile(props.name, props.total_memory / 2**30)
+        else:
+            dev = None
+        if dev is None:
+            return None
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        dims = ModelDims.from_config_dict(base.config.to_dict(), name=self._model_path())
+        work = Workload(prompt_len=512, completion_mean=args.max_completion_length,
+                        completion_max=args.max_completion_length, kl=args.beta > 0,
+                        sharded=zero3_configured(self.accelerator), lora_r=max(adapter_ranks(inner).values()),
+                        lora_adapter_bytes=adapter_nbytes, partial=bool(args.rollout_partial))
+        engines = None
+        if args.rollout_ranks:  # priced with the transfer to the rollout ranks
+            try:
+                engines = RolloutLayout.build(num_processes=args.rollout_ranks, rollout_tp_size=args.rollout_tp_size,
+                                              train_batch_size=self.layout.train_batch_size,
+                                              rollout_n=self.layout.rollout_n)
+            except LayoutError:
+                engines = None
+        price = price_lora_sync(dims, self.layout, work, dev, engines=engines,
+                                staleness=(1 if args.max_staleness is None else args.max_staleness) if engines else 0)
+        logger.info("%s (device profile %s).", price.reason(), dev.name)
+        return price.choice
 
     def _engine_lora_rank(self) -> int | None:
         """The LoRA rank the vLLM engines serve (the adapter's largest), or None where they get merged weights."""
