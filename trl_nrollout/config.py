@@ -44,6 +44,7 @@ from trl_nrollout.config_checks import ConfigChecks  # noqa: E402
 from trl_nrollout.config_derive import ConfigDerivation  # noqa: E402
 from trl_nrollout.dropin import check_trl_options  # noqa: E402
 from trl_nrollout.errors import InputError  # noqa: E402
+from trl_nrollout.passes.ulysses import sequence_parallel_refusal  # noqa: E402
 from trl_nrollout.plan.layout import RolloutLayout  # noqa: E402
 from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION, ROLLOUT_RANK_GPU_MEMORY_UTILIZATION  # noqa: E402
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge  # noqa: E402
@@ -114,7 +115,9 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
     ref_log_prob_max_token_len_per_device: int | None = field(default=None, metadata={
         "help": "Token budget per forward of the reference pass (default: as the old-policy pass)."})
     sequence_parallel_size: int = field(default=1, metadata={
-        "help": "Ulysses sequence-parallel size; only 1 is supported by TRL's trainer today."})
+        "help": "Ulysses sequence-parallel size S: every S consecutive processes split each padding-free row's tokens "
+                "and exchange heads for sequence in attention (docs/backends.md); the data-parallel size is "
+                "processes / S. S must divide the processes and the model's attention heads."})
 
     # ---------------------------------------------------------------- algorithm
     adv_estimator: str = field(default="grpo", metadata={
@@ -296,6 +299,12 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "kernels slowed a rollout 1.6-16x, far more than the sync saves). Over a 4-bit QLoRA base 'adapter' "
                 "whatever its size; 'merged' where the engines cannot serve the adapter. No effect without an "
                 "adapter; the HF engine generates with the PEFT model itself."})
+    agent_max_calls: int = field(default=32, metadata={
+        "help": "agent=: calls an episode may make to the endpoint; a call past it gets an OpenAI-style error "
+                "(code episode_limit) and the episode's reward is what its agent returns."})
+    agent_timeout_s: float = field(default=600.0, metadata={
+        "help": "agent=: seconds an episode's agent may run; past it the episode is closed (its requests get errors) "
+                "and unscored (reward None), never waited for."})
     rollout_lora_sync_device: str | None = field(default=None, metadata={
         "help": "The device profile rollout_lora_sync='auto' prices with: a name `trl-nrollout plan` knows (h100, "
                 "h200, a100-40gb, a100-80gb, l40s), a profile saved by `trl-nrollout plan --calibrate` (by name), "
@@ -356,11 +365,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
         if self.rollout_tp_size > 1:
             self.vllm_tensor_parallel_size = self.rollout_tp_size
         self._resolve_dynamic_bsz()
-        if self.sequence_parallel_size != 1:
-            raise InputError(
-                f"sequence_parallel_size={self.sequence_parallel_size}: TRL's trainer builds inputs after generation "
-                "and cannot shard sequences yet; use sequence_parallel_size=1."
-            )
+        if (why := sequence_parallel_refusal(self)) is not None:
+            raise InputError(why)
         if self.train_batch_size is not None:
             self._derive_trl_fields(world)
         else:

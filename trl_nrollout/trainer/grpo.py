@@ -54,6 +54,7 @@ from trl_nrollout.passes.multimodal import (
     prompt_images,
     without_images,
 )
+from trl_nrollout.passes.ulysses import group_seed
 from trl_nrollout.recipe.data import check_prompts
 from trl_nrollout.recipe.report import LiveProgressCallback
 from trl_nrollout.recipe.summary import GenerationClock, StepClock, TruncatedSteps
@@ -63,6 +64,7 @@ from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.advantage_stage import AdvantageStage
+from trl_nrollout.trainer.agents import AgentRollouts
 from trl_nrollout.trainer.budgeted_update import BudgetedMicroBatches
 from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE, check_resume_folder, resolve_resume
 from trl_nrollout.trainer.engines import EngineSetup
@@ -87,8 +89,8 @@ def to_nrollout_config(args: GRPOConfig) -> NRolloutConfig:
     return cfg
 
 
-class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRollout, PartialRollouts, LogProbStage,
-                          AdvantageStage, BudgetedMicroBatches, PolicyUpdate, GRPOTrainer):
+class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRollout, AgentRollouts, PartialRollouts,
+                          LogProbStage, AdvantageStage, BudgetedMicroBatches, PolicyUpdate, GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
@@ -110,7 +112,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, tools=None, rollout_func=None,
-                 environment_factory=None, **kwargs) -> None:
+                 environment_factory=None, agent=None, **kwargs) -> None:
+        reward_funcs = self._agent_init(agent, reward_funcs)
         features = getattr(train_dataset, "column_names", None)
         if isinstance(features, list) and "prompt" in features and hasattr(train_dataset, "__len__"):
             check_prompts(train_dataset["prompt"], source="train_dataset")  # before the model loads
@@ -140,6 +143,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         # (prompts per step) in NRolloutConfig; HF Trainer copied it into _train_batch_size: restore its meaning.
         self._train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)
         self.layout = args.rollout_layout(self.accelerator.num_processes, launch_nodes(self.accelerator.num_processes))
+        self._sp = self._sequence_parallel_setup()  # Ulysses: this rank's group, the attention wrapped (or None)
         self.update_budget = self._resolve_update_budget()
         old = self.layout.old_log_prob
         if self.update_budget is not None and old.max_token_len is None and old.source.startswith("default"):
@@ -175,6 +179,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         self.rollout_engine = self._start_engine(args.rollout_backend)
         self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
         if args.rollout_partial and (why := self._partial_refusal()) is not None:
+            raise UnsupportedTRLOption(why)
+        if self.agent is not None and (why := self._agent_refusal()) is not None:
             raise UnsupportedTRLOption(why)
         self.generation_clock = GenerationClock()
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
@@ -237,6 +243,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
 
     def close(self) -> None:
         """Release the rollout engines (call after training, before tearing down torch.distributed)."""
+        self._agent_close()
         close = getattr(self.rollout_engine, "close", None)
         if close is not None:
             close()
@@ -305,9 +312,10 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         prompts (text or messages) per sample and what a multi-turn or custom rollout adds (tool masks, messages)."""
         mode = "train" if self.model.training else "eval"
         prompts, tools = self._start_episodes(inputs)  # environments reset here (TRL's environment_factory)
-        if self.rollout_func is not None:
+        if self.rollout_func is not None or self.agent is not None:  # the user's generation, or the user's agents
             start = time.perf_counter()
-            batch, episode = self._custom_rollout(prompts, n)
+            batch, episode = (self._custom_rollout(prompts, n) if self.agent is None
+                              else self._agent_rollout(inputs, prompts, n, sampling, mode))
             self.rollout_engine.sleep()  # whatever the function ran on our engine, it sleeps while the trainer works
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode
@@ -510,6 +518,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         its slice of the job in order."""
         samples, n = collected.samples, ctx.n
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        if self._sp is not None:  # a sequence-parallel group trains the same samples: its data-parallel share
+            world, rank = self._sp.dp_size, self._sp.dp_rank
         per_rank = len(samples) // world
         if ctx.mode == "train" and self.args.balance_batch:
             tokens = [sum(samples[g * n + k].num_tokens for k in range(n)) for g in range(len(samples) // n)]
@@ -574,7 +584,12 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             start = time.perf_counter()
             batch = self._generate_and_score_completions(generation_batch)
             self.step_clock.rollout_s += time.perf_counter() - start
-            batch = shuffle_sequence_dict(batch)
+            if self._sp is None:
+                batch = shuffle_sequence_dict(batch)
+            else:  # a sequence-parallel group shuffles alike: its ranks split the same samples' rows
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(group_seed(self._sp))
+                    batch = shuffle_sequence_dict(batch)
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
             chunks = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
             self._buffered_inputs = chunks if not self.args.use_dynamic_bsz else self._budgeted_steps(chunks)

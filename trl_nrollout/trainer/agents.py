@@ -1,0 +1,284 @@
+"""Agents written in any framework, trained as they are: ``NRolloutGRPOTrainer(agent=...)``.
+
+An agent is a function (sync or ``async``) that runs one episode: given an OpenAI client whose base URL is its
+episode's on the trainer's endpoint (:mod:`trl_nrollout.rollout.agent_endpoint`) and the dataset row, it talks to
+the policy as to any OpenAI-compatible server and returns its reward (a number), a dict of reward-function kwargs,
+or None (unscored). Parameters are matched by name: ``client`` (an ``openai.AsyncOpenAI`` for an async agent, an
+``openai.OpenAI`` otherwise), ``base_url`` and ``api_key`` (for frameworks that build their own client), ``row``
+(the dataset row), ``model`` (the name to send); a function of two positional parameters gets ``(client, row)``.
+
+Each step every rank runs its ``n`` episodes per prompt at once (async agents on one event loop, sync agents in
+threads) against its own endpoint and engine, while the trainer's thread runs their requests on the engine as they
+come (no turn barrier). What trains is what the engine generated
+(:func:`~trl_nrollout.rollout.agent_episodes.assemble`): an episode whose calls chain is one sample (tokens between
+calls masked); an episode whose agent edited its history (split) trains its first call only for now, its other
+calls masked, and ``agent/split_episodes`` counts them. An agent that raises, or runs past ``agent_timeout_s``, is
+an unscored episode (its reward None: TRL's rules), never a hang; one past ``agent_max_calls`` gets an error
+answer and its reward as it returns it.
+
+Reward: without ``reward_funcs`` the agent's number is the reward (:func:`agent_reward`); with them, every function
+gets ``agent_reward`` (and a dict result's keys) as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import replace
+from typing import Any
+
+from accelerate.utils import gather_object
+
+from trl_nrollout.rollout.agent_episodes import EpisodeRecord, assemble, reward_kwargs
+from trl_nrollout.rollout.seeds import prompt_seed, turn_seed
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+
+def agent_reward(completions: list, agent_reward: list | None = None, **kwargs) -> list[float | None]:
+    """The reward function of an agent trainer without ``reward_funcs``: each episode's own reward, as its agent
+    returned it (None: unscored)."""
+    return list(agent_reward) if agent_reward is not None else [None] * len(completions)
+
+
+def agent_arguments(agent) -> list[str]:
+    """The parameters :func:`call_agent` fills for ``agent``, by name; ValueError naming the function otherwise."""
+    params = list(inspect.signature(agent).parameters.values())
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    known = {"client", "base_url", "api_key", "row", "model"}
+    if set(names) & known:
+        missing = [p.name for p in params if p.name not in known and p.default is p.empty
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if missing:
+            raise ValueError(f"agent {getattr(agent, '__name__', agent)!r} has parameters {missing} the trainer cannot "
+                             f"fill: an agent takes any of {sorted(known)} (by name), or (client, row).")
+        return [n for n in names if n in known]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2:
+        raise ValueError(f"agent {getattr(agent, '__name__', agent)!r} must take (client, row), or parameters named "
+                         f"among {sorted(known)}.")
+    return ["client", "row"]
+
+
+class AgentRollouts:
+    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the agent episode kind (see the module)."""
+
+    agent = None
+    _agent_endpoint = None
+
+    def _agent_init(self, agent, reward_funcs):
+        """Keep ``agent`` (checked: a callable with parameters the trainer fills) and return the reward functions:
+        ``reward_funcs``, or the agent's own reward (:func:`agent_reward`) when none are given."""
+        if agent is None:
+            return reward_funcs
+        if not callable(agent):
+            raise TypeError(f"agent={agent!r} must be a function (sync or async) running one episode.")
+        agent_arguments(agent)
+        self.agent = agent
+        return reward_funcs if reward_funcs else [agent_reward]
+
+    def _agent_close(self) -> None:
+        if self._agent_endpoint is not None:
+            self._agent_endpoint.close()
+            self._agent_endpoint = None
+
+    def _agent_refusal(self) -> str | None:
+        """Why this trainer cannot run ``agent=`` (None: it can)."""
+        args = self.args
+        if self.rollout_backend != "vllm":
+            return ("agent= needs vLLM engines (the endpoint runs each request on the engine's request-level loop); "
+                    "the HF engine generates whole batches. Set rollout_backend='vllm' with vLLM installed.")
+        if self.tools or getattr(self, "environment_factories", None) or self.rollout_func is not None:
+            return ("agent= runs its own tools and loop: it cannot be combined with tools=, environment_factory= or "
+                    "rollout_func=; give the agent its tools, or drop agent=.")
+        for option, on, why in (
+                ("rollout_ranks", args.rollout_ranks, "each rank serves its own episodes on its own engine"),
+                ("rollout_partial", args.rollout_partial, "an agent's episode cannot stop and continue after a "
+                                                          "weight sync yet"),
+                ("rollout_dispatch='balanced'", args.rollout_dispatch == "balanced",
+                 "an episode's requests go to its rank's engine"),
+                ("rollout_tp_size > 1", args.rollout_tp_size > 1, "the ranks of a TP engine would have to add the "
+                                                                  "same requests in the same order")):
+            if on:
+                return f"agent= with {option} is not built yet: {why}. Remove {option.split(' ')[0]} for agents."
+        if args.rollout_seed_mode == "engine":
+            return ("agent= with rollout_seed_mode='engine': the endpoint seeds each request (a sample's tokens must "
+                    "not depend on which other requests share an engine step); use rollout_seed_mode='sample'.")
+        return None
+
+    def _agent_start(self):
+        """The rank's endpoint, started once (its port stays for the run)."""
+        if self._agent_endpoint is None:
+            from trl_nrollout.rollout.agent_endpoint import AgentEndpoint
+
+            args = self.args
+            engine = self.rollout_engine
+            parse = None
+            if getattr(self._tokenizer, "response_schema", None) is not None or \
+                    getattr(self._tokenizer, "response_template", None) is not None:
+                from trl.chat_template_utils import parse_response
+
+                def parse(ids, prefix, tools):
+                    return parse_response(self._tokenizer, ids, prefix=prefix, tools=None)
+            policy = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                      "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
+            self._agent_endpoint = AgentEndpoint(
+                self._tokenizer, model_name=self._model_path(), max_model_len=engine.max_model_len,
+                max_completion_length=args.max_completion_length, max_calls=args.agent_max_calls, parse=parse,
+                policy=policy)
+            self._agent_endpoint.start()
+            logger.info("agent endpoint: http://127.0.0.1:%d/e/<episode>/v1 (rank %d)", self._agent_endpoint.port,
+                        self.accelerator.process_index)
+        return self._agent_endpoint
+
+    def _agent_rollout(self, inputs: list[dict], prompts: list, n: int, sampling: SamplingOptions, mode: str
+                       ) -> tuple[RolloutBatch, Any]:
+        """Run this rank's episodes (one per sample of ``inputs``, TRL's order: each prompt ``n`` times) through the
+        endpoint and return what trains: the batch (prompt, completion, log-probs per episode) and the
+        :class:`~trl_nrollout.trainer.multiturn.Episode` (masks, the episodes' messages, the agents' reward kwargs)."""
+        from trl_nrollout.trainer.multiturn import Episode
+
+        endpoint = self._agent_start()
+        rank, step = self.accelerator.process_index, self.state.global_step
+        offset = rank * len(inputs)
+        records = [EpisodeRecord(key=f"{mode}{step}r{rank}e{i}x{time.monotonic_ns() % 10**6}", row=dict(row))
+                   for i, row in enumerate(inputs)]
+        base = sampling.seed
+
+        def seed(i: int, c: int) -> int | None:  # the first call's as a single-turn sample's; later ones per turn
+            if base is None:
+                return None
+            return base + offset + i if c == 0 else prompt_seed(turn_seed(base, c), offset + i, 1)
+
+        endpoint.open(records, seed)
+        engine = self.rollout_engine
+        engine._ready()
+        loop = engine._loop(stream=False)
+
+        def params(call):
+            return engine._sampling_params(1, replace(sampling, max_tokens=call.max_tokens, seed=call.seed,
+                                                      stop=tuple(call.stop)))
+
+        finished = threading.Event()
+        runner = threading.Thread(target=self._run_agents, args=(records, endpoint, finished), daemon=True,
+                                  name="trl-nrollout-agents")
+        start = time.perf_counter()
+        runner.start()
+        stats = endpoint.serve(loop, params, finished.is_set)
+        runner.join(timeout=5)
+        endpoint.open([], None)
+        wall = time.perf_counter() - start
+        prompt_ids = self._tokenize_prompts(prompts)[0]
+        eos = self._tokenizer.eos_token_id or 0
+        done = [assemble(r.calls, prompt_ids[i], eos) for i, r in enumerate(records)]
+        masks = []
+        for a in done:  # a split episode trains its first call only (see the module's docstring)
+            masks.append(a.mask if not a.split else [1] * len(a.completion_ids))
+        limit = self.args.max_completion_length
+        reasons = [("length" if len(a.completion_ids) >= limit or (r.calls and r.calls[-1].finish_reason == "length")
+                    else "stop") for a, r in zip(done, records)]
+        batch = RolloutBatch([a.prompt_ids for a in done], [a.completion_ids for a in done],
+                             [a.logprobs for a in done], reasons, [(offset + i) // max(n, 1) for i in range(len(done))])
+        extra = self._agent_reward_kwargs(records)
+        completions = [[{"role": "assistant", "content": self._tokenizer.decode(c.completion_ids,
+                                                                                skip_special_tokens=True)}
+                        for c in r.calls] or [{"role": "assistant", "content": ""}] for r in records]
+        self._log_agents(mode, records, done, stats, wall)
+        return batch, Episode(tool_mask=masks, completions=completions, turns=[max(1, len(r.calls)) for r in records],
+                              tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra)
+
+    def _run_agents(self, records: list[EpisodeRecord], endpoint, finished: threading.Event) -> None:
+        """Run every episode's agent (async ones on one event loop, sync ones in threads), each within
+        ``agent_timeout_s``; set ``finished`` when all have returned, failed or timed out."""
+        try:
+            names = agent_arguments(self.agent)
+            timeout = self.args.agent_timeout_s
+            if inspect.iscoroutinefunction(self.agent):
+                asyncio.run(self._run_async_agents(records, endpoint, names, timeout))
+            else:
+                pool = ThreadPoolExecutor(max_workers=max(1, len(records)), thread_name_prefix="trl-nrollout-agent")
+                futures = {pool.submit(self._one_sync_agent, r, endpoint, names): r for r in records}
+                _, late = wait_futures(futures, timeout=timeout)
+                for f in late:
+                    self._episode_ended(futures[f], endpoint, "timeout", f"ran past agent_timeout_s={timeout}")
+                pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            finished.set()
+
+    async def _run_async_agents(self, records, endpoint, names, timeout) -> None:
+        import openai
+
+        async def one(record: EpisodeRecord) -> None:
+            client = openai.AsyncOpenAI(base_url=endpoint.base_url(record.key), api_key=record.key, max_retries=0,
+                                        timeout=timeout)
+            try:
+                result = await asyncio.wait_for(self.agent(**self._agent_kwargs(names, client, record, endpoint)),
+                                                timeout)
+                record.result = result
+                self._episode_ended(record, endpoint, record.outcome, record.error)
+            except TimeoutError:
+                self._episode_ended(record, endpoint, "timeout", f"ran past agent_timeout_s={timeout}")
+            except Exception as err:  # noqa: BLE001 - the agent's failure is an unscored episode
+                self._episode_ended(record, endpoint, "error", f"{type(err).__name__}: {err}")
+            finally:
+                await client.close()
+
+        await asyncio.gather(*(one(r) for r in records))
+
+    def _one_sync_agent(self, record: EpisodeRecord, endpoint, names: list[str]) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=endpoint.base_url(record.key), api_key=record.key, max_retries=0,
+                               timeout=self.args.agent_timeout_s)
+        try:
+            record.result = self.agent(**self._agent_kwargs(names, client, record, endpoint))
+            self._episode_ended(record, endpoint, record.outcome, record.error)
+        except Exception as err:  # noqa: BLE001 - the agent's failure is an unscored episode
+            self._episode_ended(record, endpoint, "error", f"{type(err).__name__}: {err}")
+        finally:
+            client.close()
+
+    def _agent_kwargs(self, names: list[str], client, record: EpisodeRecord, endpoint) -> dict:
+        values = {"client": client, "base_url": endpoint.base_url(record.key), "api_key": record.key,
+                  "row": dict(record.row), "model": endpoint.model_name}
+        return {name: values[name] for name in names}
+
+    @staticmethod
+    def _episode_ended(record: EpisodeRecord, endpoint, outcome: str, error: str | None) -> None:
+        if record.outcome == "ok" or outcome in ("error", "timeout"):
+            record.outcome, record.error = outcome, error
+        if outcome in ("error", "timeout"):
+            record.result = None  # unscored
+        endpoint.close_episode(record.key)
+
+    def _agent_reward_kwargs(self, records: list[EpisodeRecord]) -> dict[str, list]:
+        """Every episode's result as reward-function kwargs (one list per key; None where an episode lacks it)."""
+        per = []
+        for r in records:
+            try:
+                per.append(reward_kwargs(r.result))
+            except TypeError as err:
+                raise TypeError(f"episode of row {r.row!r:.100}: {err}") from None
+        keys = sorted({k for kw in per for k in kw})
+        return {k: [kw.get(k) for kw in per] for k in keys}
+
+    def _log_agents(self, mode: str, records: list[EpisodeRecord], done: list, stats: dict, wall: float) -> None:
+        every = gather_object([(len(r.calls), r.outcome, a.split) for r, a in zip(records, done)])
+        total = len(every)
+        for outcome in ("error", "timeout", "calls"):
+            self._metric(mode, f"agent/{outcome}_episodes", sum(o == outcome for _, o, _ in every) / max(total, 1))
+        self._metric(mode, "agent/calls_per_episode", sum(c for c, _, _ in every) / max(total, 1))
+        self._metric(mode, "agent/split_episodes", sum(s for _, _, s in every) / max(total, 1))
+        self._metric(mode, "agent/engine_idle_s", stats["idle_s"])
+        self._metric(mode, "agent/rollout_s", wall)
+        failed = [r for r in records if r.outcome in ("error", "timeout")]
+        if failed:
+            logger.warning("%d of %d agent episodes on rank %d are unscored (%s), e.g. %s", len(failed), len(records),
+                           self.accelerator.process_index, ", ".join(sorted({r.outcome for r in failed})),
+                           failed[0].error)
