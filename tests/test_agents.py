@@ -247,9 +247,8 @@ def _trainer(tmp_path, agent=None, reward_funcs=None, dataset=None, model="built
     from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
     from trl_nrollout.builtin import tool_dataset
 
-    extra = {"max_steps": 2, **extra}
-    args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=4, max_completion_length=8,
-                          logging_steps=1, report_to="none", bf16=False, save_strategy="no", seed=0,
+    extra = {"max_steps": 2, "train_batch_size": 4, "rollout_n": 4, "max_completion_length": 8, **extra}
+    args = NRolloutConfig(output_dir=str(tmp_path), logging_steps=1, report_to="none", bf16=False, save_strategy="no", seed=0,
                           use_cpu=True, learning_rate=1e-3, **extra)
     return NRolloutGRPOTrainer(model, args=args, train_dataset=dataset or tool_dataset(32), agent=agent,
                                reward_funcs=reward_funcs)
@@ -333,3 +332,82 @@ def test_agent_options_are_checked(tmp_path):
         agent_arguments(lambda client, tools: 0)
     with pytest.raises(ValueError, match="must take \\(client, row\\)"):
         agent_arguments(lambda x: 0)
+
+
+def smolagents_agent(base_url, api_key, row, model):
+    """A smolagents ToolCallingAgent with the built-in tool, as a user writes one (a short system prompt: the tiny
+    model's context is 1,024 tokens; 16 tokens per model call)."""
+    import importlib.resources
+
+    import yaml
+    from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+
+    @tool
+    def lucky_number() -> str:
+        """Returns today's lucky number."""
+        return "7"
+
+    templates = yaml.safe_load(importlib.resources.files("smolagents.prompts").joinpath("toolcalling_agent.yaml")
+                               .read_text())
+    templates["system_prompt"] = "Call lucky_number, then final_answer."
+    llm = OpenAIServerModel(model_id=model, api_base=base_url, api_key=api_key, client_kwargs={"max_retries": 0},
+                            max_tokens=16)
+    bot = ToolCallingAgent(tools=[lucky_number], model=llm, max_steps=2, verbosity_level=-1, prompt_templates=templates)
+    return 1.0 if "7" in str(bot.run(row["prompt"][0]["content"])) else 0.0
+
+
+@pytest.mark.vllm
+def test_a_smolagents_agent_trains_through_the_endpoint(tmp_path):
+    """smolagents drives the endpoint with its own OpenAI client (tools, tool_choice, its message format): every
+    episode runs its two steps and the final answer (3 calls), is scored, and what trained is what the engine
+    generated (the trainer's log-probs of the recorded tokens equal the engine's). smolagents writes its memory back
+    as its own messages, not the ones the endpoint returned: its episodes are split, and counted."""
+    from trl_nrollout.builtin import tool_dataset
+
+    trainer = _trainer(tmp_path, agent=smolagents_agent, model="builtin:tiny-qwen2-tools", dataset=tool_dataset(16),
+                       max_steps=1, max_completion_length=512, train_batch_size=2, rollout_n=2)
+    trainer.train()
+    trainer.close()
+    log = next(h for h in trainer.state.log_history if "agent/calls_per_episode" in h)
+    assert log["agent/calls_per_episode"] == 3 and log["agent/error_episodes"] == 0
+    assert log["agent/split_episodes"] == 1.0 and log["reward"] is not None
+    assert log["rollout_corr/logprob_abs_diff_max"] < 1e-4
+
+
+@pytest.mark.parametrize(("option", "value", "match"), [
+    ("agent_max_calls", 0, "agent_max_calls=0 must be >= 1"), ("agent_timeout_s", 0.0, "agent_timeout_s=0.0 must be > 0")])
+def test_agent_limits_are_checked(tmp_path, option, value, match):
+    from trl_nrollout.config import NRolloutConfig
+    from trl_nrollout.errors import InputError
+
+    with pytest.raises(InputError, match=match):
+        NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **{option: value})
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config", [None, "zero3_cpu.yaml"], ids=["ddp", "zero3"])
+def test_each_rank_serves_its_own_episodes(tmp_path, config):
+    """Two processes (DDP, ZeRO-3): each rank serves its own episodes on its own endpoint and engine (different ports,
+    every URL an agent used is its rank's), tool-calling episodes chain into one sample, and what trained is what the
+    engines generated (the trainer's log-probs equal the engines')."""
+    import json
+    import os
+    import subprocess
+
+    from tests.conftest import ACCELERATE_LAUNCH, ENV, ROOT
+
+    extra = ["--config_file", str(ROOT / "recipes/accelerate" / config)] if config else ["--multi_gpu"]
+    proc = subprocess.run([*ACCELERATE_LAUNCH, *extra, "--num_processes", "2",
+                           str(ROOT / "tests/assets/agent_train.py"), str(tmp_path)],
+                          cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"agent_run_{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["port"] != ranks[1]["port"]
+    for r in ranks:
+        assert r["calls"] >= 16 and all(f":{r['port']}/e/" in url for url in r["urls"])
+    steps = [h for h in ranks[0]["history"] if "agent/calls_per_episode" in h]
+    assert len(steps) == 2 and all(h["agent/split_episodes"] == 0 and h["agent/error_episodes"] == 0 for h in steps)
+    assert max(h["agent/calls_per_episode"] for h in steps) > 1  # tool calls happened, and chained
+    assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 1e-4

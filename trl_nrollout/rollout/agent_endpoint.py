@@ -412,6 +412,7 @@ class AgentEndpoint:
                                      f"your messages resulted in {len(prompt_ids)} tokens.",
                                 code="context_length_exceeded", param="messages")
         if budget <= 0:
+            record.outcome, record.error = "tokens", f"spent max_completion_length={self.max_completion_length} tokens"
             raise EndpointError(400, f"this episode spent its {self.max_completion_length} tokens "
                                      "(max_completion_length over all its calls): end the episode.",
                                 code="episode_limit")

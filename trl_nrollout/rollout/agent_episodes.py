@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: how an episode ended beyond its agent returning: ``ok``; ``error`` (the agent raised: an unscored episode, TRL's
-#: None rules); ``timeout`` (past ``agent_timeout_s``); ``calls`` (past ``agent_max_calls``)
-OUTCOMES = ("ok", "error", "timeout", "calls")
+#: None rules); ``timeout`` (past ``agent_timeout_s``); ``calls`` (a call past ``agent_max_calls`` was refused);
+#: ``tokens`` (a call past the episode's ``max_completion_length`` tokens was refused). After a refused call the
+#: episode's reward is what its agent returns (None if it raises: the limit stays its outcome)
+OUTCOMES = ("ok", "error", "timeout", "calls", "tokens")
 
 
 @dataclass

@@ -251,7 +251,7 @@ class AgentRollouts:
 
     @staticmethod
     def _episode_ended(record: EpisodeRecord, endpoint, outcome: str, error: str | None) -> None:
-        if record.outcome == "ok" or outcome in ("error", "timeout"):
+        if record.outcome == "ok" or outcome == "timeout":  # a refused call's limit stays the outcome
             record.outcome, record.error = outcome, error
         if outcome in ("error", "timeout"):
             record.result = None  # unscored
@@ -271,7 +271,7 @@ class AgentRollouts:
     def _log_agents(self, mode: str, records: list[EpisodeRecord], done: list, stats: dict, wall: float) -> None:
         every = gather_object([(len(r.calls), r.outcome, a.split) for r, a in zip(records, done)])
         total = len(every)
-        for outcome in ("error", "timeout", "calls"):
+        for outcome in ("error", "timeout", "calls", "tokens"):
             self._metric(mode, f"agent/{outcome}_episodes", sum(o == outcome for _, o, _ in every) / max(total, 1))
         self._metric(mode, "agent/calls_per_episode", sum(c for c, _, _ in every) / max(total, 1))
         self._metric(mode, "agent/split_episodes", sum(s for _, _, s in every) / max(total, 1))
