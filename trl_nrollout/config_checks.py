@@ -230,6 +230,12 @@ class ConfigChecks:
         if self.rollout_multi_turn not in MULTI_TURN_MODES:
             raise InputError(f"rollout_multi_turn={self.rollout_multi_turn!r} must be one of {list(MULTI_TURN_MODES)} "
                              "('turns': TRL's turn-by-turn tool loop; 'requests': no turn barrier).")
+        if self.agent_max_calls < 1:
+            raise InputError(f"agent_max_calls={self.agent_max_calls} must be >= 1 (calls an agent's episode may make "
+                             "to the endpoint); e.g. agent_max_calls=32.")
+        if not self.agent_timeout_s > 0:
+            raise InputError(f"agent_timeout_s={self.agent_timeout_s} must be > 0 (seconds an agent's episode may run "
+                             "before it is closed and unscored); e.g. agent_timeout_s=600.")
         if self.tool_workers < 1:
             raise InputError(f"tool_workers={self.tool_workers} must be >= 1 (how many samples' tool calls run at "
                              "once with rollout_multi_turn='requests'; 1: one at a time).")
