@@ -120,12 +120,20 @@ class AgentRollouts:
             args = self.args
             engine = self.rollout_engine
             parse = None
-            if getattr(self._tokenizer, "response_schema", None) is not None or \
-                    getattr(self._tokenizer, "response_template", None) is not None:
+            tok = self._tokenizer
+            if getattr(tok, "response_schema", None) is None and getattr(tok, "response_template", None) is None:
+                from trl.chat_template_utils import add_response_schema
+
+                try:  # TRL knows the tool-call format of Qwen2.5/Qwen3/Llama-3/... templates
+                    add_response_schema(tok)
+                except ValueError:
+                    logger.info("agent endpoint: TRL has no response parser for this chat template: answers are "
+                                "plain text (no tool_calls).")
+            if getattr(tok, "response_schema", None) is not None or getattr(tok, "response_template", None) is not None:
                 from trl.chat_template_utils import parse_response
 
                 def parse(ids, prefix, tools):
-                    return parse_response(self._tokenizer, ids, prefix=prefix, tools=None)
+                    return parse_response(tok, ids, prefix=prefix, tools=None)
             policy = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                       "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
             self._agent_endpoint = AgentEndpoint(
