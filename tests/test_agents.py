@@ -411,3 +411,25 @@ def test_each_rank_serves_its_own_episodes(tmp_path, config):
     assert len(steps) == 2 and all(h["agent/split_episodes"] == 0 and h["agent/error_episodes"] == 0 for h in steps)
     assert max(h["agent/calls_per_episode"] for h in steps) > 1  # tool calls happened, and chained
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 1e-4
+
+
+@pytest.mark.vllm
+def test_a_recipe_names_its_agent(tmp_path, monkeypatch):
+    """`recipes/grpo.py --agent module:function` trains that agent: its reward is the run's (the default digits
+    reward is not added), and a reference that does not resolve is the recipe's one-line error."""
+    from tests.conftest import launch
+    from trl_nrollout.errors import InputError
+
+    (tmp_path / "my_agent.py").write_text(
+        "async def agent(client, row):\n"
+        "    r = await client.completions.create(model='policy', prompt=row['prompt'], max_tokens=4)\n"
+        "    return 0.25 if r.choices[0].text else 0.75\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = launch(tmp_path / "out", "--agent", "my_agent:agent", "--max_steps", "1", "--train_batch_size", "4",
+                 "--rollout_n", "2", "--max_completion_length", "4", "--save_strategy", "no")
+    step = next(h for h in run["steps"] if "agent/calls_per_episode" in h)
+    assert step["agent/calls_per_episode"] == 1 and 0.25 <= step["reward"] <= 0.75
+    assert "rewards/agent_reward/mean" in step and "rewards/digits_reward/mean" not in step
+    with pytest.raises(InputError, match="agent 'my_agent:agnet': module 'my_agent' has no function 'agnet'; did you "
+                                         "mean my_agent:agent"):
+        launch(tmp_path / "out2", "--agent", "my_agent:agnet", "--max_steps", "1")

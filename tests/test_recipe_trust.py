@@ -112,3 +112,16 @@ def test_flags_and_allow_list_rules():
     with pytest.raises(UntrustedRecipeError, match="needs a module name"):
         parse_recipe_command(["--allow-reward-module"])
     assert enforce_recipe_trust({"reward_funcs": "digits"}, "hf://x/y/c.yaml").reward_funcs == ("digits",)
+
+
+def test_a_shared_recipes_agent_is_code_the_user_must_allow():
+    """A recipe's ``agent: package.module:function`` imports code as a reward function's module does: a shared
+    recipe that names one is refused unless the module is allowed, and the summary shows it."""
+    data = {"agent": "my_agents.search:agent", "reward_funcs": ["digits"]}
+    req = recipe_requests(data)
+    assert req.agent == "my_agents.search:agent" and req.reward_modules == ("my_agents.search",)
+    assert "agent: my_agents.search:agent" in req.summary()
+    with pytest.raises(UntrustedRecipeError, match="names agent my_agents.search:agent.*--allow-reward-module "
+                                                   "my_agents.search"):
+        enforce_recipe_trust(data, "hf://x/y/c.yaml")
+    assert enforce_recipe_trust(data, "hf://x/y/c.yaml", allow_reward_modules=["my_agents"]).agent == req.agent

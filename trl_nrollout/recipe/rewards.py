@@ -109,19 +109,28 @@ def resolve_reward(spec: str) -> RewardFunc:
             f"reward_funcs entry {spec!r} is neither a built-in reward {sorted(BUILTIN_REWARDS)} nor an import "
             "path 'package.module:function'; use one of those."
         )
+    return resolve_import(spec, "reward_funcs entry")
+
+
+def resolve_import(spec: str, option: str):
+    """The function a ``package.module:function`` path names (``option``: the recipe key, for the error: a
+    ``reward_funcs`` entry, ``agent``); an :class:`InputError` naming it, what went wrong and a fix otherwise."""
+    module_name, colon, attr = spec.partition(":")
+    if not colon or not module_name or not attr:
+        raise InputError(f"{option} {spec!r} is not an import path 'package.module:function'; write it so.")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         if err.name is not None and module_name.startswith(err.name) and module_name[len(err.name):][:1] in ("", "."):
             raise InputError(  # the module itself (or a package of its path) is not found
-                f"reward_funcs entry {spec!r}: no module named {err.name!r} on Python's path. Check the spelling; "
+                f"{option} {spec!r}: no module named {err.name!r} on Python's path. Check the spelling; "
                 f"a module file of yours must be in a folder on PYTHONPATH (python puts the script's folder on the "
                 f"path, not the current one): e.g. PYTHONPATH={os.getcwd()} for a module in the current folder."
             ) from None
-        raise InputError(f"reward_funcs entry {spec!r}: module {module_name!r} was found but importing it failed: "
+        raise InputError(f"{option} {spec!r}: module {module_name!r} was found but importing it failed: "
                          f"{err}. Install what it imports, or fix the import.") from None
     except Exception as err:  # noqa: BLE001 - the user's module failed at import time: its error, where it happened
-        raise InputError(f"reward_funcs entry {spec!r}: importing module {module_name!r} raised "
+        raise InputError(f"{option} {spec!r}: importing module {module_name!r} raised "
                          f"{type(err).__name__}: {err}{_where(err)}. Fix the module (python -c 'import "
                          f"{module_name}' shows the whole traceback).") from None
     func = getattr(module, attr, None)
@@ -131,7 +140,7 @@ def resolve_reward(spec: str) -> RewardFunc:
         close = difflib.get_close_matches(attr, found, n=1)
         what = (f"module {module_name!r} has no function {attr!r}" if func is None else
                 f"{module_name}.{attr} is a {type(func).__name__}, not a function")
-        raise InputError(f"reward_funcs entry {spec!r}: {what}"
+        raise InputError(f"{option} {spec!r}: {what}"
                          + (f"; did you mean {module_name}:{close[0]}?" if close else
                             f"; its functions: {found[:10]}." if found else "; it defines no function."))
     return func

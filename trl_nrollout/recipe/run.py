@@ -46,7 +46,7 @@ from trl_nrollout.plan.recipe_file import read_recipe
 from trl_nrollout.recipe.data import load_prompts
 from trl_nrollout.recipe.hub import parse_hub_ref, resolve_config
 from trl_nrollout.recipe.report import write_report
-from trl_nrollout.recipe.rewards import resolve_reward
+from trl_nrollout.recipe.rewards import resolve_import, resolve_reward
 from trl_nrollout.recipe.summary import RewardHistory, build_summary, write_summary
 from trl_nrollout.recipe.trust import enforce_recipe_trust, parse_recipe_command
 from trl_nrollout.rollout.platform import launch_nodes
@@ -106,6 +106,10 @@ class ScriptArguments:
     reward_funcs: list[str] = field(default_factory=lambda: ["digits"], metadata={
         "help": "Reward functions: built-ins (digits, format, length, exact_answer, math_answer) or "
                 "'package.module:function' paths. Weights: reward_weights."})
+    agent: str | None = field(default=None, metadata={
+        "help": "An agent 'package.module:function' (sync or async, given an OpenAI client and the dataset row; "
+                "docs/agents.md) trained through the trainer's OpenAI-compatible endpoint; its returned number is "
+                "the reward unless reward_funcs names others (the default digits reward is then not used)."})
     # LoRA, with TRL's ModelConfig names (`trl grpo --use_peft ...`)
     use_peft: bool = field(default=False, metadata={
         "help": "Train LoRA adapters instead of the whole model (needs `peft`). The engines receive the merged "
@@ -260,7 +264,10 @@ def main(argv: list[str] | None = None) -> dict:
     check_output_dir(training_args.output_dir)
     # every name the recipe imports (reward_funcs 'module:function'), before the data and the model: a reference
     # that does not resolve is an InputError (the one-line error, exit 2), not a traceback after the model loads
-    reward_funcs = [resolve_reward(r) for r in script_args.reward_funcs]
+    agent = resolve_import(script_args.agent, "agent") if script_args.agent else None
+    default_rewards = next(f.default_factory() for f in fields(script_args) if f.name == "reward_funcs")
+    names = [] if agent is not None and script_args.reward_funcs == default_rewards else script_args.reward_funcs
+    reward_funcs = [resolve_reward(r) for r in names]
 
     dataset = load_prompts(script_args.dataset_name, split=script_args.dataset_split,
                            prompt_column=script_args.dataset_prompt_column,
@@ -275,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=dataset,
         callbacks=[history, stopper],
         peft_config=peft_config,
+        **({"agent": agent} if agent is not None else {}),
     )
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)

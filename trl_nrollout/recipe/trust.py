@@ -38,12 +38,15 @@ class RecipeRequests:
     model: str | None
     reward_funcs: tuple[str, ...]
     trust_remote_code_keys: tuple[str, ...]  # dotted paths of keys that set trust_remote_code to true
-    reward_modules: tuple[str, ...]  # modules imported by its non-built-in reward functions
+    reward_modules: tuple[str, ...]  # modules imported by its non-built-in reward functions (and its agent)
+    agent: str | None = None  # its agent, 'package.module:function'
 
     def summary(self) -> str:
         """The lines ``trl-nrollout recipe pull`` shows before a user runs the recipe."""
         lines = [f"model: {self.model or '(default: builtin:tiny-qwen2)'}",
                  f"reward functions: {', '.join(self.reward_funcs) or '(default: digits)'}"]
+        if self.agent:
+            lines.append(f"agent: {self.agent}")
         if self.trust_remote_code_keys:
             lines.append(f"asks for trust_remote_code at {', '.join(self.trust_remote_code_keys)}: launching it "
                          f"needs {TRUST_FLAG}")
@@ -95,9 +98,13 @@ def recipe_requests(data: Mapping) -> RecipeRequests:
             module = spec.partition(":")[0]
             if module not in modules:
                 modules.append(module)
+    agent = data.get("agent")
+    if agent and ":" in str(agent) and str(agent).partition(":")[0] not in modules:
+        modules.append(str(agent).partition(":")[0])  # an agent's module runs code as a reward function's does
     model = data.get("model_name_or_path")
     return RecipeRequests(model=str(model) if model is not None else None, reward_funcs=tuple(rewards),
-                          trust_remote_code_keys=tuple(_trust_keys(dict(data), "")), reward_modules=tuple(modules))
+                          trust_remote_code_keys=tuple(_trust_keys(dict(data), "")), reward_modules=tuple(modules),
+                          agent=str(agent) if agent else None)
 
 
 def module_allowed(module: str, allowed: Iterable[str]) -> bool:
@@ -119,9 +126,10 @@ def enforce_recipe_trust(data: Mapping, source: str, *, trust_remote_code: bool 
         )
     refused = [m for m in req.reward_modules if not module_allowed(m, allow_reward_modules)]
     if refused:
-        entries = [s for s in req.reward_funcs if s.partition(":")[0] in refused]
+        entries = [f"reward_funcs {s}" for s in req.reward_funcs if s.partition(":")[0] in refused]
+        entries += [f"agent {req.agent}"] if req.agent and req.agent.partition(":")[0] in refused else []
         raise UntrustedRecipeError(
-            f"the shared recipe {source} names reward_funcs {', '.join(entries)}, which would import "
+            f"the shared recipe {source} names {', '.join(entries)}, which would import "
             f"{', '.join(refused)}. A recipe from the Hub may use built-in rewards only unless you allow a module: "
             f"add {' '.join(f'{ALLOW_FLAG} {m}' for m in refused)} to your command if you trust it."
         )
