@@ -387,11 +387,12 @@ def test_agent_limits_are_checked(tmp_path, option, value, match):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("config", [None, "zero3_cpu.yaml"], ids=["ddp", "zero3"])
-def test_each_rank_serves_its_own_episodes(tmp_path, config):
-    """Two processes (DDP, ZeRO-3): each rank serves its own episodes on its own endpoint and engine (different ports,
-    every URL an agent used is its rank's), tool-calling episodes chain into one sample, and what trained is what the
-    engines generated (the trainer's log-probs equal the engines')."""
+@pytest.mark.parametrize(("config", "tp"), [(None, 1), ("zero3_cpu.yaml", 1), (None, 2)], ids=["ddp", "zero3", "tp2"])
+def test_each_rank_serves_its_own_episodes(tmp_path, config, tp):
+    """Two processes (DDP, ZeRO-3, and one TP=2 engine over both): each rank serves its own episodes on its own
+    endpoint (different ports, every URL an agent used is its rank's), tool-calling episodes chain into one sample,
+    and what trained is what the engines generated (the trainer's log-probs equal the engines'). At TP=2 both ranks
+    add each other's requests to their engine in the same order (it would hang or mix tokens otherwise)."""
     import json
     import os
     import subprocess
@@ -400,7 +401,7 @@ def test_each_rank_serves_its_own_episodes(tmp_path, config):
 
     extra = ["--config_file", str(ROOT / "recipes/accelerate" / config)] if config else ["--multi_gpu"]
     proc = subprocess.run([*ACCELERATE_LAUNCH, *extra, "--num_processes", "2",
-                           str(ROOT / "tests/assets/agent_train.py"), str(tmp_path)],
+                           str(ROOT / "tests/assets/agent_train.py"), str(tmp_path), f"tp{tp}"],
                           cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"agent_run_{r}.json").read_text()) for r in range(2)]

@@ -2,7 +2,7 @@
 tool when the model asks (up to 3 calls per episode, each call extending the last). Writes agent_run.json from every
 rank (its endpoint's port, its episodes' keys and outcomes) and the log history from rank 0.
 
-    accelerate launch --multi_gpu --num_processes 2 [--config_file zero3_cpu.yaml] agent_train.py OUT
+    accelerate launch --multi_gpu --num_processes 2 [--config_file zero3_cpu.yaml] agent_train.py OUT [tp2]
 """
 
 import json
@@ -34,9 +34,10 @@ async def agent(client, row):
 
 if __name__ == "__main__":
     out = sys.argv[1]
+    tp = 2 if "tp2" in sys.argv[2:] else 1  # one engine over both ranks
     args = NRolloutConfig(output_dir=out, train_batch_size=4, rollout_n=4, max_completion_length=64, max_steps=2,
                           learning_rate=1e-3, logging_steps=1, report_to="none", bf16=False, save_strategy="no",
-                          seed=0, use_cpu=True)
+                          seed=0, use_cpu=True, rollout_tp_size=tp)
     trainer = NRolloutGRPOTrainer("builtin:tiny-qwen2-tools", args=args, train_dataset=tool_dataset(32), agent=agent)
     trainer.train()
     rank = trainer.accelerator.process_index

@@ -177,57 +177,71 @@ class AgentEndpoint:
 
     # ------------------------------------------------------------------------------------------ the engine side
     def serve(self, engine_loop, params: Callable[[PendingCall], Any], done: Callable[[], bool],
-              idle_s: float = 0.01) -> dict[str, float]:
+              idle_s: float = 0.01, exchange: Callable[[Any], list] | None = None, me: int = 0) -> dict[str, float]:
         """Run the episodes' requests on ``engine_loop`` (a non-streaming
         :class:`~trl_nrollout.rollout.requests.EngineLoop`, stepped only here) until ``done()``: each request joins the
         engine as it arrives; each finished one is answered at once. ``params(call)``: its vLLM ``SamplingParams``.
-        Requests still running when ``done()`` holds (episodes out of time) are aborted and answered with an error;
-        every episode is closed when it returns.
-        Returns counts: ``engine_steps``, ``requests``, ``idle_s`` (the engine had nothing to run)."""
+
+        A tensor-parallel engine (``exchange``: every rank of its TP group calls it each iteration and gets all ranks'
+        objects in rank order; ``me``: this rank's place): each iteration the ranks exchange the requests that came
+        to them and whether their episodes are done, every rank adds all of them in rank order (the same requests in
+        the same steps, seeds included, so the engine's ranks stay in step) and answers its own; the loop ends when
+        every rank's episodes are done. Requests still running then (episodes out of time) are aborted and answered
+        with an error; every episode is closed when it returns. Returns counts: ``engine_steps``, ``requests``,
+        ``idle_s`` (the engine had nothing to run)."""
         from vllm.inputs import TokensPrompt
 
-        running: dict[str, PendingCall] = {}
+        running: dict[str, PendingCall | None] = {}  # request id -> this rank's call (None: another rank's)
         stats = {"engine_steps": 0.0, "requests": 0.0, "idle_s": 0.0}
 
-        def take(block: bool) -> None:
+        def take(block: bool) -> list[PendingCall]:
+            calls = []
             try:
-                call = self.requests.get(timeout=idle_s) if block else self.requests.get_nowait()
+                calls.append(self.requests.get(timeout=idle_s) if block else self.requests.get_nowait())
+                while True:
+                    calls.append(self.requests.get_nowait())
             except queue.Empty:
-                return
-            while True:
-                if not call.future.cancelled():
-                    rid = engine_loop.add(TokensPrompt(prompt_token_ids=call.prompt_ids), params(call))
-                    running[rid] = call
-                    stats["requests"] += 1
-                try:
-                    call = self.requests.get_nowait()
-                except queue.Empty:
-                    return
+                pass
+            return [c for c in calls if not c.future.cancelled()]
+
+        def add(calls: list[PendingCall | None], specs: list[tuple]) -> None:
+            for call, (prompt_ids, max_tokens, stop, seed) in zip(calls, specs):
+                spec = PendingCall("", prompt_ids, max_tokens, stop, seed)
+                rid = engine_loop.add(TokensPrompt(prompt_token_ids=prompt_ids), params(spec))
+                running[rid] = call
+                stats["requests"] += call is not None
 
         try:
-            while not done():
+            while True:
+                idle = not engine_loop.has_unfinished
+                start = time.perf_counter()
+                mine = take(block=idle)
+                if idle:
+                    stats["idle_s"] += time.perf_counter() - start
+                specs = [(c.prompt_ids, c.max_tokens, c.stop, c.seed) for c in mine]
+                finished = done() and not mine
+                everyone = [(specs, finished)] if exchange is None else exchange((specs, finished))
+                for k, (rank_specs, _) in enumerate(everyone):
+                    add(mine if k == me else [None] * len(rank_specs), rank_specs)
+                if all(f for _, f in everyone):
+                    break
                 if engine_loop.has_unfinished:
-                    take(block=False)
                     for rid, k in engine_loop.step():
                         progress = engine_loop.samples[(rid, k)]
                         call = running.pop(rid)
-                        if not call.future.done():
+                        if call is not None and not call.future.done():
                             call.future.set_result((list(progress.token_ids), list(progress.logprobs),
                                                     progress.finish_reason))
                     stats["engine_steps"] += 1
-                else:
-                    start = time.perf_counter()
-                    take(block=True)
-                    stats["idle_s"] += time.perf_counter() - start
         finally:
             for state in self.episodes.values():  # no episode outlives its rollout: later requests get a 404
                 state.closed = True
-            if running:
-                engine_loop.abort(list(running))
-                for call in running.values():
-                    if not call.future.done():
-                        call.future.set_exception(EndpointError(404, "the episode was closed (its time ran out) "
-                                                                     "while this request ran.", code="episode_closed"))
+            if engine_loop.has_unfinished:
+                engine_loop.abort()
+            for call in running.values():
+                if call is not None and not call.future.done():
+                    call.future.set_exception(EndpointError(404, "the episode was closed (its time ran out) "
+                                                                 "while this request ran.", code="episode_closed"))
             while not self.requests.empty():  # arrived after the last episode ended
                 call = self.requests.get_nowait()
                 if not call.future.done():

@@ -102,9 +102,7 @@ class AgentRollouts:
                 ("rollout_partial", args.rollout_partial, "an agent's episode cannot stop and continue after a "
                                                           "weight sync yet"),
                 ("rollout_dispatch='balanced'", args.rollout_dispatch == "balanced",
-                 "an episode's requests go to its rank's engine"),
-                ("rollout_tp_size > 1", args.rollout_tp_size > 1, "the ranks of a TP engine would have to add the "
-                                                                  "same requests in the same order")):
+                 "an episode's requests go to its rank's engine")):
             if on:
                 return f"agent= with {option} is not built yet: {why}. Remove {option.split(' ')[0]} for agents."
         if args.rollout_seed_mode == "engine":
@@ -178,7 +176,9 @@ class AgentRollouts:
                                   name="trl-nrollout-agents")
         start = time.perf_counter()
         runner.start()
-        stats = endpoint.serve(loop, params, finished.is_set)
+        engine._barrier_before_generate()  # TP > 1 on GPUs: no training collective interleaves with the engine's
+        stats = endpoint.serve(loop, params, finished.is_set, exchange=engine._gather_tp,
+                               me=engine.tp_ranks.index(engine.rank))
         runner.join(timeout=5)
         endpoint.open([], None)
         wall = time.perf_counter() - start
