@@ -17,9 +17,8 @@ Trainer rank 0 writes messages ``msg/0, msg/1, ...`` that every rollout rank rea
     stop      the trainers are done: the rollout ranks close their engines
 
 Values larger than the store takes travel in parts (:meth:`~trl_nrollout.rollout.ranks.Bridge.put`). Trainer rank 0
-hands each other trainer its own samples through the store (``home/<call>/<rank>``): the other trainers wait on a
-key, checking trainer rank 0's heartbeat, never inside a collective while the engines work (a job may take longer
-than the process groups' timeout).
+hands each other trainer its own samples through the store (``home/<call>/<rank>``): the other trainers wait on a key,
+checking trainer rank 0's heartbeat, never inside a collective while the engines work (a job may outlast a timeout).
 
 Jobs run in the order they were written, each with the last weights written before it, so a job written ``s``
 steps ahead of the step that trains on it (``max_staleness=s``) is sampled by a policy ``s`` versions older.
