@@ -371,7 +371,7 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     refused = [c for c in found if c.reason is not None]
     lines = [f"layouts for {dims.name} on {world} x {dev.name}, {prompts} prompts per step, ranked by predicted "
              f"samples/s ({len(fit)} fit, {len(refused)} refused):",
-             "rank  tp  n   max_num_seqs  sharding  update micro batch  step (s)  samples/s  generation (s)  "
+             "rank  tp  n   max_num_seqs       sharding  update micro batch  step (s)  samples/s  generation (s)  "
              "engine GiB  trainer GiB"
              + ("  trainers + rollout ranks" if rollout_ranks else "")]
     for i, c in enumerate(fit[:top], 1):
@@ -385,7 +385,7 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
         update = (f"<= {o['ppo_max_token_len_per_device']} tokens" if o.get("use_dynamic_bsz") else
                   f"<= {work.update_token_budget} tokens" if work.update_token_budget else "count")
         lines.append(f"{i:>4}  {o['rollout_tp_size']:>2}  {o['rollout_n']:<3} {o['max_num_seqs']:>12}  "
-                     f"{shard:>8}  {update:>18}  {p.total_s:>8.3g}  {p.samples_per_s:>9.3g}  {p.phases['generation']:>14.3g}  "
+                     f"{shard:>13}  {update:>18}  {p.total_s:>8.3g}  {p.samples_per_s:>9.3g}  {p.phases['generation']:>14.3g}  "
                      f"{p.engine_bytes / 2**30:>10.3g}  {p.trainer_bytes / 2**30:>11.3g}{split}")
     if fit:
         lines.append("run the first: " + launch_command(values, fit[0].options, int(world)))
