@@ -1,7 +1,7 @@
 """The rollout's refusal table (:data:`trl_nrollout.rollout.axes.REFUSALS`) is the code's: every row is refused
 where it says, with a message naming both of its sides, and docs/architecture.md's table is generated from it
-(tests/test_docs.py). Mutation tried: a row whose check is lifted (``rollout_partial`` with ``rollout_dispatch=
-'balanced'`` and tools no longer refused in ``_partial_refusal``) -> its case fails here, so the table cannot claim a refusal
+(tests/test_docs.py). Mutation tried: a row whose check is lifted (``rollout_partial`` with
+``environment_factory`` no longer refused in ``_partial_refusal``) -> its case fails here, so the table cannot claim a refusal
 the code no longer makes (nor miss one it makes, for the checks listed)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.config_checks import rollout_ranks_refusal
 from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.axes import REFUSALS, refusal_table
+from trl_nrollout.trainer.agents import AgentRollouts
 from trl_nrollout.trainer.engines import EngineSetup
 from trl_nrollout.trainer.multiturn import MultiTurnRollout
 from trl_nrollout.trainer.partial import PartialRollouts
@@ -38,8 +39,22 @@ def _trainer(**attrs) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **attrs})
 
 
+def _agent(**args) -> str | None:
+    base = dict(rollout_backend="vllm", rollout_ranks=0, rollout_partial=False, rollout_dispatch="shares",
+                rollout_seed_mode=None)
+    hf = args.pop("hf", False)
+    return AgentRollouts._agent_refusal(_trainer(rollout_backend="hf" if hf else "vllm",
+                                                 args=SimpleNamespace(**{**base, **args})))
+
+
 #: how each row is made to happen: the message its check gives (the real check, called on the options)
 CASES = {
+    ("agent", "rollout_backend='hf'"): lambda tmp: _agent(hf=True, rollout_backend="hf"),
+    ("agent", "tools, environment_factory or rollout_func"): lambda tmp: AgentRollouts._agent_refusal(
+        _trainer(tools=[print], args=SimpleNamespace(rollout_backend="vllm"))),
+    ("agent", "rollout_ranks"): lambda tmp: _agent(rollout_ranks=1),
+    ("agent", "rollout_partial=True"): lambda tmp: _agent(rollout_partial=True),
+    ("agent", "rollout_dispatch='balanced'"): lambda tmp: _agent(rollout_dispatch="balanced"),
     ("rollout_ranks", "rollout_backend='hf'"): lambda tmp: _ranks(rollout_backend="hf"),
     ("rollout_partial=True", "rollout_backend='hf'"): lambda tmp: _config_error(
         tmp, rollout_partial=True, rollout_backend="hf"),
@@ -54,14 +69,11 @@ CASES = {
     ("rollout_ranks", "rollout_partial=True"): lambda tmp: _ranks(rollout_partial=True),
     ("rollout_ranks", "environment_factory"): lambda tmp: RolloutRanks._rollout_ranks_refusal(
         _trainer(environment_factories={"e": print})),
-    ("rollout_ranks", "image prompts"): lambda tmp: RolloutRanks._rollout_ranks_refusal(_trainer(_is_vlm=True)),
-    ("rollout_partial=True", "rollout_dispatch='balanced' and tools"): lambda tmp: (
-        PartialRollouts._partial_refusal(_trainer(tools=[print], args=SimpleNamespace(
-            rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced")))),
     ("rollout_partial=True", "tools and rollout_multi_turn='turns'"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(tools=[print]))),
-    ("rollout_partial=True", "environment_factory"): lambda tmp: (
-        PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}))),
+    ("rollout_partial=True", "environment_factory and rollout_tp_size>1"): lambda tmp: (
+        PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print},
+                                                  layout=SimpleNamespace(rollout_tp_size=2)))),
     ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(
         _trainer(rollout_func=print)),
     ("rollout_dispatch='balanced'", "environment_factory and rollout_multi_turn='requests'"): lambda tmp: (
@@ -92,7 +104,7 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
     namespace = {"config_checks": __import__("trl_nrollout.config_checks", fromlist=["x"]),
                  "ConfigChecks": __import__("trl_nrollout.config_checks", fromlist=["x"]).ConfigChecks,
                  "EngineSetup": EngineSetup, "MultiTurnRollout": MultiTurnRollout, "PartialRollouts": PartialRollouts,
-                 "RolloutRanks": RolloutRanks}
+                 "RolloutRanks": RolloutRanks, "AgentRollouts": AgentRollouts}
     assert callable(getattr(namespace[owner], attr)), row.where
     if row.kind == "machine":
         assert "rollout_backend='hf'" in (row.first, row.second)  # the only machine limit today: the HF engine
@@ -100,10 +112,19 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
 
 def test_lifted_rows_are_no_longer_refused():
     """Rows lifted from the table run now: rollout ranks with request-level tool episodes (they run whole on the
-    rollout ranks, tests/test_tools.py::test_tool_episodes_on_a_rollout_rank_one_step_off)."""
+    rollout ranks, tests/test_tools.py::test_tool_episodes_on_a_rollout_rank_one_step_off); partial rollouts of
+    request-level tool episodes on a balanced queue (tests/test_dispatch.py); partial rollouts with environments
+at TP=1."""
     assert _ranks(rollout_multi_turn="requests") is None
     assert RolloutRanks._rollout_ranks_refusal(_trainer(tools=[print], args=SimpleNamespace(
         rollout_ranks=1, rollout_multi_turn="requests"))) is None
+    # partial rollouts of tool episodes on the job's balanced queue (tests/test_dispatch.py)
+    assert PartialRollouts._partial_refusal(_trainer(tools=[print], args=SimpleNamespace(
+        rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced"))) is None
+    # partial rollouts with environments, one engine per rank (tests/test_tool_requests.py)
+    assert PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
+        SimpleNamespace(rollout_ranks=0, rollout_multi_turn="requests")), layout=SimpleNamespace(rollout_tp_size=1)
+    )) is None
 
 
 @pytest.mark.parametrize("option, off, check", [

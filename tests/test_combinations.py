@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from tests.conftest import ROOT, run_script_in_process
+from tests.conftest import ACCELERATE_LAUNCH, ROOT, run_cmd, run_script_in_process
 from trl_nrollout.rollout.axes import AXES, REFUSALS
 
 #: each choice: the options it sets and the words of the refusal table it stands for
@@ -34,6 +34,7 @@ EPISODE = {
                                         {"environment_factory", "tools", "rollout_multi_turn='requests'"}),
     "custom": ("custom", {}, {"rollout_func"}),
     "images": ("images", {}, {"image prompts"}),
+    "agent": ("agent", {}, {"agent"}),
 }
 #: the rollout-rank combinations and the launches that run them (the rest are refused by the table)
 RANKS_COVERED = {
@@ -70,7 +71,9 @@ def test_the_combinations_follow_the_refusal_table():
     assert set(DISPATCH) == set(AXES["dispatch"]) and set(END) == set(AXES["end"])
     assert {k.split(",")[0] for k in EPISODE} == {k.split(",")[0] for k in AXES["episode"]}
     words = set().union(*(w for _, w in DISPATCH.values()), *(w for _, w in END.values()),
-                        *(w for *_, w in EPISODE.values()), {"rollout_ranks", "rollout_backend='hf'"})
+                        *(w for *_, w in EPISODE.values()),
+                        {"rollout_ranks", "rollout_backend='hf'", "rollout_tp_size>1",  # (TP: not in this run)
+                         "tools, environment_factory or rollout_func"})  # (agent= with TRL's loops: no combination)
     for r in REFUSALS:  # every word of the table is one a combination can stand for
         assert all(p in words for side in (r.first, r.second) for p in side.split(" and ")), r
     allowed, refused_ = combinations()
@@ -79,6 +82,9 @@ def test_the_combinations_follow_the_refusal_table():
     # what the table says today (by definition or not yet): a change of the table changes these on purpose
     assert "shares-partial-custom" in names and "balanced-whole-custom" in names
     assert "shares-partial-tools_request_by_request" not in names and "balanced-partial-images" not in names
+    assert "balanced-partial-tools_request_by_request" not in names  # lifted: the job's pool of episodes
+    assert "shares-partial-environment_request_by_request" not in names  # lifted: environments in the pool
+    assert "balanced-partial-environment_request_by_request" in names  # balanced environments: not yet
 
 
 ALLOWED, _ = combinations()
@@ -94,38 +100,68 @@ def test_every_allowed_combination_trains_on_whole_groups_with_their_masks(tmp_p
     run_script_in_process(ROOT / "tests/assets/axes_combinations.py", str(tmp_path), json.dumps(entries),
                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"})
     for combo in ALLOWED:
-        result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
-        name, kind, words = combo["name"], combo["episode"], set(combo["words"])
-        assert result["engine"] == "VLLMEngineGroup", name
-        rounds = result["rounds"]
-        assert len(rounds) == 2, name
-        called = 0
-        for rnd in rounds:
-            n, samples = rnd["n"], rnd["samples"]
-            assert n == 4 and samples and len(samples) % n == 0, name
-            for g in range(0, len(samples), n):  # groups: n contiguous samples of one prompt
-                assert len({tuple(s["prompt_ids"]) for s in samples[g:g + n]}) == 1, name
-            for s in samples:
-                assert s["completion_ids"], name
-                if kind in ("tools", "environment"):
-                    assert s["tool_mask"] is not None and len(s["tool_mask"]) == len(s["completion_ids"]), name
-                    for text in s["masked"]:  # masked: the rendered tool results (a random model may sample the
-                        assert RENDERED in text, (name, text)  # <tool_response> token itself: not a result)
-                    assert all(RENDERED not in t for t in s["trained"]), name
-                    called += bool(s["masked"])
-                elif kind == "custom":  # the rollout_func's env_mask: its last token
-                    assert s["tool_mask"] == [1] * (len(s["completion_ids"]) - 1) + [0], name
-                else:
-                    assert s["tool_mask"] is None, name
-            if kind == "images":
-                carried = rnd["mm_local"] or [s["mm"] for s in samples]
-                assert carried and all(carried), name
-        if kind in ("tools", "environment"):
-            assert called, f"{name}: no sample called the tool"
-        logged = {k for h in result["history"] for k in h}
-        if "rollout_partial=True" in words:
-            stale = [h["partial/staleness_max"] for h in result["history"] if "partial/staleness_max" in h]
-            assert stale and max(stale) <= 1, name  # max_staleness=1 (the default)
-        if "rollout_dispatch='balanced'" in words and "rollout_partial=True" not in words:
-            assert "rollout/moved_groups" in logged, name  # (partial on one engine: the pool is the job's already;
-            # the job-wide queue over two engines: test_dispatch.py::test_partial_rollouts_pull_the_jobs_pool...)
+        check_combination(combo, json.loads((tmp_path / f"{combo['name']}.json").read_text()))
+
+
+def check_combination(combo: dict, result: dict) -> None:
+    """What each step of a combination trained on (see the module docstring)."""
+    name, kind, words = combo["name"], combo["episode"], set(combo["words"])
+    assert result["engine"] == "VLLMEngineGroup", name
+    rounds = result["rounds"]
+    assert len(rounds) == 2, name
+    called = 0
+    for rnd in rounds:
+        n, samples = rnd["n"], rnd["samples"]
+        assert n == 4 and samples and len(samples) % n == 0, name
+        for g in range(0, len(samples), n):  # groups: n contiguous samples of one prompt
+            assert len({tuple(s["prompt_ids"]) for s in samples[g:g + n]}) == 1, name
+        for s in samples:
+            assert s["completion_ids"], name
+            if kind in ("tools", "environment", "agent"):  # an agent's tool results lie between its chained calls
+                assert s["tool_mask"] is not None and len(s["tool_mask"]) == len(s["completion_ids"]), name
+                for text in s["masked"]:  # masked: the rendered tool results (a random model may sample the
+                    assert RENDERED in text, (name, text)  # <tool_response> token itself: not a result)
+                assert all(RENDERED not in t for t in s["trained"]), name
+                called += bool(s["masked"])
+            elif kind == "custom":  # the rollout_func's env_mask: its last token
+                assert s["tool_mask"] == [1] * (len(s["completion_ids"]) - 1) + [0], name
+            else:
+                assert s["tool_mask"] is None, name
+        if kind == "images":
+            carried = rnd["mm_local"] or [s["mm"] for s in samples]
+            assert carried and all(carried), name
+    if kind in ("tools", "environment", "agent"):
+        assert called, f"{name}: no sample called the tool"
+    logged = {k for h in result["history"] for k in h}
+    if "rollout_partial=True" in words:
+        stale = [h["partial/staleness_max"] for h in result["history"] if "partial/staleness_max" in h]
+        assert stale and max(stale) <= 1, name  # max_staleness=1 (the default)
+    if "rollout_dispatch='balanced'" in words and "rollout_partial=True" not in words:
+        assert "rollout/moved_groups" in logged, name  # (partial on one engine: the pool is the job's already;
+        # the job-wide queue over two engines: test_dispatch.py::test_partial_rollouts_pull_the_jobs_pool..., and
+        # test_partial_tool_episodes_on_a_balanced_queue_over_two_engines below)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_partial_tool_episodes_on_a_balanced_queue_over_two_engines(tmp_path):
+    """balanced x partial x tools request by request over two processes, one engine each (the combination above
+    runs it on one engine, where the pool is the job's anyway): the job's pool of episodes is one queue, every
+    engine's episodes are gathered to every rank after each step, and each rank trains its share of the first groups
+    to finish. The same checks as above on each step's job samples (groups whole, tool results masked and only
+    they, staleness within the bound), from rank 0's Round (the job's samples). That the engines' episodes keep
+    their masks and versions across steps and engines: tests/test_dispatch.py. Mutations tried: the branch of
+    ``_partial_round`` that runs the balanced queue for tool episodes raising -> the launch fails (it is the path
+    taken); the engines' leaders sending their tickets but not their groups -> the launch fails (the groups that
+    train have no episodes on the ranks that did not run them)."""
+    combo = next(c for c in ALLOWED if c["name"] == "balanced-partial-tools_request_by_request")
+    entry = {"name": combo["name"], "episode": combo["episode"],
+             "options": {**combo["options"], "rollout_max_num_seqs": 4}}
+    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
+             str(tmp_path), json.dumps([entry])],
+            timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
+                              "PYTHONPATH": str(ROOT)})
+    result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
+    check_combination(combo, result)
+    assert all(len(rnd["samples"]) == 2 * 8 for rnd in result["rounds"])  # the job's samples: 2 ranks x 8

@@ -185,4 +185,88 @@ def test_partial_rollouts_pull_the_jobs_pool_from_one_queue(balanced_runs):
             assert s["token_ids"][:len(s0["token_ids"])] == s0["token_ids"]  # its tokens kept, then continued
             assert s["versions"] == [0] * len(s0["token_ids"]) + [1] * (len(s["token_ids"]) - len(s0["token_ids"]))
             assert len(s["logprobs"]) == len(s["token_ids"])
-    assert r0["partial_keys_left"] == [False] * 6  # the queue's and the finish counter's keys were removed
+    assert r0["partial_keys_left"] == [False] * 12  # the queues' and the finish counters' keys were removed
+
+
+SUFFIX = [9, 41, 42]  # the scripted agent's rendered tool result (tests/dist/dispatch_dist.py)
+
+
+def _check_episode(s: dict, versions: set[int]) -> None:
+    """One pool sample's episode: tokens, mask, log-probs and versions align; the masked tokens are exactly the
+    rendered tool results (one per tool round continued), log-prob 0; the model's tokens have real log-probs."""
+    e = s["episode"]
+    if e is None:  # still in its first turn
+        assert not s["versions"] and len(s["turn_ids"]) == len(s["turn_versions"]) == len(s["turn_logprobs"])
+        return
+    assert len(e["completion_ids"]) == len(e["tool_mask"]) == len(e["logprobs"]) == len(s["versions"])
+    masked = [t for t, m in zip(e["completion_ids"], e["tool_mask"]) if m == 0]
+    results = e["turns"] - 1 + (s["base"] is not None and not s["done"])  # rounds continued, and one in progress
+    assert masked == SUFFIX * results, (masked, e["turns"])
+    assert all(lp == 0.0 for lp, m in zip(e["logprobs"], e["tool_mask"]) if m == 0)
+    assert all(lp < 0.0 for lp, m in zip(e["logprobs"], e["tool_mask"]) if m == 1)
+    assert set(s["versions"]) | set(s["turn_versions"]) <= versions
+
+
+def _first_turn(s: dict) -> list[int]:
+    """A sample's first-turn tokens so far (its whole first turn once it ended)."""
+    e = s["episode"]
+    if e is None:
+        return list(s["turn_ids"])
+    mask = e["tool_mask"]
+    return e["completion_ids"][:mask.index(0) if 0 in mask else len(mask)]
+
+
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_partial_tool_episodes_pull_the_jobs_pool_and_reach_every_rank(balanced_runs):
+    """rollout_partial with tools on a balanced queue (engine 0 slowed): the job's pool of tool-calling episodes is
+    one queue; each engine runs its pulled groups' turns and tools, and afterwards both ranks hold the same pool and
+    finish order, every episode with its tool mask (exactly the rendered results masked), log-probs and versions.
+    Half the job's groups trained whole; the fast engine ran some of rank 0's groups; a fresh group's first turn is
+    seeded from its home engine, so it is (a prefix of) the first turn fixed shares sample, whichever engine ran it.
+    Continued at version 1 with engine 0 late: engine 1 continues episodes engine 0 stopped, each keeping its
+    tokens, mask and versions (0 before, 1 after), and every group finishes.
+    Mutations tried: the tool mask left out of the gather (the pulled groups' episodes not sent to the other ranks:
+    ``parts`` of the leader empty) -> the same-pool check fails; first turns seeded by the engine that runs them
+    (``homes[...]`` -> this engine) -> the first-turn check fails."""
+    r0, r1 = balanced_runs
+    total = len(r0["partial_agents_shares"]) + len(r1["partial_agents_shares"])
+    shares = {**_by_key(r0["partial_agents_shares"]), **_by_key(r1["partial_agents_shares"])}
+    for name in ("partial_agents_balanced", "partial_agents_continued"):
+        for key in ("groups", "finish_order"):
+            assert r0[name][key] == r1[name][key], (name, key)  # one job pool, the same on every rank
+    first, second = r0["partial_agents_balanced"], r0["partial_agents_continued"]
+    groups = first["groups"]
+    assert len(groups) == total
+    trained = [groups[i] for i in first["finish_order"][:total // 2]]
+    assert all(s["done"] for g in trained for s in g["samples"])  # whole groups
+    assert max(s["episode"]["turns"] for g in trained for s in g["samples"]) > 1, "no tool was called"
+    assert first["aborted"] + r1["partial_agents_balanced"]["aborted"] > 0
+    ran = {res["engine_index"]: set(res["partial_agents_balanced"]["engine_groups"]) for res in balanced_runs}
+    assert ran[1] & set(range(total // 2)), ran  # the fast engine ran some of rank 0's groups
+    assert not ran[0] & ran[1]
+    for g in groups:
+        ref = shares[tuple(g["key"])]
+        for got, want in zip(g["samples"], ref["samples"]):
+            _check_episode(got, {0})
+            mine, theirs = _first_turn(got), _first_turn(want)
+            assert mine == theirs[:len(mine)], g["key"]
+            if got["episode"] is not None:
+                assert mine == theirs, g["key"]
+    stopped_on_0 = {tuple(groups[i]["key"]) for i in ran[0] if not all(s["done"] for s in groups[i]["samples"])}
+    continued = second["groups"]
+    ran_second = {res["engine_index"]: res["partial_agents_continued"]["engine_groups"] for res in balanced_runs}
+    moved = {tuple(continued[i]["key"]) for i in ran_second[1]} & stopped_on_0
+    assert moved, (ran_second, stopped_on_0)  # stopped on engine 0, continued on engine 1
+    assert all(s["done"] for g in continued for s in g["samples"])
+    before = _by_key(groups)
+    for g in continued:
+        for s, s0 in zip(g["samples"], before[tuple(g["key"])]["samples"]):
+            _check_episode(s, {0, 1})
+            e, e0 = s["episode"], s0["episode"]
+            kept = (e0["completion_ids"] if e0 else []) + s0["turn_ids"]
+            assert e["completion_ids"][:len(kept)] == kept  # its tokens kept, then continued
+            if e0 is not None:
+                assert e["tool_mask"][:len(e0["tool_mask"])] == e0["tool_mask"]
+            old = s0["versions"] + s0["turn_versions"]
+            assert s["versions"] == old + [1] * (len(s["versions"]) - len(old))

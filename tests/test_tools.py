@@ -212,7 +212,8 @@ def test_request_level_tool_episodes_from_a_balanced_queue_over_two_engines(tmp_
     """rollout_multi_turn='requests' with rollout_dispatch='balanced', two processes, one engine each: the job's
     groups are pulled from one queue and their episodes run on the engine that pulled them; each rank trains its
     own prompts' episodes (groups of n kept, masks intact), and the dispatch is logged. That the episodes equal the
-    fixed shares' sample for sample: tests/test_dispatch.py."""
+    fixed shares' sample for sample: tests/test_dispatch.py. With rollout_partial=True:
+    tests/test_combinations.py::test_partial_tool_episodes_on_a_balanced_queue_over_two_engines."""
     result = _run_tool_script(tmp_path, "vllm", "sync", steps=2, procs=2,
                               extra={"per_device_train_batch_size": 16, "use_cpu": True,
                                      "rollout_multi_turn": "requests", "rollout_dispatch": "balanced"})
@@ -492,3 +493,47 @@ def test_tool_results_get_no_advantage_reward_or_kl(tmp_path, monkeypatch):
     with_tool = float(((kl_penalty(old, ref, args.kl_penalty) * batch["completion_mask"]).sum(-1)
                        / batch["completion_mask"].sum(-1)).mean())
     assert abs(logged - with_tool) > 1e-4 * abs(with_tool)  # the tool tokens' KL would have shown
+
+
+def _paired(sample: dict) -> bool:
+    """A trained sample's tool results came from its own environment: each is the environment's number, one per
+    call it served (the last call's result may be dropped when it does not fit the budget, as in TRL)."""
+    results, returned = sample["results"], sample["returned"]
+    return results in (returned, returned[:-1]) and all(r == str(sample["ident"]) for r in results)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_partial_environment_episodes_keep_their_environment_across_steps_and_restart_after_a_checkpoint(tmp_path):
+    """environment_factory with rollout_partial=True (tests/assets/env_partial.py: an environment whose tool returns
+    its own number). Across steps, every trained sample's tool results came from its own environment, which the
+    reward functions get as ``environments=`` in sample order; no environment serves two trained samples of a step;
+    some samples trained at a step after the one that reset their environment (their episode was in flight across
+    a weight sync) and called the tool. The checkpoint at step 2 keeps the pool's groups without their episodes (no
+    sample started), said in a log line; the resumed run starts those groups again with new environments (each
+    trained sample's environment reset after the resume, staleness 0 at step 3, the results paired), said in a log
+    line. Mutations tried: new groups drawing environments that episodes in flight hold (``busy`` ignored) -> the
+    pairing fails; the checkpoint keeping the episodes (``_pool_to_save`` returning the pool) -> the saved-pool
+    check fails; with that, the resumed pool's episodes also continued with new environments (``_restore_env_groups``
+    not restarting the samples) -> the pairing fails; the reward's environments in another order than the trained
+    samples' (``mine[::-1]``) -> the pairing fails."""
+    run_script_in_process(ROOT / "tests/assets/env_partial.py", str(tmp_path), env=ENV)
+    result = json.loads((tmp_path / "result.json").read_text())
+    full, resumed = result["full"], result["resumed"]
+    assert [c["step"] for c in full] == [0, 1, 2] and [c["step"] for c in resumed] == [2]
+    carried = 0
+    for at, call in enumerate(full + resumed):
+        samples = call["samples"]
+        assert len(samples) == 8 and all(_paired(s) for s in samples), samples
+        assert len({s["ident"] for s in samples}) == len(samples)  # one environment per trained sample
+        if 0 < at < len(full):  # reset before the previous step's rewards: in flight across a step
+            carried += sum(1 for s in samples if s["serial"] <= full[at - 1]["resets"] and s["results"])
+    assert carried, "no sample with tool calls was carried across a step with its environment"
+    assert any(s["results"] for c in full for s in c["samples"]), "no sample called the tool"
+    saved = json.loads((tmp_path / "full" / "checkpoint-2" / "nrollout_partial_rank0.json").read_text())
+    assert saved and all(s["episode"] is None and not s["turn_ids"] for g in saved for s in g["samples"])
+    assert any("without their" in line and "episodes in flight" in line for line in result["lines"])
+    assert any("resumed pool's" in line and "new environments" in line for line in result["lines"])
+    assert all(s["serial"] > result["resets_at_resume"] for s in resumed[0]["samples"])
+    step3 = [h for h in result["resumed_history"] if "partial/staleness_max" in h and h["step"] == 3]
+    assert len(step3) == 1 and step3[0]["partial/staleness_max"] == 0

@@ -30,7 +30,27 @@ from trl_nrollout.rollout.types import SamplingOptions
 
 #: the episode kinds (tests/test_combinations.py CHOICES) and the model each runs on
 EPISODES = {"one completion": "builtin:tiny-qwen2", "tools": "builtin:tiny-qwen2-tools",
-            "environment": "builtin:tiny-qwen2-tools", "custom": "builtin:tiny-qwen2", "images": "builtin:tiny-idefics3"}
+            "environment": "builtin:tiny-qwen2-tools", "custom": "builtin:tiny-qwen2", "images": "builtin:tiny-idefics3",
+            "agent": "builtin:tiny-qwen2-tools"}
+#: the built-in tool as the OpenAI API describes it (what an agent sends as ``tools``)
+TOOL_SCHEMA = [{"type": "function", "function": {"name": "lucky_number", "description": "Returns today's lucky number.",
+                                                 "parameters": {"type": "object", "properties": {}}}}]
+
+
+async def tool_agent(client, row) -> float:
+    """An agent through the endpoint (``agent=``): asks, runs the built-in tool when the model calls it, asks again
+    (at most 3 calls, each extending the last); reward 1 when the tool ran."""
+    messages, ran = list(row["prompt"]), 0
+    for _ in range(3):
+        reply = (await client.chat.completions.create(model="policy", messages=messages,
+                                                      tools=TOOL_SCHEMA)).choices[0].message
+        if not reply.tool_calls:
+            break
+        messages = messages + [reply.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": c.id, "name": c.function.name, "content": lucky_number()}
+            for c in reply.tool_calls]
+        ran += 1
+    return float(ran > 0)
 
 
 class LuckyEnv:
@@ -68,14 +88,17 @@ def build(out: str, combo: dict):
                    max_completion_length=16, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none",
                    use_cpu=True, bf16=False, save_strategy="no", seed=0, rollout_backend="vllm")
     kwargs: dict = {}
-    if episode in ("tools", "environment"):
+    if episode in ("tools", "environment", "agent"):
         from transformers import AutoTokenizer
 
         # the call token made likely, so that 2 steps of a random model hold tool calls and results to mask
         call = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(TOOL_CALL_TOKEN)
         options.update(max_completion_length=40, generation_kwargs={"logit_bias": {call: 6.0}})
         kwargs = dict(reward_funcs=[tool_reward], train_dataset=tool_dataset(32))
-        kwargs.update(tools=[lucky_number]) if episode == "tools" else kwargs.update(environment_factory=LuckyEnv)
+        if episode == "agent":
+            kwargs = dict(agent=tool_agent, train_dataset=tool_dataset(32))
+        else:
+            kwargs.update(tools=[lucky_number]) if episode == "tools" else kwargs.update(environment_factory=LuckyEnv)
     elif episode == "images":
         kwargs = dict(reward_funcs=[colour_reward], train_dataset=image_dataset(16))
     else:

@@ -2,7 +2,8 @@
 vLLM engines (TP=1: P engines; TP=2 with 4 processes: two engines of two ranks).
 
 argv: tp, model folder, output folder. Writes rank<r>.json with, per case, what this rank got and what its engine
-generated (and partial rollouts of the job's pool, fixed shares then a balanced queue). Engine 0 is slowed (every engine step waits ``SLOW_S`` more: a slower device, or an engine whose
+generated (and partial rollouts of the job's pool, single-turn and tool-calling episodes, fixed shares then a
+balanced queue). Engine 0 is slowed (every engine step waits ``SLOW_S`` more: a slower device, or an engine whose
 samples run long), so that a balanced queue has work to move.
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.rollout.partial import InFlightGroup, split_finished
+from trl_nrollout.rollout.partial_agents import AgentPartialSample
 from trl_nrollout.rollout.types import SamplingOptions
 
 N = 3
@@ -83,6 +85,13 @@ def main() -> None:
     homes = [layout.engine_of_rank(g.key[2]) for g in job]
     own = [g for g, h in zip(job, homes) if h == group.engine_index]
     result["partial_shares"] = [asdict(g) for g in group.run_partial(own, len(own), options, version=0).groups]
+    # the same pool as tool-calling episodes (scripted agent), each engine its own groups run to the end: the
+    # reference of the balanced partial episodes below
+    agents_job = [InFlightGroup.fresh(g.key, g.prompt_ids, N, sample=AgentPartialSample) for g in job]
+    agents_own = [g for g, h in zip(agents_job, homes) if h == group.engine_index]
+    run, _ = group.run_partial_agents(agents_own, len(agents_own), options, 0, agent_callbacks(), 4,
+                                      owns=lambda g: True)
+    result["partial_agents_shares"] = [asdict(g) for g in run.groups]
     # tool-calling episodes request by request: fixed shares, then (engine 0 slowed) a balanced queue
     samples, groups, _ = group.run_agents(mine, N, options, lambda r: 500 + r, agent_callbacks(), workers=4,
                                           sample_offset=rank * len(mine))
@@ -109,14 +118,25 @@ def main() -> None:
         time.sleep(LATE_S)
     second = group.run_partial_balanced(waiting, len(waiting), replace(options, seed=78), 1,
                                         [layout.engine_of_rank(g.key[2]) for g in waiting])
-    for name, run in (("partial_balanced", first), ("partial_continued", second)):
+    # tool-calling episodes the same way: half the job's groups train, then the rest continues at version 1 with
+    # engine 0 late, so engine 1 continues episodes engine 0 stopped
+    first_agents, _ = group.run_partial_agents_balanced(agents_job, len(job) // 2, options, 0, homes,
+                                                        agent_callbacks(), 4)
+    _, waiting = split_finished(first_agents.groups, first_agents.finish_order, len(job) // 2)
+    if group.engine_index == 0:
+        time.sleep(LATE_S)
+    second_agents, _ = group.run_partial_agents_balanced(waiting, len(waiting), replace(options, seed=78), 1,
+                                                         [layout.engine_of_rank(g.key[2]) for g in waiting],
+                                                         agent_callbacks(), 4)
+    for name, run in (("partial_balanced", first), ("partial_continued", second),
+                      ("partial_agents_balanced", first_agents), ("partial_agents_continued", second_agents)):
         result[name] = {"groups": [asdict(g) for g in run.groups], "finish_order": run.finish_order,
                         "engine_groups": run.engine_groups, "aborted": run.aborted}
     if rank == 0:  # the queue's counters were removed after each call
         result["store_keys_left"] = [group._store.check([f"{group._pull_prefix}/{c}/{e}"])
                                      for c in (1, 2) for e in (0, 1)]
         result["partial_keys_left"] = [group._store.check([f"{group._pull_prefix}/{c}/{e}"])
-                                       for c in (4, 5) for e in ("0", "1", "finished")]
+                                       for c in (4, 5, 6, 7) for e in ("0", "1", "finished")]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     group.close()

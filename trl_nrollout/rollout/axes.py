@@ -7,7 +7,8 @@ A rollout step is one choice on each axis:
 - **end**, when the step's rollout ends: every sample done, or partial (``rollout_partial=True``: the first groups
   to finish train, the rest stay in flight across weight syncs);
 - **episode**, what one sample is: one completion, TRL tools turn by turn or request by request, an environment
-  (``environment_factory``), a ``rollout_func``, a prompt with images.
+  (``environment_factory``), a ``rollout_func``, a prompt with images, an agent written in any framework
+  (``agent=``, through an OpenAI-compatible endpoint).
 
 The engine (``rollout_backend``) is not an axis but the machine: the HF engine (transformers ``generate`` on the
 training model) cannot abort or stream a request, so it cannot run what needs a request-level loop. :data:`REFUSALS`
@@ -28,7 +29,8 @@ AXES: dict[str, dict[str, str]] = {
     "end": {"whole": "rollout_partial=False", "partial": "rollout_partial=True"},
     "episode": {"one completion": "(default)", "tools, turn by turn": "tools, rollout_multi_turn='turns'",
                 "tools, request by request": "tools, rollout_multi_turn='requests'",
-                "environment": "environment_factory", "custom": "rollout_func", "images": "image prompts"},
+                "environment": "environment_factory", "custom": "rollout_func", "images": "image prompts",
+                "agent": "agent= (an OpenAI-compatible endpoint)"},
 }
 
 
@@ -62,21 +64,28 @@ REFUSALS: tuple[Refusal, ...] = (
             "partial rollouts keep a pool per colocated engine; rollout ranks run whole jobs"),
     Refusal("rollout_ranks", "environment_factory", "not yet", "RolloutRanks._rollout_ranks_refusal",
             "an environment's reset writes its prompt at its own step: its first turn cannot be generated ahead"),
-    Refusal("rollout_ranks", "image prompts", "not yet", "RolloutRanks._rollout_ranks_refusal",
-            "a job carries each prompt's token ids, not its images"),
-    Refusal("rollout_partial=True", "rollout_dispatch='balanced' and tools", "not yet",
-            "PartialRollouts._partial_refusal",
-            "the job-wide balanced pool runs single-turn samples; tool-calling episodes keep a pool per engine"),
     Refusal("rollout_partial=True", "tools and rollout_multi_turn='turns'", "by definition",
             "PartialRollouts._partial_refusal",
             "a turn barrier waits for every sample's turn; a partial rollout stops before its slowest samples"),
-    Refusal("rollout_partial=True", "environment_factory", "not yet", "PartialRollouts._partial_refusal",
-            "an environment per sample would live across steps and checkpoints"),
+    Refusal("rollout_partial=True", "environment_factory and rollout_tp_size>1", "not yet",
+            "PartialRollouts._partial_refusal",
+            "an engine's ranks train its pool's first groups, whoever drew them; a group's environments stay on the "
+            "rank that drew it"),
     Refusal("rollout_partial=True", "rollout_func", "by definition", "PartialRollouts._partial_refusal",
             "the function generates whole samples itself: the trainer cannot stop its requests and continue them"),
     Refusal("rollout_dispatch='balanced'", "environment_factory and rollout_multi_turn='requests'", "not yet",
             "EngineSetup._dispatch_refusal",
             "an episode runs on the engine that pulled it; its environment lives on its prompt's rank"),
+    Refusal("agent", "rollout_backend='hf'", "machine", "AgentRollouts._agent_refusal",
+            "the HF engine has no request-level loop: an agent's calls cannot join it one by one"),
+    Refusal("agent", "tools, environment_factory or rollout_func", "by definition", "AgentRollouts._agent_refusal",
+            "the agent is the episode's loop and runs its own tools"),
+    Refusal("agent", "rollout_ranks", "not yet", "AgentRollouts._agent_refusal",
+            "each rank serves its own episodes on its own engine"),
+    Refusal("agent", "rollout_partial=True", "not yet", "AgentRollouts._agent_refusal",
+            "an agent's episode cannot stop and continue after a weight sync yet"),
+    Refusal("agent", "rollout_dispatch='balanced'", "not yet", "AgentRollouts._agent_refusal",
+            "an episode's requests go to its own rank's endpoint and engine"),
 )
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, ToolRunner
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun
@@ -118,6 +118,18 @@ class AgentPartialSample:
         self.budget = episode.budget(context, agent.max_completion_length, agent.max_model_len)
 
 
+class Request(NamedTuple):
+    """What one request of :func:`run_partial_agents` is for: pool index ``group``, its ``samples`` (all ``n`` for a
+    fresh group's first turn, else one), the ``turn`` in progress (0: the first; ``r``: the turn after tool round
+    ``r``) and whether the call ``started`` it (a fresh group, or a turn stopped by an earlier call's abort) rather
+    than after tool results within the call. Within a call, ``(group, samples[0], turn)`` names one request."""
+
+    group: int
+    samples: list[int]
+    turn: int
+    started: bool
+
+
 def run_partial_agents(
     loop,
     groups: list[InFlightGroup],
@@ -131,27 +143,40 @@ def run_partial_agents(
     exchange: Callable[[Any], list],
     workers: int,
     poll_s: float | None = None,
+    pull: Callable[[], tuple[list[int], bool]] | None = None,
+    finished: Callable[[list[int]], None] | None = None,
+    reached: Callable[[], bool] | None = None,
 ) -> tuple[PartialRun, AgentStats]:
     """Run the pool ``groups`` of tool-calling episodes on one engine until ``target`` groups have finished (or none
     is left unfinished); abort the running turns (tokens kept) and wait for the tools still running.
 
-    ``loop``: a streaming :class:`~trl_nrollout.rollout.requests.EngineLoop`; ``make_params(n, budget, slot)``: the
-    SamplingParams of one request (``slot``: its place among the call's requests, spaced by ``n``); ``prompt(ids)``:
+    ``loop``: a streaming :class:`~trl_nrollout.rollout.requests.EngineLoop`; ``make_params(n, budget, slot,
+    request)``: the SamplingParams of one request (``slot``: its place among the call's requests, spaced by ``n``;
+    ``request``: the :class:`Request` it is for); ``prompt(ids)``:
     the engine's prompt; ``owns(group)``: whether this rank runs the group's tools; ``exchange(obj)``: every rank of
     the engine's TP group calls it each iteration and gets all ranks' objects in rank order; ``poll_s``: how long an
     idle engine waits for a tool before the next exchange (None: until one finishes, right for one rank).
-    ``agent.parse`` / ``agent.run_tools`` get the sample's place in the pool (``g * n + k``) as their index. Returns
-    the :class:`PartialRun` (the pool updated, the order groups finished in) and the :class:`AgentStats`."""
+    ``agent.parse`` / ``agent.run_tools`` get the sample's place in the pool (``g * n + k``) as their index.
+
+    A queue shared with other engines (``rollout_dispatch="balanced"``: the pool is the job's, the same on every
+    rank): no group starts at once; ``pull()`` (each iteration, agreeing across the TP group) hands this engine pool
+    indices to start, ``([g], drained)``; ``finished(groups)`` is told the groups that finished in an iteration (the
+    job's tickets); ``reached()`` (agreeing across the TP group) says the job's ``target`` groups are out, in place
+    of this engine's own count.
+    Returns the :class:`PartialRun` (the pool updated, the order groups finished in) and the :class:`AgentStats`."""
     pool = [replace(g, samples=[_copy(s) for s in g.samples]) for g in groups]
     owner: dict[str, tuple[int, list[int]]] = {}
     slot = 0
     stats = AgentStats()
     finish_order = [i for i, g in enumerate(pool) if g.finished]
+    reported = len(finish_order)  # groups finished before the call hold the first places: not reported
     width = max((g.n for g in pool), default=1)
 
-    def add(g: int, ks: list[int], context: list[int], budget: int) -> None:
+    def add(g: int, ks: list[int], context: list[int], budget: int, started: bool) -> None:
         nonlocal slot
-        rid = loop.add(prompt(context), make_params(len(ks), budget, slot))
+        episode = pool[g].samples[ks[0]].episode
+        turn = 0 if episode is None else episode.rounds + 1  # the turn in progress: the first, or after a tool round
+        rid = loop.add(prompt(context), make_params(len(ks), budget, slot, Request(g, ks, turn, started)))
         owner[rid] = (g, ks)
         slot += len(ks)
         stats.requests += 1
@@ -159,15 +184,31 @@ def run_partial_agents(
     def parse_for(g: int, k: int) -> Callable[[list[int], list[int]], dict]:
         return lambda ids, prefix: agent.parse(g * width + k, ids, prefix)
 
-    for g, group in enumerate(pool):
+    def start(g: int) -> None:
+        """Group ``g``'s requests as the call starts it: a fresh group as one request, else its unfinished samples."""
+        group = pool[g]
         if group.finished:
-            continue
+            return
         if not group.started and all(s.base is None for s in group.samples):
-            add(g, list(range(group.n)), list(group.prompt_ids), agent.max_completion_length)
-            continue
+            add(g, list(range(group.n)), list(group.prompt_ids), agent.max_completion_length, True)
+            return
         for k, s in enumerate(group.samples):
             if not s.finished:
-                add(g, [k], *s.next_request(group.prompt_ids, agent.max_completion_length))
+                add(g, [k], *s.next_request(group.prompt_ids, agent.max_completion_length), True)
+
+    def stop() -> bool:
+        return reached() if reached is not None else len(finish_order) >= target
+
+    def report() -> None:
+        nonlocal reported
+        if finished is not None and len(finish_order) > reported:
+            finished(finish_order[reported:])
+        reported = len(finish_order)
+
+    if pull is None:
+        for g in range(len(pool)):
+            start(g)
+    drained = pull is None
     runner = ToolRunner(agent.run_tools, workers)
     waiting: set[tuple[int, int]] = set()  # samples whose tools run (on whichever rank owns them)
 
@@ -202,7 +243,11 @@ def run_partial_agents(
         return ready
 
     try:
-        while len(finish_order) < target:
+        while not stop():
+            if not drained:  # a shared queue: more groups while the engine has room
+                pulled, drained = pull()
+                for g in pulled:
+                    start(g)
             if loop.has_unfinished:
                 mine = results(0.0)
             else:  # the engine has nothing to run: wait for a tool
@@ -213,11 +258,12 @@ def run_partial_agents(
                 stats.idle_s += time.perf_counter() - idle_from
             everyone = exchange((mine, runner.pending))
             for g, k in apply(everyone):
-                add(g, [k], *pool[g].samples[k].next_request(pool[g].prompt_ids, agent.max_completion_length))
+                add(g, [k], *pool[g].samples[k].next_request(pool[g].prompt_ids, agent.max_completion_length), False)
             if not loop.has_unfinished and waiting and not any(p or r for r, p in everyone):
                 raise RuntimeError(f"{len(waiting)} tool-calling samples wait for tools no rank runs: the ranks of "
                                    "the engine's TP group disagree about them (a bug).")
-            if len(finish_order) >= target or not loop.has_unfinished:
+            report()
+            if stop() or not loop.has_unfinished:
                 continue
             tools_running = runner.pending > 0
             for rid, j in loop.step():
@@ -226,6 +272,7 @@ def run_partial_agents(
                 turn_ended(g, ks[j], progress, progress.finish_reason)
             stats.engine_steps += 1
             stats.steps_with_tools += tools_running
+            report()
         aborted = loop.abort()
         for rid, j in aborted:  # the turns stopped here keep their tokens and continue after the next sync
             g, ks = owner[rid]

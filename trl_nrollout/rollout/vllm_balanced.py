@@ -254,6 +254,97 @@ class BalancedDispatch:
                 store.delete_key(f"{key}/{name}")
         return partial_result(groups, parts, pulled, aborted, steps, new_tokens, finished_before)
 
+    def run_partial_agents_balanced(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions,
+                                    version: int, homes: list[int], agent: AgentCallbacks, workers: int
+                                    ) -> tuple[PartialRun, AgentStats]:
+        """:meth:`run_partial_balanced` for tool-calling episodes: the job's pool (the same on every rank) of
+        :class:`~trl_nrollout.rollout.partial_agents.AgentPartialSample` groups is one queue; each engine pulls
+        groups while it has room and runs their episodes turn after turn as requests
+        (:func:`~trl_nrollout.rollout.partial_agents.run_partial_agents`), their tools on its first rank (``tools=``
+        are the same functions on every rank); once ``target`` groups of the job have finished every engine stops,
+        aborts its running turns (tokens kept) and waits for its running tools. Every engine's groups then reach
+        every rank (one gather over the job), so each rank holds the job's pool updated, episodes, tool masks,
+        log-probs and versions included, and trains its share of the first ``target``.
+
+        Seeds (``seed_mode="sample"``): a request the call starts (a fresh group, a turn an earlier abort stopped) as
+        :meth:`run_partial_balanced` seeds it (its home engine's slots); a turn after tool results from the group's
+        home, the turn and the sample's place in the pool: never from the engine that runs it. Collective over every
+        rank. Returns the job's :class:`PartialRun` (``engine_groups``: the pool indices this engine ran) and this
+        engine's :class:`AgentStats`."""
+        leader = self.rank == self.tp_ranks[0]
+        if self._world_group is None:  # one engine: its pool is the job's
+            run, stats = self.run_partial_agents(groups, target, sampling, version, agent, workers,
+                                                 owns=lambda g: leader)
+            run.engine_groups = [i for i, g in enumerate(groups) if not g.finished]
+            return run, stats
+        self._start_pool(groups, sampling)
+        seeded = sampling.seed is not None and self.seed_mode == "sample"
+        slots = home_seed_slots(groups, homes, sampling.max_tokens)
+        bases = {e: engine_seed(sampling.seed, e) for e in set(homes)} if seeded else {}
+        own = None  # TP > 1 without per-request seeds: every request still gets one (see run_partial_agents)
+        if not seeded and len(self.tp_ranks) > 1:
+            own = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
+                   else self._gather_tp(secrets.randbits(SEED_BITS))[0])
+        width = max((g.n for g in groups), default=1)
+
+        def make_params(n: int, budget: int, slot: int, request):
+            seed = None if own is None else own + slot
+            if seeded:
+                base, first = bases[homes[request.group]], request.samples[0]
+                seed = (base + slots[(request.group, first)] if request.started
+                        else prompt_seed(own_turn_seed(base, request.turn), request.group * width + first, 1))
+            return self._sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
+
+        order, segments = queue_order(groups, homes, self.layout.num_engines)
+        finished_before = [i for i, g in enumerate(groups) if g.finished]
+        self._pull_calls += 1
+        key = f"{self._pull_prefix}/{self._pull_calls}"
+        store = self._store
+        queue = GroupQueue(store, key, segments, self.engine_index)
+        ask = (lambda fn: fn()) if self._tp_group is None else (lambda fn: self._gather_tp(fn() if leader else None)[0])
+        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        outstanding = self.llm.llm_engine.get_num_unfinished_requests
+        pulled: list[int] = []
+        tickets: dict[int, int] = {}
+
+        def pull() -> tuple[list[int], bool]:
+            held = outstanding()
+            if held >= capacity + width:
+                return [], False
+            want = max(1, math.ceil((capacity + width - held) / width))
+            got = ask(lambda: [order[p] for p in queue.claim(want)])
+            pulled.extend(got)
+            return got, not got
+
+        def finished(done: list[int]) -> None:  # job-wide tickets, in the order the store saw the groups
+            def take() -> list[int]:
+                end = len(finished_before) + int(store.add(f"{key}/finished", len(done)))
+                return list(range(end - len(done), end))
+
+            tickets.update(zip(done, ask(take)))
+
+        def reached() -> bool:
+            return ask(lambda: len(finished_before) + int(store.add(f"{key}/finished", 0)) >= target)
+
+        from vllm.inputs import TokensPrompt
+
+        from trl_nrollout.rollout.partial_agents import run_partial_agents
+
+        with self._engine_rng(sampling.seed):
+            run, stats = run_partial_agents(
+                self._loop(stream=True), groups, target, version, agent, make_params=make_params,
+                prompt=lambda ids: TokensPrompt(prompt_token_ids=list(ids)), owns=lambda g: leader,
+                exchange=self._gather_tp, workers=workers, poll_s=0.01, pull=pull, finished=finished,
+                reached=reached)
+        parts: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, ({i: run.groups[i] for i in pulled}, tickets) if leader
+                                            else ({}, {}), group=self._world_group)
+        if self.rank == 0:  # every rank is past its last claim
+            for name in [*map(str, range(self.layout.num_engines)), "finished"]:
+                store.delete_key(f"{key}/{name}")
+        return partial_result(groups, parts, pulled, run.aborted, run.engine_steps, run.new_tokens,
+                              finished_before), stats
+
     def gather_job(self, obj) -> list:
         """``obj`` of every rank of the job, in rank order (``[obj]`` with one engine: see :meth:`gather_tp`).
         Collective over every rank."""

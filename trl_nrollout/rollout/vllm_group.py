@@ -497,7 +497,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             base = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
                     else self._gather_tp(secrets.randbits(SEED_BITS))[0])
 
-        def make_params(n: int, budget: int, slot: int):
+        def make_params(n: int, budget: int, slot: int, _request):
             seed = None if base is None else base + slot
             return self._sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
 

@@ -89,22 +89,25 @@ class AgentRollouts:
             self._agent_endpoint = None
 
     def _agent_refusal(self) -> str | None:
-        """Why this trainer cannot run ``agent=`` (None: it can)."""
+        """Why this trainer cannot run ``agent=`` (None: it can); the rows of
+        :data:`~trl_nrollout.rollout.axes.REFUSALS` whose first side is ``agent``."""
+        from trl_nrollout.rollout.axes import machine_refusal
+
         args = self.args
         if self.rollout_backend != "vllm":
-            return ("agent= needs vLLM engines (the endpoint runs each request on the engine's request-level loop); "
-                    "the HF engine generates whole batches. Set rollout_backend='vllm' with vLLM installed.")
+            return machine_refusal("agent", "drop agent=", auto=args.rollout_backend == "auto")
         if self.tools or getattr(self, "environment_factories", None) or self.rollout_func is not None:
-            return ("agent= runs its own tools and loop: it cannot be combined with tools=, environment_factory= or "
-                    "rollout_func=; give the agent its tools, or drop agent=.")
+            return ("agent= with tools, environment_factory or rollout_func: the agent is the episode's loop and runs "
+                    "its own tools; give the agent its tools, or drop agent=.")
         for option, on, why in (
                 ("rollout_ranks", args.rollout_ranks, "each rank serves its own episodes on its own engine"),
-                ("rollout_partial", args.rollout_partial, "an agent's episode cannot stop and continue after a "
-                                                          "weight sync yet"),
+                ("rollout_partial=True", args.rollout_partial, "an agent's episode cannot stop and continue after a "
+                                                               "weight sync yet"),
                 ("rollout_dispatch='balanced'", args.rollout_dispatch == "balanced",
-                 "an episode's requests go to its rank's engine")):
+                 "an episode's requests go to its own rank's endpoint and engine")):
             if on:
-                return f"agent= with {option} is not built yet: {why}. Remove {option.split(' ')[0]} for agents."
+                return (f"agent= with {option} is not built yet: {why}. Remove {option.split('=')[0]} (or set it off) "
+                        "for agents.")
         if args.rollout_seed_mode == "engine":
             return ("agent= with rollout_seed_mode='engine': the endpoint seeds each request (a sample's tokens must "
                     "not depend on which other requests share an engine step); use rollout_seed_mode='sample'.")

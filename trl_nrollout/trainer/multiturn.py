@@ -83,9 +83,11 @@ def _blocks(content: str | list) -> list:
 class MultiTurnRollout:
     """Mixin: episodes (environments), tool turns and custom rollout functions on the trainer's engines."""
 
-    def _start_episodes(self, inputs: list[dict]) -> tuple[list, list]:
+    def _start_episodes(self, inputs: list[dict], busy: set[int] | None = None) -> tuple[list, list]:
         """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
-        (a returned observation is appended to the prompt's last message), and each sample's tools (sync, async)."""
+        (a returned observation is appended to the prompt's last message), and each sample's tools (sync, async).
+        ``busy``: ids of pool environments not to draw (None: those a partial rollout's episodes in flight hold,
+        trainer/partial_envs.py, so that an evaluation's episodes never reset them)."""
         factories = getattr(self, "environment_factories", None)
         if factories is None:
             prompts = attach_images([x["prompt"] for x in inputs], dataset_images(inputs))
@@ -101,16 +103,19 @@ class MultiTurnRollout:
         self._batch_environments = names  # TRL's _tokenize_prompts renders each prompt with its environment's tools
         taken: Counter = Counter()
         self.environments = []
+        held = busy if busy is not None else {id(env) for envs in self.__dict__.get("_partial_envs_by_key", {}).values()
+                                               for env in envs}
         for name in names:
             pool = self._environment_pool[name]
+            while taken[name] < len(pool) and id(pool[taken[name]]) in held:
+                taken[name] += 1
             if taken[name] == len(pool):
                 pool.append(factories[name]())
             self.environments.append(pool[taken[name]])
             taken[name] += 1
         tools = [split_tools(list(self._standalone_tools) + _environment_tools(env)) for env in self.environments]
         for i, (env, row) in enumerate(zip(self.environments, inputs)):
-            kwargs = {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
-            observation = env.reset(**kwargs)
+            observation = env.reset(**self._reset_kwargs(row))
             if observation is None:
                 continue
             last = prompts[i][-1]
@@ -121,6 +126,11 @@ class MultiTurnRollout:
                 content = content + observation
             prompts[i] = prompts[i][:-1] + [{**last, "content": content}]
         return prompts, tools
+
+    def _reset_kwargs(self, row: dict) -> dict:
+        """What an environment's ``reset`` gets for a dataset ``row`` (TRL's rule: the row, less ``environment``
+        where ``environment_factory`` is a dict)."""
+        return {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
 
     def _parse_turn(self, i: int, ids: list[int], prefix: list[int]) -> dict:
         """Sample ``i``'s assistant message from its turn's token ids (TRL's parser, with its prompt's tools)."""

@@ -9,7 +9,10 @@ rank), so a resumed run continues the samples that were in flight.
 With ``rollout_dispatch="balanced"`` and several engines the pool is the job's (every rank's new prompts gathered
 over every rank, so every rank holds the same pool): its unfinished groups form one queue the engines pull from
 (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.run_partial_balanced`), the job's first groups to
-finish train, rank ``r`` taking the ``r``-th share of them.
+finish train, rank ``r`` taking the ``r``-th share of them. Tool-calling episodes too
+(:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.run_partial_agents_balanced`): a group's turns and
+tools run on the engine that pulled it (its first rank's tools: ``tools=`` are the same on every rank), and every
+engine's groups, episodes and masks included, reach every rank afterwards.
 
 Image prompts: a group holds its prompt's engine ids (placeholders not expanded) and its images, sent with every
 request of the group, a continued sample's included; when it trains, the processor encodes its prompt again (the
@@ -35,14 +38,16 @@ from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
 from trl_nrollout.rollout.partial_agents import AgentPartialSample
 from trl_nrollout.trainer.multiturn import Episode
+from trl_nrollout.trainer.partial_envs import PartialEnvironments
 from trl_nrollout.trainer.stages import Round, Sample, StepContext
 
 #: the in-flight pool of a rank, in each checkpoint
 POOL_FILE = "nrollout_partial_rank{rank}.json"
 
 
-class PartialRollouts:
-    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the partial-rollout step and its pool."""
+class PartialRollouts(PartialEnvironments):
+    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the partial-rollout step and its pool
+    (with ``environment_factory``, its environments: :class:`PartialEnvironments`)."""
 
     def _partial_refusal(self) -> str | None:
         """Why this trainer cannot roll out partially (None when it can)."""
@@ -52,20 +57,17 @@ class PartialRollouts:
             return ("rollout_partial=True with rollout_func: the function generates whole samples itself, so the "
                     "trainer cannot stop its requests and continue them after a weight sync; set "
                     "rollout_partial=False, or use tools= (partial with rollout_multi_turn='requests').")
-        if getattr(self, "environment_factories", None):
-            return ("rollout_partial=True with environment_factory: an environment per sample would have to live "
-                    "across steps and checkpoints, which is not built yet (tools= are partial); set "
-                    "rollout_partial=False for environments.")
+        layout = getattr(self, "layout", None)
+        if getattr(self, "environment_factories", None) and layout is not None and layout.rollout_tp_size > 1:
+            return (f"rollout_partial=True with environment_factory and rollout_tp_size>1 (here "
+                    f"{layout.rollout_tp_size}): an engine's ranks train the first groups of its pool to finish, "
+                    "whichever rank drew them, and a group's environments live on the rank that drew its prompt "
+                    "(they cannot move); set rollout_tp_size=1 (one engine per rank), or rollout_partial=False.")
         if self.tools and self.args.rollout_multi_turn != "requests":
             return (f"rollout_partial=True with tools and rollout_multi_turn={self.args.rollout_multi_turn!r}: a turn "
                     "barrier waits for every sample's turn, while a partial rollout stops before its slowest "
                     "samples; set rollout_multi_turn='requests' (each sample's turns run as requests, its tools "
                     "while the others generate), or rollout_partial=False.")
-        if self.tools and getattr(self.args, "rollout_dispatch", "shares") == "balanced":
-            return ("rollout_partial=True with rollout_dispatch='balanced' and tools: a partial rollout of "
-                    "tool-calling episodes keeps a pool per engine (its tools run on the ranks that own its groups), "
-                    "a job-wide balanced pool is built for single-turn samples only so far; set "
-                    "rollout_dispatch='shares' for tools, or drop the tools.")
         return None
 
     def _partial_round(self, ctx: StepContext, round_: int = 0) -> Round:
@@ -92,14 +94,25 @@ class PartialRollouts:
             new += self._new_groups(self._draw_inputs(extra)[::n], n, version, round_, rank, len(rows))  # as DAPO draws
         gathered = engine.gather_job(new) if job else engine.gather_tp(new)
         new = [g for chunk in gathered for g in chunk]  # the pool's new groups, rank order
-        pool, restarted, dropped = drop_stale(self._partial_pool, version, args.max_staleness)
+        envs = self._has_environments
+        before = self._restore_env_groups(self._partial_pool, rank) if envs else self._partial_pool
+        pool, restarted, dropped = drop_stale(before, version, args.max_staleness)
+        if envs:  # a sample started again starts its environment again
+            self._reset_restarted(before, pool)
         sampling = self._sampling(ctx.mode, round_=round_)
-        if self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_agents.py)
-            run, stats = engine.run_partial_agents(pool + new, target, sampling, version, self._partial_agent(),
+        homes = [self.layout.engine_of_rank(g.key[2]) for g in pool + new] if job else None
+        if self.tools and job:  # the job's episodes from one queue, back to every rank (rollout/vllm_balanced.py)
+            run, stats = engine.run_partial_agents_balanced(pool + new, target, sampling, version, homes,
+                                                            self._partial_agent(), args.tool_workers)
+            self._log_agent_stats(ctx.mode, stats)
+        elif self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_agents.py)
+            agent = self._partial_agent()
+            if envs:  # each sample's tools are its environment's methods
+                agent = self._env_agent(agent, pool + new, n)
+            run, stats = engine.run_partial_agents(pool + new, target, sampling, version, agent,
                                                    args.tool_workers, owns=lambda g: g.key[2] == rank)
             self._log_agent_stats(ctx.mode, stats)
         elif job:
-            homes = [self.layout.engine_of_rank(g.key[2]) for g in pool + new]
             run = engine.run_partial_balanced(pool + new, target, sampling, version, homes)
         else:
             run = engine.run_partial(pool + new, target, sampling, version)
@@ -133,7 +146,11 @@ class PartialRollouts:
                 mm_local = [s.mm for s in samples] if any(m is not None for m in mm) else None
                 samples = [replace(s, mm=None) for s in samples]
         completion_ids = [s.completion_ids for s in samples]
+        if envs:  # the reward functions' environments=: those of the samples trained, in order
+            self._envs_for_rewards(mine)
         scores = self._score(inputs, sample_prompts, completions, completion_ids)
+        if envs:
+            self._release_envs(chosen)
         t2 = time.perf_counter()
         table = None
         if self.log_completions:
@@ -158,14 +175,19 @@ class PartialRollouts:
                     ) -> list[InFlightGroup]:
         """The pool's new groups of this rank's dataset ``rows`` (one per prompt, ``n`` samples, keyed ``(version,
         round, rank, first + g)``): each with the prompt's engine ids (image placeholders not expanded) and its images."""
+        kind = AgentPartialSample if self.tools else PartialSample
+        keys = [(version, round_, rank, first + g) for g in range(len(rows))]
+        if self._has_environments:  # n environments per group, reset with its row (trainer/partial_envs.py)
+            prompts, ids, envs = self._start_env_groups(rows, n)
+            self._partial_envs.update(zip(keys, envs))
+            return [InFlightGroup.fresh(key, p, n, payload={"row": dict(row), "prompt": prompt}, sample=kind)
+                    for key, p, row, prompt in zip(keys, ids, rows, prompts)]
         prompts, _ = self._start_episodes(rows)
         images = self._encode_images(prompts)  # None for text; refuses images with tools or a plain tokenizer
         ids = images.engine_ids if images is not None else self._tokenize_prompts(prompts)[0]
-        kind = AgentPartialSample if self.tools else PartialSample
-        return [InFlightGroup.fresh((version, round_, rank, first + g), list(p), n,
-                                    payload={"row": dict(row), "prompt": prompt}, sample=kind,
+        return [InFlightGroup.fresh(key, list(p), n, payload={"row": dict(row), "prompt": prompt}, sample=kind,
                                     images=images.images[g] if images is not None else None)
-                for g, (p, row, prompt) in enumerate(zip(ids, rows, prompts))]
+                for g, (key, p, row, prompt) in enumerate(zip(keys, ids, rows, prompts))]
 
     def _trained_prompts(self, groups: list[InFlightGroup], n: int) -> tuple[list[list[int]], list]:
         """Per sample of ``groups`` (``n`` each): the prompt ids the model trains on and its image tensors. A text
@@ -180,7 +202,8 @@ class PartialRollouts:
 
     def _partial_agent(self) -> AgentCallbacks:
         """What the pool's tool-calling episodes need from the trainer: TRL's parser and tools (the same for every
-        sample: environments are not partial), the tool results' tokens, the limits."""
+        sample; with environments, :meth:`_env_agent` gives each sample its own), the tool results' tokens, the
+        limits."""
         loop = getattr(self, "async_loop", None)
         sync, asyn = split_tools(list(self.tools or []))
         max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
@@ -194,7 +217,7 @@ class PartialRollouts:
         """This rank's pool as JSON (its groups' prompts, tokens, log-probs, versions, dataset rows and images)."""
         path = os.path.join(folder, POOL_FILE.format(rank=self.accelerator.process_index))
         try:
-            text = pool_to_json(self._partial_pool)
+            text = pool_to_json(self._pool_to_save(self._partial_pool))
         except TypeError as err:
             raise TypeError(f"rollout_partial=True saves the samples in flight with their dataset rows, and a row "
                             f"holds a value JSON cannot write ({err}); keep the dataset's columns to text and "
@@ -208,6 +231,7 @@ class PartialRollouts:
             return
         with open(path) as fh:
             self._partial_pool = pool_from_json(fh.read())
+        self._note_restored_pool(self._partial_pool)
 
 
 #: how a PIL image is written in a pool's JSON (a lossless PNG, base64)
