@@ -206,7 +206,9 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "for its longest sample. Every token keeps the policy version that sampled it and its behaviour "
                 "log-prob (what rollout_is weights by). With filter_groups, DAPO's filtered groups leave the pool at "
                 "once and extra rounds run the pool on with fresh prompts. vLLM engines; image prompts (their images "
-                "go with every request) and rollout_dispatch='balanced' (one job-wide pool) included."})
+                "go with every request), rollout_dispatch='balanced' (one job-wide pool), tool episodes "
+                "(rollout_multi_turn='requests') and environment_factory (one engine per rank; a checkpoint restarts "
+                "the episodes in flight) included."})
     rollout_partial_oversample: float = field(default=1.0, metadata={
         "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "
                 "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "

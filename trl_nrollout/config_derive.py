@@ -157,9 +157,16 @@ class ConfigDerivation:
         if self.rollout_n is None:
             self.rollout_n = self.num_generations
         layout = RolloutLayout.build(**self._layout_kwargs(world))
+        sp = layout.sequence_parallel_size
+        if layout.ppo_micro_batch_size_per_device % sp:
+            raise InputError(
+                f"sequence_parallel_size={sp}: a sequence-parallel group's micro batch of "
+                f"{layout.ppo_micro_batch_size_per_device} samples does not split into TRL's per-device batches of "
+                f"the group's {sp} ranks; make ppo_micro_batch_size_per_device a multiple of {sp}.")
         derived = {
             "num_generations": layout.rollout_n,
-            "per_device_train_batch_size": layout.ppo_micro_batch_size_per_device,
+            # TRL counts its batch over every process; a sequence-parallel group of S shares one micro batch
+            "per_device_train_batch_size": layout.ppo_micro_batch_size_per_device // sp,
             "gradient_accumulation_steps": layout.gradient_accumulation_steps,
             "num_iterations": layout.ppo_epochs,
         }

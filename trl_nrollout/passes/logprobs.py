@@ -39,6 +39,14 @@ from trl_nrollout.passes.padfree import (
     rows_attention,
     rows_mask_dtype,
 )
+from trl_nrollout.passes.ulysses import (
+    SPGroup,
+    gather_sequence,
+    inner_for_rows,
+    install,
+    shard_rows,
+    sp_multiple,
+)
 
 Ids = Sequence[int] | Tensor
 
@@ -209,6 +217,7 @@ def compute_log_probs(
     pad_to_multiple_of: int | None = None,
     support: SupportFn | None = None,
     padding_free: bool = False,
+    sequence_parallel: SPGroup | None = None,
 ) -> LogProbOutput:
     """Score every completion token under ``model``; return ``[B, C_max]`` log-probs in the input order.
 
@@ -241,6 +250,10 @@ def compute_log_probs(
       varlen boundaries (:mod:`~trl_nrollout.passes.varlen`). With
       ``max_token_len`` the budget then counts real tokens, and the micro batches, as many on every rank as the
       busiest needs, hold even work (:func:`~trl_nrollout.passes.padfree.budgeted_parts`).
+    - ``sequence_parallel``: this rank's Ulysses group (:mod:`trl_nrollout.passes.ulysses`; every rank of it
+      passes the same samples): every micro batch runs as padding-free rows split over the group, each rank's
+      shard scored and the whole rows' values gathered, so every rank returns what one process would. The model's
+      attention is wrapped (:func:`~trl_nrollout.passes.ulysses.install`) on first use.
 
     The model is put in eval mode for the pass and its mode restored; positions are counted from each
     sequence's first real token, so the result does not depend on padding.
@@ -261,6 +274,14 @@ def compute_log_probs(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every sample needs at least one prompt token before its completion (an empty prompt "
                          "has no position that predicts the first completion token).")
+    sp = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
+    if sp is not None:
+        if mm_inputs is not None and any(mm_inputs) or support is not None:
+            raise ValueError("sequence_parallel_size > 1 scores text rows only: images (mm_inputs) and a sampler's "
+                             "support replay are not sharded yet; use sequence_parallel_size=1.")
+        install(unwrap_model(model))
+        if max_token_len is not None:  # per device: a group's micro batch holds its S ranks' tokens
+            max_token_len *= sp.size
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     budgeted = padding_free and max_token_len is not None and micro_batch_size is None and mm_inputs is None
     if budgeted:
@@ -299,13 +320,13 @@ def compute_log_probs(
                 temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side, chunk_rows=chunk_rows,
                 device=device, mm=None if mm is None else [mm[i] for i in idx], shared_prompts=shared_prompts,
                 head_fp32=head_fp32, multiple_of=pad_to_multiple_of, support=support, mass=mass,
-                padding_free=padding_free,
+                padding_free=padding_free, sp=sp,
             )
         for _ in range(num_forwards - len(batches)):  # keep collectives in step with busier ranks
             _score_micro_batch(model, parts, [prompts[0]], [completions[0]], [0], logprobs.clone(), None,
                                temperature=temperature, pad_token_id=pad_token_id, pad_side=pad_side,
                                chunk_rows=chunk_rows, device=device, mm=None if mm is None else mm[:1],
-                               head_fp32=head_fp32, multiple_of=pad_to_multiple_of)
+                               head_fp32=head_fp32, multiple_of=pad_to_multiple_of, sp=sp)
     finally:
         inner.train(was_training)
     return LogProbOutput(logprobs, entropy, num_forwards, mass)
@@ -393,7 +414,12 @@ def _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_to
 
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
                        pad_side, chunk_rows, device, mm=None, shared_prompts=False, head_fp32=False,
-                       multiple_of=None, support=None, mass=None, padding_free=False) -> None:
+                       multiple_of=None, support=None, mass=None, padding_free=False, sp=None) -> None:
+    if sp is not None:
+        _score_sharded(model, parts, prompts, completions, idx, logprobs, entropy, temperature=temperature,
+                       pad_token_id=pad_token_id, chunk_rows=chunk_rows, device=device, head_fp32=head_fp32,
+                       multiple_of=multiple_of, sp=sp)
+        return
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = round_up(max(len(s) for s in seqs), multiple_of)
     starts = [width - len(s) if pad_side == "left" else 0 for s in seqs]  # where each row's sequence begins
@@ -462,3 +488,39 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     if mass is not None and kept is not None:
         mass[out_r_t, out_c_t] = kept
 
+
+
+def _score_sharded(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
+                   chunk_rows, device, head_fp32, multiple_of, sp: SPGroup) -> None:
+    """A micro batch as padding-free rows split over the Ulysses group ``sp`` (:mod:`~trl_nrollout.passes.ulysses`):
+    this rank's shard through the decoder (or the model), its scored positions through the head, and the whole
+    rows' log-probs (and entropies) gathered from the group into ``logprobs`` / ``entropy`` rows ``idx``."""
+    module = parts[0] if parts is not None else unwrap_model(model)
+    weights = next((q.dtype for q in module.parameters() if q.is_floating_point()), torch.float32)
+    config = getattr(unwrap_model(model), "config", None)
+    dtype = rows_mask_dtype(config, weights, query_dtype(weights, device.type), device.type)  # None: varlen
+    pk = pack_rows([torch.tensor(p, dtype=torch.long, device=device) for p in prompts],
+                   [torch.tensor(c, dtype=torch.long, device=device) for c in completions], pad_token_id,
+                   mask_dtype=dtype, pad_to_multiple_of=sp_multiple(multiple_of, sp.size))
+    shard = shard_rows(pk, sp, inner_for_rows(config, pk))
+    if parts is not None:
+        feats = parts[0](input_ids=shard.input_ids, **shard.forward_kwargs()).last_hidden_state
+    else:
+        feats = model(input_ids=shard.input_ids, **shard.forward_kwargs()).logits
+    labels = shard.shift_labels.reshape(-1)
+    scored = labels != -100
+    flat = feats.reshape(-1, feats.shape[-1])[scored]
+    head = parts[1] if parts is not None else None
+    fp32 = head_fp32 and head is not None
+    no_autocast = torch.autocast(flat.device.type, enabled=False) if fp32 else contextlib.nullcontext()
+    with _whole_head(head) as head_fn, no_autocast:
+        lp, ent, _ = chunked_token_logprobs(flat.float() if fp32 else flat, labels[scored], head_fn,
+                                            temperature=temperature, chunk_rows=chunk_rows,
+                                            with_entropy=entropy is not None)
+    values = [lp] if ent is None else [lp, ent]
+    for v, out in zip(values, (logprobs, entropy)):
+        local = torch.zeros(labels.shape, dtype=torch.float32, device=device)
+        local[scored] = v
+        whole = pk.gather(gather_sequence(local.reshape(shard.input_ids.shape), sp))  # [b, C]
+        for r, (i, c) in enumerate(zip(idx, completions)):
+            out[i, :len(c)] = whole[r, :len(c)]

@@ -65,8 +65,11 @@ def packed_shape(prompt_ids: Tensor, completion_ids: Tensor, prompt_mask: Tensor
 
 
 def _attention(config) -> str:
-    """The model's attention implementation (transformers' default, SDPA, when the config does not say)."""
-    return getattr(config, "_attn_implementation", None) or "sdpa"
+    """The model's attention implementation (transformers' default, SDPA, when the config does not say; under
+    Ulysses the one it wraps: :func:`~trl_nrollout.passes.varlen.attention_of`)."""
+    from trl_nrollout.passes.varlen import attention_of
+
+    return attention_of(config)
 
 
 def structural_reason(config, *, images: bool = False, aux_loss: bool = False, varlen: bool = False) -> str | None:

@@ -172,8 +172,12 @@ def register() -> None:
 
 
 def attention_of(config) -> str:
-    """The model's attention implementation (transformers' default, SDPA, when the config does not say)."""
-    return getattr(config, "_attn_implementation", None) or "sdpa"
+    """The model's attention implementation (transformers' default, SDPA, when the config does not say); under
+    Ulysses (:func:`~trl_nrollout.passes.ulysses.install`) the one it wraps."""
+    attn = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attn == "trl_nrollout_ulysses":
+        return getattr(config, "_ulysses_inner", None) or "sdpa"
+    return attn
 
 
 def packed_attention(config, device_type: str, queries: torch.dtype) -> str:

@@ -146,11 +146,23 @@ def _dp_link(work: Workload, dev: DeviceProfile) -> float:
 
 
 def _gather_s(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: DeviceProfile) -> float:
-    """A sharded trainer's all-gather of the parameters for one forward (ZeRO-3 / FSDP)."""
-    dp = layout.data_parallel_size
+    """A sharded trainer's all-gather of the parameters for one forward (ZeRO-3 / FSDP: over every trainer, the
+    ranks of a sequence-parallel group included)."""
+    dp = layout.data_parallel_size * layout.sequence_parallel_size
     if not work.sharded or dp == 1:
         return 0.0
     return dims.num_parameters * dims.dtype_bytes * (dp - 1) / dp / _dp_link(work, dev)
+
+
+def all_to_all_s(dims: ModelDims, tokens: float, sp: int, dev: DeviceProfile) -> float:
+    """Seconds of one forward's Ulysses all-to-alls over ``tokens`` (a data-parallel rank's, split over its ``sp``
+    ranks): per layer, q, k and v before attention and the output after it, each rank sending ``(sp - 1) / sp`` of
+    its shard, over the node's link (the group is ``sp`` consecutive ranks); 0 without sequence parallelism."""
+    if sp <= 1:
+        return 0.0
+    q, kv = dims.num_attention_heads * dims.head_dim, dims.num_key_value_heads * dims.head_dim
+    per_token = (2 * q + 2 * kv) * dims.dtype_bytes * dims.num_hidden_layers
+    return tokens / sp * per_token * (sp - 1) / sp / (dev.link_bw * dev.link_eff)
 
 
 def _compute_s(shape: PassShape, dims: ModelDims, dev: DeviceProfile) -> float:
@@ -200,8 +212,11 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
         return pass_shape(samples, micro.per_device, n, work, max_token_len=micro.max_token_len,
                           query_bytes=dims.dtype_bytes, budgeted=budgeted)
 
+    sp = layout.sequence_parallel_size  # Ulysses: each rank of a group computes 1/sp of its samples' tokens
+
     def forward_s(p: PassShape) -> float:
-        return _compute_s(p, dims, dev) + p.forwards * (dev.forward_s + gather)
+        return _compute_s(p, dims, dev) / sp + p.forwards * (dev.forward_s + gather) + all_to_all_s(dims, p.tokens, sp,
+                                                                                                   dev)
 
     on_policy = layout.optimizer_steps_per_rollout == 1 and work.skip_old_on_policy
     old_shape, ref_shape = shape(layout.old_log_prob), shape(layout.ref_log_prob)
@@ -209,7 +224,7 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
     ref_s = forward_s(ref_shape) if work.kl else 0.0
     update = update_shape(layout, work, dims.dtype_bytes)
     micro = update.forwards * layout.ppo_epochs
-    dp = layout.data_parallel_size
+    dp = layout.data_parallel_size * sp  # ZeRO / FSDP shard and DDP reduces over every trainer (Ulysses groups too)
     trained = dims.num_parameters if work.lora_r is None else dims.lora_parameters(work.lora_r)
     shard = trained / (dp if work.sharded else 1)
     optimizer_s = layout.optimizer_steps_per_rollout * shard * OPTIMIZER_BYTES_PER_PARAM / dev.optimizer_rate
@@ -218,9 +233,12 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
                                                                     + 4 / dev.host_rate)
     reduce_s = 0.0 if dp == 1 else (layout.optimizer_steps_per_rollout * trained * 4 * (dp - 1) / dp
                                     / _dp_link(work, dev))
+    # the update's all-to-alls: the forward's, the backward's, and the recomputed forward's with checkpointing
+    update_a2a = layout.ppo_epochs * all_to_all_s(dims, update.tokens, sp, dev) * (3 if work.gradient_checkpointing
+                                                                                   else 2)
     update_s = (layout.ppo_epochs * (3 * _compute_s(update, dims, dev) + update.tokens * dev.train_token_s
-                                     + samples * dev.train_sample_s)
-                + micro * (2 * dev.forward_s + 2 * gather) + optimizer_s + reduce_s
+                                     + samples * dev.train_sample_s) / sp
+                + micro * (2 * dev.forward_s + 2 * gather) + optimizer_s + reduce_s + update_a2a
                 + layout.optimizer_steps_per_rollout * dev.train_fixed_s)
     if work.critic:  # a value pass and the critic's own update, a model of the policy's size
         old_s += forward_s(old_shape)
@@ -238,13 +256,15 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
     train_bytes = math.ceil(trainer_state_bytes(dims, work, dp) * (2 if work.critic else 1))
     from trl_nrollout.plan.activations import activation_bytes_per_token
 
-    activation_bytes = math.ceil(update.slots_per_forward * activation_bytes_per_token(
+    activation_bytes = math.ceil(update.slots_per_forward / sp * activation_bytes_per_token(
         dims, dtype_bytes=min(dims.dtype_bytes, 2), gradient_checkpointing=work.gradient_checkpointing))
     details.update(engine_weight_bytes=engine_weights, kv_bytes=kv.bytes_per_gpu_shared,
                    update_tokens_per_rank=update.tokens, update_pairs_per_rank=update.pairs,
                    update_packed=update.packed, update_padfree=update.padfree,
                    update_forwards_per_epoch=update.forwards, update_slots_per_forward=update.slots_per_forward, forward_flops_per_rank=update.flops(dims), micro_steps=micro,
-                   optimizer_s=optimizer_s, weight_sync_bytes=sync_bytes,
+                   optimizer_s=optimizer_s, weight_sync_bytes=sync_bytes, sequence_parallel_size=sp,
+                   all_to_all_s=update_a2a + (0.0 if on_policy else all_to_all_s(dims, old_shape.tokens, sp, dev))
+                   + (all_to_all_s(dims, ref_shape.tokens, sp, dev) if work.kl else 0.0),
                    lora_sync=work.lora_sync if work.lora_r is not None else None)
     return StepPrediction(phases=phases, total_s=total, samples_per_s=layout.total_samples / total,
                           engine_bytes=engine_bytes, train_bytes=train_bytes, details=details,

@@ -285,6 +285,10 @@ def prediction_rows(pred: StepPrediction) -> list[tuple[str, str]]:
                                    f"{d['update_slots_per_forward']:,.0f} token slots each ("
                                    + ("shared-prompt rows" if d.get("update_packed") else
                                       "padding-free rows" if d.get("update_padfree") else "padded rows") + ")"),
+             *([("  sequence parallel", f"{d['sequence_parallel_size']} ranks per group (Ulysses): each computes and "
+                                        f"holds 1/{d['sequence_parallel_size']} of its group's tokens; all-to-alls "
+                                        f"{d['all_to_all_s']:.3g} s per step")]
+               if d.get("sequence_parallel_size", 1) > 1 else []),
              ("  weight sync", f"{d['weight_sync_bytes'] / 2**20:,.1f} MiB per sync ("
                                + ("the LoRA adapter: the engines serve it" if d.get("lora_sync") == "adapter" else
                                   "full weights, the LoRA adapter merged in" if d.get("lora_sync") else "full weights")
@@ -344,16 +348,16 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     util = engine_utilization(values)
     shardings = SEARCHED_SHARDING if not values.get("trainer_sharding") else None
     extra = {k: values[k] for k in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device",
-                                    "log_prob_micro_batch_size_per_device",
-                                    "ref_log_prob_micro_batch_size_per_device") if values.get(k) is not None}
+                                    "log_prob_micro_batch_size_per_device", "ref_log_prob_micro_batch_size_per_device",
+                                    "sequence_parallel_size") if values.get(k) is not None}
     staleness = values.get("max_staleness")
     staleness = 1 if staleness is None else int(staleness)
     nnodes = int(values.get("nnodes") or 1)
     local = int(values.get("n_gpus_per_node") or max(1, int(world) // nnodes))
-    def run(tried: Sequence[str] | None) -> list[Candidate]:
+    def run(tried: Sequence[str] | None, more: dict | None = None) -> list[Candidate]:
         try:
             return search(dims, int(world), int(prompts), work, dev, n_values=n_values, gpu_memory_utilization=util,
-                          sleep_mode=bool(values.get("vllm_enable_sleep_mode")), layout_extra=extra,
+                          sleep_mode=bool(values.get("vllm_enable_sleep_mode")), layout_extra={**extra, **(more or {})},
                           rollout_ranks=rollout_ranks, max_staleness=staleness, local_world=local,
                           shardings=tried,
                           try_dynamic_bsz=not any(values.get(k) is not None for k in (
@@ -367,11 +371,23 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
         notes.append("no layout fits with the trainer sharded on its devices alone: tried ZeRO-3 with the optimizer "
                      "offloaded to host memory (zero3_offload: slower optimizer steps, host memory per device "
                      "12 bytes per trained parameter / data-parallel size).")
+    if not any(c.reason is None for c in found) and not values.get("sequence_parallel_size"):
+        for sp in (s for s in (2, 4, 8) if int(world) % s == 0 and dims.num_attention_heads % s == 0):
+            tried = [c for c in run(shardings, {"sequence_parallel_size": sp}) if c.reason is None]
+            if shardings is not None and not tried:
+                tried = [c for c in run(OFFLOAD_SHARDING, {"sequence_parallel_size": sp}) if c.reason is None]
+            if tried:  # a sample's activations split over sp ranks (Ulysses): the smallest sp that fits
+                for c in tried:
+                    c.options["sequence_parallel_size"] = sp
+                found = tried + found
+                notes.append(f"no layout fits with whole samples on each device: sequence_parallel_size={sp} (Ulysses: "
+                             f"each sample's tokens split over {sp} ranks, its activations 1/{sp} per device) fits.")
+                break
     fit = [c for c in found if c.reason is None]
     refused = [c for c in found if c.reason is not None]
     lines = [f"layouts for {dims.name} on {world} x {dev.name}, {prompts} prompts per step, ranked by predicted "
              f"samples/s ({len(fit)} fit, {len(refused)} refused):",
-             "rank  tp  n   max_num_seqs       sharding  update micro batch  step (s)  samples/s  generation (s)  "
+             "rank  tp  n   max_num_seqs           sharding  update micro batch  step (s)  samples/s  generation (s)  "
              "engine GiB  trainer GiB"
              + ("  trainers + rollout ranks" if rollout_ranks else "")]
     for i, c in enumerate(fit[:top], 1):
@@ -381,11 +397,12 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
             r = o.get("rollout_ranks", 0)
             split = (f"  {int(world) - r} + {r} (max_staleness={staleness})" if r
                      else "  colocated (every process both)")
-        shard = o.get("trainer_sharding") or values.get("trainer_sharding") or "none"
+        shard = (o.get("trainer_sharding") or values.get("trainer_sharding") or "none") + (
+            f" sp{o['sequence_parallel_size']}" if o.get("sequence_parallel_size", 1) > 1 else "")
         update = (f"<= {o['ppo_max_token_len_per_device']} tokens" if o.get("use_dynamic_bsz") else
                   f"<= {work.update_token_budget} tokens" if work.update_token_budget else "count")
         lines.append(f"{i:>4}  {o['rollout_tp_size']:>2}  {o['rollout_n']:<3} {o['max_num_seqs']:>12}  "
-                     f"{shard:>13}  {update:>18}  {p.total_s:>8.3g}  {p.samples_per_s:>9.3g}  {p.phases['generation']:>14.3g}  "
+                     f"{shard:>17}  {update:>18}  {p.total_s:>8.3g}  {p.samples_per_s:>9.3g}  {p.phases['generation']:>14.3g}  "
                      f"{p.engine_bytes / 2**30:>10.3g}  {p.trainer_bytes / 2**30:>11.3g}{split}")
     if fit:
         lines.append("run the first: " + launch_command(values, fit[0].options, int(world)))
@@ -414,7 +431,8 @@ def launch_command(values: dict[str, Any], options: dict[str, Any], world: int) 
 
     names = {"rollout_tp_size": "rollout_tp_size", "rollout_n": "rollout_n", "max_num_seqs": "rollout_max_num_seqs",
              "rollout_ranks": "rollout_ranks", "use_dynamic_bsz": "use_dynamic_bsz",
-             "ppo_max_token_len_per_device": "ppo_max_token_len_per_device"}
+             "ppo_max_token_len_per_device": "ppo_max_token_len_per_device",
+             "sequence_parallel_size": "sequence_parallel_size"}
     flags = " ".join(f"--{names[k]} {v}" for k, v in options.items() if k in names and (k != "rollout_ranks" or v))
     config = f" --config {values['_config']}" if values.get("_config") else ""
     name = SHARDING_CONFIGS[sharding].rsplit("/", 1)[-1].removesuffix(".yaml")  # a shipped config, by name

@@ -128,7 +128,8 @@ def default_budget(dims: ModelDims, layout: RolloutLayout, work: Workload, train
     from trl_nrollout.plan.activations import default_update_token_budget
 
     longest = math.ceil(work.row_width)
-    states = trainer_state_bytes(dims, work, layout.data_parallel_size) * (2 if work.critic else 1)
+    states = trainer_state_bytes(dims, work, layout.data_parallel_size * layout.sequence_parallel_size) * (
+        2 if work.critic else 1)
     queries = min(dims.dtype_bytes, 2)
     return default_update_token_budget(dims, device_memory_bytes=trainer_memory_bytes,
                                        state_bytes_per_device=int(states), longest_sample=longest,

@@ -131,7 +131,7 @@ def update_budget(values: dict[str, Any], layout: RolloutLayout, *, state_bytes:
         states = Workload(prompt_len=0, completion_mean=0, completion_max=0, sharded=sharding in ("zero3", "fsdp"),
                           optimizer_sharded=sharding == "zero2", lora_r=lora_rank(values))
         critic = values.get("trainer") == "ppo" or values.get("adv_estimator") == "gae"
-        state_bytes = int(trainer_state_bytes(dims, states, layout.data_parallel_size) * (2 if critic else 1))
+        state_bytes = int(trainer_state_bytes(dims, states, layout.num_processes) * (2 if critic else 1))
     memory = trainer_memory_bytes(values, gib, colocated=colocated)
     from trl_nrollout.plan.predict import rows_varlen
 

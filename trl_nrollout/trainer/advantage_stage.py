@@ -91,6 +91,8 @@ class AdvantageStage:
         kl_all = torch.zeros(len(resp_mask), device=kl_local.device)
         kl_all[torch.tensor(mine, device=kl_local.device)] = kl_local
         kl_all = gather(kl_all).view(self.accelerator.num_processes, -1).sum(0).cpu()
+        if getattr(self, "_sp", None) is not None:  # each sample on every rank of its sequence-parallel group
+            kl_all = kl_all / self._sp.size
         penalty = self.kl_ctrl.value * kl_all
         mean_kl = float((kl_all / resp_mask.sum(-1).clamp(min=1)).mean())
         self.kl_ctrl.update(mean_kl, n_steps=len(resp_mask))

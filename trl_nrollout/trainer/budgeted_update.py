@@ -96,7 +96,9 @@ class BudgetedMicroBatches:
         """The budget one rank's samples are cut under: the configured one (a sample over it is an error naming the
         option), or the default, raised to this step's longest sample (a default never refuses a sample)."""
         budget = self.update_budget
-        return budget.tokens if budget.explicit else max(budget.tokens, max(lengths, default=1))
+        sp = getattr(self, "_sp", None)  # Ulysses: a group's micro batch holds its S ranks' tokens
+        tokens = budget.tokens * (sp.size if sp is not None else 1)
+        return tokens if budget.explicit else max(tokens, max(lengths, default=1))
 
     def _budgeted_steps(self, chunks: list[dict]) -> list[BudgetedStep]:
         """A rollout's count-based micro batches (TRL's ``steps_per_generation`` of them, normalizers attached) re-cut
@@ -110,7 +112,8 @@ class BudgetedMicroBatches:
         padded = any("mm_inputs" in c for c in chunks) or not self._padfree_allowed(self.model)
         varlen = not padded and self._rows_varlen(self.model)  # rows cost their pairs only, no L x L mask
         # a group's samples in one micro batch (its prompt once: a mask's layout)
-        shared = not padded and not varlen and self.args.shared_prompt_forward is not False
+        shared = not padded and not varlen and self.args.shared_prompt_forward is not False and \
+            getattr(self, "_sp", None) is None  # Ulysses rows hold one sample a unit
         pools, needs = [], []
         for start in range(0, len(chunks), window):
             group = [with_micro_tokens(c, loss_mask(c).sum()) for c in chunks[start:start + window]]

@@ -60,7 +60,8 @@ class LogProbStage:
                                     max_token_len=micro.max_token_len, mm_inputs=mm, shared_prompts=shared,
                                     head_fp32=bool(self.args.cast_lm_head_to_fp32),
                                     pad_to_multiple_of=self.pad_to_multiple_of, support=support,
-                                    padding_free=mm is None and self._padfree_allowed(model))
+                                    padding_free=mm is None and self._padfree_allowed(model),
+                                    sequence_parallel=getattr(self, "_sp", None))
         return out.logprobs if support is None else (out.logprobs, out.support_log_mass)
 
     def _ref_log_probs(self, prompt_ids, completion_ids, mm=None) -> Tensor:

@@ -228,6 +228,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
             job[torch.as_tensor(assigned.mine, device=local.device), :local.shape[1]] = local
         if self.accelerator.num_processes > 1:
             job = self.accelerator.reduce(job, reduction="sum")
+            if getattr(self, "_sp", None) is not None:  # each sample on every rank of its sequence-parallel group
+                job = job / self._sp.size
         self._metric(mode, "timing_s/values", time.perf_counter() - start)
         return job.cpu()
 

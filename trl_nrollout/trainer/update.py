@@ -47,6 +47,15 @@ from trl_nrollout.passes.padfree import (
     rows_mask_dtype,
     unpad,
 )
+from trl_nrollout.passes.ulysses import (
+    SPGroup,
+    check_heads,
+    install,
+    new_sp_group,
+    sharded_policy_logps,
+    sp_loss_scale,
+    sp_multiple,
+)
 from trl_nrollout.passes.varlen import register as register_varlen
 
 logger = logging.getLogger(__name__)
@@ -117,10 +126,64 @@ class PolicyUpdate:
                        "it (rollout_is=%r, %s, mode %r); decoupled_loss=False turns it off.",
                        reason, args.rollout_is, args.rollout_is, bound, args.rollout_is_mode)
 
+    # ------------------------------------------------------------------ sequence parallelism
+    def _sequence_parallel_setup(self) -> SPGroup | None:
+        """``sequence_parallel_size`` S > 1: the model's heads checked (a ValueError naming the option and the fix),
+        this rank's Ulysses group made (every S consecutive ranks; the processes' rule is the layout's), and the
+        policy's and the reference's attention wrapped (:func:`~trl_nrollout.passes.ulysses.install`). None at 1."""
+        size = self.args.sequence_parallel_size
+        if size == 1:
+            return None
+        models = [self.accelerator.unwrap_model(self.model)]
+        if getattr(self, "ref_model", None) is not None:
+            models.append(self.accelerator.unwrap_model(self.ref_model))
+        for model in models:
+            cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            heads = cfg.num_attention_heads
+            check_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, size)
+        if self.aux_loss_enabled:
+            raise ValueError(f"sequence_parallel_size={size} with a MoE router loss (output_router_logits): the "
+                             "router's loss is not gathered over the group yet; set sequence_parallel_size=1 or "
+                             "turn the router loss off.")
+        for model in models:
+            if (why := structural_reason(model.config, varlen=True)) is not None:  # the rows' rule: the same
+                raise ValueError(f"sequence_parallel_size={size} runs padding-free rows, but {why}; use "
+                                 "sequence_parallel_size=1.")
+        sp = new_sp_group(size)
+        for model in models:
+            install(model)
+        logger.info("sequence_parallel_size=%d: ranks %d..%d split each padding-free row (data-parallel rank %d of "
+                    "%d).", size, sp.dp_rank * size, sp.dp_rank * size + size - 1, sp.dp_rank, sp.dp_size)
+        return sp
+
+    def _sp_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
+                    ) -> tuple[Tensor, Tensor, None]:
+        """The update's forward under Ulysses: the micro batch as padding-free rows (one sample a unit), each row
+        split over the group, TRL's fused head on this rank's shard, the log-probs and entropies ``[B, C]``
+        gathered with gradient (every rank of the group returns the same)."""
+        c = logits_to_keep
+        completion_len = prefix_lengths(attention_mask[:, -c:])
+        if completion_len is None:
+            raise ValueError(f"sequence_parallel_size={self._sp.size}: a completion mask with holes cannot be laid "
+                             "out as padding-free rows; use sequence_parallel_size=1.")
+        prompts, completions = unpad(input_ids[:, :-c], attention_mask[:, :-c], input_ids[:, -c:], completion_len)
+        config = self.accelerator.unwrap_model(model).config
+        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        with self.accelerator.autocast():
+            queries = query_dtype(weights, input_ids.device.type)
+        dtype = rows_mask_dtype(config, weights, queries, input_ids.device.type)  # None: varlen attention
+        pk = pack_rows(prompts, completions, self._tokenizer.pad_token_id, mask_dtype=dtype,
+                       pad_to_multiple_of=sp_multiple(self.pad_to_multiple_of, self._sp.size), completion_width=c)
+        with self.accelerator.autocast():
+            logps, entropy = sharded_policy_logps(model, pk, self._sp)
+        return logps, entropy, None
+
     # ------------------------------------------------------------------ the update
     def training_step(self, model, inputs, num_items_in_batch):
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if getattr(self, "_sp", None) is not None:  # the backward's loss was scaled (sp_loss_scale): logged unscaled
+            loss = loss / sp_loss_scale(self._sp.size)
         self._after_policy_step(self._trained_batch())
         self.step_clock.update_s += time.perf_counter() - start
         if self._step % self.current_gradient_accumulation_steps == 0:
@@ -159,6 +222,11 @@ class PolicyUpdate:
         ``mm``: per sample, a vision-language model's image tensors (TRL's ``forward_kwargs``); the model then
         places its positions itself, as in TRL, and its vision tower is trained.
         """
+        if getattr(self, "_sp", None) is not None:
+            if mm is not None:
+                raise ValueError(f"sequence_parallel_size={self._sp.size} with image prompts: a vision-language "
+                                 "model's rows are not sharded yet; use sequence_parallel_size=1.")
+            return self._sp_forward(model, input_ids, attention_mask, logits_to_keep)
         if mm is None and self._padfree_allowed(model, aux_loss=self.aux_loss_enabled):
             rows = self._padfree_forward(model, input_ids, attention_mask, logits_to_keep)
             if rows is not None:
@@ -439,6 +507,9 @@ class PolicyUpdate:
         for trl_name, name in _TRL_METRIC_NAMES.items():  # TRL's names beside verl's (same values)
             if name in values:
                 self._metric(mode, trl_name, values[name])
+        if getattr(self, "_sp", None) is not None and mode == "train":
+            # each rank's gradient is its share of its group's; the data-parallel mean divides by all S x D ranks
+            loss = loss * sp_loss_scale(self._sp.size)
         return loss
 
 
