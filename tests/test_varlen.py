@@ -73,19 +73,55 @@ def test_which_rows_run_varlen_attention():
     assert fits and units is None
 
 
-def test_sdpa_runs_varlen_within_the_context_and_gets_its_implementation_back(tiny_model_path):
-    """``varlen_forward`` swaps an SDPA model to :data:`VARLEN_NAME` for the rows' forward and restores it even when
-    the forward raises; a flash-attention model keeps its own. Mutation: restore outside ``finally`` -> fails."""
+def test_sdpa_runs_varlen_from_the_rows_forward_on(tiny_model_path):
+    """``varlen_forward`` switches an SDPA model to :data:`VARLEN_NAME` for the rows' forward and leaves it so (a
+    checkpointed backward recomputes the layers after the context: the next test); a flash-attention or eager model
+    keeps its own."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="sdpa", dtype=torch.float32)
-    with pytest.raises(RuntimeError, match="boom"), varlen_forward(model.config):
+    with varlen_forward(model.config):
         assert model.config._attn_implementation == VARLEN_NAME
-        raise RuntimeError("boom")
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == VARLEN_NAME
     model.config._attn_implementation = "eager"
     with varlen_forward(model.config):
         assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_a_checkpointed_backward_of_varlen_rows_gives_the_separate_sequences_gradients(tiny_model_path,
+                                                                                      checkpointing):
+    """Varlen rows of an SDPA model (the CUDA half-precision path, here on CPU: SDPA per sequence), the backward run
+    after the forward's context as the trainer runs it, with gradient checkpointing (TRL's default: the layers'
+    forwards recomputed in the backward): the loss and every gradient equal those of each sequence alone. Mutation:
+    the context restoring SDPA after the forward -> the checkpointed backward fails (torch's recomputation check;
+    the recompute attends across the row's sequences)."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_nrollout.passes.padfree import pack_rows, rows_attention
+
+    torch.manual_seed(0)
+    prompts = [torch.randint(5, 200, (n,)) for n in (5, 9, 3)]
+    completions = [torch.randint(5, 200, (n,)) for n in (7, 4, 11)]
+
+    def run(packed: bool):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="sdpa", dtype=torch.float32)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if packed:
+            rows = pack_rows(prompts, completions, 0, mask_dtype=None)
+            with rows_attention(model.config, rows):
+                loss = _per_token(model, rows.input_ids, rows, **rows.forward_kwargs()).sum()
+        else:
+            loss = sum(lp.sum() for lp in _own(model, prompts, completions))
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref = run(False)
+    loss, grads = run(True)
+    assert loss == pytest.approx(ref_loss.item(), abs=1e-5)
+    assert max((grads[n] - ref[n]).abs().max().item() for n in ref) < 1e-5
 
 
 def _per_token(model, input_ids, packed, **kwargs) -> torch.Tensor:

@@ -193,14 +193,12 @@ def packed_attention(config, device_type: str, queries: torch.dtype) -> str:
 @contextlib.contextmanager
 def varlen_forward(config) -> Iterator[None]:
     """Within it, a model of ``config`` whose attention is SDPA runs :data:`VARLEN_NAME` (its flash-attention, or
-    an explicit varlen implementation, is kept); the implementation is restored after."""
-    before = getattr(config, "_attn_implementation", None)
-    if attention_of(config) != "sdpa":
-        yield
-        return
-    register()
-    config._attn_implementation = VARLEN_NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    an explicit varlen implementation, is kept). The switch stays after the context: gradient checkpointing
+    recomputes each layer's forward during the backward, after the forward's context has ended, and a recompute
+    with SDPA would ignore the rows' boundaries (attending across sequences, or failing torch's check that the
+    recomputation saved what the forward saved). :data:`VARLEN_NAME` without boundaries is SDPA (a padded batch,
+    generation, one sequence), so every other forward of the model computes what it computed before."""
+    if attention_of(config) == "sdpa":
+        register()
+        config._attn_implementation = VARLEN_NAME
+    yield
