@@ -200,5 +200,8 @@ def varlen_forward(config) -> Iterator[None]:
     generation, one sequence), so every other forward of the model computes what it computed before."""
     if attention_of(config) == "sdpa":
         register()
-        config._attn_implementation = VARLEN_NAME
+        if getattr(config, "_attn_implementation", None) == "trl_nrollout_ulysses":  # Ulysses wraps it: its inner
+            config._ulysses_inner = VARLEN_NAME
+        else:
+            config._attn_implementation = VARLEN_NAME
     yield
