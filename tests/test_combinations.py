@@ -41,6 +41,7 @@ RANKS_COVERED = {
     "one completion, shares / balanced": "test_rollout_ranks.py::test_one_step_off_policy_under_zero3_samples_one_step_stale",
     "tools turn by turn / request by request": "test_tools.py::test_tool_episodes_on_a_rollout_rank_one_step_off",
     "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
+    "images": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
 }
 
 

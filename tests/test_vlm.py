@@ -7,13 +7,20 @@ whose only wheels here are CUDA builds that do not load with the CPU torch (see 
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import subprocess
 from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from trl import GRPOConfig, GRPOTrainer
 
 import trl_nrollout.trainer.grpo as trainer_module
+from tests.conftest import ACCELERATE_LAUNCH, ENV, ROOT
 from trl_nrollout import NRolloutGRPOTrainer
 from trl_nrollout.builtin import colour_image, colour_reward, image_dataset, resolve_model
 from trl_nrollout.dropin import UnsupportedTRLOption
@@ -340,6 +347,60 @@ def test_partial_rollouts_train_a_vlm_and_keep_its_images_in_flight(vlm_path, tm
     in_flight = [g for g in pool if g.started and not g.finished]
     assert in_flight and all(g.images and isinstance(g.images[0], Image.Image) for g in pool)
     trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.vllm
+def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
+    """Two DDP trainers and one rollout rank (``rollout_ranks=1``, ``max_staleness=1``), two steps of image prompts:
+    each job carries the engine's ids (placeholders not expanded) and each group's images (gathered to trainer rank
+    0), the second written one step ahead. The samples' prompt ids are the rollout rank's engine's expansion, equal
+    to the processor's (longer than the ids sent; each trainer checks its own); the first step's engine log-probs
+    are the trainer's with the images (up to the suppressed image token, ~3e-3 on this random model); the second
+    step's samples are one version old. Mutations tried: the images left out of the job (``_write_job`` posts no
+    ``images``) -> vLLM generates without them and returns the ids unexpanded, so the trainer's expansion check
+    stops the launch; the same for the job written ahead only; each group generated with the next group's images
+    (same expansion) -> the first step's log-prob gap is 0.43; trainer rank 1 handed trainer rank 0's expanded
+    prompts -> its expansion check stops the launch."""
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
+                           str(ROOT / "tests/assets/vlm_ranks.py"), str(tmp_path)], cwd=ROOT,
+                          env={**os.environ, **ENV}, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert len(result["seen"]) == 2
+    for seen in result["seen"]:
+        assert seen["samples"] == seen["processor"]  # the engine's expansion is the processor's
+        assert all(len(e) < len(p) for e, p in zip(seen["engine"], seen["processor"]))  # (expanded on the rank)
+    steps = [h for h in result["history"] if "reward" in h]
+    assert [h["rollout/staleness"] for h in steps] == [0, 1]
+    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2  # the engine saw the images (see the docstring)
+    assert all(math.isfinite(h["loss"]) for h in steps)
+
+
+@given(st.lists(st.lists(st.sampled_from(["red", "blue"]), max_size=3), min_size=1, max_size=4),
+       st.integers(0, 3), st.integers(0, 2**16))
+def test_a_jobs_images_digest_changes_with_any_pixel_and_not_otherwise(groups, at, seed):
+    """A job written ahead is the step's own only if its images are (their digest, trainer rank 0): equal images
+    give equal digests; one pixel changed, or an image moved to another group, gives another."""
+    from trl_nrollout.rollout.remote_buckets import images_digest
+
+    images = [[colour_image(c, seed + 7 * g + i) for i, c in enumerate(group)] for g, group in enumerate(groups)]
+    again = [[colour_image(c, seed + 7 * g + i) for i, c in enumerate(group)] for g, group in enumerate(groups)]
+    assert images_digest(images) == images_digest(again) and images_digest(None) is None
+    flat = [(g, i) for g, group in enumerate(images) for i in range(len(group))]
+    if flat:
+        g, i = flat[at % len(flat)]
+        changed = [list(group) for group in images]
+        img = changed[g][i].copy()
+        x, y = at % img.width, seed % img.height
+        r, gr, b = img.getpixel((x, y))
+        img.putpixel((x, y), ((r + 1) % 256, gr, b))
+        changed[g][i] = img
+        assert images_digest(changed) != images_digest(images)
+    if len(images) > 1 and images[0]:
+        moved = [images[0][1:], [images[0][0], *images[1]], *images[2:]]
+        assert images_digest(moved) != images_digest(images)
 
 
 def test_log_multimodal_puts_the_images_in_the_completions_table(vlm_path, tmp_path, monkeypatch):

@@ -11,8 +11,10 @@ Trainer rank 0 writes messages ``msg/0, msg/1, ...`` that every rollout rank rea
               adapter version; the base weights stay
     job       the job's prompts (every trainer's groups, in rank order, each prompt once), n, the sampling options;
               rollout rank r generates its slice (:func:`job_slice`) and answers ``out/<job>/<r>`` (token ids and
-              log-probs as flat arrays). With ``agent``: whole tool episodes on the rollout ranks, with their
-              tools (:mod:`~trl_nrollout.rollout.remote_agents`), answered with their tool masks and messages
+              log-probs as flat arrays). With ``images``: each group's images (once a group), the prompts' image
+              placeholders not expanded; the answer adds each group's prompt as the engine expanded it. With
+              ``agent``: whole tool episodes on the rollout ranks, with their tools
+              (:mod:`~trl_nrollout.rollout.remote_agents`), answered with their tool masks and messages
     end       the trainers' ``train()`` (or ``evaluate()``) returned: the rollout ranks' returns too
     stop      the trainers are done: the rollout ranks close their engines
 
@@ -27,7 +29,6 @@ steps ahead of the step that trains on it (``max_staleness=s``) is sampled by a 
 from __future__ import annotations
 
 import contextlib
-import pickle
 import queue
 import threading
 import time
@@ -39,15 +40,17 @@ from torch import nn
 
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
 from trl_nrollout.rollout.remote_agents import JobResult, run_agent_job, sum_stats
-from trl_nrollout.rollout.remote_buckets import dtype_of, frame_bucket, job_slice, pack_bucket, unpack_bucket
+from trl_nrollout.rollout.remote_buckets import (
+    dtype_of,
+    frame_bucket,
+    images_digest,
+    job_slice,
+    pack_bucket,
+    unpack_bucket,
+)
+from trl_nrollout.rollout.remote_reader import MessageReader, broadcast, staged_versions
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
-
-
-def _broadcast(group, buf: torch.Tensor) -> None:
-    opts = torch.distributed.BroadcastOptions()
-    opts.rootRank = 0
-    group.broadcast([buf], opts).wait()
 
 
 def _trainer_gather(obj) -> list:
@@ -233,13 +236,13 @@ class RemoteEngines:
             while True:
                 item = work.get()
                 if item is None:
-                    _broadcast(group, torch.zeros(2, dtype=torch.int64))
+                    broadcast(group, torch.zeros(2, dtype=torch.int64))
                     break
                 buf, layout = item
                 head, meta = frame_bucket(buf, layout)
-                _broadcast(group, head)
-                _broadcast(group, meta)
-                _broadcast(group, buf)
+                broadcast(group, head)
+                broadcast(group, meta)
+                broadcast(group, buf)
                 self._free.put(buf if buf._base is None else buf._base)
         except BaseException as err:  # noqa: BLE001 - raised on the trainer's thread at the next call
             self._send_error.append(err)
@@ -254,12 +257,12 @@ class RemoteEngines:
         return None
 
     # ------------------------------------------------------------------ generation
-    def _write_job(self, groups: list[list[int]], n: int, sampling: SamplingOptions, agent: dict | None = None
-                   ) -> int:
+    def _write_job(self, groups: list[list[int]], n: int, sampling: SamplingOptions, agent: dict | None = None,
+                   images: list[list] | None = None) -> int:
         job = self._jobs
         self._jobs += 1
         self._post({"kind": "job", "id": job, "prompts": groups, "n": n, "sampling": sampling,
-                    **({"agent": agent} if agent is not None else {})})
+                    **({"agent": agent} if agent is not None else {}), **({"images": images} if images else {})})
         return job
 
     def _read_job(self, job: int) -> list[JobResult]:
@@ -268,15 +271,17 @@ class RemoteEngines:
                 for r in range(roles.rollout_ranks)]
 
     def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                          sample_offset: int | None = None, ahead: list[tuple] = (), step_job: bool = False
-                          ) -> RolloutBatch:
+                          sample_offset: int | None = None, ahead: list[tuple] = (), step_job: bool = False,
+                          images: list[list] | None = None) -> RolloutBatch:
         """This trainer's samples of ``sample_prompts`` (each prompt repeated ``n`` times), generated on the rollout
         ranks; ``ahead``: this trainer's prompts and sampling of the next steps, written now (``max_staleness``
         jobs at most) so that the engines sample them while the trainers train. ``step_job``: this is a training
         step's own job, which an earlier step may have written ahead (else: an evaluation, DAPO's extra round or
         ReMax's greedy pass, generated now, after the jobs already written). Seeds follow the job order (every
-        trainer's samples, rank order), as in a colocated run. A collective of the trainers."""
-        batch, _ = self._job_samples(sample_prompts, n, sampling, ahead, step_job, None)
+        trainer's samples, rank order), as in a colocated run. ``images``: per sample, its prompt's images (the
+        prompts then hold the image placeholders unexpanded; the batch's ``prompt_ids`` are the engine's,
+        expanded). A collective of the trainers."""
+        batch, _ = self._job_samples(sample_prompts, n, sampling, ahead, step_job, None, images)
         return batch
 
     def run_agents(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, agent: dict,
@@ -290,31 +295,38 @@ class RemoteEngines:
         return self._job_samples(sample_prompts, n, sampling, ahead, step_job, agent)
 
     def _job_samples(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, ahead: list[tuple],
-                     step_job: bool, agent: dict | None) -> tuple[RolloutBatch, list]:
+                     step_job: bool, agent: dict | None, images: list[list] | None = None
+                     ) -> tuple[RolloutBatch, list]:
         """:meth:`generate_expanded` and :meth:`run_agents`: this trainer's batch and each sample's extras
-        (None for a single-turn job). ``ahead``: ``(prompts, sampling)`` or ``(prompts, sampling, agent)``."""
+        (None for a single-turn job). ``ahead``: ``(prompts, sampling[, agent[, images per sample]])``. Images
+        reach trainer rank 0 only, each group's once (a gather to it, only when a trainer has images)."""
         mine = _groups_of(sample_prompts, n)
-        every = _trainer_gather((mine, [(_groups_of(a[0], n), a[1], a[2] if len(a) > 2 else None) for a in ahead]))
-        job_groups = [g for groups, _ in every for g in groups]
-        depth = min(len(a) for _, a in every)
-        future = [([g for _, a in every for g in a[k][0]], every[0][1][k][1], every[0][1][k][2])
-                  for k in range(depth)]
+        pics = [_groups_of(images, n)] + [_groups_of(a[3], n) if len(a) > 3 else None for a in ahead]
+        every = _trainer_gather((mine, [(_groups_of(a[0], n), a[1], a[2] if len(a) > 2 else None) for a in ahead],
+                                 any(p is not None for p in pics)))
+        job_groups = [g for groups, *_ in every for g in groups]
+        depth = min(len(a) for _, a, _ in every)
+        every_pics = _leader_gather(pics) if any(has for *_, has in every) else None
+        job_pics = _job_images(every_pics, [len(g) for g, *_ in every], 0)
+        future = [([g for _, a, _ in every for g in a[k][0]], every[0][1][k][1], every[0][1][k][2],
+                   _job_images(every_pics, [len(a[k][0]) for _, a, _ in every], k + 1)) for k in range(depth)]
         parts = [None] * self.trainers
         if self.bridge.is_leader:
             self._watch()
             stale_s = 0.0
             results = None
+            digest = images_digest(job_pics)
             while step_job and self._pending:  # written ahead: the one this step trains on, unless the data changed
-                job, groups, n_ahead, sampling_ahead, agent_ahead = self._pending.popleft()
+                job, *written = self._pending.popleft()
                 t0 = time.perf_counter()
                 out = self._read_job(job)
                 stale_s += time.perf_counter() - t0
-                if groups == job_groups and n_ahead == n and sampling_ahead == sampling and agent_ahead == agent:
+                if written == [job_groups, n, sampling, agent, digest]:  # the images too (their digest)
                     results = out
                     break
             wait_start = time.perf_counter()
             if results is None:  # nothing written ahead (the first step, after a resume, evaluation)
-                job = self._write_job(job_groups, n, sampling, agent)
+                job = self._write_job(job_groups, n, sampling, agent, job_pics)
                 self._queue_ahead(future, n)
                 results = self._read_job(job)
             else:
@@ -326,15 +338,19 @@ class RemoteEngines:
                 info["moved_groups"] = sum(m for _, m in pulled) / max(1, sum(g for g, _ in pulled))
             info["agent_stats"] = sum_stats([r.agent_stats for r in results])
             rows = [(*x, e) for res in results for x, e in zip(res.rows(), res.extras())]
+            expanded = {g: p for res in results for g, p in (res.prompts or {}).items()}  # images: the engine's
             first = 0
-            for t, (groups, _) in enumerate(every):  # each trainer its own samples only
-                count = len(groups) * n
-                parts[t] = (rows[first:first + count], info)
+            for t, (groups, *_) in enumerate(every):  # each trainer its own samples only
+                count, g0 = len(groups) * n, first // n
+                parts[t] = (rows[first:first + count], info,
+                            [expanded[g0 + g] for g in range(len(groups))] if expanded else None)
                 first += count
-        rows, info = self._hand_out(parts, "the samples of this step")
-        groups_before = sum(len(groups) for groups, _ in every[:self.rank])
+        rows, info, expanded = self._hand_out(parts, "the samples of this step")
+        groups_before = sum(len(groups) for groups, *_ in every[:self.rank])
         index = [groups_before + i // n for i in range(len(rows))]
-        batch = RolloutBatch([list(p) for p in sample_prompts], [r[0] for r in rows], [r[1] for r in rows],
+        prompts = [list(p) for p in sample_prompts] if expanded is None else [list(expanded[i // n]) for i in
+                                                                               range(len(rows))]
+        batch = RolloutBatch(prompts, [r[0] for r in rows], [r[1] for r in rows],
                              [r[2] for r in rows], index, timings={"generate_s": info["gen_s"]})
         self.last_job = info
         return batch, [r[3] for r in rows]
@@ -374,11 +390,11 @@ class RemoteEngines:
 
     def _queue_ahead(self, future: list, n: int) -> None:
         """Write the next steps' jobs that are not written yet (trainer rank 0)."""
-        for k, (groups, sampling, agent) in enumerate(future):
+        for k, (groups, sampling, agent, images) in enumerate(future):
             if k < len(self._pending):
                 continue
-            job = self._write_job(groups, n, sampling, agent)
-            self._pending.append((job, groups, n, sampling, agent))
+            job = self._write_job(groups, n, sampling, agent, images)
+            self._pending.append((job, groups, n, sampling, agent, images_digest(images)))
 
     # ------------------------------------------------------------------ the end
     def end(self) -> None:
@@ -418,83 +434,33 @@ class RemoteEngines:
             time.sleep(0.05)
 
 
-def _groups_of(sample_prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Each group's prompt once (``sample_prompts`` holds each prompt ``n`` times in a row)."""
-    return [list(sample_prompts[i]) for i in range(0, len(sample_prompts), n)]
+def _groups_of(sample_prompts: list | None, n: int) -> list | None:
+    """Each group's prompt (or images) once (``sample_prompts`` holds each ``n`` times in a row); None for None."""
+    return None if sample_prompts is None else [list(sample_prompts[i]) for i in range(0, len(sample_prompts), n)]
+
+
+def _leader_gather(obj) -> list | None:
+    """``obj`` of every trainer rank (rank order) on trainer rank 0; None on the others."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(obj, out, dst=0)
+    return out
+
+
+def _job_images(every: list | None, sizes: list[int], k: int) -> list[list] | None:
+    """The images of job ``k`` (0: the step's, ``k``: the ``k``-th ahead) per group, every trainer's in rank order
+    (``every[t][k]``: trainer ``t``'s, None without images; ``sizes[t]``: its groups); None when no trainer's
+    job has images (or off trainer rank 0)."""
+    if every is None or all(p[k] is None for p in every):
+        return None
+    return [imgs for p, size in zip(every, sizes) for imgs in (p[k] if p[k] is not None else [[]] * size)]
 
 
 # ---------------------------------------------------------------------- the rollout ranks' side
-class MessageReader:
-    """A rollout rank's reader of the trainers' messages, on a thread of its own: it reads them in order as soon as
-    they are written and receives each weight version into host buffers at once (a staging copy), while the
-    engine still generates the job before it; the loop then loads the staged version at the job boundary (a
-    memory copy instead of a transfer). At most ``max_staleness`` versions are staged and not yet loaded (the
-    weights of step ``k`` follow the job of step ``k + max_staleness`` in the trainers' messages, so a new version
-    never waits for a job to end, and trainer rank 0 never holds more than a few buckets). Errors (a silent trainer,
-    a failed transfer) reach the loop, which raises them."""
-
-    def __init__(self, bridge: Bridge, first: int, slots: int = 1) -> None:
-        self.bridge = bridge
-        self.next_index = first
-        self._queue: queue.Queue = queue.Queue()
-        self._slot = threading.Semaphore(slots)
-        self._thread = threading.Thread(target=self._run, name="trl_nrollout-messages", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        bridge, readers = self.bridge, self.bridge.roles.rollout_ranks
-        i = self.next_index
-        try:
-            while True:
-                message = bridge.take(f"msg/{i}", 0, f"the trainers' message {i}", delete=False, track=False)
-                if bridge.store.add(f"read/{i}", 1) == readers:  # the last rollout rank to read it removes it
-                    bridge.drop(f"msg/{i}")
-                    bridge.store.delete_key(f"read/{i}")
-                i += 1
-                if message["kind"] == "start":  # versions staged at most: one per job written ahead
-                    self._slot = threading.Semaphore(_staged_versions(message))
-                if message["kind"] == "weights":
-                    self._slot.acquire()
-                    t0 = time.perf_counter()
-                    message = {**message, "staged": receive_buckets(bridge.weights_group),
-                               "receive_s": time.perf_counter() - t0}
-                self._queue.put((i, message))
-                if message["kind"] in ("end", "stop"):
-                    return
-        except BaseException as err:  # noqa: BLE001 - raised by the loop, on the main thread
-            self._queue.put((i, err))
-
-    def next(self) -> tuple[int, dict]:
-        """The next message and the index after it (waits; raises what the thread met)."""
-        index, message = self._queue.get()
-        if isinstance(message, BaseException):
-            raise message
-        return index, message
-
-    def loaded(self) -> None:
-        """The staged version is in the engine: the next one may be received."""
-        self._slot.release()
-
-
-def _staged_versions(start: dict) -> int:
-    return max(1, int(start.get("max_staleness") or 1))
-
-
-def receive_buckets(group) -> list[tuple[torch.Tensor, list]]:
-    """A rollout rank's side of one weight version (see :meth:`RemoteEngines._send`): the buckets' buffers and
-    layouts, until a header of zeros."""
-    staged = []
-    while True:
-        head = torch.empty(2, dtype=torch.int64)
-        _broadcast(group, head)
-        meta_size, size = head.tolist()
-        if size == 0 and meta_size == 0:
-            return staged
-        meta = torch.empty(meta_size, dtype=torch.uint8)
-        _broadcast(group, meta)
-        buf = torch.empty(size, dtype=torch.uint8)
-        _broadcast(group, buf)
-        staged.append((buf, pickle.loads(meta.numpy().tobytes())))
+def _expanded(prompt_ids: list[list[int]], start: int, n: int, pics: list | None) -> dict[int, list[int]] | None:
+    """A job with images: the engine's prompt (placeholders expanded) of each group of samples ``start, ...``."""
+    return None if pics is None else {(start + i) // n: list(p) for i, p in enumerate(prompt_ids)}
 
 
 def serve(bridge: Bridge, build_engine, state: dict) -> dict:
@@ -515,7 +481,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
         stats["idle_s"] += time.perf_counter() - t0
         kind = message["kind"]
         if kind == "start":
-            state["slots"] = _staged_versions(message)
+            state["slots"] = staged_versions(message)
             bridge.status = "starting its engine"
             try:
                 engine = state["engine"] = build_engine(message)
@@ -542,8 +508,9 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
         elif kind == "job":
             bridge.status = f"generating job {message['id']}"
             engine = state["engine"]
-            groups, n = message["prompts"], message["n"]
+            groups, n, pics = message["prompts"], message["n"], message.get("images")  # images: once a group
             start, stop = job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, r)
+            images = None if pics is None else [pics[i // n] for i in range(start, stop)]
             t0 = time.perf_counter()
             balanced = pulled = extras = agent_stats = None
             try:
@@ -558,10 +525,11 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
                                                   num_samples=0)
                 elif state.get("dispatch") == "balanced":  # the engines pull the job's groups from one queue
                     prompts = [groups[i // n] for i in range(start, stop)]
-                    batch, pulled = engine.generate_balanced(prompts, n, message["sampling"])
+                    batch, pulled = engine.generate_balanced(prompts, n, message["sampling"], images=images)
                 elif stop > start or engine.layout.rollout_tp_size > 1:
                     prompts = [groups[i // n] for i in range(start, stop)]
-                    batch = engine.generate_expanded(prompts, n, message["sampling"], sample_offset=start)
+                    batch = engine.generate_expanded(prompts, n, message["sampling"], sample_offset=start,
+                                                     images=images)
                 else:
                     batch = RolloutBatch([], [], [], [], [])
                 if pulled is not None and engine.rank == engine.tp_ranks[0]:
@@ -575,7 +543,8 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             gen_s = time.perf_counter() - t0
             bridge.put(f"out/{message['id']}/{r}", JobResult.of(batch.completion_ids, batch.logprobs,
                                                                 batch.finish_reasons, gen_s, state.get("version", 0),
-                                                                balanced, extras, agent_stats))
+                                                                balanced, extras, agent_stats,
+                                                                _expanded(batch.prompt_ids, start, n, pics)))
             stats["jobs"] += 1
             stats["samples"] += stop - start
             stats["gen_s"] += gen_s

@@ -160,17 +160,20 @@ class JobResult:
     tool_mask: np.ndarray | None = None
     episodes: list[dict] | None = None
     agent_stats: tuple | None = None
+    #: a job with images: the engine's prompt ids (image placeholders expanded) of each group of the job this rank
+    #: generated, by the group's index in the job (once a group); else None
+    prompts: dict[int, list[int]] | None = None
 
     @classmethod
     def of(cls, completion_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
            gen_s: float, version: int, balanced: tuple[int, int] | None = None, extras=None,
-           agent_stats: tuple | None = None) -> JobResult:
+           agent_stats: tuple | None = None, prompts: dict[int, list[int]] | None = None) -> JobResult:
         lengths = np.array([len(c) for c in completion_ids], dtype=np.int64)
         flat = [t for c in completion_ids for t in c]
         lps = [x for lp in logprobs for x in lp]
         mask, episodes = extras if extras is not None else (None, None)
         return cls(np.array(flat, dtype=np.int32), np.array(lps, dtype=np.float32), lengths, list(finish_reasons),
-                   gen_s, version, balanced, mask, episodes, agent_stats)
+                   gen_s, version, balanced, mask, episodes, agent_stats, prompts)
 
     def rows(self) -> list[tuple[list[int], list[float], str]]:
         """``(completion ids, log-probs, finish reason)`` of each sample."""

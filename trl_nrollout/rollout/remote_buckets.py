@@ -1,9 +1,11 @@
 """What crosses from the trainers to the rollout ranks, as bytes: a bucket of named tensors packed into one flat
-buffer (each tensor aligned, cast to the engine's dtype) with its layout, framed for a broadcast; and which slice of
-a job each rollout rank generates. Pure functions (no process group)."""
+buffer (each tensor aligned, cast to the engine's dtype) with its layout, framed for a broadcast; which slice of
+a job each rollout rank generates; and the digest of a job's images (a job written ahead is the step's own only if
+its images are the step's). Pure functions (no process group)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import pickle
 
@@ -22,6 +24,23 @@ def job_slice(total: int, n: int, rollout_ranks: int, tp: int, r: int) -> tuple[
     g0, g1 = e * groups // engines, (e + 1) * groups // engines
     first, count = g0 * n, (g1 - g0) * n
     return first + count * t // tp, first + count * (t + 1) // tp
+
+
+def images_digest(groups: list[list] | None) -> str | None:
+    """A digest of a job's images ``[groups][images of the group]`` (PIL images, arrays, anything picklable): equal
+    for equal pixels, modes, sizes and order, group by group; None for a job without images."""
+    if groups is None:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    for imgs in groups:
+        h.update(f"group of {len(imgs or [])};".encode())
+        for img in imgs or []:
+            data = img.tobytes() if hasattr(img, "tobytes") else pickle.dumps(img, protocol=4)
+            meta = (type(img).__name__, getattr(img, "mode", None), getattr(img, "size", None),
+                    tuple(getattr(img, "shape", ())), str(getattr(img, "dtype", "")), len(data))
+            h.update(repr(meta).encode())
+            h.update(data)
+    return h.hexdigest()
 
 
 def pack_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,

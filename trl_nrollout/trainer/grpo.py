@@ -54,7 +54,7 @@ from trl_nrollout.passes.multimodal import (
     prompt_images,
     without_images,
 )
-from trl_nrollout.passes.ulysses import group_seed
+from trl_nrollout.passes.ulysses import shared_shuffle
 from trl_nrollout.recipe.data import check_prompts
 from trl_nrollout.recipe.report import LiveProgressCallback
 from trl_nrollout.recipe.summary import GenerationClock, StepClock, TruncatedSteps
@@ -332,11 +332,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode
         if self._remote:  # engines on rollout ranks: the step's own job was maybe written steps ago (step_job)
-            batch = self.rollout_engine.generate_expanded(
-                [list(p) for p in prompt_ids], n, sampling, sample_offset=offset,
-                ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job)
-            if step_job:
-                self._log_remote(mode)
+            batch = self._remote_generate(prompt_ids, images, n, sampling, offset, mode, step_job)
         elif self.args.rollout_dispatch == "balanced":  # engines pull the job's groups from one queue
             batch, pulled = self.rollout_engine.generate_balanced(
                 images.engine_ids if images is not None else [list(p) for p in prompt_ids], n, sampling,
@@ -518,8 +514,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         its slice of the job in order."""
         samples, n = collected.samples, ctx.n
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        if self._sp is not None:  # a sequence-parallel group trains the same samples: its data-parallel share
-            world, rank = self._sp.dp_size, self._sp.dp_rank
+        if getattr(self, "_sp", None) is not None:  # a sequence-parallel group trains the same samples: its share
+            world, rank = self._sp.dp_size, self._sp.dp_rank  # (and shuffles them alike: shared_shuffle)
         per_rank = len(samples) // world
         if ctx.mode == "train" and self.args.balance_batch:
             tokens = [sum(samples[g * n + k].num_tokens for k in range(n)) for g in range(len(samples) // n)]
@@ -584,12 +580,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             start = time.perf_counter()
             batch = self._generate_and_score_completions(generation_batch)
             self.step_clock.rollout_s += time.perf_counter() - start
-            if self._sp is None:
-                batch = shuffle_sequence_dict(batch)
-            else:  # a sequence-parallel group shuffles alike: its ranks split the same samples' rows
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(group_seed(self._sp))
-                    batch = shuffle_sequence_dict(batch)
+            batch = shared_shuffle(batch, self._sp) if getattr(self, "_sp", None) else shuffle_sequence_dict(batch)
             chunks = split_tensor_dict(batch, self.args.steps_per_generation)
             chunks = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
             self._buffered_inputs = chunks if not self.args.use_dynamic_bsz else self._budgeted_steps(chunks)

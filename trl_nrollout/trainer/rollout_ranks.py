@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any
 
 from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines, serve
 from trl_nrollout.rollout.remote_agents import agent_settings
@@ -35,10 +36,6 @@ class RolloutRanks:
             return (f"rollout_ranks={r} with environment_factory: an environment's reset writes its sample's prompt "
                     "at the sample's own step, so its first turn cannot be generated steps ahead on the rollout "
                     "ranks (tools= can: their turns run on the trainers); set rollout_ranks=0 for environments.")
-        if getattr(self, "_is_vlm", False):
-            return (f"rollout_ranks={r} with image prompts (a vision-language model): the rollout ranks' jobs carry "
-                    "each prompt's token ids only, not its images, so the engines would generate without seeing "
-                    "them; set rollout_ranks=0 for vision-language models.")
         return None
 
     def _start_remote_engines(self) -> RemoteEngines:
@@ -90,6 +87,22 @@ class RolloutRanks:
         """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
         as the colocated loop's), or None for single-turn jobs."""
         return {"step": step, "mode": mode} if self._remote_agents else None
+
+    def _remote_generate(self, prompt_ids: list[list[int]], images: EncodedPrompts | None, n: int, sampling,
+                         offset: int, mode: str, step_job: bool):
+        """This rank's samples (``prompt_ids``: each prompt ``n`` times) from the rollout ranks, the next
+        ``max_staleness`` steps' jobs written ahead (``step_job``: the step's own job, maybe written steps ago).
+        With ``images``: the engine's ids (placeholders not expanded) and each group's images travel; the engine
+        expands them, and its expansion must be the processor's (``prompt_ids``), as on colocated engines."""
+        batch = self.rollout_engine.generate_expanded(
+            images.engine_ids if images is not None else [list(p) for p in prompt_ids], n, sampling,
+            sample_offset=offset, ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job,
+            images=images.images if images is not None else None)
+        if images is not None:
+            check_expansion(batch.prompt_ids, prompt_ids)
+        if step_job:
+            self._log_remote(mode)
+        return batch
 
     def _remote_request_turns(self, prompt_ids: list[list[int]], n: int, sampling, mode: str, step_job: bool):
         """:meth:`_request_turns` with engines on rollout ranks: each sample's whole episode (its turns, its tools)
@@ -164,8 +177,9 @@ class RolloutRanks:
             out.append(self._ahead[index - self._handed])
         return out
 
-    def _ahead_jobs(self, mode: str) -> list[tuple[list[list[int]], Any, dict | None]]:
-        """This rank's prompt ids, sampling options and agent entry (:meth:`_agent_job`) of the next
+    def _ahead_jobs(self, mode: str) -> list[tuple[list[list[int]], Any, dict | None, list | None]]:
+        """This rank's prompt ids, sampling options, agent entry (:meth:`_agent_job`) and images (per sample, or
+        None; the ids then hold the image placeholders unexpanded, as the engine takes them) of the next
         ``max_staleness`` generations."""
         if mode != "train" or not self.args.max_staleness:
             return []
@@ -177,8 +191,10 @@ class RolloutRanks:
             if last is not None and step >= last:  # the run ends before that step: nothing to generate for it
                 break
             prompts, _ = self._start_episodes(rows)
-            ids = self._tokenize_prompts(prompts)[0]
-            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step)))
+            enc = self._encode_images(prompts)
+            ids = enc.engine_ids if enc is not None else self._tokenize_prompts(prompts)[0]
+            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step),
+                         enc.images if enc is not None else None))
         return jobs
 
     def _log_remote(self, mode: str) -> None:
