@@ -432,6 +432,8 @@ def test_a_recipe_names_its_agent(tmp_path, monkeypatch):
     step = next(h for h in run["steps"] if "agent/calls_per_episode" in h)
     assert step["agent/calls_per_episode"] == 1 and 0.25 <= step["reward"] <= 0.75
     assert "rewards/agent_reward/mean" in step and "rewards/digits_reward/mean" not in step
+    from trl_nrollout.recipe.rewards import resolve_import  # what the recipe calls before the data and the model
+
     with pytest.raises(InputError, match="agent 'my_agent:agnet': module 'my_agent' has no function 'agnet'; did you "
                                          "mean my_agent:agent"):
-        launch(tmp_path / "out2", "--agent", "my_agent:agnet", "--max_steps", "1")
+        resolve_import("my_agent:agnet", "agent")
