@@ -1,0 +1,191 @@
+"""The agents' OpenAI-compatible endpoint on a real vLLM engine, driven by the real ``openai`` client: the schema, the
+episodes' attribution, errors, limits and seeds (the trainer's side: tests/test_agents.py). Its own module: the
+module-scoped engine must be gone before another module's tests build their engines in this process."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+
+from trl_nrollout.rollout.agent_episodes import chains
+
+
+# ---------------------------------------------------------------------------------------------- the endpoint
+@pytest.fixture(scope="module")
+def served(tiny_model_path):
+    """A real engine of the tiny model and an endpoint on it, served from a thread per test (see ``run``)."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import restored_distributed_env
+    from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.rollout.agent_endpoint import AgentEndpoint
+    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+
+    layout = RolloutLayout.build(num_processes=1, train_batch_size=4, rollout_n=2)
+    with restored_distributed_env():  # the engine's RANK / MASTER_PORT ... must not outlive this module
+        engine = VLLMEngineGroup(tiny_model_path, layout, rank=0, max_model_len=160, seed=0)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    endpoint = AgentEndpoint(tok, model_name="tiny", max_model_len=160, max_completion_length=64, max_calls=3,
+                             policy={"temperature": 1.0})
+    endpoint.start()
+    yield engine, endpoint
+    endpoint.close()
+    engine.close()
+
+
+def run(served, agents: dict, seed=None) -> dict:
+    """Open one episode per agent (``key -> function(base_url) -> result``), run the agents in threads against the
+    endpoint while this thread serves their requests on the engine; returns the records by key."""
+    from trl_nrollout.rollout.agent_episodes import EpisodeRecord
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    engine, endpoint = served
+    records = [EpisodeRecord(key=k, row={}) for k in agents]
+    endpoint.open(records, seed)
+    results, done = {}, threading.Event()
+
+    def go():
+        threads = []
+        for key, fn in agents.items():
+            def one(key=key, fn=fn):
+                try:
+                    results[key] = fn(endpoint.base_url(key))
+                except Exception as err:  # noqa: BLE001 - the test reads it
+                    results[key] = err
+            threads.append(threading.Thread(target=one))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+
+    threading.Thread(target=go, daemon=True).start()
+    base = SamplingOptions(max_tokens=8, temperature=1.0)
+    endpoint.serve(engine._loop(), lambda c: engine._sampling_params(
+        1, replace(base, max_tokens=c.max_tokens, seed=c.seed, stop=tuple(c.stop))), done.is_set)
+    return {r.key: (r, results.get(r.key)) for r in records}
+
+
+def _client(base_url: str):
+    import openai
+
+    return openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.mark.vllm
+def test_the_endpoint_answers_openais_schema_and_records_the_tokens(served):
+    """A chat completion, a text completion and the model list, read by the openai client into its own response
+    models (validated again strictly); each call is recorded with the engine's tokens, and the answer's text is
+    those tokens decoded."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    def agent(base_url):
+        client = _client(base_url)
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Write a number:"}],
+                                              max_tokens=6)
+        text = client.completions.create(model="policy", prompt="Give me some digits:", max_tokens=5)
+        models = client.models.list()
+        return chat, text, models
+
+    (record, (chat, text, models)), = run(served, {"a": agent}).values()
+    ChatCompletion.model_validate(chat.model_dump(), strict=True)
+    Completion.model_validate(text.model_dump(), strict=True)
+    assert [m.id for m in models.data] == ["tiny"]
+    assert len(record.calls) == 2 and 1 <= len(record.calls[0].completion_ids) <= 6
+    tok = served[1].tokenizer
+    assert chat.choices[0].message.content == tok.decode(record.calls[0].completion_ids, skip_special_tokens=True)
+    assert chat.usage.completion_tokens == len(record.calls[0].completion_ids)
+    assert record.calls[0].prompt_ids == tok.apply_chat_template([{"role": "user", "content": "Write a number:"}],
+                                                                  add_generation_prompt=True, tokenize=True,
+                                                                  return_dict=False)
+    assert all(lp <= 0 for lp in record.calls[0].logprobs) and len(record.calls[0].logprobs) == chat.usage.completion_tokens
+
+
+@pytest.mark.vllm
+def test_concurrent_episodes_get_their_own_calls(served):
+    """Eight episodes at once, each asking about its own number: every episode's recorded prompts hold its own
+    number only, and its answers are its recorded tokens (attribution by the key in the base URL)."""
+    def agent(k):
+        def fn(base_url):
+            client = _client(base_url)
+            answers = []
+            messages = [{"role": "user", "content": f"episode {k} number {k}"}]
+            for _ in range(2):
+                r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+                answers.append(r.choices[0].message.content)
+                messages = messages + [{"role": "assistant", "content": answers[-1]},
+                                       {"role": "user", "content": f"again {k}"}]
+            return answers
+        return fn
+
+    out = run(served, {f"ep{k}": agent(k) for k in range(8)})
+    tok = served[1].tokenizer
+    for k in range(8):
+        record, answers = out[f"ep{k}"]
+        assert not isinstance(answers, Exception), answers
+        assert len(record.calls) == 2
+        prompts = [tok.decode(c.prompt_ids) for c in record.calls]
+        assert all(f"number {k}" in p for p in prompts)
+        assert all(f"number {j}" not in p for p in prompts for j in range(8) if j != k)
+        assert [tok.decode(c.completion_ids, skip_special_tokens=True) for c in record.calls] == answers
+        # the second call extends the first token for token: one sample
+        assert record.calls[1].extends and chains(record.calls)
+
+
+@pytest.mark.vllm
+def test_bad_requests_get_openai_errors_and_the_run_goes_on(served):
+    import openai
+
+    def agent(base_url):
+        client = _client(base_url)
+        errors = []
+        for kwargs in ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+                       {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]},
+                       {"model": "tiny", "messages": [{"role": "user", "content": "seven " * 200}]},
+                       {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}):
+            try:
+                client.chat.completions.create(**kwargs)
+            except openai.APIStatusError as err:
+                errors.append((err.status_code, err.body.get("code") if isinstance(err.body, dict) else None))
+        ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        return errors, ok
+
+    (record, (errors, ok)), = run(served, {"bad": agent}).values()
+    assert errors == [(404, "model_not_found"), (400, None), (400, "context_length_exceeded"), (400, None)]
+    assert ok.choices[0].message.content is not None and len(record.calls) == 1
+    closed = _client(served[1].base_url("bad"))
+    with pytest.raises(openai.NotFoundError, match="episode 'bad' is not open"):
+        closed.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.vllm
+def test_an_episodes_call_limit_is_an_error_answer(served):
+    import openai
+
+    def agent(base_url):
+        client = _client(base_url)
+        for _ in range(4):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+    (record, err), = run(served, {"many": agent}).values()
+    assert isinstance(err, openai.BadRequestError) and "agent_max_calls" in str(err)
+    assert len(record.calls) == 3 and record.outcome == "calls"
+
+
+@pytest.mark.vllm
+def test_seeded_calls_sample_what_the_engine_samples_for_that_seed(served):
+    """A call's sampling seed comes from the trainer (episode, call): the same seed gives the same tokens whichever
+    other episodes run beside it, a different call index another draw."""
+    def agent(base_url):
+        client = _client(base_url)
+        return [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Write:"}],
+                                               max_tokens=8).choices[0].message.content for _ in range(2)]
+
+    seed = lambda i, c: 1000 + 17 * c  # noqa: E731 - every episode's call c draws from the same seed
+    alone = run(served, {"x": agent}, seed=seed)
+    crowd = run(served, {f"y{k}": agent for k in range(5)}, seed=seed)
+    tokens = [c.completion_ids for c in alone["x"][0].calls]
+    assert all([c.completion_ids for c in r.calls] == tokens for r, _ in crowd.values())
