@@ -195,6 +195,87 @@ def test_a_smolagents_agent_trains_through_the_endpoint(tmp_path):
     assert log["rollout_corr/logprob_abs_diff_max"] < 1e-4
 
 
+@pytest.mark.vllm
+def test_a_split_episode_trains_each_call_with_its_episodes_advantage(tmp_path, monkeypatch):
+    """An agent that edits its history on some episodes (its second call starts a new conversation): each call of a
+    split episode is a row of the trained batch of its own (its prompt and completion as the engine saw them, the
+    engine's log-probs, its episode's advantage), never one row; the rank then trains more rows than episodes, cut
+    into two mini batches unevenly, and the trainer's log-probs of every row equal the engine's. Mutations tried:
+    `expand_segments` returning its input (rows = episodes: fails), later calls given the first sample's per-token
+    advantages cut to width (zeros past the first call's length: fails), `split_rows` as TRL's (drops a row: fails)."""
+    import torch
+
+    async def agent(client, row):
+        first = await client.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=6)
+        text = first.choices[0].message.content or ""
+        messages = row["prompt"] + [first.choices[0].message.model_dump(exclude_none=True)]
+        if len(text) % 2:  # an edited history: a new conversation
+            messages = [{"role": "user", "content": "Once more: " + row["prompt"][-1]["content"]}]
+        else:  # appended: the episode stays one sample
+            messages = messages + [{"role": "user", "content": "Once more."}]
+        second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+        return (len(text + (second.choices[0].message.content or "")) % 5) / 4
+
+    trainer = _trainer(tmp_path, agent=agent, max_steps=1, ppo_mini_batch_size=2)
+    episodes, batches = [], []
+    rollout, step = trainer._agent_rollout, trainer._generate_and_score_completions
+    trainer._agent_rollout = lambda *a, **k: episodes.append(rollout(*a, **k)) or episodes[-1]
+    trainer._generate_and_score_completions = lambda inputs: batches.append(step(inputs)) or batches[-1]
+    import trl_nrollout.trainer.grpo as grpo
+
+    chunks, split_rows = [], grpo.split_rows
+    monkeypatch.setattr(grpo, "split_rows", lambda b, k: chunks.append(split_rows(b, k)) or chunks[-1])
+    trainer.train()
+    trainer.close()
+    (batch, episode), out = episodes[0], batches[0]
+    splits = sum(1 for seg in episode.segments if seg)
+    assert 0 < splits < len(batch)  # some episodes split, some chained
+    rows = len(batch) + sum(len(seg) for seg in episode.segments)
+    assert out["completion_ids"].shape[0] == rows and rows % 2  # (odd: the mini batches differ by a row)
+
+    def row(r):  # (prompt, completion, engine log-probs, advantage) of row r, padding removed
+        p = out["prompt_ids"][r][out["prompt_mask"][r].bool()].tolist()
+        m = out["completion_mask"][r].bool()
+        return p, out["completion_ids"][r][m].tolist(), out["sampling_per_token_logps"][r][m], out["advantages"][r][m]
+
+    r, advantages = 0, []
+    for e, seg in enumerate(episode.segments):
+        p, c, _, adv = row(r)
+        assert p == batch.prompt_ids[e] and c == batch.completion_ids[e]
+        advantages.append(float(adv[0]))
+        for call in seg:
+            r += 1
+            p, c, lp, seg_adv = row(r)
+            assert p == call.prompt_ids and c == call.completion_ids  # its own prompt: not the episode's concatenated
+            assert torch.allclose(lp, torch.tensor(call.logprobs), atol=1e-6)
+            assert torch.allclose(seg_adv, adv.new_full(seg_adv.shape, float(adv[0])), atol=1e-6)
+        r += 1
+    assert any(a != 0 for a in advantages)
+    assert [len(c["completion_ids"]) for c in chunks[0]] == [(rows + 1) // 2, rows // 2]  # every row trains
+    log = next(h for h in trainer.state.log_history if "agent/split_episodes" in h)
+    assert log["agent/split_episodes"] == pytest.approx(splits / len(batch))
+    assert log["rollout_corr/logprob_abs_diff_max"] < 1e-4
+
+
+def test_ppo_refuses_a_step_with_split_episodes():
+    """PPO's critic estimates GAE along one sequence per episode: a step whose agent edited its history is refused
+    with the fix, before the critic's pass (the refusal is read from the job, the same on every rank). The trainer
+    is not built: the refusal is the stage's first statement, called on the class with the config it reads."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trl_nrollout.errors import InputError
+    from trl_nrollout.trainer.ppo import NRolloutPPOTrainer
+    from trl_nrollout.trainer.stages import Round, Sample
+
+    later = Sample([1, 2], [3], [-0.1], "stop")
+    job = Round([Sample([1], [2], [-0.2], "stop", segments=(later,)), Sample([1], [4], [-0.3], "stop")],
+                torch.zeros(2, 1))
+    with pytest.raises(InputError, match="1 episode\\(s\\) of this step split.*append-only.*NRolloutGRPOTrainer"):
+        NRolloutPPOTrainer._advantages(SimpleNamespace(args=None), job, None, None, None)
+
+
 @pytest.mark.parametrize(("option", "value", "match"), [
     ("agent_max_calls", 0, "agent_max_calls=0 must be >= 1"), ("agent_timeout_s", 0.0, "agent_timeout_s=0.0 must be > 0")])
 def test_agent_limits_are_checked(tmp_path, option, value, match):

@@ -18,7 +18,15 @@ from trl_nrollout.algos.advantages import (
 )
 from trl_nrollout.algos.losses import kl_penalty
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, Sample, StepContext
+from trl_nrollout.trainer.stages import (
+    Advantages,
+    Assignment,
+    LogProbs,
+    Round,
+    Sample,
+    StepContext,
+    fit_width,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +93,12 @@ class AdvantageStage:
         """KL in the reward: each sample's penalty ``[G]``, the KL controller's coefficient times its KL to the
         reference summed over its sampled tokens (this rank's samples computed here, the job's gathered); the
         controller then moves with the job's mean KL per token."""
-        mine = assigned.mine
-        local_mask = resp_mask[mine, :logps.old.shape[1]]  # old is as wide as this rank's longest completion
+        local = assigned.samples  # old is as wide as this rank's longest completion
+        local_mask = response_mask([s.completion_ids for s in local], [s.tool_mask for s in local], logps.old.shape[1])
         kl_local = sequence_kl(logps.old, logps.ref, local_mask, self.args.kl_penalty)  # [B], on old's device
         kl_all = torch.zeros(len(resp_mask), device=kl_local.device)
-        kl_all[torch.tensor(mine, device=kl_local.device)] = kl_local
+        # a split episode's calls are rows of one job sample: its KL is theirs summed
+        kl_all.index_add_(0, torch.tensor(assigned.mine, device=kl_local.device), kl_local.to(kl_all.dtype))
         kl_all = gather(kl_all).view(self.accelerator.num_processes, -1).sum(0).cpu()
         if getattr(self, "_sp", None) is not None:  # each sample on every rank of its sequence-parallel group
             kl_all = kl_all / self._sp.size
@@ -172,6 +181,23 @@ class AdvantageStage:
         if mode == "train":
             self.state.num_input_tokens_seen += int(sum(s.num_tokens for s in samples))
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
+
+
+def rows_advantages(advantages: Tensor, resp_mask: Tensor, mine: list[int], segment: list[bool] | None,
+                    width: int) -> Tensor:
+    """The per-token advantages of this rank's training rows ``[B, width]``: row ``b`` takes its job sample
+    ``mine[b]``'s ``advantages`` ``[G, T]`` (cut or zero-padded to ``width``); a split episode's later call
+    (``segment[b]``) takes its episode's advantage, the mean over the episode's sampled tokens (``resp_mask`` ``[G,
+    T]``; the outcome estimators give every sampled token the same), on every token (its completion mask says which
+    train)."""
+    index = torch.as_tensor(mine, dtype=torch.long)
+    rows = fit_width(advantages[index], width)
+    if segment is None or not any(segment):
+        return rows
+    per_episode = (advantages * resp_mask).sum(-1) / resp_mask.sum(-1).clamp(min=1)  # [G]
+    later = torch.as_tensor(segment, dtype=torch.bool)
+    rows[later] = per_episode[index[later]].unsqueeze(-1).to(rows.dtype).expand(-1, width)
+    return rows
 
 
 def _nanstd(x: Tensor) -> float:

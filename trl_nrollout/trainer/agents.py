@@ -11,8 +11,9 @@ Each step every rank runs its ``n`` episodes per prompt at once (async agents on
 threads) against its own endpoint and engine, while the trainer's thread runs their requests on the engine as they
 come (no turn barrier). What trains is what the engine generated
 (:func:`~trl_nrollout.rollout.agent_episodes.assemble`): an episode whose calls chain is one sample (tokens between
-calls masked); an episode whose agent edited its history (split) trains its first call only for now, its other
-calls masked, and ``agent/split_episodes`` counts them. An agent that raises, or runs past ``agent_timeout_s``, is
+calls masked); an episode whose agent edited its history (split) trains each call as a sample of its own with the
+episode's advantage (:func:`split_calls`, :func:`~trl_nrollout.trainer.stages.expand_segments`; a rank then trains
+more rows than its share of episodes), and ``agent/split_episodes`` counts them. An agent that raises, or runs past ``agent_timeout_s``, is
 an unscored episode (its reward None: TRL's rules), never a hang; one past ``agent_max_calls`` gets an error
 answer and its reward as it returns it.
 
@@ -34,9 +35,10 @@ from typing import Any
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.rollout.agent_episodes import EpisodeRecord, assemble, reward_kwargs
+from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
 from trl_nrollout.rollout.seeds import prompt_seed, turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.trainer.stages import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,22 @@ def agent_arguments(agent) -> list[str]:
         raise ValueError(f"agent {getattr(agent, '__name__', agent)!r} must take (client, row), or parameters named "
                          f"among {sorted(known)}.")
     return ["client", "row"]
+
+
+def split_calls(assembled: Assembled, record: EpisodeRecord, limit: int | None) -> tuple[Sample, ...]:
+    """A split episode's calls after the first, each a sample of its own (its prompt as the engine saw it, its
+    completion and the engine's log-probs; ``length`` where the engine stopped at the token limit or the completion
+    reaches ``limit``); empty for an episode that is one sample."""
+    if not assembled.split:
+        return ()
+    out = []
+    for call in record.calls[1:]:
+        ids = list(call.completion_ids)
+        if not ids:  # a call that generated nothing has nothing to train
+            continue
+        cut = call.finish_reason == "length" or (limit is not None and len(ids) >= limit)
+        out.append(Sample(list(call.prompt_ids), ids, list(call.logprobs), "length" if cut else "stop", None))
+    return tuple(out)
 
 
 class AgentRollouts:
@@ -188,12 +206,13 @@ class AgentRollouts:
         prompt_ids = self._tokenize_prompts(prompts)[0]
         eos = self._tokenizer.eos_token_id or 0
         done = [assemble(r.calls, prompt_ids[i], eos) for i, r in enumerate(records)]
-        masks = []
-        for a in done:  # a split episode trains its first call only (see the module's docstring)
-            masks.append(a.mask if not a.split else [1] * len(a.completion_ids))
+        masks = [a.mask for a in done]
         limit = self.args.max_completion_length
-        reasons = [("length" if len(a.completion_ids) >= limit or (r.calls and r.calls[-1].finish_reason == "length")
-                    else "stop") for a, r in zip(done, records)]
+        segments = [split_calls(a, r, limit) for a, r in zip(done, records)]  # a split episode's later calls
+        # cut at the limit: the episode's last call (a split episode's sample is its first call)
+        reasons = [("length" if len(a.completion_ids) >= limit
+                    or (r.calls and r.calls[0 if a.split else -1].finish_reason == "length") else "stop")
+                   for a, r in zip(done, records)]
         batch = RolloutBatch([a.prompt_ids for a in done], [a.completion_ids for a in done],
                              [a.logprobs for a in done], reasons, [(offset + i) // max(n, 1) for i in range(len(done))])
         extra = self._agent_reward_kwargs(records)
@@ -202,7 +221,8 @@ class AgentRollouts:
                         for c in r.calls] or [{"role": "assistant", "content": ""}] for r in records]
         self._log_agents(mode, records, done, stats, wall)
         return batch, Episode(tool_mask=masks, completions=completions, turns=[max(1, len(r.calls)) for r in records],
-                              tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra)
+                              tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra,
+                              segments=segments)
 
     def _run_agents(self, records: list[EpisodeRecord], endpoint, finished: threading.Event) -> None:
         """Run every episode's agent (async ones on one event loop, sync ones in threads), each within
@@ -288,6 +308,10 @@ class AgentRollouts:
         self._metric(mode, "agent/split_episodes", sum(s for _, _, s in every) / max(total, 1))
         self._metric(mode, "agent/engine_idle_s", stats["idle_s"])
         self._metric(mode, "agent/rollout_s", wall)
+        split = sum(s for _, _, s in every)
+        if split and self.accelerator.is_main_process:
+            logger.info("%d of %d agent episodes split (their agent edited its history): each of their calls trains "
+                        "as a sample of its own, with its episode's advantage.", split, total)
         failed = [r for r in records if r.outcome in ("error", "timeout")]
         if failed:
             logger.warning("%d of %d agent episodes on rank %d are unscored (%s), e.g. %s", len(failed), len(records),

@@ -31,11 +31,10 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
-from torch import Tensor
 from transformers.trainer_callback import ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+from trl.trainer.utils import shuffle_sequence_dict
 
 from trl_nrollout.algos.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.algos.losses import (
@@ -63,7 +62,7 @@ from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
-from trl_nrollout.trainer.advantage_stage import AdvantageStage
+from trl_nrollout.trainer.advantage_stage import AdvantageStage, rows_advantages
 from trl_nrollout.trainer.agents import AgentRollouts
 from trl_nrollout.trainer.budgeted_update import BudgetedMicroBatches
 from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE, check_resume_folder, resolve_resume
@@ -73,7 +72,16 @@ from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_imag
 from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.rollout_ranks import RolloutRanks, RolloutRankWorker
 from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
-from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, Sample, StepContext
+from trl_nrollout.trainer.stages import (
+    Advantages,
+    Assignment,
+    LogProbs,
+    Round,
+    Sample,
+    StepContext,
+    expand_segments,
+    fit_width,
+)
 from trl_nrollout.trainer.update import PolicyUpdate
 
 logger = logging.getLogger(__name__)
@@ -416,8 +424,9 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         # balancing, DAPO's selection); otherwise each rank trains its own samples and keeps its tensors
         moves = self.args.balance_batch or self.args.filter_groups
         mm = (episode.mm or [None] * len(batch)) if moves else [None] * len(batch)
-        local = [Sample(p, c, lp, reason, mask, m) for p, c, lp, reason, mask, m in zip(
-            batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks, mm)]
+        segments = episode.segments or [()] * len(batch)  # an agent's split episodes: their later calls
+        local = [Sample(p, c, lp, reason, mask, m, seg) for p, c, lp, reason, mask, m, seg in zip(
+            batch.prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons, masks, mm, segments)]
         table = None
         if self.log_completions:  # TRL's completions table: the job's prompts and completions, in job order
             images = None
@@ -529,7 +538,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         mm = [s.mm for s in local] if any(s.mm is not None for s in local) else None
         if collected.mm_local is not None and any(x is not None for x in collected.mm_local):
             mm = collected.mm_local  # this rank's own samples, in order (mine is its slice of the job)
-        return Assignment(mine, local, mm)
+        mine, local, segment = expand_segments(mine, local)  # an agent's split episode: each call a sample
+        return Assignment(mine, local, mm, segment)
 
     def _trl_batch(self, assigned: Assignment, logps: LogProbs, adv: Advantages, ctx: StepContext) -> dict[str, Any]:
         """This rank's samples as TRL's training batch: prompts left-padded ``[B, P]``, completions, masks, the
@@ -545,7 +555,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         out = {
             "prompt_ids": tensors["prompt_ids"], "prompt_mask": tensors["prompt_mask"],
             "completion_ids": tensors["completion_ids"], "completion_mask": tensors["completion_mask"],
-            "advantages": fit_width(adv.advantages[assigned.mine], c_max).to(dev),
+            "advantages": rows_advantages(adv.advantages, adv.response_mask, assigned.mine, assigned.segment,
+                                          c_max).to(dev),
             "sampling_per_token_logps": tensors["logprobs"],
         }
         if assigned.mm is not None:  # a VLM's image tensors per sample (they follow the samples through shuffles)
@@ -581,16 +592,23 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             batch = self._generate_and_score_completions(generation_batch)
             self.step_clock.rollout_s += time.perf_counter() - start
             batch = shared_shuffle(batch, self._sp) if getattr(self, "_sp", None) else shuffle_sequence_dict(batch)
-            chunks = split_tensor_dict(batch, self.args.steps_per_generation)
+            chunks = split_rows(batch, self.args.steps_per_generation)
             chunks = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
             self._buffered_inputs = chunks if not self.args.use_dynamic_bsz else self._budgeted_steps(chunks)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
 
-def fit_width(t: Tensor, width: int) -> Tensor:
-    """``t`` ``[B, W]`` cut or right-padded with zeros to ``[B, width]`` (per-token values of the job, which may be
-    wider than this rank's tensors, or narrower once those are padded to TRL's ``pad_to_multiple_of``)."""
-    if t.shape[1] >= width:
-        return t[:, :width]
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
+def split_rows(batch: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
+    """``batch``'s rows cut into ``chunks`` consecutive parts, as TRL's ``split_tensor_dict`` cuts them where
+    ``chunks`` divides the rows; otherwise (an agent's split episodes add rows) the first ``rows % chunks`` parts
+    take one row more: no row is dropped. Lists (a VLM's image tensors) are cut alike; scalars go to every part."""
+    rows = next(v for v in batch.values() if v is not None and (isinstance(v, list) or v.ndim > 0))
+    total = len(rows) if isinstance(rows, list) else rows.shape[0]
+    size, extra = divmod(total, chunks)
+    out, at = [], 0
+    for i in range(chunks):
+        end = at + size + (1 if i < extra else 0)
+        out.append({k: (v[at:end] if v is not None and (isinstance(v, list) or v.ndim > 0) else v)
+                    for k, v in batch.items()})
+        at = end
+    return out

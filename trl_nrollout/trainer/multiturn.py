@@ -52,6 +52,8 @@ class Episode:
     tool_failures: list[int] = field(default_factory=list)
     extra_fields: dict[str, list] = field(default_factory=dict)
     mm: list | None = None  # a VLM's image tensors per sample (trl_nrollout.passes.multimodal)
+    #: per sample, an agent's split episode's later calls (``trainer.stages.Sample``s; empty: none); None: no agent
+    segments: list[tuple] | None = None
 
 
 def _environment_tools(environment: Any) -> list:

@@ -40,8 +40,8 @@ from trl_nrollout.passes.critic import build_critic, compute_values, critic_valu
 from trl_nrollout.passes.distributed import is_zero3, synced_count
 from trl_nrollout.passes.logprobs import pack_by_tokens, split_by_count
 from trl_nrollout.passes.padfree import budget_count, budgeted_parts
-from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer, fit_width
-from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, StepContext
+from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
+from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, StepContext, fit_width
 from trl_nrollout.trainer.update import loss_mask
 
 CRITIC_DIR = "critic"
@@ -198,6 +198,14 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         """GAE over the critic's values: the critic's value pass (:meth:`_critic_value_pass`), then the estimator
         with them over the whole job; the job's mean value and return are logged."""
         args: NRolloutPPOConfig = self.args
+        split = sum(1 for s in collected.samples if s.segments)  # the job's: every rank raises alike
+        if split:
+            raise InputError(
+                f"agent=: {split} episode(s) of this step split (their agent edited its message history, so its calls "
+                "are not one token sequence), and NRolloutPPOTrainer's critic estimates GAE along one sequence per "
+                "episode. Keep the agent's history append-only (send back the messages the endpoint returned), or "
+                "train it with NRolloutGRPOTrainer, which trains each call of a split episode with its episode's "
+                "advantage.")
         width = max(max(len(s.completion_ids) for s in collected.samples), 1)
         values = self._critic_value_pass(assigned, len(collected), width, ctx.mode)
         adv = self._estimate_advantages(collected, assigned, logps, ctx, values=values, gamma=args.gamma,

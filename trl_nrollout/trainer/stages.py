@@ -12,7 +12,7 @@ rank's samples, ``C`` this rank's longest completion.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,10 @@ class Sample:
     tool_mask: list[int] | None = None
     #: a vision-language model's image tensors, carried only where samples change ranks
     mm: Any = None
+    #: an agent's split episode (it edited its history, so its calls do not chain into one sample): the calls after
+    #: the first (this sample), each a sample of its own, trained with this sample's advantage
+    #: (:func:`expand_segments`); empty otherwise
+    segments: tuple[Sample, ...] = ()
 
     @property
     def truncated(self) -> bool:
@@ -45,7 +49,8 @@ class Sample:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.completion_ids)
+        """Prompt and completion tokens, a split episode's later calls included."""
+        return len(self.prompt_ids) + len(self.completion_ids) + sum(s.num_tokens for s in self.segments)
 
 
 @dataclass
@@ -89,11 +94,14 @@ class Round:
 @dataclass
 class Assignment:
     """The samples this rank trains on: ``mine`` (job indices, ``[B]``) and those samples, in that order; ``mm``:
-    their image tensors (None without images)."""
+    their image tensors (None without images). An agent's split episode trains each call as a sample of its own
+    (:func:`expand_segments`): its job index then appears once per call, and ``segment`` ``[B]`` marks the rows that
+    are a later call (None: no split episode here)."""
 
     mine: list[int]
     samples: list[Sample]
     mm: list | None = None
+    segment: list[bool] | None = None
 
     @property
     def prompt_ids(self) -> list[list[int]]:
@@ -107,6 +115,32 @@ class Assignment:
     def num_tokens(self) -> int:
         """Prompt and completion tokens of this rank's samples (the step's throughput counts them)."""
         return sum(s.num_tokens for s in self.samples)
+
+
+def expand_segments(mine: list[int], samples: list[Sample]) -> tuple[list[int], list[Sample], list[bool] | None]:
+    """This rank's samples with every split episode's later calls (:attr:`Sample.segments`) as samples of their own,
+    right after their episode's first call: ``(mine, samples, segment)``, ``mine`` repeating the episode's job index
+    for each of its calls, ``segment`` marking the later calls (None where no sample has any: nothing changes)."""
+    if not any(s.segments for s in samples):
+        return mine, samples, None
+    out_mine, out, segment = [], [], []
+    for index, sample in zip(mine, samples):
+        out_mine.append(index)
+        out.append(replace(sample, segments=()))
+        segment.append(False)
+        for call in sample.segments:
+            out_mine.append(index)
+            out.append(call)
+            segment.append(True)
+    return out_mine, out, segment
+
+
+def fit_width(t: Tensor, width: int) -> Tensor:
+    """``t`` ``[B, W]`` cut or right-padded with zeros to ``[B, width]`` (per-token values of the job, which may be
+    wider than this rank's tensors, or narrower once those are padded to TRL's ``pad_to_multiple_of``)."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
 @dataclass
