@@ -293,9 +293,11 @@ def test_agent_limits_are_checked(tmp_path, option, value, match):
 def test_each_rank_serves_its_own_episodes(tmp_path, config, tp):
     """Two processes (ZeRO-3 with an engine per rank; DDP with one TP=2 engine over both; a DDP run with an engine per
     rank adds nothing these two do not check): each rank serves its own episodes on its own
-    endpoint (different ports, every URL an agent used is its rank's), tool-calling episodes chain into one sample,
-    and what trained is what the engines generated (the trainer's log-probs equal the engines'). At TP=2 both ranks
-    add each other's requests to their engine in the same order (it would hang or mix tokens otherwise)."""
+    endpoint (different ports, every URL an agent used is its rank's), rank 0's tool-calling episodes chain into one
+    sample, rank 1's split (a last call in a new conversation), so rank 1 trains more rows than rank 0 (ZeRO-3
+    gathers in every forward: a rank running fewer would hang), and what trained is what the engines generated (the
+    trainer's log-probs of every row equal the engines'). At TP=2 both ranks add each other's requests to their
+    engine in the same order (it would hang or mix tokens otherwise)."""
     import json
     import os
     import subprocess
@@ -310,10 +312,11 @@ def test_each_rank_serves_its_own_episodes(tmp_path, config, tp):
     ranks = [json.loads((tmp_path / f"agent_run_{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["port"] != ranks[1]["port"]
     for r in ranks:
-        assert r["calls"] >= 16 and all(f":{r['port']}/e/" in url for url in r["urls"])
+        assert r["episodes"] == 16 and len(r["urls"]) == 16 and all(f":{r['port']}/e/" in url for url in r["urls"])
     steps = [h for h in ranks[0]["history"] if "agent/calls_per_episode" in h]
-    assert len(steps) == 2 and all(h["agent/split_episodes"] == 0 and h["agent/error_episodes"] == 0 for h in steps)
-    assert max(h["agent/calls_per_episode"] for h in steps) > 1  # tool calls happened, and chained
+    # rank 1's episodes split (one more call in a new conversation): it trains more rows than rank 0, in step
+    assert len(steps) == 2 and all(h["agent/split_episodes"] == 0.5 and h["agent/error_episodes"] == 0 for h in steps)
+    assert max(h["agent/calls_per_episode"] for h in steps) > 1.5  # tool calls happened (rank 0's chained)
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 1e-4
 
 

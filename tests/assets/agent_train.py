@@ -1,35 +1,34 @@
 """Run by tests/test_agents.py: NRolloutGRPOTrainer(agent=...) with an async openai-client agent that calls the built-in
-tool when the model asks (up to 3 calls per episode, each call extending the last). Writes agent_run.json from every
-rank (its endpoint's port, its episodes' keys and outcomes) and the log history from rank 0.
+tool when the model asks (up to 3 calls per episode, each call extending the last), rank 1's episodes ending with a
+call in a new conversation (split). Writes agent_run.json from every rank (its endpoint's port, the base URLs and
+number of its episodes) and the log history from rank 0.
 
     accelerate launch --multi_gpu --num_processes 2 [--config_file zero3_cpu.yaml] agent_train.py OUT [tp2]
 """
 
 import json
+import os
 import sys
+from pathlib import Path
 
-from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
-from trl_nrollout.builtin import lucky_number, tool_dataset
+sys.path.insert(0, str(Path(__file__).parent))
+from axes_combinations import tool_agent  # noqa: E402 - the tool loop the combinations run
 
-TOOLS = [{"type": "function", "function": {"name": "lucky_number", "description": "Returns today's lucky number.",
-                                           "parameters": {"type": "object", "properties": {}}}}]
+from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer  # noqa: E402
+from trl_nrollout.builtin import tool_dataset  # noqa: E402
+
 SEEN: list = []
 
 
 async def agent(client, row):
-    """Ask, run the tool calls the model makes, ask again (at most 3 calls); reward 1 when a tool ran."""
-    messages, ran = list(row["prompt"]), 0
-    for _ in range(3):
-        reply = (await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                                      max_tokens=12)).choices[0].message
-        SEEN.append(str(client.base_url))
-        if not reply.tool_calls:
-            break
-        messages = messages + [reply.model_dump(exclude_none=True)] + [
-            {"role": "tool", "tool_call_id": c.id, "name": c.function.name, "content": lucky_number()}
-            for c in reply.tool_calls]
-        ran += 1
-    return float(ran > 0)
+    """The tool loop (calls of at most 12 tokens); on rank 1 one more call, in a new conversation (an edited
+    history): rank 1's episodes split, so it trains more rows than rank 0."""
+    SEEN.append(str(client.base_url))
+    reward = await tool_agent(client, row, max_tokens=12)
+    if os.environ.get("RANK") == "1":
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Summarize."}],
+                                             max_tokens=12)
+    return reward
 
 
 if __name__ == "__main__":
@@ -42,6 +41,6 @@ if __name__ == "__main__":
     trainer.train()
     rank = trainer.accelerator.process_index
     with open(f"{out}/agent_run_{rank}.json", "w") as f:
-        json.dump({"port": trainer._agent_endpoint.port, "urls": sorted(set(SEEN)), "calls": len(SEEN),
+        json.dump({"port": trainer._agent_endpoint.port, "urls": sorted(set(SEEN)), "episodes": len(SEEN),
                    "history": trainer.state.log_history if rank == 0 else None}, f)
     trainer.close()

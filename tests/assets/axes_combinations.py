@@ -37,13 +37,14 @@ TOOL_SCHEMA = [{"type": "function", "function": {"name": "lucky_number", "descri
                                                  "parameters": {"type": "object", "properties": {}}}}]
 
 
-async def tool_agent(client, row) -> float:
+async def tool_agent(client, row, max_tokens: int | None = None) -> float:
     """An agent through the endpoint (``agent=``): asks, runs the built-in tool when the model calls it, asks again
-    (at most 3 calls, each extending the last); reward 1 when the tool ran."""
+    (at most 3 calls, each extending the last, each of at most ``max_tokens``); reward 1 when the tool ran."""
     messages, ran = list(row["prompt"]), 0
+    limit = {"max_tokens": max_tokens} if max_tokens else {}
     for _ in range(3):
-        reply = (await client.chat.completions.create(model="policy", messages=messages,
-                                                      tools=TOOL_SCHEMA)).choices[0].message
+        reply = (await client.chat.completions.create(model="policy", messages=messages, tools=TOOL_SCHEMA,
+                                                      **limit)).choices[0].message
         if not reply.tool_calls:
             break
         messages = messages + [reply.model_dump(exclude_none=True)] + [
