@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import signal
 import sys
 import tempfile
@@ -52,6 +53,8 @@ from trl_nrollout.recipe.trust import enforce_recipe_trust, parse_recipe_command
 from trl_nrollout.rollout.platform import launch_nodes
 from trl_nrollout.trainer.checkpoints import check_output_dir, resolve_resume
 from trl_nrollout.trainer.scoring import RewardFunctionError
+
+logger = logging.getLogger(__name__)
 
 #: The recipes shipped with the package (``recipes/`` of the repository, reached through the package's
 #: ``trl_nrollout/recipes`` link and installed as package data): ``configs/*.yaml`` and ``accelerate/*.yaml``.
@@ -254,7 +257,35 @@ def _check_script_fields(args: NRolloutConfig) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """Train as the recipe and the command line say; return the run summary. Every check that needs no model runs
-    before the model loads (options, resume, output folder, data)."""
+    before the model loads (options, resume, output folder, data). Whether it returns or raises, it leaves nothing
+    running in the process: the trainer's engines closed, the process group parsing the options started destroyed
+    (a caller that runs the recipe in its own process, as the tests do, then starts its next run afresh)."""
+    built: list = []  # the trainer, once built
+    try:
+        return _train(argv, built)
+    except BaseException:
+        if built:
+            try:
+                built[0].close()
+            except Exception as err:  # noqa: BLE001 - the run's own error is the one to raise
+                logger.warning("closing the trainer after the run's error failed too: %s", err)
+        _release_distributed()
+        raise
+
+
+def _release_distributed() -> None:
+    """Destroy the default process group and accelerate's state (a clean exit: no live gloo threads; a next run in
+    this process starts afresh)."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _train(argv: list[str] | None, built: list) -> dict:
+    """:func:`main`'s run; ``built`` gets the trainer once it exists."""
     argv, kind = _resolve_recipe(list(sys.argv[1:] if argv is None else argv))
     config_cls = _config_class(kind)
     script_args, training_args = _parse(argv, config_cls)
@@ -284,6 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
         peft_config=peft_config,
         **({"agent": agent} if agent is not None else {}),
     )
+    built.append(trainer)
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     if getattr(trainer, "is_rollout_rank", False):  # rollout_ranks: this process generated for the trainers
@@ -323,13 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     trainer.close()
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # a clean exit: no rank left with live gloo threads
-        dist.destroy_process_group()
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)  # its process group is gone: a next run starts afresh
+    _release_distributed()
     return summary
 
 
