@@ -142,6 +142,26 @@ def test_two_processes_match_one(tmp_path):
                 assert case[key] < 1e-5, (name, key, case)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_lora_with_a_group_of_two_learns_what_one_process_learns(tmp_path):
+    """LoRA (r=8, no dropout: dropout draws differ with the rows' shapes) with sequence_parallel_size=2 in 2
+    processes: the adapter's gradients from the two shards, summed over the group, are one process's (gradient norm
+    and loss of each step), and the engine, given the adapter after the first step, samples what one process's
+    does (rewards of step 2). Mutation: the update's loss not scaled by S (each rank's shard counted as the whole
+    row's) -> the gradient norms halve."""
+    from tests.conftest import launch
+
+    extra = ["--max_steps", "2", "--use_peft", "true", "--lora_r", "8", "--lora_dropout", "0.0", "--learning_rate",
+             "1e-3", "--save_strategy", "no"]
+    one = launch(tmp_path / "one", *extra)
+    two = launch(tmp_path / "two", *extra, "--sequence_parallel_size", "2", procs=2)
+    assert len(two["steps"]) == 2 and two["summary"]["processes"] == 2
+    for key, tol in (("grad_norm", 1e-5), ("loss", 1e-6), ("reward", 1e-6)):
+        assert [h[key] for h in two["steps"]] == pytest.approx([h[key] for h in one["steps"]], rel=tol, abs=tol), key
+
+
 def test_trl_batch_counts_a_group_once():
     """TRL counts its batch over every process (per_device_train_batch_size x processes x steps_per_generation): at
     S = 2 each rank's share of the group's micro batch is half of it, so TRL's batch is still the layout's job (and
