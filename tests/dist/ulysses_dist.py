@@ -12,14 +12,14 @@ Per case (an attention the model runs, and a model whose KV heads are split or r
   a token budget of 12 per device, below the longest sample's 20 tokens (one device refuses it; the group's two
   devices hold it);
 
-and compares them with one process's: the same model unsharded (a deep copy, before the Ulysses attention wraps
-it) over the same padding-free rows, and the plain log-prob pass. Each rank writes ``rank{r}.json``: per case the
+(``sdpa_fsdp2``: the model's parameters sharded over the two ranks by FSDP2, its averaged gradients gathered)
+and compares them with one process's: the same model unsharded (built again with the same weights, without the
+Ulysses attention) over the same padding-free rows, and the plain log-prob pass. Each rank writes ``rank{r}.json``: per case the
 largest absolute differences of log-probs, entropies, loss and gradients.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -43,6 +43,7 @@ CASES = {
     "eager": ("eager", None),
     "varlen": (VARLEN_NAME, None),
     "sdpa_kv_replicated": ("sdpa", {"num_attention_heads": 2, "num_key_value_heads": 1}),
+    "sdpa_fsdp2": ("sdpa", None),  # the sharded model under FSDP2 (fully_shard over the group's two ranks)
 }
 
 
@@ -79,11 +80,21 @@ def loss_of(logps: torch.Tensor, entropy: torch.Tensor, valid: torch.Tensor) -> 
     return (-(ratio * adv * mask).sum() - 0.01 * (entropy * mask).sum()) / mask.sum()
 
 
-def one_case(attn: str, config: dict | None, sp) -> dict:
+def one_case(attn: str, config: dict | None, sp, fsdp2: bool = False) -> dict:
     prompts, completions = samples()
     plain = build(attn, config)
-    model = copy.deepcopy(plain)
+    # the same weights built again (seeded), not a deep copy: TRL's fused-head patch keeps the original forward bound
+    # to the model it patched, so a copy's full forward would run the original model
+    model = build(attn, config)
     install(model)
+    full_numel = sum(p.numel() for p in model.parameters())
+    if fsdp2:  # parameters sharded over the two ranks (the group shares one data shard), unsharded per forward
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        local_numel = sum(p.to_local().numel() for p in model.parameters())
     varlen = attn == VARLEN_NAME
     mask_dtype = None if varlen else (torch.bool if attn == "sdpa" else torch.float32)
     # one process: the whole rows (several sequences a row, the widest sample's width: 3 + 17)
@@ -105,9 +116,13 @@ def one_case(attn: str, config: dict | None, sp) -> dict:
     # S = 2: this rank's shard, the group's gradients summed
     lp, ent = sharded_policy_logps(model, rows, sp)
     loss = loss_of(lp, ent, rows.valid)
-    loss.backward()
+    # FSDP2 averages the ranks' gradients (reduce-scatter): the trainer's loss scale S makes the mean the group's sum
+    (loss * sp.size if fsdp2 else loss).backward()
     grads = {}
     for name, p in model.named_parameters():
+        if fsdp2:
+            grads[name] = p.grad.full_tensor()
+            continue
         g = p.grad.clone()
         dist.all_reduce(g, group=sp.group)
         grads[name] = g
@@ -133,6 +148,7 @@ def one_case(attn: str, config: dict | None, sp) -> dict:
         "pass_logps": float((got.logprobs - want.logprobs).abs().max()),
         "pass_entropy": float((got.entropy - want.entropy).abs().max()),
         "pass_forwards": got.num_forwards, "one_device_refuses_the_budget": refused,
+        "sharded": fsdp2 and local_numel < full_numel,
     }
 
 
@@ -142,7 +158,8 @@ def main(out: str) -> None:
     sp = new_sp_group(2)
     torch.set_num_threads(1)
     result = {"world": dist.get_world_size(), "sp_rank": sp.rank, "dp_rank": sp.dp_rank,
-              "cases": {name: one_case(attn, cfg, sp) for name, (attn, cfg) in CASES.items()}}
+              "cases": {name: one_case(attn, cfg, sp, fsdp2=name.endswith("fsdp2")) for name, (attn, cfg) in
+                        CASES.items()}}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
