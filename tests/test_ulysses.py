@@ -125,10 +125,12 @@ def test_two_processes_match_one(tmp_path):
     budget (12) that one device refuses for the longest sample (20 tokens) and the group of two holds. For SDPA and eager with the
     whole rows' block mask, varlen rows (the whole row's boundaries), a model whose single KV head is
     replicated, and the model's parameters sharded by FSDP2 over the group (its averaged gradients times S are the
-    group's sum: a sequence-parallel group shares one data shard). Mutations tried: no all-to-all (each rank attends over its own shard) -> every case differs (log-probs
+    group's sum: a sequence-parallel group shares one data shard); PPO's critic split over the group likewise
+    (values, gradients, and the value pass under a budget one device refuses). Mutations tried: no all-to-all (each rank attends over its own shard) -> every case differs (log-probs
     by ~0.5); positions restarted with each shard -> differ (~0.015); the last rank's heads dropped in the exchange
     back -> differ (~0.57); the log-prob pass taking the decoder and head apart under FSDP2 (the root's sharded
-    parameters never unsharded) -> the FSDP2 case fails."""
+    parameters never unsharded) -> the FSDP2 case fails; the critic's rows sharded without the Ulysses attention
+    installed (each rank attends within its shard) -> the critic's values differ by ~0.38."""
     from tests.conftest import ACCELERATE_LAUNCH, ENV, ROOT, run_cmd
 
     run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/dist/ulysses_dist.py"),
@@ -136,6 +138,9 @@ def test_two_processes_match_one(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [(r["sp_rank"], r["dp_rank"]) for r in ranks] == [(0, 0), (1, 0)]
     assert all(r["cases"]["sdpa_fsdp2"]["sharded"] for r in ranks)  # FSDP2 really sharded the parameters
+    for r in ranks:  # PPO's critic split over the group: its values, gradients and budgeted value pass
+        critic = r["critic"]
+        assert critic["one_device_refuses"] and critic["grad_scale"] > 1e-3 and all(critic[k] < 1e-5 for k in ("values", "grads", "pass_values")), critic
     for name in ("sdpa", "eager", "varlen", "sdpa_kv_replicated", "sdpa_fsdp2"):
         for r in ranks:
             case = r["cases"][name]

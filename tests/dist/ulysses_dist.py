@@ -152,6 +152,41 @@ def one_case(attn: str, config: dict | None, sp, fsdp2: bool = False) -> dict:
     }
 
 
+def critic_case(sp) -> dict:
+    """PPO's critic (built-in tiny Qwen2 with a value head) at S = 2: :func:`~trl_nrollout.passes.critic.critic_values`
+    with ``sequence_parallel`` (each rank's shard through the critic, the values gathered) against one process's
+    padded forward: the values, and the gradients of a masked mean of them (each rank's part, summed over the
+    group); and the micro-batched value pass under a per-device budget one device refuses."""
+    from trl_nrollout.passes.critic import build_critic, compute_values, critic_values, pad_batch
+
+    prompts, completions = samples()
+    pl, cl = [p.tolist() for p in prompts], [c.tolist() for c in completions]
+    plain, sharded = build_critic("builtin:tiny-qwen2"), build_critic("builtin:tiny-qwen2")
+    tensors = pad_batch(pl, cl, PAD, torch.device("cpu"), None)
+    mask = tensors[3].float()
+    want = critic_values(plain, *tensors, pad_token_id=PAD)
+    ((want * mask).sum() / mask.sum()).backward()
+    got = critic_values(sharded, *tensors, pad_token_id=PAD, sequence_parallel=sp)
+    ((got * mask).sum() / mask.sum()).backward()
+    ref = dict(plain.named_parameters())
+    grad_diff = 0.0
+    for name, p in sharded.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=sp.group)
+        grad_diff = max(grad_diff, float((g - ref[name].grad).abs().max()))
+    pass_want = compute_values(plain, pl, cl, pad_token_id=PAD)
+    pass_got = compute_values(sharded, pl, cl, pad_token_id=PAD, max_token_len=12, padding_free=True,
+                              sequence_parallel=sp)
+    try:
+        compute_values(plain, pl, cl, pad_token_id=PAD, max_token_len=12, padding_free=True)
+        refused = False
+    except ValueError:
+        refused = True
+    return {"values": float(((got - want) * mask).abs().max()), "grads": grad_diff, "one_device_refuses": refused,
+            "grad_scale": max(float(p.grad.abs().max()) for p in plain.parameters() if p.grad is not None),
+            "pass_values": float((pass_got - pass_want).abs().max())}
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -159,7 +194,7 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     result = {"world": dist.get_world_size(), "sp_rank": sp.rank, "dp_rank": sp.dp_rank,
               "cases": {name: one_case(attn, cfg, sp, fsdp2=name.endswith("fsdp2")) for name, (attn, cfg) in
-                        CASES.items()}}
+                        CASES.items()}, "critic": critic_case(sp)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -26,6 +26,14 @@ from trl_nrollout.passes.padfree import (
     rows_mask_dtype,
     unpad,
 )
+from trl_nrollout.passes.ulysses import (
+    SPGroup,
+    gather_sequence,
+    inner_for_rows,
+    install,
+    shard_rows,
+    sp_multiple,
+)
 from trl_nrollout.rollout.types import RolloutBatch
 
 
@@ -62,14 +70,22 @@ def build_critic(name_or_path: str, *, seed: int = 0, dtype: torch.dtype | None 
 
 def critic_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                   completion_mask: Tensor, *, padding_free: bool = False, pad_token_id: int = 0,
-                  pad_to_multiple_of: int | None = None, shared_prompts: bool = True) -> Tensor:
+                  pad_to_multiple_of: int | None = None, shared_prompts: bool = True,
+                  sequence_parallel: SPGroup | None = None) -> Tensor:
     """Values ``[B, C]`` of a left-padded prompt batch ``[B, P]`` followed by right-padded completions ``[B, C]``
     (TRL's layout), with gradient; positions count from each sequence's first real token.
 
     ``padding_free``: the real tokens in padding-free rows (:func:`~trl_nrollout.passes.padfree.pack_rows`, a
     block-diagonal mask: same values) wherever that saves a tenth of the slots, a group's prompt once where
     ``shared_prompts`` allows and it pays (:func:`~trl_nrollout.passes.padfree.padfree_layout`); 0 past each
-    completion's end."""
+    completion's end.
+
+    ``sequence_parallel`` (a Ulysses group of S > 1 ranks holding the same samples): padding-free rows split over the
+    group (:func:`sharded_values`), each rank's shard through the critic, the values gathered (every rank of the
+    group returns the whole ``[B, C]``; the backward keeps the rank's own shard's part)."""
+    if sequence_parallel is not None and sequence_parallel.size > 1:
+        return sharded_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask, pad_token_id,
+                              pad_to_multiple_of, sequence_parallel)
     if padding_free:
         values = _padfree_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask, pad_token_id,
                                  pad_to_multiple_of, shared_prompts)
@@ -111,6 +127,28 @@ def _padfree_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, 
     return pk.gather(out.logits[..., 0].float())
 
 
+def sharded_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                   completion_mask: Tensor, pad_token_id: int, pad_to_multiple_of: int | None, sp: SPGroup) -> Tensor:
+    """:func:`critic_values` with the padding-free rows split over the Ulysses group ``sp``: each rank runs its
+    ``1/S`` of every row's tokens through the critic (attention exchanging heads for sequence,
+    :mod:`~trl_nrollout.passes.ulysses`), and the group's shards are gathered into the whole ``[B, C]``."""
+    completion_len = prefix_lengths(completion_mask)
+    if completion_len is None:
+        raise ValueError(f"sequence_parallel_size={sp.size}: a completion mask with holes cannot be laid out as "
+                         "padding-free rows for the critic; use sequence_parallel_size=1.")
+    prompts, completions = unpad(prompt_ids, prompt_mask, completion_ids, completion_len)
+    inner = unwrap_model(critic)
+    install(inner)
+    weights = next((p.dtype for p in inner.parameters() if p.is_floating_point()), torch.float32)
+    dtype = rows_mask_dtype(inner.config, weights, query_dtype(weights, prompt_ids.device.type),
+                            prompt_ids.device.type)  # None: varlen attention
+    pk = pack_rows(prompts, completions, pad_token_id, mask_dtype=dtype,
+                   pad_to_multiple_of=sp_multiple(pad_to_multiple_of, sp.size), completion_width=completion_ids.shape[1])
+    shard = shard_rows(pk, sp, inner_for_rows(inner.config, pk))
+    out = critic(input_ids=shard.input_ids, **shard.forward_kwargs())
+    return pk.gather(gather_sequence(out.logits[..., 0].float(), sp))
+
+
 def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_token_id: int,
               device: torch.device | str = "cpu", multiple_of: int | None = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -127,8 +165,8 @@ def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[i
 def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
                    pad_token_id: int, micro_batch_size: int | None = None, max_token_len: int | None = None,
                    device: torch.device | str | None = None, sync_forwards: bool | None = None,
-                   pad_to_multiple_of: int | None = None, padding_free: bool = False, shared_prompts: bool = True
-                   ) -> Tensor:
+                   pad_to_multiple_of: int | None = None, padding_free: bool = False, shared_prompts: bool = True,
+                   sequence_parallel: SPGroup | None = None) -> Tensor:
     """The critic's values ``[B, C_max]`` of every completion token (0 past a completion's end), in input order,
     micro-batched like the log-prob passes (``micro_batch_size`` sequences, or a ``max_token_len`` budget). The
     critic is put in eval mode for the pass and its mode restored. Under ZeRO-3 (detected, or ``sync_forwards``)
@@ -136,7 +174,12 @@ def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completi
     ``pad_to_multiple_of``: each forward's widths rounded up to a multiple of it (TRL's option).
     ``padding_free``: forwards in padding-free rows (:func:`critic_values`); with ``max_token_len`` and no
     ``micro_batch_size`` the budget then counts real tokens, micro batches of even work
-    (:func:`~trl_nrollout.passes.padfree.budgeted_parts`), as the log-prob passes."""
+    (:func:`~trl_nrollout.passes.padfree.budgeted_parts`), as the log-prob passes. ``sequence_parallel``: each
+    forward's rows split over the Ulysses group (:func:`sharded_values`), the budget per device (a group's micro
+    batch holds S times it)."""
+    sp = sequence_parallel if sequence_parallel is not None and sequence_parallel.size > 1 else None
+    if sp is not None and max_token_len is not None:
+        max_token_len *= sp.size
     b = len(prompts)
     c_max = max((len(c) for c in completions), default=0)
     inner = unwrap_model(critic)
@@ -164,12 +207,12 @@ def compute_values(critic: nn.Module, prompts: Sequence[Sequence[int]], completi
             tensors = pad_batch([prompts[i] for i in idx], [completions[i] for i in idx], pad_token_id, device,
                                 pad_to_multiple_of)
             v = (critic_values(critic, *tensors, padding_free=padding_free, pad_token_id=pad_token_id,
-                               pad_to_multiple_of=pad_to_multiple_of, shared_prompts=shared_prompts)
-                 * tensors[3])[:, :c_max]
+                               pad_to_multiple_of=pad_to_multiple_of, shared_prompts=shared_prompts,
+                               sequence_parallel=sp) * tensors[3])[:, :c_max]
             values[torch.as_tensor(idx, device=device), :v.shape[1]] = v
         for _ in range(forwards - len(batches)):  # keep ZeRO-3's collectives in step with busier ranks
             critic_values(critic, *pad_batch([[pad_token_id]], [[pad_token_id]], pad_token_id, device,
-                                             pad_to_multiple_of))
+                                             pad_to_multiple_of), sequence_parallel=sp)
     finally:
         inner.train(was_training)
     return values

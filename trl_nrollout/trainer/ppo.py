@@ -40,6 +40,7 @@ from trl_nrollout.passes.critic import build_critic, compute_values, critic_valu
 from trl_nrollout.passes.distributed import is_zero3, synced_count
 from trl_nrollout.passes.logprobs import pack_by_tokens, split_by_count
 from trl_nrollout.passes.padfree import budget_count, budgeted_parts
+from trl_nrollout.passes.ulysses import sp_loss_scale
 from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
 from trl_nrollout.trainer.stages import Advantages, Assignment, LogProbs, Round, StepContext, fit_width
 from trl_nrollout.trainer.update import loss_mask
@@ -230,7 +231,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
                                    pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=count,
                                    max_token_len=budget, pad_to_multiple_of=self.pad_to_multiple_of,
                                    padding_free=self._padfree_allowed(self.critic),
-                                   shared_prompts=args.shared_prompt_forward is not False)
+                                   shared_prompts=args.shared_prompt_forward is not False,
+                                   sequence_parallel=getattr(self, "_sp", None))
         job = torch.zeros(num_samples, width, device=local.device)
         if local.numel():
             job[torch.as_tensor(assigned.mine, device=local.device), :local.shape[1]] = local
@@ -284,6 +286,9 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         lengths = (inputs["prompt_mask"].sum(-1) + inputs["completion_mask"].sum(-1)).tolist()
         padding_free = self._padfree_allowed(self.critic)
         budget = args.critic_ppo_max_token_len_per_device
+        sp = getattr(self, "_sp", None)  # Ulysses: the group's rows split over its ranks, budgets per device
+        if sp is not None and budget is not None:
+            budget *= sp.size
         if budget is not None and padding_free and args.critic_ppo_micro_batch_size_per_device is None:
             hidden = getattr(self.critic.config, "hidden_size", None) or 4096  # real tokens, even work
             pieces = budgeted_parts(lengths, budget, budget_count(lengths, budget), hidden)
@@ -307,15 +312,17 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
                                        inputs["completion_ids"][sel], inputs["completion_mask"][sel],
                                        padding_free=padding_free, pad_token_id=self._tokenizer.pad_token_id,
                                        pad_to_multiple_of=self.pad_to_multiple_of,
-                                       shared_prompts=args.shared_prompt_forward is not False)
+                                       shared_prompts=args.shared_prompt_forward is not False, sequence_parallel=sp)
             m = mask[sel].to(vpreds.dtype) * (1.0 if k < len(pieces) else 0.0)
             loss, clipfrac = value_loss(vpreds, inputs["returns"][sel], inputs["old_values"][sel], m,
                                         args.cliprange_value, args.critic_loss_agg_mode, **agg)
+            # Ulysses: each rank's gradients are its shard's part, so the mean over all ranks is the groups' mean
+            scaled = loss * sp_loss_scale(sp.size) if sp is not None else loss
             if engine is None:
-                loss.backward()
+                scaled.backward()
             else:  # DeepSpeed reduces the gradients at the boundary and steps there (clipping, zero_grad)
                 engine.set_gradient_accumulation_boundary(is_boundary=boundary and k == count - 1)
-                engine.backward(loss, scale_wrt_gas=False)
+                engine.backward(scaled, scale_wrt_gas=False)
                 engine.step()
             if k >= len(pieces):
                 continue
