@@ -113,15 +113,16 @@ def test_rloo_with_the_hf_engine_learns(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
-@pytest.mark.parametrize("mode", ["ddp_tp1", "ddp_tp1_balanced", "ddp_tp2", "zero3_tp1", "ddp_rollout_rank",
+@pytest.mark.parametrize("mode", ["ddp_tp1", "ddp_tp1_balanced", "ddp_tp2", "zero3_tp1", "ddp_rollout_rank_sp2",
                                   "zero3_rollout_rank", "ddp_sp2", "zero3_sp2"])
 def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     """Seeds are per prompt (its global index) and the loss is normalized over the whole mini batch, so two
     processes (two engines, two engines pulling the job's groups from one queue (rollout_dispatch='balanced', two
     samples at a time each), one engine of TP=2, or ZeRO-3 sharded training) sample and learn exactly what one
-    process does, within float noise. ``*_rollout_rank``: two trainers (DDP or ZeRO-3) and a third process that
-    only generates (rollout_ranks=1), synchronous (max_staleness=0): the weights it receives after each update are
-    the trainers' (its log-probs match theirs) and it samples what the colocated engines sample. ``ddp_tp2`` and
+    process does, within float noise. ``*_rollout_rank*``: two trainers (one Ulysses group of two, or ZeRO-3) and a
+    third process that only generates (rollout_ranks=1), synchronous (max_staleness=0): the weights it receives
+    after each update are the trainers' (its log-probs match theirs) and it samples what the colocated engines
+    sample; the group's gradient norm is one process's (mutation: the loss not scaled by S -> it halves). ``ddp_tp2`` and
     ``zero3_tp1`` update under a token budget (``ppo_max_token_len_per_device``: ~16 micro batches a step instead of
     one; ranks whose samples need different numbers run the busiest rank's count) and still learn exactly what the
     one count-based process learns (mutations: each rank its own count -> ZeRO-3 hangs in a gather and times out;
@@ -140,6 +141,11 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
         assert all(0 <= h["rollout/moved_groups"] <= 1 and h["rollout/engine_idle_s"] >= 0 for h in run["steps"])
     elif mode == "ddp_tp2":  # and the update under a token budget (DDP: gradients held until the last micro batch)
         run = launch(tmp_path, *extra, "--rollout_tp_size", "2", "--ppo_max_token_len_per_device", "60", procs=2)
+    elif mode == "ddp_rollout_rank_sp2":  # the two trainers one Ulysses group (the rollout rank outside it)
+        run = launch(tmp_path, *extra, "--rollout_ranks", "1", "--max_staleness", "0", "--sequence_parallel_size", "2",
+                     procs=3)
+        for got, want in zip(run["steps"], one_process_run["steps"][:4], strict=True):
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     elif mode.endswith("_sp2"):
         run = (launch(tmp_path, *extra, "--sequence_parallel_size", "2", procs=2) if mode == "ddp_sp2" else
                launch(tmp_path, *extra, "--save_strategy", "no", "--sequence_parallel_size", "2",
@@ -147,8 +153,6 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
         for got, want in zip(run["steps"], one_process_run["steps"][:4], strict=True):
             assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
-    elif mode == "ddp_rollout_rank":
-        run = launch(tmp_path, *extra, "--rollout_ranks", "1", "--max_staleness", "0", procs=3)
     elif mode == "zero3_rollout_rank":
         run = launch(tmp_path, *extra, "--save_strategy", "no", "--rollout_ranks", "1", "--max_staleness", "0",
                      config="zero3_cpu.yaml", config_processes=3)
@@ -158,7 +162,8 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     if mode in ("ddp_tp2", "zero3_tp1"):  # the ranks' own needs differed in a step, and both ran as many
         counts = [(h["update/micro_batches"], h["update/micro_batches_least_rank"]) for h in run["steps"]]
         assert any(least < most for most, least in counts), counts
-    if mode.endswith("rollout_rank"):
+    assert run["summary"]["sequence_parallel_size"] == (2 if mode.endswith("sp2") else 1)
+    if "rollout_rank" in mode:
         assert [h["rollout/staleness"] for h in run["steps"]] == [0, 0, 0, 0]
         assert max(h["rollout_corr/logprob_abs_diff_max"] for h in run["steps"]) < 1e-3
         assert not any("rollout_corr/is_weight_mean" in h for h in run["steps"])  # max_staleness=0: nothing stale

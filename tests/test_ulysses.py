@@ -193,7 +193,8 @@ def test_options_refused_with_sequence_parallelism():
 
     base = dict(sequence_parallel_size=2, padding_free=None, rollout_ranks=0, use_liger_kernel=False)
     assert sequence_parallel_refusal(SimpleNamespace(**base)) is None
-    for change, words in [({"padding_free": False}, "padding_free=False"), ({"rollout_ranks": 1}, "rollout_ranks=1"),
+    assert sequence_parallel_refusal(SimpleNamespace(**{**base, "rollout_ranks": 1})) is None  # the trainers' groups
+    for change, words in [({"padding_free": False}, "padding_free=False"),
                           ({"use_liger_kernel": True}, "use_liger_kernel"), ({"sequence_parallel_size": 0}, "positive")]:
         why = sequence_parallel_refusal(SimpleNamespace(**{**base, **change}))
         assert why is not None and "sequence_parallel_size" in why and words in why, change

@@ -141,9 +141,6 @@ def sequence_parallel_refusal(args) -> str | None:
     if getattr(args, "padding_free", None) is False:
         return (f"sequence_parallel_size={size} splits padding-free rows over the group, but padding_free=False; "
                 "remove padding_free=False (or use sequence_parallel_size=1).")
-    if getattr(args, "rollout_ranks", 0):
-        return (f"sequence_parallel_size={size} with rollout_ranks={args.rollout_ranks} is not built yet (the "
-                "trainers' world is split from the rollout ranks'); use one of them.")
     if getattr(args, "use_liger_kernel", False):
         return (f"sequence_parallel_size={size} with use_liger_kernel=True: Liger's fused loss takes whole "
                 "sequences; set use_liger_kernel=False.")

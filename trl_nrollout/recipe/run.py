@@ -336,6 +336,7 @@ def _train(argv: list[str] | None, built: list) -> dict:
                "train_batch_size": training_args.train_batch_size,
                "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator,
                "trainer": kind, "lora_r": script_args.lora_r if peft_config is not None else None,
+               "sequence_parallel_size": getattr(getattr(trainer, "_sp", None), "size", 1),  # the groups that ran
                "resumed_from": resume, "steps_trained": trainer.state.global_step - history.start_step,
                "stopped_by": stopper.signal, "unscored_steps": history.unscored_steps,
                **trainer.truncated_steps.summary()},
