@@ -357,21 +357,22 @@ def ppo_zero3(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
-@pytest.mark.parametrize("mode", ["ddp", "zero2", "zero3", "ddp_sp2"])
+@pytest.mark.parametrize("mode", ["ddp", "zero2", "zero3", "zero3_sp2"])
 def test_ppo_two_processes_reproduce_one(mode, ppo_one_process, tmp_path, request):
     """Two processes (two engines; the critic replicated with averaged gradients under DDP, or in its own DeepSpeed
     engine sharded like the policy under ZeRO-2/3) sample and learn what one process does: the same rewards, losses
-    and values, within float noise, over 6 steps. ``ddp_sp2``: one Ulysses group of two (sequence_parallel_size=2:
-    the policy's rows split over the ranks; the critic's value pass and update run whole on each rank of the group,
-    its values counted once): the policy's gradient norm is one process's too (mutation: the job's values not divided
-    by S -> the advantages, and with them the gradient norm, differ from step 1)."""
+    and values, within float noise, over 6 steps. ``zero3_sp2``: one Ulysses group of two under ZeRO-3
+    (sequence_parallel_size=2: the policy's and the critic's rows split over the ranks, the critic in its own
+    DeepSpeed engine): the policy's gradient norm is one process's too (mutations: the job's values not divided by S
+    -> the advantages, and with them the gradient norm, differ from step 1; the critic's loss not scaled by S -> its
+    values, then the gradient norm, differ from step 4)."""
     from tests.conftest import launch
 
     one = ppo_one_process
     if mode == "ddp":
         two = launch(tmp_path, *PPO_SIX, procs=2)
-    elif mode == "ddp_sp2":
-        two = launch(tmp_path, *PPO_SIX, "--sequence_parallel_size", "2", procs=2)
+    elif mode == "zero3_sp2":
+        two = launch(tmp_path, *PPO_SIX, "--sequence_parallel_size", "2", config="zero3_cpu.yaml")
         assert [h["grad_norm"] for h in two["steps"]] == pytest.approx([h["grad_norm"] for h in one["steps"]],
                                                                         rel=1e-4)
     elif mode == "zero2":
