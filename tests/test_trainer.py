@@ -114,7 +114,7 @@ def test_rloo_with_the_hf_engine_learns(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["ddp_tp1", "ddp_tp1_balanced", "ddp_tp2", "zero3_tp1", "ddp_rollout_rank_sp2",
-                                  "zero3_rollout_rank", "ddp_sp2", "zero3_sp2"])
+                                  "zero3_rollout_rank", "ddp4_sp2", "zero3_sp2"])
 def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     """Seeds are per prompt (its global index) and the loss is normalized over the whole mini batch, so two
     processes (two engines, two engines pulling the job's groups from one queue (rollout_dispatch='balanced', two
@@ -126,10 +126,10 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     ``zero3_tp1`` update under a token budget (``ppo_max_token_len_per_device``: ~16 micro batches a step instead of
     one; ranks whose samples need different numbers run the busiest rank's count) and still learn exactly what the
     one count-based process learns (mutations: each rank its own count -> ZeRO-3 hangs in a gather and times out;
-    gradients not held between micro batches -> DeepSpeed steps after every one and the rewards part). ``ddp_sp2``:
-    Ulysses sequence parallelism, both processes one group (sequence_parallel_size=2: each padding-free row's tokens
-    split over them, the old-policy pass and the update sharded): the loss and the gradient norm of every step are
-    one process's too (mutations: the loss not scaled by S -> the gradient norm halves; each rank its own shuffle of
+    gradients not held between micro batches -> DeepSpeed steps after every one and the rewards part). ``ddp4_sp2``:
+    Ulysses sequence parallelism in 4 processes, two groups of two (sequence_parallel_size=2: each padding-free row's
+    tokens split over its group, the old-policy pass and the update sharded; the groups data-parallel): the loss and
+    the gradient norm of every step are one process's too (mutations: the loss not scaled by S -> the gradient norm halves; each rank its own shuffle of
     the update's batch -> the ranks' shards belong to different samples and the loss differs). ``zero3_sp2``: the same
     group under ZeRO-3 (parameters gathered in every sharded forward, gradient checkpointing's recomputation
     running the all-to-all again in the backward)."""
@@ -147,7 +147,7 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
         for got, want in zip(run["steps"], one_process_run["steps"][:4], strict=True):
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     elif mode.endswith("_sp2"):
-        run = (launch(tmp_path, *extra, "--sequence_parallel_size", "2", procs=2) if mode == "ddp_sp2" else
+        run = (launch(tmp_path, *extra, "--sequence_parallel_size", "2", procs=4) if mode == "ddp4_sp2" else
                launch(tmp_path, *extra, "--save_strategy", "no", "--sequence_parallel_size", "2",
                       config="zero3_cpu.yaml"))
         for got, want in zip(run["steps"], one_process_run["steps"][:4], strict=True):
@@ -167,7 +167,7 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
         assert [h["rollout/staleness"] for h in run["steps"]] == [0, 0, 0, 0]
         assert max(h["rollout_corr/logprob_abs_diff_max"] for h in run["steps"]) < 1e-3
         assert not any("rollout_corr/is_weight_mean" in h for h in run["steps"])  # max_staleness=0: nothing stale
-    assert run["summary"]["processes"] == 2
+    assert run["summary"]["processes"] == (4 if mode == "ddp4_sp2" else 2)
     assert run["summary"]["nnodes"] == 1  # one machine, whatever the engine's TP size (vLLM's CPU platform resets it)
     assert rewards(run) == pytest.approx(rewards(one_process_run)[:4], abs=1e-4)
 
