@@ -297,7 +297,9 @@ def test_each_rank_serves_its_own_episodes(tmp_path, config, tp):
     sample, rank 1's split (a last call in a new conversation), so rank 1 trains more rows than rank 0 (ZeRO-3
     gathers in every forward: a rank running fewer would hang), and what trained is what the engines generated (the
     trainer's log-probs of every row equal the engines'). At TP=2 both ranks add each other's requests to their
-    engine in the same order (it would hang or mix tokens otherwise)."""
+    engine in the same order (it would hang or mix tokens otherwise), and the engine starts over the stale
+    shared-memory segments a previous TP=2 run left (mutation: no `remove_stale_cpu_shm` -> "create shm in SHMManager
+    failed. errno: 17")."""
     import json
     import os
     import subprocess
@@ -305,6 +307,10 @@ def test_each_rank_serves_its_own_episodes(tmp_path, config, tp):
     from tests.conftest import ACCELERATE_LAUNCH, ENV, ROOT
 
     extra = ["--config_file", str(ROOT / "recipes/accelerate" / config)] if config else ["--multi_gpu"]
+    if tp == 2:  # segments a TP=2 run that was not shut down leaves (same names every run): the engine starts anyway
+        for i in range(2):
+            with open(f"/dev/shm/-tp:0-[0-1]-cpushm_{i}", "wb") as f:
+                f.write(b"stale")
     proc = subprocess.run([*ACCELERATE_LAUNCH, *extra, "--num_processes", "2",
                            str(ROOT / "tests/assets/agent_train.py"), str(tmp_path), f"tp{tp}"],
                           cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)

@@ -343,7 +343,7 @@ def test_a_reward_call_that_hangs_meets_its_timeout_policy(tmp_path, caplog):
 def test_bf16_old_and_reference_passes_run_as_the_update_does(tmp_path, checkpoint, head_fp32):
     """bf16=True (CPU autocast here, as on a GPU) over float32 weights (TRL's default load) or a bf16 checkpoint: the
     old-policy and reference passes run under the same autocast as the update, so on the first step the ratio is
-    exactly 1 (ppo_kl 0, nothing clipped) and the KL against the reference, which has the policy's weights then, is
+    1 (ppo_kl 0 within the bf16 kernels' shape-dependent rounding, nothing clipped) and the KL against the reference, which has the policy's weights then, is
     0 (it was 8.4e-7 when those passes ran in float32). With cast_lm_head_to_fp32 the head runs in float32 outside
     autocast in every pass, as TRL's fused head runs it in the update."""
     import torch
@@ -358,7 +358,11 @@ def test_bf16_old_and_reference_passes_run_as_the_update_does(tmp_path, checkpoi
     assert trainer.accelerator.mixed_precision == "bf16" and trainer.ref_model is not None
     trainer.train()
     step = [h for h in trainer.state.log_history if "actor/kl_loss" in h][0]
-    assert step["actor/kl_loss"] == 0.0 and step["actor/ppo_kl"] == 0.0 and step["actor/pg_clipfrac"] == 0.0
+    # bitwise 0 where the CPU's bf16 kernels do not depend on the batch's shape; on a host with AVX512-BF16 the
+    # passes' and the update's shapes round differently: measured there, |ppo_kl| <= 4.9e-7 and kl_loss <= 3.1e-9,
+    # against 2.0e-5..4.7e-5 and 2.3e-8..1.0e-7 with the passes outside autocast (the bug this test guards)
+    assert abs(step["actor/kl_loss"]) < 1e-8 and abs(step["actor/ppo_kl"]) < 5e-6, step
+    assert step["actor/pg_clipfrac"] == 0.0
 
 
 @pytest.mark.parametrize("option", ["use_dora", "lora_bias"])
