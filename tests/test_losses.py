@@ -71,7 +71,7 @@ def test_kl_estimators_relations(logp, ref):
     assert kl_penalty(a, b, "abs").item() == pytest.approx(abs(d), abs=1e-5)
     assert kl_penalty(a, b, "k2").item() == pytest.approx(0.5 * d * d, abs=1e-5)
     k3 = kl_penalty(a, b, "k3").item()
-    assert k3 >= 0
+    assert k3 >= -1e-7  # exp(d) - 1 - d in float32: a rounding of 6e-8 below 0 at |d| ~ 3e-6 (found by hypothesis)
     assert k3 == pytest.approx(min(math.exp(-d) + d - 1, 10.0), rel=1e-4, abs=1e-5)  # clamped at 10
     assert kl_penalty(a, a, "k3").item() == 0.0
 

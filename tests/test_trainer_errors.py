@@ -359,9 +359,10 @@ def test_bf16_old_and_reference_passes_run_as_the_update_does(tmp_path, checkpoi
     trainer.train()
     step = [h for h in trainer.state.log_history if "actor/kl_loss" in h][0]
     # bitwise 0 where the CPU's bf16 kernels do not depend on the batch's shape; on a host with AVX512-BF16 the
-    # passes' and the update's shapes round differently: measured there, |ppo_kl| <= 4.9e-7 and kl_loss <= 3.1e-9,
-    # against 2.0e-5..4.7e-5 and 2.3e-8..1.0e-7 with the passes outside autocast (the bug this test guards)
-    assert abs(step["actor/kl_loss"]) < 1e-8 and abs(step["actor/ppo_kl"]) < 5e-6, step
+    # passes' and the update's shapes round differently: measured there, kl_loss <= 3.1e-9 (and |ppo_kl| up to 1e-5,
+    # too close to the bug's 2e-5 to tell them apart), against kl_loss 2.3e-8..1.0e-7 with the passes outside
+    # autocast (the bug this test guards)
+    assert abs(step["actor/kl_loss"]) < 1e-8 and abs(step["actor/ppo_kl"]) < 1e-4, step
     assert step["actor/pg_clipfrac"] == 0.0
 
 
