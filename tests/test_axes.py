@@ -67,13 +67,11 @@ CASES = {
     ("rollout_multi_turn='requests'", "rollout_func"): lambda tmp: MultiTurnRollout._request_turns_refusal(
         _trainer(rollout_func=print)),
     ("rollout_ranks", "rollout_partial=True"): lambda tmp: _ranks(rollout_partial=True),
-    ("rollout_ranks", "environment_factory"): lambda tmp: RolloutRanks._rollout_ranks_refusal(
-        _trainer(environment_factories={"e": print})),
+    ("rollout_ranks", "environment_factory and rollout_multi_turn='requests'"): lambda tmp: (
+        RolloutRanks._rollout_ranks_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
+            rollout_ranks=1, rollout_multi_turn="requests")))),
     ("rollout_partial=True", "tools and rollout_multi_turn='turns'"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(tools=[print]))),
-    ("rollout_partial=True", "environment_factory and rollout_tp_size>1"): lambda tmp: (
-        PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print},
-                                                  layout=SimpleNamespace(rollout_tp_size=2)))),
     ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(
         _trainer(rollout_func=print)),
     ("rollout_dispatch='balanced'", "environment_factory and rollout_multi_turn='requests'"): lambda tmp: (
@@ -114,17 +112,21 @@ def test_lifted_rows_are_no_longer_refused():
     """Rows lifted from the table run now: rollout ranks with request-level tool episodes (they run whole on the
     rollout ranks, tests/test_tools.py::test_tool_episodes_on_a_rollout_rank_one_step_off); partial rollouts of
     request-level tool episodes on a balanced queue (tests/test_dispatch.py); partial rollouts with environments
-at TP=1."""
+at TP=1 and TP=2."""
     assert _ranks(rollout_multi_turn="requests") is None
     assert RolloutRanks._rollout_ranks_refusal(_trainer(tools=[print], args=SimpleNamespace(
         rollout_ranks=1, rollout_multi_turn="requests"))) is None
     # partial rollouts of tool episodes on the job's balanced queue (tests/test_dispatch.py)
     assert PartialRollouts._partial_refusal(_trainer(tools=[print], args=SimpleNamespace(
         rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced"))) is None
-    # partial rollouts with environments, one engine per rank (tests/test_tool_requests.py)
-    assert PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
-        SimpleNamespace(rollout_ranks=0, rollout_multi_turn="requests")), layout=SimpleNamespace(rollout_tp_size=1)
-    )) is None
+    # partial rollouts with environments, one engine per rank (tests/test_tool_requests.py) and an engine of two
+    # ranks (tests/test_combinations.py::test_partial_environment_episodes_train_on_their_own_ranks_at_tp2)
+    # environments on rollout ranks, turn by turn (tests/test_combinations.py, the rollout-rank launch)
+    assert RolloutRanks._rollout_ranks_refusal(_trainer(environment_factories={"e": print})) is None
+    for tp in (1, 2):
+        assert PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
+            SimpleNamespace(rollout_ranks=0, rollout_multi_turn="requests")), layout=SimpleNamespace(rollout_tp_size=tp)
+        )) is None
 
 
 @pytest.mark.parametrize("option, off, check", [

@@ -40,6 +40,7 @@ EPISODE = {
 RANKS_COVERED = {
     "one completion, shares / balanced": "test_rollout_ranks.py::test_one_step_off_policy_under_zero3_samples_one_step_stale",
     "tools turn by turn / request by request": "test_tools.py::test_tool_episodes_on_a_rollout_rank_one_step_off",
+    "environment turn by turn": "test_environments_on_a_rollout_rank_keep_each_steps_episodes (here)",
     "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
     "images": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
 }
@@ -104,10 +105,10 @@ def test_every_allowed_combination_trains_on_whole_groups_with_their_masks(tmp_p
         check_combination(combo, json.loads((tmp_path / f"{combo['name']}.json").read_text()))
 
 
-def check_combination(combo: dict, result: dict) -> None:
+def check_combination(combo: dict, result: dict, engine: str = "VLLMEngineGroup") -> None:
     """What each step of a combination trained on (see the module docstring)."""
     name, kind, words = combo["name"], combo["episode"], set(combo["words"])
-    assert result["engine"] == "VLLMEngineGroup", name
+    assert result["engine"] == engine, name
     rounds = result["rounds"]
     assert len(rounds) == 2, name
     called = 0
@@ -166,3 +167,55 @@ def test_partial_tool_episodes_on_a_balanced_queue_over_two_engines(tmp_path):
     result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
     check_combination(combo, result)
     assert all(len(rnd["samples"]) == 2 * 8 for rnd in result["rounds"])  # the job's samples: 2 ranks x 8
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_partial_environment_episodes_train_on_their_own_ranks_at_tp2(tmp_path):
+    """partial x environments at rollout_tp_size=2: two processes, one engine of both, one pool of both ranks'
+    groups. A group's tools run on the rank that drew it (its environments live there) and each rank trains its own
+    groups: the engine runs until each rank has its share finished. The checks above, and the combination's
+    ``env_check`` reward raises unless every sample is scored with its own episode's environment (reset with its
+    prompt, called for each of its tool results). Mutations tried: the ranks' shares cut from the finish order as
+    without environments (positional) -> a rank scores groups whose environments are on the other one: the launch
+    fails; the stop at ``target`` groups in place of each rank's share -> a rank trains fewer than its share:
+    the launch fails."""
+    combo = next(c for c in ALLOWED if c["name"] == "shares-partial-environment_request_by_request")
+    entry = {"name": combo["name"], "episode": combo["episode"],
+             "options": {**combo["options"], "rollout_tp_size": 2, "max_steps": 3}}
+    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
+             str(tmp_path), json.dumps([entry])],
+            timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
+                              "PYTHONPATH": str(ROOT)})
+    result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
+    result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)
+    check_combination(combo, result)
+    assert all(len(rnd["samples"]) == 2 * 8 for rnd in result["rounds"])  # the job's samples: 2 ranks x 8
+    pools = [h["partial/pool_groups"] for h in result["history"] if "partial/pool_groups" in h]
+    assert pools and max(pools) > 0  # groups stayed in flight: the rollouts were partial
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_environments_on_a_rollout_rank_keep_each_steps_episodes(tmp_path):
+    """rollout_ranks=1 x environments turn by turn, one step ahead (max_staleness=1): a step's job is written while
+    the step before it trains, so its environments are reset then, on instances of their own, and the step's tool
+    turns and rewards use those (the environments' methods run on the trainer, each turn a job of the rollout
+    rank). The combination's checks, and ``env_check`` raises unless every sample is scored with its own episode's
+    environment. Mutation tried: the step written ahead resets the pool's first environments (the live step's, as
+    ``_start_episodes`` alone draws them) -> the live step's episodes end on the next step's environments and
+    env_check fails the launch."""
+    combo = next(c for c in ALLOWED if c["name"] == "shares-whole-environment_turn_by_turn")
+    entry = {"name": combo["name"], "episode": combo["episode"],
+             "options": {**combo["options"], "rollout_ranks": 1, "max_staleness": 1, "max_steps": 3}}
+    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
+             str(tmp_path), json.dumps([entry])],
+            timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
+                              "PYTHONPATH": str(ROOT)})
+    result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
+    result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)
+    check_combination(combo, result, engine="RemoteEngines")
+    stale = [h["rollout/staleness"] for h in result["history"] if "rollout/staleness" in h]
+    assert len(stale) == 3 and max(stale) == 1  # a step's samples were generated a step ahead

@@ -73,6 +73,30 @@ def test_the_first_groups_to_finish_train_and_the_others_wait_whole(case):
     assert all(g is groups[g.key] for g in chosen + waiting)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=12).flatmap(
+    lambda homes: st.tuples(st.just(homes), st.permutations(range(len(homes))).flatmap(
+        lambda perm: st.tuples(st.just(perm), st.integers(0, len(homes)))), st.integers(0, 4))))
+def test_groups_that_train_at_home_are_each_homes_first_to_finish(case):
+    """``split_finished_by_home``: home ``h``'s share is its own first ``quota[h]`` groups of the finish order (fewer
+    when fewer finished), the homes in the quota's order, and the pool that waits is every other group, pool order;
+    ``homes_done`` says whether every home has its quota finished. Mutation tried: the shares cut from the finish
+    order by position (split_finished) -> a share holds another home's group and this fails."""
+    from trl_nrollout.rollout.partial import homes_done, split_finished_by_home
+
+    homes, (perm, finished), q = case
+    order = list(perm[:finished])
+    quota = {2: q, 0: q}  # homes in the quota's order (not sorted); home 1 trains nothing here
+    groups = [InFlightGroup(i, [1], [PartialSample(finish_reason="stop")]) for i in range(len(homes))]
+    chosen, waiting = split_finished_by_home(groups, order, homes, quota)
+    expected = [i for h in (2, 0) for i in [j for j in order if homes[j] == h][:q]]
+    assert [g.key for g in chosen] == expected
+    assert [g.key for g in waiting] == sorted(set(range(len(homes))) - set(expected))
+    assert homes_done(homes, order, quota) == all(sum(homes[i] == h for i in order) >= q for h in quota)
+    if homes_done(homes, order, quota):
+        assert len(chosen) == 2 * q and all(homes[g.key] == h for g, h in zip(chosen, [2] * q + [0] * q))
+
+
 @settings(max_examples=200, deadline=None)
 @given(pools(), st.lists(st.integers(0, 2), min_size=6, max_size=6))
 def test_a_balanced_pools_seeds_are_each_home_engines_shares_seeds(pool_version, home_of):

@@ -207,7 +207,7 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "log-prob (what rollout_is weights by). With filter_groups, DAPO's filtered groups leave the pool at "
                 "once and extra rounds run the pool on with fresh prompts. vLLM engines; image prompts (their images "
                 "go with every request), rollout_dispatch='balanced' (one job-wide pool), tool episodes "
-                "(rollout_multi_turn='requests') and environment_factory (one engine per rank; a checkpoint restarts "
+                "(rollout_multi_turn='requests') and environment_factory (at any rollout_tp_size, a group's episodes on its own rank; a checkpoint restarts "
                 "the episodes in flight) included."})
     rollout_partial_oversample: float = field(default=1.0, metadata={
         "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "

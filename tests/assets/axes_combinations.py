@@ -59,6 +59,7 @@ class LuckyEnv:
 
     def reset(self, **row) -> None:
         self.calls = 0
+        self.prompt = row["prompt"][-1]["content"]  # what env_check compares with the sample it scores
 
     def lucky_number(self) -> str:
         """Returns today's lucky number.
@@ -71,6 +72,17 @@ class LuckyEnv:
 
     def get_reward(self) -> float:
         return float(self.calls > 0)
+
+
+def env_check(prompts: list, completions: list, environments: list, **kwargs) -> list[float]:
+    """Raises unless each sample's environment is its own episode's: reset with the sample's prompt, and called at
+    least once per tool result the sample holds (a reward function; it scores 0)."""
+    for prompt, messages, env in zip(prompts, completions, environments, strict=True):
+        results = sum(isinstance(m, dict) and m.get("role") == "tool" for m in messages)
+        if env.prompt != prompt[-1]["content"] or env.calls < results:
+            raise ValueError(f"a sample scored with another episode's environment: reset with {env.prompt!r}, "
+                             f"{env.calls} calls; the sample's prompt {prompt[-1]['content']!r}, {results} results")
+    return [0.0] * len(prompts)
 
 
 def custom_rollout(prompts: list, trainer) -> dict:
@@ -99,7 +111,10 @@ def build(out: str, combo: dict):
         if episode == "agent":
             kwargs = dict(agent=tool_agent, train_dataset=tool_dataset(32))
         else:
-            kwargs.update(tools=[lucky_number]) if episode == "tools" else kwargs.update(environment_factory=LuckyEnv)
+            if episode == "tools":
+                kwargs.update(tools=[lucky_number])
+            else:
+                kwargs.update(environment_factory=LuckyEnv, reward_funcs=[tool_reward, env_check])
     elif episode == "images":
         kwargs = dict(reward_funcs=[colour_reward], train_dataset=image_dataset(16))
     else:

@@ -119,6 +119,29 @@ def split_finished(groups: list[InFlightGroup], finish_order: list[int], target:
     return [groups[i] for i in chosen], [g for i, g in enumerate(groups) if i not in taken]
 
 
+def homes_done(homes: list[int], finish_order: list[int], quota: dict[int, int]) -> bool:
+    """Whether every home ``h`` of ``quota`` has ``quota[h]`` groups among the finished (``homes[i]``: the home of
+    pool group ``i``; ``finish_order``: pool indices). The stop of a pool whose groups must train where they live
+    (environments: a group trains on the rank that drew it)."""
+    got = dict.fromkeys(quota, 0)
+    for i in finish_order:
+        if homes[i] in got:
+            got[homes[i]] += 1
+    return all(got[h] >= q for h, q in quota.items())
+
+
+def split_finished_by_home(groups: list[InFlightGroup], finish_order: list[int], homes: list[int],
+                           quota: dict[int, int]) -> tuple[list[InFlightGroup], list[InFlightGroup]]:
+    """:func:`split_finished` where each group trains on its home: for each home of ``quota`` in its order, its
+    first ``quota[h]`` groups to finish (fewer when fewer finished), concatenated, so that rank ``h``'s share is
+    its own groups; the pool that waits is every other group, in pool order."""
+    chosen: list[int] = []
+    for h, q in quota.items():
+        chosen += [i for i in finish_order if homes[i] == h][:q]
+    taken = set(chosen)
+    return [groups[i] for i in chosen], [g for i, g in enumerate(groups) if i not in taken]
+
+
 @dataclass
 class PartialRun:
     """What one engine call of a partial rollout did: ``groups`` (the pool after the call, updated),

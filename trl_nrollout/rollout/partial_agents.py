@@ -146,6 +146,7 @@ def run_partial_agents(
     pull: Callable[[], tuple[list[int], bool]] | None = None,
     finished: Callable[[list[int]], None] | None = None,
     reached: Callable[[], bool] | None = None,
+    done: Callable[[list[int]], bool] | None = None,
 ) -> tuple[PartialRun, AgentStats]:
     """Run the pool ``groups`` of tool-calling episodes on one engine until ``target`` groups have finished (or none
     is left unfinished); abort the running turns (tokens kept) and wait for the tools still running.
@@ -162,7 +163,8 @@ def run_partial_agents(
     rank): no group starts at once; ``pull()`` (each iteration, agreeing across the TP group) hands this engine pool
     indices to start, ``([g], drained)``; ``finished(groups)`` is told the groups that finished in an iteration (the
     job's tickets); ``reached()`` (agreeing across the TP group) says the job's ``target`` groups are out, in place
-    of this engine's own count.
+    of this engine's own count. ``done(finish_order)``: in place of ``target``, whether the groups finished so far
+    are enough (the same on every rank of the TP group: they see the same finish order).
     Returns the :class:`PartialRun` (the pool updated, the order groups finished in) and the :class:`AgentStats`."""
     pool = [replace(g, samples=[_copy(s) for s in g.samples]) for g in groups]
     owner: dict[str, tuple[int, list[int]]] = {}
@@ -197,7 +199,9 @@ def run_partial_agents(
                 add(g, [k], *s.next_request(group.prompt_ids, agent.max_completion_length), True)
 
     def stop() -> bool:
-        return reached() if reached is not None else len(finish_order) >= target
+        if reached is not None:
+            return reached()
+        return done(finish_order) if done is not None else len(finish_order) >= target
 
     def report() -> None:
         nonlocal reported

@@ -483,11 +483,11 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
                                lora_request=self.lora_request)
 
     def run_partial_agents(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int,
-                           agent: AgentCallbacks, workers: int, owns: Callable[[InFlightGroup], bool]
-                           ) -> tuple[PartialRun, AgentStats]:
+                           agent: AgentCallbacks, workers: int, owns: Callable[[InFlightGroup], bool],
+                           done: Callable[[list[int]], bool] | None = None) -> tuple[PartialRun, AgentStats]:
         """:meth:`run_partial` for tool-calling episodes (:mod:`trl_nrollout.rollout.partial_agents`): the pool's
         samples run turn after turn as requests, a group's tools on the rank ``owns`` names, until ``target``
-        groups have finished. Seeds as :meth:`run_partial`'s; at TP > 1 every request gets a seed (from the call's
+        groups have finished (or ``done(finish_order)`` says enough did). Seeds as :meth:`run_partial`'s; at TP > 1 every request gets a seed (from the call's
         seed, or a base the TP group's first rank draws), so a tool drawing from a global generator on one rank
         cannot make the ranks sample apart."""
         self._start_pool(groups, sampling)
@@ -511,7 +511,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             return run_partial_agents(
                 self._loop(stream=True), groups, target, version, agent, make_params=make_params,
                 prompt=lambda ids: TokensPrompt(prompt_token_ids=list(ids)), owns=owns, exchange=self._gather_tp,
-                workers=workers, poll_s=0.01 if len(self.tp_ranks) > 1 else None)
+                workers=workers, poll_s=0.01 if len(self.tp_ranks) > 1 else None, done=done)
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:

@@ -319,7 +319,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         """Generate for this rank's samples (TRL's order: each prompt repeated n times). Returns the batch, the
         prompts (text or messages) per sample and what a multi-turn or custom rollout adds (tool masks, messages)."""
         mode = "train" if self.model.training else "eval"
-        prompts, tools = self._start_episodes(inputs)  # environments reset here (TRL's environment_factory)
+        prompts, tools = self._start_step_episodes(inputs, step_job)  # environments reset (or were, ahead)
         if self.rollout_func is not None or self.agent is not None:  # the user's generation, or the user's agents
             start = time.perf_counter()
             batch, episode = (self._custom_rollout(prompts, n) if self.agent is None

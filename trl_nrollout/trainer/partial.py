@@ -35,7 +35,14 @@ from accelerate.utils import gather_object
 from trl_nrollout.passes.multimodal import encode_prompts
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, call_tools, split_tools
 from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
+from trl_nrollout.rollout.partial import (
+    InFlightGroup,
+    PartialSample,
+    drop_stale,
+    homes_done,
+    split_finished,
+    split_finished_by_home,
+)
 from trl_nrollout.rollout.partial_agents import AgentPartialSample
 from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.partial_envs import PartialEnvironments
@@ -57,12 +64,6 @@ class PartialRollouts(PartialEnvironments):
             return ("rollout_partial=True with rollout_func: the function generates whole samples itself, so the "
                     "trainer cannot stop its requests and continue them after a weight sync; set "
                     "rollout_partial=False, or use tools= (partial with rollout_multi_turn='requests').")
-        layout = getattr(self, "layout", None)
-        if getattr(self, "environment_factories", None) and layout is not None and layout.rollout_tp_size > 1:
-            return (f"rollout_partial=True with environment_factory and rollout_tp_size>1 (here "
-                    f"{layout.rollout_tp_size}): an engine's ranks train the first groups of its pool to finish, "
-                    "whichever rank drew them, and a group's environments live on the rank that drew its prompt "
-                    "(they cannot move); set rollout_tp_size=1 (one engine per rank), or rollout_partial=False.")
         if self.tools and self.args.rollout_multi_turn != "requests":
             return (f"rollout_partial=True with tools and rollout_multi_turn={self.args.rollout_multi_turn!r}: a turn "
                     "barrier waits for every sample's turn, while a partial rollout stops before its slowest "
@@ -96,6 +97,10 @@ class PartialRollouts(PartialEnvironments):
         new = [g for chunk in gathered for g in chunk]  # the pool's new groups, rank order
         envs = self._has_environments
         before = self._restore_env_groups(self._partial_pool, rank) if envs else self._partial_pool
+        homed = envs and tp > 1 and not job  # a group trains on the rank whose environments it holds
+        if homed:  # each rank restarted its own groups after a resume: the engine's ranks agree on the pool again
+            restored = [g for g, old in zip(before, self._partial_pool) if g is not old]
+            before = _agree(before, engine.gather_tp(restored))
         pool, restarted, dropped = drop_stale(before, version, args.max_staleness)
         if envs:  # a sample started again starts its environment again
             self._reset_restarted(before, pool)
@@ -109,14 +114,25 @@ class PartialRollouts(PartialEnvironments):
             agent = self._partial_agent()
             if envs:  # each sample's tools are its environment's methods
                 agent = self._env_agent(agent, pool + new, n)
-            run, stats = engine.run_partial_agents(pool + new, target, sampling, version, agent,
-                                                   args.tool_workers, owns=lambda g: g.key[2] == rank)
+            quota = dict.fromkeys(engine.tp_ranks, len(rows))  # homed: each rank's own groups, as many as it drew
+            drawn_by = [g.key[2] for g in pool + new]
+            run, stats = engine.run_partial_agents(
+                pool + new, target, sampling, version, agent, args.tool_workers, owns=lambda g: g.key[2] == rank,
+                done=(lambda order: homes_done(drawn_by, order, quota)) if homed else None)
             self._log_agent_stats(ctx.mode, stats)
         elif job:
             run = engine.run_partial_balanced(pool + new, target, sampling, version, homes)
         else:
             run = engine.run_partial(pool + new, target, sampling, version)
-        chosen, self._partial_pool = split_finished(run.groups, run.finish_order, target)
+        if homed:  # the engine's ranks in order, each its own first groups to finish: its share is its own
+            chosen, self._partial_pool = split_finished_by_home(run.groups, run.finish_order,
+                                                                [g.key[2] for g in run.groups], quota)
+            if len(chosen) != target:
+                raise RuntimeError(f"a partial rollout with environments ended with {len(chosen)} of its {target} "
+                                   "groups finished on their own ranks (a bug: the engine stops when each rank has "
+                                   "its share).")
+        else:
+            chosen, self._partial_pool = split_finished(run.groups, run.finish_order, target)
         engine.sleep()
         mine_at = sum(counts[:rank]) if job else engine.tp_ranks.index(rank) * len(rows)
         mine = chosen[mine_at:mine_at + len(rows)]
@@ -290,3 +306,10 @@ def _sample(d: dict) -> PartialSample | AgentPartialSample:
         return PartialSample(**d)
     episode = None if d["episode"] is None else AgentSample(**d["episode"])
     return AgentPartialSample(**{**d, "episode": episode})
+
+
+def _agree(pool: list[InFlightGroup], every: list[list[InFlightGroup]]) -> list[InFlightGroup]:
+    """``pool`` with each group replaced by its home rank's copy (``every``: each rank of the engine its own groups,
+    as it holds them): after a resume each rank restarted its own groups' episodes with new environments."""
+    by_key = {g.key: g for chunk in every for g in chunk}
+    return [by_key.get(g.key, g) for g in pool]

@@ -13,8 +13,11 @@ resume the group starts again from its prompt with new environments, reset with 
 and one at the resume say how many). A resumed run therefore trains those groups from fresh episodes where the
 uninterrupted run continued them.
 
-Tensor parallelism (an engine of several ranks) is refused: the engine's ranks train the first groups of its pool to
-finish, whichever rank drew them, and a group's environments cannot move to another rank.
+Tensor parallelism (an engine of several ranks, one pool): a group's tools run on the rank that drew it (its
+environments are there), and each rank trains its own groups: the engine runs the pool until every rank of it has
+as many finished groups of its own as it drew prompts (:func:`~trl_nrollout.rollout.partial.homes_done`), and rank
+``r``'s share is its first ones to finish (:func:`~trl_nrollout.rollout.partial.split_finished_by_home`). After a
+resume each rank starts its own groups again and hands them to the engine's other ranks, so the pool stays one.
 """
 
 from __future__ import annotations

@@ -32,10 +32,12 @@ class RolloutRanks:
     def _rollout_ranks_refusal(self) -> str | None:
         """What the trainer's arguments add to :func:`~trl_nrollout.config_checks.rollout_ranks_refusal`."""
         r = self.args.rollout_ranks
-        if getattr(self, "environment_factories", None):
-            return (f"rollout_ranks={r} with environment_factory: an environment's reset writes its sample's prompt "
-                    "at the sample's own step, so its first turn cannot be generated steps ahead on the rollout "
-                    "ranks (tools= can: their turns run on the trainers); set rollout_ranks=0 for environments.")
+        if getattr(self, "environment_factories", None) and self.args.rollout_multi_turn == "requests":
+            return (f"rollout_ranks={r} with environment_factory and rollout_multi_turn='requests': request-level "
+                    "episodes run whole on the rollout ranks, tools included, while an environment lives on the "
+                    "trainer that reset it (its reward functions read it there); set rollout_multi_turn='turns' "
+                    "(the turns are generated on the rollout ranks, the environments' methods run on the trainers), "
+                    "or rollout_ranks=0.")
         return None
 
     def _start_remote_engines(self) -> RemoteEngines:
@@ -69,6 +71,7 @@ class RolloutRanks:
         self._push_weights(engines, version=0)  # the base once, then the adapter, with rollout_lora_sync="adapter"
         atexit.register(engines.close)  # the rollout ranks close their engines; trainer rank 0 waits for them
         self._ahead: deque = deque()  # TRL's batches read ahead of the training loop
+        self._env_ahead: dict = {}  # step -> its episodes started ahead (environments reset), see _episodes_ahead
         self._ahead_iter = None
         self._handed = self._consumed = 0  # batches handed to the loop / prepared, in the epoch's order
         self._held: dict = {}
@@ -190,12 +193,53 @@ class RolloutRanks:
             step = self.state.global_step + k * steps_per_rollout
             if last is not None and step >= last:  # the run ends before that step: nothing to generate for it
                 break
-            prompts, _ = self._start_episodes(rows)
+            prompts = self._episodes_ahead(step, rows)
             enc = self._encode_images(prompts)
             ids = enc.engine_ids if enc is not None else self._tokenize_prompts(prompts)[0]
             jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step),
                          enc.images if enc is not None else None))
         return jobs
+
+    # ------------------------------------------------------------------ environments of steps written ahead
+    def _held_ahead(self) -> set[int]:
+        """Ids of the environments that steps written ahead hold (not to be drawn or reset by another step)."""
+        return {id(env) for entry in self.__dict__.get("_env_ahead", {}).values() for env in entry[3]}
+
+    def _episodes_ahead(self, step: int, rows: list[dict]) -> list:
+        """The prompts of training step ``step``'s samples (``rows``, TRL's, ``n`` per prompt), its job written
+        now. With ``environment_factory`` the step's environments are reset now, with its rows: environments of
+        its own (past those the live step and the other steps written ahead hold), kept for the step's rollout
+        (:meth:`_start_step_episodes`), so that a step's episodes start where its first turns were generated and no
+        live episode's environment is reset under it. A step already started ahead keeps its environments."""
+        if not self._has_environments:
+            return self._start_episodes(rows)[0]
+        held = self._env_ahead.get(step)
+        if held is not None and held[0] == rows:
+            return held[1]
+        live = self.environments, self._batch_environments
+        busy = self._held_ahead() | {id(env) for env in live[0] or ()}
+        if held is not None:
+            busy -= {id(env) for env in held[3]}
+        prompts, tools = self._start_episodes(rows, busy=busy)
+        self._env_ahead[step] = (rows, prompts, tools, self.environments, self._batch_environments)
+        self.environments, self._batch_environments = live  # the live step's, for its tools and rewards
+        return prompts
+
+    def _start_step_episodes(self, inputs: list[dict], step_job: bool) -> tuple[list, list]:
+        """:meth:`_start_episodes` for a rollout: a training step's own episodes when they were started ahead with
+        its job (:meth:`_episodes_ahead`, rollout ranks with environments; the same rows), else new ones, past the
+        environments steps written ahead hold."""
+        ahead = self.__dict__.get("_env_ahead")
+        if not ahead or not self._has_environments:
+            return self._start_episodes(inputs)
+        step = self.state.global_step
+        held = ahead.pop(step, None) if step_job else None
+        for old in [s for s in ahead if s < step]:  # an epoch's end or a changed batch: never trained
+            del ahead[old]
+        if held is not None and held[0] == inputs:
+            _, prompts, tools, self.environments, self._batch_environments = held
+            return prompts, tools
+        return self._start_episodes(inputs, busy=self._held_ahead())
 
     def _log_remote(self, mode: str) -> None:
         """The step's view of the rollout ranks: how long the trainers waited for the samples, how stale they
