@@ -74,9 +74,6 @@ CASES = {
         PartialRollouts._partial_refusal(_trainer(tools=[print]))),
     ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(
         _trainer(rollout_func=print)),
-    ("rollout_dispatch='balanced'", "environment_factory and rollout_multi_turn='requests'"): lambda tmp: (
-        EngineSetup._dispatch_refusal(_trainer(environment_factories={"e": print},
-                                               args=SimpleNamespace(rollout_multi_turn="requests")))),
 }
 
 
@@ -121,6 +118,9 @@ at TP=1 and TP=2."""
         rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced"))) is None
     # partial rollouts with environments, one engine per rank (tests/test_tool_requests.py) and an engine of two
     # ranks (tests/test_combinations.py::test_partial_environment_episodes_train_on_their_own_ranks_at_tp2)
+    # environments on a balanced queue, their tools run at home (tests/test_combinations.py, rollout/home_tools.py)
+    assert EngineSetup._dispatch_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
+        rollout_multi_turn="requests"))) is None
     # environments on rollout ranks, turn by turn (tests/test_combinations.py, the rollout-rank launch)
     assert RolloutRanks._rollout_ranks_refusal(_trainer(environment_factories={"e": print})) is None
     for tp in (1, 2):

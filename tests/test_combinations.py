@@ -86,7 +86,8 @@ def test_the_combinations_follow_the_refusal_table():
     assert "shares-partial-tools_request_by_request" not in names and "balanced-partial-images" not in names
     assert "balanced-partial-tools_request_by_request" not in names  # lifted: the job's pool of episodes
     assert "shares-partial-environment_request_by_request" not in names  # lifted: environments in the pool
-    assert "balanced-partial-environment_request_by_request" in names  # balanced environments: not yet
+    assert "balanced-partial-environment_request_by_request" not in names  # lifted: tools go home
+    assert "balanced-whole-environment_request_by_request" not in names
 
 
 ALLOWED, _ = combinations()
@@ -219,3 +220,33 @@ def test_environments_on_a_rollout_rank_keep_each_steps_episodes(tmp_path):
     check_combination(combo, result, engine="RemoteEngines")
     stale = [h["rollout/staleness"] for h in result["history"] if "rollout/staleness" in h]
     assert len(stale) == 3 and max(stale) == 1  # a step's samples were generated a step ahead
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_environment_episodes_on_a_balanced_queue_call_their_tools_at_home(tmp_path):
+    """balanced x environments request by request, whole and partial, two processes, one engine each, engine 0
+    slowed: engine 1 pulls rank 0's groups, and their tool calls go home to rank 0, where their environments live
+    (rollout/home_tools.py); each rank scores its own samples (whole: they come home; partial: each rank trains its
+    own groups, the queue running until every rank has its share finished). The combination's checks, and
+    ``env_check`` raises unless every sample is scored with its own episode's environment. Mutations tried: tool
+    calls run on the engine's rank with that rank's environment at the same place (no HomeTools) -> the launch
+    fails; the partial job's shares cut by position (not by home) -> the launch fails."""
+    entries = []
+    for end in ("whole", "partial"):
+        combo = next(c for c in ALLOWED if c["name"] == f"balanced-{end}-environment_request_by_request")
+        entries.append({"name": combo["name"], "episode": combo["episode"], "slow_rank": 0,
+                        "options": {**combo["options"], "rollout_max_num_seqs": 4, "per_device_train_batch_size": 16,
+                                    "max_steps": 2}})
+    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
+             str(tmp_path), json.dumps(entries)],
+            timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
+                              "PYTHONPATH": str(ROOT)})
+    for entry in entries:
+        combo = next(c for c in ALLOWED if c["name"] == entry["name"])
+        result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
+        check_combination(combo, result)
+        assert all(len(rnd["samples"]) == 2 * 16 for rnd in result["rounds"])  # the job's samples: 2 ranks x 16
+        sent = [h["tools/calls_sent_home"] for h in result["history"] if "tools/calls_sent_home" in h]
+        assert sent and max(sent) > 0, (entry["name"], sent)  # an engine ran another rank's episodes' tools

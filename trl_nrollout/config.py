@@ -254,8 +254,9 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "whenever it holds fewer than rollout_max_num_seqs samples (verl's least-loaded routing), and the "
                 "samples go back to their ranks. A group's seed follows the group, not the engine. Helps when an "
                 "engine runs fewer samples at once than its share; single-turn and tool rollouts (request-level: whole "
-                "episodes on the engine that pulled them) on vLLM engines, and partial rollouts (the job's pool, "
-                "groups in flight included, in the queue)."})
+                "episodes on the engine that pulled them; an environment_factory episode's tool calls run on its "
+                "prompt's rank) on vLLM engines, and partial rollouts (the job's pool, groups in flight included, in "
+                "the queue)."})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={

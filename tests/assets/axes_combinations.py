@@ -3,8 +3,8 @@ one after another in this process (the pytest process, colocated engines; main()
 script, building its worker per combination, but no test launches it so: rollout-rank combinations are covered by
 the launches tests/test_combinations.py names).
 
-argv: output folder, JSON list of combinations ``{"name", "episode", "options"}`` (``options``: NRolloutConfig
-fields; ``episode``: one of :data:`EPISODES`). Writes ``<name>.json`` per combination (trainer rank 0): for each
+argv: output folder, JSON list of combinations ``{"name", "episode", "options"[, "slow_rank"]}`` (``options``:
+NRolloutConfig fields; ``episode``: one of :data:`EPISODES`; ``slow_rank``: that rank's engine steps slowed). Writes ``<name>.json`` per combination (trainer rank 0): for each
 training step, the Round ``_assign`` received (each sample's prompt and completion ids, tool mask, whether its
 image tensors came along; for tool episodes the text of the masked and the trained tokens) and the log history.
 """
@@ -160,13 +160,31 @@ def record(trainer, rounds: list) -> None:
     trainer._assign = spy
 
 
+def slow_engine(trainer, seconds: float) -> None:
+    """Every engine step of this rank's engine waits ``seconds`` more (a slower device): an entry's ``slow_rank``
+    option, so that a balanced queue moves that engine's groups to the others."""
+    import time
+
+    engine = trainer.rollout_engine.llm.llm_engine
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow_step
+
+
 def main(out: str, combos: list[dict]) -> None:
     trainer = None
     for combo in combos:
+        slow = combo.get("slow_rank")
         trainer = build(out, combo)
         if getattr(trainer, "is_rollout_rank", False):  # serves this combination's trainer until its train() returns
             trainer.train()
             continue
+        if slow is not None and trainer.accelerator.process_index == slow:
+            slow_engine(trainer, 0.05)
         rounds: list = []
         record(trainer, rounds)
         trainer.train()

@@ -255,7 +255,8 @@ class BalancedDispatch:
         return partial_result(groups, parts, pulled, aborted, steps, new_tokens, finished_before)
 
     def run_partial_agents_balanced(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions,
-                                    version: int, homes: list[int], agent: AgentCallbacks, workers: int
+                                    version: int, homes: list[int], agent: AgentCallbacks, workers: int,
+                                    quota: tuple[list[int], dict[int, int]] | None = None
                                     ) -> tuple[PartialRun, AgentStats]:
         """:meth:`run_partial_balanced` for tool-calling episodes: the job's pool (the same on every rank) of
         :class:`~trl_nrollout.rollout.partial_agents.AgentPartialSample` groups is one queue; each engine pulls
@@ -269,8 +270,10 @@ class BalancedDispatch:
         Seeds (``seed_mode="sample"``): a request the call starts (a fresh group, a turn an earlier abort stopped) as
         :meth:`run_partial_balanced` seeds it (its home engine's slots); a turn after tool results from the group's
         home, the turn and the sample's place in the pool: never from the engine that runs it. Collective over every
-        rank. Returns the job's :class:`PartialRun` (``engine_groups``: the pool indices this engine ran) and this
-        engine's :class:`AgentStats`."""
+        rank. ``quota``: ``(drawn_by, {rank: count})``, the rank that drew each pool group and how many of its own
+        groups each rank trains (environments: a group trains where its environments live); the engines then stop
+        once every rank has its count finished, in place of ``target``. Returns the job's :class:`PartialRun`
+        (``engine_groups``: the pool indices this engine ran) and this engine's :class:`AgentStats`."""
         leader = self.rank == self.tp_ranks[0]
         if self._world_group is None:  # one engine: its pool is the job's
             run, stats = self.run_partial_agents(groups, target, sampling, version, agent, workers,
@@ -322,8 +325,15 @@ class BalancedDispatch:
                 return list(range(end - len(done), end))
 
             tickets.update(zip(done, ask(take)))
+            if quota is not None and leader:  # each rank's own groups finished, job-wide
+                for g in done:
+                    store.add(f"{key}/home/{quota[0][g]}", 1)
 
         def reached() -> bool:
+            if quota is not None:
+                before = {r: sum(quota[0][i] == r for i in finished_before) for r in quota[1]}
+                return ask(lambda: all(before[r] + int(store.add(f"{key}/home/{r}", 0)) >= q
+                                       for r, q in quota[1].items()))
             return ask(lambda: len(finished_before) + int(store.add(f"{key}/finished", 0)) >= target)
 
         from vllm.inputs import TokensPrompt
@@ -340,7 +350,8 @@ class BalancedDispatch:
         torch.distributed.all_gather_object(parts, ({i: run.groups[i] for i in pulled}, tickets) if leader
                                             else ({}, {}), group=self._world_group)
         if self.rank == 0:  # every rank is past its last claim
-            for name in [*map(str, range(self.layout.num_engines)), "finished"]:
+            for name in [*map(str, range(self.layout.num_engines)), "finished",
+                         *(f"home/{r}" for r in (quota[1] if quota is not None else ()))]:
                 store.delete_key(f"{key}/{name}")
         return partial_result(groups, parts, pulled, run.aborted, run.engine_steps, run.new_tokens,
                               finished_before), stats

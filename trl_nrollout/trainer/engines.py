@@ -391,11 +391,6 @@ class EngineSetup:
         if self.rollout_func is not None:
             return ("rollout_dispatch='balanced' with rollout_func: the function makes its own engine calls, so the "
                     "trainer has no groups to queue; set rollout_dispatch='shares' (the default).")
-        if getattr(self, "environment_factories", None) and self.args.rollout_multi_turn == "requests":
-            return ("rollout_dispatch='balanced' with environment_factory and rollout_multi_turn='requests': an "
-                    "episode runs on the engine that pulled its group, while its environment lives on the rank that "
-                    "owns its prompt; use rollout_multi_turn='turns' (first turns balanced, tool turns on each "
-                    "sample's own engine) or rollout_dispatch='shares'.")
         return None
 
     def _image_token_ids(self) -> tuple[int, ...]:

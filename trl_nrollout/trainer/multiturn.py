@@ -16,6 +16,7 @@ turn is :func:`~trl_nrollout.rollout.agent_loop.run_tool_turns` on our engines, 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from trl_nrollout.rollout.agent_loop import (
     split_tools,
 )
 from trl_nrollout.rollout.axes import machine_refusal
+from trl_nrollout.rollout.home_tools import HomeTools
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
@@ -195,10 +197,23 @@ class MultiTurnRollout:
 
         prompts = [list(p) for p in prompt_ids]
         if self.args.rollout_dispatch == "balanced":  # episodes run on whichever engine pulled their group
-            shared = split_tools(list(self.tools or []))  # the same on every rank (environments are refused here)
-            agent = replace(agent, run_tools=lambda i, calls: call_tools(calls, *shared, loop=loop))
-            samples, groups, stats, pulled = self.rollout_engine.run_agents_balanced(
-                prompts, n, sampling, turn_seed, agent, self.args.tool_workers)
+            envs = getattr(self, "environment_factories", None) is not None
+            if envs and getattr(self.rollout_engine, "_world_group", None) is not None:  # job-wide sample indices
+                counts = gather_object([len(prompts)])
+                first = sum(counts[:self.accelerator.process_index])
+                ends = [sum(counts[:r + 1]) for r in range(len(counts))]
+                names = gather_object(list(self._batch_environments))
+                agent = replace(agent, parse=lambda i, ids, prefix: parse_response(
+                    self._tokenizer, ids, prefix=prefix, tools=self._env_tools[names[i]]),
+                    run_tools=lambda i, calls: call_tools(calls, *tools[i - first], loop=loop))
+                home = lambda i: next(r for r, end in enumerate(ends) if i < end)  # noqa: E731
+            else:  # tools= are the same on every rank: any engine runs them
+                shared = split_tools(list(self.tools or []))
+                agent = replace(agent, run_tools=lambda i, calls: call_tools(calls, *shared, loop=loop))
+                envs, home = False, None
+            with self._home_tools(envs, home, agent.run_tools) as run_tools:
+                samples, groups, stats, pulled = self.rollout_engine.run_agents_balanced(
+                    prompts, n, sampling, turn_seed, replace(agent, run_tools=run_tools), self.args.tool_workers)
             self._log_dispatch(mode, pulled, len(prompts), n)
         else:
             samples, groups, stats = self.rollout_engine.run_agents(
@@ -209,6 +224,24 @@ class MultiTurnRollout:
                              turns.finish_reasons, groups)
         return batch, Episode(tool_mask=turns.tool_mask, completions=turns.completions, turns=turns.turns,
                               tool_calls=turns.tool_calls, tool_failures=turns.tool_failures)
+
+    @contextlib.contextmanager
+    def _home_tools(self, envs: bool, home, run_tools):
+        """``run_tools`` as an engine pulling other ranks' groups runs them: with environments (``envs``) and
+        several engines, each sample's calls run on its ``home(i)`` rank, where its environment lives
+        (:class:`~trl_nrollout.rollout.home_tools.HomeTools`, served from a thread here until every engine is done);
+        else ``run_tools`` itself. Every rank enters and leaves it together (around the engines' collective run)."""
+        if not envs or getattr(self.rollout_engine, "_world_group", None) is None:
+            yield run_tools
+            return
+        self._home_tools_calls = getattr(self, "_home_tools_calls", 0) + 1
+        store = torch.distributed.distributed_c10d._get_default_store()
+        host = HomeTools(store, f"nr_home_tools/{self._home_tools_calls}", self.accelerator.process_index, home,
+                         run_tools, self.args.tool_workers)
+        with host:
+            yield host.run
+        sent = sum(gather_object([host.sent]))  # every rank's calls sent to another rank (all ranks are here)
+        self._metric("train" if self.model.training else "eval", "tools/calls_sent_home", sent)
 
     def _log_agent_stats(self, mode: str, stats: AgentStats) -> None:
         """How much the engine overlapped tools (means over ranks): ``tools/overlap`` the share of engine steps

@@ -97,24 +97,30 @@ class PartialRollouts(PartialEnvironments):
         new = [g for chunk in gathered for g in chunk]  # the pool's new groups, rank order
         envs = self._has_environments
         before = self._restore_env_groups(self._partial_pool, rank) if envs else self._partial_pool
-        homed = envs and tp > 1 and not job  # a group trains on the rank whose environments it holds
-        if homed:  # each rank restarted its own groups after a resume: the engine's ranks agree on the pool again
+        homed = envs and (tp > 1 or job)  # a pool of several ranks: a group trains where its environments live
+        if homed:  # each rank restarted its own groups after a resume: the pool's ranks agree on it again
             restored = [g for g, old in zip(before, self._partial_pool) if g is not old]
-            before = _agree(before, engine.gather_tp(restored))
+            before = _agree(before, engine.gather_job(restored) if job else engine.gather_tp(restored))
+        # homed: each rank's own groups, as many as it drew prompts (rank order: its share is its own)
+        quota = dict(enumerate(counts)) if job else dict.fromkeys(engine.tp_ranks, len(rows))
         pool, restarted, dropped = drop_stale(before, version, args.max_staleness)
         if envs:  # a sample started again starts its environment again
             self._reset_restarted(before, pool)
         sampling = self._sampling(ctx.mode, round_=round_)
         homes = [self.layout.engine_of_rank(g.key[2]) for g in pool + new] if job else None
         if self.tools and job:  # the job's episodes from one queue, back to every rank (rollout/vllm_balanced.py)
-            run, stats = engine.run_partial_agents_balanced(pool + new, target, sampling, version, homes,
-                                                            self._partial_agent(), args.tool_workers)
+            agent, width = self._partial_agent(), n
+            if envs:  # each sample's tools are its environment's methods, run on its home rank (rollout/home_tools.py)
+                agent = self._env_agent(agent, pool + new, width)
+            with self._home_tools(envs, lambda i: (pool + new)[i // width].key[2], agent.run_tools) as run_tools:
+                run, stats = engine.run_partial_agents_balanced(
+                    pool + new, target, sampling, version, homes, replace(agent, run_tools=run_tools),
+                    args.tool_workers, quota=([g.key[2] for g in pool + new], quota) if homed else None)
             self._log_agent_stats(ctx.mode, stats)
         elif self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_agents.py)
             agent = self._partial_agent()
             if envs:  # each sample's tools are its environment's methods
                 agent = self._env_agent(agent, pool + new, n)
-            quota = dict.fromkeys(engine.tp_ranks, len(rows))  # homed: each rank's own groups, as many as it drew
             drawn_by = [g.key[2] for g in pool + new]
             run, stats = engine.run_partial_agents(
                 pool + new, target, sampling, version, agent, args.tool_workers, owns=lambda g: g.key[2] == rank,
@@ -124,7 +130,7 @@ class PartialRollouts(PartialEnvironments):
             run = engine.run_partial_balanced(pool + new, target, sampling, version, homes)
         else:
             run = engine.run_partial(pool + new, target, sampling, version)
-        if homed:  # the engine's ranks in order, each its own first groups to finish: its share is its own
+        if homed:  # the pool's ranks in order, each its own first groups to finish: its share is its own
             chosen, self._partial_pool = split_finished_by_home(run.groups, run.finish_order,
                                                                 [g.key[2] for g in run.groups], quota)
             if len(chosen) != target:
