@@ -207,10 +207,12 @@ class MultiTurnRollout:
                     self._tokenizer, ids, prefix=prefix, tools=self._env_tools[names[i]]),
                     run_tools=lambda i, calls: call_tools(calls, *tools[i - first], loop=loop))
                 home = lambda i: next(r for r, end in enumerate(ends) if i < end)  # noqa: E731
+            elif envs:  # one engine: its queue is this rank's samples, each with its environment's tools
+                home = None
             else:  # tools= are the same on every rank: any engine runs them
                 shared = split_tools(list(self.tools or []))
                 agent = replace(agent, run_tools=lambda i, calls: call_tools(calls, *shared, loop=loop))
-                envs, home = False, None
+                home = None
             with self._home_tools(envs, home, agent.run_tools) as run_tools:
                 samples, groups, stats, pulled = self.rollout_engine.run_agents_balanced(
                     prompts, n, sampling, turn_seed, replace(agent, run_tools=run_tools), self.args.tool_workers)
