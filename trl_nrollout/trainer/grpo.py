@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from trl_nrollout.algos.losses import (
 )
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.dropin import UnsupportedTRLOption, to_nrollout_config  # noqa: F401 - public here too
 from trl_nrollout.errors import InputError
 from trl_nrollout.passes.multimodal import (
     EncodedPrompts,
@@ -81,20 +81,11 @@ from trl_nrollout.trainer.stages import (
     StepContext,
     expand_segments,
     fit_width,
+    split_rows,
 )
 from trl_nrollout.trainer.update import PolicyUpdate
 
 logger = logging.getLogger(__name__)
-
-
-def to_nrollout_config(args: GRPOConfig) -> NRolloutConfig:
-    """Turn a plain ``GRPOConfig`` into an ``NRolloutConfig`` with the same settings (drop-in use)."""
-    values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.init}
-    # post-init derived fields: keep what the user could have set, let the new post-init derive the rest
-    values["generation_batch_size"] = None
-    # TRL's loss semantics for a TRL config: no dual clip, TRL's k3 KL estimator (use_bias_correction_kl is copied)
-    cfg = NRolloutConfig(**values, clip_ratio_c=None, kl_loss_type="k3")
-    return cfg
 
 
 class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRollout, AgentRollouts, PartialRollouts,
@@ -596,19 +587,3 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             chunks = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
             self._buffered_inputs = chunks if not self.args.use_dynamic_bsz else self._budgeted_steps(chunks)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
-
-
-def split_rows(batch: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
-    """``batch``'s rows cut into ``chunks`` consecutive parts, as TRL's ``split_tensor_dict`` cuts them where
-    ``chunks`` divides the rows; otherwise (an agent's split episodes add rows) the first ``rows % chunks`` parts
-    take one row more: no row is dropped. Lists (a VLM's image tensors) are cut alike; scalars go to every part."""
-    rows = next(v for v in batch.values() if v is not None and (isinstance(v, list) or v.ndim > 0))
-    total = len(rows) if isinstance(rows, list) else rows.shape[0]
-    size, extra = divmod(total, chunks)
-    out, at = [], 0
-    for i in range(chunks):
-        end = at + size + (1 if i < extra else 0)
-        out.append({k: (v[at:end] if v is not None and (isinstance(v, list) or v.ndim > 0) else v)
-                    for k, v in batch.items()})
-        at = end
-    return out

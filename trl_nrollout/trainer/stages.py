@@ -209,3 +209,19 @@ def select_rows(table: dict | None, keep: list[int]) -> dict | None:
     return {"prompt": pick(table["prompt"]), "completion": pick(table["completion"]),
             "extra": {c: pick(v) for c, v in table["extra"].items()},
             "images": None if images is None else pick(images)}
+
+
+def split_rows(batch: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
+    """``batch``'s rows cut into ``chunks`` consecutive parts, as TRL's ``split_tensor_dict`` cuts them where
+    ``chunks`` divides the rows; otherwise (an agent's split episodes add rows) the first ``rows % chunks`` parts
+    take one row more: no row is dropped. Lists (a VLM's image tensors) are cut alike; scalars go to every part."""
+    rows = next(v for v in batch.values() if v is not None and (isinstance(v, list) or v.ndim > 0))
+    total = len(rows) if isinstance(rows, list) else rows.shape[0]
+    size, extra = divmod(total, chunks)
+    out, at = [], 0
+    for i in range(chunks):
+        end = at + size + (1 if i < extra else 0)
+        out.append({k: (v[at:end] if v is not None and (isinstance(v, list) or v.ndim > 0) else v)
+                    for k, v in batch.items()})
+        at = end
+    return out
