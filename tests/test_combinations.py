@@ -91,6 +91,14 @@ def test_the_combinations_follow_the_refusal_table():
 
 
 ALLOWED, _ = combinations()
+
+
+def launch_two(tmp_path, entries: list[dict]) -> None:
+    """tests/assets/axes_combinations.py over two processes (accelerate, CPU), its entries one after another."""
+    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
+             str(tmp_path), json.dumps(entries)],
+            timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
+                              "PYTHONPATH": str(ROOT)})
 RENDERED = "<tool_response>\n7\n</tool_response>"  # the tool's result as the chat template renders it
 
 
@@ -161,10 +169,7 @@ def test_partial_tool_episodes_on_a_balanced_queue_over_two_engines(tmp_path):
     combo = next(c for c in ALLOWED if c["name"] == "balanced-partial-tools_request_by_request")
     entry = {"name": combo["name"], "episode": combo["episode"],
              "options": {**combo["options"], "rollout_max_num_seqs": 4}}
-    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
-             str(tmp_path), json.dumps([entry])],
-            timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
-                              "PYTHONPATH": str(ROOT)})
+    launch_two(tmp_path, [entry])
     result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
     check_combination(combo, result)
     assert all(len(rnd["samples"]) == 2 * 8 for rnd in result["rounds"])  # the job's samples: 2 ranks x 8
@@ -185,10 +190,7 @@ def test_partial_environment_episodes_train_on_their_own_ranks_at_tp2(tmp_path):
     combo = next(c for c in ALLOWED if c["name"] == "shares-partial-environment_request_by_request")
     entry = {"name": combo["name"], "episode": combo["episode"],
              "options": {**combo["options"], "rollout_tp_size": 2, "max_steps": 3}}
-    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
-             str(tmp_path), json.dumps([entry])],
-            timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
-                              "PYTHONPATH": str(ROOT)})
+    launch_two(tmp_path, [entry])
     result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
     result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)
     check_combination(combo, result)
@@ -211,10 +213,7 @@ def test_environments_on_a_rollout_rank_keep_each_steps_episodes(tmp_path):
     combo = next(c for c in ALLOWED if c["name"] == "shares-whole-environment_turn_by_turn")
     entry = {"name": combo["name"], "episode": combo["episode"],
              "options": {**combo["options"], "rollout_ranks": 1, "max_staleness": 1, "max_steps": 3}}
-    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
-             str(tmp_path), json.dumps([entry])],
-            timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
-                              "PYTHONPATH": str(ROOT)})
+    launch_two(tmp_path, [entry])
     result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
     result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)
     check_combination(combo, result, engine="RemoteEngines")
@@ -239,10 +238,7 @@ def test_environment_episodes_on_a_balanced_queue_call_their_tools_at_home(tmp_p
         entries.append({"name": combo["name"], "episode": combo["episode"], "slow_rank": 0,
                         "options": {**combo["options"], "rollout_max_num_seqs": 4, "per_device_train_batch_size": 16,
                                     "max_steps": 2}})
-    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
-             str(tmp_path), json.dumps(entries)],
-            timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
-                              "PYTHONPATH": str(ROOT)})
+    launch_two(tmp_path, entries)
     for entry in entries:
         combo = next(c for c in ALLOWED if c["name"] == entry["name"])
         result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
