@@ -54,7 +54,6 @@ CASES = {
         _trainer(tools=[print], args=SimpleNamespace(rollout_backend="vllm"))),
     ("agent", "rollout_ranks"): lambda tmp: _agent(rollout_ranks=1),
     ("agent", "rollout_partial=True"): lambda tmp: _agent(rollout_partial=True),
-    ("agent", "rollout_dispatch='balanced'"): lambda tmp: _agent(rollout_dispatch="balanced"),
     ("rollout_ranks", "rollout_backend='hf'"): lambda tmp: _ranks(rollout_backend="hf"),
     ("rollout_partial=True", "rollout_backend='hf'"): lambda tmp: _config_error(
         tmp, rollout_partial=True, rollout_backend="hf"),

@@ -224,17 +224,22 @@ def test_environments_on_a_rollout_rank_keep_each_steps_episodes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.multiprocess
-def test_environment_episodes_on_a_balanced_queue_call_their_tools_at_home(tmp_path):
-    """balanced x environments request by request, whole and partial, two processes, one engine each, engine 0
-    slowed: engine 1 pulls rank 0's groups, and their tool calls go home to rank 0, where their environments live
-    (rollout/home_tools.py); each rank scores its own samples (whole: they come home; partial: each rank trains its
-    own groups, the queue running until every rank has its share finished). The combination's checks, and
-    ``env_check`` raises unless every sample is scored with its own episode's environment. Mutations tried: tool
-    calls run on the engine's rank with that rank's environment at the same place (no HomeTools) -> the launch
-    fails; the partial job's shares cut by position (not by home) -> the launch fails."""
+def test_environment_and_agent_episodes_on_a_balanced_queue_come_home(tmp_path):
+    """balanced x environments request by request (whole and partial) and balanced x agent, two processes, one engine
+    each, engine 0 slowed, so that engine 1 pulls rank 0's groups.
+    Environments: their tool calls go home to rank 0, where their environments live (rollout/home_tools.py); each
+    rank scores its own samples (whole: they come home; partial: each rank trains its own groups, the queue running
+    until every rank has its share finished); ``env_check`` raises unless every sample is scored with its own
+    episode's environment. Agents: rank 1 runs the pulled groups' episodes on its own endpoint and engine, and the
+    finished episodes go home; ``agent_check`` raises unless every sample is scored with its own episode's result.
+    The combinations' checks on each. Mutations tried: tool calls run on the engine's rank with that rank's
+    environment at the same place (no HomeTools) -> the launch fails; the partial job's shares cut by position (not
+    by home) -> the launch fails; a pulled group's episodes run with the puller's own row at the same place (not the
+    job's) -> agent_check fails the launch."""
     entries = []
-    for end in ("whole", "partial"):
-        combo = next(c for c in ALLOWED if c["name"] == f"balanced-{end}-environment_request_by_request")
+    for name in ("balanced-whole-environment_request_by_request", "balanced-partial-environment_request_by_request",
+                 "balanced-whole-agent"):
+        combo = next(c for c in ALLOWED if c["name"] == name)
         entries.append({"name": combo["name"], "episode": combo["episode"], "slow_rank": 0,
                         "options": {**combo["options"], "rollout_max_num_seqs": 4, "per_device_train_batch_size": 16,
                                     "max_steps": 2}})
@@ -243,6 +248,10 @@ def test_environment_episodes_on_a_balanced_queue_call_their_tools_at_home(tmp_p
         combo = next(c for c in ALLOWED if c["name"] == entry["name"])
         result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
         check_combination(combo, result)
-        assert all(len(rnd["samples"]) == 2 * 16 for rnd in result["rounds"])  # the job's samples: 2 ranks x 16
-        sent = [h["tools/calls_sent_home"] for h in result["history"] if "tools/calls_sent_home" in h]
-        assert sent and max(sent) > 0, (entry["name"], sent)  # an engine ran another rank's episodes' tools
+        assert all(len(rnd["samples"]) == 2 * 16 for rnd in result["rounds"]), entry["name"]  # 2 ranks x 16
+        if combo["episode"] == "agent":  # an engine ran another rank's groups' episodes
+            moved = [h["rollout/moved_groups"] for h in result["history"] if "rollout/moved_groups" in h]
+            assert moved and max(moved) > 0, moved
+        else:
+            sent = [h["tools/calls_sent_home"] for h in result["history"] if "tools/calls_sent_home" in h]
+            assert sent and max(sent) > 0, (entry["name"], sent)  # an engine ran another rank's episodes' tools

@@ -1,7 +1,7 @@
 """Tool calls that go home (trl_nrollout/rollout/home_tools.py) over a real TCPStore, two ranks' HomeTools in one
 process (their threads as the ranks' engines' tool runners would call them). The two-process run through the trainer
-(balanced queue, environments): tests/test_combinations.py::test_environment_episodes_on_a_balanced_queue_call_their_
-tools_at_home."""
+(balanced queue, environments): tests/test_combinations.py::test_environment_and_agent_episodes_on_a_
+balanced_queue_come_home."""
 
 from __future__ import annotations
 

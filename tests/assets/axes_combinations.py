@@ -27,6 +27,7 @@ from trl_nrollout.builtin import (
     tool_reward,
 )
 from trl_nrollout.rollout.types import SamplingOptions
+from trl_nrollout.trainer.agents import agent_reward
 
 #: the episode kinds (tests/test_combinations.py CHOICES) and the model each runs on
 EPISODES = {"one completion": "builtin:tiny-qwen2", "tools": "builtin:tiny-qwen2-tools",
@@ -37,9 +38,10 @@ TOOL_SCHEMA = [{"type": "function", "function": {"name": "lucky_number", "descri
                                                  "parameters": {"type": "object", "properties": {}}}}]
 
 
-async def tool_agent(client, row, max_tokens: int | None = None) -> float:
+async def tool_agent(client, row, max_tokens: int | None = None) -> dict:
     """An agent through the endpoint (``agent=``): asks, runs the built-in tool when the model calls it, asks again
-    (at most 3 calls, each extending the last, each of at most ``max_tokens``); reward 1 when the tool ran."""
+    (at most 3 calls, each extending the last, each of at most ``max_tokens``); reward 1 when the tool ran, and the
+    question it was asked (``asked``: what :func:`agent_check` compares with the sample it scores)."""
     messages, ran = list(row["prompt"]), 0
     limit = {"max_tokens": max_tokens} if max_tokens else {}
     for _ in range(3):
@@ -51,7 +53,20 @@ async def tool_agent(client, row, max_tokens: int | None = None) -> float:
             {"role": "tool", "tool_call_id": c.id, "name": c.function.name, "content": lucky_number()}
             for c in reply.tool_calls]
         ran += 1
-    return float(ran > 0)
+    return {"reward": float(ran > 0), "asked": row["prompt"][-1]["content"]}
+
+
+def agent_check(prompts: list, asked: list, **kwargs) -> list[float]:
+    """Raises unless each sample's agent result is its own episode's (its agent was asked the sample's question:
+    an episode run on another rank came home to its place; None: the agent raised, e.g. past the token budget, an
+    unscored episode) and some are; a reward function, it scores 0."""
+    if all(question is None for question in asked):
+        raise ValueError("no agent returned a result")
+    for prompt, question in zip(prompts, asked, strict=True):
+        if question is not None and question != prompt[-1]["content"]:
+            raise ValueError(f"a sample scored with another episode's result: asked {question!r}, the sample's "
+                             f"prompt {prompt[-1]['content']!r}")
+    return [0.0] * len(prompts)
 
 
 class LuckyEnv:
@@ -109,7 +124,7 @@ def build(out: str, combo: dict):
         options.update(max_completion_length=40, generation_kwargs={"logit_bias": {call: 6.0}})
         kwargs = dict(reward_funcs=[tool_reward], train_dataset=tool_dataset(32))
         if episode == "agent":
-            kwargs = dict(agent=tool_agent, train_dataset=tool_dataset(32))
+            kwargs = dict(agent=tool_agent, reward_funcs=[agent_reward, agent_check], train_dataset=tool_dataset(32))
         else:
             if episode == "tools":
                 kwargs.update(tools=[lucky_number])

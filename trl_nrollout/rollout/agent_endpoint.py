@@ -123,6 +123,7 @@ class AgentEndpoint:
         self.port = 0
         self.requests: queue.Queue[PendingCall] = queue.Queue()
         self.episodes: dict[str, EpisodeState] = {}
+        self._seed: Callable[[int, int], int | None] | None = None
         self._warned: set[str] = set()
         self._server = None
         self._thread: threading.Thread | None = None
@@ -164,10 +165,21 @@ class AgentEndpoint:
         """The episode's OpenAI base URL (give it to the client as ``base_url``)."""
         return f"http://{self.host}:{self.port}/e/{key}/v1"
 
-    def open(self, records: list[EpisodeRecord], seed: Callable[[int, int], int | None] | None = None) -> None:
-        """Accept requests for ``records`` (this rollout's episodes); ``seed(i, c)``: the sampling seed of episode
-        ``i``'s call ``c`` (None: unseeded)."""
-        self.episodes = {r.key: EpisodeState(r, i, seed) for i, r in enumerate(records)}
+    def open(self, records: list[EpisodeRecord], seed: Callable[[int, int], int | None] | None = None,
+             indices: list[int] | None = None) -> None:
+        """Accept requests for ``records`` (this rollout's episodes; those of a rollout before are closed);
+        ``seed(i, c)``: the sampling seed of call ``c`` of the episode at place ``i`` (``indices``, default
+        0, 1, ...: the places :meth:`admit` gives later episodes; None: unseeded)."""
+        self._seed = seed
+        self.episodes = {}
+        self.admit(records, indices)
+
+    def admit(self, records: list[EpisodeRecord], indices: list[int] | None = None) -> None:
+        """Accept requests for more episodes of the open rollout (a balanced queue's pulled groups), ``indices``
+        their places (the seeds' ``i``)."""
+        places = range(len(self.episodes), len(self.episodes) + len(records)) if indices is None else indices
+        for i, r in zip(places, records, strict=True):
+            self.episodes[r.key] = EpisodeState(r, i, self._seed)
 
     def close_episode(self, key: str) -> None:
         """No more requests for ``key`` (its agent returned, raised, or ran out of time)."""

@@ -78,8 +78,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "each rank serves its own episodes on its own engine"),
     Refusal("agent", "rollout_partial=True", "not yet", "AgentRollouts._agent_refusal",
             "an agent's episode cannot stop and continue after a weight sync yet"),
-    Refusal("agent", "rollout_dispatch='balanced'", "not yet", "AgentRollouts._agent_refusal",
-            "an episode's requests go to its own rank's endpoint and engine"),
 )
 
 

@@ -17,6 +17,9 @@ more rows than its share of episodes), and ``agent/split_episodes`` counts them.
 an unscored episode (its reward None: TRL's rules), never a hang; one past ``agent_max_calls`` gets an error
 answer and its reward as it returns it.
 
+With ``rollout_dispatch="balanced"`` over several engines the ranks pull groups of the job's rows from one queue,
+run them on their own endpoints and send the finished episodes home (:meth:`AgentRollouts._agent_rollout`).
+
 Reward: without ``reward_funcs`` the agent's number is the reward (:func:`agent_reward`); with them, every function
 gets ``agent_reward`` (and a dict result's keys) as keyword arguments.
 """
@@ -28,14 +31,17 @@ import inspect
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import replace
 from typing import Any
 
 from accelerate.utils import gather_object
 
+from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
+from trl_nrollout.rollout.dispatch import PullStats
 from trl_nrollout.rollout.seeds import prompt_seed, turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.stages import Sample
@@ -120,9 +126,7 @@ class AgentRollouts:
         for option, on, why in (
                 ("rollout_ranks", args.rollout_ranks, "each rank serves its own episodes on its own engine"),
                 ("rollout_partial=True", args.rollout_partial, "an agent's episode cannot stop and continue after a "
-                                                               "weight sync yet"),
-                ("rollout_dispatch='balanced'", args.rollout_dispatch == "balanced",
-                 "an episode's requests go to its own rank's endpoint and engine")):
+                                                               "weight sync yet")):
             if on:
                 return (f"agent= with {option} is not built yet: {why}. Remove {option.split('=')[0]} (or set it off) "
                         "for agents.")
@@ -168,23 +172,63 @@ class AgentRollouts:
                        ) -> tuple[RolloutBatch, Any]:
         """Run this rank's episodes (one per sample of ``inputs``, TRL's order: each prompt ``n`` times) through the
         endpoint and return what trains: the batch (prompt, completion, log-probs per episode) and the
-        :class:`~trl_nrollout.trainer.multiturn.Episode` (masks, the episodes' messages, the agents' reward kwargs)."""
+        :class:`~trl_nrollout.trainer.multiturn.Episode` (masks, the episodes' messages, the agents' reward kwargs).
+
+        ``rollout_dispatch="balanced"`` over several engines: every rank's rows form one queue of groups
+        (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.job_queue`); each rank runs the episodes of the
+        groups it pulls on its own endpoint and engine, pulling while it holds fewer than its engine's share of
+        ``max_num_seqs`` plus a group, and the finished episodes go home to the ranks that own their rows. A
+        sample's seeds depend on its place in the job, not on the rank that ran it."""
         from trl_nrollout.trainer.multiturn import Episode
 
         endpoint = self._agent_start()
+        engine = self.rollout_engine
         rank, step = self.accelerator.process_index, self.state.global_step
-        offset = rank * len(inputs)
-        records = [EpisodeRecord(key=f"{mode}{step}r{rank}e{i}x{time.monotonic_ns() % 10**6}", row=dict(row))
-                   for i, row in enumerate(inputs)]
+        balanced = self.args.rollout_dispatch == "balanced" and getattr(engine, "_world_group", None) is not None
+        if balanced:  # the job's rows, rank order: rank r's samples follow those of the ranks before it
+            every = engine.gather_job([dict(row) for row in inputs])
+            counts = [len(rows) for rows in every]
+            rows = [row for part in every for row in part]
+            offset = sum(counts[:rank])
+        else:
+            rows, offset = [dict(row) for row in inputs], rank * len(inputs)
         base = sampling.seed
 
-        def seed(i: int, c: int) -> int | None:  # the first call's as a single-turn sample's; later ones per turn
+        def seed(s: int, c: int) -> int | None:  # the first call's as a single-turn sample's; later ones per turn
             if base is None:
                 return None
-            return base + offset + i if c == 0 else prompt_seed(turn_seed(base, c), offset + i, 1)
+            return base + s if c == 0 else prompt_seed(turn_seed(base, c), s, 1)
 
-        endpoint.open(records, seed)
-        engine = self.rollout_engine
+        def record(s: int) -> EpisodeRecord:  # ``s``: the sample's place in the job
+            row = rows[s - offset] if not balanced else rows[s]
+            return EpisodeRecord(key=f"{mode}{step}r{rank}e{s}x{time.monotonic_ns() % 10**6}", row=dict(row))
+
+        ran: dict[int, EpisodeRecord] = {}
+        if balanced:
+            queue = engine.job_queue(counts, n)
+            capacity = int(engine.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+            target = -(-capacity // len(engine.tp_ranks)) + n  # this rank's share of its engine's batch, a group more
+            claimed: list[int] = []
+
+            def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
+                if running >= target:
+                    return [], False
+                got = list(queue.claim(max(1, -(-(target - running) // n))))
+                claimed.extend(got)
+                new = {g * n + k: record(g * n + k) for g in got for k in range(n)}
+                endpoint.admit(list(new.values()), list(new))
+                ran.update(new)
+                return list(new.values()), not got
+            endpoint.open([], seed)
+        else:
+            mine = [record(offset + i) for i in range(len(inputs))]
+            ran.update(zip(range(offset, offset + len(inputs)), mine))
+            endpoint.open(mine, seed, list(ran))
+            handed = [False]
+
+            def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
+                first, handed[0] = not handed[0], True
+                return (mine if first else []), True
         engine._ready()
         loop = engine._loop(stream=False)
 
@@ -193,7 +237,7 @@ class AgentRollouts:
                                                       stop=tuple(call.stop)))
 
         finished = threading.Event()
-        runner = threading.Thread(target=self._run_agents, args=(records, endpoint, finished), daemon=True,
+        runner = threading.Thread(target=self._run_agents, args=(pull, endpoint, finished), daemon=True,
                                   name="trl-nrollout-agents")
         start = time.perf_counter()
         runner.start()
@@ -203,6 +247,21 @@ class AgentRollouts:
         runner.join(timeout=5)
         endpoint.open([], None)
         wall = time.perf_counter() - start
+        if balanced:  # the episodes go home; the engine's groups (its ranks pulled each their own) for the metrics
+            home = engine._send_home({g: [ran[g * n + k] for k in range(n)] for g in claimed}, counts, n)
+            engine.drop_job_queue(queue)
+            places = range(offset, offset + len(inputs))
+            missing = sorted({s // n for s in places} - home.keys())
+            if missing:
+                raise RuntimeError(f"the agent episodes of groups {missing[:5]} were run by no rank.")
+            records = [home[s // n][s % n] for s in places]
+            groups = sorted(g for part in engine._gather_tp(claimed) for g in part)
+            self._log_dispatch(mode, PullStats(groups=groups, claims=1, busy_s=wall), len(inputs), n)
+        else:
+            records = [ran[offset + i] for i in range(len(inputs))]
+            if self.args.rollout_dispatch == "balanced":  # one engine: its queue is this rank's groups
+                self._log_dispatch(mode, PullStats(groups=sorted({s // n for s in ran}), claims=1, busy_s=wall),
+                                   len(inputs), n)
         prompt_ids = self._tokenize_prompts(prompts)[0]
         eos = self._tokenizer.eos_token_id or 0
         done = [assemble(r.calls, prompt_ids[i], eos) for i, r in enumerate(records)]
@@ -224,25 +283,50 @@ class AgentRollouts:
                               tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra,
                               segments=segments)
 
-    def _run_agents(self, records: list[EpisodeRecord], endpoint, finished: threading.Event) -> None:
-        """Run every episode's agent (async ones on one event loop, sync ones in threads), each within
-        ``agent_timeout_s``; set ``finished`` when all have returned, failed or timed out."""
+    def _run_agents(self, pull: Callable[[int], tuple[list[EpisodeRecord], bool]], endpoint,
+                    finished: threading.Event) -> None:
+        """Run the episodes ``pull(running)`` hands out (given how many run: new ones and whether it has no more) on
+        this rank's endpoint, async agents on one event loop, sync ones in threads, each within
+        ``agent_timeout_s`` of its start; set ``finished`` when the last has returned, failed or timed out."""
         try:
             names = agent_arguments(self.agent)
             timeout = self.args.agent_timeout_s
             if inspect.iscoroutinefunction(self.agent):
-                asyncio.run(self._run_async_agents(records, endpoint, names, timeout))
+                asyncio.run(self._run_async_agents(pull, endpoint, names, timeout))
             else:
-                pool = ThreadPoolExecutor(max_workers=max(1, len(records)), thread_name_prefix="trl-nrollout-agent")
-                futures = {pool.submit(self._one_sync_agent, r, endpoint, names): r for r in records}
-                _, late = wait_futures(futures, timeout=timeout)
-                for f in late:
-                    self._episode_ended(futures[f], endpoint, "timeout", f"ran past agent_timeout_s={timeout}")
-                pool.shutdown(wait=False, cancel_futures=True)
+                self._run_sync_agents(pull, endpoint, names, timeout)
         finally:
             finished.set()
 
-    async def _run_async_agents(self, records, endpoint, names, timeout) -> None:
+    def _run_sync_agents(self, pull, endpoint, names: list[str], timeout: float) -> None:
+        pool = ThreadPoolExecutor(max_workers=4096, thread_name_prefix="trl-nrollout-agent")
+        running: dict = {}  # future -> (record, deadline)
+        drained = False
+        try:
+            while True:
+                if not drained:
+                    new, drained = pull(len(running))
+                    for r in new:
+                        running[pool.submit(self._one_sync_agent, r, endpoint, names)] = (r, time.monotonic() + timeout)
+                if not running:
+                    if drained:
+                        return
+                    continue
+                soonest = min(deadline for _, deadline in running.values())
+                done, _ = wait_futures(running, timeout=max(0.0, soonest - time.monotonic()),
+                                       return_when=FIRST_COMPLETED)
+                now = time.monotonic()
+                for f in list(running):
+                    record, deadline = running[f]
+                    if f in done:
+                        del running[f]
+                    elif now >= deadline:  # its thread may go on; its episode is closed, its later calls refused
+                        self._episode_ended(record, endpoint, "timeout", f"ran past agent_timeout_s={timeout}")
+                        del running[f]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run_async_agents(self, pull, endpoint, names: list[str], timeout: float) -> None:
         import openai
 
         async def one(record: EpisodeRecord) -> None:
@@ -260,7 +344,17 @@ class AgentRollouts:
             finally:
                 await client.close()
 
-        await asyncio.gather(*(one(r) for r in records))
+        running: set = set()
+        drained = False
+        while True:
+            if not drained:
+                new, drained = pull(len(running))
+                running.update(asyncio.create_task(one(r)) for r in new)
+            if not running:
+                if drained:
+                    return
+                continue
+            _, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
 
     def _one_sync_agent(self, record: EpisodeRecord, endpoint, names: list[str]) -> None:
         import openai
