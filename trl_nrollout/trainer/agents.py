@@ -26,14 +26,9 @@ gets ``agent_reward`` (and a dict result's keys) as keyword arguments.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import replace
 from typing import Any
 
@@ -41,6 +36,7 @@ from accelerate.utils import gather_object
 
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
+from trl_nrollout.rollout.agent_runs import EpisodeRunner, agent_arguments
 from trl_nrollout.rollout.dispatch import PullStats
 from trl_nrollout.rollout.seeds import prompt_seed, turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
@@ -53,25 +49,6 @@ def agent_reward(completions: list, agent_reward: list | None = None, **kwargs) 
     """The reward function of an agent trainer without ``reward_funcs``: each episode's own reward, as its agent
     returned it (None: unscored)."""
     return list(agent_reward) if agent_reward is not None else [None] * len(completions)
-
-
-def agent_arguments(agent) -> list[str]:
-    """The parameters :func:`call_agent` fills for ``agent``, by name; ValueError naming the function otherwise."""
-    params = list(inspect.signature(agent).parameters.values())
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    known = {"client", "base_url", "api_key", "row", "model"}
-    if set(names) & known:
-        missing = [p.name for p in params if p.name not in known and p.default is p.empty
-                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        if missing:
-            raise ValueError(f"agent {getattr(agent, '__name__', agent)!r} has parameters {missing} the trainer cannot "
-                             f"fill: an agent takes any of {sorted(known)} (by name), or (client, row).")
-        return [n for n in names if n in known]
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) < 2:
-        raise ValueError(f"agent {getattr(agent, '__name__', agent)!r} must take (client, row), or parameters named "
-                         f"among {sorted(known)}.")
-    return ["client", "row"]
 
 
 def split_calls(assembled: Assembled, record: EpisodeRecord, limit: int | None) -> tuple[Sample, ...]:
@@ -237,8 +214,8 @@ class AgentRollouts:
                                                       stop=tuple(call.stop)))
 
         finished = threading.Event()
-        runner = threading.Thread(target=self._run_agents, args=(pull, endpoint, finished), daemon=True,
-                                  name="trl-nrollout-agents")
+        runner = threading.Thread(target=EpisodeRunner(self.agent, self.args.agent_timeout_s).run,
+                                  args=(pull, endpoint, finished), daemon=True, name="trl-nrollout-agents")
         start = time.perf_counter()
         runner.start()
         engine._barrier_before_generate()  # TP > 1 on GPUs: no training collective interleaves with the engine's
@@ -282,105 +259,6 @@ class AgentRollouts:
         return batch, Episode(tool_mask=masks, completions=completions, turns=[max(1, len(r.calls)) for r in records],
                               tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra,
                               segments=segments)
-
-    def _run_agents(self, pull: Callable[[int], tuple[list[EpisodeRecord], bool]], endpoint,
-                    finished: threading.Event) -> None:
-        """Run the episodes ``pull(running)`` hands out (given how many run: new ones and whether it has no more) on
-        this rank's endpoint, async agents on one event loop, sync ones in threads, each within
-        ``agent_timeout_s`` of its start; set ``finished`` when the last has returned, failed or timed out."""
-        try:
-            names = agent_arguments(self.agent)
-            timeout = self.args.agent_timeout_s
-            if inspect.iscoroutinefunction(self.agent):
-                asyncio.run(self._run_async_agents(pull, endpoint, names, timeout))
-            else:
-                self._run_sync_agents(pull, endpoint, names, timeout)
-        finally:
-            finished.set()
-
-    def _run_sync_agents(self, pull, endpoint, names: list[str], timeout: float) -> None:
-        pool = ThreadPoolExecutor(max_workers=4096, thread_name_prefix="trl-nrollout-agent")
-        running: dict = {}  # future -> (record, deadline)
-        drained = False
-        try:
-            while True:
-                if not drained:
-                    new, drained = pull(len(running))
-                    for r in new:
-                        running[pool.submit(self._one_sync_agent, r, endpoint, names)] = (r, time.monotonic() + timeout)
-                if not running:
-                    if drained:
-                        return
-                    continue
-                soonest = min(deadline for _, deadline in running.values())
-                done, _ = wait_futures(running, timeout=max(0.0, soonest - time.monotonic()),
-                                       return_when=FIRST_COMPLETED)
-                now = time.monotonic()
-                for f in list(running):
-                    record, deadline = running[f]
-                    if f in done:
-                        del running[f]
-                    elif now >= deadline:  # its thread may go on; its episode is closed, its later calls refused
-                        self._episode_ended(record, endpoint, "timeout", f"ran past agent_timeout_s={timeout}")
-                        del running[f]
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _run_async_agents(self, pull, endpoint, names: list[str], timeout: float) -> None:
-        import openai
-
-        async def one(record: EpisodeRecord) -> None:
-            client = openai.AsyncOpenAI(base_url=endpoint.base_url(record.key), api_key=record.key, max_retries=0,
-                                        timeout=timeout)
-            try:
-                result = await asyncio.wait_for(self.agent(**self._agent_kwargs(names, client, record, endpoint)),
-                                                timeout)
-                record.result = result
-                self._episode_ended(record, endpoint, record.outcome, record.error)
-            except TimeoutError:
-                self._episode_ended(record, endpoint, "timeout", f"ran past agent_timeout_s={timeout}")
-            except Exception as err:  # noqa: BLE001 - the agent's failure is an unscored episode
-                self._episode_ended(record, endpoint, "error", f"{type(err).__name__}: {err}")
-            finally:
-                await client.close()
-
-        running: set = set()
-        drained = False
-        while True:
-            if not drained:
-                new, drained = pull(len(running))
-                running.update(asyncio.create_task(one(r)) for r in new)
-            if not running:
-                if drained:
-                    return
-                continue
-            _, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-
-    def _one_sync_agent(self, record: EpisodeRecord, endpoint, names: list[str]) -> None:
-        import openai
-
-        client = openai.OpenAI(base_url=endpoint.base_url(record.key), api_key=record.key, max_retries=0,
-                               timeout=self.args.agent_timeout_s)
-        try:
-            record.result = self.agent(**self._agent_kwargs(names, client, record, endpoint))
-            self._episode_ended(record, endpoint, record.outcome, record.error)
-        except Exception as err:  # noqa: BLE001 - the agent's failure is an unscored episode
-            self._episode_ended(record, endpoint, "error", f"{type(err).__name__}: {err}")
-        finally:
-            client.close()
-
-    def _agent_kwargs(self, names: list[str], client, record: EpisodeRecord, endpoint) -> dict:
-        values = {"client": client, "base_url": endpoint.base_url(record.key), "api_key": record.key,
-                  "row": dict(record.row), "model": endpoint.model_name}
-        return {name: values[name] for name in names}
-
-    @staticmethod
-    def _episode_ended(record: EpisodeRecord, endpoint, outcome: str, error: str | None) -> None:
-        if record.outcome == "ok" or outcome == "timeout":  # a refused call's limit stays the outcome
-            record.outcome, record.error = outcome, error
-        if outcome in ("error", "timeout"):
-            record.result = None  # unscored
-        endpoint.close_episode(record.key)
 
     def _agent_reward_kwargs(self, records: list[EpisodeRecord]) -> dict[str, list]:
         """Every episode's result as reward-function kwargs (one list per key; None where an episode lacks it)."""
