@@ -40,7 +40,8 @@ EPISODE = {
 RANKS_COVERED = {
     "one completion, shares / balanced": "test_rollout_ranks.py::test_one_step_off_policy_under_zero3_samples_one_step_stale",
     "tools turn by turn / request by request": "test_tools.py::test_tool_episodes_on_a_rollout_rank_one_step_off",
-    "environment turn by turn": "test_environments_on_a_rollout_rank_keep_each_steps_episodes (here)",
+    "environment turn by turn": "test_environments_and_agents_on_a_rollout_rank_keep_each_steps_episodes (here)",
+    "agent": "test_environments_and_agents_on_a_rollout_rank_keep_each_steps_episodes (here)",
     "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
     "images": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
 }
@@ -202,23 +203,30 @@ def test_partial_environment_episodes_train_on_their_own_ranks_at_tp2(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.multiprocess
-def test_environments_on_a_rollout_rank_keep_each_steps_episodes(tmp_path):
-    """rollout_ranks=1 x environments turn by turn, one step ahead (max_staleness=1): a step's job is written while
-    the step before it trains, so its environments are reset then, on instances of their own, and the step's tool
-    turns and rewards use those (the environments' methods run on the trainer, each turn a job of the rollout
-    rank). The combination's checks, and ``env_check`` raises unless every sample is scored with its own episode's
-    environment. Mutation tried: the step written ahead resets the pool's first environments (the live step's, as
-    ``_start_episodes`` alone draws them) -> the live step's episodes end on the next step's environments and
-    env_check fails the launch."""
-    combo = next(c for c in ALLOWED if c["name"] == "shares-whole-environment_turn_by_turn")
-    entry = {"name": combo["name"], "episode": combo["episode"],
-             "options": {**combo["options"], "rollout_ranks": 1, "max_staleness": 1, "max_steps": 3}}
-    launch_two(tmp_path, [entry])
-    result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
-    result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)
-    check_combination(combo, result, engine="RemoteEngines")
-    stale = [h["rollout/staleness"] for h in result["history"] if "rollout/staleness" in h]
-    assert len(stale) == 3 and max(stale) == 1  # a step's samples were generated a step ahead
+def test_environments_and_agents_on_a_rollout_rank_keep_each_steps_episodes(tmp_path):
+    """rollout_ranks=1, one step ahead (max_staleness=1): a step's job is written while the step before it trains.
+    Environments turn by turn: the step's environments are reset then, on instances of their own, and the step's
+    tool turns and rewards use those (the environments' methods run on the trainer, each turn a job of the rollout
+    rank); ``env_check`` raises unless every sample is scored with its own episode's environment. Agents
+    (``agent=``): the job carries the step's rows, the rollout rank runs their episodes on its own endpoint and
+    engine (the same script built it with the agent) and answers their records; ``agent_check`` raises unless every
+    sample is scored with its own episode's result. The combinations' checks on each. Mutations tried: the step
+    written ahead resets the pool's first environments (the live step's, as ``_start_episodes`` alone draws them)
+    -> env_check fails the launch; the jobs written ahead without their rows -> every step's episodes run on demand
+    (staleness 0, the assertion fails); the rollout rank's rows reversed -> agent_check fails the launch."""
+    entries = []
+    for name in ("shares-whole-environment_turn_by_turn", "shares-whole-agent"):
+        combo = next(c for c in ALLOWED if c["name"] == name)
+        entries.append({"name": combo["name"], "episode": combo["episode"],
+                        "options": {**combo["options"], "rollout_ranks": 1, "max_staleness": 1, "max_steps": 3}})
+    launch_two(tmp_path, entries)
+    for entry in entries:
+        combo = next(c for c in ALLOWED if c["name"] == entry["name"])
+        result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
+        result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)
+        check_combination(combo, result, engine="RemoteEngines")
+        stale = [h["rollout/staleness"] for h in result["history"] if "rollout/staleness" in h]
+        assert len(stale) == 3 and max(stale) == 1, (entry["name"], stale)  # samples generated a step ahead
 
 
 @pytest.mark.slow

@@ -1,18 +1,29 @@
 """Running a user's agents (:mod:`trl_nrollout.trainer.agents`) against an endpoint
 (:class:`~trl_nrollout.rollout.agent_endpoint.AgentEndpoint`): one episode per dataset row, each with its own OpenAI
-client, async agents on one event loop, sync ones in threads, each within its time."""
+client, async agents on one event loop, sync ones in threads, each within its time (:class:`EpisodeRunner`); one
+rollout's episodes on a rank's engine, handed out whole or pulled from a balanced queue (:func:`run_episodes`),
+colocated or on a rollout rank."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, replace
+from typing import Any
 
+from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_episodes import EpisodeRecord
+from trl_nrollout.rollout.dispatch import PullStats
+from trl_nrollout.rollout.seeds import prompt_seed, turn_seed
+from trl_nrollout.rollout.types import SamplingOptions
+
+logger = logging.getLogger(__name__)
 
 
 def agent_arguments(agent) -> list[str]:
@@ -140,3 +151,134 @@ class EpisodeRunner:
         if outcome in ("error", "timeout"):
             record.result = None  # unscored
         endpoint.close_episode(record.key)
+
+
+def start_endpoint(tokenizer, *, model_name: str, max_model_len: int, max_completion_length: int, max_calls: int,
+                   policy: dict[str, Any]):
+    """A started :class:`~trl_nrollout.rollout.agent_endpoint.AgentEndpoint` for ``tokenizer``, answering tool calls
+    with TRL's response parser where TRL knows the chat template's tool-call format (Qwen2.5/Qwen3/Llama-3/...; it
+    is set on the tokenizer), plain text otherwise."""
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    from trl_nrollout.rollout.agent_endpoint import AgentEndpoint
+
+    def has_parser() -> bool:
+        return (getattr(tokenizer, "response_schema", None) is not None
+                or getattr(tokenizer, "response_template", None) is not None)
+
+    if not has_parser():
+        try:
+            add_response_schema(tokenizer)
+        except ValueError:
+            logger.info("agent endpoint: TRL has no response parser for this chat template: answers are plain text "
+                        "(no tool_calls).")
+    parse = None
+    if has_parser():
+        def parse(ids, prefix, tools):
+            return parse_response(tokenizer, ids, prefix=prefix, tools=None)
+    endpoint = AgentEndpoint(tokenizer, model_name=model_name, max_model_len=max_model_len,
+                             max_completion_length=max_completion_length, max_calls=max_calls, parse=parse,
+                             policy=policy)
+    endpoint.start()
+    return endpoint
+
+
+@dataclass
+class EpisodeRun:
+    """One rollout's episodes on a rank: ``records``, those of the rank's own rows in their order (run here or, on a
+    balanced queue, wherever their group was pulled); ``serve``, the endpoint's counts (``engine_steps``,
+    ``requests``, ``idle_s``); ``wall_s``; ``pulled``, on a balanced queue over several engines the groups this
+    rank's engine ran (its TP ranks' together), else None."""
+
+    records: list[EpisodeRecord]
+    serve: dict[str, float]
+    wall_s: float
+    pulled: PullStats | None = None
+
+
+def run_episodes(engine, endpoint, runner: EpisodeRunner, rows: list[dict], n: int, sampling: SamplingOptions, *,
+                 offset: int, tag: str, rank: int, balanced: bool) -> EpisodeRun:
+    """Run one episode per row of ``rows`` (this rank's, TRL's order: each dataset row ``n`` times; the job's samples
+    ``offset ..``) with ``runner`` on ``endpoint``, their calls on ``engine`` (a
+    :class:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup`, stepped only here; a TP engine's ranks exchange their
+    requests). A call's seed comes from the sample's place in the job ``s`` and the call ``c`` (the first as a
+    single-turn sample's, ``sampling.seed + s``; later ones per call), not from the rank that runs it.
+
+    ``balanced`` (``rollout_dispatch="balanced"``, several engines): every rank's rows form one queue of groups
+    (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.job_queue`); each rank runs the episodes of the
+    groups it pulls, pulling while it runs fewer than its share of its engine's ``max_num_seqs`` plus a group, and
+    the finished episodes go home to the ranks that own their rows. Collective over the engines' ranks then.
+    ``tag``: the episodes' keys' prefix (unique per rollout on the rank)."""
+    if balanced:  # the job's rows, rank order: rank r's samples follow those of the ranks before it
+        every = engine.gather_job([dict(row) for row in rows])
+        counts = [len(part) for part in every]
+        job_rows = [row for part in every for row in part]
+        first = 0  # job_rows[s] is sample s's row
+    else:
+        job_rows, first = [dict(row) for row in rows], offset
+    base = sampling.seed
+
+    def seed(s: int, c: int) -> int | None:
+        if base is None:
+            return None
+        return base + s if c == 0 else prompt_seed(turn_seed(base, c), s, 1)
+
+    def record(s: int) -> EpisodeRecord:
+        return EpisodeRecord(key=f"{tag}r{rank}e{s}x{time.monotonic_ns() % 10**6}", row=dict(job_rows[s - first]))
+
+    ran: dict[int, EpisodeRecord] = {}
+    claimed: list[int] = []
+    if balanced:
+        queue = engine.job_queue(counts, n)
+        capacity = int(engine.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        target = -(-capacity // len(engine.tp_ranks)) + n  # this rank's share of its engine's batch, a group more
+
+        def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
+            if running >= target:
+                return [], False
+            got = list(queue.claim(max(1, -(-(target - running) // n))))
+            claimed.extend(got)
+            new = {g * n + k: record(g * n + k) for g in got for k in range(n)}
+            endpoint.admit(list(new.values()), list(new))
+            ran.update(new)
+            return list(new.values()), not got
+        endpoint.open([], seed)
+    else:
+        mine = [record(offset + i) for i in range(len(rows))]
+        ran.update(zip(range(offset, offset + len(rows)), mine))
+        endpoint.open(mine, seed, list(ran))
+        handed: list[bool] = []
+
+        def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
+            out = [] if handed else mine
+            handed.append(True)
+            return out, True
+    engine._ready()
+    loop = engine._loop(stream=False)
+
+    def params(call):
+        return engine._sampling_params(1, replace(sampling, max_tokens=call.max_tokens, seed=call.seed,
+                                                  stop=tuple(call.stop)))
+
+    finished = threading.Event()
+    thread = threading.Thread(target=runner.run, args=(pull, endpoint, finished), daemon=True,
+                              name="trl-nrollout-agents")
+    start = time.perf_counter()
+    thread.start()
+    engine._barrier_before_generate()  # TP > 1 on GPUs: no training collective interleaves with the engine's
+    stats = endpoint.serve(loop, params, finished.is_set, exchange=engine._gather_tp,
+                           me=engine.tp_ranks.index(engine.rank))
+    thread.join(timeout=5)
+    endpoint.open([], None)
+    wall = time.perf_counter() - start
+    if not balanced:
+        return EpisodeRun([ran[offset + i] for i in range(len(rows))], stats, wall)
+    home = engine._send_home({g: [ran[g * n + k] for k in range(n)] for g in claimed}, counts, n)
+    engine.drop_job_queue(queue)  # every rank is past its last claim
+    places = range(offset, offset + len(rows))
+    missing = sorted({s // n for s in places} - home.keys())
+    if missing:
+        raise RuntimeError(f"the agent episodes of groups {missing[:5]} were run by no rank.")
+    groups = sorted(g for part in engine._gather_tp(claimed) for g in part)
+    return EpisodeRun([home[s // n][s % n] for s in places], stats, wall,
+                      PullStats(groups=groups, claims=1, busy_s=wall))

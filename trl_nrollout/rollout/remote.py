@@ -303,13 +303,15 @@ class RemoteEngines:
         mine = _groups_of(sample_prompts, n)
         pics = [_groups_of(images, n)] + [_groups_of(a[3], n) if len(a) > 3 else None for a in ahead]
         every = _trainer_gather((mine, [(_groups_of(a[0], n), a[1], a[2] if len(a) > 2 else None) for a in ahead],
-                                 any(p is not None for p in pics)))
+                                 any(p is not None for p in pics), agent))
         job_groups = [g for groups, *_ in every for g in groups]
-        depth = min(len(a) for _, a, _ in every)
-        every_pics = _leader_gather(pics) if any(has for *_, has in every) else None
+        depth = min(len(a) for _, a, *_ in every)
+        every_pics = _leader_gather(pics) if any(e[2] for e in every) else None
         job_pics = _job_images(every_pics, [len(g) for g, *_ in every], 0)
-        future = [([g for _, a, _ in every for g in a[k][0]], every[0][1][k][1], every[0][1][k][2],
-                   _job_images(every_pics, [len(a[k][0]) for _, a, _ in every], k + 1)) for k in range(depth)]
+        agent = job_agent([e[3] for e in every])
+        future = [([g for _, a, *_ in every for g in a[k][0]], every[0][1][k][1],
+                   job_agent([a[k][2] for _, a, *_ in every]),
+                   _job_images(every_pics, [len(a[k][0]) for _, a, *_ in every], k + 1)) for k in range(depth)]
         parts = [None] * self.trainers
         if self.bridge.is_leader:
             self._watch()
@@ -434,6 +436,15 @@ class RemoteEngines:
             time.sleep(0.05)
 
 
+def job_agent(entries: list[dict | None]) -> dict | None:
+    """A job's ``agent`` entry from the trainers' (rank order): an ``agent=`` job's rows joined (each trainer's
+    samples after those of the trainers before it, the job's order); else the first trainer's (the same on all)."""
+    first = entries[0]
+    if first is None or "rows" not in first:
+        return first
+    return {**first, "rows": [row for entry in entries for row in entry["rows"]]}
+
+
 def _groups_of(sample_prompts: list | None, n: int) -> list | None:
     """Each group's prompt (or images) once (``sample_prompts`` holds each ``n`` times in a row); None for None."""
     return None if sample_prompts is None else [list(sample_prompts[i]) for i in range(0, len(sample_prompts), n)]
@@ -461,6 +472,13 @@ def _job_images(every: list | None, sizes: list[int], k: int) -> list[list] | No
 def _expanded(prompt_ids: list[list[int]], start: int, n: int, pics: list | None) -> dict[int, list[int]] | None:
     """A job with images: the engine's prompt (placeholders expanded) of each group of samples ``start, ...``."""
     return None if pics is None else {(start + i) // n: list(p) for i, p in enumerate(prompt_ids)}
+
+
+def _close_endpoint(state: dict) -> None:
+    """Close the rollout rank's ``agent=`` endpoint, if it started one (a later job starts it again)."""
+    endpoint = state.pop("endpoint", None)
+    if endpoint is not None:
+        endpoint.close()
 
 
 def serve(bridge: Bridge, build_engine, state: dict) -> dict:
@@ -550,6 +568,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             stats["gen_s"] += gen_s
         elif kind == "end":
             bridge.status = "between the trainers' calls"
+            _close_endpoint(state)  # the next call may be another trainer's
             bridge.unwatch()
             return stats
         elif kind == "stop":
@@ -559,6 +578,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             engine = state.pop("engine", None)
             if engine is not None:
                 engine.close()
+            _close_endpoint(state)
             bridge.unwatch()
             with contextlib.suppress(Exception):  # trainer rank 0 stopped waiting (rollout_rank_timeout_s): nothing to say
                 bridge.put(f"bye/{r}", True)

@@ -99,6 +99,8 @@ def run_agent_job(engine, message: dict, state: dict, prompts: list[list[int]], 
     if settings is None:
         raise RuntimeError("an agent job reached a rollout rank whose start message had no agent settings "
                            "(a version mismatch between the trainers and the rollout ranks?)")
+    if "rows" in message["agent"]:  # agent= episodes: the user's agents on this rank's endpoint
+        return run_endpoint_job(engine, message, state, sample_offset, sample_offset + len(prompts), n, balanced)
     if not tools:
         raise RuntimeError("rollout_multi_turn='requests' runs the tools on the rollout ranks, but this rollout "
                            "rank's trainer was built without tools=: build NRolloutGRPOTrainer with the same tools= "
@@ -126,6 +128,41 @@ def run_agent_job(engine, message: dict, state: dict, prompts: list[list[int]], 
                          [s.logprobs for s in samples], [s.finish_reason for s in samples],
                          list(range(len(samples))))
     return batch, pulled, episode_extras(samples), stats
+
+
+def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, n: int, balanced: bool
+                     ) -> tuple[RolloutBatch, Any, tuple[np.ndarray, list[dict]], AgentStats]:
+    """A rollout rank's slice ``[start, stop)`` of an ``agent=`` job: the user's agent (the rollout rank's trainer
+    was built with it: the same script runs everywhere) runs one episode per row of the job's ``agent`` entry on
+    this rank's endpoint (started once, with the trainers' tokenizer and limits from the start message) and engine
+    (:func:`~trl_nrollout.rollout.agent_runs.run_episodes`; seeds by the job's sample, as colocated). Answers each
+    episode's record (its calls' tokens and log-probs, the agent's result) for the trainers to assemble; the batch's
+    own completions stay empty."""
+    from trl_nrollout.rollout.agent_runs import EpisodeRunner, run_episodes, start_endpoint
+
+    settings, agent = state["agent"], state.get("user_agent")
+    if agent is None:
+        raise RuntimeError("agent= episodes run on the rollout ranks, but this rollout rank's trainer was built "
+                           "without agent=: build NRolloutGRPOTrainer with the same agent= on every process (the "
+                           "same script runs everywhere).")
+    if "endpoint" not in state:
+        processing_class = pickle.loads(settings["processing_class"])
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        state["endpoint"] = start_endpoint(tokenizer, **settings["endpoint"])
+    job = message["agent"]
+    rows = job["rows"][start:stop]
+    if not rows and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
+        records, idle, pulled = [], 0.0, None
+    else:
+        run = run_episodes(engine, state["endpoint"], EpisodeRunner(agent, settings["timeout"]), rows, n,
+                           message["sampling"], offset=start, tag=f"{job['mode']}{job['step']}", rank=engine.rank,
+                           balanced=balanced and getattr(engine, "_world_group", None) is not None)
+        records, idle, pulled = run.records, run.serve["idle_s"], run.pulled
+    k = len(records)
+    batch = RolloutBatch([[] for _ in range(k)], [[] for _ in range(k)], [[] for _ in range(k)], ["stop"] * k,
+                         list(range(k)))
+    return batch, pulled, (np.zeros(0, dtype=np.int8), [{"record": r, "engine_idle_s": idle} for r in records]), \
+        AgentStats()
 
 
 def sum_stats(stats: list[tuple | None]) -> AgentStats | None:

@@ -27,18 +27,19 @@ gets ``agent_reward`` (and a dict result's keys) as keyword arguments.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from dataclasses import replace
 from typing import Any
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
-from trl_nrollout.rollout.agent_runs import EpisodeRunner, agent_arguments
+from trl_nrollout.rollout.agent_runs import (
+    EpisodeRun,
+    EpisodeRunner,
+    agent_arguments,
+    run_episodes,
+    start_endpoint,
+)
 from trl_nrollout.rollout.dispatch import PullStats
-from trl_nrollout.rollout.seeds import prompt_seed, turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.stages import Sample
 
@@ -100,13 +101,9 @@ class AgentRollouts:
         if self.tools or getattr(self, "environment_factories", None) or self.rollout_func is not None:
             return ("agent= with tools, environment_factory or rollout_func: the agent is the episode's loop and runs "
                     "its own tools; give the agent its tools, or drop agent=.")
-        for option, on, why in (
-                ("rollout_ranks", args.rollout_ranks, "each rank serves its own episodes on its own engine"),
-                ("rollout_partial=True", args.rollout_partial, "an agent's episode cannot stop and continue after a "
-                                                               "weight sync yet")):
-            if on:
-                return (f"agent= with {option} is not built yet: {why}. Remove {option.split('=')[0]} (or set it off) "
-                        "for agents.")
+        if args.rollout_partial:
+            return ("agent= with rollout_partial=True is not built yet: an agent's episode cannot stop and continue "
+                    "after a weight sync yet. Remove rollout_partial (or set it off) for agents.")
         if args.rollout_seed_mode == "engine":
             return ("agent= with rollout_seed_mode='engine': the endpoint seeds each request (a sample's tokens must "
                     "not depend on which other requests share an engine step); use rollout_seed_mode='sample'.")
@@ -115,131 +112,48 @@ class AgentRollouts:
     def _agent_start(self):
         """The rank's endpoint, started once (its port stays for the run)."""
         if self._agent_endpoint is None:
-            from trl_nrollout.rollout.agent_endpoint import AgentEndpoint
-
-            args = self.args
-            engine = self.rollout_engine
-            parse = None
-            tok = self._tokenizer
-            if getattr(tok, "response_schema", None) is None and getattr(tok, "response_template", None) is None:
-                from trl.chat_template_utils import add_response_schema
-
-                try:  # TRL knows the tool-call format of Qwen2.5/Qwen3/Llama-3/... templates
-                    add_response_schema(tok)
-                except ValueError:
-                    logger.info("agent endpoint: TRL has no response parser for this chat template: answers are "
-                                "plain text (no tool_calls).")
-            if getattr(tok, "response_schema", None) is not None or getattr(tok, "response_template", None) is not None:
-                from trl.chat_template_utils import parse_response
-
-                def parse(ids, prefix, tools):
-                    return parse_response(tok, ids, prefix=prefix, tools=None)
-            policy = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                      "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
-            self._agent_endpoint = AgentEndpoint(
-                self._tokenizer, model_name=self._model_path(), max_model_len=engine.max_model_len,
-                max_completion_length=args.max_completion_length, max_calls=args.agent_max_calls, parse=parse,
-                policy=policy)
-            self._agent_endpoint.start()
+            self._agent_endpoint = start_endpoint(self._tokenizer,
+                                                  **self._endpoint_settings(self.rollout_engine.max_model_len))
             logger.info("agent endpoint: http://127.0.0.1:%d/e/<episode>/v1 (rank %d)", self._agent_endpoint.port,
                         self.accelerator.process_index)
         return self._agent_endpoint
 
-    def _agent_rollout(self, inputs: list[dict], prompts: list, n: int, sampling: SamplingOptions, mode: str
-                       ) -> tuple[RolloutBatch, Any]:
-        """Run this rank's episodes (one per sample of ``inputs``, TRL's order: each prompt ``n`` times) through the
+    def _endpoint_settings(self, max_model_len: int) -> dict:
+        """What an endpoint needs of the trainer besides the tokenizer (:func:`start_endpoint`'s keywords), its
+        engine's context ``max_model_len``."""
+        args = self.args
+        return {"model_name": self._model_path(), "max_model_len": max_model_len,
+                "max_completion_length": args.max_completion_length, "max_calls": args.agent_max_calls,
+                "policy": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                           "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}}
+
+    def _agent_rollout(self, inputs: list[dict], prompts: list, n: int, sampling: SamplingOptions, mode: str,
+                       step_job: bool = False) -> tuple[RolloutBatch, Any]:
+        """Run this rank's episodes (one per sample of ``inputs``, TRL's order: each prompt ``n`` times) through an
         endpoint and return what trains: the batch (prompt, completion, log-probs per episode) and the
         :class:`~trl_nrollout.trainer.multiturn.Episode` (masks, the episodes' messages, the agents' reward kwargs).
 
-        ``rollout_dispatch="balanced"`` over several engines: every rank's rows form one queue of groups
-        (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.job_queue`); each rank runs the episodes of the
-        groups it pulls on its own endpoint and engine, pulling while it holds fewer than its engine's share of
-        ``max_num_seqs`` plus a group, and the finished episodes go home to the ranks that own their rows. A
-        sample's seeds depend on its place in the job, not on the rank that ran it."""
+        Colocated, on this rank's endpoint and engine (:func:`~trl_nrollout.rollout.agent_runs.run_episodes`; with
+        ``rollout_dispatch="balanced"`` over several engines the ranks pull groups of the job's rows from one queue
+        and the episodes come home). With ``rollout_ranks``, a job of the rollout ranks: their endpoints and engines
+        run the episodes (the next ``max_staleness`` steps' written ahead, as single-turn jobs are) and send the
+        records back (:meth:`_remote_agent_episodes`)."""
         from trl_nrollout.trainer.multiturn import Episode
 
-        endpoint = self._agent_start()
-        engine = self.rollout_engine
-        rank, step = self.accelerator.process_index, self.state.global_step
-        balanced = self.args.rollout_dispatch == "balanced" and getattr(engine, "_world_group", None) is not None
-        if balanced:  # the job's rows, rank order: rank r's samples follow those of the ranks before it
-            every = engine.gather_job([dict(row) for row in inputs])
-            counts = [len(rows) for rows in every]
-            rows = [row for part in every for row in part]
-            offset = sum(counts[:rank])
-        else:
-            rows, offset = [dict(row) for row in inputs], rank * len(inputs)
-        base = sampling.seed
-
-        def seed(s: int, c: int) -> int | None:  # the first call's as a single-turn sample's; later ones per turn
-            if base is None:
-                return None
-            return base + s if c == 0 else prompt_seed(turn_seed(base, c), s, 1)
-
-        def record(s: int) -> EpisodeRecord:  # ``s``: the sample's place in the job
-            row = rows[s - offset] if not balanced else rows[s]
-            return EpisodeRecord(key=f"{mode}{step}r{rank}e{s}x{time.monotonic_ns() % 10**6}", row=dict(row))
-
-        ran: dict[int, EpisodeRecord] = {}
-        if balanced:
-            queue = engine.job_queue(counts, n)
-            capacity = int(engine.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
-            target = -(-capacity // len(engine.tp_ranks)) + n  # this rank's share of its engine's batch, a group more
-            claimed: list[int] = []
-
-            def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
-                if running >= target:
-                    return [], False
-                got = list(queue.claim(max(1, -(-(target - running) // n))))
-                claimed.extend(got)
-                new = {g * n + k: record(g * n + k) for g in got for k in range(n)}
-                endpoint.admit(list(new.values()), list(new))
-                ran.update(new)
-                return list(new.values()), not got
-            endpoint.open([], seed)
-        else:
-            mine = [record(offset + i) for i in range(len(inputs))]
-            ran.update(zip(range(offset, offset + len(inputs)), mine))
-            endpoint.open(mine, seed, list(ran))
-            handed = [False]
-
-            def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
-                first, handed[0] = not handed[0], True
-                return (mine if first else []), True
-        engine._ready()
-        loop = engine._loop(stream=False)
-
-        def params(call):
-            return engine._sampling_params(1, replace(sampling, max_tokens=call.max_tokens, seed=call.seed,
-                                                      stop=tuple(call.stop)))
-
-        finished = threading.Event()
-        runner = threading.Thread(target=EpisodeRunner(self.agent, self.args.agent_timeout_s).run,
-                                  args=(pull, endpoint, finished), daemon=True, name="trl-nrollout-agents")
-        start = time.perf_counter()
-        runner.start()
-        engine._barrier_before_generate()  # TP > 1 on GPUs: no training collective interleaves with the engine's
-        stats = endpoint.serve(loop, params, finished.is_set, exchange=engine._gather_tp,
-                               me=engine.tp_ranks.index(engine.rank))
-        runner.join(timeout=5)
-        endpoint.open([], None)
-        wall = time.perf_counter() - start
-        if balanced:  # the episodes go home; the engine's groups (its ranks pulled each their own) for the metrics
-            home = engine._send_home({g: [ran[g * n + k] for k in range(n)] for g in claimed}, counts, n)
-            engine.drop_job_queue(queue)
-            places = range(offset, offset + len(inputs))
-            missing = sorted({s // n for s in places} - home.keys())
-            if missing:
-                raise RuntimeError(f"the agent episodes of groups {missing[:5]} were run by no rank.")
-            records = [home[s // n][s % n] for s in places]
-            groups = sorted(g for part in engine._gather_tp(claimed) for g in part)
-            self._log_dispatch(mode, PullStats(groups=groups, claims=1, busy_s=wall), len(inputs), n)
-        else:
-            records = [ran[offset + i] for i in range(len(inputs))]
-            if self.args.rollout_dispatch == "balanced":  # one engine: its queue is this rank's groups
-                self._log_dispatch(mode, PullStats(groups=sorted({s // n for s in ran}), claims=1, busy_s=wall),
-                                   len(inputs), n)
         prompt_ids = self._tokenize_prompts(prompts)[0]
+        offset = self.accelerator.process_index * len(inputs)
+        if self._remote:
+            run = self._remote_agent_episodes(inputs, prompt_ids, n, sampling, mode, step_job)
+        else:
+            engine = self.rollout_engine
+            run = run_episodes(
+                engine, self._agent_start(), EpisodeRunner(self.agent, self.args.agent_timeout_s), inputs, n,
+                sampling, offset=offset, tag=f"{mode}{self.state.global_step}", rank=self.accelerator.process_index,
+                balanced=self.args.rollout_dispatch == "balanced" and getattr(engine, "_world_group", None) is not None)
+            if self.args.rollout_dispatch == "balanced":  # one engine: its queue is this rank's groups
+                self._log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
+                    len(inputs))}), claims=1, busy_s=run.wall_s), len(inputs), n)
+        records = run.records
         eos = self._tokenizer.eos_token_id or 0
         done = [assemble(r.calls, prompt_ids[i], eos) for i, r in enumerate(records)]
         masks = [a.mask for a in done]
@@ -255,10 +169,23 @@ class AgentRollouts:
         completions = [[{"role": "assistant", "content": self._tokenizer.decode(c.completion_ids,
                                                                                 skip_special_tokens=True)}
                         for c in r.calls] or [{"role": "assistant", "content": ""}] for r in records]
-        self._log_agents(mode, records, done, stats, wall)
+        self._log_agents(mode, records, done, run.serve, run.wall_s)
         return batch, Episode(tool_mask=masks, completions=completions, turns=[max(1, len(r.calls)) for r in records],
                               tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra,
                               segments=segments)
+
+    def _remote_agent_episodes(self, inputs: list[dict], prompt_ids: list[list[int]], n: int,
+                               sampling: SamplingOptions, mode: str, step_job: bool) -> EpisodeRun:
+        """This rank's episodes run on the rollout ranks: a job whose ``agent`` entry carries the rows
+        (:meth:`_agent_job`), read back as the records (the rollout ranks' endpoints recorded every call's tokens
+        and log-probs; what trains is assembled here, as colocated)."""
+        batch, extras = self.rollout_engine.run_agents(
+            [list(p) for p in prompt_ids], n, sampling, self._agent_job(mode, self.state.global_step, inputs),
+            ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job)
+        if step_job:
+            self._log_remote(mode)
+        idle = max((e["engine_idle_s"] for e in extras), default=0.0)
+        return EpisodeRun([e["record"] for e in extras], {"idle_s": idle}, batch.timings.get("generate_s", 0.0))
 
     def _agent_reward_kwargs(self, records: list[EpisodeRecord]) -> dict[str, list]:
         """Every episode's result as reward-function kwargs (one list per key; None where an episode lacks it)."""

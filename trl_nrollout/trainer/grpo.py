@@ -103,7 +103,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         bridge = current_bridge()
         if bridge is not None and bridge.role == ROLLOUT and getattr(config, "rollout_ranks", 0):
             worker = RolloutRankWorker(config, kwargs.get("model", args[0] if args else None),
-                                       kwargs.get("processing_class"), kwargs.get("tools"))
+                                       kwargs.get("processing_class"), kwargs.get("tools"), kwargs.get("agent"))
             atexit.register(worker.close)  # until the trainers' stop (they close their side at exit)
             return worker
         return super().__new__(cls)
@@ -314,7 +314,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         if self.rollout_func is not None or self.agent is not None:  # the user's generation, or the user's agents
             start = time.perf_counter()
             batch, episode = (self._custom_rollout(prompts, n) if self.agent is None
-                              else self._agent_rollout(inputs, prompts, n, sampling, mode))
+                              else self._agent_rollout(inputs, prompts, n, sampling, mode, step_job))
             self.rollout_engine.sleep()  # whatever the function ran on our engine, it sleeps while the trainer works
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode

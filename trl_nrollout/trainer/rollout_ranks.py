@@ -58,11 +58,14 @@ class RolloutRanks:
             seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
             trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples,
             max_staleness=args.max_staleness, lora_rank=self._engine_lora_rank(), dispatch=args.rollout_dispatch)
-        if self._remote_agents:  # whole tool episodes run on the rollout ranks: what their loop needs of ours
+        if self._remote_agents or self.agent is not None:  # episodes run on the rollout ranks: what they need
             settings["agent"] = agent_settings(
                 self.processing_class, self.chat_template, self.chat_template_kwargs, seed=args.seed,
                 max_iterations=args.max_tool_calling_iterations, max_completion_length=args.max_completion_length,
                 max_model_len=max_len, workers=args.tool_workers)
+            if self.agent is not None:  # agent=: an endpoint on each rollout rank (its engine's context)
+                settings["agent"]["endpoint"] = self._endpoint_settings(max_len)
+                settings["agent"]["timeout"] = args.agent_timeout_s
         if args.vllm_enable_sleep_mode:
             logger.warning("vllm_enable_sleep_mode=True has no use with rollout_ranks=%d: the engines' devices hold "
                            "nothing else, so they stay awake (and keep their KV cache) between jobs.",
@@ -86,9 +89,12 @@ class RolloutRanks:
         """Tool episodes run request by request on the rollout ranks (``rollout_multi_turn="requests"``)."""
         return bool(self.args.rollout_ranks and self.tools and self.args.rollout_multi_turn == "requests")
 
-    def _agent_job(self, mode: str, step: int) -> dict | None:
+    def _agent_job(self, mode: str, step: int, rows: list[dict]) -> dict | None:
         """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
-        as the colocated loop's), or None for single-turn jobs."""
+        as the colocated loop's) or ``agent=`` episodes (with this rank's ``rows``, TRL's, each ``n`` times: the
+        trainers' entries are joined in rank order), or None for single-turn jobs."""
+        if self.agent is not None:
+            return {"step": step, "mode": mode, "rows": [dict(row) for row in rows]}
         return {"step": step, "mode": mode} if self._remote_agents else None
 
     def _remote_generate(self, prompt_ids: list[list[int]], images: EncodedPrompts | None, n: int, sampling,
@@ -116,7 +122,7 @@ class RolloutRanks:
         from trl_nrollout.trainer.multiturn import Episode
 
         batch, extras = self.rollout_engine.run_agents(
-            [list(p) for p in prompt_ids], n, sampling, self._agent_job(mode, self.state.global_step),
+            [list(p) for p in prompt_ids], n, sampling, self._agent_job(mode, self.state.global_step, []),
             ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job)
         if step_job:
             self._log_remote(mode)
@@ -196,7 +202,7 @@ class RolloutRanks:
             prompts = self._episodes_ahead(step, rows)
             enc = self._encode_images(prompts)
             ids = enc.engine_ids if enc is not None else self._tokenize_prompts(prompts)[0]
-            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step),
+            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step, rows),
                          enc.images if enc is not None else None))
         return jobs
 
@@ -280,10 +286,11 @@ class RolloutRankWorker:
     _NO_OPS = ("save_model", "save_state", "push_to_hub", "log_metrics", "save_metrics", "create_model_card",
                "add_callback", "remove_callback", "log")
 
-    def __init__(self, args, model=None, processing_class=None, tools=None) -> None:
+    def __init__(self, args, model=None, processing_class=None, tools=None, agent=None) -> None:
         self.args = args
         self.bridge: Bridge = current_bridge()
-        self._state: dict = {"tools": list(tools or [])}  # rollout_multi_turn="requests": the episodes' tools
+        # rollout_multi_turn="requests": the episodes' tools; agent=: the user's agent (run here, on the endpoint)
+        self._state: dict = {"tools": list(tools or []), "user_agent": agent}
         self.model = model
         self.processing_class = processing_class
         self.is_rollout_rank = True
