@@ -60,8 +60,6 @@ CASES = {
         tmp, rollout_dispatch="balanced", rollout_backend="hf"),
     ("rollout_multi_turn='requests'", "rollout_backend='hf'"): lambda tmp: _config_error(
         tmp, rollout_multi_turn="requests", rollout_backend="hf"),
-    ("rollout_dispatch='balanced'", "rollout_func"): lambda tmp: EngineSetup._dispatch_refusal(
-        _trainer(rollout_func=print)),
     ("rollout_multi_turn='requests'", "rollout_func"): lambda tmp: MultiTurnRollout._request_turns_refusal(
         _trainer(rollout_func=print)),
     ("rollout_ranks", "rollout_partial=True"): lambda tmp: _ranks(rollout_partial=True),

@@ -83,7 +83,7 @@ def test_the_combinations_follow_the_refusal_table():
     assert len(allowed) + len(refused_) == 2 * 2 * len(EPISODE)
     names = {c["name"] for c in refused_}
     # what the table says today (by definition or not yet): a change of the table changes these on purpose
-    assert "shares-partial-custom" in names and "balanced-whole-custom" in names
+    assert "shares-partial-custom" in names and "balanced-whole-custom" not in names  # lifted: its calls balanced
     assert "shares-partial-tools_request_by_request" not in names and "balanced-partial-images" not in names
     assert "balanced-partial-tools_request_by_request" not in names  # lifted: the job's pool of episodes
     assert "shares-partial-environment_request_by_request" not in names  # lifted: environments in the pool
@@ -233,20 +233,22 @@ def test_environments_and_agents_on_a_rollout_rank_keep_each_steps_episodes(tmp_
 @pytest.mark.vllm
 @pytest.mark.multiprocess
 def test_environment_and_agent_episodes_on_a_balanced_queue_come_home(tmp_path):
-    """balanced x environments request by request (whole and partial) and balanced x agent, two processes, one engine
-    each, engine 0 slowed, so that engine 1 pulls rank 0's groups.
+    """balanced x environments request by request (whole and partial), x agent and x rollout_func, two processes,
+    one engine each, engine 0 slowed, so that engine 1 pulls rank 0's groups.
     Environments: their tool calls go home to rank 0, where their environments live (rollout/home_tools.py); each
     rank scores its own samples (whole: they come home; partial: each rank trains its own groups, the queue running
     until every rank has its share finished); ``env_check`` raises unless every sample is scored with its own
     episode's environment. Agents: rank 1 runs the pulled groups' episodes on its own endpoint and engine, and the
     finished episodes go home; ``agent_check`` raises unless every sample is scored with its own episode's result.
-    The combinations' checks on each. Mutations tried: tool calls run on the engine's rank with that rank's
-    environment at the same place (no HomeTools) -> the launch fails; the partial job's shares cut by position (not
+    A rollout_func: its engine call is a balanced rollout (groups moved). The combinations' checks on each.
+    Mutations tried: tool calls run on the engine's rank with that rank's environment at the same place (no
+    HomeTools) -> the launch fails; the partial job's shares cut by position (not
     by home) -> the launch fails; a pulled group's episodes run with the puller's own row at the same place (not the
-    job's) -> agent_check fails the launch."""
+    job's) -> agent_check fails the launch; the rollout_func's calls not routed to the balanced queue -> no groups
+    moved, the assertion fails."""
     entries = []
     for name in ("balanced-whole-environment_request_by_request", "balanced-partial-environment_request_by_request",
-                 "balanced-whole-agent"):
+                 "balanced-whole-agent", "balanced-whole-custom"):
         combo = next(c for c in ALLOWED if c["name"] == name)
         entries.append({"name": combo["name"], "episode": combo["episode"], "slow_rank": 0,
                         "options": {**combo["options"], "rollout_max_num_seqs": 4, "per_device_train_batch_size": 16,
@@ -257,7 +259,7 @@ def test_environment_and_agent_episodes_on_a_balanced_queue_come_home(tmp_path):
         result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
         check_combination(combo, result)
         assert all(len(rnd["samples"]) == 2 * 16 for rnd in result["rounds"]), entry["name"]  # 2 ranks x 16
-        if combo["episode"] == "agent":  # an engine ran another rank's groups' episodes
+        if combo["episode"] in ("agent", "custom"):  # an engine ran another rank's groups (episodes, samples)
             moved = [h["rollout/moved_groups"] for h in result["history"] if "rollout/moved_groups" in h]
             assert moved and max(moved) > 0, moved
         else:

@@ -255,8 +255,9 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "samples go back to their ranks. A group's seed follows the group, not the engine. Helps when an "
                 "engine runs fewer samples at once than its share; single-turn and tool rollouts (request-level: whole "
                 "episodes on the engine that pulled them; an environment_factory episode's tool calls run on its "
-                "prompt's rank) on vLLM engines, and partial rollouts (the job's pool, groups in flight included, in "
-                "the queue)."})
+                "prompt's rank) on vLLM engines, partial rollouts (the job's pool, groups in flight included, in "
+                "the queue), agent= episodes (ranks pull groups of the job's rows, episodes go home) and a "
+                "rollout_func's engine calls (each generate_expanded call, made by every rank, one queue)."})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={

@@ -56,8 +56,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "the HF engine has no request-level loop to add groups to while it generates"),
     Refusal("rollout_multi_turn='requests'", "rollout_backend='hf'", "machine", "ConfigChecks._check_choices",
             "the HF engine has no request-level loop: samples cannot re-enter it one by one"),
-    Refusal("rollout_dispatch='balanced'", "rollout_func", "by definition", "EngineSetup._dispatch_refusal",
-            "the function makes its own engine calls: the trainer has no groups to queue"),
     Refusal("rollout_multi_turn='requests'", "rollout_func", "by definition", "MultiTurnRollout._request_turns_refusal",
             "the function generates itself: there are no tool turns to run request by request"),
     Refusal("rollout_ranks", "rollout_partial=True", "not yet", "config_checks.rollout_ranks_refusal",

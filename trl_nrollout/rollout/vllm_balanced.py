@@ -4,6 +4,7 @@ mixin of :class:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -347,6 +348,18 @@ class BalancedDispatch:
                 store.delete_key(f"{key}/{name}")
         return partial_result(groups, parts, pulled, run.aborted, run.engine_steps, run.new_tokens,
                               finished_before), stats
+
+    @contextlib.contextmanager
+    def balanced_calls(self):
+        """Within: every :meth:`generate_expanded` call (a ``rollout_func``'s) is a balanced rollout, the job's groups
+        of that call (every rank calls it, as a collective) in one queue the engines pull from. Yields the list that
+        collects each call's ``(PullStats, samples of this rank, n)``."""
+        calls: list = []
+        self._balanced_calls = calls
+        try:
+            yield calls
+        finally:
+            self._balanced_calls = None
 
     def job_queue(self, counts: list[int], n: int) -> GroupQueue:
         """A fresh queue of the job's groups (``counts``: each rank's samples), this engine's segment first; every

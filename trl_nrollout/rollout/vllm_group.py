@@ -326,7 +326,17 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
                           sample_offset: int | None = None, images: list[list] | None = None) -> RolloutBatch:
         """TRL's form: this rank's prompts already repeated ``n`` times (groups contiguous; a group may span the
         ranks of one TP group). Returns one sample per entry, in the same order. ``images``: per sample, the
-        images of its prompt (see :meth:`generate_engine`)."""
+        images of its prompt (see :meth:`generate_engine`). Within :meth:`balanced_calls`: a balanced rollout
+        (:meth:`generate_balanced`; every rank's call one collective)."""
+        calls = self.__dict__.get("_balanced_calls")
+        if calls is not None:
+            self._balanced_calls = None  # (with one engine, generate_balanced comes back here)
+            try:
+                batch, stats = self.generate_balanced(sample_prompts, n, sampling, images=images)
+            finally:
+                self._balanced_calls = calls
+            calls.append((stats, len(sample_prompts), n))
+            return batch
         self._barrier_before_generate()
         per_rank = self._gather_tp([list(p) for p in sample_prompts])
         flat = [p for chunk in per_rank for p in chunk]

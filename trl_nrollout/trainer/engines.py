@@ -388,9 +388,6 @@ class EngineSetup:
         """Why ``rollout_dispatch='balanced'`` cannot run with this trainer (None: it can)."""
         if self.rollout_backend != "vllm":
             return machine_refusal("rollout_dispatch='balanced'", "rollout_dispatch='shares'", auto=True)
-        if self.rollout_func is not None:
-            return ("rollout_dispatch='balanced' with rollout_func: the function makes its own engine calls, so the "
-                    "trainer has no groups to queue; set rollout_dispatch='shares' (the default).")
         return None
 
     def _image_token_ids(self) -> tuple[int, ...]:

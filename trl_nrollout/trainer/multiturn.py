@@ -256,8 +256,18 @@ class MultiTurnRollout:
         self._metric(mode, "tools/call_seconds", sum(e[3] for e in every) / len(every))
 
     def _custom_rollout(self, prompts: list, n: int) -> tuple[RolloutBatch, Episode]:
-        """TRL's ``rollout_func(prompts, trainer)``: the user generates; we check and adopt what it returns."""
-        output = self.rollout_func(prompts, self)
+        """TRL's ``rollout_func(prompts, trainer)``: the user generates; we check and adopt what it returns. With
+        ``rollout_dispatch="balanced"`` on colocated vLLM engines, each of its ``trainer.rollout_engine.
+        generate_expanded`` calls is a balanced rollout (the call's groups of every rank in one queue; every rank
+        makes the same calls), logged as the trainer's own."""
+        if self.args.rollout_dispatch == "balanced" and hasattr(self.rollout_engine, "balanced_calls"):
+            with self.rollout_engine.balanced_calls() as calls:
+                output = self.rollout_func(prompts, self)
+            mode = "train" if self.model.training else "eval"
+            for pulled, samples, call_n in calls:
+                self._log_dispatch(mode, pulled, samples, call_n)
+        else:
+            output = self.rollout_func(prompts, self)
         missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - set(output))
         if missing:
             raise ValueError(f"rollout_func must return keys {missing} in its output dict (TRL's contract: "
