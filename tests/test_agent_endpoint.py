@@ -5,6 +5,7 @@ module-scoped engine must be gone before another module's tests build their engi
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -189,3 +190,55 @@ def test_seeded_calls_sample_what_the_engine_samples_for_that_seed(served):
     crowd = run(served, {f"y{k}": agent for k in range(5)}, seed=seed)
     tokens = [c.completion_ids for c in alone["x"][0].calls]
     assert all([c.completion_ids for c in r.calls] == tokens for r, _ in crowd.values())
+
+
+@pytest.mark.vllm
+def test_a_request_carried_past_a_step_runs_again_from_its_start(served):
+    """``serve(carry=True)`` (agents' partial rollouts): a step that ends while a request runs aborts it and queues
+    it again, the episode stays open, and the next serve runs it from its start: its agent gets one answer, the
+    tokens a seeded request never interrupted gets; a queued request of an episode closed meanwhile (started again)
+    gets a 404 and never reaches the engine. Mutations tried: the carried request answered with an error (no
+    carry) -> the agent's call fails; closed episodes' calls not filtered -> the closed episode's request runs."""
+    from trl_nrollout.rollout.agent_episodes import EpisodeRecord
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    engine, endpoint = served
+    base = SamplingOptions(max_tokens=24, temperature=1.0)
+
+    def params(c):
+        return engine._sampling_params(1, replace(base, max_tokens=c.max_tokens, seed=c.seed, stop=tuple(c.stop)))
+
+    def ask(key: str, out: dict) -> threading.Thread:
+        def go():
+            try:
+                out[key] = _client(endpoint.base_url(key)).chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "Write:"}], max_tokens=24)
+            except Exception as err:  # noqa: BLE001 - the test reads it
+                out[key] = err
+        thread = threading.Thread(target=go, daemon=True)
+        thread.start()
+        return thread
+
+    records = {k: EpisodeRecord(key=k, row={}) for k in ("whole", "carried", "closed")}
+    endpoint.open(list(records.values()), lambda i, c: 4321)  # every call the same seed
+    out: dict = {}
+    whole = ask("whole", out)
+    endpoint.serve(engine._loop(), params, lambda: not whole.is_alive(), carry=True)
+    loop = engine._loop()
+    carried = ask("carried", out)
+    first = endpoint.serve(loop, params, lambda: loop.has_unfinished, carry=True)  # ends while the request runs
+    assert first["carried"] == 1 and carried.is_alive() and not records["carried"].calls
+    closed = ask("closed", out)
+    deadline = time.monotonic() + 60
+    while not any(c.key == "closed" for c in list(endpoint.requests.queue)):  # its request waits in the queue
+        assert time.monotonic() < deadline, "the closed episode's request never reached the queue"
+        time.sleep(0.01)
+    endpoint.forget(["closed"])
+    second = endpoint.serve(engine._loop(), params, lambda: not carried.is_alive() and not closed.is_alive(),
+                            carry=True)
+    assert second["requests"] == 1  # the carried one; the closed episode's never ran
+    assert not isinstance(out["carried"], Exception), out["carried"]
+    assert [c.completion_ids for c in records["carried"].calls] == [c.completion_ids for c in records["whole"].calls]
+    assert len(records["carried"].calls) == 1 and records["carried"].calls[0].completion_ids
+    assert "404" in str(out["closed"]) or "episode_closed" in str(out["closed"])
+    endpoint.open([], None)

@@ -265,3 +265,58 @@ def test_environment_and_agent_episodes_on_a_balanced_queue_come_home(tmp_path):
         else:
             sent = [h["tools/calls_sent_home"] for h in result["history"] if "tools/calls_sent_home" in h]
             assert sent and max(sent) > 0, (entry["name"], sent)  # an engine ran another rank's episodes' tools
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.multiprocess
+def test_partial_agent_episodes_run_on_across_steps(tmp_path):
+    """agent x partial, two processes: one TP=2 engine over both (each rank its own pool and endpoint, the engine's
+    ranks exchanging their calls and stopping together), and one engine per rank with max_staleness=0. Each step
+    trains the first groups to finish; the others' agents run on past the weight sync (their calls in the engine then
+    aborted and run again at the next step), so groups train one version stale; with max_staleness=0 such groups
+    start again instead. The combination's checks, and ``agent_check`` raises unless every sample is scored with its
+    own episode's result. Mutations tried: the pool emptied after each step (nothing carried) -> no group trains
+    stale, the assertion fails; stale groups never started again -> staleness 1 under max_staleness=0, it fails."""
+    combo = next(c for c in ALLOWED if c["name"] == "shares-partial-agent")
+    entries = [{"name": "tp2", "episode": "agent", "options": {**combo["options"], "rollout_tp_size": 2,
+                                                               "max_steps": 4}},
+               {"name": "fresh", "episode": "agent", "options": {**combo["options"], "max_staleness": 0,
+                                                                 "max_steps": 3}}]
+    launch_two(tmp_path, entries)
+    for entry in entries:
+        result = json.loads((tmp_path / f"{entry['name']}.json").read_text())
+        result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)
+        check_combination(combo, result)
+        steps = [h for h in result["history"] if "partial/staleness_max" in h]
+        assert len(steps) == entry["options"]["max_steps"], entry["name"]
+        stale = [h["partial/staleness_max"] for h in steps]
+        if entry["name"] == "tp2":  # groups that finished after their step trained at the next
+            assert max(stale) == 1 and max(h["partial/pool_groups"] for h in steps) > 0, stale
+        else:  # every group left over started again at the next step
+            assert max(stale) == 0 and sum(h["partial/restarted_samples"] for h in steps) > 0, steps
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_resumed_run_starts_the_agent_groups_in_flight_again(tmp_path):
+    """agent x partial x checkpoints, one process: the checkpoint at step 2 keeps the rows of the groups still in
+    flight (their agents cannot be saved), and the resumed run starts them again beside the step's new groups, so
+    its pool holds them after step 3 (without them it would be empty: the resumed run draws no extra groups,
+    rollout_partial_oversample=0, so its new groups are exactly the step's share). Mutation tried: the restored
+    pool ignored on resume -> pool_groups 0 at step 3, the assertion fails."""
+    combo = next(c for c in ALLOWED if c["name"] == "shares-partial-agent")
+    options = {**combo["options"], "save_strategy": "steps", "save_steps": 2}
+    entries = [{"name": "first", "episode": "agent", "options": {**options, "max_steps": 2}},
+               {"name": "resumed", "episode": "agent", "resume": str(tmp_path / "first" / "checkpoint-2"),
+                "options": {**options, "max_steps": 3, "output_dir": str(tmp_path / "first"),
+                            "rollout_partial_oversample": 0.0}}]
+    run_script_in_process(ROOT / "tests/assets/axes_combinations.py", str(tmp_path), json.dumps(entries),
+                          env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"})
+    saved = json.loads((tmp_path / "first" / "checkpoint-2" / "nrollout_partial_rank0.json").read_text())
+    first = json.loads((tmp_path / "first.json").read_text())
+    left = [h["partial/pool_groups"] for h in first["history"] if "partial/pool_groups" in h][-1]
+    assert left > 0 and len(saved["groups"] if isinstance(saved, dict) else saved) == left
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    steps = [h for h in resumed["history"] if "partial/pool_groups" in h]
+    assert len(steps) == 3 and steps[-1]["partial/pool_groups"] == left, steps  # (steps 1-2: the checkpoint's log)

@@ -4,7 +4,8 @@ script, building its worker per combination, but no test launches it so: rollout
 the launches tests/test_combinations.py names).
 
 argv: output folder, JSON list of combinations ``{"name", "episode", "options"[, "slow_rank"]}`` (``options``:
-NRolloutConfig fields; ``episode``: one of :data:`EPISODES`; ``slow_rank``: that rank's engine steps slowed). Writes ``<name>.json`` per combination (trainer rank 0): for each
+NRolloutConfig fields; ``episode``: one of :data:`EPISODES`; ``slow_rank``: that rank's engine steps slowed;
+``resume``: a checkpoint to resume from). Writes ``<name>.json`` per combination (trainer rank 0): for each
 training step, the Round ``_assign`` received (each sample's prompt and completion ids, tool mask, whether its
 image tensors came along; for tool episodes the text of the masked and the trained tokens) and the log history.
 """
@@ -202,7 +203,7 @@ def main(out: str, combos: list[dict]) -> None:
             slow_engine(trainer, 0.05)
         rounds: list = []
         record(trainer, rounds)
-        trainer.train()
+        trainer.train(resume_from_checkpoint=combo.get("resume"))
         if trainer.accelerator.is_main_process:
             with open(f"{out}/{combo['name']}.json", "w") as fh:
                 json.dump({"rounds": rounds, "history": trainer.state.log_history,

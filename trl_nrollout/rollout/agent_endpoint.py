@@ -187,9 +187,17 @@ class AgentEndpoint:
         if state is not None:
             state.closed = True
 
+    def forget(self, keys: list[str]) -> None:
+        """Drop episodes ``keys`` (closed, trained or started again): their later requests get a 404."""
+        for key in keys:
+            state = self.episodes.pop(key, None)
+            if state is not None:
+                state.closed = True
+
     # ------------------------------------------------------------------------------------------ the engine side
     def serve(self, engine_loop, params: Callable[[PendingCall], Any], done: Callable[[], bool],
-              idle_s: float = 0.01, exchange: Callable[[Any], list] | None = None, me: int = 0) -> dict[str, float]:
+              idle_s: float = 0.01, exchange: Callable[[Any], list] | None = None, me: int = 0,
+              carry: bool = False) -> dict[str, float]:
         """Run the episodes' requests on ``engine_loop`` (a non-streaming
         :class:`~trl_nrollout.rollout.requests.EngineLoop`, stepped only here) until ``done()``: each request joins the
         engine as it arrives; each finished one is answered at once. ``params(call)``: its vLLM ``SamplingParams``.
@@ -199,12 +207,15 @@ class AgentEndpoint:
         to them and whether their episodes are done, every rank adds all of them in rank order (the same requests in
         the same steps, seeds included, so the engine's ranks stay in step) and answers its own; the loop ends when
         every rank's episodes are done. Requests still running then (episodes out of time) are aborted and answered
-        with an error; every episode is closed when it returns. Returns counts: ``engine_steps``, ``requests``,
-        ``idle_s`` (the engine had nothing to run)."""
+        with an error; every episode is closed when it returns. ``carry`` (a partial rollout: episodes live on past
+        the step): the episodes stay open, and the requests still running are aborted and queued again (they run
+        from their start at the next ``serve``, on the weights then); a queued request of a closed episode is
+        answered with an error. Returns counts: ``engine_steps``, ``requests``, ``idle_s`` (the engine had nothing
+        to run), ``carried`` (requests queued again)."""
         from vllm.inputs import TokensPrompt
 
         running: dict[str, PendingCall | None] = {}  # request id -> this rank's call (None: another rank's)
-        stats = {"engine_steps": 0.0, "requests": 0.0, "idle_s": 0.0}
+        stats = {"engine_steps": 0.0, "requests": 0.0, "idle_s": 0.0, "carried": 0.0}
 
         def take(block: bool) -> list[PendingCall]:
             calls = []
@@ -214,7 +225,12 @@ class AgentEndpoint:
                     calls.append(self.requests.get_nowait())
             except queue.Empty:
                 pass
-            return [c for c in calls if not c.future.cancelled()]
+            if carry:  # a closed episode's call (restarted, or out of time while it waited): not run
+                for c in calls:
+                    state = self.episodes.get(c.key)
+                    if (state is None or state.closed) and not c.future.done():
+                        c.future.set_exception(EndpointError(404, "the episode was closed.", code="episode_closed"))
+            return [c for c in calls if not c.future.done()]
 
         def add(calls: list[PendingCall | None], specs: list[tuple]) -> None:
             for call, (prompt_ids, max_tokens, stop, seed) in zip(calls, specs):
@@ -246,19 +262,30 @@ class AgentEndpoint:
                                                     progress.finish_reason))
                     stats["engine_steps"] += 1
         finally:
-            for state in self.episodes.values():  # no episode outlives its rollout: later requests get a 404
-                state.closed = True
             if engine_loop.has_unfinished:
                 engine_loop.abort()
-            for call in running.values():
-                if call is not None and not call.future.done():
-                    call.future.set_exception(EndpointError(404, "the episode was closed (its time ran out) "
-                                                                 "while this request ran.", code="episode_closed"))
-            while not self.requests.empty():  # arrived after the last episode ended
-                call = self.requests.get_nowait()
-                if not call.future.done():
-                    call.future.set_exception(EndpointError(404, "the rollout ended.", code="episode_closed"))
+            if carry:  # the episodes go on: their running requests run again at the next serve
+                for call in running.values():
+                    if call is not None and not call.future.done():
+                        self.requests.put(call)
+                        stats["carried"] += 1
+            else:
+                self._end_rollout(running)
         return stats
+
+    def _end_rollout(self, running: dict[str, PendingCall | None]) -> None:
+        """No episode outlives its rollout: every one closed (later requests get a 404), the requests still running
+        and those that arrived after the last episode ended answered with an error."""
+        for state in self.episodes.values():
+            state.closed = True
+        for call in running.values():
+            if call is not None and not call.future.done():
+                call.future.set_exception(EndpointError(404, "the episode was closed (its time ran out) while this "
+                                                             "request ran.", code="episode_closed"))
+        while not self.requests.empty():
+            call = self.requests.get_nowait()
+            if not call.future.done():
+                call.future.set_exception(EndpointError(404, "the rollout ended.", code="episode_closed"))
 
     # ------------------------------------------------------------------------------------------ the server side
     def _app(self) -> FastAPI:

@@ -72,8 +72,8 @@ REFUSALS: tuple[Refusal, ...] = (
             "the HF engine has no request-level loop: an agent's calls cannot join it one by one"),
     Refusal("agent", "tools, environment_factory or rollout_func", "by definition", "AgentRollouts._agent_refusal",
             "the agent is the episode's loop and runs its own tools"),
-    Refusal("agent", "rollout_partial=True", "not yet", "AgentRollouts._agent_refusal",
-            "an agent's episode cannot stop and continue after a weight sync yet"),
+    Refusal("agent", "rollout_partial=True and rollout_dispatch='balanced'", "not yet", "AgentRollouts._agent_refusal",
+            "each rank's pool of agent episodes runs on its own endpoint and engine"),
 )
 
 

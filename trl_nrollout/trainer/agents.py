@@ -27,11 +27,13 @@ gets ``agent_reward`` (and a dict result's keys) as keyword arguments.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from accelerate.utils import gather_object
 
 from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
+from trl_nrollout.rollout.agent_pool import AgentPool
 from trl_nrollout.rollout.agent_runs import (
     EpisodeRun,
     EpisodeRunner,
@@ -73,6 +75,7 @@ class AgentRollouts:
 
     agent = None
     _agent_endpoint = None
+    _agent_pool = None
 
     def _agent_init(self, agent, reward_funcs):
         """Keep ``agent`` (checked: a callable with parameters the trainer fills) and return the reward functions:
@@ -89,6 +92,9 @@ class AgentRollouts:
         if self._agent_endpoint is not None:
             self._agent_endpoint.close()
             self._agent_endpoint = None
+        if self._agent_pool is not None:
+            self._agent_pool.close()
+            self._agent_pool = None
 
     def _agent_refusal(self) -> str | None:
         """Why this trainer cannot run ``agent=`` (None: it can); the rows of
@@ -101,9 +107,10 @@ class AgentRollouts:
         if self.tools or getattr(self, "environment_factories", None) or self.rollout_func is not None:
             return ("agent= with tools, environment_factory or rollout_func: the agent is the episode's loop and runs "
                     "its own tools; give the agent its tools, or drop agent=.")
-        if args.rollout_partial:
-            return ("agent= with rollout_partial=True is not built yet: an agent's episode cannot stop and continue "
-                    "after a weight sync yet. Remove rollout_partial (or set it off) for agents.")
+        if args.rollout_partial and args.rollout_dispatch == "balanced":
+            return ("agent= with rollout_partial=True and rollout_dispatch='balanced' is not built yet: each rank's "
+                    "pool of agent episodes runs on its own endpoint and engine. Set rollout_dispatch='shares' (the "
+                    "default) for partial agents.")
         if args.rollout_seed_mode == "engine":
             return ("agent= with rollout_seed_mode='engine': the endpoint seeds each request (a sample's tokens must "
                     "not depend on which other requests share an engine step); use rollout_seed_mode='sample'.")
@@ -138,7 +145,6 @@ class AgentRollouts:
         and the episodes come home). With ``rollout_ranks``, a job of the rollout ranks: their endpoints and engines
         run the episodes (the next ``max_staleness`` steps' written ahead, as single-turn jobs are) and send the
         records back (:meth:`_remote_agent_episodes`)."""
-        from trl_nrollout.trainer.multiturn import Episode
 
         prompt_ids = self._tokenize_prompts(prompts)[0]
         offset = self.accelerator.process_index * len(inputs)
@@ -153,7 +159,18 @@ class AgentRollouts:
             if self.args.rollout_dispatch == "balanced":  # one engine: its queue is this rank's groups
                 self._log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
                     len(inputs))}), claims=1, busy_s=run.wall_s), len(inputs), n)
-        records = run.records
+        batch, episode = self._agent_batch(run.records, prompt_ids, n, offset)
+        self._log_agents(mode, run.records, episode, run.serve, run.wall_s)
+        return batch, episode
+
+    def _agent_batch(self, records: list[EpisodeRecord], prompt_ids: list[list[int]], n: int, offset: int
+                     ) -> tuple[RolloutBatch, Any]:
+        """What trains of ``records`` (one per sample; ``prompt_ids`` their prompts' tokens; the job's samples
+        ``offset ..``): the batch and the :class:`~trl_nrollout.trainer.multiturn.Episode` (masks between calls, the
+        calls' messages, a split episode's later calls, the agents' reward kwargs; ``assembled``: each episode laid
+        out, for the logs)."""
+        from trl_nrollout.trainer.multiturn import Episode
+
         eos = self._tokenizer.eos_token_id or 0
         done = [assemble(r.calls, prompt_ids[i], eos) for i, r in enumerate(records)]
         masks = [a.mask for a in done]
@@ -169,10 +186,65 @@ class AgentRollouts:
         completions = [[{"role": "assistant", "content": self._tokenizer.decode(c.completion_ids,
                                                                                 skip_special_tokens=True)}
                         for c in r.calls] or [{"role": "assistant", "content": ""}] for r in records]
-        self._log_agents(mode, records, done, run.serve, run.wall_s)
         return batch, Episode(tool_mask=masks, completions=completions, turns=[max(1, len(r.calls)) for r in records],
                               tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra,
-                              segments=segments)
+                              segments=segments, assembled=done)
+
+    def _agent_partial_round(self, ctx, round_: int = 0):
+        """A partial rollout of agent episodes (:mod:`trl_nrollout.rollout.agent_pool`): the step's new groups (and
+        ``rollout_partial_oversample``'s) join this rank's pool, stale groups start again, the pool runs until as
+        many of its groups have finished as the rank drew prompts, and those train (the job's samples, gathered).
+        The pool's groups are mirrored into ``_partial_pool`` (rows only), so a checkpoint keeps them and a resumed
+        run starts them again."""
+        from trl_nrollout.rollout.partial import InFlightGroup
+        from trl_nrollout.trainer.partial import partial_top_up
+
+        args, n, mode = self.args, ctx.n, ctx.mode
+        version, rank = self.state.global_step, self.accelerator.process_index
+        t0 = time.perf_counter()
+        pool = self._agent_pool_start()
+        sampling = self._sampling(mode, round_=round_)
+        pool.seed_with(sampling)
+        rows = ctx.inputs[::n]
+        if not pool.groups and self._partial_pool:  # restored from a checkpoint: its groups start again
+            restored = list(self._partial_pool)
+            pool.add([g.key for g in restored], [g.payload["row"] for g in restored],
+                     [g.payload["prompt"] for g in restored], n, version)
+        restarted = pool.restart_stale(version, args.max_staleness, n)
+        extra = partial_top_up(len(rows), len(pool.groups), args.rollout_partial_oversample, 1, 0)
+        if extra:
+            rows = rows + self._draw_inputs(extra)[::n]  # as DAPO draws
+        prompts = self._start_episodes(rows)[0]
+        pool.add([(version, round_, rank, g) for g in range(len(rows))], rows, prompts, n, version)
+        target = len(ctx.inputs) // n
+        chosen, stats = pool.run(self.rollout_engine, sampling, target)
+        self.rollout_engine.sleep()
+        self._partial_pool = [InFlightGroup.fresh(g.key, [], n, payload={"row": g.row, "prompt": g.prompt})
+                              for g in pool.groups]
+        inputs = [g.row for g in chosen for _ in range(n)]
+        prompts = [g.prompt for g in chosen for _ in range(n)]
+        records = [r for g in chosen for r in g.records]
+        batch, episode = self._agent_batch(records, self._tokenize_prompts(prompts)[0], n, rank * len(inputs))
+        self._log_agents(mode, records, episode, stats, time.perf_counter() - t0)
+        self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
+        staleness = [version - g.version for g in chosen]
+        counts = gather_object([[stats["carried"], restarted, len(pool.groups), stats["engine_steps"],
+                                 max(staleness), sum(staleness) / len(staleness)]])
+        for k, name in enumerate(("aborted_samples", "restarted_samples", "pool_groups")):
+            self._metric(mode, f"partial/{name}", sum(c[k] for c in counts))
+        self._metric(mode, "partial/engine_steps", max(c[3] for c in counts))
+        self._metric(mode, "partial/staleness_max", max(c[4] for c in counts))
+        self._metric(mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
+        return self._round_of(inputs, prompts, batch, episode, ctx, t0, rows=inputs)
+
+    def _agent_pool_start(self):
+        """This rank's pool of agent episodes in flight, with an endpoint of its own (started once)."""
+        if self._agent_pool is None:
+            self._agent_pool = AgentPool(
+                EpisodeRunner(self.agent, self.args.agent_timeout_s),
+                start_endpoint(self._tokenizer, **self._endpoint_settings(self.rollout_engine.max_model_len)),
+                self.accelerator.process_index, self.accelerator.num_processes)
+        return self._agent_pool
 
     def _remote_agent_episodes(self, inputs: list[dict], prompt_ids: list[list[int]], n: int,
                                sampling: SamplingOptions, mode: str, step_job: bool) -> EpisodeRun:
@@ -198,8 +270,8 @@ class AgentRollouts:
         keys = sorted({k for kw in per for k in kw})
         return {k: [kw.get(k) for kw in per] for k in keys}
 
-    def _log_agents(self, mode: str, records: list[EpisodeRecord], done: list, stats: dict, wall: float) -> None:
-        every = gather_object([(len(r.calls), r.outcome, a.split) for r, a in zip(records, done)])
+    def _log_agents(self, mode: str, records: list[EpisodeRecord], episode, stats: dict, wall: float) -> None:
+        every = gather_object([(len(r.calls), r.outcome, a.split) for r, a in zip(records, episode.assembled)])
         total = len(every)
         for outcome in ("error", "timeout", "calls", "tokens"):
             self._metric(mode, f"agent/{outcome}_episodes", sum(o == outcome for _, o, _ in every) / max(total, 1))

@@ -403,6 +403,13 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         t0 = time.perf_counter()
         batch, prompts, episode = self._rollout(inputs, ctx.n, self._sampling(ctx.mode, round_=round_),
                                                 step_job=round_ == 0 and ctx.mode == "train")
+        return self._round_of(inputs, prompts, batch, episode, ctx, t0)
+
+    def _round_of(self, inputs: list[dict], prompts: list, batch: RolloutBatch, episode: Episode, ctx: StepContext,
+                  t0: float, rows: list[dict] | None = None) -> Round:
+        """A rollout's Round: its samples scored (``inputs``: their dataset rows, ``prompts`` theirs), the job's
+        samples gathered; ``t0``: when the rollout started; ``rows``: the Round's rows where they are not the step's
+        inputs (a partial rollout's)."""
         t1 = time.perf_counter()
         completions = (episode.completions if episode.completions is not None
                        else self._decode(prompts, batch.completion_ids))
@@ -427,7 +434,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
                      "completion": gather_object(list(completions)), "images": images, "extra": scores.extra_logs}
         return Round(gather_object(local), scores.rewards, gen_s=t1 - t0, reward_s=t2 - t1,
                      gen_tokens=batch.num_completion_tokens, table=table,
-                     mm_local=None if moves or episode.mm is None else list(episode.mm))
+                     mm_local=None if moves or episode.mm is None else list(episode.mm), rows=rows)
 
     def _draw_inputs(self, count: int) -> list[dict]:
         """``count`` fresh prompts from the training set (dynamic sampling), each repeated n times."""

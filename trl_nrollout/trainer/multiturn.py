@@ -56,6 +56,8 @@ class Episode:
     mm: list | None = None  # a VLM's image tensors per sample (trl_nrollout.passes.multimodal)
     #: per sample, an agent's split episode's later calls (``trainer.stages.Sample``s; empty: none); None: no agent
     segments: list[tuple] | None = None
+    #: per sample, an agent's episode laid out (``rollout.agent_episodes.Assembled``), for the logs; None: no agent
+    assembled: list | None = None
 
 
 def _environment_tools(environment: Any) -> list:
