@@ -19,7 +19,7 @@ the trainers turn them into the same batch and episode the colocated path gives.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -161,7 +161,8 @@ def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, 
     k = len(records)
     batch = RolloutBatch([[] for _ in range(k)], [[] for _ in range(k)], [[] for _ in range(k)], ["stop"] * k,
                          list(range(k)))
-    return batch, pulled, (np.zeros(0, dtype=np.int8), [{"record": r, "engine_idle_s": idle} for r in records]), \
+    answered = [replace(r, row={}) for r in records]  # the trainers hold the rows: they do not travel back
+    return batch, pulled, (np.zeros(0, dtype=np.int8), [{"record": r, "engine_idle_s": idle} for r in answered]), \
         AgentStats()
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from accelerate.utils import gather_object
@@ -257,7 +258,8 @@ class AgentRollouts:
         if step_job:
             self._log_remote(mode)
         idle = max((e["engine_idle_s"] for e in extras), default=0.0)
-        return EpisodeRun([e["record"] for e in extras], {"idle_s": idle}, batch.timings.get("generate_s", 0.0))
+        records = [replace(e["record"], row=dict(row)) for e, row in zip(extras, inputs, strict=True)]
+        return EpisodeRun(records, {"idle_s": idle}, batch.timings.get("generate_s", 0.0))
 
     def _agent_reward_kwargs(self, records: list[EpisodeRecord]) -> dict[str, list]:
         """Every episode's result as reward-function kwargs (one list per key; None where an episode lacks it)."""
