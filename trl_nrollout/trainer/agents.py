@@ -146,7 +146,6 @@ class AgentRollouts:
         and the episodes come home). With ``rollout_ranks``, a job of the rollout ranks: their endpoints and engines
         run the episodes (the next ``max_staleness`` steps' written ahead, as single-turn jobs are) and send the
         records back (:meth:`_remote_agent_episodes`)."""
-
         prompt_ids = self._tokenize_prompts(prompts)[0]
         offset = self.accelerator.process_index * len(inputs)
         if self._remote:
