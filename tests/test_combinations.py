@@ -303,14 +303,17 @@ def test_a_resumed_run_starts_the_agent_groups_in_flight_again(tmp_path):
     """agent x partial x checkpoints, one process: the checkpoint at step 2 keeps the rows of the groups still in
     flight (their agents cannot be saved), and the resumed run starts them again beside the step's new groups, so
     its pool holds them after step 3 (without them it would be empty: the resumed run draws no extra groups,
-    rollout_partial_oversample=0, so its new groups are exactly the step's share). Mutation tried: the restored
-    pool ignored on resume -> pool_groups 0 at step 3, the assertion fails."""
+    rollout_partial_oversample=0, so its new groups are exactly the step's share). In the same process, DAPO's
+    filter_groups over the agents' pool: its extra rounds add groups to the live pool (the combination's checks).
+    Mutation tried: the restored pool ignored on resume -> pool_groups 0 at step 3, the assertion fails."""
     combo = next(c for c in ALLOWED if c["name"] == "shares-partial-agent")
     options = {**combo["options"], "save_strategy": "steps", "save_steps": 2}
     entries = [{"name": "first", "episode": "agent", "options": {**options, "max_steps": 2}},
                {"name": "resumed", "episode": "agent", "resume": str(tmp_path / "first" / "checkpoint-2"),
                 "options": {**options, "max_steps": 3, "output_dir": str(tmp_path / "first"),
-                            "rollout_partial_oversample": 0.0}}]
+                            "rollout_partial_oversample": 0.0}},
+               {"name": "dapo", "episode": "agent", "options": {**combo["options"], "filter_groups": True,
+                                                                "filter_groups_max_rounds": 2}}]
     run_script_in_process(ROOT / "tests/assets/axes_combinations.py", str(tmp_path), json.dumps(entries),
                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"})
     saved = json.loads((tmp_path / "first" / "checkpoint-2" / "nrollout_partial_rank0.json").read_text())
@@ -320,3 +323,6 @@ def test_a_resumed_run_starts_the_agent_groups_in_flight_again(tmp_path):
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     steps = [h for h in resumed["history"] if "partial/pool_groups" in h]
     assert len(steps) == 3 and steps[-1]["partial/pool_groups"] == left, steps  # (steps 1-2: the checkpoint's log)
+    dapo = json.loads((tmp_path / "dapo.json").read_text())
+    check_combination(combo, dapo)
+    assert max(h.get("dynamic_sampling/rounds", 0) for h in dapo["history"]) > 0  # extra rounds joined the pool
