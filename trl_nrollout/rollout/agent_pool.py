@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trl_nrollout.rollout.agent_episodes import EpisodeRecord
-from trl_nrollout.rollout.agent_runs import EpisodeRunner
+from trl_nrollout.rollout.agent_runs import EpisodeRunner, call_params, hand_out
 from trl_nrollout.rollout.seeds import prompt_seed, turn_seed
 from trl_nrollout.rollout.types import SamplingOptions
 
@@ -56,7 +56,6 @@ class AgentPool:
         self.groups: list[LiveGroup] = []
         self._started = 0  # groups started on this rank (restarts included): the seeds' places
         self._finished = 0  # groups finished (the finish order)
-        self._threads: list[threading.Thread] = []
         self._base: int | None = None
 
     def seed_with(self, sampling: SamplingOptions) -> None:
@@ -92,26 +91,18 @@ class AgentPool:
         """Serve the pool's calls on ``engine`` (a VLLMEngineGroup; a TP engine's ranks exchange their calls and
         stop together) until ``target`` of this rank's groups have finished; returns the first ``target`` to finish
         (they leave the pool) and the endpoint's counts (``carried``: calls aborted, to run again next step)."""
-        from dataclasses import replace
-
         if len(self.groups) < target:
             raise RuntimeError(f"the agent pool holds {len(self.groups)} groups for a step of {target}: a bug.")
         engine._ready()
         loop = engine._loop(stream=False)
-
-        def params(call):
-            return engine._sampling_params(1, replace(sampling, max_tokens=call.max_tokens, seed=call.seed,
-                                                      stop=tuple(call.stop)))
-
         engine._barrier_before_generate()
-        stats = self.endpoint.serve(loop, params, lambda: self._scan() >= target, exchange=engine._gather_tp,
+        stats = self.endpoint.serve(loop, call_params(engine, sampling), lambda: self._scan() >= target, exchange=engine._gather_tp,
                                     me=engine.tp_ranks.index(engine.rank), carry=True)
         self._scan()
         done = sorted((g for g in self.groups if g.finished is not None), key=lambda g: g.finished)[:target]
         chosen = {id(g) for g in done}
         self.groups = [g for g in self.groups if id(g) not in chosen]
         self.endpoint.forget([r.key for g in done for r in g.records])
-        self._threads = [t for t in self._threads if t.is_alive()]
         return done, stats
 
     def close(self) -> None:
@@ -143,14 +134,5 @@ class AgentPool:
             records += g.records
             places += range(first, first + n)
         self.endpoint.admit(records, places)
-        handed: list[bool] = []
-
-        def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
-            out = [] if handed else records
-            handed.append(True)
-            return out, True
-
-        thread = threading.Thread(target=self.runner.run, args=(pull, self.endpoint, threading.Event()),
-                                  daemon=True, name="trl-nrollout-agent-pool")
-        thread.start()
-        self._threads.append(thread)
+        threading.Thread(target=self.runner.run, args=(hand_out(records), self.endpoint, threading.Event()),
+                         daemon=True, name="trl-nrollout-agent-pool").start()

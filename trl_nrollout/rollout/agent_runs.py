@@ -183,6 +183,28 @@ def start_endpoint(tokenizer, *, model_name: str, max_model_len: int, max_comple
     return endpoint
 
 
+def hand_out(records: list[EpisodeRecord]) -> Callable[[int], tuple[list[EpisodeRecord], bool]]:
+    """An :meth:`EpisodeRunner.run` pull that hands out ``records`` at once, then nothing more."""
+    handed: list[bool] = []
+
+    def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
+        out = [] if handed else records
+        handed.append(True)
+        return out, True
+
+    return pull
+
+
+def call_params(engine, sampling: SamplingOptions) -> Callable:
+    """An endpoint call's vLLM ``SamplingParams`` on ``engine``: ``sampling`` with the call's token limit, seed and
+    stop strings (:meth:`~trl_nrollout.rollout.agent_endpoint.AgentEndpoint.serve`'s ``params``)."""
+    def params(call):
+        return engine._sampling_params(1, replace(sampling, max_tokens=call.max_tokens, seed=call.seed,
+                                                  stop=tuple(call.stop)))
+
+    return params
+
+
 @dataclass
 class EpisodeRun:
     """One rollout's episodes on a rank: ``records``, those of the rank's own rows in their order (run here or, on a
@@ -247,26 +269,16 @@ def run_episodes(engine, endpoint, runner: EpisodeRunner, rows: list[dict], n: i
         mine = [record(offset + i) for i in range(len(rows))]
         ran.update(zip(range(offset, offset + len(rows)), mine))
         endpoint.open(mine, seed, list(ran))
-        handed: list[bool] = []
-
-        def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
-            out = [] if handed else mine
-            handed.append(True)
-            return out, True
+        pull = hand_out(mine)
     engine._ready()
     loop = engine._loop(stream=False)
-
-    def params(call):
-        return engine._sampling_params(1, replace(sampling, max_tokens=call.max_tokens, seed=call.seed,
-                                                  stop=tuple(call.stop)))
-
     finished = threading.Event()
     thread = threading.Thread(target=runner.run, args=(pull, endpoint, finished), daemon=True,
                               name="trl-nrollout-agents")
     start = time.perf_counter()
     thread.start()
     engine._barrier_before_generate()  # TP > 1 on GPUs: no training collective interleaves with the engine's
-    stats = endpoint.serve(loop, params, finished.is_set, exchange=engine._gather_tp,
+    stats = endpoint.serve(loop, call_params(engine, sampling), finished.is_set, exchange=engine._gather_tp,
                            me=engine.tp_ranks.index(engine.rank))
     thread.join(timeout=5)
     endpoint.open([], None)

@@ -229,12 +229,8 @@ class AgentRollouts:
         self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
         staleness = [version - g.version for g in chosen]
         counts = gather_object([[stats["carried"], restarted, len(pool.groups), stats["engine_steps"],
-                                 max(staleness), sum(staleness) / len(staleness)]])
-        for k, name in enumerate(("aborted_samples", "restarted_samples", "pool_groups")):
-            self._metric(mode, f"partial/{name}", sum(c[k] for c in counts))
-        self._metric(mode, "partial/engine_steps", max(c[3] for c in counts))
-        self._metric(mode, "partial/staleness_max", max(c[4] for c in counts))
-        self._metric(mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
+                                 max(staleness), sum(staleness) / len(staleness), None]])
+        self._log_partial(mode, counts, counts, counts)  # a pool per rank; its calls carried are its own
         return self._round_of(inputs, prompts, batch, episode, ctx, t0, rows=inputs)
 
     def _agent_pool_start(self):

@@ -185,15 +185,23 @@ class PartialRollouts(PartialEnvironments):
                                  max(staleness), sum(staleness) / len(staleness), dropped]])
         per_engine = counts[::len(engine.tp_ranks)]  # one entry per engine (its TP ranks agree)
         per_pool = counts[:1] if job else per_engine  # the job's pool is on every rank; else one per engine
-        self._metric(ctx.mode, "partial/aborted_samples", sum(c[0] for c in per_engine))
-        self._metric(ctx.mode, "partial/restarted_samples", sum(c[1] for c in per_pool))
-        self._metric(ctx.mode, "partial/pool_groups", sum(c[2] for c in per_pool))
-        self._metric(ctx.mode, "partial/dropped_tokens", sum(c[6] for c in per_pool))
-        self._metric(ctx.mode, "partial/engine_steps", max(c[3] for c in counts))
-        self._metric(ctx.mode, "partial/staleness_max", max(c[4] for c in counts))
-        self._metric(ctx.mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
+        self._log_partial(ctx.mode, counts, per_engine, per_pool)
         return Round(gather_object(samples), scores.rewards, gen_s=t1 - t0, reward_s=t2 - t1,
                      gen_tokens=gen_tokens, table=table, rows=inputs, mm_local=mm_local)
+
+    def _log_partial(self, mode: str, counts: list[list], per_engine: list[list], per_pool: list[list]) -> None:
+        """A partial round's metrics from every rank's ``[aborted, restarted, pool groups, engine steps, staleness
+        max, staleness mean, dropped tokens (None: not counted)]``: aborted samples summed over ``per_engine`` (one
+        entry per engine), restarts, pool size and dropped tokens over ``per_pool`` (one entry per pool), the rest
+        over every rank."""
+        self._metric(mode, "partial/aborted_samples", sum(c[0] for c in per_engine))
+        self._metric(mode, "partial/restarted_samples", sum(c[1] for c in per_pool))
+        self._metric(mode, "partial/pool_groups", sum(c[2] for c in per_pool))
+        if per_pool and per_pool[0][6] is not None:
+            self._metric(mode, "partial/dropped_tokens", sum(c[6] for c in per_pool))
+        self._metric(mode, "partial/engine_steps", max(c[3] for c in counts))
+        self._metric(mode, "partial/staleness_max", max(c[4] for c in counts))
+        self._metric(mode, "partial/staleness_mean", sum(c[5] for c in counts) / len(counts))
 
     def _new_groups(self, rows: list[dict], n: int, version: int, round_: int, rank: int, first: int
                     ) -> list[InFlightGroup]:
