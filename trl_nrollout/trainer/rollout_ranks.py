@@ -20,8 +20,9 @@ from typing import Any
 from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
-from trl_nrollout.rollout.remote import RemoteEngines, serve
+from trl_nrollout.rollout.remote import RemoteEngines
 from trl_nrollout.rollout.remote_agents import agent_settings
+from trl_nrollout.rollout.remote_serve import serve
 
 logger = logging.getLogger(__name__)
 
