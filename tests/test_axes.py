@@ -18,6 +18,7 @@ from trl_nrollout.trainer.agents import AgentRollouts
 from trl_nrollout.trainer.engines import EngineSetup
 from trl_nrollout.trainer.multiturn import MultiTurnRollout
 from trl_nrollout.trainer.partial import PartialRollouts
+from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
 from trl_nrollout.trainer.rollout_ranks import RolloutRanks
 
 
@@ -35,7 +36,7 @@ def _ranks(**options) -> str | None:
 
 def _trainer(**attrs) -> SimpleNamespace:
     base = dict(rollout_backend="vllm", tools=None, environment_factories=None, rollout_func=None,
-                args=SimpleNamespace(rollout_ranks=1, rollout_multi_turn="turns"))
+                args=SimpleNamespace(rollout_ranks=1, rollout_multi_turn="turns", rollout_partial=False))
     return SimpleNamespace(**{**base, **attrs})
 
 
@@ -63,10 +64,11 @@ CASES = {
         tmp, rollout_multi_turn="requests", rollout_backend="hf"),
     ("rollout_multi_turn='requests'", "rollout_func"): lambda tmp: MultiTurnRollout._request_turns_refusal(
         _trainer(rollout_func=print)),
-    ("rollout_ranks", "rollout_partial=True"): lambda tmp: _ranks(rollout_partial=True),
+    ("rollout_ranks and rollout_partial=True", "tools, environment_factory or agent"): lambda tmp: (
+        RemotePartialRollouts._remote_partial_refusal(_trainer(tools=[print], agent=None, _has_environments=False))),
     ("rollout_ranks", "environment_factory and rollout_multi_turn='requests'"): lambda tmp: (
         RolloutRanks._rollout_ranks_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
-            rollout_ranks=1, rollout_multi_turn="requests")))),
+            rollout_ranks=1, rollout_multi_turn="requests", rollout_partial=False)))),
     ("rollout_partial=True", "tools and rollout_multi_turn='turns'"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(tools=[print]))),
     ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(
@@ -96,7 +98,8 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
     namespace = {"config_checks": __import__("trl_nrollout.config_checks", fromlist=["x"]),
                  "ConfigChecks": __import__("trl_nrollout.config_checks", fromlist=["x"]).ConfigChecks,
                  "EngineSetup": EngineSetup, "MultiTurnRollout": MultiTurnRollout, "PartialRollouts": PartialRollouts,
-                 "RolloutRanks": RolloutRanks, "AgentRollouts": AgentRollouts}
+                 "RolloutRanks": RolloutRanks, "AgentRollouts": AgentRollouts,
+                 "RemotePartialRollouts": RemotePartialRollouts}
     assert callable(getattr(namespace[owner], attr)), row.where
     if row.kind == "machine":
         assert "rollout_backend='hf'" in (row.first, row.second)  # the only machine limit today: the HF engine
@@ -109,7 +112,7 @@ def test_lifted_rows_are_no_longer_refused():
 at TP=1 and TP=2."""
     assert _ranks(rollout_multi_turn="requests") is None
     assert RolloutRanks._rollout_ranks_refusal(_trainer(tools=[print], args=SimpleNamespace(
-        rollout_ranks=1, rollout_multi_turn="requests"))) is None
+        rollout_ranks=1, rollout_multi_turn="requests", rollout_partial=False))) is None
     # partial rollouts of tool episodes on the job's balanced queue (tests/test_dispatch.py)
     assert PartialRollouts._partial_refusal(_trainer(tools=[print], args=SimpleNamespace(
         rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced"))) is None

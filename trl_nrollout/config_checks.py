@@ -113,10 +113,6 @@ def rollout_ranks_refusal(config: NRolloutConfig) -> str | None:
     if config.rollout_backend == "hf":
         return (f"rollout_ranks={r} runs vLLM engines on the rollout ranks; rollout_backend='hf' generates with the "
                 "training model itself. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or rollout_ranks=0.")
-    if config.rollout_partial:
-        return (f"rollout_ranks={r} with rollout_partial=True: partial rollouts keep each colocated engine's pool "
-                "across steps; on rollout ranks the engines generate whole steps ahead instead (max_staleness). Set "
-                "one of them.")
     return None
 
 

@@ -58,8 +58,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "the HF engine has no request-level loop: samples cannot re-enter it one by one"),
     Refusal("rollout_multi_turn='requests'", "rollout_func", "by definition", "MultiTurnRollout._request_turns_refusal",
             "the function generates itself: there are no tool turns to run request by request"),
-    Refusal("rollout_ranks", "rollout_partial=True", "not yet", "config_checks.rollout_ranks_refusal",
-            "partial rollouts keep a pool per colocated engine; rollout ranks run whole jobs"),
+    Refusal("rollout_ranks and rollout_partial=True", "tools, environment_factory or agent", "not yet",
+            "RemotePartialRollouts._remote_partial_refusal",
+            "the rollout ranks keep single-turn groups in flight; an episode's tools, environment or agent would "
+            "have to live there too"),
     Refusal("rollout_ranks", "environment_factory and rollout_multi_turn='requests'", "not yet",
             "RolloutRanks._rollout_ranks_refusal",
             "request-level episodes run whole on the rollout ranks, an environment on the trainer that reset it"),

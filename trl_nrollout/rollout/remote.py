@@ -44,6 +44,7 @@ from trl_nrollout.rollout.remote_buckets import (
     images_digest,
     pack_bucket,
 )
+from trl_nrollout.rollout.remote_partial import JOINED, group_fields
 from trl_nrollout.rollout.remote_reader import broadcast
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
@@ -281,14 +282,17 @@ class RemoteEngines:
         return batch
 
     def run_agents(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, agent: dict,
-                   ahead: list[tuple] = (), step_job: bool = False) -> tuple[RolloutBatch, list[dict]]:
+                   ahead: list[tuple] = (), step_job: bool = False, images: list[list] | None = None
+                   ) -> tuple[RolloutBatch, list[dict]]:
         """This trainer's request-level tool episodes (``sample_prompts``: each prompt ``n`` times), each a whole
         episode generated on the rollout ranks with their tools (:func:`~trl_nrollout.rollout.remote_agents.
         run_agent_job`); ``agent``: the job's ``{"step", "mode"}`` (the turns' seeds); ``ahead`` and ``step_job``
         as in :meth:`generate_expanded` (later steps' episodes run while the trainers train). Returns the batch and
-        each sample's tool mask (``[L]``, 0 on tool-result tokens) and episode fields. A collective of the
-        trainers."""
-        return self._job_samples(sample_prompts, n, sampling, ahead, step_job, agent)
+        each sample's tool mask (``[L]``, 0 on tool-result tokens) and episode fields. A partial job's ``agent``
+        entry (:func:`~trl_nrollout.rollout.remote_partial.partial_entry`; ``images`` per sample as in
+        :meth:`generate_expanded`): the samples of the groups that finished first, whichever job drew them, each
+        with its group's fields; the batch's prompt ids are the groups' own. A collective of the trainers."""
+        return self._job_samples(sample_prompts, n, sampling, ahead, step_job, agent, images)
 
     def _job_samples(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, ahead: list[tuple],
                      step_job: bool, agent: dict | None, images: list[list] | None = None
@@ -335,6 +339,10 @@ class RemoteEngines:
             if pulled:  # the share of the job's groups an engine other than their own ran
                 info["moved_groups"] = sum(m for _, m in pulled) / max(1, sum(g for g, _ in pulled))
             info["agent_stats"] = sum_stats([r.agent_stats for r in results])
+            reports = [dict(r.partial) for r in results if r.partial is not None]
+            if reports:  # a partial job: the engines' counts; the pools in flight stay here (a checkpoint's)
+                self.partial_pools = [rep.pop("pool") for rep in reports if rep["pool_of"]]
+                info["partial"] = reports
             rows = [(*x, e) for res in results for x, e in zip(res.rows(), res.extras())]
             expanded = {g: p for res in results for g, p in (res.prompts or {}).items()}  # images: the engine's
             first = 0
@@ -348,6 +356,10 @@ class RemoteEngines:
         index = [groups_before + i // n for i in range(len(rows))]
         prompts = [list(p) for p in sample_prompts] if expanded is None else [list(expanded[i // n]) for i in
                                                                                range(len(rows))]
+        if agent is not None and agent.get("partial"):  # the finished groups' own prompts and fields
+            fields = group_fields([r[3] for r in rows])
+            prompts = [list(f["prompt_ids"]) for f in fields]
+            rows = [(*r[:3], f) for r, f in zip(rows, fields)]
         batch = RolloutBatch(prompts, [r[0] for r in rows], [r[1] for r in rows],
                              [r[2] for r in rows], index, timings={"generate_s": info["gen_s"]})
         self.last_job = info
@@ -433,12 +445,13 @@ class RemoteEngines:
 
 
 def job_agent(entries: list[dict | None]) -> dict | None:
-    """A job's ``agent`` entry from the trainers' (rank order): an ``agent=`` job's rows joined (each trainer's
-    samples after those of the trainers before it, the job's order); else the first trainer's (the same on all)."""
+    """A job's ``agent`` entry from the trainers' (rank order): an ``agent=`` or partial job's lists (rows, prompts,
+    top-ups, a restored pool) joined (each trainer's after those of the trainers before it, the job's order); else
+    the first trainer's (the same on all)."""
     first = entries[0]
     if first is None or "rows" not in first:
         return first
-    return {**first, "rows": [row for entry in entries for row in entry["rows"]]}
+    return {**first, **{k: [x for entry in entries for x in entry[k]] for k in JOINED if k in first}}
 
 
 def _groups_of(sample_prompts: list | None, n: int) -> list | None:

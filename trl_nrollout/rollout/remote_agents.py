@@ -78,9 +78,12 @@ def episode_extras(samples: list[AgentSample]) -> tuple[np.ndarray, list[dict]]:
 
 
 def pack_extras(tool_mask: np.ndarray | None, fields: list[dict] | None, lengths: np.ndarray) -> list[dict | None]:
-    """Per sample: its ``tool_mask`` (a list, ``[L]``) and :data:`EPISODE_FIELDS`, or None for a single-turn job."""
-    if tool_mask is None or fields is None:
+    """Per sample: its ``tool_mask`` (a list, ``[L]``) and :data:`EPISODE_FIELDS`, or None for a single-turn job; a
+    partial job's fields without a mask (:mod:`~trl_nrollout.rollout.remote_partial`)."""
+    if fields is None:
         return [None] * len(lengths)
+    if tool_mask is None:
+        return [dict(f) for f in fields]
     ends = np.cumsum(lengths)
     masks = tool_mask.tolist()
     return [{"tool_mask": masks[b - n:b], **f} for b, n, f in zip(ends.tolist(), lengths.tolist(), fields)]
@@ -201,17 +204,21 @@ class JobResult:
     #: a job with images: the engine's prompt ids (image placeholders expanded) of each group of the job this rank
     #: generated, by the group's index in the job (once a group); else None
     prompts: dict[int, list[int]] | None = None
+    #: a partial job: the engine's counts and pool left in flight (:class:`~trl_nrollout.rollout.remote_partial.
+    #: PartialJob`'s ``report``; its TP group's first rank), else None
+    partial: dict | None = None
 
     @classmethod
     def of(cls, completion_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
            gen_s: float, version: int, balanced: tuple[int, int] | None = None, extras=None,
-           agent_stats: tuple | None = None, prompts: dict[int, list[int]] | None = None) -> JobResult:
+           agent_stats: tuple | None = None, prompts: dict[int, list[int]] | None = None,
+           partial: dict | None = None) -> JobResult:
         lengths = np.array([len(c) for c in completion_ids], dtype=np.int64)
         flat = [t for c in completion_ids for t in c]
         lps = [x for lp in logprobs for x in lp]
         mask, episodes = extras if extras is not None else (None, None)
         return cls(np.array(flat, dtype=np.int32), np.array(lps, dtype=np.float32), lengths, list(finish_reasons),
-                   gen_s, version, balanced, mask, episodes, agent_stats, prompts)
+                   gen_s, version, balanced, mask, episodes, agent_stats, prompts, partial)
 
     def rows(self) -> list[tuple[list[int], list[float], str]]:
         """``(completion ids, log-probs, finish reason)`` of each sample."""
@@ -221,5 +228,5 @@ class JobResult:
         return [(tokens[a:b], lps[a:b], f) for a, b, f in zip(starts.tolist(), ends.tolist(), self.finish_reasons)]
 
     def extras(self) -> list[dict | None]:
-        """Each sample's tool mask and episode fields (an agent job), or None."""
+        """Each sample's tool mask and episode fields (an agent job), its group's fields (a partial job), or None."""
         return pack_extras(self.tool_mask, self.episodes, self.lengths)

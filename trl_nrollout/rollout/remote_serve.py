@@ -12,6 +12,7 @@ from dataclasses import astuple
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
 from trl_nrollout.rollout.remote_agents import JobResult, run_agent_job
 from trl_nrollout.rollout.remote_buckets import job_slice, unpack_bucket
+from trl_nrollout.rollout.remote_partial import run_partial_job
 from trl_nrollout.rollout.remote_reader import MessageReader, staged_versions
 from trl_nrollout.rollout.types import RolloutBatch
 
@@ -77,9 +78,15 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             start, stop = job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, r)
             images = None if pics is None else [pics[i // n] for i in range(start, stop)]
             t0 = time.perf_counter()
-            balanced = pulled = extras = agent_stats = None
+            balanced = pulled = extras = agent_stats = partial = None
             try:
-                if message.get("agent") is not None:  # whole tool episodes, request by request, tools here
+                if (message.get("agent") or {}).get("partial"):  # groups in flight from job to job
+                    slices = [job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, q)
+                              for q in range(roles.rollout_ranks)]
+                    done = run_partial_job(engine, message, state, slices, r, state.get("dispatch") == "balanced")
+                    batch, extras, partial, balanced = done.batch, (None, done.fields), done.report, done.pulled
+                    pics = None  # (the groups' prompts as the trainers encode them: they train wherever they finish)
+                elif message.get("agent") is not None:  # whole tool episodes, request by request, tools here
                     prompts = [groups[i // n] for i in range(start, stop)]
                     batch, pulled, extras, stats_ = run_agent_job(engine, message, state, prompts, n, start,
                                                                   state.get("dispatch") == "balanced")
@@ -109,7 +116,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
             bridge.put(f"out/{message['id']}/{r}", JobResult.of(batch.completion_ids, batch.logprobs,
                                                                 batch.finish_reasons, gen_s, state.get("version", 0),
                                                                 balanced, extras, agent_stats,
-                                                                _expanded(batch.prompt_ids, start, n, pics)))
+                                                                _expanded(batch.prompt_ids, start, n, pics), partial))
             stats["jobs"] += 1
             stats["samples"] += stop - start
             stats["gen_s"] += gen_s

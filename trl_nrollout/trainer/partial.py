@@ -78,6 +78,8 @@ class PartialRollouts(PartialEnvironments):
         their slots go to the pool's other groups and these new ones at once."""
         if self.agent is not None:  # agent= episodes: a pool of live agents (trainer/agents.py)
             return self._agent_partial_round(ctx, round_)
+        if self._remote:  # the pools live on the rollout ranks (trainer/remote_partial.py)
+            return self._remote_partial_round(ctx, round_)
         args, n, engine = self.args, ctx.n, self.rollout_engine
         version = self.state.global_step
         t0 = time.perf_counter()
@@ -162,7 +164,8 @@ class PartialRollouts(PartialEnvironments):
                                               tool_calls=[e.tool_calls for e in episodes],
                                               tool_failures=[e.tool_failures for e in episodes]))
         else:
-            prompt_ids, mm = self._trained_prompts(mine, n)
+            prompt_ids, mm = self._trained_prompts([g.payload["prompt"] for g in mine], [g.prompt_ids for g in mine],
+                                                   any(g.images for g in mine), n)
             samples = [Sample(p, s.token_ids, s.logprobs, s.finish_reason, mm=m)
                        for p, m, s in zip(prompt_ids, mm, (s for g in mine for s in g.samples))]
             completions = self._decode(sample_prompts, [s.completion_ids for s in samples])
@@ -221,16 +224,18 @@ class PartialRollouts(PartialEnvironments):
                                     images=images.images[g] if images is not None else None)
                 for g, (key, p, row, prompt) in enumerate(zip(keys, ids, rows, prompts))]
 
-    def _trained_prompts(self, groups: list[InFlightGroup], n: int) -> tuple[list[list[int]], list]:
-        """Per sample of ``groups`` (``n`` each): the prompt ids the model trains on and its image tensors. A text
-        group's are its ids (None); a group with images is encoded again by the processor (placeholders expanded,
-        its tensors), as the synchronous round encodes it."""
-        if not any(g.images for g in groups):
-            return [list(g.prompt_ids) for g in groups for _ in range(n)], [None] * (len(groups) * n)
-        enc = encode_prompts(self.processing_class, [g.payload["prompt"] for g in groups], tools=self.tools,
+    def _trained_prompts(self, prompts: list, ids: list[list[int]], images: bool, n: int
+                         ) -> tuple[list[list[int]], list]:
+        """Per sample of groups of ``prompts`` (``n`` samples each; ``ids``: each group's engine ids): the prompt ids
+        the model trains on and its image tensors. Text groups' are their ids (None); groups with ``images`` are
+        encoded again by the processor (placeholders expanded, their tensors), as the synchronous round encodes
+        them."""
+        if not images:
+            return [list(p) for p in ids for _ in range(n)], [None] * (len(ids) * n)
+        enc = encode_prompts(self.processing_class, list(prompts), tools=self.tools,
                              chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs)
-        return ([list(enc.ids[j]) for j in range(len(groups)) for _ in range(n)],
-                [enc.mm[j] for j in range(len(groups)) for _ in range(n)])
+        return ([list(enc.ids[j]) for j in range(len(ids)) for _ in range(n)],
+                [enc.mm[j] for j in range(len(ids)) for _ in range(n)])
 
     def _partial_agent(self) -> AgentCallbacks:
         """What the pool's tool-calling episodes need from the trainer: TRL's parser and tools (the same for every
@@ -249,7 +254,7 @@ class PartialRollouts(PartialEnvironments):
         """This rank's pool as JSON (its groups' prompts, tokens, log-probs, versions, dataset rows and images)."""
         path = os.path.join(folder, POOL_FILE.format(rank=self.accelerator.process_index))
         try:
-            text = pool_to_json(self._pool_to_save(self._partial_pool))
+            text = pool_to_json(self._remote_pool_to_save() if self._remote else self._pool_to_save(self._partial_pool))
         except TypeError as err:
             raise TypeError(f"rollout_partial=True saves the samples in flight with their dataset rows, and a row "
                             f"holds a value JSON cannot write ({err}); keep the dataset's columns to text and "
@@ -263,6 +268,7 @@ class PartialRollouts(PartialEnvironments):
             return
         with open(path) as fh:
             self._partial_pool = pool_from_json(fh.read())
+        self._pool_to_restore = True  # rollout ranks: the first job carries it back to them
         self._note_restored_pool(self._partial_pool)
 
 

@@ -23,16 +23,20 @@ from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines
 from trl_nrollout.rollout.remote_agents import agent_settings
 from trl_nrollout.rollout.remote_serve import serve
+from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutRanks:
-    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the trainers' side of rollout ranks."""
+class RolloutRanks(RemotePartialRollouts):
+    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the trainers' side of rollout ranks (with
+    ``rollout_partial``: :class:`~trl_nrollout.trainer.remote_partial.RemotePartialRollouts`)."""
 
     def _rollout_ranks_refusal(self) -> str | None:
         """What the trainer's arguments add to :func:`~trl_nrollout.config_checks.rollout_ranks_refusal`."""
         r = self.args.rollout_ranks
+        if self.args.rollout_partial and (why := self._remote_partial_refusal()) is not None:
+            return why
         if getattr(self, "environment_factories", None) and self.args.rollout_multi_turn == "requests":
             return (f"rollout_ranks={r} with environment_factory and rollout_multi_turn='requests': request-level "
                     "episodes run whole on the rollout ranks, tools included, while an environment lives on the "
@@ -90,10 +94,14 @@ class RolloutRanks:
         """Tool episodes run request by request on the rollout ranks (``rollout_multi_turn="requests"``)."""
         return bool(self.args.rollout_ranks and self.tools and self.args.rollout_multi_turn == "requests")
 
-    def _agent_job(self, mode: str, step: int, rows: list[dict]) -> dict | None:
+    def _agent_job(self, mode: str, step: int, rows: list[dict], prompts: list = ()) -> dict | None:
         """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
-        as the colocated loop's) or ``agent=`` episodes (with this rank's ``rows``, TRL's, each ``n`` times: the
-        trainers' entries are joined in rank order), or None for single-turn jobs."""
+        as the colocated loop's), ``agent=`` episodes (with this rank's ``rows``, TRL's, each ``n`` times: the
+        trainers' entries are joined in rank order) or partial groups (:meth:`_partial_job_entry`, with the rows'
+        ``prompts``), or None for single-turn jobs."""
+        if self.args.rollout_partial and mode == "train":
+            n = self.num_generations
+            return self._partial_job_entry(step, rows[::n], list(prompts)[::n])
         if self.agent is not None:
             return {"step": step, "mode": mode, "rows": [dict(row) for row in rows]}
         return {"step": step, "mode": mode} if self._remote_agents else None
@@ -203,7 +211,7 @@ class RolloutRanks:
             prompts = self._episodes_ahead(step, rows)
             enc = self._encode_images(prompts)
             ids = enc.engine_ids if enc is not None else self._tokenize_prompts(prompts)[0]
-            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step, rows),
+            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step, rows, prompts),
                          enc.images if enc is not None else None))
         return jobs
 

@@ -1,0 +1,132 @@
+"""Partial rollouts on rollout ranks (``rollout_ranks`` with ``rollout_partial=True``): the rollout ranks keep the
+groups in flight from job to job.
+
+A colocated partial rollout keeps each engine's pool on its trainer (:mod:`trl_nrollout.trainer.partial`). With
+rollout ranks the trainers write a step's job ``max_staleness`` steps ahead, before the job that precedes it has
+answered, so the pool lives where the engines do: each rollout rank keeps its engine's pool (fixed shares) or the
+job's pool (``rollout_dispatch="balanced"``, the same on every rollout rank) in its state between jobs. A job's
+``agent`` entry (the job's episode entry; :func:`partial_entry` describes it) carries what a group needs to train
+wherever and whenever it finishes: each prompt's dataset row and prompt.
+
+One job on a rollout rank (:func:`run_partial_job`):
+
+1. its engine's new groups (fixed shares: the groups of its engine's ranks' slices; balanced: every group of the
+   job), keyed ``(step, round, index in the job)``, and top-ups from the entry's ``extra`` prompts while the pool
+   holds fewer than ``ceil(target * (1 + rollout_partial_oversample))`` groups;
+2. samples whose oldest token is more than ``max_staleness`` versions older than the weights the engine holds start
+   again (:func:`~trl_nrollout.rollout.partial.drop_stale`): on rollout ranks the weights are already up to
+   ``max_staleness`` steps behind the step a job trains, so a trained token is at most ``2 * max_staleness``
+   versions old;
+3. the engine runs the pool until as many groups have finished as the job placed on it, the rest stop with their
+   tokens kept (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_partial`, or
+   ``run_partial_balanced``);
+4. the rank answers its share of the first groups to finish (in the job's place of its own slice), each sample with
+   its group's row, prompt, prompt ids and oldest version; its TP group's first rank adds the engine's counts and,
+   when the trainers will save a checkpoint after this job's step (``snapshot``), the pool left in flight.
+
+A checkpoint keeps that snapshot (the pool after the step's own job: the jobs written ahead of it run again after a
+resume, from the same rows); the first job after a resume carries it back (``restore``), dealt over the engines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trl_nrollout.rollout.partial import InFlightGroup, drop_stale, split_finished
+from trl_nrollout.rollout.types import RolloutBatch
+
+#: the entry's list fields, joined over the trainers in rank order (:func:`~trl_nrollout.rollout.remote.job_agent`)
+JOINED = ("rows", "prompts", "extra", "restore")
+
+
+def partial_entry(step: int, round_: int, rows: list[dict], prompts: list, extra: list[dict], *,
+                  max_staleness: int, oversample: float, snapshot: bool, restore: list | None = None) -> dict:
+    """A trainer's ``agent`` entry of a partial job: ``rows`` and ``prompts`` (its dataset rows and prompts, one per
+    group, in the job's order), ``extra`` top-up prompts (``{"row", "prompt", "ids", "images"}`` each: the engines
+    take them only while their pool is short), the restart bound and the oversampling, ``snapshot`` (answer the
+    pool left in flight, for a checkpoint) and ``restore`` (a checkpoint's pool, the first job after a resume)."""
+    return {"partial": True, "step": step, "round": round_, "rows": [dict(r) for r in rows], "prompts": list(prompts),
+            "extra": list(extra), "max_staleness": max_staleness, "oversample": oversample, "snapshot": snapshot,
+            "restore": list(restore or [])}
+
+
+@dataclass
+class PartialJob:
+    """What a rollout rank answers for a partial job: its share of the finished groups as a batch ``[samples]``,
+    each sample's fields (its oldest version; a group's first sample also its group's row, prompt, prompt ids and
+    whether its prompt has images: :func:`group_fields` fills them in for the others) and, on the
+    reporting rank of a pool, ``report``: ``{"engine", "counts": [aborted, restarted, pool groups, engine steps,
+    dropped tokens], "pool_of": whether it speaks for a pool, "pool": the groups in flight or None}``."""
+
+    batch: RolloutBatch
+    fields: list[dict]
+    report: dict | None
+    #: balanced: the pool's groups this engine ran and how many of them another engine's share placed (its TP
+    #: group's first rank; else None), as :class:`~trl_nrollout.rollout.remote_agents.JobResult`'s ``balanced``
+    pulled: tuple[int, int] | None = None
+
+
+def _group(key: tuple, ids: list[int], n: int, row: dict, prompt, home: int, images) -> InFlightGroup:
+    return InFlightGroup.fresh(key, ids, n, payload={"row": row, "prompt": prompt, "home": home}, images=images)
+
+
+def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, int]], rank: int,
+                    balanced: bool) -> PartialJob:
+    """Rollout rank ``rank``'s side of a partial job (see the module docstring). ``slices``: every rollout rank's
+    ``[start, stop)`` of the job's samples (its share under fixed shares); ``state``: the rank's state between jobs
+    (its pool under ``"partial_pool"``, the weights' ``"version"``); ``balanced``: one pool for the job, on every
+    rollout rank."""
+    entry, n, sampling = message["agent"], message["n"], message["sampling"]
+    ids, pics = message["prompts"], message.get("images")
+    tp = engine.layout.rollout_tp_size
+    engines = len(slices) // tp
+    home_of = {g: r // tp for r, (a, b) in enumerate(slices) for g in range(a // n, b // n)}
+    mine = range(len(ids)) if balanced else [g for r, (a, b) in enumerate(slices) if r // tp == rank // tp
+                                             for g in range(a // n, b // n)]
+    step, round_ = entry["step"], entry["round"]
+    new = [_group((step, round_, g), ids[g], n, entry["rows"][g], entry["prompts"][g], home_of[g],
+                  pics[g] if pics else None) for g in mine]
+    pool = state.get("partial_pool", [])
+    if entry["restore"]:  # the first job after a resume: the checkpoint's pool, dealt over the engines
+        pool = list(entry["restore"]) if balanced else list(entry["restore"][rank // tp::engines])
+    target = len(new)
+    need = max(0, math.ceil(target * (1 + entry["oversample"])) - len(pool) - target)
+    extra = entry["extra"] if balanced else entry["extra"][rank // tp::engines]
+    new += [_group((step, round_, len(ids) + k), e["ids"], n, e["row"], e["prompt"], rank // tp, e["images"])
+            for k, e in enumerate(extra[:need])]
+    version = state.get("version", 0)
+    pool, restarted, dropped = drop_stale(pool, version, entry["max_staleness"])
+    homes = [g.payload["home"] % engines for g in pool + new]  # (a resumed pool of a launch with more engines)
+    run = (engine.run_partial_balanced(pool + new, target, sampling, version, homes) if balanced
+           else engine.run_partial(pool + new, target, sampling, version))
+    chosen, state["partial_pool"] = split_finished(run.groups, run.finish_order, target)
+    first = slices[rank][0] // n if balanced else sum((b - a) // n for r, (a, b) in enumerate(slices)
+                                                      if r // tp == rank // tp and r < rank)
+    share = chosen[first:first + (slices[rank][1] - slices[rank][0]) // n]
+    samples = [s for g in share for s in g.samples]
+    batch = RolloutBatch([list(g.prompt_ids) for g in share for _ in g.samples], [s.token_ids for s in samples],
+                         [s.logprobs for s in samples], [s.finish_reason for s in samples], list(range(len(samples))))
+    fields = [{"oldest": s.oldest_version(), **({"row": g.payload["row"], "prompt": g.payload["prompt"],
+                                                  "prompt_ids": list(g.prompt_ids), "images": bool(g.images)}
+                                                 if k == 0 else {})}
+              for g in share for k, s in enumerate(g.samples)]
+    report = None
+    if rank % tp == 0:  # the engine's counts; the pool's (balanced: the job's, the same on every rank) once
+        keeps = rank == 0 or not balanced
+        report = {"engine": rank // tp, "counts": [run.aborted, restarted, len(state["partial_pool"]),
+                                                   run.engine_steps, dropped], "pool_of": keeps,
+                  "pool": list(state["partial_pool"]) if entry["snapshot"] and keeps else None}
+    pulled = None
+    if balanced and rank % tp == 0:
+        pulled = (len(run.engine_groups), sum(1 for i in run.engine_groups if homes[i] != rank // tp))
+    return PartialJob(batch, fields, report, pulled)
+
+
+def group_fields(fields: list[dict]) -> list[dict]:
+    """Each sample's fields of :class:`PartialJob` with its group's (carried on the group's first sample only)."""
+    out, group = [], {}
+    for f in fields:
+        group = {k: v for k, v in f.items() if k != "oldest"} or group
+        out.append({**group, "oldest": f["oldest"]})
+    return out

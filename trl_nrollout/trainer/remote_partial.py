@@ -1,0 +1,143 @@
+"""The trainers' side of partial rollouts on rollout ranks (``rollout_ranks`` with ``rollout_partial=True``).
+
+The rollout ranks keep the groups in flight (:mod:`trl_nrollout.rollout.remote_partial`); a trainer writes each
+step's job with its groups' dataset rows and prompts (and top-up prompts for the pool), ``max_staleness`` steps
+ahead as for whole rollouts, and trains the groups that finished first, whichever step drew them: each comes back
+with its row and prompt, scored here as the colocated pool's are. A checkpoint keeps the pool the rollout ranks
+held after the step's own job (its snapshot travels with the answers of the jobs of the steps that save); the first
+job after a resume carries it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from accelerate.utils import gather_object
+
+from trl_nrollout.rollout.remote_partial import partial_entry
+from trl_nrollout.rollout.types import RolloutBatch
+from trl_nrollout.trainer.multiturn import Episode
+from trl_nrollout.trainer.stages import Round, StepContext
+
+logger = logging.getLogger(__name__)
+
+
+class RemotePartialRollouts:
+    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer` (through
+    :class:`~trl_nrollout.trainer.rollout_ranks.RolloutRanks`): partial rollouts whose pools live on the rollout
+    ranks."""
+
+    def _remote_partial_refusal(self) -> str | None:
+        """What rollout ranks cannot yet roll out partially (None: they can)."""
+        kind = ("agent=" if self.agent is not None else "environment_factory" if self._has_environments
+                else "tools" if self.tools else None)
+        if kind is None:
+            return None
+        return (f"rollout_ranks={self.args.rollout_ranks} with rollout_partial=True and {kind}: the rollout ranks keep "
+                "single-turn groups in flight from job to job, not yet episodes (tools, environment_factory or agent "
+                "would have to run there too); set rollout_partial=False (the episodes run a step ahead on the "
+                "rollout ranks) or rollout_ranks=0 (partial episodes on colocated engines).")
+
+    def _engine_prompts(self, prompts: list) -> tuple[list[list[int]], list]:
+        """The engine's ids of ``prompts`` (image placeholders not expanded) and each prompt's images (None: text)."""
+        enc = self._encode_images(prompts)
+        if enc is None:
+            return [list(p) for p in self._tokenize_prompts(prompts)[0]], [None] * len(prompts)
+        return [list(p) for p in enc.engine_ids], list(enc.images)
+
+    def _saves_after(self, step: int) -> bool:
+        """Whether the trainers save a checkpoint after an optimizer step of the rollout of ``step`` (its job then
+        answers the pool left in flight): ``save_strategy="steps"`` at each ``save_steps``-th step and the last;
+        every rollout for the other strategies but ``"no"``."""
+        args = self.args
+        if args.save_strategy == "no":
+            return False
+        if args.save_strategy != "steps":
+            return True
+        every = int(getattr(self.state, "save_steps", 0) or args.save_steps)
+        last = self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
+        span = max(1, math.ceil(self.layout.optimizer_steps_per_rollout))
+        return any(s % every == 0 or (last is not None and s >= last) for s in range(step + 1, step + span + 1))
+
+    def _partial_job_entry(self, step: int, rows: list[dict], prompts: list, round_: int = 0) -> dict:
+        """This rank's ``agent`` entry of a partial job (:func:`~trl_nrollout.rollout.remote_partial.partial_entry`):
+        its groups' ``rows`` and ``prompts`` (one per group), top-up prompts drawn as DAPO draws (one more than
+        ``rollout_partial_oversample`` of its groups: the engines take them while their pool is short), and the
+        checkpoint's pool after a resume. A step's entry is made once (its job written ahead and the step's own
+        must be equal)."""
+        made = self.__dict__.setdefault("_partial_entries", {})
+        rows = [dict(r) for r in rows]
+        if round_ == 0 and step in made and made[step]["rows"] == rows:
+            return made[step]
+        args, n = self.args, self.num_generations
+        count = math.ceil(len(rows) * args.rollout_partial_oversample) + 1 if args.rollout_partial_oversample else 0
+        extra = []
+        if count:
+            drawn = self._draw_inputs(count)[::n]
+            texts = self._start_episodes(drawn)[0]
+            ids, images = self._engine_prompts(texts)
+            extra = [{"row": dict(r), "prompt": p, "ids": i, "images": im}
+                     for r, p, i, im in zip(drawn, texts, ids, images)]
+        restore = None
+        if self.__dict__.pop("_pool_to_restore", False):  # a resumed run's first job: the checkpoint's pool
+            restore = list(self._partial_pool)
+        entry = partial_entry(step, round_, rows, prompts, extra, max_staleness=args.max_staleness,
+                              oversample=args.rollout_partial_oversample, snapshot=self._saves_after(step),
+                              restore=restore)
+        if round_ == 0:
+            for old in [s for s in made if s < self.state.global_step]:
+                del made[old]
+            made[step] = entry
+        return entry
+
+    def _remote_partial_round(self, ctx: StepContext, round_: int = 0) -> Round:
+        """:meth:`~trl_nrollout.trainer.partial.PartialRollouts._partial_round` with engines on rollout ranks: this
+        rank's share of the job's first groups to finish, from the pools the rollout ranks keep; the next
+        ``max_staleness`` steps' jobs written ahead (round 0 of a training step)."""
+        n, mode, step = ctx.n, ctx.mode, self.state.global_step
+        t0 = time.perf_counter()
+        prompts = self._start_episodes(ctx.inputs)[0][::n]
+        ids, images = self._engine_prompts(prompts)
+        entry = self._partial_job_entry(step, ctx.inputs[::n], prompts, round_)
+        step_job = round_ == 0
+        engine = self.rollout_engine
+        batch, fields = engine.run_agents(
+            [p for p in ids for _ in range(n)], n, self._sampling(mode, round_=round_), entry,
+            ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job,
+            images=[im for im in images for _ in range(n)] if any(im is not None for im in images) else None)
+        if step_job:
+            self._log_remote(mode)
+            if self.accelerator.is_main_process:  # the pool after this job, for a checkpoint after this step
+                pools = getattr(engine, "partial_pools", [])
+                self._partial_pool = [g for pool in pools if pool is not None for g in pool]
+                self._pool_of_step = step if entry["snapshot"] else None
+        inputs = [f["row"] for f in fields]
+        sample_prompts = [f["prompt"] for f in fields]
+        heads = fields[::n]
+        prompt_ids, mm = self._trained_prompts([f["prompt"] for f in heads], batch.prompt_ids[::n],
+                                               any(f["images"] for f in heads), n)
+        batch = RolloutBatch(prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons,
+                             batch.group_index)
+        self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
+        staleness = [step - (f["oldest"] if f["oldest"] is not None else step) for f in fields]
+        every = [s for chunk in gather_object([staleness]) for s in chunk]
+        reports = engine.last_job.get("partial") or []
+        per_engine = [[*r["counts"][:4], max(every, default=0), sum(every) / max(1, len(every)), r["counts"][4]]
+                      for r in reports]
+        self._log_partial(mode, per_engine, per_engine, [c for c, r in zip(per_engine, reports) if r["pool_of"]])
+        episode = Episode(mm=mm if any(m is not None for m in mm) else None)
+        return self._round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)
+
+    def _remote_pool_to_save(self) -> list:
+        """The pool a checkpoint keeps with rollout ranks: trainer rank 0's snapshot of the step's own job (the
+        others keep none); none, said in a warning, when the step's job did not answer one."""
+        if not self.accelerator.is_main_process:
+            return []
+        if getattr(self, "_pool_of_step", None) is None:
+            logger.warning("rollout_partial on rollout ranks: this checkpoint's step did not ask the rollout ranks for "
+                           "their groups in flight (a save the trainer did not foresee from save_strategy): it keeps "
+                           "none, and a resumed run starts with an empty pool.")
+            return []
+        return list(self._partial_pool)
