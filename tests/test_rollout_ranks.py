@@ -357,9 +357,10 @@ def _launch(out, *extra, config: str | None = None, procs: int = 3, timeout: flo
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
-@pytest.mark.parametrize("staleness,lags,ranks,dispatch", [(1, [0, 1, 1, 1], 1, "shares"),
-                                                          (2, [0, 1, 2, 2], 2, "balanced")])
-def test_one_step_off_policy_under_zero3_samples_one_step_stale(staleness, lags, ranks, dispatch, tmp_path):
+@pytest.mark.parametrize("staleness,lags,ranks,dispatch,partial", [(1, [0, 1, 1, 1], 1, "shares", True),
+                                                                  (2, [0, 1, 2, 2], 2, "balanced", False),
+                                                                  (1, [0, 1, 1, 1], 2, "balanced", True)])
+def test_one_step_off_policy_under_zero3_samples_one_step_stale(staleness, lags, ranks, dispatch, partial, tmp_path):
     """2 ZeRO-3 trainers + 1 rollout rank, max_staleness=1 (the default): the first step is generated with the
     initial weights, and every later step's samples by the policy one optimizer step older (the step's job was
     written before the previous update); with max_staleness=2 (1 ZeRO-3 trainer + 2 rollout ranks, their two
@@ -367,11 +368,22 @@ def test_one_step_off_policy_under_zero3_samples_one_step_stale(staleness, lags,
     The trainers log their wait and each transfer's bytes, which are the model's. The engine's log-probs then
     differ from the trainer's by the updates in between (a synchronous run's stay at float32 noise:
     test_trainer's rollout_ranks cases). That a balanced queue samples what fixed shares sample: test_dispatch.py
-    (the rollout ranks run the same generate_balanced)."""
+    (the rollout ranks run the same generate_balanced).
+
+    Partial rollouts (rollout_partial=True; the 2 trainers' rows joined in one job, and the 2 rollout ranks'
+    balanced queue over one job pool): the rollout ranks keep the groups that did not finish and continue them at
+    the next job, so from the third step on a trained sample holds tokens one version older than the job's weights
+    (staleness 2 = the lookahead plus one carried job, within 2 x max_staleness). Mutation tried: the rollout rank's
+    pool emptied after each job (nothing carried) -> staleness never exceeds 1, the assertion fails."""
     run = _launch(tmp_path, "--max_steps", "4", "--rollout_ranks", str(ranks), "--max_staleness", str(staleness),
                   "--rollout_dispatch", dispatch, "--learning_rate", "1e-4", "--save_strategy", "no",
-                  config="zero3_cpu.yaml")
+                  "--rollout_partial", str(partial).lower(), config="zero3_cpu.yaml")
     steps = run["steps"]
+    if partial:  # groups carried from job to job: trained one version older than the job's weights
+        stale = [h["partial/staleness_max"] for h in steps]
+        assert max(stale) == 2 * staleness and all(h["partial/pool_groups"] > 0 for h in steps), stale
+    else:
+        assert all("partial/pool_groups" not in h for h in steps)
     assert run["summary"]["processes"] == 3 - ranks and len(steps) == 4
     if dispatch == "balanced":  # the rollout ranks' engines pulled the job's groups (the share run by another)
         assert all(0.0 <= h["rollout/moved_groups"] <= 1.0 for h in steps)
