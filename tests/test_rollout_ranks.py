@@ -37,8 +37,9 @@ from trl_nrollout.rollout.ranks import (
     encode_value,
     roles_refusal,
 )
-from trl_nrollout.rollout.remote import JobResult
+from trl_nrollout.rollout.remote import JobResult, job_agent
 from trl_nrollout.rollout.remote_buckets import job_slice, pack_bucket, unpack_bucket
+from trl_nrollout.rollout.remote_partial import group_fields, partial_entry
 from trl_nrollout.rollout.vllm_process import barrier_scope
 
 
@@ -275,10 +276,35 @@ def test_the_engines_memory_default_follows_where_they_live(tmp_path):
     assert ROLLOUT_RANK_GPU_MEMORY_UTILIZATION == 0.9
 
 
+# ---------------------------------------------------------------------------------------------- partial jobs
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=4), st.integers(1, 4))
+@settings(max_examples=30, deadline=None)
+def test_a_partial_jobs_entries_join_in_rank_order_and_its_groups_fields_reach_every_sample(groups, n):
+    """The trainers' partial entries join into the job's (each trainer's rows, prompts and top-ups after those of
+    the trainers before it; the restored pool only trainer rank 0 holds), and a rollout rank's answer, which names a
+    group's row, prompt and ids on its first sample only, gives every sample its group's. Mutation tried: the
+    fields not carried forward -> later samples lose their rows."""
+    entries = [partial_entry(3, 0, [{"t": t, "g": g} for g in range(c)], [f"p{t}.{g}" for g in range(c)],
+                             [{"row": {"x": t}, "prompt": "x", "ids": [t], "images": None}], max_staleness=1,
+                             oversample=1.0, snapshot=False, restore=["pool"] if t == 0 else None)
+               for t, c in enumerate(groups)]
+    job = job_agent(entries)
+    assert job["rows"] == [{"t": t, "g": g} for t, c in enumerate(groups) for g in range(c)]
+    assert job["prompts"] == [f"p{t}.{g}" for t, c in enumerate(groups) for g in range(c)]
+    assert [e["row"]["x"] for e in job["extra"]] == list(range(len(groups))) and job["restore"] == ["pool"]
+    fields = []
+    for i, row in enumerate(job["rows"]):
+        fields += [{"oldest": k, **({"row": row, "prompt": job["prompts"][i], "prompt_ids": [i], "images": False}
+                                    if k == 0 else {})} for k in range(n)]
+    full = group_fields(fields)
+    assert [f["row"] for f in full] == [row for row in job["rows"] for _ in range(n)]
+    assert [f["prompt_ids"] for f in full] == [[i] for i in range(len(job["rows"])) for _ in range(n)]
+    assert [f["oldest"] for f in full] == [k for _ in job["rows"] for k in range(n)]
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("options,expected", [
     (dict(rollout_ranks=1, rollout_backend="hf"), "rollout_backend='hf'"),
-    (dict(rollout_ranks=1, rollout_partial=True), "rollout_partial=True"),
     (dict(rollout_ranks=1), "single process"),
     (dict(rollout_ranks=-1), "must be >= 0"),
     (dict(rollout_rank_timeout_s=0), "rollout_rank_timeout_s=0"),

@@ -207,8 +207,10 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "log-prob (what rollout_is weights by). With filter_groups, DAPO's filtered groups leave the pool at "
                 "once and extra rounds run the pool on with fresh prompts. vLLM engines; image prompts (their images "
                 "go with every request), rollout_dispatch='balanced' (one job-wide pool), tool episodes "
-                "(rollout_multi_turn='requests') and environment_factory (at any rollout_tp_size, a group's episodes on its own rank; a checkpoint restarts "
-                "the episodes in flight) included."})
+                "(rollout_multi_turn='requests') and environment_factory (at any rollout_tp_size, a group's episodes "
+                "on its own rank; a checkpoint restarts the episodes in flight) included. With rollout_ranks the "
+                "rollout ranks keep the groups in flight from job to job (single-turn prompts, images included); "
+                "a group trains on whichever trainer's share it finishes in, with its dataset row."})
     rollout_partial_oversample: float = field(default=1.0, metadata={
         "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "
                 "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "
@@ -219,7 +221,9 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "sample is dropped and started again (its tokens are lost: a low bound restarts long samples, a bias "
                 "against them); 0: nothing carries over. With rollout_ranks (default 1, one-step-off-policy): how "
                 "many steps ahead the rollout ranks generate while the trainers train; 0: synchronous (the samples "
-                "of a colocated run, seeded)."})
+                "of a colocated run, seeded). Both (rollout_ranks with rollout_partial, default 1): the lookahead "
+                "and the restart bound against the rollout ranks' weights, so a trained token is at most "
+                "2 x max_staleness versions old."})
 
     rollout_ranks: int = field(default=0, metadata={
         "help": "Processes of the launch that only generate (the last ones; whole nodes on several nodes); the "
@@ -227,7 +231,9 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "Ray or a second program). Weights go from trainer rank 0 to them over torch.distributed (gloo) "
                 "after every optimizer step, samples come back with their behaviour log-probs; they generate "
                 "max_staleness steps ahead. 0: every process trains and generates (colocated). Batch sizes count "
-                "the trainers only. Single-turn text prompts on vLLM engines."})
+                "the trainers only. vLLM engines; single-turn prompts (images included), TRL's tools and "
+                "environments, rollout_func, agent=, a balanced queue over the rollout ranks' engines and partial "
+                "rollouts (single-turn) run there."})
     rollout_rank_timeout_s: float = field(default=120.0, metadata={
         "help": "With rollout_ranks: seconds without a heartbeat (written every second by every process) after "
                 "which a rank stops the launch, naming the silent rank and what it was doing (a dead or frozen "
