@@ -66,9 +66,6 @@ CASES = {
         _trainer(rollout_func=print)),
     ("rollout_ranks and rollout_partial=True", "tools, environment_factory or agent"): lambda tmp: (
         RemotePartialRollouts._remote_partial_refusal(_trainer(tools=[print], agent=None, _has_environments=False))),
-    ("rollout_ranks", "environment_factory and rollout_multi_turn='requests'"): lambda tmp: (
-        RolloutRanks._rollout_ranks_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
-            rollout_ranks=1, rollout_multi_turn="requests", rollout_partial=False)))),
     ("rollout_partial=True", "tools and rollout_multi_turn='turns'"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(tools=[print]))),
     ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(
@@ -121,8 +118,10 @@ at TP=1 and TP=2."""
     # environments on a balanced queue, their tools run at home (tests/test_combinations.py, rollout/home_tools.py)
     assert EngineSetup._dispatch_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
         rollout_multi_turn="requests"))) is None
-    # environments on rollout ranks, turn by turn (tests/test_combinations.py, the rollout-rank launch)
-    assert RolloutRanks._rollout_ranks_refusal(_trainer(environment_factories={"e": print})) is None
+    # environments on rollout ranks, turn by turn and request by request (tests/test_combinations.py)
+    for multi_turn in ("turns", "requests"):
+        assert RolloutRanks._rollout_ranks_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
+            rollout_ranks=1, rollout_multi_turn=multi_turn, rollout_partial=False))) is None
     for tp in (1, 2):
         assert PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
             SimpleNamespace(rollout_ranks=0, rollout_multi_turn="requests")), layout=SimpleNamespace(rollout_tp_size=tp)

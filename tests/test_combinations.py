@@ -43,7 +43,7 @@ RANKS_COVERED = {
     "one completion, partial, checkpoint and resume": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_"
                                                       "in_flight (here)",
     "tools turn by turn / request by request": "test_tools.py::test_tool_episodes_on_a_rollout_rank_one_step_off",
-    "environment turn by turn": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight (here)",
+    "environment turn by turn / request by request": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight (here)",
     "agent": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight (here)",
     "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
     "images": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
@@ -212,13 +212,18 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     """rollout_ranks=1, one step ahead (max_staleness=1): a step's job is written while the step before it trains.
     Environments turn by turn: the step's environments are reset then, on instances of their own, and the step's
     tool turns and rewards use those (the environments' methods run on the trainer, each turn a job of the rollout
-    rank); ``env_check`` raises unless every sample is scored with its own episode's environment. Agents
+    rank); ``env_check`` raises unless every sample is scored with its own episode's environment. Environments
+    request by request: the episodes run whole on the rollout rank, parsed with the environments' tool schemas, and
+    each tool call comes home to the trainer's tool server (rollout/home_tools.py), which runs it on the sample's
+    own environment (those of the step the job was written for); env_check as above. Agents
     (``agent=``): the job carries the step's rows, the rollout rank runs their episodes on its own endpoint and
     engine (the same script built it with the agent) and answers their records; ``agent_check`` raises unless every
     sample is scored with its own episode's result. The combinations' checks on each. Mutations tried: the step
     written ahead resets the pool's first environments (the live step's, as ``_start_episodes`` alone draws them)
     -> env_check fails the launch; the jobs written ahead without their rows -> every step's episodes run on demand
-    (staleness 0, the assertion fails); the rollout rank's rows reversed -> agent_check fails the launch.
+    (staleness 0, the assertion fails); the rollout rank's rows reversed -> agent_check fails the launch; the calls
+    of a job written ahead run on the live step's environments (registered under its step with the live step's
+    tools) -> env_check fails the launch.
 
     Partial rollouts (the rollout rank keeps the groups in flight from job to job): image prompts, their images
     sent with every request of a group and its prompt encoded again where it trains (the combination's checks);
@@ -228,7 +233,8 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     pool_groups 0 at step 3, the assertion fails."""
     entries = []
     ranks = {"rollout_ranks": 1, "max_staleness": 1, "max_steps": 3}
-    for name in ("shares-whole-environment_turn_by_turn", "shares-whole-agent", "shares-partial-images"):
+    for name in ("shares-whole-environment_turn_by_turn", "shares-whole-environment_request_by_request",
+                 "shares-whole-agent", "shares-partial-images"):
         combo = next(c for c in ALLOWED if c["name"] == name)
         entries.append({"name": combo["name"], "episode": combo["episode"], "options": {**combo["options"], **ranks}})
     saving = {**ranks, "rollout_partial": True, "save_strategy": "steps", "save_steps": 2}
@@ -236,7 +242,7 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
                 {"name": "resumed", "episode": "one completion", "resume": str(tmp_path / "first" / "checkpoint-2"),
                  "options": {**saving, "output_dir": str(tmp_path / "first"), "rollout_partial_oversample": 0.0}}]
     launch_two(tmp_path, entries)
-    for entry in entries[:3]:
+    for entry in entries[:4]:
         combo = next(c for c in ALLOWED if c["name"] == entry["name"])
         result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
         result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)

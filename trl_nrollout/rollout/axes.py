@@ -62,9 +62,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "RemotePartialRollouts._remote_partial_refusal",
             "the rollout ranks keep single-turn groups in flight; an episode's tools, environment or agent would "
             "have to live there too"),
-    Refusal("rollout_ranks", "environment_factory and rollout_multi_turn='requests'", "not yet",
-            "RolloutRanks._rollout_ranks_refusal",
-            "request-level episodes run whole on the rollout ranks, an environment on the trainer that reset it"),
     Refusal("rollout_partial=True", "tools and rollout_multi_turn='turns'", "by definition",
             "PartialRollouts._partial_refusal",
             "a turn barrier waits for every sample's turn; a partial rollout stops before its slowest samples"),

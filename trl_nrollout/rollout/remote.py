@@ -446,9 +446,13 @@ class RemoteEngines:
 
 def job_agent(entries: list[dict | None]) -> dict | None:
     """A job's ``agent`` entry from the trainers' (rank order): an ``agent=`` or partial job's lists (rows, prompts,
-    top-ups, a restored pool) joined (each trainer's after those of the trainers before it, the job's order); else
-    the first trainer's (the same on all)."""
+    top-ups, a restored pool) joined (each trainer's after those of the trainers before it, the job's order);
+    environments' episodes: every trainer's tool server and key (``envs``), samples (``sizes``) and samples'
+    environment names, joined; else the first trainer's (the same on all)."""
     first = entries[0]
+    if first is not None and "env" in first:  # environments: each trainer's tool server and samples' names
+        return {"step": first["step"], "mode": first["mode"], "envs": [e["env"] for e in entries],
+                "sizes": [len(e["names"]) for e in entries], "names": [x for e in entries for x in e["names"]]}
     if first is None or "rows" not in first:
         return first
     return {**first, **{k: [x for entry in entries for x in entry[k]] for k in JOINED if k in first}}

@@ -19,6 +19,7 @@ the trainers turn them into the same batch and episode the colocated path gives.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -104,15 +105,17 @@ def run_agent_job(engine, message: dict, state: dict, prompts: list[list[int]], 
                            "(a version mismatch between the trainers and the rollout ranks?)")
     if "rows" in message["agent"]:  # agent= episodes: the user's agents on this rank's endpoint
         return run_endpoint_job(engine, message, state, sample_offset, sample_offset + len(prompts), n, balanced)
-    if not tools:
+    job = message["agent"]
+    if not tools and not job.get("envs"):
         raise RuntimeError("rollout_multi_turn='requests' runs the tools on the rollout ranks, but this rollout "
                            "rank's trainer was built without tools=: build NRolloutGRPOTrainer with the same tools= "
                            "on every process (the same script runs everywhere).")
     if "agent_callbacks" not in state:
-        state["agent_callbacks"] = agent_callbacks(settings, tools)
+        state["agent_callbacks"] = agent_callbacks(settings, tools or [])
     agent, workers = state["agent_callbacks"]
     sampling: SamplingOptions = message["sampling"]
-    job = message["agent"]
+    if job.get("envs"):  # environments: the calls go home to the trainers, parsed with their tools' schemas
+        agent = env_agent(agent, state, job, n, sample_offset, balanced)
 
     def turn_seed(round_: int) -> int | None:
         if sampling.seed is None:
@@ -131,6 +134,62 @@ def run_agent_job(engine, message: dict, state: dict, prompts: list[list[int]], 
                          [s.logprobs for s in samples], [s.finish_reason for s in samples],
                          list(range(len(samples))))
     return batch, pulled, episode_extras(samples), stats
+
+
+def env_tool_schemas(env_tools: dict) -> dict:
+    """Each environment's tools (TRL's ``_env_tools``: environment name -> its tools, the standalone ones included)
+    as JSON schemas: what the rollout ranks parse an episode's calls with (the environments stay on the trainers)."""
+    from transformers.utils import get_json_schema
+
+    return {name: [t if isinstance(t, dict) else get_json_schema(t) for t in tools] for name, tools in env_tools.items()}
+
+
+def env_home(job: dict, n: int, trainer_rank) -> Callable[[int], tuple[str, tuple]]:
+    """Job sample ``s`` -> ``(the store prefix of its trainer's tool server, (that trainer's global rank, the key
+    of its episodes there, its index among that trainer's samples))``: where its environment's tools run.
+    ``job["sizes"]``: each trainer's samples; ``trainer_rank(t)``: trainer ``t``'s global rank."""
+    ends = np.cumsum(job["sizes"])
+
+    def home(s: int) -> tuple[str, tuple]:
+        t = int(np.searchsorted(ends, s, side="right"))
+        prefix, key = job["envs"][t]
+        return prefix, (trainer_rank(t), key, s - (int(ends[t - 1]) if t else 0))
+
+    return home
+
+
+def env_agent(agent: AgentCallbacks, state: dict, job: dict, n: int, sample_offset: int,
+              balanced: bool) -> AgentCallbacks:
+    """``agent`` for episodes whose environments live on the trainers: each sample's turns parsed with its
+    environment's tool schemas (the start message's ``env_tools``), its tool calls sent home to its trainer's tool
+    server (:class:`~trl_nrollout.rollout.home_tools.HomeTools`, over the launch's store). The engine's loop numbers
+    samples from this rank's first (``sample_offset`` in the job), or by their place in the job (``balanced``)."""
+    from trl.chat_template_utils import parse_response
+
+    from trl_nrollout.plan.roles import TRAIN
+    from trl_nrollout.rollout.home_tools import HomeTools
+
+    bridge = state["bridge"]
+    home = env_home(job, n, lambda t: bridge.roles.global_rank(TRAIN, t))
+    senders = state.setdefault("env_senders", {})  # send-only: nothing is served on a rollout rank
+    schemas, names = state["agent"]["env_tools"], job["names"]
+    if "agent_tokenizer" not in state:
+        processing_class = pickle.loads(state["agent"]["processing_class"])
+        state["agent_tokenizer"] = getattr(processing_class, "tokenizer", processing_class)
+    tokenizer = state["agent_tokenizer"]
+
+    def index(i: int) -> int:
+        return i if balanced else sample_offset + i
+
+    def run_tools(i: int, calls: list[dict]):
+        prefix, where = home(index(i))
+        if prefix not in senders:
+            senders[prefix] = HomeTools(bridge.store, prefix, bridge.rank, lambda w: w[0], None, 1)
+        return senders[prefix].run(where, calls)
+
+    return replace(agent, parse=lambda i, ids, prefix: parse_response(tokenizer, ids, prefix=prefix,
+                                                                      tools=schemas[names[index(i)]]),
+                   run_tools=run_tools)
 
 
 def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, n: int, balanced: bool

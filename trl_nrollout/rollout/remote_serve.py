@@ -53,6 +53,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
                 engine = state["engine"] = build_engine(message)
                 state["dispatch"] = message.get("dispatch", "shares")
                 state["agent"] = message.get("agent")  # tools on the rollout ranks (remote_agents)
+                state["bridge"] = bridge  # environments' tool calls go home through its store
                 answer = {"names": sorted(engine.parameter_names()), "dtype": str(engine.dtype)}
             except Exception as err:  # noqa: BLE001 - the trainers raise it, naming this rank
                 bridge.put(f"ready/{r}", {"kind": "error", "message": f"{type(err).__name__}: {err}"})

@@ -21,7 +21,7 @@ from trl_nrollout.dropin import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines
-from trl_nrollout.rollout.remote_agents import agent_settings
+from trl_nrollout.rollout.remote_agents import agent_settings, env_tool_schemas
 from trl_nrollout.rollout.remote_serve import serve
 from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
 
@@ -34,15 +34,8 @@ class RolloutRanks(RemotePartialRollouts):
 
     def _rollout_ranks_refusal(self) -> str | None:
         """What the trainer's arguments add to :func:`~trl_nrollout.config_checks.rollout_ranks_refusal`."""
-        r = self.args.rollout_ranks
         if self.args.rollout_partial and (why := self._remote_partial_refusal()) is not None:
             return why
-        if getattr(self, "environment_factories", None) and self.args.rollout_multi_turn == "requests":
-            return (f"rollout_ranks={r} with environment_factory and rollout_multi_turn='requests': request-level "
-                    "episodes run whole on the rollout ranks, tools included, while an environment lives on the "
-                    "trainer that reset it (its reward functions read it there); set rollout_multi_turn='turns' "
-                    "(the turns are generated on the rollout ranks, the environments' methods run on the trainers), "
-                    "or rollout_ranks=0.")
         return None
 
     def _start_remote_engines(self) -> RemoteEngines:
@@ -71,6 +64,9 @@ class RolloutRanks(RemotePartialRollouts):
             if self.agent is not None:  # agent=: an endpoint on each rollout rank (its engine's context)
                 settings["agent"]["endpoint"] = self._endpoint_settings(max_len)
                 settings["agent"]["timeout"] = args.agent_timeout_s
+            if self._remote_agents and self._has_environments:  # their calls come home (_serve_env_tools)
+                settings["agent"]["env_tools"] = env_tool_schemas(self._env_tools)
+                self._serve_env_tools(bridge)
         if args.vllm_enable_sleep_mode:
             logger.warning("vllm_enable_sleep_mode=True has no use with rollout_ranks=%d: the engines' devices hold "
                            "nothing else, so they stay awake (and keep their KV cache) between jobs.",
@@ -104,7 +100,35 @@ class RolloutRanks(RemotePartialRollouts):
             return self._partial_job_entry(step, rows[::n], list(prompts)[::n])
         if self.agent is not None:
             return {"step": step, "mode": mode, "rows": [dict(row) for row in rows]}
-        return {"step": step, "mode": mode} if self._remote_agents else None
+        if not self._remote_agents:
+            return None
+        if not self._has_environments:
+            return {"step": step, "mode": mode}
+        key = ("step", step) if rows else self._env_key  # rows: a job written ahead (_episodes_ahead keyed it)
+        names = self._env_ahead[step][4] if rows else self._batch_environments
+        return {"step": step, "mode": mode, "env": (self._env_host.prefix, key), "names": list(names)}
+
+    # ------------------------------------------------------------------ environments' tools for the rollout ranks
+    def _serve_env_tools(self, bridge: Bridge) -> None:
+        """Request-level episodes with environments run on the rollout ranks, while their environments stay here
+        (the reward functions read them): their tool calls come home through the launch's store
+        (:class:`~trl_nrollout.rollout.home_tools.HomeTools`), served from a thread for the trainer's life; call
+        ``(this rank, key, k)`` runs on the ``k``-th sample's tools of the episodes registered under ``key``
+        (:meth:`_episodes_ahead`, :meth:`_start_step_episodes`)."""
+        from trl_nrollout.rollout.agent_loop import call_tools
+        from trl_nrollout.rollout.home_tools import HomeTools
+
+        loop = getattr(self, "async_loop", None)
+        self._env_registry: dict = {}
+        RolloutRanks._hosts += 1  # one prefix per trainer: a script may build several in turn
+        host = HomeTools(bridge.store, f"env_tools/{RolloutRanks._hosts}", bridge.rank, lambda i: i[0],
+                         lambda i, calls: call_tools(calls, *self._env_registry[i[1]][i[2]], loop=loop),
+                         self.args.tool_workers)
+        self._env_host = host.__enter__()
+        atexit.register(host.close)
+
+    #: environments' tool servers started in this process (their store prefixes)
+    _hosts = 0
 
     def _remote_generate(self, prompt_ids: list[list[int]], images: EncodedPrompts | None, n: int, sampling,
                          offset: int, mode: str, step_job: bool):
@@ -237,6 +261,8 @@ class RolloutRanks(RemotePartialRollouts):
             busy -= {id(env) for env in held[3]}
         prompts, tools = self._start_episodes(rows, busy=busy)
         self._env_ahead[step] = (rows, prompts, tools, self.environments, self._batch_environments)
+        if "_env_registry" in self.__dict__:  # the job's tool calls come home to these (_serve_env_tools)
+            self._env_registry[("step", step)] = tools
         self.environments, self._batch_environments = live  # the live step's, for its tools and rewards
         return prompts
 
@@ -245,16 +271,26 @@ class RolloutRanks(RemotePartialRollouts):
         its job (:meth:`_episodes_ahead`, rollout ranks with environments; the same rows), else new ones, past the
         environments steps written ahead hold."""
         ahead = self.__dict__.get("_env_ahead")
-        if not ahead or not self._has_environments:
+        registry = self.__dict__.get("_env_registry")
+        if not self._has_environments or (not ahead and registry is None):
             return self._start_episodes(inputs)
         step = self.state.global_step
         held = ahead.pop(step, None) if step_job else None
         for old in [s for s in ahead if s < step]:  # an epoch's end or a changed batch: never trained
             del ahead[old]
+        if registry is not None:  # earlier rollouts' episodes have ended: their tools are not called again
+            for key in [k for k in registry if k[0] == "call" or k[1] < step]:
+                del registry[key]
         if held is not None and held[0] == inputs:
             _, prompts, tools, self.environments, self._batch_environments = held
+            self._env_key = ("step", step)
             return prompts, tools
-        return self._start_episodes(inputs, busy=self._held_ahead())
+        prompts, tools = self._start_episodes(inputs, busy=self._held_ahead())
+        if registry is not None:  # a rollout of its own (the first step, evaluation, DAPO's rounds)
+            self._env_calls = self.__dict__.get("_env_calls", 0) + 1
+            self._env_key = ("call", self._env_calls)
+            registry[self._env_key] = tools
+        return prompts, tools
 
     def _log_remote(self, mode: str) -> None:
         """The step's view of the rollout ranks: how long the trainers waited for the samples, how stale they
