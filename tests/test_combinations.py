@@ -47,7 +47,8 @@ RANKS_COVERED = {
     "agent": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight (here)",
     "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
     "images": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
-    "images, partial": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight (here)",
+    "images, tools request by request: partial": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_"
+                                                  "flight (here)",
 }
 
 
@@ -81,7 +82,7 @@ def test_the_combinations_follow_the_refusal_table():
                         *(w for *_, w in EPISODE.values()),
                         {"rollout_ranks", "rollout_backend='hf'", "rollout_tp_size>1",  # (TP: not in this run)
                          "tools, environment_factory or rollout_func",  # (agent= with TRL's loops: no combination)
-                         "tools, environment_factory or agent"})  # (rollout ranks: not in this run)
+                         "environment_factory or agent"})  # (rollout ranks: not in this run)
     for r in REFUSALS:  # every word of the table is one a combination can stand for
         assert all(p in words for side in (r.first, r.second) for p in side.split(" and ")), r
     allowed, refused_ = combinations()
@@ -226,7 +227,8 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     tools) -> env_check fails the launch.
 
     Partial rollouts (the rollout rank keeps the groups in flight from job to job): image prompts, their images
-    sent with every request of a group and its prompt encoded again where it trains (the combination's checks);
+    sent with every request of a group and its prompt encoded again where it trains, and tool episodes request by
+    request, their tool masks and messages answered with them (the combinations' checks);
     a checkpoint at step 2 keeps the pool the rollout rank held after step 2's own job, and the resumed run's first
     job carries it back, so its pool holds those groups after step 3 (without them it would be empty: no top-ups,
     rollout_partial_oversample=0). Mutation tried: the restore entry left out of the resumed run's first job ->
@@ -234,7 +236,7 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     entries = []
     ranks = {"rollout_ranks": 1, "max_staleness": 1, "max_steps": 3}
     for name in ("shares-whole-environment_turn_by_turn", "shares-whole-environment_request_by_request",
-                 "shares-whole-agent", "shares-partial-images"):
+                 "shares-whole-agent", "shares-partial-images", "shares-partial-tools_request_by_request"):
         combo = next(c for c in ALLOWED if c["name"] == name)
         entries.append({"name": combo["name"], "episode": combo["episode"], "options": {**combo["options"], **ranks}})
     saving = {**ranks, "rollout_partial": True, "save_strategy": "steps", "save_steps": 2}
@@ -242,7 +244,7 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
                 {"name": "resumed", "episode": "one completion", "resume": str(tmp_path / "first" / "checkpoint-2"),
                  "options": {**saving, "output_dir": str(tmp_path / "first"), "rollout_partial_oversample": 0.0}}]
     launch_two(tmp_path, entries)
-    for entry in entries[:4]:
+    for entry in entries[:5]:
         combo = next(c for c in ALLOWED if c["name"] == entry["name"])
         result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
         result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)

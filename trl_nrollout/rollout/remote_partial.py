@@ -19,7 +19,9 @@ One job on a rollout rank (:func:`run_partial_job`):
    versions old;
 3. the engine runs the pool until as many groups have finished as the job placed on it, the rest stop with their
    tokens kept (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_partial`, or
-   ``run_partial_balanced``);
+   ``run_partial_balanced``; tool episodes, ``rollout_multi_turn="requests"``: ``run_partial_agents`` /
+   ``run_partial_agents_balanced`` with the script's ``tools=`` on the rollout rank, an episode's tool mask and
+   messages answered with it);
 4. the rank answers its share of the first groups to finish (in the job's place of its own slice), each sample with
    its group's row, prompt, prompt ids and oldest version; its TP group's first rank adds the engine's counts and,
    when the trainers will save a checkpoint after this job's step (``snapshot``), the pool left in flight.
@@ -31,24 +33,32 @@ resume, from the same rows); the first job after a resume carries it back (``res
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
-from trl_nrollout.rollout.partial import InFlightGroup, drop_stale, split_finished
+import numpy as np
+
+from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
+from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.rollout.remote_agents import agent_callbacks, episode_extras
 from trl_nrollout.rollout.types import RolloutBatch
 
+#: the fields a group's first sample carries for every sample of it (:func:`group_fields`)
+GROUP_FIELDS = ("row", "prompt", "prompt_ids", "images")
 #: the entry's list fields, joined over the trainers in rank order (:func:`~trl_nrollout.rollout.remote.job_agent`)
 JOINED = ("rows", "prompts", "extra", "restore")
 
 
 def partial_entry(step: int, round_: int, rows: list[dict], prompts: list, extra: list[dict], *,
-                  max_staleness: int, oversample: float, snapshot: bool, restore: list | None = None) -> dict:
+                  max_staleness: int, oversample: float, snapshot: bool, restore: list | None = None,
+                  tools: bool = False) -> dict:
     """A trainer's ``agent`` entry of a partial job: ``rows`` and ``prompts`` (its dataset rows and prompts, one per
     group, in the job's order), ``extra`` top-up prompts (``{"row", "prompt", "ids", "images"}`` each: the engines
     take them only while their pool is short), the restart bound and the oversampling, ``snapshot`` (answer the
-    pool left in flight, for a checkpoint) and ``restore`` (a checkpoint's pool, the first job after a resume)."""
+    pool left in flight, for a checkpoint), ``restore`` (a checkpoint's pool, the first job after a resume) and
+    ``tools`` (the groups are tool-calling episodes, request by request, with the rollout ranks' ``tools=``)."""
     return {"partial": True, "step": step, "round": round_, "rows": [dict(r) for r in rows], "prompts": list(prompts),
             "extra": list(extra), "max_staleness": max_staleness, "oversample": oversample, "snapshot": snapshot,
-            "restore": list(restore or [])}
+            "restore": list(restore or []), "tools": tools}
 
 
 @dataclass
@@ -62,13 +72,17 @@ class PartialJob:
     batch: RolloutBatch
     fields: list[dict]
     report: dict | None
+    #: tool episodes: the samples' tool masks (``int8 [total tokens]``) and the engine's AgentStats as a tuple
+    mask: np.ndarray | None = None
+    agent_stats: tuple | None = None
     #: balanced: the pool's groups this engine ran and how many of them another engine's share placed (its TP
     #: group's first rank; else None), as :class:`~trl_nrollout.rollout.remote_agents.JobResult`'s ``balanced``
     pulled: tuple[int, int] | None = None
 
 
-def _group(key: tuple, ids: list[int], n: int, row: dict, prompt, home: int, images) -> InFlightGroup:
-    return InFlightGroup.fresh(key, ids, n, payload={"row": row, "prompt": prompt, "home": home}, images=images)
+def _group(key: tuple, ids: list[int], n: int, row: dict, prompt, home: int, images, tools: bool) -> InFlightGroup:
+    return InFlightGroup.fresh(key, ids, n, payload={"row": row, "prompt": prompt, "home": home}, images=images,
+                               sample=AgentPartialSample if tools else PartialSample)
 
 
 def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, int]], rank: int,
@@ -85,32 +99,45 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
     mine = range(len(ids)) if balanced else [g for r, (a, b) in enumerate(slices) if r // tp == rank // tp
                                              for g in range(a // n, b // n)]
     step, round_ = entry["step"], entry["round"]
+    tools = entry["tools"]
     new = [_group((step, round_, g), ids[g], n, entry["rows"][g], entry["prompts"][g], home_of[g],
-                  pics[g] if pics else None) for g in mine]
+                  pics[g] if pics else None, tools) for g in mine]
     pool = state.get("partial_pool", [])
     if entry["restore"]:  # the first job after a resume: the checkpoint's pool, dealt over the engines
         pool = list(entry["restore"]) if balanced else list(entry["restore"][rank // tp::engines])
     target = len(new)
     need = max(0, math.ceil(target * (1 + entry["oversample"])) - len(pool) - target)
     extra = entry["extra"] if balanced else entry["extra"][rank // tp::engines]
-    new += [_group((step, round_, len(ids) + k), e["ids"], n, e["row"], e["prompt"], rank // tp, e["images"])
+    new += [_group((step, round_, len(ids) + k), e["ids"], n, e["row"], e["prompt"], rank // tp, e["images"], tools)
             for k, e in enumerate(extra[:need])]
     version = state.get("version", 0)
     pool, restarted, dropped = drop_stale(pool, version, entry["max_staleness"])
     homes = [g.payload["home"] % engines for g in pool + new]  # (a resumed pool of a launch with more engines)
-    run = (engine.run_partial_balanced(pool + new, target, sampling, version, homes) if balanced
-           else engine.run_partial(pool + new, target, sampling, version))
+    stats = None
+    if tools:  # tool episodes: turn after turn as requests, their tools on each engine's first rank
+        agent, workers = tool_callbacks(state)
+        run, stats = (engine.run_partial_agents_balanced(pool + new, target, sampling, version, homes, agent, workers)
+                      if balanced else engine.run_partial_agents(pool + new, target, sampling, version, agent,
+                                                                 workers, owns=lambda g: rank % tp == 0))
+    else:
+        run = (engine.run_partial_balanced(pool + new, target, sampling, version, homes) if balanced
+               else engine.run_partial(pool + new, target, sampling, version))
     chosen, state["partial_pool"] = split_finished(run.groups, run.finish_order, target)
     first = slices[rank][0] // n if balanced else sum((b - a) // n for r, (a, b) in enumerate(slices)
                                                       if r // tp == rank // tp and r < rank)
     share = chosen[first:first + (slices[rank][1] - slices[rank][0]) // n]
-    samples = [s for g in share for s in g.samples]
-    batch = RolloutBatch([list(g.prompt_ids) for g in share for _ in g.samples], [s.token_ids for s in samples],
+    samples = [s.episode if tools else s for g in share for s in g.samples]
+    batch = RolloutBatch([list(g.prompt_ids) for g in share for _ in g.samples],
+                         [s.completion_ids if tools else s.token_ids for s in samples],
                          [s.logprobs for s in samples], [s.finish_reason for s in samples], list(range(len(samples))))
     fields = [{"oldest": s.oldest_version(), **({"row": g.payload["row"], "prompt": g.payload["prompt"],
                                                   "prompt_ids": list(g.prompt_ids), "images": bool(g.images)}
                                                  if k == 0 else {})}
               for g in share for k, s in enumerate(g.samples)]
+    mask = None
+    if tools:  # each episode's tool mask (one flat array) and what the rewards need
+        mask, episode_fields = episode_extras(samples)
+        fields = [{**f, **e} for f, e in zip(fields, episode_fields)]
     report = None
     if rank % tp == 0:  # the engine's counts; the pool's (balanced: the job's, the same on every rank) once
         keeps = rank == 0 or not balanced
@@ -120,13 +147,25 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
     pulled = None
     if balanced and rank % tp == 0:
         pulled = (len(run.engine_groups), sum(1 for i in run.engine_groups if homes[i] != rank // tp))
-    return PartialJob(batch, fields, report, pulled)
+    return PartialJob(batch, fields, report, mask, None if stats is None else astuple(stats), pulled)
+
+
+def tool_callbacks(state: dict):
+    """The rollout rank's tool-calling callbacks and workers (built once: the start message's ``agent`` settings and
+    the script's ``tools=``)."""
+    if not state.get("tools") or state.get("agent") is None:
+        raise RuntimeError("rollout_partial with tools runs the tool episodes on the rollout ranks, but this rollout "
+                           "rank's trainer was built without tools=: build NRolloutGRPOTrainer with the same tools= "
+                           "on every process (the same script runs everywhere).")
+    if "agent_callbacks" not in state:
+        state["agent_callbacks"] = agent_callbacks(state["agent"], state["tools"])
+    return state["agent_callbacks"]
 
 
 def group_fields(fields: list[dict]) -> list[dict]:
     """Each sample's fields of :class:`PartialJob` with its group's (carried on the group's first sample only)."""
     out, group = [], {}
     for f in fields:
-        group = {k: v for k, v in f.items() if k != "oldest"} or group
-        out.append({**group, "oldest": f["oldest"]})
+        group = {k: f[k] for k in GROUP_FIELDS if k in f} or group
+        out.append({**f, **group})
     return out

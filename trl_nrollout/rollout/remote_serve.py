@@ -85,7 +85,8 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
                     slices = [job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, q)
                               for q in range(roles.rollout_ranks)]
                     done = run_partial_job(engine, message, state, slices, r, state.get("dispatch") == "balanced")
-                    batch, extras, partial, balanced = done.batch, (None, done.fields), done.report, done.pulled
+                    batch, extras, partial, balanced = done.batch, (done.mask, done.fields), done.report, done.pulled
+                    agent_stats = done.agent_stats
                     pics = None  # (the groups' prompts as the trainers encode them: they train wherever they finish)
                 elif message.get("agent") is not None:  # whole tool episodes, request by request, tools here
                     prompts = [groups[i // n] for i in range(start, stop)]

@@ -16,6 +16,7 @@ import time
 
 from accelerate.utils import gather_object
 
+from trl_nrollout.rollout.agent_loop import AgentStats
 from trl_nrollout.rollout.remote_partial import partial_entry
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.multiturn import Episode
@@ -31,14 +32,14 @@ class RemotePartialRollouts:
 
     def _remote_partial_refusal(self) -> str | None:
         """What rollout ranks cannot yet roll out partially (None: they can)."""
-        kind = ("agent=" if self.agent is not None else "environment_factory" if self._has_environments
-                else "tools" if self.tools else None)
+        kind = "agent=" if self.agent is not None else "environment_factory" if self._has_environments else None
         if kind is None:
             return None
         return (f"rollout_ranks={self.args.rollout_ranks} with rollout_partial=True and {kind}: the rollout ranks keep "
-                "single-turn groups in flight from job to job, not yet episodes (tools, environment_factory or agent "
-                "would have to run there too); set rollout_partial=False (the episodes run a step ahead on the "
-                "rollout ranks) or rollout_ranks=0 (partial episodes on colocated engines).")
+                "single-turn groups and tool episodes in flight from job to job, not yet an environment_factory's "
+                "or an agent's (an environment lives on the trainer that reset it, while a group trains on "
+                "whichever trainer's share it finishes in); set rollout_partial=False (the episodes run a step "
+                "ahead on the rollout ranks) or rollout_ranks=0 (partial episodes on colocated engines).")
 
     def _engine_prompts(self, prompts: list) -> tuple[list[list[int]], list]:
         """The engine's ids of ``prompts`` (image placeholders not expanded) and each prompt's images (None: text)."""
@@ -85,7 +86,7 @@ class RemotePartialRollouts:
             restore = list(self._partial_pool)
         entry = partial_entry(step, round_, rows, prompts, extra, max_staleness=args.max_staleness,
                               oversample=args.rollout_partial_oversample, snapshot=self._saves_after(step),
-                              restore=restore)
+                              restore=restore, tools=bool(self.tools))
         if round_ == 0:
             for old in [s for s in made if s < self.state.global_step]:
                 del made[old]
@@ -127,7 +128,14 @@ class RemotePartialRollouts:
         per_engine = [[*r["counts"][:4], max(every, default=0), sum(every) / max(1, len(every)), r["counts"][4]]
                       for r in reports]
         self._log_partial(mode, per_engine, per_engine, [c for c, r in zip(per_engine, reports) if r["pool_of"]])
-        episode = Episode(mm=mm if any(m is not None for m in mm) else None)
+        if self.tools:  # tool episodes: their masks (0 on tool results), messages and counts
+            self._log_agent_stats(mode, engine.last_job.get("agent_stats") or AgentStats())
+            episode = Episode(tool_mask=[f["tool_mask"] for f in fields],
+                              completions=[f["completions"] for f in fields], turns=[f["turns"] for f in fields],
+                              tool_calls=[f["tool_calls"] for f in fields],
+                              tool_failures=[f["tool_failures"] for f in fields])
+        else:
+            episode = Episode(mm=mm if any(m is not None for m in mm) else None)
         return self._round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)
 
     def _remote_pool_to_save(self) -> list:
