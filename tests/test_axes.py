@@ -64,8 +64,8 @@ CASES = {
         tmp, rollout_multi_turn="requests", rollout_backend="hf"),
     ("rollout_multi_turn='requests'", "rollout_func"): lambda tmp: MultiTurnRollout._request_turns_refusal(
         _trainer(rollout_func=print)),
-    ("rollout_ranks and rollout_partial=True", "environment_factory or agent"): lambda tmp: (
-        RemotePartialRollouts._remote_partial_refusal(_trainer(tools=[print], agent=None, _has_environments=True))),
+    ("rollout_ranks and rollout_partial=True", "agent"): lambda tmp: (
+        RemotePartialRollouts._remote_partial_refusal(_trainer(agent=print))),
     ("rollout_partial=True", "tools and rollout_multi_turn='turns'"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(tools=[print]))),
     ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(

@@ -47,8 +47,8 @@ RANKS_COVERED = {
     "agent": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight (here)",
     "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
     "images": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
-    "images, tools request by request: partial": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_"
-                                                  "flight (here)",
+    "images, tools / environments request by request: partial": "test_a_rollout_rank_keeps_each_steps_episodes_"
+                                                                 "and_groups_in_flight (here)",
 }
 
 
@@ -81,8 +81,7 @@ def test_the_combinations_follow_the_refusal_table():
     words = set().union(*(w for _, w in DISPATCH.values()), *(w for _, w in END.values()),
                         *(w for *_, w in EPISODE.values()),
                         {"rollout_ranks", "rollout_backend='hf'", "rollout_tp_size>1",  # (TP: not in this run)
-                         "tools, environment_factory or rollout_func",  # (agent= with TRL's loops: no combination)
-                         "environment_factory or agent"})  # (rollout ranks: not in this run)
+                         "tools, environment_factory or rollout_func"})  # (agent= with TRL's loops: no combination)
     for r in REFUSALS:  # every word of the table is one a combination can stand for
         assert all(p in words for side in (r.first, r.second) for p in side.split(" and ")), r
     allowed, refused_ = combinations()
@@ -100,10 +99,11 @@ def test_the_combinations_follow_the_refusal_table():
 ALLOWED, _ = combinations()
 
 
-def launch_two(tmp_path, entries: list[dict]) -> None:
-    """tests/assets/axes_combinations.py over two processes (accelerate, CPU), its entries one after another."""
-    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", str(ROOT / "tests/assets/axes_combinations.py"),
-             str(tmp_path), json.dumps(entries)],
+def launch_two(tmp_path, entries: list[dict], processes: int = 2) -> None:
+    """tests/assets/axes_combinations.py over two processes (accelerate, CPU; or ``processes``), its entries one
+    after another."""
+    run_cmd([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", str(processes),
+             str(ROOT / "tests/assets/axes_combinations.py"), str(tmp_path), json.dumps(entries)],
             timeout=600, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1",
                               "PYTHONPATH": str(ROOT)})
 RENDERED = "<tool_response>\n7\n</tool_response>"  # the tool's result as the chat template renders it
@@ -210,7 +210,8 @@ def test_partial_environment_episodes_train_on_their_own_ranks_at_tp2(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.multiprocess
 def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path):
-    """rollout_ranks=1, one step ahead (max_staleness=1): a step's job is written while the step before it trains.
+    """Two trainers and rollout_ranks=1, one step ahead (max_staleness=1): a step's job (both trainers' samples) is
+    written while the step before it trains.
     Environments turn by turn: the step's environments are reset then, on instances of their own, and the step's
     tool turns and rewards use those (the environments' methods run on the trainer, each turn a job of the rollout
     rank); ``env_check`` raises unless every sample is scored with its own episode's environment. Environments
@@ -227,28 +228,33 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     tools) -> env_check fails the launch.
 
     Partial rollouts (the rollout rank keeps the groups in flight from job to job): image prompts, their images
-    sent with every request of a group and its prompt encoded again where it trains, and tool episodes request by
-    request, their tool masks and messages answered with them (the combinations' checks);
+    sent with every request of a group and its prompt encoded again where it trains; tool episodes request by
+    request, their tool masks and messages answered with them; environments' episodes, their environments waiting
+    on the trainer across jobs, their calls sent home, each group trained by the trainer that holds them (env_check,
+    and the trainer raises on a group drawn elsewhere) (the combinations' checks);
     a checkpoint at step 2 keeps the pool the rollout rank held after step 2's own job, and the resumed run's first
     job carries it back, so its pool holds those groups after step 3 (without them it would be empty: no top-ups,
-    rollout_partial_oversample=0). Mutation tried: the restore entry left out of the resumed run's first job ->
-    pool_groups 0 at step 3, the assertion fails."""
+    rollout_partial_oversample=0). Mutations tried: the restore entry left out of the resumed run's first job ->
+    pool_groups 0 at step 3, the assertion fails; the rollout rank's finished environment groups cut by position,
+    not by the trainer that drew them -> a trainer receives another's group and raises."""
     entries = []
     ranks = {"rollout_ranks": 1, "max_staleness": 1, "max_steps": 3}
     for name in ("shares-whole-environment_turn_by_turn", "shares-whole-environment_request_by_request",
-                 "shares-whole-agent", "shares-partial-images", "shares-partial-tools_request_by_request"):
+                 "shares-whole-agent", "shares-partial-images", "shares-partial-tools_request_by_request",
+                 "shares-partial-environment_request_by_request"):
         combo = next(c for c in ALLOWED if c["name"] == name)
         entries.append({"name": combo["name"], "episode": combo["episode"], "options": {**combo["options"], **ranks}})
     saving = {**ranks, "rollout_partial": True, "save_strategy": "steps", "save_steps": 2}
     entries += [{"name": "first", "episode": "one completion", "options": {**saving, "max_steps": 2}},
                 {"name": "resumed", "episode": "one completion", "resume": str(tmp_path / "first" / "checkpoint-2"),
                  "options": {**saving, "output_dir": str(tmp_path / "first"), "rollout_partial_oversample": 0.0}}]
-    launch_two(tmp_path, entries)
-    for entry in entries[:5]:
+    launch_two(tmp_path, entries, processes=3)  # 2 trainers + the rollout rank
+    for entry in entries[:6]:
         combo = next(c for c in ALLOWED if c["name"] == entry["name"])
         result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
         result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)
         check_combination(combo, result, engine="RemoteEngines")
+        assert all(len(rnd["samples"]) == 2 * 8 for rnd in result["rounds"]), entry["name"]  # both trainers' job
         stale = [h["rollout/staleness"] for h in result["history"] if "rollout/staleness" in h]
         assert len(stale) == 3 and max(stale) == 1, (entry["name"], stale)  # samples generated a step ahead
     saved = json.loads((tmp_path / "first" / "checkpoint-2" / "nrollout_partial_rank0.json").read_text())

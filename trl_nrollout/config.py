@@ -209,8 +209,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "go with every request), rollout_dispatch='balanced' (one job-wide pool), tool episodes "
                 "(rollout_multi_turn='requests') and environment_factory (at any rollout_tp_size, a group's episodes "
                 "on its own rank; a checkpoint restarts the episodes in flight) included. With rollout_ranks the "
-                "rollout ranks keep the groups in flight from job to job (single-turn prompts, images and tool "
-                "episodes included); a group trains on whichever trainer's share it finishes in, with its row."})
+                "rollout ranks keep the groups in flight from job to job (single-turn prompts, images, tool and "
+                "environment episodes included)."})
     rollout_partial_oversample: float = field(default=1.0, metadata={
         "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "
                 "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "
@@ -233,7 +233,7 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "max_staleness steps ahead. 0: every process trains and generates (colocated). Batch sizes count "
                 "the trainers only. vLLM engines; single-turn prompts (images included), TRL's tools and "
                 "environments, rollout_func, agent=, a balanced queue over the rollout ranks' engines and partial "
-                "rollouts (single-turn and tool episodes) run there."})
+                "rollouts run there."})
     rollout_rank_timeout_s: float = field(default=120.0, metadata={
         "help": "With rollout_ranks: seconds without a heartbeat (written every second by every process) after "
                 "which a rank stops the launch, naming the silent rank and what it was doing (a dead or frozen "

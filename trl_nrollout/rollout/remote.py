@@ -455,7 +455,10 @@ def job_agent(entries: list[dict | None]) -> dict | None:
                 "sizes": [len(e["names"]) for e in entries], "names": [x for e in entries for x in e["names"]]}
     if first is None or "rows" not in first:
         return first
-    return {**first, **{k: [x for entry in entries for x in entry[k]] for k in JOINED if k in first}}
+    joined = {k: [x for entry in entries for x in entry[k]] for k in JOINED if isinstance(first.get(k), list)}
+    if first.get("host") is not None:  # a partial job with environments: each trainer's tool server
+        joined["hosts"] = [entry["host"] for entry in entries]
+    return {**first, **joined}
 
 
 def _groups_of(sample_prompts: list | None, n: int) -> list | None:

@@ -158,38 +158,70 @@ def env_home(job: dict, n: int, trainer_rank) -> Callable[[int], tuple[str, tupl
     return home
 
 
-def env_agent(agent: AgentCallbacks, state: dict, job: dict, n: int, sample_offset: int,
-              balanced: bool) -> AgentCallbacks:
-    """``agent`` for episodes whose environments live on the trainers: each sample's turns parsed with its
-    environment's tool schemas (the start message's ``env_tools``), its tool calls sent home to its trainer's tool
-    server (:class:`~trl_nrollout.rollout.home_tools.HomeTools`, over the launch's store). The engine's loop numbers
-    samples from this rank's first (``sample_offset`` in the job), or by their place in the job (``balanced``)."""
-    from trl.chat_template_utils import parse_response
-
-    from trl_nrollout.plan.roles import TRAIN
+def home_call(state: dict, prefix: str, where: tuple, calls: list[dict]) -> tuple[list[dict], int]:
+    """Send ``calls`` home to the trainer tool server at ``prefix`` (``where``: its global rank, the key of the
+    episodes there, the sample's index among them) and wait for the tool messages and failures: a rollout rank's
+    side of :class:`~trl_nrollout.rollout.home_tools.HomeTools` (send-only: nothing is served here)."""
     from trl_nrollout.rollout.home_tools import HomeTools
 
-    bridge = state["bridge"]
-    home = env_home(job, n, lambda t: bridge.roles.global_rank(TRAIN, t))
-    senders = state.setdefault("env_senders", {})  # send-only: nothing is served on a rollout rank
-    schemas, names = state["agent"]["env_tools"], job["names"]
+    senders = state.setdefault("env_senders", {})
+    if prefix not in senders:
+        bridge = state["bridge"]
+        senders[prefix] = HomeTools(bridge.store, prefix, bridge.rank, lambda w: w[0], None, 1)
+    return senders[prefix].run(where, calls)
+
+
+def _env_parse(state: dict) -> Callable[[list[int], list[int], object], Any]:
+    """``parse(ids, prefix, name)``: a turn parsed with environment ``name``'s tool schemas (the start message's
+    ``env_tools``), with the trainers' tokenizer."""
+    from trl.chat_template_utils import parse_response
+
     if "agent_tokenizer" not in state:
         processing_class = pickle.loads(state["agent"]["processing_class"])
         state["agent_tokenizer"] = getattr(processing_class, "tokenizer", processing_class)
-    tokenizer = state["agent_tokenizer"]
+    tokenizer, schemas = state["agent_tokenizer"], state["agent"]["env_tools"]
+    return lambda ids, prefix, name: parse_response(tokenizer, ids, prefix=prefix, tools=schemas[name])
+
+
+def env_agent(agent: AgentCallbacks, state: dict, job: dict, n: int, sample_offset: int,
+              balanced: bool) -> AgentCallbacks:
+    """``agent`` for episodes whose environments live on the trainers: each sample's turns parsed with its
+    environment's tool schemas, its tool calls sent home to its trainer's tool server (:func:`home_call`). The
+    engine's loop numbers samples from this rank's first (``sample_offset`` in the job), or by their place in the
+    job (``balanced``)."""
+    from trl_nrollout.plan.roles import TRAIN
+
+    bridge = state["bridge"]
+    home = env_home(job, n, lambda t: bridge.roles.global_rank(TRAIN, t))
+    parse, names = _env_parse(state), job["names"]
 
     def index(i: int) -> int:
         return i if balanced else sample_offset + i
 
-    def run_tools(i: int, calls: list[dict]):
-        prefix, where = home(index(i))
-        if prefix not in senders:
-            senders[prefix] = HomeTools(bridge.store, prefix, bridge.rank, lambda w: w[0], None, 1)
-        return senders[prefix].run(where, calls)
+    return replace(agent, parse=lambda i, ids, prefix: parse(ids, prefix, names[index(i)]),
+                   run_tools=lambda i, calls: home_call(state, *home(index(i)), calls))
 
-    return replace(agent, parse=lambda i, ids, prefix: parse_response(tokenizer, ids, prefix=prefix,
-                                                                      tools=schemas[names[index(i)]]),
-                   run_tools=run_tools)
+
+def partial_env_agent(agent: AgentCallbacks, state: dict, groups: list, width: int, hosts: list[str]
+                      ) -> AgentCallbacks:
+    """``agent`` for a partial pool's episodes whose environments live on the trainers: sample ``k`` of pool group
+    ``g`` (index ``g * width + k``, as the partial loops number them) is parsed with its row's environment's tool
+    schemas and its calls go home to the trainer that drew the group (its key's third field), to the group's
+    environments there."""
+    from trl_nrollout.plan.roles import TRAIN
+
+    bridge, parse = state["bridge"], _env_parse(state)
+    single = None in state["agent"]["env_tools"]  # one environment_factory: its tools for every row
+
+    def where(i: int) -> tuple[str, tuple]:
+        g = groups[i // width]
+        return hosts[g.key[2]], (bridge.roles.global_rank(TRAIN, g.key[2]), ("group", g.key), i % width)
+
+    def name(i: int):
+        return None if single else groups[i // width].payload["row"].get("environment")
+
+    return replace(agent, parse=lambda i, ids, prefix: parse(ids, prefix, name(i)),
+                   run_tools=lambda i, calls: home_call(state, *where(i), calls))
 
 
 def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, n: int, balanced: bool

@@ -33,32 +33,45 @@ resume, from the same rows); the first job after a resume carries it back (``res
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import astuple, dataclass
 
 import numpy as np
 
-from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
+from trl_nrollout.rollout.partial import (
+    InFlightGroup,
+    PartialSample,
+    drop_stale,
+    homes_done,
+    split_finished,
+    split_finished_by_home,
+)
 from trl_nrollout.rollout.partial_agents import AgentPartialSample
-from trl_nrollout.rollout.remote_agents import agent_callbacks, episode_extras
+from trl_nrollout.rollout.remote_agents import agent_callbacks, episode_extras, home_call, partial_env_agent
 from trl_nrollout.rollout.types import RolloutBatch
 
 #: the fields a group's first sample carries for every sample of it (:func:`group_fields`)
-GROUP_FIELDS = ("row", "prompt", "prompt_ids", "images")
+GROUP_FIELDS = ("row", "prompt", "prompt_ids", "images", "key")
 #: the entry's list fields, joined over the trainers in rank order (:func:`~trl_nrollout.rollout.remote.job_agent`)
-JOINED = ("rows", "prompts", "extra", "restore")
+JOINED = ("rows", "prompts", "extra", "restore", "keys")
+#: the call that asks a trainer to reset a partial group's sample's environment (the sample started again)
+RESET_ENV = [{"__reset_environment__": True}]
 
 
 def partial_entry(step: int, round_: int, rows: list[dict], prompts: list, extra: list[dict], *,
                   max_staleness: int, oversample: float, snapshot: bool, restore: list | None = None,
-                  tools: bool = False) -> dict:
+                  tools: bool = False, keys: list[tuple] | None = None, host: str | None = None) -> dict:
     """A trainer's ``agent`` entry of a partial job: ``rows`` and ``prompts`` (its dataset rows and prompts, one per
     group, in the job's order), ``extra`` top-up prompts (``{"row", "prompt", "ids", "images"}`` each: the engines
     take them only while their pool is short), the restart bound and the oversampling, ``snapshot`` (answer the
     pool left in flight, for a checkpoint), ``restore`` (a checkpoint's pool, the first job after a resume) and
-    ``tools`` (the groups are tool-calling episodes, request by request, with the rollout ranks' ``tools=``)."""
+    ``tools`` (the groups are tool-calling episodes, request by request, with the rollout ranks' ``tools=``). With
+    environments: each group's ``keys`` (``(step, round, trainer rank, index)``: its environments wait on that
+    trainer, and it trains there) and the trainer's tool server's store prefix (``host``; joined as ``hosts``)."""
     return {"partial": True, "step": step, "round": round_, "rows": [dict(r) for r in rows], "prompts": list(prompts),
             "extra": list(extra), "max_staleness": max_staleness, "oversample": oversample, "snapshot": snapshot,
-            "restore": list(restore or []), "tools": tools}
+            "restore": list(restore or []), "tools": tools, "keys": None if keys is None else list(keys),
+            "host": host}
 
 
 @dataclass
@@ -99,30 +112,48 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
     mine = range(len(ids)) if balanced else [g for r, (a, b) in enumerate(slices) if r // tp == rank // tp
                                              for g in range(a // n, b // n)]
     step, round_ = entry["step"], entry["round"]
-    tools = entry["tools"]
-    new = [_group((step, round_, g), ids[g], n, entry["rows"][g], entry["prompts"][g], home_of[g],
-                  pics[g] if pics else None, tools) for g in mine]
+    tools, keys, hosts = entry["tools"], entry.get("keys"), entry.get("hosts")
+    new = [_group(tuple(keys[g]) if keys else (step, round_, g), ids[g], n, entry["rows"][g], entry["prompts"][g],
+                  home_of[g], pics[g] if pics else None, tools) for g in mine]
     pool = state.get("partial_pool", [])
     if entry["restore"]:  # the first job after a resume: the checkpoint's pool, dealt over the engines
         pool = list(entry["restore"]) if balanced else list(entry["restore"][rank // tp::engines])
     target = len(new)
     need = max(0, math.ceil(target * (1 + entry["oversample"])) - len(pool) - target)
     extra = entry["extra"] if balanced else entry["extra"][rank // tp::engines]
-    new += [_group((step, round_, len(ids) + k), e["ids"], n, e["row"], e["prompt"], rank // tp, e["images"], tools)
-            for k, e in enumerate(extra[:need])]
+    admitted = extra[:need]
+    new += [_group(tuple(e["key"]) if keys else (step, round_, len(ids) + k), e["ids"], n, e["row"], e["prompt"],
+                   rank // tp, e["images"], tools) for k, e in enumerate(admitted)]
     version = state.get("version", 0)
+    before = pool
     pool, restarted, dropped = drop_stale(pool, version, entry["max_staleness"])
+    speaks = rank == 0 if balanced else rank % tp == 0  # for the pool (balanced: the job's, on every rank)
+    if hosts and speaks:  # a sample started again starts its environment again, on the trainer that holds it
+        _reset_restarted(state, before, pool, hosts)
     homes = [g.payload["home"] % engines for g in pool + new]  # (a resumed pool of a launch with more engines)
+    # environments: a group trains where they live, each trainer its own groups (quota: as many as it drew here)
+    drawn_by = [g.key[2] for g in pool + new] if hosts else None
+    quota = dict(sorted(Counter(g.key[2] for g in new[:target]).items())) if hosts else None
     stats = None
-    if tools:  # tool episodes: turn after turn as requests, their tools on each engine's first rank
-        agent, workers = tool_callbacks(state)
-        run, stats = (engine.run_partial_agents_balanced(pool + new, target, sampling, version, homes, agent, workers)
-                      if balanced else engine.run_partial_agents(pool + new, target, sampling, version, agent,
-                                                                 workers, owns=lambda g: rank % tp == 0))
+    if tools:  # tool episodes: turn after turn as requests, their tools on each engine's first rank (or home)
+        agent, workers = tool_callbacks(state, bool(hosts))
+        if hosts:
+            agent = partial_env_agent(agent, state, pool + new, n, hosts)
+        if balanced:
+            run, stats = engine.run_partial_agents_balanced(pool + new, target, sampling, version, homes, agent,
+                                                            workers, quota=(drawn_by, quota) if hosts else None)
+        else:
+            run, stats = engine.run_partial_agents(
+                pool + new, target, sampling, version, agent, workers, owns=lambda g: rank % tp == 0,
+                done=(lambda order: homes_done(drawn_by, order, quota)) if hosts else None)
     else:
         run = (engine.run_partial_balanced(pool + new, target, sampling, version, homes) if balanced
                else engine.run_partial(pool + new, target, sampling, version))
-    chosen, state["partial_pool"] = split_finished(run.groups, run.finish_order, target)
+    if hosts:
+        chosen, state["partial_pool"] = split_finished_by_home(run.groups, run.finish_order,
+                                                               [g.key[2] for g in run.groups], quota)
+    else:
+        chosen, state["partial_pool"] = split_finished(run.groups, run.finish_order, target)
     first = slices[rank][0] // n if balanced else sum((b - a) // n for r, (a, b) in enumerate(slices)
                                                       if r // tp == rank // tp and r < rank)
     share = chosen[first:first + (slices[rank][1] - slices[rank][0]) // n]
@@ -131,7 +162,8 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
                          [s.completion_ids if tools else s.token_ids for s in samples],
                          [s.logprobs for s in samples], [s.finish_reason for s in samples], list(range(len(samples))))
     fields = [{"oldest": s.oldest_version(), **({"row": g.payload["row"], "prompt": g.payload["prompt"],
-                                                  "prompt_ids": list(g.prompt_ids), "images": bool(g.images)}
+                                                  "prompt_ids": list(g.prompt_ids), "images": bool(g.images),
+                                                  "key": g.key}
                                                  if k == 0 else {})}
               for g in share for k, s in enumerate(g.samples)]
     mask = None
@@ -143,22 +175,36 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
         keeps = rank == 0 or not balanced
         report = {"engine": rank // tp, "counts": [run.aborted, restarted, len(state["partial_pool"]),
                                                    run.engine_steps, dropped], "pool_of": keeps,
-                  "pool": list(state["partial_pool"]) if entry["snapshot"] and keeps else None}
+                  "pool": list(state["partial_pool"]) if entry["snapshot"] and keeps else None,
+                  "admitted": [tuple(e["key"]) for e in admitted] if keys else []}
     pulled = None
     if balanced and rank % tp == 0:
         pulled = (len(run.engine_groups), sum(1 for i in run.engine_groups if homes[i] != rank // tp))
     return PartialJob(batch, fields, report, mask, None if stats is None else astuple(stats), pulled)
 
 
-def tool_callbacks(state: dict):
+def _reset_restarted(state: dict, before: list[InFlightGroup], after: list[InFlightGroup], hosts: list[str]) -> None:
+    """Every sample :func:`~trl_nrollout.rollout.partial.drop_stale` started again has its environment reset on the
+    trainer that holds it (:data:`RESET_ENV`, sent home as a call)."""
+    from trl_nrollout.plan.roles import TRAIN
+
+    roles = state["bridge"].roles
+    for old, new in zip(before, after):
+        for k, (a, b) in enumerate(zip(old.samples, new.samples)):
+            if a is not b:
+                t = new.key[2]
+                home_call(state, hosts[t], (roles.global_rank(TRAIN, t), ("group", new.key), k), RESET_ENV)
+
+
+def tool_callbacks(state: dict, environments: bool = False):
     """The rollout rank's tool-calling callbacks and workers (built once: the start message's ``agent`` settings and
-    the script's ``tools=``)."""
-    if not state.get("tools") or state.get("agent") is None:
+    the script's ``tools=``; ``environments``: the tools are the trainers' environments', called home)."""
+    if (not state.get("tools") and not environments) or state.get("agent") is None:
         raise RuntimeError("rollout_partial with tools runs the tool episodes on the rollout ranks, but this rollout "
                            "rank's trainer was built without tools=: build NRolloutGRPOTrainer with the same tools= "
                            "on every process (the same script runs everywhere).")
     if "agent_callbacks" not in state:
-        state["agent_callbacks"] = agent_callbacks(state["agent"], state["tools"])
+        state["agent_callbacks"] = agent_callbacks(state["agent"], state.get("tools") or [])
     return state["agent_callbacks"]
 
 

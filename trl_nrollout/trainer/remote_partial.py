@@ -13,16 +13,28 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass, replace
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.rollout.agent_loop import AgentStats
+from trl_nrollout.rollout.agent_loop import AgentStats, split_tools
+from trl_nrollout.rollout.partial import InFlightGroup
 from trl_nrollout.rollout.remote_partial import partial_entry
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.stages import Round, StepContext
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PartialJobParts:
+    """A trainer's part of a partial job: its ``agent`` entry, and its groups' engine ids ``[G][P]`` and images
+    (``[G]``, None for text)."""
+
+    entry: dict
+    ids: list[list[int]]
+    images: list
 
 
 class RemotePartialRollouts:
@@ -32,14 +44,13 @@ class RemotePartialRollouts:
 
     def _remote_partial_refusal(self) -> str | None:
         """What rollout ranks cannot yet roll out partially (None: they can)."""
-        kind = "agent=" if self.agent is not None else "environment_factory" if self._has_environments else None
-        if kind is None:
+        if self.agent is None:
             return None
-        return (f"rollout_ranks={self.args.rollout_ranks} with rollout_partial=True and {kind}: the rollout ranks keep "
-                "single-turn groups and tool episodes in flight from job to job, not yet an environment_factory's "
-                "or an agent's (an environment lives on the trainer that reset it, while a group trains on "
-                "whichever trainer's share it finishes in); set rollout_partial=False (the episodes run a step "
-                "ahead on the rollout ranks) or rollout_ranks=0 (partial episodes on colocated engines).")
+        return (f"rollout_ranks={self.args.rollout_ranks} with rollout_partial=True and agent=: the rollout ranks keep "
+                "single-turn groups, tool episodes and environments' episodes in flight from job to job, not yet "
+                "live agents (a partial agent's pool runs on an endpoint of its own); set rollout_partial=False (the "
+                "agents run a step ahead on the rollout ranks) or rollout_ranks=0 (partial agents on colocated "
+                "engines).")
 
     def _engine_prompts(self, prompts: list) -> tuple[list[list[int]], list]:
         """The engine's ids of ``prompts`` (image placeholders not expanded) and each prompt's images (None: text)."""
@@ -62,36 +73,93 @@ class RemotePartialRollouts:
         span = max(1, math.ceil(self.layout.optimizer_steps_per_rollout))
         return any(s % every == 0 or (last is not None and s >= last) for s in range(step + 1, step + span + 1))
 
-    def _partial_job_entry(self, step: int, rows: list[dict], prompts: list, round_: int = 0) -> dict:
-        """This rank's ``agent`` entry of a partial job (:func:`~trl_nrollout.rollout.remote_partial.partial_entry`):
-        its groups' ``rows`` and ``prompts`` (one per group), top-up prompts drawn as DAPO draws (one more than
-        ``rollout_partial_oversample`` of its groups: the engines take them while their pool is short), and the
-        checkpoint's pool after a resume. A step's entry is made once (its job written ahead and the step's own
-        must be equal)."""
+    def _partial_job(self, step: int, rows: list[dict], round_: int = 0) -> PartialJobParts:
+        """This rank's part of a partial job of ``rows`` (one per group): its ``agent`` entry
+        (:func:`~trl_nrollout.rollout.remote_partial.partial_entry`: the groups' rows and prompts, top-up prompts
+        drawn as DAPO draws, one more than ``rollout_partial_oversample`` of its groups, which the engines take while
+        their pool is short, and the checkpoint's pool after a resume) and the groups' engine ids and images. With
+        environments each group's ``n`` environments are drawn and reset here, and stay until it trains (their tool
+        calls come home: :meth:`_serve_env_tools`). A step's part is made once (its job written ahead and the
+        step's own must be equal)."""
         made = self.__dict__.setdefault("_partial_entries", {})
         rows = [dict(r) for r in rows]
-        if round_ == 0 and step in made and made[step]["rows"] == rows:
+        if round_ == 0 and step in made and made[step].entry["rows"] == rows:
             return made[step]
         args, n = self.args, self.num_generations
+        prompts, ids, images, keys = self._partial_groups(step, round_, rows, 0)
         count = math.ceil(len(rows) * args.rollout_partial_oversample) + 1 if args.rollout_partial_oversample else 0
         extra = []
         if count:
-            drawn = self._draw_inputs(count)[::n]
-            texts = self._start_episodes(drawn)[0]
-            ids, images = self._engine_prompts(texts)
-            extra = [{"row": dict(r), "prompt": p, "ids": i, "images": im}
-                     for r, p, i, im in zip(drawn, texts, ids, images)]
+            drawn = [dict(r) for r in self._draw_inputs(count)[::n]]
+            texts, extra_ids, extra_images, extra_keys = self._partial_groups(step, round_, drawn, len(rows))
+            extra = [{"row": r, "prompt": p, "ids": i, "images": im, "key": k}
+                     for r, p, i, im, k in zip(drawn, texts, extra_ids, extra_images, extra_keys or [None] * len(drawn))]
         restore = None
         if self.__dict__.pop("_pool_to_restore", False):  # a resumed run's first job: the checkpoint's pool
-            restore = list(self._partial_pool)
+            restore = self._restored_pool()
         entry = partial_entry(step, round_, rows, prompts, extra, max_staleness=args.max_staleness,
                               oversample=args.rollout_partial_oversample, snapshot=self._saves_after(step),
-                              restore=restore, tools=bool(self.tools))
+                              restore=restore, tools=bool(self.tools), keys=keys,
+                              host=self._env_host.prefix if keys is not None else None)
+        parts = PartialJobParts(entry, ids, images)
         if round_ == 0:
             for old in [s for s in made if s < self.state.global_step]:
                 del made[old]
-            made[step] = entry
-        return entry
+            made[step] = parts
+        return parts
+
+    def _partial_groups(self, step: int, round_: int, rows: list[dict], first: int
+                        ) -> tuple[list, list[list[int]], list, list[tuple] | None]:
+        """New groups of ``rows``: their prompts, engine ids, images (None: text) and, with environments, their
+        keys ``(step, round, rank, first + g)``, under which their ``n`` environments wait here (None without)."""
+        if not self._has_environments:
+            prompts = self._start_episodes(rows)[0]
+            return (prompts, *self._engine_prompts(prompts), None)
+        prompts, ids, envs = self._start_env_groups(rows, self.num_generations)
+        rank = self.accelerator.process_index
+        keys = [(step, round_, rank, first + g) for g in range(len(rows))]
+        for key, row, group_envs in zip(keys, rows, envs):
+            self._hold_env_group(key, row, group_envs)
+        return prompts, ids, [None] * len(rows), keys
+
+    def _hold_env_group(self, key: tuple, row: dict, envs: list) -> None:
+        """Group ``key``'s environments wait here, their tools registered for the rollout ranks' calls."""
+        from trl_nrollout.trainer.multiturn import _environment_tools
+
+        self._partial_envs[key] = envs
+        self.__dict__.setdefault("_partial_env_rows", {})[key] = row
+        self._env_registry[("group", key)] = [split_tools(list(self._standalone_tools) + _environment_tools(env))
+                                              for env in envs]
+
+    def _release_env_groups(self, keys: list[tuple]) -> None:
+        """The groups' environments go back to TRL's pool (trained, or top-ups the engines did not take)."""
+        for key in keys:
+            self._partial_envs.pop(key, None)
+            self.__dict__.get("_partial_env_rows", {}).pop(key, None)
+            self._env_registry.pop(("group", key), None)
+
+    def _reset_env(self, key: tuple, k: int) -> None:
+        """A rollout rank started sample ``k`` of group ``key`` again (too stale): its environment starts again."""
+        self._partial_envs[key][k].reset(**self._reset_kwargs(self._partial_env_rows[key]))
+
+    def _restored_pool(self) -> list:
+        """The checkpoint's pool for the first job after a resume: without environments, trainer rank 0's (the
+        others hold none); with them, every trainer starts its own groups again with new environments (a checkpoint
+        keeps no episodes)."""
+        if not self._has_environments:
+            return list(self._partial_pool)
+        rank = self.accelerator.process_index
+        pool = [g for chunk in gather_object([list(self._partial_pool)]) for g in chunk if g.key[2] == rank]
+        if not pool:
+            return []
+        prompts, ids, envs = self._start_env_groups([g.payload["row"] for g in pool], self.num_generations)
+        out = []
+        for g, prompt, p, e in zip(pool, prompts, ids, envs):
+            self._hold_env_group(g.key, g.payload["row"], e)
+            out.append(replace(g, prompt_ids=p, payload={**g.payload, "prompt": prompt},
+                               samples=[s.restarted() for s in g.samples]))
+        self._note_restored_pool(out)
+        return out
 
     def _remote_partial_round(self, ctx: StepContext, round_: int = 0) -> Round:
         """:meth:`~trl_nrollout.trainer.partial.PartialRollouts._partial_round` with engines on rollout ranks: this
@@ -99,9 +167,8 @@ class RemotePartialRollouts:
         ``max_staleness`` steps' jobs written ahead (round 0 of a training step)."""
         n, mode, step = ctx.n, ctx.mode, self.state.global_step
         t0 = time.perf_counter()
-        prompts = self._start_episodes(ctx.inputs)[0][::n]
-        ids, images = self._engine_prompts(prompts)
-        entry = self._partial_job_entry(step, ctx.inputs[::n], prompts, round_)
+        parts = self._partial_job(step, ctx.inputs[::n], round_)
+        entry, ids, images = parts.entry, parts.ids, parts.images
         step_job = round_ == 0
         engine = self.rollout_engine
         batch, fields = engine.run_agents(
@@ -117,6 +184,8 @@ class RemotePartialRollouts:
         inputs = [f["row"] for f in fields]
         sample_prompts = [f["prompt"] for f in fields]
         heads = fields[::n]
+        if entry["keys"] is not None:  # environments: those of the groups this rank trains, for the rewards
+            self._env_rewards_of([tuple(f["key"]) for f in heads], entry, engine.last_job.get("partial") or [])
         prompt_ids, mm = self._trained_prompts([f["prompt"] for f in heads], batch.prompt_ids[::n],
                                                any(f["images"] for f in heads), n)
         batch = RolloutBatch(prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons,
@@ -136,7 +205,24 @@ class RemotePartialRollouts:
                               tool_failures=[f["tool_failures"] for f in fields])
         else:
             episode = Episode(mm=mm if any(m is not None for m in mm) else None)
-        return self._round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)
+        collected = self._round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)
+        if entry["keys"] is not None:
+            self._release_env_groups([tuple(f["key"]) for f in heads])
+        return collected
+
+    def _env_rewards_of(self, keys: list[tuple], entry: dict, reports: list[dict]) -> None:
+        """Before scoring a partial job with environments: the environments of the groups this rank trains (each
+        its own: the rollout ranks split a job's finished groups by the trainer that drew them), sample for sample,
+        as the reward functions' ``environments=``; this job's top-ups the engines did not take go back."""
+        rank = self.accelerator.process_index
+        if any(key[2] != rank for key in keys):
+            raise RuntimeError(f"trainer {rank} received groups drawn by other trainers ({keys}): with "
+                               "environment_factory a group must train where its environments live (a bug).")
+        taken = {tuple(k) for r in reports for k in r.get("admitted", [])}
+        self._release_env_groups([tuple(e["key"]) for e in entry["extra"] if tuple(e["key"]) not in taken])
+        rows = self._partial_env_rows
+        self._envs_for_rewards([InFlightGroup(key, [], [None] * self.num_generations, {"row": rows[key]})
+                                for key in keys])
 
     def _remote_pool_to_save(self) -> list:
         """The pool a checkpoint keeps with rollout ranks: trainer rank 0's snapshot of the step's own job (the

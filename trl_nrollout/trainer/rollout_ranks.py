@@ -22,6 +22,7 @@ from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines
 from trl_nrollout.rollout.remote_agents import agent_settings, env_tool_schemas
+from trl_nrollout.rollout.remote_partial import RESET_ENV
 from trl_nrollout.rollout.remote_serve import serve
 from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
 
@@ -90,14 +91,11 @@ class RolloutRanks(RemotePartialRollouts):
         """Tool episodes run request by request on the rollout ranks (``rollout_multi_turn="requests"``)."""
         return bool(self.args.rollout_ranks and self.tools and self.args.rollout_multi_turn == "requests")
 
-    def _agent_job(self, mode: str, step: int, rows: list[dict], prompts: list = ()) -> dict | None:
+    def _agent_job(self, mode: str, step: int, rows: list[dict]) -> dict | None:
         """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
-        as the colocated loop's), ``agent=`` episodes (with this rank's ``rows``, TRL's, each ``n`` times: the
-        trainers' entries are joined in rank order) or partial groups (:meth:`_partial_job_entry`, with the rows'
-        ``prompts``), or None for single-turn jobs."""
-        if self.args.rollout_partial and mode == "train":
-            n = self.num_generations
-            return self._partial_job_entry(step, rows[::n], list(prompts)[::n])
+        as the colocated loop's; with environments, where their calls go home) or ``agent=`` episodes (with this
+        rank's ``rows``, TRL's, each ``n`` times: the trainers' entries are joined in rank order), or None for
+        single-turn jobs (a partial job's: :meth:`_partial_job`)."""
         if self.agent is not None:
             return {"step": step, "mode": mode, "rows": [dict(row) for row in rows]}
         if not self._remote_agents:
@@ -121,8 +119,13 @@ class RolloutRanks(RemotePartialRollouts):
         loop = getattr(self, "async_loop", None)
         self._env_registry: dict = {}
         RolloutRanks._hosts += 1  # one prefix per trainer: a script may build several in turn
-        host = HomeTools(bridge.store, f"env_tools/{RolloutRanks._hosts}", bridge.rank, lambda i: i[0],
-                         lambda i, calls: call_tools(calls, *self._env_registry[i[1]][i[2]], loop=loop),
+        def local(i: tuple, calls: list[dict]):
+            if calls == RESET_ENV:  # a partial group's sample started again (trainer/remote_partial.py)
+                self._reset_env(i[1][1], i[2])
+                return [], 0
+            return call_tools(calls, *self._env_registry[i[1]][i[2]], loop=loop)
+
+        host = HomeTools(bridge.store, f"env_tools/{RolloutRanks._hosts}", bridge.rank, lambda i: i[0], local,
                          self.args.tool_workers)
         self._env_host = host.__enter__()
         atexit.register(host.close)
@@ -228,14 +231,21 @@ class RolloutRanks(RemotePartialRollouts):
         jobs = []
         steps_per_rollout = self.layout.optimizer_steps_per_rollout
         last = self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
+        n = self.num_generations
         for k, rows in enumerate(self._next_generation_inputs(self.args.max_staleness), start=1):
             step = self.state.global_step + k * steps_per_rollout
             if last is not None and step >= last:  # the run ends before that step: nothing to generate for it
                 break
+            if self.args.rollout_partial:  # groups for the rollout ranks' pools (trainer/remote_partial.py)
+                part = self._partial_job(step, rows[::n])
+                pics = [im for im in part.images for _ in range(n)]
+                jobs.append(([list(p) for p in part.ids for _ in range(n)], self._sampling(mode, step=step),
+                             part.entry, pics if any(im is not None for im in pics) else None))
+                continue
             prompts = self._episodes_ahead(step, rows)
             enc = self._encode_images(prompts)
             ids = enc.engine_ids if enc is not None else self._tokenize_prompts(prompts)[0]
-            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step, rows, prompts),
+            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step, rows),
                          enc.images if enc is not None else None))
         return jobs
 
