@@ -18,7 +18,6 @@ from trl_nrollout.trainer.agents import AgentRollouts
 from trl_nrollout.trainer.engines import EngineSetup
 from trl_nrollout.trainer.multiturn import MultiTurnRollout
 from trl_nrollout.trainer.partial import PartialRollouts
-from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
 from trl_nrollout.trainer.rollout_ranks import RolloutRanks
 
 
@@ -64,8 +63,6 @@ CASES = {
         tmp, rollout_multi_turn="requests", rollout_backend="hf"),
     ("rollout_multi_turn='requests'", "rollout_func"): lambda tmp: MultiTurnRollout._request_turns_refusal(
         _trainer(rollout_func=print)),
-    ("rollout_ranks and rollout_partial=True", "agent"): lambda tmp: (
-        RemotePartialRollouts._remote_partial_refusal(_trainer(agent=print))),
     ("rollout_partial=True", "tools and rollout_multi_turn='turns'"): lambda tmp: (
         PartialRollouts._partial_refusal(_trainer(tools=[print]))),
     ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(
@@ -95,8 +92,7 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
     namespace = {"config_checks": __import__("trl_nrollout.config_checks", fromlist=["x"]),
                  "ConfigChecks": __import__("trl_nrollout.config_checks", fromlist=["x"]).ConfigChecks,
                  "EngineSetup": EngineSetup, "MultiTurnRollout": MultiTurnRollout, "PartialRollouts": PartialRollouts,
-                 "RolloutRanks": RolloutRanks, "AgentRollouts": AgentRollouts,
-                 "RemotePartialRollouts": RemotePartialRollouts}
+                 "RolloutRanks": RolloutRanks, "AgentRollouts": AgentRollouts}
     assert callable(getattr(namespace[owner], attr)), row.where
     if row.kind == "machine":
         assert "rollout_backend='hf'" in (row.first, row.second)  # the only machine limit today: the HF engine
@@ -108,8 +104,10 @@ def test_lifted_rows_are_no_longer_refused():
     request-level tool episodes on a balanced queue (tests/test_dispatch.py); partial rollouts with environments
 at TP=1 and TP=2."""
     assert _ranks(rollout_multi_turn="requests") is None
-    assert RolloutRanks._rollout_ranks_refusal(_trainer(tools=[print], args=SimpleNamespace(
-        rollout_ranks=1, rollout_multi_turn="requests", rollout_partial=False))) is None
+    # rollout ranks refuse nothing the trainer's arguments add (tools, environments, agent= and partial rollouts of
+    # each run there: tests/test_combinations.py::test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight)
+    assert not hasattr(RolloutRanks, "_rollout_ranks_refusal")
+    assert _ranks(rollout_partial=True) is None
     # partial rollouts of tool episodes on the job's balanced queue (tests/test_dispatch.py)
     assert PartialRollouts._partial_refusal(_trainer(tools=[print], args=SimpleNamespace(
         rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced"))) is None
@@ -118,10 +116,6 @@ at TP=1 and TP=2."""
     # environments on a balanced queue, their tools run at home (tests/test_combinations.py, rollout/home_tools.py)
     assert EngineSetup._dispatch_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
         rollout_multi_turn="requests"))) is None
-    # environments on rollout ranks, turn by turn and request by request (tests/test_combinations.py)
-    for multi_turn in ("turns", "requests"):
-        assert RolloutRanks._rollout_ranks_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
-            rollout_ranks=1, rollout_multi_turn=multi_turn, rollout_partial=False))) is None
     for tp in (1, 2):
         assert PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
             SimpleNamespace(rollout_ranks=0, rollout_multi_turn="requests")), layout=SimpleNamespace(rollout_tp_size=tp)

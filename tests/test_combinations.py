@@ -47,8 +47,8 @@ RANKS_COVERED = {
     "agent": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight (here)",
     "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
     "images": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
-    "images, tools / environments request by request: partial": "test_a_rollout_rank_keeps_each_steps_episodes_"
-                                                                 "and_groups_in_flight (here)",
+    "images, tools / environments request by request, agent: partial": "test_a_rollout_rank_keeps_each_steps_"
+                                                                        "episodes_and_groups_in_flight (here)",
 }
 
 
@@ -231,7 +231,8 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     sent with every request of a group and its prompt encoded again where it trains; tool episodes request by
     request, their tool masks and messages answered with them; environments' episodes, their environments waiting
     on the trainer across jobs, their calls sent home, each group trained by the trainer that holds them (env_check,
-    and the trainer raises on a group drawn elsewhere) (the combinations' checks);
+    and the trainer raises on a group drawn elsewhere); agents, a pool of live agents on the rollout rank's own
+    endpoint, their records answered with their groups' rows (agent_check) (the combinations' checks);
     a checkpoint at step 2 keeps the pool the rollout rank held after step 2's own job, and the resumed run's first
     job carries it back, so its pool holds those groups after step 3 (without them it would be empty: no top-ups,
     rollout_partial_oversample=0). Mutations tried: the restore entry left out of the resumed run's first job ->
@@ -241,7 +242,7 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     ranks = {"rollout_ranks": 1, "max_staleness": 1, "max_steps": 3}
     for name in ("shares-whole-environment_turn_by_turn", "shares-whole-environment_request_by_request",
                  "shares-whole-agent", "shares-partial-images", "shares-partial-tools_request_by_request",
-                 "shares-partial-environment_request_by_request"):
+                 "shares-partial-environment_request_by_request", "shares-partial-agent"):
         combo = next(c for c in ALLOWED if c["name"] == name)
         entries.append({"name": combo["name"], "episode": combo["episode"], "options": {**combo["options"], **ranks}})
     saving = {**ranks, "rollout_partial": True, "save_strategy": "steps", "save_steps": 2}
@@ -249,7 +250,7 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
                 {"name": "resumed", "episode": "one completion", "resume": str(tmp_path / "first" / "checkpoint-2"),
                  "options": {**saving, "output_dir": str(tmp_path / "first"), "rollout_partial_oversample": 0.0}}]
     launch_two(tmp_path, entries, processes=3)  # 2 trainers + the rollout rank
-    for entry in entries[:6]:
+    for entry in entries[:7]:
         combo = next(c for c in ALLOWED if c["name"] == entry["name"])
         result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
         result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)

@@ -209,8 +209,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "go with every request), rollout_dispatch='balanced' (one job-wide pool), tool episodes "
                 "(rollout_multi_turn='requests') and environment_factory (at any rollout_tp_size, a group's episodes "
                 "on its own rank; a checkpoint restarts the episodes in flight) included. With rollout_ranks the "
-                "rollout ranks keep the groups in flight from job to job (single-turn prompts, images, tool and "
-                "environment episodes included)."})
+                "rollout ranks keep the groups in flight from job to job (single-turn prompts, images, tool, "
+                "environment and agent= episodes included)."})
     rollout_partial_oversample: float = field(default=1.0, metadata={
         "help": "With rollout_partial: each engine keeps (1 + this) x its share of the step's groups in flight, "
                 "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "

@@ -58,10 +58,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "the HF engine has no request-level loop: samples cannot re-enter it one by one"),
     Refusal("rollout_multi_turn='requests'", "rollout_func", "by definition", "MultiTurnRollout._request_turns_refusal",
             "the function generates itself: there are no tool turns to run request by request"),
-    Refusal("rollout_ranks and rollout_partial=True", "agent", "not yet",
-            "RemotePartialRollouts._remote_partial_refusal",
-            "the rollout ranks keep groups in flight (tool and environment episodes included); a partial agent's "
-            "pool runs on an endpoint of its own"),
     Refusal("rollout_partial=True", "tools and rollout_multi_turn='turns'", "by definition",
             "PartialRollouts._partial_refusal",
             "a turn barrier waits for every sample's turn; a partial rollout stops before its slowest samples"),

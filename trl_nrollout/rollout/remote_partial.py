@@ -33,8 +33,9 @@ resume, from the same rows); the first job after a resume carries it back (``res
 from __future__ import annotations
 
 import math
+import pickle
 from collections import Counter
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 import numpy as np
 
@@ -60,18 +61,20 @@ RESET_ENV = [{"__reset_environment__": True}]
 
 def partial_entry(step: int, round_: int, rows: list[dict], prompts: list, extra: list[dict], *,
                   max_staleness: int, oversample: float, snapshot: bool, restore: list | None = None,
-                  tools: bool = False, keys: list[tuple] | None = None, host: str | None = None) -> dict:
+                  tools: bool = False, keys: list[tuple] | None = None, host: str | None = None,
+                  agents: bool = False) -> dict:
     """A trainer's ``agent`` entry of a partial job: ``rows`` and ``prompts`` (its dataset rows and prompts, one per
     group, in the job's order), ``extra`` top-up prompts (``{"row", "prompt", "ids", "images"}`` each: the engines
     take them only while their pool is short), the restart bound and the oversampling, ``snapshot`` (answer the
     pool left in flight, for a checkpoint), ``restore`` (a checkpoint's pool, the first job after a resume) and
     ``tools`` (the groups are tool-calling episodes, request by request, with the rollout ranks' ``tools=``). With
     environments: each group's ``keys`` (``(step, round, trainer rank, index)``: its environments wait on that
-    trainer, and it trains there) and the trainer's tool server's store prefix (``host``; joined as ``hosts``)."""
+    trainer, and it trains there) and the trainer's tool server's store prefix (``host``; joined as ``hosts``).
+    ``agents``: the groups are ``agent=`` episodes (:func:`run_partial_agent_job`)."""
     return {"partial": True, "step": step, "round": round_, "rows": [dict(r) for r in rows], "prompts": list(prompts),
             "extra": list(extra), "max_staleness": max_staleness, "oversample": oversample, "snapshot": snapshot,
             "restore": list(restore or []), "tools": tools, "keys": None if keys is None else list(keys),
-            "host": host}
+            "host": host, "agents": agents}
 
 
 @dataclass
@@ -181,6 +184,68 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
     if balanced and rank % tp == 0:
         pulled = (len(run.engine_groups), sum(1 for i in run.engine_groups if homes[i] != rank // tp))
     return PartialJob(batch, fields, report, mask, None if stats is None else astuple(stats), pulled)
+
+
+def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple[int, int]], rank: int
+                          ) -> PartialJob:
+    """Rollout rank ``rank``'s side of a partial job of ``agent=`` episodes: its slice's groups join the pool of live
+    agents it keeps between jobs (:class:`~trl_nrollout.rollout.agent_pool.AgentPool`, on an endpoint of its own,
+    with the script's agent; each rank of a TP engine its own pool, their calls exchanged), with top-ups while it is
+    short; groups that started more than ``max_staleness`` versions before the weights it holds start again; the
+    pool runs until as many groups as its slice holds have finished, and their episodes' records are answered (the
+    rows stay with the trainers' fields), each sample with its group's fields."""
+    from trl_nrollout.rollout.agent_pool import AgentPool
+    from trl_nrollout.rollout.agent_runs import EpisodeRunner, start_endpoint
+
+    entry, n, sampling = message["agent"], message["n"], message["sampling"]
+    settings, agent = state.get("agent"), state.get("user_agent")
+    if agent is None or settings is None:
+        raise RuntimeError("agent= episodes run on the rollout ranks, but this rollout rank's trainer was built "
+                           "without agent=: build NRolloutGRPOTrainer with the same agent= on every process (the "
+                           "same script runs everywhere).")
+    if "agent_pool" not in state:
+        processing_class = pickle.loads(settings["processing_class"])
+        endpoint = start_endpoint(getattr(processing_class, "tokenizer", processing_class), **settings["endpoint"])
+        state["agent_pool"] = AgentPool(EpisodeRunner(agent, settings["timeout"]), endpoint, rank, len(slices))
+    pool: AgentPool = state["agent_pool"]
+    pool.seed_with(sampling)
+    version, ranks = state.get("version", 0), len(slices)
+    step, round_, ids = entry["step"], entry["round"], message["prompts"]
+    if entry["restore"]:  # the first job after a resume: the checkpoint's groups start again, dealt over the ranks
+        restored = entry["restore"][rank::ranks]
+        pool.add([tuple(g.key) for g in restored], [g.payload["row"] for g in restored],
+                 [g.payload["prompt"] for g in restored], n, version)
+    restarted = pool.restart_stale(version, entry["max_staleness"], n)
+    mine = list(range(slices[rank][0] // n, slices[rank][1] // n))
+    target = len(mine)
+    need = max(0, math.ceil(target * (1 + entry["oversample"])) - len(pool.groups) - target)
+    extra = [(rank + ranks * k, e) for k, e in enumerate(entry["extra"][rank::ranks])][:need]
+    pool.add([(step, round_, g) for g in mine] + [(step, round_, len(ids) + j) for j, _ in extra],
+             [entry["rows"][g] for g in mine] + [e["row"] for _, e in extra],
+             [entry["prompts"][g] for g in mine] + [e["prompt"] for _, e in extra], n, version)
+    chosen, stats = pool.run(engine, sampling, target) if target else ([], {"carried": 0, "engine_steps": 0,
+                                                                              "idle_s": 0.0})
+    records = [replace(r, row={}) for g in chosen for r in g.records]  # the rows travel in the group's fields
+    batch = RolloutBatch([[] for _ in records], [[] for _ in records], [[] for _ in records], ["stop"] * len(records),
+                         list(range(len(records))))
+    fields = []
+    for i, g in enumerate(chosen):
+        for k, r in enumerate(records[i * n:(i + 1) * n]):
+            fields.append({"oldest": g.version, "record": r,
+                           **({"row": g.row, "prompt": g.prompt, "prompt_ids": [], "images": False, "key": g.key}
+                              if k == 0 else {})})
+    left = [InFlightGroup.fresh(g.key, [], n, payload={"row": g.row, "prompt": g.prompt}) for g in pool.groups]
+    report = {"engine": rank, "counts": [stats["carried"], restarted, len(pool.groups), stats["engine_steps"], None],
+              "pool_of": True, "pool": left if entry["snapshot"] else None, "admitted": [],
+              "idle_s": stats["idle_s"]}
+    return PartialJob(batch, fields, report)
+
+
+def close_agent_pool(state: dict) -> None:
+    """Close the rollout rank's pool of live agents, if it has one (its episodes end; a later job starts anew)."""
+    pool = state.pop("agent_pool", None)
+    if pool is not None:
+        pool.close()
 
 
 def _reset_restarted(state: dict, before: list[InFlightGroup], after: list[InFlightGroup], hosts: list[str]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import astuple
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
 from trl_nrollout.rollout.remote_agents import JobResult, run_agent_job
 from trl_nrollout.rollout.remote_buckets import job_slice, unpack_bucket
-from trl_nrollout.rollout.remote_partial import run_partial_job
+from trl_nrollout.rollout.remote_partial import close_agent_pool, run_partial_agent_job, run_partial_job
 from trl_nrollout.rollout.remote_reader import MessageReader, staged_versions
 from trl_nrollout.rollout.types import RolloutBatch
 
@@ -27,6 +27,7 @@ def _close_endpoint(state: dict) -> None:
     endpoint = state.pop("endpoint", None)
     if endpoint is not None:
         endpoint.close()
+    close_agent_pool(state)  # (partial agent= episodes' own endpoint and live agents)
 
 
 def serve(bridge: Bridge, build_engine, state: dict) -> dict:
@@ -84,7 +85,8 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
                 if (message.get("agent") or {}).get("partial"):  # groups in flight from job to job
                     slices = [job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, q)
                               for q in range(roles.rollout_ranks)]
-                    done = run_partial_job(engine, message, state, slices, r, state.get("dispatch") == "balanced")
+                    done = (run_partial_agent_job(engine, message, state, slices, r) if message["agent"]["agents"]
+                            else run_partial_job(engine, message, state, slices, r, state.get("dispatch") == "balanced"))
                     batch, extras, partial, balanced = done.batch, (done.mask, done.fields), done.report, done.pulled
                     agent_stats = done.agent_stats
                     pics = None  # (the groups' prompts as the trainers encode them: they train wherever they finish)

@@ -76,10 +76,10 @@ class PartialRollouts(PartialEnvironments):
         job's samples ``[G]``, gathered, and their rewards ``[G, F]``). ``round_`` > 0: one of DAPO's extra rounds
         (``filter_groups``), ``ctx.inputs`` then its fresh prompts; the filtered groups left the pool already, so
         their slots go to the pool's other groups and these new ones at once."""
-        if self.agent is not None:  # agent= episodes: a pool of live agents (trainer/agents.py)
-            return self._agent_partial_round(ctx, round_)
         if self._remote:  # the pools live on the rollout ranks (trainer/remote_partial.py)
             return self._remote_partial_round(ctx, round_)
+        if self.agent is not None:  # agent= episodes: a pool of live agents (trainer/agents.py)
+            return self._agent_partial_round(ctx, round_)
         args, n, engine = self.args, ctx.n, self.rollout_engine
         version = self.state.global_step
         t0 = time.perf_counter()

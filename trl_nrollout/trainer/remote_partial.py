@@ -42,16 +42,6 @@ class RemotePartialRollouts:
     :class:`~trl_nrollout.trainer.rollout_ranks.RolloutRanks`): partial rollouts whose pools live on the rollout
     ranks."""
 
-    def _remote_partial_refusal(self) -> str | None:
-        """What rollout ranks cannot yet roll out partially (None: they can)."""
-        if self.agent is None:
-            return None
-        return (f"rollout_ranks={self.args.rollout_ranks} with rollout_partial=True and agent=: the rollout ranks keep "
-                "single-turn groups, tool episodes and environments' episodes in flight from job to job, not yet "
-                "live agents (a partial agent's pool runs on an endpoint of its own); set rollout_partial=False (the "
-                "agents run a step ahead on the rollout ranks) or rollout_ranks=0 (partial agents on colocated "
-                "engines).")
-
     def _engine_prompts(self, prompts: list) -> tuple[list[list[int]], list]:
         """The engine's ids of ``prompts`` (image placeholders not expanded) and each prompt's images (None: text)."""
         enc = self._encode_images(prompts)
@@ -100,7 +90,7 @@ class RemotePartialRollouts:
         entry = partial_entry(step, round_, rows, prompts, extra, max_staleness=args.max_staleness,
                               oversample=args.rollout_partial_oversample, snapshot=self._saves_after(step),
                               restore=restore, tools=bool(self.tools), keys=keys,
-                              host=self._env_host.prefix if keys is not None else None)
+                              host=self._env_host.prefix if keys is not None else None, agents=self.agent is not None)
         parts = PartialJobParts(entry, ids, images)
         if round_ == 0:
             for old in [s for s in made if s < self.state.global_step]:
@@ -184,6 +174,20 @@ class RemotePartialRollouts:
         inputs = [f["row"] for f in fields]
         sample_prompts = [f["prompt"] for f in fields]
         heads = fields[::n]
+        reports = engine.last_job.get("partial") or []
+        staleness = [step - (f["oldest"] if f["oldest"] is not None else step) for f in fields]
+        every = [s for chunk in gather_object([staleness]) for s in chunk]
+        per_engine = [[*r["counts"][:4], max(every, default=0), sum(every) / max(1, len(every)), r["counts"][4]]
+                      for r in reports]
+        self._log_partial(mode, per_engine, per_engine, [c for c, r in zip(per_engine, reports) if r["pool_of"]])
+        if self.agent is not None:  # agent= episodes: their records (every call's tokens), assembled here
+            records = [replace(f["record"], row=dict(f["row"])) for f in fields]
+            batch, episode = self._agent_batch(records, self._tokenize_prompts(sample_prompts)[0], n,
+                                               self.accelerator.process_index * len(inputs))
+            idle = max((r.get("idle_s", 0.0) for r in reports), default=0.0)
+            self._log_agents(mode, records, episode, {"idle_s": idle}, time.perf_counter() - t0)
+            self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
+            return self._round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)
         if entry["keys"] is not None:  # environments: those of the groups this rank trains, for the rewards
             self._env_rewards_of([tuple(f["key"]) for f in heads], entry, engine.last_job.get("partial") or [])
         prompt_ids, mm = self._trained_prompts([f["prompt"] for f in heads], batch.prompt_ids[::n],
@@ -191,12 +195,6 @@ class RemotePartialRollouts:
         batch = RolloutBatch(prompt_ids, batch.completion_ids, batch.logprobs, batch.finish_reasons,
                              batch.group_index)
         self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
-        staleness = [step - (f["oldest"] if f["oldest"] is not None else step) for f in fields]
-        every = [s for chunk in gather_object([staleness]) for s in chunk]
-        reports = engine.last_job.get("partial") or []
-        per_engine = [[*r["counts"][:4], max(every, default=0), sum(every) / max(1, len(every)), r["counts"][4]]
-                      for r in reports]
-        self._log_partial(mode, per_engine, per_engine, [c for c, r in zip(per_engine, reports) if r["pool_of"]])
         if self.tools:  # tool episodes: their masks (0 on tool results), messages and counts
             self._log_agent_stats(mode, engine.last_job.get("agent_stats") or AgentStats())
             episode = Episode(tool_mask=[f["tool_mask"] for f in fields],

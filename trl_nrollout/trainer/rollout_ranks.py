@@ -33,16 +33,8 @@ class RolloutRanks(RemotePartialRollouts):
     """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the trainers' side of rollout ranks (with
     ``rollout_partial``: :class:`~trl_nrollout.trainer.remote_partial.RemotePartialRollouts`)."""
 
-    def _rollout_ranks_refusal(self) -> str | None:
-        """What the trainer's arguments add to :func:`~trl_nrollout.config_checks.rollout_ranks_refusal`."""
-        if self.args.rollout_partial and (why := self._remote_partial_refusal()) is not None:
-            return why
-        return None
-
     def _start_remote_engines(self) -> RemoteEngines:
         """Start the rollout ranks' engines (the start message), then send them the initial weights."""
-        if (why := self._rollout_ranks_refusal()) is not None:
-            raise UnsupportedTRLOption(why)
         if (refusal := self._vllm_refusal()) is not None:
             raise UnsupportedTRLOption(f"rollout_ranks={self.args.rollout_ranks} generates with vLLM, which cannot "
                                        f"serve this run: {refusal}.")
