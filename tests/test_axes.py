@@ -52,8 +52,6 @@ CASES = {
     ("agent", "rollout_backend='hf'"): lambda tmp: _agent(hf=True, rollout_backend="hf"),
     ("agent", "tools, environment_factory or rollout_func"): lambda tmp: AgentRollouts._agent_refusal(
         _trainer(tools=[print], args=SimpleNamespace(rollout_backend="vllm"))),
-    ("agent", "rollout_partial=True and rollout_dispatch='balanced'"): lambda tmp: _agent(
-        rollout_partial=True, rollout_dispatch="balanced"),
     ("rollout_ranks", "rollout_backend='hf'"): lambda tmp: _ranks(rollout_backend="hf"),
     ("rollout_partial=True", "rollout_backend='hf'"): lambda tmp: _config_error(
         tmp, rollout_partial=True, rollout_backend="hf"),

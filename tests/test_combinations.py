@@ -286,11 +286,12 @@ def test_environment_and_agent_episodes_on_a_balanced_queue_come_home(tmp_path):
     moved, the assertion fails."""
     entries = []
     for name in ("balanced-whole-environment_request_by_request", "balanced-partial-environment_request_by_request",
-                 "balanced-whole-agent", "balanced-whole-custom"):
+                 "balanced-whole-agent", "balanced-partial-agent", "balanced-whole-custom"):
         combo = next(c for c in ALLOWED if c["name"] == name)
-        entries.append({"name": combo["name"], "episode": combo["episode"], "slow_rank": 0,
+        partial = {"rollout_partial_oversample": 0.0} if name == "balanced-partial-agent" else {}  # (no top-ups:
+        entries.append({"name": combo["name"], "episode": combo["episode"], "slow_rank": 0,  # the fast rank's own
                         "options": {**combo["options"], "rollout_max_num_seqs": 4, "per_device_train_batch_size": 16,
-                                    "max_steps": 2}})
+                                    "max_steps": 2, **partial}})  # groups alone do not end the job)
     launch_two(tmp_path, entries)
     for entry in entries:
         combo = next(c for c in ALLOWED if c["name"] == entry["name"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,20 +106,57 @@ class AgentPool:
         self.endpoint.forget([r.key for g in done for r in g.records])
         return done, stats
 
+    def run_shared(self, engine, sampling: SamplingOptions, reached: Callable[[], bool],
+                   pull: Callable[[int], None], ticket: Callable[[], int]) -> dict[str, float]:
+        """:meth:`run` for a pool among others (``rollout_dispatch="balanced"``): serve the pool's calls until
+        ``reached()`` says the job has enough finished groups; before each look, ``pull(running episodes)`` may add
+        groups from the job's queue (:meth:`add`); a group that finishes takes the job-wide ``ticket()`` (its place
+        in the job's finish order, across steps). Nothing leaves the pool: the caller picks what trains
+        (:meth:`take`). Returns the endpoint's counts."""
+        engine._ready()
+        loop = engine._loop(stream=False)
+        engine._barrier_before_generate()
+
+        def done() -> bool:
+            pull(self.running())
+            self._scan(ticket)
+            return reached()
+
+        stats = self.endpoint.serve(loop, call_params(engine, sampling), done, exchange=engine._gather_tp,
+                                    me=engine.tp_ranks.index(engine.rank), carry=True)
+        self._scan(ticket)
+        return stats
+
+    def running(self) -> int:
+        """Episodes of the pool still open."""
+        episodes = self.endpoint.episodes
+        return sum(1 for g in self.groups for r in g.records if not episodes[r.key].closed)
+
+    def take(self, keys: set) -> list[LiveGroup]:
+        """The groups of ``keys`` leave the pool (they train); returned in pool order."""
+        out = [g for g in self.groups if g.key in keys]
+        self.groups = [g for g in self.groups if g.key not in keys]
+        self.endpoint.forget([r.key for g in out for r in g.records])
+        return out
+
     def close(self) -> None:
         """Close every episode (their agents' later calls get a 404) and the endpoint."""
         self.endpoint.forget([r.key for g in self.groups for r in g.records])
         self.groups = []
         self.endpoint.close()
 
-    def _scan(self) -> int:
-        """Mark the groups whose episodes have all ended (in the order seen); returns how many have."""
+    def _scan(self, ticket: Callable[[], int] | None = None) -> int:
+        """Mark the groups whose episodes have all ended (in the order seen, or by ``ticket()``: a job-wide place);
+        returns how many have."""
         episodes = self.endpoint.episodes
         count = 0
         for g in self.groups:
             if g.finished is None and all(episodes[r.key].closed for r in g.records):
-                g.finished = self._finished
-                self._finished += 1
+                if ticket is None:
+                    g.finished = self._finished
+                    self._finished += 1
+                else:
+                    g.finished = ticket()
             count += g.finished is not None
         return count
 

@@ -67,8 +67,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "the HF engine has no request-level loop: an agent's calls cannot join it one by one"),
     Refusal("agent", "tools, environment_factory or rollout_func", "by definition", "AgentRollouts._agent_refusal",
             "the agent is the episode's loop and runs its own tools"),
-    Refusal("agent", "rollout_partial=True and rollout_dispatch='balanced'", "not yet", "AgentRollouts._agent_refusal",
-            "each rank's pool of agent episodes runs on its own endpoint and engine"),
 )
 
 

@@ -108,10 +108,6 @@ class AgentRollouts:
         if self.tools or getattr(self, "environment_factories", None) or self.rollout_func is not None:
             return ("agent= with tools, environment_factory or rollout_func: the agent is the episode's loop and runs "
                     "its own tools; give the agent its tools, or drop agent=.")
-        if args.rollout_partial and args.rollout_dispatch == "balanced":
-            return ("agent= with rollout_partial=True and rollout_dispatch='balanced' is not built yet: each rank's "
-                    "pool of agent episodes runs on its own endpoint and engine. Set rollout_dispatch='shares' (the "
-                    "default) for partial agents.")
         if args.rollout_seed_mode == "engine":
             return ("agent= with rollout_seed_mode='engine': the endpoint seeds each request (a sample's tokens must "
                     "not depend on which other requests share an engine step); use rollout_seed_mode='sample'.")
@@ -215,9 +211,13 @@ class AgentRollouts:
         if extra:
             rows = rows + self._draw_inputs(extra)[::n]  # as DAPO draws
         prompts = self._start_episodes(rows)[0]
-        pool.add([(version, round_, rank, g) for g in range(len(rows))], rows, prompts, n, version)
+        keys = [(version, round_, rank, g) for g in range(len(rows))]
         target = len(ctx.inputs) // n
-        chosen, stats = pool.run(self.rollout_engine, sampling, target)
+        if args.rollout_dispatch == "balanced" and getattr(self.rollout_engine, "_world_group", None) is not None:
+            chosen, stats = self._agent_pool_balanced(pool, keys, rows, prompts, target, sampling, version, mode)
+        else:
+            pool.add(keys, rows, prompts, n, version)
+            chosen, stats = pool.run(self.rollout_engine, sampling, target)
         self.rollout_engine.sleep()
         self._partial_pool = [InFlightGroup.fresh(g.key, [], n, payload={"row": g.row, "prompt": g.prompt})
                               for g in pool.groups]
@@ -232,6 +232,54 @@ class AgentRollouts:
                                  max(staleness), sum(staleness) / len(staleness), None]])
         self._log_partial(mode, counts, counts, counts)  # a pool per rank; its calls carried are its own
         return self._round_of(inputs, prompts, batch, episode, ctx, t0, rows=inputs)
+
+    def _agent_pool_balanced(self, pool, keys: list[tuple], rows: list[dict], prompts: list, target: int,
+                             sampling: SamplingOptions, version: int, mode: str):
+        """The agents' pools with ``rollout_dispatch="balanced"`` (several engines): every rank's new groups form one
+        queue (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.job_queue`) that each rank's pool pulls
+        from while it runs fewer episodes than its share of its engine's ``max_num_seqs`` plus a group; every pool
+        serves until the job has as many finished groups as it drew prompts (a job-wide count in the store; a
+        group's place in the job's finish order is its ticket, across steps). The first to finish train, rank ``r``
+        the ``r``-th share (their records gathered to it); a group nobody pulled joins its own rank's pool. Returns
+        this rank's groups and its endpoint's counts; logs ``rollout/moved_groups``."""
+        from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
+        from trl_nrollout.rollout.agent_pool import LiveGroup
+
+        engine, n, rank = self.rollout_engine, self.num_generations, self.accelerator.process_index
+        job = engine.gather_job([(key, dict(row), prompt) for key, row, prompt in zip(keys, rows, prompts)])
+        flat = [g for part in job for g in part]
+        wanted = engine.gather_job(target)
+        store, counter = engine._store, f"{engine._pull_prefix}/agent_tickets"
+        base = int(store.add(counter, 0))  # read before the gather below: no pool serves before every rank has
+        before = sum(engine.gather_job(sum(g.finished is not None for g in pool.groups)))
+        queue = engine.job_queue([len(part) * n for part in job], n)
+        capacity = int(engine.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        room = -(-capacity // len(engine.tp_ranks)) + n  # this rank's share of its engine's batch, a group more
+        claimed: list[int] = []
+
+        def pull(running: int) -> None:
+            if running < room and (got := list(queue.claim(max(1, -(-(room - running) // n))))):
+                claimed.extend(got)
+                pool.add([flat[g][0] for g in got], [flat[g][1] for g in got], [flat[g][2] for g in got], n, version)
+
+        stats = pool.run_shared(engine, sampling, lambda: before + int(store.add(counter, 0)) - base >= sum(wanted),
+                                pull, lambda: int(store.add(counter, 1)))
+        every = engine.gather_job(claimed)  # every rank is past its last claim
+        engine.drop_job_queue(queue)
+        taken = {g for part in every for g in part}
+        first = sum(len(part) for part in job[:rank])
+        left = [flat[g] for g in range(first, first + len(job[rank])) if g not in taken]
+        done = engine.gather_job([(g.finished, g.key, g.row, g.prompt, g.version, g.records)
+                                  for g in pool.groups if g.finished is not None])
+        order = sorted((x for part in done for x in part), key=lambda x: x[0])[:sum(wanted)]
+        pool.take({x[1] for x in order})
+        pool.add([g[0] for g in left], [g[1] for g in left], [g[2] for g in left], n, version)
+        engine_of = self.layout.engine_of_rank
+        moved = sum(1 for r, part in enumerate(every) for g in part if engine_of(flat[g][0][2]) != engine_of(r))
+        self._metric(mode, "rollout/moved_groups", moved / max(1, len(taken)))
+        at = sum(wanted[:rank])
+        return [LiveGroup(key, row, prompt, records=list(records), version=v)
+                for _, key, row, prompt, v, records in order[at:at + target]], stats
 
     def _agent_pool_start(self):
         """This rank's pool of agent episodes in flight, with an endpoint of its own (started once)."""
