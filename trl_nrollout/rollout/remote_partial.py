@@ -28,6 +28,12 @@ One job on a rollout rank (:func:`run_partial_job`):
 
 A checkpoint keeps that snapshot (the pool after the step's own job: the jobs written ahead of it run again after a
 resume, from the same rows); the first job after a resume carries it back (``restore``), dealt over the engines.
+
+Environments (``environment_factory``) stay on the trainers: a group's ``n`` environments wait on the trainer that
+drew it (its key's third field), its tool calls go home to that trainer's tool server, a sample started again has
+its environment reset there (:data:`RESET_ENV`), and the engines run until every trainer has as many of its own
+groups finished as it drew, so that each trainer trains its own. ``agent=`` groups are live agents: each rollout
+rank keeps a pool of them on an endpoint of its own (:func:`run_partial_agent_job`).
 """
 
 from __future__ import annotations
@@ -97,6 +103,8 @@ class PartialJob:
 
 
 def _group(key: tuple, ids: list[int], n: int, row: dict, prompt, home: int, images, tools: bool) -> InFlightGroup:
+    """A new group of the pool: its ``n`` samples not started (tool episodes: :class:`AgentPartialSample`), its row,
+    prompt and ``home`` engine (balanced: whose seeds it draws) in its payload."""
     return InFlightGroup.fresh(key, ids, n, payload={"row": row, "prompt": prompt, "home": home}, images=images,
                                sample=AgentPartialSample if tools else PartialSample)
 
