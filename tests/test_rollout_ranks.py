@@ -302,6 +302,27 @@ def test_a_partial_jobs_entries_join_in_rank_order_and_its_groups_fields_reach_e
     assert [f["oldest"] for f in full] == [k for _ in job["rows"] for k in range(n)]
 
 
+@pytest.mark.parametrize("strategy,save_steps,span,max_steps,saving", [
+    ("steps", 2, 1, 5, [1, 3, 4]),  # after optimizer steps 2 and 4, and the last (5)
+    ("steps", 3, 2, 0, [1, 2, 4]),  # a rollout of 2 optimizer steps: step k's covers k+1 and k+2
+    ("no", 1, 1, 5, []),
+    ("epoch", 1, 1, 5, [0, 1, 2, 3, 4]),  # (the epoch's end is not known ahead: every rollout answers its pool)
+])
+def test_the_steps_whose_jobs_answer_their_pool_are_those_saved_after(strategy, save_steps, span, max_steps, saving):
+    """A partial job on rollout ranks answers the pool left in flight when the trainers will save a checkpoint after
+    an optimizer step of its rollout (TRL's loop saves after global step s when s % save_steps == 0, and at the
+    last step). Mutation tried: the steps counted from the rollout's own step (range(step, step + span)) -> the
+    first case fails."""
+    from types import SimpleNamespace
+
+    from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
+
+    trainer = SimpleNamespace(args=SimpleNamespace(save_strategy=strategy, save_steps=save_steps),
+                              state=SimpleNamespace(save_steps=save_steps, max_steps=max_steps),
+                              layout=SimpleNamespace(optimizer_steps_per_rollout=span))
+    assert [k for k in range(5) if RemotePartialRollouts._saves_after(trainer, k)] == saving
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("options,expected", [
     (dict(rollout_ranks=1, rollout_backend="hf"), "rollout_backend='hf'"),
