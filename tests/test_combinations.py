@@ -232,7 +232,8 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     request, their tool masks and messages answered with them; environments' episodes, their environments waiting
     on the trainer across jobs, their calls sent home, each group trained by the trainer that holds them (env_check,
     and the trainer raises on a group drawn elsewhere); agents, a pool of live agents on the rollout rank's own
-    endpoint, their records answered with their groups' rows (agent_check) (the combinations' checks);
+    endpoint, their records answered with their groups' rows (agent_check) (the combinations' checks); DAPO's extra
+    rounds over the pool (every group filtered: the tool reward is 1 for all), each a job written when it runs;
     a checkpoint at step 2 keeps the pool the rollout rank held after step 2's own job, and the resumed run's first
     job carries it back, so its pool holds those groups after step 3 (without them it would be empty: no top-ups,
     rollout_partial_oversample=0). Mutations tried: the restore entry left out of the resumed run's first job ->
@@ -246,7 +247,10 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
         combo = next(c for c in ALLOWED if c["name"] == name)
         entries.append({"name": combo["name"], "episode": combo["episode"], "options": {**combo["options"], **ranks}})
     saving = {**ranks, "rollout_partial": True, "save_strategy": "steps", "save_steps": 2}
-    entries += [{"name": "first", "episode": "one completion", "options": {**saving, "max_steps": 2}},
+    tools = next(c for c in ALLOWED if c["name"] == "shares-partial-tools_request_by_request")  # every reward 1:
+    entries += [{"name": "dapo", "episode": "tools", "options": {**tools["options"], **ranks, "filter_groups": True,
+                                                                "filter_groups_max_rounds": 2}},  # all filtered
+                {"name": "first", "episode": "one completion", "options": {**saving, "max_steps": 2}},
                 {"name": "resumed", "episode": "one completion", "resume": str(tmp_path / "first" / "checkpoint-2"),
                  "options": {**saving, "output_dir": str(tmp_path / "first"), "rollout_partial_oversample": 0.0}}]
     launch_two(tmp_path, entries, processes=3)  # 2 trainers + the rollout rank
@@ -258,6 +262,9 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
         assert all(len(rnd["samples"]) == 2 * 8 for rnd in result["rounds"]), entry["name"]  # both trainers' job
         stale = [h["rollout/staleness"] for h in result["history"] if "rollout/staleness" in h]
         assert len(stale) == 3 and max(stale) == 1, (entry["name"], stale)  # samples generated a step ahead
+    dapo = json.loads((tmp_path / "dapo.json").read_text())  # DAPO's extra rounds: jobs of their own, on the pools
+    check_combination({**tools, "name": "dapo"}, {**dapo, "rounds": dapo["rounds"][:2]}, engine="RemoteEngines")
+    assert max(h.get("dynamic_sampling/rounds", 0) for h in dapo["history"]) > 0
     saved = json.loads((tmp_path / "first" / "checkpoint-2" / "nrollout_partial_rank0.json").read_text())
     first = json.loads((tmp_path / "first.json").read_text())
     left = [h["partial/pool_groups"] for h in first["history"] if "partial/pool_groups" in h][-1]
