@@ -82,3 +82,41 @@ def test_a_home_ranks_runner_error_reaches_the_caller_naming_the_sample():
             caller.run(5, [])
         with pytest.raises(RuntimeError, match="sample 6"):
             caller.run(6, [])
+
+
+class _CountingStore:
+    """A real TCPStore, its ``add`` calls counted (a server's looks at its count of calls)."""
+
+    def __init__(self, store):
+        self.store, self.adds = store, 0
+
+    def add(self, key, value):
+        self.adds += 1
+        return self.store.add(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_an_idle_long_lived_server_looks_less_often_and_still_answers_at_once():
+    """A trainer's server for the rollout ranks' calls lives for the whole run (idle_poll_s=0.05): while no call
+    comes it backs off to 20 looks a second (a job's server keeps looking every 2 ms), and a call after a long idle
+    is answered, after which it looks often again. Mutation tried: the pause never grows -> the idle server looks
+    as often as the job's, the first assertion fails."""
+    import time
+
+    store = _CountingStore(_store())
+    run = lambda i, calls: ([{"role": "tool", "name": "t", "content": f"{i}"}], 0)  # noqa: E731
+    long_lived = HomeTools(store, "trainer/1", 0, lambda i: 0, run, workers=1, idle_poll_s=0.05)
+    with long_lived:
+        time.sleep(0.6)
+        idle_looks = store.adds
+        sender = HomeTools(store, "trainer/1", 1, lambda i: 0, None, workers=1)
+        start = time.perf_counter()
+        answer = sender.run(5, [{"type": "function", "function": {"name": "t", "arguments": {}}}])
+        waited = time.perf_counter() - start
+    job_store = _CountingStore(_store())
+    with HomeTools(job_store, "job/1", 0, lambda i: 0, run, workers=1):
+        time.sleep(0.6)
+    assert idle_looks < 30 < job_store.adds  # 0.6 s idle: about 12 looks, against about 300
+    assert answer == ([{"role": "tool", "name": "t", "content": "5"}], 0) and waited < 1.0

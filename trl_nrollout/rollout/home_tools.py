@@ -67,11 +67,14 @@ class HomeTools:
     """This rank's side of one job's tool calls (see the module docstring). ``home(i)``: the rank that holds sample
     ``i``'s environment; ``local(i, calls)``: run sample ``i``'s calls here (``i`` homed on this rank), returning
     ``(tool messages, failures)``; ``workers``: calls of other ranks' engines run at once here. Use as a context
-    manager around the engines' collective run (every rank enters and leaves it)."""
+    manager around the engines' collective run (every rank enters and leaves it). ``idle_poll_s``: a server that
+    lives long (a trainer's, for rollout ranks' calls) looks less often while no call comes, up to this pause, so
+    that many idle servers do not load the store; a call brings it back to :data:`POLL_S`."""
 
     def __init__(self, store, prefix: str, rank: int, home: Callable[[int], int], local: ToolCall,
-                 workers: int) -> None:
+                 workers: int, idle_poll_s: float = POLL_S) -> None:
         self.store, self.prefix, self.rank = store, prefix, rank
+        self.idle_poll_s = max(POLL_S, idle_poll_s)  # the longest pause between looks while no call comes
         self.home, self.local = home, local
         self.sent = 0  # calls this rank sent to others (for the logs and the tests)
         self.served = 0  # calls others sent here
@@ -110,17 +113,19 @@ class HomeTools:
 
     def _serve(self) -> None:
         counter = f"{self.prefix}/{self.rank}/n"
+        pause = POLL_S
         try:
             while True:
                 stopping = self._stop.is_set()  # read before the count: a call counted before the stop is served
                 total = self.store.add(counter, 0)
+                pause = POLL_S if self.served < total else min(pause * 2, self.idle_poll_s)
                 while self.served < total:
                     i, calls = store_take(self.store, f"{self.prefix}/{self.rank}/q/{self.served}")
                     self._pool.submit(self._answer, self.served, i, calls)
                     self.served += 1
                 if stopping:
                     return
-                self._stop.wait(POLL_S)
+                self._stop.wait(pause)
         except BaseException as err:  # noqa: BLE001 - re-raised by close() in the main thread
             self._error.append(err)
 

@@ -118,7 +118,7 @@ class RolloutRanks(RemotePartialRollouts):
             return call_tools(calls, *self._env_registry[i[1]][i[2]], loop=loop)
 
         host = HomeTools(bridge.store, f"env_tools/{RolloutRanks._hosts}", bridge.rank, lambda i: i[0], local,
-                         self.args.tool_workers)
+                         self.args.tool_workers, idle_poll_s=0.05)  # (all run long: at most 20 looks a second idle)
         self._env_host = host.__enter__()
         atexit.register(host.close)
 
