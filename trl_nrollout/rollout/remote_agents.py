@@ -99,20 +99,14 @@ def run_agent_job(engine, message: dict, state: dict, prompts: list[list[int]], 
     (the step and mode of the job's ``agent`` entry). ``state``: the rollout rank's (the start message's ``agent``
     settings, its ``tools``; the callbacks are built once and kept there). Returns the batch, the balanced
     dispatch's pull stats (None under fixed shares), the tool masks and fields (:func:`episode_extras`) and the engine's stats."""
-    settings, tools = state.get("agent"), state.get("tools")
+    settings = state.get("agent")
     if settings is None:
         raise RuntimeError("an agent job reached a rollout rank whose start message had no agent settings "
                            "(a version mismatch between the trainers and the rollout ranks?)")
     if "rows" in message["agent"]:  # agent= episodes: the user's agents on this rank's endpoint
         return run_endpoint_job(engine, message, state, sample_offset, sample_offset + len(prompts), n, balanced)
     job = message["agent"]
-    if not tools and not job.get("envs"):
-        raise RuntimeError("rollout_multi_turn='requests' runs the tools on the rollout ranks, but this rollout "
-                           "rank's trainer was built without tools=: build NRolloutGRPOTrainer with the same tools= "
-                           "on every process (the same script runs everywhere).")
-    if "agent_callbacks" not in state:
-        state["agent_callbacks"] = agent_callbacks(settings, tools or [])
-    agent, workers = state["agent_callbacks"]
+    agent, workers = tool_callbacks(state, environments=bool(job.get("envs")))
     sampling: SamplingOptions = message["sampling"]
     if job.get("envs"):  # environments: the calls go home to the trainers, parsed with their tools' schemas
         agent = env_agent(agent, state, job, n, sample_offset, balanced)
@@ -232,17 +226,11 @@ def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, 
     (:func:`~trl_nrollout.rollout.agent_runs.run_episodes`; seeds by the job's sample, as colocated). Answers each
     episode's record (its calls' tokens and log-probs, the agent's result) for the trainers to assemble; the batch's
     own completions stay empty."""
-    from trl_nrollout.rollout.agent_runs import EpisodeRunner, run_episodes, start_endpoint
+    from trl_nrollout.rollout.agent_runs import EpisodeRunner, run_episodes
 
-    settings, agent = state["agent"], state.get("user_agent")
-    if agent is None:
-        raise RuntimeError("agent= episodes run on the rollout ranks, but this rollout rank's trainer was built "
-                           "without agent=: build NRolloutGRPOTrainer with the same agent= on every process (the "
-                           "same script runs everywhere).")
+    settings, agent = state["agent"], user_agent(state)
     if "endpoint" not in state:
-        processing_class = pickle.loads(settings["processing_class"])
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        state["endpoint"] = start_endpoint(tokenizer, **settings["endpoint"])
+        state["endpoint"] = rank_endpoint(settings)
     job = message["agent"]
     rows = job["rows"][start:stop]
     if not rows and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
@@ -258,6 +246,37 @@ def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, 
     answered = [replace(r, row={}) for r in records]  # the trainers hold the rows: they do not travel back
     return batch, pulled, (np.zeros(0, dtype=np.int8), [{"record": r, "engine_idle_s": idle} for r in answered]), \
         AgentStats()
+
+
+def tool_callbacks(state: dict, environments: bool = False) -> tuple[AgentCallbacks, int]:
+    """The rollout rank's tool-calling callbacks and workers, built once from the start message's ``agent`` settings
+    and the script's ``tools=`` (``environments``: the tools are the trainers' environments', called home, so the
+    rank needs none of its own)."""
+    if not state.get("tools") and not environments:
+        raise RuntimeError("tool episodes (rollout_multi_turn='requests') run their tools on the rollout ranks, but "
+                           "this rollout rank's trainer was built without tools=: build NRolloutGRPOTrainer with the "
+                           "same tools= on every process (the same script runs everywhere).")
+    if "agent_callbacks" not in state:
+        state["agent_callbacks"] = agent_callbacks(state["agent"], state.get("tools") or [])
+    return state["agent_callbacks"]
+
+
+def user_agent(state: dict):
+    """The script's ``agent=`` on this rollout rank (the same script built its trainer); an error without one."""
+    if state.get("user_agent") is None or state.get("agent") is None:
+        raise RuntimeError("agent= episodes run on the rollout ranks, but this rollout rank's trainer was built "
+                           "without agent=: build NRolloutGRPOTrainer with the same agent= on every process (the "
+                           "same script runs everywhere).")
+    return state["user_agent"]
+
+
+def rank_endpoint(settings: dict):
+    """An agent endpoint on this rollout rank, with the trainers' tokenizer and limits (the start message's
+    ``agent`` settings)."""
+    from trl_nrollout.rollout.agent_runs import start_endpoint
+
+    processing_class = pickle.loads(settings["processing_class"])
+    return start_endpoint(getattr(processing_class, "tokenizer", processing_class), **settings["endpoint"])
 
 
 def sum_stats(stats: list[tuple | None]) -> AgentStats | None:

@@ -39,7 +39,6 @@ rank keeps a pool of them on an endpoint of its own (:func:`run_partial_agent_jo
 from __future__ import annotations
 
 import math
-import pickle
 from collections import Counter
 from dataclasses import astuple, dataclass, replace
 
@@ -54,7 +53,14 @@ from trl_nrollout.rollout.partial import (
     split_finished_by_home,
 )
 from trl_nrollout.rollout.partial_agents import AgentPartialSample
-from trl_nrollout.rollout.remote_agents import agent_callbacks, episode_extras, home_call, partial_env_agent
+from trl_nrollout.rollout.remote_agents import (
+    episode_extras,
+    home_call,
+    partial_env_agent,
+    rank_endpoint,
+    tool_callbacks,
+    user_agent,
+)
 from trl_nrollout.rollout.types import RolloutBatch
 
 #: the fields a group's first sample carries for every sample of it (:func:`group_fields`)
@@ -203,18 +209,14 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
     pool runs until as many groups as its slice holds have finished, and their episodes' records are answered (the
     rows stay with the trainers' fields), each sample with its group's fields."""
     from trl_nrollout.rollout.agent_pool import AgentPool
-    from trl_nrollout.rollout.agent_runs import EpisodeRunner, start_endpoint
+    from trl_nrollout.rollout.agent_runs import EpisodeRunner
 
     entry, n, sampling = message["agent"], message["n"], message["sampling"]
-    settings, agent = state.get("agent"), state.get("user_agent")
-    if agent is None or settings is None:
-        raise RuntimeError("agent= episodes run on the rollout ranks, but this rollout rank's trainer was built "
-                           "without agent=: build NRolloutGRPOTrainer with the same agent= on every process (the "
-                           "same script runs everywhere).")
+    agent = user_agent(state)
     if "agent_pool" not in state:
-        processing_class = pickle.loads(settings["processing_class"])
-        endpoint = start_endpoint(getattr(processing_class, "tokenizer", processing_class), **settings["endpoint"])
-        state["agent_pool"] = AgentPool(EpisodeRunner(agent, settings["timeout"]), endpoint, rank, len(slices))
+        settings = state["agent"]
+        state["agent_pool"] = AgentPool(EpisodeRunner(agent, settings["timeout"]), rank_endpoint(settings), rank,
+                                        len(slices))
     pool: AgentPool = state["agent_pool"]
     pool.seed_with(sampling)
     version, ranks = state.get("version", 0), len(slices)
@@ -267,18 +269,6 @@ def _reset_restarted(state: dict, before: list[InFlightGroup], after: list[InFli
             if a is not b:
                 t = new.key[2]
                 home_call(state, hosts[t], (roles.global_rank(TRAIN, t), ("group", new.key), k), RESET_ENV)
-
-
-def tool_callbacks(state: dict, environments: bool = False):
-    """The rollout rank's tool-calling callbacks and workers (built once: the start message's ``agent`` settings and
-    the script's ``tools=``; ``environments``: the tools are the trainers' environments', called home)."""
-    if (not state.get("tools") and not environments) or state.get("agent") is None:
-        raise RuntimeError("rollout_partial with tools runs the tool episodes on the rollout ranks, but this rollout "
-                           "rank's trainer was built without tools=: build NRolloutGRPOTrainer with the same tools= "
-                           "on every process (the same script runs everywhere).")
-    if "agent_callbacks" not in state:
-        state["agent_callbacks"] = agent_callbacks(state["agent"], state.get("tools") or [])
-    return state["agent_callbacks"]
 
 
 def group_fields(fields: list[dict]) -> list[dict]:

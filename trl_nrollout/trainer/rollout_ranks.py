@@ -234,11 +234,9 @@ class RolloutRanks(RemotePartialRollouts):
                 jobs.append(([list(p) for p in part.ids for _ in range(n)], self._sampling(mode, step=step),
                              part.entry, pics if any(im is not None for im in pics) else None))
                 continue
-            prompts = self._episodes_ahead(step, rows)
-            enc = self._encode_images(prompts)
-            ids = enc.engine_ids if enc is not None else self._tokenize_prompts(prompts)[0]
-            jobs.append(([list(p) for p in ids], self._sampling(mode, step=step), self._agent_job(mode, step, rows),
-                         enc.images if enc is not None else None))
+            ids, images = self._engine_prompts(self._episodes_ahead(step, rows))
+            jobs.append((ids, self._sampling(mode, step=step), self._agent_job(mode, step, rows),
+                         images if any(im is not None for im in images) else None))
         return jobs
 
     # ------------------------------------------------------------------ environments of steps written ahead
