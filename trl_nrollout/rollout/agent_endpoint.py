@@ -63,13 +63,16 @@ POLICY_PARAMETERS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty
 @dataclass
 class PendingCall:
     """A request on its way to the engine: ``prompt_ids`` ``[P]``, at most ``max_tokens`` new tokens, ``stop``
-    strings, the sample's ``seed``; ``future`` gets ``(completion_ids, logprobs, finish_reason)`` or an exception."""
+    strings, the sample's ``seed``, its own ``sampling`` (a ``SamplingOptions``: a ``rollout_func``'s call, run
+    group by group; None: the trainer's); ``future`` gets ``(completion_ids, logprobs, finish_reason)`` or an
+    exception."""
 
     key: str
     prompt_ids: list[int]
     max_tokens: int
     stop: list[str]
     seed: int | None
+    sampling: Any = None
     future: Future = field(default_factory=Future)
 
 
@@ -233,8 +236,8 @@ class AgentEndpoint:
             return [c for c in calls if not c.future.done()]
 
         def add(calls: list[PendingCall | None], specs: list[tuple]) -> None:
-            for call, (prompt_ids, max_tokens, stop, seed) in zip(calls, specs):
-                spec = PendingCall("", prompt_ids, max_tokens, stop, seed)
+            for call, (prompt_ids, max_tokens, stop, seed, sampling) in zip(calls, specs):
+                spec = PendingCall("", prompt_ids, max_tokens, stop, seed, sampling)
                 rid = engine_loop.add(TokensPrompt(prompt_token_ids=prompt_ids), params(spec))
                 running[rid] = call
                 stats["requests"] += call is not None
@@ -246,7 +249,7 @@ class AgentEndpoint:
                 mine = take(block=idle)
                 if idle:
                     stats["idle_s"] += time.perf_counter() - start
-                specs = [(c.prompt_ids, c.max_tokens, c.stop, c.seed) for c in mine]
+                specs = [(c.prompt_ids, c.max_tokens, c.stop, c.seed, c.sampling) for c in mine]
                 finished = done() and not mine
                 everyone = [(specs, finished)] if exchange is None else exchange((specs, finished))
                 for k, (rank_specs, _) in enumerate(everyone):

@@ -197,10 +197,11 @@ def hand_out(records: list[EpisodeRecord]) -> Callable[[int], tuple[list[Episode
 
 def call_params(engine, sampling: SamplingOptions) -> Callable:
     """An endpoint call's vLLM ``SamplingParams`` on ``engine``: ``sampling`` with the call's token limit, seed and
-    stop strings (:meth:`~trl_nrollout.rollout.agent_endpoint.AgentEndpoint.serve`'s ``params``)."""
+    stop strings (:meth:`~trl_nrollout.rollout.agent_endpoint.AgentEndpoint.serve`'s ``params``); a call with its
+    own ``sampling`` (a ``rollout_func``'s) samples with that."""
     def params(call):
-        return engine._sampling_params(1, replace(sampling, max_tokens=call.max_tokens, seed=call.seed,
-                                                  stop=tuple(call.stop)))
+        return engine._sampling_params(1, replace(call.sampling or sampling, max_tokens=call.max_tokens,
+                                                  seed=call.seed, stop=tuple(call.stop)))
 
     return params
 

@@ -43,6 +43,7 @@ from trl_nrollout.rollout.agent_runs import (
     start_endpoint,
 )
 from trl_nrollout.rollout.dispatch import PullStats
+from trl_nrollout.rollout.func_pool import FuncRunner, func_samples, samples_batch
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.stages import Sample
 
@@ -77,6 +78,7 @@ class AgentRollouts:
     agent = None
     _agent_endpoint = None
     _agent_pool = None
+    _func_pool = None  # a rollout_func's groups with rollout_multi_turn='requests' (a whole rollout's)
 
     def _agent_init(self, agent, reward_funcs):
         """Keep ``agent`` (checked: a callable with parameters the trainer fills) and return the reward functions:
@@ -93,9 +95,10 @@ class AgentRollouts:
         if self._agent_endpoint is not None:
             self._agent_endpoint.close()
             self._agent_endpoint = None
-        if self._agent_pool is not None:
-            self._agent_pool.close()
-            self._agent_pool = None
+        for name in ("_agent_pool", "_func_pool"):
+            if getattr(self, name) is not None:
+                getattr(self, name).close()
+                setattr(self, name, None)
 
     def _agent_refusal(self) -> str | None:
         """Why this trainer cannot run ``agent=`` (None: it can); the rows of
@@ -224,8 +227,11 @@ class AgentRollouts:
         inputs = [g.row for g in chosen for _ in range(n)]
         prompts = [g.prompt for g in chosen for _ in range(n)]
         records = [r for g in chosen for r in g.records]
-        batch, episode = self._agent_batch(records, self._tokenize_prompts(prompts)[0], n, rank * len(inputs))
-        self._log_agents(mode, records, episode, stats, time.perf_counter() - t0)
+        if self.rollout_func is not None:  # what the functions returned
+            batch, episode = self._func_batch(records, n, rank * len(inputs))
+        else:
+            batch, episode = self._agent_batch(records, self._tokenize_prompts(prompts)[0], n, rank * len(inputs))
+            self._log_agents(mode, records, episode, stats, time.perf_counter() - t0)
         self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
         staleness = [version - g.version for g in chosen]
         counts = gather_object([[stats["carried"], restarted, len(pool.groups), stats["engine_steps"],
@@ -234,14 +240,15 @@ class AgentRollouts:
         return self._round_of(inputs, prompts, batch, episode, ctx, t0, rows=inputs)
 
     def _agent_pool_balanced(self, pool, keys: list[tuple], rows: list[dict], prompts: list, target: int,
-                             sampling: SamplingOptions, version: int, mode: str):
+                             sampling: SamplingOptions, version: int, mode: str, home: bool = False):
         """The agents' pools with ``rollout_dispatch="balanced"`` (several engines): every rank's new groups form one
         queue (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.job_queue`) that each rank's pool pulls
         from while it runs fewer episodes than its share of its engine's ``max_num_seqs`` plus a group; every pool
         serves until the job has as many finished groups as it drew prompts (a job-wide count in the store; a
         group's place in the job's finish order is its ticket, across steps). The first to finish train, rank ``r``
-        the ``r``-th share (their records gathered to it); a group nobody pulled joins its own rank's pool. Returns
-        this rank's groups and its endpoint's counts; logs ``rollout/moved_groups``."""
+        the ``r``-th share (their records gathered to it); a group nobody pulled joins its own rank's pool. ``home``
+        (a whole rollout: ``target`` is every group the rank drew): each rank takes its own groups back, in the
+        order it drew them. Returns this rank's groups and its endpoint's counts; logs ``rollout/moved_groups``."""
         from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
         from trl_nrollout.rollout.agent_pool import LiveGroup
 
@@ -278,17 +285,50 @@ class AgentRollouts:
         moved = sum(1 for r, part in enumerate(every) for g in part if engine_of(flat[g][0][2]) != engine_of(r))
         self._metric(mode, "rollout/moved_groups", moved / max(1, len(taken)))
         at = sum(wanted[:rank])
+        mine = (sorted((x for x in order if x[1][2] == rank), key=lambda x: x[1][3]) if home
+                else order[at:at + target])
         return [LiveGroup(key, row, prompt, records=list(records), version=v)
-                for _, key, row, prompt, v, records in order[at:at + target]], stats
+                for _, key, row, prompt, v, records in mine], stats
 
-    def _agent_pool_start(self):
-        """This rank's pool of agent episodes in flight, with an endpoint of its own (started once)."""
-        if self._agent_pool is None:
-            self._agent_pool = AgentPool(
-                EpisodeRunner(self.agent, self.args.agent_timeout_s),
-                start_endpoint(self._tokenizer, **self._endpoint_settings(self.rollout_engine.max_model_len)),
-                self.accelerator.process_index, self.accelerator.num_processes)
-        return self._agent_pool
+    def _agent_pool_start(self, name: str = "_agent_pool"):
+        """This rank's pool of agent episodes (or of a ``rollout_func``'s groups, :mod:`~trl_nrollout.rollout.
+        func_pool`) in flight, with an endpoint of its own (started once), kept as attribute ``name``."""
+        if getattr(self, name) is None:
+            engine, args = self.rollout_engine, self.args
+            runner = (EpisodeRunner(self.agent, args.agent_timeout_s) if self.rollout_func is None else
+                      FuncRunner(self.rollout_func, self, self.num_generations, engine.max_model_len,
+                                 args.max_completion_length, args.rollout_is is not None))
+            setattr(self, name, AgentPool(runner, start_endpoint(self._tokenizer,
+                                                                 **self._endpoint_settings(engine.max_model_len)),
+                                          self.accelerator.process_index, self.accelerator.num_processes))
+        return getattr(self, name)
+
+    def _func_requests(self, inputs: list[dict], prompts: list, n: int, sampling: SamplingOptions, mode: str
+                       ) -> tuple[RolloutBatch, Any]:
+        """``rollout_func`` with ``rollout_multi_turn='requests'``: this rank's groups each run the function on a
+        thread of its own, their engine calls as requests on the rank's engine (no barrier between groups;
+        :mod:`~trl_nrollout.rollout.func_pool`); with ``rollout_dispatch="balanced"`` over several engines the
+        ranks pull groups of the job's rows from one queue and the samples come home. Returns this rank's samples
+        in its order."""
+        pool = self._agent_pool_start("_func_pool")
+        rows, group_prompts = inputs[::n], prompts[::n]
+        version, rank = self.state.global_step, self.accelerator.process_index
+        keys = [(version, mode, rank, g) for g in range(len(rows))]
+        if self.args.rollout_dispatch == "balanced" and getattr(self.rollout_engine, "_world_group", None) is not None:
+            chosen, _ = self._agent_pool_balanced(pool, keys, rows, group_prompts, len(rows), sampling, version,
+                                                  mode, home=True)
+        else:
+            pool.add(keys, rows, group_prompts, n, version)
+            chosen = sorted(pool.run(self.rollout_engine, sampling, len(rows))[0], key=lambda g: g.key[3])
+        return self._func_batch([r for g in chosen for r in g.records], n, rank * len(inputs))
+
+    def _func_batch(self, records: list[EpisodeRecord], n: int, offset: int) -> tuple[RolloutBatch, Any]:
+        """What trains of a ``rollout_func``'s finished groups (``records``, one per sample, in order): the samples
+        it returned (an error with its traceback where it raised), as a batch from the job's sample ``offset``."""
+        from trl_nrollout.trainer.multiturn import Episode
+
+        batch, masks, extra = samples_batch(func_samples(records), n, offset)
+        return batch, Episode(tool_mask=masks, extra_fields=extra)
 
     def _remote_agent_episodes(self, inputs: list[dict], prompt_ids: list[list[int]], n: int,
                                sampling: SamplingOptions, mode: str, step_job: bool) -> EpisodeRun:

@@ -313,7 +313,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         prompts, tools = self._start_step_episodes(inputs, step_job)  # environments reset (or were, ahead)
         if self.rollout_func is not None or self.agent is not None:  # the user's generation, or the user's agents
             start = time.perf_counter()
-            batch, episode = (self._custom_rollout(prompts, n) if self.agent is None
+            batch, episode = (self._custom_rollout(inputs, prompts, n, sampling, mode) if self.agent is None
                               else self._agent_rollout(inputs, prompts, n, sampling, mode, step_job))
             self.rollout_engine.sleep()  # whatever the function ran on our engine, it sleeps while the trainer works
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)

@@ -37,6 +37,7 @@ from trl_nrollout.rollout.agent_loop import (
     split_tools,
 )
 from trl_nrollout.rollout.axes import machine_refusal
+from trl_nrollout.rollout.func_pool import check_output, samples_batch
 from trl_nrollout.rollout.home_tools import HomeTools
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
@@ -172,9 +173,6 @@ class MultiTurnRollout:
         """Why ``rollout_multi_turn='requests'`` cannot run with this trainer (None: it can)."""
         if self.rollout_backend != "vllm":
             return machine_refusal("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", auto=True)
-        if self.rollout_func is not None:
-            return ("rollout_multi_turn='requests' with rollout_func: the function generates itself, so the trainer "
-                    "has no tool turns to run request by request; set rollout_multi_turn='turns' (the default).")
         return None
 
     def _request_turns(self, prompt_ids: list[list[int]], n: int, sampling: SamplingOptions, mode: str, tools: list,
@@ -257,11 +255,15 @@ class MultiTurnRollout:
         self._metric(mode, "tools/engine_idle_s", sum(e[2] for e in every) / len(every))
         self._metric(mode, "tools/call_seconds", sum(e[3] for e in every) / len(every))
 
-    def _custom_rollout(self, prompts: list, n: int) -> tuple[RolloutBatch, Episode]:
+    def _custom_rollout(self, inputs: list[dict], prompts: list, n: int, sampling: SamplingOptions, mode: str
+                        ) -> tuple[RolloutBatch, Episode]:
         """TRL's ``rollout_func(prompts, trainer)``: the user generates; we check and adopt what it returns. With
         ``rollout_dispatch="balanced"`` on colocated vLLM engines, each of its ``trainer.rollout_engine.
         generate_expanded`` calls is a balanced rollout (the call's groups of every rank in one queue; every rank
-        makes the same calls), logged as the trainer's own."""
+        makes the same calls), logged as the trainer's own. With ``rollout_multi_turn='requests'`` the function runs
+        group by group, its engine calls as requests (:meth:`_func_requests`)."""
+        if self.args.rollout_multi_turn == "requests":
+            return self._func_requests(inputs, prompts, n, sampling, mode)
         if self.args.rollout_dispatch == "balanced" and hasattr(self.rollout_engine, "balanced_calls"):
             with self.rollout_engine.balanced_calls() as calls:
                 output = self.rollout_func(prompts, self)
@@ -270,36 +272,10 @@ class MultiTurnRollout:
                 self._log_dispatch(mode, pulled, samples, call_n)
         else:
             output = self.rollout_func(prompts, self)
-        missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - set(output))
-        if missing:
-            raise ValueError(f"rollout_func must return keys {missing} in its output dict (TRL's contract: "
-                             "prompt_ids, completion_ids, logprobs; optionally env_mask and extra fields).")
-        prompt_ids, completion_ids = [list(p) for p in output["prompt_ids"]], [list(c) for c in output["completion_ids"]]
-        if not (len(prompt_ids) == len(completion_ids) == len(prompts)):
-            raise ValueError(f"rollout_func returned {len(prompt_ids)} prompt_ids and {len(completion_ids)} "
-                             f"completion_ids for {len(prompts)} prompts (each prompt appears n={n} times: return one "
-                             "sample per entry, in order).")
-        logprobs = output["logprobs"]
-        if logprobs is None:
-            if self.args.rollout_is is not None:
-                raise ValueError("rollout_func returned logprobs=None, but the rollout correction (rollout_is / "
-                                 "vllm_importance_sampling_correction) needs the sampler's log-probs; return them.")
-            logprobs = [[0.0] * len(c) for c in completion_ids]
-        logprobs = [[0.0 if v is None else float(v) for v in lp] for lp in logprobs]
-        limit = self.args.max_completion_length
-        reasons = ["length" if len(c) >= limit else "stop" for c in completion_ids]
-        extra = {k: list(v) for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs")}
-        env_mask = extra.pop("env_mask", None)
-        if env_mask is not None:
-            env_mask = [[int(v) for v in m] for m in env_mask]
-            bad = [i for i, (m, c) in enumerate(zip(env_mask, completion_ids)) if len(m) != len(c)]
-            if bad:
-                raise ValueError(f"rollout_func's env_mask of sample {bad[0]} has {len(env_mask[bad[0]])} entries for "
-                                 f"{len(completion_ids[bad[0]])} completion tokens; give one 0/1 per token.")
-        offset = self.accelerator.process_index * len(prompts)
-        batch = RolloutBatch(prompt_ids, completion_ids, logprobs, reasons,
-                             [(offset + i) // max(n, 1) for i in range(len(prompts))])
-        return batch, Episode(tool_mask=env_mask, extra_fields=extra)
+        samples = check_output(output, len(prompts), n, self.args.max_completion_length,
+                               self.args.rollout_is is not None)
+        batch, masks, extra = samples_batch(samples, n, self.accelerator.process_index * len(prompts))
+        return batch, Episode(tool_mask=masks, extra_fields=extra)
 
     def _log_turns(self, mode: str, episode: Episode) -> None:
         """verl's ``num_turns/*`` and TRL's ``tools/call_frequency`` / ``tools/failure_frequency`` (all ranks)."""

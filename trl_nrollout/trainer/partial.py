@@ -60,10 +60,6 @@ class PartialRollouts(PartialEnvironments):
         """Why this trainer cannot roll out partially (None when it can)."""
         if self.rollout_backend != "vllm":
             return machine_refusal("rollout_partial=True", "rollout_partial=False", auto=True)
-        if self.rollout_func is not None:
-            return ("rollout_partial=True with rollout_func: the function generates whole samples itself, so the "
-                    "trainer cannot stop its requests and continue them after a weight sync; set "
-                    "rollout_partial=False, or use tools= (partial with rollout_multi_turn='requests').")
         if self.tools and self.args.rollout_multi_turn != "requests":
             return (f"rollout_partial=True with tools and rollout_multi_turn={self.args.rollout_multi_turn!r}: a turn "
                     "barrier waits for every sample's turn, while a partial rollout stops before its slowest "
@@ -78,8 +74,8 @@ class PartialRollouts(PartialEnvironments):
         their slots go to the pool's other groups and these new ones at once."""
         if self._remote:  # the pools live on the rollout ranks (trainer/remote_partial.py)
             return self._remote_partial_round(ctx, round_)
-        if self.agent is not None:  # agent= episodes: a pool of live agents (trainer/agents.py)
-            return self._agent_partial_round(ctx, round_)
+        if self.agent is not None or self.rollout_func is not None:  # a pool of live agents, or of a rollout_func's
+            return self._agent_partial_round(ctx, round_)  # groups (rollout/func_pool.py), trainer/agents.py
         args, n, engine = self.args, ctx.n, self.rollout_engine
         version = self.state.global_step
         t0 = time.perf_counter()
