@@ -59,12 +59,6 @@ CASES = {
         tmp, rollout_dispatch="balanced", rollout_backend="hf"),
     ("rollout_multi_turn='requests'", "rollout_backend='hf'"): lambda tmp: _config_error(
         tmp, rollout_multi_turn="requests", rollout_backend="hf"),
-    ("rollout_multi_turn='requests'", "rollout_func"): lambda tmp: MultiTurnRollout._request_turns_refusal(
-        _trainer(rollout_func=print)),
-    ("rollout_partial=True", "tools and rollout_multi_turn='turns'"): lambda tmp: (
-        PartialRollouts._partial_refusal(_trainer(tools=[print]))),
-    ("rollout_partial=True", "rollout_func"): lambda tmp: PartialRollouts._partial_refusal(
-        _trainer(rollout_func=print)),
 }
 
 

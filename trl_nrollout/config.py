@@ -206,9 +206,11 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "for its longest sample. Every token keeps the policy version that sampled it and its behaviour "
                 "log-prob (what rollout_is weights by). With filter_groups, DAPO's filtered groups leave the pool at "
                 "once and extra rounds run the pool on with fresh prompts. vLLM engines; image prompts (their images "
-                "go with every request), rollout_dispatch='balanced' (one job-wide pool), tool episodes "
-                "(rollout_multi_turn='requests') and environment_factory (at any rollout_tp_size, a group's episodes "
-                "on its own rank; a checkpoint restarts the episodes in flight) included. With rollout_ranks the "
+                "go with every request), rollout_dispatch='balanced' (one job-wide pool), tool episodes (request "
+                "by request whatever rollout_multi_turn says: a partial rollout has no turn barrier), "
+                "environment_factory (at any rollout_tp_size, a group's episodes on its own rank; a checkpoint "
+                "restarts the episodes in flight), agent= and rollout_func (called group by group, each group's "
+                "function living across steps, its engine calls as requests) included. With rollout_ranks the "
                 "rollout ranks keep the groups in flight from job to job (single-turn prompts, images, tool, "
                 "environment and agent= episodes included)."})
     rollout_partial_oversample: float = field(default=1.0, metadata={
@@ -249,7 +251,11 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "'requests': no turn barrier (verl's agent loop): a sample whose turn calls tools leaves the engine "
                 "while they run (tool_workers at once) and re-enters with their results while the others keep "
                 "generating. Same masks, counts and messages; vLLM engines only. With rollout_ranks: each "
-                "episode runs whole on a rollout rank, with the tools= that process's trainer was built with."})
+                "episode runs whole on a rollout rank, with the tools= that process's trainer was built with. With "
+                "a rollout_func, 'requests' calls it once per group (the group's prompt n times), every group on a "
+                "thread of its own, its trainer.rollout_engine.generate_expanded calls as requests: no barrier "
+                "between groups (a multi-turn function's slow sample holds back only its own group). A partial "
+                "rollout runs tool episodes and rollout_func groups this way whatever this says."})
     tool_workers: int = field(default=16, metadata={
         "help": "With rollout_multi_turn='requests': how many samples' tool calls run at once (threads for sync "
                 "tools; async tools run on the trainer's event loop). Sync tools must then be thread-safe; 1 runs "
@@ -263,7 +269,9 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "episodes on the engine that pulled them; an environment_factory episode's tool calls run on its "
                 "prompt's rank) on vLLM engines, partial rollouts (the job's pool, groups in flight included, in "
                 "the queue), agent= episodes (ranks pull groups of the job's rows, episodes go home) and a "
-                "rollout_func's engine calls (each generate_expanded call, made by every rank, one queue)."})
+                "rollout_func's engine calls (each generate_expanded call, made by every rank, one queue; run group "
+                "by group, with rollout_multi_turn='requests' or partial: ranks pull the job's groups and run the "
+                "function on them, samples go home)."})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={

@@ -236,11 +236,11 @@ class ConfigChecks:
             raise InputError(f"tool_workers={self.tool_workers} must be >= 1 (how many samples' tool calls run at "
                              "once with rollout_multi_turn='requests'; 1: one at a time).")
         default_workers = next(f.default for f in fields(self) if f.name == "tool_workers")
-        if self.tool_workers != default_workers and self.rollout_multi_turn != "requests":
+        if self.tool_workers != default_workers and self.rollout_multi_turn != "requests" and not self.rollout_partial:
             raise InputError(f"tool_workers={self.tool_workers} sets how many samples' tool calls run at once with "
-                             f"rollout_multi_turn='requests', but rollout_multi_turn={self.rollout_multi_turn!r} "
-                             "runs them turn by turn: it would do nothing. Set rollout_multi_turn='requests' too, or "
-                             "remove tool_workers.")
+                             f"rollout_multi_turn='requests' (or rollout_partial=True), but rollout_multi_turn="
+                             f"{self.rollout_multi_turn!r} runs them turn by turn: it would do nothing. Set "
+                             "rollout_multi_turn='requests' too, or remove tool_workers.")
         if self.rollout_multi_turn == "requests" and self.rollout_backend == "hf":
             raise InputError(machine_refusal("rollout_multi_turn='requests'", "rollout_multi_turn='turns'"))
         if self.rollout_lora_sync not in LORA_SYNC_MODES:

@@ -101,13 +101,29 @@ def env_check(prompts: list, completions: list, environments: list, **kwargs) ->
     return [0.0] * len(prompts)
 
 
+CALLS: list[int] = []  # how many prompts each rollout_func call got
+HELD = {"released": None}  # a partial run's first group on rank 0: whether the step's end released it
+
+
 def custom_rollout(prompts: list, trainer) -> dict:
     """A user's rollout on the trainer's engine (one sample per entry: each prompt comes n times), the last token of
-    each sample masked (``env_mask``)."""
+    each sample masked (``env_mask``). With rollout_partial the first group rank 0 runs waits until step 1 has ended
+    (at most 30 s) before it generates, its first token masked too: a partial step must not wait for it."""
+    import time
+
+    CALLS.append(len(prompts))
+    held = (trainer.args.rollout_partial and trainer.accelerator.process_index == 0 and HELD["released"] is None
+            and trainer.state.global_step == 0)
+    if held:
+        HELD["released"] = False
+        deadline = time.monotonic() + 30
+        while trainer.state.global_step < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        HELD["released"] = trainer.state.global_step >= 1
     ids = [trainer.processing_class(text=p)["input_ids"] for p in prompts]
     batch = trainer.rollout_engine.generate_expanded(ids, 1, SamplingOptions(max_tokens=8, temperature=1.0))
     return {"prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
-            "env_mask": [[1] * (len(c) - 1) + [0] for c in batch.completion_ids]}
+            "env_mask": [[0 if held and i == 0 else 1 for i in range(len(c) - 1)] + [0] for c in batch.completion_ids]}
 
 
 def build(out: str, combo: dict):
@@ -194,6 +210,8 @@ def slow_engine(trainer, seconds: float) -> None:
 def main(out: str, combos: list[dict]) -> None:
     trainer = None
     for combo in combos:
+        CALLS.clear()
+        HELD["released"] = None
         slow = combo.get("slow_rank")
         trainer = build(out, combo)
         if getattr(trainer, "is_rollout_rank", False):  # serves this combination's trainer until its train() returns
@@ -206,8 +224,8 @@ def main(out: str, combos: list[dict]) -> None:
         trainer.train(resume_from_checkpoint=combo.get("resume"))
         if trainer.accelerator.is_main_process:
             with open(f"{out}/{combo['name']}.json", "w") as fh:
-                json.dump({"rounds": rounds, "history": trainer.state.log_history,
-                           "engine": type(trainer.rollout_engine).__name__}, fh)
+                json.dump({"rounds": rounds, "history": trainer.state.log_history, "calls": list(CALLS),
+                           "held": HELD["released"], "engine": type(trainer.rollout_engine).__name__}, fh)
     if trainer is not None:  # rollout ranks: the trainer's stop, the rollout rank's last serve (the trainers before
         trainer.close()      # it ended theirs with train(); a new trainer's engine releases the last one's)
 

@@ -183,16 +183,24 @@ class FuncRunner:
 
     def run(self, pull: Callable[[int], tuple[list[EpisodeRecord], bool]], endpoint,
             finished: threading.Event) -> None:
-        """Run the groups of the records ``pull`` hands out (once) and set ``finished`` when every one has ended."""
+        """Run the groups of the records ``pull(running samples)`` hands out (``n`` consecutive records a group: at
+        once, or as a balanced queue's pulls) and set ``finished`` when the last has ended."""
+        running: list[tuple[threading.Thread, int]] = []
+        drained = False
         try:
-            records, _ = pull(0)
-            threads = [threading.Thread(target=self._group, args=(records[i:i + self.n], endpoint), daemon=True,
-                                        name="trl-nrollout-rollout-func")
-                       for i in range(0, len(records), self.n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            while True:
+                running = [(t, k) for t, k in running if t.is_alive()]
+                if not drained:
+                    new, drained = pull(sum(k for _, k in running))
+                    for i in range(0, len(new), self.n):
+                        thread = threading.Thread(target=self._group, args=(new[i:i + self.n], endpoint),
+                                                  daemon=True, name="trl-nrollout-rollout-func")
+                        thread.start()
+                        running.append((thread, len(new[i:i + self.n])))
+                if drained and not running:
+                    return
+                if running:
+                    running[0][0].join(timeout=0.005)
         finally:
             finished.set()
 

@@ -78,7 +78,6 @@ class AgentRollouts:
     agent = None
     _agent_endpoint = None
     _agent_pool = None
-    _func_pool = None  # a rollout_func's groups with rollout_multi_turn='requests' (a whole rollout's)
 
     def _agent_init(self, agent, reward_funcs):
         """Keep ``agent`` (checked: a callable with parameters the trainer fills) and return the reward functions:
@@ -95,10 +94,9 @@ class AgentRollouts:
         if self._agent_endpoint is not None:
             self._agent_endpoint.close()
             self._agent_endpoint = None
-        for name in ("_agent_pool", "_func_pool"):
-            if getattr(self, name) is not None:
-                getattr(self, name).close()
-                setattr(self, name, None)
+        if self._agent_pool is not None:
+            self._agent_pool.close()
+            self._agent_pool = None
 
     def _agent_refusal(self) -> str | None:
         """Why this trainer cannot run ``agent=`` (None: it can); the rows of
@@ -144,7 +142,10 @@ class AgentRollouts:
         ``rollout_dispatch="balanced"`` over several engines the ranks pull groups of the job's rows from one queue
         and the episodes come home). With ``rollout_ranks``, a job of the rollout ranks: their endpoints and engines
         run the episodes (the next ``max_staleness`` steps' written ahead, as single-turn jobs are) and send the
-        records back (:meth:`_remote_agent_episodes`)."""
+        records back (:meth:`_remote_agent_episodes`).
+
+        A ``rollout_func`` with ``rollout_multi_turn='requests'`` runs the same way, group by group
+        (:mod:`~trl_nrollout.rollout.func_pool`): what trains is what it returned."""
         prompt_ids = self._tokenize_prompts(prompts)[0]
         offset = self.accelerator.process_index * len(inputs)
         if self._remote:
@@ -152,12 +153,13 @@ class AgentRollouts:
         else:
             engine = self.rollout_engine
             run = run_episodes(
-                engine, self._agent_start(), EpisodeRunner(self.agent, self.args.agent_timeout_s), inputs, n,
-                sampling, offset=offset, tag=f"{mode}{self.state.global_step}", rank=self.accelerator.process_index,
+                engine, self._agent_start(), self._episode_runner(), inputs, n, sampling, offset=offset, tag=f"{mode}{self.state.global_step}", rank=self.accelerator.process_index,
                 balanced=self.args.rollout_dispatch == "balanced" and getattr(engine, "_world_group", None) is not None)
             if self.args.rollout_dispatch == "balanced":  # one engine: its queue is this rank's groups
                 self._log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
                     len(inputs))}), claims=1, busy_s=run.wall_s), len(inputs), n)
+        if self.rollout_func is not None:  # what the function returned, group by group
+            return self._func_batch(run.records, n, offset)
         batch, episode = self._agent_batch(run.records, prompt_ids, n, offset)
         self._log_agents(mode, run.records, episode, run.serve, run.wall_s)
         return batch, episode
@@ -240,15 +242,14 @@ class AgentRollouts:
         return self._round_of(inputs, prompts, batch, episode, ctx, t0, rows=inputs)
 
     def _agent_pool_balanced(self, pool, keys: list[tuple], rows: list[dict], prompts: list, target: int,
-                             sampling: SamplingOptions, version: int, mode: str, home: bool = False):
+                             sampling: SamplingOptions, version: int, mode: str):
         """The agents' pools with ``rollout_dispatch="balanced"`` (several engines): every rank's new groups form one
         queue (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.job_queue`) that each rank's pool pulls
         from while it runs fewer episodes than its share of its engine's ``max_num_seqs`` plus a group; every pool
         serves until the job has as many finished groups as it drew prompts (a job-wide count in the store; a
         group's place in the job's finish order is its ticket, across steps). The first to finish train, rank ``r``
-        the ``r``-th share (their records gathered to it); a group nobody pulled joins its own rank's pool. ``home``
-        (a whole rollout: ``target`` is every group the rank drew): each rank takes its own groups back, in the
-        order it drew them. Returns this rank's groups and its endpoint's counts; logs ``rollout/moved_groups``."""
+        the ``r``-th share (their records gathered to it); a group nobody pulled joins its own rank's pool. Returns
+        this rank's groups and its endpoint's counts; logs ``rollout/moved_groups``."""
         from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
         from trl_nrollout.rollout.agent_pool import LiveGroup
 
@@ -285,42 +286,26 @@ class AgentRollouts:
         moved = sum(1 for r, part in enumerate(every) for g in part if engine_of(flat[g][0][2]) != engine_of(r))
         self._metric(mode, "rollout/moved_groups", moved / max(1, len(taken)))
         at = sum(wanted[:rank])
-        mine = (sorted((x for x in order if x[1][2] == rank), key=lambda x: x[1][3]) if home
-                else order[at:at + target])
         return [LiveGroup(key, row, prompt, records=list(records), version=v)
-                for _, key, row, prompt, v, records in mine], stats
+                for _, key, row, prompt, v, records in order[at:at + target]], stats
 
-    def _agent_pool_start(self, name: str = "_agent_pool"):
-        """This rank's pool of agent episodes (or of a ``rollout_func``'s groups, :mod:`~trl_nrollout.rollout.
-        func_pool`) in flight, with an endpoint of its own (started once), kept as attribute ``name``."""
-        if getattr(self, name) is None:
-            engine, args = self.rollout_engine, self.args
-            runner = (EpisodeRunner(self.agent, args.agent_timeout_s) if self.rollout_func is None else
-                      FuncRunner(self.rollout_func, self, self.num_generations, engine.max_model_len,
-                                 args.max_completion_length, args.rollout_is is not None))
-            setattr(self, name, AgentPool(runner, start_endpoint(self._tokenizer,
-                                                                 **self._endpoint_settings(engine.max_model_len)),
-                                          self.accelerator.process_index, self.accelerator.num_processes))
-        return getattr(self, name)
+    def _agent_pool_start(self):
+        """This rank's pool of agent episodes (or of a ``rollout_func``'s groups) in flight, with an endpoint of its
+        own (started once)."""
+        if self._agent_pool is None:
+            self._agent_pool = AgentPool(
+                self._episode_runner(),
+                start_endpoint(self._tokenizer, **self._endpoint_settings(self.rollout_engine.max_model_len)),
+                self.accelerator.process_index, self.accelerator.num_processes)
+        return self._agent_pool
 
-    def _func_requests(self, inputs: list[dict], prompts: list, n: int, sampling: SamplingOptions, mode: str
-                       ) -> tuple[RolloutBatch, Any]:
-        """``rollout_func`` with ``rollout_multi_turn='requests'``: this rank's groups each run the function on a
-        thread of its own, their engine calls as requests on the rank's engine (no barrier between groups;
-        :mod:`~trl_nrollout.rollout.func_pool`); with ``rollout_dispatch="balanced"`` over several engines the
-        ranks pull groups of the job's rows from one queue and the samples come home. Returns this rank's samples
-        in its order."""
-        pool = self._agent_pool_start("_func_pool")
-        rows, group_prompts = inputs[::n], prompts[::n]
-        version, rank = self.state.global_step, self.accelerator.process_index
-        keys = [(version, mode, rank, g) for g in range(len(rows))]
-        if self.args.rollout_dispatch == "balanced" and getattr(self.rollout_engine, "_world_group", None) is not None:
-            chosen, _ = self._agent_pool_balanced(pool, keys, rows, group_prompts, len(rows), sampling, version,
-                                                  mode, home=True)
-        else:
-            pool.add(keys, rows, group_prompts, n, version)
-            chosen = sorted(pool.run(self.rollout_engine, sampling, len(rows))[0], key=lambda g: g.key[3])
-        return self._func_batch([r for g in chosen for r in g.records], n, rank * len(inputs))
+    def _episode_runner(self):
+        """What runs this trainer's episodes on an endpoint: the agents (:class:`EpisodeRunner`), or the
+        ``rollout_func`` group by group (:class:`~trl_nrollout.rollout.func_pool.FuncRunner`)."""
+        if self.rollout_func is None:
+            return EpisodeRunner(self.agent, self.args.agent_timeout_s)
+        return FuncRunner(self.rollout_func, self, self.num_generations, self.rollout_engine.max_model_len,
+                          self.args.max_completion_length, self.args.rollout_is is not None)
 
     def _func_batch(self, records: list[EpisodeRecord], n: int, offset: int) -> tuple[RolloutBatch, Any]:
         """What trains of a ``rollout_func``'s finished groups (``records``, one per sample, in order): the samples

@@ -179,6 +179,10 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
         if args.rollout_partial and (why := self._partial_refusal()) is not None:
             raise UnsupportedTRLOption(why)
+        if args.rollout_partial and self.tools and args.rollout_multi_turn == "turns" and self.accelerator.is_main_process:
+            logger.info("rollout_partial=True: the training steps' tool episodes run request by request (a partial "
+                        "rollout has no turn barrier: it stops before its slowest samples); rollout_multi_turn='turns' "
+                        "applies to whole rollouts (evaluation).")
         if self.agent is not None and (why := self._agent_refusal()) is not None:
             raise UnsupportedTRLOption(why)
         self.generation_clock = GenerationClock()
@@ -313,8 +317,9 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         prompts, tools = self._start_step_episodes(inputs, step_job)  # environments reset (or were, ahead)
         if self.rollout_func is not None or self.agent is not None:  # the user's generation, or the user's agents
             start = time.perf_counter()
-            batch, episode = (self._custom_rollout(inputs, prompts, n, sampling, mode) if self.agent is None
-                              else self._agent_rollout(inputs, prompts, n, sampling, mode, step_job))
+            grouped = self.agent is not None or self.args.rollout_multi_turn == "requests"  # on an endpoint
+            batch, episode = (self._agent_rollout(inputs, prompts, n, sampling, mode, step_job) if grouped
+                              else self._custom_rollout(prompts, n))
             self.rollout_engine.sleep()  # whatever the function ran on our engine, it sleeps while the trainer works
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode

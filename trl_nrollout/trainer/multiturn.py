@@ -255,15 +255,12 @@ class MultiTurnRollout:
         self._metric(mode, "tools/engine_idle_s", sum(e[2] for e in every) / len(every))
         self._metric(mode, "tools/call_seconds", sum(e[3] for e in every) / len(every))
 
-    def _custom_rollout(self, inputs: list[dict], prompts: list, n: int, sampling: SamplingOptions, mode: str
-                        ) -> tuple[RolloutBatch, Episode]:
+    def _custom_rollout(self, prompts: list, n: int) -> tuple[RolloutBatch, Episode]:
         """TRL's ``rollout_func(prompts, trainer)``: the user generates; we check and adopt what it returns. With
         ``rollout_dispatch="balanced"`` on colocated vLLM engines, each of its ``trainer.rollout_engine.
         generate_expanded`` calls is a balanced rollout (the call's groups of every rank in one queue; every rank
-        makes the same calls), logged as the trainer's own. With ``rollout_multi_turn='requests'`` the function runs
-        group by group, its engine calls as requests (:meth:`_func_requests`)."""
-        if self.args.rollout_multi_turn == "requests":
-            return self._func_requests(inputs, prompts, n, sampling, mode)
+        makes the same calls), logged as the trainer's own. (With ``rollout_multi_turn='requests'`` the function runs
+        group by group: :meth:`AgentRollouts._agent_rollout`.)"""
         if self.args.rollout_dispatch == "balanced" and hasattr(self.rollout_engine, "balanced_calls"):
             with self.rollout_engine.balanced_calls() as calls:
                 output = self.rollout_func(prompts, self)

@@ -60,11 +60,6 @@ class PartialRollouts(PartialEnvironments):
         """Why this trainer cannot roll out partially (None when it can)."""
         if self.rollout_backend != "vllm":
             return machine_refusal("rollout_partial=True", "rollout_partial=False", auto=True)
-        if self.tools and self.args.rollout_multi_turn != "requests":
-            return (f"rollout_partial=True with tools and rollout_multi_turn={self.args.rollout_multi_turn!r}: a turn "
-                    "barrier waits for every sample's turn, while a partial rollout stops before its slowest "
-                    "samples; set rollout_multi_turn='requests' (each sample's turns run as requests, its tools "
-                    "while the others generate), or rollout_partial=False.")
         return None
 
     def _partial_round(self, ctx: StepContext, round_: int = 0) -> Round:

@@ -80,8 +80,10 @@ class RolloutRanks(RemotePartialRollouts):
 
     @property
     def _remote_agents(self) -> bool:
-        """Tool episodes run request by request on the rollout ranks (``rollout_multi_turn="requests"``)."""
-        return bool(self.args.rollout_ranks and self.tools and self.args.rollout_multi_turn == "requests")
+        """Tool episodes run request by request on the rollout ranks (``rollout_multi_turn="requests"``, or a partial
+        rollout's: it has no turn barrier)."""
+        return bool(self.args.rollout_ranks and self.tools
+                    and (self.args.rollout_multi_turn == "requests" or self.args.rollout_partial))
 
     def _agent_job(self, mode: str, step: int, rows: list[dict]) -> dict | None:
         """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
@@ -90,7 +92,7 @@ class RolloutRanks(RemotePartialRollouts):
         single-turn jobs (a partial job's: :meth:`_partial_job`)."""
         if self.agent is not None:
             return {"step": step, "mode": mode, "rows": [dict(row) for row in rows]}
-        if not self._remote_agents:
+        if not self._remote_agents or self.args.rollout_multi_turn != "requests":  # (partial's: _partial_job)
             return None
         if not self._has_environments:
             return {"step": step, "mode": mode}
