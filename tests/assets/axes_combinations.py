@@ -113,7 +113,7 @@ def custom_rollout(prompts: list, trainer) -> dict:
 
     CALLS.append(len(prompts))
     held = (trainer.args.rollout_partial and trainer.accelerator.process_index == 0 and HELD["released"] is None
-            and trainer.state.global_step == 0)
+            and trainer.state.global_step == 0 and not getattr(trainer, "is_rollout_rank", False))
     if held:
         HELD["released"] = False
         deadline = time.monotonic() + 30

@@ -226,9 +226,9 @@ def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, 
     (:func:`~trl_nrollout.rollout.agent_runs.run_episodes`; seeds by the job's sample, as colocated). Answers each
     episode's record (its calls' tokens and log-probs, the agent's result) for the trainers to assemble; the batch's
     own completions stay empty."""
-    from trl_nrollout.rollout.agent_runs import EpisodeRunner, run_episodes
+    from trl_nrollout.rollout.agent_runs import run_episodes
 
-    settings, agent = state["agent"], user_agent(state)
+    settings, runner = state["agent"], rank_runner(state, engine)
     if "endpoint" not in state:
         state["endpoint"] = rank_endpoint(settings)
     job = message["agent"]
@@ -236,14 +236,14 @@ def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, 
     if not rows and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
         records, idle, pulled = [], 0.0, None
     else:
-        run = run_episodes(engine, state["endpoint"], EpisodeRunner(agent, settings["timeout"]), rows, n,
-                           message["sampling"], offset=start, tag=f"{job['mode']}{job['step']}", rank=engine.rank,
+        run = run_episodes(engine, state["endpoint"], runner, rows, n, message["sampling"], offset=start, tag=f"{job['mode']}{job['step']}", rank=engine.rank,
                            balanced=balanced and getattr(engine, "_world_group", None) is not None)
         records, idle, pulled = run.records, run.serve["idle_s"], run.pulled
     k = len(records)
     batch = RolloutBatch([[] for _ in range(k)], [[] for _ in range(k)], [[] for _ in range(k)], ["stop"] * k,
                          list(range(k)))
-    answered = [replace(r, row={}) for r in records]  # the trainers hold the rows: they do not travel back
+    func = "func" in settings  # a rollout_func's groups: what it returned travels, not its calls
+    answered = [replace(r, row={}, calls=[] if func else r.calls) for r in records]  # (the trainers hold the rows)
     return batch, pulled, (np.zeros(0, dtype=np.int8), [{"record": r, "engine_idle_s": idle} for r in answered]), \
         AgentStats()
 
@@ -259,6 +259,50 @@ def tool_callbacks(state: dict, environments: bool = False) -> tuple[AgentCallba
     if "agent_callbacks" not in state:
         state["agent_callbacks"] = agent_callbacks(state["agent"], state.get("tools") or [])
     return state["agent_callbacks"]
+
+
+def rank_runner(state: dict, engine):
+    """What runs a job's episodes on this rollout rank's endpoint: the script's ``agent=``
+    (:class:`~trl_nrollout.rollout.agent_runs.EpisodeRunner`), or its ``rollout_func`` group by group
+    (:class:`~trl_nrollout.rollout.func_pool.FuncRunner`, where the start message's ``agent`` settings have
+    ``func``). The function's ``trainer`` here is a :class:`RankTrainer` (this rank's arguments, the trainers'
+    tokenizer, ``num_generations``, ``state.global_step`` the weights' version), kept in ``state``."""
+    from trl_nrollout.rollout.agent_runs import EpisodeRunner
+    from trl_nrollout.rollout.func_pool import FuncRunner
+
+    settings = state["agent"]
+    func = settings.get("func")
+    if func is None:
+        return EpisodeRunner(user_agent(state), settings["timeout"])
+    if state.get("user_func") is None:
+        raise RuntimeError("the trainers run their rollout_func group by group on the rollout ranks, but this rollout "
+                           "rank's trainer was built without rollout_func=: build NRolloutGRPOTrainer with the same "
+                           "rollout_func= on every process (the same script runs everywhere).")
+    if "func_trainer" not in state:
+        processing_class = pickle.loads(settings["processing_class"])
+        state["func_trainer"] = RankTrainer(state.get("user_args"), processing_class, func["n"], engine.rank)
+    state["func_trainer"].state.global_step = state.get("version", 0)
+    return FuncRunner(state["user_func"], state["func_trainer"], func["n"], engine.max_model_len, func["limit"],
+                      func["need_logprobs"])
+
+
+class RankTrainer:
+    """What a ``rollout_func`` sees as its trainer on a rollout rank: ``args`` (this process's, the same script's),
+    ``processing_class`` (the trainers'), ``num_generations``, ``accelerator.process_index`` (this process's rank
+    in the launch) and ``state.global_step`` (the version of the weights this rank holds); ``rollout_engine`` is the
+    group's (:class:`~trl_nrollout.rollout.func_pool.TrainerView` sets it). Anything else a trainer has is not
+    here: the error names it."""
+
+    def __init__(self, args, processing_class, n: int, rank: int) -> None:
+        self.args, self.processing_class, self.num_generations = args, processing_class, n
+        self.accelerator = SimpleNamespace(process_index=rank, is_main_process=False)
+        self.state = SimpleNamespace(global_step=0)
+        self.is_rollout_rank = True
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"a rollout_func run on a rollout rank gets a trainer with args, processing_class, "
+                             f"num_generations, accelerator.process_index, state.global_step and rollout_engine; it "
+                             f"has no {name!r} (the trainers' own attributes stay on the trainers).")
 
 
 def user_agent(state: dict):

@@ -58,8 +58,8 @@ from trl_nrollout.rollout.remote_agents import (
     home_call,
     partial_env_agent,
     rank_endpoint,
+    rank_runner,
     tool_callbacks,
-    user_agent,
 )
 from trl_nrollout.rollout.types import RolloutBatch
 
@@ -204,19 +204,18 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
                           ) -> PartialJob:
     """Rollout rank ``rank``'s side of a partial job of ``agent=`` episodes: its slice's groups join the pool of live
     agents it keeps between jobs (:class:`~trl_nrollout.rollout.agent_pool.AgentPool`, on an endpoint of its own,
-    with the script's agent; each rank of a TP engine its own pool, their calls exchanged), with top-ups while it is
+    with the script's agent, or its rollout_func group by group: :func:`rank_runner`; each rank of a TP engine its own pool, their calls exchanged), with top-ups while it is
     short; groups that started more than ``max_staleness`` versions before the weights it holds start again; the
     pool runs until as many groups as its slice holds have finished, and their episodes' records are answered (the
     rows stay with the trainers' fields), each sample with its group's fields."""
     from trl_nrollout.rollout.agent_pool import AgentPool
-    from trl_nrollout.rollout.agent_runs import EpisodeRunner
 
     entry, n, sampling = message["agent"], message["n"], message["sampling"]
-    agent = user_agent(state)
     if "agent_pool" not in state:
-        settings = state["agent"]
-        state["agent_pool"] = AgentPool(EpisodeRunner(agent, settings["timeout"]), rank_endpoint(settings), rank,
+        state["agent_pool"] = AgentPool(rank_runner(state, engine), rank_endpoint(state["agent"]), rank,
                                         len(slices))
+    if "func_trainer" in state:  # a rollout_func's trainer: its step is the weights' version
+        state["func_trainer"].state.global_step = state.get("version", 0)
     pool: AgentPool = state["agent_pool"]
     pool.seed_with(sampling)
     version, ranks = state.get("version", 0), len(slices)
@@ -235,7 +234,9 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
              [entry["prompts"][g] for g in mine] + [e["prompt"] for _, e in extra], n, version)
     chosen, stats = pool.run(engine, sampling, target) if target else ([], {"carried": 0, "engine_steps": 0,
                                                                               "idle_s": 0.0})
-    records = [replace(r, row={}) for g in chosen for r in g.records]  # the rows travel in the group's fields
+    func = "func" in state["agent"]  # a rollout_func's groups: what it returned travels, not its calls
+    records = [replace(r, row={}, calls=[] if func else r.calls)  # (the rows travel in the group's fields)
+               for g in chosen for r in g.records]
     batch = RolloutBatch([[] for _ in records], [[] for _ in records], [[] for _ in records], ["stop"] * len(records),
                          list(range(len(records))))
     fields = []

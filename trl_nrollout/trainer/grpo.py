@@ -103,7 +103,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         bridge = current_bridge()
         if bridge is not None and bridge.role == ROLLOUT and getattr(config, "rollout_ranks", 0):
             worker = RolloutRankWorker(config, kwargs.get("model", args[0] if args else None),
-                                       kwargs.get("processing_class"), kwargs.get("tools"), kwargs.get("agent"))
+                                       kwargs.get("processing_class"), kwargs.get("tools"), kwargs.get("agent"),
+                                       kwargs.get("rollout_func"))
             atexit.register(worker.close)  # until the trainers' stop (they close their side at exit)
             return worker
         return super().__new__(cls)

@@ -90,7 +90,8 @@ class RemotePartialRollouts:
         entry = partial_entry(step, round_, rows, prompts, extra, max_staleness=args.max_staleness,
                               oversample=args.rollout_partial_oversample, snapshot=self._saves_after(step),
                               restore=restore, tools=bool(self.tools), keys=keys,
-                              host=self._env_host.prefix if keys is not None else None, agents=self.agent is not None)
+                              host=self._env_host.prefix if keys is not None else None,
+                              agents=self.agent is not None or self.rollout_func is not None)
         parts = PartialJobParts(entry, ids, images)
         if round_ == 0:
             for old in [s for s in made if s < self.state.global_step]:
@@ -180,12 +181,15 @@ class RemotePartialRollouts:
         per_engine = [[*r["counts"][:4], max(every, default=0), sum(every) / max(1, len(every)), r["counts"][4]]
                       for r in reports]
         self._log_partial(mode, per_engine, per_engine, [c for c, r in zip(per_engine, reports) if r["pool_of"]])
-        if self.agent is not None:  # agent= episodes: their records (every call's tokens), assembled here
-            records = [replace(f["record"], row=dict(f["row"])) for f in fields]
-            batch, episode = self._agent_batch(records, self._tokenize_prompts(sample_prompts)[0], n,
-                                               self.accelerator.process_index * len(inputs))
-            idle = max((r.get("idle_s", 0.0) for r in reports), default=0.0)
-            self._log_agents(mode, records, episode, {"idle_s": idle}, time.perf_counter() - t0)
+        if self.agent is not None or self.rollout_func is not None:  # agent= episodes: their records (every
+            records = [replace(f["record"], row=dict(f["row"])) for f in fields]  # call's tokens), assembled here;
+            if self.rollout_func is not None:  # a rollout_func's groups: what it returned
+                batch, episode = self._func_batch(records, n, self.accelerator.process_index * len(inputs))
+            else:
+                batch, episode = self._agent_batch(records, self._tokenize_prompts(sample_prompts)[0], n,
+                                                   self.accelerator.process_index * len(inputs))
+                idle = max((r.get("idle_s", 0.0) for r in reports), default=0.0)
+                self._log_agents(mode, records, episode, {"idle_s": idle}, time.perf_counter() - t0)
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
             return self._round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)
         if entry["keys"] is not None:  # environments: those of the groups this rank trains, for the rewards

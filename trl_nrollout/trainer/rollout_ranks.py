@@ -49,14 +49,17 @@ class RolloutRanks(RemotePartialRollouts):
             seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
             trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples,
             max_staleness=args.max_staleness, lora_rank=self._engine_lora_rank(), dispatch=args.rollout_dispatch)
-        if self._remote_agents or self.agent is not None:  # episodes run on the rollout ranks: what they need
+        if self._remote_agents or self.agent is not None or self._grouped_func:  # episodes run there: what they need
             settings["agent"] = agent_settings(
                 self.processing_class, self.chat_template, self.chat_template_kwargs, seed=args.seed,
                 max_iterations=args.max_tool_calling_iterations, max_completion_length=args.max_completion_length,
                 max_model_len=max_len, workers=args.tool_workers)
-            if self.agent is not None:  # agent=: an endpoint on each rollout rank (its engine's context)
+            if self.agent is not None or self._grouped_func:  # an endpoint on each rollout rank (its context)
                 settings["agent"]["endpoint"] = self._endpoint_settings(max_len)
                 settings["agent"]["timeout"] = args.agent_timeout_s
+            if self._grouped_func:  # the rollout ranks' own rollout_func, checked as here
+                settings["agent"]["func"] = {"n": self.num_generations, "limit": args.max_completion_length,
+                                             "need_logprobs": args.rollout_is is not None}
             if self._remote_agents and self._has_environments:  # their calls come home (_serve_env_tools)
                 settings["agent"]["env_tools"] = env_tool_schemas(self._env_tools)
                 self._serve_env_tools(bridge)
@@ -85,12 +88,19 @@ class RolloutRanks(RemotePartialRollouts):
         return bool(self.args.rollout_ranks and self.tools
                     and (self.args.rollout_multi_turn == "requests" or self.args.rollout_partial))
 
+    @property
+    def _grouped_func(self) -> bool:
+        """A ``rollout_func`` runs group by group (``rollout_partial``, or ``rollout_multi_turn="requests"``): on the
+        rollout ranks, as ``agent=`` episodes run there (:func:`~trl_nrollout.rollout.remote_agents.rank_runner`)."""
+        return self.rollout_func is not None and bool(self.args.rollout_partial
+                                                      or self.args.rollout_multi_turn == "requests")
+
     def _agent_job(self, mode: str, step: int, rows: list[dict]) -> dict | None:
         """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
         as the colocated loop's; with environments, where their calls go home) or ``agent=`` episodes (with this
         rank's ``rows``, TRL's, each ``n`` times: the trainers' entries are joined in rank order), or None for
         single-turn jobs (a partial job's: :meth:`_partial_job`)."""
-        if self.agent is not None:
+        if self.agent is not None or self._grouped_func:
             return {"step": step, "mode": mode, "rows": [dict(row) for row in rows]}
         if not self._remote_agents or self.args.rollout_multi_turn != "requests":  # (partial's: _partial_job)
             return None
@@ -333,11 +343,13 @@ class RolloutRankWorker:
     _NO_OPS = ("save_model", "save_state", "push_to_hub", "log_metrics", "save_metrics", "create_model_card",
                "add_callback", "remove_callback", "log")
 
-    def __init__(self, args, model=None, processing_class=None, tools=None, agent=None) -> None:
+    def __init__(self, args, model=None, processing_class=None, tools=None, agent=None, rollout_func=None) -> None:
         self.args = args
         self.bridge: Bridge = current_bridge()
-        # rollout_multi_turn="requests": the episodes' tools; agent=: the user's agent (run here, on the endpoint)
-        self._state: dict = {"tools": list(tools or []), "user_agent": agent}
+        # rollout_multi_turn="requests": the episodes' tools; agent=: the user's agent (run here, on the endpoint);
+        # a rollout_func run group by group (partial, or rollout_multi_turn="requests"): run here, as agents are
+        self._state: dict = {"tools": list(tools or []), "user_agent": agent, "user_func": rollout_func,
+                             "user_args": args}
         self.model = model
         self.processing_class = processing_class
         self.is_rollout_rank = True
