@@ -50,8 +50,8 @@ def _agent(**args) -> str | None:
 #: how each row is made to happen: the message its check gives (the real check, called on the options)
 CASES = {
     ("agent", "rollout_backend='hf'"): lambda tmp: _agent(hf=True, rollout_backend="hf"),
-    ("agent", "tools, environment_factory or rollout_func"): lambda tmp: AgentRollouts._agent_refusal(
-        _trainer(tools=[print], args=SimpleNamespace(rollout_backend="vllm"))),
+    ("agent", "environment_factory or rollout_func"): lambda tmp: AgentRollouts._agent_refusal(
+        _trainer(environment_factories={"x": print}, args=SimpleNamespace(rollout_backend="vllm"))),
     ("rollout_ranks", "rollout_backend='hf'"): lambda tmp: _ranks(rollout_backend="hf"),
     ("rollout_partial=True", "rollout_backend='hf'"): lambda tmp: _config_error(
         tmp, rollout_partial=True, rollout_backend="hf"),
@@ -88,6 +88,8 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
     assert callable(getattr(namespace[owner], attr)), row.where
     if row.kind == "machine":
         assert "rollout_backend='hf'" in (row.first, row.second)  # the only machine limit today: the HF engine
+    else:  # no combination of axes is refused: what is left are two choices of the episode axis
+        assert row.kind == "one axis", row
 
 
 def test_lifted_rows_are_no_longer_refused():
@@ -112,6 +114,15 @@ at TP=1 and TP=2."""
         assert PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
             SimpleNamespace(rollout_ranks=0, rollout_multi_turn="requests")), layout=SimpleNamespace(rollout_tp_size=tp)
         )) is None
+    # issue 46's last rows (tests/test_combinations.py runs each): partial rollouts of tool episodes under the
+    # default 'turns' (run request by request), a rollout_func partial or request by request (group by group), and
+    # agent= with tools= (the agent gets them)
+    for trainer in (_trainer(tools=[print]), _trainer(rollout_func=print)):
+        assert PartialRollouts._partial_refusal(trainer) is None
+    assert MultiTurnRollout._request_turns_refusal(_trainer(rollout_func=print)) is None
+    assert _agent(rollout_backend="vllm") is None
+    assert AgentRollouts._agent_refusal(_trainer(tools=[print], args=SimpleNamespace(
+        rollout_backend="vllm", rollout_seed_mode=None))) is None
 
 
 @pytest.mark.parametrize("option, off, check", [

@@ -93,7 +93,7 @@ def test_the_combinations_follow_the_refusal_table():
     words = set().union(*(w for _, w in DISPATCH.values()), *(w for _, w in END.values()),
                         *(w for *_, w in EPISODE.values()),
                         {"rollout_ranks", "rollout_backend='hf'", "rollout_tp_size>1",  # (TP: not in this run)
-                         "tools, environment_factory or rollout_func"})  # (agent= with TRL's loops: no combination)
+                         "environment_factory or rollout_func"})  # (agent= with TRL's loops: one axis, two choices)
     for r in REFUSALS:  # every word of the table is one a combination can stand for
         assert all(p in words for side in (r.first, r.second) for p in side.split(" and ")), r
     allowed, refused_ = combinations()
@@ -373,7 +373,9 @@ def test_a_resumed_run_starts_the_agent_groups_in_flight_again(tmp_path):
     its pool holds them after step 3 (without them it would be empty: the resumed run draws no extra groups,
     rollout_partial_oversample=0, so its new groups are exactly the step's share). In the same process, DAPO's
     filter_groups over the agents' pool: its extra rounds add groups to the live pool (the combination's checks).
-    Mutation tried: the restored pool ignored on resume -> pool_groups 0 at step 3, the assertion fails."""
+    And agent= with tools= (the agent's ``tools`` parameter gets them; ``tools_given`` raises otherwise).
+    Mutations tried: the restored pool ignored on resume -> pool_groups 0 at step 3, the assertion fails; the
+    runner not given the trainer's tools -> tools_given raises, the run fails."""
     combo = next(c for c in ALLOWED if c["name"] == "shares-partial-agent")
     options = {**combo["options"], "save_strategy": "steps", "save_steps": 2}
     entries = [{"name": "first", "episode": "agent", "options": {**options, "max_steps": 2}},
@@ -381,7 +383,8 @@ def test_a_resumed_run_starts_the_agent_groups_in_flight_again(tmp_path):
                 "options": {**options, "max_steps": 3, "output_dir": str(tmp_path / "first"),
                             "rollout_partial_oversample": 0.0}},
                {"name": "dapo", "episode": "agent", "options": {**combo["options"], "filter_groups": True,
-                                                                "filter_groups_max_rounds": 2}}]
+                                                                "filter_groups_max_rounds": 2}},
+               {"name": "tools", "episode": "agent", "agent_tools": True, "options": combo["options"]}]
     run_script_in_process(ROOT / "tests/assets/axes_combinations.py", str(tmp_path), json.dumps(entries),
                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"})
     saved = json.loads((tmp_path / "first" / "checkpoint-2" / "nrollout_partial_rank0.json").read_text())
@@ -394,3 +397,5 @@ def test_a_resumed_run_starts_the_agent_groups_in_flight_again(tmp_path):
     dapo = json.loads((tmp_path / "dapo.json").read_text())
     check_combination(combo, dapo)
     assert max(h.get("dynamic_sampling/rounds", 0) for h in dapo["history"]) > 0  # extra rounds joined the pool
+    check_combination(combo, json.loads((tmp_path / "tools.json").read_text()))  # (tools_given raises unless the
+    # agents got the trainer's tools=)

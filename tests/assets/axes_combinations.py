@@ -39,10 +39,12 @@ TOOL_SCHEMA = [{"type": "function", "function": {"name": "lucky_number", "descri
                                                  "parameters": {"type": "object", "properties": {}}}}]
 
 
-async def tool_agent(client, row, max_tokens: int | None = None) -> dict:
-    """An agent through the endpoint (``agent=``): asks, runs the built-in tool when the model calls it, asks again
-    (at most 3 calls, each extending the last, each of at most ``max_tokens``); reward 1 when the tool ran, and the
-    question it was asked (``asked``: what :func:`agent_check` compares with the sample it scores)."""
+async def tool_agent(client, row, tools, max_tokens: int | None = None) -> dict:
+    """An agent through the endpoint (``agent=``): asks, runs the built-in tool when the model calls it (the trainer's
+    ``tools=`` where it has them: ``tools``), asks again (at most 3 calls, each extending the last, each of at most
+    ``max_tokens``); reward 1 when the tool ran, the question it was asked (``asked``: what :func:`agent_check`
+    compares with the sample it scores) and how many tools the trainer gave it (``given``)."""
+    by_name = {t.__name__: t for t in tools}
     messages, ran = list(row["prompt"]), 0
     limit = {"max_tokens": max_tokens} if max_tokens else {}
     for _ in range(3):
@@ -51,10 +53,19 @@ async def tool_agent(client, row, max_tokens: int | None = None) -> dict:
         if not reply.tool_calls:
             break
         messages = messages + [reply.model_dump(exclude_none=True)] + [
-            {"role": "tool", "tool_call_id": c.id, "name": c.function.name, "content": lucky_number()}
+            {"role": "tool", "tool_call_id": c.id, "name": c.function.name,
+             "content": by_name.get(c.function.name, lucky_number)()}
             for c in reply.tool_calls]
         ran += 1
-    return {"reward": float(ran > 0), "asked": row["prompt"][-1]["content"]}
+    return {"reward": float(ran > 0), "asked": row["prompt"][-1]["content"], "given": len(tools)}
+
+
+def tools_given(prompts: list, given: list, **kwargs) -> list[float]:
+    """Raises unless every scored agent got the trainer's tools= (agent= with tools=); a reward function, it scores
+    0."""
+    if any(g is not None and g != 1 for g in given):
+        raise ValueError(f"an agent did not get the trainer's tools: {given}")
+    return [0.0] * len(prompts)
 
 
 def agent_check(prompts: list, asked: list, **kwargs) -> list[float]:
@@ -142,6 +153,8 @@ def build(out: str, combo: dict):
         kwargs = dict(reward_funcs=[tool_reward], train_dataset=tool_dataset(32))
         if episode == "agent":
             kwargs = dict(agent=tool_agent, reward_funcs=[agent_reward, agent_check], train_dataset=tool_dataset(32))
+            if combo.get("agent_tools"):  # agent= with tools=: the agent gets them
+                kwargs.update(tools=[lucky_number], reward_funcs=[agent_reward, agent_check, tools_given])
         else:
             if episode == "tools":
                 kwargs.update(tools=[lucky_number])

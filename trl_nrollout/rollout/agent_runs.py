@@ -30,7 +30,7 @@ def agent_arguments(agent) -> list[str]:
     """The parameters :class:`EpisodeRunner` fills for ``agent``, by name; ValueError naming the function otherwise."""
     params = list(inspect.signature(agent).parameters.values())
     names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    known = {"client", "base_url", "api_key", "row", "model"}
+    known = {"client", "base_url", "api_key", "row", "model", "tools"}
     if set(names) & known:
         missing = [p.name for p in params if p.name not in known and p.default is p.empty
                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -47,11 +47,13 @@ def agent_arguments(agent) -> list[str]:
 
 class EpisodeRunner:
     """Runs ``agent`` (a function, sync or ``async``, of the parameters :func:`agent_arguments` names) for the
-    episodes a rollout hands out, each within ``timeout`` seconds."""
+    episodes a rollout hands out, each within ``timeout`` seconds; an agent with a ``tools`` parameter gets
+    ``tools`` (the trainer's ``tools=`` functions, to call as it likes)."""
 
-    def __init__(self, agent, timeout: float) -> None:
+    def __init__(self, agent, timeout: float, tools: list | tuple = ()) -> None:
         self.agent = agent
         self.timeout = timeout
+        self.tools = list(tools)
 
     def run(self, pull: Callable[[int], tuple[list[EpisodeRecord], bool]], endpoint,
             finished: threading.Event) -> None:
@@ -141,7 +143,7 @@ class EpisodeRunner:
 
     def _kwargs(self, names: list[str], client, record: EpisodeRecord, endpoint) -> dict:
         values = {"client": client, "base_url": endpoint.base_url(record.key), "api_key": record.key,
-                  "row": dict(record.row), "model": endpoint.model_name}
+                  "row": dict(record.row), "model": endpoint.model_name, "tools": list(self.tools)}
         return {name: values[name] for name in names}
 
     @staticmethod

@@ -12,8 +12,9 @@ A rollout step is one choice on each axis:
 
 The engine (``rollout_backend``) is not an axis but the machine: the HF engine (transformers ``generate`` on the
 training model) cannot abort or stream a request, so it cannot run what needs a request-level loop. :data:`REFUSALS`
-lists each refused pair once, with its kind: ``machine`` (what the machine cannot do), ``by definition`` (what the
-option means excludes it) or ``not yet`` (a part to build); docs/architecture.md's table is generated from it
+lists each refused pair once, with its kind: ``machine`` (what the machine cannot do), ``one axis`` (two choices of
+one axis, as two dispatches would be: not a combination of axes), ``by definition`` (what the option means excludes
+it) or ``not yet`` (a part to build); docs/architecture.md's table is generated from it
 (``scripts/gen_config_docs.py``), and tests/test_axes.py checks that each row is refused where it says, with a
 message naming both sides.
 """
@@ -36,8 +37,8 @@ AXES: dict[str, dict[str, str]] = {
 
 @dataclass(frozen=True)
 class Refusal:
-    """One refused pair: ``first`` with ``second`` (each an option as a user writes it), the ``kind`` (machine / by
-    definition / not yet), ``where`` the check lives (a function or method, for the tests and for whoever lifts
+    """One refused pair: ``first`` with ``second`` (each an option as a user writes it), the ``kind`` (machine / one
+    axis / by definition / not yet), ``where`` the check lives (a function or method, for the tests and for whoever lifts
     it) and ``why`` in a few words."""
 
     first: str
@@ -58,8 +59,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "the HF engine has no request-level loop: samples cannot re-enter it one by one"),
     Refusal("agent", "rollout_backend='hf'", "machine", "AgentRollouts._agent_refusal",
             "the HF engine has no request-level loop: an agent's calls cannot join it one by one"),
-    Refusal("agent", "tools, environment_factory or rollout_func", "by definition", "AgentRollouts._agent_refusal",
-            "the agent is the episode's loop and runs its own tools"),
+    Refusal("agent", "environment_factory or rollout_func", "one axis", "AgentRollouts._agent_refusal",
+            "two choices of the episode axis: each is the episode's own loop, as the agent is (an agent builds its "
+            "environment itself from the row; tools= compose: the agent gets them)"),
 )
 
 
@@ -75,7 +77,7 @@ def machine_refusal(option: str, off: str, *, auto: bool = False) -> str:
 
 def refusal_table() -> list[str]:
     """:data:`REFUSALS` as a markdown table (docs/architecture.md), machine-imposed rows first."""
-    order = {"machine": 0, "by definition": 1, "not yet": 2}
+    order = {"machine": 0, "one axis": 1, "by definition": 2, "not yet": 3}
     rows = ["| option | with | kind | why | checked in |", "|---|---|---|---|---|"]
     for r in sorted(REFUSALS, key=lambda r: order[r.kind]):
         rows.append(f"| `{r.first}` | `{r.second}` | {r.kind} | {r.why} | `{r.where}` |")

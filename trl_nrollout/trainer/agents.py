@@ -5,7 +5,8 @@ episode's on the trainer's endpoint (:mod:`trl_nrollout.rollout.agent_endpoint`)
 the policy as to any OpenAI-compatible server and returns its reward (a number), a dict of reward-function kwargs,
 or None (unscored). Parameters are matched by name: ``client`` (an ``openai.AsyncOpenAI`` for an async agent, an
 ``openai.OpenAI`` otherwise), ``base_url`` and ``api_key`` (for frameworks that build their own client), ``row``
-(the dataset row), ``model`` (the name to send); a function of two positional parameters gets ``(client, row)``.
+(the dataset row), ``model`` (the name to send), ``tools`` (the trainer's ``tools=`` functions); a function of two
+positional parameters gets ``(client, row)``.
 
 Each step every rank runs its ``n`` episodes per prompt at once (async agents on one event loop, sync agents in
 threads) against its own endpoint and engine, while the trainer's thread runs their requests on the engine as they
@@ -106,9 +107,10 @@ class AgentRollouts:
         args = self.args
         if self.rollout_backend != "vllm":
             return machine_refusal("agent", "drop agent=", auto=args.rollout_backend == "auto")
-        if self.tools or getattr(self, "environment_factories", None) or self.rollout_func is not None:
-            return ("agent= with tools, environment_factory or rollout_func: the agent is the episode's loop and runs "
-                    "its own tools; give the agent its tools, or drop agent=.")
+        if getattr(self, "environment_factories", None) or self.rollout_func is not None:
+            return ("agent= with environment_factory or rollout_func: each of them is the episode's loop, as the "
+                    "agent is (one episode kind per trainer); build the environment inside the agent (it gets the "
+                    "row), or drop agent=. (tools= compose: an agent with a `tools` parameter gets them.)")
         if args.rollout_seed_mode == "engine":
             return ("agent= with rollout_seed_mode='engine': the endpoint seeds each request (a sample's tokens must "
                     "not depend on which other requests share an engine step); use rollout_seed_mode='sample'.")
@@ -303,7 +305,7 @@ class AgentRollouts:
         """What runs this trainer's episodes on an endpoint: the agents (:class:`EpisodeRunner`), or the
         ``rollout_func`` group by group (:class:`~trl_nrollout.rollout.func_pool.FuncRunner`)."""
         if self.rollout_func is None:
-            return EpisodeRunner(self.agent, self.args.agent_timeout_s)
+            return EpisodeRunner(self.agent, self.args.agent_timeout_s, self.tools or ())
         return FuncRunner(self.rollout_func, self, self.num_generations, self.rollout_engine.max_model_len,
                           self.args.max_completion_length, self.args.rollout_is is not None)
 
