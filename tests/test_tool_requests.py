@@ -251,17 +251,42 @@ def test_config_refuses_bad_multi_turn_settings():
 
 
 @pytest.mark.vllm
-def test_request_level_turns_with_a_rollout_func_are_refused_before_the_engine_starts(tmp_path):
-    """rollout_func generates itself: there are no tool turns for the trainer to run request by request."""
+def test_a_rollout_func_run_group_by_group_that_raises_stops_with_its_traceback(tmp_path):
+    """rollout_func with rollout_multi_turn='requests' runs group by group on threads (rollout/func_pool.py): a group
+    whose function raises stops the rollout with the function's own error and traceback (never a hang, never a
+    silently empty group), and a group whose output breaks TRL's contract names the field. Mutation tried: the
+    runner's error swallowed (the group closed without a result) -> no RuntimeError, the test fails."""
     from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
-    from trl_nrollout.builtin import tool_dataset, tool_reward
-    from trl_nrollout.dropin import UnsupportedTRLOption
+    from trl_nrollout.builtin import digit_fraction, digits_dataset
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    def my_rollout(prompts, trainer):
+        assert len(prompts) == 4  # one group: its prompt n times
+        if "hello" in str(prompts[0]):
+            raise ValueError("boom in the user's function")
+        ids = [trainer.processing_class(text=p)["input_ids"] for p in prompts]
+        batch = trainer.rollout_engine.generate_expanded(ids, 1, SamplingOptions(max_tokens=4, seed=1))
+        return {"prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs,
+                "tag": ["x"] * (len(prompts) - 1 if "total" in str(prompts[0]) else len(prompts))}
 
     args = NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=8,
                           num_generations=4, max_completion_length=8, rollout_multi_turn="requests")
-    with pytest.raises(UnsupportedTRLOption, match="rollout_multi_turn='requests' with rollout_func"):
-        NRolloutGRPOTrainer(model="builtin:tiny-qwen2-tools", reward_funcs=[tool_reward], args=args,
-                            train_dataset=tool_dataset(16), rollout_func=lambda prompts, trainer: {})
+    trainer = NRolloutGRPOTrainer(model="builtin:tiny-qwen2", args=args, train_dataset=digits_dataset(16),
+                                  reward_funcs=[lambda completions, **kw: [digit_fraction(c) for c in completions]],
+                                  rollout_func=my_rollout)
+    trainer.model.train()
+    rows = [dict(r) for r in digits_dataset(16)]
+    hello = next(r for r in rows if "hello" in r["prompt"])
+    total = next(r for r in rows if "total" in r["prompt"])
+    plain = next(r for r in rows if "digits:" in r["prompt"])
+    with pytest.raises(RuntimeError, match="rollout_func raised") as err:
+        trainer._generate_and_score_completions([plain] * 4 + [hello] * 4)
+    assert "boom in the user's function" in str(err.value) and "Traceback" in str(err.value)
+    with pytest.raises(RuntimeError, match="extra field 'tag' has 3 entries for 4 prompts"):  # the contract's
+        trainer._generate_and_score_completions([plain] * 4 + [total] * 4)  # error, naming the field
+    batch = trainer._generate_and_score_completions([plain] * 8)  # and the trainer goes on
+    assert batch["completion_ids"].shape[0] == 8
+    trainer.close()
 
 
 def test_turn_seeds_depend_on_the_base_and_the_round_only():

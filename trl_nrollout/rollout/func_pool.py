@@ -126,12 +126,12 @@ class GroupEngine:
         if images is not None:
             raise ValueError("a rollout_func run group by group (rollout_partial=True or rollout_multi_turn="
                              "'requests') cannot send images; generate text-only, or set both off.")
+        states = [self.endpoint.episodes.get(r.key) for r in self.records]
+        if any(state is None or state.closed for state in states):  # before any request is queued
+            raise GroupClosed(self.records[0].key)
         calls = []
         for s, prompt in enumerate(p for p in sample_prompts for _ in range(n)):
-            record = self.records[s % len(self.records)]
-            state = self.endpoint.episodes.get(record.key)
-            if state is None or state.closed:
-                raise GroupClosed(record.key)
+            record, state = self.records[s % len(self.records)], states[s % len(self.records)]
             room = self.max_model_len - len(prompt)
             if room <= 0:
                 raise ValueError(f"a rollout_func prompt of {len(prompt)} tokens does not fit the engine's context "
@@ -143,6 +143,7 @@ class GroupEngine:
                                sampling)
             record.calls.append(Call(list(prompt), [], [], "running"))  # its place; filled below
             calls.append((record, len(record.calls) - 1, call))
+        for _, _, call in calls:
             self.endpoint.requests.put(call)
         out = []
         for record, at, call in calls:
