@@ -149,8 +149,9 @@ def test_agent_options_are_checked(tmp_path):
     assert agent_arguments(lambda client, row: 0) == ["client", "row"]
     assert agent_arguments(lambda base_url, api_key, row, model: 0) == ["base_url", "api_key", "row", "model"]
     assert agent_arguments(lambda a, b: 0) == ["client", "row"]
-    with pytest.raises(ValueError, match="parameters \\['tools'\\] the trainer cannot fill"):
-        agent_arguments(lambda client, tools: 0)
+    assert agent_arguments(lambda client, row, tools: 0) == ["client", "row", "tools"]  # the trainer's tools=
+    with pytest.raises(ValueError, match="parameters \\['memory'\\] the trainer cannot fill"):
+        agent_arguments(lambda client, memory: 0)
     with pytest.raises(ValueError, match="must take \\(client, row\\)"):
         agent_arguments(lambda x: 0)
 

@@ -98,7 +98,8 @@ def test_a_missing_prompt_column_names_the_columns(run_recipe, tmp_path):
                                          r"number"),
     # an option without effect in the run's combination is said, not ignored
     (["--tool_workers", "4"], r"tool_workers=4 sets how many samples' tool calls run at once with "
-                              r"rollout_multi_turn='requests', but rollout_multi_turn='turns' .* would do nothing"),
+                              r"rollout_multi_turn='requests' \(or rollout_partial=True\), but "
+                              r"rollout_multi_turn='turns' .* would do nothing"),
 ])
 def test_invalid_options_are_refused_before_anything_loads(run_recipe, argv, match):
     with pytest.raises(InputError, match=match):
