@@ -345,17 +345,23 @@ def test_partial_agent_episodes_run_on_across_steps(tmp_path):
     aborted and run again at the next step), so groups train one version stale; with max_staleness=0 such groups
     start again instead. The combination's checks, and ``agent_check`` raises unless every sample is scored with its
     own episode's result. Mutations tried: the pool emptied after each step (nothing carried) -> no group trains
-    stale, the assertion fails; stale groups never started again -> staleness 1 under max_staleness=0, it fails."""
+    stale, the assertion fails; stale groups never started again -> staleness 1 under max_staleness=0, it fails.
+    A rollout_func's groups the same way (``func_fresh``: one TP=2 engine, max_staleness=0): rank 0's first group
+    waits for step 1 to end, so it is stale at step 2 and starts again (its function's next engine call unwinds it,
+    rollout/func_pool.py GroupClosed; a new call runs with the same prompt)."""
     combo = next(c for c in ALLOWED if c["name"] == "shares-partial-agent")
+    custom = next(c for c in ALLOWED if c["name"] == "shares-partial-custom")
     entries = [{"name": "tp2", "episode": "agent", "options": {**combo["options"], "rollout_tp_size": 2,
                                                                "max_steps": 4}},
                {"name": "fresh", "episode": "agent", "options": {**combo["options"], "max_staleness": 0,
-                                                                 "max_steps": 3}}]
+                                                                 "max_steps": 3}},
+               {"name": "func_fresh", "episode": "custom", "options": {**custom["options"], "max_staleness": 0,
+                                                                       "rollout_tp_size": 2, "max_steps": 3}}]
     launch_two(tmp_path, entries)
     for entry in entries:
         result = json.loads((tmp_path / f"{entry['name']}.json").read_text())
         result["rounds"] = result["rounds"][:2]  # (check_combination counts 2 steps)
-        check_combination(combo, result)
+        check_combination(custom if entry["episode"] == "custom" else combo, result)
         steps = [h for h in result["history"] if "partial/staleness_max" in h]
         assert len(steps) == entry["options"]["max_steps"], entry["name"]
         stale = [h["partial/staleness_max"] for h in steps]

@@ -39,7 +39,7 @@ TOOL_SCHEMA = [{"type": "function", "function": {"name": "lucky_number", "descri
                                                  "parameters": {"type": "object", "properties": {}}}}]
 
 
-async def tool_agent(client, row, tools, max_tokens: int | None = None) -> dict:
+async def tool_agent(client, row, tools=(), max_tokens: int | None = None) -> dict:
     """An agent through the endpoint (``agent=``): asks, runs the built-in tool when the model calls it (the trainer's
     ``tools=`` where it has them: ``tools``), asks again (at most 3 calls, each extending the last, each of at most
     ``max_tokens``); reward 1 when the tool ran, the question it was asked (``asked``: what :func:`agent_check`
