@@ -178,12 +178,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         self._packing_notice_shown = False  # read while the engine is built (the HF engine asks about packing)
         self.rollout_engine = self._start_engine(args.rollout_backend)
         self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
-        if args.rollout_partial and (why := self._partial_refusal()) is not None:
-            raise UnsupportedTRLOption(why)
-        if args.rollout_partial and self.tools and args.rollout_multi_turn == "turns" and self.accelerator.is_main_process:
-            logger.info("rollout_partial=True: the training steps' tool episodes run request by request (a partial "
-                        "rollout has no turn barrier: it stops before its slowest samples); rollout_multi_turn='turns' "
-                        "applies to whole rollouts (evaluation).")
+        if args.rollout_partial:
+            self._check_partial()
         if self.agent is not None and (why := self._agent_refusal()) is not None:
             raise UnsupportedTRLOption(why)
         self.generation_clock = GenerationClock()

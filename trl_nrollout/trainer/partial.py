@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import math
 import os
 import time
@@ -48,6 +49,8 @@ from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.partial_envs import PartialEnvironments
 from trl_nrollout.trainer.stages import Round, Sample, StepContext
 
+logger = logging.getLogger(__name__)
+
 #: the in-flight pool of a rank, in each checkpoint
 POOL_FILE = "nrollout_partial_rank{rank}.json"
 
@@ -55,6 +58,18 @@ POOL_FILE = "nrollout_partial_rank{rank}.json"
 class PartialRollouts(PartialEnvironments):
     """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the partial-rollout step and its pool
     (with ``environment_factory``, its environments: :class:`PartialEnvironments`)."""
+
+    def _check_partial(self) -> None:
+        """``rollout_partial=True`` on this trainer: refused with the reason (:meth:`_partial_refusal`), or noted
+        once where it changes how an option acts (tool episodes run request by request under ``'turns'``)."""
+        from trl_nrollout.dropin import UnsupportedTRLOption
+
+        if (why := self._partial_refusal()) is not None:
+            raise UnsupportedTRLOption(why)
+        if self.tools and self.args.rollout_multi_turn == "turns" and self.accelerator.is_main_process:
+            logger.info("rollout_partial=True: the training steps' tool episodes run request by request (a partial "
+                        "rollout has no turn barrier: it stops before its slowest samples); rollout_multi_turn='turns' "
+                        "applies to whole rollouts (evaluation).")
 
     def _partial_refusal(self) -> str | None:
         """Why this trainer cannot roll out partially (None when it can)."""
