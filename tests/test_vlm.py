@@ -207,7 +207,7 @@ def test_hf_engine_trains_the_whole_vlm_and_never_samples_image_tokens(vlm_path,
 def test_images_with_tools_or_a_plain_tokenizer_are_refused(vlm_path, tmp_path, monkeypatch):
     from trl_nrollout.builtin import lucky_number
 
-    with pytest.raises(UnsupportedTRLOption, match=r"image column\(s\) \['image'\] and the trainer was given "
+    with pytest.raises(UnsupportedTRLOption, match=r"image column\(s\) \['image'\] \(image prompts\) and the trainer was given "
                                                    r"\['tools'\]"):
         _hf(tmp_path, monkeypatch, vlm_path, trainer_kwargs={"tools": [lucky_number]})
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)

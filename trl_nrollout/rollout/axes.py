@@ -62,6 +62,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("agent", "environment_factory or rollout_func", "one axis", "AgentRollouts._agent_refusal",
             "two choices of the episode axis: each is the episode's own loop, as the agent is (an agent builds its "
             "environment itself from the row; tools= compose: the agent gets them)"),
+    Refusal("image prompts", "tools, environment_factory or rollout_func", "not yet", "multiturn.check_images",
+            "two choices of the episode axis: images in multi-turn or custom episodes (TRL's tool-returned images, "
+            "per-environment processors) are not built; single-turn image prompts are"),
 )
 
 
