@@ -31,6 +31,7 @@ BENCHMARKS: list[str] = [
     "plan_accuracy.py",
     "plan_published.py",
     "training_side_vs_trl.py",
+    "func_groups.py",
 ]
 
 
