@@ -236,7 +236,8 @@ def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, 
     if not rows and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
         records, idle, pulled = [], 0.0, None
     else:
-        run = run_episodes(engine, state["endpoint"], runner, rows, n, message["sampling"], offset=start, tag=f"{job['mode']}{job['step']}", rank=engine.rank,
+        run = run_episodes(engine, state["endpoint"], runner, rows, n, message["sampling"], offset=start,
+                           tag=f"{job['mode']}{job['step']}", rank=engine.rank,
                            balanced=balanced and getattr(engine, "_world_group", None) is not None)
         records, idle, pulled = run.records, run.serve["idle_s"], run.pulled
     k = len(records)

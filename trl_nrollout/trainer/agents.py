@@ -155,7 +155,8 @@ class AgentRollouts:
         else:
             engine = self.rollout_engine
             run = run_episodes(
-                engine, self._agent_start(), self._episode_runner(), inputs, n, sampling, offset=offset, tag=f"{mode}{self.state.global_step}", rank=self.accelerator.process_index,
+                engine, self._agent_start(), self._episode_runner(), inputs, n, sampling, offset=offset,
+                tag=f"{mode}{self.state.global_step}", rank=self.accelerator.process_index,
                 balanced=self.args.rollout_dispatch == "balanced" and getattr(engine, "_world_group", None) is not None)
             if self.args.rollout_dispatch == "balanced":  # one engine: its queue is this rank's groups
                 self._log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
