@@ -70,6 +70,22 @@ SAME = {("partial", "tools, turn by turn"): "tools, request by request",
         ("partial", "custom, request by request"): "custom"}
 
 
+#: combinations a launch of this file (or tests/test_dispatch.py, two engines) runs with these checks or stronger: the
+#: one-process run leaves them out (kept cheap); each launch's own test below names them
+COVERED = {
+    "balanced-partial-tools_request_by_request": "test_partial_tool_episodes_on_a_balanced_queue_over_two_engines",
+    "shares-partial-environment_request_by_request": "test_partial_environment_episodes_train_on_their_own_ranks_at_tp2",
+    **dict.fromkeys(("balanced-whole-environment_request_by_request", "balanced-partial-environment_request_by_request",
+                     "balanced-whole-agent", "balanced-partial-agent", "balanced-whole-custom", "balanced-partial-custom",
+                     "balanced-whole-custom_request_by_request"),
+                    "test_environment_and_agent_episodes_on_a_balanced_queue_come_home"),
+    "shares-partial-agent": "test_partial_agent_episodes_run_on_across_steps",
+    "shares-partial-custom": "test_partial_agent_episodes_run_on_across_steps (func_fresh)",
+    **dict.fromkeys(("balanced-whole-one_completion", "balanced-partial-one_completion",
+                     "balanced-whole-tools_request_by_request"), "test_dispatch.py (two engines, equal to shares)"),
+}
+
+
 def combinations() -> tuple[list[dict], list[dict]]:
     """The colocated combinations: (allowed ones as the script's entries, refused ones); an entry that runs the
     same machine as another (:data:`SAME`) says which, as ``same_as``."""
@@ -102,6 +118,7 @@ def test_the_combinations_follow_the_refusal_table():
     # every colocated combination on vLLM runs (issue 46): what the table refuses is the HF engine's
     assert not refused_, [c["name"] for c in refused_]
     assert {c["same_as"] for c in allowed if "same_as" in c} <= {c["name"] for c in allowed}
+    assert set(COVERED) <= {c["name"] for c in allowed if "same_as" not in c}  # (a launch runs each)
 
 
 ALLOWED, _ = combinations()
@@ -120,9 +137,10 @@ RENDERED = "<tool_response>\n7\n</tool_response>"  # the tool's result as the ch
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_every_allowed_combination_trains_on_whole_groups_with_their_masks(tmp_path):
-    """One process, one trainer per allowed combination, 2 steps each (see the module docstring). Mutations tried:
+    """One process, one trainer per allowed combination, 2 steps each (see the module docstring), but those a
+    launch below runs (:data:`COVERED`) and those that run the same machine as another (:data:`SAME`). Mutations tried:
     tool masks dropped from the samples -> the mask checks fail."""
-    run = [c for c in ALLOWED if "same_as" not in c]
+    run = [c for c in ALLOWED if "same_as" not in c and c["name"] not in COVERED]
     entries = [{k: v for k, v in c.items() if k != "words"} for c in run]
     run_script_in_process(ROOT / "tests/assets/axes_combinations.py", str(tmp_path), json.dumps(entries),
                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"})
@@ -380,7 +398,8 @@ def test_a_resumed_run_starts_the_agent_groups_in_flight_again(tmp_path):
     its pool holds them after step 3 (without them it would be empty: the resumed run draws no extra groups,
     rollout_partial_oversample=0, so its new groups are exactly the step's share). In the same process, DAPO's
     filter_groups over the agents' pool: its extra rounds add groups to the live pool (the combination's checks).
-    And agent= with tools= (the agent's ``tools`` parameter gets them; ``tools_given`` raises otherwise).
+    The DAPO run's trainer has tools= too: the agent's ``tools`` parameter gets them (``tools_given`` raises
+    otherwise).
     Mutations tried: the restored pool ignored on resume -> pool_groups 0 at step 3, the assertion fails; the
     runner not given the trainer's tools -> tools_given raises, the run fails."""
     combo = next(c for c in ALLOWED if c["name"] == "shares-partial-agent")
@@ -389,9 +408,8 @@ def test_a_resumed_run_starts_the_agent_groups_in_flight_again(tmp_path):
                {"name": "resumed", "episode": "agent", "resume": str(tmp_path / "first" / "checkpoint-2"),
                 "options": {**options, "max_steps": 3, "output_dir": str(tmp_path / "first"),
                             "rollout_partial_oversample": 0.0}},
-               {"name": "dapo", "episode": "agent", "options": {**combo["options"], "filter_groups": True,
-                                                                "filter_groups_max_rounds": 2}},
-               {"name": "tools", "episode": "agent", "agent_tools": True, "options": combo["options"]}]
+               {"name": "dapo", "episode": "agent", "agent_tools": True,  # (with tools=: the agents get them)
+                "options": {**combo["options"], "filter_groups": True, "filter_groups_max_rounds": 2}}]
     run_script_in_process(ROOT / "tests/assets/axes_combinations.py", str(tmp_path), json.dumps(entries),
                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1"})
     saved = json.loads((tmp_path / "first" / "checkpoint-2" / "nrollout_partial_rank0.json").read_text())
@@ -404,5 +422,3 @@ def test_a_resumed_run_starts_the_agent_groups_in_flight_again(tmp_path):
     dapo = json.loads((tmp_path / "dapo.json").read_text())
     check_combination(combo, dapo)
     assert max(h.get("dynamic_sampling/rounds", 0) for h in dapo["history"]) > 0  # extra rounds joined the pool
-    check_combination(combo, json.loads((tmp_path / "tools.json").read_text()))  # (tools_given raises unless the
-    # agents got the trainer's tools=)
