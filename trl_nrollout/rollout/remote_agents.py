@@ -281,24 +281,28 @@ def rank_runner(state: dict, engine):
                            "rollout_func= on every process (the same script runs everywhere).")
     if "func_trainer" not in state:
         processing_class = pickle.loads(settings["processing_class"])
-        state["func_trainer"] = RankTrainer(state.get("user_args"), processing_class, func["n"], engine.rank)
-    state["func_trainer"].state.global_step = state.get("version", 0)
+        state["func_trainer"] = RankTrainer(state, processing_class, func["n"], engine.rank)
     return FuncRunner(state["user_func"], state["func_trainer"], func["n"], engine.max_model_len, func["limit"],
                       func["need_logprobs"])
 
 
 class RankTrainer:
-    """What a ``rollout_func`` sees as its trainer on a rollout rank: ``args`` (this process's, the same script's),
-    ``processing_class`` (the trainers'), ``num_generations``, ``accelerator.process_index`` (this process's rank
-    in the launch) and ``state.global_step`` (the version of the weights this rank holds); ``rollout_engine`` is the
-    group's (:class:`~trl_nrollout.rollout.func_pool.TrainerView` sets it). Anything else a trainer has is not
-    here: the error names it."""
+    """What a ``rollout_func`` sees as its trainer on a rollout rank: ``args`` (this process's, the same script's,
+    from the rollout rank's ``rank_state``), ``processing_class`` (the trainers'), ``num_generations``,
+    ``accelerator.process_index`` (``rank``: this rollout rank's place among the rollout ranks) and
+    ``state.global_step`` (the version of the weights this rank holds now); ``rollout_engine`` is the group's
+    (:class:`~trl_nrollout.rollout.func_pool.TrainerView` sets it). Anything else a trainer has is not here: the
+    error names it."""
 
-    def __init__(self, args, processing_class, n: int, rank: int) -> None:
-        self.args, self.processing_class, self.num_generations = args, processing_class, n
+    def __init__(self, rank_state: dict, processing_class, n: int, rank: int) -> None:
+        self._rank_state = rank_state
+        self.args, self.processing_class, self.num_generations = rank_state.get("user_args"), processing_class, n
         self.accelerator = SimpleNamespace(process_index=rank, is_main_process=False)
-        self.state = SimpleNamespace(global_step=0)
         self.is_rollout_rank = True
+
+    @property
+    def state(self) -> SimpleNamespace:
+        return SimpleNamespace(global_step=self._rank_state.get("version", 0))
 
     def __getattr__(self, name: str):
         raise AttributeError(f"a rollout_func run on a rollout rank gets a trainer with args, processing_class, "

@@ -214,8 +214,6 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
     if "agent_pool" not in state:
         state["agent_pool"] = AgentPool(rank_runner(state, engine), rank_endpoint(state["agent"]), rank,
                                         len(slices))
-    if "func_trainer" in state:  # a rollout_func's trainer: its step is the weights' version
-        state["func_trainer"].state.global_step = state.get("version", 0)
     pool: AgentPool = state["agent_pool"]
     pool.seed_with(sampling)
     version, ranks = state.get("version", 0), len(slices)

@@ -148,9 +148,10 @@ class AgentRollouts:
 
         A ``rollout_func`` with ``rollout_multi_turn='requests'`` runs the same way, group by group
         (:mod:`~trl_nrollout.rollout.func_pool`): what trains is what it returned."""
-        prompt_ids = self._tokenize_prompts(prompts)[0]
         offset = self.accelerator.process_index * len(inputs)
+        prompt_ids = None  # (tokenized where a job carries them, or where the agents' calls are assembled)
         if self._remote:
+            prompt_ids = self._tokenize_prompts(prompts)[0]
             run = self._remote_agent_episodes(inputs, prompt_ids, n, sampling, mode, step_job)
         else:
             engine = self.rollout_engine
@@ -161,10 +162,19 @@ class AgentRollouts:
             if self.args.rollout_dispatch == "balanced":  # one engine: its queue is this rank's groups
                 self._log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
                     len(inputs))}), claims=1, busy_s=run.wall_s), len(inputs), n)
-        if self.rollout_func is not None:  # what the function returned, group by group
-            return self._func_batch(run.records, n, offset)
-        batch, episode = self._agent_batch(run.records, prompt_ids, n, offset)
-        self._log_agents(mode, run.records, episode, run.serve, run.wall_s)
+        return self._records_batch(run.records, prompts, n, offset, mode, run.serve, run.wall_s, prompt_ids)
+
+    def _records_batch(self, records: list[EpisodeRecord], prompts: list, n: int, offset: int, mode: str,
+                       stats: dict, wall: float, prompt_ids: list[list[int]] | None = None) -> tuple[RolloutBatch, Any]:
+        """What trains of finished episodes' ``records`` (one per sample, in order; ``prompts`` theirs, the job's
+        samples ``offset ..``): a ``rollout_func``'s returned samples (:meth:`_func_batch`), or the agents' calls
+        assembled (:meth:`_agent_batch`) and logged with the endpoint's ``stats`` and the rollout's ``wall`` seconds.
+        ``prompt_ids``: the prompts' tokens where the caller has them (else tokenized here, for agents only)."""
+        if self.rollout_func is not None:
+            return self._func_batch(records, n, offset)
+        ids = prompt_ids if prompt_ids is not None else self._tokenize_prompts(prompts)[0]
+        batch, episode = self._agent_batch(records, ids, n, offset)
+        self._log_agents(mode, records, episode, stats, wall)
         return batch, episode
 
     def _agent_batch(self, records: list[EpisodeRecord], prompt_ids: list[list[int]], n: int, offset: int
@@ -232,11 +242,8 @@ class AgentRollouts:
         inputs = [g.row for g in chosen for _ in range(n)]
         prompts = [g.prompt for g in chosen for _ in range(n)]
         records = [r for g in chosen for r in g.records]
-        if self.rollout_func is not None:  # what the functions returned
-            batch, episode = self._func_batch(records, n, rank * len(inputs))
-        else:
-            batch, episode = self._agent_batch(records, self._tokenize_prompts(prompts)[0], n, rank * len(inputs))
-            self._log_agents(mode, records, episode, stats, time.perf_counter() - t0)
+        batch, episode = self._records_batch(records, prompts, n, rank * len(inputs), mode, stats,
+                                             time.perf_counter() - t0)
         self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
         staleness = [version - g.version for g in chosen]
         counts = gather_object([[stats["carried"], restarted, len(pool.groups), stats["engine_steps"],

@@ -78,8 +78,8 @@ def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, en
     if found and agentic:
         raise UnsupportedTRLOption(
             f"the dataset has image column(s) {found} (image prompts) and the trainer was given {agentic}: images in "
-            "multi-turn or custom rollouts are not supported by NRolloutGRPOTrainer (single-turn image prompts are). Use "
-            "trl.GRPOTrainer for this combination, or drop the image columns or the tools.")
+            "multi-turn or custom rollouts are not supported by NRolloutGRPOTrainer (single-turn image prompts "
+            "are). Use trl.GRPOTrainer for this combination, or drop the image columns or the tools.")
 
 
 def _blocks(content: str | list) -> list:

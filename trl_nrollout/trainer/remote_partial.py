@@ -181,15 +181,12 @@ class RemotePartialRollouts:
         per_engine = [[*r["counts"][:4], max(every, default=0), sum(every) / max(1, len(every)), r["counts"][4]]
                       for r in reports]
         self._log_partial(mode, per_engine, per_engine, [c for c, r in zip(per_engine, reports) if r["pool_of"]])
-        if self.agent is not None or self.rollout_func is not None:  # agent= episodes: their records (every
-            records = [replace(f["record"], row=dict(f["row"])) for f in fields]  # call's tokens), assembled here;
-            if self.rollout_func is not None:  # a rollout_func's groups: what it returned
-                batch, episode = self._func_batch(records, n, self.accelerator.process_index * len(inputs))
-            else:
-                batch, episode = self._agent_batch(records, self._tokenize_prompts(sample_prompts)[0], n,
-                                                   self.accelerator.process_index * len(inputs))
-                idle = max((r.get("idle_s", 0.0) for r in reports), default=0.0)
-                self._log_agents(mode, records, episode, {"idle_s": idle}, time.perf_counter() - t0)
+        if self.agent is not None or self.rollout_func is not None:  # agent= episodes (their records: every call's
+            records = [replace(f["record"], row=dict(f["row"])) for f in fields]  # tokens, assembled here) or a
+            idle = max((r.get("idle_s", 0.0) for r in reports), default=0.0)  # rollout_func's (what it returned)
+            batch, episode = self._records_batch(records, sample_prompts, n,
+                                                 self.accelerator.process_index * len(inputs), mode,
+                                                 {"idle_s": idle}, time.perf_counter() - t0)
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
             return self._round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)
         if entry["keys"] is not None:  # environments: those of the groups this rank trains, for the rewards
