@@ -337,9 +337,12 @@ def test_environment_and_agent_episodes_on_a_balanced_queue_come_home(tmp_path):
                  "balanced-whole-custom_request_by_request"):
         combo = next(c for c in ALLOWED if c["name"] == name)
         partial = {"rollout_partial_oversample": 0.0} if name == "balanced-partial-agent" else {}  # (no top-ups:
-        entries.append({"name": combo["name"], "episode": combo["episode"], "slow_rank": 0,  # the fast rank's own
+        slow = 0.05  # the fast rank's own groups alone do not end the job)
+        if name == "balanced-partial-custom":  # (rank 0's first group waits for step 1's end: one top-up a rank,
+            partial, slow = {"rollout_partial_oversample": 0.25}, 0.2  # and rank 0 slow enough that rank 1 pulls
+        entries.append({"name": combo["name"], "episode": combo["episode"], "slow_rank": 0, "slow_s": slow,
                         "options": {**combo["options"], "rollout_max_num_seqs": 4, "per_device_train_batch_size": 16,
-                                    "max_steps": 2, **partial}})  # groups alone do not end the job)
+                                    "max_steps": 2, **partial}})
     launch_two(tmp_path, entries)
     for entry in entries:
         combo = next(c for c in ALLOWED if c["name"] == entry["name"])

@@ -231,7 +231,7 @@ def main(out: str, combos: list[dict]) -> None:
             trainer.train()
             continue
         if slow is not None and trainer.accelerator.process_index == slow:
-            slow_engine(trainer, 0.05)
+            slow_engine(trainer, combo.get("slow_s", 0.05))
         rounds: list = []
         record(trainer, rounds)
         trainer.train(resume_from_checkpoint=combo.get("resume"))
