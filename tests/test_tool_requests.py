@@ -248,6 +248,16 @@ def test_config_refuses_bad_multi_turn_settings():
         NRolloutConfig(output_dir="/tmp/x", tool_workers=0)
     with pytest.raises(InputError, match="rollout_multi_turn='requests' needs vLLM engines"):
         NRolloutConfig(output_dir="/tmp/x", rollout_multi_turn="requests", rollout_backend="hf")
+    # partial rollouts run tool episodes request by request, so tool_workers passes the config's check there; on a
+    # trainer without tools (a rollout_func's, an agent's) it would do nothing: the trainer's check refuses it
+    # (mutation tried: the check's condition always false -> no error, this fails)
+    from trl_nrollout.trainer.multiturn import check_tool_workers
+
+    partial = NRolloutConfig(output_dir="/tmp/x", use_cpu=True, rollout_partial=True, tool_workers=4)
+    with pytest.raises(InputError, match="tool_workers=4 .* no tools= and no environment_factory=: it would do nothing"):
+        check_tool_workers(partial)
+    check_tool_workers(partial, tools=[print])
+    check_tool_workers(NRolloutConfig(output_dir="/tmp/x", use_cpu=True, rollout_partial=True))  # nothing set
 
 
 @pytest.mark.vllm

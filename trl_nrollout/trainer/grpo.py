@@ -68,7 +68,7 @@ from trl_nrollout.trainer.budgeted_update import BudgetedMicroBatches
 from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE, check_resume_folder, resolve_resume
 from trl_nrollout.trainer.engines import EngineSetup
 from trl_nrollout.trainer.logprob_stage import LogProbStage
-from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images
+from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images, check_tool_workers
 from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.rollout_ranks import RolloutRanks, RolloutRankWorker
 from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
@@ -126,6 +126,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             args = NRolloutConfig(output_dir=f"{name}-NRollout-GRPO")
         elif not isinstance(args, NRolloutConfig):
             args = to_nrollout_config(args)
+        check_tool_workers(args, tools, environment_factory)
         if args.rollout_multi_turn == "requests" and not tools and environment_factory is None and rollout_func is None:
             raise InputError(  # no option is silently ignored; checked before the model loads
                 "rollout_multi_turn='requests' changes how samples with tool calls advance (no turn barrier), but "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -80,6 +80,18 @@ def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, en
             f"the dataset has image column(s) {found} (image prompts) and the trainer was given {agentic}: images in "
             "multi-turn or custom rollouts are not supported by NRolloutGRPOTrainer (single-turn image prompts "
             "are). Use trl.GRPOTrainer for this combination, or drop the image columns or the tools.")
+
+
+def check_tool_workers(args, tools=None, environment_factory=None) -> None:
+    """``tool_workers`` set on a trainer without ``tools=`` or ``environment_factory=`` (a rollout_func's or an
+    agent's calls run no tools of ours) would do nothing: an error naming the option and the fix."""
+    from trl_nrollout.errors import InputError
+
+    default = next(f.default for f in fields(args) if f.name == "tool_workers")
+    if args.tool_workers != default and not tools and environment_factory is None:
+        raise InputError(f"tool_workers={args.tool_workers} sets how many samples' tool calls run at once, but this "
+                         "trainer has no tools= and no environment_factory=: it would do nothing. Pass the tools to "
+                         "NRolloutGRPOTrainer, or remove tool_workers.")
 
 
 def _blocks(content: str | list) -> list:
