@@ -69,17 +69,21 @@ def dp_groups(world: int, size: int) -> list[list[int]]:
 @dataclass
 class SPGroup:
     """This rank's sequence-parallel group: ``group`` (None: the default group of a world of ``size``), its
-    ``size`` ``S``, this rank's place ``rank`` in it, and the data-parallel rank (``global rank // S``) and size."""
+    ``size`` ``S``, this rank's place ``rank`` in it, and the data-parallel rank (``global rank // S``) and size;
+    ``seed`` and ``shuffles`` (the shuffles drawn so far) make the group's shared shuffle (:func:`shared_shuffle`)."""
 
     group: object | None
     size: int
     rank: int
     dp_rank: int
     dp_size: int
+    seed: int = 0
+    shuffles: int = 0
 
 
-def new_sp_group(size: int) -> SPGroup:
-    """This rank's :class:`SPGroup` (every rank calls it: each group is created on every rank, in order)."""
+def new_sp_group(size: int, seed: int = 0) -> SPGroup:
+    """This rank's :class:`SPGroup` (every rank calls it: each group is created on every rank, in order); ``seed``
+    (the run's, the same on every rank) seeds the group's shuffles."""
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = sp_groups(world, size)
     mine = None
@@ -87,17 +91,26 @@ def new_sp_group(size: int) -> SPGroup:
         made = dist.new_group(ranks) if len(groups) > 1 else None
         if rank in ranks:
             mine = made
-    return SPGroup(mine, size, rank % size, rank // size, world // size)
+    return SPGroup(mine, size, rank % size, rank // size, world // size, seed)
+
+
+def group_permutation(n: int, seed: int, dp_rank: int, draw: int) -> Tensor:
+    """The permutation ``[n]`` of the ``draw``-th shuffle of data-parallel group ``dp_rank`` in a run of ``seed``: a
+    function of its arguments alone (its own generator; the global one is left as it is), so the group's ranks
+    compute the same one without exchanging it, and other groups and draws get others."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + dp_rank * 0xBF58476D1CE4E5B9 + draw * 0x94D049BB133111EB) % (1 << 63)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(mixed))
 
 
 def shared_shuffle(batch: dict, sp: SPGroup) -> dict:
-    """TRL's shuffle of a rollout's batch (``shuffle_sequence_dict``: one permutation of every sequence-valued entry,
-    drawn from the global generator as TRL draws it), the group's first rank's permutation on every rank of the
-    group: its ranks split the same samples' rows, so they must hold them in the same order."""
+    """TRL's shuffle of a rollout's batch (``shuffle_sequence_dict``: one permutation of every sequence-valued
+    entry), the same on every rank of the group: its ranks split the same samples' rows, so they must hold them in
+    the same order. The permutation is :func:`group_permutation` of the group's seed and count of shuffles, which
+    its ranks share, so no collective runs (a broadcast of a CPU tensor fails on the NCCL-only group a GPU launch
+    makes); the global generator (TRL's, seeded per process) is not drawn from."""
     size = len(next(v for v in batch.values() if v is not None))
-    perm = torch.randperm(size)
-    if sp.size > 1:
-        dist.broadcast(perm, src=sp.dp_rank * sp.size, group=sp.group)
+    perm = group_permutation(size, sp.seed, sp.dp_rank, sp.shuffles)
+    sp.shuffles += 1
 
     def permute(v):
         if v is None or (isinstance(v, Tensor) and v.ndim == 0):
@@ -228,16 +241,26 @@ class UlyssesRows:
     position_ids: Tensor
 
 
-class _KVGroups(nn.Module):
-    """An attention module seen with another ``num_key_value_groups`` (replicated KV heads), all else its own."""
+class _View:
+    """An object seen with some attributes replaced (``overrides``), all else its own (read through: its methods,
+    properties, ``training``, ``modules()``)."""
 
-    def __init__(self, module: nn.Module, groups: int):
-        super().__init__()
-        object.__setattr__(self, "_inner", module)
-        object.__setattr__(self, "num_key_value_groups", groups)
+    def __init__(self, target, **overrides):
+        object.__setattr__(self, "_target", target)
+        for name, value in overrides.items():
+            object.__setattr__(self, name, value)
 
     def __getattr__(self, name):
-        return getattr(object.__getattribute__(self, "_inner"), name)
+        return getattr(object.__getattribute__(self, "_target"), name)
+
+
+def inner_view(module: nn.Module, inner: str, kv_groups: int | None = None) -> nn.Module:
+    """``module`` as the inner attention ``inner`` must see it: its config's ``_attn_implementation`` is ``inner``
+    (transformers' flash-attention loads its kernel by the config's name; under :data:`ULYSSES_NAME` it looks for a
+    hub kernel of that name and fails), and ``num_key_value_groups`` is ``kv_groups`` where KV heads are
+    replicated."""
+    extra = {} if kv_groups is None else {"num_key_value_groups": kv_groups}
+    return _View(module, config=_View(module.config, _attn_implementation=inner), **extra)
 
 
 def _inner_function(module: nn.Module, name: str):
@@ -272,17 +295,18 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     :func:`install`, unchanged."""
     if ulysses is None:
         inner = getattr(module.config, INNER_ATTR, None) or "sdpa"
-        return _inner_function(module, inner)(module, query, key, value, attention_mask, dropout=dropout,
-                                              scaling=scaling, **kwargs)
+        return _inner_function(module, inner)(inner_view(module, inner), query, key, value, attention_mask,
+                                              dropout=dropout, scaling=scaling, **kwargs)
     sp = ulysses.sp
     size = sp.size
     heads, kv_heads = query.shape[1], key.shape[1]
     check_heads(heads, kv_heads, size)
-    view: nn.Module = module
+    kv_groups = None
     if kv_heads % size:  # fewer KV heads than ranks: each repeated size / kv_heads times (their gradients add up)
         key = key.repeat_interleave(size // kv_heads, dim=1)
         value = value.repeat_interleave(size // kv_heads, dim=1)
-        view = _KVGroups(module, heads // size)
+        kv_groups = heads // size
+    view = inner_view(module, ulysses.inner, kv_groups)
     q, k, v = (seq_to_heads(x, sp.group, size) for x in (query, key, value))
     kwargs.pop("position_ids", None)
     if ulysses.varlen is not None:  # the whole rows' sequence boundaries

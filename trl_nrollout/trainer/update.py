@@ -149,7 +149,7 @@ class PolicyUpdate:
             if (why := structural_reason(model.config, varlen=True)) is not None:  # the rows' rule: the same
                 raise ValueError(f"sequence_parallel_size={size} runs padding-free rows, but {why}; use "
                                  "sequence_parallel_size=1.")
-        sp = new_sp_group(size)
+        sp = new_sp_group(size, seed=self.args.seed)
         for model in models:
             install(model)
         logger.info("sequence_parallel_size=%d: ranks %d..%d split each padding-free row (data-parallel rank %d of "
