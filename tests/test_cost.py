@@ -395,23 +395,28 @@ def test_suggest_gives_rollout_ranks_a_dedicated_devices_memory():
 
 
 def test_plan_suggest_answers_the_articles_question_without_torch():
-    """`plan --suggest` on the article's recipe: a ranked list, in under a second, torch never imported."""
-    code = ("import sys, time; t = time.perf_counter(); from trl_nrollout.cli import main; "
+    """`plan --suggest` on the article's recipe: a ranked list from a process that imports none of the heavy
+    libraries (what takes a launch seconds: torch, transformers, numpy...) and fewer than 400 modules in all (about
+    170: a fraction of a second, counted rather than timed, which a loaded machine would stretch). Mutation tried:
+    ``import numpy`` in trl_nrollout/plan/predict.py -> numpy is listed and the module count grows."""
+    heavy = ("torch", "transformers", "numpy", "vllm", "deepspeed", "accelerate", "datasets", "trl", "peft")
+    code = ("import sys; from trl_nrollout.cli import main; "
             "rc = main(['plan', '--config', 'recipes/configs/verl_article.yaml', '--suggest', '--device', 'h100', "
             "'--trainer-sharding', 'zero3', '--completion-tokens-mean', '300', '--prompt-tokens-mean', '150', "
-            "'--json']); print('SECONDS', time.perf_counter() - t, 'torch' in sys.modules, rc, file=sys.stderr)")
+            f"'--json']); print('MODULES', ','.join(m for m in {heavy!r} if m in sys.modules) or '-', "
+            "len(sys.modules), rc, file=sys.stderr)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    seconds, torch_imported, rc = proc.stderr.split("SECONDS")[1].split()
-    assert float(seconds) < 1.0 and torch_imported == "False" and rc == "0"
+    imported, count, rc = proc.stderr.split("MODULES")[1].split()
+    assert imported == "-" and int(count) < 400 and rc == "0", (imported, count)
     out = json.loads(proc.stdout)
     assert out["ranked"] and out["ranked"][0]["options"]["rollout_n"] == 12
     rates = [c["prediction"]["samples_per_s"] for c in out["ranked"]]
     assert rates == sorted(rates, reverse=True)
     split = subprocess.run([sys.executable, "-c", code.replace("'--json'", "'--suggest-rollout-ranks', '--json'")],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
-    seconds, torch_imported, rc = split.stderr.split("SECONDS")[1].split()
-    assert float(seconds) < 1.0 and torch_imported == "False" and rc == "0"
+    imported, count, rc = split.stderr.split("MODULES")[1].split()
+    assert imported == "-" and int(count) < 400 and rc == "0", (imported, count)
     ranked = json.loads(split.stdout)["ranked"]
     assert any(c["options"]["rollout_ranks"] for c in ranked) and any(not c["options"]["rollout_ranks"]
                                                                       for c in ranked)

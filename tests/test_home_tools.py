@@ -84,39 +84,55 @@ def test_a_home_ranks_runner_error_reaches_the_caller_naming_the_sample():
             caller.run(6, [])
 
 
-class _CountingStore:
-    """A real TCPStore, its ``add`` calls counted (a server's looks at its count of calls)."""
+class _PauseLog(threading.Event):
+    """The server's stop event, each pause it waits recorded in order (the server's looks, without a clock)."""
 
-    def __init__(self, store):
-        self.store, self.adds = store, 0
+    def __init__(self):
+        super().__init__()
+        self.pauses: list[float] = []
 
-    def add(self, key, value):
-        self.adds += 1
-        return self.store.add(key, value)
+    def wait(self, timeout=None):
+        self.pauses.append(timeout)
+        return super().wait(timeout)
 
-    def __getattr__(self, name):
-        return getattr(self.store, name)
+
+def _wait_for(condition, what: str, limit_s: float = 60.0) -> None:
+    """Block until ``condition()`` holds; the limit only bounds a failing test (nothing is timed)."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def test_an_idle_long_lived_server_looks_less_often_and_still_answers_at_once():
     """A trainer's server for the rollout ranks' calls lives for the whole run (idle_poll_s=0.05): while no call
-    comes it backs off to 20 looks a second (a job's server keeps looking every 2 ms), and a call after a long idle
-    is answered, after which it looks often again. Mutation tried: the pause never grows -> the idle server looks
-    as often as the job's, the first assertion fails."""
-    import time
+    comes its pause between looks doubles from POLL_S up to idle_poll_s and stays there (20 looks a second), a call
+    after a long idle is answered, and the look that finds it brings the pause back to POLL_S; a job's server
+    (idle_poll_s=POLL_S) keeps looking every 2 ms. The pauses are read in order, not timed. Mutations tried: the
+    pause never grows -> the idle server never reaches idle_poll_s; the pause not reset by a call -> the look after
+    the call pauses idle_poll_s."""
+    from trl_nrollout.rollout.home_tools import POLL_S
 
-    store = _CountingStore(_store())
+    store = _store()
     run = lambda i, calls: ([{"role": "tool", "name": "t", "content": f"{i}"}], 0)  # noqa: E731
     long_lived = HomeTools(store, "trainer/1", 0, lambda i: 0, run, workers=1, idle_poll_s=0.05)
+    long_lived._stop = log = _PauseLog()
     with long_lived:
-        time.sleep(0.6)
-        idle_looks = store.adds
+        _wait_for(lambda: log.pauses.count(0.05) >= 3, "the idle server never paused 0.05 s")
+        idle = list(log.pauses)
         sender = HomeTools(store, "trainer/1", 1, lambda i: 0, None, workers=1)
-        start = time.perf_counter()
         answer = sender.run(5, [{"type": "function", "function": {"name": "t", "arguments": {}}}])
-        waited = time.perf_counter() - start
-    job_store = _CountingStore(_store())
-    with HomeTools(job_store, "job/1", 0, lambda i: 0, run, workers=1):
-        time.sleep(0.6)
-    assert idle_looks < 30 < job_store.adds  # 0.6 s idle: about 12 looks, against about 300
-    assert answer == ([{"role": "tool", "name": "t", "content": "5"}], 0) and waited < 1.0
+        _wait_for(lambda: len(log.pauses) > len(idle) + 1, "the server stopped looking")
+        after = log.pauses[len(idle):]
+    growing = [min(POLL_S * 2 ** k, 0.05) for k in range(1, len(idle) + 1)]
+    assert idle == pytest.approx(growing), idle  # 0.004, 0.008 ... 0.05, 0.05 ...: at most 20 looks a second
+    # the look that served the call pauses POLL_S (the looks before it, if any, still the idle pause)
+    assert POLL_S in after and set(after[:after.index(POLL_S)]) <= {0.05}, after
+    assert answer == ([{"role": "tool", "name": "t", "content": "5"}], 0)
+    job = HomeTools(_store(), "job/1", 0, lambda i: 0, run, workers=1)
+    job._stop = job_log = _PauseLog()
+    with job:
+        _wait_for(lambda: len(job_log.pauses) >= 20, "the job's server stopped looking")
+    assert set(job_log.pauses) == {POLL_S}  # a job's server never backs off
