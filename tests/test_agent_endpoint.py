@@ -179,7 +179,10 @@ def test_an_episodes_call_limit_is_an_error_answer(served):
 @pytest.mark.vllm
 def test_seeded_calls_sample_what_the_engine_samples_for_that_seed(served):
     """A call's sampling seed comes from the trainer (episode, call): the same seed gives the same tokens whichever
-    other episodes run beside it, a different call index another draw."""
+    other episodes run beside it, a different call index another draw. Every agent's two calls are answered (a run
+    whose calls all fail would compare two empty lists). Mutations tried: every call refused (the model check
+    inverted: 404s) -> the agents' errors are read; the endpoint's seed read for call 0 whatever the call -> the two
+    calls draw alike; no seed given to the engine -> the crowd's draws differ from the lone episode's."""
     def agent(base_url):
         client = _client(base_url)
         return [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Write:"}],
@@ -188,7 +191,13 @@ def test_seeded_calls_sample_what_the_engine_samples_for_that_seed(served):
     seed = lambda i, c: 1000 + 17 * c  # noqa: E731 - every episode's call c draws from the same seed
     alone = run(served, {"x": agent}, seed=seed)
     crowd = run(served, {f"y{k}": agent for k in range(5)}, seed=seed)
+    tok = served[1].tokenizer
+    for record, answers in [*alone.values(), *crowd.values()]:
+        assert not isinstance(answers, Exception), answers  # the agent's calls all came back
+        assert len(record.calls) == 2 and all(c.completion_ids for c in record.calls)
+        assert answers == [tok.decode(c.completion_ids, skip_special_tokens=True) for c in record.calls]
     tokens = [c.completion_ids for c in alone["x"][0].calls]
+    assert tokens[0] != tokens[1]  # call 1's seed is another draw than call 0's
     assert all([c.completion_ids for c in r.calls] == tokens for r, _ in crowd.values())
 
 
