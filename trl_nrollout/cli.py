@@ -128,7 +128,9 @@ def local_recipe(config: str | None) -> str | None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    values = plan_values(local_recipe(args.config), {name: getattr(args, name) for name, _, _ in PLAN_OPTIONS})
+    flags = {name: getattr(args, name) for name, _, _ in PLAN_OPTIONS if getattr(args, name) is not None}
+    values = plan_values(local_recipe(args.config), flags)
+    values["_flags"] = flags  # carried, under the trainer's names, into the launch command --suggest prints
     if args.config:
         values["_config"] = args.config  # named in the launch command --suggest prints
     if args.calibrate:

@@ -11,6 +11,7 @@ from trl_nrollout.config_checks import rollout_ranks_refusal, stale_sample_reaso
 from trl_nrollout.dropin import TRL_LOSS_TYPES
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout
+from trl_nrollout.plan.update_budget import default_dynamic_bsz
 from trl_nrollout.rollout.ranks import current_bridge, split_world
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS
 
@@ -31,10 +32,9 @@ class ConfigDerivation:
         if self.use_dynamic_bsz is False and budget is not None:
             raise InputError(f"use_dynamic_bsz=False with ppo_max_token_len_per_device={budget}: the budget only "
                              "applies to token-budgeted micro batches; remove one of them.")
-        if self.use_dynamic_bsz is None:  # verl's layout without a micro batch: budgeted (a rank's whole mini batch
-            # per forward is no default at reasoning lengths); TRL's fields: per_device_train_batch_size, as TRL
-            self.use_dynamic_bsz = budget is not None or (self.train_batch_size is not None
-                                                          and self.ppo_micro_batch_size_per_device is None)
+        if self.use_dynamic_bsz is None:  # the rule plan applies too
+            self.use_dynamic_bsz = default_dynamic_bsz(budget, self.train_batch_size,
+                                                       self.ppo_micro_batch_size_per_device)
         passes_sized = any(getattr(self, name) is not None for name in (
             "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_device", "log_prob_max_token_len_per_device"))
         if self.use_dynamic_bsz and budget is not None and not passes_sized:

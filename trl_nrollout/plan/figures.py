@@ -104,6 +104,8 @@ YAML_ALIASES = {
     "num_generations": "rollout_n",
     "vllm_tensor_parallel_size": "rollout_tp_size",
     "vllm_gpu_memory_utilization": "gpu_memory_utilization",
+    "rollout_max_num_seqs": "max_num_seqs",  # the trainer's names of the engine's settings
+    "rollout_dtype": "dtype",
 }
 
 

@@ -34,6 +34,9 @@ SHARDING = ("none", "zero2", "zero3", "fsdp", "zero3_offload")
 SEARCHED_SHARDING = ("none", "zero2", "zero3")
 #: tried by ``--suggest`` where none of those fits: the optimizer offloaded to host memory (slower steps)
 OFFLOAD_SHARDING = ("zero3_offload",)
+#: the engine's memory fractions ``--suggest`` tries beside the trainer's default (verl's tuning guide: raise it, with
+#: the engine sleeping while the trainer works, until the trainer no longer fits)
+SEARCHED_UTILIZATION = (0.5, 0.7)
 
 
 def device_of(values: dict[str, Any]) -> DeviceProfile:
@@ -354,16 +357,33 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     staleness = 1 if staleness is None else int(staleness)
     nnodes = int(values.get("nnodes") or 1)
     local = int(values.get("n_gpus_per_node") or max(1, int(world) // nnodes))
+    # the engine's memory fraction and sleep mode are searched too where the recipe leaves them to the trainer
+    utils = (util,) if values.get("gpu_memory_utilization") is not None else tuple(sorted({util, *SEARCHED_UTILIZATION}))
+    sleeps = ((bool(values["vllm_enable_sleep_mode"]),) if values.get("vllm_enable_sleep_mode") is not None
+              else (False, True))
+
     def run(tried: Sequence[str] | None, more: dict | None = None) -> list[Candidate]:
-        try:
-            return search(dims, int(world), int(prompts), work, dev, n_values=n_values, gpu_memory_utilization=util,
-                          sleep_mode=bool(values.get("vllm_enable_sleep_mode")), layout_extra={**extra, **(more or {})},
-                          rollout_ranks=rollout_ranks, max_staleness=staleness, local_world=local,
-                          shardings=tried,
-                          try_dynamic_bsz=not any(values.get(k) is not None for k in (
-                              "ppo_micro_batch_size_per_device", "use_dynamic_bsz", "ppo_max_token_len_per_device")))
-        except ValueError as err:
-            raise PlanError(str(err)) from None
+        found: list[Candidate] = []
+        for i, (u, sleep) in enumerate((u, s) for u in utils for s in sleeps):
+            try:
+                part = search(dims, int(world), int(prompts), work, dev, n_values=n_values, gpu_memory_utilization=u,
+                              sleep_mode=sleep, layout_extra={**extra, **(more or {})},
+                              rollout_ranks=rollout_ranks and i == 0, max_staleness=staleness, local_world=local,
+                              shardings=tried,
+                              try_dynamic_bsz=not any(values.get(k) is not None for k in (
+                                  "ppo_micro_batch_size_per_device", "use_dynamic_bsz", "ppo_max_token_len_per_device")))
+            except ValueError as err:
+                raise PlanError(str(err)) from None
+            for c in part:
+                if c.options.get("rollout_ranks"):
+                    continue  # a split launch: its engines own their devices (searched once, above)
+                if len(utils) > 1:
+                    c.options["gpu_memory_utilization"] = u
+                if len(sleeps) > 1:
+                    c.options["vllm_enable_sleep_mode"] = sleep
+            found += part
+        fit_first = sorted((c for c in found if c.reason is None), key=lambda c: -c.prediction.samples_per_s)
+        return fit_first + [c for c in found if c.reason is not None]
 
     found = run(shardings)
     if shardings is not None and not any(c.reason is None for c in found):  # sharding alone fits nothing
@@ -388,8 +408,15 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     lines = [f"layouts for {dims.name} on {world} x {dev.name}, {prompts} prompts per step, ranked by predicted "
              f"samples/s ({len(fit)} fit, {len(refused)} refused):",
              "rank  tp  n   max_num_seqs           sharding  update micro batch  step (s)  samples/s  generation (s)  "
-             "engine GiB  trainer GiB"
+             "engine GiB  trainer GiB  engine share"
              + ("  trainers + rollout ranks" if rollout_ranks else "")]
+    def share(o: dict) -> str:  # the engine's memory fraction, and whether it sleeps while the trainer works
+        if o.get("rollout_ranks"):
+            return "own devices"
+        u = o.get("gpu_memory_utilization", util)
+        sleeping = o.get("vllm_enable_sleep_mode", bool(values.get("vllm_enable_sleep_mode")))
+        return f"{u:.2f}" + (" sleep" if sleeping else "")
+
     for i, c in enumerate(fit[:top], 1):
         p, o = c.prediction, c.options
         split = ""
@@ -403,7 +430,7 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
                   f"<= {work.update_token_budget} tokens" if work.update_token_budget else "count")
         lines.append(f"{i:>4}  {o['rollout_tp_size']:>2}  {o['rollout_n']:<3} {o['max_num_seqs']:>12}  "
                      f"{shard:>17}  {update:>18}  {p.total_s:>8.3g}  {p.samples_per_s:>9.3g}  {p.phases['generation']:>14.3g}  "
-                     f"{p.engine_bytes / 2**30:>10.3g}  {p.trainer_bytes / 2**30:>11.3g}{split}")
+                     f"{p.engine_bytes / 2**30:>10.3g}  {p.trainer_bytes / 2**30:>11.3g}  {share(o):>12}{split}")
     if fit:
         lines.append("run the first: " + launch_command(values, fit[0].options, int(world)))
     if refused:
@@ -421,22 +448,48 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
 
 
 
+#: plan option -> the trainer's option of the same meaning, where the names differ
+TRAIN_NAMES = {"max_num_seqs": "rollout_max_num_seqs", "dtype": "rollout_dtype",
+               "gpu_memory_utilization": "vllm_gpu_memory_utilization"}
+#: plan options that only describe the machine or the workload to the planner: no training option carries them
+PLAN_ONLY = ("num_processes", "n_gpus_per_node", "nnodes", "gpu_memory_gib", "device", "prompt_tokens_mean",
+             "completion_tokens_mean", "trainer_sharding", "max_prompt_length")
+
+
+def train_flags(options: dict[str, Any]) -> list[str]:
+    """``--name value`` of the trainer's options for plan ``options`` (plan names mapped to the trainer's;
+    ``lora_r`` -> ``--use_peft true --lora_r R``; the planner's machine and workload options left out)."""
+    flags: list[str] = []
+    for key, value in options.items():
+        if key.startswith("_") or key in PLAN_ONLY or value is None:
+            continue
+        if key == "lora_r":
+            flags += ["--use_peft", "true", "--lora_r", str(value)]
+            continue
+        if key == "rollout_ranks" and not value:
+            continue
+        flags += [f"--{TRAIN_NAMES.get(key, key)}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags
+
+
 def launch_command(values: dict[str, Any], options: dict[str, Any], world: int) -> str:
     """The command that runs a suggested layout: ``trl-nrollout train`` under accelerate with the shipped accelerate
     config of its trainer sharding by name (``--accelerate_config zero3``: ``accelerate launch --config_file
-    recipes/accelerate/zero3.yaml -m trl_nrollout.recipe.run``, found where the package is installed), the options
-    that differ from the recipe's."""
+    recipes/accelerate/zero3.yaml -m trl_nrollout.recipe.run``, found where the package is installed), the recipe
+    (``--config``), then the options the plan's command line gave (``values["_flags"]``) and the layout's, under the
+    trainer's names, so that training resolves what was planned. Planned without a recipe, the command names
+    ``--config YOUR_RECIPE.yaml`` (the dataset and rewards: ``train`` without one runs the built-in CPU default)."""
     sharding = options.get("trainer_sharding") or values.get("trainer_sharding") or "none"
     from trl_nrollout.plan.search import SHARDING_CONFIGS
 
-    names = {"rollout_tp_size": "rollout_tp_size", "rollout_n": "rollout_n", "max_num_seqs": "rollout_max_num_seqs",
-             "rollout_ranks": "rollout_ranks", "use_dynamic_bsz": "use_dynamic_bsz",
-             "ppo_max_token_len_per_device": "ppo_max_token_len_per_device",
-             "sequence_parallel_size": "sequence_parallel_size"}
-    flags = " ".join(f"--{names[k]} {v}" for k, v in options.items() if k in names and (k != "rollout_ranks" or v))
-    config = f" --config {values['_config']}" if values.get("_config") else ""
+    layout = {k: v for k, v in options.items() if k in (
+        "rollout_tp_size", "rollout_n", "max_num_seqs", "rollout_ranks", "use_dynamic_bsz",
+        "ppo_max_token_len_per_device", "sequence_parallel_size", "gpu_memory_utilization", "vllm_enable_sleep_mode")}
+    given = {k: v for k, v in (values.get("_flags") or {}).items() if k not in layout}
+    config = values.get("_config") or "YOUR_RECIPE.yaml"
     name = SHARDING_CONFIGS[sharding].rsplit("/", 1)[-1].removesuffix(".yaml")  # a shipped config, by name
-    return f"trl-nrollout train --accelerate_config {name} --num_processes {world}{config} {flags}"
+    flags = " ".join(train_flags({**given, **layout}))
+    return f"trl-nrollout train --accelerate_config {name} --num_processes {world} --config {config} {flags}"
 
 
 def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split: dict[str, Any],

@@ -60,7 +60,17 @@ def dynamic_bsz(values: dict[str, Any]) -> tuple[bool, int | None]:
     if use is False and budget is not None:
         raise PlanError(f"use_dynamic_bsz=False with ppo_max_token_len_per_device={budget}: the budget only applies "
                         "to token-budgeted micro batches; remove one of them.")
-    return (budget is not None) if use is None else use, budget
+    if use is None:
+        use = default_dynamic_bsz(budget, values.get("train_batch_size"), values.get("ppo_micro_batch_size_per_device"))
+    return use, budget
+
+
+def default_dynamic_bsz(budget: int | None, train_batch_size: int | None, micro_per_device: int | None) -> bool:
+    """``use_dynamic_bsz`` where it is not set, one rule for ``plan`` and the trainer's config: on with a budget
+    (``ppo_max_token_len_per_device``), and on for verl's batch fields (``train_batch_size``) without an update micro
+    batch (a rank's whole mini batch per forward is no default at reasoning lengths); TRL's batch fields keep TRL's
+    count-based micro batches (``per_device_train_batch_size``)."""
+    return budget is not None or (train_batch_size is not None and micro_per_device is None)
 
 
 def longest_sample(values: dict[str, Any]) -> int:
