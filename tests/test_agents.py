@@ -109,9 +109,10 @@ def test_a_one_call_agent_trains_as_the_single_turn_trainer(tmp_path):
         runs.append((seen, losses))
     (single, single_loss), (agents, agent_loss) = runs
     assert len(single) == len(agents) == 2
-    for (p1, c1, l1), (p2, c2, l2) in zip(single, agents):
+    for (p1, c1, l1), (p2, c2, l2) in zip(single, agents, strict=True):
         assert p1 == p2 and c1 == c2
-        assert all(a == pytest.approx(b, abs=1e-6) for x, y in zip(l1, l2) for a, b in zip(x, y))
+        assert all(a == pytest.approx(b, abs=1e-6) for x, y in zip(l1, l2, strict=True)
+                   for a, b in zip(x, y, strict=True))
     assert [v for pair in single_loss for v in pair] == pytest.approx([v for pair in agent_loss for v in pair], abs=1e-7)
 
 

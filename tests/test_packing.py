@@ -253,7 +253,7 @@ def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monk
     plain_loss, plain_grads = _loss_and_grads(trainer, batch)
     assert len(calls) == 1
     assert torch.allclose(packed_loss, plain_loss, atol=1e-6, rtol=1e-5)
-    for a, b in zip(packed_grads, plain_grads):
+    for a, b in zip(packed_grads, plain_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
     assert any(g.abs().sum() > 0 for g in plain_grads)
 
@@ -309,7 +309,7 @@ def test_shared_prompt_forward_under_zero3_reproduces_the_plain_run(zero3_long_p
     with packing on (the default)."""
     packed, plain = zero3_long_prompt_runs("gathered"), zero3_long_prompt_runs("plain")
     assert len(plain["steps"]) == len(packed["steps"]) == 2
-    for a, b in zip(plain["steps"], packed["steps"]):
+    for a, b in zip(plain["steps"], packed["steps"], strict=True):
         # the old-policy pass (packed in one run, plain in the other) scores the engine's own samples: both agree
         # with the engine's log-probs to float32 noise (a packed position off by one drifts by about 3e-3)
         assert a["rollout_corr/logprob_abs_diff_max"] < 1e-4 and b["rollout_corr/logprob_abs_diff_max"] < 1e-4

@@ -136,7 +136,7 @@ def _row_logprobs(model, packed):
 
 def _assert_each_samples_own_log_probs(model, prompts, completions, got) -> None:
     """Every completion token's log-prob in ``got`` ``[B, C]`` is the one of the sample's own unpadded forward."""
-    for b, (p, c) in enumerate(zip(prompts, completions)):
+    for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         ids = torch.cat([p, c])[None]
         lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, :-1]
         want = lp.gather(-1, ids[0, 1:, None]).squeeze(-1)[p.numel() - 1:]
@@ -192,7 +192,7 @@ def test_groups_packed_with_their_prompt_once_give_each_sample_its_own_log_probs
     assert len(packed.rows) < len(units)  # several groups share a row
     slots = packed.token_slots
     assert sum(unit_lengths([p.numel() for p in prompts], [c.numel() for c in completions], units)) <= slots
-    assert packed.position_ids.max() < max(p.numel() + c.numel() for p, c in zip(prompts, completions))
+    assert packed.position_ids.max() < max(p.numel() + c.numel() for p, c in zip(prompts, completions, strict=True))
     got = _row_logprobs(model, packed)
     _assert_each_samples_own_log_probs(model, prompts, completions, got)
     changed = [c if i == 0 else torch.randint(5, 300, c.shape, generator=gen) for i, c in enumerate(completions)]
@@ -263,14 +263,14 @@ def test_the_update_and_the_old_policy_pass_padding_free_equal_the_padded(tmp_pa
     plain_loss, plain_grads = _loss_and_grads(trainer, batch)
     assert len(slots) == 1
     assert torch.allclose(rows_loss, plain_loss, atol=1e-6, rtol=1e-5)
-    for a, b in zip(rows_grads, plain_grads):
+    for a, b in zip(rows_grads, plain_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
     assert any(g.abs().sum() > 0 for g in plain_grads)
     # the old-policy pass: real tokens under a budget of two samples' worth, padding-free vs padded
     lengths = batch["completion_mask"].sum(-1).tolist()
-    prompts = [ids[m.bool()].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
-    completions = [ids[:n].tolist() for ids, n in zip(batch["completion_ids"], lengths)]
-    budget = 2 * max(len(p) + len(c) for p, c in zip(prompts, completions))
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_mask"], strict=True)]
+    completions = [ids[:n].tolist() for ids, n in zip(batch["completion_ids"], lengths, strict=True)]
+    budget = 2 * max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     used = []
     real_sel = logprobs_module._padfree_selected
     monkeypatch.setattr(logprobs_module, "_padfree_selected", lambda *a, **kw: used.append(1) or real_sel(*a, **kw))
@@ -296,7 +296,7 @@ def test_the_critics_values_and_their_gradients_are_the_padded_ones(tiny_model_p
     rows = []
     real = critic_module.pack_rows
     monkeypatch.setattr(critic_module, "pack_rows", lambda *a, **kw: rows.append(kw["mask_dtype"]) or real(*a, **kw))
-    budget = 2 * max(len(p) + len(c) for p, c in zip(prompts, completions))
+    budget = 2 * max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     free = compute_values(critic, prompts, completions, pad_token_id=0, max_token_len=budget, padding_free=True)
     assert rows and all((d is None) == (attn == VARLEN_NAME) for d in rows), rows  # the rows ran, varlen unmasked
     padded = compute_values(critic, prompts, completions, pad_token_id=0, max_token_len=budget)
@@ -312,3 +312,178 @@ def test_the_critics_values_and_their_gradients_are_the_padded_ones(tiny_model_p
         grads.append([p.grad.clone() for p in critic.parameters() if p.grad is not None])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _pack_rows_per_sample(prompts, completions, pad_token_id, *, row_len=None, mask_dtype=torch.bool,
+                          pad_to_multiple_of=None, completion_width=None, units=None):
+    """The former :func:`pack_rows`, sample by sample (a dozen small kernels each): the slow reference of the
+    vectorised one (validation left out)."""
+    from trl_nrollout.passes.padfree import PackedRows, unit_causal_mask
+
+    device = prompts[0].device
+    units = [[b] for b in range(len(prompts))] if units is None else [list(u) for u in units]
+    p_lens = [int(p.numel()) for p in prompts]
+    c_lens = [int(c.numel()) for c in completions]
+    lengths = unit_lengths(p_lens, c_lens, units)
+    if row_len is None:
+        row_len = sum(lengths) if mask_dtype is None else max(lengths)
+    width = max(row_len, max(lengths))
+    if pad_to_multiple_of and pad_to_multiple_of > 1:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    bins = row_bins(lengths, width)
+    c_width = max(c_lens) if completion_width is None else completion_width
+    rows = len(bins)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=prompts[0].dtype, device=device)
+    position_ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+    unit_ids = torch.full((rows, width), -1, dtype=torch.long, device=device)
+    segments = torch.full((rows, width), -1, dtype=torch.long, device=device)
+    index = torch.zeros(len(prompts), c_width, dtype=torch.long, device=device)
+    valid = torch.zeros(len(prompts), c_width, dtype=torch.bool, device=device)
+    for r, members in enumerate(bins):
+        at = 0
+        for u in members:
+            unit = units[u]
+            prompt = prompts[unit[0]]
+            head = p_lens[unit[0]] - 1
+            input_ids[r, at:at + head] = prompt[:-1]
+            position_ids[r, at:at + head] = torch.arange(head, device=device)
+            unit_ids[r, at:at + lengths[u]] = u
+            at += head
+            for b in unit:
+                n = c_lens[b]
+                input_ids[r, at] = prompt[-1]
+                input_ids[r, at + 1:at + 1 + n] = completions[b]
+                position_ids[r, at:at + 1 + n] = head + torch.arange(n + 1, device=device)
+                segments[r, at:at + 1 + n] = b
+                k = min(n, c_width)
+                index[b, :k] = r * width + at + torch.arange(k, device=device)
+                valid[b, :k] = True
+                at += n + 1
+        if at < width:
+            position_ids[r, at:] = torch.arange(width - at, device=device)
+            unit_ids[r, at:] = len(units) + r
+    shift_labels = torch.full((rows, width), -100, dtype=torch.long, device=device)
+    shift_labels.view(-1)[index[valid]] = input_ids.view(-1)[index[valid] + 1].long()
+    mask = None if mask_dtype is None else unit_causal_mask(unit_ids, segments, mask_dtype)
+    return PackedRows(input_ids, position_ids, mask, index, valid, shift_labels, [
+        [b for u in members for b in units[u]] for members in bins])
+
+
+groups_st = st.lists(st.tuples(st.integers(1, 7), st.lists(st.integers(0, 9), min_size=1, max_size=3)),
+                     min_size=1, max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(groups_st, st.sampled_from([torch.bool, torch.float32, None]), st.booleans(), st.sampled_from([None, 1, 4, 8]),
+       st.one_of(st.none(), st.integers(0, 12)), st.sampled_from([None, -1, 3]), st.sampled_from([torch.long, torch.int32]))
+def test_the_vectorised_rows_are_the_per_sample_ones(groups, mask_dtype, shared, multiple, extra, width_delta, dtype):
+    """Issue 62 item 9: :func:`pack_rows` built with whole-batch tensor ops (one host-to-device copy of the layout,
+    one concatenation of the tokens, ``repeat_interleave`` of the pieces' offsets) gives exactly the former
+    sample-by-sample rows: tokens, positions, mask, index, valid, labels and rows, under every mask, with and
+    without shared-prompt units, rounded rows, longer rows, completion widths below and above the longest.
+    Mutations: a sample block's positions from 0 instead of after its unit's prompt -> fails; the scored slots'
+    labels read at the slot itself (no ``+ 1``) -> fails."""
+    gen = torch.Generator().manual_seed(sum(p + sum(c) for p, c in groups))
+    prompts, completions, units = [], [], []
+    for plen, clens in groups:
+        prompt = torch.randint(5, 50, (plen,), generator=gen).to(dtype)
+        units.append(list(range(len(prompts), len(prompts) + len(clens))))
+        for n in clens:
+            prompts.append(prompt)
+            completions.append(torch.randint(5, 50, (n,), generator=gen).to(dtype))
+    units = units if shared and mask_dtype is not None else None
+    longest = max(p.numel() + c.numel() for p, c in zip(prompts, completions, strict=True))
+    kwargs = {"mask_dtype": mask_dtype, "pad_to_multiple_of": multiple, "units": units,
+              "row_len": None if extra is None else longest + extra,
+              "completion_width": None if width_delta is None else
+              max(0, max(c.numel() for c in completions) + width_delta)}
+    got = pack_rows(prompts, completions, 3, **kwargs)
+    want = _pack_rows_per_sample(prompts, completions, 3, **kwargs)
+    assert got.rows == want.rows
+    for name in ("input_ids", "position_ids", "index", "valid", "shift_labels"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert (got.attention_mask is None) == (want.attention_mask is None)
+    if want.attention_mask is not None:
+        assert got.attention_mask.dtype == want.attention_mask.dtype
+        assert torch.equal(got.attention_mask, want.attention_mask)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 6), st.integers(1, 9), st.integers(0, 7), st.booleans(), st.integers(0, 2**16))
+def test_unpad_takes_every_samples_tokens_as_masking_them_one_by_one_did(batch, width, c_width, holes, seed):
+    """:func:`unpad` in whole-batch ops (one host sync for the lengths, a gather of the kept prompt tokens) gives each
+    sample's real tokens as the former per-sample boolean indexing did, for TRL's left-padded prompts and masks with
+    holes; :func:`shared_units` (one copy to the host) groups identical prompts as before. Mutation: the kept tokens
+    taken as a suffix of each row (the left-padding case only) -> the masks with holes fail."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(5, 9, (batch, width), generator=gen)
+    if holes:
+        prompt_mask = torch.randint(0, 2, (batch, width), generator=gen)
+    else:
+        prompt_mask = (torch.arange(width)[None] >= torch.randint(0, width + 1, (batch, 1), generator=gen)).long()
+    completion_ids = torch.randint(5, 50, (batch, c_width), generator=gen)
+    completion_len = torch.randint(0, c_width + 1, (batch,), generator=gen)
+    prompts, completions = unpad(prompt_ids, prompt_mask, completion_ids, completion_len)
+    assert [p.tolist() for p in prompts] == [ids[m.bool()].tolist()
+                                             for ids, m in zip(prompt_ids, prompt_mask, strict=True)]
+    assert [c.tolist() for c in completions] == [ids[:n].tolist()
+                                                 for ids, n in zip(completion_ids, completion_len.tolist(), strict=True)]
+    want: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompts):
+        want.setdefault(tuple(p.tolist()), []).append(i)
+    assert shared_units(prompts) == list(want.values())
+    assert shared_units([p.tolist() for p in prompts]) == list(want.values())
+
+
+def _kernels(fn, *args, **kwargs) -> tuple[int, list[str], object]:
+    """``fn(*args, **kwargs)`` as the dispatcher sees it: how many tensor ops it runs that are not views, the names
+    of those that wait on the device (``nonzero``, a boolean index, ``.item()``), and its result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+            self.waits: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if not func.is_view:
+                self.ops.append(name)
+            boolean_index = func.overloadpacket.__name__ in ("index", "index_put", "index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()))
+            if boolean_index or any(w in name for w in ("nonzero", "masked_select", "_local_scalar_dense")):
+                self.waits.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        result = fn(*args, **kwargs)
+    return len(ops.ops), ops.waits, result
+
+
+@pytest.mark.parametrize("mask_dtype", [None, torch.bool])
+def test_packing_and_unpadding_run_as_many_ops_for_4_samples_as_for_48(mask_dtype, monkeypatch):
+    """Issue 62 item 9: :func:`pack_rows` and :func:`unpad` run a fixed number of tensor ops whatever the number
+    of samples (formerly about ten per sample, and a boolean index per sample in ``unpad``: a host sync each on a
+    GPU), none of them waiting on the device, and ``unpad`` copies to the host once. Mutation: ``unpad`` back to a
+    boolean index per sample -> more ops at 48 samples, and ``nonzero`` among them: fails."""
+    ops, copies = {}, {}
+    real_tolist = torch.Tensor.tolist
+    tolists = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolists.append(1) or real_tolist(self))
+    for batch in (4, 48):
+        gen = torch.Generator().manual_seed(batch)
+        prompt_ids = torch.randint(5, 50, (batch, 6), generator=gen)
+        prompt_mask = (torch.arange(6)[None] >= torch.randint(0, 5, (batch, 1), generator=gen)).long()
+        completion_ids = torch.randint(5, 50, (batch, 9), generator=gen)
+        completion_len = torch.randint(0, 10, (batch,), generator=gen)
+        tolists.clear()
+        unpad_ops, unpad_waits, (prompts, completions) = _kernels(unpad, prompt_ids, prompt_mask, completion_ids,
+                                                                  completion_len)
+        copies[batch] = len(tolists)
+        pack_ops, pack_waits, _ = _kernels(pack_rows, prompts, completions, 0, mask_dtype=mask_dtype, row_len=16)
+        ops[batch] = (unpad_ops, pack_ops)
+        assert unpad_waits == [] and pack_waits == [], (unpad_waits, pack_waits)
+    assert ops[4] == ops[48], ops
+    assert copies == {4: 1, 48: 1}

@@ -209,31 +209,200 @@ def test_the_varlen_implementation_serves_padded_batches_generation_and_flattene
         torch.testing.assert_close(got[k, :w.numel()], w, atol=1e-5, rtol=1e-5)
 
 
-def test_a_varlen_kernel_that_fails_falls_back_to_sdpa_per_sequence_and_says_so(tiny_model_path, monkeypatch,
-                                                                                  caplog):
-    """Where PyTorch's varlen kernel raises (a head size or a GPU it lacks), the rows run one SDPA per sequence (the
-    same result) and a warning says so once. The kernel is CUDA-only: here it is stood in for by a function that
-    raises, and the device check by one that says it runs. Mutation: no fallback (the error propagates) -> fails."""
+class _Kernel:
+    """Stands for PyTorch's varlen kernel (``varlen_attn``, CUDA-only, so not runnable here; its signature): each
+    sequence causally by SDPA (exact), counting its calls; ``fail[n]`` (1-based) or ``always``: an error to raise
+    at that call instead."""
+
+    def __init__(self, always: BaseException | None = None):
+        self.calls = 0
+        self.always = always
+        self.fail: dict[int, BaseException] = {}
+
+    def __call__(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+        import trl_nrollout.passes.varlen as varlen_module
+
+        self.calls += 1
+        err = self.fail.get(self.calls, self.always)
+        if err is not None:
+            raise err
+        assert window_size == (-1, 0) and torch.equal(cu_seq_q, cu_seq_k)  # causal, one set of boundaries
+        flat = [x.transpose(0, 1)[None] for x in (query, key, value)]  # [T, H, D] -> [1, H, T, D]
+        return varlen_module._sdpa_per_sequence(*flat, cu_seq_q, scale)[0].transpose(0, 1)
+
+
+@pytest.fixture
+def kernel_here(monkeypatch):
+    """PyTorch's varlen kernel made to "run" on this CPU (a mock for the GPU only: the device check says yes, the
+    kernel is :class:`_Kernel`); the probe's decisions start empty and are dropped afterwards."""
+    import inspect
+
+    import trl_nrollout.passes.varlen as varlen_module
+
+    def install(kernel: _Kernel) -> _Kernel:
+        monkeypatch.setattr(varlen_module, "_torch_varlen", lambda: kernel)
+        monkeypatch.setattr(varlen_module, "_varlen_params", lambda: frozenset(inspect.signature(kernel).parameters))
+        return kernel
+
+    monkeypatch.setattr(varlen_module, "_PROBED", {})
+    monkeypatch.setattr(varlen_module, "torch_varlen_runs", lambda device_type, dtype, device=None: True)
+    return install
+
+
+def _qkv(dim: int = 8):
+    gen = torch.Generator().manual_seed(7)
+    query, key, value = (torch.randn(1, h, 12, dim, generator=gen) for h in (4, 2, 2))
+    return query, key, value, torch.tensor([0, 5, 12], dtype=torch.int32)
+
+
+def _per_sequence(query, key, value, cu) -> torch.Tensor:
+    """``[1, L, H, D]``: each sequence by itself (causal SDPA)."""
+    bounds = cu.tolist()
+    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, enable_gqa=True).transpose(1, 2)
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True)], dim=1)
+
+
+@pytest.mark.parametrize("capability, runs", [((7, 0), False), ((7, 5), False), ((8, 0), True), ((8, 6), True),
+                                              ((9, 0), True), ((12, 0), True)])
+def test_pytorchs_varlen_kernel_is_taken_on_ampere_or_later_only(monkeypatch, capability, runs):
+    """Issue 62 item 7: the flash kernel refuses GPUs below compute capability 8.0 (a V100 7.0, a T4 7.5), so there
+    SDPA rows keep their block mask (one kernel) instead of one SDPA per sequence in every layer. No GPU here: CUDA's
+    presence and the capability are patched (mocks for the GPU only). Mutation: ``torch_varlen_runs`` without the
+    capability test -> the 7.0 and 7.5 cases fail."""
+    from transformers import Qwen2Config
+
+    import trl_nrollout.passes.varlen as varlen_module
+
+    asked = []
+    monkeypatch.setattr(varlen_module, "_torch_varlen", lambda: _Kernel())  # a torch that has the kernel
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    assert torch_varlen_runs("cuda", torch.float16) is runs
+    assert torch_varlen_runs("cuda", torch.bfloat16, 1) is runs and asked[-1] == 1  # the device asked about
+    assert not torch_varlen_runs("cuda", torch.float32) and not torch_varlen_runs("cpu", torch.bfloat16)
+    config = Qwen2Config(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=16)
+    config._attn_implementation = "sdpa"
+    assert packed_attention(config, "cuda", torch.float16) == ("varlen" if runs else "mask")
+    assert (rows_mask_dtype(config, torch.float16, torch.float16, "cuda") is None) is runs
+
+
+def test_a_kernel_that_refuses_the_shape_is_probed_once_and_rows_run_sdpa_per_sequence(kernel_here, caplog):
+    """Where PyTorch's varlen kernel refuses (a head size or a GPU it lacks), the probe at the first forward says so
+    once and every forward, that shape's, runs one SDPA per sequence (the same result) without calling the kernel
+    again; another head size is probed on its own. Mutation: the decision not kept (``_PROBED`` not written) -> the
+    kernel is called, and the warning said, at every forward: fails."""
     import logging
 
     import trl_nrollout.passes.varlen as varlen_module
 
-    monkeypatch.setattr(varlen_module, "_KERNEL_FAILED", [])
-    monkeypatch.setattr(varlen_module, "torch_varlen_runs", lambda device_type, dtype: True)
-
-    def kernel(*args, **kwargs):
-        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer")
-
-    monkeypatch.setattr(varlen_module, "_flash_varlen", kernel)
-    gen = torch.Generator().manual_seed(7)
-    query, key, value = (torch.randn(1, h, 12, 8, generator=gen) for h in (4, 2, 2))
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    kernel = kernel_here(_Kernel(always=RuntimeError("FlashAttention only supports Ampere GPUs or newer")))
+    query, key, value, cu = _qkv()
     with caplog.at_level(logging.WARNING, logger=varlen_module.__name__):
-        out = [varlen_attention(None, query, key, value, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)[0]
-               for _ in range(2)]
-    assert sum("varlen attention kernel failed" in r.getMessage() for r in caplog.records) == 1
-    torch.testing.assert_close(out[0], out[1])
-    for s, e in ((0, 5), (5, 12)):  # each sequence by itself
-        want = torch.nn.functional.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                                                is_causal=True, enable_gqa=True)
-        torch.testing.assert_close(out[0][:, s:e], want.transpose(1, 2))
+        out = [varlen_attention(None, query, key, value, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone())[0]
+               for _ in range(3)]
+    assert sum("does not run" in r.getMessage() for r in caplog.records) == 1
+    assert kernel.calls == 1 and list(varlen_module._PROBED.values()) == [False]
+    for got in out:
+        torch.testing.assert_close(got, _per_sequence(query, key, value, cu))
+    varlen_attention(None, *_qkv(dim=16)[:3], None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)  # a head size of its own
+    assert kernel.calls == 2 and len(varlen_module._PROBED) == 2
+
+
+def test_an_out_of_memory_error_of_the_kernel_is_raised_never_turned_into_a_fallback(kernel_here):
+    """Issue 62 item 6: the forward's kernel call catches nothing. An out-of-memory error (a RuntimeError) of the
+    real forward is raised as such, and the next forward still runs the kernel (no process-wide fallback); another
+    error of the real forward is raised too. An out-of-memory error of the probe is raised and decides nothing (the
+    next forward probes again). No CUDA here: the kernel (:class:`_Kernel`) raises ``torch.OutOfMemoryError`` as a
+    GPU's would. Mutations: the forward's call wrapped in the former ``try/except (RuntimeError, ...)`` that falls
+    back -> no error raised, fails; the probe catching the OOM with the refusals -> fails."""
+    import trl_nrollout.passes.varlen as varlen_module
+
+    kernel = kernel_here(_Kernel())
+    query, key, value, cu = _qkv()
+    args = (None, query, key, value, None)
+    out, _ = varlen_attention(*args, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert kernel.calls == 2  # the probe, then the forward
+    torch.testing.assert_close(out, _per_sequence(query, key, value, cu))
+    kernel.fail[3] = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        varlen_attention(*args, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    varlen_attention(*args, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert kernel.calls == 4 and list(varlen_module._PROBED.values()) == [True]  # the kernel again, no new probe
+    kernel.fail[5] = RuntimeError("an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        varlen_attention(*args, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+    varlen_module._PROBED.clear()
+    kernel.fail[6] = torch.OutOfMemoryError("CUDA out of memory (in the probe)")
+    with pytest.raises(torch.OutOfMemoryError, match="in the probe"):
+        varlen_attention(*args, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert varlen_module._PROBED == {}
+    varlen_attention(*args, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert kernel.calls == 8 and list(varlen_module._PROBED.values()) == [True]  # probed again, then the forward
+
+
+def test_a_checkpointed_model_runs_the_kernel_probed_once_and_its_oom_is_raised(tiny_model_path, kernel_here,
+                                                                                 monkeypatch):
+    """The real tiny model, varlen rows, gradient checkpointing (the layers recomputed in the backward), through the
+    kernel path (the kernel a CPU stand-in, :class:`_Kernel`): the gradients are each sequence's alone, and the
+    probe ran once for the forward and every recompute. Then an out-of-memory error at the forward's last layer:
+    the forward raises it (formerly it fell back to SDPA per sequence from there on, and on a GPU the backward raised
+    torch's ``CheckpointError``: the recompute saved other tensors than the flash kernel's forward; the CPU stand-in
+    saves alike, so here the former code just did not raise). Mutation: the former
+    ``try/except`` fallback around the forward's kernel call -> no OutOfMemoryError from the forward, fails."""
+    from transformers import AutoModelForCausalLM
+
+    import trl_nrollout.passes.varlen as varlen_module
+
+    kernel = kernel_here(_Kernel())
+    probes = []
+    real_probe = varlen_module._probe
+    monkeypatch.setattr(varlen_module, "_probe", lambda *a: probes.append(a) or real_probe(*a))
+    torch.manual_seed(0)
+    prompts = [torch.randint(5, 200, (n,)) for n in (5, 9, 3)]
+    completions = [torch.randint(5, 200, (n,)) for n in (7, 4, 11)]
+
+    def model():
+        m = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="sdpa", dtype=torch.float32)
+        m.train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+
+    def packed_loss(m):
+        rows = pack_rows(prompts, completions, 0, mask_dtype=None)
+        with rows_attention(m.config, rows):
+            return _per_token(m, rows.input_ids, rows, **rows.forward_kwargs()).sum()
+
+    ref = model()
+    sum(lp.sum() for lp in _own(ref, prompts, completions)).backward()
+    m = model()
+    layers = m.config.num_hidden_layers
+    packed_loss(m).backward()
+    assert len(probes) == 1 and kernel.calls == 1 + 2 * layers  # the probe, each layer's forward and recompute
+    grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    assert max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters() if p.grad is not None) < 1e-5
+
+    m = model()
+    kernel.fail[kernel.calls + layers] = torch.OutOfMemoryError("CUDA out of memory (the last layer)")
+    with pytest.raises(torch.OutOfMemoryError, match="the last layer"):
+        packed_loss(m).backward()
+    assert len(probes) == 1
+
+
+def test_the_same_boundaries_are_not_compared_in_every_layer(monkeypatch):
+    """Issue 62 item 9: keys' boundaries that are the queries' own tensor (what :func:`varlen_kwargs` gives, every
+    layer) are not compared element by element (``torch.equal``: a host sync per layer on a GPU); another tensor is,
+    and one of other boundaries is an error. Mutation: the identity test dropped -> ``torch.equal`` runs: fails."""
+    compared = []
+    real = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or real(a, b))
+    query, key, value, cu = _qkv()
+    varlen_attention(None, query, key, value, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert compared == []
+    varlen_attention(None, query, key, value, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone())
+    assert len(compared) == 1
+    with pytest.raises(ValueError, match="must share their sequences"):
+        varlen_attention(None, query, key, value, None, cu_seq_lens_q=cu,
+                         cu_seq_lens_k=torch.tensor([0, 6, 12], dtype=torch.int32))

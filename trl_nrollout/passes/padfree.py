@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -146,9 +147,15 @@ def unit_causal_mask(units: Tensor, segments: Tensor, dtype: torch.dtype = torch
 
 def shared_units(prompts: Sequence[Sequence[int] | Tensor]) -> list[list[int]]:
     """Sample indices grouped by identical prompt (a group's samples), in order of first appearance."""
+    if prompts and all(isinstance(p, Tensor) for p in prompts):  # one copy to the host, not one per prompt
+        sizes = [p.numel() for p in prompts]
+        flat = torch.cat([p.reshape(-1) for p in prompts]).tolist()
+        bounds = [0, *itertools.accumulate(sizes)]
+        keys = [tuple(flat[s:e]) for s, e in itertools.pairwise(bounds)]
+    else:
+        keys = [tuple(p.tolist()) if isinstance(p, Tensor) else tuple(p) for p in prompts]
     seen: dict[tuple, list[int]] = {}
-    for i, p in enumerate(prompts):
-        key = tuple(p.tolist()) if isinstance(p, Tensor) else tuple(p)
+    for i, key in enumerate(keys):
         seen.setdefault(key, []).append(i)
     return list(seen.values())
 
@@ -204,40 +211,67 @@ def pack_rows(prompts: Sequence[Tensor], completions: Sequence[Tensor], pad_toke
     bins = row_bins(lengths, width)
     c_width = max(c_lens) if completion_width is None else completion_width
     rows = len(bins)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=prompts[0].dtype, device=device)
-    position_ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-    unit_ids = torch.full((rows, width), -1, dtype=torch.long, device=device)
-    segments = torch.full((rows, width), -1, dtype=torch.long, device=device)
-    index = torch.zeros(len(prompts), c_width, dtype=torch.long, device=device)
-    valid = torch.zeros(len(prompts), c_width, dtype=torch.bool, device=device)
+    # the layout, on the host: pieces of consecutive slots in row order (a unit's prompt but its last token; per
+    # sample that token and its completion; a row's padding tail), each with its tokens and (length, its first
+    # position less its flat start, unit, segment: the sample, or -1 for a shared prompt or a tail)
+    used = [sum(lengths[u] for u in members) for members in bins]
+    pad = prompts[0].new_full((width - min(used),), pad_token_id)
+    pieces: list[Tensor] = []
+    meta: list[tuple[int, int, int, int]] = []
+    starts = [0] * len(prompts)  # each sample's block: the flat slot of its prompt's last token
+    at = 0
     for r, members in enumerate(bins):
-        at = 0
         for u in members:
-            unit = units[u]
-            prompt = prompts[unit[0]]
-            head = p_lens[unit[0]] - 1
-            input_ids[r, at:at + head] = prompt[:-1]
-            position_ids[r, at:at + head] = torch.arange(head, device=device)
-            unit_ids[r, at:at + lengths[u]] = u
-            at += head
-            for b in unit:
-                n = c_lens[b]
-                input_ids[r, at] = prompt[-1]
-                input_ids[r, at + 1:at + 1 + n] = completions[b]
-                position_ids[r, at:at + 1 + n] = head + torch.arange(n + 1, device=device)
-                segments[r, at:at + 1 + n] = b
-                k = min(n, c_width)
-                index[b, :k] = r * width + at + torch.arange(k, device=device)  # predicts the completion's token
-                valid[b, :k] = True
-                at += n + 1
-        if at < width:  # the row's tail: a sequence of its own, positions from 0
-            position_ids[r, at:] = torch.arange(width - at, device=device)
-            unit_ids[r, at:] = len(units) + r
-    shift_labels = torch.full((rows, width), -100, dtype=torch.long, device=device)
-    shift_labels.view(-1)[index[valid]] = input_ids.view(-1)[index[valid] + 1].long()
-    mask = None if mask_dtype is None else unit_causal_mask(unit_ids, segments, mask_dtype)
+            prompt, head = prompts[units[u][0]], p_lens[units[u][0]] - 1
+            if head:
+                pieces.append(prompt[:-1])
+                meta.append((head, -at, u, -1))
+                at += head
+            for b in units[u]:
+                pieces += [prompt[-1:], completions[b].reshape(-1)]
+                meta.append((c_lens[b] + 1, head - at, u, b))
+                starts[b] = at
+                at += c_lens[b] + 1
+        if at < (r + 1) * width:  # the row's tail: a sequence of its own, positions from 0
+            tail = (r + 1) * width - at
+            pieces.append(pad[:tail])
+            meta.append((tail, -at, len(units) + r, -1))
+            at += tail
+    total = rows * width
+    count, samples = len(meta), len(prompts)
+    lens, offsets, unit_of, segment_of = ([m[k] for m in meta] for k in range(4))
+    lens_t, offsets_t, unit_t, segment_t, starts_t, c_len_t = _to_device(
+        [*lens, *offsets, *unit_of, *segment_of, *starts, *c_lens], device).split(
+        [count, count, count, count, samples, samples])
+    input_ids = torch.cat(pieces).to(prompts[0].dtype).view(rows, width)
+    # positions: each piece from its first position on (0, or after the unit's shared prompt)
+    flat_pos = torch.arange(total, device=device)
+    position_ids = (flat_pos + torch.repeat_interleave(offsets_t, lens_t, output_size=total)).view(rows, width)
+    # each sample's completion token j is predicted at its block's position j (the prompt's last token first)
+    j = torch.arange(c_width, device=device)
+    valid = j[None, :] < c_len_t[:, None]
+    index = torch.where(valid, starts_t[:, None] + j[None, :], 0)
+    scored = torch.zeros(total + 1, dtype=torch.bool, device=device)
+    scored[index.masked_fill(~valid, total)] = True  # the slot past the end takes what is not scored
+    flat_ids = input_ids.reshape(-1)
+    following = torch.cat([flat_ids[1:], flat_ids[:1]]).long()  # a scored position is never a block's last
+    shift_labels = torch.where(scored[:total], following, -100).view(rows, width)
+    mask = None
+    if mask_dtype is not None:
+        unit_ids = torch.repeat_interleave(unit_t, lens_t, output_size=total).view(rows, width)
+        segments = torch.repeat_interleave(segment_t, lens_t, output_size=total).view(rows, width)
+        mask = unit_causal_mask(unit_ids, segments, mask_dtype)
     return PackedRows(input_ids, position_ids, mask, index, valid, shift_labels, [
         [b for u in members for b in units[u]] for members in bins])
+
+
+def _to_device(values: list[int], device: torch.device) -> Tensor:
+    """Host integers as one int64 tensor on ``device``; to a GPU from pinned memory without waiting (one copy, no
+    host sync: the caching host allocator keeps the pinned block until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def choose_units(prompt_lens: Sequence[int], completion_lens: Sequence[int], units: Sequence[Sequence[int]],
@@ -310,9 +344,19 @@ def unpad(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, compl
           ) -> tuple[list[Tensor], list[Tensor]]:
     """TRL's padded layout (``prompt_ids``/``prompt_mask`` ``[B, P]`` left-padded, ``completion_ids`` ``[B, C]``
     right-padded, ``completion_len`` ``[B]`` each completion's length, tool results inside it included) as each
-    sample's real prompt and completion tokens."""
-    prompts = [ids[mask.bool()] for ids, mask in zip(prompt_ids, prompt_mask)]
-    completions = [ids[:int(n)] for ids, n in zip(completion_ids, completion_len.tolist())]
+    sample's real prompt and completion tokens (views: of one tensor of the prompts' tokens, of ``completion_ids``).
+    One host sync in all (the lengths), none per sample: the prompts' kept tokens are gathered in one go (the
+    ``k``-th kept token where the running count of kept tokens reaches ``k + 1``)."""
+    batch = prompt_ids.shape[0]
+    rows_keep = prompt_mask.bool()
+    keep = rows_keep.reshape(-1)
+    counts = torch.cat([rows_keep.sum(-1), completion_len.reshape(-1).to(device=keep.device, dtype=torch.long)]
+                       ).tolist()
+    p_lens, c_lens = counts[:batch], counts[batch:]
+    kept = keep.long().cumsum(0)
+    where = torch.searchsorted(kept, torch.arange(1, sum(p_lens) + 1, device=keep.device))
+    prompts = list(prompt_ids.reshape(-1)[where].split(p_lens))
+    completions = [ids[:n] for ids, n in zip(completion_ids, c_lens, strict=True)]
     return prompts, completions
 
 

@@ -9,12 +9,15 @@ Varlen kernels take the sequences' starts instead and compute each sequence's ca
   hub kernel) runs its own varlen kernel when the forward is given ``cu_seq_lens_q/k`` and ``max_length_q/k``
   (transformers' padding-free path; :func:`varlen_kwargs` makes them);
 - :data:`VARLEN_NAME` (``"trl_nrollout_varlen"``), registered with transformers when this module is imported, is a
-  varlen attention for every model whose attention is SDPA: on CUDA in half precision it calls PyTorch's own
-  flash-attention varlen kernel (``torch.nn.attention.varlen.varlen_attn``, no extra package), elsewhere it runs SDPA
-  once per sequence (causal, no mask). Without boundaries (generation, a padded forward) it is SDPA.
+  varlen attention for every model whose attention is SDPA: on CUDA (Ampere or later) in half precision it calls
+  PyTorch's own flash-attention varlen kernel (``torch.nn.attention.varlen.varlen_attn``, no extra package), elsewhere
+  it runs SDPA once per sequence (causal, no mask). Without boundaries (generation, a padded forward) it is SDPA.
+  Whether the kernel runs a model's head shape is probed once, at the first forward (a tiny call, forward and
+  backward); the real forwards catch nothing, so an out-of-memory error is raised as such.
 
-The trainer runs a model's SDPA forwards of padding-free rows through :data:`VARLEN_NAME` on CUDA in half precision
-(:func:`packed_attention`); a user may also load a model with ``attn_implementation="trl_nrollout_varlen"``.
+The trainer runs a model's SDPA forwards of padding-free rows through :data:`VARLEN_NAME` on CUDA (compute
+capability 8.0 or later) in half precision (:func:`packed_attention`); a user may also load a model with
+``attn_implementation="trl_nrollout_varlen"``.
 """
 
 from __future__ import annotations
@@ -30,8 +33,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 logger = logging.getLogger(__name__)
-#: PyTorch's varlen kernel raised once in this process (said once): every later call runs SDPA per sequence.
-_KERNEL_FAILED: list[BaseException] = []
+#: the smallest CUDA compute capability PyTorch's flash-attention varlen kernel runs on (Ampere): it refuses older
+#: GPUs (T4 7.5, V100 7.0), whose rows therefore take the block mask (:func:`packed_attention`).
+MIN_CAPABILITY = (8, 0)
+#: the probe's decisions (:func:`_kernel_decision`): ``(device, dtype, query heads, key heads, head size)`` -> whether
+#: PyTorch's varlen kernel runs there, forward and backward. Taken once per key, never changed afterwards.
+_PROBED: dict[tuple, bool] = {}
+#: the errors by which the probe learns that the kernel does not run (a head size, a GPU, a build it lacks); an
+#: out-of-memory error is NOT one of them (it is a RuntimeError: re-raised before these are caught).
+_REFUSALS = (RuntimeError, NotImplementedError, TypeError, ValueError)
 #: the attention implementation registered with transformers by this module.
 VARLEN_NAME = "trl_nrollout_varlen"
 #: the model's own varlen kernels (transformers' flash-attention integrations).
@@ -70,9 +80,16 @@ def _torch_varlen():
     return varlen_attn
 
 
-def torch_varlen_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether PyTorch's own varlen kernel runs here: CUDA, half precision, and a torch that has it."""
-    return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _torch_varlen() is not None
+def torch_varlen_runs(device_type: str, dtype: torch.dtype, device: torch.device | int | None = None) -> bool:
+    """Whether PyTorch's own varlen kernel can run here: CUDA on a GPU of compute capability
+    :data:`MIN_CAPABILITY` (8.0, Ampere) or later (its flash-attention kernel refuses a T4 or a V100), half
+    precision, and a torch that has it. ``device``: the CUDA device asked about (default: the current one). Whether
+    it runs a given head size is the probe's to say (:func:`_kernel_decision`)."""
+    if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or _torch_varlen() is None:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    return tuple(torch.cuda.get_device_capability(device)) >= MIN_CAPABILITY
 
 
 @functools.cache
@@ -81,9 +98,10 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(_torch_varlen()).parameters)
 
 
-def _flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest: int, scale: float | None
-                  ) -> Tensor:
-    """PyTorch's varlen kernel, causal: ``query`` ``[T, H, D]``, ``key``/``value`` ``[T, H_kv, D]`` -> ``[T, H, D]``."""
+def _call_kernel(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest: int, scale: float | None
+                 ) -> Tensor:
+    """PyTorch's varlen kernel, causal: ``query`` ``[T, H, D]``, ``key``/``value`` ``[T, H_kv, D]``, ``cu``
+    ``[N + 1]`` int32 -> ``[T, H, D]``."""
     fn = _torch_varlen()
     params = _varlen_params()
     extra: dict = {"scale": scale}
@@ -98,6 +116,60 @@ def _flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest
             key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
             value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
     return fn(query, key, value, cu, cu, longest, longest, **extra)
+
+
+def _flash_varlen(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest: int, scale: float | None
+                  ) -> Tensor:
+    """The forward's call of the kernel (:func:`_call_kernel`; a name of its own, apart from the probe's, so that
+    ``scripts/gpu_check.py`` counts the forwards' calls only). Nothing is caught: an error here (an out-of-memory
+    error) is the caller's."""
+    return _call_kernel(query, key, value, cu, longest, scale)
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _probe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether PyTorch's varlen kernel runs on ``device`` for ``dtype`` and this head shape: one tiny call (two
+    sequences, 3 tokens), forward and backward. A refusal (:data:`_REFUSALS`: a head size, a GPU, a build it lacks)
+    is said once and answers False; an out-of-memory error is raised. The probe draws no random numbers (the
+    run's RNG is untouched) and saves its tensors outside any saved-tensor hooks in force (a checkpointed layer's
+    forward, whose recompute will not probe, must save what its recompute saves)."""
+    tokens = 3
+
+    def make(h: int, shift: float) -> Tensor:
+        x = torch.arange(tokens * h * dim, device=device, dtype=torch.float32).reshape(tokens, h, dim)
+        return ((x * 0.37 + shift).remainder(2.0) - 1.0).to(dtype).requires_grad_()
+
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            qkv = (make(heads, 0.0), make(kv_heads, 0.5), make(kv_heads, 1.0))
+            cu = torch.tensor([0, 1, tokens], dtype=torch.int32, device=device)
+            out = _call_kernel(*qkv, cu, 2, None)
+            torch.autograd.grad(out.float().sum(), qkv)
+    except torch.OutOfMemoryError:
+        raise
+    except _REFUSALS as err:
+        logger.warning("PyTorch's varlen attention kernel does not run on %s for %s, %d query heads, %d key heads "
+                       "of size %d (%s: %s); padding-free rows run one SDPA per sequence instead (the same result, "
+                       "more kernel launches).", device, dtype, heads, kv_heads, dim, type(err).__name__, err)
+        return False
+    return True
+
+
+def _kernel_decision(query: Tensor, key: Tensor) -> bool:
+    """Whether a forward of ``query`` ``[B, H, L, D]``, ``key`` ``[B, H_kv, L, D]`` runs PyTorch's varlen kernel:
+    where it can (:func:`torch_varlen_runs`: CUDA, Ampere or later, half precision) and its probe on this device,
+    dtype and head shape passed (:func:`_probe`). Decided at the first forward of each shape and kept
+    (:data:`_PROBED`): every later layer, forward and checkpointed recompute takes the same path, and a failure
+    of the real forward (an out-of-memory error) is raised, never turned into a fallback."""
+    shape_key = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+    decided = _PROBED.get(shape_key)
+    if decided is None:
+        decided = torch_varlen_runs(query.device.type, query.dtype, query.device) and _probe(*shape_key)
+        _PROBED[shape_key] = decided
+    return decided
 
 
 def _sdpa_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scale: float | None) -> Tensor:
@@ -131,22 +203,18 @@ def varlen_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k,
+                                                                                         cu_seq_lens_q):
         raise ValueError("varlen_attention: queries and keys must share their sequences (no cache).")
     if dropout:
         raise ValueError(f"varlen_attention: attention dropout ({dropout}) is not supported; set the model's "
                          "attention_dropout to 0.")
     batch, heads, length, dim = query.shape
-    if torch_varlen_runs(query.device.type, query.dtype) and not _KERNEL_FAILED:
+    if _kernel_decision(query, key):
         flat = [x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value)]
         longest = max_length_q if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
-        try:
-            out = _flash_varlen(*flat, cu_seq_lens_q.to(torch.int32), int(longest), scaling)
-            return out.reshape(batch, length, heads, dim), None
-        except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:  # a head size, a GPU it lacks
-            _KERNEL_FAILED.append(err)
-            logger.warning("PyTorch's varlen attention kernel failed here (%s: %s); padding-free rows run one SDPA "
-                           "per sequence instead (the same result, more kernel launches).", type(err).__name__, err)
+        out = _flash_varlen(*flat, cu_seq_lens_q.to(torch.int32), int(longest), scaling)
+        return out.reshape(batch, length, heads, dim), None
     flat = [x.transpose(0, 1).reshape(1, x.shape[1], batch * length, dim) for x in (query, key, value)]
     out = _sdpa_per_sequence(*flat, cu_seq_lens_q, scaling)  # [1, H, B*L, D]
     return out.reshape(heads, batch, length, dim).permute(1, 2, 0, 3).contiguous(), None
@@ -182,8 +250,8 @@ def attention_of(config) -> str:
 
 def packed_attention(config, device_type: str, queries: torch.dtype) -> str:
     """How padding-free rows of a model run: ``"varlen"`` by sequence boundaries (the model's flash-attention or
-    :data:`VARLEN_NAME`, or SDPA swapped for :data:`VARLEN_NAME` where PyTorch's varlen kernel runs: CUDA, half
-    precision ``queries``), else ``"mask"`` (a block-diagonal mask: SDPA, eager)."""
+    :data:`VARLEN_NAME`, or SDPA swapped for :data:`VARLEN_NAME` where PyTorch's varlen kernel runs: CUDA on
+    an Ampere or later GPU, half precision ``queries``), else ``"mask"`` (a block-diagonal mask: SDPA, eager)."""
     attn = attention_of(config)
     if attn in VARLEN_ATTENTION or (attn == "sdpa" and torch_varlen_runs(device_type, queries)):
         return "varlen"
