@@ -18,8 +18,10 @@ demo: env
 	TORCH_CPP_LOG_LEVEL=ERROR $(VENV)/bin/accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no --cpu \
 		--num_cpu_threads_per_process $(shell nproc) recipes/grpo.py $(ARGS)
 
+# --junitxml: every test's duration (setup, call and teardown), kept in runs/tests/junit.xml after the run (CI's record
+# of the slowest tests; the 30 slowest are also printed, pyproject.toml's addopts)
 test: env
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --junitxml=runs/tests/junit.xml $(ARGS)
 
 # the developer's loop: tests that start no process, engine or training run (tests/conftest.py marks them)
 test-fast: env

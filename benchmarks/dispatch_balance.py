@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -154,7 +155,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / "dispatch_balance.rows.json"
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    cmd = [torchrun, "--nproc_per_node", "2", __file__, "--worker-out", str(raw), "--pairs", str(args.pairs),
+    with socket.socket() as sock:  # a free port: torchrun's default 29500 fails when another run on this machine has it
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", port, __file__, "--worker-out", str(raw), "--pairs", str(args.pairs),
            "--prompts", str(args.prompts), "--rollout-n", str(args.n), "--max-tokens", str(args.max_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--slow-ms", str(args.slow_ms)]
     start = time.perf_counter()

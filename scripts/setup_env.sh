@@ -19,7 +19,19 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 [[ -d "$TORCH_EXTENSIONS_DIR" ]] && find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2>/dev/null || true
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then exit 0; fi
 start=$(date +%s)
-pipq() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
+# pip's own exit status decides (pipefail; the filter of pip's one noisy line succeeds even when it prints nothing):
+# a failed install stops the setup here, naming what failed, and writes no stamp, so that the next run installs again
+pipq() {
+  local status=0
+  "$VENV/bin/python" -m pip install -q "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; } || status=$?
+  if (( status != 0 )); then
+    echo "[setup] \`pip install $*\` failed (exit $status; pip's output above): the environment in $VENV is not" \
+      "finished and no stamp was written; fix the cause (network, disk space, the package's version) and run" \
+      "\`make env\` (or this script) again" >&2
+    exit "$status"
+  fi
+}
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 echo "[setup] virtual environment: $VENV"
 pipq --upgrade pip

@@ -126,6 +126,23 @@ def run_cmd(args: list[str], timeout: float = 600, env: dict | None = None, cwd:
 
 
 # ---------------------------------------------------------------------------------------------- recipe runs
+def free_port() -> int:
+    """A TCP port free on this machine now (the kernel's pick), for a launch's rendezvous: a fixed one (torchrun's
+    default 29500) makes two runs on one machine (two test sessions, a test and a benchmark) fail on each other."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(procs: int) -> list[str]:
+    """The head of a ``torchrun`` command of ``procs`` processes on this machine, on a free port (see
+    :func:`free_port`)."""
+    return [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(procs), "--master_port",
+            str(free_port())]
+
+
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 # `accelerate-launch ARGS` is accelerate's own entry point for `accelerate launch ARGS` (the same parser and launch
 # function) without the `accelerate` command's other subcommands, whose imports cost about 3.5 s per launch here
@@ -164,11 +181,7 @@ def launch(out: Path, *extra: str, procs: int = 1, config: str | None = None, ti
 def launch_two_nodes(out: Path, per_node: int, *extra: str, timeout: float = 600) -> None:
     """The recipe as a 2-"node" launch on this machine (accelerate, --num_machines 2, ``per_node`` processes each,
     a free local port); fails the test with both nodes' output when a node fails."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())
     procs = [subprocess.Popen(
         [*ACCELERATE_LAUNCH, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(node), "--num_processes",
          str(2 * per_node), "--main_process_ip", "127.0.0.1", "--main_process_port", port, RECIPE, "--output_dir",

@@ -13,6 +13,12 @@ interpreters after the fork, their own torch.distributed process group (gloo), D
 started in each. As torchrun does, the first rank that fails makes the others stop (SIGTERM, then SIGKILL) and the
 launcher exits with its code; SIGTERM / SIGINT to the launcher go to every rank.
 
+Nothing of a launch outlives it: the ranks form one process group of their own (led by rank 0, whose pid the
+launcher holds, unreaped, until the end, so that the group's id cannot pass to another process), every signal goes
+to that whole group (the ranks and whatever they started), and when the last rank has ended the group is killed,
+taking what the ranks left behind. A rank gets SIGKILL when the launcher itself dies (Linux: a launcher killed with
+SIGKILL cannot stop them).
+
 Launches with more than one machine run the real ``accelerate launch`` (one launch per node). The README's
 commands and the tests of the command line itself use the real ``accelerate launch`` too.
 
@@ -124,19 +130,56 @@ def _closed(sock) -> bool:
         return True
 
 
+def _exit_code(pid: int, reap: bool = True) -> int | None:
+    """The exit code of the child ``pid`` once it has ended (minus the signal that killed it), else None. ``reap``
+    False leaves it a zombie: its pid, and the process group it leads, cannot pass to another process yet."""
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | (0 if reap else os.WNOWAIT))
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _signal_group(group: int, signum: int) -> None:
+    """``signum`` to every process of the process group ``group`` (gone already: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signum)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL to this process when its parent (the launcher) ends; at once if it has ended already."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _run_multi_node(argv: list[str], watch) -> int:
+    """The real ``accelerate launch`` in a session of its own (its torchrun and ranks with it), waited for here;
+    signals go to all of them, and what it leaves running when it ends is killed."""
+    import subprocess
+
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "accelerate-launch"), *argv],
+                            start_new_session=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: _signal_group(proc.pid, signum))
+    while (code := _exit_code(proc.pid, reap=False)) is None:
+        if watch is not None and _closed(watch):
+            _signal_group(proc.pid, signal.SIGKILL)
+            watch = None
+        time.sleep(0.05)
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return code
+
+
 def main(argv: list[str], watch=None) -> int:
     """Launch; returns the exit code. ``watch``: a socket whose closing (the client that asked for this launch went
     away, e.g. killed at a timeout) kills the ranks."""
     prepared = _environment(argv)
-    if prepared is None:  # several machines: the real launcher, one per node, waited for here
-        import subprocess
-
-        proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "accelerate-launch"), *argv])
-        while proc.poll() is None:
-            if watch is not None and _closed(watch):
-                proc.kill()
-            time.sleep(0.05)
-        return proc.returncode
+    if prepared is None:  # several machines: the real launcher, one per node
+        return _run_multi_node(argv, watch)
     env, world, script, script_args = prepared
     env = {**os.environ, **env}
     _preimport()
@@ -144,42 +187,57 @@ def main(argv: list[str], watch=None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}
+    group = 0  # the launch's process group: rank 0's pid
+    launcher = os.getpid()
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            os._exit(_run_rank(env, rank, world, port, script, script_args))
+            code = 1
+            try:
+                os.setpgid(0, group)
+                _die_with_parent(launcher)
+                code = _run_rank(env, rank, world, port, script, script_args)
+            finally:
+                os._exit(code)
+        with contextlib.suppress(OSError):  # as in the child: whichever runs first
+            os.setpgid(pid, group or pid)
+        group = group or pid
         children[pid] = rank
 
     def forward(signum, _frame):
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        _signal_group(group, signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     failed: int | None = None
     deadline: float | None = None
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0 and watch is not None and _closed(watch):
-            print("[fork_launch] the caller went away; killing the ranks", file=sys.stderr)
-            forward(signal.SIGKILL, None)
-            watch = None
-            failed = failed or 1
-            continue
-        if pid == 0:
-            if deadline is not None and time.monotonic() > deadline:
+    try:
+        while children:
+            ended = next(((pid, code) for pid in children
+                          if (code := _exit_code(pid, reap=pid != group)) is not None), None)
+            if ended is None and watch is not None and _closed(watch):
+                print("[fork_launch] the caller went away; killing the ranks", file=sys.stderr)
                 forward(signal.SIGKILL, None)
-                deadline = None
-            time.sleep(0.05)
-            continue
-        rank = children.pop(pid)
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0 and failed is None:
-            failed = code if code > 0 else 1
-            print(f"[fork_launch] rank {rank} exited with {code}; stopping the other ranks", file=sys.stderr)
-            forward(signal.SIGTERM, None)
-            deadline = time.monotonic() + GRACE_S
+                watch = None
+                failed = failed or 1
+                continue
+            if ended is None:
+                if deadline is not None and time.monotonic() > deadline:
+                    forward(signal.SIGKILL, None)
+                    deadline = None
+                time.sleep(0.05)
+                continue
+            pid, code = ended
+            rank = children.pop(pid)
+            if code != 0 and failed is None:
+                failed = code if code > 0 else 1
+                print(f"[fork_launch] rank {rank} exited with {code}; stopping the other ranks", file=sys.stderr)
+                forward(signal.SIGTERM, None)
+                deadline = time.monotonic() + GRACE_S
+    finally:  # what the ranks started and left running; then rank 0's pid is released
+        forward(signal.SIGKILL, None)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(group, 0)
     return failed or 0
 
 

@@ -299,24 +299,36 @@ def test_each_rank_serves_its_own_episodes(tmp_path, config, tp):
     sample, rank 1's split (a last call in a new conversation), so rank 1 trains more rows than rank 0 (ZeRO-3
     gathers in every forward: a rank running fewer would hang), and what trained is what the engines generated (the
     trainer's log-probs of every row equal the engines'). At TP=2 both ranks add each other's requests to their
-    engine in the same order (it would hang or mix tokens otherwise), and the engine starts over the stale
-    shared-memory segments a previous TP=2 run left (mutation: no `remove_stale_cpu_shm` -> "create shm in SHMManager
-    failed. errno: 17")."""
+    engine in the same order (it would hang or mix tokens otherwise), and its CPU shared-memory segments are its own
+    (trl_nrollout/rollout/cpu_shm.py): it starts while the names vLLM gives every run on a machine and another live
+    run's are taken, and leaves them, and removes what a dead run left (mutations: no identity hook -> "create shm in
+    SHMManager failed. errno: 17"; every `trln` segment removed -> the live run's are gone)."""
+    import contextlib
     import json
     import os
     import subprocess
+    from pathlib import Path
 
     from tests.conftest import ACCELERATE_LAUNCH, ENV, ROOT
 
     extra = ["--config_file", str(ROOT / "recipes/accelerate" / config)] if config else ["--multi_gpu"]
-    if tp == 2:  # segments a TP=2 run that was not shut down leaves (same names every run): the engine starts anyway
-        for i in range(2):
-            with open(f"/dev/shm/-tp:0-[0-1]-cpushm_{i}", "wb") as f:
-                f.write(b"stale")
-    proc = subprocess.run([*ACCELERATE_LAUNCH, *extra, "--num_processes", "2",
-                           str(ROOT / "tests/assets/agent_train.py"), str(tmp_path), f"tp{tp}"],
-                          cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has this pid
+    taken = [f"/dev/shm/{owner}-tp:0-[0-1]-cpushm_{i}" for owner in ("", f"trln{os.getpid()}") for i in range(2)]
+    left = [f"/dev/shm/trln{dead}-tp:0-[0-1]-cpushm_{i}" for i in range(2)]
+    for path in taken + left if tp == 2 else ():  # vLLM's shared names and a live run's; a dead run's leftovers
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        proc = subprocess.run([*ACCELERATE_LAUNCH, *extra, "--num_processes", "2",
+                               str(ROOT / "tests/assets/agent_train.py"), str(tmp_path), f"tp{tp}"],
+                              cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+        kept = [os.path.exists(path) for path in taken + left]
+    finally:
+        for path in taken + left if tp == 2 else ():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert tp != 2 or kept == [True] * 4 + [False] * 2, kept
     ranks = [json.loads((tmp_path / f"agent_run_{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["port"] != ranks[1]["port"]
     for r in ranks:

@@ -312,14 +312,17 @@ def test_an_engine_start_that_fails_on_one_rank_never_hangs_the_others(tmp_path)
 
 
 def test_only_this_ranks_stale_cpu_shm_segment_is_removed(tmp_path):
-    """vLLM's CPU TP segments are named by the group's ranks and the rank's index, the same in every run under the
-    external launcher: a rank removes its own leftover name, nothing of another rank or group. Mutation: the index
-    left out of the pattern -> rank 1's segment is removed too."""
-    from trl_nrollout.rollout.vllm_group import remove_stale_cpu_shm
+    """vLLM's CPU TP segments are named by the run's identity (its first rank's pid, alive: this process), the
+    group's ranks and the rank's index: a rank removes its own leftover name, nothing of another rank or group of
+    its run, nor a name of another form (vLLM's shared one of other programs). Mutation: the index left out of the
+    pattern -> rank 1's segment is removed too."""
+    from trl_nrollout.rollout.cpu_shm import remove_stale_cpu_shm, shm_identity
 
-    names = ["-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1", "-tp:3-[2-3]-cpushm_0", "-tp:0-[0-1-2]-cpushm_0"]
+    ident = shm_identity(os.getpid())
+    names = [f"{ident}-tp:0-[0-1]-cpushm_0", f"{ident}-tp:0-[0-1]-cpushm_1", f"{ident}-tp:3-[2-3]-cpushm_0",
+             f"{ident}-tp:0-[0-1-2]-cpushm_0", "-tp:0-[0-1]-cpushm_0"]
     for name in names:
         (tmp_path / name).write_bytes(b"x")
-    removed = remove_stale_cpu_shm([0, 1], 0, folder=str(tmp_path))
-    assert [p.split("/")[-1] for p in removed] == ["-tp:0-[0-1]-cpushm_0"]
+    removed = remove_stale_cpu_shm(ident, [0, 1], 0, folder=str(tmp_path))
+    assert [p.split("/")[-1] for p in removed] == [names[0]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

@@ -5,14 +5,12 @@ back on its own rank, work moved off a slow engine."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, torchrun
 from trl_nrollout.rollout.dispatch import GroupQueue, LocalStore
 
 
@@ -65,9 +63,8 @@ def balanced_runs(tmp_path_factory, tiny_model_path):
     """Two processes, one engine each (TP=1); engine 0 slowed; fixed shares, then a balanced queue seeded and
     unseeded."""
     out = tmp_path_factory.mktemp("dispatch")
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    run_cmd([torchrun, "--nproc_per_node", "2", str(ROOT / "tests/dist/dispatch_dist.py"), "1", tiny_model_path,
-             str(out)], timeout=500, env={"ACCELERATE_USE_CPU": None})
+    run_cmd([*torchrun(2), str(ROOT / "tests/dist/dispatch_dist.py"), "1", tiny_model_path, str(out)], timeout=500,
+            env={"ACCELERATE_USE_CPU": None})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

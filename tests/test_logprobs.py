@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, torchrun
 from trl_nrollout.passes.logprobs import compute_log_probs, from_padded, pack_by_tokens
 
 TOL = 2e-5
@@ -170,8 +168,7 @@ def test_two_processes_match_one(modes, tiny_model_path, tmp_path):
     module gathers its weight; the timeout turns such a hang into a failure). The sharded wrappers share one launch
     (each model wrapped and checked in turn); DDP, accelerate's CPU launch, has its own."""
     env = {"ACCELERATE_USE_CPU": "1"} if modes == ["ddp"] else {"ACCELERATE_USE_CPU": None}
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    run_cmd([torchrun, "--nproc_per_node", "2", str(ROOT / "tests/dist/logprobs_dist.py"), ",".join(modes),
+    run_cmd([*torchrun(2), str(ROOT / "tests/dist/logprobs_dist.py"), ",".join(modes),
              tiny_model_path, str(tmp_path)], timeout=240, env=env)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     full = sum(p.numel() for p in tiny_model().parameters())

@@ -187,18 +187,14 @@ def test_the_base_alone_is_sent_unmerged(tiny_model_path):
 
 # ---------------------------------------------------------------------------------------------- on vLLM
 def _run_dist(tmp_path, tp: int, mode: str, procs: int, model: str) -> list[dict]:
-    from tests.conftest import ROOT, run_cmd
+    from tests.conftest import ROOT, run_cmd, torchrun
 
     script = str(ROOT / "tests/dist/lora_sync_dist.py")
     env = {"ACCELERATE_USE_CPU": None}
     if procs == 1:
         run_cmd([sys.executable, script, str(tp), mode, model, str(tmp_path)], timeout=500, env=env)
     else:
-        from pathlib import Path
-
-        torchrun = str(Path(sys.executable).parent / "torchrun")
-        run_cmd([torchrun, "--nproc_per_node", str(procs), script, str(tp), mode, model, str(tmp_path)],
-                timeout=500, env=env)
+        run_cmd([*torchrun(procs), script, str(tp), mode, model, str(tmp_path)], timeout=500, env=env)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(procs)]
 
 

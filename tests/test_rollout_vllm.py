@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, torchrun
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 N, PROMPTS_PER_RANK = 3, 2
@@ -23,9 +22,7 @@ def _run(tmp_path, tp: int, mode: str, procs: int, model: str) -> list[dict]:
     if procs == 1:
         run_cmd([sys.executable, script, str(tp), mode, model, str(tmp_path)], timeout=500, env=env)
     else:
-        torchrun = str(Path(sys.executable).parent / "torchrun")
-        run_cmd([torchrun, "--nproc_per_node", str(procs), script, str(tp), mode, model, str(tmp_path)],
-                timeout=500, env=env)
+        run_cmd([*torchrun(procs), script, str(tp), mode, model, str(tmp_path)], timeout=500, env=env)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(procs)]
 
 
@@ -100,8 +97,7 @@ def _run_large(tmp_path, tps: list[int], procs: int, model: str) -> list[dict]:
     script = str(ROOT / "tests/dist/large_rollout.py")
     out = tmp_path / f"tp{'_'.join(map(str, tps))}_p{procs}"
     out.mkdir()
-    head = [sys.executable] if procs == 1 else [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node",
-                                                 str(procs)]
+    head = [sys.executable] if procs == 1 else torchrun(procs)
     run_cmd([*head, script, ",".join(map(str, tps)), model, str(out)], timeout=500, env={"ACCELERATE_USE_CPU": None})
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]
     assert all(r["rank"] == i and list(r["tp"]) == [str(tp) for tp in tps] for i, r in enumerate(ranks))
@@ -149,8 +145,7 @@ def test_tp2_ranks_agree_after_aborts_and_while_tools_draw_random_numbers(tmp_pa
 
     out = tmp_path / "agreement"
     out.mkdir()
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    run_cmd([torchrun, "--nproc_per_node", "2", str(ROOT / "tests/dist/tp_agreement.py"),
+    run_cmd([*torchrun(2), str(ROOT / "tests/dist/tp_agreement.py"),
              resolve_model("builtin:tiny-qwen2-tools"), str(out)], timeout=400, env={"ACCELERATE_USE_CPU": None})
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     partial = [r["partial"] for r in ranks]

@@ -22,6 +22,7 @@ import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
+from trl_nrollout.rollout.cpu_shm import use_cpu_shm_identity
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun, run_partial
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
@@ -168,8 +169,8 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         from vllm import LLM
 
         start = time.perf_counter()
-        if self.cpu and len(self.tp_ranks) > 1:
-            remove_stale_cpu_shm(self.tp_ranks, self.tp_ranks.index(self.rank))
+        if self.cpu and len(self.tp_ranks) > 1:  # segments named after this run (first rank's pid), not shared
+            use_cpu_shm_identity(self._gather_tp(os.getpid())[0], self.tp_ranks, self.tp_ranks.index(self.rank))
         launcher_local_world = os.environ.get("LOCAL_WORLD_SIZE")
         try:
             self.llm = LLM(**kwargs)
@@ -567,27 +568,3 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         if wanted:
             self.llm.wake_up(tags=sorted(wanted))
         self._asleep -= wanted
-
-
-def remove_stale_cpu_shm(tp_ranks: list[int], index: int, folder: str = "/dev/shm") -> list[str]:
-    """Unlink the shared-memory segment this rank's CPU TP engine is about to create, where a run that did not shut
-    its engine down left one of that name: vLLM's CPU TP communicator names its segments
-    ``<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm_<index>``, and under the external launcher the ident is empty, so
-    every run with these ranks uses the same names and a leftover makes the next one fail ("create shm in
-    SHMManager failed. errno: 17"). Each rank removes only its own name, before its engine starts (its peers attach
-    to it only after the engine's first collective); a run still using a segment keeps its mapping. Returns the
-    paths removed."""
-    import glob
-
-    pattern = os.path.join(folder, f"*-[[]{'-'.join(map(str, tp_ranks))}[]]-cpushm_{index}")
-    removed = []
-    for path in glob.glob(pattern):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError as err:
-            logger.debug("stale vLLM CPU segment %s: %s", path, err)
-    if removed:
-        logger.info("removed %d stale vLLM CPU shared-memory segment(s) a previous run left: %s", len(removed),
-                    ", ".join(removed))
-    return removed
