@@ -11,7 +11,7 @@ from dataclasses import astuple
 
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
 from trl_nrollout.rollout.remote_agents import JobResult, run_agent_job
-from trl_nrollout.rollout.remote_buckets import job_slice, unpack_bucket
+from trl_nrollout.rollout.remote_buckets import job_slice
 from trl_nrollout.rollout.remote_partial import close_agent_pool, run_partial_agent_job, run_partial_job
 from trl_nrollout.rollout.remote_reader import MessageReader, staged_versions
 from trl_nrollout.rollout.types import RolloutBatch
@@ -40,7 +40,7 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
     stats = {"jobs": 0, "samples": 0, "gen_s": 0.0, "weights_s": 0.0, "receive_s": 0.0, "weights_bytes": 0,
              "idle_s": 0.0}
     bridge.watch([0])  # trainer rank 0 watches everyone else; a rollout rank watches it only
-    reader = MessageReader(bridge, state.setdefault("msg", 0), state.get("slots", 1))
+    reader = MessageReader(bridge, state.setdefault("msg", 0), state.get("slots", 1), lambda: state.get("engine"))
     while True:
         t0 = time.perf_counter()
         bridge.status = "idle"
@@ -63,16 +63,17 @@ def serve(bridge: Bridge, build_engine, state: dict) -> dict:
         elif kind == "weights":
             bridge.status = f"loading weights version {message['version']}"
             t0 = time.perf_counter()
+            buckets = reader.buckets(message, state["engine"])  # (TP > 1: from the engine's first rank)
             if message.get("adapter"):  # the LoRA adapter only: a new adapter version, the base stays
-                state["engine"].load_adapter_tensors(
-                    {name: t for buf, layout in message["staged"] for name, t in unpack_bucket(buf, layout)})
+                state["engine"].load_adapter_tensors({name: t for bucket in buckets for name, t in bucket})
             else:
-                state["engine"].load_buckets(unpack_bucket(buf, layout) for buf, layout in message["staged"])
+                state["engine"].load_buckets(buckets)
+            del buckets
             reader.loaded()
             state["version"] = message["version"]
             stats["weights_s"] += time.perf_counter() - t0
             stats["receive_s"] += message["receive_s"]
-            stats["weights_bytes"] += sum(buf.numel() for buf, _ in message["staged"])
+            stats["weights_bytes"] += message["bytes"]
         elif kind == "job":
             bridge.status = f"generating job {message['id']}"
             engine = state["engine"]

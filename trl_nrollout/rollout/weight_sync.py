@@ -185,10 +185,72 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYT
         # remove_duplicate=False: tied weights (lm_head = embed_tokens) are sent under every name the engine expects
         named = [(n, p) for n, p in inner.named_parameters(remove_duplicate=False) if not (peft and "lora_" in n)]
         if peft:  # modules_to_save copies: send the trained copy under the original name
+            if (why := tied_weights_refusal(inner)) is not None:
+                raise InputError(why)
             named = [(n, p) for n, p in named if ".original_module." not in n]
         named = _drop_aliases(named, keep_alias)
         zero3 = has_zero3_parameters(named)
         yield from _buckets(named, bucket_bytes, zero3, lora)
+
+
+_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
+
+
+def tied_weights_refusal(model: nn.Module) -> str | None:
+    """Why a PEFT model's merged weights cannot reach an engine built from its checkpoint (None: they can): the
+    checkpoint ties parameters (``lm_head.weight`` is ``model.embed_tokens.weight``: ``tie_word_embeddings=True``),
+    so vLLM's model holds one matrix for every name of it and loads each name sent into that one matrix, but the
+    adapter trains one name apart from the others (its own copy in ``modules_to_save``, or a LoRA delta merged into
+    one of them): the engine would keep whichever came last (the trained head in place of the input embeddings),
+    a policy the trainer never had. PEFT's ``ensure_weight_tying=True`` trains one copy for all of them (accepted).
+    ``model``: the unwrapped PEFT model."""
+    if not is_peft(model):
+        return None
+    named = list(model.named_parameters(remove_duplicate=False))
+    lora = _lora_merged(model)
+    sources: dict[str, tuple] = {}  # checkpoint name -> what the sync sends under it
+    for name, p in named:
+        if "lora_" in name or ".original_module." in name:
+            continue
+        key = clean_name(_COPY.sub(".", name))
+        sources[key] = ("merged", id(lora[name][0])) if name in lora else ("tensor", id(p))
+    ties: dict[int, list[str]] = {}  # the checkpoint's own parameters: their names, tied ones together
+    for name, p in named:
+        if "lora_" in name or _COPY.search(name):
+            continue
+        key = clean_name(name.replace(".original_module.", "."))
+        if key not in ties.setdefault(id(p), []):
+            ties[id(p)].append(key)
+    copies = {clean_name(_COPY.sub(".", n)) for n, _ in named if _COPY.search(n)}
+    for keys in ties.values():
+        if len(keys) < 2 or len({sources.get(k) for k in keys}) == 1:
+            continue
+        adapter = _active_adapter(model)
+        config = getattr(model, "peft_config", {}).get(adapter)
+        module = next((k for k in reversed(keys) if k in copies or sources.get(k, ("",))[0] == "merged"), keys[-1])
+        module = module.rsplit(".", 1)[0]
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        flag = ", tie_word_embeddings=True" if getattr(getattr(base, "config", None), "tie_word_embeddings",
+                                                       False) else ""
+        if copies.intersection(keys):
+            option, where = f"modules_to_save={getattr(config, 'modules_to_save', None)!r}", "modules_to_save"
+            tying = (", or set ensure_weight_tying=True in the LoraConfig (PEFT then trains one copy shared by "
+                     f"{' and '.join(k.rsplit('.', 1)[0] for k in keys)})"
+                     if hasattr(config, "ensure_weight_tying") else "")
+        else:
+            option = f"target_modules={_listed(getattr(config, 'target_modules', None))!r}"
+            where, tying = "target_modules", ""
+        return (f"the adapter {adapter!r} sets {option}, which trains {module} apart from the weights it is tied to: "
+                f"the model ties {' and '.join(keys)} (one matrix{flag}), and so does the vLLM engine built from "
+                f"its checkpoint, which loads every name sent into that one matrix, so the trained {module} would "
+                f"replace the others there (e.g. the input embeddings): a policy the trainer never had. Fix: drop "
+                f"{module!r} from {where}, or untie the weights in the checkpoint the engines load (save it with "
+                f"tie_word_embeddings=False and train from it){tying}")
+    return None
+
+
+def _listed(value):
+    return sorted(value) if isinstance(value, (set, frozenset)) else value
 
 
 def _buckets(named, bucket_bytes, zero3, lora):

@@ -167,7 +167,9 @@ class EngineSetup:
                     return (f"the adapter {name!r} sets {option}=True, whose merge is not a plain LoRA delta (the "
                             "weight sync merges B @ A only); train plain LoRA (" + option + "=False) to generate "
                             "with vLLM, or generate with the PEFT model itself (rollout_backend='hf')")
-        return None
+        from trl_nrollout.rollout.weight_sync import tied_weights_refusal
+
+        return tied_weights_refusal(inner)  # a trained lm_head copy of a tied head would replace the embeddings
 
     def _trusts_remote_code(self) -> bool:
         """Whether the user trusted the policy's own code: ``trust_remote_code`` in ``model_init_kwargs`` (how TRL
