@@ -7,7 +7,9 @@ gets the same files. Any hub id or local path works wherever a ``builtin:`` name
 
 The built-in task, ``digits``: each prompt asks for a number; the reward is the fraction of the completion's
 non-space characters that are digits (0 for an empty completion). A random model writes mostly letters and
-punctuation (reward about 0.2); GRPO visibly raises it within a few dozen steps on 2 CPU cores.
+punctuation (reward about 0.2); GRPO visibly raises it within a few dozen steps on 2 CPU cores. The embedded default
+adds ``short_answer`` (an answer that ends within a few tokens), so the answers it learns end instead of running
+to ``max_completion_length``.
 """
 
 from __future__ import annotations
@@ -330,6 +332,21 @@ def digits_reward(completions: list, **kwargs) -> list[float]:
         text = c[-1]["content"] if isinstance(c, list) else c
         out.append(digit_fraction(text))
     return out
+
+
+#: Completion tokens (its end-of-text token included) within which a ``short_answer`` ends.
+SHORT_ANSWER_TOKENS = 8
+
+
+def short_answer_reward(completions: list, completion_ids: list, **kwargs) -> list[float]:
+    """1.0 for each completion with some text in at most :data:`SHORT_ANSWER_TOKENS` tokens, else 0.0: with
+    ``max_completion_length`` above that, only an answer that ends (the model's end-of-text token) gets it, and one
+    cut at ``max_completion_length`` never does. The embedded default weighs it with ``digits`` (0.5 each), so the
+    policy learns to answer with digits and stop, instead of writing digits until it is truncated.
+
+    ``completion_ids``: the completions' token ids (TRL passes them to every reward function)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(0 < len(ids) <= SHORT_ANSWER_TOKENS and bool(text.strip())) for text, ids in zip(texts, completion_ids)]
 
 
 # ---------------------------------------------------------------------------------------------- tool task

@@ -310,8 +310,12 @@ def _run_train(args: argparse.Namespace) -> int:
     2. With launch flags (``--accelerate_config zero3 --num_processes 8``, :mod:`trl_nrollout.recipe.launch`) the
     recipe runs under ``accelerate launch`` instead, a shipped accelerate config found by name (TRL's CLI's way)."""
     from trl_nrollout.errors import InputError
-    from trl_nrollout.recipe.launch import accelerate_argv
+    from trl_nrollout.recipe.launch import LAUNCH_HELP, accelerate_argv
+    from trl_nrollout.recipe.run import recipe_help, wants_help
 
+    if wants_help(args.argv):  # the recipe's options and the launch's, whatever else the line holds
+        print(recipe_help(list(args.argv), "trl-nrollout train", launch=LAUNCH_HELP))
+        return EXIT_OK
     try:
         launch = accelerate_argv(list(args.argv))
     except InputError as err:
@@ -321,7 +325,7 @@ def _run_train(args: argparse.Namespace) -> int:
         return _accelerate_launch(launch)
     from trl_nrollout.recipe.run import cli as run_recipe
 
-    return run_recipe(list(args.argv))
+    return run_recipe(list(args.argv), prog="trl-nrollout train")
 
 
 def _accelerate_launch(launch: list[str]) -> int:

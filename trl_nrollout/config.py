@@ -298,8 +298,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "world size. 'engine' (what the HF engine does): each generation call seeds the engine's default "
                 "generator once (from the run seed, the step and the engine), as TRL and verl sample: reproducible "
                 "for a fixed layout and after a resume, not across layouts. On vLLM it drops the per-request "
-                "sampling loop (on CPU 6-7% of a tiny model's rollout; on a GPU one kernel launch per request per "
-                "token, and FlashInfer's top-k/top-p sampler only runs without per-request generators). None: "
+                "sampling loop (on CPU 6-7 percent of a tiny model's rollout; on a GPU one kernel launch per request "
+                "per token, and FlashInfer's top-k/top-p sampler only runs without per-request generators). None: "
                 "'sample' on vLLM, 'engine' on the HF engine, which cannot seed per sample ('sample' with it is "
                 "an error)."})
     weight_sync_bucket_mb: int = field(default=256, metadata={

@@ -6,6 +6,7 @@ A mixin of the config (no fields)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import fields
@@ -23,6 +24,8 @@ from trl_nrollout.rollout.weight_sync import LORA_SYNC_MODES
 
 if TYPE_CHECKING:
     from trl_nrollout.config import NRolloutConfig
+
+logger = logging.getLogger(__name__)
 
 
 def _at_least_0(v: float) -> bool:
@@ -114,6 +117,86 @@ def rollout_ranks_refusal(config: NRolloutConfig) -> str | None:
         return (f"rollout_ranks={r} runs vLLM engines on the rollout ranks; rollout_backend='hf' generates with the "
                 "training model itself. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or rollout_ranks=0.")
     return None
+
+
+#: what ``agent=`` runs on, the ``agents`` extra of pyproject.toml (``pip install "trl-nrollout[agents]"``): the
+#: OpenAI client each episode is handed and the trainer's endpoint it talks to (FastAPI, served by uvicorn)
+AGENT_MODULES = ("openai", "fastapi", "uvicorn")
+
+
+def agent_dependencies_refusal(option: str = "agent=") -> str | None:
+    """Why ``agent=`` cannot run in this environment (None: it can): the modules of :data:`AGENT_MODULES` that are
+    not installed, named with the extra that installs them. Checked when ``agent=`` is given, before the model and
+    the engines load (they are imported only at the first rollout). ``option``: how the message names the agent
+    (the recipe's ``--agent``)."""
+    import importlib.util
+
+    missing = [name for name in AGENT_MODULES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"{option} trains through an OpenAI-compatible endpoint in the trainer and needs "
+            f"{', '.join(AGENT_MODULES)}; {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed. "
+            f'Install them with pip install "trl-nrollout[agents]", or train without {option}.')
+
+
+def lora_sync_refusal(config: NRolloutConfig, peft: bool,
+                      how: str = "a peft_config= or a PEFT model for the trainer") -> str | None:
+    """Why ``rollout_lora_sync`` / ``rollout_lora_sync_device`` set away from their defaults would do nothing (None:
+    they do something, or are at their defaults): they say how a LoRA adapter reaches the engines, and a policy
+    without one (``peft`` False: no PEFT model, no ``use_peft``) has none. ``how``: the fix that trains LoRA."""
+    stray = [f"{name}={getattr(config, name)!r}" for name, default in (("rollout_lora_sync", "auto"),
+                                                                     ("rollout_lora_sync_device", None))
+             if getattr(config, name, default) != default]
+    if peft or not stray:
+        return None
+    return (f"{' and '.join(stray)} {'says' if len(stray) == 1 else 'say'} how a LoRA adapter reaches the engines, but "
+            f"this policy has no adapter (the whole model trains), so it would do nothing. Train LoRA ({how}), or "
+            "remove it.")
+
+
+def active_dropout(model) -> tuple[list[str], list[str]]:
+    """Where ``model`` (a PEFT model's ``lora_dropout`` modules included) drops activations while it trains: the
+    ``nn.Dropout`` modules with ``p > 0`` (``name (p=..)``), and the configs' ``attention_dropout > 0`` (applied
+    inside the attention, by no module of its own). Two empty lists when none."""
+    import torch
+
+    modules = [f"{name} (p={module.p:g})" for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Dropout) and module.p > 0]
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    attention = [f"config.attention_dropout={c.attention_dropout:g}" for c in configs.values()
+                 if isinstance(getattr(c, "attention_dropout", None), int | float) and c.attention_dropout > 0]
+    return modules, attention
+
+
+def dropout_notice(model) -> str | None:
+    """The warning for a policy that trains with dropout while the engines sample without it (None: no dropout is
+    active): the trainer's log-probs (the old policy's, the update's) are then taken under dropout for tokens the
+    engine drew from the model without it, so every importance ratio carries dropout noise. Read after TRL's
+    ``disable_dropout`` ran (it zeroes every ``nn.Dropout``, not a config's ``attention_dropout``): a module left
+    with ``p > 0`` means ``disable_dropout=False``."""
+    modules, attention = active_dropout(model)
+    if not modules and not attention:
+        return None
+    active = modules + attention
+    shown = ", ".join(active[:3]) + (f" and {len(active) - 3} more" if len(active) > 3 else "")
+    fixes = (["set disable_dropout=True (TRL's option: every nn.Dropout off, lora_dropout included) or build the "
+              "adapter with lora_dropout=0"] if modules else []) + (
+             ["set the model's attention_dropout to 0 (model_init_kwargs={'attention_dropout': 0.0}, or "
+              "model.config.attention_dropout = 0 before the trainer; disable_dropout does not reach it)"]
+             if attention else [])
+    return (f"the policy trains with dropout ({shown}) while the engines sample without it: the log-probs of the "
+            "old policy and of the update are taken under dropout for tokens drawn without it, so every importance "
+            f"ratio carries dropout noise. To train on the engines' distribution, {'; and '.join(fixes)}.")
+
+
+def policy_checks(model, config: NRolloutConfig, *, peft: bool, main_process: bool) -> None:
+    """The trainer's checks of its built policy (a PEFT adapter attached, TRL's ``disable_dropout`` applied), before
+    the engines start: ``rollout_lora_sync`` without an adapter is an :class:`InputError`
+    (:func:`lora_sync_refusal`); dropout still active is one warning on the main process (:func:`dropout_notice`)."""
+    if (why := lora_sync_refusal(config, peft)) is not None:
+        raise InputError(why)
+    if main_process and (notice := dropout_notice(model)) is not None:
+        logger.warning(notice)
 
 
 class ConfigChecks:
@@ -229,6 +312,9 @@ class ConfigChecks:
         if self.agent_max_calls < 1:
             raise InputError(f"agent_max_calls={self.agent_max_calls} must be >= 1 (calls an agent's episode may make "
                              "to the endpoint); e.g. agent_max_calls=32.")
+        if self.agent_max_concurrent is not None and self.agent_max_concurrent < 1:
+            raise InputError(f"agent_max_concurrent={self.agent_max_concurrent} must be >= 1 (episodes whose agents run "
+                             "at once on a rank), or unset for the engine's rollout_max_num_seqs; e.g. 256.")
         if not self.agent_timeout_s > 0:
             raise InputError(f"agent_timeout_s={self.agent_timeout_s} must be > 0 (seconds an agent's episode may run "
                              "before it is closed and unscored); e.g. agent_timeout_s=600.")

@@ -16,9 +16,19 @@ from trl_nrollout.errors import InputError
 #: the accelerate configs shipped with the package (``recipes/accelerate/*.yaml`` of the repository)
 ACCELERATE_DIR = Path(__file__).resolve().parent.parent / "recipes" / "accelerate"
 #: ``train``'s words that are ``accelerate launch``'s, each with one value (``--accelerate_config`` becomes its
-#: ``--config_file``)
-LAUNCH_FLAGS = ("--accelerate_config", "--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
-                "--main_process_port", "--mixed_precision", "--gpu_ids")
+#: ``--config_file``): flag -> what ``trl-nrollout train --help`` says of it
+LAUNCH_HELP = {
+    "--accelerate_config": "An accelerate config: a file, or a shipped one's name (zero3, fsdp, ...; "
+                           "trl_nrollout/recipes/accelerate/). Becomes accelerate launch's --config_file.",
+    "--num_processes": "Processes in all (one per GPU).",
+    "--num_machines": "Machines (nodes) of the launch.",
+    "--machine_rank": "This machine's rank among them (0 on the main one).",
+    "--main_process_ip": "The main machine's address (several machines).",
+    "--main_process_port": "The main machine's port (several machines).",
+    "--mixed_precision": "no, fp16 or bf16 (accelerate's).",
+    "--gpu_ids": "The GPUs to use, comma-separated (accelerate's).",
+}
+LAUNCH_FLAGS = tuple(LAUNCH_HELP)
 #: the module every launched process runs
 RECIPE_MODULE = "trl_nrollout.recipe.run"
 

@@ -6,6 +6,7 @@
   ``report_to`` and ``log_history``.
 - :func:`write_report` plots the run from its log history (matplotlib): reward (mean +- std) and response length
   over steps, and the time of each phase of a step, stacked.
+- :func:`end_progress_bars` ends the bar's line when a run stops with an error (its message then starts a line).
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ class LiveProgressCallback(ProgressCallback):
         line = live_line(logs)
         if line:
             self.training_bar.set_postfix_str(line, refresh=True)
+
+
+def end_progress_bars() -> None:
+    """Close the progress bars still open (a run stopped by an error): each ends its line, so what is printed next
+    (the error) starts on a line of its own instead of after the bar's ``0/2 [00:02<?, ?it/s]``."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):  # tqdm.auto's bars (the Trainer's) are tqdm's too
+        bar.close()
 
 
 def _series(history: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]:

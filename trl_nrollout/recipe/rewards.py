@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 
-from trl_nrollout.builtin import digits_reward
+from trl_nrollout.builtin import digits_reward, short_answer_reward
 from trl_nrollout.errors import InputError
 
 RewardFunc = Callable[..., list]
@@ -90,6 +90,7 @@ def math_answer_reward(completions: list, **kwargs) -> list[float]:
 
 BUILTIN_REWARDS: dict[str, RewardFunc] = {
     "digits": digits_reward,
+    "short_answer": short_answer_reward,
     "format": format_reward,
     "length": length_reward,
     "exact_answer": exact_answer_reward,

@@ -42,11 +42,12 @@ from transformers import TrainerCallback
 
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.config_checks import agent_dependencies_refusal, lora_sync_refusal
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.recipe_file import read_recipe
 from trl_nrollout.recipe.data import load_prompts
 from trl_nrollout.recipe.hub import parse_hub_ref, resolve_config
-from trl_nrollout.recipe.report import write_report
+from trl_nrollout.recipe.report import end_progress_bars, write_report
 from trl_nrollout.recipe.rewards import resolve_import, resolve_reward
 from trl_nrollout.recipe.summary import RewardHistory, build_summary, write_summary
 from trl_nrollout.recipe.trust import enforce_recipe_trust, parse_recipe_command
@@ -64,6 +65,12 @@ DEFAULT_RECIPE = RECIPES_DIR / "configs" / "default.yaml"
 LAUNCH_KEYS = ("accelerate_config", "num_processes", "n_gpus_per_node", "nnodes")
 #: ``--trainer`` / the recipe's ``trainer``: which trainer and config class train.
 TRAINERS = ("grpo", "ppo")
+#: The recipe's defaults of options whose TRL default does not suit it (a recipe or the command line sets them):
+#: ``disable_dropout`` (TRL: false): the engines sample without dropout, so the trainer's log-probs must be taken
+#: without it too, or they disagree with the engines' for the same tokens.
+RECIPE_DEFAULTS = {"disable_dropout": True}
+#: The words asking for the options list.
+HELP_FLAGS = ("-h", "--help")
 
 
 def _config_class(kind: str):
@@ -107,20 +114,25 @@ class ScriptArguments:
                 "(the model's chat template applies)."})
     dataset_num_prompts: int = field(default=512, metadata={"help": "Prompts generated for 'builtin:digits'."})
     reward_funcs: list[str] = field(default_factory=lambda: ["digits"], metadata={
-        "help": "Reward functions: built-ins (digits, format, length, exact_answer, math_answer) or "
+        "help": "Reward functions: built-ins (digits, short_answer, format, length, exact_answer, math_answer) or "
                 "'package.module:function' paths. Weights: reward_weights."})
     agent: str | None = field(default=None, metadata={
         "help": "An agent 'package.module:function' (sync or async, given an OpenAI client and the dataset row; "
                 "docs/agents.md) trained through the trainer's OpenAI-compatible endpoint; its returned number is "
-                "the reward unless reward_funcs names others (the default digits reward is then not used)."})
+                "the reward unless reward_funcs names others (the default digits reward is then not used). Needs "
+                "the agents extra: pip install \"trl-nrollout[agents]\" (openai, fastapi, uvicorn)."})
     # LoRA, with TRL's ModelConfig names (`trl grpo --use_peft ...`)
     use_peft: bool = field(default=False, metadata={
         "help": "Train LoRA adapters instead of the whole model (needs `peft`). The engines receive the merged "
                 "weights; a KL loss or KL in the reward uses the base model (adapters off) as the reference; "
                 "the output folder holds the adapter."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank (with use_peft)."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (with use_peft)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout (with use_peft)."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank, an integer >= 1 (with use_peft)."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha, > 0; the adapters' scale is lora_alpha / "
+                                                          "lora_r (with use_peft)."})
+    lora_dropout: float = field(default=0.0, metadata={
+        "help": "LoRA dropout, in [0, 1) (with use_peft). 0 by default: the engines sample without dropout, so "
+                "dropout in training makes the trainer's log-probs disagree with theirs (the recipe also defaults "
+                "disable_dropout to true)."})
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Modules given adapters, e.g. q_proj v_proj, or all-linear (with use_peft; default: PEFT's "
                 "choice for the architecture)."})
@@ -135,6 +147,14 @@ class ScriptArguments:
                 raise InputError(f"{', '.join(stray)} set without use_peft: add --use_peft true (LoRA), or remove "
                                  "them.")
             return None
+        for name, ok, rule in (
+                ("lora_r", isinstance(self.lora_r, int) and self.lora_r >= 1, "an integer >= 1 (the adapters' rank)"),
+                ("lora_alpha", self.lora_alpha > 0, "a number > 0 (the adapters' scale is lora_alpha / lora_r)"),
+                ("lora_dropout", 0 <= self.lora_dropout < 1, "in [0, 1) (0: no dropout, the default)")):
+            if not ok:  # checked here: PEFT's own check is a traceback after the model loaded
+                raise InputError(f"{name}={getattr(self, name)!r}: LoRA's {name} must be {rule}; set --{name} "
+                                 f"{lora[name]} (the default) or another such value, or drop --use_peft to train "
+                                 "the whole model.")
         from trl import ModelConfig
         from trl.trainer.utils import get_peft_config
 
@@ -228,6 +248,7 @@ def _parse(argv: list[str], config_cls) -> tuple[ScriptArguments, NRolloutConfig
     from trl import TrlParser  # after trl_nrollout, whose import filters TRL's known import-time warnings
 
     parser = TrlParser((ScriptArguments, config_cls))
+    parser.set_defaults(**RECIPE_DEFAULTS)  # below the recipe's values and the command line's
     known = sorted({s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")} - {"help"})
     recipe = read_recipe(argv[argv.index("--config") + 1]) if "--config" in argv else None
     line = [t[2:].split("=", 1)[0] for i, t in enumerate(argv)
@@ -264,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         return _train(argv, built)
     except BaseException:
+        end_progress_bars()  # the error's message on a line of its own, not after the bar's
         if built:
             try:
                 built[0].close()
@@ -291,13 +313,23 @@ def _train(argv: list[str] | None, built: list) -> dict:
     script_args, training_args = _parse(argv, config_cls)
     peft_config = script_args.peft_config()
     _check_script_fields(training_args)
+    if (why := lora_sync_refusal(training_args, peft=peft_config is not None, how="--use_peft true")) is not None:
+        raise InputError(why)  # before the model loads (the trainer would say it after)
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     check_output_dir(training_args.output_dir)
     # every name the recipe imports (reward_funcs 'module:function'), before the data and the model: a reference
     # that does not resolve is an InputError (the one-line error, exit 2), not a traceback after the model loads
+    if script_args.agent and (why := agent_dependencies_refusal("--agent")) is not None:  # before its imports
+        raise InputError(why)
     agent = resolve_import(script_args.agent, "agent") if script_args.agent else None
-    default_rewards = next(f.default_factory() for f in fields(script_args) if f.name == "reward_funcs")
-    names = [] if agent is not None and script_args.reward_funcs == default_rewards else script_args.reward_funcs
+    embedded = read_recipe(DEFAULT_RECIPE)  # its rewards (digits and short_answer, weighed) are defaults too
+    defaults = (next(f.default_factory() for f in fields(script_args) if f.name == "reward_funcs"),
+                embedded.get("reward_funcs"))
+    replaced = agent is not None and script_args.reward_funcs in defaults  # the agent's reward is the run's
+    names = [] if replaced else script_args.reward_funcs
+    weights = training_args.reward_weights
+    if weights is not None and weights == embedded.get("reward_weights") and len(weights) != len(names or [agent]):
+        training_args.reward_weights = None  # the embedded default's, for its two rewards: not for other ones
     reward_funcs = [resolve_reward(r) for r in names]
 
     dataset = load_prompts(script_args.dataset_name, split=script_args.dataset_split,
@@ -360,18 +392,96 @@ def _train(argv: list[str] | None, built: list) -> dict:
     return summary
 
 
+def wants_help(argv: list[str]) -> bool:
+    """Whether the command line asks for the options list (``-h`` / ``--help`` anywhere, as argparse reads them)."""
+    return any(word in HELP_FLAGS for word in argv)
+
+
+def _help_trainer(argv: list[str]) -> str:
+    """The trainer whose options ``--help`` lists: ``--trainer`` on the command line, else a local recipe's
+    ``trainer`` key, else GRPO (a recipe that cannot be read is left to the run to report)."""
+    try:
+        command = parse_recipe_command([w for w in argv if w not in HELP_FLAGS])
+        if command.trainer:
+            return command.trainer if command.trainer in TRAINERS else "grpo"
+        if command.config and parse_hub_ref(command.config) is None:
+            kind = read_recipe(packaged_recipe(command.config)).get("trainer", "grpo")
+            return kind if kind in TRAINERS else "grpo"
+    except Exception:  # noqa: BLE001 - --help lists the options whatever else the command line holds
+        pass
+    return "grpo"
+
+
+def recipe_help(argv: list[str], prog: str, launch: dict[str, str] | None = None) -> str:
+    """What ``--help`` prints: every option of the recipe (TRL's parser over :class:`ScriptArguments` and the
+    trainer's config class, the recipe's defaults shown), then the recipe script's own options and, for
+    ``trl-nrollout train``, ``launch``: the ``accelerate launch`` flags it takes (flag -> help)."""
+    from argparse import SUPPRESS
+
+    from trl import TrlParser
+
+    from trl_nrollout.recipe.trust import ALLOW_FLAG, TRUST_FLAG
+
+    kind = _help_trainer(argv)
+    shipped = ", ".join(sorted(p.stem for p in (RECIPES_DIR / "configs").glob("*.yaml")))
+    parser = TrlParser(
+        (ScriptArguments, _config_class(kind)), prog=prog, conflict_handler="resolve",
+        usage="%(prog)s " + ("[--accelerate_config NAME --num_processes N ...] " if launch else "")
+              + "[--config RECIPE] [--trainer grpo|ppo] [--OPTION VALUE ...]",
+        description=f"Train {kind.upper()} from a recipe: every option below can be set in the recipe (a YAML file: "
+                    "option: value) or on the command line (--option value, which wins). Without --config the "
+                    f"embedded default trains (the built-in tiny model on the built-in digits task). The options "
+                    f"listed are {'NRolloutPPOConfig' if kind == 'ppo' else 'NRolloutConfig'}'s (TRL's GRPOConfig and "
+                    f"verl's rollout vocabulary) and the recipe's own (model, data, rewards, LoRA); "
+                    f"{'--trainer grpo' if kind == 'ppo' else '--trainer ppo'} --help lists "
+                    f"{'GRPO' if kind == 'ppo' else 'PPO'}'s.",
+        epilog="Shipped recipes (--config NAME): " + shipped + ". Every option, with its verl name where it "
+               "has one: docs/configuration.md.")
+    parser.set_defaults(**RECIPE_DEFAULTS)
+    own = parser.add_argument_group("the recipe script's own options")
+    own.add_argument("--config", metavar="RECIPE", default=SUPPRESS,
+                     help=f"The recipe: a YAML file, a shipped recipe's name ({shipped}) or hf://user/repo/file.yaml "
+                          "(downloaded once, cached). Default: default (the embedded default).")
+    own.add_argument("--trainer", choices=TRAINERS, default=SUPPRESS,
+                     help="grpo (group advantages, no critic) or ppo (a critic and GAE). Default: the recipe's "
+                          "trainer key, else grpo.")
+    own.add_argument(TRUST_FLAG, action="store_true", default=SUPPRESS,
+                     help="Let a Hub recipe's trust_remote_code settings apply (a local recipe's always do).")
+    own.add_argument(ALLOW_FLAG, metavar="MODULE", action="append", default=SUPPRESS,
+                     help="Let a Hub recipe import reward functions from MODULE (repeatable, or comma-separated).")
+    if launch:
+        group = parser.add_argument_group("launch under accelerate (without these: one process)")
+        for flag, text in launch.items():
+            group.add_argument(flag, metavar="VALUE", default=SUPPRESS, help=text)
+    return parser.format_help()
+
+
+def _prog() -> str:
+    """How this process was started, for the usage line: ``python -m trl_nrollout.recipe.run`` or the script's
+    name (``grpo.py``)."""
+    script = Path(sys.argv[0] if sys.argv and sys.argv[0] else "grpo.py")
+    return "python -m trl_nrollout.recipe.run" if script.parts[-3:] == ("trl_nrollout", "recipe", "run.py") \
+        else script.name
+
+
 #: Errors that are the user's to fix (options, recipe, data, a reward function): a message, not a traceback.
 USER_ERRORS = (InputError, RewardFunctionError)
 
 
-def cli(argv: list[str] | None = None) -> int:
-    """:func:`main` as a command: a user's mistake is printed as one message on stderr and gives exit status 2;
-    a bug keeps its traceback."""
+def cli(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """:func:`main` as a command: ``-h`` / ``--help`` prints the options list (:func:`recipe_help`; ``prog``
+    names the command in it, default: how this process was started) and trains nothing; a user's mistake is
+    printed as one message on stderr and gives exit status 2; a bug keeps its traceback."""
+    import os
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        if os.environ.get("RANK", "0") == "0":  # once per launch
+            print(recipe_help(argv, prog or _prog()))
+        return 0
     try:
         main(argv)
     except USER_ERRORS as err:
-        import os
-
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") or os.environ.get("WORLD_SIZE", "1") != "1" else ""
         print(f"{prefix}error: {err}", file=sys.stderr, flush=True)

@@ -34,6 +34,8 @@ from typing import Any
 
 from accelerate.utils import gather_object
 
+from trl_nrollout.config_checks import agent_dependencies_refusal
+from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
 from trl_nrollout.rollout.agent_pool import AgentPool
 from trl_nrollout.rollout.agent_runs import (
@@ -88,6 +90,8 @@ class AgentRollouts:
         if not callable(agent):
             raise TypeError(f"agent={agent!r} must be a function (sync or async) running one episode.")
         agent_arguments(agent)
+        if (why := agent_dependencies_refusal()) is not None:  # before the model loads, not at the first rollout
+            raise InputError(why)
         self.agent = agent
         return reward_funcs if reward_funcs else [agent_reward]
 

@@ -37,12 +37,10 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import shuffle_sequence_dict
 
 from trl_nrollout.algos.batching import balance_groups, constant_groups, select_groups
-from trl_nrollout.algos.losses import (
-    AdaptiveKLController,
-    FixedKLController,
-)
+from trl_nrollout.algos.losses import AdaptiveKLController, FixedKLController
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.config_checks import policy_checks
 from trl_nrollout.dropin import UnsupportedTRLOption, to_nrollout_config  # noqa: F401 - public here too
 from trl_nrollout.errors import InputError
 from trl_nrollout.passes.multimodal import (
@@ -143,6 +141,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         # HF's TrainingArguments.train_batch_size (per-device samples) is shadowed by verl's train_batch_size
         # (prompts per step) in NRolloutConfig; HF Trainer copied it into _train_batch_size: restore its meaning.
         self._train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)
+        policy_checks(self.model, args, peft=self._is_peft(), main_process=self.accelerator.is_main_process)
         self.layout = args.rollout_layout(self.accelerator.num_processes, launch_nodes(self.accelerator.num_processes))
         self._sp = self._sequence_parallel_setup()  # Ulysses: this rank's group, the attention wrapped (or None)
         self.update_budget = self._resolve_update_budget()
