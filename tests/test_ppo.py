@@ -410,7 +410,9 @@ def test_ppo_resume_gives_the_same_subsequent_steps(mode, tmp_path, request):
 
 
 def test_ppo_with_lora_on_the_policy(tmp_path, monkeypatch):
-    """LoRA adapters on the policy (the critic stays a full model, built from the base weights): both train."""
+    """LoRA adapters on the policy (the critic stays a full model, built from the base weights): both train; every
+    adapter tensor moves and the policy's base weights stay as loaded. Mutation tried: the base weights left
+    trainable (requires_grad on every policy parameter) -> a base weight changes."""
     from peft import LoraConfig
 
     import trl_nrollout.trainer.grpo as trainer_module
@@ -425,10 +427,13 @@ def test_ppo_with_lora_on_the_policy(tmp_path, monkeypatch):
                                  train_dataset=digits_dataset(16),
                                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     lora0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    base0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     critic0 = {n: p.detach().clone() for n, p in trainer.critic.named_parameters()}
-    assert lora0 and not any("lora" in n for n in critic0)
+    assert lora0 and base0 and not any("lora" in n for n in critic0)
     trainer.train()
-    assert any(not torch.equal(lora0[n], p) for n, p in trainer.model.named_parameters() if n in lora0)
+    policy = dict(trainer.model.named_parameters())
+    assert [n for n in lora0 if torch.equal(lora0[n], policy[n])] == []  # every adapter (B starts at zero) trained
+    assert [n for n in base0 if not torch.equal(base0[n], policy[n])] == []  # the base is frozen
     assert any(not torch.equal(critic0[n], p) for n, p in trainer.critic.named_parameters())
 
 

@@ -207,9 +207,13 @@ def zero2_dapo_run(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_zero2_with_the_hf_engine(zero2_dapo_run):
+    """The HF engine in two ZeRO-2 processes generates with the weights that train (ZeRO-2 keeps them whole on every
+    rank): its recorded log-probs are the trainer's at every step, after each update too, while the policy moves."""
     run = zero2_dapo_run
     assert run["summary"]["processes"] == 2 and run["summary"]["steps"] == 3
-    assert all(math.isfinite(h["loss"]) for h in run["steps"])
+    assert run["summary"]["rollout_backend"] == "hf"
+    assert all(math.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in run["steps"])
+    assert max(h["rollout_corr/logprob_abs_diff_max"] for h in run["steps"]) < 1e-3, run["steps"]
 
 
 @pytest.mark.slow
