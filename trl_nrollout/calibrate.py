@@ -133,11 +133,13 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     forward_s, optimizer_bw = rates["forward_s"], rates["optimizer_bw"]
     memory_gib = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
+    from trl_nrollout.passes.varlen import torch_varlen_runs
+
     profile = DeviceProfile(
         name=name, flops=flops, mem_bw=mem_bw, link_bw=mem_bw / 4, memory_gib=memory_gib, mfu_prefill=mfu_prefill,
         mfu_train=mfu_train, mfu_attention=mfu_attention, bw_eff=1.0, link_eff=1.0, step_s=step_s, seq_step_s=seq_step_s, call_s=call_s,
         forward_s=forward_s, sync_s=sync_s, allreduce_s=5e-5, optimizer_bw=optimizer_bw,
-        varlen_attention=device == "cuda" and dtype in (torch.bfloat16, torch.float16), **lora_figures,
+        varlen_attention=torch_varlen_runs(device, dtype), **lora_figures,  # CUDA >= 8.0, half precision
         source=f"calibrated on this machine ({device}, {os.cpu_count()} CPUs, torch threads "
                f"{torch.get_num_threads()}) with {model} at {time.strftime('%Y-%m-%d %H:%M')}; link_bw assumed "
                f"mem_bw / 4 (not measured)")
