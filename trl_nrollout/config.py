@@ -320,6 +320,10 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
     agent_max_calls: int = field(default=32, metadata={
         "help": "agent=: calls an episode may make to the endpoint; a call past it gets an OpenAI-style error "
                 "(code episode_limit) and the episode's reward is what its agent returns."})
+    agent_max_concurrent: int | None = field(default=None, metadata={
+        "help": "agent=: episodes whose agents run at once on a rank (threads, or tasks of an async agent); the rest "
+                "wait their turn. None: the engine's rollout_max_num_seqs (or its default, 1024), the sequences it "
+                "generates at once, so that no more agents wait on the engine than it can serve."})
     agent_timeout_s: float = field(default=600.0, metadata={
         "help": "agent=: seconds an episode's agent may run; past it the episode is closed (its requests get errors) "
                 "and unscored (reward None), never waited for."})

@@ -91,6 +91,14 @@ class EpisodeState:
     closed: bool = False
 
 
+#: The answer to ``/v1/responses`` (the OpenAI Agents SDK's default API): the endpoint serves Chat Completions, which
+#: the SDK uses when told to.
+RESPONSES_API = ("the endpoint serves /v1/chat/completions, not OpenAI's Responses API (/v1/responses). The OpenAI "
+                 "Agents SDK calls the Responses API by default: give your Agent "
+                 "model=OpenAIChatCompletionsModel(model=model, openai_client=client), or call "
+                 "agents.set_default_openai_api('chat_completions') once.")
+
+
 class EndpointError(Exception):
     """An OpenAI-style error answer: HTTP ``status``, ``message``, ``type``, ``code``, ``param``."""
 
@@ -322,6 +330,10 @@ class AgentEndpoint:
         @app.post("/e/{key}/v1/completions")
         async def completions(key: str, request: Request):
             return await handle(key, request, chat=False)
+
+        @app.post("/e/{key}/v1/responses")
+        async def responses(key: str):
+            return error(EndpointError(404, RESPONSES_API, code="responses_api_not_served"))
 
         @app.exception_handler(EndpointError)
         async def endpoint_error(_request, err: EndpointError):

@@ -50,10 +50,15 @@ class EpisodeRunner:
     episodes a rollout hands out, each within ``timeout`` seconds; an agent with a ``tools`` parameter gets
     ``tools`` (the trainer's ``tools=`` functions, to call as it likes)."""
 
-    def __init__(self, agent, timeout: float, tools: list | tuple = ()) -> None:
+    def __init__(self, agent, timeout: float, tools: list | tuple = (), max_running: int | None = None) -> None:
+        if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
+                                        or max_running < 1):
+            raise ValueError(f"agent_max_concurrent={max_running!r} must be a whole number >= 1 (episodes whose "
+                             "agents run at once on a rank), or None for the engine's rollout_max_num_seqs.")
         self.agent = agent
         self.timeout = timeout
         self.tools = list(tools)
+        self.max_running = max_running or DEFAULT_MAX_NUM_SEQS
 
     def run(self, pull: Callable[[int], tuple[list[EpisodeRecord], bool]], endpoint,
             finished: threading.Event) -> None:
@@ -71,17 +76,21 @@ class EpisodeRunner:
             finished.set()
 
     def _run_sync(self, pull, endpoint, names: list[str], timeout: float) -> None:
-        pool = ThreadPoolExecutor(max_workers=4096, thread_name_prefix="trl-nrollout-agent")
-        running: dict = {}  # future -> (record, deadline)
+        pool = ThreadPoolExecutor(max_workers=4096, thread_name_prefix="trl-nrollout-agent")  # a timed-out agent keeps its thread
+        running: dict = {}  # future -> (record, deadline): at most max_running; the others wait in `waiting`
+        waiting: list[EpisodeRecord] = []
         drained = False
         try:
             while True:
-                if not drained:
+                if not drained and len(running) + len(waiting) < self.max_running:
                     new, drained = pull(len(running))
-                    for r in new:
-                        running[pool.submit(self._one_sync, r, endpoint, names)] = (r, time.monotonic() + timeout)
+                    waiting += new
+                while waiting and len(running) < self.max_running:  # an episode's time starts when its agent does
+                    r = waiting.pop(0)
+                    running[pool.submit(self._one_sync, r, endpoint, names)] = (r, time.monotonic() + timeout)
+                self.peak_running = max(getattr(self, "peak_running", 0), len(running))
                 if not running:
-                    if drained:
+                    if drained and not waiting:
                         return
                     continue
                 soonest = min(deadline for _, deadline in running.values())
@@ -117,13 +126,17 @@ class EpisodeRunner:
                 await client.close()
 
         running: set = set()
+        waiting: list[EpisodeRecord] = []  # at most max_running run; the others wait here
         drained = False
         while True:
-            if not drained:
+            if not drained and len(running) + len(waiting) < self.max_running:
                 new, drained = pull(len(running))
-                running.update(asyncio.create_task(one(r)) for r in new)
+                waiting += new
+            while waiting and len(running) < self.max_running:
+                running.add(asyncio.create_task(one(waiting.pop(0))))
+            self.peak_running = max(getattr(self, "peak_running", 0), len(running))
             if not running:
-                if drained:
+                if drained and not waiting:
                     return
                 continue
             _, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)

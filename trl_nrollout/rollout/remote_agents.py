@@ -274,7 +274,7 @@ def rank_runner(state: dict, engine):
     settings = state["agent"]
     func = settings.get("func")
     if func is None:
-        return EpisodeRunner(user_agent(state), settings["timeout"], state.get("tools") or ())
+        return EpisodeRunner(user_agent(state), settings["timeout"], state.get("tools") or (), settings.get("max_running"))
     if state.get("user_func") is None:
         raise RuntimeError("the trainers run their rollout_func group by group on the rollout ranks, but this rollout "
                            "rank's trainer was built without rollout_func=: build NRolloutGRPOTrainer with the same "
