@@ -17,7 +17,7 @@ the entropy bonus normalize as they did before the cut.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +128,62 @@ def budget_units(units: Sequence[Sequence[int]], prompt_lens: Sequence[int], com
             run.append(b)
         out.append(run)
     return out
+
+
+def full_numel(p: Tensor) -> int:
+    """A parameter's elements at its full size: DeepSpeed ZeRO-3 partitions parameters as they are built
+    (``zero3_init_flag``: ``deepspeed.zero.Init``), leaving each an empty local tensor and its size in ``ds_numel``
+    (the weight sync reads it the same way)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def update_state_bytes(params: Iterable[Tensor], processes: int, sharded: bool) -> tuple[int, int]:
+    """(parameters, trainer-state bytes per device) of a model's parameters: its weights in their dtype, and per
+    trainable parameter gradients, float32 master weights and two Adam moments
+    (:data:`~trl_nrollout.plan.cost.TRAIN_BYTES_PER_PARAM`), split over ``processes`` where ``sharded`` (ZeRO-3,
+    FSDP). Parameters count at their full size (:func:`full_numel`), partitioned already or not."""
+    from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM
+
+    params = list(params)
+    total = sum(full_numel(p) for p in params)
+    trainable = sum(full_numel(p) for p in params if p.requires_grad)
+    weight_bytes = params[0].element_size() if params else 2
+    state = (total * weight_bytes + trainable * (TRAIN_BYTES_PER_PARAM - 2)) // (processes if sharded else 1)
+    return total, state
+
+
+def logits_bytes_per_token(vocab_size: int, dtype_bytes: int, head_on_scored_rows: bool) -> int:
+    """What a log-prob pass's logits take per token of a micro batch: nothing where the output head runs on the scored
+    rows a chunk at a time (the lean path, or :class:`~trl_nrollout.passes.logprobs.ScoredHead` inside the model's
+    own forward: a bounded ``[chunk_rows, V]`` block, whatever the micro batch); else ``V`` logits in the model's
+    dtype and accelerate's float32 copy of them (``convert_outputs_to_fp32`` under mixed precision), ``V (b + 4)``,
+    per token (conservatively every token: which ones are scored is not known when the budget is set)."""
+    return 0 if head_on_scored_rows else vocab_size * (dtype_bytes + 4)
+
+
+def logprob_pass_tokens(update_tokens: int, *, room_bytes: int | None, activation_bytes_per_token: int,
+                        logits_bytes: int, longest_sample: int, fraction: float, rounding: int) -> int:
+    """The default token budget of the log-prob passes (old policy, reference) per device, by their own bytes per
+    token: the update's (``update_tokens``: ``fraction x room_bytes / activation_bytes_per_token`` tokens, the
+    training activations being more than a no-grad forward holds at any time) where their logits take nothing per
+    token (:func:`logits_bytes_per_token`), else ``fraction x room_bytes / (activation_bytes_per_token +
+    logits_bytes)`` rounded down to ``rounding``, never above the update's nor below ``longest_sample``. ``room_bytes``
+    None (a CPU: memory unknown) keeps the update's."""
+    if room_bytes is None or logits_bytes <= 0:
+        return update_tokens
+    own = int(fraction * max(0, room_bytes) // (activation_bytes_per_token + logits_bytes)) // rounding * rounding
+    return max(int(longest_sample), min(update_tokens, own))
+
+
+def sync_each_micro_batch(fsdp: bool) -> bool:
+    """Whether a micro batch that is not its optimizer step's last reduces its gradients anyway: under FSDP (1 or 2)
+    yes, as verl does. Holding them (``no_sync`` / ``set_requires_gradient_sync(False)``) would keep every
+    parameter's *unsharded* gradient (FSDP2: in the reduce dtype) until the step's last backward, the whole model's
+    gradients on every device, which neither the default token budget nor ``trl-nrollout plan`` counts (Qwen2.5-14B
+    on 8 x H100: 87 GB at the second micro batch); reduce-scattering each micro batch keeps the shard only, at the
+    cost of one reduce-scatter per micro batch. DDP and DeepSpeed hold them as before (their accumulated gradients
+    are the size they always are)."""
+    return bool(fsdp)
 
 
 def _round_up(n: int, multiple: int | None) -> int:

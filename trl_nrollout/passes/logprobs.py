@@ -5,8 +5,8 @@ log-probs) and the reference model. This module cuts that pass into forwards bou
 sequences (``micro_batch_size``) or by a token budget (``max_token_len``: sequences packed first-fit decreasing
 by their padded size), and scores the completion tokens without ever holding a float32
 ``[batch, length, vocab]`` log-softmax: the final hidden states of the completion positions go through the
-output head a chunk of rows at a time, and each chunk is reduced to the chosen token's log-prob (and the
-entropy, only when asked) before the next one.
+output head a chunk of rows at a time (through the model's own forward, FSDP's, inside it: :class:`ScoredHead`), and
+each chunk is reduced to the chosen token's log-prob (and the entropy, only when asked) before the next one.
 
 Results are returned in the caller's order, ``[B, C]`` aligned with right-padded completions (zeros past each
 completion's end), whatever the padding of the inputs and however the sequences were grouped.
@@ -70,10 +70,8 @@ SupportFn = Callable[[Tensor, Tensor], Tensor]
 # ---------------------------------------------------------------------------------------------- packing
 def pack_by_tokens(lengths: Sequence[int], max_token_len: int, max_seqs: int | None = None) -> list[list[int]]:
     """Group sequence indices into micro batches whose padded size ``len(batch) * max(length)`` fits
-    ``max_token_len`` (first-fit decreasing). ``max_seqs`` also caps the sequences per micro batch.
-
-    Raises ``ValueError`` naming the option when one sequence alone does not fit.
-    """
+    ``max_token_len`` (first-fit decreasing); ``max_seqs`` also caps the sequences per micro batch. A sequence
+    alone over ``max_token_len`` is a ``ValueError`` naming the option."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     if order and lengths[order[0]] > max_token_len:
         raise ValueError(
@@ -145,21 +143,79 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _lean_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    """(decoder, output head) of a causal LM when its logits are just ``head(hidden)``; None otherwise."""
+def plain_output_head(model: nn.Module) -> nn.Module | None:
+    """The output head of a causal LM whose logits are just ``head(hidden)`` (no soft-capping, no logit scale: those
+    post-process the logits), an FSDP1 wrapper of it stripped; None otherwise. Under ZeRO-3 only a plain Linear (a
+    functional head, see :func:`_whole_head`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = getattr(base, "config", None)
-    if cfg is None or not hasattr(base, "get_decoder") or not hasattr(base, "get_output_embeddings"):
+    if cfg is None or not hasattr(base, "get_output_embeddings"):
         return None
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     if getattr(text_cfg, "final_logit_softcapping", None) or getattr(text_cfg, "logit_scale", None) not in (None, 1.0):
-        return None  # logits are post-processed: use the model's own forward
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
-    if decoder is None or head is None or decoder is base:
         return None
-    if is_zero3(head) and not isinstance(head, nn.Linear):
-        return None  # ZeRO-3 needs a functional head (see _whole_head): only a plain Linear is known to be one
-    return decoder, head
+    head = base.get_output_embeddings()
+    head = unwrap_model(head) if isinstance(head, nn.Module) else None
+    return None if head is None or is_zero3(head) and not isinstance(head, nn.Linear) else head
+
+
+def _lean_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(decoder, output head) of a causal LM when its logits are just ``head(hidden)``; None otherwise."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = plain_output_head(model)
+    decoder = base.get_decoder() if head is not None and hasattr(base, "get_decoder") else None
+    return None if decoder is None or decoder is base else (decoder, head)
+
+
+class ScoredHead:
+    """The model's own forward (FSDP, images, ``lean_head=False``) with its output head on the scored rows only, never
+    ``[tokens, V]`` logits (under FSDP the head's weight is whole only inside the forward, so the head is taken there).
+    While :meth:`on` is open, the head's call (after its hooks: FSDP's unshard) takes rows ``index`` of its input
+    ``[..., H]``, scores them a chunk at a time (:func:`chunked_token_logprobs` through the module's own ``forward``:
+    no hooks, no collectives), runs the module on zero rows and returns, for logits, ``[..., K]`` float32 values, zero
+    but at ``index``: the log-prob of ``targets``, then the entropy (``with_entropy``), then ``support``'s value.
+    Indexing the "logits" as before gives ``[tokens, K]``; :attr:`fired`: the head ran (else the logits are real)."""
+
+    def __init__(self, head: nn.Module, targets: Tensor, *, temperature: float, chunk_rows: int,
+                 with_entropy: bool, support: SupportFn | None, fp32: bool):
+        self.head, self.targets, self.temperature, self.chunk_rows = head, targets, temperature, chunk_rows
+        self.with_entropy, self.support, self.fp32, self.fired = with_entropy, support, fp32, False
+
+    @classmethod
+    def of(cls, model: nn.Module, parts, targets: Tensor, **options) -> ScoredHead | None:
+        """One for ``model``'s own forward (no lean ``parts``) where its logits are a plain head's; else None."""
+        head = plain_output_head(unwrap_model(model)) if parts is None else None
+        return None if head is None else cls(head, targets, **options)
+
+    @contextlib.contextmanager
+    def on(self, index: Tensor):
+        """Score rows ``index`` ``[tokens]`` (of the head's input, leading dimensions flattened) in the forward inside."""
+        done: list[Tensor] = []
+
+        def pre(module, args, kwargs):
+            x = args[0] if args else kwargs["input"]
+            if done:
+                raise RuntimeError("the output head ran twice in one forward; score this model with lean_head=True.")
+            rows = x[torch.unravel_index(index, x.shape[:-1])]  # [tokens, H]: no copy of the other rows
+            with torch.autocast(x.device.type, enabled=False) if self.fp32 else contextlib.nullcontext():
+                values = chunked_token_logprobs(rows.float() if self.fp32 else rows, self.targets, module.forward,
+                                                temperature=self.temperature, chunk_rows=self.chunk_rows,
+                                                with_entropy=self.with_entropy, support=self.support)
+            values = [v for v in values if v is not None]
+            out = torch.zeros((*x.shape[:-1], len(values)), dtype=torch.float32, device=x.device)
+            out.view(-1, len(values))[index] = torch.stack(values, -1)
+            done.append(out)
+            empty = x[..., :0, :]  # the head itself runs on no rows
+            return ((empty, *args[1:]), kwargs) if args else (args, {**kwargs, "input": empty})
+
+        handles = [self.head.register_forward_pre_hook(pre, with_kwargs=True),
+                   self.head.register_forward_hook(lambda module, args, output: done[-1] if done else output)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        self.fired = bool(done)
 
 
 @contextlib.contextmanager
@@ -227,8 +283,8 @@ def compute_log_probs(
     - ``with_entropy``: also return per-token entropies, computed chunk by chunk like the log-probs.
     - ``temperature``: logits are divided by it (match the sampling temperature for the rollout's log-probs).
     - ``lean_head``: run the decoder, keep only completion positions, and apply the output head in chunks
-      (default when the model allows it; FSDP-sharded models use their full forward instead).
-
+      (default when the model allows it; FSDP-sharded models run their own forward, its head on the completion
+      positions only, in chunks: :class:`ScoredHead`).
     - ``mm_inputs``: per sample, the processor's image tensors (:mod:`trl_nrollout.passes.multimodal`) of a
       vision-language model, or None; with images the model's own forward runs (it merges the image features) and
       positions are the model's own (right padding: they start at 0 on every row).
@@ -246,10 +302,10 @@ def compute_log_probs(
       as ``support_log_mass`` ``[B, C]`` (the trainer's replay of a truncating sampler's cut).
     - ``padding_free``: a micro batch whose samples leave padding runs as padding-free rows
       (:mod:`trl_nrollout.passes.padfree`) where that saves a tenth of its token slots (after the shared-prompt
-      layout, which wins where it applies); the caller vouches that the model takes a 4D block mask or
-      varlen boundaries (:mod:`~trl_nrollout.passes.varlen`). With
-      ``max_token_len`` the budget then counts real tokens, and the micro batches, as many on every rank as the
-      busiest needs, hold even work (:func:`~trl_nrollout.passes.padfree.budgeted_parts`).
+      layout, which wins where it applies); the caller vouches that the model takes a 4D block mask or varlen
+      boundaries (:mod:`~trl_nrollout.passes.varlen`). With ``max_token_len`` the budget then counts real tokens,
+      and the micro batches, as many on every rank as the busiest needs, hold even work
+      (:func:`~trl_nrollout.passes.padfree.budgeted_parts`).
     - ``sequence_parallel``: this rank's Ulysses group (:mod:`trl_nrollout.passes.ulysses`; every rank of it
       passes the same samples): every micro batch runs as padding-free rows split over the group, each rank's
       shard scored and the whole rows' values gathered, so every rank returns what one process would. The model's
@@ -368,25 +424,30 @@ def _packed_hidden(decoder: nn.Module, prompts: list[list[int]], completions: li
 
 
 def _packed_logits(model: nn.Module, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
-                   device: torch.device, multiple_of: int | None = None) -> tuple[Tensor, Tensor] | None:
+                   device: torch.device, multiple_of: int | None = None, scored: ScoredHead | None = None,
+                   rows_t: Tensor | None = None, cols_t: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
     """The model's own forward (FSDP, or a head that is not a plain linear layer) over the shared-prompt layout:
     logits of the completion segments only (``logits_to_keep``; the shared prompt's positions predict no
     completion token but the last, which opens every segment), flattened ``[G * K, V]``, and where sample
-    ``r``'s completion token ``j`` is predicted in them ``[B, C]``; None where packing does not pay."""
+    ``r``'s completion token ``j`` is predicted in them ``[B, C]`` (``scored``: values, its tokens ``(rows_t[k],
+    cols_t[k])``, :class:`ScoredHead`); None where packing does not pay."""
     layout = _packed_layout(unwrap_model(model), prompts, completions, pad_token_id, device, multiple_of)
     if layout is None:
         return None
     pk, p_w = layout
     length = pk.input_ids.shape[1]
     keep = length - (p_w - 1)  # the segments: each begins with the prompt's last token
-    logits = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
-                   logits_to_keep=keep).logits  # [G, keep, V]
     row, col = pk.index // length, pk.index % length
-    return logits.reshape(-1, logits.shape[-1]), row * keep + col - (length - keep)
+    index = row * keep + col - (length - keep)
+    with scored.on(index[rows_t, cols_t]) if scored else contextlib.nullcontext():
+        logits = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
+                       logits_to_keep=keep).logits  # [G, keep, V]
+    return logits.reshape(-1, logits.shape[-1]), index
+
 
 
 def _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_token_id, device, width,
-                      multiple_of, shared_prompts: bool = False) -> Tensor | None:
+                      multiple_of, shared_prompts: bool = False, scored: ScoredHead | None = None) -> Tensor | None:
     """The features (hidden states on the lean path, else logits) ``[tokens, H or V]`` of every completion token
     ``(rows_t[k], cols_t[k])`` from padding-free rows (a group's prompt once where ``shared_prompts`` allows and it
     pays); None where they would not save a tenth of the slots."""
@@ -404,12 +465,14 @@ def _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_to
     pk = pack_rows([torch.tensor(p, dtype=torch.long, device=device) for p in prompts],
                    [torch.tensor(c, dtype=torch.long, device=device) for c in completions], pad_token_id,
                    mask_dtype=dtype, pad_to_multiple_of=multiple_of, units=units)
+    index = pk.index[rows_t, cols_t]
     with rows_attention(config, pk):
         if parts is not None:
             flat = parts[0](input_ids=pk.input_ids, **pk.forward_kwargs()).last_hidden_state
         else:
-            flat = model(input_ids=pk.input_ids, **pk.forward_kwargs()).logits
-    return flat.reshape(-1, flat.shape[-1])[pk.index[rows_t, cols_t]]
+            with scored.on(index) if scored else contextlib.nullcontext():
+                flat = model(input_ids=pk.input_ids, **pk.forward_kwargs()).logits
+    return flat.reshape(-1, flat.shape[-1])[index]
 
 
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
@@ -428,30 +491,30 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     rows, pos, tgt, out_r, out_c = [], [], [], [], []
     for r, (p, c) in enumerate(zip(prompts, completions)):
         first = starts[r] + len(p)  # position of the first completion token
-        for j, tok in enumerate(c):
-            rows.append(r)
-            pos.append(first + j - 1)
-            tgt.append(tok)
-            out_r.append(idx[r])
-            out_c.append(j)
+        rows += [r] * len(c)
+        pos += range(first - 1, first - 1 + len(c))
+        tgt += c
+        out_r += [idx[r]] * len(c)
+        out_c += range(len(c))
     if not rows:
         return
     rows_t = torch.tensor(rows, device=device)
     pos_t = torch.tensor(pos, device=device)
     tgt_t = torch.tensor(tgt, device=device)
-
     out_c_t = torch.tensor(out_c, device=device)
-    # the features of every completion token: hidden states [tokens, H] when a plain head follows (``parts``),
-    # logits [tokens, V] from the model's own forward otherwise (FSDP, a head that is not a plain linear layer)
-    head = parts[1] if parts is not None else None
+    # the features of every completion token: hidden states [tokens, H] when a plain head follows (``parts``); from
+    # the model's own forward otherwise (FSDP, images, lean_head=False), its head's values on those tokens only
+    # (``scored``, :class:`ScoredHead`) where its logits are a plain head's, else logits [tokens, V]
+    scored = ScoredHead.of(model, parts, tgt_t, temperature=temperature, chunk_rows=chunk_rows, fp32=head_fp32,
+                           with_entropy=entropy is not None, support=support if mass is not None else None)
     selected = None
     if padding_free and mm is None and len(prompts) > 1:  # padding-free rows (shared prompts once, where it pays)
         selected = _padfree_selected(model, parts, prompts, completions, rows_t, out_c_t, pad_token_id, device,
-                                     width, multiple_of, shared_prompts=shared_prompts)
+                                     width, multiple_of, shared_prompts=shared_prompts, scored=scored)
     if selected is None and shared_prompts and len(prompts) > 1 and (parts is not None or mm is None):
         packed = (_packed_hidden(parts[0], prompts, completions, pad_token_id, device, multiple_of)
                   if parts is not None else _packed_logits(model, prompts, completions, pad_token_id, device,
-                                                           multiple_of))
+                                                           multiple_of, scored, rows_t, out_c_t))
         if packed is not None:  # the shared-prompt layout (fixed-width segments)
             flat, index = packed
             selected = flat[index[rows_t, out_c_t]]
@@ -472,15 +535,12 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
                 extra = {"position_ids": position_ids}
             else:  # a VLM places its image tokens itself (some, like Qwen2-VL, with positions of their own)
                 extra = collate(mm, device, width=width, starts=starts)
-            logits = model(input_ids=input_ids, attention_mask=attn, logits_to_keep=keep, **extra).logits
+            with scored.on(rows_t * keep + pos_t - (width - keep)) if scored else contextlib.nullcontext():
+                logits = model(input_ids=input_ids, attention_mask=attn, logits_to_keep=keep, **extra).logits
             selected = logits[rows_t, pos_t - (width - keep)]  # [n, keep, V] -> [tokens, V]
-    fp32 = head_fp32 and head is not None
-    no_autocast = torch.autocast(selected.device.type, enabled=False) if fp32 else contextlib.nullcontext()
-    with _whole_head(head) as head_fn, no_autocast:
-        lp, ent, kept = chunked_token_logprobs(selected.float() if fp32 else selected, tgt_t, head_fn,
-                                               temperature=temperature, chunk_rows=chunk_rows,
-                                               with_entropy=entropy is not None,
-                                               support=support if mass is not None else None)
+    lp, ent, kept = _head_values(selected, tgt_t, parts[1] if parts else None, scored, temperature=temperature,
+                                 chunk_rows=chunk_rows, with_entropy=entropy is not None, head_fp32=head_fp32,
+                                 support=support if mass is not None else None)
     out_r_t = torch.tensor(out_r, device=device)
     logprobs[out_r_t, out_c_t] = lp
     if entropy is not None and ent is not None:
@@ -488,6 +548,21 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
     if mass is not None and kept is not None:
         mass[out_r_t, out_c_t] = kept
 
+
+def _head_values(selected: Tensor, targets: Tensor, head: nn.Module | None, scored: ScoredHead | None, *,
+                 temperature: float, chunk_rows: int, with_entropy: bool, support: SupportFn | None,
+                 head_fp32: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``[tokens]`` log-probs, entropies and ``support``'s values: the columns of a :class:`ScoredHead`'s ``selected``
+    ``[tokens, K]`` where it ran, else of hidden states ``[tokens, H]`` through ``head`` or logits ``[tokens, V]``."""
+    if scored is not None and scored.fired:
+        lp, *rest = selected.unbind(-1)
+        return lp, rest.pop(0) if with_entropy else None, rest.pop(0) if support is not None else None
+    fp32 = head_fp32 and head is not None
+    no_autocast = torch.autocast(selected.device.type, enabled=False) if fp32 else contextlib.nullcontext()
+    with _whole_head(head) as head_fn, no_autocast:
+        return chunked_token_logprobs(selected.float() if fp32 else selected, targets, head_fn,
+                                      temperature=temperature, chunk_rows=chunk_rows, with_entropy=with_entropy,
+                                      support=support)
 
 
 def _score_sharded(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
@@ -503,20 +578,19 @@ def _score_sharded(model, parts, prompts, completions, idx, logprobs, entropy, *
                    [torch.tensor(c, dtype=torch.long, device=device) for c in completions], pad_token_id,
                    mask_dtype=dtype, pad_to_multiple_of=sp_multiple(multiple_of, sp.size))
     shard = shard_rows(pk, sp, inner_for_rows(config, pk))
+    labels = shard.shift_labels.reshape(-1)
+    scored = labels != -100
+    index = scored.nonzero().squeeze(-1)
+    hooked = ScoredHead.of(model, parts, labels[index], temperature=temperature, chunk_rows=chunk_rows,
+                           with_entropy=entropy is not None, support=None, fp32=head_fp32)
     if parts is not None:
         feats = parts[0](input_ids=shard.input_ids, **shard.forward_kwargs()).last_hidden_state
     else:
-        feats = model(input_ids=shard.input_ids, **shard.forward_kwargs()).logits
-    labels = shard.shift_labels.reshape(-1)
-    scored = labels != -100
-    flat = feats.reshape(-1, feats.shape[-1])[scored]
-    head = parts[1] if parts is not None else None
-    fp32 = head_fp32 and head is not None
-    no_autocast = torch.autocast(flat.device.type, enabled=False) if fp32 else contextlib.nullcontext()
-    with _whole_head(head) as head_fn, no_autocast:
-        lp, ent, _ = chunked_token_logprobs(flat.float() if fp32 else flat, labels[scored], head_fn,
-                                            temperature=temperature, chunk_rows=chunk_rows,
-                                            with_entropy=entropy is not None)
+        with hooked.on(index) if hooked else contextlib.nullcontext():
+            feats = model(input_ids=shard.input_ids, **shard.forward_kwargs()).logits
+    flat = feats.reshape(-1, feats.shape[-1])[index]
+    lp, ent, _ = _head_values(flat, labels[index], parts[1] if parts else None, hooked, temperature=temperature,
+                              chunk_rows=chunk_rows, with_entropy=entropy is not None, support=None, head_fp32=head_fp32)
     values = [lp] if ent is None else [lp, ent]
     for v, out in zip(values, (logprobs, entropy)):
         local = torch.zeros(labels.shape, dtype=torch.float32, device=device)

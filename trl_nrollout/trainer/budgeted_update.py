@@ -1,13 +1,15 @@
 """Token-budgeted micro batches for the update (``use_dynamic_bsz`` / ``ppo_max_token_len_per_device``): the
 budget (explicit, or the default from the model and the device), each optimizer step's samples re-cut under it (as
 many micro batches on every rank), and the Trainer's ``compute_loss`` running a micro step's micro batches with the
-gradients held until the last. A mixin of ``PolicyUpdate``'s trainer (docs/training.md)."""
+gradients held until the last (under FSDP reduced every micro batch instead:
+:func:`~trl_nrollout.passes.budget.sync_each_micro_batch`). A mixin of ``PolicyUpdate``'s trainer
+(docs/training.md)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -18,11 +20,17 @@ from trl_nrollout.passes.budget import (
     BudgetedStep,
     budget_units,
     concat_batches,
+    logits_bytes_per_token,
+    logprob_pass_tokens,
     sample_lengths,
     select_rows,
     slot_sizes,
+    sync_each_micro_batch,
+    update_state_bytes,
     with_micro_tokens,
 )
+from trl_nrollout.passes.distributed import is_fsdp
+from trl_nrollout.passes.logprobs import plain_output_head
 from trl_nrollout.passes.padfree import (
     budget_count,
     budgeted_parts,
@@ -31,8 +39,12 @@ from trl_nrollout.passes.padfree import (
     split_to,
     unit_lengths,
 )
-from trl_nrollout.plan.activations import default_update_token_budget
-from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM
+from trl_nrollout.plan.activations import (
+    BUDGET_ROUNDING,
+    DEFAULT_ACTIVATION_FRACTION,
+    activation_bytes_per_token,
+    default_update_token_budget,
+)
 from trl_nrollout.plan.shapes import padfree_token_cap
 from trl_nrollout.trainer.update import loss_mask
 
@@ -42,10 +54,17 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class UpdateBudget:
     """The update's token budget per device: ``tokens``, and whether the user set it (a default grows to the
-    longest sample instead of refusing it)."""
+    longest sample instead of refusing it); ``logprob_tokens``: the log-prob passes' default budget, by their own bytes
+    per token (:func:`~trl_nrollout.passes.budget.logprob_pass_tokens`; None: ``tokens``)."""
 
     tokens: int
     explicit: bool  # a child of trl_nrollout.trainer: filtering that name filters all
+    logprob_tokens: int | None = None
+
+    @property
+    def passes(self) -> int:
+        """The log-prob passes' default token budget."""
+        return self.tokens if self.logprob_tokens is None else self.logprob_tokens
 
 
 class BudgetedMicroBatches:
@@ -56,21 +75,20 @@ class BudgetedMicroBatches:
         or with ``use_dynamic_bsz`` and no budget the default for this model and device
         (:func:`~trl_nrollout.plan.activations.default_update_token_budget`: half of what the device has left after
         the trainer's states, in activation bytes per token; on a CPU 16,384 tokens), said once in the log. The
-        old-policy and reference passes take it too where their size is a default."""
+        old-policy and reference passes take it too where their size is a default, lowered where their forward keeps
+        whole logits (``logprob_tokens``). The states count the whole model even where ZeRO-3 has partitioned it at
+        load (``zero3_init_flag``: :func:`~trl_nrollout.passes.budget.full_numel`). Under FSDP the Trainer's micro
+        steps reduce their gradients each (:meth:`_fsdp_gradients_each_micro_batch`), as the budget assumes."""
+        self._fsdp_gradients_each_micro_batch()
         args = self.args
         if not args.use_dynamic_bsz:
             return None
         if args.ppo_max_token_len_per_device is not None:
             return UpdateBudget(args.ppo_max_token_len_per_device, explicit=True)
         inner = self.accelerator.unwrap_model(self.model)
-        params = list(inner.parameters())
-        total = sum(p.numel() for p in params)
-        trainable = sum(p.numel() for p in params if p.requires_grad)
-        weight_bytes = params[0].element_size() if params else 2
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         sharded = (plugin is not None and plugin.zero_stage == 3) or self.is_fsdp_enabled
-        state = (total * weight_bytes + trainable * (TRAIN_BYTES_PER_PARAM - 2)) // (
-            self.accelerator.num_processes if sharded else 1)  # grads, fp32 master and two Adam moments per trainable
+        total, state = update_state_bytes(inner.parameters(), self.accelerator.num_processes, sharded)
         device = self.accelerator.device
         memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         if memory is not None and not args.rollout_ranks and not args.vllm_enable_sleep_mode \
@@ -78,19 +96,38 @@ class BudgetedMicroBatches:
             memory = int(memory * (1 - args.vllm_gpu_memory_utilization))
         longest = self._prompt_length_hint() + (args.max_completion_length or 256)
         padfree = self._padfree_allowed(self.model)
+        dtype_bytes = 2 if (args.bf16 or args.fp16) else 4
         tokens = default_update_token_budget(
             inner.config.to_dict(), device_memory_bytes=memory, state_bytes_per_device=state, longest_sample=longest,
-            gradient_checkpointing=bool(args.gradient_checkpointing),
-            dtype_bytes=2 if (args.bf16 or args.fp16) else 4,
+            gradient_checkpointing=bool(args.gradient_checkpointing), dtype_bytes=dtype_bytes,
             # beyond it the rows' block mask is over its bound and the micro batch would run padded (plan's rule);
             # varlen rows have no mask
             max_tokens=padfree_token_cap(longest) if padfree and memory is not None
             and not self._rows_varlen(self.model) else None)
+        text = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+        passes = logprob_pass_tokens(
+            tokens, room_bytes=None if memory is None else memory - state, longest_sample=longest,
+            activation_bytes_per_token=activation_bytes_per_token(
+                inner.config.to_dict(), dtype_bytes=dtype_bytes, gradient_checkpointing=bool(args.gradient_checkpointing)),
+            logits_bytes=logits_bytes_per_token(text.vocab_size, dtype_bytes, plain_output_head(inner) is not None),
+            fraction=DEFAULT_ACTIVATION_FRACTION, rounding=BUDGET_ROUNDING)
         if self.accelerator.is_main_process:
             where = "a CPU" if memory is None else f"{memory / 2**30:.0f} GiB of {device.type} memory"
             logger.info("use_dynamic_bsz: ppo_max_token_len_per_device=%d by default (%d parameters, %s; "
                         "`trl-nrollout plan` prints the same); set it to change.", tokens, total, where)
-        return UpdateBudget(tokens, explicit=False)
+            if passes < tokens:
+                logger.info("use_dynamic_bsz: the log-prob passes take %d tokens per forward by default (their "
+                            "forward keeps whole [tokens, %d] logits); set log_prob_max_token_len_per_device to "
+                            "change.", passes, text.vocab_size)
+        return UpdateBudget(tokens, explicit=False, logprob_tokens=passes)
+
+    def _fsdp_gradients_each_micro_batch(self) -> None:
+        """Under FSDP (accelerate's, 1 or 2) every micro step reduce-scatters its gradients, as verl does
+        (:func:`~trl_nrollout.passes.budget.sync_each_micro_batch`: accelerate's ``sync_each_batch``, which the
+        Trainer reads before each micro step, in place of ``no_sync`` that would keep the unsharded gradients of the
+        whole model until the optimizer step's last micro step)."""
+        if sync_each_micro_batch(bool(getattr(self, "is_fsdp_enabled", False))):
+            self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
 
     def _budget_for(self, lengths: list[int]) -> int:
         """The budget one rank's samples are cut under: the configured one (a sample over it is an error naming the
@@ -209,16 +246,21 @@ class BudgetedMicroBatches:
 
     @contextmanager
     def _gradients_held(self, model) -> Iterator[None]:
-        """A micro batch that is not its micro step's last: no gradient sync and no optimizer step after its
-        backward, even at the accumulation boundary (accelerate's ``sync_gradients`` off: DeepSpeed neither reduces
-        as at a boundary nor steps; DDP / FSDP2 ``no_sync``). Off the boundary the Trainer already holds them."""
+        """A micro batch that is not its micro step's last: no optimizer step after its backward, even at the
+        accumulation boundary (accelerate's ``sync_gradients`` off: DeepSpeed neither reduces as at a boundary nor
+        steps), and no gradient sync (DDP ``no_sync``) but under FSDP, where each micro batch reduce-scatters its
+        gradients (:func:`~trl_nrollout.passes.budget.sync_each_micro_batch`: FSDP's ``no_sync`` would hold the whole
+        model's unsharded gradients, which the budget does not count). Off the boundary the Trainer already holds
+        them (but under FSDP: :meth:`_fsdp_gradients_each_micro_batch`)."""
         acc = self.accelerator
         if not acc.sync_gradients:
             yield
             return
         acc.gradient_state._set_sync_gradients(False)
+        held = nullcontext() if sync_each_micro_batch(
+            bool(getattr(self, "is_fsdp_enabled", False)) or is_fsdp(model)) else acc.no_sync(model)
         try:
-            with acc.no_sync(model):
+            with held:
                 yield
         finally:
             acc.gradient_state._set_sync_gradients(True)

@@ -149,8 +149,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         if self.update_budget is not None and old.max_token_len is None and old.source.startswith("default"):
             # the passes follow the update's budget where their size is a default (the reference pass, the old's)
             ref = self.layout.ref_log_prob
-            self.layout = replace(self.layout, old_log_prob=replace(old, max_token_len=self.update_budget.tokens),
-                                  ref_log_prob=replace(ref, max_token_len=self.update_budget.tokens)
+            self.layout = replace(self.layout, old_log_prob=replace(old, max_token_len=self.update_budget.passes),
+                                  ref_log_prob=replace(ref, max_token_len=self.update_budget.passes)
                                   if ref.max_token_len is None and ref.source.startswith("default") else ref)
         if args.balance_batch and self.layout.samples_per_rank % self.layout.rollout_n:
             raise ValueError(
