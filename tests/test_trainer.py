@@ -208,7 +208,8 @@ def zero2_dapo_run(tmp_path_factory):
 @pytest.mark.multiprocess
 def test_zero2_with_the_hf_engine(zero2_dapo_run):
     """The HF engine in two ZeRO-2 processes generates with the weights that train (ZeRO-2 keeps them whole on every
-    rank): its recorded log-probs are the trainer's at every step, after each update too, while the policy moves."""
+    rank): its recorded log-probs are the trainer's at every step, after each update too, while the policy moves.
+    Mutation tried: the engine records the log-probs of scores 1% sharper -> they differ by 1.3e-2."""
     run = zero2_dapo_run
     assert run["summary"]["processes"] == 2 and run["summary"]["steps"] == 3
     assert run["summary"]["rollout_backend"] == "hf"
