@@ -97,6 +97,12 @@ CONFIG_ERRORS = {
                                       ["rollout_enforce_eager=True"]),
     "ref_log_prob_max_token_len": (dict(ref_log_prob_max_token_len_per_device=0), 1,
                                    ["ref_log_prob_max_token_len_per_device=0", "positive integer"]),
+    # checks added after this file's first reading found them missing
+    "weight_sync_bucket_mb_zero": (dict(weight_sync_bucket_mb=0), 1, ["weight_sync_bucket_mb=0", ">= 1", "256"]),
+    "weight_sync_bucket_mb_fraction": (dict(weight_sync_bucket_mb=1.5), 1, ["weight_sync_bucket_mb=1.5", "whole"]),
+    "trl_importance_sampling_cap": (
+        dict(use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_cap=0.0), 1,
+        ["rollout_is_threshold=0.0", "vllm_importance_sampling_cap", "> 0"]),
 }
 
 

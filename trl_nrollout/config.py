@@ -374,6 +374,7 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
         self._check_choices()
         check_trl_options({f.name: getattr(self, f.name) for f in fields(GRPOConfig)})  # nothing silently ignored
         self._map_trl_options()
+        self._check_is_thresholds()  # TRL's importance-sampling bounds, mapped onto ours above
         self._resolve_decoupled_loss()
         if self.clip_ratio_low is not None:
             self.epsilon = self.clip_ratio_low

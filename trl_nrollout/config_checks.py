@@ -356,11 +356,21 @@ class ConfigChecks:
         if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
             raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
                              "samples, capped at 1024).")
+        bucket = self.weight_sync_bucket_mb
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+            raise InputError(f"weight_sync_bucket_mb={bucket!r} must be a whole number of MiB >= 1 (the most weights "
+                             "gathered and sent at once in a weight sync); e.g. 256, the default.")
+        self._check_is_thresholds()
+
+    def _check_is_thresholds(self) -> None:
+        """The rollout correction's bounds (run again after TRL's ``vllm_importance_sampling_*`` are mapped onto
+        them, so that a bad TRL value is named too)."""
         upper, lower = self.rollout_is_threshold, self.rollout_is_threshold_lower
+        trl = " (TRL's vllm_importance_sampling_cap / clip_max)" if getattr(self, "use_vllm", False) else ""
         if upper is not None and upper <= 0:
-            raise InputError(f"rollout_is_threshold={upper} must be > 0 (e.g. 2.0).")
+            raise InputError(f"rollout_is_threshold={upper}{trl} must be > 0 (e.g. 2.0).")
         if lower is not None and upper is not None and lower >= upper:
-            raise InputError(f"rollout_is_threshold_lower={lower} must be below rollout_is_threshold={upper}.")
+            raise InputError(f"rollout_is_threshold_lower={lower} must be below rollout_is_threshold={upper}{trl}.")
         if self.rollout_is is not None and self.rollout_is_mode == "truncate" and upper is None and lower is None:
             raise InputError("rollout_is_mode='truncate' needs rollout_is_threshold or rollout_is_threshold_lower; set "
                              "rollout_is_threshold=2.0.")

@@ -239,12 +239,14 @@ def split_world(rollout_ranks: int, rollout_tp_size: int = 1, timeout_s: float =
     ``PartialState``); :class:`~trl_nrollout.config.NRolloutConfig` calls it first thing.
     """
     global _BRIDGE
+    from trl_nrollout.errors import InputError
+
     if _BRIDGE is not None:
         if _BRIDGE.roles.rollout_ranks != rollout_ranks:
-            raise ValueError(f"rollout_ranks={rollout_ranks}, but this launch was already split with rollout_ranks="
-                             f"{_BRIDGE.roles.rollout_ranks}; one launch has one split.")
+            raise InputError(f"rollout_ranks={rollout_ranks}, but this launch was already split with rollout_ranks="
+                             f"{_BRIDGE.roles.rollout_ranks}; one launch has one split: build one NRolloutConfig per "
+                             "launch, with the same rollout_ranks.")
         return _BRIDGE
-    from trl_nrollout.errors import InputError
 
     if torch.distributed.is_initialized():
         raise InputError(
