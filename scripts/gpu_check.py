@@ -30,6 +30,16 @@ Sections (each reports ``status`` ok / failed with the error, so one failure doe
 9. ``varlen``: the same for varlen rows (no mask) through PyTorch's own flash-attention varlen kernel, which the
    trainer runs for an SDPA model on CUDA in half precision; whether the kernel ran; gradients.
 
+10. ``sp_nccl``: Ulysses on an NCCL group (a colocated GPU launch's default group has no CPU backend): the shared
+    shuffle without a collective, the exchange, the attention wrapped around sdpa / varlen / flash_attention_2 against
+    the plain model (``scripts/gpu_sections/sp_nccl.py``).
+11. ``budgets``: the log-prob pass's peak memory with the head applied to scored positions only against full-vocabulary
+    logits, at a token budget, for a model with Qwen2.5's vocabulary (``scripts/gpu_sections/budgets.py``).
+12. ``tied_head``: ``modules_to_save=["lm_head"]`` on a tied-embedding model is refused before anything trains
+    (``scripts/gpu_sections/tied_head.py``).
+
+It ends with a pass/fail table, one line per section. One H100: under 10 minutes.
+
 Each section names what it imports (``SECTIONS``); those whose modules are missing are reported as skipped, so a
 GPU machine with torch and transformers only (no TRL) runs sections 1-5.
 
@@ -777,7 +787,34 @@ SECTIONS = (
     ("training_rates", ("torch", "transformers"), check_training_rates),
     ("padding_free", ("torch", "transformers"), check_padding_free),
     ("varlen", ("torch", "transformers"), check_varlen),
+    # issue 62's GPU paths, one module each under scripts/gpu_sections/
+    ("sp_nccl", ("torch", "transformers"), lambda device, size: _section("sp_nccl", "check_sp_nccl")(device)),
+    ("budgets", ("torch", "transformers"), lambda device, size: _section("budgets", "check_budgets")(device)),
+    ("tied_head", ("torch", "transformers", "peft"), lambda device, size: _section("tied_head", "check_tied_head")(device)),
 )
+
+
+def _section(module: str, name: str):
+    """``scripts/gpu_sections/<module>.py``'s check function, loaded by path (the folder is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"gpu_sections_{module}", ROOT / "scripts/gpu_sections" / f"{module}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, name)
+
+
+def table(report: dict) -> str:
+    """The pass/fail table of a report: one line per section, its status, seconds and, for a failure, the error."""
+    rows = [(k, v) for k, v in report.items() if isinstance(v, dict) and "status" in v]
+    width = max((len(k) for k, _ in rows), default=7)
+    lines = [f"{'section'.ljust(width)}  status   seconds  note", "-" * (width + 40)]
+    for k, v in rows:
+        note = v.get("error", "") or (f"needs {', '.join(v['missing'])}" if v.get("missing") else "")
+        lines.append(f"{k.ljust(width)}  {v['status'].upper():<7}  {v.get('seconds', 0.0):7.1f}  {note[:100]}")
+    failed = sum(v["status"] == "failed" for _, v in rows)
+    lines.append(f"{len(rows) - failed} of {len(rows)} sections passed or skipped; {failed} failed")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -830,6 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items()}, indent=2, default=str)[:6000])
+    print(table(report), flush=True)
     ran = [v for v in report.values() if isinstance(v, dict) and "status" in v]
     return 0 if all(v["status"] in ("ok", "skipped") for v in ran) else 1
 

@@ -40,6 +40,13 @@ def test_gpu_check_dry_run(tmp_path):
     assert rates["status"] == "ok" and 0 < rates["mfu_train"] <= 1 and 0 < rates["mfu_attention"] <= 1
     assert rates["seconds_per_pair"] > 0 and rates["optimizer_bw"] > 0 and rates["profile"] is None  # no named CPU
     assert report["padding_free"]["status"] == "ok"  # its numbers: test_sections_whose_modules_are_missing...
+    # issue 62's GPU paths: Ulysses on a one-rank group (gloo here, nccl on the GPU), the scored-rows head's memory,
+    # the tied-head refusal
+    sp = report["sp_nccl"]
+    assert sp["status"] == "ok", sp
+    assert report["budgets"]["status"] == "ok", report["budgets"]
+    tied = report["tied_head"]
+    assert tied["status"] == "ok" and tied["shared_accepted"] and tied["untied_accepted"], tied
 
 
 @pytest.mark.slow  # padding_free runs flex_attention in a child process
