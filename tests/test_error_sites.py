@@ -433,3 +433,29 @@ def test_rollout_ranks_after_torch_distributed_started_say_to_build_the_config_f
     finally:
         torch.distributed.destroy_process_group()
     _says(str(err.value), "rollout_ranks=1", "already started", "build NRolloutConfig first")
+
+
+def test_a_cpu_trainer_is_refused_beside_cuda_engines(tmp_path, monkeypatch):
+    """``use_cpu=True`` where vLLM runs on CUDA (the CPU default recipe on a GPU machine) is refused, naming both and
+    the fix; the HF engine, a trainer on the GPU, or vLLM on the CPU are accepted. CUDA cannot run here: torch's
+    ``cuda.is_available`` and vLLM's platform are stood in (a mock of the GPU machine, said here)."""
+    from trl_nrollout.config_checks import cpu_trainer_cuda_engine_refusal
+    from trl_nrollout.rollout import platform
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(platform, "vllm_available", lambda: True)
+    monkeypatch.setattr(platform, "is_cpu_platform", lambda: False)
+    why = cpu_trainer_cuda_engine_refusal(True, "auto")
+    _says(why, "use_cpu=True", "on CUDA", "rollout_backend='auto'", "--use_cpu false", "rollout_backend='hf'")
+    assert cpu_trainer_cuda_engine_refusal(True, "hf") is None
+    assert cpu_trainer_cuda_engine_refusal(False, "vllm") is None
+    monkeypatch.setattr(platform, "is_cpu_platform", lambda: True)
+    assert cpu_trainer_cuda_engine_refusal(True, "vllm") is None
+
+
+def test_the_config_runs_the_cpu_trainer_check(tmp_path, monkeypatch):
+    from trl_nrollout import config_checks
+
+    monkeypatch.setattr(config_checks, "cpu_trainer_cuda_engine_refusal", lambda use_cpu, backend: f"refused {backend}")
+    with pytest.raises(InputError, match="refused vllm"):
+        _config(NRolloutConfig, tmp_path, rollout_backend="vllm")

