@@ -34,6 +34,21 @@ BENCHMARKS: list[str] = [
     "func_groups.py",
 ]
 
+#: The benchmark scripts ``make bench`` does not run, each run alone (``python benchmarks/NAME``, its own options) and
+#: why: several real launches, long runs, or a machine-sized check. ``--list`` prints them too.
+APART: dict[str, str] = {
+    "agent_barrier.py": "agents through the endpoint vs a turn barrier: its own --repeats, no --quick",
+    "agent_learning.py": "a learning curve of an agent with tools (minutes of training), no --quick",
+    "lora_curves.py": "reward curves of the two LoRA sync modes (several full trainings)",
+    "lora_sync.py": "LoRA sync timing on the medium model (long engine builds)",
+    "lora_sync_ranks.py": "LoRA sync to a rollout rank: one real 2-process launch per mode, no --quick",
+    "padding_free.py": "the padding-free forward at long-tailed lengths: its own sizes, no --quick",
+    "rollout_ranks.py": "real ZeRO-3 launches of the recipe (one-step-off vs synchronous vs colocated), about 20 minutes",
+    "rollout_ranks_user_size.py": "a user-sized job (1.08 M tokens) through the rollout ranks' transport, no --quick",
+    "sp_memory.py": "Ulysses memory per rank, 2-process launches, no --quick",
+    "store_load.py": "the launcher store under many waiting ranks: a machine-sized check, no --quick",
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -66,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         code = subprocess.run(cmd, cwd=HERE.parent).returncode
         results.append((name, "ok" if code == 0 else f"failed (exit {code})", time.perf_counter() - start))
 
-    if not args.list:
+    if args.list:
+        for name, why in APART.items():
+            print(f"[run_all] not in make bench: python benchmarks/{name}  ({why})", flush=True)
+    else:
         print("\n[run_all] summary")
         for name, status, seconds in results:
             print(f"  {name:<32} {status:<18} {seconds:7.1f} s")

@@ -105,3 +105,18 @@ def test_the_readmes_benchmark_figures_are_docs_benchmarks():
     assert f"({rollout[1]}-{rollout[2]} TRL's generation throughput at 512-token prompts and n = 12" in flat
     assert f"at 512-token prompts and n = 8 a whole step took {step[1]} TRL's" in flat
     assert f"at a 512-token cap ran {rows[1]} faster than padded" in flat
+
+
+def test_every_benchmark_script_is_run_by_make_bench_or_named_apart_and_the_docs_say_which():
+    """Each script of benchmarks/ is in run_all.py's BENCHMARKS (``make bench``) or its APART (run alone, with why),
+    and a figure the docs say comes from a script "in `run_all.py`" names one of BENCHMARKS."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks/run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - {"run_all.py", "common.py"}
+    assert not set(run_all.BENCHMARKS) & set(run_all.APART)
+    assert scripts == set(run_all.BENCHMARKS) | set(run_all.APART), scripts ^ (set(run_all.BENCHMARKS) | set(run_all.APART))
+    claims = re.findall(r"benchmarks/(\w+\.py)[^`]*`\s*\(in `run_all\.py`\)", (ROOT / "docs/benchmarks.md").read_text())
+    assert claims and all(c in run_all.BENCHMARKS for c in claims), claims
