@@ -301,8 +301,10 @@ def test_each_rank_serves_its_own_episodes(tmp_path, config, tp):
     trainer's log-probs of every row equal the engines'). At TP=2 both ranks add each other's requests to their
     engine in the same order (it would hang or mix tokens otherwise), and its CPU shared-memory segments are its own
     (trl_nrollout/rollout/cpu_shm.py): it starts while the names vLLM gives every run on a machine and another live
-    run's are taken, and leaves them, and removes what a dead run left (mutations: no identity hook -> "create shm in
-    SHMManager failed. errno: 17"; every `trln` segment removed -> the live run's are gone)."""
+    run's are taken, and leaves them, and removes what a dead run left (mutation: every `trln` segment removed -> the
+    live run's are gone). Where vLLM's CPU build has its shared-memory ops (not the AVX2 build of the project's 2-core
+    machines, whose TP group falls back to torch.distributed), no identity hook fails the start ("create shm in
+    SHMManager failed. errno: 17")."""
     import contextlib
     import json
     import os
