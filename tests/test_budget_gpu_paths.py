@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, torchrun
 from trl_nrollout.passes.budget import (
     full_numel,
     logits_bytes_per_token,
@@ -164,9 +163,8 @@ def test_fsdp1_and_fsdp2_passes_never_build_whole_logits(tiny_model_path, tmp_pa
     and the log-probs equal the unsharded model's full forward; the control pass (the whole logits, as before the
     fix) makes ``[rows, positions, V]`` logits, so the watch would see them. Mutation: ``ScoredHead.of`` returning
     None -> every layout's largest tensor is the whole logits and the test fails."""
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    run_cmd([torchrun, "--nproc_per_node", "2", str(ROOT / "tests/dist/scored_head_dist.py"), tiny_model_path,
-             str(tmp_path)], timeout=300, env={"ACCELERATE_USE_CPU": None})
+    run_cmd([*torchrun(2), str(ROOT / "tests/dist/scored_head_dist.py"), tiny_model_path, str(tmp_path)], timeout=300,
+            env={"ACCELERATE_USE_CPU": None})
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         chunk_elements = res["chunk"] * res["vocab"]

@@ -111,7 +111,8 @@ def test_suggests_command_trains_the_layout_it_planned(tmp_path, capsys, recipe)
     launch = {"--accelerate_config", "--num_processes"}
     rest = [a for i, a in enumerate(argv[2:]) if a not in launch and argv[2:][i - 1] not in launch]
     resolved, kind = recipe._resolve_recipe(rest)
-    _, cfg = recipe._parse(resolved, recipe._config_class(kind))
+    script, cfg = recipe._parse(resolved, recipe._config_class(kind))
+    assert script.max_prompt_length == 256  # the recipe's check of the prompts plan priced
     planned = dict(zip(argv[::2], argv[1::2], strict=False)) | dict(zip(argv[1::2], argv[2::2], strict=False))
     assert cfg.max_completion_length == 4096
     assert cfg.rollout_tp_size == int(planned["--rollout_tp_size"])
@@ -155,3 +156,27 @@ def test_suggest_searches_the_engines_memory_fraction_and_sleep_mode(capsys):
     fixed = json.loads(capsys.readouterr().out)["ranked"]
     assert all("gpu_memory_utilization" not in c["options"] for c in fixed)
     assert ranked[0]["prediction"]["total_s"] < fixed[0]["prediction"]["total_s"]
+
+
+def test_the_recipe_refuses_prompts_longer_than_max_prompt_length(tiny_model_path):
+    """``max_prompt_length``, the plan's key, is the recipe's too: a dataset prompt longer (in tokens, after the chat
+    template) is an error naming the rows and the longest, before the model loads; within it, nothing is said."""
+    from trl_nrollout.errors import DatasetError
+    from trl_nrollout.recipe.data import check_prompt_lengths
+
+    prompts = ["one two", [{"role": "user", "content": "three " * 40}], "four"]
+    with pytest.raises(DatasetError, match=r"1 prompt longer than max_prompt_length=20 tokens \(rows 1,"):
+        check_prompt_lengths(prompts, tiny_model_path, 20)
+    check_prompt_lengths(prompts, tiny_model_path, 400)
+    with pytest.raises(ValueError, match="max_prompt_length=0 must be a whole number"):
+        check_prompt_lengths(prompts, tiny_model_path, 0)
+
+
+def test_the_recipe_checks_max_prompt_length_before_the_model_loads(recipe, tmp_path, monkeypatch):
+    """The recipe runs the check on its dataset (the embedded default's digit prompts are longer than 2 tokens) and
+    stops before any model is built. Fails when the recipe does not call the check."""
+    from trl_nrollout.errors import DatasetError
+
+    monkeypatch.setattr(recipe, "_trainer_class", lambda kind: pytest.fail("the model was to be loaded"))
+    with pytest.raises(DatasetError, match="longer than max_prompt_length=2 tokens"):
+        recipe.main(["--max_prompt_length", "2", "--output_dir", str(tmp_path / "out"), "--max_steps", "1"])

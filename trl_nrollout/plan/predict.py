@@ -453,7 +453,7 @@ TRAIN_NAMES = {"max_num_seqs": "rollout_max_num_seqs", "dtype": "rollout_dtype",
                "gpu_memory_utilization": "vllm_gpu_memory_utilization"}
 #: plan options that only describe the machine or the workload to the planner: no training option carries them
 PLAN_ONLY = ("num_processes", "n_gpus_per_node", "nnodes", "gpu_memory_gib", "device", "prompt_tokens_mean",
-             "completion_tokens_mean", "trainer_sharding", "max_prompt_length")
+             "completion_tokens_mean", "trainer_sharding")
 
 
 def train_flags(options: dict[str, Any]) -> list[str]:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from trl_nrollout.builtin import digits_dataset
-from trl_nrollout.errors import DatasetError
+from trl_nrollout.errors import DatasetError, InputError
 
 _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 #: What a recipe's dataset must look like (every dataset error ends with it).
@@ -122,3 +122,31 @@ def as_chat(prompt, system_prompt: str) -> list[dict]:
     if isinstance(prompt, list):
         return prompt
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": str(prompt)}]
+
+
+def check_prompt_lengths(prompts: Iterable, model: str, limit: int, *, source: str = "the training dataset") -> None:
+    """Refuse prompts longer than ``max_prompt_length=limit`` tokens of ``model``'s tokenizer (a chat prompt with
+    its chat template and the generation prompt, as the engines see it), naming the rows and the longest."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InputError(f"max_prompt_length={limit!r} must be a whole number of tokens >= 1 (the longest prompt), "
+                         "or unset.")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lengths = []
+    for prompt in prompts:
+        if isinstance(prompt, list):
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tokenizer(str(prompt))["input_ids"]
+        lengths.append(len(ids))
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if not over:
+        return
+    rows = ", ".join(str(i) for i in over[:_SHOWN]) + (f" and {len(over) - _SHOWN} more" if len(over) > _SHOWN else "")
+    raise DatasetError(
+        f"{source}: {len(over)} prompt{'s' if len(over) > 1 else ''} longer than max_prompt_length={limit} tokens "
+        f"(rows {rows}, counting from 0; the longest {max(lengths)} tokens). Raise max_prompt_length to "
+        f"{max(lengths)} (and plan with it), or filter the dataset to shorter prompts.")
+

@@ -45,7 +45,7 @@ from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.config_checks import agent_dependencies_refusal, lora_sync_refusal
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.recipe_file import read_recipe
-from trl_nrollout.recipe.data import load_prompts
+from trl_nrollout.recipe.data import check_prompt_lengths, load_prompts
 from trl_nrollout.recipe.hub import parse_hub_ref, resolve_config
 from trl_nrollout.recipe.report import end_progress_bars, write_report
 from trl_nrollout.recipe.rewards import resolve_import, resolve_reward
@@ -133,6 +133,10 @@ class ScriptArguments:
         "help": "LoRA dropout, in [0, 1) (with use_peft). 0 by default: the engines sample without dropout, so "
                 "dropout in training makes the trainer's log-probs disagree with theirs (the recipe also defaults "
                 "disable_dropout to true)."})
+    max_prompt_length: int | None = field(default=None, metadata={
+        "help": "Longest prompt in tokens (after the chat template), the length `trl-nrollout plan` prices: a longer "
+                "prompt in the dataset is an error naming its rows, before the model loads (TRL 1.16 does not "
+                "truncate prompts). None: no check."})
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Modules given adapters, e.g. q_proj v_proj, or all-linear (with use_peft; default: PEFT's "
                 "choice for the architecture)."})
@@ -336,6 +340,9 @@ def _train(argv: list[str] | None, built: list) -> dict:
                            prompt_column=script_args.dataset_prompt_column,
                            num_builtin=script_args.dataset_num_prompts, seed=training_args.seed,
                            config=script_args.dataset_config, system_prompt=script_args.dataset_system_prompt)
+    if script_args.max_prompt_length is not None:
+        check_prompt_lengths(dataset["prompt"], resolve_model(script_args.model_name_or_path),
+                             script_args.max_prompt_length, source=f"dataset_name={script_args.dataset_name!r}")
     history = RewardHistory()
     stopper = SaveAndStopOnSignal()
     trainer = _trainer_class(kind)(
