@@ -95,40 +95,64 @@ def test_lora_parameters_are_pefts_all_linear_count():
 def test_the_documented_rollout_ranks_predict_answers(capsys):
     """The command docs/backends.md documents (8 processes, 2 rollout ranks, 60 prompts: a batch the colocated
     comparison cannot split over 8 engines) answers instead of exiting 2; the comparison is left out with the
-    reason. A split whose trainers' micro batches do not fit says so with the budget that does."""
+    reason. A split whose trainers' micro batches do not fit (a rank's whole mini batch per forward, given) says so
+    with the budget that does; without the micro batch, verl's batch fields are budgeted by default (the trainer's
+    use_dynamic_bsz default) and the same split fits."""
     code, out, err = run(capsys, "--num-processes", "8", "--rollout-ranks", "2", "--train-batch-size", "60",
                          "--rollout-n", "12", "--model", "Qwen/Qwen2.5-7B-Instruct", "--device", "h100", "--no-memory",
                          "--predict", "--trainer-sharding", "zero3", "--use-dynamic-bsz")
     assert code == 0, err
     assert "the same 8 devices colocated are not compared: train_batch_size=60 is not divisible" in out
     assert "this recipe (max_staleness=1)" in out
-    code, out, err = run(capsys, "--num-processes", "16", "--nnodes", "2", "--rollout-ranks", "8", "--rollout-tp-size",
-                         "2", "--train-batch-size", "64", "--rollout-n", "16", "--model", "Qwen/Qwen2.5-7B-Instruct",
-                         "--device", "h100", "--no-memory", "--predict", "--trainer-sharding", "zero3",
-                         "--max-prompt-length", "200", "--max-completion-length", "1024")
+    split = ["--num-processes", "16", "--nnodes", "2", "--rollout-ranks", "8", "--rollout-tp-size", "2",
+             "--train-batch-size", "64", "--rollout-n", "16", "--model", "Qwen/Qwen2.5-7B-Instruct", "--device", "h100",
+             "--no-memory", "--predict", "--trainer-sharding", "zero3", "--max-prompt-length", "200",
+             "--max-completion-length", "1024"]
+    code, out, err = run(capsys, *split, "--ppo-micro-batch-size-per-device", "128")
     assert code == 3 and "the trainer binds first" in err and "the whole device" in err
-    assert "Fix: use_dynamic_bsz (its default budget here: ppo_max_token_len_per_device" in err
+    budget = re.search(r"Fix: use_dynamic_bsz \(its default budget here: ppo_max_token_len_per_device (\d+)\)",
+                       err).group(1)
+    code, out, err = run(capsys, *split)
+    assert code == 0 and err == "" and f"dynamic (use_dynamic_bsz): <= {int(budget):,} real tokens" in out
 
 
 # ---------------------------------------------------------------------------------------------- --suggest
 def test_suggest_searches_sharding_and_the_update_budget_and_prints_the_command(capsys):
-    """The 7B example: nothing fits with a rank's whole mini batch per forward unsharded; --suggest tries ZeRO-2 and
-    ZeRO-3 and the trainer's default budget, ranks what fits, names each candidate's accelerate config, and prints
-    the command of the first."""
+    """The 7B example: unsharded nothing fits (AdamW's states alone exceed a device); --suggest tries ZeRO-2 and
+    ZeRO-3, the trainer's default budget and the engine's memory fraction and sleep mode, ranks what fits within
+    each candidate's own engine share (the engine within its gpu_memory_utilization of the device, the trainer
+    within what the engine leaves, or the whole device where the engine sleeps), names each candidate's accelerate
+    config, and prints the command of the first: the shipped accelerate config, --config, the plan's own flags and
+    the layout's, under the trainer's names."""
     code, out, _ = run(capsys, *ARTICLE, "--suggest", "--json")
     d = json.loads(out)
     assert code == 0 and d["ranked"]
+    device = 80 * 2**30
     for c in d["ranked"]:
-        o = c["options"]
+        o, p = c["options"], c["prediction"]
         assert o["trainer_sharding"] in ("zero2", "zero3") and o["accelerate_config"].endswith(
-            f"{o['trainer_sharding']}.yaml") and o["use_dynamic_bsz"] is True
-        p = c["prediction"]
-        assert p["trainer_bytes"] <= 0.7 * 80 * 2**30 and p["engine_bytes"] <= 0.3 * 80 * 2**30
+            f"{o['trainer_sharding']}.yaml")
+        util = o.get("gpu_memory_utilization", COLOCATED_GPU_MEMORY_UTILIZATION)
+        assert p["engine_bytes"] <= util * device
+        assert p["trainer_bytes"] <= (1 if o.get("vllm_enable_sleep_mode") else 1 - util) * device
+    assert {c["options"].get("gpu_memory_utilization") for c in d["ranked"]} == {0.3, 0.5, 0.7}
+    assert any(c["options"].get("use_dynamic_bsz") for c in d["ranked"])
+    assert not any(c["options"].get("trainer_sharding") == "none" for c in d["ranked"])
     assert any(c["options"].get("trainer_sharding") == "none" for c in d["refused"])
     code, out, _ = run(capsys, *ARTICLE, "--suggest")
     first = d["ranked"][0]["options"]
-    assert (f"run the first: trl-nrollout train --accelerate_config {first['trainer_sharding']} --num_processes 6 "
-            f"--rollout_tp_size {first['rollout_tp_size']}") in out
+    line = next(x for x in out.splitlines() if x.startswith("run the first: "))
+    assert line.startswith(f"run the first: trl-nrollout train --accelerate_config {first['trainer_sharding']} "
+                           "--num_processes 6 --config YOUR_RECIPE.yaml ")
+    for flag in ("--train_batch_size 60", "--model_name_or_path Qwen/Qwen2.5-7B",
+                 f"--rollout_tp_size {first['rollout_tp_size']}", f"--rollout_n {first['rollout_n']}",
+                 f"--rollout_max_num_seqs {first['max_num_seqs']}",
+                 f"--vllm_gpu_memory_utilization {first['gpu_memory_utilization']}",
+                 f"--vllm_enable_sleep_mode {str(first['vllm_enable_sleep_mode']).lower()}"):
+        assert f" {flag} " in f"{line} ", flag
+    if first.get("use_dynamic_bsz"):
+        assert f" --ppo_max_token_len_per_device {first['ppo_max_token_len_per_device']}" in line
+    assert "--device" not in line and "--num-processes" not in line  # the planner's own options stay out
     # a sharding the user fixed is the only one tried
     code, out, _ = run(capsys, *ARTICLE, "--suggest", "--json", "--trainer-sharding", "zero3")
     assert {c["options"].get("trainer_sharding") for c in json.loads(out)["ranked"]} == {None}

@@ -61,17 +61,29 @@ def test_plan_prints_the_groups_share():
     assert "sequence parallel  2 ranks per group (Ulysses): each computes and holds 1/2" in out.getvalue()
 
 
-def test_suggest_proposes_sequence_parallelism_where_a_sample_fits_no_device_whole(capsys):
-    """A 32k-token sample of a 0.5B model on 4 GiB devices: no layout fits with whole samples per device (ZeRO-3 and
-    its optimizer offload included); split over 2 ranks it does, and --suggest says so and gives the launch."""
+def test_suggest_proposes_sequence_parallelism_where_a_sample_fits_no_device_whole(capsys, tmp_path):
+    """A 32k-token sample of a 0.5B model on 4 GiB devices beside an engine that stays awake (the recipe's
+    vllm_enable_sleep_mode false): no layout fits with whole samples per device (ZeRO-3 and its optimizer offload
+    included, at each engine fraction searched); split over 2 ranks it does, and --suggest says so and gives the
+    launch. Left to the trainer, the engine sleeping gives the trainer the whole device and whole samples fit."""
+    import re
+
     from trl_nrollout.cli import main
 
+    awake = tmp_path / "awake.yaml"
+    awake.write_text("vllm_enable_sleep_mode: false\n")
     args = ["plan", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--num-processes", "2", "--train-batch-size", "2",
             "--rollout-n", "2", "--device", "h100", "--gpu-memory-gib", "4", "--suggest", "--max-prompt-length", "512",
             "--max-completion-length", "32000", "--prompt-tokens-mean", "300", "--completion-tokens-mean", "20000"]
-    main(args)
+    main([*args, "--config", str(awake)])
     out = capsys.readouterr().out
-    assert "(1 fit," in out and "zero3_offload sp2" in out and "--sequence_parallel_size 2" in out
+    fit = int(re.search(r"\((\d+) fit,", out).group(1))
+    rows = [line for line in out.splitlines() if re.match(r"\s+\d+\s+\d+\s+\d+ ", line)]
+    assert fit >= 1 and len(rows) == fit and all("zero3_offload sp2" in line for line in rows), out
+    assert "--sequence_parallel_size 2" in out and "--vllm_enable_sleep_mode" not in out
     assert "no layout fits with whole samples on each device: sequence_parallel_size=2" in out
-    main([*args, "--sequence-parallel-size", "1"])  # S fixed by the user: not searched
+    main([*args, "--config", str(awake), "--sequence-parallel-size", "1"])  # S fixed by the user: not searched
     assert "(0 fit," in capsys.readouterr().out
+    main(args)  # sleep mode searched: whole samples fit while the engine sleeps, no split needed
+    out = capsys.readouterr().out
+    assert "sp2" not in out and "--vllm_enable_sleep_mode true" in out

@@ -164,13 +164,18 @@ NEMO_FLAGS = ["--num-processes", "16", "--train-batch-size", "64", "--rollout-n"
 
 
 def test_plan_prints_the_update_rule_and_the_default_budget(capsys, tmp_path):
-    """Without a budget: the count-based rule. With --use-dynamic-bsz and a device: the default budget (the model's
-    activations per token, the trainer's free memory beside the colocated engine at its 0.3), and the log-prob
-    passes take it; on a CUDA profile the rows run varlen attention (no mask, no cap), on a profile whose rows take
-    a block mask the mask's bound caps it; --json says the same. Mutation: the cap applied under varlen too ->
-    the H100's budget is 18,432, the test fails."""
+    """Count-based micro batches where asked for (use_dynamic_bsz false, or an update micro batch given): the
+    count-based rule. verl's batch fields without a micro batch: token-budgeted by default, as the trainer's config
+    resolves use_dynamic_bsz. With --use-dynamic-bsz and a device: the default budget (the model's activations per
+    token, the trainer's free memory beside the colocated engine at its 0.3), and the log-prob passes take it; on a
+    CUDA profile the rows run varlen attention (no mask, no cap), on a profile whose rows take a block mask the
+    mask's bound caps it; --json says the same. Mutation: the cap applied under varlen too -> the H100's budget is
+    18,432, the test fails."""
+    for count in (["--use-dynamic-bsz", "false"], ["--ppo-micro-batch-size-per-device", "32"]):
+        code, out, _ = run(capsys, *NEMO_FLAGS, *count)
+        assert code == 0 and "update micro batch           32 sequences per device per forward" in out, count
     code, out, _ = run(capsys, *NEMO_FLAGS)
-    assert code == 0 and "update micro batch           32 sequences per device per forward" in out
+    assert code == 0 and "update micro batch           dynamic (use_dynamic_bsz): <= ? real tokens" in out
     code, out, _ = run(capsys, *NEMO_FLAGS, "--use-dynamic-bsz", "--device", "h100")
     assert code == 0
     # unsharded, an 8B's states (16 B per parameter) exceed what the engine leaves: the floor, the longest sample
@@ -215,14 +220,15 @@ def _masked_h100(tmp_path) -> str:
 def test_plan_predict_prices_the_budgeted_update(capsys, tmp_path):
     """``--predict`` with a budget runs padding-free micro batches of the budget's size (the update row says so)
     and predicts a faster update than the count-based padded one on the same workload (a device whose rows take a
-    block mask: its rows' mask is over its bound, so the count-based micro batch runs padded). On the H100's own
-    profile the rows run varlen attention (no mask), so even the count-based micro batch runs them and fits."""
+    block mask: its rows' mask is over its bound, so the count-based micro batch, asked for with use_dynamic_bsz
+    false, runs padded). On the H100's own profile the rows run varlen attention (no mask), so even the count-based
+    micro batch runs them and fits."""
     common = ["--completion-tokens-mean", "1019", "--prompt-tokens-mean", "150", "--trainer-sharding", "zero3",
               "--gpu-memory-utilization", "0.6", "--max-num-seqs", "32", "--predict", "--json"]
-    code, out, _ = run(capsys, *NEMO_FLAGS, "--device", "h100", *common)
+    code, out, _ = run(capsys, *NEMO_FLAGS, "--device", "h100", *common, "--use-dynamic-bsz", "false")
     assert code == 0 and json.loads(out)["prediction"]["step"]["details"]["update_padfree"]
     flags = [*NEMO_FLAGS, "--device", _masked_h100(tmp_path), *common]
-    code, out, _ = run(capsys, *flags)
+    code, out, _ = run(capsys, *flags, "--use-dynamic-bsz", "false")
     count = json.loads(out)["prediction"]["step"]
     assert code == 3  # a rank's 32 samples padded to 4,096 per forward: 60 GiB of activations beside the engine
     code, out, _ = run(capsys, *flags, "--ppo-max-token-len-per-device", "16384")
