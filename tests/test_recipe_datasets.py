@@ -80,6 +80,7 @@ def test_every_recipe_loads_its_dataset_and_scores_it(path, monkeypatch):
     if args.dataset_system_prompt:
         assert ds[0]["prompt"][0] == {"role": "system", "content": args.dataset_system_prompt}
     columns = {c: ds[c] for c in ds.column_names if c != "prompt"}  # what TRL passes a reward besides completions
+    columns["completion_ids"] = [[1, 2, 3]] * len(ds)  # TRL passes every reward the completions' token ids too
     for spec in args.reward_funcs:
         reward = resolve_reward(spec)
         if "answer" in columns:  # a completion giving each row's reference answer scores 1.0

@@ -346,7 +346,8 @@ def short_answer_reward(completions: list, completion_ids: list, **kwargs) -> li
 
     ``completion_ids``: the completions' token ids (TRL passes them to every reward function)."""
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [float(0 < len(ids) <= SHORT_ANSWER_TOKENS and bool(text.strip())) for text, ids in zip(texts, completion_ids)]
+    return [float(0 < len(ids) <= SHORT_ANSWER_TOKENS and bool(text.strip()))
+            for text, ids in zip(texts, completion_ids, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------- tool task
