@@ -382,7 +382,16 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
                 if len(sleeps) > 1:
                     c.options["vllm_enable_sleep_mode"] = sleep
             found += part
-        fit_first = sorted((c for c in found if c.reason is None), key=lambda c: -c.prediction.samples_per_s)
+        fit_first, seen = [], set()
+        for c in sorted((c for c in found if c.reason is None), key=lambda c: -c.prediction.samples_per_s):
+            # the same layout at a larger engine share or with sleep mode, where that changes nothing (a KV cache
+            # that fits either way): the smallest share, awake, only
+            key = (tuple(sorted((k, v) for k, v in c.options.items()
+                                if k not in ("gpu_memory_utilization", "vllm_enable_sleep_mode"))),
+                   round(c.prediction.total_s, 9), c.prediction.engine_bytes, c.prediction.trainer_bytes)
+            if key not in seen:
+                seen.add(key)
+                fit_first.append(c)
         return fit_first + [c for c in found if c.reason is not None]
 
     found = run(shardings)

@@ -194,6 +194,8 @@ def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Wo
                             options.update(trainer_sharding=sharding, accelerate_config=SHARDING_CONFIGS[sharding])
                         if budget is not None and budget != work.update_token_budget:
                             options.update(use_dynamic_bsz=True, ppo_max_token_len_per_device=budget)
+                        elif try_dynamic_bsz and budget is None:  # the trainer's default would budget: say count
+                            options["use_dynamic_bsz"] = False
                         if rollout_ranks:
                             options["rollout_ranks"] = 0
                         pred = predict_step(dims, layout, replace(w, max_num_seqs=seqs, update_token_budget=budget),

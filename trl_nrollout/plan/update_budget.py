@@ -3,8 +3,8 @@ token-budgeted (``use_dynamic_bsz`` / ``ppo_max_token_len_per_device``, verl's n
 trainer takes when none is given (:func:`~trl_nrollout.plan.activations.default_update_token_budget`).
 
 The options resolve as the trainer's config resolves them (``NRolloutConfig._resolve_dynamic_bsz``):
-``use_dynamic_bsz`` None is on exactly when a budget is given; a budget with ``use_dynamic_bsz=False`` is a
-contradiction; with it on, the old-policy and reference passes take the same budget unless their own micro batches
+``use_dynamic_bsz`` None follows :func:`default_dynamic_bsz` (the trainer's rule); a budget with
+``use_dynamic_bsz=False`` is a contradiction; with it on, the old-policy and reference passes take the same budget unless their own micro batches
 are sized. Pure: no torch (a known model's dimensions come from :data:`~trl_nrollout.plan.models.KNOWN_CONFIGS`).
 """
 
