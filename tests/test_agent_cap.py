@@ -1,5 +1,5 @@
 """``agent_max_concurrent``: at most that many episodes' agents run at once on a rank (threads of a sync agent, tasks
-of an async one), the others wait their turn and all run; the default follows the engine's ``max_num_seqs``.
+of an async one), the others wait their turn and all run; the default is vLLM's default ``max_num_seqs`` (1024).
 The agents here make no call, so the endpoint is a stand-in with the three members the runner reads (no HTTP server
 or engine is needed to count concurrent agents)."""
 
@@ -79,7 +79,7 @@ def test_at_most_the_cap_run_at_once_and_every_episode_runs(kind):
     assert sorted(endpoint.closed) == sorted(r.key for r in records)
 
 
-def test_the_default_cap_is_the_engines_and_a_bad_one_names_the_option():
+def test_the_default_cap_is_vllms_max_num_seqs_and_a_bad_one_names_the_option():
     assert EpisodeRunner(lambda client, row: 0.0, timeout=1.0).max_running == DEFAULT_MAX_NUM_SEQS
     assert EpisodeRunner(lambda client, row: 0.0, timeout=1.0, max_running=64).max_running == 64
     with pytest.raises(ValueError, match="agent_max_concurrent=0 must be a whole number >= 1"):

@@ -322,8 +322,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "(code episode_limit) and the episode's reward is what its agent returns."})
     agent_max_concurrent: int | None = field(default=None, metadata={
         "help": "agent=: episodes whose agents run at once on a rank (threads, or tasks of an async agent); the rest "
-                "wait their turn. None: the engine's rollout_max_num_seqs (or its default, 1024), the sequences it "
-                "generates at once, so that no more agents wait on the engine than it can serve."})
+                "wait their turn. None: 1024, vLLM's default max_num_seqs here (under rollout_dispatch='balanced' a "
+                "rank also claims no more groups than its share of its engine's max_num_seqs plus one)."})
     agent_timeout_s: float = field(default=600.0, metadata={
         "help": "agent=: seconds an episode's agent may run; past it the episode is closed (its requests get errors) "
                 "and unscored (reward None), never waited for."})

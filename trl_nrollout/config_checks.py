@@ -314,7 +314,7 @@ class ConfigChecks:
                              "to the endpoint); e.g. agent_max_calls=32.")
         if self.agent_max_concurrent is not None and self.agent_max_concurrent < 1:
             raise InputError(f"agent_max_concurrent={self.agent_max_concurrent} must be >= 1 (episodes whose agents run "
-                             "at once on a rank), or unset for the engine's rollout_max_num_seqs; e.g. 256.")
+                             "at once on a rank), or unset for the default, 1024; e.g. 256.")
         if not self.agent_timeout_s > 0:
             raise InputError(f"agent_timeout_s={self.agent_timeout_s} must be > 0 (seconds an agent's episode may run "
                              "before it is closed and unscored); e.g. agent_timeout_s=600.")

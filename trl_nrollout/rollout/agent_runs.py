@@ -54,7 +54,7 @@ class EpisodeRunner:
         if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
                                         or max_running < 1):
             raise ValueError(f"agent_max_concurrent={max_running!r} must be a whole number >= 1 (episodes whose "
-                             "agents run at once on a rank), or None for the engine's rollout_max_num_seqs.")
+                             "agents run at once on a rank), or None for the default, 1024.")
         self.agent = agent
         self.timeout = timeout
         self.tools = list(tools)

@@ -317,8 +317,7 @@ class AgentRollouts:
         """What runs this trainer's episodes on an endpoint: the agents (:class:`EpisodeRunner`), or the
         ``rollout_func`` group by group (:class:`~trl_nrollout.rollout.func_pool.FuncRunner`)."""
         if self.rollout_func is None:
-            return EpisodeRunner(self.agent, self.args.agent_timeout_s, self.tools or (),
-                                 self.args.agent_max_concurrent or self.args.rollout_max_num_seqs)
+            return EpisodeRunner(self.agent, self.args.agent_timeout_s, self.tools or (), self.args.agent_max_concurrent)
         return FuncRunner(self.rollout_func, self, self.num_generations, self.rollout_engine.max_model_len,
                           self.args.max_completion_length, self.args.rollout_is is not None)
 

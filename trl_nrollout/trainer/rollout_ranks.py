@@ -57,7 +57,7 @@ class RolloutRanks(RemotePartialRollouts):
             if self.agent is not None or self._grouped_func:  # an endpoint on each rollout rank (its context)
                 settings["agent"]["endpoint"] = self._endpoint_settings(max_len)
                 settings["agent"]["timeout"] = args.agent_timeout_s
-                settings["agent"]["max_running"] = args.agent_max_concurrent or args.rollout_max_num_seqs
+                settings["agent"]["max_running"] = args.agent_max_concurrent
             if self._grouped_func:  # the rollout ranks' own rollout_func, checked as here
                 settings["agent"]["func"] = {"n": self.num_generations, "limit": args.max_completion_length,
                                              "need_logprobs": args.rollout_is is not None}
