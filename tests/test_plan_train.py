@@ -180,3 +180,21 @@ def test_the_recipe_checks_max_prompt_length_before_the_model_loads(recipe, tmp_
     monkeypatch.setattr(recipe, "_trainer_class", lambda kind: pytest.fail("the model was to be loaded"))
     with pytest.raises(DatasetError, match="longer than max_prompt_length=2 tokens"):
         recipe.main(["--max_prompt_length", "2", "--output_dir", str(tmp_path / "out"), "--max_steps", "1"])
+
+
+def test_the_readmes_gsm8k_trainer_figures_are_the_planners(capsys):
+    """The README's GPU section quotes the trainer's memory for gsm8k_qwen.yaml as `plan --predict --device h100`
+    prints it (issue 63: the README said 4-6 GiB where the planner says 8)."""
+    import re
+
+    from tests.conftest import ROOT
+
+    code = main(["plan", "--config", str(ROOT / "recipes/configs/gsm8k_qwen.yaml"), "--model-name-or-path",
+                 "Qwen/Qwen2.5-0.5B-Instruct", "--max-prompt-length", "256", "--gpu-memory-gib", "80",
+                 "--gpu-memory-utilization", "0.35", "--predict", "--device", "h100", "--no-memory"])
+    out = capsys.readouterr().out
+    assert code == 0
+    states, acts = re.search(r"trainer ([\d.]+) GiB \(weights, grads, Adam\) \+ ([\d.]+) GiB \(update activations\)",
+                             out).groups()
+    readme = (ROOT / "README.md").read_text()
+    assert f"{states} GiB for the 0.5 B weights, gradients and\nAdamW states, plus {acts} GiB" in readme
