@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import ROOT, run_cmd, torchrun
+from tests.dist.scored_head_dist import VocabWatch
 from trl_nrollout.passes.budget import (
     full_numel,
     logits_bytes_per_token,
@@ -44,22 +44,6 @@ def _tiny(**config):
                       num_key_value_heads=2, vocab_size=320, **config)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).float().eval()
-
-
-class _VocabWatch(TorchDispatchMode):
-    """The most elements of any new tensor (not a view: the head's transposed weight is one) whose last dimension is
-    ``vocab``."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab, self.most = vocab, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        view = any(r.alias_info is not None for r in func._schema.returns)
-        if not view and isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[-1] == self.vocab:
-            self.most = max(self.most, out.numel())
-        return out
 
 
 def _samples(n: int = 9, seed: int = 3):
@@ -103,7 +87,7 @@ def test_the_models_own_forward_scores_through_the_head_on_scored_rows_only(layo
     hook = model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0][..., 0].numel()))
     top = lambda logits, targets: logits.max(-1).values  # noqa: E731 - a support function of the whole row
     try:
-        with _VocabWatch(320) as watch:
+        with VocabWatch(320) as watch:
             got = compute_log_probs(model, prompts, completions, with_entropy=True, lean_head=False, chunk_rows=3,
                                     support=top, **layout)
     finally:

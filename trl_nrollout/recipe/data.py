@@ -103,13 +103,19 @@ def is_empty_prompt(prompt) -> bool:
     return prompt is None or (isinstance(prompt, str | list) and len(prompt) == 0)
 
 
+def _rows(indices: list[int]) -> str:
+    """The first rows of ``indices`` for a message (``3, 7, 9 and 12 more``)."""
+    shown = ", ".join(str(i) for i in indices[:_SHOWN])
+    return shown + (f" and {len(indices) - _SHOWN} more" if len(indices) > _SHOWN else "")
+
+
 def check_prompts(prompts: Iterable, *, source: str = "the training dataset") -> None:
     """Refuse a dataset with an empty prompt (vLLM refuses it only at the step that draws it: "The decoder prompt
     cannot be empty"; TRL's trainer fails there too), naming the rows. Cheap: no tokenizer."""
     empty = [i for i, p in enumerate(prompts) if is_empty_prompt(p)]
     if not empty:
         return
-    rows = ", ".join(str(i) for i in empty[:_SHOWN]) + (f" and {len(empty) - _SHOWN} more" if len(empty) > _SHOWN else "")
+    rows = _rows(empty)
     raise DatasetError(
         f"{source}: {len(empty)} empty prompt{'s' if len(empty) > 1 else ''} (row{'s' if len(empty) > 1 else ''} "
         f"{rows}, counting from 0); every prompt needs some text. Remove {'them' if len(empty) > 1 else 'it'} from the data, or "
@@ -144,7 +150,7 @@ def check_prompt_lengths(prompts: Iterable, model: str, limit: int, *, source: s
     over = [i for i, n in enumerate(lengths) if n > limit]
     if not over:
         return
-    rows = ", ".join(str(i) for i in over[:_SHOWN]) + (f" and {len(over) - _SHOWN} more" if len(over) > _SHOWN else "")
+    rows = _rows(over)
     raise DatasetError(
         f"{source}: {len(over)} prompt{'s' if len(over) > 1 else ''} longer than max_prompt_length={limit} tokens "
         f"(rows {rows}, counting from 0; the longest {max(lengths)} tokens). Raise max_prompt_length to "
