@@ -249,7 +249,7 @@ def test_the_launch_server_starts_once_and_stops_with_its_session(tmp_path):
 
 
 def _servers(sock: str) -> list[int]:
-    """The pids of the launch servers of ``sock`` that run."""
+    """The pids of the launch servers of ``sock`` that run (not their forked children)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -259,7 +259,15 @@ def _servers(sock: str) -> list[int]:
                 continue
             if b"serve" in argv and sock.encode() in argv and _running(int(entry.name)):
                 found.append(int(entry.name))
-    return found
+    # a server's forked child (a launch it is starting) carries the server's argv until it execs: not a server
+    return [pid for pid in found if _parent(pid) not in found]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, IndexError, ValueError):
+        return 0
 
 
 @pytest.fixture(autouse=True)
