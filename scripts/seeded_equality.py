@@ -46,7 +46,7 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "ranks_partial": (3, [*PARTIAL, "--rollout_ranks", "1", "--max_steps", "3"]),
 }
 #: logged values that measure time or this machine, not training
-TIMING = ("time", "wall", "wait", "second", "throughput", "per_s", "_s", "memory", "overlap", "speed", "rate")
+TIMING = ("time", "wall", "wait", "second", "throughput", "memory", "overlap", "speed", "tokens_per")
 
 
 def _port() -> str:
@@ -62,7 +62,7 @@ def _steps(history: list[dict]) -> list[dict]:
         if "loss" not in entry and "reward" not in entry:
             continue
         steps.append({k: v for k, v in entry.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                      and not any(t in k for t in TIMING)})
+                      and not k.endswith("_s") and not any(t in k for t in TIMING)})
     return steps
 
 
