@@ -46,7 +46,12 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "ranks_partial": (3, [*PARTIAL, "--rollout_ranks", "1", "--max_steps", "3"]),
 }
 #: logged values that measure time or this machine, not training
-TIMING = ("time", "wall", "wait", "second", "throughput", "memory", "overlap", "speed", "tokens_per")
+TIMING = ("time", "timing", "wall", "wait", "second", "throughput", "memory", "overlap", "speed", "tokens_per")
+
+
+def _timed(key: str) -> bool:
+    """Whether a logged value measures time or this machine (left out of records and comparisons)."""
+    return key.endswith("_s") or any(t in key for t in TIMING)
 
 
 def _port() -> str:
@@ -62,7 +67,7 @@ def _steps(history: list[dict]) -> list[dict]:
         if "loss" not in entry and "reward" not in entry:
             continue
         steps.append({k: v for k, v in entry.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                      and not k.endswith("_s") and not any(t in k for t in TIMING)})
+                      and not _timed(k)})
     return steps
 
 
@@ -125,11 +130,11 @@ def compare(a: Path, b: Path) -> bool:
         if len(x) != len(y):
             diffs.append(f"{len(x)} steps against {len(y)}")
         for i, (sx, sy) in enumerate(zip(x, y)):
-            for key in sorted(set(sx) | set(sy)):
+            for key in sorted(k for k in set(sx) | set(sy) if not _timed(k)):
                 u, v = sx.get(key), sy.get(key)
                 if u != v and not (isinstance(u, float) and isinstance(v, float) and math.isnan(u) and math.isnan(v)):
                     diffs.append(f"step {i + 1} {key}: {u} against {v}")
-        values = sum(len(s) for s in x)
+        values = sum(1 for s in x for k in s if not _timed(k))
         print(f"{path.stem}: {'equal' if not diffs else 'DIFFERENT'} ({len(x)} steps, {values} values)"
               + "".join(f"\n    {d}" for d in diffs[:12]))
         same &= not diffs

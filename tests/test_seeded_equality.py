@@ -30,7 +30,7 @@ def test_a_changed_value_is_found_and_timings_are_not_compared(tmp_path, capsys)
     step counts only -> the changed loss passes."""
     se = _script()
     history = [{"loss": 0.5, "reward": float("nan"), "step_time": 3.1, "flag": True, "epoch": 0.1},
-               {"loss": 0.25, "reward": 1.0, "rollout/wait_s": 0.2, "partial/aborted_samples": 3}, {"train_runtime": 9.0}]
+               {"loss": 0.25, "reward": 1.0, "rollout/wait_s": 0.2, "timing_s/gen": 0.1, "partial/aborted_samples": 3}, {"train_runtime": 9.0}]
     steps = se._steps(history)
     assert steps == [{"loss": 0.5, "reward": steps[0]["reward"], "epoch": 0.1}, {"loss": 0.25, "reward": 1.0, "partial/aborted_samples": 3}]
     a = _write(tmp_path / "a", steps)
