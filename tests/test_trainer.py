@@ -364,10 +364,17 @@ def test_peft_lora_with_kl_loss_and_vllm_sync(mode, tmp_path):
 @pytest.mark.vllm
 def test_a_step_at_a_users_size(tmp_path):
     """64 prompts x 8 samples per step with the vLLM engine (more prompt tokens than one vLLM scheduler step):
-    `make demo ARGS="--train_batch_size 64 --max_steps 2"` crashed on CPU in vLLM's partial-prefill bookkeeping."""
+    `make demo ARGS="--train_batch_size 64 --max_steps 2"` crashed on CPU in vLLM's partial-prefill bookkeeping.
+    Every one of the 512 samples a step comes back with its own tokens and the engine's log-probs of them: the
+    trainer's log-probs of the same tokens agree to float32 noise (the first step: the weights are the same).
+    Mutation tried: the engine's log-prob lists rotated by one sample in generate_engine -> the difference is
+    6.5 and the test fails."""
     run = launch(tmp_path, "--train_batch_size", "64", "--max_steps", "2", "--save_strategy", "no")
     assert run["summary"]["steps"] == 2 and run["summary"]["rollout_backend"] == "vllm"
     assert all(math.isfinite(h["loss"]) for h in run["steps"])
+    assert run["steps"][0]["rollout_corr/logprob_abs_diff_max"] < 1e-4
+    # 64 x 8 samples: each group's rewards vary or not; the job's groups are counted in the zero-std fraction
+    assert run["steps"][0]["frac_reward_zero_std"] * 64 == pytest.approx(round(run["steps"][0]["frac_reward_zero_std"] * 64))
 
 
 @pytest.mark.slow
