@@ -576,7 +576,7 @@ def test_the_decoupled_loss_is_on_by_default_exactly_where_samples_can_be_stale(
     loss). The synchronous colocated default keeps no weight (its samples train value for value as before);
     decoupled_loss=False turns it off, and a rollout_is of the user's stays theirs."""
     from trl_nrollout.config import NRolloutConfig
-    from trl_nrollout.config_checks import stale_sample_reason
+    from trl_nrollout.config.checks import stale_sample_reason
 
     def cfg(**kw):
         return NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
