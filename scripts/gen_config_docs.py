@@ -42,8 +42,8 @@ def render_migrating(text: str) -> str:
 
 
 def render() -> str:
-    from trl_nrollout.config import options as config_module
     from trl_nrollout.config import config_help_table
+    from trl_nrollout.config import options as config_module
 
     mapping = config_module.__doc__.split("=====", 1)[1]
     mapping = "=====" + mapping.split("\n\n", 1)[0]

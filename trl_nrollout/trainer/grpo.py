@@ -39,9 +39,11 @@ from trl.trainer.utils import shuffle_sequence_dict
 from trl_nrollout.algos.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.algos.losses import AdaptiveKLController, FixedKLController
 from trl_nrollout.builtin import resolve_model
-from trl_nrollout.config.options import NRolloutConfig
 from trl_nrollout.config.checks import policy_checks
-from trl_nrollout.config.options import to_nrollout_config  # noqa: F401 - public here too
+from trl_nrollout.config.options import (  # to_nrollout_config: public here too
+    NRolloutConfig,
+    to_nrollout_config,
+)
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.errors import InputError
 from trl_nrollout.passes.multimodal import (
