@@ -555,7 +555,7 @@ def test_a_tiny_moe_model_trains_on_the_vllm_engine(tmp_path):
 def test_a_rollout_cut_short_everywhere_is_said_once_and_counted():
     """A rollout whose every completion hit max_completion_length gives a warning naming the option and the
     fraction, once per run; run_summary.json counts such rollouts and the largest truncated fraction."""
-    from trl_nrollout.recipe.summary import TruncatedSteps
+    from trl_nrollout.trainer.clocks import TruncatedSteps
 
     watch = TruncatedSteps()
     assert watch.observe(1, 3, 8, 16) is None  # some cut: counted in the fraction only

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trl_nrollout.passes.packing_rules import MAX_PACKED_MASK_BYTES
 from trl_nrollout.plan.activations import (
     DEFAULT_ACTIVATION_FRACTION,
     activation_bytes_per_token,
@@ -22,6 +21,7 @@ from trl_nrollout.plan.activations import (
 from trl_nrollout.plan.cost import trainer_state_bytes
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_COMPLETION_LENGTH, DEFAULT_MAX_PROMPT_LENGTH, fmt_bytes
+from trl_nrollout.plan.packing_rules import MAX_PACKED_MASK_BYTES
 from trl_nrollout.plan.readers import (
     PlanError,
     bool_option,
