@@ -41,8 +41,9 @@ LOG_PROB_SIZES = ("log_prob_micro_batch_size", "log_prob_micro_batch_size_per_de
 
 @dataclass(frozen=True)
 class UpdateBudget:
-    """The update's token budget per device: ``tokens`` (None where it depends on a device the plan was not told),
-    where it comes from (``source``), and the arithmetic of a default (``rows``)."""
+    """The update's token budget per device as ``plan`` shows it: ``tokens`` (None where it depends on a device the
+    plan was not told), where it comes from (``source``), and the arithmetic of a default (``rows``). The trainer's
+    own, resolved at launch, is :class:`~trl_nrollout.trainer.budgeted_update.DeviceTokenBudget`."""
 
     tokens: int | None
     source: str
