@@ -37,9 +37,10 @@ from trl_nrollout.rollout.ranks import (
     encode_value,
     roles_refusal,
 )
-from trl_nrollout.rollout.remote import JobResult, job_agent
+from trl_nrollout.rollout.remote import job_agent
 from trl_nrollout.rollout.remote_buckets import job_slice, pack_bucket, unpack_bucket
 from trl_nrollout.rollout.remote_partial import group_fields, partial_entry
+from trl_nrollout.rollout.types import JobResult
 from trl_nrollout.rollout.vllm_process import barrier_scope
 
 

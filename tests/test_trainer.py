@@ -562,7 +562,7 @@ def test_a_tiny_moe_model_trains_on_the_vllm_engine(tmp_path):
 def test_a_rollout_cut_short_everywhere_is_said_once_and_counted():
     """A rollout whose every completion hit max_completion_length gives a warning naming the option and the
     fraction, once per run; run_summary.json counts such rollouts and the largest truncated fraction."""
-    from trl_nrollout.recipe.summary import TruncatedSteps
+    from trl_nrollout.trainer.clocks import TruncatedSteps
 
     watch = TruncatedSteps()
     assert watch.observe(1, 3, 8, 16) is None  # some cut: counted in the fraction only
@@ -583,7 +583,7 @@ def test_the_decoupled_loss_is_on_by_default_exactly_where_samples_can_be_stale(
     loss). The synchronous colocated default keeps no weight (its samples train value for value as before);
     decoupled_loss=False turns it off, and a rollout_is of the user's stays theirs."""
     from trl_nrollout.config import NRolloutConfig
-    from trl_nrollout.config_checks import stale_sample_reason
+    from trl_nrollout.config.checks import stale_sample_reason
 
     def cfg(**kw):
         return NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
-from trl_nrollout.rollout.remote_agents import JobResult, sum_stats
+from trl_nrollout.rollout.remote_agents import sum_stats
 from trl_nrollout.rollout.remote_buckets import (
     dtype_of,
     frame_bucket,
@@ -46,7 +46,7 @@ from trl_nrollout.rollout.remote_buckets import (
 )
 from trl_nrollout.rollout.remote_partial import JOINED, group_fields
 from trl_nrollout.rollout.remote_reader import broadcast
-from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.rollout.types import JobResult, RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
 
 

@@ -10,11 +10,11 @@ import time
 from dataclasses import astuple
 
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
-from trl_nrollout.rollout.remote_agents import JobResult, run_agent_job
+from trl_nrollout.rollout.remote_agents import run_agent_job
 from trl_nrollout.rollout.remote_buckets import job_slice
 from trl_nrollout.rollout.remote_partial import close_agent_pool, run_partial_agent_job, run_partial_job
 from trl_nrollout.rollout.remote_reader import MessageReader, staged_versions
-from trl_nrollout.rollout.types import RolloutBatch
+from trl_nrollout.rollout.types import JobResult, RolloutBatch
 
 
 def _expanded(prompt_ids: list[list[int]], start: int, n: int, pics: list | None) -> dict[int, list[int]] | None:

@@ -34,7 +34,7 @@ from typing import Any
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.config_checks import agent_dependencies_refusal
+from trl_nrollout.config.checks import agent_dependencies_refusal
 from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
 from trl_nrollout.rollout.agent_pool import AgentPool

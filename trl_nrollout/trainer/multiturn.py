@@ -70,7 +70,7 @@ def _environment_tools(environment: Any) -> list:
 def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None) -> None:
     """Images with tools, environments or a custom rollout function are not supported (TRL's tool-returned images
     and per-environment processors): refuse the combination, never train as if the images were absent."""
-    from trl_nrollout.dropin import UnsupportedTRLOption
+    from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
     found = sorted(set(IMAGE_COLUMNS) & set(columns or []))
     agentic = [name for name, value in (("tools", tools), ("rollout_func", rollout_func),

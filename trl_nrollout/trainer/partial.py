@@ -62,7 +62,7 @@ class PartialRollouts(PartialEnvironments):
     def _check_partial(self) -> None:
         """``rollout_partial=True`` on this trainer: refused with the reason (:meth:`_partial_refusal`), or noted
         once where it changes how an option acts (tool episodes run request by request under ``'turns'``)."""
-        from trl_nrollout.dropin import UnsupportedTRLOption
+        from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
         if (why := self._partial_refusal()) is not None:
             raise UnsupportedTRLOption(why)

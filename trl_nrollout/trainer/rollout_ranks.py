@@ -17,7 +17,7 @@ import os
 from collections import deque
 from typing import Any
 
-from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines
