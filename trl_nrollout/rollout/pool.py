@@ -53,6 +53,13 @@ def top_up_share(need: int, ways: int, index: int) -> int:
     return need // ways + (index < need % ways)
 
 
+def top_up_candidates(groups: int, oversample: float) -> int:
+    """The top-up prompts a trainer sends with a job of its ``groups`` new groups, for pools it does not hold
+    (rollout ranks, which take ``top_up_count`` of them, the rest unused): the most a pool's shortfall can be per
+    group it draws (``ceil(groups * oversample)``), one more for the rounding; none without oversampling."""
+    return math.ceil(groups * oversample) + 1 if oversample else 0
+
+
 @dataclass(frozen=True)
 class PoolStep:
     """One step of a pool: ``version`` (optimizer steps of the weights the engines hold: new tokens are tagged

@@ -19,6 +19,7 @@ from accelerate.utils import gather_object
 
 from trl_nrollout.rollout.agent_loop import AgentStats, split_tools
 from trl_nrollout.rollout.partial import InFlightGroup
+from trl_nrollout.rollout.pool import top_up_candidates
 from trl_nrollout.rollout.remote_partial import PartialEntry, TopUp, partial_entry
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.multiturn import Episode
@@ -77,7 +78,7 @@ class RemotePartialRollouts:
             return made[step]
         args, n = self.args, self.num_generations
         prompts, ids, images, keys = self._partial_groups(step, round_, rows, 0)
-        count = math.ceil(len(rows) * args.rollout_partial_oversample) + 1 if args.rollout_partial_oversample else 0
+        count = top_up_candidates(len(rows), args.rollout_partial_oversample)
         extra = []
         if count:
             drawn = [dict(r) for r in self._draw_inputs(count)[::n]]
