@@ -93,3 +93,19 @@ def test_the_option_is_checked_when_the_config_is_built(tmp_path):
     with pytest.raises(InputError, match="agent_max_concurrent=0 must be >= 1"):
         NRolloutConfig(output_dir=str(tmp_path), train_batch_size=2, rollout_n=2, use_cpu=True, report_to="none",
                        agent_max_concurrent=0)
+
+
+def test_the_option_without_an_agent_is_refused_before_the_model_loads(tmp_path):
+    """agent_max_concurrent caps endpoint agents' episodes only: a trainer without agent= refuses it (it would be
+    ignored), naming the option and both fixes; the model name is never resolved. Mutation: the check left out ->
+    the trainer goes on to load 'no/such-model' and fails there instead."""
+    from trl_nrollout import NRolloutGRPOTrainer
+    from trl_nrollout.config import NRolloutConfig
+    from trl_nrollout.errors import InputError
+
+    args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=2, rollout_n=2, use_cpu=True, report_to="none",
+                          agent_max_concurrent=8)
+    with pytest.raises(InputError, match=r"agent_max_concurrent=8 caps the episodes of agent=.*Pass "
+                                         r"agent=your_function, or drop agent_max_concurrent"):
+        NRolloutGRPOTrainer(model="no/such-model", reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                            args=args)

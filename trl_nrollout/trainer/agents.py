@@ -83,10 +83,18 @@ class AgentRollouts:
     _agent_endpoint = None
     _agent_pool = None
 
-    def _agent_init(self, agent, reward_funcs):
+    def _agent_init(self, agent, reward_funcs, args=None):
         """Keep ``agent`` (checked: a callable with parameters the trainer fills) and return the reward functions:
-        ``reward_funcs``, or the agent's own reward (:func:`agent_reward`) when none are given."""
+        ``reward_funcs``, or the agent's own reward (:func:`agent_reward`) when none are given. ``agent_max_concurrent``
+        without an agent is refused: nothing else reads it (a ``rollout_func`` run group by group runs one call per
+        group), so it would be ignored."""
         if agent is None:
+            cap = getattr(args, "agent_max_concurrent", None)
+            if cap is not None:
+                raise InputError(f"agent_max_concurrent={cap} caps the episodes of agent= (agents behind the "
+                                 "trainer's OpenAI-compatible endpoint), and this trainer has no agent=: nothing would "
+                                 "read it. Pass agent=your_function, or drop agent_max_concurrent (TRL tools and "
+                                 "rollout_func episodes run as many at once as the engine's rollout_max_num_seqs).")
             return reward_funcs
         if not callable(agent):
             raise TypeError(f"agent={agent!r} must be a function (sync or async) running one episode.")

@@ -111,7 +111,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, agent=None, **kwargs) -> None:
-        reward_funcs = self._agent_init(agent, reward_funcs)
+        reward_funcs = self._agent_init(agent, reward_funcs, args)
         features = getattr(train_dataset, "column_names", None)
         if isinstance(features, list) and "prompt" in features and hasattr(train_dataset, "__len__"):
             check_prompts(train_dataset["prompt"], source="train_dataset")  # before the model loads
