@@ -1,12 +1,12 @@
-"""The engine protocol and the typed batch a rollout returns."""
+"""The typed sampling options and batch of a rollout (the engine protocol: :mod:`trl_nrollout.rollout.engine_protocol`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from trl_nrollout.passes.packing import round_up
 
@@ -115,26 +115,11 @@ class RolloutBatch:
         return {k: v.to(device) for k, v in out.items()}
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout backend (vLLM engine group, HF generate, or your own)."""
+def __getattr__(name: str):
+    """``RolloutEngine`` moved to :mod:`trl_nrollout.rollout.engine_protocol` (which imports this module): the old
+    import path still gives it."""
+    if name == "RolloutEngine":
+        from trl_nrollout.rollout.engine_protocol import RolloutEngine
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingOptions) -> RolloutBatch:
-        """Generate ``n`` samples for each of this rank's ``prompts`` (token ids); samples of a prompt contiguous."""
-        ...
-
-    def load_weights(self, model: nn.Module) -> dict:
-        """Copy the training model's current weights into the engine; return sync statistics."""
-        ...
-
-    def sleep(self) -> None:
-        """Free the engine's memory (weights / KV cache) while the trainer runs."""
-        ...
-
-    def wake_up(self) -> None:
-        """Restore what :meth:`sleep` freed."""
-        ...
-
-    def close(self) -> None:
-        """Release the engine's resources now (memory, process groups) rather than at interpreter exit."""
-        ...
+        return RolloutEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
