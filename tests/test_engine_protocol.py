@@ -14,7 +14,8 @@ How an engine object is recognised (in every package module outside the engines'
 A use is an attribute read or write on such an object, or a ``getattr`` / ``hasattr`` / ``setattr`` of it with a
 literal name. Mutations these tests catch (each tried once): ``self.rollout_engine.llm`` in ``trainer/grpo.py``
 (not a protocol member: (a) fails); ``engine._tp_group`` in ``rollout/remote_reader.py`` (private: (b) fails);
-``gather_tp`` deleted from ``HFEngine`` or ``ABORT`` added to its capabilities (``run_partial`` missing: (c) fails).
+``gather_tp`` deleted from ``HFEngine`` or ``ABORT`` added to its capabilities (``run_partial`` missing: (c) fails);
+``isinstance(self.rollout_engine, HFEngine)`` back in ``trainer/grpo.py`` (the last test fails).
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from trl_nrollout.rollout.remote_buckets import (
 from trl_nrollout.rollout.remote_partial import JOINED, group_fields
 from trl_nrollout.rollout.remote_reader import broadcast
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.rollout.vllm_settings import check_prompt_length
 from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
 
 
@@ -139,12 +140,7 @@ class RemoteEngines:
         return self.bridge.take(f"home/{call}/{self.rank}", 0, f"{what} (from trainer rank 0)")
 
     def check_prompt_length(self, longest: int, max_tokens: int) -> None:
-        if longest + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"a prompt of {longest} tokens + max_completion_length={max_tokens} exceeds the engine's "
-                f"max_model_len={self.max_model_len} (rollout_max_model_len): the completion would be cut short. "
-                f"Raise rollout_max_model_len to at least {longest + max_tokens} (within the model's context "
-                f"length), shorten or filter out the long prompts, or lower max_completion_length.")
+        check_prompt_length(longest, max_tokens, self.max_model_len)
 
     def sleep(self) -> None:  # the engines live on other processes: nothing to free here
         pass

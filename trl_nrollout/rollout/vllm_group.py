@@ -50,7 +50,7 @@ from trl_nrollout.rollout.vllm_process import (
     restore_env,
     vllm_prompts,
 )
-from trl_nrollout.rollout.vllm_settings import engine_kwargs
+from trl_nrollout.rollout.vllm_settings import check_prompt_length, engine_kwargs, vllm_sampling_params
 from trl_nrollout.rollout.vllm_weights import EngineWeights
 from trl_nrollout.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
@@ -254,37 +254,11 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
     def check_prompt_length(self, longest: int, max_tokens: int) -> None:
         """A prompt of ``longest`` tokens that leaves no room for ``max_tokens`` would be cut short silently by vLLM
         (or rejected with its own message): refuse it here with the options that fix it."""
-        if longest + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"a prompt of {longest} tokens + max_completion_length={max_tokens} exceeds the engine's "
-                f"max_model_len={self.max_model_len} (rollout_max_model_len): the completion would be cut short. "
-                f"Raise rollout_max_model_len to at least {longest + max_tokens} (within the model's context "
-                f"length), shorten or filter out the long prompts, or lower max_completion_length."
-            )
+        check_prompt_length(longest, max_tokens, self.max_model_len)
 
     def sampling_params(self, n: int, sampling: SamplingOptions):
-        from vllm import SamplingParams
-
-        options = dict(
-            n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
-            stop_token_ids=list(sampling.stop_token_ids) or None, stop=list(sampling.stop) or None,
-            seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=0,
-            # flat log-probs and no detokenization: the trainer decodes itself; on CPU these two halve the
-            # Python overhead of a rollout of a small model (stop strings need the text, so they keep it)
-            flat_logprobs=True, detokenize=bool(sampling.stop),
-        )
-        options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
-        if sampling.suppress_token_ids:  # vLLM clamps a bias to -100: probability e^-100 relative, never sampled
-            options["logit_bias"] = {**{t: -100.0 for t in sampling.suppress_token_ids},
-                                     **(options.get("logit_bias") or {})}
-        if options.get("stop"):
-            options["detokenize"] = True  # stop strings are matched on the text
-        if sampling.regex is not None:  # takes precedence over generation_kwargs' structured_outputs, as in TRL
-            from vllm.sampling_params import StructuredOutputsParams
-
-            options["structured_outputs"] = StructuredOutputsParams(regex=sampling.regex)
-        return SamplingParams(**options)
+        """vLLM's ``SamplingParams`` for a request of ``n`` samples (:func:`vllm_sampling_params`)."""
+        return vllm_sampling_params(n, sampling)
 
     def request_loop(self, stream: bool = False) -> EngineLoop:
         """A request loop on this rank's engine whose requests use the current adapter version (if any); the engine
