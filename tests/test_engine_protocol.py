@@ -29,8 +29,6 @@ import pytest
 import trl_nrollout
 from trl_nrollout.rollout import engine_protocol as ep
 
-pytestmark = pytest.mark.fast
-
 PACKAGE = Path(trl_nrollout.__file__).parent
 #: the engines' own modules: they may use anything of their engine
 ENGINE_MODULES = {"rollout/vllm_group.py", "rollout/vllm_balanced.py", "rollout/vllm_settings.py",
