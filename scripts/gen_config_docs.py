@@ -1,5 +1,5 @@
 """Write docs/configuration.md from NRolloutConfig's field help, the TRL-options table of docs/migrating.md from
-trl_nrollout/dropin.py, and the rollout's refusal table of docs/architecture.md from trl_nrollout/rollout/axes.py,
+trl_nrollout/config/trl_options.py, and the rollout's refusal table of docs/architecture.md from trl_nrollout/rollout/axes.py,
 so none can drift from the code.
 
     python scripts/gen_config_docs.py          # rewrite the file
@@ -31,7 +31,7 @@ def render_architecture(text: str) -> str:
 
 def render_migrating(text: str) -> str:
     """``text`` (docs/migrating.md) with the block between the markers replaced by the current table."""
-    from trl_nrollout.dropin import options_table
+    from trl_nrollout.config.trl_options import options_table
 
     head, rest = text.split(START, 1)
     marker_line, _, _ = rest.partition("\n")
@@ -42,8 +42,8 @@ def render_migrating(text: str) -> str:
 
 
 def render() -> str:
-    from trl_nrollout import config as config_module
     from trl_nrollout.config import config_help_table
+    from trl_nrollout.config import options as config_module
 
     mapping = config_module.__doc__.split("=====", 1)[1]
     mapping = "=====" + mapping.split("\n\n", 1)[0]

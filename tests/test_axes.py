@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.config_checks import rollout_ranks_refusal
+from trl_nrollout.config.checks import rollout_ranks_refusal
 from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.axes import REFUSALS, refusal_table
 from trl_nrollout.trainer.agents import AgentRollouts
@@ -92,8 +92,8 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
         for name in _names(side):
             assert name in message, (name, message)
     owner, _, attr = row.where.rpartition(".")
-    namespace = {"config_checks": __import__("trl_nrollout.config_checks", fromlist=["x"]),
-                 "ConfigChecks": __import__("trl_nrollout.config_checks", fromlist=["x"]).ConfigChecks,
+    namespace = {"checks": __import__("trl_nrollout.config.checks", fromlist=["x"]),
+                 "ConfigChecks": __import__("trl_nrollout.config.checks", fromlist=["x"]).ConfigChecks,
                  "EngineSetup": EngineSetup, "MultiTurnRollout": MultiTurnRollout, "PartialRollouts": PartialRollouts,
                  "RolloutRanks": RolloutRanks, "AgentRollouts": AgentRollouts,
                  "multiturn": __import__("trl_nrollout.trainer.multiturn", fromlist=["x"])}

@@ -22,7 +22,7 @@ from tests.conftest import save_tiny_model
 from trl_nrollout import NRolloutGRPOTrainer
 from trl_nrollout.builtin import digits_dataset, digits_reward
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.dropin import TRL_LOSS_TYPES
+from trl_nrollout.config.trl_options import TRL_LOSS_TYPES
 from trl_nrollout.errors import InputError
 from trl_nrollout.passes.budget import BudgetedStep, concat_batches, sample_lengths, select_rows, slot_sizes
 from trl_nrollout.passes.varlen import VARLEN_NAME

@@ -1,4 +1,4 @@
-"""No TRL option is silently ignored (:mod:`trl_nrollout.dropin`): every field GRPOConfig adds to TrainingArguments
+"""No TRL option is silently ignored (:mod:`trl_nrollout.config.trl_options`): every field GRPOConfig adds to TrainingArguments
 and every GRPOTrainer argument is honored, mapped onto a verl option, or refused at construction with an error
 naming it. This walks TRL 1.16's actual fields, so a TRL upgrade that adds one fails here until it is classified."""
 
@@ -13,7 +13,7 @@ from transformers import TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.dropin import TRAINER_ARGS, TRL_OPTIONS, UnsupportedTRLOption
+from trl_nrollout.config.trl_options import TRAINER_ARGS, TRL_OPTIONS, UnsupportedTRLOption
 
 TRL_FIELDS = [f for f in fields(GRPOConfig) if f.name not in {g.name for g in fields(TrainingArguments)}]
 REFUSED = [name for name, (status, _, _) in TRL_OPTIONS.items() if status == "refused"]
@@ -27,7 +27,7 @@ def cfg(tmp_path, **kw) -> NRolloutConfig:
 
 def test_every_grpo_config_field_is_classified():
     names = {f.name for f in TRL_FIELDS}
-    assert names - set(TRL_OPTIONS) == set(), "classify these in trl_nrollout/dropin.py"
+    assert names - set(TRL_OPTIONS) == set(), "classify these in trl_nrollout/config/trl_options.py"
     assert set(TRL_OPTIONS) - names == set(), "options that GRPOConfig no longer has"
 
 

@@ -36,18 +36,7 @@ ENGINE_MODULES = {"rollout/vllm_group.py", "rollout/vllm_balanced.py", "rollout/
                   "rollout/engine_protocol.py"}
 ENGINE_CLASSES = ("VLLMEngineGroup", "HFEngine", "RemoteEngines")
 #: uses allowed although they are not protocol members (each says why and until when)
-ALLOWED: dict[tuple[str, str], str] = {
-    # trainer/agents.py re-implements a balanced queue for endpoint agents; the partial-pool helper of issue 61 is
-    # rewriting that code to use the protocol (job_queue, gather_job, max_num_seqs, balanced_queue). The lead removes
-    # these entries after merging it.
-    ("trainer/agents.py", "_world_group"): "issue 61: the pool helper's rewrite removes it",
-    ("trainer/agents.py", "_store"): "issue 61: the pool helper's rewrite removes it",
-    ("trainer/agents.py", "_pull_prefix"): "issue 61: the pool helper's rewrite removes it",
-    ("trainer/agents.py", "engine_kwargs"): "issue 61: the pool helper's rewrite uses engine.max_num_seqs",
-    # trainer/partial.py asks whether the pool is job-wide by the balanced queue's process group: that is
-    # engine.balanced_queue now; the pool helper owns the file (issue 61), the lead removes this after merging it
-    ("trainer/partial.py", "_world_group"): "issue 61: engine.balanced_queue after the pool helper's merge",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 ENGINE_CALLS = {"build_engine", "_build_engine", "engine_factory", *ENGINE_CLASSES}
 
 

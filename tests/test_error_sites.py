@@ -38,10 +38,10 @@ def _says(message: str, *parts: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- config options
-# (options, WORLD_SIZE, what the message must name). Each entry is one raise site of config_derive.py,
-# config_checks.py or config.py; the comment names the rule.
+# (options, WORLD_SIZE, what the message must name). Each entry is one raise site of config/derive.py,
+# config/checks.py or config/options.py; the comment names the rule.
 CONFIG_ERRORS = {
-    # config_derive: TRL's names and their verl twins
+    # config/derive.py: TRL's names and their verl twins
     "scale_rewards": (dict(scale_rewards="rank"), 1, ["scale_rewards='rank'", "'group', 'batch', 'none'"]),
     "multi_objective_aggregation": (dict(multi_objective_aggregation="mean"), 1,
                                     ["multi_objective_aggregation='mean'", "'sum_then_normalize'"]),
@@ -63,7 +63,7 @@ CONFIG_ERRORS = {
                             ppo_micro_batch_size_per_device=1), 2,
                        ["sequence_parallel_size=2", "micro batch of 1", "ppo_micro_batch_size_per_device a multiple "
                         "of 2"]),
-    # config_checks: one option out of range, or two that cannot run together
+    # config/checks.py: one option out of range, or two that cannot run together
     "steps_span_rollouts": (dict(rollout_partial=True, per_device_train_batch_size=2, gradient_accumulation_steps=3,
                                  steps_per_generation=4, num_generations=2), 1,
                             ["rollout_partial=True", "span two rollouts", "gradient_accumulation_steps",
@@ -81,7 +81,7 @@ CONFIG_ERRORS = {
                                    1, ["rollout_is_threshold_lower=3.0", "rollout_is_threshold=2.0"]),
     "truncate_without_bounds": (dict(rollout_is="token", rollout_is_threshold=None), 1,
                                 ["rollout_is_mode='truncate'", "set rollout_is_threshold=2.0"]),
-    # config.py
+    # config/options.py
     "vllm_mode": (dict(vllm_mode="remote"), 1, ["vllm_mode='remote'", "'colocate' or 'server'"]),
     "sp_without_padding_free": (dict(sequence_parallel_size=2, padding_free=False), 1,
                                 ["sequence_parallel_size=2", "padding_free=False"]),
@@ -108,7 +108,7 @@ CONFIG_ERRORS = {
 
 @pytest.mark.parametrize("options, world, parts", list(CONFIG_ERRORS.values()), ids=list(CONFIG_ERRORS))
 def test_a_config_error_names_the_option_and_the_value(options, world, parts, tmp_path, monkeypatch):
-    """Mutation tried: ``filter_groups_max_rounds < 0`` -> ``< -100`` in config_checks.py: its entry fails."""
+    """Mutation tried: ``filter_groups_max_rounds < 0`` -> ``< -100`` in config/checks.py: its entry fails."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(InputError) as err:
         _config(NRolloutConfig, tmp_path, **options)
@@ -440,7 +440,7 @@ def test_a_cpu_trainer_is_refused_beside_cuda_engines(tmp_path, monkeypatch):
     """``use_cpu=True`` where vLLM runs on CUDA (the CPU default recipe on a GPU machine) is refused, naming both and
     the fix; the HF engine, a trainer on the GPU, or vLLM on the CPU are accepted. CUDA cannot run here: torch's
     ``cuda.is_available`` and vLLM's platform are stood in (a mock of the GPU machine, said here)."""
-    from trl_nrollout.config_checks import cpu_trainer_cuda_engine_refusal
+    from trl_nrollout.config.checks import cpu_trainer_cuda_engine_refusal
     from trl_nrollout.rollout import platform
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -455,7 +455,7 @@ def test_a_cpu_trainer_is_refused_beside_cuda_engines(tmp_path, monkeypatch):
 
 
 def test_the_config_runs_the_cpu_trainer_check(tmp_path, monkeypatch):
-    from trl_nrollout import config_checks
+    from trl_nrollout.config import checks as config_checks
 
     monkeypatch.setattr(config_checks, "cpu_trainer_cuda_engine_refusal", lambda use_cpu, backend: f"refused {backend}")
     with pytest.raises(InputError, match="refused vllm"):

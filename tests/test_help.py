@@ -132,7 +132,7 @@ def test_dropout_notice_names_the_active_dropout_and_the_fix(tiny_model_path):
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import disable_dropout_in_model
 
-    from trl_nrollout.config_checks import dropout_notice
+    from trl_nrollout.config.checks import dropout_notice
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert dropout_notice(model) is None  # the built-in model has no dropout
@@ -191,7 +191,7 @@ def test_the_dropin_trainer_refuses_rollout_lora_sync_without_an_adapter(tmp_pat
 def test_agent_dependencies_are_the_agents_extra(monkeypatch):
     """The modules checked are the ``agents`` extra of pyproject.toml; one missing is an error naming it and the
     pip command (installed, nothing to say)."""
-    from trl_nrollout.config_checks import AGENT_MODULES, agent_dependencies_refusal
+    from trl_nrollout.config.checks import AGENT_MODULES, agent_dependencies_refusal
 
     line = re.search(r"^agents = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)  # no tomllib on 3.10
     assert sorted(re.split(r"[<>=\[ ]", e.strip(' "'))[0] for e in line.split(",")) == sorted(AGENT_MODULES)

@@ -21,7 +21,7 @@ import trl_nrollout.trainer.grpo as trainer_module
 from tests.conftest import save_tiny_model
 from trl_nrollout import NRolloutGRPOTrainer
 from trl_nrollout.builtin import digits_dataset, digits_reward
-from trl_nrollout.dropin import TRL_LOSS_TYPES
+from trl_nrollout.config.trl_options import TRL_LOSS_TYPES
 
 ROWS, PROMPT, COMPLETION = 12, 5, 7  # two micro batches of 6 (n = 3)
 

@@ -8,6 +8,8 @@ a sample continued after a weight sync carries, token by token, the log-prob of 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -133,6 +135,55 @@ def test_a_balanced_partial_runs_finish_order_is_the_jobs():
     run = partial_result(pool, parts, [0, 4], 1, 5, 3, [3])
     assert run.finish_order == [3, 1, 0, 4] and run.engine_groups == [0, 4]
     assert [g.finished for g in run.groups] == [True, True, False, True, True]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 12), st.integers(0, 30), st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0]), st.integers(1, 4))
+def test_a_pools_top_up_fills_it_to_its_oversampled_size_and_its_ranks_shares_sum_to_it(target, pooled, over, ways):
+    """The one top-up rule (:func:`~trl_nrollout.rollout.pool.top_up_count`): after the step's ``target`` groups and
+    the top-ups join, a pool holds ``ceil(target * (1 + oversample))`` groups (or what it held, when more), and the
+    shares of the ranks that draw them add up to the shortfall, none more than one apart. Mutation tried: the
+    carried groups not subtracted (``- pooled`` dropped) -> the first assertion fails."""
+    from trl_nrollout.rollout.pool import top_up_count, top_up_share
+
+    need = top_up_count(target, pooled, over)
+    assert pooled + target + need == max(pooled + target, math.ceil(target * (1 + over)))
+    shares = [top_up_share(need, ways, i) for i in range(ways)]
+    assert sum(shares) == need and max(shares) - min(shares) <= 1
+
+
+def test_the_pool_step_tops_up_then_restarts_then_runs_and_counts_what_is_left():
+    """:func:`~trl_nrollout.rollout.pool.pool_step` on an engine's pool: ``grow`` gets the shortfall, stale samples
+    start again before the run (the new groups, drawn earlier, are never stale), the run sees the carried groups
+    then the new ones, the first ``target`` to finish train (home by home with a quota) and the counts say what is
+    left. Mutation tried: the restart after the run (``pool.run`` before ``pool.restart_stale``) -> the run sees the
+    stale sample's tokens and the second assertion fails."""
+    from trl_nrollout.rollout.partial import PartialRun
+    from trl_nrollout.rollout.pool import EngineGroups, PoolStep, pool_step
+
+    def done_sample(version: int) -> PartialSample:
+        return PartialSample(token_ids=[1, 2], logprobs=[0.0, 0.0], versions=[version] * 2, finish_reason=None)
+
+    carried = [InFlightGroup((0, 0, r, 0), [1], [done_sample(0), PartialSample()]) for r in (0, 1)]
+    seen = {}
+
+    def episodes(groups, target, quota):  # every group finishes, the last one first
+        seen["groups"], seen["quota"] = groups, quota
+        fin = PartialSample(token_ids=[3], logprobs=[0.0], versions=[3], finish_reason="stop")
+        return PartialRun([InFlightGroup(g.key, g.prompt_ids, [fin] * g.n) for g in groups],
+                          list(range(len(groups)))[::-1], 1, 4, 9), None
+
+    def grow(need):
+        seen["need"] = need
+        return [InFlightGroup.fresh((3, 0, r, 1 + k), [2], 2) for r in (0, 1) for k in range(1 + (need > 0) * r)]
+
+    pool = EngineGroups(carried, episodes, quota=lambda new: {0: 1, 1: 1})
+    result = pool_step(pool, PoolStep(version=3, max_staleness=2, target=2, oversample=1.0), grow)
+    assert seen["need"] == 0 and len(seen["groups"]) == 4  # 2 carried + 2 new already hold ceil(2 * 2) = 4
+    assert all(not s.token_ids for g in seen["groups"][:2] for s in g.samples)  # version 0 tokens: 3 > 2 old
+    assert [g.key[2] for g in result.chosen] == [0, 1] and [g.key for g in result.chosen] == [(3, 0, 0, 1),
+                                                                                               (3, 0, 1, 1)]
+    assert result.counts.report() == [1, 2, 2, 4, 4] and len(pool) == 2
 
 
 def test_max_staleness_below_zero_is_refused():

@@ -174,7 +174,7 @@ def test_a_recipes_accelerate_config_sets_the_trainer_sharding(tmp_path, capsys)
 def test_one_engine_memory_default_per_placement(capsys):
     """The plan's engine fraction is the trainer's: 0.3 beside a trainer, 0.9 on a rollout rank (the config's
     defaults), in --predict's check and in the memory table's KV budget."""
-    from trl_nrollout.plan.update_budget import engine_utilization
+    from trl_nrollout.plan.readers import engine_utilization
 
     assert (COLOCATED_GPU_MEMORY_UTILIZATION, ROLLOUT_RANK_GPU_MEMORY_UTILIZATION) == (0.3, 0.9)
     assert engine_utilization({}) == 0.3 and engine_utilization({}, rollout_ranks=True) == 0.9

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_nrollout.cli import main
-from trl_nrollout.passes.packing_rules import MAX_PACKED_MASK_BYTES, mask_bytes_of
 from trl_nrollout.plan.activations import default_update_token_budget
 from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM, predict_step
 from trl_nrollout.plan.devices import PROFILES
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.models import model_dims
+from trl_nrollout.plan.packing_rules import MAX_PACKED_MASK_BYTES, mask_bytes_of
 from trl_nrollout.plan.shapes import padfree_rows_of, padfree_token_cap, pass_shape, update_shape
 from trl_nrollout.plan.workload import Workload
 

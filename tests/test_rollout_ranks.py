@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -37,9 +38,10 @@ from trl_nrollout.rollout.ranks import (
     encode_value,
     roles_refusal,
 )
-from trl_nrollout.rollout.remote import JobResult, job_agent
+from trl_nrollout.rollout.remote import job_agent
 from trl_nrollout.rollout.remote_buckets import job_slice, pack_bucket, unpack_bucket
-from trl_nrollout.rollout.remote_partial import group_fields, partial_entry
+from trl_nrollout.rollout.remote_partial import TopUp, group_fields, partial_entry
+from trl_nrollout.rollout.types import JobResult
 from trl_nrollout.rollout.vllm_process import barrier_scope
 
 
@@ -285,21 +287,22 @@ def test_a_partial_jobs_entries_join_in_rank_order_and_its_groups_fields_reach_e
     group's row, prompt and ids on its first sample only, gives every sample its group's. Mutation tried: the
     fields not carried forward -> later samples lose their rows."""
     entries = [partial_entry(3, 0, [{"t": t, "g": g} for g in range(c)], [f"p{t}.{g}" for g in range(c)],
-                             [{"row": {"x": t}, "prompt": "x", "ids": [t], "images": None}], max_staleness=1,
+                             [TopUp({"x": t}, "x", [t])], max_staleness=1,
                              oversample=1.0, snapshot=False, restore=["pool"] if t == 0 else None)
                for t, c in enumerate(groups)]
     job = job_agent(entries)
-    assert job["rows"] == [{"t": t, "g": g} for t, c in enumerate(groups) for g in range(c)]
-    assert job["prompts"] == [f"p{t}.{g}" for t, c in enumerate(groups) for g in range(c)]
-    assert [e["row"]["x"] for e in job["extra"]] == list(range(len(groups))) and job["restore"] == ["pool"]
+    assert job.rows == [{"t": t, "g": g} for t, c in enumerate(groups) for g in range(c)]
+    assert job.prompts == [f"p{t}.{g}" for t, c in enumerate(groups) for g in range(c)]
+    assert [e.row["x"] for e in job.extra] == list(range(len(groups))) and job.restore == ["pool"]
+    assert pickle.loads(pickle.dumps(job)) == job  # it travels pickled in the job's message
     fields = []
-    for i, row in enumerate(job["rows"]):
-        fields += [{"oldest": k, **({"row": row, "prompt": job["prompts"][i], "prompt_ids": [i], "images": False}
+    for i, row in enumerate(job.rows):
+        fields += [{"oldest": k, **({"row": row, "prompt": job.prompts[i], "prompt_ids": [i], "images": False}
                                     if k == 0 else {})} for k in range(n)]
     full = group_fields(fields)
-    assert [f["row"] for f in full] == [row for row in job["rows"] for _ in range(n)]
-    assert [f["prompt_ids"] for f in full] == [[i] for i in range(len(job["rows"])) for _ in range(n)]
-    assert [f["oldest"] for f in full] == [k for _ in job["rows"] for k in range(n)]
+    assert [f["row"] for f in full] == [row for row in job.rows for _ in range(n)]
+    assert [f["prompt_ids"] for f in full] == [[i] for i in range(len(job.rows)) for _ in range(n)]
+    assert [f["oldest"] for f in full] == [k for _ in job.rows for k in range(n)]
 
 
 @pytest.mark.parametrize("strategy,save_steps,span,max_steps,saving", [

@@ -338,11 +338,17 @@ def test_a_trl_tools_script_with_an_async_tool_on_the_hf_engine(tmp_path):
 
 @pytest.mark.slow
 def test_mask_truncated_completions_with_tools(tmp_path):
-    """With tools, completions cut at the budget are masked out; the tensors keep their sizes (a crash before)."""
+    """With tools, completions cut at the budget are masked out; the tensors keep their sizes (a crash before).
+    In the final rollout, some rows are cut and train no token, and every other row's last trained token ends the
+    model's turn (a cut row that still trained would end elsewhere). Mutation tried: mask_truncated_completions
+    not applied to tool episodes -> rows ending mid-turn train."""
     result = _run_tool_script(tmp_path, "hf", "sync", steps=2, extra={"mask_truncated_completions": True,
                                                                         "max_completion_length": 24})
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result["history"] if "loss" in h)
     assert any(h["completions/clipped_ratio"] > 0 for h in result["history"] if "reward" in h)
+    ends = result["ends"]
+    assert len(ends) == result["expected_rows"] and None in ends, ends  # the cut rows are masked whole
+    assert {e for e in ends if e is not None} <= {"<|im_end|>", "<|endoftext|>"}, ends
 
 
 class LuckyEnv:

@@ -364,10 +364,17 @@ def test_peft_lora_with_kl_loss_and_vllm_sync(mode, tmp_path):
 @pytest.mark.vllm
 def test_a_step_at_a_users_size(tmp_path):
     """64 prompts x 8 samples per step with the vLLM engine (more prompt tokens than one vLLM scheduler step):
-    `make demo ARGS="--train_batch_size 64 --max_steps 2"` crashed on CPU in vLLM's partial-prefill bookkeeping."""
+    `make demo ARGS="--train_batch_size 64 --max_steps 2"` crashed on CPU in vLLM's partial-prefill bookkeeping.
+    Every one of the 512 samples a step comes back with its own tokens and the engine's log-probs of them: the
+    trainer's log-probs of the same tokens agree to float32 noise (the first step: the weights are the same).
+    Mutation tried: the engine's log-prob lists rotated by one sample in generate_engine -> the difference is
+    6.5 and the test fails."""
     run = launch(tmp_path, "--train_batch_size", "64", "--max_steps", "2", "--save_strategy", "no")
     assert run["summary"]["steps"] == 2 and run["summary"]["rollout_backend"] == "vllm"
     assert all(math.isfinite(h["loss"]) for h in run["steps"])
+    assert run["steps"][0]["rollout_corr/logprob_abs_diff_max"] < 1e-4
+    # 64 x 8 samples: each group's rewards vary or not; the job's groups are counted in the zero-std fraction
+    assert run["steps"][0]["frac_reward_zero_std"] * 64 == pytest.approx(round(run["steps"][0]["frac_reward_zero_std"] * 64))
 
 
 @pytest.mark.slow
@@ -555,7 +562,7 @@ def test_a_tiny_moe_model_trains_on_the_vllm_engine(tmp_path):
 def test_a_rollout_cut_short_everywhere_is_said_once_and_counted():
     """A rollout whose every completion hit max_completion_length gives a warning naming the option and the
     fraction, once per run; run_summary.json counts such rollouts and the largest truncated fraction."""
-    from trl_nrollout.recipe.summary import TruncatedSteps
+    from trl_nrollout.trainer.clocks import TruncatedSteps
 
     watch = TruncatedSteps()
     assert watch.observe(1, 3, 8, 16) is None  # some cut: counted in the fraction only
@@ -576,7 +583,7 @@ def test_the_decoupled_loss_is_on_by_default_exactly_where_samples_can_be_stale(
     loss). The synchronous colocated default keeps no weight (its samples train value for value as before);
     decoupled_loss=False turns it off, and a rollout_is of the user's stays theirs."""
     from trl_nrollout.config import NRolloutConfig
-    from trl_nrollout.config_checks import stale_sample_reason
+    from trl_nrollout.config.checks import stale_sample_reason
 
     def cfg(**kw):
         return NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)

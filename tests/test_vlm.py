@@ -23,7 +23,7 @@ import trl_nrollout.trainer.grpo as trainer_module
 from tests.conftest import ACCELERATE_LAUNCH, ENV, ROOT
 from trl_nrollout import NRolloutGRPOTrainer
 from trl_nrollout.builtin import colour_image, colour_reward, image_dataset, resolve_model
-from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.passes.multimodal import (
     attach_images,

@@ -13,7 +13,7 @@ __all__ = ["NRolloutConfig", "NRolloutGRPOTrainer", "NRolloutPPOConfig", "NRollo
 def __getattr__(name: str):
     # lazy: `trl-nrollout plan` must not import torch / trl
     if name == "NRolloutConfig":
-        from trl_nrollout.config import NRolloutConfig
+        from trl_nrollout.config.options import NRolloutConfig
 
         return NRolloutConfig
     if name == "NRolloutGRPOTrainer":

@@ -206,7 +206,7 @@ def _trainer_residuals(profile: DeviceProfile, path: str, dims, progress: Callab
     from transformers import AutoTokenizer
 
     from trl_nrollout.builtin import digits_dataset, digits_prompts, digits_reward, long_prompts
-    from trl_nrollout.config import NRolloutConfig
+    from trl_nrollout.config.options import NRolloutConfig
     from trl_nrollout.plan.cost import predict_step
     from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.plan.shapes import pass_shape

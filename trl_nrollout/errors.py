@@ -2,7 +2,7 @@
 
 :class:`InputError` is a ``ValueError`` (code that catches ``ValueError`` keeps working). Everything that rejects a
 user's input derives from it: invalid options (:class:`~trl_nrollout.plan.layout_rules.LayoutError`,
-:class:`~trl_nrollout.dropin.UnsupportedTRLOption`, the checks of :class:`~trl_nrollout.config.NRolloutConfig`),
+:class:`~trl_nrollout.config.trl_options.UnsupportedTRLOption`, the checks of :class:`~trl_nrollout.config.NRolloutConfig`),
 datasets (:class:`DatasetError`) and recipes (:class:`~trl_nrollout.recipe.hub.HubError`). Its message names the option,
 file or function, the value, the rule and a fix, so the recipe script prints the message alone, without a
 traceback (a traceback is for bugs), and exits with status 2.

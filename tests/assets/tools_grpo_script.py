@@ -28,7 +28,10 @@ if __name__ == "__main__":
     dataset = tool_dataset(128)
     inputs = [dict(dataset[i]) for i in range(2) for _ in range(args.num_generations)]
     batch = trainer._generate_and_score_completions(inputs)
-    samples = []
+    samples, ends = [], []
+    for ids, keep in zip(batch["completion_ids"], batch["completion_mask"]):  # each row's last trained token
+        kept = ids[keep.bool()]
+        ends.append(trainer.processing_class.decode(kept[-1:]) if len(kept) else None)  # None: a masked row
     for ids, keep, tool_mask in zip(batch["completion_ids"], batch["completion_mask"], batch["tool_mask"]):
         ids, tool_mask = ids[keep.bool()], tool_mask[keep.bool()]
         if (tool_mask == 0).any():
@@ -38,7 +41,7 @@ if __name__ == "__main__":
     # ZeRO-3: a parameter this rank holds a part of only (DeepSpeed keeps small ones whole, persistent, on every rank)
     partitioned = [p for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel]
     result = {"history": trainer.state.log_history, "rows": len(batch["completion_ids"]), "expected_rows": len(inputs),
-              "samples": samples[:8], "params": len(params), "partitioned_params": len(partitioned),
+              "samples": samples[:8], "ends": ends, "params": len(params), "partitioned_params": len(partitioned),
               "engine": type(getattr(trainer, "rollout_engine", None)).__name__}
     assert torch.is_tensor(batch["tool_mask"])
     if trainer.accelerator.is_main_process:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from trl_nrollout.passes.distributed import is_zero3, synced_count
 from trl_nrollout.passes.logprobs import pack_by_tokens, split_by_count, unwrap_model
-from trl_nrollout.passes.packing import query_dtype
+from trl_nrollout.passes.packing import pad_samples, query_dtype
 from trl_nrollout.passes.padfree import (
     budget_count,
     budgeted_parts,
@@ -34,7 +34,6 @@ from trl_nrollout.passes.ulysses import (
     shard_rows,
     sp_multiple,
 )
-from trl_nrollout.rollout.types import RolloutBatch
 
 
 def build_critic(name_or_path: str, *, seed: int = 0, dtype: torch.dtype | None = None,
@@ -152,12 +151,10 @@ def sharded_values(critic: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, c
 def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_token_id: int,
               device: torch.device | str = "cpu", multiple_of: int | None = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """TRL's layout of token lists (:meth:`RolloutBatch.padded`): prompts left-padded ``[B, P]``, completions
-    right-padded ``[B, C]`` (both widths rounded up to ``multiple_of``, TRL's ``pad_to_multiple_of``), and their
-    masks."""
-    b = len(prompts)
-    t = RolloutBatch([list(p) for p in prompts], [list(c) for c in completions], [[] for _ in range(b)],
-                     ["stop"] * b, list(range(b))).padded(pad_token_id, device, multiple_of)
+    """TRL's layout of token lists (:func:`~trl_nrollout.passes.packing.pad_samples`): prompts left-padded
+    ``[B, P]``, completions right-padded ``[B, C]`` (both widths rounded up to ``multiple_of``, TRL's
+    ``pad_to_multiple_of``), and their masks."""
+    t = pad_samples([list(p) for p in prompts], [list(c) for c in completions], pad_token_id, device, multiple_of)
     return t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"]
 
 

@@ -14,12 +14,13 @@ computed over ``prompts x (P + K x (C + 1))`` tokens instead of ``samples x (P +
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from trl_nrollout.passes.packing_rules import (  # noqa: F401  (re-exported: the trainer's names)
+from trl_nrollout.plan.packing_rules import (  # noqa: F401  (re-exported: the trainer's names)
     MAX_PACKED_MASK_BYTES,
     mask_bytes_of,
     packed_length,
@@ -105,6 +106,36 @@ def round_up(width: int, multiple_of: int | None) -> int:
     return -(-width // multiple_of) * multiple_of
 
 
+
+def pad_samples(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_token_id: int,
+                device: torch.device | str = "cpu", multiple_of: int | None = None,
+                logprobs: Sequence[Sequence[float]] | None = None) -> dict[str, Tensor]:
+    """TRL's layout of ``B`` samples' token lists: ``prompt_ids`` / ``prompt_mask`` left-padded ``[B, P]``,
+    ``completion_ids`` / ``completion_mask`` right-padded ``[B, C]``, and ``logprobs`` ``[B, C]`` (float32, 0 past
+    each completion's given log-probs; all 0 without ``logprobs``). ``P`` and ``C`` are the longest prompt and
+    completion rounded up to a multiple of ``multiple_of`` (TRL's ``pad_to_multiple_of``). The critic's value pass
+    pads with it; :meth:`~trl_nrollout.rollout.types.RolloutBatch.padded` is the same layout of a rollout."""
+    b = len(prompts)
+    logprobs = [[] for _ in range(b)] if logprobs is None else logprobs
+    p_max = round_up(max((len(p) for p in prompts), default=0), multiple_of)
+    c_max = round_up(max((len(c) for c in completions), default=0), multiple_of)
+    prompt = torch.full((b, p_max), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros(b, p_max, dtype=torch.long)
+    comp = torch.full((b, c_max), pad_token_id, dtype=torch.long)
+    comp_mask = torch.zeros(b, c_max, dtype=torch.long)
+    lp = torch.zeros(b, c_max, dtype=torch.float32)
+    for i, (p, c, lps) in enumerate(zip(prompts, completions, logprobs)):
+        if p:
+            prompt[i, p_max - len(p):] = torch.tensor(p)
+            prompt_mask[i, p_max - len(p):] = 1
+        if c:
+            comp[i, :len(c)] = torch.tensor(c)
+            comp_mask[i, :len(c)] = 1
+            lp[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    out = {"prompt_ids": prompt, "prompt_mask": prompt_mask, "completion_ids": comp,
+           "completion_mask": comp_mask, "logprobs": lp}
+    return {k: v.to(device) for k, v in out.items()}
+
 def mask_dtype(config, weights_dtype: torch.dtype) -> torch.dtype:
     """The packed mask's dtype for a model: boolean under SDPA (True: may attend; PyTorch turns it into the
     queries' dtype itself, whatever the mixed-precision setup, e.g. FSDP2's bf16 compute over float32 weights),
@@ -119,7 +150,7 @@ def query_dtype(weights_dtype: torch.dtype, device_type: str) -> torch.dtype:
 
 def mask_bytes(groups: int, length: int, dtype: torch.dtype, queries: torch.dtype = torch.float32) -> int:
     """Peak bytes of a packed micro batch's block mask ``[G, 1, L, L]`` in ``dtype``
-    (:func:`~trl_nrollout.passes.packing_rules.mask_bytes_of`): a boolean mask under SDPA with its copies in the
+    (:func:`~trl_nrollout.plan.packing_rules.mask_bytes_of`): a boolean mask under SDPA with its copies in the
     queries' dtype ``queries``, an additive mask alone."""
     def size(dt: torch.dtype) -> int:
         return torch.empty((), dtype=dt).element_size()

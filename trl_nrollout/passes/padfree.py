@@ -304,7 +304,7 @@ def padfree_fits(lengths: Sequence[int], plain_width: int, mask_dtype: torch.dty
                  pad_to_multiple_of: int | None = None, samples: int | None = None) -> bool:
     """Whether a micro batch runs as padding-free rows: they save a tenth of the slots (:func:`padfree_pays`) and
     their block mask, rows rounded to ``pad_to_multiple_of``, stays within the shared-prompt layout's bound
-    (:data:`~trl_nrollout.passes.packing_rules.MAX_PACKED_MASK_BYTES`; ``mask_dtype`` and ``queries`` as
+    (:data:`~trl_nrollout.plan.packing_rules.MAX_PACKED_MASK_BYTES`; ``mask_dtype`` and ``queries`` as
     :func:`~trl_nrollout.passes.packing.mask_bytes` takes them; None: varlen attention, one row, no mask). The
     update and the log-prob passes decide alike."""
     from trl_nrollout.passes.packing import MAX_PACKED_MASK_BYTES, mask_bytes, round_up

@@ -18,7 +18,7 @@ A roofline model with fixed costs, per device, for one step of the layout (:clas
   gloo): :func:`trl_nrollout.plan.search.host_transfer_s`.
 - **old-policy / reference log-prob passes**: the forwards the trainer runs
   (:func:`~trl_nrollout.plan.shapes.pass_shape`), micro batch by micro batch: packed with each prompt once where the
-  trainer's own rule (:func:`~trl_nrollout.passes.packing_rules.packing_pays`) packs it, else as padding-free rows
+  trainer's own rule (:func:`~trl_nrollout.plan.packing_rules.packing_pays`) packs it, else as padding-free rows
   (``Workload.padfree_rows``: real tokens plus the last row's end,
   :func:`~trl_nrollout.plan.shapes.padfree_rows_of`) where they fit, else padded to the micro batch's longest
   sample; under a token budget with no count set, micro batches of even real tokens. ``2 x params`` FLOPs per token

@@ -11,12 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout
+from trl_nrollout.plan.readers import PlanError, engine_utilization
 from trl_nrollout.plan.recipe_file import RecipeFileError, read_recipe
-
-
-class PlanError(Exception):
-    """A user error in the plan options (the CLI reports it as ``trl-nrollout: error: <message>``, exit 2)."""
-
 
 #: (option, type, help) of every ``plan`` option; each is a flag (``--rollout-tp-size`` or ``--rollout_tp_size``)
 #: and a recipe YAML key (``rollout_tp_size``). Flags override the YAML.
@@ -313,8 +309,6 @@ def build_memory(values: dict[str, Any], layout: RolloutLayout, n_values: tuple[
     max_num_seqs = memory.DEFAULT_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
         raise PlanError(f"max_num_seqs={max_num_seqs!r} must be a positive integer (the default is 1024).")
-    from trl_nrollout.plan.update_budget import engine_utilization
-
     gib = values.get("gpu_memory_gib")
     util = engine_utilization(values, rollout_ranks=bool(values.get("rollout_ranks")))
     if gib is None and values.get("gpu_memory_utilization") is None:

@@ -9,25 +9,33 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from trl_nrollout.plan.cost import PHASES, StepPrediction, predict_step, predict_vs_n
-from trl_nrollout.plan.devices import DeviceProfile, load_profile, with_memory
+from trl_nrollout.plan.devices import DeviceProfile
 from trl_nrollout.plan.dims import ModelDims
-from trl_nrollout.plan.figures import LAYOUT_KEYS, PlanError, pool_factor
+from trl_nrollout.plan.figures import LAYOUT_KEYS, pool_factor
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout
 from trl_nrollout.plan.memory import (
     DEFAULT_MAX_COMPLETION_LENGTH,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MAX_PROMPT_LENGTH,
 )
+from trl_nrollout.plan.readers import (
+    PlanError,
+    device_of,
+    dims_of,
+    engine_utilization,
+    lora_rank,
+    rows_varlen,
+)
 from trl_nrollout.plan.search import memory_checks, predict_split
 from trl_nrollout.plan.search import suggest as search
 from trl_nrollout.plan.shapes import padfree_token_cap
+from trl_nrollout.plan.update_budget import UpdateBudget
 from trl_nrollout.plan.workload import Workload
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from trl_nrollout.plan.search import Candidate
-    from trl_nrollout.plan.update_budget import UpdateBudget
 
 SHARDING = ("none", "zero2", "zero3", "fsdp", "zero3_offload")
 #: the shardings ``--suggest`` tries when none is given (FSDP is priced as ZeRO-3: the same gathers and splits)
@@ -37,31 +45,6 @@ OFFLOAD_SHARDING = ("zero3_offload",)
 #: the engine's memory fractions ``--suggest`` tries beside the trainer's default (verl's tuning guide: raise it, with
 #: the engine sleeping while the trainer works, until the trainer no longer fits)
 SEARCHED_UTILIZATION = (0.5, 0.7)
-
-
-def device_of(values: dict[str, Any]) -> DeviceProfile:
-    name = values.get("device")
-    if not name:
-        raise PlanError("--predict and --suggest need a device: pass --device h100 (or a100-40gb, a100-80gb, h200, "
-                        "l40s, a saved profile, a profile JSON), or measure this machine with --calibrate.")
-    try:
-        return with_memory(load_profile(str(name)), values.get("gpu_memory_gib"))
-    except ValueError as err:
-        raise PlanError(str(err)) from None
-
-
-def dims_of(values: dict[str, Any]) -> ModelDims:
-    from trl_nrollout.plan.models import model_dims
-
-    model = values.get("model_name_or_path")
-    if not model:
-        raise PlanError("--predict and --suggest need a model: pass --model (a hub id, a local folder or a builtin: "
-                        "name) or set model_name_or_path in the recipe.")
-    dtype = values.get("dtype")
-    try:
-        return model_dims(str(model), dtype=None if dtype in (None, "auto") else dtype)
-    except (OSError, ValueError) as err:
-        raise PlanError(f"model_name_or_path={model!r}: {err}") from None
 
 
 def workload_of(values: dict[str, Any], budget: UpdateBudget | None = None) -> tuple[Workload, list[str]]:
@@ -135,38 +118,11 @@ def resolve_lora_sync(values: dict[str, Any], dims: ModelDims, layout: RolloutLa
     return replace(work, lora_sync=price.choice), price.reason() + "."
 
 
-def rows_varlen(values: dict[str, Any]) -> bool:
-    """Whether the trainer's padding-free rows run varlen attention for ``plan`` options: padding-free, a device whose
-    profile says so (:attr:`~trl_nrollout.plan.devices.DeviceProfile.varlen_attention`: CUDA), half precision
-    (``bf16``, TRL's default on a GPU, not switched off)."""
-    if values.get("padding_free") is False or not values.get("device") or values.get("bf16") is False:
-        return False
-    try:
-        return device_of(values).varlen_attention
-    except PlanError:
-        return False
-
-
-def lora_rank(values: dict[str, Any]) -> int | None:
-    """The LoRA rank a recipe trains with: ``--lora-r``, or the recipe's ``use_peft`` (TRL's ModelConfig; its
-    ``lora_r``, default 16); None: full training."""
-    r = values.get("lora_r")
-    if values.get("use_peft") and r is None:
-        r = 16
-    if r is None or values.get("use_peft") is False:
-        return None
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise PlanError(f"lora_r={r!r} must be a whole number >= 1 (the LoRA adapters' rank, e.g. 16).")
-    return r
-
-
 def verdict(values: dict[str, Any], dims: ModelDims, layout: RolloutLayout | None, work: Workload,
             dev: DeviceProfile, pred: StepPrediction, *, colocated: bool = True) -> dict[str, Any]:
     """Whether ``pred`` fits ``dev``'s memory (:func:`~trl_nrollout.plan.search.memory_checks`, the rule ``--suggest``
     applies), each limit's line, the one that binds first (the largest share over its limit), and a fix that makes
     every limit fit, found by pricing the usual changes one at a time."""
-    from trl_nrollout.plan.update_budget import engine_utilization
-
     util = engine_utilization(values, rollout_ranks=not colocated)
     sleep = bool(values.get("vllm_enable_sleep_mode"))
     checks = memory_checks(pred, dev, util, sleep, colocated=colocated)
@@ -346,8 +302,6 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     if not world or not prompts:
         raise PlanError("--suggest needs the devices and the prompts per step: pass --num-processes (or "
                         "--n-gpus-per-node and --nnodes) and --train-batch-size.")
-    from trl_nrollout.plan.update_budget import engine_utilization
-
     util = engine_utilization(values)
     shardings = SEARCHED_SHARDING if not values.get("trainer_sharding") else None
     extra = {k: values[k] for k in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device",

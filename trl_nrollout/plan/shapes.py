@@ -1,6 +1,6 @@
 """The shapes of the training passes in the step's cost model (:mod:`trl_nrollout.plan.cost`): how the trainer
 cuts a rank's samples into micro batches and lays each one out (the shared-prompt layout where
-:func:`~trl_nrollout.passes.packing_rules.packing_pays`, else padding-free rows where they fit, else padded rows),
+:func:`~trl_nrollout.plan.packing_rules.packing_pays`, else padding-free rows where they fit, else padded rows),
 as :class:`PassShape`: forwards, token slots and attention's query-key pairs. :func:`pass_shape` for the log-prob
 passes, :func:`update_shape` for the update (count-based or under ``update_token_budget``), and
 :func:`padfree_token_cap`, the padding-free rows' bound the trainer shares. Pure: no torch at import."""
@@ -10,14 +10,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from trl_nrollout.passes.packing_rules import (
+from trl_nrollout.plan.dims import ModelDims
+from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.plan.packing_rules import (
     MAX_PACKED_MASK_BYTES,
     mask_bytes_of,
     packed_length,
     packing_pays,
 )
-from trl_nrollout.plan.dims import ModelDims
-from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.workload import Workload
 
 
@@ -51,7 +51,7 @@ def padfree_rows_of(samples: float, work: Workload, query_bytes: int = 2) -> tup
     packing, fills all but the last row to within a sample of the width at long-tailed lengths), at most one per
     sample. The trainer's rule (``padfree_fits``), on the whole rows: they save at least a tenth of the padded slots
     (``samples x width``) and their block mask (``rows x width^2``, boolean with SDPA's copy in the queries' dtype,
-    ``query_bytes``) stays within :data:`~trl_nrollout.passes.packing_rules.MAX_PACKED_MASK_BYTES`."""
+    ``query_bytes``) stays within :data:`~trl_nrollout.plan.packing_rules.MAX_PACKED_MASK_BYTES`."""
     width = math.ceil(work.row_width)
     real = samples * work.sample_len
     rows = max(1.0, min(samples, real / max(width, 1) + 0.5))
@@ -64,7 +64,7 @@ def padfree_rows_of(samples: float, work: Workload, query_bytes: int = 2) -> tup
 def padfree_token_cap(row_width: int, query_bytes: int = 2) -> int:
     """The most real tokens a micro batch may hold and still run as padding-free rows of ``row_width`` (its longest
     sample) under SDPA: the rows whose boolean block mask (with its copy in the queries' dtype, ``query_bytes``)
-    stays within :data:`~trl_nrollout.passes.packing_rules.MAX_PACKED_MASK_BYTES`, less half a row (the last row's
+    stays within :data:`~trl_nrollout.plan.packing_rules.MAX_PACKED_MASK_BYTES`, less half a row (the last row's
     expected unused end). Beyond it the trainer runs the micro batch padded. At least ``row_width`` (one sample)."""
     if row_width < 1:
         raise ValueError(f"row_width={row_width} must be >= 1 (the longest sample's tokens).")
@@ -114,7 +114,7 @@ def pass_shape(samples: int, per_forward: int, n: int, work: Workload, *, max_to
     work; otherwise each holds as many samples as fit padded to the longest (``max_token_len // row_width``).
 
     Each micro batch (:func:`_micro_batch_cost`) runs the shared-prompt layout where the trainer's own rule
-    (:func:`~trl_nrollout.passes.packing_rules.packing_pays` and the mask's bound) packs it (``G`` rows of ``L = P
+    (:func:`~trl_nrollout.plan.packing_rules.packing_pays` and the mask's bound) packs it (``G`` rows of ``L = P
     - 1 + K (C + 1)`` tokens, ``G L^2`` pairs), else our padding-free rows (:func:`padfree_rows_of`: the real tokens
     plus the last row's end, ``R W^2`` pairs under the block mask), else the padded rows: ``B`` rows of the longest
     prompt and completion (the update pads the rank's whole batch to the step's longest, the log-prob passes each

@@ -13,17 +13,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trl_nrollout.passes.packing_rules import MAX_PACKED_MASK_BYTES
 from trl_nrollout.plan.activations import (
     DEFAULT_ACTIVATION_FRACTION,
     activation_bytes_per_token,
     default_update_token_budget,
 )
 from trl_nrollout.plan.cost import trainer_state_bytes
-from trl_nrollout.plan.figures import PlanError
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_COMPLETION_LENGTH, DEFAULT_MAX_PROMPT_LENGTH, fmt_bytes
-from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION, ROLLOUT_RANK_GPU_MEMORY_UTILIZATION
+from trl_nrollout.plan.packing_rules import MAX_PACKED_MASK_BYTES
+from trl_nrollout.plan.readers import (
+    PlanError,
+    bool_option,
+    device_of,
+    dims_of,
+    engine_utilization,
+    lora_rank,
+    rows_varlen,
+)
 from trl_nrollout.plan.shapes import padfree_token_cap
 from trl_nrollout.plan.workload import Workload
 
@@ -34,26 +41,20 @@ LOG_PROB_SIZES = ("log_prob_micro_batch_size", "log_prob_micro_batch_size_per_de
 
 @dataclass(frozen=True)
 class UpdateBudget:
-    """The update's token budget per device: ``tokens`` (None where it depends on a device the plan was not told),
-    where it comes from (``source``), and the arithmetic of a default (``rows``)."""
+    """The update's token budget per device as ``plan`` shows it: ``tokens`` (None where it depends on a device the
+    plan was not told), where it comes from (``source``), and the arithmetic of a default (``rows``). The trainer's
+    own, resolved at launch, is :class:`~trl_nrollout.trainer.budgeted_update.DeviceTokenBudget`."""
 
     tokens: int | None
     source: str
     rows: tuple[tuple[str, str], ...] = ()
 
 
-def _bool(values: dict[str, Any], key: str) -> bool | None:
-    value = values.get(key)
-    if value is None or isinstance(value, bool):
-        return value
-    raise PlanError(f"{key}={value!r} must be true or false.")
-
-
 def dynamic_bsz(values: dict[str, Any]) -> tuple[bool, int | None]:
     """``(use_dynamic_bsz, explicit budget)`` of ``plan`` options, resolved as the trainer's config does; a
     :class:`PlanError` for a budget below 1 or set with ``use_dynamic_bsz=False``."""
     budget = values.get("ppo_max_token_len_per_device")
-    use = _bool(values, "use_dynamic_bsz")
+    use = bool_option(values, "use_dynamic_bsz")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise PlanError(f"ppo_max_token_len_per_device={budget!r} must be a whole number >= 1 (tokens per update micro "
                         "batch per device, at least the longest sample: max_prompt_length + max_completion_length).")
@@ -79,19 +80,6 @@ def longest_sample(values: dict[str, Any]) -> int:
     completion = values.get("max_completion_length")
     return (DEFAULT_MAX_PROMPT_LENGTH if prompt is None else int(prompt)) + (
         DEFAULT_MAX_COMPLETION_LENGTH if completion is None else int(completion))
-
-
-def engine_utilization(values: dict[str, Any], *, rollout_ranks: bool = False) -> float:
-    """The engines' memory fraction: ``gpu_memory_utilization`` where given, else the trainer's default for where
-    the engines live (:data:`~trl_nrollout.plan.roles.COLOCATED_GPU_MEMORY_UTILIZATION` beside a trainer,
-    :data:`~trl_nrollout.plan.roles.ROLLOUT_RANK_GPU_MEMORY_UTILIZATION` on a rollout rank)."""
-    util = values.get("gpu_memory_utilization")
-    if util is None:
-        return ROLLOUT_RANK_GPU_MEMORY_UTILIZATION if rollout_ranks else COLOCATED_GPU_MEMORY_UTILIZATION
-    if not 0 < util <= 1:
-        raise PlanError(f"gpu_memory_utilization={util!r} must be in (0, 1], e.g. "
-                        f"{COLOCATED_GPU_MEMORY_UTILIZATION} beside a trainer.")
-    return float(util)
 
 
 def trainer_memory_bytes(values: dict[str, Any], memory_gib: float, *, colocated: bool = True) -> int:
@@ -120,31 +108,23 @@ def update_budget(values: dict[str, Any], layout: RolloutLayout, *, state_bytes:
     model = values.get("model_name_or_path")
     gib = values.get("gpu_memory_gib")
     if gib is None and values.get("device"):
-        from trl_nrollout.plan.predict import device_of
-
         gib = device_of(values).memory_gib
     if not model or gib is None:
         return UpdateBudget(None, "default: from the model's size and the device's memory at launch (give --model and "
                                   f"--device or --gpu-memory-gib to see it; on a CPU max({longest}, 16384))")
-    from trl_nrollout.plan.predict import dims_of
-
     try:
         dims = dims_of(values)
     except PlanError as err:  # an unknown model offline: the layout still stands
         return UpdateBudget(None, f"default: from the model's size and the device's memory at launch ({err})")
-    gc = _bool(values, "gradient_checkpointing")
+    gc = bool_option(values, "gradient_checkpointing")
     gc = True if gc is None else gc
     sharding = values.get("trainer_sharding") or "none"
     if state_bytes is None:
-        from trl_nrollout.plan.predict import lora_rank
-
         states = Workload(prompt_len=0, completion_mean=0, completion_max=0, sharded=sharding in ("zero3", "fsdp"),
                           optimizer_sharded=sharding == "zero2", lora_r=lora_rank(values))
         critic = values.get("trainer") == "ppo" or values.get("adv_estimator") == "gae"
         state_bytes = int(trainer_state_bytes(dims, states, layout.num_processes) * (2 if critic else 1))
     memory = trainer_memory_bytes(values, gib, colocated=colocated)
-    from trl_nrollout.plan.predict import rows_varlen
-
     free = values.get("padding_free") is not False and not rows_varlen(values)  # varlen rows: no mask, no cap
     cap = padfree_token_cap(longest, min(dims.dtype_bytes, 2)) if free else None
     tokens = default_update_token_budget(dims, device_memory_bytes=memory, state_bytes_per_device=state_bytes,

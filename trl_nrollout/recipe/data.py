@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trl_nrollout.builtin import digits_dataset
 from trl_nrollout.errors import DatasetError, InputError
+from trl_nrollout.trainer.prompts import check_prompts, prompt_rows
 
 _FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 #: What a recipe's dataset must look like (every dataset error ends with it).
@@ -19,8 +20,6 @@ DATASET_SHAPE = ("A recipe's dataset has one row per prompt and a 'prompt' colum
                  "dataset_prompt_column) holding a non-empty text or a list of chat messages "
                  "([{\"role\": \"user\", \"content\": \"...\"}]); a .jsonl file holds one JSON object per line, e.g. "
                  "{\"prompt\": \"Write a number.\"}.")
-#: How many offending rows an error lists.
-_SHOWN = 5
 
 
 def load_prompts(name: str, *, split: str = "train", prompt_column: str = "prompt", num_builtin: int = 512,
@@ -97,32 +96,6 @@ def check_file(path: Path) -> None:
                                f"{err.colno}). {DATASET_SHAPE}") from None
 
 
-def is_empty_prompt(prompt) -> bool:
-    """A prompt with nothing in it: ``None``, an empty text or an empty list of messages. (A blank text or a chat
-    with empty messages still gives the engine tokens, and TRL trains on them; they are left alone.)"""
-    return prompt is None or (isinstance(prompt, str | list) and len(prompt) == 0)
-
-
-def _rows(indices: list[int]) -> str:
-    """The first rows of ``indices`` for a message (``3, 7, 9 and 12 more``)."""
-    shown = ", ".join(str(i) for i in indices[:_SHOWN])
-    return shown + (f" and {len(indices) - _SHOWN} more" if len(indices) > _SHOWN else "")
-
-
-def check_prompts(prompts: Iterable, *, source: str = "the training dataset") -> None:
-    """Refuse a dataset with an empty prompt (vLLM refuses it only at the step that draws it: "The decoder prompt
-    cannot be empty"; TRL's trainer fails there too), naming the rows. Cheap: no tokenizer."""
-    empty = [i for i, p in enumerate(prompts) if is_empty_prompt(p)]
-    if not empty:
-        return
-    rows = _rows(empty)
-    raise DatasetError(
-        f"{source}: {len(empty)} empty prompt{'s' if len(empty) > 1 else ''} (row{'s' if len(empty) > 1 else ''} "
-        f"{rows}, counting from 0); every prompt needs some text. Remove {'them' if len(empty) > 1 else 'it'} from the data, or "
-        "filter the dataset first: dataset.filter(lambda row: bool(row['prompt']))."
-    )
-
-
 def as_chat(prompt, system_prompt: str) -> list[dict]:
     """``[system, user]`` messages for a text prompt; a prompt that is already a chat is returned as is."""
     if isinstance(prompt, list):
@@ -150,7 +123,7 @@ def check_prompt_lengths(prompts: Iterable, model: str, limit: int, *, source: s
     over = [i for i, n in enumerate(lengths) if n > limit]
     if not over:
         return
-    rows = _rows(over)
+    rows = prompt_rows(over)
     raise DatasetError(
         f"{source}: {len(over)} prompt{'s' if len(over) > 1 else ''} longer than max_prompt_length={limit} tokens "
         f"(rows {rows}, counting from 0; the longest {max(lengths)} tokens). Raise max_prompt_length to "

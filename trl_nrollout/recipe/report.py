@@ -1,9 +1,7 @@
 """What a user sees of a run: one live progress line per step, and at the end ``report.png``.
 
-- :class:`LiveProgressCallback` replaces the Trainer's progress callback: instead of printing every step's ~35
-  metrics as a dict under the bar, it shows the few that tell how training goes in the bar's postfix, updated in
-  place (step, reward +- std, response length, generated tokens/s, seconds per step). Every metric still goes to
-  ``report_to`` and ``log_history``.
+- :class:`~trl_nrollout.trainer.progress.LiveProgressCallback` (the trainer's, in :mod:`trl_nrollout.trainer.progress`)
+  replaces the Trainer's progress callback: the step's key figures in the bar's postfix, updated in place.
 - :func:`write_report` plots the run from its log history (matplotlib): reward (mean +- std) and response length
   over steps, and the time of each phase of a step, stacked.
 - :func:`end_progress_bars` ends the bar's line when a run stops with an error (its message then starts a line).
@@ -11,60 +9,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from transformers.trainer_callback import ProgressCallback
+from trl_nrollout.trainer.progress import finite_number
 
 #: Phases of a step, in order, as logged under ``timing_s/<phase>``.
 PHASES = ("weight_sync", "gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
-
-
-def _fmt(value: float, unit: str = "") -> str:
-    if value >= 10_000:
-        return f"{value / 1000:.1f}k{unit}"
-    if value >= 100:
-        return f"{value:.0f}{unit}"
-    return f"{value:.3g}{unit}"
-
-
-def _number(value) -> bool:
-    """A finite number (not None, which TRL logs for a metric no sample had, nor NaN)."""
-    return isinstance(value, int | float) and math.isfinite(value)
-
-
-def live_line(logs: Mapping[str, float]) -> str:
-    """The postfix of the progress bar for one step's logs (keys that are missing are left out)."""
-    parts = []
-    if "reward" in logs:
-        std = logs.get("reward_std")
-        if not _number(logs["reward"]):  # every reward function declined every sample (TRL logs None)
-            parts.append("reward unscored")
-        else:
-            parts.append(f"reward {logs['reward']:.3f}" + (f"±{std:.3f}" if _number(std) else ""))
-    if "response_length/mean" in logs:
-        parts.append(f"len {logs['response_length/mean']:.1f}")
-    if "perf/gen_tokens_per_s" in logs:
-        parts.append(f"gen {_fmt(logs['perf/gen_tokens_per_s'])} tok/s")
-    if "timing_s/step" in logs:
-        parts.append(f"step {logs['timing_s/step']:.2f}s")
-    if "loss" in logs and isinstance(logs["loss"], int | float) and not math.isfinite(logs["loss"]):
-        parts.append(f"loss {logs['loss']}")
-    return " | ".join(parts)
-
-
-class LiveProgressCallback(ProgressCallback):
-    """The Trainer's progress bar, with the step's key figures in its postfix instead of a printed dict."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or self.training_bar is None or not logs:
-            return
-        if "train_runtime" in logs:  # the final summary dict: the run summary says it better
-            return
-        line = live_line(logs)
-        if line:
-            self.training_bar.set_postfix_str(line, refresh=True)
 
 
 def end_progress_bars() -> None:
@@ -79,7 +30,7 @@ def end_progress_bars() -> None:
 def _series(history: Sequence[Mapping], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for h in history:
-        if key in h and "step" in h and _number(h[key]):  # an unscored step (None) leaves a gap
+        if key in h and "step" in h and finite_number(h[key]):  # an unscored step (None) leaves a gap
             xs.append(int(h["step"]))
             ys.append(float(h[key]))
     return xs, ys

@@ -41,8 +41,8 @@ import yaml
 from transformers import TrainerCallback
 
 from trl_nrollout.builtin import resolve_model
-from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.config_checks import agent_dependencies_refusal, lora_sync_refusal
+from trl_nrollout.config.checks import agent_dependencies_refusal, lora_sync_refusal
+from trl_nrollout.config.options import NRolloutConfig
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.recipe_file import read_recipe
 from trl_nrollout.recipe.data import check_prompt_lengths, load_prompts

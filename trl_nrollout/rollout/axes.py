@@ -49,7 +49,7 @@ class Refusal:
 
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("rollout_ranks", "rollout_backend='hf'", "machine", "config_checks.rollout_ranks_refusal",
+    Refusal("rollout_ranks", "rollout_backend='hf'", "machine", "checks.rollout_ranks_refusal",
             "the HF engine generates with the training model itself: it cannot live on another process"),
     Refusal("rollout_partial=True", "rollout_backend='hf'", "machine", "ConfigChecks._check_choices",
             "the HF engine cannot abort a request, so a sample cannot stop and continue later"),

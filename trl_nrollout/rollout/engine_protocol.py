@@ -73,7 +73,7 @@ class RolloutEngine(Protocol):
     max_model_len: int | None
 
     @property
-    def balanced_queue(self) -> bool:
+    def balances_job(self) -> bool:
         """Whether this engine's rollouts pull from one queue shared with other engines (``rollout_dispatch=
         "balanced"`` with several engines): :meth:`Balanced.gather_job` then spans the job, not the TP group."""
         ...
@@ -192,7 +192,7 @@ class Abort(Protocol):
 class Balanced(Protocol):
     """``BALANCED``: the job's groups in one queue every engine pulls from while it has room; each group's samples
     go home to the rank that owns its prompt. Every member is collective over every rank of the job. With one
-    engine (:attr:`RolloutEngine.balanced_queue` False) each falls back to its share's call."""
+    engine (:attr:`RolloutEngine.balances_job` False) each falls back to its share's call."""
 
     def generate_balanced(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
                           images: list[list] | None = None) -> tuple[RolloutBatch, PullStats]:
@@ -228,6 +228,11 @@ class Balanced(Protocol):
 
     def drop_job_queue(self, queue: GroupQueue) -> None:
         """Delete ``queue``'s counters (once every rank is past its last claim)."""
+        ...
+
+    def job_counter(self, name: str) -> Callable[[int], int]:
+        """A job-wide counter ``name``: ``add(k)`` adds ``k`` atomically and returns the total (``add(0)`` reads it).
+        Only while :attr:`RolloutEngine.balances_job`."""
         ...
 
     def gather_job(self, obj: Any) -> list:

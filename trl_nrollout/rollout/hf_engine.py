@@ -164,7 +164,7 @@ class HFEngine:
     #: no context limit of its own (it generates past the model's context, as TRL's generate path does)
     max_model_len = None
     #: each rank generates its own prompts: never a queue shared with other engines
-    balanced_queue = False
+    balances_job = False
 
     def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], batch_size: int = 64,
                  seed: int = 0, generation_context=None, shared_prompts: bool = False,

@@ -38,16 +38,16 @@ from torch import nn
 
 from trl_nrollout.rollout.engine_protocol import ADAPTERS, JOBS
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
-from trl_nrollout.rollout.remote_agents import JobResult, sum_stats
+from trl_nrollout.rollout.remote_agents import sum_stats
 from trl_nrollout.rollout.remote_buckets import (
     dtype_of,
     frame_bucket,
     images_digest,
     pack_bucket,
 )
-from trl_nrollout.rollout.remote_partial import JOINED, group_fields
+from trl_nrollout.rollout.remote_partial import JOINED, PartialEntry, group_fields
 from trl_nrollout.rollout.remote_reader import broadcast
-from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.rollout.types import JobResult, RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_settings import check_prompt_length
 from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
 
@@ -74,7 +74,7 @@ class RemoteEngines:
     #: what it can do beyond the core (:mod:`trl_nrollout.rollout.engine_protocol`): adapters, and jobs written ahead
     capabilities = frozenset({ADAPTERS, JOBS})
     #: the trainers see one engine each (their own samples come home); the rollout ranks' queue is theirs
-    balanced_queue = False
+    balances_job = False
 
     def __init__(self, bridge: Bridge, settings: dict, *, max_model_len: int, bucket_bytes: int) -> None:
         self.bridge = bridge
@@ -296,7 +296,7 @@ class RemoteEngines:
         run_agent_job`); ``agent``: the job's ``{"step", "mode"}`` (the turns' seeds); ``ahead`` and ``step_job``
         as in :meth:`generate_expanded` (later steps' episodes run while the trainers train). Returns the batch and
         each sample's tool mask (``[L]``, 0 on tool-result tokens) and episode fields. A partial job's ``agent``
-        entry (:func:`~trl_nrollout.rollout.remote_partial.partial_entry`; ``images`` per sample as in
+        entry (:class:`~trl_nrollout.rollout.remote_partial.PartialEntry`; ``images`` per sample as in
         :meth:`generate_expanded`): the samples of the groups that finished first, whichever job drew them, each
         with its group's fields; the batch's prompt ids are the groups' own. A collective of the trainers."""
         return self._job_samples(sample_prompts, n, sampling, ahead, step_job, agent, images)
@@ -367,7 +367,7 @@ class RemoteEngines:
         index = [groups_before + i // n for i in range(len(rows))]
         prompts = [list(p) for p in sample_prompts] if expanded is None else [list(expanded[i // n]) for i in
                                                                                range(len(rows))]
-        if agent is not None and agent.get("partial"):  # the finished groups' own prompts and fields
+        if isinstance(agent, PartialEntry):  # the finished groups' own prompts and fields
             fields = group_fields([r[3] for r in rows])
             prompts = [list(f["prompt_ids"]) for f in fields]
             rows = [(*r[:3], f) for r, f in zip(rows, fields)]
@@ -456,19 +456,20 @@ class RemoteEngines:
 
 
 def job_agent(entries: list[dict | None]) -> dict | None:
-    """A job's ``agent`` entry from the trainers' (rank order): an ``agent=`` or partial job's lists (rows, prompts,
-    top-ups, a restored pool) joined (each trainer's after those of the trainers before it, the job's order);
+    """A job's ``agent`` entry from the trainers' (rank order): an ``agent=`` job's lists (rows, prompts) or a partial
+    job's (:meth:`~trl_nrollout.rollout.remote_partial.PartialEntry.join`) joined (each trainer's after those of the
+    trainers before it, the job's order);
     environments' episodes: every trainer's tool server and key (``envs``), samples (``sizes``) and samples'
     environment names, joined; else the first trainer's (the same on all)."""
     first = entries[0]
+    if isinstance(first, PartialEntry):  # a partial job: every trainer's groups, top-ups and tool server
+        return PartialEntry.join(entries)
     if first is not None and "env" in first:  # environments: each trainer's tool server and samples' names
         return {"step": first["step"], "mode": first["mode"], "envs": [e["env"] for e in entries],
                 "sizes": [len(e["names"]) for e in entries], "names": [x for e in entries for x in e["names"]]}
     if first is None or "rows" not in first:
         return first
     joined = {k: [x for entry in entries for x in entry[k]] for k in JOINED if isinstance(first.get(k), list)}
-    if first.get("host") is not None:  # a partial job with environments: each trainer's tool server
-        joined["hosts"] = [entry["host"] for entry in entries]
     return {**first, **joined}
 
 

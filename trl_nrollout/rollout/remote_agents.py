@@ -9,18 +9,20 @@ message, with the response template TRL set on it) and chat template. It answers
 the trainers turn them into the same batch and episode the colocated path gives.
 
 - :func:`agent_settings`: what the trainers add to the start message (``agent``);
-- :func:`episode_extras` / :func:`pack_extras`: the per-sample fields a :class:`JobResult`
-  carries besides tokens and log-probs (the tool masks as one flat ``int8`` array);
+- :func:`episode_extras`: the per-sample fields a :class:`~trl_nrollout.rollout.types.JobResult` carries besides
+  tokens and log-probs (the tool masks as one flat ``int8`` array; :func:`~trl_nrollout.rollout.types.pack_extras`
+  unpacks them);
 - :func:`run_agent_job`: a rollout rank's side of one agent job.
 
-:class:`JobResult` is what a rollout rank answers for its slice of any job (single-turn, a tool turn, episodes).
+:class:`~trl_nrollout.rollout.types.JobResult` (in :mod:`~trl_nrollout.rollout.types`) is what a rollout rank answers
+for its slice of any job (single-turn, a tool turn, episodes).
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -77,18 +79,6 @@ def episode_extras(samples: list[AgentSample]) -> tuple[np.ndarray, list[dict]]:
     fields = [{"completions": s.messages, "turns": s.turns, "tool_calls": s.tool_calls,
                "tool_failures": s.tool_failures} for s in samples]
     return mask, fields
-
-
-def pack_extras(tool_mask: np.ndarray | None, fields: list[dict] | None, lengths: np.ndarray) -> list[dict | None]:
-    """Per sample: its ``tool_mask`` (a list, ``[L]``) and :data:`EPISODE_FIELDS`, or None for a single-turn job; a
-    partial job's fields without a mask (:mod:`~trl_nrollout.rollout.remote_partial`)."""
-    if fields is None:
-        return [None] * len(lengths)
-    if tool_mask is None:
-        return [dict(f) for f in fields]
-    ends = np.cumsum(lengths)
-    masks = tool_mask.tolist()
-    return [{"tool_mask": masks[b - n:b], **f} for b, n, f in zip(ends.tolist(), lengths.tolist(), fields)]
 
 
 def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[int]], n: int, sample_offset: int,
@@ -239,7 +229,7 @@ def run_endpoint_job(engine, message: dict, state: RankState, start: int, stop: 
     else:
         run = run_episodes(engine, state.endpoint, runner, rows, n, message["sampling"], offset=start,
                            tag=f"{job['mode']}{job['step']}", rank=engine.rank,
-                           balanced=balanced and engine.balanced_queue)
+                           balanced=balanced and engine.balances_job)
         records, idle, pulled = run.records, run.serve["idle_s"], run.pulled
     k = len(records)
     batch = RolloutBatch([[] for _ in range(k)], [[] for _ in range(k)], [[] for _ in range(k)], ["stop"] * k,
@@ -339,54 +329,3 @@ def sum_stats(stats: list[tuple | None]) -> AgentStats | None:
     return AgentStats(engine_steps=sum(s.engine_steps for s in got), steps_with_tools=sum(s.steps_with_tools for s in got),
                       idle_s=sum(s.idle_s for s in got) / len(got), tool_s=sum(s.tool_s for s in got) / len(got),
                       requests=sum(s.requests for s in got))
-
-
-@dataclass
-class JobResult:
-    """What one rollout rank generated for its slice of a job, as flat arrays (4 bytes a token and a log-prob
-    instead of a pickled list of Python numbers): ``tokens`` and ``logprobs`` ``[sum of lengths]``, ``lengths``
-    ``[samples]``."""
-
-    tokens: np.ndarray  # int32 [total tokens]
-    logprobs: np.ndarray  # float32 [total tokens]
-    lengths: np.ndarray  # int64 [samples]
-    finish_reasons: list[str]
-    gen_s: float
-    version: int
-    #: rollout_dispatch="balanced": the job's groups this rank's engine ran and how many of them another engine
-    #: owned under fixed shares (its TP group's first rank reports; None elsewhere and under "shares")
-    balanced: tuple[int, int] | None = None
-    #: an agent job (tools on the rollout ranks): the tool masks ``int8 [total tokens]``, each sample's other
-    #: fields and the engine's AgentStats as a tuple (:mod:`~trl_nrollout.rollout.remote_agents`); else None
-    tool_mask: np.ndarray | None = None
-    episodes: list[dict] | None = None
-    agent_stats: tuple | None = None
-    #: a job with images: the engine's prompt ids (image placeholders expanded) of each group of the job this rank
-    #: generated, by the group's index in the job (once a group); else None
-    prompts: dict[int, list[int]] | None = None
-    #: a partial job: the engine's counts and pool left in flight (:class:`~trl_nrollout.rollout.remote_partial.
-    #: PartialJob`'s ``report``; its TP group's first rank), else None
-    partial: dict | None = None
-
-    @classmethod
-    def of(cls, completion_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
-           gen_s: float, version: int, balanced: tuple[int, int] | None = None, extras=None,
-           agent_stats: tuple | None = None, prompts: dict[int, list[int]] | None = None,
-           partial: dict | None = None) -> JobResult:
-        lengths = np.array([len(c) for c in completion_ids], dtype=np.int64)
-        flat = [t for c in completion_ids for t in c]
-        lps = [x for lp in logprobs for x in lp]
-        mask, episodes = extras if extras is not None else (None, None)
-        return cls(np.array(flat, dtype=np.int32), np.array(lps, dtype=np.float32), lengths, list(finish_reasons),
-                   gen_s, version, balanced, mask, episodes, agent_stats, prompts, partial)
-
-    def rows(self) -> list[tuple[list[int], list[float], str]]:
-        """``(completion ids, log-probs, finish reason)`` of each sample."""
-        ends = np.cumsum(self.lengths)
-        starts = ends - self.lengths
-        tokens, lps = self.tokens.tolist(), self.logprobs.tolist()
-        return [(tokens[a:b], lps[a:b], f) for a, b, f in zip(starts.tolist(), ends.tolist(), self.finish_reasons)]
-
-    def extras(self) -> list[dict | None]:
-        """Each sample's tool mask and episode fields (an agent job), its group's fields (a partial job), or None."""
-        return pack_extras(self.tool_mask, self.episodes, self.lengths)

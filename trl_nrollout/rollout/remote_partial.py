@@ -5,7 +5,7 @@ A colocated partial rollout keeps each engine's pool on its trainer (:mod:`trl_n
 rollout ranks the trainers write a step's job ``max_staleness`` steps ahead, before the job that precedes it has
 answered, so the pool lives where the engines do: each rollout rank keeps its engine's pool (fixed shares) or the
 job's pool (``rollout_dispatch="balanced"``, the same on every rollout rank) in its state between jobs. A job's
-``agent`` entry (the job's episode entry; :func:`partial_entry` describes it) carries what a group needs to train
+``agent`` entry (the job's episode entry, a :class:`PartialEntry`) carries what a group needs to train
 wherever and whenever it finishes: each prompt's dataset row and prompt.
 
 One job on a rollout rank (:func:`run_partial_job`):
@@ -38,21 +38,25 @@ rank keeps a pool of them on an endpoint of its own (:func:`run_partial_agent_jo
 
 from __future__ import annotations
 
-import math
+import contextlib
 from collections import Counter
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
-from trl_nrollout.rollout.partial import (
-    InFlightGroup,
-    PartialSample,
-    drop_stale,
-    homes_done,
-    split_finished,
-    split_finished_by_home,
-)
+from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
 from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.rollout.pool import (
+    EngineGroups,
+    LiveGroups,
+    PoolStep,
+    fixed_callbacks,
+    live_shares,
+    pool_step,
+    sampled_groups,
+    tool_groups,
+)
 from trl_nrollout.rollout.remote_agents import (
     episode_extras,
     home_call,
@@ -65,28 +69,72 @@ from trl_nrollout.rollout.types import RolloutBatch
 
 #: the fields a group's first sample carries for every sample of it (:func:`group_fields`)
 GROUP_FIELDS = ("row", "prompt", "prompt_ids", "images", "key")
-#: the entry's list fields, joined over the trainers in rank order (:func:`~trl_nrollout.rollout.remote.job_agent`)
-JOINED = ("rows", "prompts", "extra", "restore", "keys")
+#: an ``agent=`` job's entry's list fields, joined over the trainers in rank order
+#: (:func:`~trl_nrollout.rollout.remote.job_agent`; a partial job's: :meth:`PartialEntry.join`)
+JOINED = ("rows", "prompts")
 #: the call that asks a trainer to reset a partial group's sample's environment (the sample started again)
 RESET_ENV = [{"__reset_environment__": True}]
 
 
-def partial_entry(step: int, round_: int, rows: list[dict], prompts: list, extra: list[dict], *,
+@dataclass
+class TopUp:
+    """A top-up prompt of a partial job (the engines take it only while their pool is short): its dataset ``row``,
+    ``prompt``, engine ``ids`` ``[P]``, ``images`` (None: text) and, with environments, its group's ``key``
+    (``(step, round, trainer rank, index)``; None without)."""
+
+    row: dict
+    prompt: Any
+    ids: list[int]
+    images: list | None = None
+    key: tuple | None = None
+
+
+@dataclass
+class PartialEntry:
+    """The ``agent`` entry of a partial job (it travels pickled in the job's message to the rollout ranks). A
+    trainer's: ``rows`` and ``prompts`` (its dataset rows and prompts, one per group, in the job's order),
+    ``extra`` (its :class:`TopUp` prompts), ``max_staleness`` (the restart bound) and ``oversample``
+    (``rollout_partial_oversample``), ``snapshot`` (answer the pool left in flight, for a checkpoint), ``restore``
+    (a checkpoint's pool, the first job after a resume) and ``tools`` (the groups are tool-calling episodes, request
+    by request, with the rollout ranks' ``tools=``). With environments: each group's ``keys`` (``(step, round,
+    trainer rank, index)``: its environments wait on that trainer, and it trains there) and the trainer's tool
+    server's store prefix ``host`` (the job's: every trainer's, rank order, in ``hosts``). ``agents``: the groups
+    are ``agent=`` episodes or a ``rollout_func``'s (:func:`run_partial_agent_job`). The job's entry is the
+    trainers' joined (:meth:`join`)."""
+
+    step: int
+    round_: int
+    rows: list[dict]
+    prompts: list
+    extra: list[TopUp]
+    max_staleness: int
+    oversample: float
+    snapshot: bool
+    restore: list = field(default_factory=list)
+    tools: bool = False
+    keys: list[tuple] | None = None
+    host: str | None = None
+    agents: bool = False
+    hosts: list[str] | None = None
+
+    @classmethod
+    def join(cls, entries: list[PartialEntry]) -> PartialEntry:
+        """The job's entry from the trainers' (rank order): rows, prompts, top-ups, the restored pool and keys
+        joined, each trainer's after those of the trainers before it; with environments every trainer's ``host``."""
+        first = entries[0]
+        return replace(first, rows=[r for e in entries for r in e.rows], prompts=[p for e in entries for p in e.prompts],
+                       extra=[x for e in entries for x in e.extra], restore=[g for e in entries for g in e.restore],
+                       keys=None if first.keys is None else [k for e in entries for k in e.keys],
+                       hosts=None if first.host is None else [e.host for e in entries])
+
+
+def partial_entry(step: int, round_: int, rows: list[dict], prompts: list, extra: list[TopUp], *,
                   max_staleness: int, oversample: float, snapshot: bool, restore: list | None = None,
                   tools: bool = False, keys: list[tuple] | None = None, host: str | None = None,
-                  agents: bool = False) -> dict:
-    """A trainer's ``agent`` entry of a partial job: ``rows`` and ``prompts`` (its dataset rows and prompts, one per
-    group, in the job's order), ``extra`` top-up prompts (``{"row", "prompt", "ids", "images"}`` each: the engines
-    take them only while their pool is short), the restart bound and the oversampling, ``snapshot`` (answer the
-    pool left in flight, for a checkpoint), ``restore`` (a checkpoint's pool, the first job after a resume) and
-    ``tools`` (the groups are tool-calling episodes, request by request, with the rollout ranks' ``tools=``). With
-    environments: each group's ``keys`` (``(step, round, trainer rank, index)``: its environments wait on that
-    trainer, and it trains there) and the trainer's tool server's store prefix (``host``; joined as ``hosts``).
-    ``agents``: the groups are ``agent=`` episodes (:func:`run_partial_agent_job`)."""
-    return {"partial": True, "step": step, "round": round_, "rows": [dict(r) for r in rows], "prompts": list(prompts),
-            "extra": list(extra), "max_staleness": max_staleness, "oversample": oversample, "snapshot": snapshot,
-            "restore": list(restore or []), "tools": tools, "keys": None if keys is None else list(keys),
-            "host": host, "agents": agents}
+                  agents: bool = False) -> PartialEntry:
+    """A trainer's :class:`PartialEntry` (its lists copied)."""
+    return PartialEntry(step, round_, [dict(r) for r in rows], list(prompts), list(extra), max_staleness, oversample,
+                        snapshot, list(restore or []), tools, None if keys is None else list(keys), host, agents)
 
 
 @dataclass
@@ -104,7 +152,7 @@ class PartialJob:
     mask: np.ndarray | None = None
     agent_stats: tuple | None = None
     #: balanced: the pool's groups this engine ran and how many of them another engine's share placed (its TP
-    #: group's first rank; else None), as :class:`~trl_nrollout.rollout.remote_agents.JobResult`'s ``balanced``
+    #: group's first rank; else None), as :class:`~trl_nrollout.rollout.types.JobResult`'s ``balanced``
     pulled: tuple[int, int] | None = None
 
 
@@ -117,60 +165,52 @@ def _group(key: tuple, ids: list[int], n: int, row: dict, prompt, home: int, ima
 
 def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, int]], rank: int,
                     balanced: bool) -> PartialJob:
-    """Rollout rank ``rank``'s side of a partial job (see the module docstring). ``slices``: every rollout rank's
-    ``[start, stop)`` of the job's samples (its share under fixed shares); ``state``: the rank's state between jobs
-    (its pool under ``"partial_pool"``, the weights' ``"version"``); ``balanced``: one pool for the job, on every
-    rollout rank."""
-    entry, n, sampling = message["agent"], message["n"], message["sampling"]
+    """Rollout rank ``rank``'s side of a partial job (see the module docstring): the pool step
+    (:func:`~trl_nrollout.rollout.pool.pool_step`) the trainers run colocated, on this rank's engine's pool.
+    ``slices``: every rollout rank's ``[start, stop)`` of the job's samples (its share under fixed shares);
+    ``state``: the rank's state between jobs (its pool under ``"partial_pool"``, the weights' ``"version"``);
+    ``balanced``: one pool for the job, on every rollout rank."""
+    entry: PartialEntry = message["agent"]
+    n, sampling = message["n"], message["sampling"]
     ids, pics = message["prompts"], message.get("images")
     tp = engine.layout.rollout_tp_size
     engines = len(slices) // tp
     home_of = {g: r // tp for r, (a, b) in enumerate(slices) for g in range(a // n, b // n)}
     mine = range(len(ids)) if balanced else [g for r, (a, b) in enumerate(slices) if r // tp == rank // tp
                                              for g in range(a // n, b // n)]
-    step, round_ = entry["step"], entry["round"]
-    tools, keys, hosts = entry["tools"], entry.get("keys"), entry.get("hosts")
-    new = [_group(tuple(keys[g]) if keys else (step, round_, g), ids[g], n, entry["rows"][g], entry["prompts"][g],
+    step, round_, tools, keys, hosts = entry.step, entry.round_, entry.tools, entry.keys, entry.hosts
+    new = [_group(tuple(keys[g]) if keys else (step, round_, g), ids[g], n, entry.rows[g], entry.prompts[g],
                   home_of[g], pics[g] if pics else None, tools) for g in mine]
     pool = state.get("partial_pool", [])
-    if entry["restore"]:  # the first job after a resume: the checkpoint's pool, dealt over the engines
-        pool = list(entry["restore"]) if balanced else list(entry["restore"][rank // tp::engines])
+    if entry.restore:  # the first job after a resume: the checkpoint's pool, dealt over the engines
+        pool = list(entry.restore) if balanced else list(entry.restore[rank // tp::engines])
     target = len(new)
-    need = max(0, math.ceil(target * (1 + entry["oversample"])) - len(pool) - target)
-    extra = entry["extra"] if balanced else entry["extra"][rank // tp::engines]
-    admitted = extra[:need]
-    new += [_group(tuple(e["key"]) if keys else (step, round_, len(ids) + k), e["ids"], n, e["row"], e["prompt"],
-                   rank // tp, e["images"], tools) for k, e in enumerate(admitted)]
+    extra = entry.extra if balanced else entry.extra[rank // tp::engines]
+    admitted: list[TopUp] = []
+
+    def grow(need: int) -> list[InFlightGroup]:  # the job's groups of this engine and the top-ups it takes
+        admitted.extend(extra[:need])
+        return new + [_group(tuple(e.key) if keys else (step, round_, len(ids) + k), e.ids, n, e.row, e.prompt,
+                             rank // tp, e.images, tools) for k, e in enumerate(admitted)]
+
     version = state.get("version", 0)
-    before = pool
-    pool, restarted, dropped = drop_stale(pool, version, entry["max_staleness"])
     speaks = rank == 0 if balanced else rank % tp == 0  # for the pool (balanced: the job's, on every rank)
-    if hosts and speaks:  # a sample started again starts its environment again, on the trainer that holds it
-        _reset_restarted(state, before, pool, hosts)
-    homes = [g.payload["home"] % engines for g in pool + new]  # (a resumed pool of a launch with more engines)
-    # environments: a group trains where they live, each trainer its own groups (quota: as many as it drew here)
-    drawn_by = [g.key[2] for g in pool + new] if hosts else None
-    quota = dict(sorted(Counter(g.key[2] for g in new[:target]).items())) if hosts else None
-    stats = None
+    home = (lambda g: g.payload["home"] % engines) if balanced else None  # (a resumed pool of more engines)
     if tools:  # tool episodes: turn after turn as requests, their tools on each engine's first rank (or home)
         agent, workers = tool_callbacks(state, bool(hosts))
-        if hosts:
-            agent = partial_env_agent(agent, state, pool + new, n, hosts)
-        if balanced:
-            run, stats = engine.run_partial_agents_balanced(pool + new, target, sampling, version, homes, agent,
-                                                            workers, quota=(drawn_by, quota) if hosts else None)
-        else:
-            run, stats = engine.run_partial_agents(
-                pool + new, target, sampling, version, agent, workers, owns=lambda g: rank % tp == 0,
-                done=(lambda order: homes_done(drawn_by, order, quota)) if hosts else None)
+        callbacks = ((lambda groups: contextlib.nullcontext(partial_env_agent(agent, state, groups, n, hosts)))
+                     if hosts else fixed_callbacks(agent))
+        episodes = tool_groups(engine, sampling, version, callbacks, workers, owns=lambda g: rank % tp == 0,
+                               home=home)
     else:
-        run = (engine.run_partial_balanced(pool + new, target, sampling, version, homes) if balanced
-               else engine.run_partial(pool + new, target, sampling, version))
-    if hosts:
-        chosen, state["partial_pool"] = split_finished_by_home(run.groups, run.finish_order,
-                                                               [g.key[2] for g in run.groups], quota)
-    else:
-        chosen, state["partial_pool"] = split_finished(run.groups, run.finish_order, target)
+        episodes = sampled_groups(engine, sampling, version, home)
+    # environments: a group trains where they live, each trainer its own groups (as many as it drew here), and a
+    # sample started again starts its environment again, on the trainer that holds it
+    on_restart = (lambda before, after: _reset_restarted(state, before, after, hosts)) if hosts and speaks else None
+    quota = (lambda added: dict(sorted(Counter(g.key[2] for g in added[:target]).items()))) if hosts else None
+    groups = EngineGroups(pool, episodes, quota=quota, on_restart=on_restart)
+    result = pool_step(groups, PoolStep(version, entry.max_staleness, target, entry.oversample), grow)
+    chosen, run, state["partial_pool"] = result.chosen, result.run, groups.groups
     first = slices[rank][0] // n if balanced else sum((b - a) // n for r, (a, b) in enumerate(slices)
                                                       if r // tp == rank // tp and r < rank)
     share = chosen[first:first + (slices[rank][1] - slices[rank][0]) // n]
@@ -190,48 +230,50 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
     report = None
     if rank % tp == 0:  # the engine's counts; the pool's (balanced: the job's, the same on every rank) once
         keeps = rank == 0 or not balanced
-        report = {"engine": rank // tp, "counts": [run.aborted, restarted, len(state["partial_pool"]),
-                                                   run.engine_steps, dropped], "pool_of": keeps,
-                  "pool": list(state["partial_pool"]) if entry["snapshot"] and keeps else None,
-                  "admitted": [tuple(e["key"]) for e in admitted] if keys else []}
+        report = {"engine": rank // tp, "counts": result.counts.report(), "pool_of": keeps,
+                  "pool": list(state["partial_pool"]) if entry.snapshot and keeps else None,
+                  "admitted": [tuple(e.key) for e in admitted] if keys else []}
     pulled = None
     if balanced and rank % tp == 0:
-        pulled = (len(run.engine_groups), sum(1 for i in run.engine_groups if homes[i] != rank // tp))
-    return PartialJob(batch, fields, report, mask, None if stats is None else astuple(stats), pulled)
+        pulled = (len(run.engine_groups), sum(1 for i in run.engine_groups if home(run.ran[i]) != rank // tp))
+    return PartialJob(batch, fields, report, mask, None if run.stats is None else astuple(run.stats), pulled)
 
 
 def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple[int, int]], rank: int
                           ) -> PartialJob:
-    """Rollout rank ``rank``'s side of a partial job of ``agent=`` episodes: its slice's groups join the pool of live
-    agents it keeps between jobs (:class:`~trl_nrollout.rollout.agent_pool.AgentPool`, on an endpoint of its own,
-    with the script's agent, or its rollout_func group by group: :func:`rank_runner`; each rank of a TP engine its own pool, their calls exchanged), with top-ups while it is
-    short; groups that started more than ``max_staleness`` versions before the weights it holds start again; the
-    pool runs until as many groups as its slice holds have finished, and their episodes' records are answered (the
-    rows stay with the trainers' fields), each sample with its group's fields."""
+    """Rollout rank ``rank``'s side of a partial job of ``agent=`` episodes: the pool step
+    (:func:`~trl_nrollout.rollout.pool.pool_step`) the trainers run colocated, on the pool of live agents it keeps
+    between jobs (:class:`~trl_nrollout.rollout.agent_pool.AgentPool`, on an endpoint of its own, with the script's
+    agent, or its rollout_func group by group: :func:`rank_runner`; each rank of a TP engine its own pool, their
+    calls exchanged): its slice's groups join, with top-ups while it is short; groups that started more than
+    ``max_staleness`` versions before the weights it holds start again; the pool runs until as many groups as its
+    slice holds have finished, and their episodes' records are answered (the rows stay with the trainers' fields),
+    each sample with its group's fields."""
     from trl_nrollout.rollout.agent_pool import AgentPool
 
-    entry, n, sampling = message["agent"], message["n"], message["sampling"]
+    entry: PartialEntry = message["agent"]
+    n, sampling = message["n"], message["sampling"]
     if "agent_pool" not in state:
         state["agent_pool"] = AgentPool(rank_runner(state, engine), rank_endpoint(state["agent"]), rank,
                                         len(slices))
     pool: AgentPool = state["agent_pool"]
     pool.seed_with(sampling)
     version, ranks = state.get("version", 0), len(slices)
-    step, round_, ids = entry["step"], entry["round"], message["prompts"]
-    if entry["restore"]:  # the first job after a resume: the checkpoint's groups start again, dealt over the ranks
-        restored = entry["restore"][rank::ranks]
+    step, round_, ids = entry.step, entry.round_, message["prompts"]
+    if entry.restore:  # the first job after a resume: the checkpoint's groups start again, dealt over the ranks
+        restored = entry.restore[rank::ranks]
         pool.add([tuple(g.key) for g in restored], [g.payload["row"] for g in restored],
                  [g.payload["prompt"] for g in restored], n, version)
-    restarted = pool.restart_stale(version, entry["max_staleness"], n)
     mine = list(range(slices[rank][0] // n, slices[rank][1] // n))
-    target = len(mine)
-    need = max(0, math.ceil(target * (1 + entry["oversample"])) - len(pool.groups) - target)
-    extra = [(rank + ranks * k, e) for k, e in enumerate(entry["extra"][rank::ranks])][:need]
-    pool.add([(step, round_, g) for g in mine] + [(step, round_, len(ids) + j) for j, _ in extra],
-             [entry["rows"][g] for g in mine] + [e["row"] for _, e in extra],
-             [entry["prompts"][g] for g in mine] + [e["prompt"] for _, e in extra], n, version)
-    chosen, stats = pool.run(engine, sampling, target) if target else ([], {"carried": 0, "engine_steps": 0,
-                                                                              "idle_s": 0.0})
+
+    def grow(need: int) -> list[tuple]:  # this rank's groups of the job and the top-ups it takes
+        extra = [(rank + ranks * k, e) for k, e in enumerate(entry.extra[rank::ranks])][:need]
+        return ([((step, round_, g), entry.rows[g], entry.prompts[g]) for g in mine]
+                + [((step, round_, len(ids) + j), e.row, e.prompt) for j, e in extra])
+
+    result = pool_step(LiveGroups(pool, n, live_shares(engine, sampling, n, version)),
+                       PoolStep(version, entry.max_staleness, len(mine), entry.oversample), grow)
+    chosen, stats = result.chosen, result.run.stats
     func = "func" in state["agent"]  # a rollout_func's groups: what it returned travels, not its calls
     records = [replace(r, row={}, calls=[] if func else r.calls)  # (the rows travel in the group's fields)
                for g in chosen for r in g.records]
@@ -244,9 +286,8 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
                            **({"row": g.row, "prompt": g.prompt, "prompt_ids": [], "images": False, "key": g.key}
                               if k == 0 else {})})
     left = [InFlightGroup.fresh(g.key, [], n, payload={"row": g.row, "prompt": g.prompt}) for g in pool.groups]
-    report = {"engine": rank, "counts": [stats["carried"], restarted, len(pool.groups), stats["engine_steps"], None],
-              "pool_of": True, "pool": left if entry["snapshot"] else None, "admitted": [],
-              "idle_s": stats["idle_s"]}
+    report = {"engine": rank, "counts": result.counts.report(), "pool_of": True,
+              "pool": left if entry.snapshot else None, "admitted": [], "idle_s": stats["idle_s"]}
     return PartialJob(batch, fields, report)
 
 

@@ -11,11 +11,16 @@ from dataclasses import astuple
 
 from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
-from trl_nrollout.rollout.remote_agents import JobResult, run_agent_job
+from trl_nrollout.rollout.remote_agents import run_agent_job
 from trl_nrollout.rollout.remote_buckets import job_slice
-from trl_nrollout.rollout.remote_partial import close_agent_pool, run_partial_agent_job, run_partial_job
+from trl_nrollout.rollout.remote_partial import (
+    PartialEntry,
+    close_agent_pool,
+    run_partial_agent_job,
+    run_partial_job,
+)
 from trl_nrollout.rollout.remote_reader import MessageReader, staged_versions
-from trl_nrollout.rollout.types import RolloutBatch
+from trl_nrollout.rollout.types import JobResult, RolloutBatch
 
 
 def _expanded(prompt_ids: list[list[int]], start: int, n: int, pics: list | None) -> dict[int, list[int]] | None:
@@ -84,10 +89,10 @@ def serve(bridge: Bridge, build_engine, state: RankState) -> dict:
             t0 = time.perf_counter()
             balanced = pulled = extras = agent_stats = partial = None
             try:
-                if (message.get("agent") or {}).get("partial"):  # groups in flight from job to job
+                if isinstance(message.get("agent"), PartialEntry):  # groups in flight from job to job
                     slices = [job_slice(len(groups) * n, n, roles.rollout_ranks, engine.layout.rollout_tp_size, q)
                               for q in range(roles.rollout_ranks)]
-                    done = (run_partial_agent_job(engine, message, state, slices, r) if message["agent"]["agents"]
+                    done = (run_partial_agent_job(engine, message, state, slices, r) if message["agent"].agents
                             else run_partial_job(engine, message, state, slices, r, state.dispatch == "balanced"))
                     batch, extras, partial, balanced = done.batch, (done.mask, done.fields), done.report, done.pulled
                     agent_stats = done.agent_stats

@@ -1,10 +1,12 @@
-"""The typed sampling options and batch of a rollout (the engine protocol: :mod:`trl_nrollout.rollout.engine_protocol`)."""
+"""The typed sampling options and batch of a rollout, and a rollout rank's answer (the engine protocol:
+:mod:`trl_nrollout.rollout.engine_protocol`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -115,11 +117,65 @@ class RolloutBatch:
         return {k: v.to(device) for k, v in out.items()}
 
 
-def __getattr__(name: str):
-    """``RolloutEngine`` moved to :mod:`trl_nrollout.rollout.engine_protocol` (which imports this module): the old
-    import path still gives it."""
-    if name == "RolloutEngine":
-        from trl_nrollout.rollout.engine_protocol import RolloutEngine
+def pack_extras(tool_mask: np.ndarray | None, fields: list[dict] | None, lengths: np.ndarray) -> list[dict | None]:
+    """Per sample of a :class:`JobResult`: its ``tool_mask`` (a list, ``[L]``) and the episode's fields
+    (:data:`~trl_nrollout.rollout.remote_agents.EPISODE_FIELDS`), or None for a single-turn job; a partial job's
+    fields without a mask (:mod:`~trl_nrollout.rollout.remote_partial`)."""
+    if fields is None:
+        return [None] * len(lengths)
+    if tool_mask is None:
+        return [dict(f) for f in fields]
+    ends = np.cumsum(lengths)
+    masks = tool_mask.tolist()
+    return [{"tool_mask": masks[b - n:b], **f} for b, n, f in zip(ends.tolist(), lengths.tolist(), fields)]
 
-        return RolloutEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+@dataclass
+class JobResult:
+    """What one rollout rank generated for its slice of a job, as flat arrays (4 bytes a token and a log-prob
+    instead of a pickled list of Python numbers): ``tokens`` and ``logprobs`` ``[sum of lengths]``, ``lengths``
+    ``[samples]``."""
+
+    tokens: np.ndarray  # int32 [total tokens]
+    logprobs: np.ndarray  # float32 [total tokens]
+    lengths: np.ndarray  # int64 [samples]
+    finish_reasons: list[str]
+    gen_s: float
+    version: int
+    #: rollout_dispatch="balanced": the job's groups this rank's engine ran and how many of them another engine
+    #: owned under fixed shares (its TP group's first rank reports; None elsewhere and under "shares")
+    balanced: tuple[int, int] | None = None
+    #: an agent job (tools on the rollout ranks): the tool masks ``int8 [total tokens]``, each sample's other
+    #: fields and the engine's AgentStats as a tuple (:mod:`~trl_nrollout.rollout.remote_agents`); else None
+    tool_mask: np.ndarray | None = None
+    episodes: list[dict] | None = None
+    agent_stats: tuple | None = None
+    #: a job with images: the engine's prompt ids (image placeholders expanded) of each group of the job this rank
+    #: generated, by the group's index in the job (once a group); else None
+    prompts: dict[int, list[int]] | None = None
+    #: a partial job: the engine's counts and pool left in flight (:class:`~trl_nrollout.rollout.remote_partial.
+    #: PartialJob`'s ``report``; its TP group's first rank), else None
+    partial: dict | None = None
+
+    @classmethod
+    def of(cls, completion_ids: list[list[int]], logprobs: list[list[float]], finish_reasons: list[str],
+           gen_s: float, version: int, balanced: tuple[int, int] | None = None, extras=None,
+           agent_stats: tuple | None = None, prompts: dict[int, list[int]] | None = None,
+           partial: dict | None = None) -> JobResult:
+        lengths = np.array([len(c) for c in completion_ids], dtype=np.int64)
+        flat = [t for c in completion_ids for t in c]
+        lps = [x for lp in logprobs for x in lp]
+        mask, episodes = extras if extras is not None else (None, None)
+        return cls(np.array(flat, dtype=np.int32), np.array(lps, dtype=np.float32), lengths, list(finish_reasons),
+                   gen_s, version, balanced, mask, episodes, agent_stats, prompts, partial)
+
+    def rows(self) -> list[tuple[list[int], list[float], str]]:
+        """``(completion ids, log-probs, finish reason)`` of each sample."""
+        ends = np.cumsum(self.lengths)
+        starts = ends - self.lengths
+        tokens, lps = self.tokens.tolist(), self.logprobs.tolist()
+        return [(tokens[a:b], lps[a:b], f) for a, b, f in zip(starts.tolist(), ends.tolist(), self.finish_reasons)]
+
+    def extras(self) -> list[dict | None]:
+        """Each sample's tool mask and episode fields (an agent job), its group's fields (a partial job), or None."""
+        return pack_extras(self.tool_mask, self.episodes, self.lengths)

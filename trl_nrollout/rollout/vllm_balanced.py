@@ -422,3 +422,16 @@ class BalancedDispatch:
                     f"prompt: prompts must be repeated n={n} times consecutively (TRL's RepeatSampler order)."
                 )
         return unique
+
+    # ------------------------------------------------------------------ for drivers above the engine (rollout/pool.py)
+    @property
+    def balances_job(self) -> bool:
+        """Whether this engine pulls from a job-wide queue (``rollout_dispatch="balanced"`` over several engines in
+        one process group): :meth:`gather_job`, :meth:`job_queue` and :meth:`job_counter` then span the job."""
+        return self._world_group is not None
+
+    def job_counter(self, name: str) -> Callable[[int], int]:
+        """A job-wide counter ``name`` in the process group's store (every rank reaches it): ``add(k)`` adds ``k``
+        atomically and returns the total (``add(0)`` reads it). Only while :attr:`balances_job`."""
+        key = f"{self._pull_prefix}/{name}"
+        return lambda k: int(self._store.add(key, k))

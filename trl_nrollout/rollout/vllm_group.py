@@ -196,11 +196,6 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         return bool(self._asleep)
 
     @property
-    def balanced_queue(self) -> bool:
-        """Whether rollouts pull from one queue shared by several engines (``dispatch="balanced"``, engines > 1)."""
-        return self._world_group is not None
-
-    @property
     def tp_group(self):
         """The gloo process group of this engine's TP ranks (None at TP 1 or in one process)."""
         return self._tp_group

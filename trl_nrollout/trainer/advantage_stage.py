@@ -17,7 +17,7 @@ from trl_nrollout.algos.advantages import (
     response_mask,
 )
 from trl_nrollout.algos.losses import kl_penalty
-from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.config.options import NRolloutConfig
 from trl_nrollout.trainer.stages import (
     Advantages,
     Assignment,

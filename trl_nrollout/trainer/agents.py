@@ -34,7 +34,7 @@ from typing import Any
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.config_checks import agent_dependencies_refusal
+from trl_nrollout.config.checks import agent_dependencies_refusal
 from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
 from trl_nrollout.rollout.agent_pool import AgentPool
@@ -47,6 +47,7 @@ from trl_nrollout.rollout.agent_runs import (
 )
 from trl_nrollout.rollout.dispatch import PullStats
 from trl_nrollout.rollout.func_pool import FuncRunner, func_samples, samples_batch
+from trl_nrollout.rollout.pool import LiveGroups, PoolStep, live_balanced, live_shares, pool_step
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.stages import Sample
 
@@ -162,7 +163,7 @@ class AgentRollouts:
             run = run_episodes(
                 engine, self._agent_start(), self._episode_runner(), inputs, n, sampling, offset=offset,
                 tag=f"{mode}{self.state.global_step}", rank=self.accelerator.process_index,
-                balanced=self.args.rollout_dispatch == "balanced" and getattr(engine, "_world_group", None) is not None)
+                balanced=self.args.rollout_dispatch == "balanced" and engine.balances_job)
             if self.args.rollout_dispatch == "balanced":  # one engine: its queue is this rank's groups
                 self._log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
                     len(inputs))}), claims=1, busy_s=run.wall_s), len(inputs), n)
@@ -211,97 +212,48 @@ class AgentRollouts:
     def _agent_partial_round(self, ctx, round_: int = 0):
         """A partial rollout of agent episodes (:mod:`trl_nrollout.rollout.agent_pool`): the step's new groups (and
         ``rollout_partial_oversample``'s) join this rank's pool, stale groups start again, the pool runs until as
-        many of its groups have finished as the rank drew prompts, and those train (the job's samples, gathered).
-        The pool's groups are mirrored into ``_partial_pool`` (rows only), so a checkpoint keeps them and a resumed
-        run starts them again."""
+        many of its groups have finished as the rank drew prompts, and those train (the job's samples, gathered):
+        the pool step of :func:`~trl_nrollout.rollout.pool.pool_step`. The pool's groups are mirrored into
+        ``_partial_pool`` (rows only), so a checkpoint keeps them and a resumed run starts them again."""
         from trl_nrollout.rollout.partial import InFlightGroup
-        from trl_nrollout.trainer.partial import partial_top_up
 
         args, n, mode = self.args, ctx.n, ctx.mode
-        version, rank = self.state.global_step, self.accelerator.process_index
+        version, rank, engine = self.state.global_step, self.accelerator.process_index, self.rollout_engine
         t0 = time.perf_counter()
         pool = self._agent_pool_start()
         sampling = self._sampling(mode, round_=round_)
         pool.seed_with(sampling)
-        rows = ctx.inputs[::n]
         if not pool.groups and self._partial_pool:  # restored from a checkpoint: its groups start again
             restored = list(self._partial_pool)
             pool.add([g.key for g in restored], [g.payload["row"] for g in restored],
                      [g.payload["prompt"] for g in restored], n, version)
-        restarted = pool.restart_stale(version, args.max_staleness, n)
-        extra = partial_top_up(len(rows), len(pool.groups), args.rollout_partial_oversample, 1, 0)
-        if extra:
-            rows = rows + self._draw_inputs(extra)[::n]  # as DAPO draws
-        prompts = self._start_episodes(rows)[0]
-        keys = [(version, round_, rank, g) for g in range(len(rows))]
-        target = len(ctx.inputs) // n
-        if args.rollout_dispatch == "balanced" and getattr(self.rollout_engine, "_world_group", None) is not None:
-            chosen, stats = self._agent_pool_balanced(pool, keys, rows, prompts, target, sampling, version, mode)
-        else:
-            pool.add(keys, rows, prompts, n, version)
-            chosen, stats = pool.run(self.rollout_engine, sampling, target)
-        self.rollout_engine.sleep()
+
+        def grow(need: int) -> list[tuple]:  # this rank's rows and its top-ups (drawn as DAPO draws)
+            rows = ctx.inputs[::n] + (self._draw_inputs(need)[::n] if need else [])
+            prompts = self._start_episodes(rows)[0]
+            return [((version, round_, rank, g), row, p) for g, (row, p) in enumerate(zip(rows, prompts))]
+
+        balanced = args.rollout_dispatch == "balanced" and engine.balances_job
+        episodes = (live_balanced(engine, sampling, n, version, rank, self.layout.engine_of_rank) if balanced
+                    else live_shares(engine, sampling, n, version))
+        step = pool_step(LiveGroups(pool, n, episodes),
+                         PoolStep(version, args.max_staleness, len(ctx.inputs) // n, args.rollout_partial_oversample),
+                         grow)
+        if step.run.moved is not None:
+            self._metric(mode, "rollout/moved_groups", step.run.moved)
+        engine.sleep()
         self._partial_pool = [InFlightGroup.fresh(g.key, [], n, payload={"row": g.row, "prompt": g.prompt})
                               for g in pool.groups]
+        chosen, stats = step.chosen, step.run.stats
         inputs = [g.row for g in chosen for _ in range(n)]
         prompts = [g.prompt for g in chosen for _ in range(n)]
         records = [r for g in chosen for r in g.records]
         batch, episode = self._records_batch(records, prompts, n, rank * len(inputs), mode, stats,
                                              time.perf_counter() - t0)
         self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
-        staleness = [version - g.version for g in chosen]
-        counts = gather_object([[stats["carried"], restarted, len(pool.groups), stats["engine_steps"],
-                                 max(staleness), sum(staleness) / len(staleness), None]])
+        counts = gather_object([step.counts.row([version - g.version for g in chosen])])
         self._log_partial(mode, counts, counts, counts)  # a pool per rank; its calls carried are its own
         return self._round_of(inputs, prompts, batch, episode, ctx, t0, rows=inputs)
-
-    def _agent_pool_balanced(self, pool, keys: list[tuple], rows: list[dict], prompts: list, target: int,
-                             sampling: SamplingOptions, version: int, mode: str):
-        """The agents' pools with ``rollout_dispatch="balanced"`` (several engines): every rank's new groups form one
-        queue (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.job_queue`) that each rank's pool pulls
-        from while it runs fewer episodes than its share of its engine's ``max_num_seqs`` plus a group; every pool
-        serves until the job has as many finished groups as it drew prompts (a job-wide count in the store; a
-        group's place in the job's finish order is its ticket, across steps). The first to finish train, rank ``r``
-        the ``r``-th share (their records gathered to it); a group nobody pulled joins its own rank's pool. Returns
-        this rank's groups and its endpoint's counts; logs ``rollout/moved_groups``."""
-        from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
-        from trl_nrollout.rollout.agent_pool import LiveGroup
-
-        engine, n, rank = self.rollout_engine, self.num_generations, self.accelerator.process_index
-        job = engine.gather_job([(key, dict(row), prompt) for key, row, prompt in zip(keys, rows, prompts)])
-        flat = [g for part in job for g in part]
-        wanted = engine.gather_job(target)
-        store, counter = engine._store, f"{engine._pull_prefix}/agent_tickets"
-        base = int(store.add(counter, 0))  # read before the gather below: no pool serves before every rank has
-        before = sum(engine.gather_job(sum(g.finished is not None for g in pool.groups)))
-        queue = engine.job_queue([len(part) * n for part in job], n)
-        capacity = int(engine.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
-        room = -(-capacity // len(engine.tp_ranks)) + n  # this rank's share of its engine's batch, a group more
-        claimed: list[int] = []
-
-        def pull(running: int) -> None:
-            if running < room and (got := list(queue.claim(max(1, -(-(room - running) // n))))):
-                claimed.extend(got)
-                pool.add([flat[g][0] for g in got], [flat[g][1] for g in got], [flat[g][2] for g in got], n, version)
-
-        stats = pool.run_shared(engine, sampling, lambda: before + int(store.add(counter, 0)) - base >= sum(wanted),
-                                pull, lambda: int(store.add(counter, 1)))
-        every = engine.gather_job(claimed)  # every rank is past its last claim
-        engine.drop_job_queue(queue)
-        taken = {g for part in every for g in part}
-        first = sum(len(part) for part in job[:rank])
-        left = [flat[g] for g in range(first, first + len(job[rank])) if g not in taken]
-        done = engine.gather_job([(g.finished, g.key, g.row, g.prompt, g.version, g.records)
-                                  for g in pool.groups if g.finished is not None])
-        order = sorted((x for part in done for x in part), key=lambda x: x[0])[:sum(wanted)]
-        pool.take({x[1] for x in order})
-        pool.add([g[0] for g in left], [g[1] for g in left], [g[2] for g in left], n, version)
-        engine_of = self.layout.engine_of_rank
-        moved = sum(1 for r, part in enumerate(every) for g in part if engine_of(flat[g][0][2]) != engine_of(r))
-        self._metric(mode, "rollout/moved_groups", moved / max(1, len(taken)))
-        at = sum(wanted[:rank])
-        return [LiveGroup(key, row, prompt, records=list(records), version=v)
-                for _, key, row, prompt, v, records in order[at:at + target]], stats
 
     def _agent_pool_start(self):
         """This rank's pool of agent episodes (or of a ``rollout_func``'s groups) in flight, with an endpoint of its

@@ -52,10 +52,12 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class UpdateBudget:
-    """The update's token budget per device: ``tokens``, and whether the user set it (a default grows to the
-    longest sample instead of refusing it); ``logprob_tokens``: the log-prob passes' default budget, by their own bytes
-    per token (:func:`~trl_nrollout.passes.budget.logprob_pass_tokens`; None: ``tokens``)."""
+class DeviceTokenBudget:
+    """The token budget this trainer's device runs with (the plan's figure of it, with its arithmetic, is
+    :class:`~trl_nrollout.plan.update_budget.UpdateBudget`): the update's ``tokens`` per micro batch, and whether
+    the user set it (a default grows to the longest sample instead of refusing it); ``logprob_tokens``: the log-prob
+    passes' default budget, by their own bytes per token (:func:`~trl_nrollout.passes.budget.logprob_pass_tokens`;
+    None: ``tokens``)."""
 
     tokens: int
     explicit: bool  # a child of trl_nrollout.trainer: filtering that name filters all
@@ -70,7 +72,7 @@ class UpdateBudget:
 class BudgetedMicroBatches:
     """The update's token budget and its micro batches (see the module docstring)."""
 
-    def _resolve_update_budget(self) -> UpdateBudget | None:
+    def _resolve_update_budget(self) -> DeviceTokenBudget | None:
         """The update's token budget per device (None: count-based micro batches): ``ppo_max_token_len_per_device``,
         or with ``use_dynamic_bsz`` and no budget the default for this model and device
         (:func:`~trl_nrollout.plan.activations.default_update_token_budget`: half of what the device has left after
@@ -84,7 +86,7 @@ class BudgetedMicroBatches:
         if not args.use_dynamic_bsz:
             return None
         if args.ppo_max_token_len_per_device is not None:
-            return UpdateBudget(args.ppo_max_token_len_per_device, explicit=True)
+            return DeviceTokenBudget(args.ppo_max_token_len_per_device, explicit=True)
         inner = self.accelerator.unwrap_model(self.model)
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         sharded = (plugin is not None and plugin.zero_stage == 3) or self.is_fsdp_enabled
@@ -119,7 +121,7 @@ class BudgetedMicroBatches:
                 logger.info("use_dynamic_bsz: the log-prob passes take %d tokens per forward by default (their "
                             "forward keeps whole [tokens, %d] logits); set log_prob_max_token_len_per_device to "
                             "change.", passes, text.vocab_size)
-        return UpdateBudget(tokens, explicit=False, logprob_tokens=passes)
+        return DeviceTokenBudget(tokens, explicit=False, logprob_tokens=passes)
 
     def _fsdp_gradients_each_micro_batch(self) -> None:
         """Under FSDP (accelerate's, 1 or 2) every micro step reduce-scatters its gradients, as verl does

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.config.options import NRolloutConfig
 from trl_nrollout.errors import DatasetError, InputError
 from trl_nrollout.passes.distributed import zero3_configured
 from trl_nrollout.passes.multimodal import has_images

@@ -39,9 +39,9 @@ from trl.trainer.utils import shuffle_sequence_dict
 from trl_nrollout.algos.batching import balance_groups, constant_groups, select_groups
 from trl_nrollout.algos.losses import AdaptiveKLController, FixedKLController
 from trl_nrollout.builtin import resolve_model
-from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.config_checks import policy_checks
-from trl_nrollout.dropin import UnsupportedTRLOption, to_nrollout_config  # noqa: F401 - public here too
+from trl_nrollout.config.checks import policy_checks
+from trl_nrollout.config.options import NRolloutConfig, to_nrollout_config
+from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.errors import InputError
 from trl_nrollout.passes.multimodal import (
     EncodedPrompts,
@@ -52,9 +52,6 @@ from trl_nrollout.passes.multimodal import (
     without_images,
 )
 from trl_nrollout.passes.ulysses import shared_shuffle
-from trl_nrollout.recipe.data import check_prompts
-from trl_nrollout.recipe.report import LiveProgressCallback
-from trl_nrollout.recipe.summary import GenerationClock, StepClock, TruncatedSteps
 from trl_nrollout.rollout.engine_protocol import PREFILL_COUNTS, has
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
@@ -64,10 +61,13 @@ from trl_nrollout.trainer.advantage_stage import AdvantageStage, rows_advantages
 from trl_nrollout.trainer.agents import AgentRollouts
 from trl_nrollout.trainer.budgeted_update import BudgetedMicroBatches
 from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE, check_resume_folder, resolve_resume
+from trl_nrollout.trainer.clocks import GenerationClock, StepClock, TruncatedSteps
 from trl_nrollout.trainer.engines import EngineSetup
 from trl_nrollout.trainer.logprob_stage import LogProbStage
 from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images, check_tool_workers
 from trl_nrollout.trainer.partial import PartialRollouts
+from trl_nrollout.trainer.progress import LiveProgressCallback
+from trl_nrollout.trainer.prompts import check_prompts
 from trl_nrollout.trainer.rollout_ranks import RolloutRanks, RolloutRankWorker
 from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
 from trl_nrollout.trainer.stages import (

@@ -9,7 +9,7 @@ import time
 
 from torch import Tensor
 
-from trl_nrollout.config import NRolloutConfig
+from trl_nrollout.config.options import NRolloutConfig
 from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.plan.layout import MicroBatch
 from trl_nrollout.trainer.stages import Assignment, LogProbs, StepContext

@@ -71,7 +71,7 @@ def _environment_tools(environment: Any) -> list:
 def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None) -> None:
     """Images with tools, environments or a custom rollout function are not supported (TRL's tool-returned images
     and per-environment processors): refuse the combination, never train as if the images were absent."""
-    from trl_nrollout.dropin import UnsupportedTRLOption
+    from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
     found = sorted(set(IMAGE_COLUMNS) & set(columns or []))
     agentic = [name for name, value in (("tools", tools), ("rollout_func", rollout_func),
@@ -211,7 +211,7 @@ class MultiTurnRollout:
         prompts = [list(p) for p in prompt_ids]
         if self.args.rollout_dispatch == "balanced":  # episodes run on whichever engine pulled their group
             envs = getattr(self, "environment_factories", None) is not None
-            if envs and self.rollout_engine.balanced_queue:  # job-wide sample indices
+            if envs and self.rollout_engine.balances_job:  # job-wide sample indices
                 counts = gather_object([len(prompts)])
                 first = sum(counts[:self.accelerator.process_index])
                 ends = [sum(counts[:r + 1]) for r in range(len(counts))]
@@ -246,7 +246,7 @@ class MultiTurnRollout:
         several engines, each sample's calls run on its ``home(i)`` rank, where its environment lives
         (:class:`~trl_nrollout.rollout.home_tools.HomeTools`, served from a thread here until every engine is done);
         else ``run_tools`` itself. Every rank enters and leaves it together (around the engines' collective run)."""
-        if not envs or not self.rollout_engine.balanced_queue:
+        if not envs or not self.rollout_engine.balances_job:
             yield run_tools
             return
         self._home_tools_calls = getattr(self, "_home_tools_calls", 0) + 1

@@ -23,10 +23,10 @@ JSON is written as ``{"__image_png__": <base64 PNG>}`` (lossless) and read back 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import asdict, replace
@@ -36,15 +36,16 @@ from accelerate.utils import gather_object
 from trl_nrollout.passes.multimodal import encode_prompts
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, call_tools, split_tools
 from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.partial import (
-    InFlightGroup,
-    PartialSample,
-    drop_stale,
-    homes_done,
-    split_finished,
-    split_finished_by_home,
-)
+from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
 from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.rollout.pool import (
+    EngineGroups,
+    PoolStep,
+    pool_step,
+    sampled_groups,
+    tool_groups,
+    top_up_share,
+)
 from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.partial_envs import PartialEnvironments
 from trl_nrollout.trainer.stages import Round, Sample, StepContext
@@ -62,7 +63,7 @@ class PartialRollouts(PartialEnvironments):
     def _check_partial(self) -> None:
         """``rollout_partial=True`` on this trainer: refused with the reason (:meth:`_partial_refusal`), or noted
         once where it changes how an option acts (tool episodes run request by request under ``'turns'``)."""
-        from trl_nrollout.dropin import UnsupportedTRLOption
+        from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
         if (why := self._partial_refusal()) is not None:
             raise UnsupportedTRLOption(why)
@@ -91,64 +92,26 @@ class PartialRollouts(PartialEnvironments):
         t0 = time.perf_counter()
         rows = ctx.inputs[::n]
         rank = self.accelerator.process_index
+        tp = len(engine.tp_ranks)
         # rollout_dispatch="balanced" with several engines: one pool for the job, the same on every rank, whose
         # groups every engine pulls from (rollout/partial_queue.py); else a pool per engine (its TP group's ranks)
-        job = args.rollout_dispatch == "balanced" and getattr(engine, "_world_group", None) is not None
-        counts = gather_object([len(rows)]) if job else [len(rows)] * len(engine.tp_ranks)
-        new = self._new_groups(rows, n, version, round_, rank, 0)
-        tp = len(engine.tp_ranks)
+        job = args.rollout_dispatch == "balanced" and engine.balances_job
+        counts = gather_object([len(rows)]) if job else [len(rows)] * tp
+        gather = engine.gather_job if job else engine.gather_tp  # over the pool's ranks
+        ways, index = (len(counts), rank) if job else (tp, engine.tp_ranks.index(rank))  # who draws top-ups
         target = sum(counts) if job else len(rows) * tp  # the pool's share of the step's groups
-        extra = (partial_top_up(target, len(self._partial_pool), args.rollout_partial_oversample, len(counts), rank)
-                 if job else partial_top_up(target, len(self._partial_pool), args.rollout_partial_oversample, tp,
-                                            engine.tp_ranks.index(rank)))
-        if extra:
-            new += self._new_groups(self._draw_inputs(extra)[::n], n, version, round_, rank, len(rows))  # as DAPO draws
-        gathered = engine.gather_job(new) if job else engine.gather_tp(new)
-        new = [g for chunk in gathered for g in chunk]  # the pool's new groups, rank order
-        envs = self._has_environments
-        before = self._restore_env_groups(self._partial_pool, rank) if envs else self._partial_pool
-        homed = envs and (tp > 1 or job)  # a pool of several ranks: a group trains where its environments live
-        if homed:  # each rank restarted its own groups after a resume: the pool's ranks agree on it again
-            restored = [g for g, old in zip(before, self._partial_pool) if g is not old]
-            before = _agree(before, engine.gather_job(restored) if job else engine.gather_tp(restored))
-        # homed: each rank's own groups, as many as it drew prompts (rank order: its share is its own)
-        quota = dict(enumerate(counts)) if job else dict.fromkeys(engine.tp_ranks, len(rows))
-        pool, restarted, dropped = drop_stale(before, version, args.max_staleness)
-        if envs:  # a sample started again starts its environment again
-            self._reset_restarted(before, pool)
-        sampling = self._sampling(ctx.mode, round_=round_)
-        homes = [self.layout.engine_of_rank(g.key[2]) for g in pool + new] if job else None
-        if self.tools and job:  # the job's episodes from one queue, back to every rank (rollout/vllm_balanced.py)
-            agent, width = self._partial_agent(), n
-            if envs:  # each sample's tools are its environment's methods, run on its home rank (rollout/home_tools.py)
-                agent = self._env_agent(agent, pool + new, width)
-            with self._home_tools(envs, lambda i: (pool + new)[i // width].key[2], agent.run_tools) as run_tools:
-                run, stats = engine.run_partial_agents_balanced(
-                    pool + new, target, sampling, version, homes, replace(agent, run_tools=run_tools),
-                    args.tool_workers, quota=([g.key[2] for g in pool + new], quota) if homed else None)
-            self._log_agent_stats(ctx.mode, stats)
-        elif self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_agents.py)
-            agent = self._partial_agent()
-            if envs:  # each sample's tools are its environment's methods
-                agent = self._env_agent(agent, pool + new, n)
-            drawn_by = [g.key[2] for g in pool + new]
-            run, stats = engine.run_partial_agents(
-                pool + new, target, sampling, version, agent, args.tool_workers, owns=lambda g: g.key[2] == rank,
-                done=(lambda order: homes_done(drawn_by, order, quota)) if homed else None)
-            self._log_agent_stats(ctx.mode, stats)
-        elif job:
-            run = engine.run_partial_balanced(pool + new, target, sampling, version, homes)
-        else:
-            run = engine.run_partial(pool + new, target, sampling, version)
-        if homed:  # the pool's ranks in order, each its own first groups to finish: its share is its own
-            chosen, self._partial_pool = split_finished_by_home(run.groups, run.finish_order,
-                                                                [g.key[2] for g in run.groups], quota)
-            if len(chosen) != target:
-                raise RuntimeError(f"a partial rollout with environments ended with {len(chosen)} of its {target} "
-                                   "groups finished on their own ranks (a bug: the engine stops when each rank has "
-                                   "its share).")
-        else:
-            chosen, self._partial_pool = split_finished(run.groups, run.finish_order, target)
+
+        def grow(need: int) -> list[InFlightGroup]:  # this rank's groups and its share of the top-ups, every rank's
+            new = self._new_groups(rows, n, version, round_, rank, 0)
+            if extra := top_up_share(need, ways, index):  # drawn as DAPO draws
+                new += self._new_groups(self._draw_inputs(extra)[::n], n, version, round_, rank, len(rows))
+            return [g for chunk in gather(new) for g in chunk]  # the pool's new groups, rank order
+
+        pool = self._engine_pool(ctx, round_, job, counts, gather)
+        result = pool_step(pool, PoolStep(version, args.max_staleness, target, args.rollout_partial_oversample), grow)
+        chosen, run, self._partial_pool = result.chosen, result.run, pool.groups
+        if self.tools:
+            self._log_agent_stats(ctx.mode, run.stats)
         engine.sleep()
         mine_at = sum(counts[:rank]) if job else engine.tp_ranks.index(rank) * len(rows)
         mine = chosen[mine_at:mine_at + len(rows)]
@@ -179,7 +142,7 @@ class PartialRollouts(PartialEnvironments):
                 mm_local = [s.mm for s in samples] if any(m is not None for m in mm) else None
                 samples = [replace(s, mm=None) for s in samples]
         completion_ids = [s.completion_ids for s in samples]
-        if envs:  # the reward functions' environments=: those of the samples trained, in order
+        if envs := self._has_environments:  # the reward functions' environments=: those of the samples trained, in order
             self._envs_for_rewards(mine)
         scores = self._score(inputs, sample_prompts, completions, completion_ids)
         if envs:
@@ -190,13 +153,53 @@ class PartialRollouts(PartialEnvironments):
             table = {"prompt": gather_object(sample_prompts), "completion": gather_object(list(completions)),
                      "images": None, "extra": scores.extra_logs}
         staleness = [version - (s.oldest_version() if s.oldest_version() is not None else version) for s in flat]
-        counts = gather_object([[run.aborted, restarted, len(self._partial_pool), run.engine_steps,
-                                 max(staleness), sum(staleness) / len(staleness), dropped]])
+        counts = gather_object([result.counts.row(staleness)])
         per_engine = counts[::len(engine.tp_ranks)]  # one entry per engine (its TP ranks agree)
         per_pool = counts[:1] if job else per_engine  # the job's pool is on every rank; else one per engine
         self._log_partial(ctx.mode, counts, per_engine, per_pool)
         return Round(gather_object(samples), scores.rewards, gen_s=t1 - t0, reward_s=t2 - t1,
                      gen_tokens=gen_tokens, table=table, rows=inputs, mm_local=mm_local)
+
+    def _engine_pool(self, ctx: StepContext, round_: int, job: bool, counts: list[int], gather) -> EngineGroups:
+        """This rank's engine's pool (``job``: the job's, the same on every rank) as the pool step runs it: its
+        episodes (single-turn samples, or tool episodes with this trainer's tools), and with environments its homes
+        (each rank trains its own groups: as many as it drew, ``counts``), a resumed pool's groups given new
+        environments (the pool's ranks agreeing on them, over ``gather``) and restarted samples' environments reset."""
+        args, n, engine = self.args, ctx.n, self.rollout_engine
+        version, rank = self.state.global_step, self.accelerator.process_index
+        envs = self._has_environments
+        homed = envs and (len(engine.tp_ranks) > 1 or job)  # a pool of several ranks: a group trains where its envs live
+        quota = dict(enumerate(counts)) if job else dict.fromkeys(engine.tp_ranks, counts[0])
+        sampling = self._sampling(ctx.mode, round_=round_)
+        home = (lambda g: self.layout.engine_of_rank(g.key[2])) if job else None
+        if self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_agents.py)
+
+            @contextlib.contextmanager
+            def callbacks(groups: list[InFlightGroup]):
+                agent = self._partial_agent()
+                if envs:  # each sample's tools are its environment's methods
+                    agent = self._env_agent(agent, groups, n)
+                if not job:
+                    yield agent
+                    return
+                # the job's episodes from one queue: with environments, each sample's tools run on its home rank
+                with self._home_tools(envs, lambda i: groups[i // n].key[2], agent.run_tools) as run_tools:
+                    yield replace(agent, run_tools=run_tools)
+
+            episodes = tool_groups(engine, sampling, version, callbacks, args.tool_workers,
+                                   owns=lambda g: g.key[2] == rank, home=home)
+        else:
+            episodes = sampled_groups(engine, sampling, version, home)
+
+        def before_restart(pool: list[InFlightGroup]) -> list[InFlightGroup]:
+            before = self._restore_env_groups(pool, rank)
+            if homed:  # each rank restarted its own groups after a resume: the pool's ranks agree on it again
+                before = _agree(before, gather([g for g, old in zip(before, pool) if g is not old]))
+            return before
+
+        return EngineGroups(self._partial_pool, episodes, quota=(lambda new: quota) if homed else None,
+                            before_restart=before_restart if envs else None,
+                            on_restart=self._reset_restarted if envs else None)
 
     def _log_partial(self, mode: str, counts: list[list], per_engine: list[list], per_pool: list[list]) -> None:
         """A partial round's metrics from every rank's ``[aborted, restarted, pool groups, engine steps, staleness
@@ -312,14 +315,6 @@ def pool_to_json(groups: list[InFlightGroup]) -> str:
 def pool_from_json(text: str) -> list[InFlightGroup]:
     """The pool :func:`pool_to_json` wrote, images read back as PIL images."""
     return [_group(d) for d in json.loads(text, object_hook=_image_from_json)]
-
-
-def partial_top_up(target: int, pooled: int, oversample: float, tp: int, tp_index: int) -> int:
-    """Groups the rank at ``tp_index`` of its TP group draws beyond its own prompts this step, so that the engine
-    holds ``ceil(target * (1 + oversample))`` groups in flight: its ``pooled`` groups carried over, the step's
-    ``target`` new ones, and the rest split over the TP group's ranks (the first ones draw one more)."""
-    need = max(0, math.ceil(target * (1 + oversample)) - pooled - target)
-    return need // tp + (tp_index < need % tp)
 
 
 def _group(d: dict) -> InFlightGroup:

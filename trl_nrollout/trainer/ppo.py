@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from trl_nrollout.algos.losses import LOSS_AGG_MODES, explained_variance, value_loss
-from trl_nrollout.config import NRolloutConfig
-from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.config.options import NRolloutConfig
+from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.errors import InputError
 from trl_nrollout.passes.budget import BudgetedStep
 from trl_nrollout.passes.critic import build_critic, compute_values, critic_values

@@ -19,7 +19,8 @@ from accelerate.utils import gather_object
 
 from trl_nrollout.rollout.agent_loop import AgentStats, split_tools
 from trl_nrollout.rollout.partial import InFlightGroup
-from trl_nrollout.rollout.remote_partial import partial_entry
+from trl_nrollout.rollout.pool import top_up_candidates
+from trl_nrollout.rollout.remote_partial import PartialEntry, TopUp, partial_entry
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.stages import Round, StepContext
@@ -32,7 +33,7 @@ class PartialJobParts:
     """A trainer's part of a partial job: its ``agent`` entry, and its groups' engine ids ``[G][P]`` and images
     (``[G]``, None for text)."""
 
-    entry: dict
+    entry: PartialEntry
     ids: list[list[int]]
     images: list
 
@@ -73,16 +74,16 @@ class RemotePartialRollouts:
         step's own must be equal)."""
         made = self.__dict__.setdefault("_partial_entries", {})
         rows = [dict(r) for r in rows]
-        if round_ == 0 and step in made and made[step].entry["rows"] == rows:
+        if round_ == 0 and step in made and made[step].entry.rows == rows:
             return made[step]
         args, n = self.args, self.num_generations
         prompts, ids, images, keys = self._partial_groups(step, round_, rows, 0)
-        count = math.ceil(len(rows) * args.rollout_partial_oversample) + 1 if args.rollout_partial_oversample else 0
+        count = top_up_candidates(len(rows), args.rollout_partial_oversample)
         extra = []
         if count:
             drawn = [dict(r) for r in self._draw_inputs(count)[::n]]
             texts, extra_ids, extra_images, extra_keys = self._partial_groups(step, round_, drawn, len(rows))
-            extra = [{"row": r, "prompt": p, "ids": i, "images": im, "key": k}
+            extra = [TopUp(r, p, i, im, k)
                      for r, p, i, im, k in zip(drawn, texts, extra_ids, extra_images, extra_keys or [None] * len(drawn))]
         restore = None
         if self.__dict__.pop("_pool_to_restore", False):  # a resumed run's first job: the checkpoint's pool
@@ -171,7 +172,7 @@ class RemotePartialRollouts:
             if self.accelerator.is_main_process:  # the pool after this job, for a checkpoint after this step
                 pools = getattr(engine, "partial_pools", [])
                 self._partial_pool = [g for pool in pools if pool is not None for g in pool]
-                self._pool_of_step = step if entry["snapshot"] else None
+                self._pool_of_step = step if entry.snapshot else None
         inputs = [f["row"] for f in fields]
         sample_prompts = [f["prompt"] for f in fields]
         heads = fields[::n]
@@ -189,7 +190,7 @@ class RemotePartialRollouts:
                                                  {"idle_s": idle}, time.perf_counter() - t0)
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
             return self._round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)
-        if entry["keys"] is not None:  # environments: those of the groups this rank trains, for the rewards
+        if entry.keys is not None:  # environments: those of the groups this rank trains, for the rewards
             self._env_rewards_of([tuple(f["key"]) for f in heads], entry, engine.last_job.get("partial") or [])
         prompt_ids, mm = self._trained_prompts([f["prompt"] for f in heads], batch.prompt_ids[::n],
                                                any(f["images"] for f in heads), n)
@@ -205,11 +206,11 @@ class RemotePartialRollouts:
         else:
             episode = Episode(mm=mm if any(m is not None for m in mm) else None)
         collected = self._round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)
-        if entry["keys"] is not None:
+        if entry.keys is not None:
             self._release_env_groups([tuple(f["key"]) for f in heads])
         return collected
 
-    def _env_rewards_of(self, keys: list[tuple], entry: dict, reports: list[dict]) -> None:
+    def _env_rewards_of(self, keys: list[tuple], entry: PartialEntry, reports: list[dict]) -> None:
         """Before scoring a partial job with environments: the environments of the groups this rank trains (each
         its own: the rollout ranks split a job's finished groups by the trainer that drew them), sample for sample,
         as the reward functions' ``environments=``; this job's top-ups the engines did not take go back."""
@@ -218,7 +219,7 @@ class RemotePartialRollouts:
             raise RuntimeError(f"trainer {rank} received groups drawn by other trainers ({keys}): with "
                                "environment_factory a group must train where its environments live (a bug).")
         taken = {tuple(k) for r in reports for k in r.get("admitted", [])}
-        self._release_env_groups([tuple(e["key"]) for e in entry["extra"] if tuple(e["key"]) not in taken])
+        self._release_env_groups([tuple(e.key) for e in entry.extra if tuple(e.key) not in taken])
         rows = self._partial_env_rows
         self._envs_for_rewards([InFlightGroup(key, [], [None] * self.num_generations, {"row": rows[key]})
                                 for key in keys])

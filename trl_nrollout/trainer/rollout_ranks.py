@@ -17,7 +17,7 @@ import os
 from collections import deque
 from typing import Any
 
-from trl_nrollout.dropin import UnsupportedTRLOption
+from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
 from trl_nrollout.rollout.engine_protocol import JOBS, has
 from trl_nrollout.rollout.rank_state import RankState

@@ -1,5 +1,5 @@
 """How :class:`~trl_nrollout.config.NRolloutConfig` maps its two vocabularies (verl's batch fields and TRL's) onto
-each other in its ``__post_init__`` (see the mapping in :mod:`trl_nrollout.config`), TRL options given new meaning
+each other in its ``__post_init__`` (see the mapping in :mod:`trl_nrollout.config.options`), TRL options given new meaning
 (``vllm_mode="server"`` -> rollout ranks...), the split of the launch into trainers and rollout ranks, and the
 defaults that depend on other options (the token budget, the decoupled loss). A mixin of the config (no fields)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from trl_nrollout.config_checks import rollout_ranks_refusal, stale_sample_reason
-from trl_nrollout.dropin import TRL_LOSS_TYPES
+from trl_nrollout.config.checks import rollout_ranks_refusal, stale_sample_reason
+from trl_nrollout.config.trl_options import TRL_LOSS_TYPES
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout
 from trl_nrollout.plan.update_budget import default_dynamic_bsz
@@ -57,7 +57,7 @@ class ConfigDerivation:
                     group_timeout_s=float(self.ddp_timeout or 1800))
 
     def _map_trl_options(self) -> None:
-        """TRL options with a verl twin (see :mod:`trl_nrollout.dropin`); a conflicting pair is an error."""
+        """TRL options with a verl twin (see :mod:`trl_nrollout.config.trl_options`); a conflicting pair is an error."""
         def twin(trl_name: str, trl_value, verl_name: str, verl_default) -> None:
             current = getattr(self, verl_name)
             if current != verl_default and current != trl_value:

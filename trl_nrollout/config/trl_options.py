@@ -185,18 +185,3 @@ def options_table() -> list[tuple[str, str, str]]:
     rows += [(f"{name}= (trainer)", "honored", what) for name, what in TRAINER_ARGS.items()]
     return rows
 
-
-def to_nrollout_config(args):
-    """Turn a plain ``trl.GRPOConfig`` into an ``NRolloutConfig`` with the same settings (drop-in use)."""
-    from dataclasses import fields
-
-    from trl import GRPOConfig
-
-    from trl_nrollout.config import NRolloutConfig
-
-    values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.init}
-    # post-init derived fields: keep what the user could have set, let the new post-init derive the rest
-    values["generation_batch_size"] = None
-    # TRL's loss semantics for a TRL config: no dual clip, TRL's k3 KL estimator (use_bias_correction_kl is copied)
-    cfg = NRolloutConfig(**values, clip_ratio_c=None, kl_loss_type="k3")
-    return cfg

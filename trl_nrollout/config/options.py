@@ -40,9 +40,9 @@ from trl import GRPOConfig  # noqa: E402
 
 from trl_nrollout.algos.advantages import available_estimators  # noqa: E402
 from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy_losses  # noqa: E402
-from trl_nrollout.config_checks import ConfigChecks  # noqa: E402
-from trl_nrollout.config_derive import ConfigDerivation  # noqa: E402
-from trl_nrollout.dropin import check_trl_options  # noqa: E402
+from trl_nrollout.config.checks import ConfigChecks  # noqa: E402
+from trl_nrollout.config.derive import ConfigDerivation  # noqa: E402
+from trl_nrollout.config.trl_options import check_trl_options  # noqa: E402
 from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.passes.ulysses import sequence_parallel_refusal  # noqa: E402
 from trl_nrollout.plan.layout import RolloutLayout  # noqa: E402
@@ -441,3 +441,13 @@ def config_help_table() -> list[tuple[str, str, str]]:
             continue
         rows.append((f.name, repr(f.default), f.metadata.get("help", "")))
     return rows
+
+
+def to_nrollout_config(args: GRPOConfig) -> NRolloutConfig:
+    """Turn a plain ``trl.GRPOConfig`` into an ``NRolloutConfig`` with the same settings (drop-in use)."""
+    values = {f.name: getattr(args, f.name) for f in fields(GRPOConfig) if f.init}
+    # post-init derived fields: keep what the user could have set, let the new post-init derive the rest
+    values["generation_batch_size"] = None
+    # TRL's loss semantics for a TRL config: no dual clip, TRL's k3 KL estimator (use_bias_correction_kl is copied)
+    cfg = NRolloutConfig(**values, clip_ratio_c=None, kl_loss_type="k3")
+    return cfg

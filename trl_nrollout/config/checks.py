@@ -1,7 +1,8 @@
 """The checks of :class:`~trl_nrollout.config.NRolloutConfig`'s options, made in its ``__post_init__``: numbers in
 their ranges (no NaN or inf anywhere), sampling options, choices and the combinations of options that cannot run
 together (each refusal names the options, the values, the rule and a fix), and optimizer steps that span rollouts.
-A mixin of the config (no fields)."""
+A mixin of the config (no fields); the functions that take a whole config are typed with this mixin
+(``NRolloutConfig`` is one), so that this module does not import the one that defines the config."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import fields
-from typing import TYPE_CHECKING
 
 from trl_nrollout.algos.advantages import available_estimators
 from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy_losses
@@ -21,9 +21,6 @@ from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES
 from trl_nrollout.rollout.seeds import SEED_MODES
 from trl_nrollout.rollout.weight_sync import LORA_SYNC_MODES
-
-if TYPE_CHECKING:
-    from trl_nrollout.config import NRolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +104,7 @@ def stale_sample_reason(rollout_ranks: int, rollout_partial: bool, max_staleness
     return None
 
 
-def rollout_ranks_refusal(config: NRolloutConfig) -> str | None:
+def rollout_ranks_refusal(config: ConfigChecks) -> str | None:
     """Why ``rollout_ranks`` cannot run with the other options of ``config`` (None: it can); the message names the
     options and a fix. What depends on the trainer's arguments (tools, rollout_func) is checked by the trainer."""
     r = config.rollout_ranks
@@ -139,7 +136,7 @@ def agent_dependencies_refusal(option: str = "agent=") -> str | None:
             f'Install them with pip install "trl-nrollout[agents]", or train without {option}.')
 
 
-def lora_sync_refusal(config: NRolloutConfig, peft: bool,
+def lora_sync_refusal(config: ConfigChecks, peft: bool,
                       how: str = "a peft_config= or a PEFT model for the trainer") -> str | None:
     """Why ``rollout_lora_sync`` / ``rollout_lora_sync_device`` set away from their defaults would do nothing (None:
     they do something, or are at their defaults): they say how a LoRA adapter reaches the engines, and a policy
@@ -189,7 +186,7 @@ def dropout_notice(model) -> str | None:
             f"ratio carries dropout noise. To train on the engines' distribution, {'; and '.join(fixes)}.")
 
 
-def policy_checks(model, config: NRolloutConfig, *, peft: bool, main_process: bool) -> None:
+def policy_checks(model, config: ConfigChecks, *, peft: bool, main_process: bool) -> None:
     """The trainer's checks of its built policy (a PEFT adapter attached, TRL's ``disable_dropout`` applied), before
     the engines start: ``rollout_lora_sync`` without an adapter is an :class:`InputError`
     (:func:`lora_sync_refusal`); dropout still active is one warning on the main process (:func:`dropout_notice`)."""
