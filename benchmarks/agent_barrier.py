@@ -91,7 +91,7 @@ def one_rollout(engine, endpoint, plan: list[list[float]], variant: str, rep: in
     base = SamplingOptions(max_tokens=16, temperature=1.0)
     start = time.perf_counter()
     threading.Thread(target=go, daemon=True).start()
-    stats = endpoint.serve(engine._loop(), lambda c: engine._sampling_params(
+    stats = endpoint.serve(engine.request_loop(), lambda c: engine.sampling_params(
         1, replace(base, max_tokens=c.max_tokens, seed=c.seed, stop=tuple(c.stop))), done.is_set)
     wall = time.perf_counter() - start
     calls = sum(len(r.calls) for r in records)

@@ -64,7 +64,7 @@ def run(served, agents: dict, seed=None) -> dict:
 
     threading.Thread(target=go, daemon=True).start()
     base = SamplingOptions(max_tokens=8, temperature=1.0)
-    endpoint.serve(engine._loop(), lambda c: engine._sampling_params(
+    endpoint.serve(engine.request_loop(), lambda c: engine.sampling_params(
         1, replace(base, max_tokens=c.max_tokens, seed=c.seed, stop=tuple(c.stop))), done.is_set)
     return {r.key: (r, results.get(r.key)) for r in records}
 
@@ -215,7 +215,7 @@ def test_a_request_carried_past_a_step_runs_again_from_its_start(served):
     base = SamplingOptions(max_tokens=24, temperature=1.0)
 
     def params(c):
-        return engine._sampling_params(1, replace(base, max_tokens=c.max_tokens, seed=c.seed, stop=tuple(c.stop)))
+        return engine.sampling_params(1, replace(base, max_tokens=c.max_tokens, seed=c.seed, stop=tuple(c.stop)))
 
     def ask(key: str, out: dict) -> threading.Thread:
         def go():
@@ -232,8 +232,8 @@ def test_a_request_carried_past_a_step_runs_again_from_its_start(served):
     endpoint.open(list(records.values()), lambda i, c: 4321)  # every call the same seed
     out: dict = {}
     whole = ask("whole", out)
-    endpoint.serve(engine._loop(), params, lambda: not whole.is_alive(), carry=True)
-    loop = engine._loop()
+    endpoint.serve(engine.request_loop(), params, lambda: not whole.is_alive(), carry=True)
+    loop = engine.request_loop()
     carried = ask("carried", out)
     first = endpoint.serve(loop, params, lambda: loop.has_unfinished, carry=True)  # ends while the request runs
     assert first["carried"] == 1 and carried.is_alive() and not records["carried"].calls
@@ -243,7 +243,7 @@ def test_a_request_carried_past_a_step_runs_again_from_its_start(served):
         assert time.monotonic() < deadline, "the closed episode's request never reached the queue"
         time.sleep(0.01)
     endpoint.forget(["closed"])
-    second = endpoint.serve(engine._loop(), params, lambda: not carried.is_alive() and not closed.is_alive(),
+    second = endpoint.serve(engine.request_loop(), params, lambda: not carried.is_alive() and not closed.is_alive(),
                             carry=True)
     assert second["requests"] == 1  # the carried one; the closed episode's never ran
     assert not isinstance(out["carried"], Exception), out["carried"]

@@ -187,12 +187,12 @@ def test_barrier_before_tp_generation_on_gpus_only(monkeypatch):
     g = _group(cpu=False, sleep=False)
     g._dist, g.local_rank = True, 3
     g.layout = RolloutLayout.build(num_processes=2, rollout_tp_size=2, train_batch_size=2, rollout_n=2)
-    g._barrier_before_generate()
+    g.barrier_before_generate()
     assert seen == [{"device_ids": [3]}]
     g.cpu = True
-    g._barrier_before_generate()
+    g.barrier_before_generate()
     g.cpu, g.layout = False, RolloutLayout.build(num_processes=2, rollout_tp_size=1, train_batch_size=2, rollout_n=2)
-    g._barrier_before_generate()
+    g.barrier_before_generate()
     assert len(seen) == 1
 
 

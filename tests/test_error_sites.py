@@ -350,6 +350,7 @@ def test_a_rollout_rank_whose_engine_fails_to_start_is_reported_to_the_trainers(
     GPU out of memory would): the trainers' ``RemoteEngines`` raise it, naming the rank, its process and the error.
     Mutation tried: ``value.get("kind") == "error"`` -> ``"failure"`` in Bridge.take: the trainers get the error
     dict as the engine's answer and fail with a KeyError instead; the test fails."""
+    from trl_nrollout.rollout.rank_state import RankState
     from trl_nrollout.rollout.ranks import RolloutRankError
     from trl_nrollout.rollout.remote import RemoteEngines
     from trl_nrollout.rollout.remote_serve import serve
@@ -362,7 +363,7 @@ def test_a_rollout_rank_whose_engine_fails_to_start_is_reported_to_the_trainers(
 
     def rollout_rank():
         try:
-            serve(rollout, build_engine, {})
+            serve(rollout, build_engine, RankState())
         except BaseException as err:  # noqa: BLE001 - what the rollout rank's process would die of
             met.append(err)
 

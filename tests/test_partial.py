@@ -242,7 +242,7 @@ def test_the_engine_loop_samples_what_generate_samples(engine):
 
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
     opts = _options(seed=3)
-    params = [engine._sampling_params(N, replace(opts, seed=prompt_seed(3, g, N))) for g in range(len(prompts))]
+    params = [engine.sampling_params(N, replace(opts, seed=prompt_seed(3, g, N))) for g in range(len(prompts))]
     direct = engine.llm.generate(vllm_prompts(prompts), params, use_tqdm=False)
     tokens = [list(c.token_ids) for o in direct for c in o.outputs]
     logprobs = [sampled_logprobs(c.logprobs, c.token_ids) for o in direct for c in o.outputs]

@@ -23,6 +23,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trl_nrollout.plan.roles import Roles
 from trl_nrollout.rollout import remote_reader
+from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.ranks import Bridge
 from trl_nrollout.rollout.remote import RemoteEngines
 from trl_nrollout.rollout.remote_reader import PASSING_BUCKETS, HostBuffers, staging_bound
@@ -37,7 +38,7 @@ class RecordingEngine:
     starts only once ``hold`` is set (the engine busy with a job while the next version arrives)."""
 
     def __init__(self, rank: int, tp_ranks: list[int], group, names: set[str], hold: threading.Event) -> None:
-        self.rank, self.tp_ranks, self._tp_group = rank, tp_ranks, group
+        self.rank, self.tp_ranks, self.tp_group = rank, tp_ranks, group
         self.layout = SimpleNamespace(rollout_tp_size=len(tp_ranks))
         self.dtype = "torch.float32"
         self.names, self.hold = names, hold
@@ -119,7 +120,7 @@ def _run_launch(model, versions: int, staleness: int, tp: int, bucket_bytes: int
                                                timeout=TIMEOUT)
             tp_group = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("tp/", store), r, tp, TIMEOUT)
             engines[r] = RecordingEngine(r, list(range(tp)), tp_group, names, hold)
-            serve(bridge, lambda settings: engines[r], {})
+            serve(bridge, lambda settings: engines[r], RankState())
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
         finally:

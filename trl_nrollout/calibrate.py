@@ -58,8 +58,8 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     from trl_nrollout.plan.dims import ModelDims
     from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.plan.memory import load_config_dict
+    from trl_nrollout.rollout.build import VLLMEngineSettings, build_engine
     from trl_nrollout.rollout.types import SamplingOptions
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if bf16_supported(device) else torch.float32  # as the trainer runs (trainer_device_args)
@@ -74,7 +74,7 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     dims = ModelDims.from_config_dict(config, dtype=str(dtype).removeprefix("torch."), name=model)
     progress("calibrate 3/6: engine decode steps")
     layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=16, rollout_n=8)
-    engine = VLLMEngineGroup(path, layout, rank=0, max_model_len=512, seed=0)
+    engine = build_engine(VLLMEngineSettings(path, layout, rank=0, max_model_len=512, seed=0))
 
     calls = iter(range(1 << 30))
 
@@ -160,13 +160,13 @@ def _lora_slowdown(path: str, policy, layout, rank: int, merged_t: float, rollou
     ``B``: the kernels' real work). At least 1 (a faster LoRA run is noise)."""
     from peft import LoraConfig, get_peft_model
 
+    from trl_nrollout.rollout.build import VLLMEngineSettings, build_engine
     from trl_nrollout.rollout.types import SamplingOptions
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
     trainable = {name: p.requires_grad for name, p in policy.named_parameters()}  # PEFT freezes the base
     peft = get_peft_model(policy, LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear",
                                              init_lora_weights=False, lora_dropout=0.0))
-    engine = VLLMEngineGroup(path, layout, rank=0, max_model_len=512, seed=0, lora_rank=rank)
+    engine = build_engine(VLLMEngineSettings(path, layout, rank=0, max_model_len=512, seed=0, lora_rank=rank))
     try:
         engine.load_adapter(peft)
         prompts, n, tokens = rollout

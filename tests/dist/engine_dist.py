@@ -164,7 +164,7 @@ def main() -> None:
     again = group.generate(prompts, N, opts)
     unseeded = group.generate(prompts, N, SamplingOptions(max_tokens=10, temperature=TEMPERATURE))
     # the engine-level batch (all prompts of the TP group) must be identical on every rank of the group
-    engine_prompts = group._gather_tp(prompts)
+    engine_prompts = group.gather_tp(prompts)
     engine_batch = group.generate_engine([p for c in engine_prompts for p in c], N, opts)
     gap_before = max_logprob_gap(reference, before)
 

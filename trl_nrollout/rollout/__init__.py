@@ -1,10 +1,13 @@
 """Rollout engines: the protocol, the Ray-free vLLM engine group, the HF ``generate`` engine, weight sync."""
 
+from trl_nrollout.rollout.build import HFEngineSettings, VLLMEngineSettings, build_engine
+from trl_nrollout.rollout.engine_protocol import RolloutEngine
 from trl_nrollout.rollout.hf_engine import HFEngine
-from trl_nrollout.rollout.types import RolloutBatch, RolloutEngine, SamplingOptions
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import iter_weight_buckets
 
-__all__ = ["HFEngine", "RolloutBatch", "RolloutEngine", "SamplingOptions", "VLLMEngineGroup", "iter_weight_buckets"]
+__all__ = ["HFEngine", "HFEngineSettings", "RolloutBatch", "RolloutEngine", "SamplingOptions", "VLLMEngineGroup",
+           "VLLMEngineSettings", "build_engine", "iter_weight_buckets"]
 
 
 def __getattr__(name: str):

@@ -94,10 +94,9 @@ class AgentPool:
         (they leave the pool) and the endpoint's counts (``carried``: calls aborted, to run again next step)."""
         if len(self.groups) < target:
             raise RuntimeError(f"the agent pool holds {len(self.groups)} groups for a step of {target}: a bug.")
-        engine._ready()
-        loop = engine._loop(stream=False)
-        engine._barrier_before_generate()
-        stats = self.endpoint.serve(loop, call_params(engine, sampling), lambda: self._scan() >= target, exchange=engine._gather_tp,
+        loop = engine.request_loop(stream=False)
+        engine.barrier_before_generate()
+        stats = self.endpoint.serve(loop, call_params(engine, sampling), lambda: self._scan() >= target, exchange=engine.gather_tp,
                                     me=engine.tp_ranks.index(engine.rank), carry=True)
         self._scan()
         done = sorted((g for g in self.groups if g.finished is not None), key=lambda g: g.finished)[:target]
@@ -113,16 +112,15 @@ class AgentPool:
         groups from the job's queue (:meth:`add`); a group that finishes takes the job-wide ``ticket()`` (its place
         in the job's finish order, across steps). Nothing leaves the pool: the caller picks what trains
         (:meth:`take`). Returns the endpoint's counts."""
-        engine._ready()
-        loop = engine._loop(stream=False)
-        engine._barrier_before_generate()
+        loop = engine.request_loop(stream=False)
+        engine.barrier_before_generate()
 
         def done() -> bool:
             pull(self.running())
             self._scan(ticket)
             return reached()
 
-        stats = self.endpoint.serve(loop, call_params(engine, sampling), done, exchange=engine._gather_tp,
+        stats = self.endpoint.serve(loop, call_params(engine, sampling), done, exchange=engine.gather_tp,
                                     me=engine.tp_ranks.index(engine.rank), carry=True)
         self._scan(ticket)
         return stats

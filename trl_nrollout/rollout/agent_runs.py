@@ -215,7 +215,7 @@ def call_params(engine, sampling: SamplingOptions) -> Callable:
     stop strings (:meth:`~trl_nrollout.rollout.agent_endpoint.AgentEndpoint.serve`'s ``params``); a call with its
     own ``sampling`` (a ``rollout_func``'s) samples with that."""
     def params(call):
-        return engine._sampling_params(1, replace(call.sampling or sampling, max_tokens=call.max_tokens,
+        return engine.sampling_params(1, replace(call.sampling or sampling, max_tokens=call.max_tokens,
                                                   seed=call.seed, stop=tuple(call.stop)))
 
     return params
@@ -268,7 +268,7 @@ def run_episodes(engine, endpoint, runner: EpisodeRunner, rows: list[dict], n: i
     claimed: list[int] = []
     if balanced:
         queue = engine.job_queue(counts, n)
-        capacity = int(engine.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        capacity = engine.max_num_seqs
         target = -(-capacity // len(engine.tp_ranks)) + n  # this rank's share of its engine's batch, a group more
 
         def pull(running: int) -> tuple[list[EpisodeRecord], bool]:
@@ -286,27 +286,26 @@ def run_episodes(engine, endpoint, runner: EpisodeRunner, rows: list[dict], n: i
         ran.update(zip(range(offset, offset + len(rows)), mine))
         endpoint.open(mine, seed, list(ran))
         pull = hand_out(mine)
-    engine._ready()
-    loop = engine._loop(stream=False)
+    loop = engine.request_loop(stream=False)
     finished = threading.Event()
     thread = threading.Thread(target=runner.run, args=(pull, endpoint, finished), daemon=True,
                               name="trl-nrollout-agents")
     start = time.perf_counter()
     thread.start()
-    engine._barrier_before_generate()  # TP > 1 on GPUs: no training collective interleaves with the engine's
-    stats = endpoint.serve(loop, call_params(engine, sampling), finished.is_set, exchange=engine._gather_tp,
+    engine.barrier_before_generate()  # TP > 1 on GPUs: no training collective interleaves with the engine's
+    stats = endpoint.serve(loop, call_params(engine, sampling), finished.is_set, exchange=engine.gather_tp,
                            me=engine.tp_ranks.index(engine.rank))
     thread.join(timeout=5)
     endpoint.open([], None)
     wall = time.perf_counter() - start
     if not balanced:
         return EpisodeRun([ran[offset + i] for i in range(len(rows))], stats, wall)
-    home = engine._send_home({g: [ran[g * n + k] for k in range(n)] for g in claimed}, counts, n)
+    home = engine.send_home({g: [ran[g * n + k] for k in range(n)] for g in claimed}, counts, n)
     engine.drop_job_queue(queue)  # every rank is past its last claim
     places = range(offset, offset + len(rows))
     missing = sorted({s // n for s in places} - home.keys())
     if missing:
         raise RuntimeError(f"the agent episodes of groups {missing[:5]} were run by no rank.")
-    groups = sorted(g for part in engine._gather_tp(claimed) for g in part)
+    groups = sorted(g for part in engine.gather_tp(claimed) for g in part)
     return EpisodeRun([home[s // n][s % n] for s in places], stats, wall,
                       PullStats(groups=groups, claims=1, busy_s=wall))

@@ -16,6 +16,7 @@ from trl_nrollout.passes.distributed import generate_syncs_forwards, is_fsdp, is
 from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.passes.multimodal import MMInputs, collate
 from trl_nrollout.passes.packing import round_up
+from trl_nrollout.rollout.engine_protocol import PREFILL_COUNTS
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.weight_sync import unwrap
 
@@ -157,10 +158,21 @@ class HFEngine:
     prompt batch is left-padded to a multiple of it (TRL's option).
     """
 
+    #: what it can do beyond the core (:mod:`trl_nrollout.rollout.engine_protocol`): no request loop (it cannot add
+    #: nor abort a request while it generates), no adapter of its own (it generates with the PEFT model itself)
+    capabilities = frozenset({PREFILL_COUNTS})
+    #: no context limit of its own (it generates past the model's context, as TRL's generate path does)
+    max_model_len = None
+    #: each rank generates its own prompts: never a queue shared with other engines
+    balances_job = False
+
     def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], batch_size: int = 64,
                  seed: int = 0, generation_context=None, shared_prompts: bool = False,
-                 local_forwards: bool = False, pad_to_multiple_of: int | None = None) -> None:
+                 local_forwards: bool = False, pad_to_multiple_of: int | None = None, rank: int = 0) -> None:
         self.model = model
+        # every rank is an engine of its own (TP 1): its index is its rank
+        self.rank = self.engine_index = rank
+        self.tp_ranks = [rank]
         self.pad_to_multiple_of = pad_to_multiple_of  # TRL's option: prompt batches padded to a multiple of it
         self.local_forwards = local_forwards
         self.prefill_shared_samples = self.generated_samples = 0
@@ -342,8 +354,13 @@ class HFEngine:
         return ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
 
     def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                          sample_offset: int = 0, mm: list[MMInputs | None] | None = None) -> RolloutBatch:
-        """TRL's form (prompts repeated ``n`` times, whole groups on this rank); ``mm`` per sample."""
+                          sample_offset: int | None = 0, images: list[list] | None = None,
+                          mm: list[MMInputs | None] | None = None) -> RolloutBatch:
+        """TRL's form (prompts repeated ``n`` times, whole groups on this rank); ``mm`` per sample (the processor's
+        tensors: this engine does not expand ``images`` itself)."""
+        if images is not None:
+            raise ValueError("the HF engine takes images as the processor's tensors (mm=), not images=.")
+        sample_offset = sample_offset or 0
         if len(sample_prompts) % n:
             raise ValueError(f"{len(sample_prompts)} samples are not whole groups of n={n}.")
         return self.generate(sample_prompts[::n], n, sampling, group_offset=sample_offset // n,
@@ -364,10 +381,18 @@ class HFEngine:
                 batch.finish_reasons[i] = "length"
         return batch
 
-    def load_weights(self, model: nn.Module) -> dict:
-        """Nothing to copy: the engine generates with the training model itself."""
+    def load_weights(self, model: nn.Module, merge_lora: bool = True, version: int = 0) -> dict:
+        """Nothing to copy: the engine generates with the training model itself (its adapter included)."""
         self.model = model
         return {"bytes": 0, "buckets": 0, "peak_bucket_bytes": 0, "seconds": 0.0}
+
+    def check_prompt_length(self, longest: int, max_tokens: int) -> None:
+        """No limit of its own (:attr:`max_model_len` is None): nothing to check."""
+        return None
+
+    def gather_tp(self, obj) -> list:
+        """``[obj]``: the engine is this rank alone."""
+        return [obj]
 
     def sleep(self) -> None:
         return None
@@ -375,5 +400,5 @@ class HFEngine:
     def close(self) -> None:
         return None
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags=None) -> None:
         return None

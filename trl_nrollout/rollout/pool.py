@@ -300,7 +300,6 @@ def live_balanced(engine, sampling: SamplingOptions, n: int, version: int, rank:
     order is its ticket, across steps). The first to finish train, rank ``r`` the ``r``-th share (their records
     gathered to it); a group nobody pulled joins its own rank's pool. ``engine_of(rank)``: a rank's engine.
     Collective over every rank. Returns this rank's groups, its endpoint's counts and ``moved``."""
-    from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
     from trl_nrollout.rollout.agent_pool import LiveGroup
 
     def run(pool, new: list[NewLive], target: int) -> PoolRun:
@@ -311,7 +310,7 @@ def live_balanced(engine, sampling: SamplingOptions, n: int, version: int, rank:
         base = tickets(0)  # read before the gather below: no pool serves before every rank has
         before = sum(engine.gather_job(sum(g.finished is not None for g in pool.groups)))
         queue = engine.job_queue([len(part) * n for part in job], n)
-        capacity = int(engine.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        capacity = engine.max_num_seqs
         room = -(-capacity // len(engine.tp_ranks)) + n  # this rank's share of its engine's batch, a group more
         claimed: list[int] = []
 

@@ -36,6 +36,7 @@ from collections import deque
 import torch
 from torch import nn
 
+from trl_nrollout.rollout.engine_protocol import ADAPTERS, JOBS
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
 from trl_nrollout.rollout.remote_agents import sum_stats
 from trl_nrollout.rollout.remote_buckets import (
@@ -47,6 +48,7 @@ from trl_nrollout.rollout.remote_buckets import (
 from trl_nrollout.rollout.remote_partial import JOINED, PartialEntry, group_fields
 from trl_nrollout.rollout.remote_reader import broadcast
 from trl_nrollout.rollout.types import JobResult, RolloutBatch, SamplingOptions
+from trl_nrollout.rollout.vllm_settings import check_prompt_length
 from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
 
 
@@ -60,15 +62,19 @@ def _trainer_gather(obj) -> list:
 
 
 class RemoteEngines:
-    """The rollout ranks' engines, seen from a trainer rank: the engine interface the trainer calls
-    (``generate_expanded``, ``load_weights``, ``check_prompt_length``, ``sleep``, ``close``), each a collective of
-    the trainers. Trainer rank 0 talks to the rollout ranks and hands the other trainers their part through the
+    """The rollout ranks' engines, seen from a trainer rank: the engine protocol's core
+    (:class:`~trl_nrollout.rollout.engine_protocol.RolloutEngine`), adapters and jobs, each a collective of the
+    trainers. Trainer rank 0 talks to the rollout ranks and hands the other trainers their part through the
     store; they wait on a key (checking its heartbeat), never inside a collective while the engines work.
 
     ``lookahead`` jobs may be written before the step that trains on them (``max_staleness``)."""
 
     #: Buckets packed and not yet sent, at most (trainer rank 0's host memory: this many buckets, not the model).
     SEND_QUEUE = 2
+    #: what it can do beyond the core (:mod:`trl_nrollout.rollout.engine_protocol`): adapters, and jobs written ahead
+    capabilities = frozenset({ADAPTERS, JOBS})
+    #: the trainers see one engine each (their own samples come home); the rollout ranks' queue is theirs
+    balances_job = False
 
     def __init__(self, bridge: Bridge, settings: dict, *, max_model_len: int, bucket_bytes: int) -> None:
         self.bridge = bridge
@@ -91,6 +97,8 @@ class RemoteEngines:
         self._closed = False
         self.version = -1
         self.last_transfer: dict = {}
+        self.last_job: dict = {}  # the last job's report (see _job_samples)
+        self.partial_pools: list = []  # a partial job's pools in flight, per engine that holds one (trainer rank 0)
         answer: dict = {}
         if bridge.is_leader:
             self._watch()
@@ -132,18 +140,17 @@ class RemoteEngines:
         return self.bridge.take(f"home/{call}/{self.rank}", 0, f"{what} (from trainer rank 0)")
 
     def check_prompt_length(self, longest: int, max_tokens: int) -> None:
-        if longest + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"a prompt of {longest} tokens + max_completion_length={max_tokens} exceeds the engine's "
-                f"max_model_len={self.max_model_len} (rollout_max_model_len): the completion would be cut short. "
-                f"Raise rollout_max_model_len to at least {longest + max_tokens} (within the model's context "
-                f"length), shorten or filter out the long prompts, or lower max_completion_length.")
+        check_prompt_length(longest, max_tokens, self.max_model_len)
 
     def sleep(self) -> None:  # the engines live on other processes: nothing to free here
         pass
 
     def wake_up(self, tags=None) -> None:
         pass
+
+    def gather_tp(self, obj) -> list:
+        """``[obj]``: each trainer is an engine of its own here (its samples come home to it alone)."""
+        return [obj]
 
     @property
     def sleeping(self) -> bool:
@@ -167,7 +174,7 @@ class RemoteEngines:
                     raise RolloutRankError("sending weights to the rollout ranks stopped") from None
 
     @torch.no_grad()
-    def load_weights(self, model: nn.Module, version: int = 0, merge_lora: bool = True) -> dict:
+    def load_weights(self, model: nn.Module, merge_lora: bool = True, version: int = 0) -> dict:
         """Send the policy's weights (policy ``version``) to every rollout rank: every trainer takes part (ZeRO-3
         and FSDP gather collectively); trainer rank 0 casts each bucket to the engine's dtype, packs it into one of
         :attr:`SEND_QUEUE` reused host buffers (pinned where a GPU is) and a thread sends it over the weights group
@@ -281,9 +288,9 @@ class RemoteEngines:
         batch, _ = self._job_samples(sample_prompts, n, sampling, ahead, step_job, None, images)
         return batch
 
-    def run_agents(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, agent: dict,
-                   ahead: list[tuple] = (), step_job: bool = False, images: list[list] | None = None
-                   ) -> tuple[RolloutBatch, list[dict]]:
+    def run_job_episodes(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, agent: dict,
+                         ahead: list[tuple] = (), step_job: bool = False, images: list[list] | None = None
+                         ) -> tuple[RolloutBatch, list[dict]]:
         """This trainer's request-level tool episodes (``sample_prompts``: each prompt ``n`` times), each a whole
         episode generated on the rollout ranks with their tools (:func:`~trl_nrollout.rollout.remote_agents.
         run_agent_job`); ``agent``: the job's ``{"step", "mode"}`` (the turns' seeds); ``ahead`` and ``step_job``
@@ -293,6 +300,10 @@ class RemoteEngines:
         :meth:`generate_expanded`): the samples of the groups that finished first, whichever job drew them, each
         with its group's fields; the batch's prompt ids are the groups' own. A collective of the trainers."""
         return self._job_samples(sample_prompts, n, sampling, ahead, step_job, agent, images)
+
+    #: the former name, kept for trainer/agents.py and trainer/remote_partial.py until they call
+    #: :meth:`run_job_episodes` (the protocol's ``run_agents`` is the request-level episodes of an engine in process)
+    run_agents = run_job_episodes
 
     def _job_samples(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, ahead: list[tuple],
                      step_job: bool, agent: dict | None, images: list[list] | None = None

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, call_tools, split_tools
+from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
@@ -80,7 +81,7 @@ def episode_extras(samples: list[AgentSample]) -> tuple[np.ndarray, list[dict]]:
     return mask, fields
 
 
-def run_agent_job(engine, message: dict, state: dict, prompts: list[list[int]], n: int, sample_offset: int,
+def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[int]], n: int, sample_offset: int,
                   balanced: bool) -> tuple[RolloutBatch, Any, tuple[np.ndarray, list[dict]],
                                                                 AgentStats]:
     """A rollout rank's slice of an agent job: ``prompts`` (each repeated ``n`` times, from the job's sample
@@ -89,7 +90,7 @@ def run_agent_job(engine, message: dict, state: dict, prompts: list[list[int]], 
     (the step and mode of the job's ``agent`` entry). ``state``: the rollout rank's (the start message's ``agent``
     settings, its ``tools``; the callbacks are built once and kept there). Returns the batch, the balanced
     dispatch's pull stats (None under fixed shares), the tool masks and fields (:func:`episode_extras`) and the engine's stats."""
-    settings = state.get("agent")
+    settings = state.agent
     if settings is None:
         raise RuntimeError("an agent job reached a rollout rank whose start message had no agent settings "
                            "(a version mismatch between the trainers and the rollout ranks?)")
@@ -142,32 +143,32 @@ def env_home(job: dict, n: int, trainer_rank) -> Callable[[int], tuple[str, tupl
     return home
 
 
-def home_call(state: dict, prefix: str, where: tuple, calls: list[dict]) -> tuple[list[dict], int]:
+def home_call(state: RankState, prefix: str, where: tuple, calls: list[dict]) -> tuple[list[dict], int]:
     """Send ``calls`` home to the trainer tool server at ``prefix`` (``where``: its global rank, the key of the
     episodes there, the sample's index among them) and wait for the tool messages and failures: a rollout rank's
     side of :class:`~trl_nrollout.rollout.home_tools.HomeTools` (send-only: nothing is served here)."""
     from trl_nrollout.rollout.home_tools import HomeTools
 
-    senders = state.setdefault("env_senders", {})
+    senders = state.env_senders
     if prefix not in senders:
-        bridge = state["bridge"]
+        bridge = state.bridge
         senders[prefix] = HomeTools(bridge.store, prefix, bridge.rank, lambda w: w[0], None, 1)
     return senders[prefix].run(where, calls)
 
 
-def _env_parse(state: dict) -> Callable[[list[int], list[int], object], Any]:
+def _env_parse(state: RankState) -> Callable[[list[int], list[int], object], Any]:
     """``parse(ids, prefix, name)``: a turn parsed with environment ``name``'s tool schemas (the start message's
     ``env_tools``), with the trainers' tokenizer."""
     from trl.chat_template_utils import parse_response
 
-    if "agent_tokenizer" not in state:
-        processing_class = pickle.loads(state["agent"]["processing_class"])
-        state["agent_tokenizer"] = getattr(processing_class, "tokenizer", processing_class)
-    tokenizer, schemas = state["agent_tokenizer"], state["agent"]["env_tools"]
+    if state.agent_tokenizer is None:
+        processing_class = pickle.loads(state.agent["processing_class"])
+        state.agent_tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    tokenizer, schemas = state.agent_tokenizer, state.agent["env_tools"]
     return lambda ids, prefix, name: parse_response(tokenizer, ids, prefix=prefix, tools=schemas[name])
 
 
-def env_agent(agent: AgentCallbacks, state: dict, job: dict, n: int, sample_offset: int,
+def env_agent(agent: AgentCallbacks, state: RankState, job: dict, n: int, sample_offset: int,
               balanced: bool) -> AgentCallbacks:
     """``agent`` for episodes whose environments live on the trainers: each sample's turns parsed with its
     environment's tool schemas, its tool calls sent home to its trainer's tool server (:func:`home_call`). The
@@ -175,7 +176,7 @@ def env_agent(agent: AgentCallbacks, state: dict, job: dict, n: int, sample_offs
     job (``balanced``)."""
     from trl_nrollout.plan.roles import TRAIN
 
-    bridge = state["bridge"]
+    bridge = state.bridge
     home = env_home(job, n, lambda t: bridge.roles.global_rank(TRAIN, t))
     parse, names = _env_parse(state), job["names"]
 
@@ -186,7 +187,7 @@ def env_agent(agent: AgentCallbacks, state: dict, job: dict, n: int, sample_offs
                    run_tools=lambda i, calls: home_call(state, *home(index(i)), calls))
 
 
-def partial_env_agent(agent: AgentCallbacks, state: dict, groups: list, width: int, hosts: list[str]
+def partial_env_agent(agent: AgentCallbacks, state: RankState, groups: list, width: int, hosts: list[str]
                       ) -> AgentCallbacks:
     """``agent`` for a partial pool's episodes whose environments live on the trainers: sample ``k`` of pool group
     ``g`` (index ``g * width + k``, as the partial loops number them) is parsed with its row's environment's tool
@@ -194,8 +195,8 @@ def partial_env_agent(agent: AgentCallbacks, state: dict, groups: list, width: i
     environments there."""
     from trl_nrollout.plan.roles import TRAIN
 
-    bridge, parse = state["bridge"], _env_parse(state)
-    single = None in state["agent"]["env_tools"]  # one environment_factory: its tools for every row
+    bridge, parse = state.bridge, _env_parse(state)
+    single = None in state.agent["env_tools"]  # one environment_factory: its tools for every row
 
     def where(i: int) -> tuple[str, tuple]:
         g = groups[i // width]
@@ -208,7 +209,7 @@ def partial_env_agent(agent: AgentCallbacks, state: dict, groups: list, width: i
                    run_tools=lambda i, calls: home_call(state, *where(i), calls))
 
 
-def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, n: int, balanced: bool
+def run_endpoint_job(engine, message: dict, state: RankState, start: int, stop: int, n: int, balanced: bool
                      ) -> tuple[RolloutBatch, Any, tuple[np.ndarray, list[dict]], AgentStats]:
     """A rollout rank's slice ``[start, stop)`` of an ``agent=`` job: the user's agent (the rollout rank's trainer
     was built with it: the same script runs everywhere) runs one episode per row of the job's ``agent`` entry on
@@ -218,17 +219,17 @@ def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, 
     own completions stay empty."""
     from trl_nrollout.rollout.agent_runs import run_episodes
 
-    settings, runner = state["agent"], rank_runner(state, engine)
-    if "endpoint" not in state:
-        state["endpoint"] = rank_endpoint(settings)
+    settings, runner = state.agent, rank_runner(state, engine)
+    if state.endpoint is None:
+        state.endpoint = rank_endpoint(settings)
     job = message["agent"]
     rows = job["rows"][start:stop]
     if not rows and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
         records, idle, pulled = [], 0.0, None
     else:
-        run = run_episodes(engine, state["endpoint"], runner, rows, n, message["sampling"], offset=start,
+        run = run_episodes(engine, state.endpoint, runner, rows, n, message["sampling"], offset=start,
                            tag=f"{job['mode']}{job['step']}", rank=engine.rank,
-                           balanced=balanced and getattr(engine, "_world_group", None) is not None)
+                           balanced=balanced and engine.balances_job)
         records, idle, pulled = run.records, run.serve["idle_s"], run.pulled
     k = len(records)
     batch = RolloutBatch([[] for _ in range(k)], [[] for _ in range(k)], [[] for _ in range(k)], ["stop"] * k,
@@ -239,20 +240,20 @@ def run_endpoint_job(engine, message: dict, state: dict, start: int, stop: int, 
         AgentStats()
 
 
-def tool_callbacks(state: dict, environments: bool = False) -> tuple[AgentCallbacks, int]:
+def tool_callbacks(state: RankState, environments: bool = False) -> tuple[AgentCallbacks, int]:
     """The rollout rank's tool-calling callbacks and workers, built once from the start message's ``agent`` settings
     and the script's ``tools=`` (``environments``: the tools are the trainers' environments', called home, so the
     rank needs none of its own)."""
-    if not state.get("tools") and not environments:
+    if not state.tools and not environments:
         raise RuntimeError("tool episodes (rollout_multi_turn='requests') run their tools on the rollout ranks, but "
                            "this rollout rank's trainer was built without tools=: build NRolloutGRPOTrainer with the "
                            "same tools= on every process (the same script runs everywhere).")
-    if "agent_callbacks" not in state:
-        state["agent_callbacks"] = agent_callbacks(state["agent"], state.get("tools") or [])
-    return state["agent_callbacks"]
+    if state.agent_callbacks is None:
+        state.agent_callbacks = agent_callbacks(state.agent, state.tools or [])
+    return state.agent_callbacks
 
 
-def rank_runner(state: dict, engine):
+def rank_runner(state: RankState, engine):
     """What runs a job's episodes on this rollout rank's endpoint: the script's ``agent=``
     (:class:`~trl_nrollout.rollout.agent_runs.EpisodeRunner`), or its ``rollout_func`` group by group
     (:class:`~trl_nrollout.rollout.func_pool.FuncRunner`, where the start message's ``agent`` settings have
@@ -261,18 +262,18 @@ def rank_runner(state: dict, engine):
     from trl_nrollout.rollout.agent_runs import EpisodeRunner
     from trl_nrollout.rollout.func_pool import FuncRunner
 
-    settings = state["agent"]
+    settings = state.agent
     func = settings.get("func")
     if func is None:
-        return EpisodeRunner(user_agent(state), settings["timeout"], state.get("tools") or (), settings.get("max_running"))
-    if state.get("user_func") is None:
+        return EpisodeRunner(user_agent(state), settings["timeout"], state.tools or (), settings.get("max_running"))
+    if state.user_func is None:
         raise RuntimeError("the trainers run their rollout_func group by group on the rollout ranks, but this rollout "
                            "rank's trainer was built without rollout_func=: build NRolloutGRPOTrainer with the same "
                            "rollout_func= on every process (the same script runs everywhere).")
-    if "func_trainer" not in state:
+    if state.func_trainer is None:
         processing_class = pickle.loads(settings["processing_class"])
-        state["func_trainer"] = RankTrainer(state, processing_class, func["n"], engine.rank)
-    return FuncRunner(state["user_func"], state["func_trainer"], func["n"], engine.max_model_len, func["limit"],
+        state.func_trainer = RankTrainer(state, processing_class, func["n"], engine.rank)
+    return FuncRunner(state.user_func, state.func_trainer, func["n"], engine.max_model_len, func["limit"],
                       func["need_logprobs"])
 
 
@@ -284,15 +285,15 @@ class RankTrainer:
     (:class:`~trl_nrollout.rollout.func_pool.TrainerView` sets it). Anything else a trainer has is not here: the
     error names it."""
 
-    def __init__(self, rank_state: dict, processing_class, n: int, rank: int) -> None:
+    def __init__(self, rank_state: RankState, processing_class, n: int, rank: int) -> None:
         self._rank_state = rank_state
-        self.args, self.processing_class, self.num_generations = rank_state.get("user_args"), processing_class, n
+        self.args, self.processing_class, self.num_generations = rank_state.user_args, processing_class, n
         self.accelerator = SimpleNamespace(process_index=rank, is_main_process=False)
         self.is_rollout_rank = True
 
     @property
     def state(self) -> SimpleNamespace:
-        return SimpleNamespace(global_step=self._rank_state.get("version", 0))
+        return SimpleNamespace(global_step=self._rank_state.version)
 
     def __getattr__(self, name: str):
         raise AttributeError(f"a rollout_func run on a rollout rank gets a trainer with args, processing_class, "
@@ -300,13 +301,13 @@ class RankTrainer:
                              f"has no {name!r} (the trainers' own attributes stay on the trainers).")
 
 
-def user_agent(state: dict):
+def user_agent(state: RankState):
     """The script's ``agent=`` on this rollout rank (the same script built its trainer); an error without one."""
-    if state.get("user_agent") is None or state.get("agent") is None:
+    if state.user_agent is None or state.agent is None:
         raise RuntimeError("agent= episodes run on the rollout ranks, but this rollout rank's trainer was built "
                            "without agent=: build NRolloutGRPOTrainer with the same agent= on every process (the "
                            "same script runs everywhere).")
-    return state["user_agent"]
+    return state.user_agent
 
 
 def rank_endpoint(settings: dict):

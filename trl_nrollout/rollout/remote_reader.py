@@ -80,7 +80,7 @@ def engine_tp(engine) -> tuple[object | None, bool]:
     """``(group, first)``: the engine's TP process group (gloo, the engine's ranks in order: its rank 0 is the first)
     or None at TP 1, and whether this rank is the engine's first."""
     ranks = list(getattr(engine, "tp_ranks", None) or [])
-    group = getattr(engine, "_tp_group", None)  # VLLMEngineGroup's gloo group of its TP ranks
+    group = getattr(engine, "tp_group", None)  # the gloo group of the engine's TP ranks (None before an engine)
     if len(ranks) <= 1 or group is None:
         return None, True
     return group, engine.rank == ranks[0]

@@ -1,13 +1,14 @@
-"""The engine protocol and the typed batch a rollout returns."""
+"""The typed sampling options and batch of a rollout, and a rollout rank's answer (the engine protocol:
+:mod:`trl_nrollout.rollout.engine_protocol`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from trl_nrollout.passes.packing import round_up
 
@@ -114,31 +115,6 @@ class RolloutBatch:
         out = {"prompt_ids": prompt, "prompt_mask": prompt_mask, "completion_ids": comp,
                "completion_mask": comp_mask, "logprobs": lp}
         return {k: v.to(device) for k, v in out.items()}
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout backend (vLLM engine group, HF generate, or your own)."""
-
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingOptions) -> RolloutBatch:
-        """Generate ``n`` samples for each of this rank's ``prompts`` (token ids); samples of a prompt contiguous."""
-        ...
-
-    def load_weights(self, model: nn.Module) -> dict:
-        """Copy the training model's current weights into the engine; return sync statistics."""
-        ...
-
-    def sleep(self) -> None:
-        """Free the engine's memory (weights / KV cache) while the trainer runs."""
-        ...
-
-    def wake_up(self) -> None:
-        """Restore what :meth:`sleep` freed."""
-        ...
-
-    def close(self) -> None:
-        """Release the engine's resources now (memory, process groups) rather than at interpreter exit."""
-        ...
 
 
 def pack_extras(tool_mask: np.ndarray | None, fields: list[dict] | None, lengths: np.ndarray) -> list[dict | None]:

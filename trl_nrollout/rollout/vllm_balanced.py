@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import torch
 
-from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.dispatch import GroupQueue, PullStats, run_pulled
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun
@@ -53,7 +52,7 @@ class BalancedDispatch:
             batch = self.generate_expanded(sample_prompts, n, sampling, images=images)
             busy = time.perf_counter() - start
             return batch, PullStats(groups=sorted(set(batch.group_index)), claims=1, busy_s=busy)
-        self._barrier_before_generate()
+        self.barrier_before_generate()
         world = torch.distributed.get_world_size()
         per_rank = [None] * world
         torch.distributed.all_gather_object(per_rank, ([list(p) for p in sample_prompts], images),
@@ -69,26 +68,26 @@ class BalancedDispatch:
         self._ready()
         self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
         per_request = sampling.seed is not None and self.seed_mode == "sample"
-        shared = None if per_request else self._sampling_params(n, replace(sampling, seed=None))
+        shared = None if per_request else self.sampling_params(n, replace(sampling, seed=None))
         engine_prompts = vllm_prompts(unique, flat_images)
-        loop = self._loop()
+        loop = self.request_loop()
 
         def add_group(g: int) -> str:
-            params = shared or self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, g, n)))
+            params = shared or self.sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, g, n)))
             return loop.add(engine_prompts[g], params)
 
         leader = self.rank == self.tp_ranks[0]
 
         def share(claim):  # the TP group's leader claims; its ranks run the same groups
-            return self._gather_tp(claim() if leader else None)[0]
+            return self.gather_tp(claim() if leader else None)[0]
 
-        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        capacity = self.max_num_seqs
         with self._engine_rng(sampling.seed):
             queue = self.job_queue(counts, n)
             requests, stats = run_pulled(loop, queue, add_group, n, capacity,
                                          share=None if self._tp_group is None else share,
                                          outstanding=self.llm.llm_engine.get_num_unfinished_requests)
-        done = self._send_home(
+        done = self.send_home(
             {g: (loop.prompt_ids(rid) if flat_images is not None else list(unique[g]),
                  [(x.token_ids, x.logprobs, x.finish_reason) for x in loop.request(rid)])
              for g, rid in requests.items()} if leader else {},
@@ -128,7 +127,7 @@ class BalancedDispatch:
             samples, groups, stats = self.run_agents(sample_prompts, n, sampling, turn_seed, agent, workers)
             return samples, groups, stats, PullStats(groups=sorted(set(groups)), claims=1,
                                                      busy_s=time.perf_counter() - start)
-        self._barrier_before_generate()
+        self.barrier_before_generate()
         per_rank: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(per_rank, [list(p) for p in sample_prompts], group=self._world_group)
         flat = [p for prompts in per_rank for p in prompts]
@@ -141,7 +140,7 @@ class BalancedDispatch:
         own_base = None  # TP > 1 without per-request seeds: every request still gets one (see run_agents)
         if not per_request and len(self.tp_ranks) > 1:
             own_base = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
-                        else self._gather_tp(secrets.randbits(SEED_BITS))[0])
+                        else self.gather_tp(secrets.randbits(SEED_BITS))[0])
 
         from vllm.inputs import TokensPrompt
 
@@ -150,7 +149,7 @@ class BalancedDispatch:
             if own_base is not None:
                 seed = prompt_seed(own_turn_seed(own_base, 0), g, n)
             return (list(unique[g]), TokensPrompt(prompt_token_ids=list(unique[g])),
-                    self._sampling_params(n, replace(sampling, seed=seed)))
+                    self.sampling_params(n, replace(sampling, seed=seed)))
 
         def continue_request(s: int, round_: int, context: list[int], budget: int):
             base = turn_seed(round_) if per_request else None
@@ -158,10 +157,10 @@ class BalancedDispatch:
             if own_base is not None:
                 seed = prompt_seed(own_turn_seed(own_base, round_), s, 1)
             return (TokensPrompt(prompt_token_ids=list(context)),
-                    self._sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
+                    self.sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
 
         leader = self.rank == self.tp_ranks[0]
-        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        capacity = self.max_num_seqs
         outstanding = self.llm.llm_engine.get_num_unfinished_requests
         pulled_groups: list[int] = []
         start = time.perf_counter()
@@ -173,16 +172,16 @@ class BalancedDispatch:
                 if held >= capacity + n:
                     return [], False
                 want = max(1, math.ceil((capacity + n - held) / n))
-                got = self._gather_tp(list(queue.claim(want)) if leader else None)[0]
+                got = self.gather_tp(list(queue.claim(want)) if leader else None)[0]
                 pulled_groups.extend(got)
                 return [(g, *first_request(g)) for g in got], not got
 
             samples, stats = run_agent_requests(
-                self._loop(stream=True), [], n, {}, agent, continue_request=continue_request,
-                exchange=self._gather_tp, workers=workers, poll_s=0.01 if len(self.tp_ranks) > 1 else None,
+                self.request_loop(stream=True), [], n, {}, agent, continue_request=continue_request,
+                exchange=self.gather_tp, workers=workers, poll_s=0.01 if len(self.tp_ranks) > 1 else None,
                 pull=pull, run_pulled=leader)
         busy = time.perf_counter() - start
-        done = self._send_home({g: [samples[g * n + k] for k in range(n)] for g in pulled_groups} if leader else {},
+        done = self.send_home({g: [samples[g * n + k] for k in range(n)] for g in pulled_groups} if leader else {},
                                counts, n)
         self.drop_job_queue(queue)  # every rank is past its last claim
         mine = range(offset, offset + len(sample_prompts))
@@ -214,7 +213,7 @@ class BalancedDispatch:
 
         def params(i: int, ks: list[int], budget: int):
             seed = bases[homes[i]] + slots[(i, ks[0])] if per_request else None
-            return self._sampling_params(len(ks), replace(sampling, max_tokens=budget, seed=seed))
+            return self.sampling_params(len(ks), replace(sampling, max_tokens=budget, seed=seed))
 
         order, segments = queue_order(groups, homes, self.layout.num_engines)
         finished_before = [i for i, g in enumerate(groups) if g.finished]
@@ -231,11 +230,11 @@ class BalancedDispatch:
         def reached() -> bool:
             return len(finished_before) + int(store.add(f"{key}/finished", 0)) >= target
 
-        share = None if self._tp_group is None else (lambda fn: self._gather_tp(fn() if leader else None)[0])
-        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        share = None if self._tp_group is None else (lambda fn: self.gather_tp(fn() if leader else None)[0])
+        capacity = self.max_num_seqs
         with self._engine_rng(sampling.seed):
             updated, tickets, pulled, aborted, steps, new_tokens = run_partial_pulled(
-                self._loop(stream=True), groups, version, sampling.max_tokens,
+                self.request_loop(stream=True), groups, version, sampling.max_tokens,
                 claim=lambda k: [order[p] for p in queue.claim(k)], finish=finish, reached=reached, params=params,
                 prompt=partial_prompt, capacity=capacity,
                 outstanding=self.llm.llm_engine.get_num_unfinished_requests, share=share)
@@ -280,7 +279,7 @@ class BalancedDispatch:
         own = None  # TP > 1 without per-request seeds: every request still gets one (see run_partial_agents)
         if not seeded and len(self.tp_ranks) > 1:
             own = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
-                   else self._gather_tp(secrets.randbits(SEED_BITS))[0])
+                   else self.gather_tp(secrets.randbits(SEED_BITS))[0])
         width = max((g.n for g in groups), default=1)
 
         def make_params(n: int, budget: int, slot: int, request):
@@ -289,7 +288,7 @@ class BalancedDispatch:
                 base, first = bases[homes[request.group]], request.samples[0]
                 seed = (base + slots[(request.group, first)] if request.started
                         else prompt_seed(own_turn_seed(base, request.turn), request.group * width + first, 1))
-            return self._sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
+            return self.sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
 
         order, segments = queue_order(groups, homes, self.layout.num_engines)
         finished_before = [i for i, g in enumerate(groups) if g.finished]
@@ -297,8 +296,8 @@ class BalancedDispatch:
         key = f"{self._pull_prefix}/{self._pull_calls}"
         store = self._store
         queue = GroupQueue(store, key, segments, self.engine_index)
-        ask = (lambda fn: fn()) if self._tp_group is None else (lambda fn: self._gather_tp(fn() if leader else None)[0])
-        capacity = int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        ask = (lambda fn: fn()) if self._tp_group is None else (lambda fn: self.gather_tp(fn() if leader else None)[0])
+        capacity = self.max_num_seqs
         outstanding = self.llm.llm_engine.get_num_unfinished_requests
         pulled: list[int] = []
         tickets: dict[int, int] = {}
@@ -335,9 +334,9 @@ class BalancedDispatch:
 
         with self._engine_rng(sampling.seed):
             run, stats = run_partial_agents(
-                self._loop(stream=True), groups, target, version, agent, make_params=make_params,
+                self.request_loop(stream=True), groups, target, version, agent, make_params=make_params,
                 prompt=lambda ids: TokensPrompt(prompt_token_ids=list(ids)), owns=lambda g: leader,
-                exchange=self._gather_tp, workers=workers, poll_s=0.01, pull=pull, finished=finished,
+                exchange=self.gather_tp, workers=workers, poll_s=0.01, pull=pull, finished=finished,
                 reached=reached)
         parts: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(parts, ({i: run.groups[i] for i in pulled}, tickets) if leader
@@ -378,7 +377,7 @@ class BalancedDispatch:
         """``obj`` of every rank of the job, in rank order (``[obj]`` with one engine: see :meth:`gather_tp`).
         Collective over every rank."""
         if self._world_group is None:
-            return self._gather_tp(obj)
+            return self.gather_tp(obj)
         out: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(out, obj, group=self._world_group)
         return out
@@ -391,7 +390,7 @@ class BalancedDispatch:
         return [range(min(-(-firsts[e] // n), total), min(-(-firsts[e + 1] // n), total))
                 for e in range(self.layout.num_engines)]
 
-    def _send_home(self, held: dict[int, object], counts: list[int], n: int) -> dict[int, object]:
+    def send_home(self, held: dict[int, object], counts: list[int], n: int) -> dict[int, object]:
         """Each engine's results ``held`` (by global group, on its leader) to the ranks that own the group's samples
         (rank ``r`` owns the ``counts[r]`` samples after those of the ranks before it): one exchange of every rank
         with every rank (:func:`exchange_objects`), each rank receiving only its own groups, nothing padded.

@@ -21,9 +21,11 @@ from dataclasses import replace
 import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.cpu_shm import use_cpu_shm_identity
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES
+from trl_nrollout.rollout.engine_protocol import ABORT, ADAPTERS, BALANCED, BUCKETS, REQUESTS
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun, run_partial
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.requests import EngineLoop
@@ -48,7 +50,7 @@ from trl_nrollout.rollout.vllm_process import (
     restore_env,
     vllm_prompts,
 )
-from trl_nrollout.rollout.vllm_settings import engine_kwargs
+from trl_nrollout.rollout.vllm_settings import check_prompt_length, engine_kwargs, vllm_sampling_params
 from trl_nrollout.rollout.vllm_weights import EngineWeights
 from trl_nrollout.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
@@ -83,6 +85,8 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             base once and :meth:`load_adapter` hands it each new adapter version; None: no LoRA (full weights).
     """
 
+    #: what it can do beyond the core (:mod:`trl_nrollout.rollout.engine_protocol`)
+    capabilities = frozenset({ADAPTERS, REQUESTS, ABORT, BALANCED, BUCKETS})
     lora_rank: int | None = None
     lora_request = None  # the adapter version every request uses (None: the base weights alone)
     _adapter_id = 0
@@ -170,7 +174,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
 
         start = time.perf_counter()
         if self.cpu and len(self.tp_ranks) > 1:  # segments named after this run (first rank's pid), not shared
-            use_cpu_shm_identity(self._gather_tp(os.getpid())[0], self.tp_ranks, self.tp_ranks.index(self.rank))
+            use_cpu_shm_identity(self.gather_tp(os.getpid())[0], self.tp_ranks, self.tp_ranks.index(self.rank))
         launcher_local_world = os.environ.get("LOCAL_WORLD_SIZE")
         try:
             self.llm = LLM(**kwargs)
@@ -191,15 +195,27 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
     def sleeping(self) -> bool:
         return bool(self._asleep)
 
+    @property
+    def tp_group(self):
+        """The gloo process group of this engine's TP ranks (None at TP 1 or in one process)."""
+        return self._tp_group
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the engine runs at once (vLLM's ``max_num_seqs``; its default where unset)."""
+        return int(self.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+
     # ------------------------------------------------------------------ generation
-    def _gather_tp(self, obj):
+    def gather_tp(self, obj) -> list:
+        """``obj`` of every rank of this rank's TP group, in rank order (``[obj]`` at TP=1). Collective over the
+        TP group."""
         if self._tp_group is None:
             return [obj]
         out = [None] * len(self.tp_ranks)
         torch.distributed.all_gather_object(out, obj, group=self._tp_group)
         return out
 
-    def _barrier_before_generate(self) -> None:
+    def barrier_before_generate(self) -> None:
         """TP > 1 on GPUs: the ranks meet before the engine's own TP collectives, so that no training collective
         still in flight (a LoRA gradient all-reduce, a ZeRO gather) interleaves with them (TRL does the same for LoRA
         + TP > 1, its issue #3671; we do it for every model: one barrier per rollout). Where the barrier is, by
@@ -233,40 +249,16 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
     def check_prompt_length(self, longest: int, max_tokens: int) -> None:
         """A prompt of ``longest`` tokens that leaves no room for ``max_tokens`` would be cut short silently by vLLM
         (or rejected with its own message): refuse it here with the options that fix it."""
-        if longest + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"a prompt of {longest} tokens + max_completion_length={max_tokens} exceeds the engine's "
-                f"max_model_len={self.max_model_len} (rollout_max_model_len): the completion would be cut short. "
-                f"Raise rollout_max_model_len to at least {longest + max_tokens} (within the model's context "
-                f"length), shorten or filter out the long prompts, or lower max_completion_length."
-            )
+        check_prompt_length(longest, max_tokens, self.max_model_len)
 
-    def _sampling_params(self, n: int, sampling: SamplingOptions):
-        from vllm import SamplingParams
+    def sampling_params(self, n: int, sampling: SamplingOptions):
+        """vLLM's ``SamplingParams`` for a request of ``n`` samples (:func:`vllm_sampling_params`)."""
+        return vllm_sampling_params(n, sampling)
 
-        options = dict(
-            n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
-            stop_token_ids=list(sampling.stop_token_ids) or None, stop=list(sampling.stop) or None,
-            seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=0,
-            # flat log-probs and no detokenization: the trainer decodes itself; on CPU these two halve the
-            # Python overhead of a rollout of a small model (stop strings need the text, so they keep it)
-            flat_logprobs=True, detokenize=bool(sampling.stop),
-        )
-        options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
-        if sampling.suppress_token_ids:  # vLLM clamps a bias to -100: probability e^-100 relative, never sampled
-            options["logit_bias"] = {**{t: -100.0 for t in sampling.suppress_token_ids},
-                                     **(options.get("logit_bias") or {})}
-        if options.get("stop"):
-            options["detokenize"] = True  # stop strings are matched on the text
-        if sampling.regex is not None:  # takes precedence over generation_kwargs' structured_outputs, as in TRL
-            from vllm.sampling_params import StructuredOutputsParams
-
-            options["structured_outputs"] = StructuredOutputsParams(regex=sampling.regex)
-        return SamplingParams(**options)
-
-    def _loop(self, stream: bool = False) -> EngineLoop:
-        """A request loop on this rank's engine whose requests use the current adapter version (if any)."""
+    def request_loop(self, stream: bool = False) -> EngineLoop:
+        """A request loop on this rank's engine whose requests use the current adapter version (if any); the engine
+        made ready first (:meth:`_ready`: a clear error if it was closed, woken if it sleeps)."""
+        self._ready()
         return EngineLoop(self.llm, stream=stream, lora_request=self.lora_request)
 
     def _ready(self) -> None:
@@ -290,11 +282,11 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         self.check_prompt_length(max((len(p) for p in prompts), default=0), sampling.max_tokens)
         start = time.perf_counter()
         if sampling.seed is None or self.seed_mode == "engine":
-            params = self._sampling_params(n, replace(sampling, seed=None))
+            params = self.sampling_params(n, replace(sampling, seed=None))
         else:  # vLLM seeds sample k of a request with seed + k: prompt seeds n apart never share a seed
-            params = [self._sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, group_offset + g, n)))
+            params = [self.sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, group_offset + g, n)))
                       for g in range(len(prompts))]
-        loop = self._loop()
+        loop = self.request_loop()
         with self._engine_rng(sampling.seed):  # what LLM.generate does, through the same calls
             requests = [loop.add(p, params[g] if isinstance(params, list) else params)
                         for g, p in enumerate(vllm_prompts(prompts, images))]
@@ -324,11 +316,15 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
                                       sample_offset=offset * n)
 
     def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                          sample_offset: int | None = None, images: list[list] | None = None) -> RolloutBatch:
+                          sample_offset: int | None = None, images: list[list] | None = None,
+                          mm: list | None = None) -> RolloutBatch:
         """TRL's form: this rank's prompts already repeated ``n`` times (groups contiguous; a group may span the
         ranks of one TP group). Returns one sample per entry, in the same order. ``images``: per sample, the
-        images of its prompt (see :meth:`generate_engine`). Within :meth:`balanced_calls`: a balanced rollout
-        (:meth:`generate_balanced`; every rank's call one collective)."""
+        images of its prompt (see :meth:`generate_engine`; ``mm``, the processor's tensors, is the HF engine's form).
+        Within :meth:`balanced_calls`: a balanced rollout (:meth:`generate_balanced`; every rank's call one
+        collective)."""
+        if mm is not None:
+            raise ValueError("the vLLM engine expands images itself: pass them as images=, not mm= tensors.")
         calls = self.__dict__.get("_balanced_calls")
         if calls is not None:
             self._balanced_calls = None  # (with one engine, generate_balanced comes back here)
@@ -338,14 +334,14 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
                 self._balanced_calls = calls
             calls.append((stats, len(sample_prompts), n))
             return batch
-        self._barrier_before_generate()
-        per_rank = self._gather_tp([list(p) for p in sample_prompts])
+        self.barrier_before_generate()
+        per_rank = self.gather_tp([list(p) for p in sample_prompts])
         flat = [p for chunk in per_rank for p in chunk]
         # images travel with their prompts; every rank of the group takes part in the gather (some may have none)
         flat_images = None
-        if self._gather_tp(images is not None) != [False] * len(per_rank):
+        if self.gather_tp(images is not None) != [False] * len(per_rank):
             local = images if images is not None else [[] for _ in sample_prompts]
-            flat_images = [imgs for chunk in self._gather_tp(local) for imgs in chunk]
+            flat_images = [imgs for chunk in self.gather_tp(local) for imgs in chunk]
         unique = self._whole_groups(flat, n)
         mine = self.tp_ranks.index(self.rank)
         first = sum(len(c) for c in per_rank[:mine])
@@ -366,10 +362,10 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         (ranks of a TP group in rank order), as :meth:`run_agents` seeds the same turn, so both multi-turn modes draw
         the same numbers for a sample; without ``sample_ids``, its place among the call's contexts
         (``sample_offset`` is not needed: the step seed changes every turn)."""
-        self._barrier_before_generate()
+        self.barrier_before_generate()
         ids = list(range(len(contexts))) if sample_ids is None else list(sample_ids)
         count = len(contexts) if num_samples is None else int(num_samples)
-        per_rank = self._gather_tp(([(list(c), int(b), int(i)) for c, b, i in zip(contexts, budgets, ids)], count))
+        per_rank = self.gather_tp(([(list(c), int(b), int(i)) for c, b, i in zip(contexts, budgets, ids)], count))
         before = [sum(c for _, c in per_rank[:r]) for r in range(len(per_rank))]
         flat = [(ctx, budget, before[r] + i) for r, (chunk, _) in enumerate(per_rank) for ctx, budget, i in chunk]
         total = sum(c for _, c in per_rank)
@@ -384,10 +380,10 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             self.check_prompt_length(len(ctx), budget)
         offset = self.engine_index * total  # the same on every rank of the TP group (their sampling must agree)
         per_request = sampling.seed is not None and self.seed_mode == "sample"
-        params = [self._sampling_params(1, replace(sampling, max_tokens=budget, seed=prompt_seed(sampling.seed, offset + s, 1)
+        params = [self.sampling_params(1, replace(sampling, max_tokens=budget, seed=prompt_seed(sampling.seed, offset + s, 1)
                                                    if per_request else None))
                   for _, budget, s in flat]
-        loop = self._loop()
+        loop = self.request_loop()
         with self._engine_rng(sampling.seed):
             requests = [loop.add(TokensPrompt(prompt_token_ids=ctx), p) for (ctx, _, _), p in zip(flat, params)]
             loop.run()
@@ -417,8 +413,8 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         sample only; a tool drawing from NumPy's global generator (whence vLLM's Model Runner V2 seeds a request
         without a seed) or torch's (whence the V1 runner samples one) would make that rank sample other tokens than
         the others."""
-        self._barrier_before_generate()
-        per_rank = self._gather_tp([list(p) for p in sample_prompts])
+        self.barrier_before_generate()
+        per_rank = self.gather_tp([list(p) for p in sample_prompts])
         flat = [p for chunk in per_rank for p in chunk]
         unique = self._whole_groups(flat, n)
         mine_at = self.tp_ranks.index(self.rank)
@@ -431,7 +427,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         own_base = None  # TP > 1 without per-request seeds: the base of the seeds every rank gives the requests
         if not per_request and len(self.tp_ranks) > 1:
             own_base = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
-                        else self._gather_tp(secrets.randbits(SEED_BITS))[0])
+                        else self.gather_tp(secrets.randbits(SEED_BITS))[0])
         from vllm.inputs import TokensPrompt
 
         groups = []
@@ -440,7 +436,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             if own_base is not None:
                 seed = prompt_seed(own_turn_seed(own_base, 0), g, n)
             groups.append((list(p), TokensPrompt(prompt_token_ids=list(p)),
-                           self._sampling_params(n, replace(sampling, seed=seed))))
+                           self.sampling_params(n, replace(sampling, seed=seed))))
 
         def continue_request(s: int, round_: int, context: list[int], budget: int):
             base = turn_seed(round_) if per_request else None
@@ -448,21 +444,16 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             if own_base is not None:
                 seed = prompt_seed(own_turn_seed(own_base, round_), s, 1)
             return (TokensPrompt(prompt_token_ids=list(context)),
-                    self._sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
+                    self.sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
 
         mine = {first + i: i for i in range(len(sample_prompts))}
         tp = len(self.tp_ranks) > 1
         with self._engine_rng(sampling.seed):
             samples, stats = run_agent_requests(
-                self._loop(stream=True), groups, n, mine, agent, continue_request=continue_request,
-                exchange=self._gather_tp, workers=workers, poll_s=0.01 if tp else None)
+                self.request_loop(stream=True), groups, n, mine, agent, continue_request=continue_request,
+                exchange=self.gather_tp, workers=workers, poll_s=0.01 if tp else None)
         return ([samples[first + i] for i in range(len(sample_prompts))],
                 [group_offset + (first + i) // n for i in range(len(sample_prompts))], stats)
-
-    def gather_tp(self, obj) -> list:
-        """``obj`` of every rank of this rank's TP group, in rank order (``[obj]`` at TP=1). Collective over the
-        TP group."""
-        return self._gather_tp(obj)
 
     def _start_pool(self, groups: list[InFlightGroup], sampling: SamplingOptions) -> None:
         """Before a partial rollout's call: the engine ready, every unfinished group's prompt within the engine's
@@ -471,7 +462,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         for g in groups:
             if not g.finished:
                 self.check_prompt_length(len(g.prompt_ids), sampling.max_tokens)
-        self._barrier_before_generate()
+        self.barrier_before_generate()
 
     def run_partial(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int
                     ) -> PartialRun:
@@ -487,7 +478,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
 
         def make_params(n: int, budget: int, slot: int):
             seed = base + slot if per_request else None
-            return self._sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
+            return self.sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
 
         with self._engine_rng(sampling.seed):
             return run_partial(self.llm, groups, target, version, sampling.max_tokens, make_params, partial_prompt,
@@ -508,11 +499,11 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             base = engine_seed(sampling.seed, self.engine_index)
         elif len(self.tp_ranks) > 1:
             base = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
-                    else self._gather_tp(secrets.randbits(SEED_BITS))[0])
+                    else self.gather_tp(secrets.randbits(SEED_BITS))[0])
 
         def make_params(n: int, budget: int, slot: int, _request):
             seed = None if base is None else base + slot
-            return self._sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
+            return self.sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
 
         from vllm.inputs import TokensPrompt
 
@@ -520,8 +511,8 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
 
         with self._engine_rng(sampling.seed):
             return run_partial_agents(
-                self._loop(stream=True), groups, target, version, agent, make_params=make_params,
-                prompt=lambda ids: TokensPrompt(prompt_token_ids=list(ids)), owns=owns, exchange=self._gather_tp,
+                self.request_loop(stream=True), groups, target, version, agent, make_params=make_params,
+                prompt=lambda ids: TokensPrompt(prompt_token_ids=list(ids)), owns=owns, exchange=self.gather_tp,
                 workers=workers, poll_s=0.01 if len(self.tp_ranks) > 1 else None, done=done)
 
     # ------------------------------------------------------------------ life cycle

@@ -87,7 +87,7 @@ def keep_default_process_group():
 
 
 def barrier_scope(tp: int, cpu: bool, distributed: bool, rollout_rank: bool) -> str | None:
-    """Where an engine's ranks meet before a generation (:meth:`VLLMEngineGroup._barrier_before_generate`):
+    """Where an engine's ranks meet before a generation (:meth:`VLLMEngineGroup.barrier_before_generate`):
     ``"world"`` (the default group: colocated TP engines on GPUs), ``"tp"`` (the engine's own ranks: TP engines on
     rollout ranks, where no training collective runs), or None (TP 1, CPU, one process)."""
     if not distributed or tp <= 1 or cpu:

@@ -1,6 +1,7 @@
 """The vLLM engines' settings: ``LLM(...)``'s keyword arguments for a layout on this platform (CPU or CUDA: block
-size, KV cache bytes, memory fraction, lengths), the KV cache's default size on a CPU, and which sampling options
-vLLM's ``SamplingParams`` does not take. Pure functions of the options (no engine is built here)."""
+size, KV cache bytes, memory fraction, lengths), the KV cache's default size on a CPU, which sampling options
+vLLM's ``SamplingParams`` does not take, a request's ``SamplingParams`` and the prompt-length check. Pure functions of
+the options (no engine is built here)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
+from trl_nrollout.rollout.types import SamplingOptions
 from trl_nrollout.rollout.weight_sync import next_vllm_lora_rank
 
 logger = logging.getLogger(__name__)
@@ -95,3 +97,43 @@ def engine_kwargs(model: str, layout: RolloutLayout, *, cpu: bool, dtype: str = 
         if kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     return kwargs
+
+
+def check_prompt_length(longest: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuse a prompt of ``longest`` tokens that leaves no room for ``max_tokens`` within an engine's
+    ``max_model_len`` (vLLM would cut the completion short, or reject it with its own message), naming the fixes."""
+    if longest + max_tokens > max_model_len:
+        raise ValueError(
+            f"a prompt of {longest} tokens + max_completion_length={max_tokens} exceeds the engine's "
+            f"max_model_len={max_model_len} (rollout_max_model_len): the completion would be cut short. "
+            f"Raise rollout_max_model_len to at least {longest + max_tokens} (within the model's context "
+            f"length), shorten or filter out the long prompts, or lower max_completion_length."
+        )
+
+
+def vllm_sampling_params(n: int, sampling: SamplingOptions):
+    """vLLM's ``SamplingParams`` for a request of ``n`` samples with ``sampling`` (log-probs of the sampled tokens,
+    flat; TRL's ``generation_kwargs`` applied over ours; suppressed tokens as a -100 logit bias; a regex as
+    structured outputs)."""
+    from vllm import SamplingParams
+
+    options = dict(
+        n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k, min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
+        stop_token_ids=list(sampling.stop_token_ids) or None, stop=list(sampling.stop) or None,
+        seed=sampling.seed, ignore_eos=sampling.ignore_eos, logprobs=0,
+        # flat log-probs and no detokenization: the trainer decodes itself; on CPU these two halve the
+        # Python overhead of a rollout of a small model (stop strings need the text, so they keep it)
+        flat_logprobs=True, detokenize=bool(sampling.stop),
+    )
+    options.update(sampling.engine_kwargs)  # TRL's generation_kwargs win, as in TRL
+    if sampling.suppress_token_ids:  # vLLM clamps a bias to -100: probability e^-100 relative, never sampled
+        options["logit_bias"] = {**{t: -100.0 for t in sampling.suppress_token_ids},
+                                 **(options.get("logit_bias") or {})}
+    if options.get("stop"):
+        options["detokenize"] = True  # stop strings are matched on the text
+    if sampling.regex is not None:  # takes precedence over generation_kwargs' structured_outputs, as in TRL
+        from vllm.sampling_params import StructuredOutputsParams
+
+        options["structured_outputs"] = StructuredOutputsParams(regex=sampling.regex)
+    return SamplingParams(**options)

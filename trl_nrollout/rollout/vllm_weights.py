@@ -31,7 +31,7 @@ class EngineWeights:
         return worker.model_runner
 
     @torch.no_grad()
-    def load_weights(self, model: nn.Module, merge_lora: bool = True) -> dict:
+    def load_weights(self, model: nn.Module, merge_lora: bool = True, version: int = 0) -> dict:
         """Push the training model's weights into this rank's engine, a bounded bucket at a time.
 
         Every rank of the job must call it (ZeRO-3 / FSDP gather collectively; every TP rank loads the full
@@ -41,6 +41,8 @@ class EngineWeights:
         bare ``model.load_weights`` skips. A sleeping engine wakes its weights first, loads, resets the prefix
         cache (and a vision-language model's encoder cache), and only then wakes its KV cache. Returns bytes, buckets and seconds.
         ``merge_lora=False``: a PEFT model's base weights without its adapter (an engine serving the adapter itself).
+        ``version`` (the policy's) tags the samples of engines on rollout ranks; an engine in this process has no use
+        for it.
         """
         engine_names = self.parameter_names()
 
@@ -89,7 +91,7 @@ class EngineWeights:
         return {**stats, "seconds": time.perf_counter() - start}
 
     @torch.no_grad()
-    def load_adapter(self, model: nn.Module) -> dict:
+    def load_adapter(self, model: nn.Module, version: int = 0) -> dict:
         """Hand the engine the training model's LoRA adapter as a new version (``rollout_lora_sync="adapter"``): only
         the adapter's tensors are gathered (:func:`~trl_nrollout.rollout.weight_sync.adapter_tensors`) and loaded;
         the base weights stay. Every rank of the job calls it (ZeRO-3 / FSDP gather collectively). Returns bytes,

@@ -17,7 +17,7 @@ from trl_nrollout.errors import DatasetError, InputError
 from trl_nrollout.passes.distributed import zero3_configured
 from trl_nrollout.passes.multimodal import has_images
 from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.hf_engine import HFEngine
+from trl_nrollout.rollout.build import HFEngineSettings, VLLMEngineSettings, build_engine
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS
 from trl_nrollout.rollout.types import SamplingOptions
 
@@ -196,19 +196,18 @@ class EngineSetup:
         return max_len, min(max_len, self._prompt_length_hint() + completion)
 
     def _build_engine(self, lengths: tuple[int, int] | None = None):
+        """This rank's engine for the trainer's ``rollout_backend`` (``lengths``: the vLLM engine's, if known)."""
         args: NRolloutConfig = self.args
         if self.rollout_backend == "hf":
-            return HFEngine(self.model, pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
-                            batch_size=max(1, self.layout.samples_per_rank // self.layout.rollout_n), seed=args.seed,
-                            generation_context=self._hf_generation_context,
-                            shared_prompts=self._packing_allowed(self.model),
-                            # TRL's generation context gathers ZeRO-3 parameters under this same condition
-                            local_forwards=zero3_configured(self.accelerator)
-                            and bool(args.ds3_gather_for_generation), pad_to_multiple_of=self.pad_to_multiple_of)
-        from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
-
+            return build_engine(HFEngineSettings(
+                self.model, pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
+                batch_size=max(1, self.layout.samples_per_rank // self.layout.rollout_n), seed=args.seed,
+                generation_context=self._hf_generation_context, shared_prompts=self._packing_allowed(self.model),
+                # TRL's generation context gathers ZeRO-3 parameters under this same condition
+                local_forwards=zero3_configured(self.accelerator) and bool(args.ds3_gather_for_generation),
+                pad_to_multiple_of=self.pad_to_multiple_of, rank=self.accelerator.process_index))
         max_len, expected = lengths or self._vllm_lengths()
-        return VLLMEngineGroup(
+        return build_engine(VLLMEngineSettings(
             self._model_path(), self.layout, rank=self.accelerator.process_index,
             local_rank=self.accelerator.local_process_index, dtype=args.rollout_dtype, max_model_len=max_len,
             expected_len=expected, max_num_seqs=args.rollout_max_num_seqs,
@@ -217,8 +216,7 @@ class EngineSetup:
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
             seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20,
             seed_mode=args.rollout_seed_mode or "sample", trust_remote_code=self._trusts_remote_code(),
-            dispatch=args.rollout_dispatch, lora_rank=self._engine_lora_rank(),
-        )
+            dispatch=args.rollout_dispatch, lora_rank=self._engine_lora_rank()))
 
     def _lora_sync(self) -> str | None:
         """How the policy's adapter reaches the vLLM engines: ``"adapter"`` (the engines serve LoRA; only the

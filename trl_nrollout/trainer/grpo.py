@@ -52,7 +52,7 @@ from trl_nrollout.passes.multimodal import (
     without_images,
 )
 from trl_nrollout.passes.ulysses import shared_shuffle
-from trl_nrollout.rollout.hf_engine import HFEngine
+from trl_nrollout.rollout.engine_protocol import PREFILL_COUNTS, has
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
 from trl_nrollout.rollout.seeds import step_seed
@@ -485,7 +485,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         self._metric(ctx.mode, "timing_s/gen", collected.gen_s)
         self._metric(ctx.mode, "timing_s/reward", collected.reward_s)
         self._metric(ctx.mode, "perf/gen_tokens_per_s", collected.gen_tokens / max(collected.gen_s, 1e-9))
-        if isinstance(self.rollout_engine, HFEngine):  # the samples whose prompt was prefilled once (of the job)
+        if has(self.rollout_engine, PREFILL_COUNTS):  # the samples whose prompt was prefilled once (of the job)
             engine = self.rollout_engine
             counts = torch.tensor([engine.prefill_shared_samples, engine.generated_samples], dtype=torch.long,
                                   device=self.accelerator.device)

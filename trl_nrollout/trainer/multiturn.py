@@ -37,6 +37,7 @@ from trl_nrollout.rollout.agent_loop import (
     split_tools,
 )
 from trl_nrollout.rollout.axes import machine_refusal
+from trl_nrollout.rollout.engine_protocol import BALANCED, has
 from trl_nrollout.rollout.func_pool import check_output, samples_batch
 from trl_nrollout.rollout.home_tools import HomeTools
 from trl_nrollout.rollout.seeds import step_seed
@@ -210,7 +211,7 @@ class MultiTurnRollout:
         prompts = [list(p) for p in prompt_ids]
         if self.args.rollout_dispatch == "balanced":  # episodes run on whichever engine pulled their group
             envs = getattr(self, "environment_factories", None) is not None
-            if envs and getattr(self.rollout_engine, "_world_group", None) is not None:  # job-wide sample indices
+            if envs and self.rollout_engine.balances_job:  # job-wide sample indices
                 counts = gather_object([len(prompts)])
                 first = sum(counts[:self.accelerator.process_index])
                 ends = [sum(counts[:r + 1]) for r in range(len(counts))]
@@ -245,7 +246,7 @@ class MultiTurnRollout:
         several engines, each sample's calls run on its ``home(i)`` rank, where its environment lives
         (:class:`~trl_nrollout.rollout.home_tools.HomeTools`, served from a thread here until every engine is done);
         else ``run_tools`` itself. Every rank enters and leaves it together (around the engines' collective run)."""
-        if not envs or getattr(self.rollout_engine, "_world_group", None) is None:
+        if not envs or not self.rollout_engine.balances_job:
             yield run_tools
             return
         self._home_tools_calls = getattr(self, "_home_tools_calls", 0) + 1
@@ -273,7 +274,7 @@ class MultiTurnRollout:
         generate_expanded`` calls is a balanced rollout (the call's groups of every rank in one queue; every rank
         makes the same calls), logged as the trainer's own. (With ``rollout_multi_turn='requests'`` the function runs
         group by group: :meth:`AgentRollouts._agent_rollout`.)"""
-        if self.args.rollout_dispatch == "balanced" and hasattr(self.rollout_engine, "balanced_calls"):
+        if self.args.rollout_dispatch == "balanced" and has(self.rollout_engine, BALANCED):
             with self.rollout_engine.balanced_calls() as calls:
                 output = self.rollout_func(prompts, self)
             mode = "train" if self.model.training else "eval"

@@ -19,6 +19,8 @@ from typing import Any
 
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
+from trl_nrollout.rollout.engine_protocol import JOBS, has
+from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines
 from trl_nrollout.rollout.remote_agents import agent_settings, env_tool_schemas
@@ -80,7 +82,7 @@ class RolloutRanks(RemotePartialRollouts):
 
     @property
     def _remote(self) -> bool:
-        return isinstance(getattr(self, "rollout_engine", None), RemoteEngines)
+        return has(getattr(self, "rollout_engine", None), JOBS)
 
     @property
     def _remote_agents(self) -> bool:
@@ -162,7 +164,7 @@ class RolloutRanks(RemotePartialRollouts):
         from trl_nrollout.rollout.agent_loop import AgentStats
         from trl_nrollout.trainer.multiturn import Episode
 
-        batch, extras = self.rollout_engine.run_agents(
+        batch, extras = self.rollout_engine.run_job_episodes(
             [list(p) for p in prompt_ids], n, sampling, self._agent_job(mode, self.state.global_step, []),
             ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job)
         if step_job:
@@ -349,44 +351,24 @@ class RolloutRankWorker:
         self.bridge: Bridge = current_bridge()
         # rollout_multi_turn="requests": the episodes' tools; agent=: the user's agent (run here, on the endpoint);
         # a rollout_func run group by group (partial, or rollout_multi_turn="requests"): run here, as agents are
-        self._state: dict = {"tools": list(tools or []), "user_agent": agent, "user_func": rollout_func,
-                             "user_args": args}
+        self._state = RankState(tools=list(tools or []), user_agent=agent, user_func=rollout_func, user_args=args)
         self.model = model
         self.processing_class = processing_class
         self.is_rollout_rank = True
         self.stats: dict = {}
 
     def _build_engine(self, settings: dict):
-        from trl_nrollout.plan.layout import RolloutLayout
-        from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
-        from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
-        from trl_nrollout.rollout.vllm_settings import _kv_bytes_default
+        """This rollout rank's engine, from the trainers' start message ``settings``."""
+        from trl_nrollout.rollout.build import build_engine, rollout_rank_settings
 
-        roles, args = self.bridge.roles, self.args
-        tp = args.rollout_tp_size
-        nodes = max(1, roles.rollout_ranks // roles.role_local_world(self.bridge.rank))
-        layout = RolloutLayout.build(num_processes=roles.rollout_ranks, nnodes=nodes, rollout_tp_size=tp,
-                                     train_batch_size=roles.rollout_ranks, rollout_n=1,
-                                     adv_estimator="reinforce_plus_plus")  # the engines' shape; sizes below
-        per_engine = -(-settings["job_samples"] // layout.num_engines)
-        max_seqs = settings["max_num_seqs"] or max(1, min(per_engine, DEFAULT_MAX_NUM_SEQS))
-        kv = settings["kv_cache_memory_bytes"]
-        if kv is None and _is_cpu():
-            dtype = "float32" if settings["dtype"] == "auto" else settings["dtype"]
-            kv = _kv_bytes_default(settings["model"], min(max_seqs, per_engine), settings["expected_len"],
-                                   settings["max_model_len"], tp, dtype)
-        return VLLMEngineGroup(
-            settings["model"], layout, rank=roles.role_rank(self.bridge.rank),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")), dtype=settings["dtype"],
-            max_model_len=settings["max_model_len"], expected_len=settings["expected_len"], max_num_seqs=max_seqs,
-            kv_cache_memory_bytes=kv, gpu_memory_utilization=settings["gpu_memory_utilization"],
-            enforce_eager=settings["enforce_eager"], enable_prefix_caching=settings["enable_prefix_caching"],
-            enable_sleep_mode=settings["enable_sleep_mode"], seed=settings["seed"],
-            seed_mode=settings["seed_mode"], trust_remote_code=settings["trust_remote_code"],
-            lora_rank=settings.get("lora_rank"), dispatch=settings.get("dispatch", "shares"))
+        roles = self.bridge.roles
+        return build_engine(rollout_rank_settings(
+            settings, rollout_ranks=roles.rollout_ranks, nodes=max(1, roles.rollout_ranks // roles.role_local_world(
+                self.bridge.rank)), tp=self.args.rollout_tp_size, rank=roles.role_rank(self.bridge.rank),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")), cpu=_is_cpu()))
 
     def _serve(self) -> dict:
-        if self._state.get("stopped"):
+        if self._state.stopped:
             return self.stats
         stats = serve(self.bridge, self._build_engine, self._state)
         for k, v in stats.items():
@@ -404,7 +386,7 @@ class RolloutRankWorker:
     def close(self) -> None:
         """Serve until the trainers' stop (they close their side when they are done); nothing to wait for when
         they already ended (an error there stopped them: theirs is the message to read)."""
-        if not self._state.get("stopped"):
+        if not self._state.stopped:
             with contextlib.suppress(RolloutRankError):
                 self._serve()
 

@@ -1,0 +1,86 @@
+"""A rollout rank's state between the trainers' messages (:class:`RankState`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class RankState:
+    """What a rollout rank keeps from one of the trainers' messages to the next, and from ``train()`` to
+    ``evaluate()`` (:func:`~trl_nrollout.rollout.remote_serve.serve` and the job modules it calls read and set it).
+
+    It stays in its process: the trainers and the rollout ranks exchange messages through the bridge's store
+    (:mod:`trl_nrollout.rollout.remote`), never this value. The first four fields come from the user's script (the
+    same on every process); the next from the ``start`` and ``weights`` messages; the last are built lazily by the
+    first job that needs them.
+    """
+
+    #: the user's ``tools=`` (the same functions on every process): tool episodes run here with them
+    tools: list = field(default_factory=list)
+    #: the user's ``agent=`` (endpoint agents run here, on this rank's endpoint)
+    user_agent: Any = None
+    #: the user's ``rollout_func`` (run here group by group: partial, or ``rollout_multi_turn="requests"``)
+    user_func: Callable | None = None
+    #: the user's config as this process built it (a ``rollout_func``'s ``trainer.args``)
+    user_args: Any = None
+    #: the index of the next message to read
+    msg: int = 0
+    #: weight versions the message reader may stage at once (the start message's)
+    slots: int = 1
+    #: this rank's engine (built at ``start``; None before and after ``stop``)
+    engine: Any = None
+    #: ``rollout_dispatch`` of the start message: ``"shares"`` or ``"balanced"``
+    dispatch: str = "shares"
+    #: the start message's ``agent`` entry (the trainers' tokenizer pickled, tool schemas, limits), or None
+    agent: dict | None = None
+    #: the bridge to the trainers (environments' tool calls go home through its store)
+    bridge: Any = None
+    #: the policy version of the weights the engine holds
+    version: int = 0
+    #: the trainers said ``stop``: the engine is closed and nothing more is served
+    stopped: bool = False
+    #: this rank's ``agent=`` endpoint (an OpenAI-compatible server over the engine), once started
+    endpoint: Any = None
+    #: the tool episodes' callbacks and worker count (``agent_callbacks``), once built
+    agent_callbacks: tuple | None = None
+    #: the trainers' tokenizer, unpickled once (environments' tool-call parsing)
+    agent_tokenizer: Any = None
+    #: the trainer view a ``rollout_func`` sees here (:class:`~trl_nrollout.rollout.remote_agents.RankTrainer`)
+    func_trainer: Any = None
+    #: per trainer host: the sender of environments' tool calls to the trainer that owns the environment
+    env_senders: dict = field(default_factory=dict)
+    #: a partial job's groups in flight between jobs (:mod:`trl_nrollout.rollout.remote_partial`), or None
+    partial_pool: list | None = None
+    #: partial endpoint agents' pool (:class:`~trl_nrollout.rollout.agent_pool.AgentPool`), or None
+    agent_pool: Any = None
+
+    # Dict-style access, for rollout/remote_partial.py until it reads the fields by name (issue 61: that module is
+    # the partial-pool helper's; the lead drops these after merging). A field that is None counts as absent.
+    def __getitem__(self, key: str) -> Any:
+        if key not in _FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in _FIELDS:
+            raise KeyError(f"{key!r} is not a field of RankState")
+        setattr(self, key, value)
+
+    def __contains__(self, key: str) -> bool:
+        return key in _FIELDS and getattr(self, key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = getattr(self, key) if key in _FIELDS else None
+        return default if value is None else value
+
+    def pop(self, key: str, default: Any = None) -> Any:
+        value = self.get(key, default)
+        if key in _FIELDS:
+            setattr(self, key, None)
+        return value
+
+
+_FIELDS = frozenset(f.name for f in fields(RankState))
