@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trl_nrollout.passes.packing import round_up
+from trl_nrollout.passes.packing import pad_samples
 
 
 @dataclass(frozen=True)
@@ -96,25 +96,7 @@ class RolloutBatch:
                ) -> dict[str, Tensor]:
         """TRL-style tensors: prompts left-padded ``[B, P]``, completions and log-probs right-padded ``[B, C]``;
         ``P`` and ``C`` are rounded up to a multiple of ``multiple_of`` when given (TRL's ``pad_to_multiple_of``)."""
-        b = len(self)
-        p_max = round_up(max((len(p) for p in self.prompt_ids), default=0), multiple_of)
-        c_max = round_up(max((len(c) for c in self.completion_ids), default=0), multiple_of)
-        prompt = torch.full((b, p_max), pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros(b, p_max, dtype=torch.long)
-        comp = torch.full((b, c_max), pad_token_id, dtype=torch.long)
-        comp_mask = torch.zeros(b, c_max, dtype=torch.long)
-        lp = torch.zeros(b, c_max, dtype=torch.float32)
-        for i, (p, c, lps) in enumerate(zip(self.prompt_ids, self.completion_ids, self.logprobs)):
-            if p:
-                prompt[i, p_max - len(p):] = torch.tensor(p)
-                prompt_mask[i, p_max - len(p):] = 1
-            if c:
-                comp[i, :len(c)] = torch.tensor(c)
-                comp_mask[i, :len(c)] = 1
-                lp[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        out = {"prompt_ids": prompt, "prompt_mask": prompt_mask, "completion_ids": comp,
-               "completion_mask": comp_mask, "logprobs": lp}
-        return {k: v.to(device) for k, v in out.items()}
+        return pad_samples(self.prompt_ids, self.completion_ids, pad_token_id, device, multiple_of, self.logprobs)
 
 
 def pack_extras(tool_mask: np.ndarray | None, fields: list[dict] | None, lengths: np.ndarray) -> list[dict | None]:
