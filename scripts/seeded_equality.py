@@ -46,7 +46,9 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "ranks_partial": (3, [*PARTIAL, "--rollout_ranks", "1", "--max_steps", "3"]),
 }
 #: logged values that measure time or this machine, not training
-TIMING = ("time", "timing", "wall", "wait", "second", "throughput", "memory", "overlap", "speed", "tokens_per")
+#: (weight_sync/transfer_*: logged once the sender thread has finished, which the step may or may not see yet)
+TIMING = ("time", "timing", "wall", "wait", "second", "throughput", "memory", "overlap", "speed", "tokens_per",
+          "weight_sync/transfer")
 
 
 def _timed(key: str) -> bool:
