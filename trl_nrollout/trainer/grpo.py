@@ -64,6 +64,7 @@ from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE, check_resume_folder,
 from trl_nrollout.trainer.clocks import GenerationClock, StepClock, TruncatedSteps
 from trl_nrollout.trainer.engines import EngineSetup
 from trl_nrollout.trainer.logprob_stage import LogProbStage
+from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images, check_tool_workers
 from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.progress import LiveProgressCallback
@@ -274,7 +275,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
 
     # ------------------------------------------------------------------ metrics
     def _metric(self, mode: str, name: str, value: float) -> None:
-        self._metrics[mode][name].append(float(value))
+        Metrics(self._metrics).add(mode, name, value)
 
     # ------------------------------------------------------------------ the rollout step
     def _sampling(self, mode: str, greedy: bool = False, round_: int = 0, step: int | None = None) -> SamplingOptions:
