@@ -94,9 +94,11 @@ def _pasted_plan_outputs(doc: str) -> list[tuple[str, str]]:
     return [(cmd.replace("\\\n", " ").split("||")[0].split("#")[0], out) for cmd, out in pairs]
 
 
-def test_concepts_walkthroughs_paste_the_plans_real_output(capsys, monkeypatch):
-    """docs/concepts.md's walkthroughs (the 7B on 6 H100s: --predict, then --suggest; the 1.5B on one 24 GB GPU,
-    full then LoRA): every line pasted under a ``trl-nrollout plan`` command is a line the command prints now."""
+def test_docs_walkthroughs_paste_the_plans_real_output(capsys, monkeypatch):
+    """Every doc's plan walkthroughs (concepts.md: the 7B on 6 H100s, --predict then --suggest, the 1.5B on one 24 GB
+    GPU, full then LoRA; backends.md: rollout ranks on 16 H100s, Ulysses' all-to-alls): every line pasted under a
+    ``trl-nrollout plan`` command is a line the command prints now. Mutation tried: a figure of backends.md's
+    rollout-rank example edited by one digit fails."""
     import shlex
 
     from tests.conftest import ROOT
@@ -104,7 +106,12 @@ def test_concepts_walkthroughs_paste_the_plans_real_output(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     pairs = _pasted_plan_outputs("concepts.md")
     assert len(pairs) >= 4 and any("--lora-r 16" in c for c, _ in pairs) and any("--suggest" in c for c, _ in pairs)
-    for cmd, pasted in pairs:
+    backends = _pasted_plan_outputs("backends.md")
+    assert any("--rollout-ranks 8" in c for c, _ in backends) and any("--sequence-parallel-size 2" in c
+                                                                       for c, _ in backends)
+    others = [pair for doc in sorted((ROOT / "docs").glob("*.md")) if doc.name not in ("concepts.md", "backends.md")
+              for pair in _pasted_plan_outputs(doc.name)]
+    for cmd, pasted in pairs + backends + others:
         main(shlex.split(cmd)[1:])
         out = capsys.readouterr()
         printed = {line.rstrip() for line in (out.out + out.err).splitlines()}
