@@ -198,3 +198,66 @@ def test_the_checks_see_a_lazy_upward_import_and_a_lazy_cycle(source, target, ki
         assert any(e.source == source and e.target == target for e in upward(edges, layer_table()))
     else:
         assert any(source in c and target in c for c in cycles(edges))
+
+
+#: the trainer's numbers of docs/architecture.md (issue 61 item 3): a fenced block with the info string ``numbers``
+NUMBERS = re.compile(r"^```numbers\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def trainer_self_calls(folder: Path | None = None) -> list[tuple[str, str, int]]:
+    """Calls ``self.m(...)`` in a module of ``trainer/`` where ``m`` is defined only in classes of *other* modules of
+    ``trainer/``: ``(calling module, method, line)``. A part that calls back into the trainer through ``self`` (a mixin
+    reaching into another mixin) shows here; a part's own methods and TRL's do not."""
+    folder = folder or PACKAGE / "trainer"
+    trees = {path.stem: ast.parse(path.read_text()) for path in sorted(folder.glob("*.py"))}
+    defined: dict[str, set[str]] = {}
+    for stem, tree in trees.items():
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            for item in cls.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    defined.setdefault(item.name, set()).add(stem)
+    found = []
+    for stem, tree in trees.items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+                    and (where := defined.get(node.func.attr)) and stem not in where):
+                found.append((stem, node.func.attr, node.lineno))
+    return found
+
+
+def package_classes(cls: type) -> list[str]:
+    """The classes of this package in ``cls``'s MRO (the trainer's own class and its mixins or parts' bases)."""
+    return [c.__qualname__ for c in cls.__mro__ if c.__module__.startswith("trl_nrollout.")]
+
+
+def stated_numbers(text: str | None = None) -> dict[str, int]:
+    """docs/architecture.md's ```numbers block: ``name: value`` per line."""
+    found = NUMBERS.search(DOC.read_text() if text is None else text)
+    assert found, "docs/architecture.md has no ```numbers block"
+    pairs = (line.split(":", 1) for line in found.group(1).splitlines() if line.strip())
+    return {name.strip(): int(value) for name, value in pairs}
+
+
+def test_the_docs_state_the_trainers_numbers():
+    """docs/architecture.md states how many classes of this package the trainers' MROs hold and how many calls of
+    ``trainer/`` reach a method of another module through ``self`` (issue 61's measure of a trainer made of parts);
+    the doc and the code cannot drift. Mutation tried: a mixin added back to NRolloutGRPOTrainer's bases (both MRO
+    numbers change) fails; a ``self._metric(...)`` call added in trainer/logprob_stage.py (count + 1) fails."""
+    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.ppo import NRolloutPPOTrainer
+
+    measured = {"classes of this package in NRolloutGRPOTrainer's MRO": len(package_classes(NRolloutGRPOTrainer)),
+                "classes of this package in NRolloutPPOTrainer's MRO": len(package_classes(NRolloutPPOTrainer)),
+                "calls in trainer/ through self to a method of another module": len(trainer_self_calls())}
+    assert stated_numbers() == measured, (
+        f"docs/architecture.md's ```numbers block says {stated_numbers()}, the code has {measured}: update the block")
+
+
+def test_self_calls_across_modules_are_seen(tmp_path):
+    """The counter sees a call into another module's class through ``self`` and ignores a call to a method of the
+    same module."""
+    (tmp_path / "a.py").write_text("class A:\n    def f(self):\n        return self.g() + self.h()\n"
+                                   "    def h(self):\n        return 1\n")
+    (tmp_path / "b.py").write_text("class B:\n    def g(self):\n        return 2\n")
+    assert trainer_self_calls(tmp_path) == [("a", "g", 3)]
