@@ -47,6 +47,7 @@ APART: dict[str, str] = {
     "rollout_ranks_user_size.py": "a user-sized job (1.08 M tokens) through the rollout ranks' transport, no --quick",
     "sp_memory.py": "Ulysses memory per rank, 2-process launches, no --quick",
     "store_load.py": "the launcher store under many waiting ranks: a machine-sized check, no --quick",
+    "weight_delta.py": "weight versions as deltas to a rollout rank: four real 2-process launches on the medium model",
 }
 
 

@@ -113,6 +113,10 @@ def rollout_ranks_refusal(config: ConfigChecks) -> str | None:
     if config.rollout_backend == "hf":
         return (f"rollout_ranks={r} runs vLLM engines on the rollout ranks; rollout_backend='hf' generates with the "
                 "training model itself. Set rollout_backend='vllm' (or 'auto' with vLLM installed), or rollout_ranks=0.")
+    if getattr(config, "weight_sync_delta", False) and not r:
+        return ("weight_sync_delta=True sends each weight version to the rollout ranks as what changed since the "
+                "last one, but rollout_ranks=0: colocated engines load the weights in their own process, where no "
+                "bytes cross a link to save. Set rollout_ranks (docs/backends.md), or remove weight_sync_delta.")
     return None
 
 

@@ -43,7 +43,7 @@ class ConfigDerivation:
     def _split_rollout_ranks(self) -> None:
         """``rollout_ranks``: refuse what cannot run on rollout ranks, then split the launch (see
         :mod:`trl_nrollout.rollout.ranks`)."""
-        if not self.rollout_ranks:
+        if not self.rollout_ranks and not self.weight_sync_delta:
             return
         why = rollout_ranks_refusal(self)
         if why:

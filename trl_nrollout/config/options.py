@@ -304,6 +304,12 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "an error)."})
     weight_sync_bucket_mb: int = field(default=256, metadata={
         "help": "Bound (MiB) of the full weights gathered at once during a weight sync."})
+    weight_sync_delta: bool = field(default=False, metadata={
+        "help": "With rollout_ranks: send each weight version as what changed since the last one, per bucket the "
+                "smallest of the whole bucket, the changed words' positions and values, or a bit mask and the "
+                "values (bit for bit the same weights on the engines). In the engines' bf16 a weight changes only "
+                "when an update crosses a rounding step, so at RL's small learning rates few do. Costs one host copy "
+                "of the weights in the engine's dtype on trainer rank 0 and on each engine's first rollout rank."})
     rollout_lora_sync: str = field(default="auto", metadata={
         "help": "How a LoRA (PEFT) policy reaches the vLLM engines (verl's lora.merge). 'merged': every sync sends "
                 "the full weights with the adapter merged in. 'adapter': the engines serve LoRA themselves (rank "

@@ -126,6 +126,11 @@ class Bridge:
                 self._die(f"{self.describe(peer)} has not been heard from for {silent:.0f} s (rollout_rank_timeout_s="
                           f"{self.timeout_s:g}); it was last {status}. It died or hangs; see its own output above")
 
+    def die(self, why: str) -> None:
+        """Stop this process at once, saying ``why`` (see :meth:`_die`): for a failure its peers could only wait on,
+        such as a weights broadcast that cannot go on."""
+        self._die(why)
+
     def _die(self, why: str) -> None:
         """Stop this process at once (a thread cannot raise into the main thread, which may be blocked in a
         collective): the launcher then stops the others."""

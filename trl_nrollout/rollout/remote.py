@@ -49,6 +49,7 @@ from trl_nrollout.rollout.remote_partial import JOINED, PartialEntry, group_fiel
 from trl_nrollout.rollout.remote_reader import broadcast
 from trl_nrollout.rollout.types import JobResult, RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_settings import check_prompt_length
+from trl_nrollout.rollout.weight_delta import DeltaHeader, encode
 from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
 
 
@@ -97,6 +98,10 @@ class RemoteEngines:
         self._closed = False
         self.version = -1
         self.last_transfer: dict = {}
+        #: weight_sync_delta: send each bucket as what changed since the last version (trainer rank 0 keeps a copy
+        #: of what it sent, in the engine's dtype)
+        self.weight_delta = bool(settings.get("weight_sync_delta"))
+        self._held: list[tuple[torch.Tensor, list]] = []
         self.last_job: dict = {}  # the last job's report (see _job_samples)
         self.partial_pools: list = []  # a partial job's pools in flight, per engine that holds one (trainer rank 0)
         answer: dict = {}
@@ -205,7 +210,10 @@ class RemoteEngines:
             self._join_sender()  # the previous version has left: its buffers are free
             self._post({"kind": "weights", "version": version, **({"adapter": True} if adapter else {})})
             self._send_queue = queue.Queue()
-            transfer = {"version": version, "bytes": 0, "seconds": None}
+            transfer = {"version": version, "bytes": 0, "seconds": None, "wire_bytes": 0,
+                        "delta": self.weight_delta and not adapter, "kinds": {}}
+            if not transfer["delta"]:
+                self._held = []  # whole buckets: the rollout ranks drop their copies too
             self.last_transfer = transfer
             self._sender = threading.Thread(target=self._send, args=(self._send_queue, transfer),
                                             name="trl_nrollout-weights", daemon=True)
@@ -222,7 +230,7 @@ class RemoteEngines:
                 stats["bytes"] += buf.numel()
                 stats["buckets"] += 1
                 stats["peak_bucket_bytes"] = max(stats["peak_bucket_bytes"], buf.numel())
-                self._send_queue.put((buf, layout))
+                self._send_queue.put((stats["buckets"] - 1, buf, layout))
         finally:
             if leader:
                 self._send_queue.put(None)  # the end of this version (the sender sends a size of 0)
@@ -242,16 +250,35 @@ class RemoteEngines:
                 if item is None:
                     broadcast(group, torch.zeros(2, dtype=torch.int64))
                     break
-                buf, layout = item
-                head, meta = frame_bucket(buf, layout)
+                i, buf, layout = item
+                delta, data = self._encode(i, buf, layout, transfer)
+                head, meta = frame_bucket(data, layout, delta)
                 broadcast(group, head)
                 broadcast(group, meta)
-                broadcast(group, buf)
+                broadcast(group, data)
+                transfer["wire_bytes"] += data.numel()
                 self._free.put(buf if buf._base is None else buf._base)
         except BaseException as err:  # noqa: BLE001 - raised on the trainer's thread at the next call
             self._send_error.append(err)
             self._free.put(None)  # the packer may wait for a buffer: it sees the error instead
         transfer["seconds"] = time.perf_counter() - t0
+
+    def _encode(self, i: int, buf: torch.Tensor, layout: list, transfer: dict
+                ) -> tuple[DeltaHeader | None, torch.Tensor]:
+        """Bucket ``i`` as it crosses: whole (no header) without weight deltas; with them, encoded against the copy
+        of the bucket the rollout ranks hold (the one sent last, kept here), whichever form is smallest
+        (:func:`~trl_nrollout.rollout.weight_delta.encode`; whole when the layout changed or no copy is held)."""
+        if not transfer["delta"]:
+            return None, buf
+        prev = self._held[i] if i < len(self._held) and self._held[i][1] == layout else None
+        delta, data = encode(prev[0] if prev is not None else None, buf)
+        transfer["kinds"][delta.kind] = transfer["kinds"].get(delta.kind, 0) + 1
+        copy = (buf.clone(), layout)
+        if i < len(self._held):
+            self._held[i] = copy
+        else:
+            self._held.append(copy)
+        return delta, data
 
     def wait_sent(self) -> float | None:
         """Wait until the last weights have left (trainer rank 0); their transfer's seconds."""

@@ -11,6 +11,8 @@ import pickle
 
 import torch
 
+from trl_nrollout.rollout.weight_delta import DeltaHeader
+
 _ALIGN = 16  # byte alignment of each tensor in a bucket's flat buffer (a view as any dtype needs it)
 
 
@@ -76,10 +78,13 @@ def unpack_bucket(buf: torch.Tensor, layout: list[tuple[str, tuple, str, int]]) 
     return out
 
 
-def frame_bucket(buf: torch.Tensor, layout: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """What crosses the weights group for one bucket: a header ``[size of the layout, size of the data]`` (int64)
-    and the pickled layout (bytes); the data itself follows as ``buf``."""
-    meta = torch.frombuffer(bytearray(pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+def frame_bucket(buf: torch.Tensor, layout: list, delta: DeltaHeader | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What crosses the weights group for one bucket: a header ``[size of the meta, size of the data]`` (int64)
+    and the pickled meta ``(layout, delta)`` (bytes); the data itself follows as ``buf`` (the packed bucket, or its
+    encoding against the receivers' copy when ``delta`` says so: :mod:`~trl_nrollout.rollout.weight_delta`)."""
+    meta = torch.frombuffer(bytearray(pickle.dumps((layout, delta), protocol=pickle.HIGHEST_PROTOCOL)),
+                            dtype=torch.uint8)
     return torch.tensor([meta.numel(), buf.numel()], dtype=torch.int64), meta
 
 

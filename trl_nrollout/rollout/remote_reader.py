@@ -28,6 +28,7 @@ import torch
 
 from trl_nrollout.rollout.ranks import Bridge
 from trl_nrollout.rollout.remote_buckets import frame_bucket, unpack_bucket
+from trl_nrollout.rollout.weight_delta import FULL, DeltaHeader, decode
 
 #: Buckets a rollout rank that does not stage versions holds at most: the reader's scratch buffer, the bucket vLLM
 #: loads and the next one being received from the engine's first rank (vLLM asks for it before it drops the last).
@@ -110,6 +111,7 @@ class MessageReader:
         self.buffers = buffers or HostBuffers()
         self._engine = engine or (lambda: None)
         self._scratch: torch.Tensor | None = None
+        self._held: list[torch.Tensor] = []  # with weight deltas: the last version's buckets, to decode the next
         self._queue: queue.Queue = queue.Queue()
         self._slot = threading.Semaphore(slots)
         self._thread = threading.Thread(target=self._run, name="trl_nrollout-messages", daemon=True)
@@ -131,7 +133,11 @@ class MessageReader:
                     self._slot.acquire()
                     t0 = time.perf_counter()
                     # the engine exists: trainer rank 0 writes a version only once every engine answered its start
-                    staged, size = self._receive(holds_versions(self._engine()))
+                    try:
+                        staged, size = self._receive(holds_versions(self._engine()))
+                    except Exception as err:  # noqa: BLE001 - trainer rank 0 would wait in the broadcast forever
+                        bridge.die(f"receiving weights version {message.get('version')} failed: "
+                                   f"{type(err).__name__}: {err}")
                     message = {**message, "staged": staged, "bytes": size, "receive_s": time.perf_counter() - t0}
                 self._queue.put((i, message))
                 if message["kind"] in ("end", "stop"):
@@ -144,10 +150,10 @@ class MessageReader:
         dropped; and its bytes."""
         staged: deque | None = deque() if keep else None
         total = 0
-        for size, layout in _frames(self.bridge.weights_group):
-            if keep:
+        for i, (size, layout, delta) in enumerate(_frames(self.bridge.weights_group)):
+            if keep and delta is None:
                 buf = self.buffers.empty(size)
-            else:
+            else:  # dropped (another rank of the engine stages it), or a delta decoded into the held copy
                 if self._scratch is None or self._scratch.numel() < size:
                     self._scratch = None  # (the smaller one is freed first)
                     self._scratch = self.buffers.empty(size, pin=False)  # never copied to a device
@@ -155,9 +161,31 @@ class MessageReader:
             broadcast(self.bridge.weights_group, buf)
             total += size
             if keep:
-                staged.append((buf, layout))
+                staged.append((self._held_copy(i, buf, delta), layout))
             del buf
         return staged, total
+
+    def _held_copy(self, i: int, buf: torch.Tensor, delta: DeltaHeader | None) -> torch.Tensor:
+        """Bucket ``i`` of the version just received, to stage: ``buf`` itself when it came whole, else decoded
+        into this rank's copy of the bucket (the trainers sent what changed since it). With weight deltas on
+        (the sender says so in each frame) the copy is kept for the next version's delta: one more host copy of the
+        weights in the engine's dtype, the price of sending only what changed."""
+        if delta is None:
+            if i < len(self._held):  # the sender went back to whole buckets: no copy is needed any more
+                self._held = []
+            return buf
+        if delta.kind == FULL:
+            full = buf.clone()
+        else:
+            if i >= len(self._held):
+                raise RuntimeError(f"bucket {i} of a weights version came as a {delta.kind} delta, but this rollout "
+                                   "rank holds no copy of it (it did not receive the version before)")
+            full = decode(delta, buf, self._held[i])
+        if i < len(self._held):
+            self._held[i] = full
+        else:
+            self._held.append(full)
+        return full.clone()  # the staged copy: the held one changes in place with the next delta
 
     def next(self) -> tuple[int, dict]:
         """The next message and the index after it (waits; raises what the thread met)."""
@@ -193,7 +221,7 @@ class MessageReader:
                 del buf
             broadcast(group, torch.zeros(2, dtype=torch.int64))
             return
-        for size, layout in _frames(group):
+        for size, layout, _ in _frames(group):  # whole buckets within the engine's TP group
             buf = self.buffers.empty(size)
             broadcast(group, buf)
             yield unpack_bucket(buf, layout)
@@ -204,10 +232,10 @@ class MessageReader:
         self._slot.release()
 
 
-def _frames(group) -> Iterator[tuple[int, list]]:
-    """The frames of one version's broadcast over ``group`` (see :meth:`RemoteEngines._send`): each bucket's size
-    and layout, until a header of zeros; the caller receives each bucket's data (a broadcast of that size) before it
-    asks for the next frame."""
+def _frames(group) -> Iterator[tuple[int, list, DeltaHeader | None]]:
+    """The frames of one version's broadcast over ``group`` (see :meth:`RemoteEngines._send`): each bucket's size on
+    the wire, layout and delta header (None: the whole bucket), until a header of zeros; the caller receives each
+    bucket's data (a broadcast of that size) before it asks for the next frame."""
     while True:
         head = torch.empty(2, dtype=torch.int64)
         broadcast(group, head)
@@ -216,7 +244,8 @@ def _frames(group) -> Iterator[tuple[int, list]]:
             return
         meta = torch.empty(meta_size, dtype=torch.uint8)
         broadcast(group, meta)
-        yield size, pickle.loads(meta.numpy().tobytes())
+        layout, delta = pickle.loads(meta.numpy().tobytes())
+        yield size, layout, delta
 
 
 def staged_versions(start: dict) -> int:

@@ -70,6 +70,7 @@ class RolloutRanks(RemotePartialRollouts):
             logger.warning("vllm_enable_sleep_mode=True has no use with rollout_ranks=%d: the engines' devices hold "
                            "nothing else, so they stay awake (and keep their KV cache) between jobs.",
                            args.rollout_ranks)
+        settings["weight_sync_delta"] = args.weight_sync_delta  # what the sender does; the receivers read frames
         engines = RemoteEngines(bridge, settings, max_model_len=max_len, bucket_bytes=args.weight_sync_bucket_mb << 20)
         self._push_weights(engines, version=0)  # the base once, then the adapter, with rollout_lora_sync="adapter"
         atexit.register(engines.close)  # the rollout ranks close their engines; trainer rank 0 waits for them
@@ -319,6 +320,8 @@ class RolloutRanks(RemotePartialRollouts):
         if transfer.get("seconds") is not None:
             self._metric(mode, "weight_sync/transfer_s", transfer["seconds"])
             self._metric(mode, "weight_sync/transfer_mb", transfer["bytes"] / 2**20)
+            if transfer.get("delta"):  # weight_sync_delta: the bytes that crossed, against the whole version's
+                self._metric(mode, "weight_sync/transfer_sent_mb", transfer["wire_bytes"] / 2**20)
 
     # ------------------------------------------------------------------ the end of train() / evaluate()
     def train(self, *args, **kwargs):
