@@ -23,7 +23,7 @@ hands each other trainer its own samples through the store (``home/<call>/<rank>
 checking trainer rank 0's heartbeat, never inside a collective while the engines work (a job may outlast a timeout).
 
 Jobs run in the order they were written, each with the last weights written before it, so a job written ``s``
-steps ahead of the step that trains on it (``max_staleness=s``) is sampled by a policy ``s`` versions older.
+steps ahead of the step that trains on it (``rollout_lookahead=s``) is sampled by a policy ``s`` versions older.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class RemoteEngines:
     trainers. Trainer rank 0 talks to the rollout ranks and hands the other trainers their part through the
     store; they wait on a key (checking its heartbeat), never inside a collective while the engines work.
 
-    ``lookahead`` jobs may be written before the step that trains on them (``max_staleness``)."""
+    ``lookahead`` jobs may be written before the step that trains on them (``rollout_lookahead``)."""
 
     #: Buckets packed and not yet sent, at most (trainer rank 0's host memory: this many buckets, not the model).
     SEND_QUEUE = 2
@@ -278,7 +278,7 @@ class RemoteEngines:
                           sample_offset: int | None = None, ahead: list[tuple] = (), step_job: bool = False,
                           images: list[list] | None = None) -> RolloutBatch:
         """This trainer's samples of ``sample_prompts`` (each prompt repeated ``n`` times), generated on the rollout
-        ranks; ``ahead``: this trainer's prompts and sampling of the next steps, written now (``max_staleness``
+        ranks; ``ahead``: this trainer's prompts and sampling of the next steps, written now (``rollout_lookahead``
         jobs at most) so that the engines sample them while the trainers train. ``step_job``: this is a training
         step's own job, which an earlier step may have written ahead (else: an evaluation, DAPO's extra round or
         ReMax's greedy pass, generated now, after the jobs already written). Seeds follow the job order (every

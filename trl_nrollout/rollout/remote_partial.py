@@ -2,7 +2,7 @@
 groups in flight from job to job.
 
 A colocated partial rollout keeps each engine's pool on its trainer (:mod:`trl_nrollout.trainer.partial`). With
-rollout ranks the trainers write a step's job ``max_staleness`` steps ahead, before the job that precedes it has
+rollout ranks the trainers write a step's job ``rollout_lookahead`` steps ahead, before the job that precedes it has
 answered, so the pool lives where the engines do: each rollout rank keeps its engine's pool (fixed shares) or the
 job's pool (``rollout_dispatch="balanced"``, the same on every rollout rank) in its state between jobs. A job's
 ``agent`` entry (the job's episode entry, a :class:`PartialEntry`) carries what a group needs to train
@@ -15,8 +15,8 @@ One job on a rollout rank (:func:`run_partial_job`):
    holds fewer than ``ceil(target * (1 + rollout_partial_oversample))`` groups;
 2. samples whose oldest token is more than ``max_staleness`` versions older than the weights the engine holds start
    again (:func:`~trl_nrollout.rollout.partial.drop_stale`): on rollout ranks the weights are already up to
-   ``max_staleness`` steps behind the step a job trains, so a trained token is at most ``2 * max_staleness``
-   versions old;
+   ``rollout_lookahead`` steps behind the step a job trains, so a trained token is at most
+   ``rollout_lookahead + max_staleness`` versions old;
 3. the engine runs the pool until as many groups have finished as the job placed on it, the rest stop with their
    tokens kept (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_partial`, or
    ``run_partial_balanced``; tool episodes, ``rollout_multi_turn="requests"``: ``run_partial_agents`` /
