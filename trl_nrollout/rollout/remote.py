@@ -301,14 +301,10 @@ class RemoteEngines:
         with its group's fields; the batch's prompt ids are the groups' own. A collective of the trainers."""
         return self._job_samples(sample_prompts, n, sampling, ahead, step_job, agent, images)
 
-    #: the former name, kept for trainer/agents.py and trainer/remote_partial.py until they call
-    #: :meth:`run_job_episodes` (the protocol's ``run_agents`` is the request-level episodes of an engine in process)
-    run_agents = run_job_episodes
-
     def _job_samples(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, ahead: list[tuple],
                      step_job: bool, agent: dict | None, images: list[list] | None = None
                      ) -> tuple[RolloutBatch, list]:
-        """:meth:`generate_expanded` and :meth:`run_agents`: this trainer's batch and each sample's extras
+        """:meth:`generate_expanded` and :meth:`run_job_episodes`: this trainer's batch and each sample's extras
         (None for a single-turn job). ``ahead``: ``(prompts, sampling[, agent[, images per sample]])``. Images
         reach trainer rank 0 only, each group's once (a gather to it, only when a trainer has images)."""
         mine = _groups_of(sample_prompts, n)
