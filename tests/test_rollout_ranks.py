@@ -180,8 +180,8 @@ def test_tool_episodes_from_a_rollout_rank_keep_each_samples_mask_and_messages(r
     sample. Mutation: pack_extras slicing each mask one token late -> a sample gets its neighbour's mask."""
     import pickle
 
-    from trl_nrollout.rollout.agent_loop import AgentSample
-    from trl_nrollout.rollout.remote_agents import episode_extras, sum_stats
+    from trl_nrollout.rollout.remote_tool_episodes import episode_extras, sum_stats
+    from trl_nrollout.rollout.tool_episodes import AgentSample
 
     masks = [[(t + k) % 2 for k, t in enumerate(r)] for r in rows]
     samples = [AgentSample([1, 2], r, m, [-0.5] * len(r), "stop", [{"role": "assistant", "content": f"s{i}"}],

@@ -17,10 +17,10 @@ from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.roles import lookahead_spelling_refusal
-from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES
 from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES
 from trl_nrollout.rollout.seeds import SEED_MODES
+from trl_nrollout.rollout.tool_episodes import MULTI_TURN_MODES
 from trl_nrollout.rollout.weight_sync import LORA_SYNC_MODES
 
 logger = logging.getLogger(__name__)

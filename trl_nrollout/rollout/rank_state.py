@@ -48,7 +48,7 @@ class RankState:
     agent_callbacks: tuple | None = None
     #: the trainers' tokenizer, unpickled once (environments' tool-call parsing)
     agent_tokenizer: Any = None
-    #: the trainer view a ``rollout_func`` sees here (:class:`~trl_nrollout.rollout.remote_agents.RankTrainer`)
+    #: the trainer view a ``rollout_func`` sees here (:class:`~trl_nrollout.rollout.remote_tool_episodes.RankTrainer`)
     func_trainer: Any = None
     #: per trainer host: the sender of environments' tool calls to the trainer that owns the environment
     env_senders: dict = field(default_factory=dict)

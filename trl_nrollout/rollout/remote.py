@@ -14,7 +14,7 @@ Trainer rank 0 writes messages ``msg/0, msg/1, ...`` that every rollout rank rea
               log-probs as flat arrays). With ``images``: each group's images (once a group), the prompts' image
               placeholders not expanded; the answer adds each group's prompt as the engine expanded it. With
               ``agent``: whole tool episodes on the rollout ranks, with their tools
-              (:mod:`~trl_nrollout.rollout.remote_agents`), answered with their tool masks and messages
+              (:mod:`~trl_nrollout.rollout.remote_tool_episodes`), answered with their tool masks and messages
     end       the trainers' ``train()`` (or ``evaluate()``) returned: the rollout ranks' returns too
     stop      the trainers are done: the rollout ranks close their engines
 
@@ -38,7 +38,6 @@ from torch import nn
 
 from trl_nrollout.rollout.engine_protocol import ADAPTERS, JOBS
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
-from trl_nrollout.rollout.remote_agents import sum_stats
 from trl_nrollout.rollout.remote_buckets import (
     dtype_of,
     frame_bucket,
@@ -47,6 +46,7 @@ from trl_nrollout.rollout.remote_buckets import (
 )
 from trl_nrollout.rollout.remote_partial import JOINED, PartialEntry, group_fields
 from trl_nrollout.rollout.remote_reader import broadcast
+from trl_nrollout.rollout.remote_tool_episodes import sum_stats
 from trl_nrollout.rollout.types import JobResult, RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_settings import check_prompt_length
 from trl_nrollout.rollout.weight_sync import adapter_tensors, engine_has, iter_weight_buckets
@@ -292,7 +292,7 @@ class RemoteEngines:
                          ahead: list[tuple] = (), step_job: bool = False, images: list[list] | None = None
                          ) -> tuple[RolloutBatch, list[dict]]:
         """This trainer's request-level tool episodes (``sample_prompts``: each prompt ``n`` times), each a whole
-        episode generated on the rollout ranks with their tools (:func:`~trl_nrollout.rollout.remote_agents.
+        episode generated on the rollout ranks with their tools (:func:`~trl_nrollout.rollout.remote_tool_episodes.
         run_agent_job`); ``agent``: the job's ``{"step", "mode"}`` (the turns' seeds); ``ahead`` and ``step_job``
         as in :meth:`generate_expanded` (later steps' episodes run while the trainers train). Returns the batch and
         each sample's tool mask (``[L]``, 0 on tool-result tokens) and episode fields. A partial job's ``agent``

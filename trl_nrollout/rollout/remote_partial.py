@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
-from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
 from trl_nrollout.rollout.pool import (
     EngineGroups,
     LiveGroups,
@@ -57,7 +57,7 @@ from trl_nrollout.rollout.pool import (
     sampled_groups,
     tool_groups,
 )
-from trl_nrollout.rollout.remote_agents import (
+from trl_nrollout.rollout.remote_tool_episodes import (
     episode_extras,
     home_call,
     partial_env_agent,

@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.rollout.agent_loop import AgentStats, split_tools
 from trl_nrollout.rollout.partial import InFlightGroup
 from trl_nrollout.rollout.pool import top_up_candidates
 from trl_nrollout.rollout.remote_partial import PartialEntry, TopUp, partial_entry
+from trl_nrollout.rollout.tool_episodes import AgentStats, split_tools
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.stages import Round, StepContext

@@ -23,9 +23,9 @@ from trl_nrollout.rollout.engine_protocol import JOBS, has
 from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines
-from trl_nrollout.rollout.remote_agents import agent_settings, env_tool_schemas
 from trl_nrollout.rollout.remote_partial import RESET_ENV
 from trl_nrollout.rollout.remote_serve import serve
+from trl_nrollout.rollout.remote_tool_episodes import agent_settings, env_tool_schemas
 from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class RolloutRanks(RemotePartialRollouts):
     @property
     def _grouped_func(self) -> bool:
         """A ``rollout_func`` runs group by group (``rollout_partial``, or ``rollout_multi_turn="requests"``): on the
-        rollout ranks, as ``agent=`` episodes run there (:func:`~trl_nrollout.rollout.remote_agents.rank_runner`)."""
+        rollout ranks, as ``agent=`` episodes run there (:func:`~trl_nrollout.rollout.remote_tool_episodes.rank_runner`)."""
         return self.rollout_func is not None and bool(self.args.rollout_partial
                                                       or self.args.rollout_multi_turn == "requests")
 
@@ -120,8 +120,8 @@ class RolloutRanks(RemotePartialRollouts):
         (:class:`~trl_nrollout.rollout.home_tools.HomeTools`), served from a thread for the trainer's life; call
         ``(this rank, key, k)`` runs on the ``k``-th sample's tools of the episodes registered under ``key``
         (:meth:`_episodes_ahead`, :meth:`_start_step_episodes`)."""
-        from trl_nrollout.rollout.agent_loop import call_tools
         from trl_nrollout.rollout.home_tools import HomeTools
+        from trl_nrollout.rollout.tool_episodes import call_tools
 
         loop = getattr(self, "async_loop", None)
         self._env_registry: dict = {}
@@ -161,7 +161,7 @@ class RolloutRanks(RemotePartialRollouts):
         runs on a rollout rank as part of a job, the next ``rollout_lookahead`` steps' jobs written ahead as for
         single-turn samples. Returns the batch and its :class:`~trl_nrollout.trainer.multiturn.Episode` (tool
         masks, messages, counts) as the colocated loop gives them."""
-        from trl_nrollout.rollout.agent_loop import AgentStats
+        from trl_nrollout.rollout.tool_episodes import AgentStats
         from trl_nrollout.trainer.multiturn import Episode
 
         batch, extras = self.rollout_engine.run_job_episodes(
