@@ -101,7 +101,7 @@ def _turn_seed(round_: int) -> int:
 
 def rollout(engine, tokenizer, prompts, stops, variant: str, tool_s: float, scenario: str = "fixed") -> dict:
     """One rollout of ``prompts`` (repeated N times) in ``variant``; its wall time and episode statistics."""
-    from trl_nrollout.rollout.agent_loop import AgentCallbacks, collect_turns, run_tool_turns
+    from trl_nrollout.rollout.tool_episodes import AgentCallbacks, collect_turns, run_tool_turns
     from trl_nrollout.rollout.types import SamplingOptions
 
     opts = SamplingOptions(max_tokens=BUDGET, temperature=1.0, seed=_turn_seed(0), stop_token_ids=stops)

@@ -68,7 +68,7 @@ class ScriptedAgent:
         return list(self.suffix)
 
     def callbacks(self, max_completion_length: int, max_iterations: int | None = 3):
-        from trl_nrollout.rollout.agent_loop import AgentCallbacks
+        from trl_nrollout.rollout.tool_episodes import AgentCallbacks
 
         return AgentCallbacks(parse=self.parse, run_tools=self.run_tools, suffix_ids=self.suffix_ids,
                               max_iterations=max_iterations, max_completion_length=max_completion_length,
@@ -93,7 +93,7 @@ def test_request_level_episodes_equal_turn_by_turn_episodes(tools_engine):
     tool mask, its log-probs, its number of turns and tool calls are the same in both modes, although the tools
     finish in another order than the turns started (sample-dependent delays) and so samples re-enter the engine at
     different steps than a turn barrier would let them."""
-    from trl_nrollout.rollout.agent_loop import run_tool_turns
+    from trl_nrollout.rollout.tool_episodes import run_tool_turns
     from trl_nrollout.rollout.types import SamplingOptions
 
     engine, tokenizer, stops = tools_engine
@@ -166,7 +166,7 @@ def test_a_slow_tool_does_not_hold_back_the_other_samples(tools_engine):
 
 @pytest.mark.vllm
 def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(tools_engine):
-    """Tool-calling episodes in a partial rollout (rollout/partial_agents.py): each call trains the first group to
+    """Tool-calling episodes in a partial rollout (rollout/partial_tool_episodes.py): each call trains the first group to
     finish, aborts the running turns (tokens kept) and waits for the running tools; the others continue at the next
     version. Checked over calls until the pool is empty: every trained group is whole; each sample's tokens, mask,
     log-probs and versions align; its tool-result tokens (mask 0) are exactly the rendered results; a turn stopped by
@@ -176,7 +176,7 @@ def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(t
     from dataclasses import asdict
 
     from trl_nrollout.rollout.partial import InFlightGroup, split_finished
-    from trl_nrollout.rollout.partial_agents import AgentPartialSample
+    from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
     from trl_nrollout.rollout.types import SamplingOptions
     from trl_nrollout.trainer.partial import _group
 

@@ -353,7 +353,7 @@ def test_partial_rollouts_train_a_vlm_and_keep_its_images_in_flight(vlm_path, tm
 @pytest.mark.multiprocess
 @pytest.mark.vllm
 def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
-    """Two DDP trainers and one rollout rank (``rollout_ranks=1``, ``max_staleness=1``), two steps of image prompts:
+    """Two DDP trainers and one rollout rank (``rollout_ranks=1``, ``rollout_lookahead=1``), two steps of image prompts:
     each job carries the engine's ids (placeholders not expanded) and each group's images (gathered to trainer rank
     0), the second written one step ahead. The samples' prompt ids are the rollout rank's engine's expansion, equal
     to the processor's (longer than the ids sent; each trainer checks its own); the first step's engine log-probs

@@ -17,7 +17,7 @@ import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.rollout.partial import InFlightGroup, split_finished
-from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
 from trl_nrollout.rollout.types import SamplingOptions
 
 N = 3
@@ -34,7 +34,7 @@ def prompts_of(rank: int) -> list[list[int]]:
 def agent_callbacks():
     """A scripted agent: a turn calls the tool when it has an odd number of tokens; the tool's result renders as
     three fixed tokens; at most two tool rounds."""
-    from trl_nrollout.rollout.agent_loop import AgentCallbacks
+    from trl_nrollout.rollout.tool_episodes import AgentCallbacks
 
     def parse(i, ids, prefix):
         call = {"type": "function", "function": {"name": "t", "arguments": {}}}

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_nrollout.plan.layout import RolloutLayout  # noqa: E402
-from trl_nrollout.rollout.agent_loop import AgentCallbacks  # noqa: E402
+from trl_nrollout.rollout.tool_episodes import AgentCallbacks  # noqa: E402
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, split_finished  # noqa: E402
 from trl_nrollout.rollout.types import SamplingOptions  # noqa: E402
 

@@ -43,10 +43,10 @@ from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
 if TYPE_CHECKING:  # (annotations only: these modules import the engines' helpers)
     from trl_nrollout.plan.layout import RolloutLayout
-    from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats
     from trl_nrollout.rollout.dispatch import GroupQueue, PullStats
     from trl_nrollout.rollout.partial import InFlightGroup, PartialRun
     from trl_nrollout.rollout.requests import EngineLoop
+    from trl_nrollout.rollout.tool_episodes import AgentCallbacks, AgentSample, AgentStats
 
 ADAPTERS = "adapters"
 REQUESTS = "requests"

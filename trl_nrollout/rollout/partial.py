@@ -64,7 +64,7 @@ class InFlightGroup:
     def fresh(cls, key: int, prompt_ids: list[int], n: int, payload: Any = None,
               sample: Callable[[], Any] = PartialSample, images: list | None = None) -> InFlightGroup:
         """A group not started yet; ``sample()`` makes each of its ``n`` samples (a
-        :class:`~trl_nrollout.rollout.partial_agents.AgentPartialSample` for tool-calling episodes)."""
+        :class:`~trl_nrollout.rollout.partial_tool_episodes.AgentPartialSample` for tool-calling episodes)."""
         return cls(key, list(prompt_ids), [sample() for _ in range(n)], payload,
                    images=list(images) if images else None)
 

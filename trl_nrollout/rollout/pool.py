@@ -100,7 +100,7 @@ class PoolCounts:
 class PoolRun:
     """What running a pool did: ``chosen`` (the groups that train: the first to finish, home by home where the
     pool has homes), ``aborted``, ``engine_steps``, ``new_tokens``, the episode kind's ``stats`` (an
-    :class:`~trl_nrollout.rollout.agent_loop.AgentStats`, an endpoint's counts, or None), and, for an engine's
+    :class:`~trl_nrollout.rollout.tool_episodes.AgentStats`, an endpoint's counts, or None), and, for an engine's
     pool, ``ran`` (the pool as it ran: carried groups, then the new ones) and ``engine_groups`` (indices into
     ``ran`` this engine ran, with a balanced queue); ``moved``: live agents on a balanced queue, the share of
     groups an engine other than their own ran (None elsewhere)."""
@@ -227,7 +227,7 @@ def tool_groups(engine, sampling: SamplingOptions, version: int,
     """TRL tool episodes (environments' too) on ``engine``, turn after turn as requests: its own pool
     (``run_partial_agents``; a group's tools on the rank ``owns`` names), or with ``home`` the job's pool on a
     balanced queue (``run_partial_agents_balanced``). ``callbacks(groups)``: a context around the run yielding the
-    :class:`~trl_nrollout.rollout.agent_loop.AgentCallbacks` of the pool's samples. With a quota the run stops once
+    :class:`~trl_nrollout.rollout.tool_episodes.AgentCallbacks` of the pool's samples. With a quota the run stops once
     every home has its own groups finished."""
 
     def run(groups: list[InFlightGroup], target: int, quota: dict[int, int] | None):

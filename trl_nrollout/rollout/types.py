@@ -101,7 +101,7 @@ class RolloutBatch:
 
 def pack_extras(tool_mask: np.ndarray | None, fields: list[dict] | None, lengths: np.ndarray) -> list[dict | None]:
     """Per sample of a :class:`JobResult`: its ``tool_mask`` (a list, ``[L]``) and the episode's fields
-    (:data:`~trl_nrollout.rollout.remote_agents.EPISODE_FIELDS`), or None for a single-turn job; a partial job's
+    (:data:`~trl_nrollout.rollout.remote_tool_episodes.EPISODE_FIELDS`), or None for a single-turn job; a partial job's
     fields without a mask (:mod:`~trl_nrollout.rollout.remote_partial`)."""
     if fields is None:
         return [None] * len(lengths)
@@ -128,7 +128,7 @@ class JobResult:
     #: owned under fixed shares (its TP group's first rank reports; None elsewhere and under "shares")
     balanced: tuple[int, int] | None = None
     #: an agent job (tools on the rollout ranks): the tool masks ``int8 [total tokens]``, each sample's other
-    #: fields and the engine's AgentStats as a tuple (:mod:`~trl_nrollout.rollout.remote_agents`); else None
+    #: fields and the engine's AgentStats as a tuple (:mod:`~trl_nrollout.rollout.remote_tool_episodes`); else None
     tool_mask: np.ndarray | None = None
     episodes: list[dict] | None = None
     agent_stats: tuple | None = None

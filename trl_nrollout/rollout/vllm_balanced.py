@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import torch
 
-from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.dispatch import GroupQueue, PullStats, run_pulled
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun
 from trl_nrollout.rollout.partial_queue import (
@@ -25,6 +24,7 @@ from trl_nrollout.rollout.partial_queue import (
 )
 from trl_nrollout.rollout.seeds import SEED_BITS, engine_seed, prompt_seed
 from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
+from trl_nrollout.rollout.tool_episodes import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_process import exchange_objects, vllm_prompts
 
@@ -251,9 +251,9 @@ class BalancedDispatch:
                                     quota: tuple[list[int], dict[int, int]] | None = None
                                     ) -> tuple[PartialRun, AgentStats]:
         """:meth:`run_partial_balanced` for tool-calling episodes: the job's pool (the same on every rank) of
-        :class:`~trl_nrollout.rollout.partial_agents.AgentPartialSample` groups is one queue; each engine pulls
+        :class:`~trl_nrollout.rollout.partial_tool_episodes.AgentPartialSample` groups is one queue; each engine pulls
         groups while it has room and runs their episodes turn after turn as requests
-        (:func:`~trl_nrollout.rollout.partial_agents.run_partial_agents`), their tools on its first rank (``tools=``
+        (:func:`~trl_nrollout.rollout.partial_tool_episodes.run_partial_agents`), their tools on its first rank (``tools=``
         are the same functions on every rank); once ``target`` groups of the job have finished every engine stops,
         aborts its running turns (tokens kept) and waits for its running tools. Every engine's groups then reach
         every rank (one gather over the job), so each rank holds the job's pool updated, episodes, tool masks,
@@ -330,7 +330,7 @@ class BalancedDispatch:
 
         from vllm.inputs import TokensPrompt
 
-        from trl_nrollout.rollout.partial_agents import run_partial_agents
+        from trl_nrollout.rollout.partial_tool_episodes import run_partial_agents
 
         with self._engine_rng(sampling.seed):
             run, stats = run_partial_agents(

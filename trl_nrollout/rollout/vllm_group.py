@@ -22,7 +22,6 @@ import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
-from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.cpu_shm import use_cpu_shm_identity
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES
 from trl_nrollout.rollout.engine_protocol import ABORT, ADAPTERS, BALANCED, BUCKETS, REQUESTS
@@ -37,6 +36,7 @@ from trl_nrollout.rollout.seeds import (
     prompt_seed,
 )
 from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
+from trl_nrollout.rollout.tool_episodes import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_balanced import BalancedDispatch, partial_prompt
 from trl_nrollout.rollout.vllm_process import (
@@ -396,7 +396,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
                    turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int,
                    sample_offset: int | None = None) -> tuple[list[AgentSample], list[int], AgentStats]:
         """Multi-turn episodes of this rank's samples (TRL's form: prompts repeated ``n`` times) without a turn
-        barrier (:func:`~trl_nrollout.rollout.agent_loop.run_agent_requests`): a sample whose turn calls tools
+        barrier (:func:`~trl_nrollout.rollout.tool_episodes.run_agent_requests`): a sample whose turn calls tools
         leaves the engine while they run (``workers`` threads) and re-enters with their results; the others keep
         generating. Collective over the TP group. Returns this rank's samples in order, their groups' indices and
         the engine's :class:`AgentStats`.
@@ -487,7 +487,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
     def run_partial_agents(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int,
                            agent: AgentCallbacks, workers: int, owns: Callable[[InFlightGroup], bool],
                            done: Callable[[list[int]], bool] | None = None) -> tuple[PartialRun, AgentStats]:
-        """:meth:`run_partial` for tool-calling episodes (:mod:`trl_nrollout.rollout.partial_agents`): the pool's
+        """:meth:`run_partial` for tool-calling episodes (:mod:`trl_nrollout.rollout.partial_tool_episodes`): the pool's
         samples run turn after turn as requests, a group's tools on the rank ``owns`` names, until ``target``
         groups have finished (or ``done(finish_order)`` says enough did). Seeds as :meth:`run_partial`'s; at TP > 1 every request gets a seed (from the call's
         seed, or a base the TP group's first rank draws), so a tool drawing from a global generator on one rank
@@ -507,7 +507,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
 
         from vllm.inputs import TokensPrompt
 
-        from trl_nrollout.rollout.partial_agents import run_partial_agents
+        from trl_nrollout.rollout.partial_tool_episodes import run_partial_agents
 
         with self._engine_rng(sampling.seed):
             return run_partial_agents(

@@ -286,7 +286,7 @@ class EngineSetup:
             except LayoutError:
                 engines = None
         price = price_lora_sync(dims, self.layout, work, dev, engines=engines,
-                                staleness=(1 if args.max_staleness is None else args.max_staleness) if engines else 0)
+                                staleness=args.rollout_lookahead if engines else 0)
         logger.info("%s (device profile %s).", price.reason(), dev.name)
         return price.choice
 

@@ -2,7 +2,7 @@
 
 A mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`. TRL's ``__init__`` still sets everything up (tool
 schemas in the chat template, the response parser, the environment pool, the async event loop); generation turn by
-turn is :func:`~trl_nrollout.rollout.agent_loop.run_tool_turns` on our engines, collective over ranks.
+turn is :func:`~trl_nrollout.rollout.tool_episodes.run_tool_turns` on our engines, collective over ranks.
 
 - ``tools``: functions the model may call (TRL's format: the chat template renders their schemas, the tokenizer's
   response parser reads the calls). A sample's turn that calls tools gets their results and goes on.
@@ -27,7 +27,12 @@ from accelerate.utils import gather_object
 from trl.chat_template_utils import parse_response
 
 from trl_nrollout.passes.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
-from trl_nrollout.rollout.agent_loop import (
+from trl_nrollout.rollout.axes import machine_refusal
+from trl_nrollout.rollout.engine_protocol import BALANCED, has
+from trl_nrollout.rollout.func_pool import check_output, samples_batch
+from trl_nrollout.rollout.home_tools import HomeTools
+from trl_nrollout.rollout.seeds import step_seed
+from trl_nrollout.rollout.tool_episodes import (
     AgentCallbacks,
     AgentStats,
     Turns,
@@ -36,11 +41,6 @@ from trl_nrollout.rollout.agent_loop import (
     run_tool_turns,
     split_tools,
 )
-from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.engine_protocol import BALANCED, has
-from trl_nrollout.rollout.func_pool import check_output, samples_batch
-from trl_nrollout.rollout.home_tools import HomeTools
-from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
 

@@ -34,10 +34,9 @@ from dataclasses import asdict, replace
 from accelerate.utils import gather_object
 
 from trl_nrollout.passes.multimodal import encode_prompts
-from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, call_tools, split_tools
 from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
-from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
 from trl_nrollout.rollout.pool import (
     EngineGroups,
     PoolStep,
@@ -46,6 +45,7 @@ from trl_nrollout.rollout.pool import (
     tool_groups,
     top_up_share,
 )
+from trl_nrollout.rollout.tool_episodes import AgentCallbacks, AgentSample, call_tools, split_tools
 from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.partial_envs import PartialEnvironments
 from trl_nrollout.trainer.stages import Round, Sample, StepContext
@@ -172,7 +172,7 @@ class PartialRollouts(PartialEnvironments):
         quota = dict(enumerate(counts)) if job else dict.fromkeys(engine.tp_ranks, counts[0])
         sampling = self._sampling(ctx.mode, round_=round_)
         home = (lambda g: self.layout.engine_of_rank(g.key[2])) if job else None
-        if self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_agents.py)
+        if self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_tool_episodes.py)
 
             @contextlib.contextmanager
             def callbacks(groups: list[InFlightGroup]):

@@ -28,9 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, call_tools, split_tools
 from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.seeds import step_seed
+from trl_nrollout.rollout.tool_episodes import (
+    AgentCallbacks,
+    AgentSample,
+    AgentStats,
+    call_tools,
+    split_tools,
+)
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
 #: The fields of an episode beyond its tokens, log-probs and finish reason (one value per sample).
