@@ -214,7 +214,7 @@ class PolicyUpdate:
 
     def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
                         ) -> tuple[Tensor, Tensor, None] | None:
-        """``shared_prompt_forward`` on a model that takes it (:meth:`_packing_allowed`): log-probs and entropies
+        """``shared_prompt_forward`` on a model that takes it (:meth:`ForwardRules.packing_allowed`): log-probs and entropies
         ``[B, C]`` from the packed layout (:mod:`trl_nrollout.passes.packing`), or None where this micro batch runs the
         plain forward (a mask over its bound is said once)."""
         config = self.accelerator.unwrap_model(model).config
