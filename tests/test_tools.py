@@ -490,8 +490,8 @@ def test_tool_results_get_no_advantage_reward_or_kl(tmp_path, monkeypatch):
     ids = [row[m.bool()].tolist() for row, m in zip(batch["completion_ids"], batch["completion_mask"])]
     prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
     micro = trainer.layout.old_log_prob
-    old = trainer._log_probs(trainer.model, prompts, ids, micro)
-    ref = trainer._log_probs(trainer.ref_model, prompts, ids, micro)
+    old = trainer.logprob_passes.log_probs(trainer.model, prompts, ids, micro)
+    ref = trainer.logprob_passes.log_probs(trainer.ref_model, prompts, ids, micro)
     per_token = kl_penalty(old, ref, args.kl_penalty) * sampled[:, :old.shape[1]]
     expected = float((per_token.sum(-1) / sampled.sum(-1)).mean())
     logged = trainer._metrics["train"]["actor/reward_kl_penalty"][-1]

@@ -444,13 +444,13 @@ def test_engine_sleeps_right_after_generation(tmp_path):
             return _original(*a, **k)
 
         setattr(engine, name, record)
-    ref_pass = trainer._ref_log_probs
+    ref_pass = trainer.logprob_passes.ref_log_probs
 
     def record_ref(*a, **k):
         log.append("ref_log_probs")
         return ref_pass(*a, **k)
 
-    trainer._ref_log_probs = record_ref
+    trainer.logprob_passes.ref_log_probs = record_ref
     trainer.train()
     assert log == ["load_weights", "generate_expanded", "sleep", "reward",  # the sampled completions
                    "ref_log_probs",  # the reference pass runs while the engine sleeps

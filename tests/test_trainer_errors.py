@@ -284,16 +284,16 @@ def test_a_non_finite_loss_stops_training_with_its_step(tmp_path, monkeypatch):
     the step with an error that names it, and no metric of that micro batch is logged."""
     import torch
 
-    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.update import PolicyUpdate
 
     trainer = _trainer(tmp_path, digits_reward)
-    real = NRolloutGRPOTrainer._policy_logps
+    real = PolicyUpdate.policy_logps
 
     def nan_logps(self, *a, **kw):
         logps, entropies, aux = real(self, *a, **kw)
         return logps * torch.tensor(float("nan")), entropies, aux
 
-    monkeypatch.setattr(NRolloutGRPOTrainer, "_policy_logps", nan_logps)
+    monkeypatch.setattr(PolicyUpdate, "policy_logps", nan_logps)
     with pytest.raises(FloatingPointError, match=r"the loss is nan at step 0 \(pg_loss=nan\)"):
         trainer.train()
     assert not trainer._metrics["train"].get("actor/pg_loss")

@@ -172,7 +172,7 @@ def test_loss_and_gradients_equal_trls_and_the_vision_tower_trains(vlm_path, tmp
     common["old_per_token_logps"] = old + 0.3 * torch.randn(old.shape, generator=g)
     common["sampling_per_token_logps"] = old
     theirs_in = {**common, **trl_mm, "num_images": [1] * 6, "num_items_in_batch": completion_mask.sum()}
-    ours_in = ours._add_normalizers([{**common, "mm_inputs": enc.mm}], 1)[0]
+    ours_in = ours.policy_update.add_normalizers([{**common, "mm_inputs": enc.mm}], 1)[0]
     losses, grads = [], []
     for trainer, inputs in ((trl, theirs_in), (ours, ours_in)):
         trainer.model.train()

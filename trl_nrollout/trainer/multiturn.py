@@ -83,9 +83,10 @@ def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, en
             "are). Use trl.GRPOTrainer for this combination, or drop the image columns or the tools.")
 
 
-def check_tool_workers(args, tools=None, environment_factory=None) -> None:
+def check_tool_workers(args, tools=None, environment_factory=None, rollout_func=None) -> None:
     """``tool_workers`` set on a trainer without ``tools=`` or ``environment_factory=`` (a rollout_func's or an
-    agent's calls run no tools of ours) would do nothing: an error naming the option and the fix."""
+    agent's calls run no tools of ours) would do nothing: an error naming the option and the fix. Likewise
+    ``rollout_multi_turn='requests'`` without tools, environments or a ``rollout_func``."""
     from trl_nrollout.errors import InputError
 
     default = next(f.default for f in fields(args) if f.name == "tool_workers")
@@ -93,6 +94,14 @@ def check_tool_workers(args, tools=None, environment_factory=None) -> None:
         raise InputError(f"tool_workers={args.tool_workers} sets how many samples' tool calls run at once, but this "
                          "trainer has no tools= and no environment_factory=: it would do nothing. Pass the tools to "
                          "NRolloutGRPOTrainer, or remove tool_workers.")
+    if args.rollout_multi_turn == "requests" and not tools and environment_factory is None and rollout_func is None:
+        raise InputError(  # no option is silently ignored
+            "rollout_multi_turn='requests' changes how samples with tool calls advance (no turn barrier), but "
+            "this trainer has no tools= and no environment_factory=: every sample is a single turn, so it would "
+            "do nothing. Pass tools= or environment_factory= to NRolloutGRPOTrainer, or remove "
+            "rollout_multi_turn (the recipe, trl-nrollout train / -m trl_nrollout.recipe.run, passes no tools: "
+            "train with tools from your own script, see "
+            "docs/tools.md).")
 
 
 def _blocks(content: str | list) -> list:
