@@ -294,7 +294,7 @@ class AgentRollouts:
         """This rank's episodes run on the rollout ranks: a job whose ``agent`` entry carries the rows
         (:meth:`_agent_job`), read back as the records (the rollout ranks' endpoints recorded every call's tokens
         and log-probs; what trains is assembled here, as colocated)."""
-        batch, extras = self.rollout_engine.run_agents(
+        batch, extras = self.rollout_engine.run_job_episodes(
             [list(p) for p in prompt_ids], n, sampling, self._agent_job(mode, self.state.global_step, inputs),
             ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job)
         if step_job:

@@ -163,7 +163,7 @@ class RemotePartialRollouts:
         entry, ids, images = parts.entry, parts.ids, parts.images
         step_job = round_ == 0
         engine = self.rollout_engine
-        batch, fields = engine.run_agents(
+        batch, fields = engine.run_job_episodes(
             [p for p in ids for _ in range(n)], n, self._sampling(mode, round_=round_), entry,
             ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job,
             images=[im for im in images for _ in range(n)] if any(im is not None for im in images) else None)
