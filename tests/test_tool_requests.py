@@ -16,6 +16,8 @@ from dataclasses import replace
 
 import pytest
 
+from trl_nrollout.rollout.dispatch.shares import run_agents
+
 N = 4
 SUFFIX_TEXT = "<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
@@ -113,7 +115,7 @@ def test_request_level_episodes_equal_turn_by_turn_episodes(tools_engine):
         max_model_len=agent.max_model_len)
 
     free = ScriptedAgent(tokenizer, delays)
-    samples, groups, stats = engine.run_agents(prompts, N, opts, _turn_seed, free.callbacks(budget), workers=8,
+    samples, groups, stats = run_agents(engine, prompts, N, opts, _turn_seed, free.callbacks(budget), workers=8,
                                                sample_offset=0)
 
     assert max(turns.turns) >= 3 and sum(turns.tool_calls) >= len(prompts) // 2, "the script should call tools"
@@ -154,7 +156,7 @@ def test_a_slow_tool_does_not_hold_back_the_other_samples(tools_engine):
         return message
 
     agent.parse = parse
-    samples, _, stats = engine.run_agents(prompts, N, opts, _turn_seed, agent.callbacks(budget), workers=8)
+    samples, _, stats = run_agents(engine, prompts, N, opts, _turn_seed, agent.callbacks(budget), workers=8)
     slow = [(start, end) for i, start, end in agent.tool_runs if i == 0][0]
     later_turns = [(i, t) for i, before, t in agent.parsed if i != 0 and before > len(prompts[i])]
     assert later_turns, "no other sample took a second turn"
@@ -175,6 +177,7 @@ def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(t
     import json
     from dataclasses import asdict
 
+    from trl_nrollout.rollout.dispatch.shares import run_partial_agents
     from trl_nrollout.rollout.partial import InFlightGroup, split_finished
     from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
     from trl_nrollout.rollout.types import SamplingOptions
@@ -199,7 +202,7 @@ def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(t
     continued = set()
     while pool:
         keys[:] = [g.key for g in pool]
-        run, stats = engine.run_partial_agents(pool, 1, opts, version, agent, workers=4, owns=lambda g: True)
+        run, stats = run_partial_agents(engine, pool, 1, opts, version, agent, workers=4, owns=lambda g: True)
         chosen, pool = split_finished(run.groups, run.finish_order, 1)
         trained += [(version, g) for g in chosen]
         aborted += run.aborted

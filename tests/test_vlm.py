@@ -35,6 +35,7 @@ from trl_nrollout.passes.multimodal import (
     prompt_images,
     without_images,
 )
+from trl_nrollout.rollout.dispatch.shares import run_partial
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +281,7 @@ def _partial_images_first(trainer, sampling):
     options = replace(sampling, max_tokens=24, stop_token_ids=PARTIAL_STOPS)
     pool = [InFlightGroup.fresh(g, enc.engine_ids[g], 3, images=enc.images[g]) for g in range(6)]
     assert all(g.images for g in pool)
-    first = trainer.rollout_engine.run_partial(pool, 1, options, version=0)
+    first = run_partial(trainer.rollout_engine, pool, 1, options, version=0)
     _, waiting = split_finished(first.groups, first.finish_order, 1)
     assert first.aborted > 0 and any(s.token_ids and not s.finished for g in waiting for s in g.samples)
     kept = [s.logprobs for g in first.groups for s in g.samples if s.token_ids]
@@ -296,8 +297,8 @@ def _partial_images_continued(trainer, sampling, enc, waiting, options):
     version-1 tokens' log-probs are the new model's with the images (the old model's differ: the tags matter).
     Mutation tried: a continued sample resubmitted without its images -> vLLM refuses the placeholders without
     images (or, were they dropped from the ids too, the log-probs are those of another prompt)."""
-    second = trainer.rollout_engine.run_partial(waiting, len(waiting), replace(options, seed=(options.seed or 0) + 1),
-                                                version=1)
+    second = run_partial(trainer.rollout_engine, waiting, len(waiting),
+                         replace(options, seed=(options.seed or 0) + 1), version=1)
     assert all(g.finished for g in second.groups)
     both = 0
     for before, after in zip(waiting, second.groups):

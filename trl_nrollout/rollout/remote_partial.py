@@ -18,7 +18,7 @@ One job on a rollout rank (:func:`run_partial_job`):
    ``rollout_lookahead`` steps behind the step a job trains, so a trained token is at most
    ``rollout_lookahead + max_staleness`` versions old;
 3. the engine runs the pool until as many groups have finished as the job placed on it, the rest stop with their
-   tokens kept (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_partial`, or
+   tokens kept (:func:`~trl_nrollout.rollout.dispatch.shares.run_partial`, or
    ``run_partial_balanced``; tool episodes, ``rollout_multi_turn="requests"``: ``run_partial_agents`` /
    ``run_partial_agents_balanced`` with the script's ``tools=`` on the rollout rank, an episode's tool mask and
    messages answered with it);

@@ -9,6 +9,7 @@ import contextlib
 import time
 from dataclasses import astuple
 
+from trl_nrollout.rollout.dispatch.balanced import generate_balanced
 from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
 from trl_nrollout.rollout.remote_buckets import job_slice
@@ -108,7 +109,7 @@ def serve(bridge: Bridge, build_engine, state: RankState) -> dict:
                                                   num_samples=0)
                 elif state.dispatch == "balanced":  # the engines pull the job's groups from one queue
                     prompts = [groups[i // n] for i in range(start, stop)]
-                    batch, pulled = engine.generate_balanced(prompts, n, message["sampling"], images=images)
+                    batch, pulled = generate_balanced(engine, prompts, n, message["sampling"], images=images)
                 elif stop > start or engine.layout.rollout_tp_size > 1:
                     prompts = [groups[i // n] for i in range(start, stop)]
                     batch = engine.generate_expanded(prompts, n, message["sampling"], sample_offset=start,

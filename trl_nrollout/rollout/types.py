@@ -161,3 +161,18 @@ class JobResult:
     def extras(self) -> list[dict | None]:
         """Each sample's tool mask and episode fields (an agent job), its group's fields (a partial job), or None."""
         return pack_extras(self.tool_mask, self.episodes, self.lengths)
+
+
+def whole_groups(flat: list[list[int]], n: int, engine_index: int = 0) -> list[list[int]]:
+    """An engine's prompts, one per group, from its samples' prompts ``flat`` (each repeated ``n`` times
+    consecutively); a clear error (naming engine ``engine_index``) where they are not whole groups."""
+    if len(flat) % n:
+        raise ValueError(f"the {len(flat)} samples of engine {engine_index} are not whole groups of n={n}.")
+    unique = flat[::n]
+    for g, p in enumerate(unique):
+        if any(flat[g * n + k] != p for k in range(n)):
+            raise ValueError(
+                f"samples {g * n}..{g * n + n - 1} of engine {engine_index} are not {n} copies of one "
+                f"prompt: prompts must be repeated n={n} times consecutively (TRL's RepeatSampler order)."
+            )
+    return unique

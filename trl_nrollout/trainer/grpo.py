@@ -45,6 +45,7 @@ from trl_nrollout.passes.multimodal import (
     without_images,
 )
 from trl_nrollout.passes.ulysses import shared_shuffle
+from trl_nrollout.rollout.dispatch.balanced import generate_balanced
 from trl_nrollout.rollout.engine_protocol import PREFILL_COUNTS, has
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
@@ -342,7 +343,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         if self._remote:  # engines on rollout ranks: the step's own job was maybe written steps ago (step_job)
             batch = self._remote_generate(prompt_ids, images, n, sampling, offset, mode, step_job)
         elif self.args.rollout_dispatch == "balanced":  # engines pull the job's groups from one queue
-            batch, pulled = self.rollout_engine.generate_balanced(
+            batch, pulled = generate_balanced(self.rollout_engine,
                 images.engine_ids if images is not None else [list(p) for p in prompt_ids], n, sampling,
                 images=images.images if images is not None else None)
             if images is not None:

@@ -28,6 +28,8 @@ from trl.chat_template_utils import parse_response
 
 from trl_nrollout.passes.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
 from trl_nrollout.rollout.axes import machine_refusal
+from trl_nrollout.rollout.dispatch.balanced import balanced_calls, run_agents_balanced
+from trl_nrollout.rollout.dispatch.shares import run_agents
 from trl_nrollout.rollout.engine_protocol import BALANCED, has
 from trl_nrollout.rollout.func_pool import check_output, samples_batch
 from trl_nrollout.rollout.home_tools import HomeTools
@@ -200,7 +202,7 @@ class MultiTurnRollout:
     def _request_turns(self, prompt_ids: list[list[int]], n: int, sampling: SamplingOptions, mode: str, tools: list,
                        offset: int, step_job: bool = False) -> tuple[RolloutBatch, Episode]:
         """This rank's samples (prompts repeated n times) from their first turn to their end without a turn barrier
-        (:meth:`VLLMEngineGroup.run_agents`): a sample's tools run while the others generate. With rollout ranks
+        (``rollout/dispatch/shares.py``'s ``run_agents``): a sample's tools run while the others generate. With rollout ranks
         the episodes run there, tools included (:meth:`RolloutRanks._remote_request_turns`; ``step_job``: this is
         a training step's own job, maybe written steps ahead)."""
         if self._remote:
@@ -236,11 +238,11 @@ class MultiTurnRollout:
                 agent = replace(agent, run_tools=lambda i, calls: call_tools(calls, *shared, loop=loop))
                 home = None
             with self._home_tools(envs, home, agent.run_tools) as run_tools:
-                samples, groups, stats, pulled = self.rollout_engine.run_agents_balanced(
+                samples, groups, stats, pulled = run_agents_balanced(self.rollout_engine,
                     prompts, n, sampling, turn_seed, replace(agent, run_tools=run_tools), self.args.tool_workers)
             self._log_dispatch(mode, pulled, len(prompts), n)
         else:
-            samples, groups, stats = self.rollout_engine.run_agents(
+            samples, groups, stats = run_agents(self.rollout_engine,
                 prompts, n, sampling, turn_seed, agent, self.args.tool_workers, sample_offset=offset)
         turns = collect_turns(samples)
         self._log_agent_stats(mode, stats)
@@ -284,7 +286,7 @@ class MultiTurnRollout:
         makes the same calls), logged as the trainer's own. (With ``rollout_multi_turn='requests'`` the function runs
         group by group: :meth:`AgentRollouts._agent_rollout`.)"""
         if self.args.rollout_dispatch == "balanced" and has(self.rollout_engine, BALANCED):
-            with self.rollout_engine.balanced_calls() as calls:
+            with balanced_calls(self.rollout_engine) as calls:
                 output = self.rollout_func(prompts, self)
             mode = "train" if self.model.training else "eval"
             for pulled, samples, call_n in calls:

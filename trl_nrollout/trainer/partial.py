@@ -2,15 +2,15 @@
 
 Each step this rank's new prompts join its engine's pool (gathered over the TP group, so every rank of an engine
 holds the same pool), samples staler than ``max_staleness`` start again, the engine runs the pool until the step's
-groups have finished (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_partial`), and the first groups
+groups have finished (:func:`~trl_nrollout.rollout.dispatch.shares.run_partial`), and the first groups
 to finish train, this rank taking its share. The rest stays in the pool, saved in every checkpoint (one file per
 rank), so a resumed run continues the samples that were in flight.
 
 With ``rollout_dispatch="balanced"`` and several engines the pool is the job's (every rank's new prompts gathered
 over every rank, so every rank holds the same pool): its unfinished groups form one queue the engines pull from
-(:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.run_partial_balanced`), the job's first groups to
+(:func:`~trl_nrollout.rollout.dispatch.balanced.run_partial_balanced`), the job's first groups to
 finish train, rank ``r`` taking the ``r``-th share of them. Tool-calling episodes too
-(:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.run_partial_agents_balanced`): a group's turns and
+(:func:`~trl_nrollout.rollout.dispatch.balanced.run_partial_agents_balanced`): a group's turns and
 tools run on the engine that pulled it (its first rank's tools: ``tools=`` are the same on every rank), and every
 engine's groups, episodes and masks included, reach every rank afterwards.
 
