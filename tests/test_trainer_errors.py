@@ -204,9 +204,10 @@ def test_a_prompt_too_long_for_the_engine_is_a_clear_error(tmp_path, monkeypatch
     from trl_nrollout import NRolloutGRPOTrainer
     from trl_nrollout.errors import DatasetError
     from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.trainer.engines import EngineSetup
 
     started = []
-    monkeypatch.setattr(NRolloutGRPOTrainer, "_start_engine", lambda self, choice: started.append(choice))
+    monkeypatch.setattr(EngineSetup, "start", lambda self, choice: started.append(choice))
     args = cfg(tmp_path, rollout_backend="vllm", rollout_max_model_len=128, per_device_train_batch_size=4,
                num_generations=4)
     prompts = ["write a number"] * 3 + ["write a number " * 60] * 8 + ["write a number"]

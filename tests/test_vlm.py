@@ -146,7 +146,7 @@ def test_loss_and_gradients_equal_trls_and_the_vision_tower_trains(vlm_path, tmp
     per-sample image tensors give the same loss and the same gradient on every parameter, vision tower included."""
     trl = _hf(tmp_path, monkeypatch, vlm_path, cls=GRPOTrainer)
     ours = _hf(tmp_path, monkeypatch, vlm_path)
-    assert ours._is_vlm and ours._image_token_ids() == (ours.model.config.image_token_id,)
+    assert ours._is_vlm and ours.engine_setup.image_token_ids() == (ours.model.config.image_token_id,)
     rows = list(image_dataset(6, seed=2))
     prompts = attach_images([r["prompt"] for r in rows], dataset_images(rows))
     enc = encode_prompts(ours.processing_class, prompts)

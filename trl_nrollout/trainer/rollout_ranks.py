@@ -37,20 +37,21 @@ class RolloutRanks(RemotePartialRollouts):
 
     def _start_remote_engines(self) -> RemoteEngines:
         """Start the rollout ranks' engines (the start message), then send them the initial weights."""
-        if (refusal := self._vllm_refusal()) is not None:
+        setup = self.engine_setup  # the part: its refusals, lengths and weight push
+        if (refusal := setup.vllm_refusal()) is not None:
             raise UnsupportedTRLOption(f"rollout_ranks={self.args.rollout_ranks} generates with vLLM, which cannot "
                                        f"serve this run: {refusal}.")
         args = self.args
-        max_len, expected = self._vllm_lengths()
+        max_len, expected = setup.vllm_lengths()
         bridge = current_bridge()
         settings = dict(
-            model=self._model_path(), dtype=args.rollout_dtype, max_model_len=max_len, expected_len=expected,
+            model=setup.model_path(), dtype=args.rollout_dtype, max_model_len=max_len, expected_len=expected,
             max_num_seqs=args.rollout_max_num_seqs, kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=False,
             seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
-            trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples,
-            lookahead=args.rollout_lookahead, lora_rank=self._engine_lora_rank(), dispatch=args.rollout_dispatch)
+            trust_remote_code=setup.trusts_remote_code(), job_samples=self.layout.total_samples,
+            lookahead=args.rollout_lookahead, lora_rank=setup.engine_lora_rank(), dispatch=args.rollout_dispatch)
         if self._remote_agents or self.agent is not None or self._grouped_func:  # episodes run there: what they need
             settings["agent"] = agent_settings(
                 self.processing_class, self.chat_template, self.chat_template_kwargs, seed=args.seed,
@@ -71,7 +72,7 @@ class RolloutRanks(RemotePartialRollouts):
                            "nothing else, so they stay awake (and keep their KV cache) between jobs.",
                            args.rollout_ranks)
         engines = RemoteEngines(bridge, settings, max_model_len=max_len, bucket_bytes=args.weight_sync_bucket_mb << 20)
-        self._push_weights(engines, version=0)  # the base once, then the adapter, with rollout_lora_sync="adapter"
+        setup.push_weights(engines, self.model, version=0)  # the base once, then the adapter ("adapter" sync)
         atexit.register(engines.close)  # the rollout ranks close their engines; trainer rank 0 waits for them
         self._ahead: deque = deque()  # TRL's batches read ahead of the training loop
         self._env_ahead: dict = {}  # step -> its episodes started ahead (environments reset), see _episodes_ahead
