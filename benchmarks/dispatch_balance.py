@@ -39,6 +39,7 @@ def worker(args) -> None:
 
     from trl_nrollout.builtin import resolve_model
     from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.rollout.dispatch.balanced import generate_balanced
     from trl_nrollout.rollout.types import SamplingOptions
     from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
@@ -75,7 +76,7 @@ def worker(args) -> None:
                     batch = group.generate_expanded(mine, args.n, options, sample_offset=rank * len(mine))
                     busy, moved = time.perf_counter() - start, 0
                 else:
-                    batch, stats = group.generate_balanced(mine, args.n, options)
+                    batch, stats = generate_balanced(group, mine, args.n, options)
                     busy = stats.busy_s
                     per_engine = args.prompts  # groups per engine's ranks (TP=1)
                     moved = sum(1 for g in stats.groups if g // per_engine != group.engine_index)

@@ -1,7 +1,7 @@
 """LoRA weight sync to a rollout rank: ``rollout_lora_sync="adapter"`` vs ``"merged"`` on ``builtin:medium-qwen2``.
 
 Each mode is one real launch (``accelerate launch --multi_gpu --num_processes 2``: one trainer, one rollout rank,
-synchronous ``max_staleness=0``) of ``tests/assets/lora_sync_train.py`` with a rank-``--rank`` LoRA adapter on every
+synchronous ``rollout_lookahead=0``) of ``tests/assets/lora_sync_train.py`` with a rank-``--rank`` LoRA adapter on every
 linear layer (alpha 2r), ``--steps`` GRPO steps of 8 prompts x 4 samples. Per step the trainer logs what crossed to
 the rollout rank (``weight_sync/transfer_mb``) and how long the transfer took (``weight_sync/transfer_s``: trainer
 rank 0's device -> host -> gloo -> the rollout rank's engine). The table gives their medians and the ratio.

@@ -5,11 +5,11 @@ the built-in digits task on ``builtin:tiny-qwen2``, 40 steps), each process pinn
 (2 cores: the two trainers share core 0, the rollout rank has core 1; a colocated run's two ranks one core each):
 
 - ``colocated``: 2 processes, each trains and generates (the reference curve), seeds 0, 1, 2;
-- ``one-step-off``: 3 processes (2 ZeRO-3 trainers + 1 rollout rank, ``max_staleness=1``), seeds 0, 1, 2;
+- ``one-step-off``: 3 processes (2 ZeRO-3 trainers + 1 rollout rank, ``rollout_lookahead=1``), seeds 0, 1, 2;
 - ``one-step-off+is``: the same with the rollout correction ``rollout_is="token"`` (what the trainer now does by
   default with rollout ranks: ``decoupled_loss``; the plain arm turns it off) (each token weighted by the
   trainer's / the engine's probability, truncated at 2), seeds 0, 1, 2;
-- ``synchronous``: the same 3 processes with ``max_staleness=0`` (the trainers wait for each step's samples), seed 0.
+- ``synchronous``: the same 3 processes with ``rollout_lookahead=0`` (the trainers wait for each step's samples), seed 0.
 
 Reported: the mean reward of the last 10 steps of each run and whether the one-step-off runs end within the
 colocated runs' spread (the goal: the same reward in the same number of steps), the steps each run takes to reach
@@ -187,7 +187,7 @@ def main() -> int:
         runs.append(launch("one-step-off+is", 3, "0,0,1", seed, args.steps, out / "rollout_ranks_runs",
                            ["--rollout_ranks", "1", "--rollout_is", "token"]))
     runs.append(launch("synchronous", 3, "0,0,1", args.seeds[0], args.steps, out / "rollout_ranks_runs",
-                       ["--rollout_ranks", "1", "--max_staleness", "0"]))
+                       ["--rollout_ranks", "1", "--rollout_lookahead", "0"]))
     result = {"steps": args.steps, "seeds": args.seeds, "load": load, "busy_at_start": busy, "runs": runs,
               "summary": summarize(runs, tail=min(10, args.steps))}
     (out / "rollout_ranks.json").write_text(json.dumps(result, indent=1))

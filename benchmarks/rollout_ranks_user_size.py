@@ -5,7 +5,7 @@ One rollout rank generates the whole job: 512 samples x 2,100 tokens = 1.08 M to
 connection past it, and the trainers then saw "trainer rank 0 died"). The model is the built-in tiny Qwen2 with a
 4,096-token context (random weights, so completions are forced to their full length with ``min_tokens``).
 
-Runs the recipe with ``accelerate launch`` (3 processes, DDP over gloo, one-step-off: ``max_staleness=1``) for
+Runs the recipe with ``accelerate launch`` (3 processes, DDP over gloo, one-step-off: ``rollout_lookahead=1``) for
 ``--steps`` steps and reports: whether it trained to the end, the step times, the samples' tokens per step and
 what one rollout rank's result weighs. Prints and saves ``rollout_ranks_user_size.json`` / ``.md`` under ``--out``.
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
            "--model_name_or_path", model, "--output_dir", str(work / "run"), "--max_steps", str(args.steps),
            "--train_batch_size", "64", "--rollout_n", "8", "--max_completion_length", str(args.tokens),
            "--generation_kwargs", json.dumps({"min_tokens": args.tokens}), "--rollout_max_model_len", "4096",
-           "--rollout_ranks", "1", "--max_staleness", "1", "--ppo_micro_batch_size_per_device", "16",
+           "--rollout_ranks", "1", "--rollout_lookahead", "1", "--ppo_micro_batch_size_per_device", "16",
            "--log_prob_micro_batch_size_per_device", "16", "--rollout_kv_cache_memory_bytes", str(1536 << 20),
            "--gradient_checkpointing", "true", "--logging_steps", "1", "--save_strategy", "no", "--ddp_backend", "gloo"]
     t0 = time.perf_counter()

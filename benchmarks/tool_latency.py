@@ -101,7 +101,8 @@ def _turn_seed(round_: int) -> int:
 
 def rollout(engine, tokenizer, prompts, stops, variant: str, tool_s: float, scenario: str = "fixed") -> dict:
     """One rollout of ``prompts`` (repeated N times) in ``variant``; its wall time and episode statistics."""
-    from trl_nrollout.rollout.agent_loop import AgentCallbacks, collect_turns, run_tool_turns
+    from trl_nrollout.rollout.dispatch.shares import run_agents
+    from trl_nrollout.rollout.tool_episodes import AgentCallbacks, collect_turns, run_tool_turns
     from trl_nrollout.rollout.types import SamplingOptions
 
     opts = SamplingOptions(max_tokens=BUDGET, temperature=1.0, seed=_turn_seed(0), stop_token_ids=stops)
@@ -124,7 +125,7 @@ def rollout(engine, tokenizer, prompts, stops, variant: str, tool_s: float, scen
         script.drain()
     else:
         workers = int(variant.split("/")[1])
-        samples, _, stats = engine.run_agents(prompts, N, opts, _turn_seed, agent, workers, sample_offset=0)
+        samples, _, stats = run_agents(engine, prompts, N, opts, _turn_seed, agent, workers, sample_offset=0)
         turns = collect_turns(samples)
     wall = time.perf_counter() - start
     if pool is not None:

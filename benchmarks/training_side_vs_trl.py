@@ -158,6 +158,17 @@ def clocked(base):
             self._bench_prev = self._bench_ts_end = time.perf_counter()
             super().__init__(*a, **kw)
             self.add_callback(StepEnd(self))
+            passes = getattr(self, "logprob_passes", None)  # ours: the old-policy and reference passes' part
+            if passes is not None:
+                log_probs = passes.log_probs
+
+                def timed(model, *a, **kw):
+                    t = time.perf_counter()
+                    out = log_probs(model, *a, **kw)
+                    self._bench_add(self._pass_key(model), t)
+                    return out
+
+                passes.log_probs = timed
 
         def _bench_add(self, key: str, start: float) -> None:
             self._bench_cur[key] += time.perf_counter() - start
@@ -193,13 +204,6 @@ def clocked(base):
                 return super()._get_per_token_logps_and_entropies(model, *a, **kw)
             t = time.perf_counter()
             out = super()._get_per_token_logps_and_entropies(model, *a, **kw)
-            self._bench_add(self._pass_key(model), t)
-            return out
-
-        # ours: the old-policy and reference passes (NRolloutGRPOTrainer._log_probs; TRL has no such method)
-        def _log_probs(self, model, *a, **kw):
-            t = time.perf_counter()
-            out = super()._log_probs(model, *a, **kw)
             self._bench_add(self._pass_key(model), t)
             return out
 
@@ -301,7 +305,7 @@ def run_one(arm: str, args) -> dict:
     }
     if arm != "trl":
         micro = [h["update/micro_batches"] for h in trainer.state.log_history if "update/micro_batches" in h]
-        row.update(update_padding_free=bool(getattr(trainer, "_padfree_said", False)),
+        row.update(update_padding_free=trainer.policy_update.padfree_said,
                    budget_tokens=trainer.update_budget.tokens if trainer.update_budget is not None else None,
                    update_micro_batches=micro[-1] if micro else None)
     return row

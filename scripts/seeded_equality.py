@@ -43,7 +43,7 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "tools_requests": (1, []),
     "agent": (1, ["--agent", "seeded_agent:agent", "--max_steps", "2", "--train_batch_size", "4", "--rollout_n", "2",
                   "--max_completion_length", "6"]),
-    "ranks_partial": (3, [*PARTIAL, "--rollout_ranks", "1", "--max_steps", "3"]),
+    "ranks_partial": (3, [*PARTIAL, "--rollout_ranks", "1", "--rollout_lookahead", "1", "--max_steps", "3"]),
 }
 #: logged values that measure time or this machine, not training
 #: (weight_sync/transfer_*: logged once the sender thread has finished, which the step may or may not see yet)

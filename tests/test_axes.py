@@ -120,7 +120,7 @@ at TP=1 and TP=2."""
     # partial rollouts with environments, one engine per rank (tests/test_tool_requests.py) and an engine of two
     # ranks (tests/test_combinations.py::test_partial_environment_episodes_train_on_their_own_ranks_at_tp2)
     # environments on a balanced queue, their tools run at home (tests/test_combinations.py, rollout/home_tools.py)
-    assert EngineSetup._dispatch_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
+    assert EngineSetup.dispatch_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
         rollout_multi_turn="requests"))) is None
     for tp in (1, 2):
         assert PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
@@ -139,7 +139,7 @@ at TP=1 and TP=2."""
 
 @pytest.mark.parametrize("option, off, check", [
     ("rollout_partial=True", "rollout_partial=False", PartialRollouts._partial_refusal),
-    ("rollout_dispatch='balanced'", "rollout_dispatch='shares'", EngineSetup._dispatch_refusal),
+    ("rollout_dispatch='balanced'", "rollout_dispatch='shares'", EngineSetup.dispatch_refusal),
     ("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", MultiTurnRollout._request_turns_refusal)])
 def test_the_hf_engine_chosen_by_auto_is_refused_with_the_tables_reason(tmp_path, option, off, check):
     """rollout_backend='auto' without vLLM gives the HF engine: the trainer's check refuses each machine row with the

@@ -259,7 +259,7 @@ def test_ranks_for_vllm_come_from_accelerate_when_the_launcher_set_none(monkeypa
 
 # ---------------------------------------------------------------------------------------------- engine start
 def test_a_start_memory_check_names_the_setting_and_the_shortfall():
-    """The checks made on each rank before any collective (``_start_engine``): vLLM's start-up memory request on a
+    """The checks made on each rank before any collective (``EngineSetup.start``): vLLM's start-up memory request on a
     GPU (``vllm_gpu_memory_utilization`` of the total must be free), the KV cache against the memory available on
     the CPU."""
     from trl_nrollout.trainer.engines import by_rank, memory_refusal

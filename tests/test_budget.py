@@ -106,9 +106,9 @@ def test_budgeted_micro_batches_give_the_count_based_gradient(options, layout, m
                        shared_prompt_forward=False, ppo_max_token_len_per_device=40, **extra, **options)
     assert trainer.args.use_dynamic_bsz
     batch = _batch(trainer, seed=len(str(options)))
-    chunks = trainer._add_normalizers(split_tensor_dict(batch, 2), 2)
+    chunks = trainer.policy_update.add_normalizers(split_tensor_dict(batch, 2), 2)
     plain_loss, plain = _grads(trainer, chunks)
-    steps = trainer._budgeted_steps(chunks)
+    steps = trainer.budgeted_update.steps(trainer.model, chunks)
     assert len(steps) == 2 and all(isinstance(s, BudgetedStep) for s in steps)
     parts = [p for s in steps for p in s.parts]
     assert len(parts) > 2, "the budget must cut the step finer than TRL's two micro batches"
@@ -182,11 +182,11 @@ def test_the_default_budget_follows_the_model_and_never_refuses_a_sample(model_d
     trainer = _trainer(model_dir, tmp_path, monkeypatch, use_dynamic_bsz=True)
     assert trainer.update_budget.tokens == CPU_DEFAULT_TOKEN_BUDGET and not trainer.update_budget.explicit
     assert trainer.layout.old_log_prob.max_token_len == trainer.layout.ref_log_prob.max_token_len == 16384
-    assert trainer._budget_for([30, 20_000]) == 20_000
+    assert trainer.budgeted_update.budget_for([30, 20_000]) == 20_000
     explicit = _trainer(model_dir, tmp_path / "explicit", monkeypatch, ppo_max_token_len_per_device=12)
-    chunks = explicit._add_normalizers(split_tensor_dict(_batch(explicit, seed=5), 2), 2)
+    chunks = explicit.policy_update.add_normalizers(split_tensor_dict(_batch(explicit, seed=5), 2), 2)
     with pytest.raises(ValueError, match=r"ppo_max_token_len_per_device=12 is below the longest sample"):
-        explicit._budgeted_steps(chunks)
+        explicit.budgeted_update.steps(explicit.model, chunks)
 
 
 @pytest.mark.parametrize("layout", ["padding_free", "varlen"])
@@ -215,10 +215,10 @@ def test_budgeted_gradients_with_lora_and_a_bf16_checkpoint(variant, layout, mod
         options["model_init_kwargs"] = {**options.get("model_init_kwargs", {}), "dtype": "auto"}
         trainer = _trainer(bf16_dir, tmp_path, monkeypatch, ppo_max_token_len_per_device=40, bf16=True, **options)
         assert next(trainer.model.parameters()).dtype == torch.bfloat16
-    assert trainer._rows_varlen(trainer.model) == (layout == "varlen")
-    chunks = trainer._add_normalizers(split_tensor_dict(_batch(trainer, seed=11), 2), 2)
+    assert trainer.forward_rules.rows_varlen(trainer.model) == (layout == "varlen")
+    chunks = trainer.policy_update.add_normalizers(split_tensor_dict(_batch(trainer, seed=11), 2), 2)
     _, plain = _grads(trainer, chunks)
-    steps = trainer._budgeted_steps(chunks)
+    steps = trainer.budgeted_update.steps(trainer.model, chunks)
     assert sum(len(s.parts) for s in steps) > 2
     rows = []
     real = update_module.pack_rows
@@ -244,9 +244,9 @@ def test_a_groups_samples_train_together_with_their_prompt_once(model_dir, tmp_p
     order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(2))  # TRL shuffles before splitting
     for key in ("prompt_ids", "prompt_mask"):  # groups of 3 samples share a prompt (a long one: units pay)
         batch[key] = batch[key][torch.arange(ROWS) // 3 * 3][order]
-    chunks = trainer._add_normalizers(split_tensor_dict(batch, 2), 2)
+    chunks = trainer.policy_update.add_normalizers(split_tensor_dict(batch, 2), 2)
     _, plain = _grads(trainer, chunks)
-    steps = trainer._budgeted_steps(chunks)
+    steps = trainer.budgeted_update.steps(trainer.model, chunks)
     prompt_of = {tuple(r.tolist()) for r in batch["prompt_ids"]}
     for part in (p for s in steps for p in s.parts):
         keys = [tuple(r.tolist()) for r in torch.nn.functional.pad(part["prompt_ids"], (PROMPT - part[
@@ -275,7 +275,7 @@ def test_two_ranks_with_unequal_work_reproduce_one_padded_process(model_dir, tmp
     turns a hang into a failure), and the per-token log-probs, the loss and the gradients (summed over the two
     optimizer steps) equal one process training both ranks' samples count-based in the padded layout (fp32).
     Mutations tried: each rank its own count (``counts = torch.tensor(needs)`` for the busiest rank's in
-    ``_budgeted_steps``) -> the ranks' FSDP2 collectives no longer pair up (gloo: "collective mismatch") and the
+    ``budgeted_update.steps``) -> the ranks' FSDP2 collectives no longer pair up (gloo: "collective mismatch") and the
     launch fails; the weightless forward weighing 1 (``loss_scale`` ignored in ``_part_loss``) -> the loss and the
     gradients differ; varlen attention over the whole row (the boundaries ignored) -> the varlen cases' log-probs
     differ; only the last micro batch of each micro step trained -> fails."""
@@ -315,7 +315,7 @@ def test_two_ranks_with_unequal_work_reproduce_one_padded_process(model_dir, tmp
         ref.current_gradient_accumulation_steps = 2
         assert not ref.args.use_dynamic_bsz
         logps, _ = record_logps(ref)
-        ref_loss, _ = _grads(ref, ref._add_normalizers([dict(c) for c in union], 2))
+        ref_loss, _ = _grads(ref, ref.policy_update.add_normalizers([dict(c) for c in union], 2))
         ref_grads = {n: p.grad for n, p in ref.model.named_parameters() if p.grad is not None}
         got = {**ranks[0]["logps"], **ranks[1]["logps"]}
         assert sorted(got, key=int) == [str(k) for k in sorted(logps)] and len(got) == 24, case

@@ -28,7 +28,11 @@ from trl_nrollout.plan.activations import (
     default_update_token_budget,
 )
 from trl_nrollout.plan.cost import TRAIN_BYTES_PER_PARAM
-from trl_nrollout.trainer.budgeted_update import BudgetedMicroBatches
+from trl_nrollout.trainer.budgeted_update import (
+    BudgetedMicroBatches,
+    fsdp_gradients_each_micro_batch,
+    resolve_update_budget,
+)
 
 GIB = 2**30
 #: Qwen2.5-7B's config.json (the issue's model)
@@ -202,20 +206,26 @@ def test_a_zero3_partitioned_model_counts_its_full_size(world_of_one, monkeypatc
     assert counted[0] == sum(p.numel() for p in full.parameters()) > 0
 
 
-class _Budgeted(BudgetedMicroBatches):
-    """The mixin on what it reads of the trainer (a trainer would build a model and an engine)."""
+class _Rules:
+    """The forward rules the budget reads, without a trainer (a trainer would build a model and an engine):
+    padding-free rows with varlen attention."""
 
-    def __init__(self, model, accelerator, args, fsdp: bool = False):
-        self.model, self.accelerator, self.args, self.is_fsdp_enabled = model, accelerator, args, fsdp
-
-    def _prompt_length_hint(self) -> int:
-        return 1024
-
-    def _padfree_allowed(self, model) -> bool:
+    def padfree_allowed(self, model) -> bool:
         return True
 
-    def _rows_varlen(self, model) -> bool:
+    def rows_varlen(self, model) -> bool:
         return True
+
+
+def _budget(model, accelerator, args):
+    """The trainer's default budget for ``model`` on ``accelerator``, prompts of 1,024 tokens."""
+    return resolve_update_budget(args, accelerator, model, _Rules(), fsdp=False, prompt_length=lambda: 1024)
+
+
+def _budgeted(accelerator, args, fsdp: bool = False) -> BudgetedMicroBatches:
+    """The budgeted update on what it reads of the trainer (no loss runs here)."""
+    return BudgetedMicroBatches(args, accelerator, _Rules(), None, None, None, sp=None, pad_to_multiple_of=None,
+                                fsdp=fsdp)
 
 
 def _args(**kw):
@@ -255,7 +265,7 @@ def test_the_default_budget_under_zero3_is_the_full_models(monkeypatch):
     accelerator = SimpleNamespace(unwrap_model=lambda m: m, num_processes=4, device=_h100(monkeypatch),
                                   is_main_process=True, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
                                       zero_stage=3)), gradient_state=SimpleNamespace(plugin_kwargs={}))
-    budget = _Budgeted(model, accelerator, _args())._resolve_update_budget()
+    budget = _budget(model, accelerator, _args())
     state = total * TRAIN_BYTES_PER_PARAM // 4  # bf16 weights and gradients, fp32 master and Adam moments
     want = default_update_token_budget(QWEN25_7B, device_memory_bytes=80 * GIB, state_bytes_per_device=state,
                                        longest_sample=4096, gradient_checkpointing=True)
@@ -264,7 +274,7 @@ def test_the_default_budget_under_zero3_is_the_full_models(monkeypatch):
     assert budget.tokens == want and not budget.explicit and 50_000 < want < 70_000 and none > 1.5 * want
     assert budget.passes == budget.tokens
     capped, _ = _partitioned_7b(final_logit_softcapping=30.0)
-    lower = _Budgeted(capped, accelerator, _args())._resolve_update_budget()
+    lower = _budget(capped, accelerator, _args())
     assert lower.tokens == want and 4096 <= lower.passes < want
 
 
@@ -288,8 +298,8 @@ def test_fsdp2_micro_batches_reduce_scatter_their_gradients_each(world_of_one, m
     accelerator = Accelerator(cpu=True)
     monkeypatch.setattr(type(accelerator), "is_fsdp2", property(lambda self: True))
     monkeypatch.setitem(accelerator.gradient_state.plugin_kwargs, "sync_each_batch", False)
-    trainer = _Budgeted(model, accelerator, _args(), fsdp=False)  # plain fully_shard: found from the parameters
-    with trainer._gradients_held(model):
+    budgeted = _budgeted(accelerator, _args(), fsdp=False)  # plain fully_shard: found from the parameters
+    with budgeted.gradients_held(model):
         assert not accelerator.sync_gradients
         model(torch.tensor([[5, 6, 7, 8]]), labels=torch.tensor([[5, 6, 7, 8]])).loss.backward()
     assert accelerator.sync_gradients
@@ -297,7 +307,7 @@ def test_fsdp2_micro_batches_reduce_scatter_their_gradients_each(world_of_one, m
     params = [fp for s in states for g in s._fsdp_param_groups for fp in g.fsdp_params]
     assert params and all(fp.unsharded_accumulated_grad is None for fp in params)
     assert all(p.grad is not None for p in model.parameters())
-    _Budgeted(model, accelerator, _args(), fsdp=True)._fsdp_gradients_each_micro_batch()
+    fsdp_gradients_each_micro_batch(accelerator, True)
     assert accelerator.gradient_state.plugin_kwargs["sync_each_batch"] is True
 
 

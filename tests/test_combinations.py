@@ -191,6 +191,7 @@ def check_combination(combo: dict, result: dict, engine: str = "VLLMEngineGroup"
             assert result["held"] is True, name
     logged = {k for h in result["history"] for k in h}
     if "rollout_partial=True" in words:  # max_staleness=1; on rollout ranks a job's weights are up to 1 step behind
+        # (rollout_lookahead=1): 1 + 1
         stale = [h["partial/staleness_max"] for h in result["history"] if "partial/staleness_max" in h]
         assert stale and max(stale) <= (2 if engine == "RemoteEngines" else 1), name
     if "rollout_dispatch='balanced'" in words and "rollout_partial=True" not in words:
@@ -249,7 +250,7 @@ def test_partial_environment_episodes_train_on_their_own_ranks_at_tp2(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.multiprocess
 def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path):
-    """Two trainers and rollout_ranks=1, one step ahead (max_staleness=1): a step's job (both trainers' samples) is
+    """Two trainers and rollout_ranks=1, one step ahead (rollout_lookahead=1): a step's job (both trainers' samples) is
     written while the step before it trains.
     Environments turn by turn: the step's environments are reset then, on instances of their own, and the step's
     tool turns and rewards use those (the environments' methods run on the trainer, each turn a job of the rollout
@@ -279,7 +280,7 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     pool_groups 0 at step 3, the assertion fails; the rollout rank's finished environment groups cut by position,
     not by the trainer that drew them -> a trainer receives another's group and raises."""
     entries = []
-    ranks = {"rollout_ranks": 1, "max_staleness": 1, "max_steps": 3}
+    ranks = {"rollout_ranks": 1, "rollout_lookahead": 1, "max_staleness": 1, "max_steps": 3}
     for name in ("shares-whole-environment_turn_by_turn", "shares-whole-environment_request_by_request",
                  "shares-whole-agent", "shares-partial-images", "shares-partial-tools_turn_by_turn",
                  "shares-partial-environment_request_by_request", "shares-partial-agent", "shares-partial-custom",

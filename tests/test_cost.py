@@ -164,7 +164,7 @@ def test_a_reference_pass_costs_what_the_old_policy_pass_costs(dims, work, dev):
        engines=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2]))
 def test_a_split_launch_overlaps_generation_with_training_and_never_beats_its_longer_half(
         dims, work, dev, trainers, engines, tp):
-    """With rollout ranks, a pipelined step (max_staleness >= 1) is the longer of generation and training plus the
+    """With rollout ranks, a pipelined step (rollout_lookahead >= 1) is the longer of generation and training plus the
     transfer: never longer than the synchronous step (their sum plus the transfer), never shorter than either half;
     twice the engines never predict a longer generation."""
     layout_t = _layout(world=trainers, prompts=8 * trainers, n=4)
@@ -327,7 +327,7 @@ def test_suggest_ranks_what_fits_and_says_why_the_rest_does_not():
 
 def test_suggest_ranks_split_launches_beside_colocated_ones():
     """With rollout ranks in the search: every split the launch allows is priced by :func:`predict_split` (the
-    pipelined step with max_staleness >= 1, the synchronous one with 0), ranked with the colocated layouts by
+    pipelined step with rollout_lookahead >= 1, the synchronous one with 0), ranked with the colocated layouts by
     samples/s; a split the launch refuses says why (a node holding both worlds; one trainer too small for the
     model's states); a rollout rank holds only its engine, a trainer only its states."""
     from trl_nrollout.plan.search import split_candidates
@@ -353,7 +353,7 @@ def test_suggest_ranks_split_launches_beside_colocated_ones():
     # two nodes of 8: only whole nodes generate (the launch's own rule, said with the split it refuses)
     nodes = split_candidates(QWEN7, 16, 64, replace(work, nodes=2), PROFILES["h100"], n_values=[8],
                              max_num_seqs_values=[256], gpu_memory_utilization=0.9, layout_extra=None,
-                             max_staleness=1, local_world=8)
+                             lookahead=1, local_world=8)
     assert {c.options["rollout_ranks"] for c in nodes if c.reason is None} == {8}
     # the 8 trainers share node 0: their collectives run at NVLink speed, not over the nodes' links
     split = next(c for c in nodes if c.reason is None)
@@ -365,13 +365,13 @@ def test_suggest_ranks_split_launches_beside_colocated_ones():
     assert any(c.options == {"rollout_ranks": 4, "rollout_tp_size": 1} and "leave a node with both trainers and "
                "rollout ranks" in c.reason for c in nodes)
     sync = split_candidates(QWEN7, 6, 60, work, PROFILES["h100"], n_values=[12], max_num_seqs_values=[256],
-                            gpu_memory_utilization=0.9, layout_extra=None, max_staleness=0, local_world=6)
+                            gpu_memory_utilization=0.9, layout_extra=None, lookahead=0, local_world=6)
     for c in (c for c in sync if c.prediction is not None):
         assert c.prediction.total_s == pytest.approx(c.prediction.details["sync_s"])
     # the whole device for the engine: a rollout rank is refused only for its engine's memory
     small = replace(PROFILES["l40s"], memory_gib=16)
     tight = split_candidates(QWEN7, 6, 60, work, small, n_values=[12], max_num_seqs_values=[1024],
-                             gpu_memory_utilization=0.9, layout_extra=None, max_staleness=1, local_world=6)
+                             gpu_memory_utilization=0.9, layout_extra=None, lookahead=1, local_world=6)
     assert any(c.reason and "on a rollout rank" in c.reason for c in tight)
 
 

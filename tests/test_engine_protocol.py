@@ -15,7 +15,12 @@ A use is an attribute read or write on such an object, or a ``getattr`` / ``hasa
 literal name. Mutations these tests catch (each tried once): ``self.rollout_engine.llm`` in ``trainer/grpo.py``
 (not a protocol member: (a) fails); ``engine._tp_group`` in ``rollout/remote_reader.py`` (private: (b) fails);
 ``gather_tp`` deleted from ``HFEngine`` or ``ABORT`` added to its capabilities (``run_partial`` missing: (c) fails);
-``isinstance(self.rollout_engine, HFEngine)`` back in ``trainer/grpo.py`` (the last test fails).
+``isinstance(self.rollout_engine, HFEngine)`` back in ``trainer/grpo.py`` (the isinstance test fails).
+
+The drivers live above the engines (``rollout/dispatch/``): an engine class that grows a driver method again
+(``run_partial`` back on ``VLLMEngineGroup``) fails :func:`test_engines_carry_no_drivers`, and a driver that an
+engine without the capability reaches is refused with the capability's name (:func:`test_drivers_refuse_an_engine_
+without_the_capability`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from trl_nrollout.rollout import engine_protocol as ep
 
 PACKAGE = Path(trl_nrollout.__file__).parent
 #: the engines' own modules: they may use anything of their engine
-ENGINE_MODULES = {"rollout/vllm_group.py", "rollout/vllm_balanced.py", "rollout/vllm_settings.py",
+ENGINE_MODULES = {"rollout/vllm_group.py", "rollout/vllm_settings.py",
                   "rollout/vllm_weights.py", "rollout/vllm_process.py", "rollout/hf_engine.py", "rollout/remote.py",
                   "rollout/engine_protocol.py"}
 ENGINE_CLASSES = ("VLLMEngineGroup", "HFEngine", "RemoteEngines")
@@ -227,3 +232,54 @@ def test_callers_check_capabilities_not_classes():
                                                     for n in ast.walk(node.args[1]))):
                 found.append(f"{rel}:{node.lineno}")
     assert not found, f"isinstance checks of engine classes (check engine.capabilities instead): {found}"
+
+
+#: engine members with a driver's name that are not drivers (each says why)
+NOT_DRIVERS: dict[tuple[str, str], str] = {
+    ("RemoteEngines", "run_job_episodes"): "the rollout ranks' proxy writes one job; the drivers run on the ranks",
+}
+
+
+def _driver_name(name: str) -> bool:
+    """A driver's name: an episode runner (``run_*``) or a dispatch twin (``*_balanced``, ``balanced_*``)."""
+    return name.startswith("run_") or name.endswith("_balanced") or name.startswith("balanced_")
+
+
+@pytest.mark.parametrize("cls", _engine_classes(), ids=lambda c: c.__name__)
+def test_engines_carry_no_drivers(cls):
+    """An engine class (and its package bases) defines no driver: what runs episodes, dispatch or a partial pool
+    over an engine lives in ``rollout/dispatch/`` and takes the engine as an argument (issue 61 item 2), so a new
+    engine gets every driver by implementing the protocol. The protocol names no driver either.
+    Mutation tried: ``run_partial`` (or ``generate_balanced``) put back as a method of ``VLLMEngineGroup`` -> fails."""
+    members = {name for base in cls.__mro__ if base.__module__.startswith("trl_nrollout") for name in vars(base)}
+    drivers = sorted(n for n in members if _driver_name(n) and (cls.__name__, n) not in NOT_DRIVERS)
+    assert not drivers, (f"{cls.__name__} carries driver methods {drivers}: move them to rollout/dispatch/ as "
+                         f"functions of the engine over the protocol")
+    named = {n for n in ep.engine_members() if _driver_name(n)}
+    assert named <= {n for _, n in NOT_DRIVERS}, f"the engine protocol names drivers: {sorted(named)}"
+
+
+class _Bare:
+    """An engine with the core only (the HF engine's capabilities but for its prefill counts)."""
+
+    capabilities = frozenset()
+    balances_job = False
+    rank, tp_ranks, engine_index = 0, [0], 0
+
+
+def test_drivers_refuse_an_engine_without_the_capability():
+    """Each driver checks the capabilities it needs before it uses them: an engine without a request loop or an
+    abort (the HF engine) is refused with the missing capability's name, not an AttributeError deep inside.
+    Mutation tried: the ``require`` call removed from ``run_partial`` -> an AttributeError (``ready``), test fails."""
+    from trl_nrollout.rollout.dispatch import balanced, shares
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    opts, engine = SamplingOptions(max_tokens=2), _Bare()
+    calls = [lambda: shares.run_partial(engine, [], 1, opts, 0),
+             lambda: shares.run_partial_agents(engine, [], 1, opts, 0, None, 1, owns=lambda g: True),
+             lambda: shares.run_agents(engine, [[1]], 1, opts, lambda r: None, None, 1),
+             lambda: balanced.run_partial_balanced(engine, [], 1, opts, 0, []),
+             lambda: balanced.balanced_calls(engine).__enter__()]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"needs an engine with \['(requests|abort)"):
+            call()

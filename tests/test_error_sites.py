@@ -370,7 +370,7 @@ def test_a_rollout_rank_whose_engine_fails_to_start_is_reported_to_the_trainers(
     thread = threading.Thread(target=rollout_rank, daemon=True)
     thread.start()
     try:
-        err = _error_within(20, lambda: RemoteEngines(trainer, {"max_staleness": 1, "max_model_len": 64},
+        err = _error_within(20, lambda: RemoteEngines(trainer, {"lookahead": 1, "max_model_len": 64},
                                                       max_model_len=64, bucket_bytes=1 << 20))
         thread.join(timeout=10)
     finally:

@@ -272,7 +272,7 @@ def test_the_trainer_syncs_only_the_adapter_to_its_colocated_engine(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.multiprocess
 def test_only_the_adapter_crosses_to_the_rollout_rank(tmp_path):
-    """Two DDP trainers and a rollout rank, synchronous (max_staleness=0), rollout_lora_sync='adapter' with an rsLoRA
+    """Two DDP trainers and a rollout rank, synchronous (rollout_lookahead=0), rollout_lora_sync='adapter' with an rsLoRA
     adapter: after the base (once, at the start) each transfer to the rollout rank is the adapter's bytes, and the
     engine's log-probs equal the trainer's at every step while the adapter trains."""
     import os

@@ -103,7 +103,7 @@ def _compare(model_dir, tmp_path, monkeypatch, accumulation: int = 1, is_mode: t
         ours.args.rollout_is_threshold, ours.args.rollout_is_threshold_lower = high, low
         for half in halves:
             half["importance_sampling_ratio"] = _trl_is_ratio(half, level, mode, low, high)
-    ours_halves = ours._add_normalizers([{k: v for k, v in h.items() if k not in ("num_items_in_batch",
+    ours_halves = ours.policy_update.add_normalizers([{k: v for k, v in h.items() if k not in ("num_items_in_batch",
                                                                                  "importance_sampling_ratio")}
                                          for h in halves], accumulation)
     total = 0.0

@@ -237,7 +237,7 @@ def test_shared_prompt_forward_gives_the_plain_loss_and_gradients(tmp_path, monk
     trainer, data = _trainer(tmp_path, peft_config=peft, shared_prompt_forward=True,
                              padding_free=False if layout == "segments" else None)
     batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
-    batch = trainer._add_normalizers([batch], 1)[0]
+    batch = trainer.policy_update.add_normalizers([batch], 1)[0]
     calls = []
     if layout == "segments":
         real = update_module.pack_shared_prompts
@@ -266,7 +266,7 @@ def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monke
 
     trainer, data = _trainer(tmp_path, shared_prompt_forward=True, padding_free=False)
     batch = trainer._generate_and_score_completions([dict(data[i]) for i in range(2) for _ in range(4)])
-    batch = trainer._add_normalizers([batch], 1)[0]
+    batch = trainer.policy_update.add_normalizers([batch], 1)[0]
     calls = []
     monkeypatch.setattr(update_module, "pack_shared_prompts", lambda *a, **kw: calls.append(1))
     distinct = {k: (v[::4] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()}
@@ -278,7 +278,7 @@ def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monke
     assert not calls
     assert any("block mask would take" in r.message for r in caplog.records)
     caplog.clear()
-    trainer._packing_notice_shown = False
+    trainer.forward_rules.packing_notice_shown = False
     # what the check reads (the model itself keeps SDPA: flash-attention kernels do not exist on this CPU)
     flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
     monkeypatch.setattr(trainer.accelerator, "unwrap_model", lambda model: flash)
@@ -289,7 +289,7 @@ def test_shared_prompt_forward_steps_aside_where_it_cannot_apply(tmp_path, monke
     notes = [r.message for r in caplog.records if "shared_prompt_forward" in r.message]
     assert len(notes) == 1 and "flash_attention_2" in notes[0]
     caplog.clear()
-    trainer._packing_notice_shown = False
+    trainer.forward_rules.packing_notice_shown = False
     trainer.args.shared_prompt_forward = None  # the default: the same note, at INFO level, not as a warning
     with caplog.at_level(logging.INFO, logger="trl_nrollout.trainer"):
         trainer._compute_loss(trainer.model, batch)

@@ -251,7 +251,7 @@ def test_the_update_and_the_old_policy_pass_padding_free_equal_the_padded(tmp_pa
     keep = torch.tensor([1, 32, 2, 1, 3, 32, 1, 5])[:, None] > torch.arange(batch["completion_ids"].shape[1])
     batch["completion_mask"] = batch["completion_mask"] * keep
     batch["completion_ids"] = batch["completion_ids"].masked_fill(~keep, trainer._tokenizer.pad_token_id)
-    batch = trainer._add_normalizers([batch], 1)[0]
+    batch = trainer.policy_update.add_normalizers([batch], 1)[0]
     slots = []
     real = update_module.pack_rows
     monkeypatch.setattr(update_module, "pack_rows", lambda *a, **kw: slots.append(real(*a, **kw).token_slots)

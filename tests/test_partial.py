@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trl_nrollout.rollout.dispatch.shares import run_partial
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
 
 # ---------------------------------------------------------------------------------------------- pure parts
@@ -266,7 +267,7 @@ def test_a_partial_run_trains_whole_groups_and_keeps_the_others_tokens(engine):
     finished. Those train; every other sample either finished (its group waits for the rest) or was stopped with
     its tokens, log-probs and version kept, short of its budget."""
     pool = [InFlightGroup.fresh(g, [5 + g, 6, 7], N) for g in range(8)]
-    run = engine.run_partial(pool, 2, _options(seed=9), version=4)
+    run = run_partial(engine, pool, 2, _options(seed=9), version=4)
     chosen, waiting = split_finished(run.groups, run.finish_order, 2)
     assert len(chosen) == 2 and all(g.finished and g.n == N for g in chosen)
     assert run.aborted > 0 and len(waiting) == 6
@@ -300,11 +301,11 @@ def test_a_continued_sample_has_each_tokens_own_policy_logprob(engine, tiny_mode
             p.add_(torch.randn(p.shape, generator=g) * 0.2)
     # prompts longer than a KV block (32 tokens on CPU): the prefix cache holds their first block after version 0
     pool = [InFlightGroup.fresh(g, [20 + g, *range(50, 89)], N) for g in range(8)]
-    first = engine.run_partial(pool, 1, _options(seed=21), version=0)
+    first = run_partial(engine, pool, 1, _options(seed=21), version=0)
     _, waiting = split_finished(first.groups, first.finish_order, 1)
     try:
         engine.load_weights(model1)
-        second = engine.run_partial(waiting, len(waiting), _options(seed=22), version=1)
+        second = run_partial(engine, waiting, len(waiting), _options(seed=22), version=1)
     finally:
         engine.load_weights(model0)
     assert all(g.finished for g in second.groups)

@@ -103,7 +103,7 @@ def test_the_documented_rollout_ranks_predict_answers(capsys):
                          "--predict", "--trainer-sharding", "zero3", "--use-dynamic-bsz")
     assert code == 0, err
     assert "the same 8 devices colocated are not compared: train_batch_size=60 is not divisible" in out
-    assert "this recipe (max_staleness=1)" in out
+    assert "this recipe (rollout_lookahead=1)" in out
     split = ["--num-processes", "16", "--nnodes", "2", "--rollout-ranks", "8", "--rollout-tp-size", "2",
              "--train-batch-size", "64", "--rollout-n", "16", "--model", "Qwen/Qwen2.5-7B-Instruct", "--device", "h100",
              "--no-memory", "--predict", "--trainer-sharding", "zero3", "--max-prompt-length", "200",

@@ -278,18 +278,18 @@ def test_the_critic_trains_on_each_micro_batch_the_policy_trained_on(tmp_path, m
     kw = {"ppo_max_token_len_per_device": budget} if budget else {}
     trainer = _hf_ppo(tmp_path, monkeypatch, ppo_micro_batch_size_per_device=2, **kw)
     policy, critic = [], []
-    compute_loss, critic_update = trainer._compute_loss, trainer._critic_update
+    compute_loss, critic_update = trainer.policy_update.loss, trainer._critic_update
 
-    def recorded_loss(model, inputs):
+    def recorded_loss(model, inputs, step):
         if model.training:
             policy.append(inputs["completion_ids"])
-        return compute_loss(model, inputs)
+        return compute_loss(model, inputs, step)
 
     def recorded_critic(inputs, boundary):
         critic.append((inputs["completion_ids"], boundary))
         return critic_update(inputs, boundary)
 
-    monkeypatch.setattr(trainer, "_compute_loss", recorded_loss)
+    monkeypatch.setattr(trainer.policy_update, "loss", recorded_loss)
     monkeypatch.setattr(trainer, "_critic_update", recorded_critic)
     trainer.train()
     accum = trainer.args.gradient_accumulation_steps

@@ -180,8 +180,8 @@ def test_tool_episodes_from_a_rollout_rank_keep_each_samples_mask_and_messages(r
     sample. Mutation: pack_extras slicing each mask one token late -> a sample gets its neighbour's mask."""
     import pickle
 
-    from trl_nrollout.rollout.agent_loop import AgentSample
-    from trl_nrollout.rollout.remote_agents import episode_extras, sum_stats
+    from trl_nrollout.rollout.remote_tool_episodes import episode_extras, sum_stats
+    from trl_nrollout.rollout.tool_episodes import AgentSample
 
     masks = [[(t + k) % 2 for k, t in enumerate(r)] for r in rows]
     samples = [AgentSample([1, 2], r, m, [-0.5] * len(r), "stop", [{"role": "assistant", "content": f"s{i}"}],
@@ -345,6 +345,77 @@ def test_options_rollout_ranks_cannot_serve_are_refused(options, expected, tmp_p
     assert not torch.distributed.is_initialized()
 
 
+def test_max_staleness_as_the_look_ahead_is_refused_naming_both_options(tmp_path):
+    """The old spelling: ``max_staleness`` set with ``rollout_ranks`` and no ``rollout_lookahead`` meant the look-ahead
+    (and the partial pool's token age); it is refused by the config and the plan, the message naming both options,
+    the value and the fix (``rollout_lookahead=<v>``). With ``rollout_lookahead`` set, ``max_staleness`` is the
+    pool's token age and passes this check (the config goes on to the launch check of a single process). Mutation
+    tried: ``_check_lookahead_spelling`` not called -> the config fails later on the single process, not with this
+    message, and the test fails."""
+    from trl_nrollout import NRolloutConfig
+    from trl_nrollout.plan.figures import split_rollout_ranks
+    from trl_nrollout.plan.readers import PlanError
+
+    base = dict(output_dir=str(tmp_path), train_batch_size=4, rollout_n=2, use_cpu=True, report_to="none",
+                rollout_ranks=1)
+    with pytest.raises(InputError) as err:
+        NRolloutConfig(**base, max_staleness=3, rollout_partial=True)
+    text = str(err.value)
+    assert "max_staleness=3" in text and "rollout_lookahead=3" in text and "token age" in text, text
+    with pytest.raises(InputError, match="single process"):  # both spelled: past the spelling, on to the launch
+        NRolloutConfig(**base, max_staleness=3, rollout_lookahead=1, rollout_partial=True)
+    values = {"num_processes": 3, "rollout_ranks": 1, "train_batch_size": 8, "rollout_n": 4, "max_staleness": 2}
+    with pytest.raises(PlanError, match="Set rollout_lookahead=2"):
+        split_rollout_ranks(values)
+    assert split_rollout_ranks({**values, "rollout_lookahead": 0})[2]["rollout_lookahead"] == 0
+
+
+def test_rollout_lookahead_without_rollout_ranks_is_refused(tmp_path):
+    """``rollout_lookahead`` counts the steps rollout ranks generate ahead: > 0 without rollout ranks is refused with
+    the fix; 0 (its default there) and a partial run's ``max_staleness`` are accepted. Mutation tried: the check
+    dropped -> the config is built and the test fails."""
+    from trl_nrollout import NRolloutConfig
+
+    base = dict(output_dir=str(tmp_path), train_batch_size=4, rollout_n=2, use_cpu=True, report_to="none")
+    with pytest.raises(InputError, match="rollout_lookahead=2 needs rollout_ranks > 0.*Set rollout_ranks=K"):
+        NRolloutConfig(**base, rollout_lookahead=2)
+    config = NRolloutConfig(**base, rollout_lookahead=0, rollout_partial=True, max_staleness=3)
+    assert (config.rollout_lookahead, config.max_staleness) == (0, 3)
+
+
+def test_rollout_lookahead_sets_the_jobs_written_ahead_and_the_versions_staged():
+    """A trainer rank writes ``rollout_lookahead`` steps' jobs ahead (``_ahead_jobs``: none at 0, the next step's at
+    1, two at 2, never past the run's last step), whatever ``max_staleness`` says; a rollout rank stages at most
+    ``rollout_lookahead`` weight versions (at least one). Mutations tried: ``_ahead_jobs`` reading
+    ``args.max_staleness`` (the old meaning) -> a job is written at rollout_lookahead=0, the test fails; the start
+    message's ``lookahead`` key read as ``max_staleness`` -> one version staged at rollout_lookahead=2, it fails."""
+    from types import SimpleNamespace
+
+    from trl_nrollout.rollout.remote_reader import staged_versions
+    from trl_nrollout.trainer.rollout_ranks import RolloutRanks
+
+    def trainer(lookahead: int, max_steps: int = 10):
+        return SimpleNamespace(
+            args=SimpleNamespace(rollout_lookahead=lookahead, max_staleness=2, rollout_partial=False),
+            layout=SimpleNamespace(optimizer_steps_per_rollout=1), num_generations=2,
+            state=SimpleNamespace(global_step=3, max_steps=max_steps),
+            _next_generation_inputs=lambda k: [[{"row": i}] * 2 for i in range(k)],
+            _episodes_ahead=lambda step, rows: [f"prompt {step}"] * len(rows),
+            _engine_prompts=lambda prompts: ([[7]] * len(prompts), [None] * len(prompts)),
+            _sampling=lambda mode, step: step, _agent_job=lambda mode, step, rows: None)
+
+    def steps(t) -> list[int]:
+        return [sampling for _, sampling, _, _ in RolloutRanks._ahead_jobs(t, "train")]
+
+    assert steps(trainer(0)) == []
+    assert steps(trainer(1)) == [4]
+    assert steps(trainer(2)) == [4, 5]
+    assert steps(trainer(2, max_steps=5)) == [4]  # step 5 is past the run's end
+    assert RolloutRanks._ahead_jobs(trainer(1), "eval") == []
+    assert staged_versions({"lookahead": 2, "max_staleness": 1}) == 2
+    assert staged_versions({"lookahead": 0}) == 1
+
+
 def test_the_plan_prints_both_worlds_and_refuses_a_split_across_a_node(capsys):
     assert cli_main(["plan", "--num-processes", "6", "--rollout-ranks", "2", "--rollout-tp-size", "2",
                      "--train-batch-size", "60", "--rollout-n", "12"]) == 0
@@ -356,7 +427,7 @@ def test_the_plan_prints_both_worlds_and_refuses_a_split_across_a_node(capsys):
                      "--rollout-n", "4", "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert figures["num_processes"] == 2 and figures["rollout_ranks"]["engine_ranks"] == [[2]]
-    assert figures["rollout_ranks"]["max_staleness"] == 1
+    assert figures["rollout_ranks"]["rollout_lookahead"] == 1
     assert cli_main(["plan", "--n-gpus-per-node", "4", "--nnodes", "2", "--rollout-ranks", "2",
                      "--train-batch-size", "8", "--rollout-n", "4"]) == 2
     assert "use a multiple of 4" in capsys.readouterr().err
@@ -374,7 +445,7 @@ def test_the_plan_of_a_split_launch_imports_no_torch():
 
 def test_the_plan_predicts_a_split_launch_beside_the_same_devices_colocated(capsys):
     """``plan --predict --rollout-ranks``: the engines' generation, the trainers' phases, the transfer, the step
-    synchronous and pipelined, and the same devices colocated; the recipe's max_staleness picks which step."""
+    synchronous and pipelined, and the same devices colocated; the recipe's rollout_lookahead picks which step."""
     base = ["plan", "--num-processes", "16", "--rollout-ranks", "8", "--rollout-tp-size", "2", "--train-batch-size",
             "64", "--rollout-n", "16", "--model", "Qwen/Qwen2.5-7B-Instruct", "--device", "h100", "--predict",
             "--max-prompt-length", "512", "--max-completion-length", "1024", "--no-memory", "--trainer-sharding",
@@ -382,9 +453,9 @@ def test_the_plan_predicts_a_split_launch_beside_the_same_devices_colocated(caps
     assert cli_main(base) == 0
     out = json.loads(capsys.readouterr().out)["prediction"]
     split = out["split"]
-    assert split["pipelined_s"] == out["step_s"] < split["sync_s"]  # max_staleness defaults to 1
+    assert split["pipelined_s"] == out["step_s"] < split["sync_s"]  # rollout_lookahead defaults to 1
     assert out["colocated"]["total_s"] > 0 and split["samples"] == 64 * 16
-    assert cli_main([*base, "--max-staleness", "0"]) == 0
+    assert cli_main([*base, "--rollout-lookahead", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["prediction"]["step_s"] == split["sync_s"]
     assert cli_main(base[:-1]) == 0
     text = capsys.readouterr().out
@@ -411,9 +482,9 @@ def _launch(out, *extra, config: str | None = None, procs: int = 3, timeout: flo
                                                                   (2, [0, 1, 2, 2], 2, "balanced", False),
                                                                   (1, [0, 1, 1, 1], 2, "balanced", True)])
 def test_one_step_off_policy_under_zero3_samples_one_step_stale(staleness, lags, ranks, dispatch, partial, tmp_path):
-    """2 ZeRO-3 trainers + 1 rollout rank, max_staleness=1 (the default): the first step is generated with the
+    """2 ZeRO-3 trainers + 1 rollout rank, rollout_lookahead=1 (the default): the first step is generated with the
     initial weights, and every later step's samples by the policy one optimizer step older (the step's job was
-    written before the previous update); with max_staleness=2 (1 ZeRO-3 trainer + 2 rollout ranks, their two
+    written before the previous update); with rollout_lookahead=2 (1 ZeRO-3 trainer + 2 rollout ranks, their two
     engines pulling each job's groups from one balanced queue), two jobs are written ahead, so the lag grows to 2.
     The trainers log their wait and each transfer's bytes, which are the model's. The engine's log-probs then
     differ from the trainer's by the updates in between (a synchronous run's stay at float32 noise:
@@ -423,9 +494,11 @@ def test_one_step_off_policy_under_zero3_samples_one_step_stale(staleness, lags,
     Partial rollouts (rollout_partial=True; the 2 trainers' rows joined in one job, and the 2 rollout ranks'
     balanced queue over one job pool): the rollout ranks keep the groups that did not finish and continue them at
     the next job, so from the third step on a trained sample holds tokens one version older than the job's weights
-    (staleness 2 = the lookahead plus one carried job, within 2 x max_staleness). Mutation tried: the rollout rank's
+    (staleness 2 = the lookahead plus one carried job, within rollout_lookahead + max_staleness, both 1 here).
+    Mutation tried: the rollout rank's
     pool emptied after each job (nothing carried) -> staleness never exceeds 1, the assertion fails."""
-    run = _launch(tmp_path, "--max_steps", "4", "--rollout_ranks", str(ranks), "--max_staleness", str(staleness),
+    run = _launch(tmp_path, "--max_steps", "4", "--rollout_ranks", str(ranks), "--rollout_lookahead", str(staleness),
+                  "--max_staleness", str(staleness),
                   "--rollout_dispatch", dispatch, "--learning_rate", "1e-4", "--save_strategy", "no",
                   "--rollout_partial", str(partial).lower(), config="zero3_cpu.yaml")
     steps = run["steps"]
@@ -564,10 +637,10 @@ def test_a_run_with_a_rollout_rank_resumes_to_the_same_steps(tmp_path):
     needs come with the first transfer)."""
     from tests.conftest import RESUME, assert_resumed
 
-    full = _launch(tmp_path / "full", *RESUME, "--rollout_ranks", "1", "--max_staleness", "0")
+    full = _launch(tmp_path / "full", *RESUME, "--rollout_ranks", "1", "--rollout_lookahead", "0")
     assert any(h["dynamic_sampling/rounds"] > 0 for h in full["steps"])  # extra rounds ran on the rollout rank
     checkpoint = tmp_path / "full" / "checkpoint-2"
-    resumed = _launch(tmp_path / "resumed", *RESUME, "--rollout_ranks", "1", "--max_staleness", "0",
+    resumed = _launch(tmp_path / "resumed", *RESUME, "--rollout_ranks", "1", "--rollout_lookahead", "0",
                       "--resume_from_checkpoint", str(checkpoint))
     assert_resumed(full, resumed, checkpoint)
 

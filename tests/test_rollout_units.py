@@ -294,7 +294,7 @@ def test_engine_seed_mode_seeds_and_restores_numpys_generator():
         return group
 
     def draws(group: VLLMEngineGroup, seed: int | None = 7) -> list[int]:
-        with group._engine_rng(seed):
+        with group.engine_rng(seed):
             return np.random.randint(0, 2**31, size=4).tolist()
 
     np.random.seed(123)

@@ -16,6 +16,8 @@ from dataclasses import replace
 
 import pytest
 
+from trl_nrollout.rollout.dispatch.shares import run_agents
+
 N = 4
 SUFFIX_TEXT = "<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
@@ -68,7 +70,7 @@ class ScriptedAgent:
         return list(self.suffix)
 
     def callbacks(self, max_completion_length: int, max_iterations: int | None = 3):
-        from trl_nrollout.rollout.agent_loop import AgentCallbacks
+        from trl_nrollout.rollout.tool_episodes import AgentCallbacks
 
         return AgentCallbacks(parse=self.parse, run_tools=self.run_tools, suffix_ids=self.suffix_ids,
                               max_iterations=max_iterations, max_completion_length=max_completion_length,
@@ -93,7 +95,7 @@ def test_request_level_episodes_equal_turn_by_turn_episodes(tools_engine):
     tool mask, its log-probs, its number of turns and tool calls are the same in both modes, although the tools
     finish in another order than the turns started (sample-dependent delays) and so samples re-enter the engine at
     different steps than a turn barrier would let them."""
-    from trl_nrollout.rollout.agent_loop import run_tool_turns
+    from trl_nrollout.rollout.tool_episodes import run_tool_turns
     from trl_nrollout.rollout.types import SamplingOptions
 
     engine, tokenizer, stops = tools_engine
@@ -113,7 +115,7 @@ def test_request_level_episodes_equal_turn_by_turn_episodes(tools_engine):
         max_model_len=agent.max_model_len)
 
     free = ScriptedAgent(tokenizer, delays)
-    samples, groups, stats = engine.run_agents(prompts, N, opts, _turn_seed, free.callbacks(budget), workers=8,
+    samples, groups, stats = run_agents(engine, prompts, N, opts, _turn_seed, free.callbacks(budget), workers=8,
                                                sample_offset=0)
 
     assert max(turns.turns) >= 3 and sum(turns.tool_calls) >= len(prompts) // 2, "the script should call tools"
@@ -154,7 +156,7 @@ def test_a_slow_tool_does_not_hold_back_the_other_samples(tools_engine):
         return message
 
     agent.parse = parse
-    samples, _, stats = engine.run_agents(prompts, N, opts, _turn_seed, agent.callbacks(budget), workers=8)
+    samples, _, stats = run_agents(engine, prompts, N, opts, _turn_seed, agent.callbacks(budget), workers=8)
     slow = [(start, end) for i, start, end in agent.tool_runs if i == 0][0]
     later_turns = [(i, t) for i, before, t in agent.parsed if i != 0 and before > len(prompts[i])]
     assert later_turns, "no other sample took a second turn"
@@ -166,7 +168,7 @@ def test_a_slow_tool_does_not_hold_back_the_other_samples(tools_engine):
 
 @pytest.mark.vllm
 def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(tools_engine):
-    """Tool-calling episodes in a partial rollout (rollout/partial_agents.py): each call trains the first group to
+    """Tool-calling episodes in a partial rollout (rollout/partial_tool_episodes.py): each call trains the first group to
     finish, aborts the running turns (tokens kept) and waits for the running tools; the others continue at the next
     version. Checked over calls until the pool is empty: every trained group is whole; each sample's tokens, mask,
     log-probs and versions align; its tool-result tokens (mask 0) are exactly the rendered results; a turn stopped by
@@ -175,8 +177,9 @@ def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(t
     import json
     from dataclasses import asdict
 
+    from trl_nrollout.rollout.dispatch.shares import run_partial_agents
     from trl_nrollout.rollout.partial import InFlightGroup, split_finished
-    from trl_nrollout.rollout.partial_agents import AgentPartialSample
+    from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
     from trl_nrollout.rollout.types import SamplingOptions
     from trl_nrollout.trainer.partial import _group
 
@@ -199,7 +202,7 @@ def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(t
     continued = set()
     while pool:
         keys[:] = [g.key for g in pool]
-        run, stats = engine.run_partial_agents(pool, 1, opts, version, agent, workers=4, owns=lambda g: True)
+        run, stats = run_partial_agents(engine, pool, 1, opts, version, agent, workers=4, owns=lambda g: True)
         chosen, pool = split_finished(run.groups, run.finish_order, 1)
         trained += [(version, g) for g in chosen]
         aborted += run.aborted

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import ACCELERATE_LAUNCH, ROOT, run_cmd, run_script_in_process
-from trl_nrollout.rollout.agent_loop import call_tools, run_tool_turns, split_tools
+from trl_nrollout.rollout.tool_episodes import call_tools, run_tool_turns, split_tools
 from trl_nrollout.rollout.types import RolloutBatch
 
 CALL, EOS, SUFFIX = 50, 2, [90, 91, 92]  # token ids of the scripted turns: a call, end of turn, a tool result
@@ -228,7 +228,7 @@ def test_request_level_tool_episodes_from_a_balanced_queue_over_two_engines(tmp_
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("multi_turn", ["requests", "turns"])
 def test_tool_episodes_on_a_rollout_rank_one_step_off(tmp_path, multi_turn):
-    """rollout_ranks=1 with tools, one trainer and one rollout rank, samples one step stale (max_staleness=1).
+    """rollout_ranks=1 with tools, one trainer and one rollout rank, samples one step stale (rollout_lookahead=1).
 
     ``requests``: each step's whole episodes (every turn, the tools too) are one job of the rollout rank, written a
     step ahead, request by request on its engine with the script's own tools; the trainer gets their tokens, tool
@@ -244,10 +244,10 @@ def test_tool_episodes_on_a_rollout_rank_one_step_off(tmp_path, multi_turn):
     steps = 10 if multi_turn == "requests" else 3
     result = _run_tool_script(tmp_path, "vllm", "sync", steps=steps, procs=2,
                               extra={"per_device_train_batch_size": 32, "use_cpu": True, "rollout_ranks": 1,
-                                     "max_staleness": 1, "rollout_multi_turn": multi_turn})
+                                     "rollout_lookahead": 1, "rollout_multi_turn": multi_turn})
     steps_logged = [h for h in result["history"] if "num_turns/mean" in h]
     assert len(steps_logged) == steps and max(h["num_turns/mean"] for h in steps_logged) > 1.0
-    assert all(h["rollout/staleness"] <= 1 for h in steps_logged)  # versions within max_staleness
+    assert all(h["rollout/staleness"] <= 1 for h in steps_logged)  # versions within rollout_lookahead
     assert any(h["rollout/staleness"] == 1 for h in steps_logged)  # generated one step ahead
     assert result["engine"] == "RemoteEngines"
     if multi_turn == "requests":  # learns; the rollout rank's own loop: its tool stats came back with the episodes
@@ -490,8 +490,8 @@ def test_tool_results_get_no_advantage_reward_or_kl(tmp_path, monkeypatch):
     ids = [row[m.bool()].tolist() for row, m in zip(batch["completion_ids"], batch["completion_mask"])]
     prompts = [row[m.bool()].tolist() for row, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
     micro = trainer.layout.old_log_prob
-    old = trainer._log_probs(trainer.model, prompts, ids, micro)
-    ref = trainer._log_probs(trainer.ref_model, prompts, ids, micro)
+    old = trainer.logprob_passes.log_probs(trainer.model, prompts, ids, micro)
+    ref = trainer.logprob_passes.log_probs(trainer.ref_model, prompts, ids, micro)
     per_token = kl_penalty(old, ref, args.kl_penalty) * sampled[:, :old.shape[1]]
     expected = float((per_token.sum(-1) / sampled.sum(-1)).mean())
     logged = trainer._metrics["train"]["actor/reward_kl_penalty"][-1]

@@ -123,7 +123,7 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     ``ddp_tp1`` and ``zero3_tp1``: the mini batch's token count not divided by the number of ranks, whose gradients
     are averaged -> the loss and the gradient norm halve from step 1, while the rewards, all this test compared
     before, stay equal: Adam's steps do not see the scale). ``*_rollout_rank*``: two trainers (one Ulysses group of two, or ZeRO-3) and a
-    third process that only generates (rollout_ranks=1), synchronous (max_staleness=0): the weights it receives
+    third process that only generates (rollout_ranks=1), synchronous (rollout_lookahead=0): the weights it receives
     after each update are the trainers' (its log-probs match theirs) and it samples what the colocated engines
     sample; the group's gradient norm is one process's (mutation: the loss not scaled by S -> it halves). ``ddp_tp2`` and
     ``zero3_tp1`` update under a token budget (``ppo_max_token_len_per_device``: ~16 micro batches a step instead of
@@ -145,7 +145,7 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     elif mode == "ddp_tp2":  # and the update under a token budget (DDP: gradients held until the last micro batch)
         run = launch(tmp_path, *extra, "--rollout_tp_size", "2", "--ppo_max_token_len_per_device", "60", procs=2)
     elif mode == "ddp_rollout_rank_sp2":  # the two trainers one Ulysses group (the rollout rank outside it)
-        run = launch(tmp_path, *extra, "--rollout_ranks", "1", "--max_staleness", "0", "--sequence_parallel_size", "2",
+        run = launch(tmp_path, *extra, "--rollout_ranks", "1", "--rollout_lookahead", "0", "--sequence_parallel_size", "2",
                      procs=3)
         for got, want in zip(run["steps"], one_process_run["steps"][:4], strict=True):
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
@@ -154,7 +154,7 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
                launch(tmp_path, *extra, "--save_strategy", "no", "--sequence_parallel_size", "2",
                       config="zero3_cpu.yaml"))
     elif mode == "zero3_rollout_rank":
-        run = launch(tmp_path, *extra, "--save_strategy", "no", "--rollout_ranks", "1", "--max_staleness", "0",
+        run = launch(tmp_path, *extra, "--save_strategy", "no", "--rollout_ranks", "1", "--rollout_lookahead", "0",
                      config="zero3_cpu.yaml", config_processes=3)
     else:  # ZeRO-3 under a token budget: ranks needing different numbers of micro batches run the busiest's count
         run = launch(tmp_path, *extra, "--save_strategy", "no", "--ppo_max_token_len_per_device", "60",
@@ -166,7 +166,7 @@ def test_two_processes_reproduce_one(mode, one_process_run, tmp_path):
     if "rollout_rank" in mode:
         assert [h["rollout/staleness"] for h in run["steps"]] == [0, 0, 0, 0]
         assert max(h["rollout_corr/logprob_abs_diff_max"] for h in run["steps"]) < 1e-3
-        assert not any("rollout_corr/is_weight_mean" in h for h in run["steps"])  # max_staleness=0: nothing stale
+        assert not any("rollout_corr/is_weight_mean" in h for h in run["steps"])  # rollout_lookahead=0: nothing stale
     assert run["summary"]["processes"] == (4 if mode == "ddp4_sp2" else 2)
     assert run["summary"]["nnodes"] == 1  # one machine, whatever the engine's TP size (vLLM's CPU platform resets it)
     assert rewards(run) == pytest.approx(rewards(one_process_run)[:4], abs=1e-4)
@@ -444,13 +444,13 @@ def test_engine_sleeps_right_after_generation(tmp_path):
             return _original(*a, **k)
 
         setattr(engine, name, record)
-    ref_pass = trainer._ref_log_probs
+    ref_pass = trainer.logprob_passes.ref_log_probs
 
     def record_ref(*a, **k):
         log.append("ref_log_probs")
         return ref_pass(*a, **k)
 
-    trainer._ref_log_probs = record_ref
+    trainer.logprob_passes.ref_log_probs = record_ref
     trainer.train()
     assert log == ["load_weights", "generate_expanded", "sleep", "reward",  # the sampled completions
                    "ref_log_probs",  # the reference pass runs while the engine sleeps
@@ -578,7 +578,7 @@ def test_a_rollout_cut_short_everywhere_is_said_once_and_counted():
 
 def test_the_decoupled_loss_is_on_by_default_exactly_where_samples_can_be_stale(tmp_path):
     """Samples older than the policy that trains on them (rollout ranks generating ahead, partial rollouts
-    continuing across weight syncs, max_staleness >= 1) get the decoupled PPO loss by default: rollout_is='token',
+    continuing across weight syncs: rollout_lookahead >= 1 or max_staleness >= 1) get the decoupled PPO loss by default: rollout_is='token',
     truncated at rollout_is_threshold=2 (the clip is against the trainer's own log-probs; test_losses checks the
     loss). The synchronous colocated default keeps no weight (its samples train value for value as before);
     decoupled_loss=False turns it off, and a rollout_is of the user's stays theirs."""
@@ -599,8 +599,10 @@ def test_the_decoupled_loss_is_on_by_default_exactly_where_samples_can_be_stale(
     assert cfg(rollout_partial=True, rollout_is="sequence", rollout_is_mode="mask").rollout_is == "sequence"
     assert cfg(decoupled_loss=True).rollout_is == "token"
     # rollout ranks need a launch of several processes to build a config: the rule the config applies
-    assert stale_sample_reason(1, False, 1).startswith("rollout_ranks=1 with max_staleness=1: the rollout ranks")
-    assert stale_sample_reason(1, False, 0) is None and stale_sample_reason(0, False, 2) is None
+    assert stale_sample_reason(1, False, 1, 1).startswith("rollout_ranks=1 with rollout_lookahead=1: the rollout ranks")
+    assert stale_sample_reason(1, False, 1, 0) is None and stale_sample_reason(0, False, 2, 0) is None
+    # synchronous rollout ranks with a partial pool: the pool's carried tokens are what is stale
+    assert stale_sample_reason(1, True, 1, 0).startswith("rollout_partial=True with max_staleness=1")
 
 
 @pytest.mark.slow

@@ -204,9 +204,10 @@ def test_a_prompt_too_long_for_the_engine_is_a_clear_error(tmp_path, monkeypatch
     from trl_nrollout import NRolloutGRPOTrainer
     from trl_nrollout.errors import DatasetError
     from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.trainer.engines import EngineSetup
 
     started = []
-    monkeypatch.setattr(NRolloutGRPOTrainer, "_start_engine", lambda self, choice: started.append(choice))
+    monkeypatch.setattr(EngineSetup, "start", lambda self, choice: started.append(choice))
     args = cfg(tmp_path, rollout_backend="vllm", rollout_max_model_len=128, per_device_train_batch_size=4,
                num_generations=4)
     prompts = ["write a number"] * 3 + ["write a number " * 60] * 8 + ["write a number"]
@@ -284,16 +285,16 @@ def test_a_non_finite_loss_stops_training_with_its_step(tmp_path, monkeypatch):
     the step with an error that names it, and no metric of that micro batch is logged."""
     import torch
 
-    from trl_nrollout.trainer.grpo import NRolloutGRPOTrainer
+    from trl_nrollout.trainer.update import PolicyUpdate
 
     trainer = _trainer(tmp_path, digits_reward)
-    real = NRolloutGRPOTrainer._policy_logps
+    real = PolicyUpdate.policy_logps
 
     def nan_logps(self, *a, **kw):
         logps, entropies, aux = real(self, *a, **kw)
         return logps * torch.tensor(float("nan")), entropies, aux
 
-    monkeypatch.setattr(NRolloutGRPOTrainer, "_policy_logps", nan_logps)
+    monkeypatch.setattr(PolicyUpdate, "policy_logps", nan_logps)
     with pytest.raises(FloatingPointError, match=r"the loss is nan at step 0 \(pg_loss=nan\)"):
         trainer.train()
     assert not trainer._metrics["train"].get("actor/pg_loss")

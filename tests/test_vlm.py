@@ -35,6 +35,7 @@ from trl_nrollout.passes.multimodal import (
     prompt_images,
     without_images,
 )
+from trl_nrollout.rollout.dispatch.shares import run_partial
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_loss_and_gradients_equal_trls_and_the_vision_tower_trains(vlm_path, tmp
     per-sample image tensors give the same loss and the same gradient on every parameter, vision tower included."""
     trl = _hf(tmp_path, monkeypatch, vlm_path, cls=GRPOTrainer)
     ours = _hf(tmp_path, monkeypatch, vlm_path)
-    assert ours._is_vlm and ours._image_token_ids() == (ours.model.config.image_token_id,)
+    assert ours._is_vlm and ours.engine_setup.image_token_ids() == (ours.model.config.image_token_id,)
     rows = list(image_dataset(6, seed=2))
     prompts = attach_images([r["prompt"] for r in rows], dataset_images(rows))
     enc = encode_prompts(ours.processing_class, prompts)
@@ -172,7 +173,7 @@ def test_loss_and_gradients_equal_trls_and_the_vision_tower_trains(vlm_path, tmp
     common["old_per_token_logps"] = old + 0.3 * torch.randn(old.shape, generator=g)
     common["sampling_per_token_logps"] = old
     theirs_in = {**common, **trl_mm, "num_images": [1] * 6, "num_items_in_batch": completion_mask.sum()}
-    ours_in = ours._add_normalizers([{**common, "mm_inputs": enc.mm}], 1)[0]
+    ours_in = ours.policy_update.add_normalizers([{**common, "mm_inputs": enc.mm}], 1)[0]
     losses, grads = [], []
     for trainer, inputs in ((trl, theirs_in), (ours, ours_in)):
         trainer.model.train()
@@ -280,7 +281,7 @@ def _partial_images_first(trainer, sampling):
     options = replace(sampling, max_tokens=24, stop_token_ids=PARTIAL_STOPS)
     pool = [InFlightGroup.fresh(g, enc.engine_ids[g], 3, images=enc.images[g]) for g in range(6)]
     assert all(g.images for g in pool)
-    first = trainer.rollout_engine.run_partial(pool, 1, options, version=0)
+    first = run_partial(trainer.rollout_engine, pool, 1, options, version=0)
     _, waiting = split_finished(first.groups, first.finish_order, 1)
     assert first.aborted > 0 and any(s.token_ids and not s.finished for g in waiting for s in g.samples)
     kept = [s.logprobs for g in first.groups for s in g.samples if s.token_ids]
@@ -296,8 +297,8 @@ def _partial_images_continued(trainer, sampling, enc, waiting, options):
     version-1 tokens' log-probs are the new model's with the images (the old model's differ: the tags matter).
     Mutation tried: a continued sample resubmitted without its images -> vLLM refuses the placeholders without
     images (or, were they dropped from the ids too, the log-probs are those of another prompt)."""
-    second = trainer.rollout_engine.run_partial(waiting, len(waiting), replace(options, seed=(options.seed or 0) + 1),
-                                                version=1)
+    second = run_partial(trainer.rollout_engine, waiting, len(waiting),
+                         replace(options, seed=(options.seed or 0) + 1), version=1)
     assert all(g.finished for g in second.groups)
     both = 0
     for before, after in zip(waiting, second.groups):
@@ -353,7 +354,7 @@ def test_partial_rollouts_train_a_vlm_and_keep_its_images_in_flight(vlm_path, tm
 @pytest.mark.multiprocess
 @pytest.mark.vllm
 def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
-    """Two DDP trainers and one rollout rank (``rollout_ranks=1``, ``max_staleness=1``), two steps of image prompts:
+    """Two DDP trainers and one rollout rank (``rollout_ranks=1``, ``rollout_lookahead=1``), two steps of image prompts:
     each job carries the engine's ids (placeholders not expanded) and each group's images (gathered to trainer rank
     0), the second written one step ahead. The samples' prompt ids are the rollout rank's engine's expansion, equal
     to the processor's (longer than the ids sent; each trainer checks its own); the first step's engine log-probs

@@ -70,7 +70,7 @@ def _tiny_tied_model() -> Qwen2ForCausalLM:
 
 def _run_launch(model, versions: int, staleness: int, tp: int, bucket_bytes: int, monkeypatch, busy: bool = True):
     """Trainer rank 0 sends ``versions`` weight versions (each after an update of ``model``) to ``tp`` rollout ranks
-    (one engine), ``max_staleness=staleness``; ``busy``: the engine loads the first version only once the second
+    (one engine), ``rollout_lookahead=staleness``; ``busy``: the engine loads the first version only once the second
     has arrived. Returns what each version was, each rank's engine and host buffers."""
     readers: dict[int, HostBuffers] = {}
 
@@ -96,7 +96,7 @@ def _run_launch(model, versions: int, staleness: int, tp: int, bucket_bytes: int
     def trainer() -> None:
         bridge = connect(0)
         try:
-            remote = RemoteEngines(bridge, {"max_staleness": staleness}, max_model_len=64, bucket_bytes=bucket_bytes)
+            remote = RemoteEngines(bridge, {"lookahead": staleness}, max_model_len=64, bucket_bytes=bucket_bytes)
             for v in range(versions):
                 with torch.no_grad():
                     for p in model.parameters():
@@ -138,8 +138,8 @@ def _run_launch(model, versions: int, staleness: int, tp: int, bucket_bytes: int
 
 
 def test_only_the_first_rank_of_an_engine_stages_whole_versions_and_every_rank_loads_the_same(monkeypatch):
-    """One engine of 2 TP ranks, max_staleness=2, the engine busy while the second version arrives: its first rank
-    stages exactly two whole versions at once (the bound: max_staleness x a version's bytes), its other rank at
+    """One engine of 2 TP ranks, rollout_lookahead=2, the engine busy while the second version arrives: its first rank
+    stages exactly two whole versions at once (the bound: rollout_lookahead x a version's bytes), its other rank at
     most 3 buckets (the reader's scratch, the bucket vLLM loads, the next one), far less than a version; and both
     ranks load every version exactly as the trainer sent it (float32, every name the engine has: the tied head
     too). Mutations tried: every rank stages (``holds_versions`` always True) -> rank 1 holds two versions, the
@@ -164,7 +164,7 @@ def test_only_the_first_rank_of_an_engine_stages_whole_versions_and_every_rank_l
 
 def test_one_rank_engines_stage_their_own_versions(monkeypatch):
     """TP 1 (each rank its engine's first): the rank stages whole versions and loads them itself; one version at a
-    time with max_staleness=1. Mutation tried: the staged version left in the message and iterated without letting
+    time with rollout_lookahead=1. Mutation tried: the staged version left in the message and iterated without letting
     each bucket go (``message.get``, a ``for`` loop) -> the loaded version is still held while the next one arrives,
     the peak is two versions and the test fails."""
     model = _tiny_tied_model()

@@ -101,7 +101,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "each refused one fails (needs --model, --device, --train-batch-size).")
     p.add_argument("--suggest-rollout-ranks", action="store_true",
                    help="With --suggest: also rank launches split into trainers and rollout ranks (engines on "
-                        "processes of their own, generating --max-staleness steps ahead, default 1), every split the "
+                        "processes of their own, generating --rollout-lookahead steps ahead, default 1), every split the "
                         "launch allows.")
     p.add_argument("--calibrate", action="store_true",
                    help="Measure this machine (a matmul, a memory copy, engine decode steps and training forwards of "

@@ -18,7 +18,7 @@ from trl_nrollout.rollout.weight_sync import adapter_bytes
 
 if __name__ == "__main__":
     out, lora_sync = sys.argv[1], sys.argv[2]
-    extra = dict(rollout_ranks=1, max_staleness=0) if "ranks" in sys.argv[3:] else {}
+    extra = dict(rollout_ranks=1, rollout_lookahead=0) if "ranks" in sys.argv[3:] else {}
     opts = dict(a.split("=", 1) for a in sys.argv[3:] if "=" in a)
     if "device" in opts:  # rollout_lora_sync='auto' priced on this device profile
         extra["rollout_lora_sync_device"] = opts["device"]
@@ -40,5 +40,5 @@ if __name__ == "__main__":
         lora, full = adapter_bytes(trainer.accelerator.unwrap_model(trainer.model))
         with open(f"{out}/log_history.json", "w") as f:
             json.dump({"history": trainer.state.log_history, "processes": trainer.accelerator.num_processes,
-                       "adapter_bytes": lora, "model_bytes": full, "lora_sync": trainer._lora_sync()}, f)
+                       "adapter_bytes": lora, "model_bytes": full, "lora_sync": trainer.engine_setup.lora_sync()}, f)
     trainer.close()

@@ -21,7 +21,7 @@ if __name__ == "__main__":
     backend = sys.argv[3] if len(sys.argv) > 3 else "vllm"  # "hf": transformers generate on the trained model
     device = dict(use_cpu=False, ddp_backend="gloo") if deepspeed else dict(use_cpu=True)
     if "ranks" in sys.argv[4:]:  # the last process only generates; synchronous, so every step checks a transfer
-        device.update(rollout_ranks=1, max_staleness=0)
+        device.update(rollout_ranks=1, rollout_lookahead=0)
     args = NRolloutConfig(output_dir=out, train_batch_size=8, rollout_n=4, max_completion_length=8, max_steps=3,
                           learning_rate=1e-2, use_kl_loss=True, kl_loss_coef=0.01, rollout_backend=backend,
                           logging_steps=1, report_to="none", bf16=False, save_strategy="no", seed=0, **device)

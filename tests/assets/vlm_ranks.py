@@ -1,6 +1,6 @@
 """A vision-language model trained by the launch's trainers and one rollout rank (tests/test_vlm.py: two trainers;
 every process but the last trains): image prompts travel to the rollout rank as the engine's ids (placeholders not
-expanded) and each group's images, the second step's job written one step ahead (``max_staleness=1``).
+expanded) and each group's images, the second step's job written one step ahead (``rollout_lookahead=1``).
 
 argv: output folder. Writes result.json (trainer rank 0): the log history and, per generation, the samples' prompt
 ids (the engine's expansion), the processor's ids and the engine ids sent, and the pickled size of one image.
@@ -31,7 +31,7 @@ if __name__ == "__main__":
     out = sys.argv[1]
     args = NRolloutConfig(output_dir=out, per_device_train_batch_size=6, num_generations=3, max_completion_length=6,
                           max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True,
-                          bf16=False, save_strategy="no", seed=3, rollout_ranks=1, max_staleness=1)
+                          bf16=False, save_strategy="no", seed=3, rollout_ranks=1, rollout_lookahead=1)
     trainer = Recording(model=resolve_model("builtin:tiny-idefics3"), reward_funcs=[colour_reward], args=args,
                         train_dataset=image_dataset(24))
     trainer.train()

@@ -16,8 +16,15 @@ from dataclasses import asdict, replace
 import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.rollout.dispatch.balanced import (
+    generate_balanced,
+    run_agents_balanced,
+    run_partial_agents_balanced,
+    run_partial_balanced,
+)
+from trl_nrollout.rollout.dispatch.shares import run_agents, run_partial, run_partial_agents
 from trl_nrollout.rollout.partial import InFlightGroup, split_finished
-from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
 from trl_nrollout.rollout.types import SamplingOptions
 
 N = 3
@@ -34,7 +41,7 @@ def prompts_of(rank: int) -> list[list[int]]:
 def agent_callbacks():
     """A scripted agent: a turn calls the tool when it has an odd number of tokens; the tool's result renders as
     three fixed tokens; at most two tool rounds."""
-    from trl_nrollout.rollout.agent_loop import AgentCallbacks
+    from trl_nrollout.rollout.tool_episodes import AgentCallbacks
 
     def parse(i, ids, prefix):
         call = {"type": "function", "function": {"name": "t", "arguments": {}}}
@@ -84,16 +91,16 @@ def main() -> None:
     job = [InFlightGroup.fresh((0, 0, r, g), p, N) for r in range(world) for g, p in enumerate(prompts_of(r))]
     homes = [layout.engine_of_rank(g.key[2]) for g in job]
     own = [g for g, h in zip(job, homes) if h == group.engine_index]
-    result["partial_shares"] = [asdict(g) for g in group.run_partial(own, len(own), options, version=0).groups]
+    result["partial_shares"] = [asdict(g) for g in run_partial(group, own, len(own), options, version=0).groups]
     # the same pool as tool-calling episodes (scripted agent), each engine its own groups run to the end: the
     # reference of the balanced partial episodes below
     agents_job = [InFlightGroup.fresh(g.key, g.prompt_ids, N, sample=AgentPartialSample) for g in job]
     agents_own = [g for g, h in zip(agents_job, homes) if h == group.engine_index]
-    run, _ = group.run_partial_agents(agents_own, len(agents_own), options, 0, agent_callbacks(), 4,
+    run, _ = run_partial_agents(group, agents_own, len(agents_own), options, 0, agent_callbacks(), 4,
                                       owns=lambda g: True)
     result["partial_agents_shares"] = [asdict(g) for g in run.groups]
     # tool-calling episodes request by request: fixed shares, then (engine 0 slowed) a balanced queue
-    samples, groups, _ = group.run_agents(mine, N, options, lambda r: 500 + r, agent_callbacks(), workers=4,
+    samples, groups, _ = run_agents(group, mine, N, options, lambda r: 500 + r, agent_callbacks(), workers=4,
                                           sample_offset=rank * len(mine))
     result["agents_shares"] = record_agents(samples, groups)
     engine_step = group.llm.llm_engine.step
@@ -105,27 +112,27 @@ def main() -> None:
         group.llm.llm_engine.step = slow_step
     for name, opts in (("balanced", options), ("unseeded", replace(options, seed=None))):
         start = time.perf_counter()
-        batch, stats = group.generate_balanced(mine, N, opts)
+        batch, stats = generate_balanced(group, mine, N, opts)
         record(name, batch, stats, time.perf_counter() - start)
-    samples, groups, _, pulled = group.run_agents_balanced(mine, N, options, lambda r: 500 + r, agent_callbacks(),
+    samples, groups, _, pulled = run_agents_balanced(group, mine, N, options, lambda r: 500 + r, agent_callbacks(),
                                                            workers=4)
     result["agents_balanced"] = record_agents(samples, groups, pulled)
     # partial on the balanced queue, engine 0 slowed: half the job's groups train, the rest stays in flight; then
     # the pool continues at version 1 with engine 0 arriving late (still busy elsewhere): engine 1 takes what it can
-    first = group.run_partial_balanced(job, len(job) // 2, options, 0, homes)
+    first = run_partial_balanced(group, job, len(job) // 2, options, 0, homes)
     _, waiting = split_finished(first.groups, first.finish_order, len(job) // 2)
     if group.engine_index == 0:
         time.sleep(LATE_S)
-    second = group.run_partial_balanced(waiting, len(waiting), replace(options, seed=78), 1,
+    second = run_partial_balanced(group, waiting, len(waiting), replace(options, seed=78), 1,
                                         [layout.engine_of_rank(g.key[2]) for g in waiting])
     # tool-calling episodes the same way: half the job's groups train, then the rest continues at version 1 with
     # engine 0 late, so engine 1 continues episodes engine 0 stopped
-    first_agents, _ = group.run_partial_agents_balanced(agents_job, len(job) // 2, options, 0, homes,
+    first_agents, _ = run_partial_agents_balanced(group, agents_job, len(job) // 2, options, 0, homes,
                                                         agent_callbacks(), 4)
     _, waiting = split_finished(first_agents.groups, first_agents.finish_order, len(job) // 2)
     if group.engine_index == 0:
         time.sleep(LATE_S)
-    second_agents, _ = group.run_partial_agents_balanced(waiting, len(waiting), replace(options, seed=78), 1,
+    second_agents, _ = run_partial_agents_balanced(group, waiting, len(waiting), replace(options, seed=78), 1,
                                                          [layout.engine_of_rank(g.key[2]) for g in waiting],
                                                          agent_callbacks(), 4)
     for name, run in (("partial_balanced", first), ("partial_continued", second),

@@ -47,6 +47,7 @@ def partial_rollout(group, model, opt, prompts, batch, opts) -> dict:
     version (the continuation must be sampled by the new adapter)."""
     import copy
 
+    from trl_nrollout.rollout.dispatch.shares import run_partial
     from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
 
     group.load_adapter(model)
@@ -54,14 +55,14 @@ def partial_rollout(group, model, opt, prompts, batch, opts) -> dict:
     started = [PartialSample(list(c[:6]), list(lp[:6]), None, [0] * 6)
                for c, lp in zip(batch.completion_ids[N:2 * N], batch.logprobs[N:2 * N])]
     pool = [InFlightGroup.fresh(0, prompts[0], N), InFlightGroup(1, list(prompts[1]), started)]
-    first = group.run_partial(pool, 1, opts, version=1)
+    first = run_partial(group, pool, 1, opts, version=1)
     loss = -sum(sampled_logprob_sum(model, prompts[0], s.token_ids) for s in first.groups[0].samples if s.token_ids)
     loss.backward()
     opt.step()
     opt.zero_grad()
     model.eval()
     group.load_adapter(model)
-    second = group.run_partial(first.groups, 2, opts, version=2)
+    second = run_partial(group, first.groups, 2, opts, version=2)
     samples = second.groups[0].samples
     gaps = {}  # (version of the tokens, version of the model scoring them) -> largest gap
     for scorer, ref_model in ((1, v1), (2, model)):

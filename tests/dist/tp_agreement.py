@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_nrollout.plan.layout import RolloutLayout  # noqa: E402
-from trl_nrollout.rollout.agent_loop import AgentCallbacks  # noqa: E402
+from trl_nrollout.rollout.tool_episodes import AgentCallbacks  # noqa: E402
+from trl_nrollout.rollout.dispatch.shares import run_agents, run_partial  # noqa: E402
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, split_finished  # noqa: E402
 from trl_nrollout.rollout.types import SamplingOptions  # noqa: E402
 
@@ -66,14 +67,14 @@ def partial_phase(group) -> dict:
     nearly_done = InFlightGroup(-1, prompt(99), [PartialSample(token_ids=list(range(200, 259)),
                                                                logprobs=[-1.0] * 59, versions=[0] * 59)])
     pool = [nearly_done] + [InFlightGroup.fresh(g, prompt(g), 1) for g in range(ABORTED)]
-    first = group.run_partial(pool, 1, opts, version=0)
+    first = run_partial(group, pool, 1, opts, version=0)
     _, waiting = split_finished(first.groups, first.finish_order, 1)
     # the free blocks in the order the next allocations take them, by what they cache (None: nothing)
     free_queue = [None if b.block_hash is None else str(b.block_hash)
                   for b in blocks.free_block_queue.get_all_free_blocks()]
     scheduled.clear()
     fresh = [InFlightGroup.fresh(100 + g, prompt(50 + g), 1) for g in range(5)]  # 10 blocks: into the aborted ones'
-    second = group.run_partial(fresh + waiting, 3, opts, version=1)
+    second = run_partial(group, fresh + waiting, 3, opts, version=1)
     scheduler.schedule = real_schedule
     return {"kv_blocks": blocks.num_gpu_blocks, "aborted": first.aborted, "free_queue": digest(free_queue),
             "cached_after_abort": sum(h is not None for h in free_queue), "scheduled": digest(scheduled),
@@ -135,7 +136,7 @@ def tools_phase(group, tokenizer, rank: int) -> dict:
         trace.clear()
         seeds.clear()
         agent = Agent(suffix, draw)
-        out, _, stats = group.run_agents(samples, N, opts, lambda round_: None, agent.callbacks(), workers=4)
+        out, _, stats = run_agents(group, samples, N, opts, lambda round_: None, agent.callbacks(), workers=4)
         runs[name] = {"completions": [s.completion_ids for s in out], "calls": agent.calls,
                       "requests": stats.requests, "trace": digest(trace),
                       "seeds_sent": len(seeds), "unseeded_requests": sum(s is None for s in seeds)}

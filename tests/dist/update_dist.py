@@ -5,7 +5,7 @@ accelerate cannot run FSDP on a CPU) and under the trainer's own DDP (``accelera
 argv: model folder, output folder. Each rank builds one trainer per case (its model sharded or wrapped), makes its
 own rollout (:data:`COMPLETIONS`: 16 samples on rank 0, 8 on rank 1), splits it into TRL's four count-based micro
 batches (two optimizer steps of two), attaches the mini batches' normalizers (all ranks), re-cuts each optimizer
-step under a token budget of 40 (``_budgeted_steps``: the busiest rank's count of micro batches on every rank;
+step under a token budget of 40 (``budgeted_update.steps``: the busiest rank's count of micro batches on every rank;
 rank 1 makes up the difference with a forward that weighs nothing) and runs the Trainer's ``compute_loss`` +
 ``accelerator.backward`` for each micro step, as ``training_step`` does (no optimizer step: the gradients of both
 optimizer steps add up). The padding-free forwards run either masked rows (a block-diagonal mask) or varlen rows
@@ -89,13 +89,14 @@ def record_logps(trainer) -> tuple[dict[int, list[float]], list[float]]:
     (by ``sample_id``; the forwards that weigh nothing, ``loss_scale=0``, are counted, not recorded)."""
     logps: dict[int, list[float]] = {}
     scales: list[float] = []
-    inner_loss, inner_logps = trainer._compute_loss, trainer._policy_logps
+    update = trainer.policy_update  # the part whose loss every micro batch runs
+    inner_loss, inner_logps = update.loss, update.policy_logps
     current: dict = {}
 
-    def compute_loss(model, inputs):
+    def compute_loss(model, inputs, step):
         current["inputs"] = inputs
         scales.append(float(inputs.get("loss_scale", 1.0)))
-        return inner_loss(model, inputs)
+        return inner_loss(model, inputs, step)
 
     def policy_logps(model, input_ids, attention_mask, logits_to_keep, mm=None):
         out = inner_logps(model, input_ids, attention_mask, logits_to_keep, mm)
@@ -106,7 +107,7 @@ def record_logps(trainer) -> tuple[dict[int, list[float]], list[float]]:
                 logps[sid] = out[0][row, :n].detach().float().tolist()
         return out
 
-    trainer._compute_loss, trainer._policy_logps = compute_loss, policy_logps
+    update.loss, update.policy_logps = compute_loss, policy_logps
     return logps, scales
 
 
@@ -143,8 +144,8 @@ def main() -> None:
         batch = rank_batch(rank, trainer.model.config.vocab_size)
         if case == next(iter(CASES)):
             torch.save(batch, os.path.join(out_dir, f"batch{rank}.pt"))
-        chunks = trainer._add_normalizers(split_tensor_dict(batch, CHUNKS), 2)
-        steps = trainer._budgeted_steps(chunks)
+        chunks = trainer.policy_update.add_normalizers(split_tensor_dict(batch, CHUNKS), 2)
+        steps = trainer.budgeted_update.steps(trainer.model, chunks)
         logps, scales = record_logps(trainer)
         rows.clear()
         model.zero_grad()

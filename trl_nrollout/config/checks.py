@@ -16,10 +16,11 @@ from trl_nrollout.algos.advantages import available_estimators
 from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy_losses
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import RolloutLayout
-from trl_nrollout.rollout.agent_loop import MULTI_TURN_MODES
+from trl_nrollout.plan.roles import lookahead_spelling_refusal
 from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES
 from trl_nrollout.rollout.seeds import SEED_MODES
+from trl_nrollout.rollout.tool_episodes import MULTI_TURN_MODES
 from trl_nrollout.rollout.weight_sync import LORA_SYNC_MODES
 
 logger = logging.getLogger(__name__)
@@ -88,19 +89,21 @@ RESERVED_GENERATION_KWARGS = {
 }
 
 
-def stale_sample_reason(rollout_ranks: int, rollout_partial: bool, max_staleness: int | None) -> str | None:
+def stale_sample_reason(rollout_ranks: int, rollout_partial: bool, max_staleness: int | None,
+                        rollout_lookahead: int | None = None) -> str | None:
     """Why a sample can be older than the policy that trains on it, in words (None: it cannot, e.g. the
-    synchronous colocated default): rollout ranks generating ``max_staleness >= 1`` steps ahead, or partial rollouts
-    continuing samples across ``max_staleness >= 1`` weight syncs."""
-    if not max_staleness or max_staleness < 1:
-        return None
-    steps = f"{max_staleness} optimizer step{'s' if max_staleness > 1 else ''}"
-    if rollout_ranks:
-        return (f"rollout_ranks={rollout_ranks} with max_staleness={max_staleness}: the rollout ranks generate up to "
-                f"{steps} ahead, so a sample can be {steps} older than the policy that trains on it")
-    if rollout_partial:
+    synchronous colocated default): rollout ranks generating ``rollout_lookahead >= 1`` steps ahead, or partial
+    rollouts continuing samples across ``max_staleness >= 1`` weight syncs."""
+    def steps(k: int) -> str:
+        return f"{k} optimizer step{'s' if k > 1 else ''}"
+
+    if rollout_ranks and rollout_lookahead and rollout_lookahead >= 1:
+        return (f"rollout_ranks={rollout_ranks} with rollout_lookahead={rollout_lookahead}: the rollout ranks generate "
+                f"up to {steps(rollout_lookahead)} ahead, so a sample can be {steps(rollout_lookahead)} older than the "
+                "policy that trains on it")
+    if rollout_partial and max_staleness and max_staleness >= 1:
         return (f"rollout_partial=True with max_staleness={max_staleness}: a sample continued across weight syncs "
-                f"keeps tokens up to {steps} older than the policy that trains on it")
+                f"keeps tokens up to {steps(max_staleness)} older than the policy that trains on it")
     return None
 
 
@@ -212,6 +215,13 @@ class ConfigChecks:
             if why is not None:
                 raise InputError(why)
 
+    def _check_lookahead_spelling(self) -> None:
+        """``max_staleness`` set as the rollout ranks' look-ahead (its old meaning): refused with the fix
+        (:func:`lookahead_spelling_refusal`). Runs before the defaults fill both options in."""
+        why = lookahead_spelling_refusal(self.rollout_ranks, self.max_staleness, self.rollout_lookahead)
+        if why is not None:
+            raise InputError(why)
+
     def _check_steps_spanning_rollouts(self, world: int) -> None:
         """Optimizer steps that span two rollouts (TRL's layouts, e.g. gradient_accumulation_steps=3 with
         steps_per_generation=4) start a rollout inside an optimizer step, when TRL's loop asks for it: rollout ranks
@@ -302,6 +312,14 @@ class ConfigChecks:
         if self.max_staleness < 0:
             raise InputError(f"max_staleness={self.max_staleness} must be >= 0 (policy versions a sample may lag; "
                              "1 lets an unfinished sample continue after one weight sync).")
+        if self.rollout_lookahead < 0:
+            raise InputError(f"rollout_lookahead={self.rollout_lookahead} must be >= 0 (steps the rollout ranks "
+                             "generate ahead; 0: synchronous, 1: one-step-off-policy).")
+        if self.rollout_lookahead and not self.rollout_ranks:
+            raise InputError(f"rollout_lookahead={self.rollout_lookahead} needs rollout_ranks > 0 (the steps the "
+                             "rollout ranks generate ahead; with rollout_ranks=0 every process trains and generates, "
+                             "synchronously). Set rollout_ranks=K (and launch K more processes), or drop "
+                             "rollout_lookahead (partial rollouts bound their tokens' age with max_staleness).")
         if not self.rollout_partial_oversample >= 0:
             raise InputError(f"rollout_partial_oversample={self.rollout_partial_oversample} must be >= 0 (0.5: half "
                              "again as many groups in flight as the step trains).")

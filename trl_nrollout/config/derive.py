@@ -131,7 +131,7 @@ class ConfigDerivation:
         """``decoupled_loss=None``: on where a sample can be older than the policy that trains on it
         (:func:`stale_sample_reason`, kept in ``_stale_reason`` for the trainer's log line), off elsewhere; on, it
         weights each token by ``rollout_is='token'`` unless ``rollout_is`` is set."""
-        reason = stale_sample_reason(self.rollout_ranks, self.rollout_partial, self.max_staleness)
+        reason = stale_sample_reason(self.rollout_ranks, self.rollout_partial, self.max_staleness, self.rollout_lookahead)
         if self.decoupled_loss is None:
             self.decoupled_loss = reason is not None
             self._stale_reason = reason

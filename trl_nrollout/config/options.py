@@ -194,10 +194,10 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "the proximal policy (the trainer's own log-probs at the update, or the old-policy pass), each "
                 "token's loss times the truncated importance weight of that policy over the behaviour policy (the "
                 "engine's log-probs): rollout_is's weights, rollout_is='token' (truncated at rollout_is_threshold) "
-                "unless rollout_is is set. None (default): on where a sample can be stale (rollout_ranks or "
-                "rollout_partial with max_staleness >= 1; said in one log line), off elsewhere (a synchronous "
-                "colocated run trains as before); True: on; False: off (a stale sample's PPO ratio is then 1 on one "
-                "optimizer step per rollout: nothing corrects its staleness)."})
+                "unless rollout_is is set. None (default): on where a sample can be stale (rollout_ranks with "
+                "rollout_lookahead >= 1, or rollout_partial with max_staleness >= 1; said in one log line), off "
+                "elsewhere (a synchronous colocated run trains as before); True: on; False: off (a stale sample's "
+                "PPO ratio is then 1 on one optimizer step per rollout: nothing corrects its staleness)."})
 
     rollout_partial: bool = field(default=False, metadata={
         "help": "Partial rollouts (verl's partial_rollout): a step's rollout ends as soon as the step's groups have "
@@ -218,24 +218,30 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "topping the pool up with prompts drawn from the training set (as DAPO's extra rounds draw them), "
                 "so that the step can stop once its share has finished instead of waiting for the slowest group."})
     max_staleness: int | None = field(default=None, metadata={
-        "help": "How many policy versions (optimizer steps) a sample may lag the policy that trains on it (TRL "
-                "AsyncGRPO's max_staleness). With rollout_partial (default 2): a sample's oldest token; an older "
-                "sample is dropped and started again (its tokens are lost: a low bound restarts long samples, a bias "
-                "against them); 0: nothing carries over. With rollout_ranks (default 1, one-step-off-policy): how "
-                "many steps ahead the rollout ranks generate while the trainers train; 0: synchronous (the samples "
-                "of a colocated run, seeded). Both (rollout_ranks with rollout_partial, default 1): the lookahead "
-                "and the restart bound against the rollout ranks' weights, so a trained token is at most "
-                "2 x max_staleness versions old."})
+        "help": "With rollout_partial: how many policy versions (optimizer steps) a sample's oldest token may lag "
+                "the policy that continues it (TRL AsyncGRPO's max_staleness); an older sample is dropped and "
+                "started again (its tokens are lost: a low bound restarts long samples, a bias against them); 0: "
+                "nothing carries over. Default 2 (1 with rollout_ranks, where it counts against the rollout ranks' "
+                "weights, so a trained token is at most rollout_lookahead + max_staleness versions old). The rollout "
+                "ranks' look-ahead is rollout_lookahead: a config that sets max_staleness with rollout_ranks and not "
+                "rollout_lookahead (the old spelling of the look-ahead) is refused with the fix."})
 
     rollout_ranks: int = field(default=0, metadata={
         "help": "Processes of the launch that only generate (the last ones; whole nodes on several nodes); the "
                 "others train (verl's one-step-off-policy, TRL's server mode, inside one accelerate launch, without "
                 "Ray or a second program). Weights go from trainer rank 0 to them over torch.distributed (gloo) "
                 "after every optimizer step, samples come back with their behaviour log-probs; they generate "
-                "max_staleness steps ahead. 0: every process trains and generates (colocated). Batch sizes count "
+                "rollout_lookahead steps ahead. 0: every process trains and generates (colocated). Batch sizes count "
                 "the trainers only. vLLM engines; single-turn prompts (images included), TRL's tools and "
                 "environments, rollout_func, agent=, a balanced queue over the rollout ranks' engines and partial "
                 "rollouts run there."})
+    rollout_lookahead: int | None = field(default=None, metadata={
+        "help": "With rollout_ranks: how many steps ahead the rollout ranks generate while the trainers train (jobs "
+                "written that many steps before the step that trains on them; a sample is then up to this many "
+                "optimizer steps older than the policy that trains on it). Default 1 (one-step-off-policy); 0: "
+                "synchronous (the samples of a colocated run, seeded). Without rollout_ranks: 0 (a value > 0 is "
+                "refused). Earlier versions set this with max_staleness (which now bounds only the partial "
+                "pool's token age): such a config is refused with the fix."})
     rollout_rank_timeout_s: float = field(default=120.0, metadata={
         "help": "With rollout_ranks: seconds without a heartbeat (written every second by every process) after "
                 "which a rank stops the launch, naming the silent rank and what it was doing (a dead or frozen "
@@ -365,8 +371,11 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "(CUDA devices) and an HTTP server; NRolloutGRPOTrainer runs the same split inside one launch: set "
                 "rollout_ranks=K and launch K more processes (they generate, the others train; weights travel over "
                 "torch.distributed), or use vllm_mode='colocate'.")
+        self._check_lookahead_spelling()  # before the defaults below fill max_staleness / rollout_lookahead in
         if self.max_staleness is None:
             self.max_staleness = 1 if self.rollout_ranks else 2
+        if self.rollout_lookahead is None:
+            self.rollout_lookahead = 1 if self.rollout_ranks else 0
         # the default for where the engines live; a value equal to it (TRL's 0.3 from a GRPOConfig) is not a setting
         self._default_gpu_memory_utilization = (ROLLOUT_RANK_GPU_MEMORY_UTILIZATION if self.rollout_ranks
                                                 else COLOCATED_GPU_MEMORY_UTILIZATION)

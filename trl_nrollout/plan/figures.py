@@ -52,8 +52,8 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
                                       "max_completion_length). Default: max_completion_length (an upper bound)."),
     ("rollout_ranks", int, "Processes that only generate (the last ones); the others train. Default 0 "
                            "(colocated: every process trains and generates)."),
-    ("max_staleness", int, "With rollout_ranks: steps the engines generate ahead of the trainers (default 1; 0: "
-                           "synchronous)."),
+    ("rollout_lookahead", int, "With rollout_ranks: steps the engines generate ahead of the trainers (the trainer's "
+                               "rollout_lookahead; default 1; 0: synchronous)."),
     ("trainer_sharding", str, "none, zero2, zero3, fsdp or zero3_offload (--predict): sharded parameters are "
                               "gathered per forward and optimizer states split over the ranks; zero3_offload keeps "
                               "the optimizer on the host (ZeRO-Offload). Default: the recipe's accelerate config's, "
@@ -83,7 +83,8 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
 #: recipe keys a plan reads that have no flag: the trainer (PPO's critic rows), the critic's micro batches, and
 #: what --predict needs to know of the loss and the engine's sleep mode
 RECIPE_ONLY_KEYS = ("trainer", "critic_ppo_micro_batch_size_per_device", "critic_ppo_max_token_len_per_device",
-                    "use_kl_loss", "beta", "vllm_enable_sleep_mode", "use_peft")
+                    "use_kl_loss", "beta", "vllm_enable_sleep_mode", "use_peft",
+                    "max_staleness")  # max_staleness: only to refuse its old meaning (the look-ahead)
 LAYOUT_KEYS = (
     "num_processes", "n_gpus_per_node", "nnodes", "rollout_tp_size", "train_batch_size", "rollout_n",
     "ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs", "log_prob_micro_batch_size",
@@ -200,7 +201,7 @@ def split_rollout_ranks(values: dict[str, Any]) -> tuple[dict[str, Any], list[tu
     """With ``rollout_ranks``: the trainers' plan options (their processes, no engine among them), the rows that
     describe the rollout ranks, and those figures as JSON; None without rollout ranks. Raises :class:`PlanError`
     for a split that cannot work (:func:`~trl_nrollout.rollout.ranks.roles_refusal`), with its fix."""
-    from trl_nrollout.plan.roles import roles_refusal
+    from trl_nrollout.plan.roles import lookahead_spelling_refusal, roles_refusal
 
     r = values.get("rollout_ranks") or 0
     if not r:
@@ -218,8 +219,10 @@ def split_rollout_ranks(values: dict[str, Any]) -> tuple[dict[str, Any], list[tu
     engines = r // tp
     prompts = values.get("train_batch_size") or 0
     n = values.get("rollout_n") or 0
-    staleness = values.get("max_staleness")
-    staleness = 1 if staleness is None else staleness
+    if (why := lookahead_spelling_refusal(r, values.get("max_staleness"), values.get("rollout_lookahead"))):
+        raise PlanError(why)
+    ahead = values.get("rollout_lookahead")
+    ahead = 1 if ahead is None else ahead
     engine_ranks = [list(range(trainers + e * tp, trainers + (e + 1) * tp)) for e in range(engines)]
     trainer_values = {**values, "num_processes": trainers, "rollout_tp_size": 1,
                       "nnodes": 1 if world == local else nnodes - r // local, "n_gpus_per_node": None}
@@ -231,14 +234,14 @@ def split_rollout_ranks(values: dict[str, Any]) -> tuple[dict[str, Any], list[tu
                             + (" ..." if engines > 8 else "")),
         ("prompts per engine", f"{prompts} / {engines} = {prompts / engines:g} ({prompts * n} samples per step in "
                                "all; whole groups per engine)"),
-        ("generation", "synchronous (max_staleness=0): the trainers wait for each step's samples" if staleness == 0
-         else f"{staleness} step(s) ahead (max_staleness={staleness}): step k+{staleness}'s samples are generated "
-              f"while the trainers train step k, by a policy {staleness} optimizer step(s) older"),
+        ("generation", "synchronous (rollout_lookahead=0): the trainers wait for each step's samples" if ahead == 0
+         else f"{ahead} step(s) ahead (rollout_lookahead={ahead}): step k+{ahead}'s samples are generated "
+              f"while the trainers train step k, by a policy {ahead} optimizer step(s) older"),
         ("weights", "trainer rank 0 -> every rollout rank after each optimizer step, over torch.distributed "
                     "(gloo), from a thread while the trainers go on"),
     ]
     figures = {"processes": world, "trainers": trainers, "rollout_ranks": r, "rollout_tp_size": tp,
-               "engines": engines, "engine_ranks": engine_ranks, "max_staleness": staleness,
+               "engines": engines, "engine_ranks": engine_ranks, "rollout_lookahead": ahead,
                "cross_node": world > local}
     return trainer_values, rows, figures
 

@@ -114,7 +114,7 @@ def resolve_lora_sync(values: dict[str, Any], dims: ModelDims, layout: RolloutLa
         price = price_lora_sync(dims, layout, work, dev)
     else:
         price = price_lora_sync(dims, layout, work, dev, engines=split[0], cross_node=split[1].get("cross_node", False),
-                                staleness=split[1]["max_staleness"])
+                                staleness=split[1]["rollout_lookahead"])
     return replace(work, lora_sync=price.choice), price.reason() + "."
 
 
@@ -292,7 +292,7 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
             ) -> dict[str, Any]:
     """The layouts that fit, ranked by predicted samples/s, and the refused ones with reasons (JSON-ready), with
     their table lines. ``rollout_ranks``: also the launches split into trainers and rollout ranks (generating
-    ``max_staleness`` steps ahead, default 1)."""
+    ``rollout_lookahead`` steps ahead, default 1)."""
     dims, dev = dims_of(values), device_of(values)
     work, notes = workload_of(values)
     if work.lora_r is not None and lora_sync_mode(values) == "auto":
@@ -307,8 +307,8 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
     extra = {k: values[k] for k in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device",
                                     "log_prob_micro_batch_size_per_device", "ref_log_prob_micro_batch_size_per_device",
                                     "sequence_parallel_size") if values.get(k) is not None}
-    staleness = values.get("max_staleness")
-    staleness = 1 if staleness is None else int(staleness)
+    ahead = values.get("rollout_lookahead")
+    ahead = 1 if ahead is None else int(ahead)
     nnodes = int(values.get("nnodes") or 1)
     local = int(values.get("n_gpus_per_node") or max(1, int(world) // nnodes))
     # the engine's memory fraction and sleep mode are searched too where the recipe leaves them to the trainer
@@ -322,7 +322,7 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
             try:
                 part = search(dims, int(world), int(prompts), work, dev, n_values=n_values, gpu_memory_utilization=u,
                               sleep_mode=sleep, layout_extra={**extra, **(more or {})},
-                              rollout_ranks=rollout_ranks and i == 0, max_staleness=staleness, local_world=local,
+                              rollout_ranks=rollout_ranks and i == 0, lookahead=ahead, local_world=local,
                               shardings=tried,
                               try_dynamic_bsz=not any(values.get(k) is not None for k in (
                                   "ppo_micro_batch_size_per_device", "use_dynamic_bsz", "ppo_max_token_len_per_device")))
@@ -385,7 +385,7 @@ def suggest(values: dict[str, Any], n_values: tuple[int, ...], top: int = 10, ro
         split = ""
         if rollout_ranks:
             r = o.get("rollout_ranks", 0)
-            split = (f"  {int(world) - r} + {r} (max_staleness={staleness})" if r
+            split = (f"  {int(world) - r} + {r} (rollout_lookahead={ahead})" if r
                      else "  colocated (every process both)")
         shard = (o.get("trainer_sharding") or values.get("trainer_sharding") or "none") + (
             f" sp{o['sequence_parallel_size']}" if o.get("sequence_parallel_size", 1) > 1 else "")
@@ -458,7 +458,7 @@ def launch_command(values: dict[str, Any], options: dict[str, Any], world: int) 
 def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split: dict[str, Any],
                           budget: UpdateBudget | None = None) -> dict[str, Any]:
     """``plan --predict`` with ``rollout_ranks``: the engines' generation on the rollout ranks, the trainers' phases,
-    the transfer, and the step synchronous and pipelined (``max_staleness``), beside the same devices colocated
+    the transfer, and the step synchronous and pipelined (``rollout_lookahead``), beside the same devices colocated
     (every process trains and generates) for comparison. ``split``: the figures of
     :func:`~trl_nrollout.plan.figures.split_rollout_ranks`."""
     dims, dev = dims_of(values), device_of(values)
@@ -490,16 +490,16 @@ def predict_rollout_ranks(values: dict[str, Any], trainers: RolloutLayout, split
     fit = verdict(values, dims, None, work, dev, StepPrediction(
         phases={}, total_s=0.0, samples_per_s=0.0, engine_bytes=pred.engine_bytes, train_bytes=trained.train_bytes,
         activation_bytes=trained.activation_bytes, details=trained.details), colocated=False)
-    staleness = split["max_staleness"]
-    step = pred.step_s(staleness)
+    ahead = split["rollout_lookahead"]
+    step = pred.step_s(ahead)
     rows = [(f"generation (rollout ranks, {engines_n} engines)", f"{pred.generation_s:.3g} s"),
             ("training (old/ref passes, update)", f"{pred.train_s:.3g} s"),
             ("weight transfer", f"{pred.transfer_s:.3g} s (device -> host, gloo "
                                 + ("over the node link" if split.get("cross_node") else "on the node")
                                 + " -> rollout ranks' devices)"),
-            ("step, synchronous (max_staleness=0)", f"{pred.sync_s:.3g} s"),
-            ("step, pipelined (max_staleness>=1)", f"{pred.pipelined_s:.3g} s"),
-            (f"this recipe (max_staleness={staleness})", f"{step:.3g} s -> {pred.samples / step:.3g} samples/s"),
+            ("step, synchronous (rollout_lookahead=0)", f"{pred.sync_s:.3g} s"),
+            ("step, pipelined (rollout_lookahead>=1)", f"{pred.pipelined_s:.3g} s"),
+            (f"this recipe (rollout_lookahead={ahead})", f"{step:.3g} s -> {pred.samples / step:.3g} samples/s"),
             *([] if together is None else [(f"the same {split['processes']} devices colocated",
                                              f"{together.total_s:.3g} s -> {together.samples_per_s:.3g} samples/s")]),
             ("memory per device", f"engine {pred.engine_bytes / 2**30:.3g} GiB, trainer "

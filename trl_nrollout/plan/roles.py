@@ -79,3 +79,20 @@ def roles_refusal(world: int, rollout_ranks: int, local_world: int, rollout_tp_s
         return (f"rollout_tp_size={rollout_tp_size} does not divide the {local_world} processes per node: an engine's "
                 "ranks must share a node.")
     return None
+
+
+def lookahead_spelling_refusal(rollout_ranks: int, max_staleness: int | None,
+                               rollout_lookahead: int | None) -> str | None:
+    """The old spelling of the rollout ranks' look-ahead, refused with the fix (None: not that spelling). Earlier
+    versions had ``max_staleness`` mean both the look-ahead of rollout ranks and the partial pool's token age; a
+    config that sets ``max_staleness`` with ``rollout_ranks`` and leaves ``rollout_lookahead`` unset meant the
+    look-ahead (and, with ``rollout_partial``, the token age too). It is refused rather than mapped: a mapping would
+    keep the double meaning for exactly the configs that use it (a partial run that raises max_staleness to keep
+    long samples would silently generate further ahead)."""
+    if not rollout_ranks or max_staleness is None or rollout_lookahead is not None:
+        return None
+    return (f"max_staleness={max_staleness} with rollout_ranks={rollout_ranks} and no rollout_lookahead: max_staleness "
+            "no longer sets how many steps ahead the rollout ranks generate; rollout_lookahead does. Set "
+            f"rollout_lookahead={max_staleness}, and max_staleness only for the partial pool's token age (with "
+            f"rollout_partial; {max_staleness} keeps what this config did), or drop max_staleness (defaults: "
+            "rollout_lookahead=1, max_staleness=1).")

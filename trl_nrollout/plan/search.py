@@ -153,12 +153,12 @@ def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Wo
             n_values: Sequence[int], max_num_seqs_values: Sequence[int] = (64, 128, 256, 512, 1024),
             gpu_memory_utilization: float = COLOCATED_GPU_MEMORY_UTILIZATION, sleep_mode: bool = False,
             layout_extra: dict | None = None, rollout_gpu_memory_utilization: float | None = None,
-            rollout_ranks: bool = False, max_staleness: int = 1, local_world: int | None = None,
+            rollout_ranks: bool = False, lookahead: int = 1, local_world: int | None = None,
             shardings: Sequence[str] | None = None, try_dynamic_bsz: bool = False) -> list[Candidate]:
     """Every layout of ``num_processes`` devices and ``train_batch_size`` prompts over TP sizes, ``n_values`` and
     ``max_num_seqs_values``: the ones that fit ranked by predicted samples per second (best first), then the refused
     ones with their reasons. ``rollout_ranks``: also every split of the devices into trainers and rollout ranks
-    (:func:`split_candidates`, generating ``max_staleness`` steps ahead; ``local_world`` devices per node), whose
+    (:func:`split_candidates`, generating ``lookahead`` steps ahead; ``local_world`` devices per node), whose
     engines take ``rollout_gpu_memory_utilization`` of their device (default: a dedicated device's 0.9, what the
     trainer gives them). ``shardings``: the trainer's sharding choices to try (:data:`SHARDING_CONFIGS`' keys; each
     candidate's options then name it and its accelerate config); None: only ``work``'s own. ``try_dynamic_bsz``:
@@ -207,7 +207,7 @@ def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Wo
                                   max_num_seqs_values=max_num_seqs_values,
                                   gpu_memory_utilization=rollout_gpu_memory_utilization or ROLLOUT_RANK_GPU_MEMORY_UTILIZATION,
                                   layout_extra=layout_extra,
-                                  max_staleness=max_staleness, local_world=local_world or num_processes):
+                                  lookahead=lookahead, local_world=local_world or num_processes):
             (refused if c.reason else fit).append(c)
     fit.sort(key=lambda c: -c.prediction.samples_per_s)
     return fit + refused
@@ -218,7 +218,7 @@ def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Wo
 class SplitPrediction:
     """A step with ``rollout_ranks``: the engines' generation (on the rollout ranks), the trainers' phases (on the
     others), the weight transfer between them, and the step they make synchronous (``sync_s``: generation, then
-    the transfer, then training) and with ``max_staleness >= 1`` (``pipelined_s``: generation of the next step
+    the transfer, then training) and with ``rollout_lookahead >= 1`` (``pipelined_s``: generation of the next step
     beside training of this one, so the longer of the two, plus the transfer). Memory per device of each world."""
 
     generation_s: float
@@ -274,11 +274,11 @@ def predict_split(dims: ModelDims, engines: RolloutLayout, trainers: RolloutLayo
 
 def split_candidates(dims: ModelDims, num_processes: int, train_batch_size: int, work: Workload,
                      dev: DeviceProfile, *, n_values: Sequence[int], max_num_seqs_values: Sequence[int],
-                     gpu_memory_utilization: float, layout_extra: dict | None, max_staleness: int,
+                     gpu_memory_utilization: float, layout_extra: dict | None, lookahead: int,
                      local_world: int) -> list[Candidate]:
     """Every split of ``num_processes`` devices into trainers and ``rollout_ranks`` (a multiple of the engines'
     TP size, as the launch allows: :func:`~trl_nrollout.plan.roles.roles_refusal`), each TP size, ``n`` and
-    ``max_num_seqs``, predicted by :func:`predict_split`: the step is the pipelined one with ``max_staleness >= 1``
+    ``max_num_seqs``, predicted by :func:`predict_split`: the step is the pipelined one with ``lookahead >= 1``
     (generation of the next step beside training), else the synchronous one. Memory per device: a rollout rank
     holds its engine (within ``gpu_memory_utilization``), a trainer its states (the whole device); the trainers'
     collectives cross the nodes' links only when the trainers span several nodes. The candidates' ``phases`` are
@@ -315,10 +315,10 @@ def split_candidates(dims: ModelDims, num_processes: int, train_batch_size: int,
                     gen, train = predict_step(dims, engines, w, dev), predict_step(dims, trainers, w, dev)
                     split = predict_split(dims, engines, trainers, w, dev,
                                           cross_node=num_processes > local_world)
-                    total = split.step_s(max_staleness)
+                    total = split.step_s(lookahead)
                     phases = {**train.phases, "generation": gen.phases["generation"]}
                     details = {**gen.details, "rollout_ranks": ranks, "trainers": num_processes - ranks,
-                               "max_staleness": max_staleness, "sync_s": split.sync_s,
+                               "rollout_lookahead": lookahead, "sync_s": split.sync_s,
                                "pipelined_s": split.pipelined_s}
                     pred = StepPrediction(phases=phases, total_s=total, samples_per_s=split.samples / total,
                                           engine_bytes=split.engine_bytes, train_bytes=split.train_bytes,

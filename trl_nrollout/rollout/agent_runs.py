@@ -20,6 +20,7 @@ from typing import Any
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.agent_episodes import EpisodeRecord
 from trl_nrollout.rollout.dispatch import PullStats
+from trl_nrollout.rollout.dispatch.balanced import drop_job_queue, job_queue, send_home
 from trl_nrollout.rollout.seeds import prompt_seed, turn_seed
 from trl_nrollout.rollout.types import SamplingOptions
 
@@ -243,7 +244,7 @@ def run_episodes(engine, endpoint, runner: EpisodeRunner, rows: list[dict], n: i
     single-turn sample's, ``sampling.seed + s``; later ones per call), not from the rank that runs it.
 
     ``balanced`` (``rollout_dispatch="balanced"``, several engines): every rank's rows form one queue of groups
-    (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.job_queue`); each rank runs the episodes of the
+    (:func:`~trl_nrollout.rollout.dispatch.balanced.job_queue`); each rank runs the episodes of the
     groups it pulls, pulling while it runs fewer than its share of its engine's ``max_num_seqs`` plus a group, and
     the finished episodes go home to the ranks that own their rows. Collective over the engines' ranks then.
     ``tag``: the episodes' keys' prefix (unique per rollout on the rank)."""
@@ -267,7 +268,7 @@ def run_episodes(engine, endpoint, runner: EpisodeRunner, rows: list[dict], n: i
     ran: dict[int, EpisodeRecord] = {}
     claimed: list[int] = []
     if balanced:
-        queue = engine.job_queue(counts, n)
+        queue = job_queue(engine, counts, n)
         capacity = engine.max_num_seqs
         target = -(-capacity // len(engine.tp_ranks)) + n  # this rank's share of its engine's batch, a group more
 
@@ -300,8 +301,8 @@ def run_episodes(engine, endpoint, runner: EpisodeRunner, rows: list[dict], n: i
     wall = time.perf_counter() - start
     if not balanced:
         return EpisodeRun([ran[offset + i] for i in range(len(rows))], stats, wall)
-    home = engine.send_home({g: [ran[g * n + k] for k in range(n)] for g in claimed}, counts, n)
-    engine.drop_job_queue(queue)  # every rank is past its last claim
+    home = send_home(engine, {g: [ran[g * n + k] for k in range(n)] for g in claimed}, counts, n)
+    drop_job_queue(engine, queue)  # every rank is past its last claim
     places = range(offset, offset + len(rows))
     missing = sorted({s // n for s in places} - home.keys())
     if missing:

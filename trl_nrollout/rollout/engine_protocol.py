@@ -1,6 +1,13 @@
 """The engine protocol: everything the drivers above an engine (the trainer, the episode loops, dispatch, the partial
 pool, the rollout ranks' serve loop) may use of it, in one core and a few optional capabilities.
 
+An engine holds what is the engine's: its requests (add / step / abort through its request loop), sampling
+parameters, weights and adapters, sleep / wake, ``generate_expanded`` and the gathers within its TP group (and, for
+balanced dispatch, over the job). It drives nothing: the drivers that run episodes, dispatch and partial pools over
+it are functions above it that take it as an argument (``rollout/dispatch/shares.py``, ``rollout/dispatch/
+balanced.py``, ``rollout/pool.py``, ``rollout/agent_runs.py``), so a new engine gets them for free by implementing
+what they call.
+
 Every engine implements :class:`RolloutEngine` (the core) and names the optional capabilities it has in its
 ``capabilities`` set; a caller that needs one checks ``CAPABILITY in engine.capabilities`` (never the engine's
 class), and then may use the members of that capability's protocol:
@@ -10,9 +17,9 @@ capability          protocol               what it adds
 ==================  =====================  =========================================================================
 ``ADAPTERS``        :class:`Adapters`      load a LoRA adapter as a new version the engine serves (its base stays)
 ``REQUESTS``        :class:`Requests`      a request-level loop (add / step, :class:`~trl_nrollout.rollout.requests.
-                                           EngineLoop`) and the episodes run on it request by request
-``ABORT``           :class:`Abort`         stop a request with its tokens kept (partial rollouts' pool)
-``BALANCED``        :class:`Balanced`      one queue of the job's groups that every engine pulls from
+                                           EngineLoop`), the engine's prompts and sampling parameters, its seeding
+``ABORT``           :class:`Abort`         the loop's ``abort`` keeps a request's tokens (partial rollouts' pool)
+``BALANCED``        :class:`Balanced`      the job's collectives and store, for one queue every engine pulls from
 ``BUCKETS``         :class:`Buckets`       full weights or an adapter handed over as buckets of tensors (a rollout
                                            rank's engine, fed from the trainers' broadcast)
 ``JOBS``            :class:`Jobs`          the engines live on rollout ranks: jobs written ahead, their reports
@@ -35,6 +42,7 @@ order: a group's samples contiguous); a :class:`~trl_nrollout.rollout.types.Roll
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import nn
@@ -43,9 +51,6 @@ from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
 if TYPE_CHECKING:  # (annotations only: these modules import the engines' helpers)
     from trl_nrollout.plan.layout import RolloutLayout
-    from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats
-    from trl_nrollout.rollout.dispatch import GroupQueue, PullStats
-    from trl_nrollout.rollout.partial import InFlightGroup, PartialRun
     from trl_nrollout.rollout.requests import EngineLoop
 
 ADAPTERS = "adapters"
@@ -75,7 +80,8 @@ class RolloutEngine(Protocol):
     @property
     def balances_job(self) -> bool:
         """Whether this engine's rollouts pull from one queue shared with other engines (``rollout_dispatch=
-        "balanced"`` with several engines): :meth:`Balanced.gather_job` then spans the job, not the TP group."""
+        "balanced"`` with several engines): :meth:`Balanced.gather_job` then spans the job, not the TP group, and the
+        balanced drivers use the job's queue (else they run the engine's share, which is then the job)."""
         ...
 
     def generate_expanded(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
@@ -135,24 +141,42 @@ class Adapters(Protocol):
 
 @runtime_checkable
 class Requests(Protocol):
-    """``REQUESTS``: a request-level loop in this process, and the episodes that run on it request by request."""
+    """``REQUESTS``: a request-level loop in this process, and what a driver needs to build its requests: the
+    engine's prompts, sampling parameters and seeding (the drivers: ``rollout/dispatch/``, the partial pool, the
+    endpoint agents)."""
 
     #: the job's layout (engines, TP groups)
     layout: RolloutLayout
+    #: ``rollout_seed_mode``: ``"sample"`` (each request seeded from its sample's place) or ``"engine"`` (the
+    #: engine's generators, seeded per call by :meth:`engine_rng`)
+    seed_mode: str
 
     @property
     def max_num_seqs(self) -> int:
         """Sequences the engine runs at once (a request holds ``n`` of them until it ends)."""
         ...
 
+    def ready(self) -> None:
+        """Before a driver's requests: a clear error where the engine was closed; woken where it sleeps."""
+        ...
+
     def request_loop(self, stream: bool = False) -> EngineLoop:
-        """A loop over this rank's engine (add / step / abort its requests; ``stream``: every step's new tokens),
-        whose requests use the engine's current adapter version. The engine is made ready first (a clear error
-        where it was closed; woken where it sleeps)."""
+        """A loop over this rank's engine (add / step / abort its requests; ``stream``: every step's new tokens;
+        ``engine_unfinished()``: the engine's unfinished requests, any caller's), whose requests use the engine's
+        current adapter version. The engine is made ready first (:meth:`ready`)."""
+        ...
+
+    def request_prompt(self, ids: Sequence[int], images: list | None = None) -> Any:
+        """The engine's prompt for a request of token ``ids`` (with the group's ``images``, where it has any)."""
         ...
 
     def sampling_params(self, n: int, sampling: SamplingOptions) -> Any:
         """The engine's own sampling parameters for a request of ``n`` samples (vLLM's ``SamplingParams``)."""
+        ...
+
+    def engine_rng(self, seed: int | None) -> AbstractContextManager[None]:
+        """A context for a call's requests: with ``seed_mode="engine"`` and a seed, the engine's generators seeded
+        from ``seed`` and the engine's index (the caller's restored afterwards); otherwise nothing."""
         ...
 
     def barrier_before_generate(self) -> None:
@@ -164,84 +188,43 @@ class Requests(Protocol):
         """``n`` samples of each of ``prompts`` (the same on every rank of the engine) on this rank's engine."""
         ...
 
-    def run_agents(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                   turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int,
-                   sample_offset: int | None = None) -> tuple[list[AgentSample], list[int], AgentStats]:
-        """Tool episodes request by request, without a turn barrier: this rank's samples, their groups, the stats."""
-        ...
-
 
 @runtime_checkable
 class Abort(Protocol):
-    """``ABORT``: a partial rollout's step: the pool runs until ``target`` groups finished, the rest are aborted with
-    their tokens kept (new tokens tagged ``version``)."""
-
-    def run_partial(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int
-                    ) -> PartialRun:
-        """One step of the pool ``groups`` (the same on every rank of the engine) on this rank's engine."""
-        ...
-
-    def run_partial_agents(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int,
-                           agent: AgentCallbacks, workers: int, owns: Callable[[InFlightGroup], bool],
-                           done: Callable[[list[int]], bool] | None = None) -> tuple[PartialRun, AgentStats]:
-        """:meth:`run_partial` for tool episodes, turn after turn as requests (a group's tools where ``owns``)."""
-        ...
+    """``ABORT``: the request loop's ``abort`` stops a request with its tokens kept, so a partial rollout's pool
+    (``rollout/dispatch/shares.py``'s ``run_partial``) can continue it after the weight sync. No member of its own:
+    the capability is a promise about :meth:`Requests.request_loop`'s loop."""
 
 
 @runtime_checkable
 class Balanced(Protocol):
-    """``BALANCED``: the job's groups in one queue every engine pulls from while it has room; each group's samples
-    go home to the rank that owns its prompt. Every member is collective over every rank of the job. With one
-    engine (:attr:`RolloutEngine.balances_job` False) each falls back to its share's call."""
+    """``BALANCED``: what the balanced drivers (``rollout/dispatch/balanced.py``: one queue of the job's groups that
+    every engine pulls from, each group's samples sent home) need beyond a request loop: collectives over every rank
+    of the job and a store they all reach. With one engine (:attr:`RolloutEngine.balances_job` False) the drivers
+    run the engine's share, and these span the TP group (or are not used)."""
 
-    def generate_balanced(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                          images: list[list] | None = None) -> tuple[RolloutBatch, PullStats]:
-        """:meth:`RolloutEngine.generate_expanded` from the job's queue; the batch and this engine's pull stats."""
-        ...
-
-    def run_agents_balanced(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                            turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int
-                            ) -> tuple[list[AgentSample], list[int], AgentStats, PullStats]:
-        """:meth:`Requests.run_agents` from the job's queue."""
-        ...
-
-    def run_partial_balanced(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions,
-                             version: int, homes: list[int]) -> PartialRun:
-        """:meth:`Abort.run_partial` on the job's pool (``homes[i]``: the engine group ``i`` trains at)."""
-        ...
-
-    def run_partial_agents_balanced(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions,
-                                    version: int, homes: list[int], agent: AgentCallbacks, workers: int,
-                                    quota: tuple[list[int], dict[int, int]] | None = None
-                                    ) -> tuple[PartialRun, AgentStats]:
-        """:meth:`Abort.run_partial_agents` on the job's pool."""
-        ...
-
-    def balanced_calls(self) -> Any:
-        """A context within which every :meth:`RolloutEngine.generate_expanded` call is a balanced rollout (a
-        ``rollout_func``'s); yields the list of each call's ``(PullStats, samples of this rank, n)``."""
-        ...
-
-    def job_queue(self, counts: list[int], n: int) -> GroupQueue:
-        """A fresh queue of the job's groups (``counts``: each rank's samples), this engine's own segment first."""
-        ...
-
-    def drop_job_queue(self, queue: GroupQueue) -> None:
-        """Delete ``queue``'s counters (once every rank is past its last claim)."""
-        ...
-
-    def job_counter(self, name: str) -> Callable[[int], int]:
-        """A job-wide counter ``name``: ``add(k)`` adds ``k`` atomically and returns the total (``add(0)`` reads it).
-        Only while :attr:`RolloutEngine.balances_job`."""
-        ...
+    #: set by a driver for a span (``balanced_calls``: a ``rollout_func``'s calls as balanced rollouts): while it
+    #: is not None, :meth:`RolloutEngine.generate_expanded` hands its call to it (and clears it during the call)
+    generate_hook: Callable[..., RolloutBatch] | None
 
     def gather_job(self, obj: Any) -> list:
         """``obj`` of every rank of the job, in rank order (the TP group's with one engine)."""
         ...
 
-    def send_home(self, held: dict[int, object], counts: list[int], n: int) -> dict[int, object]:
-        """Each engine leader's results ``held`` (by the job's group) to the ranks that own the group's samples;
-        returns this rank's groups."""
+    def exchange_job(self, parts: list) -> list:
+        """``parts[r]`` to rank ``r`` of the job (None: nothing), from every rank at once; returns what each rank
+        sent this one. Only while :attr:`RolloutEngine.balances_job`."""
+        ...
+
+    @property
+    def job_store(self) -> Any:
+        """A key-value store every rank of the job reaches (``add(key, k)`` atomic, returns the total;
+        ``delete_key``). Only while :attr:`RolloutEngine.balances_job`."""
+        ...
+
+    def job_key(self, name: str | None = None) -> str:
+        """A key of this engine group in :attr:`job_store`: ``name``'s, or a fresh one for one collective call
+        (every rank calls it in the same order)."""
         ...
 
 

@@ -64,7 +64,7 @@ class InFlightGroup:
     def fresh(cls, key: int, prompt_ids: list[int], n: int, payload: Any = None,
               sample: Callable[[], Any] = PartialSample, images: list | None = None) -> InFlightGroup:
         """A group not started yet; ``sample()`` makes each of its ``n`` samples (a
-        :class:`~trl_nrollout.rollout.partial_agents.AgentPartialSample` for tool-calling episodes)."""
+        :class:`~trl_nrollout.rollout.partial_tool_episodes.AgentPartialSample` for tool-calling episodes)."""
         return cls(key, list(prompt_ids), [sample() for _ in range(n)], payload,
                    images=list(images) if images else None)
 
@@ -192,17 +192,16 @@ def merge_progress(loop: EngineLoop, owner: dict[str, tuple[int, list[int]]], gr
     return updated, new_tokens
 
 
-def run_partial(llm, groups: list[InFlightGroup], target: int, version: int, max_tokens: int,
-                make_params: Callable[[int, int, int | None], Any], prompt: Callable[[list[int], list | None], Any],
-                lora_request: Any = None) -> PartialRun:
+def run_partial(loop: EngineLoop, groups: list[InFlightGroup], target: int, version: int, max_tokens: int,
+                make_params: Callable[[int, int, int | None], Any], prompt: Callable[[list[int], list | None], Any]
+                ) -> PartialRun:
     """Run one engine on the pool until ``target`` groups have finished (or none is left unfinished), then abort
     the rest, keeping their tokens. ``make_params(n, max_tokens, seed_slot)`` builds the SamplingParams of one
     request (``seed_slot``: the request's place among this call's requests, spaced by ``n``, for the caller's
     seeds); ``prompt(ids, images)`` the engine's prompt (``images``: the group's, on every request of it). New
     tokens are tagged ``version``. Every rank of a TP group calls it with the same pool and makes the same decisions
-    (they see the same outputs). ``lora_request``: the adapter version every request uses (a sample continued after
-    a sync continues under the new adapter)."""
-    loop = EngineLoop(llm, stream=True, lora_request=lora_request)
+    (they see the same outputs). ``loop``: a streaming request loop of the engine (its requests use the engine's
+    current adapter version: a sample continued after a sync continues under the new adapter)."""
     owner: dict[str, tuple[int, list[int]]] = {}  # request -> (pool index, the sample indices it serves)
     slot = 0
     finish_order = [i for i, g in enumerate(groups) if g.finished]
@@ -218,7 +217,7 @@ def run_partial(llm, groups: list[InFlightGroup], target: int, version: int, max
             pending[i] -= 1
             if pending[i] == 0:
                 finish_order.append(i)
-        if not llm.llm_engine.has_unfinished_requests():
+        if not loop.engine_has_unfinished():
             break
     aborted = len(loop.abort())
     updated, new_tokens = merge_progress(loop, owner, groups, version, max_tokens)

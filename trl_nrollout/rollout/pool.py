@@ -29,6 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from trl_nrollout.rollout.dispatch.balanced import (
+    drop_job_queue,
+    job_counter,
+    job_queue,
+    run_partial_agents_balanced,
+    run_partial_balanced,
+)
+from trl_nrollout.rollout.dispatch.shares import run_partial, run_partial_agents
 from trl_nrollout.rollout.partial import (
     InFlightGroup,
     PartialRun,
@@ -100,7 +108,7 @@ class PoolCounts:
 class PoolRun:
     """What running a pool did: ``chosen`` (the groups that train: the first to finish, home by home where the
     pool has homes), ``aborted``, ``engine_steps``, ``new_tokens``, the episode kind's ``stats`` (an
-    :class:`~trl_nrollout.rollout.agent_loop.AgentStats`, an endpoint's counts, or None), and, for an engine's
+    :class:`~trl_nrollout.rollout.tool_episodes.AgentStats`, an endpoint's counts, or None), and, for an engine's
     pool, ``ran`` (the pool as it ran: carried groups, then the new ones) and ``engine_groups`` (indices into
     ``ran`` this engine ran, with a balanced queue); ``moved``: live agents on a balanced queue, the share of
     groups an engine other than their own ran (None elsewhere)."""
@@ -214,8 +222,8 @@ def sampled_groups(engine, sampling: SamplingOptions, version: int,
 
     def run(groups: list[InFlightGroup], target: int, quota: dict[int, int] | None) -> tuple[PartialRun, None]:
         if home is None:
-            return engine.run_partial(groups, target, sampling, version), None
-        return engine.run_partial_balanced(groups, target, sampling, version, [home(g) for g in groups]), None
+            return run_partial(engine, groups, target, sampling, version), None
+        return run_partial_balanced(engine, groups, target, sampling, version, [home(g) for g in groups]), None
 
     return run
 
@@ -227,18 +235,18 @@ def tool_groups(engine, sampling: SamplingOptions, version: int,
     """TRL tool episodes (environments' too) on ``engine``, turn after turn as requests: its own pool
     (``run_partial_agents``; a group's tools on the rank ``owns`` names), or with ``home`` the job's pool on a
     balanced queue (``run_partial_agents_balanced``). ``callbacks(groups)``: a context around the run yielding the
-    :class:`~trl_nrollout.rollout.agent_loop.AgentCallbacks` of the pool's samples. With a quota the run stops once
+    :class:`~trl_nrollout.rollout.tool_episodes.AgentCallbacks` of the pool's samples. With a quota the run stops once
     every home has its own groups finished."""
 
     def run(groups: list[InFlightGroup], target: int, quota: dict[int, int] | None):
         drawn_by = [group_home(g) for g in groups] if quota is not None else None
         with callbacks(groups) as agent:
             if home is not None:
-                return engine.run_partial_agents_balanced(groups, target, sampling, version,
-                                                          [home(g) for g in groups], agent, workers,
-                                                          quota=(drawn_by, quota) if quota is not None else None)
-            return engine.run_partial_agents(
-                groups, target, sampling, version, agent, workers, owns=owns,
+                return run_partial_agents_balanced(engine, groups, target, sampling, version,
+                                                   [home(g) for g in groups], agent, workers,
+                                                   quota=(drawn_by, quota) if quota is not None else None)
+            return run_partial_agents(
+                engine, groups, target, sampling, version, agent, workers, owns=owns,
                 done=(lambda order: homes_done(drawn_by, order, quota)) if quota is not None else None)
 
     return run
@@ -294,7 +302,7 @@ def live_shares(engine, sampling: SamplingOptions, n: int, version: int) -> RunL
 def live_balanced(engine, sampling: SamplingOptions, n: int, version: int, rank: int,
                   engine_of: Callable[[int], int]) -> RunLive:
     """Live agents with ``rollout_dispatch="balanced"`` over several engines: every rank's new groups form one queue
-    (:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.job_queue`) that each rank's pool pulls from while
+    (:func:`~trl_nrollout.rollout.dispatch.balanced.job_queue`) that each rank's pool pulls from while
     it runs fewer episodes than its share of its engine's ``max_num_seqs`` plus a group; every pool serves until the
     job has as many finished groups as the ranks drew prompts (a job-wide count: a group's place in the job's finish
     order is its ticket, across steps). The first to finish train, rank ``r`` the ``r``-th share (their records
@@ -306,10 +314,10 @@ def live_balanced(engine, sampling: SamplingOptions, n: int, version: int, rank:
         job = engine.gather_job([(key, dict(row), prompt) for key, row, prompt in new])
         flat = [g for part in job for g in part]
         wanted = engine.gather_job(target)
-        tickets = engine.job_counter("agent_tickets")
+        tickets = job_counter(engine, "agent_tickets")
         base = tickets(0)  # read before the gather below: no pool serves before every rank has
         before = sum(engine.gather_job(sum(g.finished is not None for g in pool.groups)))
-        queue = engine.job_queue([len(part) * n for part in job], n)
+        queue = job_queue(engine, [len(part) * n for part in job], n)
         capacity = engine.max_num_seqs
         room = -(-capacity // len(engine.tp_ranks)) + n  # this rank's share of its engine's batch, a group more
         claimed: list[int] = []
@@ -322,7 +330,7 @@ def live_balanced(engine, sampling: SamplingOptions, n: int, version: int, rank:
         stats = pool.run_shared(engine, sampling, lambda: before + tickets(0) - base >= sum(wanted), pull,
                                 lambda: tickets(1))
         every = engine.gather_job(claimed)  # every rank is past its last claim
-        engine.drop_job_queue(queue)
+        drop_job_queue(engine, queue)
         taken = {g for part in every for g in part}
         first = sum(len(part) for part in job[:rank])
         left = [flat[g] for g in range(first, first + len(job[rank])) if g not in taken]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -48,7 +48,7 @@ class RankState:
     agent_callbacks: tuple | None = None
     #: the trainers' tokenizer, unpickled once (environments' tool-call parsing)
     agent_tokenizer: Any = None
-    #: the trainer view a ``rollout_func`` sees here (:class:`~trl_nrollout.rollout.remote_agents.RankTrainer`)
+    #: the trainer view a ``rollout_func`` sees here (:class:`~trl_nrollout.rollout.remote_tool_episodes.RankTrainer`)
     func_trainer: Any = None
     #: per trainer host: the sender of environments' tool calls to the trainer that owns the environment
     env_senders: dict = field(default_factory=dict)
@@ -56,31 +56,3 @@ class RankState:
     partial_pool: list | None = None
     #: partial endpoint agents' pool (:class:`~trl_nrollout.rollout.agent_pool.AgentPool`), or None
     agent_pool: Any = None
-
-    # Dict-style access, for rollout/remote_partial.py until it reads the fields by name (issue 61: that module is
-    # the partial-pool helper's; the lead drops these after merging). A field that is None counts as absent.
-    def __getitem__(self, key: str) -> Any:
-        if key not in _FIELDS:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key not in _FIELDS:
-            raise KeyError(f"{key!r} is not a field of RankState")
-        setattr(self, key, value)
-
-    def __contains__(self, key: str) -> bool:
-        return key in _FIELDS and getattr(self, key) is not None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = getattr(self, key) if key in _FIELDS else None
-        return default if value is None else value
-
-    def pop(self, key: str, default: Any = None) -> Any:
-        value = self.get(key, default)
-        if key in _FIELDS:
-            setattr(self, key, None)
-        return value
-
-
-_FIELDS = frozenset(f.name for f in fields(RankState))

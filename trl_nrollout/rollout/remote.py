@@ -14,7 +14,7 @@ Trainer rank 0 writes messages ``msg/0, msg/1, ...`` that every rollout rank rea
               log-probs as flat arrays). With ``images``: each group's images (once a group), the prompts' image
               placeholders not expanded; the answer adds each group's prompt as the engine expanded it. With
               ``agent``: whole tool episodes on the rollout ranks, with their tools
-              (:mod:`~trl_nrollout.rollout.remote_agents`), answered with their tool masks and messages
+              (:mod:`~trl_nrollout.rollout.remote_tool_episodes`), answered with their tool masks and messages
     end       the trainers' ``train()`` (or ``evaluate()``) returned: the rollout ranks' returns too
     stop      the trainers are done: the rollout ranks close their engines
 
@@ -23,7 +23,7 @@ hands each other trainer its own samples through the store (``home/<call>/<rank>
 checking trainer rank 0's heartbeat, never inside a collective while the engines work (a job may outlast a timeout).
 
 Jobs run in the order they were written, each with the last weights written before it, so a job written ``s``
-steps ahead of the step that trains on it (``max_staleness=s``) is sampled by a policy ``s`` versions older.
+steps ahead of the step that trains on it (``rollout_lookahead=s``) is sampled by a policy ``s`` versions older.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from torch import nn
 
 from trl_nrollout.rollout.engine_protocol import ADAPTERS, JOBS
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
-from trl_nrollout.rollout.remote_agents import sum_stats
 from trl_nrollout.rollout.remote_buckets import (
     dtype_of,
     frame_bucket,
@@ -47,6 +46,7 @@ from trl_nrollout.rollout.remote_buckets import (
 )
 from trl_nrollout.rollout.remote_partial import JOINED, PartialEntry, group_fields
 from trl_nrollout.rollout.remote_reader import broadcast
+from trl_nrollout.rollout.remote_tool_episodes import sum_stats
 from trl_nrollout.rollout.types import JobResult, RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_settings import check_prompt_length
 from trl_nrollout.rollout.weight_delta import DeltaHeader, encode
@@ -68,7 +68,7 @@ class RemoteEngines:
     trainers. Trainer rank 0 talks to the rollout ranks and hands the other trainers their part through the
     store; they wait on a key (checking its heartbeat), never inside a collective while the engines work.
 
-    ``lookahead`` jobs may be written before the step that trains on them (``max_staleness``)."""
+    ``lookahead`` jobs may be written before the step that trains on them (``rollout_lookahead``)."""
 
     #: Buckets packed and not yet sent, at most (trainer rank 0's host memory: this many buckets, not the model).
     SEND_QUEUE = 2
@@ -305,7 +305,7 @@ class RemoteEngines:
                           sample_offset: int | None = None, ahead: list[tuple] = (), step_job: bool = False,
                           images: list[list] | None = None) -> RolloutBatch:
         """This trainer's samples of ``sample_prompts`` (each prompt repeated ``n`` times), generated on the rollout
-        ranks; ``ahead``: this trainer's prompts and sampling of the next steps, written now (``max_staleness``
+        ranks; ``ahead``: this trainer's prompts and sampling of the next steps, written now (``rollout_lookahead``
         jobs at most) so that the engines sample them while the trainers train. ``step_job``: this is a training
         step's own job, which an earlier step may have written ahead (else: an evaluation, DAPO's extra round or
         ReMax's greedy pass, generated now, after the jobs already written). Seeds follow the job order (every
@@ -319,7 +319,7 @@ class RemoteEngines:
                          ahead: list[tuple] = (), step_job: bool = False, images: list[list] | None = None
                          ) -> tuple[RolloutBatch, list[dict]]:
         """This trainer's request-level tool episodes (``sample_prompts``: each prompt ``n`` times), each a whole
-        episode generated on the rollout ranks with their tools (:func:`~trl_nrollout.rollout.remote_agents.
+        episode generated on the rollout ranks with their tools (:func:`~trl_nrollout.rollout.remote_tool_episodes.
         run_agent_job`); ``agent``: the job's ``{"step", "mode"}`` (the turns' seeds); ``ahead`` and ``step_job``
         as in :meth:`generate_expanded` (later steps' episodes run while the trainers train). Returns the batch and
         each sample's tool mask (``[L]``, 0 on tool-result tokens) and episode fields. A partial job's ``agent``
@@ -328,14 +328,10 @@ class RemoteEngines:
         with its group's fields; the batch's prompt ids are the groups' own. A collective of the trainers."""
         return self._job_samples(sample_prompts, n, sampling, ahead, step_job, agent, images)
 
-    #: the former name, kept for trainer/agents.py and trainer/remote_partial.py until they call
-    #: :meth:`run_job_episodes` (the protocol's ``run_agents`` is the request-level episodes of an engine in process)
-    run_agents = run_job_episodes
-
     def _job_samples(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, ahead: list[tuple],
                      step_job: bool, agent: dict | None, images: list[list] | None = None
                      ) -> tuple[RolloutBatch, list]:
-        """:meth:`generate_expanded` and :meth:`run_agents`: this trainer's batch and each sample's extras
+        """:meth:`generate_expanded` and :meth:`run_job_episodes`: this trainer's batch and each sample's extras
         (None for a single-turn job). ``ahead``: ``(prompts, sampling[, agent[, images per sample]])``. Images
         reach trainer rank 0 only, each group's once (a gather to it, only when a trainer has images)."""
         mine = _groups_of(sample_prompts, n)

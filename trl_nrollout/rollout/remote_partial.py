@@ -2,7 +2,7 @@
 groups in flight from job to job.
 
 A colocated partial rollout keeps each engine's pool on its trainer (:mod:`trl_nrollout.trainer.partial`). With
-rollout ranks the trainers write a step's job ``max_staleness`` steps ahead, before the job that precedes it has
+rollout ranks the trainers write a step's job ``rollout_lookahead`` steps ahead, before the job that precedes it has
 answered, so the pool lives where the engines do: each rollout rank keeps its engine's pool (fixed shares) or the
 job's pool (``rollout_dispatch="balanced"``, the same on every rollout rank) in its state between jobs. A job's
 ``agent`` entry (the job's episode entry, a :class:`PartialEntry`) carries what a group needs to train
@@ -15,10 +15,10 @@ One job on a rollout rank (:func:`run_partial_job`):
    holds fewer than ``ceil(target * (1 + rollout_partial_oversample))`` groups;
 2. samples whose oldest token is more than ``max_staleness`` versions older than the weights the engine holds start
    again (:func:`~trl_nrollout.rollout.partial.drop_stale`): on rollout ranks the weights are already up to
-   ``max_staleness`` steps behind the step a job trains, so a trained token is at most ``2 * max_staleness``
-   versions old;
+   ``rollout_lookahead`` steps behind the step a job trains, so a trained token is at most
+   ``rollout_lookahead + max_staleness`` versions old;
 3. the engine runs the pool until as many groups have finished as the job placed on it, the rest stop with their
-   tokens kept (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_partial`, or
+   tokens kept (:func:`~trl_nrollout.rollout.dispatch.shares.run_partial`, or
    ``run_partial_balanced``; tool episodes, ``rollout_multi_turn="requests"``: ``run_partial_agents`` /
    ``run_partial_agents_balanced`` with the script's ``tools=`` on the rollout rank, an episode's tool mask and
    messages answered with it);
@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
-from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
 from trl_nrollout.rollout.pool import (
     EngineGroups,
     LiveGroups,
@@ -57,7 +57,7 @@ from trl_nrollout.rollout.pool import (
     sampled_groups,
     tool_groups,
 )
-from trl_nrollout.rollout.remote_agents import (
+from trl_nrollout.rollout.remote_tool_episodes import (
     episode_extras,
     home_call,
     partial_env_agent,
@@ -181,7 +181,7 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
     step, round_, tools, keys, hosts = entry.step, entry.round_, entry.tools, entry.keys, entry.hosts
     new = [_group(tuple(keys[g]) if keys else (step, round_, g), ids[g], n, entry.rows[g], entry.prompts[g],
                   home_of[g], pics[g] if pics else None, tools) for g in mine]
-    pool = state.get("partial_pool", [])
+    pool = state.partial_pool if state.partial_pool is not None else []
     if entry.restore:  # the first job after a resume: the checkpoint's pool, dealt over the engines
         pool = list(entry.restore) if balanced else list(entry.restore[rank // tp::engines])
     target = len(new)
@@ -193,7 +193,7 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
         return new + [_group(tuple(e.key) if keys else (step, round_, len(ids) + k), e.ids, n, e.row, e.prompt,
                              rank // tp, e.images, tools) for k, e in enumerate(admitted)]
 
-    version = state.get("version", 0)
+    version = state.version
     speaks = rank == 0 if balanced else rank % tp == 0  # for the pool (balanced: the job's, on every rank)
     home = (lambda g: g.payload["home"] % engines) if balanced else None  # (a resumed pool of more engines)
     if tools:  # tool episodes: turn after turn as requests, their tools on each engine's first rank (or home)
@@ -210,7 +210,7 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
     quota = (lambda added: dict(sorted(Counter(g.key[2] for g in added[:target]).items()))) if hosts else None
     groups = EngineGroups(pool, episodes, quota=quota, on_restart=on_restart)
     result = pool_step(groups, PoolStep(version, entry.max_staleness, target, entry.oversample), grow)
-    chosen, run, state["partial_pool"] = result.chosen, result.run, groups.groups
+    chosen, run, state.partial_pool = result.chosen, result.run, groups.groups
     first = slices[rank][0] // n if balanced else sum((b - a) // n for r, (a, b) in enumerate(slices)
                                                       if r // tp == rank // tp and r < rank)
     share = chosen[first:first + (slices[rank][1] - slices[rank][0]) // n]
@@ -231,7 +231,7 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
     if rank % tp == 0:  # the engine's counts; the pool's (balanced: the job's, the same on every rank) once
         keeps = rank == 0 or not balanced
         report = {"engine": rank // tp, "counts": result.counts.report(), "pool_of": keeps,
-                  "pool": list(state["partial_pool"]) if entry.snapshot and keeps else None,
+                  "pool": list(state.partial_pool) if entry.snapshot and keeps else None,
                   "admitted": [tuple(e.key) for e in admitted] if keys else []}
     pulled = None
     if balanced and rank % tp == 0:
@@ -253,12 +253,11 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
 
     entry: PartialEntry = message["agent"]
     n, sampling = message["n"], message["sampling"]
-    if "agent_pool" not in state:
-        state["agent_pool"] = AgentPool(rank_runner(state, engine), rank_endpoint(state["agent"]), rank,
-                                        len(slices))
-    pool: AgentPool = state["agent_pool"]
+    if state.agent_pool is None:
+        state.agent_pool = AgentPool(rank_runner(state, engine), rank_endpoint(state.agent), rank, len(slices))
+    pool: AgentPool = state.agent_pool
     pool.seed_with(sampling)
-    version, ranks = state.get("version", 0), len(slices)
+    version, ranks = state.version, len(slices)
     step, round_, ids = entry.step, entry.round_, message["prompts"]
     if entry.restore:  # the first job after a resume: the checkpoint's groups start again, dealt over the ranks
         restored = entry.restore[rank::ranks]
@@ -274,7 +273,7 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
     result = pool_step(LiveGroups(pool, n, live_shares(engine, sampling, n, version)),
                        PoolStep(version, entry.max_staleness, len(mine), entry.oversample), grow)
     chosen, stats = result.chosen, result.run.stats
-    func = "func" in state["agent"]  # a rollout_func's groups: what it returned travels, not its calls
+    func = "func" in state.agent  # a rollout_func's groups: what it returned travels, not its calls
     records = [replace(r, row={}, calls=[] if func else r.calls)  # (the rows travel in the group's fields)
                for g in chosen for r in g.records]
     batch = RolloutBatch([[] for _ in records], [[] for _ in records], [[] for _ in records], ["stop"] * len(records),
@@ -293,7 +292,7 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
 
 def close_agent_pool(state: dict) -> None:
     """Close the rollout rank's pool of live agents, if it has one (its episodes end; a later job starts anew)."""
-    pool = state.pop("agent_pool", None)
+    pool, state.agent_pool = state.agent_pool, None
     if pool is not None:
         pool.close()
 
@@ -303,7 +302,7 @@ def _reset_restarted(state: dict, before: list[InFlightGroup], after: list[InFli
     trainer that holds it (:data:`RESET_ENV`, sent home as a call)."""
     from trl_nrollout.plan.roles import TRAIN
 
-    roles = state["bridge"].roles
+    roles = state.bridge.roles
     for old, new in zip(before, after):
         for k, (a, b) in enumerate(zip(old.samples, new.samples)):
             if a is not b:

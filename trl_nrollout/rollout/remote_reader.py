@@ -3,7 +3,7 @@ and the rollout rank's side of one weight version's broadcast.
 
 Host memory of the weights (per engine, not per rank): every rollout rank takes part in a version's broadcast over the
 weights group, but only the first rank of an engine's TP group keeps it (:func:`holds_versions`): its staged buffers,
-page-locked where CUDA is (as trainer rank 0's packing buffers), at most ``max_staleness`` versions. The engine's other
+page-locked where CUDA is (as trainer rank 0's packing buffers), at most ``rollout_lookahead`` versions. The engine's other
 TP ranks receive the broadcast into one reused scratch buffer and drop it; when the version is loaded they get it
 from their first rank over the engine's own TP group (gloo), bucket by bucket, each dropped once vLLM asked for the
 next. So a node of ``E`` engines of ``tp`` ranks holds at most ``E * slots * V + E * (tp - 1) * 3 * B`` bytes of
@@ -98,8 +98,8 @@ class MessageReader:
     """A rollout rank's reader of the trainers' messages, on a thread of its own: it reads them in order as soon as
     they are written and receives each weight version at once, while the engine still generates the job before it;
     the engine's first TP rank keeps it in host buffers (a staging copy, see the module docstring), the others drop
-    it. The loop then loads the staged version at the job boundary (:meth:`buckets`). At most ``max_staleness``
-    versions are staged and not yet loaded (the weights of step ``k`` follow the job of step ``k + max_staleness`` in
+    it. The loop then loads the staged version at the job boundary (:meth:`buckets`). At most ``rollout_lookahead``
+    versions are staged and not yet loaded (the weights of step ``k`` follow the job of step ``k + rollout_lookahead`` in
     the trainers' messages, so a new version never waits for a job to end, and trainer rank 0 never holds more than
     a few buckets). Errors (a silent trainer, a failed transfer) reach the loop, which raises them. ``engine``: this
     rank's engine once built (None before), which says whether this rank stages versions."""
@@ -249,6 +249,6 @@ def _frames(group) -> Iterator[tuple[int, list, DeltaHeader | None]]:
 
 
 def staged_versions(start: dict) -> int:
-    """Weight versions a rollout rank stages at most: one per job written ahead (``max_staleness``)."""
-    return max(1, int(start.get("max_staleness") or 1))
+    """Weight versions a rollout rank stages at most: one per job written ahead (``rollout_lookahead``)."""
+    return max(1, int(start.get("lookahead") or 1))
 

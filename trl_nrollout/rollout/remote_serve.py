@@ -9,9 +9,9 @@ import contextlib
 import time
 from dataclasses import astuple
 
+from trl_nrollout.rollout.dispatch.balanced import generate_balanced
 from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
-from trl_nrollout.rollout.remote_agents import run_agent_job
 from trl_nrollout.rollout.remote_buckets import job_slice
 from trl_nrollout.rollout.remote_partial import (
     PartialEntry,
@@ -20,6 +20,7 @@ from trl_nrollout.rollout.remote_partial import (
     run_partial_job,
 )
 from trl_nrollout.rollout.remote_reader import MessageReader, staged_versions
+from trl_nrollout.rollout.remote_tool_episodes import run_agent_job
 from trl_nrollout.rollout.types import JobResult, RolloutBatch
 
 
@@ -59,7 +60,7 @@ def serve(bridge: Bridge, build_engine, state: RankState) -> dict:
             try:
                 engine = state.engine = build_engine(message)
                 state.dispatch = message.get("dispatch", "shares")
-                state.agent = message.get("agent")  # tools on the rollout ranks (remote_agents)
+                state.agent = message.get("agent")  # tools on the rollout ranks (remote_tool_episodes)
                 state.bridge = bridge  # environments' tool calls go home through its store
                 answer = {"names": sorted(engine.parameter_names()), "dtype": str(engine.dtype)}
             except Exception as err:  # noqa: BLE001 - the trainers raise it, naming this rank
@@ -108,7 +109,7 @@ def serve(bridge: Bridge, build_engine, state: RankState) -> dict:
                                                   num_samples=0)
                 elif state.dispatch == "balanced":  # the engines pull the job's groups from one queue
                     prompts = [groups[i // n] for i in range(start, stop)]
-                    batch, pulled = engine.generate_balanced(prompts, n, message["sampling"], images=images)
+                    batch, pulled = generate_balanced(engine, prompts, n, message["sampling"], images=images)
                 elif stop > start or engine.layout.rollout_tp_size > 1:
                     prompts = [groups[i // n] for i in range(start, stop)]
                     batch = engine.generate_expanded(prompts, n, message["sampling"], sample_offset=start,

@@ -97,6 +97,15 @@ class EngineLoop:
         streaming)."""
         return len(self._open)
 
+    def engine_unfinished(self) -> int:
+        """Requests unfinished in the whole engine (this loop's and any other caller's): what a driver that pulls
+        work while the engine has room counts."""
+        return int(self.engine.get_num_unfinished_requests())
+
+    def engine_has_unfinished(self) -> bool:
+        """Whether the engine holds any unfinished request (this loop's or another caller's)."""
+        return bool(self.engine.has_unfinished_requests())
+
     def step(self) -> list[tuple[str, int]]:
         """One engine step; returns the samples that finished in it."""
         finished = []

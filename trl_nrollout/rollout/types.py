@@ -101,7 +101,7 @@ class RolloutBatch:
 
 def pack_extras(tool_mask: np.ndarray | None, fields: list[dict] | None, lengths: np.ndarray) -> list[dict | None]:
     """Per sample of a :class:`JobResult`: its ``tool_mask`` (a list, ``[L]``) and the episode's fields
-    (:data:`~trl_nrollout.rollout.remote_agents.EPISODE_FIELDS`), or None for a single-turn job; a partial job's
+    (:data:`~trl_nrollout.rollout.remote_tool_episodes.EPISODE_FIELDS`), or None for a single-turn job; a partial job's
     fields without a mask (:mod:`~trl_nrollout.rollout.remote_partial`)."""
     if fields is None:
         return [None] * len(lengths)
@@ -128,7 +128,7 @@ class JobResult:
     #: owned under fixed shares (its TP group's first rank reports; None elsewhere and under "shares")
     balanced: tuple[int, int] | None = None
     #: an agent job (tools on the rollout ranks): the tool masks ``int8 [total tokens]``, each sample's other
-    #: fields and the engine's AgentStats as a tuple (:mod:`~trl_nrollout.rollout.remote_agents`); else None
+    #: fields and the engine's AgentStats as a tuple (:mod:`~trl_nrollout.rollout.remote_tool_episodes`); else None
     tool_mask: np.ndarray | None = None
     episodes: list[dict] | None = None
     agent_stats: tuple | None = None
@@ -161,3 +161,18 @@ class JobResult:
     def extras(self) -> list[dict | None]:
         """Each sample's tool mask and episode fields (an agent job), its group's fields (a partial job), or None."""
         return pack_extras(self.tool_mask, self.episodes, self.lengths)
+
+
+def whole_groups(flat: list[list[int]], n: int, engine_index: int = 0) -> list[list[int]]:
+    """An engine's prompts, one per group, from its samples' prompts ``flat`` (each repeated ``n`` times
+    consecutively); a clear error (naming engine ``engine_index``) where they are not whole groups."""
+    if len(flat) % n:
+        raise ValueError(f"the {len(flat)} samples of engine {engine_index} are not whole groups of n={n}.")
+    unique = flat[::n]
+    for g, p in enumerate(unique):
+        if any(flat[g * n + k] != p for k in range(n)):
+            raise ValueError(
+                f"samples {g * n}..{g * n + n - 1} of engine {engine_index} are not {n} copies of one "
+                f"prompt: prompts must be repeated n={n} times consecutively (TRL's RepeatSampler order)."
+            )
+    return unique

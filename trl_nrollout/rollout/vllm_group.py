@@ -13,36 +13,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
-from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.cpu_shm import use_cpu_shm_identity
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES
 from trl_nrollout.rollout.engine_protocol import ABORT, ADAPTERS, BALANCED, BUCKETS, REQUESTS
-from trl_nrollout.rollout.partial import InFlightGroup, PartialRun, run_partial
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.requests import EngineLoop
-from trl_nrollout.rollout.seeds import (
-    SEED_BITS,
-    SEED_MODES,
-    engine_seed,
-    numpy_seeded,
-    prompt_seed,
-)
-from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
-from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
-from trl_nrollout.rollout.vllm_balanced import BalancedDispatch, partial_prompt
+from trl_nrollout.rollout.seeds import SEED_MODES, engine_seed, numpy_seeded, prompt_seed
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions, whole_groups
 from trl_nrollout.rollout.vllm_process import (
     LIVE_ENGINES,
     barrier_scope,
     close_live_engines,
+    exchange_objects,
     forget_stale_vllm_groups,
     keep_default_process_group,
     on_rollout_rank,
@@ -61,7 +51,7 @@ _SLEEP_NOTICE_SHOWN = False
 _PULL_GROUPS = 0  # engine groups built in this process with a balanced dispatch (the same count on every rank)
 
 
-class VLLMEngineGroup(EngineWeights, BalancedDispatch):
+class VLLMEngineGroup(EngineWeights):
     """The rollout engines of a job. Build it on every rank, with the same arguments.
 
     Args:
@@ -89,6 +79,8 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
     capabilities = frozenset({ADAPTERS, REQUESTS, ABORT, BALANCED, BUCKETS})
     lora_rank: int | None = None
     lora_request = None  # the adapter version every request uses (None: the base weights alone)
+    #: set by a driver above for a span: :meth:`generate_expanded` hands its calls to it (``BALANCED``)
+    generate_hook: Callable[..., RolloutBatch] | None = None
     _adapter_id = 0
 
     def __init__(
@@ -232,7 +224,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             torch.distributed.barrier(group=self._tp_group)
 
     @contextlib.contextmanager
-    def _engine_rng(self, seed: int | None):
+    def engine_rng(self, seed: int | None) -> Iterator[None]:
         """``seed_mode="engine"`` with a seed: the call samples from the process's default generators (CPU and
         this rank's GPU, which vLLM's sampler draws from for unseeded requests, and NumPy's global generator, from
         which vLLM's Model Runner V2 draws unseeded requests' seeds on CUDA) seeded from ``seed`` and the engine's
@@ -255,13 +247,17 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         """vLLM's ``SamplingParams`` for a request of ``n`` samples (:func:`vllm_sampling_params`)."""
         return vllm_sampling_params(n, sampling)
 
+    def request_prompt(self, ids: Sequence[int], images: list | None = None):
+        """A request's prompt: token ids, with ``images`` (``multi_modal_data``) where it has any."""
+        return vllm_prompts([ids], [images] if images else None)[0]
+
     def request_loop(self, stream: bool = False) -> EngineLoop:
         """A request loop on this rank's engine whose requests use the current adapter version (if any); the engine
-        made ready first (:meth:`_ready`: a clear error if it was closed, woken if it sleeps)."""
-        self._ready()
+        made ready first (:meth:`ready`: a clear error if it was closed, woken if it sleeps)."""
+        self.ready()
         return EngineLoop(self.llm, stream=stream, lora_request=self.lora_request)
 
-    def _ready(self) -> None:
+    def ready(self) -> None:
         """Before generating: a clear error if the engine was closed, and the engine woken if it sleeps."""
         if self.llm is None:
             raise RuntimeError(
@@ -278,7 +274,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         ``images``: per prompt, its images (vLLM's ``multi_modal_data``; the prompt then holds the image
         placeholders unexpanded, and the returned ``prompt_ids`` are vLLM's, expanded)."""
 
-        self._ready()
+        self.ready()
         self.check_prompt_length(max((len(p) for p in prompts), default=0), sampling.max_tokens)
         start = time.perf_counter()
         if sampling.seed is None or self.seed_mode == "engine":
@@ -287,7 +283,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
             params = [self.sampling_params(n, replace(sampling, seed=prompt_seed(sampling.seed, group_offset + g, n)))
                       for g in range(len(prompts))]
         loop = self.request_loop()
-        with self._engine_rng(sampling.seed):  # what LLM.generate does, through the same calls
+        with self.engine_rng(sampling.seed):  # what LLM.generate does, through the same calls
             requests = [loop.add(p, params[g] if isinstance(params, list) else params)
                         for g, p in enumerate(vllm_prompts(prompts, images))]
             loop.run()
@@ -321,19 +317,17 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         """TRL's form: this rank's prompts already repeated ``n`` times (groups contiguous; a group may span the
         ranks of one TP group). Returns one sample per entry, in the same order. ``images``: per sample, the
         images of its prompt (see :meth:`generate_engine`; ``mm``, the processor's tensors, is the HF engine's form).
-        Within :meth:`balanced_calls`: a balanced rollout (:meth:`generate_balanced`; every rank's call one
-        collective)."""
+        While a driver has set :attr:`generate_hook` (``rollout/dispatch/balanced.py``'s ``balanced_calls``: a
+        balanced rollout, every rank's call one collective), the call is the hook's."""
         if mm is not None:
             raise ValueError("the vLLM engine expands images itself: pass them as images=, not mm= tensors.")
-        calls = self.__dict__.get("_balanced_calls")
-        if calls is not None:
-            self._balanced_calls = None  # (with one engine, generate_balanced comes back here)
+        hook = self.generate_hook
+        if hook is not None:
+            self.generate_hook = None  # (with one engine, the balanced driver comes back here)
             try:
-                batch, stats = self.generate_balanced(sample_prompts, n, sampling, images=images)
+                return hook(sample_prompts, n, sampling, sample_offset=sample_offset, images=images)
             finally:
-                self._balanced_calls = calls
-            calls.append((stats, len(sample_prompts), n))
-            return batch
+                self.generate_hook = hook
         self.barrier_before_generate()
         per_rank = self.gather_tp([list(p) for p in sample_prompts])
         flat = [p for chunk in per_rank for p in chunk]
@@ -342,7 +336,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         if self.gather_tp(images is not None) != [False] * len(per_rank):
             local = images if images is not None else [[] for _ in sample_prompts]
             flat_images = [imgs for chunk in self.gather_tp(local) for imgs in chunk]
-        unique = self._whole_groups(flat, n)
+        unique = whole_groups(flat, n, self.engine_index)
         mine = self.tp_ranks.index(self.rank)
         first = sum(len(c) for c in per_rank[:mine])
         offset = self.rank * len(sample_prompts) if sample_offset is None else sample_offset
@@ -359,7 +353,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
 
         Seeds (``rollout_seed_mode="sample"``) come from the call's seed, the engine's index and each sample's place
         in the engine: ``sample_ids[k]``, the index of context ``k``'s sample among this rank's ``num_samples``
-        (ranks of a TP group in rank order), as :meth:`run_agents` seeds the same turn, so both multi-turn modes draw
+        (ranks of a TP group in rank order), as ``rollout/dispatch/shares.py``'s ``run_agents`` seeds the same turn, so both multi-turn modes draw
         the same numbers for a sample; without ``sample_ids``, its place among the call's contexts
         (``sample_offset`` is not needed: the step seed changes every turn)."""
         self.barrier_before_generate()
@@ -373,7 +367,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
         first = sum(len(chunk) for chunk, _ in per_rank[:mine])
         if not flat:
             return RolloutBatch([], [], [], [], [])
-        self._ready()
+        self.ready()
         from vllm.inputs import TokensPrompt
 
         for ctx, budget, _ in flat:
@@ -384,7 +378,7 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
                                                    if per_request else None))
                   for _, budget, s in flat]
         loop = self.request_loop()
-        with self._engine_rng(sampling.seed):
+        with self.engine_rng(sampling.seed):
             requests = [loop.add(TokensPrompt(prompt_token_ids=ctx), p) for (ctx, _, _), p in zip(flat, params)]
             loop.run()
         done = [loop.request(rid)[0] for rid in requests]
@@ -392,128 +386,40 @@ class VLLMEngineGroup(EngineWeights, BalancedDispatch):
                              [d.finish_reason for d in done], list(range(len(flat))))
         return batch.slice(first, first + len(contexts))
 
-    def run_agents(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                   turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int,
-                   sample_offset: int | None = None) -> tuple[list[AgentSample], list[int], AgentStats]:
-        """Multi-turn episodes of this rank's samples (TRL's form: prompts repeated ``n`` times) without a turn
-        barrier (:func:`~trl_nrollout.rollout.agent_loop.run_agent_requests`): a sample whose turn calls tools
-        leaves the engine while they run (``workers`` threads) and re-enters with their results; the others keep
-        generating. Collective over the TP group. Returns this rank's samples in order, their groups' indices and
-        the engine's :class:`AgentStats`.
+    # ------------------------------------------------------------------ the job's collectives (BALANCED)
+    @property
+    def balances_job(self) -> bool:
+        """Whether this engine pulls from a job-wide queue (``rollout_dispatch="balanced"`` over several engines in
+        one process group): :meth:`gather_job`, :meth:`exchange_job` and :attr:`job_store` then span the job."""
+        return self._world_group is not None
 
-        Seeds (``rollout_seed_mode="sample"``): the first turn's as :meth:`generate_expanded`'s; the turn after tool
-        round ``r`` of engine sample ``s`` draws from ``turn_seed(r)``, the engine's index and ``s``. A seed thus
-        fixes each request's draws whatever order the tools finish in; which samples share an engine step still
-        depends on the tools' timing (batch composition can move a float's last bits).
+    def gather_job(self, obj) -> list:
+        """``obj`` of every rank of the job, in rank order (``[obj]`` with one engine: see :meth:`gather_tp`).
+        Collective over every rank."""
+        if self._world_group is None:
+            return self.gather_tp(obj)
+        out: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(out, obj, group=self._world_group)
+        return out
 
-        TP > 1 without those seeds (``rollout_seed_mode="engine"``, or no seed): every request still gets a seed of
-        its own, from a base of the call's (the seed and the engine's index; without a seed, a number the TP group's
-        first rank draws), the turn (:func:`~trl_nrollout.rollout.seeds.turn_seed`) and the sample's place in the
-        engine, the same on each rank. The tools run on threads while the engine samples, on the rank that owns the
-        sample only; a tool drawing from NumPy's global generator (whence vLLM's Model Runner V2 seeds a request
-        without a seed) or torch's (whence the V1 runner samples one) would make that rank sample other tokens than
-        the others."""
-        self.barrier_before_generate()
-        per_rank = self.gather_tp([list(p) for p in sample_prompts])
-        flat = [p for chunk in per_rank for p in chunk]
-        unique = self._whole_groups(flat, n)
-        mine_at = self.tp_ranks.index(self.rank)
-        first = sum(len(c) for c in per_rank[:mine_at])
-        offset = self.rank * len(sample_prompts) if sample_offset is None else sample_offset
-        group_offset = (offset - first) // n
-        self._ready()
-        self.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
-        per_request = sampling.seed is not None and self.seed_mode == "sample"
-        own_base = None  # TP > 1 without per-request seeds: the base of the seeds every rank gives the requests
-        if not per_request and len(self.tp_ranks) > 1:
-            own_base = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
-                        else self.gather_tp(secrets.randbits(SEED_BITS))[0])
-        from vllm.inputs import TokensPrompt
+    def exchange_job(self, parts: list) -> list:
+        """``parts[r]`` (picklable; None sends nothing) to rank ``r`` of the job, from every rank at once: what each
+        rank sent this one (:func:`exchange_objects`). Only while :attr:`balances_job`."""
+        return exchange_objects(parts, self._world_group)
 
-        groups = []
-        for g, p in enumerate(unique):
-            seed = prompt_seed(sampling.seed, group_offset + g, n) if per_request else None
-            if own_base is not None:
-                seed = prompt_seed(own_turn_seed(own_base, 0), g, n)
-            groups.append((list(p), TokensPrompt(prompt_token_ids=list(p)),
-                           self.sampling_params(n, replace(sampling, seed=seed))))
+    @property
+    def job_store(self):
+        """The process group's key-value store (``add``, ``delete_key``) every rank of the job reaches. Only while
+        :attr:`balances_job`."""
+        return self._store
 
-        def continue_request(s: int, round_: int, context: list[int], budget: int):
-            base = turn_seed(round_) if per_request else None
-            seed = None if base is None else prompt_seed(base, self.engine_index * len(flat) + s, 1)
-            if own_base is not None:
-                seed = prompt_seed(own_turn_seed(own_base, round_), s, 1)
-            return (TokensPrompt(prompt_token_ids=list(context)),
-                    self.sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
-
-        mine = {first + i: i for i in range(len(sample_prompts))}
-        tp = len(self.tp_ranks) > 1
-        with self._engine_rng(sampling.seed):
-            samples, stats = run_agent_requests(
-                self.request_loop(stream=True), groups, n, mine, agent, continue_request=continue_request,
-                exchange=self.gather_tp, workers=workers, poll_s=0.01 if tp else None)
-        return ([samples[first + i] for i in range(len(sample_prompts))],
-                [group_offset + (first + i) // n for i in range(len(sample_prompts))], stats)
-
-    def _start_pool(self, groups: list[InFlightGroup], sampling: SamplingOptions) -> None:
-        """Before a partial rollout's call: the engine ready, every unfinished group's prompt within the engine's
-        length, the ranks met (TP on GPUs)."""
-        self._ready()
-        for g in groups:
-            if not g.finished:
-                self.check_prompt_length(len(g.prompt_ids), sampling.max_tokens)
-        self.barrier_before_generate()
-
-    def run_partial(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int
-                    ) -> PartialRun:
-        """One step of a partial rollout on this rank's engine (see :mod:`trl_nrollout.rollout.partial`): run the
-        pool ``groups`` (the same on every rank of the TP group) until ``target`` of them have finished, stop the
-        others with their tokens kept; new tokens are tagged ``version``. Seeds: with a seed and
-        ``seed_mode="sample"``, request ``r`` of the call gets a seed from the call's seed, the engine's index and
-        its place (a sample continued in a later step draws from another seed than it would have uninterrupted).
-        A group with images sends them with every request, a continued sample's included."""
-        self._start_pool(groups, sampling)
-        per_request = sampling.seed is not None and self.seed_mode == "sample"
-        base = engine_seed(sampling.seed, self.engine_index) if per_request else None
-
-        def make_params(n: int, budget: int, slot: int):
-            seed = base + slot if per_request else None
-            return self.sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
-
-        with self._engine_rng(sampling.seed):
-            return run_partial(self.llm, groups, target, version, sampling.max_tokens, make_params, partial_prompt,
-                               lora_request=self.lora_request)
-
-    def run_partial_agents(self, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int,
-                           agent: AgentCallbacks, workers: int, owns: Callable[[InFlightGroup], bool],
-                           done: Callable[[list[int]], bool] | None = None) -> tuple[PartialRun, AgentStats]:
-        """:meth:`run_partial` for tool-calling episodes (:mod:`trl_nrollout.rollout.partial_agents`): the pool's
-        samples run turn after turn as requests, a group's tools on the rank ``owns`` names, until ``target``
-        groups have finished (or ``done(finish_order)`` says enough did). Seeds as :meth:`run_partial`'s; at TP > 1 every request gets a seed (from the call's
-        seed, or a base the TP group's first rank draws), so a tool drawing from a global generator on one rank
-        cannot make the ranks sample apart."""
-        self._start_pool(groups, sampling)
-        seeded = sampling.seed is not None and self.seed_mode == "sample"
-        base = None
-        if seeded:
-            base = engine_seed(sampling.seed, self.engine_index)
-        elif len(self.tp_ranks) > 1:
-            base = (engine_seed(sampling.seed, self.engine_index) if sampling.seed is not None
-                    else self.gather_tp(secrets.randbits(SEED_BITS))[0])
-
-        def make_params(n: int, budget: int, slot: int, _request):
-            seed = None if base is None else base + slot
-            return self.sampling_params(n, replace(sampling, max_tokens=budget, seed=seed))
-
-        from vllm.inputs import TokensPrompt
-
-        from trl_nrollout.rollout.partial_agents import run_partial_agents
-
-        with self._engine_rng(sampling.seed):
-            return run_partial_agents(
-                self.request_loop(stream=True), groups, target, version, agent, make_params=make_params,
-                prompt=lambda ids: TokensPrompt(prompt_token_ids=list(ids)), owns=owns, exchange=self.gather_tp,
-                workers=workers, poll_s=0.01 if len(self.tp_ranks) > 1 else None, done=done)
+    def job_key(self, name: str | None = None) -> str:
+        """A key in :attr:`job_store` of this engine group: ``name``'s (the same at every call), or a fresh one for
+        one collective call (every rank calls it in the same order, so the ranks agree on it)."""
+        if name is not None:
+            return f"{self._pull_prefix}/{name}"
+        self._pull_calls += 1
+        return f"{self._pull_prefix}/{self._pull_calls}"
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:

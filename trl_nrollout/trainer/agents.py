@@ -142,7 +142,7 @@ class AgentRollouts:
         """What an endpoint needs of the trainer besides the tokenizer (:func:`start_endpoint`'s keywords), its
         engine's context ``max_model_len``."""
         args = self.args
-        return {"model_name": self._model_path(), "max_model_len": max_model_len,
+        return {"model_name": self.engine_setup.model_path(), "max_model_len": max_model_len,
                 "max_completion_length": args.max_completion_length, "max_calls": args.agent_max_calls,
                 "policy": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                            "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}}
@@ -156,7 +156,7 @@ class AgentRollouts:
         Colocated, on this rank's endpoint and engine (:func:`~trl_nrollout.rollout.agent_runs.run_episodes`; with
         ``rollout_dispatch="balanced"`` over several engines the ranks pull groups of the job's rows from one queue
         and the episodes come home). With ``rollout_ranks``, a job of the rollout ranks: their endpoints and engines
-        run the episodes (the next ``max_staleness`` steps' written ahead, as single-turn jobs are) and send the
+        run the episodes (the next ``rollout_lookahead`` steps' written ahead, as single-turn jobs are) and send the
         records back (:meth:`_remote_agent_episodes`).
 
         A ``rollout_func`` with ``rollout_multi_turn='requests'`` runs the same way, group by group
@@ -294,7 +294,7 @@ class AgentRollouts:
         """This rank's episodes run on the rollout ranks: a job whose ``agent`` entry carries the rows
         (:meth:`_agent_job`), read back as the records (the rollout ranks' endpoints recorded every call's tokens
         and log-probs; what trains is assembled here, as colocated)."""
-        batch, extras = self.rollout_engine.run_agents(
+        batch, extras = self.rollout_engine.run_job_episodes(
             [list(p) for p in prompt_ids], n, sampling, self._agent_job(mode, self.state.global_step, inputs),
             ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job)
         if step_job:

@@ -19,6 +19,8 @@ import re
 import zipfile
 from pathlib import Path
 
+import torch
+
 from trl_nrollout.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -217,3 +219,35 @@ def check_output_dir(output_dir: str | Path) -> None:
         raise InputError(f"output_dir={str(output_dir)!r} cannot be written ({type(err).__name__}: "
                          f"{err.strerror or err}); choose a folder you can write to, e.g. --output_dir runs/mine."
                          ) from None
+
+
+def rank_state_file(folder: str | os.PathLike, rank: int) -> str:
+    """Where rank ``rank`` keeps its own state in a checkpoint folder."""
+    return os.path.join(folder, f"nrollout_rank{rank}.pt")
+
+
+def save_rank_state(folder: str | os.PathLike, rank: int, prompt_rng: torch.Generator) -> None:
+    """Rank ``rank``'s state beside the model's: the generator that draws DAPO's extra prompts."""
+    os.makedirs(folder, exist_ok=True)
+    torch.save({"prompt_rng": prompt_rng.get_state()}, rank_state_file(folder, rank))
+
+
+def write_rollout_state(folder: str | os.PathLike, global_step: int, kl_coef: float) -> None:
+    """The rollout stage's :data:`ROLLOUT_STATE` (the step and the KL controller's coefficient), written last: a
+    folder that holds it is complete."""
+    with open(os.path.join(folder, ROLLOUT_STATE), "w") as fh:
+        json.dump({"global_step": global_step, "kl_coef": kl_coef}, fh)
+
+
+def load_rollout_state(checkpoint: str | os.PathLike, rank: int, prompt_rng: torch.Generator) -> float | None:
+    """Rank ``rank``'s prompt generator restored from ``checkpoint`` where it holds one; the KL controller's saved
+    coefficient (None: the checkpoint has no :data:`ROLLOUT_STATE`, e.g. TRL's)."""
+    kl_coef = None
+    state_file = os.path.join(checkpoint, ROLLOUT_STATE)
+    if os.path.isfile(state_file):
+        with open(state_file) as fh:
+            kl_coef = float(json.load(fh)["kl_coef"])
+    rank_file = rank_state_file(checkpoint, rank)
+    if os.path.isfile(rank_file):
+        prompt_rng.set_state(torch.load(rank_file, weights_only=True)["prompt_rng"])
+    return kl_coef

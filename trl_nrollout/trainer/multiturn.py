@@ -2,7 +2,7 @@
 
 A mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`. TRL's ``__init__`` still sets everything up (tool
 schemas in the chat template, the response parser, the environment pool, the async event loop); generation turn by
-turn is :func:`~trl_nrollout.rollout.agent_loop.run_tool_turns` on our engines, collective over ranks.
+turn is :func:`~trl_nrollout.rollout.tool_episodes.run_tool_turns` on our engines, collective over ranks.
 
 - ``tools``: functions the model may call (TRL's format: the chat template renders their schemas, the tokenizer's
   response parser reads the calls). A sample's turn that calls tools gets their results and goes on.
@@ -27,7 +27,14 @@ from accelerate.utils import gather_object
 from trl.chat_template_utils import parse_response
 
 from trl_nrollout.passes.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
-from trl_nrollout.rollout.agent_loop import (
+from trl_nrollout.rollout.axes import machine_refusal
+from trl_nrollout.rollout.dispatch.balanced import balanced_calls, run_agents_balanced
+from trl_nrollout.rollout.dispatch.shares import run_agents
+from trl_nrollout.rollout.engine_protocol import BALANCED, has
+from trl_nrollout.rollout.func_pool import check_output, samples_batch
+from trl_nrollout.rollout.home_tools import HomeTools
+from trl_nrollout.rollout.seeds import step_seed
+from trl_nrollout.rollout.tool_episodes import (
     AgentCallbacks,
     AgentStats,
     Turns,
@@ -36,11 +43,6 @@ from trl_nrollout.rollout.agent_loop import (
     run_tool_turns,
     split_tools,
 )
-from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.engine_protocol import BALANCED, has
-from trl_nrollout.rollout.func_pool import check_output, samples_batch
-from trl_nrollout.rollout.home_tools import HomeTools
-from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
 
@@ -83,9 +85,10 @@ def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, en
             "are). Use trl.GRPOTrainer for this combination, or drop the image columns or the tools.")
 
 
-def check_tool_workers(args, tools=None, environment_factory=None) -> None:
+def check_tool_workers(args, tools=None, environment_factory=None, rollout_func=None) -> None:
     """``tool_workers`` set on a trainer without ``tools=`` or ``environment_factory=`` (a rollout_func's or an
-    agent's calls run no tools of ours) would do nothing: an error naming the option and the fix."""
+    agent's calls run no tools of ours) would do nothing: an error naming the option and the fix. Likewise
+    ``rollout_multi_turn='requests'`` without tools, environments or a ``rollout_func``."""
     from trl_nrollout.errors import InputError
 
     default = next(f.default for f in fields(args) if f.name == "tool_workers")
@@ -93,6 +96,14 @@ def check_tool_workers(args, tools=None, environment_factory=None) -> None:
         raise InputError(f"tool_workers={args.tool_workers} sets how many samples' tool calls run at once, but this "
                          "trainer has no tools= and no environment_factory=: it would do nothing. Pass the tools to "
                          "NRolloutGRPOTrainer, or remove tool_workers.")
+    if args.rollout_multi_turn == "requests" and not tools and environment_factory is None and rollout_func is None:
+        raise InputError(  # no option is silently ignored
+            "rollout_multi_turn='requests' changes how samples with tool calls advance (no turn barrier), but "
+            "this trainer has no tools= and no environment_factory=: every sample is a single turn, so it would "
+            "do nothing. Pass tools= or environment_factory= to NRolloutGRPOTrainer, or remove "
+            "rollout_multi_turn (the recipe, trl-nrollout train / -m trl_nrollout.recipe.run, passes no tools: "
+            "train with tools from your own script, see "
+            "docs/tools.md).")
 
 
 def _blocks(content: str | list) -> list:
@@ -173,7 +184,7 @@ class MultiTurnRollout:
                                                       sample_offset=rank * width, sample_ids=samples,
                                                       num_samples=len(first))
 
-        max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
+        max_len = getattr(self.rollout_engine, "max_model_len", None) or self.engine_setup.context_length() or 1 << 30
         iterations = self.args.max_tool_calling_iterations
         return run_tool_turns(
             first, parse=self._parse_turn,
@@ -191,13 +202,13 @@ class MultiTurnRollout:
     def _request_turns(self, prompt_ids: list[list[int]], n: int, sampling: SamplingOptions, mode: str, tools: list,
                        offset: int, step_job: bool = False) -> tuple[RolloutBatch, Episode]:
         """This rank's samples (prompts repeated n times) from their first turn to their end without a turn barrier
-        (:meth:`VLLMEngineGroup.run_agents`): a sample's tools run while the others generate. With rollout ranks
+        (``rollout/dispatch/shares.py``'s ``run_agents``): a sample's tools run while the others generate. With rollout ranks
         the episodes run there, tools included (:meth:`RolloutRanks._remote_request_turns`; ``step_job``: this is
         a training step's own job, maybe written steps ahead)."""
         if self._remote:
             return self._remote_request_turns(prompt_ids, n, sampling, mode, step_job)
         loop = getattr(self, "async_loop", None)
-        max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
+        max_len = getattr(self.rollout_engine, "max_model_len", None) or self.engine_setup.context_length() or 1 << 30
         agent = AgentCallbacks(
             parse=self._parse_turn, run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop),
             suffix_ids=self._get_tool_suffix_ids, max_iterations=self.args.max_tool_calling_iterations,
@@ -227,11 +238,11 @@ class MultiTurnRollout:
                 agent = replace(agent, run_tools=lambda i, calls: call_tools(calls, *shared, loop=loop))
                 home = None
             with self._home_tools(envs, home, agent.run_tools) as run_tools:
-                samples, groups, stats, pulled = self.rollout_engine.run_agents_balanced(
+                samples, groups, stats, pulled = run_agents_balanced(self.rollout_engine,
                     prompts, n, sampling, turn_seed, replace(agent, run_tools=run_tools), self.args.tool_workers)
             self._log_dispatch(mode, pulled, len(prompts), n)
         else:
-            samples, groups, stats = self.rollout_engine.run_agents(
+            samples, groups, stats = run_agents(self.rollout_engine,
                 prompts, n, sampling, turn_seed, agent, self.args.tool_workers, sample_offset=offset)
         turns = collect_turns(samples)
         self._log_agent_stats(mode, stats)
@@ -275,7 +286,7 @@ class MultiTurnRollout:
         makes the same calls), logged as the trainer's own. (With ``rollout_multi_turn='requests'`` the function runs
         group by group: :meth:`AgentRollouts._agent_rollout`.)"""
         if self.args.rollout_dispatch == "balanced" and has(self.rollout_engine, BALANCED):
-            with self.rollout_engine.balanced_calls() as calls:
+            with balanced_calls(self.rollout_engine) as calls:
                 output = self.rollout_func(prompts, self)
             mode = "train" if self.model.training else "eval"
             for pulled, samples, call_n in calls:

@@ -2,15 +2,15 @@
 
 Each step this rank's new prompts join its engine's pool (gathered over the TP group, so every rank of an engine
 holds the same pool), samples staler than ``max_staleness`` start again, the engine runs the pool until the step's
-groups have finished (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_partial`), and the first groups
+groups have finished (:func:`~trl_nrollout.rollout.dispatch.shares.run_partial`), and the first groups
 to finish train, this rank taking its share. The rest stays in the pool, saved in every checkpoint (one file per
 rank), so a resumed run continues the samples that were in flight.
 
 With ``rollout_dispatch="balanced"`` and several engines the pool is the job's (every rank's new prompts gathered
 over every rank, so every rank holds the same pool): its unfinished groups form one queue the engines pull from
-(:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.run_partial_balanced`), the job's first groups to
+(:func:`~trl_nrollout.rollout.dispatch.balanced.run_partial_balanced`), the job's first groups to
 finish train, rank ``r`` taking the ``r``-th share of them. Tool-calling episodes too
-(:meth:`~trl_nrollout.rollout.vllm_balanced.BalancedDispatch.run_partial_agents_balanced`): a group's turns and
+(:func:`~trl_nrollout.rollout.dispatch.balanced.run_partial_agents_balanced`): a group's turns and
 tools run on the engine that pulled it (its first rank's tools: ``tools=`` are the same on every rank), and every
 engine's groups, episodes and masks included, reach every rank afterwards.
 
@@ -34,10 +34,9 @@ from dataclasses import asdict, replace
 from accelerate.utils import gather_object
 
 from trl_nrollout.passes.multimodal import encode_prompts
-from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, call_tools, split_tools
 from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
-from trl_nrollout.rollout.partial_agents import AgentPartialSample
+from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
 from trl_nrollout.rollout.pool import (
     EngineGroups,
     PoolStep,
@@ -46,6 +45,7 @@ from trl_nrollout.rollout.pool import (
     tool_groups,
     top_up_share,
 )
+from trl_nrollout.rollout.tool_episodes import AgentCallbacks, AgentSample, call_tools, split_tools
 from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.partial_envs import PartialEnvironments
 from trl_nrollout.trainer.stages import Round, Sample, StepContext
@@ -144,7 +144,8 @@ class PartialRollouts(PartialEnvironments):
         completion_ids = [s.completion_ids for s in samples]
         if envs := self._has_environments:  # the reward functions' environments=: those of the samples trained, in order
             self._envs_for_rewards(mine)
-        scores = self._score(inputs, sample_prompts, completions, completion_ids)
+        scores = self.scoring.score(inputs, sample_prompts, completions, completion_ids, mode=ctx.mode,
+                                    state=self.state, environments=getattr(self, "environments", None))
         if envs:
             self._release_envs(chosen)
         t2 = time.perf_counter()
@@ -172,7 +173,7 @@ class PartialRollouts(PartialEnvironments):
         quota = dict(enumerate(counts)) if job else dict.fromkeys(engine.tp_ranks, counts[0])
         sampling = self._sampling(ctx.mode, round_=round_)
         home = (lambda g: self.layout.engine_of_rank(g.key[2])) if job else None
-        if self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_agents.py)
+        if self.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_tool_episodes.py)
 
             @contextlib.contextmanager
             def callbacks(groups: list[InFlightGroup]):
@@ -252,7 +253,7 @@ class PartialRollouts(PartialEnvironments):
         limits."""
         loop = getattr(self, "async_loop", None)
         sync, asyn = split_tools(list(self.tools or []))
-        max_len = getattr(self.rollout_engine, "max_model_len", None) or self._context_length() or 1 << 30
+        max_len = getattr(self.rollout_engine, "max_model_len", None) or self.engine_setup.context_length() or 1 << 30
         return AgentCallbacks(
             parse=self._parse_turn, run_tools=lambda i, calls: call_tools(calls, sync, asyn, loop=loop),
             suffix_ids=self._get_tool_suffix_ids, max_iterations=self.args.max_tool_calling_iterations,

@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from trl_nrollout.rollout.agent_loop import AgentCallbacks, call_tools, split_tools
 from trl_nrollout.rollout.partial import InFlightGroup
+from trl_nrollout.rollout.tool_episodes import AgentCallbacks, call_tools, split_tools
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class PartialEnvironments:
 
     def _env_agent(self, agent: AgentCallbacks, pool: list[InFlightGroup], width: int) -> AgentCallbacks:
         """``agent`` with each sample's tools those of its environment (sample ``k`` of pool group ``g`` is index
-        ``g * width + k``, as :func:`~trl_nrollout.rollout.partial_agents.run_partial_agents` numbers them), and the
+        ``g * width + k``, as :func:`~trl_nrollout.rollout.partial_tool_episodes.run_partial_agents` numbers them), and the
         parser's per-sample environment names set the same way."""
         from trl_nrollout.trainer.multiturn import _environment_tools
 

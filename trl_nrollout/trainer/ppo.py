@@ -154,8 +154,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         if critic_model is None:  # in the policy's dtype: bf16 checkpoint weights get float32 masters, as the policy
             policy = self.accelerator.unwrap_model(self.model)
             dtype = next((p.dtype for p in policy.parameters() if p.is_floating_point()), None)
-            critic_model = build_critic(args.critic_model_name_or_path or self._model_path(), seed=args.seed,
-                                        dtype=dtype)
+            critic_model = build_critic(args.critic_model_name_or_path or self.engine_setup.model_path(),
+                                        seed=args.seed, dtype=dtype)
         if args.gradient_checkpointing:  # as the policy (TRL's default: on); a 7B critic's activations need it too
             critic_model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
@@ -196,8 +196,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
 
     # ------------------------------------------------------------------ values and GAE (the advantage stage)
     def _advantages(self, collected: Round, assigned: Assignment, logps: LogProbs, ctx: StepContext) -> Advantages:
-        """GAE over the critic's values: the critic's value pass (:meth:`_critic_value_pass`), then the estimator
-        with them over the whole job; the job's mean value and return are logged."""
+        """GAE over the critic's values: the critic's value pass (:meth:`_critic_value_pass`), then the advantage
+        stage's estimator with them over the whole job; the job's mean value and return are logged."""
         args: NRolloutPPOConfig = self.args
         split = sum(1 for s in collected.samples if s.segments)  # the job's: every rank raises alike
         if split:
@@ -209,8 +209,8 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
                 "advantage.")
         width = max(max(len(s.completion_ids) for s in collected.samples), 1)
         values = self._critic_value_pass(assigned, len(collected), width, ctx.mode)
-        adv = self._estimate_advantages(collected, assigned, logps, ctx, values=values, gamma=args.gamma,
-                                        lam=args.lam)
+        adv = self.advantage_stage.estimate(collected, assigned, logps, ctx, values=values, gamma=args.gamma,
+                                            lam=args.lam)
         mask = adv.response_mask
         self._metric(ctx.mode, "critic/values/mean", float((values * mask).sum() / mask.sum().clamp(min=1)))
         self._metric(ctx.mode, "critic/returns/mean", float((adv.returns * mask).sum() / mask.sum().clamp(min=1)))
@@ -230,7 +230,7 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
             local = compute_values(critic, assigned.prompt_ids, assigned.completion_ids,
                                    pad_token_id=self._tokenizer.pad_token_id, micro_batch_size=count,
                                    max_token_len=budget, pad_to_multiple_of=self.pad_to_multiple_of,
-                                   padding_free=self._padfree_allowed(self.critic),
+                                   padding_free=self.forward_rules.padfree_allowed(self.critic),
                                    shared_prompts=args.shared_prompt_forward is not False,
                                    sequence_parallel=getattr(self, "_sp", None))
         job = torch.zeros(num_samples, width, device=local.device)
@@ -284,7 +284,7 @@ class NRolloutPPOTrainer(NRolloutGRPOTrainer):
         mask = loss_mask(inputs)
         rows = mask.shape[0]
         lengths = (inputs["prompt_mask"].sum(-1) + inputs["completion_mask"].sum(-1)).tolist()
-        padding_free = self._padfree_allowed(self.critic)
+        padding_free = self.forward_rules.padfree_allowed(self.critic)
         budget = args.critic_ppo_max_token_len_per_device
         sp = getattr(self, "_sp", None)  # Ulysses: the group's rows split over its ranks, budgets per device
         if sp is not None and budget is not None:

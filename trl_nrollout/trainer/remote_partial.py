@@ -1,7 +1,7 @@
 """The trainers' side of partial rollouts on rollout ranks (``rollout_ranks`` with ``rollout_partial=True``).
 
 The rollout ranks keep the groups in flight (:mod:`trl_nrollout.rollout.remote_partial`); a trainer writes each
-step's job with its groups' dataset rows and prompts (and top-up prompts for the pool), ``max_staleness`` steps
+step's job with its groups' dataset rows and prompts (and top-up prompts for the pool), ``rollout_lookahead`` steps
 ahead as for whole rollouts, and trains the groups that finished first, whichever step drew them: each comes back
 with its row and prompt, scored here as the colocated pool's are. A checkpoint keeps the pool the rollout ranks
 held after the step's own job (its snapshot travels with the answers of the jobs of the steps that save); the first
@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.rollout.agent_loop import AgentStats, split_tools
 from trl_nrollout.rollout.partial import InFlightGroup
 from trl_nrollout.rollout.pool import top_up_candidates
 from trl_nrollout.rollout.remote_partial import PartialEntry, TopUp, partial_entry
+from trl_nrollout.rollout.tool_episodes import AgentStats, split_tools
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.stages import Round, StepContext
@@ -156,14 +156,14 @@ class RemotePartialRollouts:
     def _remote_partial_round(self, ctx: StepContext, round_: int = 0) -> Round:
         """:meth:`~trl_nrollout.trainer.partial.PartialRollouts._partial_round` with engines on rollout ranks: this
         rank's share of the job's first groups to finish, from the pools the rollout ranks keep; the next
-        ``max_staleness`` steps' jobs written ahead (round 0 of a training step)."""
+        ``rollout_lookahead`` steps' jobs written ahead (round 0 of a training step)."""
         n, mode, step = ctx.n, ctx.mode, self.state.global_step
         t0 = time.perf_counter()
         parts = self._partial_job(step, ctx.inputs[::n], round_)
         entry, ids, images = parts.entry, parts.ids, parts.images
         step_job = round_ == 0
         engine = self.rollout_engine
-        batch, fields = engine.run_agents(
+        batch, fields = engine.run_job_episodes(
             [p for p in ids for _ in range(n)], n, self._sampling(mode, round_=round_), entry,
             ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job,
             images=[im for im in images for _ in range(n)] if any(im is not None for im in images) else None)

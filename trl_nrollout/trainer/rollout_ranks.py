@@ -1,7 +1,7 @@
 """The trainer with ``rollout_ranks``: engines on processes of their own (:mod:`trl_nrollout.rollout.ranks`).
 
 On a trainer rank, :class:`RolloutRanks` (a mixin of the GRPO trainer) replaces the colocated engine by
-:class:`~trl_nrollout.rollout.remote.RemoteEngines` and feeds it the prompts of the next ``max_staleness`` steps,
+:class:`~trl_nrollout.rollout.remote.RemoteEngines` and feeds it the prompts of the next ``rollout_lookahead`` steps,
 read ahead from TRL's own data loader (:meth:`RolloutRanks.get_batch_samples`), so the engines generate step
 ``k + s`` while the trainers train step ``k``. On a rollout rank, the trainer class gives a
 :class:`RolloutRankWorker` instead: the user's script runs unchanged on every process, and ``train()`` there serves
@@ -23,9 +23,9 @@ from trl_nrollout.rollout.engine_protocol import JOBS, has
 from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines
-from trl_nrollout.rollout.remote_agents import agent_settings, env_tool_schemas
 from trl_nrollout.rollout.remote_partial import RESET_ENV
 from trl_nrollout.rollout.remote_serve import serve
+from trl_nrollout.rollout.remote_tool_episodes import agent_settings, env_tool_schemas
 from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
 
 logger = logging.getLogger(__name__)
@@ -37,20 +37,21 @@ class RolloutRanks(RemotePartialRollouts):
 
     def _start_remote_engines(self) -> RemoteEngines:
         """Start the rollout ranks' engines (the start message), then send them the initial weights."""
-        if (refusal := self._vllm_refusal()) is not None:
+        setup = self.engine_setup  # the part: its refusals, lengths and weight push
+        if (refusal := setup.vllm_refusal()) is not None:
             raise UnsupportedTRLOption(f"rollout_ranks={self.args.rollout_ranks} generates with vLLM, which cannot "
                                        f"serve this run: {refusal}.")
         args = self.args
-        max_len, expected = self._vllm_lengths()
+        max_len, expected = setup.vllm_lengths()
         bridge = current_bridge()
         settings = dict(
-            model=self._model_path(), dtype=args.rollout_dtype, max_model_len=max_len, expected_len=expected,
+            model=setup.model_path(), dtype=args.rollout_dtype, max_model_len=max_len, expected_len=expected,
             max_num_seqs=args.rollout_max_num_seqs, kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
             enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=False,
             seed=args.seed, seed_mode=args.rollout_seed_mode or "sample",
-            trust_remote_code=self._trusts_remote_code(), job_samples=self.layout.total_samples,
-            max_staleness=args.max_staleness, lora_rank=self._engine_lora_rank(), dispatch=args.rollout_dispatch)
+            trust_remote_code=setup.trusts_remote_code(), job_samples=self.layout.total_samples,
+            lookahead=args.rollout_lookahead, lora_rank=setup.engine_lora_rank(), dispatch=args.rollout_dispatch)
         if self._remote_agents or self.agent is not None or self._grouped_func:  # episodes run there: what they need
             settings["agent"] = agent_settings(
                 self.processing_class, self.chat_template, self.chat_template_kwargs, seed=args.seed,
@@ -72,7 +73,7 @@ class RolloutRanks(RemotePartialRollouts):
                            args.rollout_ranks)
         settings["weight_sync_delta"] = args.weight_sync_delta  # what the sender does; the receivers read frames
         engines = RemoteEngines(bridge, settings, max_model_len=max_len, bucket_bytes=args.weight_sync_bucket_mb << 20)
-        self._push_weights(engines, version=0)  # the base once, then the adapter, with rollout_lora_sync="adapter"
+        setup.push_weights(engines, self.model, version=0)  # the base once, then the adapter ("adapter" sync)
         atexit.register(engines.close)  # the rollout ranks close their engines; trainer rank 0 waits for them
         self._ahead: deque = deque()  # TRL's batches read ahead of the training loop
         self._env_ahead: dict = {}  # step -> its episodes started ahead (environments reset), see _episodes_ahead
@@ -95,7 +96,7 @@ class RolloutRanks(RemotePartialRollouts):
     @property
     def _grouped_func(self) -> bool:
         """A ``rollout_func`` runs group by group (``rollout_partial``, or ``rollout_multi_turn="requests"``): on the
-        rollout ranks, as ``agent=`` episodes run there (:func:`~trl_nrollout.rollout.remote_agents.rank_runner`)."""
+        rollout ranks, as ``agent=`` episodes run there (:func:`~trl_nrollout.rollout.remote_tool_episodes.rank_runner`)."""
         return self.rollout_func is not None and bool(self.args.rollout_partial
                                                       or self.args.rollout_multi_turn == "requests")
 
@@ -121,8 +122,8 @@ class RolloutRanks(RemotePartialRollouts):
         (:class:`~trl_nrollout.rollout.home_tools.HomeTools`), served from a thread for the trainer's life; call
         ``(this rank, key, k)`` runs on the ``k``-th sample's tools of the episodes registered under ``key``
         (:meth:`_episodes_ahead`, :meth:`_start_step_episodes`)."""
-        from trl_nrollout.rollout.agent_loop import call_tools
         from trl_nrollout.rollout.home_tools import HomeTools
+        from trl_nrollout.rollout.tool_episodes import call_tools
 
         loop = getattr(self, "async_loop", None)
         self._env_registry: dict = {}
@@ -144,7 +145,7 @@ class RolloutRanks(RemotePartialRollouts):
     def _remote_generate(self, prompt_ids: list[list[int]], images: EncodedPrompts | None, n: int, sampling,
                          offset: int, mode: str, step_job: bool):
         """This rank's samples (``prompt_ids``: each prompt ``n`` times) from the rollout ranks, the next
-        ``max_staleness`` steps' jobs written ahead (``step_job``: the step's own job, maybe written steps ago).
+        ``rollout_lookahead`` steps' jobs written ahead (``step_job``: the step's own job, maybe written steps ago).
         With ``images``: the engine's ids (placeholders not expanded) and each group's images travel; the engine
         expands them, and its expansion must be the processor's (``prompt_ids``), as on colocated engines."""
         batch = self.rollout_engine.generate_expanded(
@@ -159,10 +160,10 @@ class RolloutRanks(RemotePartialRollouts):
 
     def _remote_request_turns(self, prompt_ids: list[list[int]], n: int, sampling, mode: str, step_job: bool):
         """:meth:`_request_turns` with engines on rollout ranks: each sample's whole episode (its turns, its tools)
-        runs on a rollout rank as part of a job, the next ``max_staleness`` steps' jobs written ahead as for
+        runs on a rollout rank as part of a job, the next ``rollout_lookahead`` steps' jobs written ahead as for
         single-turn samples. Returns the batch and its :class:`~trl_nrollout.trainer.multiturn.Episode` (tool
         masks, messages, counts) as the colocated loop gives them."""
-        from trl_nrollout.rollout.agent_loop import AgentStats
+        from trl_nrollout.rollout.tool_episodes import AgentStats
         from trl_nrollout.trainer.multiturn import Episode
 
         batch, extras = self.rollout_engine.run_job_episodes(
@@ -233,14 +234,14 @@ class RolloutRanks(RemotePartialRollouts):
     def _ahead_jobs(self, mode: str) -> list[tuple[list[list[int]], Any, dict | None, list | None]]:
         """This rank's prompt ids, sampling options, agent entry (:meth:`_agent_job`) and images (per sample, or
         None; the ids then hold the image placeholders unexpanded, as the engine takes them) of the next
-        ``max_staleness`` generations."""
-        if mode != "train" or not self.args.max_staleness:
+        ``rollout_lookahead`` generations."""
+        if mode != "train" or not self.args.rollout_lookahead:
             return []
         jobs = []
         steps_per_rollout = self.layout.optimizer_steps_per_rollout
         last = self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
         n = self.num_generations
-        for k, rows in enumerate(self._next_generation_inputs(self.args.max_staleness), start=1):
+        for k, rows in enumerate(self._next_generation_inputs(self.args.rollout_lookahead), start=1):
             step = self.state.global_step + k * steps_per_rollout
             if last is not None and step >= last:  # the run ends before that step: nothing to generate for it
                 break

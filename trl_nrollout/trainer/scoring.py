@@ -1,9 +1,12 @@
-"""Reward scoring of a rollout, as a mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: TRL's reward
-function contract (signature, async functions, ``None`` = "does not apply", ``log_metric`` / ``log_extra``,
-reward models), errors that name the function and the sample on every rank, and the NaN-aware weighted sum.
+"""Reward scoring of a rollout, a part of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`
+(:class:`RewardScoring`, built once in the trainer's ``__init__``): TRL's reward function contract (signature, async
+functions, ``None`` = "does not apply", ``log_metric`` / ``log_extra``, reward models), errors that name the function
+and the sample on every rank, and the NaN-aware weighted sum.
 
-It uses the trainer's TRL attributes (``reward_funcs``, ``reward_processing_classes``, ``reward_func_names``,
-``reward_weights``, ``accelerator``, ``state``, ``args.reward_nan_policy``, ``_log_metric``...).
+Its collaborators are TRL's reward attributes (``reward_funcs``, ``reward_processing_classes``, ``reward_func_names``,
+``reward_weights``), the options (``reward_timeout_s``, ``reward_timeout_policy``, ``reward_nan_policy``), the
+accelerator, TRL's ``log_metric`` / ``log_extra`` callables and the lists they fill, and the :class:`Metrics` sink;
+what changes from call to call (the mode, TRL's ``trainer_state``, the samples' environments) comes with each call.
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate.utils import gather, gather_object
 from torch import Tensor
 from trl.data_utils import is_conversational
+
+from trl_nrollout.trainer.metrics import Metrics
 
 logger = logging.getLogger(__name__)  # a child of trl_nrollout.trainer: filtering that name filters all
 
@@ -131,21 +138,49 @@ def as_rewards(values, name: str, prompts: list) -> list[float | None]:
     return out
 
 
+@dataclass(frozen=True, eq=False)
 class RewardScoring:
-    """Scoring methods of the trainer (see the module docstring)."""
+    """The trainer's reward scoring (see the module docstring): ``score`` a round, ``weighted`` rewards.
 
-    def _reward_kwargs(self, inputs: list[dict], rows: list[int] | None = None, extra: dict | None = None) -> dict:
+    ``funcs`` / ``processing_classes`` / ``names`` / ``weights`` ``[F]``: TRL's reward functions, their tokenizers,
+    names and weights; ``log_metric`` / ``log_extra``: TRL's callables the functions get, which fill
+    ``pending_metrics`` / ``pending_extra_logs`` (TRL's lists, shared); ``log_completions``: TRL's completions
+    table is kept (the ``log_extra`` columns are gathered for it)."""
+
+    funcs: list
+    processing_classes: list
+    names: list[str]
+    weights: Tensor
+    args: Any
+    accelerator: Any
+    metrics: Metrics
+    log_metric: Callable[[str, float], None]
+    log_extra: Callable[[str, list], None]
+    pending_metrics: dict[str, list]
+    pending_extra_logs: dict[str, list]
+    log_completions: bool
+
+    @classmethod
+    def of(cls, trainer) -> RewardScoring:
+        """The part over a TRL ``GRPOTrainer``'s reward attributes, read once (it keeps no reference to ``trainer``)."""
+        return cls(trainer.reward_funcs, trainer.reward_processing_classes, trainer.reward_func_names,
+                   trainer.reward_weights, trainer.args, trainer.accelerator, Metrics(trainer._metrics),
+                   trainer._log_metric, trainer._log_completion_extra, trainer._pending_metrics,
+                   trainer._pending_extra_logs, trainer.log_completions)
+
+    def _reward_kwargs(self, inputs: list[dict], state, environments: list | None, rows: list[int] | None = None,
+                       extra: dict | None = None) -> dict:
         """The dataset columns of ``inputs`` (one list per column) plus the trainer state, as reward kwargs, and the
         per-sample ``extra`` fields of a ``rollout_func`` (as TRL passes them); with ``rows`` (indices of ``inputs``
         in this rank's samples), per-sample extras are cut to those samples."""
         keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
         # TRL's callables: log_extra (completion-table columns; kept as TRL keeps them without log_completions) and
         # log_metric (a scalar averaged over the step and logged beside the built-in metrics; see _flush_metrics)
-        kwargs = {**{k: [x[k] for x in inputs] for k in keys}, "trainer_state": self.state,
-                  "log_extra": self._log_completion_extra, "log_metric": self._log_metric}
+        kwargs = {**{k: [x[k] for x in inputs] for k in keys}, "trainer_state": state,
+                  "log_extra": self.log_extra, "log_metric": self.log_metric}
         per_sample = dict(extra or {})
-        if getattr(self, "environments", None) is not None:  # environment_factory: each sample's environment
-            per_sample["environments"] = self.environments
+        if environments is not None:  # environment_factory: each sample's environment
+            per_sample["environments"] = environments
         kwargs.update({k: v if rows is None else [v[r] for r in rows] for k, v in per_sample.items()})
         return kwargs
 
@@ -153,17 +188,17 @@ class RewardScoring:
         """Metrics reward functions logged with ``log_metric`` this round: averaged over all ranks' calls (names
         sorted, so every rank gathers in the same order), as TRL does. With ``log_completions``, returns the
         ``log_extra`` columns of the round's ``local_count`` samples, gathered in job order (else ``{}``)."""
-        for name in sorted(set(gather_object(list(self._pending_metrics)))):
-            values = self._pending_metrics.get(name, [])
+        for name in sorted(set(gather_object(list(self.pending_metrics)))):
+            values = self.pending_metrics.get(name, [])
             stats = torch.tensor([float(sum(values)), float(len(values))], device=self.accelerator.device)
             total, count = gather(stats).view(-1, 2).sum(dim=0).tolist()
-            self._metric(mode, name, total / max(count, 1.0))
-        self._pending_metrics.clear()
+            self.metrics.add(mode, name, total / max(count, 1.0))
+        self.pending_metrics.clear()
         extra = {}
         if self.log_completions:  # TRL's completions table: one value per sample (None where a rank gave none)
-            for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
-                extra[column] = gather_object(list(self._pending_extra_logs.get(column, [None] * local_count)))
-        self._pending_extra_logs.clear()
+            for column in sorted(set(gather_object(list(self.pending_extra_logs)))):
+                extra[column] = gather_object(list(self.pending_extra_logs.get(column, [None] * local_count)))
+        self.pending_extra_logs.clear()
         return extra
 
     def _call_reward(self, func, name: str, prompts: list, completions: list, completion_ids: list,
@@ -174,23 +209,23 @@ class RewardScoring:
                                        **kwargs),
                             name=name, samples=len(prompts), timeout_s=self.args.reward_timeout_s)
 
-    def _weighted(self, rewards: Tensor) -> Tensor:
+    def weighted(self, rewards: Tensor) -> Tensor:
         """The reward of each sample ``[G]``: the reward functions' outputs ``[G, F]`` weighted by reward_weights.
 
         As in TRL, a function that returned None for a sample (NaN here) does not apply to it: the weighted sum skips
         it; a sample for which no function applies is unscorable and gets NaN (no advantage, not in the stats)."""
-        weighted = torch.nansum(rewards * self.reward_weights.cpu(), dim=-1)
+        weighted = torch.nansum(rewards * self.weights.cpu(), dim=-1)
         return weighted.masked_fill(torch.isnan(rewards).all(dim=-1), float("nan"))
 
     def _score_local(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list,
-                     extra: dict | None = None) -> tuple[Tensor, Tensor]:
+                     kwargs: dict) -> tuple[Tensor, Tensor]:
         """Rewards ``[B_local, F]`` of this rank's samples (None -> NaN) and where a function returned None
-        ``[B_local, F]``; errors are collected, not raised (see _score)."""
-        kwargs = self._reward_kwargs(inputs, extra=extra)
-        out = torch.zeros(len(prompts), len(self.reward_funcs))
-        none = torch.zeros(len(prompts), len(self.reward_funcs), dtype=torch.bool)
-        for i, (func, proc, name) in enumerate(zip(self.reward_funcs, self.reward_processing_classes,
-                                                   self.reward_func_names)):
+        ``[B_local, F]`` (``kwargs``: the reward kwargs of the samples); errors are collected, not raised (see
+        score)."""
+        out = torch.zeros(len(prompts), len(self.funcs))
+        none = torch.zeros(len(prompts), len(self.funcs), dtype=torch.bool)
+        for i, (func, proc, name) in enumerate(zip(self.funcs, self.processing_classes,
+                                                   self.names)):
             if isinstance(func, torch.nn.Module):
                 if is_conversational({"prompt": prompts[0]}):
                     texts = [proc.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
@@ -222,41 +257,48 @@ class RewardScoring:
                        "it does not apply to them" if policy == "none" else "they score 0", policy)
         return [None if policy == "none" else 0.0] * len(prompts)
 
-    def _diagnose(self, exc: Exception, inputs, prompts, completions, completion_ids, extra=None) -> str:
+    def _diagnose(self, exc: Exception, inputs, prompts, completions, completion_ids, extra=None, *, state=None,
+                  environments: list | None = None) -> str:
         """Find which reward function and which sample raised, by calling them one sample at a time."""
-        for func, name in zip(self.reward_funcs, self.reward_func_names):
+        for func, name in zip(self.funcs, self.names):
             if isinstance(func, torch.nn.Module):
                 continue
             for j in range(len(prompts)):
                 try:
                     self._call_reward(func, name, [prompts[j]], [completions[j]], [completion_ids[j]],
-                                      self._reward_kwargs([inputs[j]], rows=[j], extra=extra))
+                                      self._reward_kwargs([inputs[j]], state, environments, rows=[j], extra=extra))
                 except Exception as e:  # noqa: BLE001 - reporting it is the point
                     return (f"reward function '{name}' raised {type(e).__name__}: {e} on sample {j} of rank "
                             f"{self.accelerator.process_index} (prompt={str(prompts[j])[:200]!r}, "
                             f"completion={str(completions[j])[:200]!r})")
         return f"reward computation raised {type(exc).__name__}: {exc}"
 
-    def _score(self, inputs, prompts, completions, completion_ids, extra: dict | None = None) -> Scores:
+    def score(self, inputs: list[dict], prompts: list, completions: list, completion_ids: list, *, mode: str,
+              state, environments: list | None = None, extra: dict | None = None) -> Scores:
         """Rewards of every sample of the job ``[G, F]`` (gathered in rank order), NaN policy applied, and the
-        ``log_extra`` columns the functions logged (``extra``: a ``rollout_func``'s per-sample fields, reward kwargs).
+        ``log_extra`` columns the functions logged. ``inputs`` / ``prompts`` / ``completions`` / ``completion_ids``:
+        this rank's samples ``[B_local]``; ``mode``: ``"train"`` or ``"eval"`` (where the metrics go); ``state``:
+        TRL's ``trainer_state`` reward kwarg; ``environments``: each sample's environment (``environment_factory``);
+        ``extra``: a ``rollout_func``'s per-sample fields, reward kwargs.
 
         An error on any rank stops every rank (no rank is left waiting in a collective) with a message naming the
         function and the sample.
         """
         error = ""
-        empty = torch.zeros(len(prompts), len(self.reward_funcs))
+        empty = torch.zeros(len(prompts), len(self.funcs))
         try:
-            local, none = self._score_local(inputs, prompts, completions, completion_ids, extra)
+            kwargs = self._reward_kwargs(inputs, state, environments, extra=extra)
+            local, none = self._score_local(inputs, prompts, completions, completion_ids, kwargs)
         except RewardFunctionError as e:
             error, local, none = str(e), empty, empty.bool()
         except Exception as e:  # noqa: BLE001
-            error = self._diagnose(e, inputs, prompts, completions, completion_ids, extra)
+            error = self._diagnose(e, inputs, prompts, completions, completion_ids, extra, state=state,
+                                   environments=environments)
             local, none = empty, empty.bool()
         errors = [e for e in gather_object([error]) if e]
         if errors:
             raise RewardFunctionError(errors[0])
-        extra_logs = self._flush_reward_metrics("train" if self.model.training else "eval", len(prompts))
+        extra_logs = self._flush_reward_metrics(mode, len(prompts))
         dev = self.accelerator.device
         rewards = gather(local.to(dev)).cpu()
         local_none = none
@@ -267,7 +309,7 @@ class RewardScoring:
             row, col = (int(x) for x in bad.nonzero()[0])
             if self.args.reward_nan_policy == "error":
                 raise RewardFunctionError(
-                    f"reward function '{self.reward_func_names[col]}' returned {rewards[row, col].item()} (NaN/inf) "
+                    f"reward function '{self.names[col]}' returned {rewards[row, col].item()} (NaN/inf) "
                     f"for sample {row} of the step; fix the function (return None where a reward does not apply) or "
                     "set reward_nan_policy='zero' to count such rewards as 0."
                 )

@@ -1,19 +1,22 @@
-"""The policy update of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`, as a mixin: the loss of a micro batch
-(verl's clipped policy loss over TRL's inputs, rollout correction, KL loss, entropy bonus, MoE router loss), the
-policy's log-probs through TRL's fused head in the plain or the shared-prompt layout, the mini batch's loss
+"""The policy update of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`, as a part (:class:`PolicyUpdate`)
+the trainer builds once and hands TRL's update hooks to: the loss of a micro batch (verl's clipped policy loss over
+TRL's inputs, rollout correction, KL loss, entropy bonus, MoE router loss), the policy's log-probs through TRL's
+fused head in the plain, the shared-prompt, the padding-free or the sequence-parallel layout, the mini batch's loss
 normalizers, and the update's timing.
 
-It uses the trainer's TRL attributes (``args``, ``accelerator``, ``state``, ``epsilon_low``/``epsilon_high``,
-``beta``, ``importance_sampling_level``, ``top_entropy_quantile``, ``aux_loss_enabled``, the entropy-bonus
-controller's fields...) and its ``_metric`` and ``_tokenizer``.
+Its collaborators come in explicitly: the config, the accelerator, the :class:`ForwardRules` shared with the other
+parts, the :class:`~trl_nrollout.trainer.metrics.Metrics` sink, TRL's loss settings (:class:`LossConfig`) and its
+entropy controller (:class:`EntropyControl`), the step clock; TRL's loop position comes with each call
+(:class:`MicroStep`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
-from functools import partial
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate.utils import gather
@@ -27,18 +30,10 @@ from trl_nrollout.algos.losses import (
     off_policy_sequence_mask,
     policy_loss,
     rollout_is_weights,
-    sampling_support_log_mass,
     vespo_weights,
 )
-from trl_nrollout.passes.logprobs import SupportFn
 from trl_nrollout.passes.multimodal import collate
-from trl_nrollout.passes.packing import (
-    decide,
-    mask_dtype,
-    pack_shared_prompts,
-    query_dtype,
-    structural_reason,
-)
+from trl_nrollout.passes.packing import decide, mask_dtype, pack_shared_prompts, query_dtype
 from trl_nrollout.passes.padfree import (
     pack_rows,
     padfree_layout,
@@ -47,25 +42,77 @@ from trl_nrollout.passes.padfree import (
     rows_mask_dtype,
     unpad,
 )
-from trl_nrollout.passes.ulysses import (
-    SPGroup,
-    check_heads,
-    install,
-    new_sp_group,
-    sharded_policy_logps,
-    sp_loss_scale,
-    sp_multiple,
-)
+from trl_nrollout.passes.ulysses import SPGroup, sharded_policy_logps, sp_loss_scale, sp_multiple
 from trl_nrollout.passes.varlen import register as register_varlen
+from trl_nrollout.trainer.clocks import StepClock
+from trl_nrollout.trainer.forward_rules import ForwardRules
+from trl_nrollout.trainer.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 register_varlen()  # attn_implementation="trl_nrollout_varlen" loads wherever the trainer is imported
 
 
-class PolicyUpdate:
-    """The update side of the trainer (a mixin placed before ``GRPOTrainer``)."""
+@dataclass(frozen=True)
+class LossConfig:
+    """TRL's loss settings the update reads (set by ``GRPOTrainer.__init__`` from the config and the model):
+    ``epsilon_low`` / ``epsilon_high`` (the clip), ``beta`` (the KL loss), ``importance_sampling_level``,
+    ``top_entropy_quantile``, a MoE router loss (``aux_loss_enabled``, ``router_aux_loss_coef``)."""
 
-    def _add_normalizers(self, chunks: list[dict], accum: int) -> list[dict]:
+    epsilon_low: float
+    epsilon_high: float
+    beta: float
+    importance_sampling_level: str
+    top_entropy_quantile: float
+    aux_loss_enabled: bool
+    router_aux_loss_coef: float
+
+
+@dataclass
+class EntropyControl:
+    """TRL's entropy bonus controller (``entropy_coef``, ``use_adaptive_entropy``...): the coefficient, whether it
+    adapts, whether the bonus runs at all, the entropy measured at the last optimizer step and the current window's
+    ``[sum, tokens]`` ``[2]``. TRL's checkpoints save ``coef`` and ``last_world_entropy`` through the trainer's
+    attributes of those names, which the trainer copies from and to this controller."""
+
+    coef: float
+    adaptive: bool
+    enabled: bool
+    last_world_entropy: float = float("inf")
+    window: Tensor | None = None
+
+    def trl_state(self) -> tuple[float, float]:
+        """``(coef, last_world_entropy)``: what TRL's ``entropy_coef`` and ``_last_world_entropy`` hold."""
+        return self.coef, self.last_world_entropy
+
+    def restore(self, coef: float, last_world_entropy: float) -> None:
+        """Take TRL's attributes back (a checkpoint's, once TRL restored them)."""
+        self.coef, self.last_world_entropy = coef, last_world_entropy
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """Where TRL's loop is when a micro batch's loss runs: ``mode`` ("train" or "eval"), ``accumulation`` (the
+    optimizer step's micro steps, TRL's ``current_gradient_accumulation_steps``; 1 in eval) and ``global_step``."""
+
+    mode: str
+    accumulation: float
+    global_step: int
+
+
+class PolicyUpdate:
+    """The policy update, a part of the trainer (see the module docstring): built once with its collaborators, the
+    policy model handed to each call (the wrapped one appears only after ``accelerator.prepare``)."""
+
+    def __init__(self, args: Any, accelerator: Any, rules: ForwardRules, metrics: Metrics, loss: LossConfig,
+                 entropy: EntropyControl, *, pad_token_id: int, pad_to_multiple_of: int | None,
+                 sp: SPGroup | None, step_clock: StepClock, steps_per_rollout: int) -> None:
+        self.args, self.accelerator, self.rules, self.metrics = args, accelerator, rules, metrics
+        self.cfg, self.entropy = loss, entropy
+        self.pad_token_id, self.pad_to_multiple_of, self.sp = pad_token_id, pad_to_multiple_of, sp
+        self.step_clock, self.steps_per_rollout = step_clock, steps_per_rollout
+        self.padfree_said = False
+
+    def add_normalizers(self, chunks: list[dict], accum: int) -> list[dict]:
         """Attach to each micro batch the token and sequence counts of its whole mini batch (all ranks), divided by
         the number of ranks (whose gradients are averaged; the micro losses of one optimizer step are summed, as
         TRL's ``loss_is_scaled_for_ga`` says): token-mean over a mini batch then equals the mean over its tokens
@@ -87,75 +134,7 @@ class PolicyUpdate:
             c["mb_seqs"] = torch.tensor(max(seqs, 1.0) / world, device=dev)
         return chunks
 
-    # ------------------------------------------------------------------ what the engine's log-probs are over
-    def _sampling_support(self) -> SupportFn | None:
-        """The trainer's replay of the sampler's cut (top-k, top-p, min-p; TRL's options, or ``generation_kwargs``
-        where they override them): a function giving the log of the probability mass the sampler keeps at each
-        position (:func:`~trl_nrollout.algos.losses.sampling_support_log_mass`), or None where nothing is cut. The
-        engines report each token's log-prob over the tokens they kept, renormalized (vLLM's
-        ``processed_logprobs``; the HF engine records the same), while the trainer's log-probs are over the whole
-        vocabulary: subtracting this mass puts the trainer's on the engine's support, so that the rollout
-        correction and the mismatch metrics compare like with like (TRL issue 6789). The HF engine's decoding modes
-        other than sampling (beams...) score their samples with the trainer's own pass: nothing to replay."""
-        from trl_nrollout.rollout.hf_engine import _NOT_STEPWISE
-
-        extra = dict(self.args.generation_kwargs or {})
-        if self.rollout_backend == "hf" and any(k in _NOT_STEPWISE and v not in (None, 1, False)
-                                                for k, v in extra.items()):
-            return None
-        top_k = extra.get("top_k", self.top_k) or 0
-        top_p = extra.get("top_p", self.top_p)
-        min_p = extra.get("min_p", self.min_p) or 0.0
-        top_p = 1.0 if top_p is None else float(top_p)
-        if not (top_k > 0 or top_p < 1.0 or min_p > 0.0):
-            return None
-        return partial(sampling_support_log_mass, top_k=int(top_k), top_p=top_p, min_p=float(min_p),
-                       min_p_first=self.rollout_backend != "hf")  # vLLM cuts min-p first, generate() last
-
-    def _note_corrections(self) -> None:
-        """One line, on the main process, when the decoupled loss is on by default because samples can be older
-        than the policy that trains on them (``decoupled_loss=None`` resolved by the config)."""
-        args = self.args
-        reason = getattr(args, "_stale_reason", None)
-        if reason is None or not args.decoupled_loss or not self.accelerator.is_main_process:
-            return
-        bound = ("no upper bound" if args.rollout_is_threshold is None else
-                 f"at most rollout_is_threshold={args.rollout_is_threshold:g}")
-        logger.warning("%s: the decoupled PPO loss is on (decoupled_loss=None): the clip against the policy at the "
-                       "update, each %s's loss times its importance weight of that policy over the one that sampled "
-                       "it (rollout_is=%r, %s, mode %r); decoupled_loss=False turns it off.",
-                       reason, args.rollout_is, args.rollout_is, bound, args.rollout_is_mode)
-
     # ------------------------------------------------------------------ sequence parallelism
-    def _sequence_parallel_setup(self) -> SPGroup | None:
-        """``sequence_parallel_size`` S > 1: the model's heads checked (a ValueError naming the option and the fix),
-        this rank's Ulysses group made (every S consecutive ranks; the processes' rule is the layout's), and the
-        policy's and the reference's attention wrapped (:func:`~trl_nrollout.passes.ulysses.install`). None at 1."""
-        size = self.args.sequence_parallel_size
-        if size == 1:
-            return None
-        models = [self.accelerator.unwrap_model(self.model)]
-        if getattr(self, "ref_model", None) is not None:
-            models.append(self.accelerator.unwrap_model(self.ref_model))
-        for model in models:
-            cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-            heads = cfg.num_attention_heads
-            check_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, size)
-        if self.aux_loss_enabled:
-            raise ValueError(f"sequence_parallel_size={size} with a MoE router loss (output_router_logits): the "
-                             "router's loss is not gathered over the group yet; set sequence_parallel_size=1 or "
-                             "turn the router loss off.")
-        for model in models:
-            if (why := structural_reason(model.config, varlen=True)) is not None:  # the rows' rule: the same
-                raise ValueError(f"sequence_parallel_size={size} runs padding-free rows, but {why}; use "
-                                 "sequence_parallel_size=1.")
-        sp = new_sp_group(size, seed=self.args.seed)
-        for model in models:
-            install(model)
-        logger.info("sequence_parallel_size=%d: ranks %d..%d split each padding-free row (data-parallel rank %d of "
-                    "%d).", size, sp.dp_rank * size, sp.dp_rank * size + size - 1, sp.dp_rank, sp.dp_size)
-        return sp
-
     def _sp_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
                     ) -> tuple[Tensor, Tensor, None]:
         """The update's forward under Ulysses: the micro batch as padding-free rows (one sample a unit), each row
@@ -164,7 +143,7 @@ class PolicyUpdate:
         c = logits_to_keep
         completion_len = prefix_lengths(attention_mask[:, -c:])
         if completion_len is None:
-            raise ValueError(f"sequence_parallel_size={self._sp.size}: a completion mask with holes cannot be laid "
+            raise ValueError(f"sequence_parallel_size={self.sp.size}: a completion mask with holes cannot be laid "
                              "out as padding-free rows; use sequence_parallel_size=1.")
         prompts, completions = unpad(input_ids[:, :-c], attention_mask[:, :-c], input_ids[:, -c:], completion_len)
         config = self.accelerator.unwrap_model(model).config
@@ -172,44 +151,27 @@ class PolicyUpdate:
         with self.accelerator.autocast():
             queries = query_dtype(weights, input_ids.device.type)
         dtype = rows_mask_dtype(config, weights, queries, input_ids.device.type)  # None: varlen attention
-        pk = pack_rows(prompts, completions, self._tokenizer.pad_token_id, mask_dtype=dtype,
-                       pad_to_multiple_of=sp_multiple(self.pad_to_multiple_of, self._sp.size), completion_width=c)
+        pk = pack_rows(prompts, completions, self.pad_token_id, mask_dtype=dtype,
+                       pad_to_multiple_of=sp_multiple(self.pad_to_multiple_of, self.sp.size), completion_width=c)
         with self.accelerator.autocast():
-            logps, entropy = sharded_policy_logps(model, pk, self._sp)
+            logps, entropy = sharded_policy_logps(model, pk, self.sp)
         return logps, entropy, None
 
     # ------------------------------------------------------------------ the update
-    def training_step(self, model, inputs, num_items_in_batch):
-        start = time.perf_counter()
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if getattr(self, "_sp", None) is not None:  # the backward's loss was scaled (sp_loss_scale): logged unscaled
-            loss = loss / sp_loss_scale(self._sp.size)
-        self._after_policy_step(self._trained_batch())
-        self.step_clock.update_s += time.perf_counter() - start
-        if self._step % self.current_gradient_accumulation_steps == 0:
+    def stepped(self, loss: Tensor, seconds: float, boundary: bool, other_seconds: Callable[[], float]) -> Tensor:
+        """After TRL's ``training_step`` of one micro step (``seconds`` of it, the other models' updates included):
+        the loss to log (unscaled where Ulysses scaled the backward's: :func:`sp_loss_scale`), the step clock moved
+        and, at an optimizer step (``boundary``), its figures logged, less ``other_seconds()`` (PPO: the critic)."""
+        if self.sp is not None:  # the backward's loss was scaled (sp_loss_scale): logged unscaled
+            loss = loss / sp_loss_scale(self.sp.size)
+        self.step_clock.update_s += seconds
+        if boundary:
             # training_step includes _prepare_inputs, hence the rollout when one ran: the clock keeps only the update
-            metrics = self.step_clock.step_done(self._other_update_seconds(), self.layout.optimizer_steps_per_rollout)
-            for name, value in metrics.items():
-                self._metric("train", name, value)
+            for name, value in self.step_clock.step_done(other_seconds(), self.steps_per_rollout).items():
+                self.metrics.add("train", name, value)
         return loss
 
-    def _trained_batch(self):
-        """The micro step's batch the policy just trained on: what ``_prepare_inputs`` handed TRL's
-        ``training_step`` (a TRL batch dict, or a :class:`BudgetedStep` of micro batches under a token budget);
-        TRL's ``training_step`` has counted the step already."""
-        return self._buffered_inputs[(self._step - 1) % self.args.steps_per_generation]
-
-    def _after_policy_step(self, batch) -> None:
-        """The update's hook for other models trained on the same micro step (PPO: the critic), after the policy's
-        forward and backward and before the optimizer step; ``self.accelerator.sync_gradients`` says whether this
-        micro step ends an accumulation. Nothing for GRPO."""
-
-    def _other_update_seconds(self) -> float:
-        """Seconds of this optimizer step's training_step spent on other models (PPO: the critic), which
-        ``timing_s/update_actor`` leaves out; read once per optimizer step."""
-        return 0.0
-
-    def _policy_logps(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int,
+    def policy_logps(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int,
                       mm: list | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Log-probs and entropies ``[B, C]`` of the completion tokens, with gradient, through TRL's fused LM head,
         and a MoE model's router load-balancing loss ``[]`` when TRL's ``aux_loss_enabled`` says so (else None).
@@ -222,22 +184,22 @@ class PolicyUpdate:
         ``mm``: per sample, a vision-language model's image tensors (TRL's ``forward_kwargs``); the model then
         places its positions itself, as in TRL, and its vision tower is trained.
         """
-        if getattr(self, "_sp", None) is not None:
+        if self.sp is not None:
             if mm is not None:
-                raise ValueError(f"sequence_parallel_size={self._sp.size} with image prompts: a vision-language "
+                raise ValueError(f"sequence_parallel_size={self.sp.size} with image prompts: a vision-language "
                                  "model's rows are not sharded yet; use sequence_parallel_size=1.")
             return self._sp_forward(model, input_ids, attention_mask, logits_to_keep)
-        if mm is None and self._padfree_allowed(model, aux_loss=self.aux_loss_enabled):
+        if mm is None and self.rules.padfree_allowed(model, aux_loss=self.cfg.aux_loss_enabled):
             rows = self._padfree_forward(model, input_ids, attention_mask, logits_to_keep)
             if rows is not None:
                 return rows
-        if self._packing_allowed(model, images=mm is not None, aux_loss=self.aux_loss_enabled):
+        if self.rules.packing_allowed(model, images=mm is not None, aux_loss=self.cfg.aux_loss_enabled):
             packed = self._packed_forward(model, input_ids, attention_mask, logits_to_keep)
             if packed is not None:
                 return packed
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
-        extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        extra = {"output_router_logits": True} if self.cfg.aux_loss_enabled else {}
         if mm is None:
             extra["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         else:  # prompts are left-padded: each starts where its padding ends
@@ -247,12 +209,12 @@ class PolicyUpdate:
         with self.accelerator.autocast():
             out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
                         **extra)
-        aux = out.aux_loss if self.aux_loss_enabled else None
+        aux = out.aux_loss if self.cfg.aux_loss_enabled else None
         return out.log_probs[:, -logits_to_keep:], out.entropy[:, -logits_to_keep:], aux
 
     def _packed_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
                         ) -> tuple[Tensor, Tensor, None] | None:
-        """``shared_prompt_forward`` on a model that takes it (:meth:`_packing_allowed`): log-probs and entropies
+        """``shared_prompt_forward`` on a model that takes it (:meth:`ForwardRules.packing_allowed`): log-probs and entropies
         ``[B, C]`` from the packed layout (:mod:`trl_nrollout.passes.packing`), or None where this micro batch runs the
         plain forward (a mask over its bound is said once)."""
         config = self.accelerator.unwrap_model(model).config
@@ -266,37 +228,14 @@ class PolicyUpdate:
                               dtype, queries)
         if not pack:
             if reason is not None:
-                self._packing_notice(reason)
+                self.rules.packing_notice(reason)
             return None
         pk = pack_shared_prompts(prompt_ids, attention_mask[:, :-logits_to_keep], completion_ids,
-                                 self._tokenizer.pad_token_id, dtype=dtype, pad_to_multiple_of=self.pad_to_multiple_of)
+                                 self.pad_token_id, dtype=dtype, pad_to_multiple_of=self.pad_to_multiple_of)
         with self.accelerator.autocast():
             out = model(input_ids=pk.input_ids, attention_mask=pk.attention_mask, position_ids=pk.position_ids,
                         shift_labels=pk.shift_labels, fused_lm_head=True)
         return pk.gather(out.log_probs), pk.gather(out.entropy), None
-
-    def _padfree_allowed(self, model, *, aux_loss: bool = False) -> bool:
-        """Whether ``padding_free`` may lay ``model``'s forwards out as padding-free rows: not switched off, and the
-        model takes a 4D block mask (the shared-prompt layout's rule; why not is said once)."""
-        if self.args.padding_free is False:
-            return False
-        reason = structural_reason(self.accelerator.unwrap_model(model).config, aux_loss=aux_loss, varlen=True)
-        if reason is not None and not getattr(self, "_padfree_notice_shown", False):
-            self._padfree_notice_shown = True
-            logger.log(logging.WARNING if self.args.padding_free else logging.INFO,
-                       "padding_free%s is not used: %s; the padded forward runs.",
-                       "=True" if self.args.padding_free else " (default)", reason)
-        return reason is None
-
-    def _rows_varlen(self, model) -> bool:
-        """Whether ``model``'s padding-free rows run varlen attention (no mask: flash-attention, or SDPA on CUDA in
-        half precision; :func:`~trl_nrollout.passes.padfree.rows_mask_dtype`)."""
-        config = self.accelerator.unwrap_model(model).config
-        weights = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        device = self.accelerator.device.type
-        with self.accelerator.autocast():
-            queries = query_dtype(weights, device)
-        return rows_mask_dtype(config, weights, queries, device) is None
 
     def _padfree_forward(self, model, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int
                          ) -> tuple[Tensor, Tensor, None] | None:
@@ -321,10 +260,10 @@ class PolicyUpdate:
                                      hidden_size=getattr(config, "hidden_size", None) or 4096)
         if not fits:
             return None
-        pk = pack_rows(prompts, completions, self._tokenizer.pad_token_id, mask_dtype=dtype,
+        pk = pack_rows(prompts, completions, self.pad_token_id, mask_dtype=dtype,
                        pad_to_multiple_of=self.pad_to_multiple_of, completion_width=c, units=units)
         if not getattr(self, "_padfree_said", False):
-            self._padfree_said = True
+            self.padfree_said = True
             logger.info("padding_free: the update runs padding-free rows%s, %s (this micro batch: %d rows of %d "
                         "tokens instead of %d rows of %d).", " with each prompt once per group" if units else "",
                         "varlen attention" if dtype is None else "a block-diagonal mask",
@@ -334,27 +273,7 @@ class PolicyUpdate:
                         **pk.forward_kwargs())
         return pk.gather(out.log_probs), pk.gather(out.entropy), None
 
-    def _packing_allowed(self, model, *, images: bool = False, aux_loss: bool = False) -> bool:
-        """Whether ``shared_prompt_forward`` may pack ``model``'s forwards: not switched off, and the model takes
-        the packed layout (:func:`~trl_nrollout.passes.packing.structural_reason`; why not is said once)."""
-        if self.args.shared_prompt_forward is False:
-            return False
-        reason = structural_reason(self.accelerator.unwrap_model(model).config, images=images, aux_loss=aux_loss)
-        if reason is not None:
-            self._packing_notice(reason)
-        return reason is None
-
-    def _packing_notice(self, reason: str) -> None:
-        """Say once why the shared-prompt layout is not used (a warning if the user asked for it explicitly)."""
-        if self._packing_notice_shown:
-            return
-        self._packing_notice_shown = True
-        explicit = self.args.shared_prompt_forward is True
-        logger.log(logging.WARNING if explicit else logging.INFO,
-                   "shared_prompt_forward%s is not used: %s; the plain forward runs.",
-                   "=True" if explicit else " (default)", reason)
-
-    def _entropy_bonus(self, entropies: Tensor, mask: Tensor, mode: str, micro_tokens: Tensor | None = None
+    def _entropy_bonus(self, entropies: Tensor, mask: Tensor, step: MicroStep, micro_tokens: Tensor | None = None
                        ) -> Tensor:
         """TRL's entropy bonus, by TRL's rules (``entropy_coef``, ``use_adaptive_entropy``, ``entropy_target``...).
 
@@ -362,30 +281,30 @@ class PolicyUpdate:
         the policy loss). Adaptive: the coefficient of the previous optimizer step applies only while the measured
         entropy is at or below ``entropy_target``; at each optimizer step the window's entropy (all micro batches,
         all ranks, token-weighted) moves the coefficient up by ``entropy_coef_delta`` (entropy at or below the
-        target) or down (above), within ``[entropy_coef_min, entropy_coef_max]``. The controller's state lives in
-        TRL's attributes, so TRL's checkpoints save and restore it. Returns ``coef x mean entropy`` ``[]``.
+        target) or down (above), within ``[entropy_coef_min, entropy_coef_max]``. The controller's state is
+        :class:`EntropyControl` (TRL's checkpoints save it through the trainer). Returns ``coef x mean entropy``
+        ``[]``.
         """
-        args = self.args
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        args, ctl, mode = self.args, self.entropy, step.mode
+        accumulation = step.accumulation
         if micro_tokens is None:
             entropy_loss = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
         else:  # re-cut under a token budget: each sample over the tokens of its count-based micro batch
             entropy_loss = ((entropies * mask).sum(-1) / micro_tokens.clamp(min=1.0)).sum() / accumulation
-        adaptive = self.use_adaptive_entropy
-        coef = self.entropy_coef if not adaptive or self._last_world_entropy <= args.entropy_target else 0.0
+        adaptive = ctl.adaptive
+        coef = ctl.coef if not adaptive or ctl.last_world_entropy <= args.entropy_target else 0.0
         if adaptive and mode == "train":
             stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
-            window = self._entropy_window_stats
-            self._entropy_window_stats = stats if window is None else window + stats
+            ctl.window = stats if ctl.window is None else ctl.window + stats
             if self.accelerator.sync_gradients:  # the optimizer step: measure the window, move the coefficient
-                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                total = self.accelerator.reduce(ctl.window, reduction="sum")
                 world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
-                step = args.entropy_coef_delta if world_entropy <= args.entropy_target else -args.entropy_coef_delta
-                self.entropy_coef = min(max(self.entropy_coef + step, args.entropy_coef_min), args.entropy_coef_max)
-                self._last_world_entropy = world_entropy
-                self._entropy_window_stats = None
+                delta = args.entropy_coef_delta if world_entropy <= args.entropy_target else -args.entropy_coef_delta
+                ctl.coef = min(max(ctl.coef + delta, args.entropy_coef_min), args.entropy_coef_max)
+                ctl.last_world_entropy = world_entropy
+                ctl.window = None
         if mode == "train" and self.accelerator.sync_gradients:
-            self._metric(mode, "entropy_coef", self.entropy_coef)
+            self.metrics.add(mode, "entropy_coef", ctl.coef)
         return coef * entropy_loss
 
     def _entropy_threshold(self, entropies: Tensor, mask: Tensor, q: float) -> Tensor:
@@ -397,15 +316,17 @@ class PolicyUpdate:
         everything = self.accelerator.gather(padded)
         return entropy_quantile(everything[everything != sentinel], q).to(entropies.device)
 
-    def _compute_loss(self, model, inputs):
-        args = self.args
-        mode = "train" if self.model.training else "eval"
+    def loss(self, model, inputs: dict, step: MicroStep) -> Tensor:
+        """The loss of one micro batch ``inputs`` (TRL's batch with the normalizers of :meth:`add_normalizers`) at
+        ``step``, its metrics logged: verl's clipped policy loss with the rollout correction, TRL's masks, the KL
+        loss, the entropy bonus and a MoE router loss."""
+        args, mode = self.args, step.mode
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         logits_to_keep = completion_ids.size(1)
-        logps, entropies, aux_loss = self._policy_logps(model, input_ids, attention_mask, logits_to_keep,
+        logps, entropies, aux_loss = self.policy_logps(model, input_ids, attention_mask, logits_to_keep,
                                                         inputs.get("mm_inputs"))
         mask = loss_mask(inputs).to(logps.dtype)  # completion tokens, less tool results (multi-turn)
         old = inputs.get("old_per_token_logps")
@@ -445,8 +366,8 @@ class PolicyUpdate:
             stats["rollout_corr/is_weight_mean"] = (full * mask).sum() / n_tok
         # TRL's token masks: the top-rho entropy tokens of the step, DeepSeek-V3.2's off-policy sequence mask
         entropy_mask = None
-        if self.top_entropy_quantile < 1.0:
-            threshold = self._entropy_threshold(entropies, mask, 1.0 - self.top_entropy_quantile)
+        if self.cfg.top_entropy_quantile < 1.0:
+            threshold = self._entropy_threshold(entropies, mask, 1.0 - self.cfg.top_entropy_quantile)
             entropy_mask = high_entropy_mask(entropies, mask, threshold)
         token_mask = entropy_mask
         if args.off_policy_mask_threshold is not None:
@@ -458,35 +379,35 @@ class PolicyUpdate:
             vespo = vespo_weights(adv, logps, old, mask, log_is_weight=None if weights is None else weights.log(),
                                   k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
                                   lambda_neg=args.vespo_lambda_neg)
-        out = policy_loss(logps, old, adv, mask, clip_ratio_low=self.epsilon_low,
-                          clip_ratio_high=self.epsilon_high, clip_ratio_c=args.clip_ratio_c,
-                          ratio_level=self.importance_sampling_level, loss_agg_mode=args.loss_agg_mode,
+        out = policy_loss(logps, old, adv, mask, clip_ratio_low=self.cfg.epsilon_low,
+                          clip_ratio_high=self.cfg.epsilon_high, clip_ratio_c=args.clip_ratio_c,
+                          ratio_level=self.cfg.importance_sampling_level, loss_agg_mode=args.loss_agg_mode,
                           loss_mode=args.policy_loss_mode, delta=args.delta,
                           sapo_temperature_pos=args.sapo_temperature_pos,
                           sapo_temperature_neg=args.sapo_temperature_neg, vespo_weight=vespo, token_mask=token_mask,
                           token_weights=weights, **agg)
         loss = out.loss
-        if self.beta != 0.0:
+        if self.cfg.beta != 0.0:
             kl = kl_penalty(logps, inputs["ref_per_token_logps"], args.kl_loss_type)
             if args.use_bias_correction_kl:  # TRL's option: the KL of tokens sampled from the old policy, reweighted
                 kl = kl * torch.exp(logps - old)
             kl_loss = agg_loss(kl, mask, args.loss_agg_mode, **agg)
-            loss = loss + self.beta * kl_loss
+            loss = loss + self.cfg.beta * kl_loss
             stats["actor/kl_loss"] = (kl.detach() * mask).sum() / n_tok
         if args.loss_agg_mode == "token-mean-micro":  # TRL's bnpo: this micro batch's mean, over the accumulation
-            loss = loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
-        if self._entropy_bonus_enabled:
-            loss = loss - self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode,
+            loss = loss / step.accumulation
+        if self.entropy.enabled:
+            loss = loss - self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, step,
                                               micro_tokens)
         if aux_loss is not None:  # TRL's MoE router loss, router_aux_loss_coef (default: the model's own coefficient)
-            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            accumulation = step.accumulation
             if micro_tokens is not None:  # this micro batch's share of its count-based micro batches' tokens
                 accumulation = accumulation / (mask.sum(-1) / micro_tokens.clamp(min=1)).sum().clamp(min=1e-8)
-            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            loss = loss + self.cfg.router_aux_loss_coef * aux_loss / accumulation
             stats["aux_loss"] = aux_loss.detach()
         ratio = torch.exp((logps - old).detach())
-        low = ((ratio < 1 - self.epsilon_low) & (adv < 0)).float()
-        high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).float()
+        low = ((ratio < 1 - self.cfg.epsilon_low) & (adv < 0)).float()
+        high = ((ratio > 1 + self.cfg.epsilon_high) & (adv > 0)).float()
         stats["clip_ratio/low_mean"] = (low * mask).sum() / n_tok
         stats["clip_ratio/high_mean"] = (high * mask).sum() / n_tok
         stats["clip_ratio/region_mean"] = ((low + high).clamp(max=1) * mask).sum() / n_tok
@@ -498,18 +419,18 @@ class PolicyUpdate:
         values = dict(zip([*stats, "loss"], torch.stack([v.float() for v in [*stats.values(), loss.detach()]]).tolist()))
         if not math.isfinite(values["loss"]):  # checked on the values already fetched: no extra sync
             raise FloatingPointError(
-                f"the loss is {values['loss']} at step {self.state.global_step} (pg_loss={values['actor/pg_loss']}); "
+                f"the loss is {values['loss']} at step {step.global_step} (pg_loss={values['actor/pg_loss']}); "
                 "check the rewards and the learning rate, or lower clip_ratio_c."
             )
         for name, value in values.items():
             if name != "loss":
-                self._metric(mode, name, value)
+                self.metrics.add(mode, name, value)
         for trl_name, name in _TRL_METRIC_NAMES.items():  # TRL's names beside verl's (same values)
             if name in values:
-                self._metric(mode, trl_name, values[name])
-        if getattr(self, "_sp", None) is not None and mode == "train":
+                self.metrics.add(mode, trl_name, values[name])
+        if self.sp is not None and mode == "train":
             # each rank's gradient is its share of its group's; the data-parallel mean divides by all S x D ranks
-            loss = loss * sp_loss_scale(self._sp.size)
+            loss = loss * sp_loss_scale(self.sp.size)
         return loss
 
 

@@ -1,7 +1,7 @@
 """Request-level tool episodes on rollout ranks (``rollout_ranks`` with ``rollout_multi_turn="requests"``).
 
 A whole episode is a job of the rollout ranks: each rollout rank runs the request-level agent loop the colocated
-path runs (:meth:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup.run_agents`, or ``run_agents_balanced`` with
+path runs (:func:`~trl_nrollout.rollout.dispatch.shares.run_agents`, or ``run_agents_balanced`` with
 ``rollout_dispatch="balanced"``) on its own engine, with the user's tools (the same script builds the trainer on
 every process, so the rollout rank holds the same ``tools=``), the trainers' tokenizer (pickled into the start
 message, with the response template TRL set on it) and chat template. It answers each episode's tokens, tool masks
@@ -28,9 +28,17 @@ from typing import Any
 
 import numpy as np
 
-from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, call_tools, split_tools
+from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
+from trl_nrollout.rollout.dispatch.shares import run_agents
 from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.seeds import step_seed
+from trl_nrollout.rollout.tool_episodes import (
+    AgentCallbacks,
+    AgentSample,
+    AgentStats,
+    call_tools,
+    split_tools,
+)
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
 #: The fields of an episode beyond its tokens, log-probs and finish reason (one value per sample).
@@ -111,10 +119,10 @@ def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[in
     if not prompts and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
         samples, stats = [], AgentStats()
     elif balanced:
-        samples, _, stats, pulled = engine.run_agents_balanced(prompts, n, sampling, turn_seed, agent, workers)
+        samples, _, stats, pulled = run_agents_balanced(engine, prompts, n, sampling, turn_seed, agent, workers)
     else:
-        samples, _, stats = engine.run_agents(prompts, n, sampling, turn_seed, agent, workers,
-                                              sample_offset=sample_offset)
+        samples, _, stats = run_agents(engine, prompts, n, sampling, turn_seed, agent, workers,
+                                       sample_offset=sample_offset)
     batch = RolloutBatch([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
                          [s.logprobs for s in samples], [s.finish_reason for s in samples],
                          list(range(len(samples))))

@@ -1,9 +1,9 @@
 """Partial rollouts of tool-calling episodes: the pool of :mod:`trl_nrollout.rollout.partial` whose samples are
-multi-turn episodes run request by request (:func:`~trl_nrollout.rollout.agent_loop.run_agent_requests`'s loop).
+multi-turn episodes run request by request (:func:`~trl_nrollout.rollout.tool_episodes.run_agent_requests`'s loop).
 
 Two axes compose here: *when a step's rollout ends* (the first ``target`` groups to finish train; the others stay in
 the pool across weight syncs) and *what an episode is* (turns, tool calls and their results, as
-:class:`~trl_nrollout.rollout.agent_loop.AgentSample` advances them). A sample of the pool is in one of three states
+:class:`~trl_nrollout.rollout.tool_episodes.AgentSample` advances them). A sample of the pool is in one of three states
 between steps:
 
 - not started (no token yet: a fresh group runs as one request of ``n`` samples, sharing the prompt's prefill);
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from trl_nrollout.rollout.agent_loop import AgentCallbacks, AgentSample, AgentStats, ToolRunner
 from trl_nrollout.rollout.partial import InFlightGroup, PartialRun
+from trl_nrollout.rollout.tool_episodes import AgentCallbacks, AgentSample, AgentStats, ToolRunner
 
 
 @dataclass
