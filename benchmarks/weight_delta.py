@@ -2,7 +2,7 @@
 rank, whole buckets vs deltas, at two learning rates, on ``builtin:medium-qwen2`` with a bf16 engine.
 
 Each arm is one real launch of the recipe (``accelerate launch --multi_gpu --num_processes 2``: one trainer, one
-rollout rank, synchronous ``max_staleness=0``, Adam, ``rollout_dtype=bfloat16``), ``--steps`` GRPO steps of 8 prompts x
+rollout rank, synchronous ``rollout_lookahead=0``, Adam, ``rollout_dtype=bfloat16``), ``--steps`` GRPO steps of 8 prompts x
 4 samples. Per version after the first (the first is whole: nothing is held yet) the trainer logs the version's bytes
 (``weight_sync/transfer_mb``), the bytes that crossed (``weight_sync/transfer_sent_mb``) and the transfer's seconds
 (``weight_sync/transfer_s``: device -> host -> encode -> gloo -> the rollout rank's decode and staging). The table gives
@@ -37,7 +37,7 @@ def run_arm(lr: float, delta: bool, args) -> dict:
                "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "recipes/grpo.py"),
                "--model_name_or_path", args.model, "--output_dir", out, "--max_steps", str(args.steps),
                "--learning_rate", str(lr), "--train_batch_size", "8", "--rollout_n", "4",
-               "--max_completion_length", "32", "--rollout_ranks", "1", "--max_staleness", "0",
+               "--max_completion_length", "32", "--rollout_ranks", "1", "--rollout_lookahead", "0",
                "--rollout_dtype", "bfloat16", "--weight_sync_delta", str(delta).lower(), "--save_strategy", "no",
                "--use_cpu", "true", "--bf16", "false"]
         env = {**os.environ, **CHILD_ENV, "PYTHONPATH": str(ROOT)}

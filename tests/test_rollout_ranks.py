@@ -692,7 +692,7 @@ def test_weights_travel_as_what_changed_and_arrive_bit_for_bit(tmp_path):
     per bucket, or the run stops), and the engine samples from what it loaded (its log-probs stay within bf16
     rounding of the trainer's float32 ones). Mutation tried: ``_apply`` writing each changed word one place off ->
     the rollout rank raises the checksum error and the launch fails."""
-    run = _launch(tmp_path, "--max_steps", "4", "--rollout_ranks", "1", "--max_staleness", "0",
+    run = _launch(tmp_path, "--max_steps", "4", "--rollout_ranks", "1", "--rollout_lookahead", "0",
                   "--rollout_dtype", "bfloat16", "--weight_sync_delta", "true", "--learning_rate", "1e-6",
                   "--save_strategy", "no", procs=2)
     steps = run["steps"]

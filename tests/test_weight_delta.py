@@ -87,3 +87,14 @@ def test_a_delta_against_another_copy_is_caught():
     other[100] = 2.0  # the receiver holds another version
     with pytest.raises(RuntimeError, match="checksum"):
         decode(header, data, other.view(torch.uint8).clone())
+
+
+def test_deltas_without_rollout_ranks_are_refused_with_the_fix(tmp_path):
+    """weight_sync_delta is for the weights that cross to rollout ranks: asked for with colocated engines, the config
+    says why it has no use there and what to do. Mutation tried: the refusal's call in config/derive.py skipped
+    (``if not self.rollout_ranks: return``) -> no error, the test fails."""
+    from trl_nrollout.config import NRolloutConfig
+    from trl_nrollout.errors import InputError
+
+    with pytest.raises(InputError, match=r"weight_sync_delta=True.*rollout_ranks=0.*Set rollout_ranks"):
+        NRolloutConfig(output_dir=str(tmp_path), weight_sync_delta=True, use_cpu=True, report_to="none")
