@@ -26,6 +26,7 @@ from trl_nrollout.rollout.remote import RemoteEngines
 from trl_nrollout.rollout.remote_partial import RESET_ENV
 from trl_nrollout.rollout.remote_serve import serve
 from trl_nrollout.rollout.remote_tool_episodes import agent_settings, env_tool_schemas
+from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
 
 logger = logging.getLogger(__name__)
@@ -322,7 +323,7 @@ class RolloutRanks(RemotePartialRollouts):
             self._metric(mode, "weight_sync/transfer_s", transfer["seconds"])
             self._metric(mode, "weight_sync/transfer_mb", transfer["bytes"] / 2**20)
             if transfer.get("delta"):  # weight_sync_delta: the bytes that crossed, against the whole version's
-                self._metric(mode, "weight_sync/transfer_sent_mb", transfer["wire_bytes"] / 2**20)
+                Metrics(self._metrics).add(mode, "weight_sync/transfer_sent_mb", transfer["wire_bytes"] / 2**20)
 
     # ------------------------------------------------------------------ the end of train() / evaluate()
     def train(self, *args, **kwargs):
