@@ -43,11 +43,9 @@ TRAINERS = {False: "the run's: Megatron-like (no per-forward gathers, sequences 
 GOAL = 1.5
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--quick", action="store_true", help="the same (it takes well under a second)")
-    args = ap.parse_args()
+def compute_rows() -> list[dict]:
+    """Each published run predicted at each assumed prompt length, with its own trainer and with ours (pure
+    arithmetic: the planner's cost model on the ``h100`` profile)."""
     from trl_nrollout.plan.cost import predict_step
     from trl_nrollout.plan.devices import PROFILES
     from trl_nrollout.plan.layout import RolloutLayout
@@ -68,6 +66,12 @@ def main() -> None:
                          "mean_generated": mean, "measured_s": measured, "predicted_s": pred.total_s,
                          "ratio": pred.total_s / measured, "phases": pred.phases,
                          "decode_bound": pred.details["decode_bound"]})
+    return rows
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    """The Markdown table of :func:`compute_rows` (docs/benchmarks.md quotes it; tests/test_benchmark_figures.py
+    regenerates it to check the quote)."""
     lines = [f"Source: {SOURCE}", "", "| run | prompt tokens (assumed) | trainer modelled | measured step (s) | "
              "predicted (s) | predicted / measured | generation / old+ref / update (s), predicted |",
              "|---|---|---|---|---|---|---|"]
@@ -79,8 +83,16 @@ def main() -> None:
                      f"{p['update']:.1f} |")
     runs = [r for r in rows if r["predicts_the_run"]]
     ok = sum(1 / GOAL <= r["ratio"] <= GOAL for r in runs)
-    lines += ["", f"the runs' own trainer within a factor of {GOAL}: {ok}/{len(runs)}"]
-    table = "\n".join(lines)
+    return lines + ["", f"the runs' own trainer within a factor of {GOAL}: {ok}/{len(runs)}"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--quick", action="store_true", help="the same (it takes well under a second)")
+    args = ap.parse_args()
+    rows = compute_rows()
+    table = "\n".join(table_lines(rows))
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "plan_published.md").write_text(table + "\n")

@@ -57,8 +57,10 @@ def run_arm(lr: float, delta: bool, args) -> dict:
             "transfer_s": statistics.median(h["weight_sync/transfer_s"] for h in steps)}
 
 
-def write_outputs(result: dict, out_dir: Path) -> str:
-    meta, rows = result["meta"], result["rows"]
+def table_lines(result: dict) -> list[str]:
+    """The Markdown table of a result (its JSON as written): one row per arm. docs/benchmarks.md quotes it, and
+    tests/test_benchmark_figures.py regenerates it from docs/results/weight_delta.json to check the quote."""
+    rows = result["rows"]
     lines = ["| lr | sync | MiB per version | MiB sent (median) | sent / version | transfer s (median) | "
              "s vs whole at this lr |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -66,6 +68,12 @@ def write_outputs(result: dict, out_dir: Path) -> str:
         lines.append(f"| {r['lr']:g} | {'deltas' if r['delta'] else 'whole'} | {r['full_mb']:.2f} | "
                      f"{r['sent_mb']:.2f} | {r['sent_mb'] / r['full_mb']:.3f}x | {r['transfer_s']:.3f} | "
                      f"{r['transfer_s'] / whole['transfer_s']:.2f}x |")
+    return lines
+
+
+def write_outputs(result: dict, out_dir: Path) -> str:
+    meta, rows = result["meta"], result["rows"]
+    lines = table_lines(result)
     lines += ["", f"Goal: sent / version <= {GOAL}x at lr 1e-6. `{meta['model']}` (bf16 engine, float32 trainer, "
               f"Adam), one trainer + one rollout rank, {meta['steps']} steps per arm, versions after the first; "
               f"{meta['cpus']} CPUs. Load average (1 min) {result['load_avg_start'][0]:.2f} at start, "
