@@ -33,9 +33,8 @@ def marked_tables(text: str) -> list[tuple[str, str | None, list[str]]]:
 def _block(lines: list[str]) -> list[str]:
     out = []
     for line in lines:
-        if line.startswith("|") or line.startswith("Source:") or (not line.strip() and not out):
-            out.append(line)
-        elif not line.strip() and out and out[-1].startswith("Source:"):
+        blank_before_table = not line.strip() and (not out or out[-1].startswith("Source:"))
+        if line.startswith(("|", "Source:")) or blank_before_table:
             out.append(line)
         else:
             break
