@@ -22,7 +22,11 @@ SIGKILL cannot stop them).
 Launches with more than one machine run the real ``accelerate launch`` (one launch per node). The README's
 commands and the tests of the command line itself use the real ``accelerate launch`` too.
 
+``--torchrun N`` in place of accelerate's arguments launches as ``torchrun --nproc_per_node N`` would (the tests of
+tests/dist/, plain torch.distributed: no accelerate variables; ``torchrun`` in conftest.py).
+
     python tests/fork_launch.py [accelerate launch arguments] script.py [script arguments]
+    python tests/fork_launch.py --torchrun N script.py [script arguments]
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import socket
 import sys
 import time
 
-GRACE_S = 15.0  # how long ranks get to stop after SIGTERM before SIGKILL
+GRACE_S = 15.0  # how long ranks get to stop after SIGTERM before SIGKILL (a launch's FORK_LAUNCH_GRACE_S overrides
+# it: a test whose rank is frozen on purpose (SIGSTOP: SIGTERM waits until it runs again) need not wait it out)
 
 
 def _free_port() -> int:
@@ -174,14 +179,29 @@ def _run_multi_node(argv: list[str], watch) -> int:
     return code
 
 
+def _torchrun_environment(argv: list[str]) -> tuple[dict, int, str, list[str]]:
+    """``--torchrun N script.py [arguments]``: what ``torchrun --nproc_per_node N script.py`` gives its processes (the
+    caller's environment, and ``OMP_NUM_THREADS=1`` unless set when N > 1, as torchrun does; the rank variables are
+    :func:`_run_rank`'s), without accelerate's variables: the tests of tests/dist/ run plain torch.distributed."""
+    world, script, *script_args = argv[1:]
+    env = dict(os.environ)
+    if int(world) > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env, int(world), script, script_args
+
+
 def main(argv: list[str], watch=None) -> int:
     """Launch; returns the exit code. ``watch``: a socket whose closing (the client that asked for this launch went
-    away, e.g. killed at a timeout) kills the ranks."""
-    prepared = _environment(argv)
-    if prepared is None:  # several machines: the real launcher, one per node
-        return _run_multi_node(argv, watch)
-    env, world, script, script_args = prepared
-    env = {**os.environ, **env}
+    away, e.g. killed at a timeout) kills the ranks. ``argv``: ``accelerate launch``'s arguments, or
+    ``--torchrun N script.py [arguments]`` for torchrun's processes (:func:`_torchrun_environment`)."""
+    if argv[:1] == ["--torchrun"]:
+        env, world, script, script_args = _torchrun_environment(argv)
+    else:
+        prepared = _environment(argv)
+        if prepared is None:  # several machines: the real launcher, one per node
+            return _run_multi_node(argv, watch)
+        env, world, script, script_args = prepared
+        env = {**os.environ, **env}
     _preimport()
     port = _free_port()
     sys.stdout.flush()
@@ -233,7 +253,7 @@ def main(argv: list[str], watch=None) -> int:
                 failed = code if code > 0 else 1
                 print(f"[fork_launch] rank {rank} exited with {code}; stopping the other ranks", file=sys.stderr)
                 forward(signal.SIGTERM, None)
-                deadline = time.monotonic() + GRACE_S
+                deadline = time.monotonic() + float(os.environ.get("FORK_LAUNCH_GRACE_S", GRACE_S))
     finally:  # what the ranks started and left running; then rank 0's pid is released
         forward(signal.SIGKILL, None)
         with contextlib.suppress(ChildProcessError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 import torch
@@ -190,11 +189,9 @@ def _run_dist(tmp_path, tp: int, mode: str, procs: int, model: str) -> list[dict
     from tests.conftest import ROOT, run_cmd, torchrun
 
     script = str(ROOT / "tests/dist/lora_sync_dist.py")
-    env = {"ACCELERATE_USE_CPU": None}
-    if procs == 1:
-        run_cmd([sys.executable, script, str(tp), mode, model, str(tmp_path)], timeout=500, env=env)
-    else:
-        run_cmd([*torchrun(procs), script, str(tp), mode, model, str(tmp_path)], timeout=500, env=env)
+    # one process too through the warm launcher (a world of one: the script inits no process group for it)
+    run_cmd([*torchrun(procs), script, str(tp), mode, model, str(tmp_path)], timeout=500,
+            env={"ACCELERATE_USE_CPU": None})
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(procs)]
 
 
@@ -253,12 +250,13 @@ def test_the_trainer_syncs_only_the_adapter_to_its_colocated_engine(tmp_path):
     while the adapter trains away from the base (KL loss)."""
     from dataclasses import replace
 
-    from tests.conftest import ROOT, run_cmd
+    from tests.conftest import ROOT, run_cmd, torchrun
     from trl_nrollout.plan.devices import PROFILES
 
     profile = tmp_path / "free_lora.json"
     profile.write_text(json.dumps(replace(PROFILES["h100"], name="free-lora", lora_gen_slowdown=1.0).to_dict()))
-    run_cmd([sys.executable, str(ROOT / "tests/assets/lora_sync_train.py"), str(tmp_path), "auto",
+    # one process, forked warm by the tests' launcher (torchrun's variables for a world of one)
+    run_cmd([*torchrun(1), str(ROOT / "tests/assets/lora_sync_train.py"), str(tmp_path), "auto",
              f"device={profile}"], timeout=600, env={"ACCELERATE_USE_CPU": None})
     result = json.loads((tmp_path / "log_history.json").read_text())
     steps = [h for h in result["history"] if "reward" in h]

@@ -568,12 +568,14 @@ def test_two_nodes_with_the_rollout_rank_on_the_second(tmp_path):
 def test_a_dead_or_frozen_rank_stops_the_launch(mode, silent, tmp_path):
     """A rollout rank frozen (SIGSTOP) or killed, or a trainer frozen, in the middle of training: the launch ends
     with an error within a bounded time (rollout_rank_timeout_s=5), and for a frozen rank a message names it and
-    what it was doing; nothing waits forever."""
+    what it was doing; nothing waits forever. The launcher gives the ranks 3 s after the first one fails
+    (FORK_LAUNCH_GRACE_S; 15 s by default), not the 15 s that a frozen rank, which cannot act on SIGTERM, waited
+    out before its SIGKILL."""
     start = time.monotonic()
     proc = subprocess.Popen([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
                              str(ROOT / "tests/assets/rollout_ranks_fault.py"), str(tmp_path), mode],
-                            cwd=ROOT, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            cwd=ROOT, env={**os.environ, **ENV, "FORK_LAUNCH_GRACE_S": "3"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
         output = proc.communicate(timeout=300)[0]
     finally:

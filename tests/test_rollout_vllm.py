@@ -5,7 +5,6 @@ PEFT, DDP, ZeRO-3 and FSDP2 models checked against the training model's own log-
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -18,11 +17,10 @@ TOL = 1e-4  # float32 on CPU; engine and trainer run different kernels
 
 def _run(tmp_path, tp: int, mode: str, procs: int, model: str) -> list[dict]:
     script = str(ROOT / "tests/dist/engine_dist.py")
-    env = {"ACCELERATE_USE_CPU": None}
-    if procs == 1:
-        run_cmd([sys.executable, script, str(tp), mode, model, str(tmp_path)], timeout=500, env=env)
-    else:
-        run_cmd([*torchrun(procs), script, str(tp), mode, model, str(tmp_path)], timeout=500, env=env)
+    # one process too through the warm launcher (torchrun's variables for a world of one: the script inits no
+    # process group for it), not a fresh interpreter that imports torch, transformers and PEFT again
+    run_cmd([*torchrun(procs), script, str(tp), mode, model, str(tmp_path)], timeout=500,
+            env={"ACCELERATE_USE_CPU": None})
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(procs)]
 
 
@@ -97,8 +95,7 @@ def _run_large(tmp_path, tps: list[int], procs: int, model: str) -> list[dict]:
     script = str(ROOT / "tests/dist/large_rollout.py")
     out = tmp_path / f"tp{'_'.join(map(str, tps))}_p{procs}"
     out.mkdir()
-    head = [sys.executable] if procs == 1 else torchrun(procs)
-    run_cmd([*head, script, ",".join(map(str, tps)), model, str(out)], timeout=500, env={"ACCELERATE_USE_CPU": None})
+    run_cmd([*torchrun(procs), script, ",".join(map(str, tps)), model, str(out)], timeout=500, env={"ACCELERATE_USE_CPU": None})
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]
     assert all(r["rank"] == i and list(r["tp"]) == [str(tp) for tp in tps] for i, r in enumerate(ranks))
     return [{tp: r["tp"][str(tp)] for tp in tps} for r in ranks]
