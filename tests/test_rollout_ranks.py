@@ -384,34 +384,40 @@ def test_rollout_lookahead_without_rollout_ranks_is_refused(tmp_path):
 
 
 def test_rollout_lookahead_sets_the_jobs_written_ahead_and_the_versions_staged():
-    """A trainer rank writes ``rollout_lookahead`` steps' jobs ahead (``_ahead_jobs``: none at 0, the next step's at
+    """A trainer rank writes ``rollout_lookahead`` steps' jobs ahead (``ahead_jobs``: none at 0, the next step's at
     1, two at 2, never past the run's last step), whatever ``max_staleness`` says; a rollout rank stages at most
-    ``rollout_lookahead`` weight versions (at least one). Mutations tried: ``_ahead_jobs`` reading
+    ``rollout_lookahead`` weight versions (at least one). Mutations tried: ``ahead_jobs`` reading
     ``args.max_staleness`` (the old meaning) -> a job is written at rollout_lookahead=0, the test fails; the start
     message's ``lookahead`` key read as ``max_staleness`` -> one version staged at rollout_lookahead=2, it fails."""
     from types import SimpleNamespace
 
     from trl_nrollout.rollout.remote_reader import staged_versions
-    from trl_nrollout.trainer.rollout_ranks import RolloutRanks
+    from trl_nrollout.trainer.metrics import Metrics
+    from trl_nrollout.trainer.rollout_ranks import RankCalls, RolloutRankPlacement
 
     def trainer(lookahead: int, max_steps: int = 10):
-        return SimpleNamespace(
-            args=SimpleNamespace(rollout_lookahead=lookahead, max_staleness=2, rollout_partial=False),
-            layout=SimpleNamespace(optimizer_steps_per_rollout=1), num_generations=2,
-            state=SimpleNamespace(global_step=3, max_steps=max_steps),
-            _next_generation_inputs=lambda k: [[{"row": i}] * 2 for i in range(k)],
-            _episodes_ahead=lambda step, rows: [f"prompt {step}"] * len(rows),
-            _engine_prompts=lambda prompts: ([[7]] * len(prompts), [None] * len(prompts)),
-            _sampling=lambda mode, step: step, _agent_job=lambda mode, step, rows: None)
+        state = SimpleNamespace(global_step=3, max_steps=max_steps)
+        calls = RankCalls(state=lambda: state, sampling=lambda mode, step: step,
+                          start_episodes=lambda rows, busy=None: ([f"prompt {rows}"] * len(rows), []),
+                          engine_prompts=lambda prompts: ([[7]] * len(prompts), [None] * len(prompts)),
+                          partial_job=None, reset_env=None, log_agent_stats=None, live_environments=None,
+                          set_live_environments=None)
+        part = RolloutRankPlacement(
+            SimpleNamespace(rollout_lookahead=lookahead, max_staleness=2, rollout_partial=False,
+                            rollout_multi_turn="turns"),
+            SimpleNamespace(optimizer_steps_per_rollout=1), Metrics(), calls, num_generations=2,
+            environments=False, agents=False, request_tools=False)
+        part.next_generation_inputs = lambda k: [[{"row": i}] * 2 for i in range(k)]
+        return part
 
-    def steps(t) -> list[int]:
-        return [sampling for _, sampling, _, _ in RolloutRanks._ahead_jobs(t, "train")]
+    def steps(part) -> list[int]:
+        return [sampling for _, sampling, _, _ in part.ahead_jobs("train")]
 
     assert steps(trainer(0)) == []
     assert steps(trainer(1)) == [4]
     assert steps(trainer(2)) == [4, 5]
     assert steps(trainer(2, max_steps=5)) == [4]  # step 5 is past the run's end
-    assert RolloutRanks._ahead_jobs(trainer(1), "eval") == []
+    assert trainer(1).ahead_jobs("eval") == []
     assert staged_versions({"lookahead": 2, "max_staleness": 1}) == 2
     assert staged_versions({"lookahead": 0}) == 1
 
