@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import astuple, dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,6 +30,7 @@ import numpy as np
 
 from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
 from trl_nrollout.rollout.dispatch.shares import run_agents
+from trl_nrollout.rollout.rank_jobs import JobDone, RankJob, job_kind
 from trl_nrollout.rollout.rank_state import RankState
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.tool_episodes import (
@@ -89,6 +90,44 @@ def episode_extras(samples: list[AgentSample]) -> tuple[np.ndarray, list[dict]]:
     return mask, fields
 
 
+@dataclass(frozen=True)
+class EpisodeJob:
+    """The entry of a job of whole episodes on the rollout ranks (it travels pickled in the job's message): TRL tool
+    episodes request by request (``step`` and ``mode`` seed their turns as the colocated loop's) or ``agent=``
+    episodes and a ``rollout_func``'s groups (``rows``: the dataset rows, each ``n`` times). With environments (on
+    the trainers): each trainer's tool server and key of its episodes there (``envs``), samples (``sizes``) and
+    samples' environment names (``names``). A trainer writes its own (one trainer's lists); the job's joins them in
+    rank order (:meth:`join`)."""
+
+    step: int
+    mode: str
+    rows: list[dict] | None = None
+    envs: list[tuple] | None = None
+    sizes: list[int] | None = None
+    names: list | None = None
+
+    @classmethod
+    def join(cls, entries: list[EpisodeJob]) -> EpisodeJob:
+        """The job's entry from the trainers' (rank order): each list field joined, each trainer's after those of
+        the trainers before it; the step and mode the first trainer's (the same on all)."""
+        first = entries[0]
+
+        def joined(name: str) -> list | None:
+            return None if getattr(first, name) is None else [x for e in entries for x in getattr(e, name)]
+
+        return cls(first.step, first.mode, rows=joined("rows"), envs=joined("envs"), sizes=joined("sizes"),
+                   names=joined("names"))
+
+
+@job_kind(EpisodeJob)
+def episode_job(job: RankJob) -> JobDone:
+    """Whole episodes (:data:`~trl_nrollout.rollout.rank_jobs.JOB_KINDS`): this rank's slice of the job's samples,
+    run by :func:`run_agent_job`."""
+    batch, pulled, extras, stats = run_agent_job(job.engine, job.message, job.state, job.prompts(), job.message["n"],
+                                                 job.start, job.balanced)
+    return JobDone(batch, pulled=pulled, extras=extras, agent_stats=astuple(stats))
+
+
 def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[int]], n: int, sample_offset: int,
                   balanced: bool) -> tuple[RolloutBatch, Any, tuple[np.ndarray, list[dict]],
                                                                 AgentStats]:
@@ -102,18 +141,18 @@ def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[in
     if settings is None:
         raise RuntimeError("an agent job reached a rollout rank whose start message had no agent settings "
                            "(a version mismatch between the trainers and the rollout ranks?)")
-    if "rows" in message["agent"]:  # agent= episodes: the user's agents on this rank's endpoint
+    job: EpisodeJob = message["agent"]
+    if job.rows is not None:  # agent= episodes: the user's agents on this rank's endpoint
         return run_endpoint_job(engine, message, state, sample_offset, sample_offset + len(prompts), n, balanced)
-    job = message["agent"]
-    agent, workers = tool_callbacks(state, environments=bool(job.get("envs")))
+    agent, workers = tool_callbacks(state, environments=bool(job.envs))
     sampling: SamplingOptions = message["sampling"]
-    if job.get("envs"):  # environments: the calls go home to the trainers, parsed with their tools' schemas
+    if job.envs:  # environments: the calls go home to the trainers, parsed with their tools' schemas
         agent = env_agent(agent, state, job, n, sample_offset, balanced)
 
     def turn_seed(round_: int) -> int | None:
         if sampling.seed is None:
             return None
-        return step_seed(settings["seed"], job["step"], round_, f"{job['mode']}/turn")
+        return step_seed(settings["seed"], job.step, round_, f"{job.mode}/turn")
 
     pulled = None
     if not prompts and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
@@ -137,15 +176,15 @@ def env_tool_schemas(env_tools: dict) -> dict:
     return {name: [t if isinstance(t, dict) else get_json_schema(t) for t in tools] for name, tools in env_tools.items()}
 
 
-def env_home(job: dict, n: int, trainer_rank) -> Callable[[int], tuple[str, tuple]]:
+def env_home(job: EpisodeJob, n: int, trainer_rank) -> Callable[[int], tuple[str, tuple]]:
     """Job sample ``s`` -> ``(the store prefix of its trainer's tool server, (that trainer's global rank, the key
     of its episodes there, its index among that trainer's samples))``: where its environment's tools run.
-    ``job["sizes"]``: each trainer's samples; ``trainer_rank(t)``: trainer ``t``'s global rank."""
-    ends = np.cumsum(job["sizes"])
+    ``job.sizes``: each trainer's samples; ``trainer_rank(t)``: trainer ``t``'s global rank."""
+    ends = np.cumsum(job.sizes)
 
     def home(s: int) -> tuple[str, tuple]:
         t = int(np.searchsorted(ends, s, side="right"))
-        prefix, key = job["envs"][t]
+        prefix, key = job.envs[t]
         return prefix, (trainer_rank(t), key, s - (int(ends[t - 1]) if t else 0))
 
     return home
@@ -176,7 +215,7 @@ def _env_parse(state: RankState) -> Callable[[list[int], list[int], object], Any
     return lambda ids, prefix, name: parse_response(tokenizer, ids, prefix=prefix, tools=schemas[name])
 
 
-def env_agent(agent: AgentCallbacks, state: RankState, job: dict, n: int, sample_offset: int,
+def env_agent(agent: AgentCallbacks, state: RankState, job: EpisodeJob, n: int, sample_offset: int,
               balanced: bool) -> AgentCallbacks:
     """``agent`` for episodes whose environments live on the trainers: each sample's turns parsed with its
     environment's tool schemas, its tool calls sent home to its trainer's tool server (:func:`home_call`). The
@@ -186,7 +225,7 @@ def env_agent(agent: AgentCallbacks, state: RankState, job: dict, n: int, sample
 
     bridge = state.bridge
     home = env_home(job, n, lambda t: bridge.roles.global_rank(TRAIN, t))
-    parse, names = _env_parse(state), job["names"]
+    parse, names = _env_parse(state), job.names
 
     def index(i: int) -> int:
         return i if balanced else sample_offset + i
@@ -230,13 +269,13 @@ def run_endpoint_job(engine, message: dict, state: RankState, start: int, stop: 
     settings, runner = state.agent, rank_runner(state, engine)
     if state.endpoint is None:
         state.endpoint = rank_endpoint(settings)
-    job = message["agent"]
-    rows = job["rows"][start:stop]
+    job: EpisodeJob = message["agent"]
+    rows = job.rows[start:stop]
     if not rows and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
         records, idle, pulled = [], 0.0, None
     else:
         run = run_episodes(engine, state.endpoint, runner, rows, n, message["sampling"], offset=start,
-                           tag=f"{job['mode']}{job['step']}", rank=engine.rank,
+                           tag=f"{job.mode}{job.step}", rank=engine.rank,
                            balanced=balanced and engine.balances_job)
         records, idle, pulled = run.records, run.serve["idle_s"], run.pulled
     k = len(records)

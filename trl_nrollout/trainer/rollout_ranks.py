@@ -26,7 +26,7 @@ from trl_nrollout.rollout.ranks import ROLLOUT, Bridge, RolloutRankError, curren
 from trl_nrollout.rollout.remote import RemoteEngines
 from trl_nrollout.rollout.remote_partial import RESET_ENV
 from trl_nrollout.rollout.remote_serve import serve
-from trl_nrollout.rollout.remote_tool_episodes import agent_settings, env_tool_schemas
+from trl_nrollout.rollout.remote_tool_episodes import EpisodeJob, agent_settings, env_tool_schemas
 from trl_nrollout.rollout.types import SamplingOptions
 from trl_nrollout.trainer.metrics import Metrics
 
@@ -156,20 +156,20 @@ class RolloutRankPlacement:
         self.engines = engines
         return engines
 
-    def agent_job(self, mode: str, step: int, rows: list[dict]) -> dict | None:
+    def agent_job(self, mode: str, step: int, rows: list[dict]) -> EpisodeJob | None:
         """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
         as the colocated loop's; with environments, where their calls go home) or ``agent=`` episodes (with this
         rank's ``rows``, TRL's, each ``n`` times: the trainers' entries are joined in rank order), or None for
         single-turn jobs (a partial job's: the partial pool's ``_partial_job``)."""
         if self.agents:
-            return {"step": step, "mode": mode, "rows": [dict(row) for row in rows]}
+            return EpisodeJob(step, mode, rows=[dict(row) for row in rows])
         if not self.request_tools or self.args.rollout_multi_turn != "requests":  # (partial's: _partial_job)
             return None
         if not self.environments:
-            return {"step": step, "mode": mode}
+            return EpisodeJob(step, mode)
         key = ("step", step) if rows else self.env_key  # rows: a job written ahead (episodes_ahead keyed it)
         names = self.env_ahead[step][4] if rows else self.calls.live_environments()[1]
-        return {"step": step, "mode": mode, "env": (self.env_host.prefix, key), "names": list(names)}
+        return EpisodeJob(step, mode, envs=[(self.env_host.prefix, key)], sizes=[len(names)], names=list(names))
 
     # ------------------------------------------------------------------ environments' tools for the rollout ranks
     def serve_env_tools(self, bridge: Bridge, loop=None) -> None:
@@ -298,7 +298,7 @@ class RolloutRankPlacement:
             out.append(self.ahead[index - self.handed])
         return out
 
-    def ahead_jobs(self, mode: str) -> list[tuple[list[list[int]], Any, dict | None, list | None]]:
+    def ahead_jobs(self, mode: str) -> list[tuple[list[list[int]], Any, Any, list | None]]:
         """This rank's prompt ids, sampling options, agent entry (:meth:`agent_job`) and images (per sample, or
         None; the ids then hold the image placeholders unexpanded, as the engine takes them) of the next
         ``rollout_lookahead`` generations."""
