@@ -274,7 +274,7 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
     result = pool_step(LiveGroups(pool, n, live_shares(engine, sampling, n, version)),
                        PoolStep(version, entry.max_staleness, len(mine), entry.oversample), grow)
     chosen, stats = result.chosen, result.run.stats
-    func = "func" in state.agent  # a rollout_func's groups: what it returned travels, not its calls
+    func = state.agent.func is not None  # a rollout_func's groups: what it returned travels, not its calls
     records = [replace(r, row={}, calls=[] if func else r.calls)  # (the rows travel in the group's fields)
                for g in chosen for r in g.records]
     batch = RolloutBatch([[] for _ in records], [[] for _ in records], [[] for _ in records], ["stop"] * len(records),

@@ -31,7 +31,7 @@ import numpy as np
 from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
 from trl_nrollout.rollout.dispatch.shares import run_agents
 from trl_nrollout.rollout.rank_jobs import JobDone, RankJob, job_kind
-from trl_nrollout.rollout.rank_state import RankState
+from trl_nrollout.rollout.rank_state import EpisodeSettings, RankState
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.tool_episodes import (
     AgentCallbacks,
@@ -47,17 +47,17 @@ EPISODE_FIELDS = ("completions", "turns", "tool_calls", "tool_failures")
 
 
 def agent_settings(processing_class: Any, chat_template: str | None, chat_template_kwargs: dict | None, *, seed: int,
-                   max_iterations: int | None, max_completion_length: int, max_model_len: int, workers: int) -> dict:
+                   max_iterations: int | None, max_completion_length: int, max_model_len: int, workers: int
+                   ) -> EpisodeSettings:
     """The ``agent`` entry of the start message: the trainers' tokenizer (or processor), pickled as TRL left it
     (its response template parses the tool calls), the chat template rendering the tool results, and the limits and
     seed of the colocated loop (:class:`AgentCallbacks`)."""
-    return {"processing_class": pickle.dumps(processing_class, protocol=pickle.HIGHEST_PROTOCOL),
-            "chat_template": chat_template, "chat_template_kwargs": dict(chat_template_kwargs or {}), "seed": seed,
-            "max_iterations": max_iterations, "max_completion_length": max_completion_length,
-            "max_model_len": max_model_len, "workers": workers}
+    return EpisodeSettings(pickle.dumps(processing_class, protocol=pickle.HIGHEST_PROTOCOL), chat_template,
+                           dict(chat_template_kwargs or {}), seed, max_iterations, max_completion_length, max_model_len,
+                           workers)
 
 
-def agent_callbacks(settings: dict, tools: list) -> tuple[AgentCallbacks, int]:
+def agent_callbacks(settings: EpisodeSettings, tools: list) -> tuple[AgentCallbacks, int]:
     """The rollout rank's :class:`AgentCallbacks` (and tool workers) from the start message's ``agent`` entry and
     the rollout rank's own ``tools``: parsing and tool-result rendering exactly as TRL's trainer does them (its
     ``_get_tool_suffix_ids``, called on the same tokenizer and chat template)."""
@@ -65,20 +65,20 @@ def agent_callbacks(settings: dict, tools: list) -> tuple[AgentCallbacks, int]:
     from trl import GRPOTrainer
     from trl.chat_template_utils import parse_response
 
-    processing_class = pickle.loads(settings["processing_class"])
+    processing_class = pickle.loads(settings.processing_class)
     is_vlm = not isinstance(processing_class, PreTrainedTokenizerBase)
     tokenizer = processing_class.tokenizer if is_vlm else processing_class
-    view = SimpleNamespace(processing_class=processing_class, chat_template=settings["chat_template"],
-                           chat_template_kwargs=settings["chat_template_kwargs"], _is_vlm=is_vlm,
+    view = SimpleNamespace(processing_class=processing_class, chat_template=settings.chat_template,
+                           chat_template_kwargs=settings.chat_template_kwargs, _is_vlm=is_vlm,
                            _tokenizer=tokenizer)
     sync, asyn = split_tools(list(tools))
     agent = AgentCallbacks(
         parse=lambda i, ids, prefix: parse_response(tokenizer, ids, prefix=prefix, tools=tools),
         run_tools=lambda i, calls: call_tools(calls, sync, asyn),
         suffix_ids=lambda messages: GRPOTrainer._get_tool_suffix_ids(view, messages),
-        max_iterations=settings["max_iterations"], max_completion_length=settings["max_completion_length"],
-        max_model_len=settings["max_model_len"])
-    return agent, int(settings["workers"])
+        max_iterations=settings.max_iterations, max_completion_length=settings.max_completion_length,
+        max_model_len=settings.max_model_len)
+    return agent, int(settings.workers)
 
 
 def episode_extras(samples: list[AgentSample]) -> tuple[np.ndarray, list[dict]]:
@@ -152,7 +152,7 @@ def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[in
     def turn_seed(round_: int) -> int | None:
         if sampling.seed is None:
             return None
-        return step_seed(settings["seed"], job.step, round_, f"{job.mode}/turn")
+        return step_seed(settings.seed, job.step, round_, f"{job.mode}/turn")
 
     pulled = None
     if not prompts and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
@@ -209,9 +209,9 @@ def _env_parse(state: RankState) -> Callable[[list[int], list[int], object], Any
     from trl.chat_template_utils import parse_response
 
     if state.agent_tokenizer is None:
-        processing_class = pickle.loads(state.agent["processing_class"])
+        processing_class = pickle.loads(state.agent.processing_class)
         state.agent_tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    tokenizer, schemas = state.agent_tokenizer, state.agent["env_tools"]
+    tokenizer, schemas = state.agent_tokenizer, state.agent.env_tools
     return lambda ids, prefix, name: parse_response(tokenizer, ids, prefix=prefix, tools=schemas[name])
 
 
@@ -243,7 +243,7 @@ def partial_env_agent(agent: AgentCallbacks, state: RankState, groups: list, wid
     from trl_nrollout.plan.roles import TRAIN
 
     bridge, parse = state.bridge, _env_parse(state)
-    single = None in state.agent["env_tools"]  # one environment_factory: its tools for every row
+    single = None in state.agent.env_tools  # one environment_factory: its tools for every row
 
     def where(i: int) -> tuple[str, tuple]:
         g = groups[i // width]
@@ -281,7 +281,7 @@ def run_endpoint_job(engine, message: dict, state: RankState, start: int, stop: 
     k = len(records)
     batch = RolloutBatch([[] for _ in range(k)], [[] for _ in range(k)], [[] for _ in range(k)], ["stop"] * k,
                          list(range(k)))
-    func = "func" in settings  # a rollout_func's groups: what it returned travels, not its calls
+    func = settings.func is not None  # a rollout_func's groups: what it returned travels, not its calls
     answered = [replace(r, row={}, calls=[] if func else r.calls) for r in records]  # (the trainers hold the rows)
     return batch, pulled, (np.zeros(0, dtype=np.int8), [{"record": r, "engine_idle_s": idle} for r in answered]), \
         AgentStats()
@@ -310,18 +310,18 @@ def rank_runner(state: RankState, engine):
     from trl_nrollout.rollout.func_pool import FuncRunner
 
     settings = state.agent
-    func = settings.get("func")
+    func = settings.func
     if func is None:
-        return EpisodeRunner(user_agent(state), settings["timeout"], state.tools or (), settings.get("max_running"))
+        return EpisodeRunner(user_agent(state), settings.timeout, state.tools or (), settings.max_running)
     if state.user_func is None:
         raise RuntimeError("the trainers run their rollout_func group by group on the rollout ranks, but this rollout "
                            "rank's trainer was built without rollout_func=: build NRolloutGRPOTrainer with the same "
                            "rollout_func= on every process (the same script runs everywhere).")
     if state.func_trainer is None:
-        processing_class = pickle.loads(settings["processing_class"])
-        state.func_trainer = RankTrainer(state, processing_class, func["n"], engine.rank)
-    return FuncRunner(state.user_func, state.func_trainer, func["n"], engine.max_model_len, func["limit"],
-                      func["need_logprobs"])
+        processing_class = pickle.loads(settings.processing_class)
+        state.func_trainer = RankTrainer(state, processing_class, func.n, engine.rank)
+    return FuncRunner(state.user_func, state.func_trainer, func.n, engine.max_model_len, func.limit,
+                      func.need_logprobs)
 
 
 class RankTrainer:
@@ -357,13 +357,13 @@ def user_agent(state: RankState):
     return state.user_agent
 
 
-def rank_endpoint(settings: dict):
+def rank_endpoint(settings: EpisodeSettings):
     """An agent endpoint on this rollout rank, with the trainers' tokenizer and limits (the start message's
     ``agent`` settings)."""
     from trl_nrollout.rollout.agent_runs import start_endpoint
 
-    processing_class = pickle.loads(settings["processing_class"])
-    return start_endpoint(getattr(processing_class, "tokenizer", processing_class), **settings["endpoint"])
+    processing_class = pickle.loads(settings.processing_class)
+    return start_endpoint(getattr(processing_class, "tokenizer", processing_class), **settings.endpoint)
 
 
 def sum_stats(stats: list[tuple | None]) -> AgentStats | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
-from trl_nrollout.rollout.rank_state import RankState
+from trl_nrollout.rollout.rank_state import FuncSettings, RankState
 from trl_nrollout.rollout.ranks import ROLLOUT, Bridge, RolloutRankError, current_bridge
 from trl_nrollout.rollout.remote import RemoteEngines
 from trl_nrollout.rollout.remote_partial import RESET_ENV
@@ -131,19 +131,19 @@ class RolloutRankPlacement:
             trust_remote_code=setup.trusts_remote_code(), job_samples=self.layout.total_samples,
             lookahead=args.rollout_lookahead, lora_rank=setup.engine_lora_rank(), dispatch=args.rollout_dispatch)
         if self.request_tools or self.agents:  # episodes run there: what they need
-            settings["agent"] = agent_settings(
+            episodes = settings["agent"] = agent_settings(
                 processing_class, chat_template, chat_template_kwargs, seed=args.seed,
                 max_iterations=args.max_tool_calling_iterations, max_completion_length=args.max_completion_length,
                 max_model_len=max_len, workers=args.tool_workers)
             if self.agents:  # an endpoint on each rollout rank (its context)
-                settings["agent"]["endpoint"] = endpoint_settings(max_len)
-                settings["agent"]["timeout"] = args.agent_timeout_s
-                settings["agent"]["max_running"] = args.agent_max_concurrent
+                episodes.endpoint = endpoint_settings(max_len)
+                episodes.timeout = args.agent_timeout_s
+                episodes.max_running = args.agent_max_concurrent
             if grouped_func:  # the rollout ranks' own rollout_func, checked as here
-                settings["agent"]["func"] = {"n": self.num_generations, "limit": args.max_completion_length,
-                                             "need_logprobs": args.rollout_is is not None}
+                episodes.func = FuncSettings(self.num_generations, args.max_completion_length,
+                                             args.rollout_is is not None)
             if self.request_tools and self.environments:  # their calls come home (serve_env_tools)
-                settings["agent"]["env_tools"] = env_tool_schemas(env_tools)
+                episodes.env_tools = env_tool_schemas(env_tools)
                 self.serve_env_tools(bridge, loop)
         if args.vllm_enable_sleep_mode:
             logger.warning("vllm_enable_sleep_mode=True has no use with rollout_ranks=%d: the engines' devices hold "
