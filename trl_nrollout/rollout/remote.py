@@ -13,8 +13,11 @@ Trainer rank 0 writes messages ``msg/0, msg/1, ...`` that every rollout rank rea
               rollout rank r generates its slice (:func:`job_slice`) and answers ``out/<job>/<r>`` (token ids and
               log-probs as flat arrays). With ``images``: each group's images (once a group), the prompts' image
               placeholders not expanded; the answer adds each group's prompt as the engine expanded it. With
-              ``agent``: whole tool episodes on the rollout ranks, with their tools
-              (:mod:`~trl_nrollout.rollout.remote_tool_episodes`), answered with their tool masks and messages
+              ``agent``: the job's entry, a dataclass whose type is the job's kind
+              (:data:`~trl_nrollout.rollout.rank_jobs.JOB_KINDS`): whole episodes on the rollout ranks
+              (:class:`~trl_nrollout.rollout.remote_tool_episodes.EpisodeJob`, answered with their tool masks and
+              messages or records), one more tool turn (:class:`~trl_nrollout.rollout.rank_jobs.TurnEntry`), a
+              partial job's groups (:class:`~trl_nrollout.rollout.remote_partial.PartialEntry`)
     end       the trainers' ``train()`` (or ``evaluate()``) returned: the rollout ranks' returns too
     stop      the trainers are done: the rollout ranks close their engines
 
