@@ -18,7 +18,7 @@ from trl_nrollout.trainer.agents import AgentRollouts
 from trl_nrollout.trainer.engines import EngineSetup
 from trl_nrollout.trainer.multiturn import MultiTurnRollout, check_images
 from trl_nrollout.trainer.partial import PartialRollouts
-from trl_nrollout.trainer.rollout_ranks import RolloutRanks
+from trl_nrollout.trainer.rollout_ranks import RolloutRankPlacement
 
 
 def _raised(call) -> str | None:
@@ -95,7 +95,7 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
     namespace = {"checks": __import__("trl_nrollout.config.checks", fromlist=["x"]),
                  "ConfigChecks": __import__("trl_nrollout.config.checks", fromlist=["x"]).ConfigChecks,
                  "EngineSetup": EngineSetup, "MultiTurnRollout": MultiTurnRollout, "PartialRollouts": PartialRollouts,
-                 "RolloutRanks": RolloutRanks, "AgentRollouts": AgentRollouts,
+                 "RolloutRankPlacement": RolloutRankPlacement, "AgentRollouts": AgentRollouts,
                  "multiturn": __import__("trl_nrollout.trainer.multiturn", fromlist=["x"])}
     assert callable(getattr(namespace[owner], attr)), row.where
     if row.kind == "machine":
@@ -112,7 +112,7 @@ at TP=1 and TP=2."""
     assert _ranks(rollout_multi_turn="requests") is None
     # rollout ranks refuse nothing the trainer's arguments add (tools, environments, agent= and partial rollouts of
     # each run there: tests/test_combinations.py::test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight)
-    assert not hasattr(RolloutRanks, "_rollout_ranks_refusal")
+    assert not hasattr(RolloutRankPlacement, "_rollout_ranks_refusal")
     assert _ranks(rollout_partial=True) is None
     # partial rollouts of tool episodes on the job's balanced queue (tests/test_dispatch.py)
     assert PartialRollouts._partial_refusal(_trainer(tools=[print], args=SimpleNamespace(

@@ -384,36 +384,117 @@ def test_rollout_lookahead_without_rollout_ranks_is_refused(tmp_path):
 
 
 def test_rollout_lookahead_sets_the_jobs_written_ahead_and_the_versions_staged():
-    """A trainer rank writes ``rollout_lookahead`` steps' jobs ahead (``_ahead_jobs``: none at 0, the next step's at
+    """A trainer rank writes ``rollout_lookahead`` steps' jobs ahead (``ahead_jobs``: none at 0, the next step's at
     1, two at 2, never past the run's last step), whatever ``max_staleness`` says; a rollout rank stages at most
-    ``rollout_lookahead`` weight versions (at least one). Mutations tried: ``_ahead_jobs`` reading
+    ``rollout_lookahead`` weight versions (at least one). Mutations tried: ``ahead_jobs`` reading
     ``args.max_staleness`` (the old meaning) -> a job is written at rollout_lookahead=0, the test fails; the start
     message's ``lookahead`` key read as ``max_staleness`` -> one version staged at rollout_lookahead=2, it fails."""
     from types import SimpleNamespace
 
     from trl_nrollout.rollout.remote_reader import staged_versions
-    from trl_nrollout.trainer.rollout_ranks import RolloutRanks
+    from trl_nrollout.trainer.metrics import Metrics
+    from trl_nrollout.trainer.rollout_ranks import RankCalls, RolloutRankPlacement
 
     def trainer(lookahead: int, max_steps: int = 10):
-        return SimpleNamespace(
-            args=SimpleNamespace(rollout_lookahead=lookahead, max_staleness=2, rollout_partial=False),
-            layout=SimpleNamespace(optimizer_steps_per_rollout=1), num_generations=2,
-            state=SimpleNamespace(global_step=3, max_steps=max_steps),
-            _next_generation_inputs=lambda k: [[{"row": i}] * 2 for i in range(k)],
-            _episodes_ahead=lambda step, rows: [f"prompt {step}"] * len(rows),
-            _engine_prompts=lambda prompts: ([[7]] * len(prompts), [None] * len(prompts)),
-            _sampling=lambda mode, step: step, _agent_job=lambda mode, step, rows: None)
+        state = SimpleNamespace(global_step=3, max_steps=max_steps)
+        calls = RankCalls(state=lambda: state, sampling=lambda mode, step: step,
+                          start_episodes=lambda rows, busy=None: ([f"prompt {rows}"] * len(rows), []),
+                          engine_prompts=lambda prompts: ([[7]] * len(prompts), [None] * len(prompts)),
+                          partial_job=None, reset_env=None, log_agent_stats=None, live_environments=None,
+                          set_live_environments=None)
+        part = RolloutRankPlacement(
+            SimpleNamespace(rollout_lookahead=lookahead, max_staleness=2, rollout_partial=False,
+                            rollout_multi_turn="turns"),
+            SimpleNamespace(optimizer_steps_per_rollout=1), Metrics(), calls, num_generations=2,
+            environments=False, agents=False, request_tools=False)
+        part.next_generation_inputs = lambda k: [[{"row": i}] * 2 for i in range(k)]
+        return part
 
-    def steps(t) -> list[int]:
-        return [sampling for _, sampling, _, _ in RolloutRanks._ahead_jobs(t, "train")]
+    def steps(part) -> list[int]:
+        return [sampling for _, sampling, _, _ in part.ahead_jobs("train")]
 
     assert steps(trainer(0)) == []
     assert steps(trainer(1)) == [4]
     assert steps(trainer(2)) == [4, 5]
     assert steps(trainer(2, max_steps=5)) == [4]  # step 5 is past the run's end
-    assert RolloutRanks._ahead_jobs(trainer(1), "eval") == []
+    assert trainer(1).ahead_jobs("eval") == []
     assert staged_versions({"lookahead": 2, "max_staleness": 1}) == 2
     assert staged_versions({"lookahead": 0}) == 1
+
+
+class _RankBridge:
+    """A rollout rank's bridge for :func:`~trl_nrollout.rollout.remote_serve.serve`'s handlers, one rollout rank:
+    what is written (``put``) is kept; ``die`` raises :class:`SystemExit` with its reason, as the process would stop."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.roles, self.status, self.written = SimpleNamespace(rollout_ranks=1), "idle", {}
+
+    def put(self, key: str, value) -> None:
+        self.written[key] = value
+
+    def die(self, why: str) -> None:
+        raise SystemExit(why)
+
+
+def _served(engine):
+    from types import SimpleNamespace
+
+    from trl_nrollout.rollout.rank_state import RankState
+    from trl_nrollout.rollout.remote_serve import Served
+
+    reader = SimpleNamespace(buckets=lambda message, engine: iter([[("w", torch.zeros(2))]]), loaded=lambda: None)
+    return Served(_RankBridge(), 0, None, RankState(engine=engine), reader)
+
+
+def test_a_new_kind_of_job_is_one_entry_of_the_table_and_an_unknown_one_answers_an_error():
+    """``serve`` runs a job by the type of its entry (``JOB_KINDS``): a kind registered from outside the loop is
+    answered with what its handler gave, no edit to ``serve``; an entry no handler knows answers the trainers an
+    error naming it (they raise it; they never wait). Mutation tried: the job handler looking up ``type(None)``
+    whatever the entry -> the new kind runs as single-turn and the answer differs; the test fails."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from trl_nrollout.rollout.rank_jobs import JOB_KINDS, JobDone, job_kind
+    from trl_nrollout.rollout.ranks import RolloutRankError
+    from trl_nrollout.rollout.remote_serve import MESSAGES
+    from trl_nrollout.rollout.types import RolloutBatch
+
+    @dataclass(frozen=True)
+    class Echo:  # a new kind of job: its entry and its handler, nothing else
+        token: int
+
+    job_kind(Echo)(lambda job: JobDone(RolloutBatch([[1]], [[job.entry.token]], [[-0.5]], ["stop"], [0])))
+    engine = SimpleNamespace(layout=SimpleNamespace(rollout_tp_size=1), rank=0, tp_ranks=[0])
+    loop = _served(engine)
+    try:
+        message = {"kind": "job", "id": 7, "prompts": [[1]], "n": 1, "sampling": None, "agent": Echo(42)}
+        assert MESSAGES["job"](loop, message) is False
+        assert loop.bridge.written["out/7/0"].rows() == [([42], [-0.5], "stop")]
+        with pytest.raises(RolloutRankError, match="unknown kind 'object'"):
+            MESSAGES["job"](loop, {**message, "id": 8, "agent": object()})
+        assert loop.bridge.written["out/8/0"]["kind"] == "error"
+    finally:
+        del JOB_KINDS[Echo]
+
+
+def test_a_weight_version_that_does_not_load_stops_the_rollout_rank():
+    """A version the engine cannot load (after it arrived) stops the rollout rank's process at once
+    (``Bridge.die``): nothing would tell the trainers, who would wait for the next job's answer (and, with TP > 1,
+    the engine's other ranks in its broadcast) forever. Mutation tried: the load outside the try -> the error
+    propagates as a RuntimeError, no die; the test fails."""
+    from types import SimpleNamespace
+
+    from trl_nrollout.rollout.remote_serve import MESSAGES
+
+    def load_buckets(buckets):
+        list(buckets)
+        raise RuntimeError("size mismatch for w")
+
+    loop = _served(SimpleNamespace(load_buckets=load_buckets))
+    with pytest.raises(SystemExit, match="loading weights version 3 failed: RuntimeError: size mismatch for w"):
+        MESSAGES["weights"](loop, {"kind": "weights", "version": 3, "receive_s": 0.0, "bytes": 8})
 
 
 def test_the_plan_prints_both_worlds_and_refuses_a_split_across_a_node(capsys):

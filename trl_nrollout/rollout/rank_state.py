@@ -1,10 +1,46 @@
-"""A rollout rank's state between the trainers' messages (:class:`RankState`)."""
+"""A rollout rank's state between the trainers' messages (:class:`RankState`), and the start message's settings of
+the episodes it runs (:class:`EpisodeSettings`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass
+class FuncSettings:
+    """A ``rollout_func`` run group by group on the rollout ranks: ``n`` samples a group, the completions' token
+    ``limit``, and whether what it returns must carry log-probs (``need_logprobs``: ``rollout_is`` is set)."""
+
+    n: int
+    limit: int
+    need_logprobs: bool
+
+
+@dataclass
+class EpisodeSettings:
+    """The start message's ``agent`` entry, kept by a rollout rank that runs episodes (TRL tool episodes request by
+    request, ``agent=`` episodes, a ``rollout_func`` group by group): the trainers' tokenizer (or processor) pickled
+    as TRL left it (its response template parses the tool calls), the chat template rendering tool results, the
+    colocated loop's seed and limits, and the tool workers; for endpoints, ``endpoint`` (``start_endpoint``'s
+    keywords), ``timeout`` (``agent_timeout_s``) and ``max_running`` (``agent_max_concurrent``); ``func`` for a
+    ``rollout_func``; ``env_tools`` (environment name -> its tools' JSON schemas) where the environments stay on
+    the trainers."""
+
+    processing_class: bytes
+    chat_template: str | None
+    chat_template_kwargs: dict
+    seed: int
+    max_iterations: int | None
+    max_completion_length: int
+    max_model_len: int
+    workers: int
+    endpoint: dict | None = None
+    timeout: float | None = None
+    max_running: int | None = None
+    func: FuncSettings | None = None
+    env_tools: dict | None = None
 
 
 @dataclass
@@ -35,7 +71,7 @@ class RankState:
     #: ``rollout_dispatch`` of the start message: ``"shares"`` or ``"balanced"``
     dispatch: str = "shares"
     #: the start message's ``agent`` entry (the trainers' tokenizer pickled, tool schemas, limits), or None
-    agent: dict | None = None
+    agent: EpisodeSettings | None = None
     #: the bridge to the trainers (environments' tool calls go home through its store)
     bridge: Any = None
     #: the policy version of the weights the engine holds

@@ -13,8 +13,11 @@ Trainer rank 0 writes messages ``msg/0, msg/1, ...`` that every rollout rank rea
               rollout rank r generates its slice (:func:`job_slice`) and answers ``out/<job>/<r>`` (token ids and
               log-probs as flat arrays). With ``images``: each group's images (once a group), the prompts' image
               placeholders not expanded; the answer adds each group's prompt as the engine expanded it. With
-              ``agent``: whole tool episodes on the rollout ranks, with their tools
-              (:mod:`~trl_nrollout.rollout.remote_tool_episodes`), answered with their tool masks and messages
+              ``agent``: the job's entry, a dataclass whose type is the job's kind
+              (:data:`~trl_nrollout.rollout.rank_jobs.JOB_KINDS`): whole episodes on the rollout ranks
+              (:class:`~trl_nrollout.rollout.remote_tool_episodes.EpisodeJob`, answered with their tool masks and
+              messages or records), one more tool turn (:class:`~trl_nrollout.rollout.rank_jobs.TurnEntry`), a
+              partial job's groups (:class:`~trl_nrollout.rollout.remote_partial.PartialEntry`)
     end       the trainers' ``train()`` (or ``evaluate()``) returned: the rollout ranks' returns too
     stop      the trainers are done: the rollout ranks close their engines
 
@@ -37,6 +40,7 @@ import torch
 from torch import nn
 
 from trl_nrollout.rollout.engine_protocol import ADAPTERS, JOBS
+from trl_nrollout.rollout.rank_jobs import TurnEntry
 from trl_nrollout.rollout.ranks import Bridge, RolloutRankError
 from trl_nrollout.rollout.remote_buckets import (
     dtype_of,
@@ -44,9 +48,9 @@ from trl_nrollout.rollout.remote_buckets import (
     images_digest,
     pack_bucket,
 )
-from trl_nrollout.rollout.remote_partial import JOINED, PartialEntry, group_fields
+from trl_nrollout.rollout.remote_partial import PartialEntry, group_fields
 from trl_nrollout.rollout.remote_reader import broadcast
-from trl_nrollout.rollout.remote_tool_episodes import sum_stats
+from trl_nrollout.rollout.remote_tool_episodes import EpisodeJob, sum_stats
 from trl_nrollout.rollout.types import JobResult, RolloutBatch, SamplingOptions
 from trl_nrollout.rollout.vllm_settings import check_prompt_length
 from trl_nrollout.rollout.weight_delta import DeltaHeader, encode
@@ -288,7 +292,7 @@ class RemoteEngines:
         return None
 
     # ------------------------------------------------------------------ generation
-    def _write_job(self, groups: list[list[int]], n: int, sampling: SamplingOptions, agent: dict | None = None,
+    def _write_job(self, groups: list[list[int]], n: int, sampling: SamplingOptions, agent=None,
                    images: list[list] | None = None) -> int:
         job = self._jobs
         self._jobs += 1
@@ -315,12 +319,13 @@ class RemoteEngines:
         batch, _ = self._job_samples(sample_prompts, n, sampling, ahead, step_job, None, images)
         return batch
 
-    def run_job_episodes(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, agent: dict,
+    def run_job_episodes(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
+                         agent: EpisodeJob | PartialEntry,
                          ahead: list[tuple] = (), step_job: bool = False, images: list[list] | None = None
                          ) -> tuple[RolloutBatch, list[dict]]:
         """This trainer's request-level tool episodes (``sample_prompts``: each prompt ``n`` times), each a whole
         episode generated on the rollout ranks with their tools (:func:`~trl_nrollout.rollout.remote_tool_episodes.
-        run_agent_job`); ``agent``: the job's ``{"step", "mode"}`` (the turns' seeds); ``ahead`` and ``step_job``
+        run_agent_job`); ``agent``: this trainer's :class:`~trl_nrollout.rollout.remote_tool_episodes.EpisodeJob` (the turns' seeds); ``ahead`` and ``step_job``
         as in :meth:`generate_expanded` (later steps' episodes run while the trainers train). Returns the batch and
         each sample's tool mask (``[L]``, 0 on tool-result tokens) and episode fields. A partial job's ``agent``
         entry (:class:`~trl_nrollout.rollout.remote_partial.PartialEntry`; ``images`` per sample as in
@@ -329,7 +334,7 @@ class RemoteEngines:
         return self._job_samples(sample_prompts, n, sampling, ahead, step_job, agent, images)
 
     def _job_samples(self, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions, ahead: list[tuple],
-                     step_job: bool, agent: dict | None, images: list[list] | None = None
+                     step_job: bool, agent: EpisodeJob | PartialEntry | None, images: list[list] | None = None
                      ) -> tuple[RolloutBatch, list]:
         """:meth:`generate_expanded` and :meth:`run_job_episodes`: this trainer's batch and each sample's extras
         (None for a single-turn job). ``ahead``: ``(prompts, sampling[, agent[, images per sample]])``. Images
@@ -422,7 +427,7 @@ class RemoteEngines:
                 job = self._jobs
                 self._jobs += 1
                 self._post({"kind": "job", "id": job, "prompts": [c for c, _, _ in flat], "n": 1, "sampling": sampling,
-                            "budgets": [b for _, b, _ in flat], "sample_ids": [s for _, _, s in flat]})
+                            "agent": TurnEntry([b for _, b, _ in flat], [s for _, _, s in flat])})
                 rows = [x for res in self._read_job(job) for x in res.rows()]
             first = 0
             for t, (chunk, _) in enumerate(every):
@@ -478,22 +483,13 @@ class RemoteEngines:
             time.sleep(0.05)
 
 
-def job_agent(entries: list[dict | None]) -> dict | None:
-    """A job's ``agent`` entry from the trainers' (rank order): an ``agent=`` job's lists (rows, prompts) or a partial
-    job's (:meth:`~trl_nrollout.rollout.remote_partial.PartialEntry.join`) joined (each trainer's after those of the
-    trainers before it, the job's order);
-    environments' episodes: every trainer's tool server and key (``envs``), samples (``sizes``) and samples'
-    environment names, joined; else the first trainer's (the same on all)."""
+def job_agent(entries: list[EpisodeJob | PartialEntry | None]) -> EpisodeJob | PartialEntry | None:
+    """A job's entry from the trainers' (rank order; None: a single-turn job's): their kind's ``join``
+    (:meth:`~trl_nrollout.rollout.remote_tool_episodes.EpisodeJob.join`,
+    :meth:`~trl_nrollout.rollout.remote_partial.PartialEntry.join`: each trainer's lists after those of the trainers
+    before it, the job's order)."""
     first = entries[0]
-    if isinstance(first, PartialEntry):  # a partial job: every trainer's groups, top-ups and tool server
-        return PartialEntry.join(entries)
-    if first is not None and "env" in first:  # environments: each trainer's tool server and samples' names
-        return {"step": first["step"], "mode": first["mode"], "envs": [e["env"] for e in entries],
-                "sizes": [len(e["names"]) for e in entries], "names": [x for e in entries for x in e["names"]]}
-    if first is None or "rows" not in first:
-        return first
-    joined = {k: [x for entry in entries for x in entry[k]] for k in JOINED if isinstance(first.get(k), list)}
-    return {**first, **joined}
+    return None if first is None else type(first).join(entries)
 
 
 def _groups_of(sample_prompts: list | None, n: int) -> list | None:

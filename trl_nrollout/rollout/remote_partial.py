@@ -57,6 +57,7 @@ from trl_nrollout.rollout.pool import (
     sampled_groups,
     tool_groups,
 )
+from trl_nrollout.rollout.rank_jobs import JobDone, RankJob, job_kind
 from trl_nrollout.rollout.remote_tool_episodes import (
     episode_extras,
     home_call,
@@ -273,7 +274,7 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
     result = pool_step(LiveGroups(pool, n, live_shares(engine, sampling, n, version)),
                        PoolStep(version, entry.max_staleness, len(mine), entry.oversample), grow)
     chosen, stats = result.chosen, result.run.stats
-    func = "func" in state.agent  # a rollout_func's groups: what it returned travels, not its calls
+    func = state.agent.func is not None  # a rollout_func's groups: what it returned travels, not its calls
     records = [replace(r, row={}, calls=[] if func else r.calls)  # (the rows travel in the group's fields)
                for g in chosen for r in g.records]
     batch = RolloutBatch([[] for _ in records], [[] for _ in records], [[] for _ in records], ["stop"] * len(records),
@@ -317,3 +318,17 @@ def group_fields(fields: list[dict]) -> list[dict]:
         group = {k: f[k] for k in GROUP_FIELDS if k in f} or group
         out.append({**f, **group})
     return out
+
+
+@job_kind(PartialEntry)
+def partial_job(job: RankJob) -> JobDone:
+    """A partial job (groups in flight from job to job, :data:`~trl_nrollout.rollout.rank_jobs.JOB_KINDS`): the
+    pool step of ``agent=`` episodes or a ``rollout_func``'s groups (:func:`run_partial_agent_job`), else of
+    single-turn or tool episodes (:func:`run_partial_job`). Its prompts are the groups' as the trainers encode them
+    (they train wherever they finish): the answer names no expanded prompt."""
+    entry: PartialEntry = job.entry
+    slices = job.slices()
+    done = (run_partial_agent_job(job.engine, job.message, job.state, slices, job.rank) if entry.agents
+            else run_partial_job(job.engine, job.message, job.state, slices, job.rank, job.balanced))
+    return JobDone(done.batch, balanced=done.pulled, extras=(done.mask, done.fields), agent_stats=done.agent_stats,
+                   partial=done.report, expanded=False)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import astuple, dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,7 +30,8 @@ import numpy as np
 
 from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
 from trl_nrollout.rollout.dispatch.shares import run_agents
-from trl_nrollout.rollout.rank_state import RankState
+from trl_nrollout.rollout.rank_jobs import JobDone, RankJob, job_kind
+from trl_nrollout.rollout.rank_state import EpisodeSettings, RankState
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.tool_episodes import (
     AgentCallbacks,
@@ -46,17 +47,17 @@ EPISODE_FIELDS = ("completions", "turns", "tool_calls", "tool_failures")
 
 
 def agent_settings(processing_class: Any, chat_template: str | None, chat_template_kwargs: dict | None, *, seed: int,
-                   max_iterations: int | None, max_completion_length: int, max_model_len: int, workers: int) -> dict:
+                   max_iterations: int | None, max_completion_length: int, max_model_len: int, workers: int
+                   ) -> EpisodeSettings:
     """The ``agent`` entry of the start message: the trainers' tokenizer (or processor), pickled as TRL left it
     (its response template parses the tool calls), the chat template rendering the tool results, and the limits and
     seed of the colocated loop (:class:`AgentCallbacks`)."""
-    return {"processing_class": pickle.dumps(processing_class, protocol=pickle.HIGHEST_PROTOCOL),
-            "chat_template": chat_template, "chat_template_kwargs": dict(chat_template_kwargs or {}), "seed": seed,
-            "max_iterations": max_iterations, "max_completion_length": max_completion_length,
-            "max_model_len": max_model_len, "workers": workers}
+    return EpisodeSettings(pickle.dumps(processing_class, protocol=pickle.HIGHEST_PROTOCOL), chat_template,
+                           dict(chat_template_kwargs or {}), seed, max_iterations, max_completion_length, max_model_len,
+                           workers)
 
 
-def agent_callbacks(settings: dict, tools: list) -> tuple[AgentCallbacks, int]:
+def agent_callbacks(settings: EpisodeSettings, tools: list) -> tuple[AgentCallbacks, int]:
     """The rollout rank's :class:`AgentCallbacks` (and tool workers) from the start message's ``agent`` entry and
     the rollout rank's own ``tools``: parsing and tool-result rendering exactly as TRL's trainer does them (its
     ``_get_tool_suffix_ids``, called on the same tokenizer and chat template)."""
@@ -64,20 +65,20 @@ def agent_callbacks(settings: dict, tools: list) -> tuple[AgentCallbacks, int]:
     from trl import GRPOTrainer
     from trl.chat_template_utils import parse_response
 
-    processing_class = pickle.loads(settings["processing_class"])
+    processing_class = pickle.loads(settings.processing_class)
     is_vlm = not isinstance(processing_class, PreTrainedTokenizerBase)
     tokenizer = processing_class.tokenizer if is_vlm else processing_class
-    view = SimpleNamespace(processing_class=processing_class, chat_template=settings["chat_template"],
-                           chat_template_kwargs=settings["chat_template_kwargs"], _is_vlm=is_vlm,
+    view = SimpleNamespace(processing_class=processing_class, chat_template=settings.chat_template,
+                           chat_template_kwargs=settings.chat_template_kwargs, _is_vlm=is_vlm,
                            _tokenizer=tokenizer)
     sync, asyn = split_tools(list(tools))
     agent = AgentCallbacks(
         parse=lambda i, ids, prefix: parse_response(tokenizer, ids, prefix=prefix, tools=tools),
         run_tools=lambda i, calls: call_tools(calls, sync, asyn),
         suffix_ids=lambda messages: GRPOTrainer._get_tool_suffix_ids(view, messages),
-        max_iterations=settings["max_iterations"], max_completion_length=settings["max_completion_length"],
-        max_model_len=settings["max_model_len"])
-    return agent, int(settings["workers"])
+        max_iterations=settings.max_iterations, max_completion_length=settings.max_completion_length,
+        max_model_len=settings.max_model_len)
+    return agent, int(settings.workers)
 
 
 def episode_extras(samples: list[AgentSample]) -> tuple[np.ndarray, list[dict]]:
@@ -87,6 +88,44 @@ def episode_extras(samples: list[AgentSample]) -> tuple[np.ndarray, list[dict]]:
     fields = [{"completions": s.messages, "turns": s.turns, "tool_calls": s.tool_calls,
                "tool_failures": s.tool_failures} for s in samples]
     return mask, fields
+
+
+@dataclass(frozen=True)
+class EpisodeJob:
+    """The entry of a job of whole episodes on the rollout ranks (it travels pickled in the job's message): TRL tool
+    episodes request by request (``step`` and ``mode`` seed their turns as the colocated loop's) or ``agent=``
+    episodes and a ``rollout_func``'s groups (``rows``: the dataset rows, each ``n`` times). With environments (on
+    the trainers): each trainer's tool server and key of its episodes there (``envs``), samples (``sizes``) and
+    samples' environment names (``names``). A trainer writes its own (one trainer's lists); the job's joins them in
+    rank order (:meth:`join`)."""
+
+    step: int
+    mode: str
+    rows: list[dict] | None = None
+    envs: list[tuple] | None = None
+    sizes: list[int] | None = None
+    names: list | None = None
+
+    @classmethod
+    def join(cls, entries: list[EpisodeJob]) -> EpisodeJob:
+        """The job's entry from the trainers' (rank order): each list field joined, each trainer's after those of
+        the trainers before it; the step and mode the first trainer's (the same on all)."""
+        first = entries[0]
+
+        def joined(name: str) -> list | None:
+            return None if getattr(first, name) is None else [x for e in entries for x in getattr(e, name)]
+
+        return cls(first.step, first.mode, rows=joined("rows"), envs=joined("envs"), sizes=joined("sizes"),
+                   names=joined("names"))
+
+
+@job_kind(EpisodeJob)
+def episode_job(job: RankJob) -> JobDone:
+    """Whole episodes (:data:`~trl_nrollout.rollout.rank_jobs.JOB_KINDS`): this rank's slice of the job's samples,
+    run by :func:`run_agent_job`."""
+    batch, pulled, extras, stats = run_agent_job(job.engine, job.message, job.state, job.prompts(), job.message["n"],
+                                                 job.start, job.balanced)
+    return JobDone(batch, pulled=pulled, extras=extras, agent_stats=astuple(stats))
 
 
 def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[int]], n: int, sample_offset: int,
@@ -102,18 +141,18 @@ def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[in
     if settings is None:
         raise RuntimeError("an agent job reached a rollout rank whose start message had no agent settings "
                            "(a version mismatch between the trainers and the rollout ranks?)")
-    if "rows" in message["agent"]:  # agent= episodes: the user's agents on this rank's endpoint
+    job: EpisodeJob = message["agent"]
+    if job.rows is not None:  # agent= episodes: the user's agents on this rank's endpoint
         return run_endpoint_job(engine, message, state, sample_offset, sample_offset + len(prompts), n, balanced)
-    job = message["agent"]
-    agent, workers = tool_callbacks(state, environments=bool(job.get("envs")))
+    agent, workers = tool_callbacks(state, environments=bool(job.envs))
     sampling: SamplingOptions = message["sampling"]
-    if job.get("envs"):  # environments: the calls go home to the trainers, parsed with their tools' schemas
+    if job.envs:  # environments: the calls go home to the trainers, parsed with their tools' schemas
         agent = env_agent(agent, state, job, n, sample_offset, balanced)
 
     def turn_seed(round_: int) -> int | None:
         if sampling.seed is None:
             return None
-        return step_seed(settings["seed"], job["step"], round_, f"{job['mode']}/turn")
+        return step_seed(settings.seed, job.step, round_, f"{job.mode}/turn")
 
     pulled = None
     if not prompts and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
@@ -137,15 +176,15 @@ def env_tool_schemas(env_tools: dict) -> dict:
     return {name: [t if isinstance(t, dict) else get_json_schema(t) for t in tools] for name, tools in env_tools.items()}
 
 
-def env_home(job: dict, n: int, trainer_rank) -> Callable[[int], tuple[str, tuple]]:
+def env_home(job: EpisodeJob, n: int, trainer_rank) -> Callable[[int], tuple[str, tuple]]:
     """Job sample ``s`` -> ``(the store prefix of its trainer's tool server, (that trainer's global rank, the key
     of its episodes there, its index among that trainer's samples))``: where its environment's tools run.
-    ``job["sizes"]``: each trainer's samples; ``trainer_rank(t)``: trainer ``t``'s global rank."""
-    ends = np.cumsum(job["sizes"])
+    ``job.sizes``: each trainer's samples; ``trainer_rank(t)``: trainer ``t``'s global rank."""
+    ends = np.cumsum(job.sizes)
 
     def home(s: int) -> tuple[str, tuple]:
         t = int(np.searchsorted(ends, s, side="right"))
-        prefix, key = job["envs"][t]
+        prefix, key = job.envs[t]
         return prefix, (trainer_rank(t), key, s - (int(ends[t - 1]) if t else 0))
 
     return home
@@ -170,13 +209,13 @@ def _env_parse(state: RankState) -> Callable[[list[int], list[int], object], Any
     from trl.chat_template_utils import parse_response
 
     if state.agent_tokenizer is None:
-        processing_class = pickle.loads(state.agent["processing_class"])
+        processing_class = pickle.loads(state.agent.processing_class)
         state.agent_tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    tokenizer, schemas = state.agent_tokenizer, state.agent["env_tools"]
+    tokenizer, schemas = state.agent_tokenizer, state.agent.env_tools
     return lambda ids, prefix, name: parse_response(tokenizer, ids, prefix=prefix, tools=schemas[name])
 
 
-def env_agent(agent: AgentCallbacks, state: RankState, job: dict, n: int, sample_offset: int,
+def env_agent(agent: AgentCallbacks, state: RankState, job: EpisodeJob, n: int, sample_offset: int,
               balanced: bool) -> AgentCallbacks:
     """``agent`` for episodes whose environments live on the trainers: each sample's turns parsed with its
     environment's tool schemas, its tool calls sent home to its trainer's tool server (:func:`home_call`). The
@@ -186,7 +225,7 @@ def env_agent(agent: AgentCallbacks, state: RankState, job: dict, n: int, sample
 
     bridge = state.bridge
     home = env_home(job, n, lambda t: bridge.roles.global_rank(TRAIN, t))
-    parse, names = _env_parse(state), job["names"]
+    parse, names = _env_parse(state), job.names
 
     def index(i: int) -> int:
         return i if balanced else sample_offset + i
@@ -204,7 +243,7 @@ def partial_env_agent(agent: AgentCallbacks, state: RankState, groups: list, wid
     from trl_nrollout.plan.roles import TRAIN
 
     bridge, parse = state.bridge, _env_parse(state)
-    single = None in state.agent["env_tools"]  # one environment_factory: its tools for every row
+    single = None in state.agent.env_tools  # one environment_factory: its tools for every row
 
     def where(i: int) -> tuple[str, tuple]:
         g = groups[i // width]
@@ -230,19 +269,19 @@ def run_endpoint_job(engine, message: dict, state: RankState, start: int, stop: 
     settings, runner = state.agent, rank_runner(state, engine)
     if state.endpoint is None:
         state.endpoint = rank_endpoint(settings)
-    job = message["agent"]
-    rows = job["rows"][start:stop]
+    job: EpisodeJob = message["agent"]
+    rows = job.rows[start:stop]
     if not rows and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
         records, idle, pulled = [], 0.0, None
     else:
         run = run_episodes(engine, state.endpoint, runner, rows, n, message["sampling"], offset=start,
-                           tag=f"{job['mode']}{job['step']}", rank=engine.rank,
+                           tag=f"{job.mode}{job.step}", rank=engine.rank,
                            balanced=balanced and engine.balances_job)
         records, idle, pulled = run.records, run.serve["idle_s"], run.pulled
     k = len(records)
     batch = RolloutBatch([[] for _ in range(k)], [[] for _ in range(k)], [[] for _ in range(k)], ["stop"] * k,
                          list(range(k)))
-    func = "func" in settings  # a rollout_func's groups: what it returned travels, not its calls
+    func = settings.func is not None  # a rollout_func's groups: what it returned travels, not its calls
     answered = [replace(r, row={}, calls=[] if func else r.calls) for r in records]  # (the trainers hold the rows)
     return batch, pulled, (np.zeros(0, dtype=np.int8), [{"record": r, "engine_idle_s": idle} for r in answered]), \
         AgentStats()
@@ -271,18 +310,18 @@ def rank_runner(state: RankState, engine):
     from trl_nrollout.rollout.func_pool import FuncRunner
 
     settings = state.agent
-    func = settings.get("func")
+    func = settings.func
     if func is None:
-        return EpisodeRunner(user_agent(state), settings["timeout"], state.tools or (), settings.get("max_running"))
+        return EpisodeRunner(user_agent(state), settings.timeout, state.tools or (), settings.max_running)
     if state.user_func is None:
         raise RuntimeError("the trainers run their rollout_func group by group on the rollout ranks, but this rollout "
                            "rank's trainer was built without rollout_func=: build NRolloutGRPOTrainer with the same "
                            "rollout_func= on every process (the same script runs everywhere).")
     if state.func_trainer is None:
-        processing_class = pickle.loads(settings["processing_class"])
-        state.func_trainer = RankTrainer(state, processing_class, func["n"], engine.rank)
-    return FuncRunner(state.user_func, state.func_trainer, func["n"], engine.max_model_len, func["limit"],
-                      func["need_logprobs"])
+        processing_class = pickle.loads(settings.processing_class)
+        state.func_trainer = RankTrainer(state, processing_class, func.n, engine.rank)
+    return FuncRunner(state.user_func, state.func_trainer, func.n, engine.max_model_len, func.limit,
+                      func.need_logprobs)
 
 
 class RankTrainer:
@@ -318,13 +357,13 @@ def user_agent(state: RankState):
     return state.user_agent
 
 
-def rank_endpoint(settings: dict):
+def rank_endpoint(settings: EpisodeSettings):
     """An agent endpoint on this rollout rank, with the trainers' tokenizer and limits (the start message's
     ``agent`` settings)."""
     from trl_nrollout.rollout.agent_runs import start_endpoint
 
-    processing_class = pickle.loads(settings["processing_class"])
-    return start_endpoint(getattr(processing_class, "tokenizer", processing_class), **settings["endpoint"])
+    processing_class = pickle.loads(settings.processing_class)
+    return start_endpoint(getattr(processing_class, "tokenizer", processing_class), **settings.endpoint)
 
 
 def sum_stats(stats: list[tuple | None]) -> AgentStats | None:

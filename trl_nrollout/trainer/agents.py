@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 from accelerate.utils import gather_object
@@ -163,7 +162,7 @@ class AgentRollouts:
         (:mod:`~trl_nrollout.rollout.func_pool`): what trains is what it returned."""
         offset = self.accelerator.process_index * len(inputs)
         prompt_ids = None  # (tokenized where a job carries them, or where the agents' calls are assembled)
-        if self._remote:
+        if self._on_rollout_ranks:
             prompt_ids = self._tokenize_prompts(prompts)[0]
             run = self._remote_agent_episodes(inputs, prompt_ids, n, sampling, mode, step_job)
         else:
@@ -291,17 +290,9 @@ class AgentRollouts:
 
     def _remote_agent_episodes(self, inputs: list[dict], prompt_ids: list[list[int]], n: int,
                                sampling: SamplingOptions, mode: str, step_job: bool) -> EpisodeRun:
-        """This rank's episodes run on the rollout ranks: a job whose ``agent`` entry carries the rows
-        (:meth:`_agent_job`), read back as the records (the rollout ranks' endpoints recorded every call's tokens
-        and log-probs; what trains is assembled here, as colocated)."""
-        batch, extras = self.rollout_engine.run_job_episodes(
-            [list(p) for p in prompt_ids], n, sampling, self._agent_job(mode, self.state.global_step, inputs),
-            ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job)
-        if step_job:
-            self._log_remote(mode)
-        idle = max((e["engine_idle_s"] for e in extras), default=0.0)
-        records = [replace(e["record"], row=dict(row)) for e, row in zip(extras, inputs, strict=True)]
-        return EpisodeRun(records, {"idle_s": idle}, batch.timings.get("generate_s", 0.0))
+        """This rank's episodes run on the rollout ranks: the part's
+        :meth:`~trl_nrollout.trainer.rollout_ranks.RolloutRankPlacement.agent_episodes`."""
+        return self.rollout_ranks.agent_episodes(inputs, prompt_ids, n, sampling, mode, step_job)
 
     def _agent_reward_kwargs(self, records: list[EpisodeRecord]) -> dict[str, list]:
         """Every episode's result as reward-function kwargs (one list per key; None where an episode lacks it)."""

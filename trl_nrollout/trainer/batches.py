@@ -23,6 +23,17 @@ from trl_nrollout.trainer.stages import (
 )
 
 
+def check_balance(layout, balance_batch: bool) -> None:
+    """``balance_batch=True`` assigns whole groups to ranks: each rank's samples must be whole groups (a
+    ``ValueError`` naming the counts and the fixes)."""
+    if balance_batch and layout.samples_per_rank % layout.rollout_n:
+        raise ValueError(
+            f"balance_batch=True assigns whole groups to ranks, but each rank trains on "
+            f"{layout.samples_per_rank} samples, not a multiple of rollout_n={layout.rollout_n}; "
+            "make train_batch_size a multiple of the number of processes, or set balance_batch=False."
+        )
+
+
 def assign(collected: Round, ctx: StepContext, world: int, rank: int, *, balance: bool, metrics: Metrics
            ) -> Assignment:
     """The samples rank ``rank`` of ``world`` (data-parallel: a sequence-parallel group counts once) trains on:

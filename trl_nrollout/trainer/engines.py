@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,7 @@ class EngineSetup:
         self.eos_token_ids, self.pad_to_multiple_of, self._is_vlm = eos_token_ids, pad_to_multiple_of, is_vlm
         self.train_dataset, self.environment_factories = train_dataset, environment_factories
         self.tokenize, self.wrapped_model, self.packing_allowed = tokenize, wrapped_model, packing_allowed
+        self.synced_step: int | None = None  # the optimizer step whose weights the engine holds (sync_weights)
 
     @classmethod
     def of(cls, trainer) -> EngineSetup:
@@ -373,6 +375,23 @@ class EngineSetup:
         return {**stats, "bytes": stats["bytes"] + base.get("bytes", 0),
                 "peak_bucket_bytes": max(base.get("peak_bucket_bytes", 0), stats["bytes"])}
 
+    def sync_weights(self, engine, model, step: int, mode: str, metrics, *, versioned: bool) -> None:
+        """The policy's weights of optimizer step ``step`` into ``engine`` (:meth:`push_weights`), once per step:
+        ``synced_step`` is the step the engine holds (0: the start's sync; None: none yet). ``versioned``: rollout
+        ranks (sent from a thread while the trainers go on, the ranks load it before the next job). Logs
+        ``timing_s/weight_sync`` and, where bytes moved, ``weight_sync/peak_bucket_mb`` and ``weight_sync/mb`` to
+        ``metrics`` (a :class:`~trl_nrollout.trainer.metrics.Metrics`)."""
+        if self.synced_step == step:
+            metrics.add(mode, "timing_s/weight_sync", 0.0)  # the engine already holds these weights
+            return
+        start = time.perf_counter()
+        stats = self.push_weights(engine, model, **({"version": step} if versioned else {}))
+        self.synced_step = step
+        metrics.add(mode, "timing_s/weight_sync", time.perf_counter() - start)
+        if stats.get("bytes"):
+            metrics.add(mode, "weight_sync/peak_bucket_mb", stats["peak_bucket_bytes"] / 2**20)
+            metrics.add(mode, "weight_sync/mb", stats["bytes"] / 2**20)
+
     def context_length(self) -> int | None:
         """The model's context length (``max_position_embeddings`` of its text config), if it has one."""
         inner = self.accelerator.unwrap_model(self.model)
@@ -424,6 +443,15 @@ class EngineSetup:
 
         return unwrap_model_for_generation(self.wrapped_model(), self.accelerator,
                                            gather_deepspeed3_params=self.args.ds3_gather_for_generation)
+
+    def regex_refusal(self) -> str | None:
+        """Why ``vllm_structured_outputs_regex`` cannot run with this trainer (None: it can): it needs vLLM."""
+        regex = self.args.vllm_structured_outputs_regex
+        if regex is None or self.rollout_backend == "vllm":
+            return None
+        return (f"vllm_structured_outputs_regex={regex!r} needs the vLLM engine, but this trainer generates with the "
+                f"{self.rollout_backend!r} engine; install vLLM and set use_vllm=True (or rollout_backend='vllm'), or "
+                "remove the regex.")
 
     def dispatch_refusal(self) -> str | None:
         """Why ``rollout_dispatch='balanced'`` cannot run with this trainer (None: it can)."""

@@ -8,20 +8,19 @@ One rollout step (``_generate_and_score_completions``) is a sequence of stages, 
     -> _advantages: Advantages (algos.advantages) -> log_step -> _trl_batch: TRL's batch
 
 TRL's hooks hand their work to parts built once in ``__init__`` (:meth:`_build_parts`): ``logprob_passes``
-(:mod:`.logprob_stage`), ``advantage_stage`` (:mod:`.advantage_stage`), ``policy_update`` (:mod:`.update`:
-``_compute_loss``, ``training_step``) and ``budgeted_update`` (:mod:`.budgeted_update`: ``compute_loss``), under
-one ``forward_rules`` (:mod:`.forward_rules`); ``engine_setup`` (:class:`~.engines.EngineSetup`: which engine
-generates, its checked start, each weight push) and ``scoring`` (:class:`~.scoring.RewardScoring`); ``_after_policy_step``:
-other models' update (PPO's critic). The rollout side is still mixins. TRL's loop does the rest (data order,
-buffering, accumulation, optimizer, logging).
+(:mod:`.logprob_stage`), ``advantage_stage``, ``policy_update`` (:mod:`.update`: ``_compute_loss``,
+``training_step``), ``budgeted_update`` (``compute_loss``), under one ``forward_rules``; ``engine_setup`` (which
+engine generates, its checked start, each weight push), ``scoring`` and ``rollout_ranks`` (:mod:`.rollout_ranks`:
+engines on rollout ranks, their jobs written ahead; ``get_batch_samples``, ``train``, ``evaluate``). The rest of
+the rollout side is still mixins. TRL's loop does the rest (data order, buffering, accumulation, optimizer, logging).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -50,12 +49,11 @@ from trl_nrollout.passes.ulysses import shared_shuffle
 from trl_nrollout.rollout.dispatch.balanced import generate_balanced
 from trl_nrollout.rollout.engine_protocol import PREFILL_COUNTS, has
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
-from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.advantage_stage import AdvantageStage, RewardCalls
 from trl_nrollout.trainer.agents import AgentRollouts
-from trl_nrollout.trainer.batches import assign, trl_batch
+from trl_nrollout.trainer.batches import assign, check_balance, trl_batch
 from trl_nrollout.trainer.budgeted_update import (
     BudgetedMicroBatches,
     BudgetedStep,
@@ -83,7 +81,8 @@ from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_imag
 from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.progress import LiveProgressCallback
 from trl_nrollout.trainer.prompts import check_prompts
-from trl_nrollout.trainer.rollout_ranks import RolloutRanks, RolloutRankWorker
+from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
+from trl_nrollout.trainer.rollout_ranks import RolloutRankPlacement, rank_worker
 from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring, Scores  # noqa: F401 - public here
 from trl_nrollout.trainer.stages import (
     Advantages,
@@ -99,7 +98,7 @@ from trl_nrollout.trainer.update import EntropyControl, LossConfig, MicroStep, P
 logger = logging.getLogger(__name__)
 
 
-class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, PartialRollouts, GRPOTrainer):
+class NRolloutGRPOTrainer(RemotePartialRollouts, MultiTurnRollout, AgentRollouts, PartialRollouts, GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
@@ -107,17 +106,10 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
     """
 
     def __new__(cls, *args, **kwargs):
-        """On a rollout rank (``rollout_ranks``) the trainer is a :class:`RolloutRankWorker`: the same script runs on
-        every process, and there ``train()`` serves the trainers."""
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        bridge = current_bridge()
-        if bridge is not None and bridge.role == ROLLOUT and getattr(config, "rollout_ranks", 0):
-            worker = RolloutRankWorker(config, kwargs.get("model", args[0] if args else None),
-                                       kwargs.get("processing_class"), kwargs.get("tools"), kwargs.get("agent"),
-                                       kwargs.get("rollout_func"))
-            atexit.register(worker.close)  # until the trainers' stop (they close their side at exit)
-            return worker
-        return super().__new__(cls)
+        """On a rollout rank (``rollout_ranks``) the trainer is a :class:`~.rollout_ranks.RolloutRankWorker`: the
+        same script runs on every process, and there ``train()`` serves the trainers."""
+        worker = rank_worker(args, kwargs)
+        return worker if worker is not None else super().__new__(cls)
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
@@ -153,12 +145,7 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
         self.update_budget = resolve_update_budget(args, self.accelerator, self.model, self.forward_rules,
                                                    fsdp=self.is_fsdp_enabled, prompt_length=self._prompt_length_hint)
         self.layout = with_pass_budgets(self.layout, self.update_budget)  # the passes follow it where default
-        if args.balance_batch and self.layout.samples_per_rank % self.layout.rollout_n:
-            raise ValueError(
-                f"balance_batch=True assigns whole groups to ranks, but each rank trains on "
-                f"{self.layout.samples_per_rank} samples, not a multiple of rollout_n={self.layout.rollout_n}; "
-                "make train_batch_size a multiple of the number of processes, or set balance_batch=False."
-            )
+        check_balance(self.layout, args.balance_batch)  # whole groups per rank
         self.kl_ctrl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
                         if args.kl_ctrl_type == "adaptive" else FixedKLController(args.kl_coef))
         if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
@@ -166,17 +153,15 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
         self.scoring = RewardScoring.of(self)  # the reward functions' scoring (a part)
         self.rollout_backend = pick_backend(args.rollout_backend, vllm_available)  # (tests patch it here)
         self.engine_setup = EngineSetup.of(self)  # the engine's checks, start and weight pushes (a part)
-        if args.vllm_structured_outputs_regex is not None and self.rollout_backend != "vllm":
-            raise UnsupportedTRLOption(
-                f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} needs the vLLM engine, but this "
-                f"trainer generates with the {self.rollout_backend!r} engine; install vLLM and set use_vllm=True (or "
-                "rollout_backend='vllm'), or remove the regex.")
+        if (why := self.engine_setup.regex_refusal()) is not None:
+            raise UnsupportedTRLOption(why)
         if args.rollout_multi_turn == "requests" and (why := self._request_turns_refusal()) is not None:
             raise UnsupportedTRLOption(why)
         if args.rollout_dispatch == "balanced" and (why := self.engine_setup.dispatch_refusal()) is not None:
             raise UnsupportedTRLOption(why)
         self.engine_setup.check_prompt_tokens()  # before the engines start
-        self.rollout_engine = (self._start_remote_engines() if args.rollout_ranks  # the engines on the rollout ranks
+        self.rollout_ranks = RolloutRankPlacement.of(self) if args.rollout_ranks else None  # engines there (a part)
+        self.rollout_engine = (self.rollout_ranks.engines if self.rollout_ranks is not None
                                else self.engine_setup.start(args.rollout_backend))
         self.rollout_backend = self.engine_setup.rollout_backend  # "hf" where a vLLM start fell back
         self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
@@ -187,7 +172,7 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
         self.generation_clock = GenerationClock()
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
             self.add_callback(LiveProgressCallback)
-        self._last_synced_step: int | None = 0 if self.rollout_backend == "vllm" else None  # synced at start
+        self.engine_setup.synced_step = 0 if self.rollout_backend == "vllm" else None  # synced at start
         self.step_clock = StepClock()
         self.truncated_steps = TruncatedSteps()  # rollouts whose every completion hit max_completion_length
         self._build_parts(args)
@@ -197,15 +182,41 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """TRL's ``train``, with ``resume_from_checkpoint`` resolved as the recipe resolves it
-        (:func:`~trl_nrollout.trainer.checkpoints.resolve_resume`): ``True`` takes the newest complete and readable
-        checkpoint of ``output_dir`` (transformers' ``get_last_checkpoint`` takes the newest folder, and a weights
-        file cut short there fails deep in safetensors), naming a damaged one it skips in a warning; a path must be a
-        complete, readable checkpoint (an error names the damaged file)."""
+        (:func:`~trl_nrollout.trainer.checkpoints.resolve_resume`: ``True``, the newest complete and readable
+        checkpoint of ``output_dir``, naming a damaged one it skips; a path must be complete and readable)."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = resolve_resume(True, self.args.output_dir)
         elif isinstance(resume_from_checkpoint, str | os.PathLike):
             resume_from_checkpoint = check_resume_folder(resume_from_checkpoint, self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with self.rollout_ranks.training() if self._on_rollout_ranks else nullcontext():  # theirs returns then
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        result = super().evaluate(*args, **kwargs)
+        if self._on_rollout_ranks:  # outside train(): the rollout ranks' evaluate() returns
+            self.rollout_ranks.evaluated()
+        return result
+
+    # ------------------------------------------------------------------ rollout ranks: the part's hooks
+    @property
+    def _on_rollout_ranks(self) -> bool:  # the engines live on rollout ranks (the part RolloutRankPlacement)
+        return getattr(self, "rollout_ranks", None) is not None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):  # rollout ranks: the batches read ahead first
+        if not self._on_rollout_ranks:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = self.rollout_ranks.batch_samples(epoch_iterator, num_batches)
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def _start_step_episodes(self, inputs: list[dict], step_job: bool) -> tuple[list, list]:  # (or started ahead)
+        return (self.rollout_ranks.start_step_episodes(inputs, step_job) if self._on_rollout_ranks
+                else self._start_episodes(inputs))
+
+    def _remote_generate(self, *args):  # the part's generate (a test's subclass records it)
+        return self.rollout_ranks.generate(*args)
+
+    def _remote_request_turns(self, *args):  # the part's request_turns
+        return self.rollout_ranks.request_turns(*args)
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' checkpoint, then the rollout stage's own state (:meth:`_save_rollout_state`); the file
@@ -302,19 +313,9 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
             suppress_token_ids=self.engine_setup.image_token_ids(),
         )
 
-    def _sync_weights(self, mode: str) -> None:
-        if self._last_synced_step == self.state.global_step:
-            self._metric(mode, "timing_s/weight_sync", 0.0)  # the engine already holds these weights
-            return
-        start = time.perf_counter()
-        # rollout ranks: sent from a thread while the trainers go on (the ranks load it before the next job)
-        stats = self.engine_setup.push_weights(self.rollout_engine, self.model,
-                                               **({"version": self.state.global_step} if self._remote else {}))
-        self._last_synced_step = self.state.global_step
-        self._metric(mode, "timing_s/weight_sync", time.perf_counter() - start)
-        if stats.get("bytes"):
-            self._metric(mode, "weight_sync/peak_bucket_mb", stats["peak_bucket_bytes"] / 2**20)
-            self._metric(mode, "weight_sync/mb", stats["bytes"] / 2**20)
+    def _sync_weights(self, mode: str) -> None:  # the engine setup's (once per optimizer step)
+        self.engine_setup.sync_weights(self.rollout_engine, self.model, self.state.global_step, mode,
+                                       Metrics(self._metrics), versioned=self._on_rollout_ranks)
 
     def _rollout(self, inputs: list[dict], n: int, sampling: SamplingOptions, step_job: bool = False
                  ) -> tuple[RolloutBatch, list, Episode]:
@@ -342,7 +343,7 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
             self.rollout_engine.sleep()
             self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
             return batch, prompts, episode
-        if self._remote:  # engines on rollout ranks: the step's own job was maybe written steps ago (step_job)
+        if self._on_rollout_ranks:  # engines on rollout ranks: the step's own job was maybe written steps ago (step_job)
             batch = self._remote_generate(prompt_ids, images, n, sampling, offset, mode, step_job)
         elif self.args.rollout_dispatch == "balanced":  # engines pull the job's groups from one queue
             batch, pulled = generate_balanced(self.rollout_engine,
@@ -548,8 +549,8 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
     # ------------------------------------------------------------------ buffering with loss normalizers
     def _prepare_inputs(self, generation_batch):
         mode = "train" if self.model.training else "eval"
-        if mode == "train":
-            self._count_batch()  # rollout ranks read TRL's batches ahead: where the loop is
+        if mode == "train" and self._on_rollout_ranks:
+            self.rollout_ranks.count_batch()  # rollout ranks read TRL's batches ahead: where the loop is
         if mode != "train":
             batch = self._generate_and_score_completions(generation_batch)
             return self.policy_update.add_normalizers([batch], 1)[0]

@@ -203,9 +203,9 @@ class MultiTurnRollout:
                        offset: int, step_job: bool = False) -> tuple[RolloutBatch, Episode]:
         """This rank's samples (prompts repeated n times) from their first turn to their end without a turn barrier
         (``rollout/dispatch/shares.py``'s ``run_agents``): a sample's tools run while the others generate. With rollout ranks
-        the episodes run there, tools included (:meth:`RolloutRanks._remote_request_turns`; ``step_job``: this is
+        the episodes run there, tools included (:meth:`~trl_nrollout.trainer.rollout_ranks.RolloutRankPlacement.request_turns`; ``step_job``: this is
         a training step's own job, maybe written steps ahead)."""
-        if self._remote:
+        if self._on_rollout_ranks:
             return self._remote_request_turns(prompt_ids, n, sampling, mode, step_job)
         loop = getattr(self, "async_loop", None)
         max_len = getattr(self.rollout_engine, "max_model_len", None) or self.engine_setup.context_length() or 1 << 30

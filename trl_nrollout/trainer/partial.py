@@ -83,7 +83,7 @@ class PartialRollouts(PartialEnvironments):
         job's samples ``[G]``, gathered, and their rewards ``[G, F]``). ``round_`` > 0: one of DAPO's extra rounds
         (``filter_groups``), ``ctx.inputs`` then its fresh prompts; the filtered groups left the pool already, so
         their slots go to the pool's other groups and these new ones at once."""
-        if self._remote:  # the pools live on the rollout ranks (trainer/remote_partial.py)
+        if self._on_rollout_ranks:  # the pools live on the rollout ranks (trainer/remote_partial.py)
             return self._remote_partial_round(ctx, round_)
         if self.agent is not None or self.rollout_func is not None:  # a pool of live agents, or of a rollout_func's
             return self._agent_partial_round(ctx, round_)  # groups (rollout/func_pool.py), trainer/agents.py
@@ -264,7 +264,7 @@ class PartialRollouts(PartialEnvironments):
         """This rank's pool as JSON (its groups' prompts, tokens, log-probs, versions, dataset rows and images)."""
         path = os.path.join(folder, POOL_FILE.format(rank=self.accelerator.process_index))
         try:
-            text = pool_to_json(self._remote_pool_to_save() if self._remote else self._pool_to_save(self._partial_pool))
+            text = pool_to_json(self._remote_pool_to_save() if self._on_rollout_ranks else self._pool_to_save(self._partial_pool))
         except TypeError as err:
             raise TypeError(f"rollout_partial=True saves the samples in flight with their dataset rows, and a row "
                             f"holds a value JSON cannot write ({err}); keep the dataset's columns to text and "

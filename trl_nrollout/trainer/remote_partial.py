@@ -39,9 +39,9 @@ class PartialJobParts:
 
 
 class RemotePartialRollouts:
-    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer` (through
-    :class:`~trl_nrollout.trainer.rollout_ranks.RolloutRanks`): partial rollouts whose pools live on the rollout
-    ranks."""
+    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: partial rollouts whose pools live on the
+    rollout ranks (the trainer's part ``rollout_ranks``, a
+    :class:`~trl_nrollout.trainer.rollout_ranks.RolloutRankPlacement`, writes their jobs)."""
 
     def _engine_prompts(self, prompts: list) -> tuple[list[list[int]], list]:
         """The engine's ids of ``prompts`` (image placeholders not expanded) and each prompt's images (None: text)."""
@@ -70,7 +70,7 @@ class RemotePartialRollouts:
         drawn as DAPO draws, one more than ``rollout_partial_oversample`` of its groups, which the engines take while
         their pool is short, and the checkpoint's pool after a resume) and the groups' engine ids and images. With
         environments each group's ``n`` environments are drawn and reset here, and stay until it trains (their tool
-        calls come home: :meth:`_serve_env_tools`). A step's part is made once (its job written ahead and the
+        calls come home: ``RolloutRankPlacement.serve_env_tools``). A step's part is made once (its job written ahead and the
         step's own must be equal)."""
         made = self.__dict__.setdefault("_partial_entries", {})
         rows = [dict(r) for r in rows]
@@ -91,7 +91,7 @@ class RemotePartialRollouts:
         entry = partial_entry(step, round_, rows, prompts, extra, max_staleness=args.max_staleness,
                               oversample=args.rollout_partial_oversample, snapshot=self._saves_after(step),
                               restore=restore, tools=bool(self.tools), keys=keys,
-                              host=self._env_host.prefix if keys is not None else None,
+                              host=self.rollout_ranks.env_host.prefix if keys is not None else None,
                               agents=self.agent is not None or self.rollout_func is not None)
         parts = PartialJobParts(entry, ids, images)
         if round_ == 0:
@@ -120,7 +120,7 @@ class RemotePartialRollouts:
 
         self._partial_envs[key] = envs
         self.__dict__.setdefault("_partial_env_rows", {})[key] = row
-        self._env_registry[("group", key)] = [split_tools(list(self._standalone_tools) + _environment_tools(env))
+        self.rollout_ranks.env_registry[("group", key)] = [split_tools(list(self._standalone_tools) + _environment_tools(env))
                                               for env in envs]
 
     def _release_env_groups(self, keys: list[tuple]) -> None:
@@ -128,7 +128,7 @@ class RemotePartialRollouts:
         for key in keys:
             self._partial_envs.pop(key, None)
             self.__dict__.get("_partial_env_rows", {}).pop(key, None)
-            self._env_registry.pop(("group", key), None)
+            self.rollout_ranks.env_registry.pop(("group", key), None)
 
     def _reset_env(self, key: tuple, k: int) -> None:
         """A rollout rank started sample ``k`` of group ``key`` again (too stale): its environment starts again."""
@@ -165,10 +165,10 @@ class RemotePartialRollouts:
         engine = self.rollout_engine
         batch, fields = engine.run_job_episodes(
             [p for p in ids for _ in range(n)], n, self._sampling(mode, round_=round_), entry,
-            ahead=self._ahead_jobs(mode) if step_job else (), step_job=step_job,
+            ahead=self.rollout_ranks.ahead_jobs(mode) if step_job else (), step_job=step_job,
             images=[im for im in images for _ in range(n)] if any(im is not None for im in images) else None)
         if step_job:
-            self._log_remote(mode)
+            self.rollout_ranks.log_job(mode)
             if self.accelerator.is_main_process:  # the pool after this job, for a checkpoint after this step
                 pools = getattr(engine, "partial_pools", [])
                 self._partial_pool = [g for pool in pools if pool is not None for g in pool]
