@@ -83,7 +83,8 @@ class KindParts:
     settings: Callable[[], dict]
 
 
-def _single(p: KindParts) -> SingleTurn:
+def single_turn(p: KindParts) -> SingleTurn:
+    """The single-turn kind over the parts (other kinds build on it: a first turn)."""
     return SingleTurn(p.engine, p.args.rollout_dispatch, p.vllm, p.log_dispatch,
                       p.placement.generate if p.placement.remote else None)
 
@@ -107,8 +108,8 @@ KINDS: list[tuple[str, Callable[[KindParts], bool], Callable[[KindParts], Episod
     ("tool requests", lambda p: bool(p.tools.tools) and p.args.rollout_multi_turn == "requests", lambda p: ToolRequests(
         p.tools, p.engine, p.limits, p.args.rollout_dispatch, p.rank, p.metrics, p.home, p.log_dispatch,
         p.placement.request_turns if p.placement.remote else None)),
-    ("tool turns", lambda p: bool(p.tools.tools), lambda p: ToolTurns(_single(p), p.tools, p.engine, p.limits, p.rank)),
-    ("single-turn", lambda p: True, _single),
+    ("tool turns", lambda p: bool(p.tools.tools), lambda p: ToolTurns(single_turn(p), p.tools, p.engine, p.limits, p.rank)),
+    ("single-turn", lambda p: True, single_turn),
 ]
 
 

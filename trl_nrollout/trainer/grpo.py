@@ -247,7 +247,8 @@ class NRolloutGRPOTrainer(RolloutRanks, AgentRollouts, PartialRollouts, GRPOTrai
     def close(self) -> None:
         """Release the rollout engines (call after training, before tearing down torch.distributed)."""
         self._agent_close()
-        self.collector.close()
+        if "collector" in self.__dict__:  # (built once the engine started)
+            self.collector.close()
         close = getattr(self.rollout_engine, "close", None)
         if close is not None:
             close()
