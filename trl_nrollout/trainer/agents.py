@@ -256,7 +256,8 @@ class EndpointAgents:
     def __init__(self, engine, records: AgentRecords, runner: Callable[[], Any], tokenizer, settings: Callable[[], dict],
                  *, dispatch: str, rank: int, log_dispatch: Callable[..., None],
                  remote: Callable[..., EpisodeRun] | None = None) -> None:
-        self.engine, self.records, self.runner, self.tokenizer, self.settings = engine, records, runner, tokenizer, settings
+        self.rollout_engine, self.records, self.runner = engine, records, runner
+        self.tokenizer, self.settings = tokenizer, settings
         self.dispatch, self.rank, self.log_dispatch, self.remote = dispatch, rank, log_dispatch, remote
         self.endpoint = None
 
@@ -279,7 +280,7 @@ class EndpointAgents:
             prompt_ids = self.records.tokenize(job.prompts)[0]
             run = self.remote(inputs, prompt_ids, n, job.sampling, mode, job.step, job.step_job)
         else:
-            engine = self.engine
+            engine = self.rollout_engine
             run = run_episodes(engine, self.start(), self.runner(), inputs, n, job.sampling, offset=offset,
                                tag=f"{mode}{job.step}", rank=self.rank,
                                balanced=self.dispatch == "balanced" and engine.balances_job)

@@ -66,7 +66,7 @@ class KindParts:
     ``home``, ``records``, ``log_dispatch``, ``runner``, ``settings``)."""
 
     args: Any
-    engine: Any
+    rollout_engine: Any
     vllm: bool
     tools: TRLTools
     agent: Callable | None
@@ -85,16 +85,16 @@ class KindParts:
 
 def single_turn(p: KindParts) -> SingleTurn:
     """The single-turn kind over the parts (other kinds build on it: a first turn)."""
-    return SingleTurn(p.engine, p.args.rollout_dispatch, p.vllm, p.log_dispatch,
+    return SingleTurn(p.rollout_engine, p.args.rollout_dispatch, p.vllm, p.log_dispatch,
                       p.placement.generate if p.placement.remote else None)
 
 
 def _agents(p: KindParts) -> EndpointAgents:
     remote = None
     if p.placement.remote:
-        remote = partial(remote_agent_episodes, p.engine, p.placement.agent_job, p.placement.ahead_jobs,
+        remote = partial(remote_agent_episodes, p.rollout_engine, p.placement.agent_job, p.placement.ahead_jobs,
                          p.placement.log_remote)
-    return EndpointAgents(p.engine, p.records, p.runner, p.tools.tokenizer, p.settings, dispatch=p.args.rollout_dispatch,
+    return EndpointAgents(p.rollout_engine, p.records, p.runner, p.tools.tokenizer, p.settings, dispatch=p.args.rollout_dispatch,
                           rank=p.rank, log_dispatch=p.log_dispatch, remote=remote)
 
 
@@ -103,12 +103,12 @@ KINDS: list[tuple[str, Callable[[KindParts], bool], Callable[[KindParts], Episod
     ("endpoint agents", lambda p: p.agent is not None or (
         p.rollout_func is not None and p.args.rollout_multi_turn == "requests"), _agents),
     ("rollout_func", lambda p: p.rollout_func is not None, lambda p: RolloutFunc(
-        p.rollout_func, p.func_trainer, p.engine, p.args.rollout_dispatch, p.args.max_completion_length,
+        p.rollout_func, p.func_trainer, p.rollout_engine, p.args.rollout_dispatch, p.args.max_completion_length,
         p.args.rollout_is is not None, p.log_dispatch)),
     ("tool requests", lambda p: bool(p.tools.tools) and p.args.rollout_multi_turn == "requests", lambda p: ToolRequests(
-        p.tools, p.engine, p.limits, p.args.rollout_dispatch, p.rank, p.metrics, p.home, p.log_dispatch,
+        p.tools, p.rollout_engine, p.limits, p.args.rollout_dispatch, p.rank, p.metrics, p.home, p.log_dispatch,
         p.placement.request_turns if p.placement.remote else None)),
-    ("tool turns", lambda p: bool(p.tools.tools), lambda p: ToolTurns(single_turn(p), p.tools, p.engine, p.limits, p.rank)),
+    ("tool turns", lambda p: bool(p.tools.tools), lambda p: ToolTurns(single_turn(p), p.tools, p.rollout_engine, p.limits, p.rank)),
     ("single-turn", lambda p: True, single_turn),
 ]
 
@@ -157,7 +157,7 @@ class RolloutCollector:
 
     def __init__(self, kind: EpisodeKind, engine, *, start: Callable, names: Callable[[], list | None],
                  tokenize: Callable, images: ImagePrompts, vllm: bool, clock, rank: int) -> None:
-        self.kind, self.engine, self.start, self.names, self.tokenize = kind, engine, start, names, tokenize
+        self.kind, self.rollout_engine, self.start, self.names, self.tokenize = kind, engine, start, names, tokenize
         self.images, self.vllm, self.clock, self.rank = images, vllm, clock, rank
 
     @classmethod
@@ -198,12 +198,12 @@ class RolloutCollector:
             prompt_ids = images.ids if images is not None else self.tokenize(prompts)[0]
             if self.vllm:  # a too-long prompt on one rank: every rank stops with the error, none hangs
                 longest = max(gather_object([max((len(p) for p in prompt_ids), default=0)]))
-                self.engine.check_prompt_length(longest, sampling.max_tokens)
+                self.rollout_engine.check_prompt_length(longest, sampling.max_tokens)
             job = replace(job, prompt_ids=prompt_ids, images=images)
         start = time.perf_counter()
         batch, episode = self.kind.run(job)
         # right after generation: rewards and the log-prob passes run without the engine's weights and KV cache
-        self.engine.sleep()
+        self.rollout_engine.sleep()
         self.clock.add(batch.num_completion_tokens, time.perf_counter() - start)
         return batch, prompts, episode
 

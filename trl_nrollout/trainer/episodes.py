@@ -108,7 +108,7 @@ class SingleTurn:
     (``remote_generate``: the rollout-rank placement's call, None when colocated). ``log_dispatch(mode, pulled,
     samples, n)``: a balanced rollout's spread into the logs; ``vllm``: the engine expands image placeholders."""
 
-    engine: Any
+    rollout_engine: Any
     dispatch: str
     vllm: bool
     log_dispatch: Callable[..., None]
@@ -116,7 +116,7 @@ class SingleTurn:
     tokenized: bool = True
 
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
-        ids, images, n, sampling, engine = job.prompt_ids, job.images, job.n, job.sampling, self.engine
+        ids, images, n, sampling, engine = job.prompt_ids, job.images, job.n, job.sampling, self.rollout_engine
         if self.remote_generate is not None:  # engines on rollout ranks: the step's own job was maybe written ahead
             batch = self.remote_generate(ids, images, n, sampling, job.offset, job.mode, job.step_job)
         elif self.dispatch == "balanced":  # engines pull the job's groups from one queue
@@ -148,7 +148,7 @@ class RolloutFunc:
 
     func: Callable
     trainer: Any
-    engine: Any
+    rollout_engine: Any
     dispatch: str
     max_completion_length: int | None
     need_logprobs: bool
@@ -156,8 +156,8 @@ class RolloutFunc:
     tokenized: bool = False
 
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
-        if self.dispatch == "balanced" and has(self.engine, BALANCED):
-            with balanced_calls(self.engine) as calls:
+        if self.dispatch == "balanced" and has(self.rollout_engine, BALANCED):
+            with balanced_calls(self.rollout_engine) as calls:
                 output = self.func(job.prompts, self.trainer)
             for pulled, samples, call_n in calls:
                 self.log_dispatch(job.mode, pulled, samples, call_n)

@@ -205,14 +205,14 @@ class HomeToolCalls:
     trainer: every rank numbers its hosts alike. ``metrics``: the sink of ``tools/calls_sent_home``."""
 
     def __init__(self, engine, rank: int, workers: int, metrics) -> None:
-        self.engine, self.rank, self.workers, self.metrics = engine, rank, workers, metrics
+        self.rollout_engine, self.rank, self.workers, self.metrics = engine, rank, workers, metrics
         self.calls = 0
 
     @contextlib.contextmanager
     def __call__(self, envs: bool, home, run_tools, mode: str):
         """``run_tools`` as the engines run it (with environments, ``envs``, on several engines: sent home); every
         rank enters and leaves it together (around the engines' collective run)."""
-        if not envs or not self.engine.balances_job:
+        if not envs or not self.rollout_engine.balances_job:
             yield run_tools
             return
         self.calls += 1
@@ -278,7 +278,7 @@ class ToolTurns:
 
     first: SingleTurn
     tools: TRLTools
-    engine: Any
+    rollout_engine: Any
     limits: Limits
     rank: int
     tokenized: bool = True
@@ -288,7 +288,7 @@ class ToolTurns:
         loop, width = self.tools.loop, max(1, len(first))
 
         def generate(contexts, budgets, turn, samples):
-            return self.engine.generate_turns(contexts, budgets, replace(job.sampling, seed=self.limits.turn_seed(
+            return self.rollout_engine.generate_turns(contexts, budgets, replace(job.sampling, seed=self.limits.turn_seed(
                 job, turn)), sample_offset=self.rank * width, sample_ids=samples, num_samples=len(first))
 
         turns = run_tool_turns(
@@ -311,7 +311,7 @@ class ToolRequests:
     environment's calls run (:class:`HomeToolCalls`); ``log_dispatch``: a balanced rollout's spread."""
 
     tools: TRLTools
-    engine: Any
+    rollout_engine: Any
     limits: Limits
     dispatch: str
     rank: int
@@ -334,7 +334,7 @@ class ToolRequests:
         prompts = [list(p) for p in job.prompt_ids]
         if self.dispatch == "balanced":  # episodes run on whichever engine pulled their group
             envs = self.tools.factories is not None
-            if envs and self.engine.balances_job:  # job-wide sample indices
+            if envs and self.rollout_engine.balances_job:  # job-wide sample indices
                 counts = gather_object([len(prompts)])
                 first = sum(counts[:self.rank])
                 ends = [sum(counts[:r + 1]) for r in range(len(counts))]
@@ -350,11 +350,11 @@ class ToolRequests:
                 home = None
             with self.home(envs, home, agent.run_tools, mode) as run_tools:
                 samples, groups, stats, pulled = run_agents_balanced(
-                    self.engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
+                    self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
                     replace(agent, run_tools=run_tools), limits.workers)
             self.log_dispatch(mode, pulled, len(prompts), n)
         else:
-            samples, groups, stats = run_agents(self.engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
+            samples, groups, stats = run_agents(self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
                                                 agent, limits.workers, sample_offset=job.offset)
         turns = collect_turns(samples)
         log_agent_stats(self.metrics, mode, stats)
