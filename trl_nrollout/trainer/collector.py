@@ -103,7 +103,7 @@ KINDS: list[tuple[str, Callable[[KindParts], bool], Callable[[KindParts], Episod
     ("endpoint agents", lambda p: p.agent is not None or (
         p.rollout_func is not None and p.args.rollout_multi_turn == "requests"), _agents),
     ("rollout_func", lambda p: p.rollout_func is not None, lambda p: RolloutFunc(
-        p.rollout_func, p.func_trainer, p.rollout_engine, p.args.rollout_dispatch, p.args.max_completion_length,
+        p.func_trainer, p.rollout_engine, p.args.rollout_dispatch, p.args.max_completion_length,
         p.args.rollout_is is not None, p.log_dispatch)),
     ("tool requests", lambda p: bool(p.tools.tools) and p.args.rollout_multi_turn == "requests", lambda p: ToolRequests(
         p.tools, p.rollout_engine, p.limits, p.args.rollout_dispatch, p.rank, p.metrics, p.home, p.log_dispatch,

@@ -140,13 +140,13 @@ class SingleTurn:
 @dataclass(frozen=True)
 class RolloutFunc:
     """TRL's ``rollout_func(prompts, trainer)``: the user generates (``trainer``: what TRL's contract hands the
-    function, the trainer as the user built it); we check and adopt what it returns. With ``dispatch="balanced"`` on
+    function, the trainer as the user built it; the function is its ``rollout_func`` at each call, as TRL reads it, so
+    a user may replace it between steps); we check and adopt what it returns. With ``dispatch="balanced"`` on
     colocated vLLM engines, each of its ``trainer.rollout_engine.generate_expanded`` calls is a balanced rollout (the
     call's groups of every rank in one queue; every rank makes the same calls), logged as the trainer's own. (With
     ``rollout_multi_turn='requests'`` the function runs group by group:
     :class:`~trl_nrollout.trainer.agents.EndpointAgents`.)"""
 
-    func: Callable
     trainer: Any
     rollout_engine: Any
     dispatch: str
@@ -158,11 +158,11 @@ class RolloutFunc:
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
         if self.dispatch == "balanced" and has(self.rollout_engine, BALANCED):
             with balanced_calls(self.rollout_engine) as calls:
-                output = self.func(job.prompts, self.trainer)
+                output = self.trainer.rollout_func(job.prompts, self.trainer)
             for pulled, samples, call_n in calls:
                 self.log_dispatch(job.mode, pulled, samples, call_n)
         else:
-            output = self.func(job.prompts, self.trainer)
+            output = self.trainer.rollout_func(job.prompts, self.trainer)
         samples = check_output(output, len(job.prompts), job.n, self.max_completion_length, self.need_logprobs)
         batch, masks, extra = samples_batch(samples, job.n, job.offset)
         return batch, Episode(tool_mask=masks, extra_fields=extra)
