@@ -220,8 +220,9 @@ def test_a_split_episode_trains_each_call_with_its_episodes_advantage(tmp_path, 
 
     trainer = _trainer(tmp_path, agent=agent, max_steps=1, ppo_mini_batch_size=2)
     episodes, batches = [], []
-    rollout, step = trainer._agent_rollout, trainer._generate_and_score_completions
-    trainer._agent_rollout = lambda *a, **k: episodes.append(rollout(*a, **k)) or episodes[-1]
+    kind, step = trainer.collector.kind, trainer._generate_and_score_completions  # the agents' episode kind
+    rollout = kind.run
+    kind.run = lambda job: episodes.append(rollout(job)) or episodes[-1]
     trainer._generate_and_score_completions = lambda inputs: batches.append(step(inputs)) or batches[-1]
     import trl_nrollout.trainer.grpo as grpo
 

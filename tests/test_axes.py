@@ -14,9 +14,9 @@ from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.config.checks import rollout_ranks_refusal
 from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.axes import REFUSALS, refusal_table
-from trl_nrollout.trainer.agents import AgentRollouts
+from trl_nrollout.trainer.agents import agent_refusal
 from trl_nrollout.trainer.engines import EngineSetup
-from trl_nrollout.trainer.multiturn import MultiTurnRollout, check_images
+from trl_nrollout.trainer.multiturn import check_images, request_turns_refusal
 from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.rollout_ranks import RolloutRankPlacement
 
@@ -48,11 +48,20 @@ def _trainer(**attrs) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **attrs})
 
 
+def _agent_refusal(t: SimpleNamespace) -> str | None:
+    """The agent check on a stand-in trainer's options, engine, environments and rollout_func."""
+    return agent_refusal(t.args, t.rollout_backend, t.environment_factories, t.rollout_func)
+
+
+def _request_turns_refusal(t: SimpleNamespace) -> str | None:
+    return request_turns_refusal(t.rollout_backend)
+
+
 def _agent(**args) -> str | None:
     base = dict(rollout_backend="vllm", rollout_ranks=0, rollout_partial=False, rollout_dispatch="shares",
                 rollout_seed_mode=None)
     hf = args.pop("hf", False)
-    return AgentRollouts._agent_refusal(_trainer(rollout_backend="hf" if hf else "vllm",
+    return _agent_refusal(_trainer(rollout_backend="hf" if hf else "vllm",
                                                  args=SimpleNamespace(**{**base, **args})))
 
 
@@ -61,7 +70,7 @@ CASES = {
     ("agent", "rollout_backend='hf'"): lambda tmp: _agent(hf=True, rollout_backend="hf"),
     ("image prompts", "tools, environment_factory or rollout_func"): lambda tmp: _raised(lambda: check_images(
         ["prompt", "image"], tools=[print], rollout_func=print, environment_factory=print)),
-    ("agent", "environment_factory or rollout_func"): lambda tmp: AgentRollouts._agent_refusal(
+    ("agent", "environment_factory or rollout_func"): lambda tmp: _agent_refusal(
         _trainer(environment_factories={"x": print}, args=SimpleNamespace(rollout_backend="vllm"))),
     ("rollout_ranks", "rollout_backend='hf'"): lambda tmp: _ranks(rollout_backend="hf"),
     ("rollout_partial=True", "rollout_backend='hf'"): lambda tmp: _config_error(
@@ -94,8 +103,9 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
     owner, _, attr = row.where.rpartition(".")
     namespace = {"checks": __import__("trl_nrollout.config.checks", fromlist=["x"]),
                  "ConfigChecks": __import__("trl_nrollout.config.checks", fromlist=["x"]).ConfigChecks,
-                 "EngineSetup": EngineSetup, "MultiTurnRollout": MultiTurnRollout, "PartialRollouts": PartialRollouts,
-                 "RolloutRankPlacement": RolloutRankPlacement, "AgentRollouts": AgentRollouts,
+                 "EngineSetup": EngineSetup, "PartialRollouts": PartialRollouts,
+                 "RolloutRankPlacement": RolloutRankPlacement,
+                 "agents": __import__("trl_nrollout.trainer.agents", fromlist=["x"]),
                  "multiturn": __import__("trl_nrollout.trainer.multiturn", fromlist=["x"])}
     assert callable(getattr(namespace[owner], attr)), row.where
     if row.kind == "machine":
@@ -131,16 +141,16 @@ at TP=1 and TP=2."""
     # agent= with tools= (the agent gets them)
     for trainer in (_trainer(tools=[print]), _trainer(rollout_func=print)):
         assert PartialRollouts._partial_refusal(trainer) is None
-    assert MultiTurnRollout._request_turns_refusal(_trainer(rollout_func=print)) is None
+    assert _request_turns_refusal(_trainer(rollout_func=print)) is None
     assert _agent(rollout_backend="vllm") is None
-    assert AgentRollouts._agent_refusal(_trainer(tools=[print], args=SimpleNamespace(
+    assert _agent_refusal(_trainer(tools=[print], args=SimpleNamespace(
         rollout_backend="vllm", rollout_seed_mode=None))) is None
 
 
 @pytest.mark.parametrize("option, off, check", [
     ("rollout_partial=True", "rollout_partial=False", PartialRollouts._partial_refusal),
     ("rollout_dispatch='balanced'", "rollout_dispatch='shares'", EngineSetup.dispatch_refusal),
-    ("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", MultiTurnRollout._request_turns_refusal)])
+    ("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", _request_turns_refusal)])
 def test_the_hf_engine_chosen_by_auto_is_refused_with_the_tables_reason(tmp_path, option, off, check):
     """rollout_backend='auto' without vLLM gives the HF engine: the trainer's check refuses each machine row with the
     reason the table states (the config's check, for rollout_backend='hf', says the same), what chose the engine, and

@@ -177,7 +177,7 @@ def d(self):
     assert sorted(a for _, a in engine_uses(source)) == ["_hidden", "dtype", "gather_tp", "load_buckets", "rank",
                                                          "sleep"]
     uses = _package_uses()
-    assert ("trainer/grpo.py", "generate_expanded") in uses and ("rollout/remote_serve.py", "load_buckets") in uses
+    assert ("trainer/episodes.py", "generate_expanded") in uses and ("rollout/remote_serve.py", "load_buckets") in uses
 
 
 def _instance_attributes(cls: type) -> set[str]:

@@ -41,6 +41,6 @@ if __name__ == "__main__":
     trainer.train()
     rank = trainer.accelerator.process_index
     with open(f"{out}/agent_run_{rank}.json", "w") as f:
-        json.dump({"port": trainer._agent_endpoint.port, "urls": sorted(set(SEEN)), "episodes": len(SEEN),
+        json.dump({"port": trainer.collector.kind.endpoint.port, "urls": sorted(set(SEEN)), "episodes": len(SEEN),
                    "history": trainer.state.log_history if rank == 0 else None}, f)
     trainer.close()

@@ -57,9 +57,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "the HF engine has no request-level loop to add groups to while it generates"),
     Refusal("rollout_multi_turn='requests'", "rollout_backend='hf'", "machine", "ConfigChecks._check_choices",
             "the HF engine has no request-level loop: samples cannot re-enter it one by one"),
-    Refusal("agent", "rollout_backend='hf'", "machine", "AgentRollouts._agent_refusal",
+    Refusal("agent", "rollout_backend='hf'", "machine", "agents.agent_refusal",
             "the HF engine has no request-level loop: an agent's calls cannot join it one by one"),
-    Refusal("agent", "environment_factory or rollout_func", "one axis", "AgentRollouts._agent_refusal",
+    Refusal("agent", "environment_factory or rollout_func", "one axis", "agents.agent_refusal",
             "two choices of the episode axis: each is the episode's own loop, as the agent is (an agent builds its "
             "environment itself from the row; tools= compose: the agent gets them)"),
     Refusal("image prompts", "tools, environment_factory or rollout_func", "not yet", "multiturn.check_images",

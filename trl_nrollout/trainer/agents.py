@@ -18,8 +18,10 @@ more rows than its share of episodes), and ``agent/split_episodes`` counts them.
 an unscored episode (its reward None: TRL's rules), never a hang; one past ``agent_max_calls`` gets an error
 answer and its reward as it returns it.
 
-With ``rollout_dispatch="balanced"`` over several engines the ranks pull groups of the job's rows from one queue,
-run them on their own endpoints and send the finished episodes home (:meth:`AgentRollouts._agent_rollout`).
+The episode kind is :class:`EndpointAgents` (:mod:`trl_nrollout.trainer.episodes`); with
+``rollout_dispatch="balanced"`` over several engines the ranks pull groups of the job's rows from one queue, run them
+on their own endpoints and send the finished episodes home. A partial rollout of agents (a pool of live episodes) is
+:meth:`AgentRollouts._agent_partial_round`.
 
 Reward: without ``reward_funcs`` the agent's number is the reward (:func:`agent_reward`); with them, every function
 gets ``agent_reward`` (and a dict result's keys) as keyword arguments.
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from accelerate.utils import gather_object
@@ -48,6 +52,7 @@ from trl_nrollout.rollout.dispatch import PullStats
 from trl_nrollout.rollout.func_pool import FuncRunner, func_samples, samples_batch
 from trl_nrollout.rollout.pool import LiveGroups, PoolStep, live_balanced, live_shares, pool_step
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.trainer.episodes import Episode, EpisodeJob
 from trl_nrollout.trainer.stages import Sample
 
 logger = logging.getLogger(__name__)
@@ -75,132 +80,118 @@ def split_calls(assembled: Assembled, record: EpisodeRecord, limit: int | None) 
     return tuple(out)
 
 
-class AgentRollouts:
-    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the agent episode kind (see the module)."""
+def agent_reward_funcs(agent, reward_funcs, args=None) -> list | None:
+    """The reward functions of a trainer with ``agent`` (checked: a callable with parameters the trainer fills):
+    ``reward_funcs``, or the agent's own reward (:func:`agent_reward`) when none are given. ``agent_max_concurrent``
+    without an agent is refused: nothing else reads it (a ``rollout_func`` run group by group runs one call per
+    group), so it would be ignored."""
+    if agent is None:
+        cap = getattr(args, "agent_max_concurrent", None)
+        if cap is not None:
+            raise InputError(f"agent_max_concurrent={cap} caps the episodes of agent= (agents behind the "
+                             "trainer's OpenAI-compatible endpoint), and this trainer has no agent=: nothing would "
+                             "read it. Pass agent=your_function, or drop agent_max_concurrent (TRL tools and "
+                             "rollout_func episodes run as many at once as the engine's rollout_max_num_seqs).")
+        return reward_funcs
+    if not callable(agent):
+        raise TypeError(f"agent={agent!r} must be a function (sync or async) running one episode.")
+    agent_arguments(agent)
+    if (why := agent_dependencies_refusal()) is not None:  # before the model loads, not at the first rollout
+        raise InputError(why)
+    return reward_funcs if reward_funcs else [agent_reward]
 
-    agent = None
-    _agent_endpoint = None
-    _agent_pool = None
 
-    def _agent_init(self, agent, reward_funcs, args=None):
-        """Keep ``agent`` (checked: a callable with parameters the trainer fills) and return the reward functions:
-        ``reward_funcs``, or the agent's own reward (:func:`agent_reward`) when none are given. ``agent_max_concurrent``
-        without an agent is refused: nothing else reads it (a ``rollout_func`` run group by group runs one call per
-        group), so it would be ignored."""
-        if agent is None:
-            cap = getattr(args, "agent_max_concurrent", None)
-            if cap is not None:
-                raise InputError(f"agent_max_concurrent={cap} caps the episodes of agent= (agents behind the "
-                                 "trainer's OpenAI-compatible endpoint), and this trainer has no agent=: nothing would "
-                                 "read it. Pass agent=your_function, or drop agent_max_concurrent (TRL tools and "
-                                 "rollout_func episodes run as many at once as the engine's rollout_max_num_seqs).")
-            return reward_funcs
-        if not callable(agent):
-            raise TypeError(f"agent={agent!r} must be a function (sync or async) running one episode.")
-        agent_arguments(agent)
-        if (why := agent_dependencies_refusal()) is not None:  # before the model loads, not at the first rollout
-            raise InputError(why)
-        self.agent = agent
-        return reward_funcs if reward_funcs else [agent_reward]
+def agent_refusal(args, rollout_backend: str, environment_factories, rollout_func) -> str | None:
+    """Why a trainer with these options, engine, environments and ``rollout_func`` cannot run ``agent=`` (None: it
+    can); the rows of :data:`~trl_nrollout.rollout.axes.REFUSALS` whose first side is ``agent``."""
+    from trl_nrollout.rollout.axes import machine_refusal
 
-    def _agent_close(self) -> None:
-        if self._agent_endpoint is not None:
-            self._agent_endpoint.close()
-            self._agent_endpoint = None
-        if self._agent_pool is not None:
-            self._agent_pool.close()
-            self._agent_pool = None
+    if rollout_backend != "vllm":
+        return machine_refusal("agent", "drop agent=", auto=args.rollout_backend == "auto")
+    if environment_factories or rollout_func is not None:
+        return ("agent= with environment_factory or rollout_func: each of them is the episode's loop, as the "
+                "agent is (one episode kind per trainer); build the environment inside the agent (it gets the "
+                "row), or drop agent=. (tools= compose: an agent with a `tools` parameter gets them.)")
+    if args.rollout_seed_mode == "engine":
+        return ("agent= with rollout_seed_mode='engine': the endpoint seeds each request (a sample's tokens must "
+                "not depend on which other requests share an engine step); use rollout_seed_mode='sample'.")
+    return None
 
-    def _agent_refusal(self) -> str | None:
-        """Why this trainer cannot run ``agent=`` (None: it can); the rows of
-        :data:`~trl_nrollout.rollout.axes.REFUSALS` whose first side is ``agent``."""
-        from trl_nrollout.rollout.axes import machine_refusal
 
-        args = self.args
-        if self.rollout_backend != "vllm":
-            return machine_refusal("agent", "drop agent=", auto=args.rollout_backend == "auto")
-        if getattr(self, "environment_factories", None) or self.rollout_func is not None:
-            return ("agent= with environment_factory or rollout_func: each of them is the episode's loop, as the "
-                    "agent is (one episode kind per trainer); build the environment inside the agent (it gets the "
-                    "row), or drop agent=. (tools= compose: an agent with a `tools` parameter gets them.)")
-        if args.rollout_seed_mode == "engine":
-            return ("agent= with rollout_seed_mode='engine': the endpoint seeds each request (a sample's tokens must "
-                    "not depend on which other requests share an engine step); use rollout_seed_mode='sample'.")
-        return None
+def endpoint_settings(args, model_name: str, max_model_len: int) -> dict:
+    """What an endpoint needs besides the tokenizer (:func:`start_endpoint`'s keywords): the policy's ``model_name``,
+    its engine's context ``max_model_len``, the options' limits and sampling."""
+    return {"model_name": model_name, "max_model_len": max_model_len,
+            "max_completion_length": args.max_completion_length, "max_calls": args.agent_max_calls,
+            "policy": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                       "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}}
 
-    def _agent_start(self):
-        """The rank's endpoint, started once (its port stays for the run)."""
-        if self._agent_endpoint is None:
-            self._agent_endpoint = start_endpoint(self._tokenizer,
-                                                  **self._endpoint_settings(self.rollout_engine.max_model_len))
-            logger.info("agent endpoint: http://127.0.0.1:%d/e/<episode>/v1 (rank %d)", self._agent_endpoint.port,
-                        self.accelerator.process_index)
-        return self._agent_endpoint
 
-    def _endpoint_settings(self, max_model_len: int) -> dict:
-        """What an endpoint needs of the trainer besides the tokenizer (:func:`start_endpoint`'s keywords), its
-        engine's context ``max_model_len``."""
-        args = self.args
-        return {"model_name": self.engine_setup.model_path(), "max_model_len": max_model_len,
-                "max_completion_length": args.max_completion_length, "max_calls": args.agent_max_calls,
-                "policy": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                           "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}}
+def episode_runner(agent, rollout_func, func_trainer, args, num_generations: int, max_model_len: int, tools):
+    """What runs episodes on an endpoint: the ``agent`` (:class:`EpisodeRunner`, with the trainer's ``tools``), or
+    the ``rollout_func`` group by group (:class:`~trl_nrollout.rollout.func_pool.FuncRunner`; ``func_trainer``: what
+    TRL's contract hands the function)."""
+    if rollout_func is None:
+        return EpisodeRunner(agent, args.agent_timeout_s, tools or (), args.agent_max_concurrent)
+    return FuncRunner(rollout_func, func_trainer, num_generations, max_model_len, args.max_completion_length,
+                      args.rollout_is is not None)
 
-    def _agent_rollout(self, inputs: list[dict], prompts: list, n: int, sampling: SamplingOptions, mode: str,
-                       step_job: bool = False) -> tuple[RolloutBatch, Any]:
-        """Run this rank's episodes (one per sample of ``inputs``, TRL's order: each prompt ``n`` times) through an
-        endpoint and return what trains: the batch (prompt, completion, log-probs per episode) and the
-        :class:`~trl_nrollout.trainer.multiturn.Episode` (masks, the episodes' messages, the agents' reward kwargs).
 
-        Colocated, on this rank's endpoint and engine (:func:`~trl_nrollout.rollout.agent_runs.run_episodes`; with
-        ``rollout_dispatch="balanced"`` over several engines the ranks pull groups of the job's rows from one queue
-        and the episodes come home). With ``rollout_ranks``, a job of the rollout ranks: their endpoints and engines
-        run the episodes (the next ``rollout_lookahead`` steps' written ahead, as single-turn jobs are) and send the
-        records back (:meth:`_remote_agent_episodes`).
+def remote_agent_episodes(engine, agent_job: Callable, ahead_jobs: Callable, log_remote: Callable, inputs: list[dict],
+                          prompt_ids: list[list[int]], n: int, sampling: SamplingOptions, mode: str, step: int,
+                          step_job: bool) -> EpisodeRun:
+    """This rank's episodes run on the rollout ranks (``engine``: their proxy): a job whose ``agent`` entry carries
+    the rows (``agent_job(mode, step, rows)``; ``ahead_jobs(mode)``: the next steps' jobs, written ahead;
+    ``log_remote(mode)``: the step's view of the rollout ranks), read back as the records (the rollout ranks'
+    endpoints recorded every call's tokens and log-probs; what trains is assembled here, as colocated)."""
+    batch, extras = engine.run_job_episodes(
+        [list(p) for p in prompt_ids], n, sampling, agent_job(mode, step, inputs),
+        ahead=ahead_jobs(mode) if step_job else (), step_job=step_job)
+    if step_job:
+        log_remote(mode)
+    idle = max((e["engine_idle_s"] for e in extras), default=0.0)
+    records = [replace(e["record"], row=dict(row)) for e, row in zip(extras, inputs, strict=True)]
+    return EpisodeRun(records, {"idle_s": idle}, batch.timings.get("generate_s", 0.0))
 
-        A ``rollout_func`` with ``rollout_multi_turn='requests'`` runs the same way, group by group
-        (:mod:`~trl_nrollout.rollout.func_pool`): what trains is what it returned."""
-        offset = self.accelerator.process_index * len(inputs)
-        prompt_ids = None  # (tokenized where a job carries them, or where the agents' calls are assembled)
-        if self._on_rollout_ranks:
-            prompt_ids = self._tokenize_prompts(prompts)[0]
-            run = self._remote_agent_episodes(inputs, prompt_ids, n, sampling, mode, step_job)
-        else:
-            engine = self.rollout_engine
-            run = run_episodes(
-                engine, self._agent_start(), self._episode_runner(), inputs, n, sampling, offset=offset,
-                tag=f"{mode}{self.state.global_step}", rank=self.accelerator.process_index,
-                balanced=self.args.rollout_dispatch == "balanced" and engine.balances_job)
-            if self.args.rollout_dispatch == "balanced":  # one engine: its queue is this rank's groups
-                self._log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
-                    len(inputs))}), claims=1, busy_s=run.wall_s), len(inputs), n)
-        return self._records_batch(run.records, prompts, n, offset, mode, run.serve, run.wall_s, prompt_ids)
 
-    def _records_batch(self, records: list[EpisodeRecord], prompts: list, n: int, offset: int, mode: str,
-                       stats: dict, wall: float, prompt_ids: list[list[int]] | None = None) -> tuple[RolloutBatch, Any]:
-        """What trains of finished episodes' ``records`` (one per sample, in order; ``prompts`` theirs, the job's
-        samples ``offset ..``): a ``rollout_func``'s returned samples (:meth:`_func_batch`), or the agents' calls
-        assembled (:meth:`_agent_batch`) and logged with the endpoint's ``stats`` and the rollout's ``wall`` seconds.
-        ``prompt_ids``: the prompts' tokens where the caller has them (else tokenized here, for agents only)."""
-        if self.rollout_func is not None:
-            return self._func_batch(records, n, offset)
-        ids = prompt_ids if prompt_ids is not None else self._tokenize_prompts(prompts)[0]
-        batch, episode = self._agent_batch(records, ids, n, offset)
-        self._log_agents(mode, records, episode, stats, wall)
+@dataclass(frozen=True)
+class AgentRecords:
+    """What trains of finished episodes' records: a ``rollout_func``'s returned samples (``func``), or the agents'
+    calls assembled and logged into ``metrics``. ``tokenize``: TRL's prompt tokenization; ``limit``:
+    ``max_completion_length``; ``rank``: this process (for the logs)."""
+
+    tokenizer: Any
+    tokenize: Callable[[list], tuple]
+    func: bool
+    limit: int | None
+    metrics: Any
+    rank: int
+    main: bool
+
+    def batch(self, records: list[EpisodeRecord], prompts: list, n: int, offset: int, mode: str, stats: dict,
+              wall: float, prompt_ids: list[list[int]] | None = None) -> tuple[RolloutBatch, Episode]:
+        """What trains of ``records`` (one per sample, in order; ``prompts`` theirs, the job's samples ``offset
+        ..``): a ``rollout_func``'s samples, or the agents' calls assembled and logged with the endpoint's ``stats``
+        and the rollout's ``wall`` seconds. ``prompt_ids``: the prompts' tokens where the caller has them (else
+        tokenized here, for agents only)."""
+        if self.func:  # the samples it returned (an error with its traceback where it raised)
+            batch, masks, extra = samples_batch(func_samples(records), n, offset)
+            return batch, Episode(tool_mask=masks, extra_fields=extra)
+        ids = prompt_ids if prompt_ids is not None else self.tokenize(prompts)[0]
+        batch, episode = self.assembled(records, ids, n, offset)
+        self.log(mode, records, episode, stats, wall)
         return batch, episode
 
-    def _agent_batch(self, records: list[EpisodeRecord], prompt_ids: list[list[int]], n: int, offset: int
-                     ) -> tuple[RolloutBatch, Any]:
+    def assembled(self, records: list[EpisodeRecord], prompt_ids: list[list[int]], n: int, offset: int
+                  ) -> tuple[RolloutBatch, Episode]:
         """What trains of ``records`` (one per sample; ``prompt_ids`` their prompts' tokens; the job's samples
-        ``offset ..``): the batch and the :class:`~trl_nrollout.trainer.multiturn.Episode` (masks between calls, the
+        ``offset ..``): the batch and the :class:`~trl_nrollout.trainer.episodes.Episode` (masks between calls, the
         calls' messages, a split episode's later calls, the agents' reward kwargs; ``assembled``: each episode laid
         out, for the logs)."""
-        from trl_nrollout.trainer.multiturn import Episode
-
-        eos = self._tokenizer.eos_token_id or 0
+        eos = self.tokenizer.eos_token_id or 0
         done = [assemble(r.calls, prompt_ids[i], eos) for i, r in enumerate(records)]
         masks = [a.mask for a in done]
-        limit = self.args.max_completion_length
+        limit = self.limit
         segments = [split_calls(a, r, limit) for a, r in zip(done, records)]  # a split episode's later calls
         # cut at the limit: the episode's last call (a split episode's sample is its first call)
         reasons = [("length" if len(a.completion_ids) >= limit
@@ -208,13 +199,107 @@ class AgentRollouts:
                    for a, r in zip(done, records)]
         batch = RolloutBatch([a.prompt_ids for a in done], [a.completion_ids for a in done],
                              [a.logprobs for a in done], reasons, [(offset + i) // max(n, 1) for i in range(len(done))])
-        extra = self._agent_reward_kwargs(records)
-        completions = [[{"role": "assistant", "content": self._tokenizer.decode(c.completion_ids,
-                                                                                skip_special_tokens=True)}
+        extra = _reward_kwargs(records)
+        completions = [[{"role": "assistant", "content": self.tokenizer.decode(c.completion_ids,
+                                                                               skip_special_tokens=True)}
                         for c in r.calls] or [{"role": "assistant", "content": ""}] for r in records]
         return batch, Episode(tool_mask=masks, completions=completions, turns=[max(1, len(r.calls)) for r in records],
                               tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra,
                               segments=segments, assembled=done)
+
+    def log(self, mode: str, records: list[EpisodeRecord], episode: Episode, stats: dict, wall: float) -> None:
+        """The agents' outcomes, calls and splits (over every rank), the engine's idle seconds, the wall time."""
+        every = gather_object([(len(r.calls), r.outcome, a.split) for r, a in zip(records, episode.assembled)])
+        total = len(every)
+        add = self.metrics.add
+        for outcome in ("error", "timeout", "calls", "tokens"):
+            add(mode, f"agent/{outcome}_episodes", sum(o == outcome for _, o, _ in every) / max(total, 1))
+        add(mode, "agent/calls_per_episode", sum(c for c, _, _ in every) / max(total, 1))
+        add(mode, "agent/split_episodes", sum(s for _, _, s in every) / max(total, 1))
+        add(mode, "agent/engine_idle_s", stats["idle_s"])
+        add(mode, "agent/rollout_s", wall)
+        split = sum(s for _, _, s in every)
+        if split and self.main:
+            logger.info("%d of %d agent episodes split (their agent edited its history): each of their calls trains "
+                        "as a sample of its own, with its episode's advantage.", split, total)
+        failed = [r for r in records if r.outcome in ("error", "timeout")]
+        if failed:
+            logger.warning("%d of %d agent episodes on rank %d are unscored (%s), e.g. %s", len(failed), len(records),
+                           self.rank, ", ".join(sorted({r.outcome for r in failed})), failed[0].error)
+
+
+def _reward_kwargs(records: list[EpisodeRecord]) -> dict[str, list]:
+    """Every episode's result as reward-function kwargs (one list per key; None where an episode lacks it)."""
+    per = []
+    for r in records:
+        try:
+            per.append(reward_kwargs(r.result))
+        except TypeError as err:
+            raise TypeError(f"episode of row {r.row!r:.100}: {err}") from None
+    keys = sorted({k for kw in per for k in kw})
+    return {k: [kw.get(k) for kw in per] for k in keys}
+
+
+class EndpointAgents:
+    """The episode kind of ``agent=`` (and of a ``rollout_func`` run group by group): this rank's episodes (one per
+    sample, TRL's order: each prompt ``n`` times) through an endpoint, what trains assembled by ``records``.
+
+    Colocated, on this rank's endpoint (started at the first rollout with ``settings``, closed by :meth:`close`) and
+    ``engine`` (:func:`~trl_nrollout.rollout.agent_runs.run_episodes`; with ``dispatch="balanced"`` over several
+    engines the ranks pull groups of the job's rows from one queue and the episodes come home). With rollout ranks,
+    ``remote(inputs, prompt_ids, n, sampling, mode, step, step_job)`` runs them there (:func:`remote_agent_episodes`,
+    the next steps' written ahead) and sends the records back. ``runner()``: a new runner of the episodes
+    (:func:`episode_runner`)."""
+
+    tokenized = False
+
+    def __init__(self, engine, records: AgentRecords, runner: Callable[[], Any], tokenizer, settings: Callable[[], dict],
+                 *, dispatch: str, rank: int, log_dispatch: Callable[..., None],
+                 remote: Callable[..., EpisodeRun] | None = None) -> None:
+        self.rollout_engine, self.records, self.runner = engine, records, runner
+        self.tokenizer, self.settings = tokenizer, settings
+        self.dispatch, self.rank, self.log_dispatch, self.remote = dispatch, rank, log_dispatch, remote
+        self.endpoint = None
+
+    def start(self):
+        """The rank's endpoint, started once (its port stays for the run)."""
+        if self.endpoint is None:
+            self.endpoint = start_endpoint(self.tokenizer, **self.settings())
+            logger.info("agent endpoint: http://127.0.0.1:%d/e/<episode>/v1 (rank %d)", self.endpoint.port, self.rank)
+        return self.endpoint
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
+    def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
+        inputs, n, offset, mode = job.inputs, job.n, job.offset, job.mode
+        prompt_ids = None  # (tokenized where a job carries them, or where the agents' calls are assembled)
+        if self.remote is not None:
+            prompt_ids = self.records.tokenize(job.prompts)[0]
+            run = self.remote(inputs, prompt_ids, n, job.sampling, mode, job.step, job.step_job)
+        else:
+            engine = self.rollout_engine
+            run = run_episodes(engine, self.start(), self.runner(), inputs, n, job.sampling, offset=offset,
+                               tag=f"{mode}{job.step}", rank=self.rank,
+                               balanced=self.dispatch == "balanced" and engine.balances_job)
+            if self.dispatch == "balanced":  # one engine: its queue is this rank's groups
+                self.log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
+                    len(inputs))}), claims=1, busy_s=run.wall_s), len(inputs), n)
+        return self.records.batch(run.records, job.prompts, n, offset, mode, run.serve, run.wall_s, prompt_ids)
+
+
+class AgentRollouts:
+    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the partial rollout of agent episodes (a
+    pool of live episodes; the partial pool's part to be, see trainer/partial.py)."""
+
+    _agent_pool = None
+
+    def _agent_close(self) -> None:
+        if self._agent_pool is not None:
+            self._agent_pool.close()
+            self._agent_pool = None
 
     def _agent_partial_round(self, ctx, round_: int = 0):
         """A partial rollout of agent episodes (:mod:`trl_nrollout.rollout.agent_pool`): the step's new groups (and
@@ -273,53 +358,6 @@ class AgentRollouts:
         return self._agent_pool
 
     def _episode_runner(self):
-        """What runs this trainer's episodes on an endpoint: the agents (:class:`EpisodeRunner`), or the
-        ``rollout_func`` group by group (:class:`~trl_nrollout.rollout.func_pool.FuncRunner`)."""
-        if self.rollout_func is None:
-            return EpisodeRunner(self.agent, self.args.agent_timeout_s, self.tools or (), self.args.agent_max_concurrent)
-        return FuncRunner(self.rollout_func, self, self.num_generations, self.rollout_engine.max_model_len,
-                          self.args.max_completion_length, self.args.rollout_is is not None)
-
-    def _func_batch(self, records: list[EpisodeRecord], n: int, offset: int) -> tuple[RolloutBatch, Any]:
-        """What trains of a ``rollout_func``'s finished groups (``records``, one per sample, in order): the samples
-        it returned (an error with its traceback where it raised), as a batch from the job's sample ``offset``."""
-        from trl_nrollout.trainer.multiturn import Episode
-
-        batch, masks, extra = samples_batch(func_samples(records), n, offset)
-        return batch, Episode(tool_mask=masks, extra_fields=extra)
-
-    def _remote_agent_episodes(self, inputs: list[dict], prompt_ids: list[list[int]], n: int,
-                               sampling: SamplingOptions, mode: str, step_job: bool) -> EpisodeRun:
-        """This rank's episodes run on the rollout ranks: the part's
-        :meth:`~trl_nrollout.trainer.rollout_ranks.RolloutRankPlacement.agent_episodes`."""
-        return self.rollout_ranks.agent_episodes(inputs, prompt_ids, n, sampling, mode, step_job)
-
-    def _agent_reward_kwargs(self, records: list[EpisodeRecord]) -> dict[str, list]:
-        """Every episode's result as reward-function kwargs (one list per key; None where an episode lacks it)."""
-        per = []
-        for r in records:
-            try:
-                per.append(reward_kwargs(r.result))
-            except TypeError as err:
-                raise TypeError(f"episode of row {r.row!r:.100}: {err}") from None
-        keys = sorted({k for kw in per for k in kw})
-        return {k: [kw.get(k) for kw in per] for k in keys}
-
-    def _log_agents(self, mode: str, records: list[EpisodeRecord], episode, stats: dict, wall: float) -> None:
-        every = gather_object([(len(r.calls), r.outcome, a.split) for r, a in zip(records, episode.assembled)])
-        total = len(every)
-        for outcome in ("error", "timeout", "calls", "tokens"):
-            self._metric(mode, f"agent/{outcome}_episodes", sum(o == outcome for _, o, _ in every) / max(total, 1))
-        self._metric(mode, "agent/calls_per_episode", sum(c for c, _, _ in every) / max(total, 1))
-        self._metric(mode, "agent/split_episodes", sum(s for _, _, s in every) / max(total, 1))
-        self._metric(mode, "agent/engine_idle_s", stats["idle_s"])
-        self._metric(mode, "agent/rollout_s", wall)
-        split = sum(s for _, _, s in every)
-        if split and self.accelerator.is_main_process:
-            logger.info("%d of %d agent episodes split (their agent edited its history): each of their calls trains "
-                        "as a sample of its own, with its episode's advantage.", split, total)
-        failed = [r for r in records if r.outcome in ("error", "timeout")]
-        if failed:
-            logger.warning("%d of %d agent episodes on rank %d are unscored (%s), e.g. %s", len(failed), len(records),
-                           self.accelerator.process_index, ", ".join(sorted({r.outcome for r in failed})),
-                           failed[0].error)
+        """What runs this trainer's episodes on an endpoint (:func:`episode_runner`)."""
+        return episode_runner(self.agent, self.rollout_func, self, self.args, self.num_generations,
+                              self.rollout_engine.max_model_len, self.tools)

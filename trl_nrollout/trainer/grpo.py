@@ -37,22 +37,14 @@ from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config.checks import policy_checks
 from trl_nrollout.config.options import NRolloutConfig, to_nrollout_config
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
-from trl_nrollout.passes.multimodal import (
-    EncodedPrompts,
-    check_expansion,
-    encode_prompts,
-    has_images,
-    prompt_images,
-    without_images,
-)
+from trl_nrollout.passes.multimodal import EncodedPrompts, has_images, prompt_images, without_images
 from trl_nrollout.passes.ulysses import shared_shuffle
-from trl_nrollout.rollout.dispatch.balanced import generate_balanced
 from trl_nrollout.rollout.engine_protocol import PREFILL_COUNTS, has
 from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.advantage_stage import AdvantageStage, RewardCalls
-from trl_nrollout.trainer.agents import AgentRollouts
+from trl_nrollout.trainer.agents import AgentRollouts, agent_refusal, agent_reward_funcs, endpoint_settings
 from trl_nrollout.trainer.batches import assign, check_balance, trl_batch
 from trl_nrollout.trainer.budgeted_update import (
     BudgetedMicroBatches,
@@ -68,6 +60,7 @@ from trl_nrollout.trainer.checkpoints import (
     write_rollout_state,
 )
 from trl_nrollout.trainer.clocks import GenerationClock, StepClock, TruncatedSteps
+from trl_nrollout.trainer.collector import Placement, RolloutCollector
 from trl_nrollout.trainer.engines import EngineSetup, pick_backend, prompt_length_hint
 from trl_nrollout.trainer.forward_rules import (
     ForwardRules,
@@ -77,7 +70,14 @@ from trl_nrollout.trainer.forward_rules import (
 )
 from trl_nrollout.trainer.logprob_stage import LogProbStage, build_reference
 from trl_nrollout.trainer.metrics import Metrics
-from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images, check_tool_workers
+from trl_nrollout.trainer.multiturn import (
+    Episode,
+    check_images,
+    check_tool_workers,
+    log_agent_stats,
+    log_turns,
+    request_turns_refusal,
+)
 from trl_nrollout.trainer.partial import PartialRollouts
 from trl_nrollout.trainer.progress import LiveProgressCallback
 from trl_nrollout.trainer.prompts import check_prompts
@@ -98,7 +98,7 @@ from trl_nrollout.trainer.update import EntropyControl, LossConfig, MicroStep, P
 logger = logging.getLogger(__name__)
 
 
-class NRolloutGRPOTrainer(RemotePartialRollouts, MultiTurnRollout, AgentRollouts, PartialRollouts, GRPOTrainer):
+class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts, GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
@@ -115,7 +115,7 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, MultiTurnRollout, AgentRollouts
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None, agent=None, **kwargs) -> None:
-        reward_funcs = self._agent_init(agent, reward_funcs, args)
+        reward_funcs, self.agent = agent_reward_funcs(agent, reward_funcs, args), agent
         features = getattr(train_dataset, "column_names", None)
         if isinstance(features, list) and "prompt" in features and hasattr(train_dataset, "__len__"):
             check_prompts(train_dataset["prompt"], source="train_dataset")  # before the model loads
@@ -155,7 +155,7 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, MultiTurnRollout, AgentRollouts
         self.engine_setup = EngineSetup.of(self)  # the engine's checks, start and weight pushes (a part)
         if (why := self.engine_setup.regex_refusal()) is not None:
             raise UnsupportedTRLOption(why)
-        if args.rollout_multi_turn == "requests" and (why := self._request_turns_refusal()) is not None:
+        if args.rollout_multi_turn == "requests" and (why := request_turns_refusal(self.rollout_backend)) is not None:
             raise UnsupportedTRLOption(why)
         if args.rollout_dispatch == "balanced" and (why := self.engine_setup.dispatch_refusal()) is not None:
             raise UnsupportedTRLOption(why)
@@ -167,9 +167,13 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, MultiTurnRollout, AgentRollouts
         self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
         if args.rollout_partial:
             self._check_partial()
-        if self.agent is not None and (why := self._agent_refusal()) is not None:
+        if self.agent is not None and (why := agent_refusal(args, self.rollout_backend, getattr(
+                self, "environment_factories", None), self.rollout_func)) is not None:
             raise UnsupportedTRLOption(why)
         self.generation_clock = GenerationClock()
+        rr = self.rollout_ranks  # the rollout: its episode kind chosen once (the ranks' calls where they generate)
+        self.collector = RolloutCollector.of(self, Placement(rr is not None, self._remote_generate,
+            self._remote_request_turns, *((rr.agent_job, rr.ahead_jobs, rr.log_job) if rr else (None,) * 3)))
         if self.pop_callback(ProgressCallback) is not None:  # one live line per step instead of printed dicts
             self.add_callback(LiveProgressCallback)
         self.engine_setup.synced_step = 0 if self.rollout_backend == "vllm" else None  # synced at start
@@ -254,6 +258,8 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, MultiTurnRollout, AgentRollouts
     def close(self) -> None:
         """Release the rollout engines (call after training, before tearing down torch.distributed)."""
         self._agent_close()
+        if "collector" in self.__dict__:  # (built once the engine started)
+            self.collector.close()
         close = getattr(self.rollout_engine, "close", None)
         if close is not None:
             close()
@@ -319,90 +325,45 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, MultiTurnRollout, AgentRollouts
 
     def _rollout(self, inputs: list[dict], n: int, sampling: SamplingOptions, step_job: bool = False
                  ) -> tuple[RolloutBatch, list, Episode]:
-        """Generate for this rank's samples (TRL's order: each prompt repeated n times). Returns the batch, the
-        prompts (text or messages) per sample and what a multi-turn or custom rollout adds (tool masks, messages)."""
+        """Generate for this rank's samples: the collector's rollout (:class:`~.collector.RolloutCollector`)."""
         mode = "train" if self.model.training else "eval"
-        prompts, tools = self._start_step_episodes(inputs, step_job)  # environments reset (or were, ahead)
-        if self.rollout_func is not None or self.agent is not None:  # the user's generation, or the user's agents
-            start = time.perf_counter()
-            grouped = self.agent is not None or self.args.rollout_multi_turn == "requests"  # on an endpoint
-            batch, episode = (self._agent_rollout(inputs, prompts, n, sampling, mode, step_job) if grouped
-                              else self._custom_rollout(prompts, n))
-            self.rollout_engine.sleep()  # whatever the function ran on our engine, it sleeps while the trainer works
-            self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
-            return batch, prompts, episode
-        images = self._encode_images(prompts)
-        prompt_ids = images.ids if images is not None else self._tokenize_prompts(prompts)[0]
-        if self.rollout_backend == "vllm":  # a too-long prompt on one rank: every rank stops with the error, none hangs
-            longest = max(gather_object([max((len(p) for p in prompt_ids), default=0)]))
-            self.rollout_engine.check_prompt_length(longest, sampling.max_tokens)
-        start = time.perf_counter()
-        offset = self.accelerator.process_index * len(inputs)
-        if self.tools and self.args.rollout_multi_turn == "requests":  # no turn barrier: one episode loop
-            batch, episode = self._request_turns(prompt_ids, n, sampling, mode, tools, offset, step_job)
-            self.rollout_engine.sleep()
-            self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - start)
-            return batch, prompts, episode
-        if self._on_rollout_ranks:  # engines on rollout ranks: the step's own job was maybe written steps ago (step_job)
-            batch = self._remote_generate(prompt_ids, images, n, sampling, offset, mode, step_job)
-        elif self.args.rollout_dispatch == "balanced":  # engines pull the job's groups from one queue
-            batch, pulled = generate_balanced(self.rollout_engine,
-                images.engine_ids if images is not None else [list(p) for p in prompt_ids], n, sampling,
-                images=images.images if images is not None else None)
-            if images is not None:
-                check_expansion(batch.prompt_ids, prompt_ids)
-            self._log_dispatch(mode, pulled, len(inputs), n)
-        elif images is None:
-            batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
-                                                          sample_offset=offset)
-        elif self.rollout_backend == "vllm":  # vLLM expands the image placeholders itself
-            batch = self.rollout_engine.generate_expanded(images.engine_ids, n, sampling, sample_offset=offset,
-                                                          images=images.images)
-            check_expansion(batch.prompt_ids, prompt_ids)
-        else:
-            batch = self.rollout_engine.generate_expanded([list(p) for p in prompt_ids], n, sampling,
-                                                          sample_offset=offset, mm=images.mm)
-        episode = Episode(mm=images.mm if images is not None else None)
-        if self.tools:  # TRL's tools / environments: turn by turn while samples call tools
-            turns = self._tool_turns(batch, sampling, mode, tools)
-            batch = RolloutBatch(batch.prompt_ids, turns.completion_ids, turns.logprobs, turns.finish_reasons,
-                                 batch.group_index)
-            episode = Episode(tool_mask=turns.tool_mask, completions=turns.completions, turns=turns.turns,
-                              tool_calls=turns.tool_calls, tool_failures=turns.tool_failures)
-        # right after generation: rewards and the log-prob passes run without the engine's weights and KV cache
-        self.rollout_engine.sleep()
-        seconds = time.perf_counter() - start
-        self.generation_clock.add(batch.num_completion_tokens, seconds)
-        return batch, prompts, episode
+        return self.collector.run(inputs, n, sampling, mode, self.state.global_step, step_job)
 
-    def _log_dispatch(self, mode: str, pulled, samples_per_rank: int, n: int) -> None:
-        """A balanced rollout's spread (means over engines): ``rollout/engine_idle_s``, the seconds an engine waited
-        for the slowest one (its last sample to the job's last); ``rollout/moved_groups``, the share of the job's
-        groups generated by an engine other than their ranks' own."""
-        every = gather_object([(self.rollout_engine.engine_index, pulled.busy_s, list(pulled.groups))])
-        engines = {e: (busy, groups) for e, busy, groups in every}  # a TP group's ranks report the same
-        slowest = max(busy for busy, _ in engines.values())
-        self._metric(mode, "rollout/engine_idle_s", sum(slowest - busy for busy, _ in engines.values()) / len(engines))
-        per_engine = samples_per_rank * self.layout.rollout_tp_size  # samples of one engine's ranks
-        moved = sum(1 for e, (_, groups) in engines.items() for g in groups if (g * n) // per_engine != e)
-        total = sum(len(groups) for _, groups in engines.values())
-        self._metric(mode, "rollout/moved_groups", moved / total if total else 0.0)
+    # ------------------------------------------------------------------ the episodes' pieces other rollouts call
+    def _start_episodes(self, inputs: list[dict], busy: set[int] | None = None) -> tuple[list, list]:
+        """This rank's episodes started (:meth:`~.multiturn.TRLTools.start`; ``busy``: environments not to draw,
+        default those a partial rollout's episodes in flight hold); TRL's ``environments`` and
+        ``_batch_environments`` are the trainer's (its tokenization and reward calls read them)."""
+        held = busy if busy is not None else {id(env) for envs in self.__dict__.get("_partial_envs_by_key", {}).values()
+                                               for env in envs}
+        started = self.collector.parts.tools.start(inputs, held)
+        if started.environments is not None:
+            self.environments, self._batch_environments = started.environments, started.names
+        return started.prompts, started.tools
+
+    def _reset_kwargs(self, row: dict) -> dict:
+        return self.collector.parts.tools.reset_kwargs(row)
+
+    def _parse_turn(self, i: int, ids: list[int], prefix: list[int]) -> dict:
+        return self.collector.parts.tools.parse(getattr(self, "_batch_environments", None), i, ids, prefix)
+
+    def _home_tools(self, envs: bool, home, run_tools):
+        return self.collector.parts.home(envs, home, run_tools, "train" if self.model.training else "eval")
+
+    def _log_agent_stats(self, mode: str, stats) -> None:
+        log_agent_stats(Metrics(self._metrics), mode, stats)
+
+    def _log_turns(self, mode: str, episode: Episode) -> None:
+        log_turns(Metrics(self._metrics), mode, episode)
+
+    def _records_batch(self, *args, **kwargs) -> tuple[RolloutBatch, Episode]:  # (AgentRecords.batch)
+        return self.collector.parts.records.batch(*args, **kwargs)
+
+    def _endpoint_settings(self, max_model_len: int) -> dict:
+        return endpoint_settings(self.args, self.engine_setup.model_path(), max_model_len)
 
     def _encode_images(self, prompts: list) -> EncodedPrompts | None:
-        """The processor's ids and image tensors of this rank's prompts when any has an image (else None)."""
-        if not has_images(prompts):
-            return None
-        if self.tools:
-            raise UnsupportedTRLOption(
-                "the prompts hold images and the trainer has tools: images in multi-turn rollouts are not supported "
-                "by NRolloutGRPOTrainer (single-turn image prompts are); use trl.GRPOTrainer, or drop the tools.")
-        if not self._is_vlm:
-            raise ValueError(
-                "the prompts hold images but processing_class is a tokenizer, not a processor: a vision-language "
-                "model needs its processor (pass processing_class=AutoProcessor.from_pretrained(model), or leave "
-                "it None and the trainer loads it).")
-        return encode_prompts(self.processing_class, prompts, tools=self.tools, chat_template=self.chat_template,
-                              chat_template_kwargs=self.chat_template_kwargs)
+        return self.collector.images.encode(prompts)
 
     def _decode(self, prompts: list, completion_ids: list[list[int]]) -> list:
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)

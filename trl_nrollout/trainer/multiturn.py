@@ -1,8 +1,10 @@
 """TRL's agentic interfaces on our engine group: ``tools``, ``environment_factory`` and ``rollout_func``.
 
-A mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`. TRL's ``__init__`` still sets everything up (tool
-schemas in the chat template, the response parser, the environment pool, the async event loop); generation turn by
-turn is :func:`~trl_nrollout.rollout.tool_episodes.run_tool_turns` on our engines, collective over ranks.
+TRL's ``__init__`` still sets everything up (tool schemas in the chat template, the response parser, the environment
+pool, the async event loop); :class:`TRLTools` holds those handles for the episodes. Two episode kinds
+(:mod:`trl_nrollout.trainer.episodes`) run TRL's tools on our engines: :class:`ToolTurns` turn by turn
+(:func:`~trl_nrollout.rollout.tool_episodes.run_tool_turns`, collective over ranks) and :class:`ToolRequests` request
+by request (no turn barrier). ``rollout_func`` is :class:`~trl_nrollout.trainer.episodes.RolloutFunc`.
 
 - ``tools``: functions the model may call (TRL's format: the chat template renders their schemas, the tokenizer's
   response parser reads the calls). A sample's turn that calls tools gets their results and goes on.
@@ -19,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import Counter
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -28,10 +31,8 @@ from trl.chat_template_utils import parse_response
 
 from trl_nrollout.passes.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
 from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.dispatch.balanced import balanced_calls, run_agents_balanced
+from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
 from trl_nrollout.rollout.dispatch.shares import run_agents
-from trl_nrollout.rollout.engine_protocol import BALANCED, has
-from trl_nrollout.rollout.func_pool import check_output, samples_batch
 from trl_nrollout.rollout.home_tools import HomeTools
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.tool_episodes import (
@@ -43,25 +44,11 @@ from trl_nrollout.rollout.tool_episodes import (
     run_tool_turns,
     split_tools,
 )
-from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.rollout.types import RolloutBatch
+from trl_nrollout.trainer.episodes import Episode, EpisodeJob, SingleTurn
 
-
-@dataclass
-class Episode:
-    """What a rollout produced beyond the token ids: per-sample tool masks, messages and counts (multi-turn), extra
-    reward kwargs (``rollout_func``). Empty for a plain single-turn rollout."""
-
-    tool_mask: list[list[int]] | None = None
-    completions: list | None = None
-    turns: list[int] = field(default_factory=list)
-    tool_calls: list[int] = field(default_factory=list)
-    tool_failures: list[int] = field(default_factory=list)
-    extra_fields: dict[str, list] = field(default_factory=dict)
-    mm: list | None = None  # a VLM's image tensors per sample (trl_nrollout.passes.multimodal)
-    #: per sample, an agent's split episode's later calls (``trainer.stages.Sample``s; empty: none); None: no agent
-    segments: list[tuple] | None = None
-    #: per sample, an agent's episode laid out (``rollout.agent_episodes.Assembled``), for the logs; None: no agent
-    assembled: list | None = None
+__all__ = ["Episode", "TRLTools", "ToolTurns", "ToolRequests", "HomeToolCalls", "check_images", "check_tool_workers",
+           "request_turns_refusal", "log_turns", "log_agent_stats"]
 
 
 def _environment_tools(environment: Any) -> list:
@@ -111,42 +98,83 @@ def _blocks(content: str | list) -> list:
     return content if isinstance(content, list) else [{"type": "text", "text": content}]
 
 
-class MultiTurnRollout:
-    """Mixin: episodes (environments), tool turns and custom rollout functions on the trainer's engines."""
 
-    def _start_episodes(self, inputs: list[dict], busy: set[int] | None = None) -> tuple[list, list]:
+def request_turns_refusal(rollout_backend: str) -> str | None:
+    """Why ``rollout_multi_turn='requests'`` cannot run on the ``rollout_backend`` engine (None: it can)."""
+    if rollout_backend != "vllm":
+        return machine_refusal("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", auto=True)
+    return None
+
+
+@dataclass(frozen=True)
+class Started:
+    """A rollout's episodes started: the prompts ``[B]`` (an environment's observation appended), each sample's
+    (sync, async) tools; with ``environment_factory``, each sample's environment and its name (TRL's
+    ``environments`` and ``_batch_environments``, which the trainer keeps: TRL's tokenization and reward calls read
+    them there), else None."""
+
+    prompts: list
+    tools: list
+    environments: list | None = None
+    names: list | None = None
+
+
+@dataclass(frozen=True)
+class TRLTools:
+    """TRL's tool machinery as its ``__init__`` built it (read once): the ``tokenizer`` and its response parser, the
+    ``tools``, the environments' factories, pool (shared, grown in place), each environment's tools, the tools bound
+    to no environment, whether ``environment_factory`` is a dict (``multi``), TRL's event ``loop`` for async tools
+    and ``suffix_ids`` (a tool result's tokens)."""
+
+    tokenizer: Any
+    tools: list | None
+    factories: dict | None
+    pool: dict | None
+    env_tools: dict | None
+    standalone: list | None
+    multi: bool
+    loop: Any
+    suffix_ids: Callable
+
+    @classmethod
+    def of(cls, trainer) -> TRLTools:
+        """The handles of a built ``GRPOTrainer`` (TRL sets them in its ``__init__``)."""
+        factories = getattr(trainer, "environment_factories", None)
+        return cls(trainer._tokenizer, trainer.tools, factories, getattr(trainer, "_environment_pool", None),
+                   getattr(trainer, "_env_tools", None), getattr(trainer, "_standalone_tools", None),
+                   bool(getattr(trainer, "_multi_environment", False)), getattr(trainer, "async_loop", None),
+                   trainer._get_tool_suffix_ids)
+
+    def start(self, inputs: list[dict], held: set[int]) -> Started:
         """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
         (a returned observation is appended to the prompt's last message), and each sample's tools (sync, async).
-        ``busy``: ids of pool environments not to draw (None: those a partial rollout's episodes in flight hold,
-        trainer/partial_envs.py, so that an evaluation's episodes never reset them)."""
-        factories = getattr(self, "environment_factories", None)
+        ``held``: ids of pool environments not to draw (a partial rollout's episodes in flight, steps written
+        ahead)."""
+        factories = self.factories
         if factories is None:
             prompts = attach_images([x["prompt"] for x in inputs], dataset_images(inputs))
-            return prompts, [split_tools(list(self.tools or []))] * len(inputs)
+            return Started(prompts, [split_tools(list(self.tools or []))] * len(inputs))
         prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
-        names = [x.get("environment") if self._multi_environment else None for x in inputs]
+        names = [x.get("environment") if self.multi else None for x in inputs]
         unknown = sorted({n for n in names if n not in factories}, key=str)
         if unknown:  # TRL's words (users and tests match them), then the others and a fix
             others = f" (also {unknown[1:]!r})" if len(unknown) > 1 else ""
             raise ValueError(f"Example has `environment={unknown[0]!r}`, which is not among the environments passed "
                              f"to `environment_factory`. Expected one of: {list(factories)}.{others} Fix the "
                              "dataset's `environment` column, or add the factory to environment_factory.")
-        self._batch_environments = names  # TRL's _tokenize_prompts renders each prompt with its environment's tools
         taken: Counter = Counter()
-        self.environments = []
-        held = busy if busy is not None else {id(env) for envs in self.__dict__.get("_partial_envs_by_key", {}).values()
-                                               for env in envs}
+        environments = []
         for name in names:
-            pool = self._environment_pool[name]
+            pool = self.pool[name]
             while taken[name] < len(pool) and id(pool[taken[name]]) in held:
                 taken[name] += 1
             if taken[name] == len(pool):
                 pool.append(factories[name]())
-            self.environments.append(pool[taken[name]])
+            environments.append(pool[taken[name]])
             taken[name] += 1
-        tools = [split_tools(list(self._standalone_tools) + _environment_tools(env)) for env in self.environments]
-        for i, (env, row) in enumerate(zip(self.environments, inputs)):
-            observation = env.reset(**self._reset_kwargs(row))
+        tools = [split_tools(list(self.standalone) + _environment_tools(env)) for env in environments]
+        for i, (env, row) in enumerate(zip(environments, inputs)):
+            observation = env.reset(**self.reset_kwargs(row))
             if observation is None:
                 continue
             last = prompts[i][-1]
@@ -156,157 +184,180 @@ class MultiTurnRollout:
             else:
                 content = content + observation
             prompts[i] = prompts[i][:-1] + [{**last, "content": content}]
-        return prompts, tools
+        return Started(prompts, tools, environments, names)
 
-    def _reset_kwargs(self, row: dict) -> dict:
+    def reset_kwargs(self, row: dict) -> dict:
         """What an environment's ``reset`` gets for a dataset ``row`` (TRL's rule: the row, less ``environment``
         where ``environment_factory`` is a dict)."""
-        return {k: v for k, v in row.items() if k != "environment"} if self._multi_environment else row
+        return {k: v for k, v in row.items() if k != "environment"} if self.multi else row
 
-    def _parse_turn(self, i: int, ids: list[int], prefix: list[int]) -> dict:
-        """Sample ``i``'s assistant message from its turn's token ids (TRL's parser, with its prompt's tools)."""
-        if getattr(self, "environment_factories", None) is not None:
-            tools = self._env_tools[self._batch_environments[i]]
-        else:
-            tools = self.tools
-        return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
+    def parse(self, names: list | None, i: int, ids: list[int], prefix: list[int]) -> dict:
+        """Sample ``i``'s assistant message from its turn's token ids (TRL's parser, with its prompt's tools;
+        ``names``: each sample's environment)."""
+        tools = self.env_tools[names[i]] if self.factories is not None else self.tools
+        return parse_response(self.tokenizer, ids, prefix=prefix, tools=tools)
 
-    def _tool_turns(self, first: RolloutBatch, sampling: SamplingOptions, mode: str, tools: list) -> Turns:
-        """Continue ``first`` turn by turn on the engine while samples call tools (see ``run_tool_turns``);
-        ``tools``: each sample's (sync, async) tools, from :meth:`_start_episodes`."""
-        loop = getattr(self, "async_loop", None)
-        rank, width = self.accelerator.process_index, max(1, len(first))
+
+class HomeToolCalls:
+    """Tool calls that go home: as an engine pulling other ranks' groups runs them, with environments and several
+    engines each sample's calls run on its ``home(i)`` rank, where its environment lives
+    (:class:`~trl_nrollout.rollout.home_tools.HomeTools`, served from a thread until every engine is done). One per
+    trainer: every rank numbers its hosts alike. ``metrics``: the sink of ``tools/calls_sent_home``."""
+
+    def __init__(self, engine, rank: int, workers: int, metrics) -> None:
+        self.rollout_engine, self.rank, self.workers, self.metrics = engine, rank, workers, metrics
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def __call__(self, envs: bool, home, run_tools, mode: str):
+        """``run_tools`` as the engines run it (with environments, ``envs``, on several engines: sent home); every
+        rank enters and leaves it together (around the engines' collective run)."""
+        if not envs or not self.rollout_engine.balances_job:
+            yield run_tools
+            return
+        self.calls += 1
+        store = torch.distributed.distributed_c10d._get_default_store()
+        host = HomeTools(store, f"nr_home_tools/{self.calls}", self.rank, home, run_tools, self.workers)
+        with host:
+            yield host.run
+        sent = sum(gather_object([host.sent]))  # every rank's calls sent to another rank (all ranks are here)
+        self.metrics.add(mode, "tools/calls_sent_home", sent)
+
+
+def log_agent_stats(metrics, mode: str, stats: AgentStats) -> None:
+    """How much the engine overlapped tools (means over ranks): ``tools/overlap`` the share of engine steps
+    taken while a tool ran, ``tools/engine_idle_s`` the seconds the engine waited with nothing to run,
+    ``tools/call_seconds`` the tool calls' summed seconds. Collective."""
+    every = gather_object([(stats.engine_steps, stats.steps_with_tools, stats.idle_s, stats.tool_s)])
+    steps = sum(e[0] for e in every)
+    metrics.add(mode, "tools/overlap", sum(e[1] for e in every) / steps if steps else 0.0)
+    metrics.add(mode, "tools/engine_idle_s", sum(e[2] for e in every) / len(every))
+    metrics.add(mode, "tools/call_seconds", sum(e[3] for e in every) / len(every))
+
+
+def log_turns(metrics, mode: str, episode: Episode) -> None:
+    """verl's ``num_turns/*`` and TRL's ``tools/call_frequency`` / ``tools/failure_frequency`` (all ranks)."""
+    if not episode.turns:
+        return
+    stats = gather_object([(t, c, f) for t, c, f in zip(episode.turns, episode.tool_calls, episode.tool_failures)])
+    turns = torch.tensor([s[0] for s in stats], dtype=torch.float32)
+    calls = sum(s[1] for s in stats)
+    metrics.add(mode, "num_turns/mean", turns.mean().item())
+    metrics.add(mode, "num_turns/min", turns.min().item())
+    metrics.add(mode, "num_turns/max", turns.max().item())
+    metrics.add(mode, "tools/call_frequency", calls / max(1, len(stats)))
+    metrics.add(mode, "tools/failure_frequency", sum(s[2] for s in stats) / calls if calls else 0.0)
+
+
+def _episode(turns: Turns) -> Episode:
+    return Episode(tool_mask=turns.tool_mask, completions=turns.completions, turns=turns.turns,
+                   tool_calls=turns.tool_calls, tool_failures=turns.tool_failures)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tool episode's limits: ``seed`` (the run's, for later turns' seeds), ``max_iterations`` (tool calling
+    rounds), ``max_completion_length``, ``max_model_len`` (the engine's context, read when an episode runs) and
+    ``workers`` (samples whose tools run at once)."""
+
+    seed: int
+    max_iterations: int | None
+    max_completion_length: int | None
+    max_model_len: Callable[[], int]
+    workers: int
+
+    def turn_seed(self, job: EpisodeJob, turn: int) -> int | None:
+        """A later turn's seed (None where the sampling has none): the same after a resume."""
+        return None if job.sampling.seed is None else step_seed(self.seed, job.step, turn, f"{job.mode}/turn")
+
+
+@dataclass(frozen=True)
+class ToolTurns:
+    """TRL's tools / environments turn by turn: the ``first`` turn as single-turn samples, then every sample that
+    called tools gets their results and its next turn, all ranks' turns in step (collective over ranks)."""
+
+    first: SingleTurn
+    tools: TRLTools
+    rollout_engine: Any
+    limits: Limits
+    rank: int
+    tokenized: bool = True
+
+    def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
+        first, _ = self.first.run(job)
+        loop, width = self.tools.loop, max(1, len(first))
 
         def generate(contexts, budgets, turn, samples):
-            seed = None if sampling.seed is None else step_seed(self.args.seed, self.state.global_step, turn,
-                                                                f"{mode}/turn")
-            return self.rollout_engine.generate_turns(contexts, budgets, replace(sampling, seed=seed),
-                                                      sample_offset=rank * width, sample_ids=samples,
-                                                      num_samples=len(first))
+            return self.rollout_engine.generate_turns(contexts, budgets, replace(job.sampling, seed=self.limits.turn_seed(
+                job, turn)), sample_offset=self.rank * width, sample_ids=samples, num_samples=len(first))
 
-        max_len = getattr(self.rollout_engine, "max_model_len", None) or self.engine_setup.context_length() or 1 << 30
-        iterations = self.args.max_tool_calling_iterations
-        return run_tool_turns(
-            first, parse=self._parse_turn,
-            run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop),
-            suffix_ids=self._get_tool_suffix_ids, generate=generate,
-            any_rank=lambda flag: any(gather_object([flag])), max_iterations=iterations,
-            max_completion_length=self.args.max_completion_length, max_model_len=max_len)
+        turns = run_tool_turns(
+            first, parse=lambda i, ids, prefix: self.tools.parse(job.names, i, ids, prefix),
+            run_tools=lambda i, calls: call_tools(calls, *job.tools[i], loop=loop),
+            suffix_ids=self.tools.suffix_ids, generate=generate,
+            any_rank=lambda flag: any(gather_object([flag])), max_iterations=self.limits.max_iterations,
+            max_completion_length=self.limits.max_completion_length, max_model_len=self.limits.max_model_len())
+        batch = RolloutBatch(first.prompt_ids, turns.completion_ids, turns.logprobs, turns.finish_reasons,
+                             first.group_index)
+        return batch, _episode(turns)
 
-    def _request_turns_refusal(self) -> str | None:
-        """Why ``rollout_multi_turn='requests'`` cannot run with this trainer (None: it can)."""
-        if self.rollout_backend != "vllm":
-            return machine_refusal("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", auto=True)
-        return None
 
-    def _request_turns(self, prompt_ids: list[list[int]], n: int, sampling: SamplingOptions, mode: str, tools: list,
-                       offset: int, step_job: bool = False) -> tuple[RolloutBatch, Episode]:
-        """This rank's samples (prompts repeated n times) from their first turn to their end without a turn barrier
-        (``rollout/dispatch/shares.py``'s ``run_agents``): a sample's tools run while the others generate. With rollout ranks
-        the episodes run there, tools included (:meth:`~trl_nrollout.trainer.rollout_ranks.RolloutRankPlacement.request_turns`; ``step_job``: this is
-        a training step's own job, maybe written steps ahead)."""
-        if self._on_rollout_ranks:
-            return self._remote_request_turns(prompt_ids, n, sampling, mode, step_job)
-        loop = getattr(self, "async_loop", None)
-        max_len = getattr(self.rollout_engine, "max_model_len", None) or self.engine_setup.context_length() or 1 << 30
+@dataclass(frozen=True)
+class ToolRequests:
+    """TRL's tools / environments request by request (``rollout_multi_turn='requests'``): each sample from its first
+    turn to its end without a turn barrier (``rollout/dispatch/shares.py``'s ``run_agents``; a balanced queue's
+    ``run_agents_balanced``), a sample's tools running while the others generate. With rollout ranks the episodes run
+    there, tools included (``remote_request_turns``: the placement's call, None when colocated). ``home``: where an
+    environment's calls run (:class:`HomeToolCalls`); ``log_dispatch``: a balanced rollout's spread."""
+
+    tools: TRLTools
+    rollout_engine: Any
+    limits: Limits
+    dispatch: str
+    rank: int
+    metrics: Any
+    home: HomeToolCalls
+    log_dispatch: Callable[..., None]
+    remote_request_turns: Callable[..., tuple[RolloutBatch, Episode]] | None = None
+    tokenized: bool = True
+
+    def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
+        n, mode, sampling = job.n, job.mode, job.sampling
+        if self.remote_request_turns is not None:
+            return self.remote_request_turns(job.prompt_ids, n, sampling, mode, job.step_job)
+        loop, tools, limits = self.tools.loop, job.tools, self.limits
         agent = AgentCallbacks(
-            parse=self._parse_turn, run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop),
-            suffix_ids=self._get_tool_suffix_ids, max_iterations=self.args.max_tool_calling_iterations,
-            max_completion_length=self.args.max_completion_length, max_model_len=max_len)
-
-        def turn_seed(round_: int) -> int | None:
-            if sampling.seed is None:
-                return None
-            return step_seed(self.args.seed, self.state.global_step, round_, f"{mode}/turn")
-
-        prompts = [list(p) for p in prompt_ids]
-        if self.args.rollout_dispatch == "balanced":  # episodes run on whichever engine pulled their group
-            envs = getattr(self, "environment_factories", None) is not None
+            parse=lambda i, ids, prefix: self.tools.parse(job.names, i, ids, prefix),
+            run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop), suffix_ids=self.tools.suffix_ids,
+            max_iterations=limits.max_iterations, max_completion_length=limits.max_completion_length,
+            max_model_len=limits.max_model_len())
+        prompts = [list(p) for p in job.prompt_ids]
+        if self.dispatch == "balanced":  # episodes run on whichever engine pulled their group
+            envs = self.tools.factories is not None
             if envs and self.rollout_engine.balances_job:  # job-wide sample indices
                 counts = gather_object([len(prompts)])
-                first = sum(counts[:self.accelerator.process_index])
+                first = sum(counts[:self.rank])
                 ends = [sum(counts[:r + 1]) for r in range(len(counts))]
-                names = gather_object(list(self._batch_environments))
-                agent = replace(agent, parse=lambda i, ids, prefix: parse_response(
-                    self._tokenizer, ids, prefix=prefix, tools=self._env_tools[names[i]]),
-                    run_tools=lambda i, calls: call_tools(calls, *tools[i - first], loop=loop))
+                names = gather_object(list(job.names))
+                agent = replace(agent, parse=lambda i, ids, prefix: self.tools.parse(names, i, ids, prefix),
+                                run_tools=lambda i, calls: call_tools(calls, *tools[i - first], loop=loop))
                 home = lambda i: next(r for r, end in enumerate(ends) if i < end)  # noqa: E731
             elif envs:  # one engine: its queue is this rank's samples, each with its environment's tools
                 home = None
             else:  # tools= are the same on every rank: any engine runs them
-                shared = split_tools(list(self.tools or []))
+                shared = split_tools(list(self.tools.tools or []))
                 agent = replace(agent, run_tools=lambda i, calls: call_tools(calls, *shared, loop=loop))
                 home = None
-            with self._home_tools(envs, home, agent.run_tools) as run_tools:
-                samples, groups, stats, pulled = run_agents_balanced(self.rollout_engine,
-                    prompts, n, sampling, turn_seed, replace(agent, run_tools=run_tools), self.args.tool_workers)
-            self._log_dispatch(mode, pulled, len(prompts), n)
+            with self.home(envs, home, agent.run_tools, mode) as run_tools:
+                samples, groups, stats, pulled = run_agents_balanced(
+                    self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
+                    replace(agent, run_tools=run_tools), limits.workers)
+            self.log_dispatch(mode, pulled, len(prompts), n)
         else:
-            samples, groups, stats = run_agents(self.rollout_engine,
-                prompts, n, sampling, turn_seed, agent, self.args.tool_workers, sample_offset=offset)
+            samples, groups, stats = run_agents(self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
+                                                agent, limits.workers, sample_offset=job.offset)
         turns = collect_turns(samples)
-        self._log_agent_stats(mode, stats)
+        log_agent_stats(self.metrics, mode, stats)
         batch = RolloutBatch([s.prompt_ids for s in samples], turns.completion_ids, turns.logprobs,
                              turns.finish_reasons, groups)
-        return batch, Episode(tool_mask=turns.tool_mask, completions=turns.completions, turns=turns.turns,
-                              tool_calls=turns.tool_calls, tool_failures=turns.tool_failures)
-
-    @contextlib.contextmanager
-    def _home_tools(self, envs: bool, home, run_tools):
-        """``run_tools`` as an engine pulling other ranks' groups runs them: with environments (``envs``) and
-        several engines, each sample's calls run on its ``home(i)`` rank, where its environment lives
-        (:class:`~trl_nrollout.rollout.home_tools.HomeTools`, served from a thread here until every engine is done);
-        else ``run_tools`` itself. Every rank enters and leaves it together (around the engines' collective run)."""
-        if not envs or not self.rollout_engine.balances_job:
-            yield run_tools
-            return
-        self._home_tools_calls = getattr(self, "_home_tools_calls", 0) + 1
-        store = torch.distributed.distributed_c10d._get_default_store()
-        host = HomeTools(store, f"nr_home_tools/{self._home_tools_calls}", self.accelerator.process_index, home,
-                         run_tools, self.args.tool_workers)
-        with host:
-            yield host.run
-        sent = sum(gather_object([host.sent]))  # every rank's calls sent to another rank (all ranks are here)
-        self._metric("train" if self.model.training else "eval", "tools/calls_sent_home", sent)
-
-    def _log_agent_stats(self, mode: str, stats: AgentStats) -> None:
-        """How much the engine overlapped tools (means over ranks): ``tools/overlap`` the share of engine steps
-        taken while a tool ran, ``tools/engine_idle_s`` the seconds the engine waited with nothing to run,
-        ``tools/call_seconds`` the tool calls' summed seconds."""
-        every = gather_object([(stats.engine_steps, stats.steps_with_tools, stats.idle_s, stats.tool_s)])
-        steps = sum(e[0] for e in every)
-        self._metric(mode, "tools/overlap", sum(e[1] for e in every) / steps if steps else 0.0)
-        self._metric(mode, "tools/engine_idle_s", sum(e[2] for e in every) / len(every))
-        self._metric(mode, "tools/call_seconds", sum(e[3] for e in every) / len(every))
-
-    def _custom_rollout(self, prompts: list, n: int) -> tuple[RolloutBatch, Episode]:
-        """TRL's ``rollout_func(prompts, trainer)``: the user generates; we check and adopt what it returns. With
-        ``rollout_dispatch="balanced"`` on colocated vLLM engines, each of its ``trainer.rollout_engine.
-        generate_expanded`` calls is a balanced rollout (the call's groups of every rank in one queue; every rank
-        makes the same calls), logged as the trainer's own. (With ``rollout_multi_turn='requests'`` the function runs
-        group by group: :meth:`AgentRollouts._agent_rollout`.)"""
-        if self.args.rollout_dispatch == "balanced" and has(self.rollout_engine, BALANCED):
-            with balanced_calls(self.rollout_engine) as calls:
-                output = self.rollout_func(prompts, self)
-            mode = "train" if self.model.training else "eval"
-            for pulled, samples, call_n in calls:
-                self._log_dispatch(mode, pulled, samples, call_n)
-        else:
-            output = self.rollout_func(prompts, self)
-        samples = check_output(output, len(prompts), n, self.args.max_completion_length,
-                               self.args.rollout_is is not None)
-        batch, masks, extra = samples_batch(samples, n, self.accelerator.process_index * len(prompts))
-        return batch, Episode(tool_mask=masks, extra_fields=extra)
-
-    def _log_turns(self, mode: str, episode: Episode) -> None:
-        """verl's ``num_turns/*`` and TRL's ``tools/call_frequency`` / ``tools/failure_frequency`` (all ranks)."""
-        if not episode.turns:
-            return
-        stats = gather_object([(t, c, f) for t, c, f in zip(episode.turns, episode.tool_calls, episode.tool_failures)])
-        turns = torch.tensor([s[0] for s in stats], dtype=torch.float32)
-        calls = sum(s[1] for s in stats)
-        self._metric(mode, "num_turns/mean", turns.mean().item())
-        self._metric(mode, "num_turns/min", turns.min().item())
-        self._metric(mode, "num_turns/max", turns.max().item())
-        self._metric(mode, "tools/call_frequency", calls / max(1, len(stats)))
-        self._metric(mode, "tools/failure_frequency", sum(s[2] for s in stats) / calls if calls else 0.0)
+        return batch, _episode(turns)

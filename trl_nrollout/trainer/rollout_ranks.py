@@ -16,7 +16,7 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
@@ -230,22 +230,6 @@ class RolloutRankPlacement:
                               completions=[e["completions"] for e in extras], turns=[e["turns"] for e in extras],
                               tool_calls=[e["tool_calls"] for e in extras],
                               tool_failures=[e["tool_failures"] for e in extras])
-
-    def agent_episodes(self, inputs: list[dict], prompt_ids: list[list[int]], n: int, sampling, mode: str,
-                       step_job: bool):
-        """This rank's ``agent=`` episodes (or a ``rollout_func``'s groups) run on the rollout ranks: a job whose
-        ``agent`` entry carries the rows (:meth:`agent_job`), read back as the records (the rollout ranks' endpoints
-        recorded every call's tokens and log-probs; what trains is assembled by the trainer, as colocated)."""
-        from trl_nrollout.rollout.agent_runs import EpisodeRun
-
-        batch, extras = self.engines.run_job_episodes(
-            [list(p) for p in prompt_ids], n, sampling, self.agent_job(mode, self.calls.state().global_step, inputs),
-            ahead=self.ahead_jobs(mode) if step_job else (), step_job=step_job)
-        if step_job:
-            self.log_job(mode)
-        idle = max((e["engine_idle_s"] for e in extras), default=0.0)
-        records = [replace(e["record"], row=dict(row)) for e, row in zip(extras, inputs, strict=True)]
-        return EpisodeRun(records, {"idle_s": idle}, batch.timings.get("generate_s", 0.0))
 
     # ------------------------------------------------------------------ reading the data ahead
     def batch_samples(self, epoch_iterator, num_batches: int) -> list:
