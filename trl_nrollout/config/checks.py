@@ -52,6 +52,7 @@ NUMBER_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
     "clip_ratio_low": (">= 0 (the clip range below 1)", _at_least_0),
     "clip_ratio_high": (">= 0 (the clip range above 1)", _at_least_0),
     "top_p": ("in (0, 1] (1.0: no nucleus cut)", lambda v: 0 < v <= 1),
+    "teacher_kl_coef": (">= 0 (0: the rewards' advantages only)", _at_least_0),
 }
 
 
@@ -205,6 +206,14 @@ def policy_checks(model, config: ConfigChecks, *, peft: bool, main_process: bool
 
 class ConfigChecks:
     """The option checks of :class:`~trl_nrollout.config.NRolloutConfig` (see the module docstring)."""
+
+    def _check_teacher(self) -> None:
+        """``teacher_kl_coef`` set without a teacher does nothing: refused, as every option without effect is."""
+        if self.teacher_model_name_or_path is None and self.teacher_kl_coef != 1.0:
+            raise InputError(
+                f"teacher_kl_coef={self.teacher_kl_coef} weighs the teacher term of on-policy distillation, but "
+                "teacher_model_name_or_path is not set, so there is no teacher: set teacher_model_name_or_path to a "
+                "model with the policy's tokenizer, or remove teacher_kl_coef.")
 
     def _check_numbers(self) -> None:
         """NaN, inf or a value outside its range in any number option (:func:`number_refusal`) is an error here,

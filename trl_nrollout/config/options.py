@@ -143,6 +143,16 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
     kl_coef: float = field(default=0.001, metadata={"help": "Initial KL-in-reward coefficient."})
     kl_target: float = field(default=0.1, metadata={"help": "Target KL of the adaptive controller."})
     kl_horizon: int = field(default=10000, metadata={"help": "Horizon (samples) of the adaptive controller."})
+    teacher_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "On-policy distillation inside RL: a teacher model (hub id, local path or built-in name; the policy's "
+                "tokenizer) that scores every sampled token. Each token's advantage loses teacher_kl_coef x (student "
+                "- teacher) log-prob, the sampled-token estimate of the reverse KL to the teacher (verl's, slime's and "
+                "NeMo-RL's on-policy distillation term): mixed with rewards, or pure distillation with no reward "
+                "signal. The teacher runs in the trainer processes, as the reference model does (same micro batches "
+                "or token budget, same sharding). docs/distillation.md."})
+    teacher_kl_coef: float = field(default=1.0, metadata={
+        "help": "Weight of the teacher term (slime's opd_kl_coef): 0 leaves the advantages as the rewards give them; "
+                "needs teacher_model_name_or_path."})
     clip_ratio_low: float | None = field(default=None, metadata={"help": "PPO lower clip (TRL epsilon)."})
     clip_ratio_high: float | None = field(default=None, metadata={
         "help": "PPO upper clip (TRL epsilon_high; DAPO's clip-higher)."})
@@ -387,6 +397,7 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
         if bridge is not None:  # batch sizes count the trainers (a rollout rank holds the trainers' config too)
             world = bridge.roles.trainers
         self._check_choices()
+        self._check_teacher()
         check_trl_options({f.name: getattr(self, f.name) for f in fields(GRPOConfig)})  # nothing silently ignored
         self._map_trl_options()
         self._check_is_thresholds()  # TRL's importance-sampling bounds, mapped onto ours above

@@ -93,6 +93,7 @@ from trl_nrollout.trainer.stages import (
     StepContext,
     split_rows,
 )
+from trl_nrollout.trainer.teacher import TeacherTerm
 from trl_nrollout.trainer.update import EntropyControl, LossConfig, MicroStep, PolicyUpdate
 
 logger = logging.getLogger(__name__)
@@ -285,6 +286,7 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
         self.budgeted_update = BudgetedMicroBatches(args, acc, rules, metrics, self.policy_update, self.update_budget,
                                                     sp=self._sp, pad_to_multiple_of=self.pad_to_multiple_of,
                                                     fsdp=self.is_fsdp_enabled)
+        self.teacher = TeacherTerm.build(args, self.model, acc, self.is_deepspeed_enabled, self.logprob_passes, metrics)
 
     def _is_peft(self) -> bool:
         return is_peft_model(self.accelerator.unwrap_model(self.model))
@@ -503,9 +505,10 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
 
     def _trl_batch(self, assigned: Assignment, logps: LogProbs, adv: Advantages, ctx: StepContext) -> dict[str, Any]:
         """This rank's samples as TRL's training batch (:func:`~trl_nrollout.trainer.batches.trl_batch`)."""
-        return trl_batch(assigned, logps, adv, ctx, pad_token_id=self._tokenizer.pad_token_id,
-                         device=self.accelerator.device, pad_to_multiple_of=self.pad_to_multiple_of, beta=self.beta,
-                         mask_truncated=bool(self.args.mask_truncated_completions))
+        batch = trl_batch(assigned, logps, adv, ctx, pad_token_id=self._tokenizer.pad_token_id,
+                          device=self.accelerator.device, pad_to_multiple_of=self.pad_to_multiple_of, beta=self.beta,
+                          mask_truncated=bool(self.args.mask_truncated_completions))
+        return batch if self.teacher is None else self.teacher.apply(batch, assigned, logps, ctx)  # distillation
 
     # ------------------------------------------------------------------ buffering with loss normalizers
     def _prepare_inputs(self, generation_batch):

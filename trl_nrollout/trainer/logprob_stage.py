@@ -45,7 +45,8 @@ class LogProbStage:
         old = ref = mass = None
         support = self.support  # a truncating sampler: the pass also gives the mass it keeps
         t = time.perf_counter()
-        if not on_policy or args.use_kl_in_reward or support is not None:
+        # the KL in the reward and the teacher term need the student's own log-probs even on-policy
+        if not on_policy or args.use_kl_in_reward or support is not None or args.teacher_model_name_or_path:
             old = self.log_probs(model, assigned.prompt_ids, assigned.completion_ids, self.layout.old_log_prob,
                                  assigned.mm, support=support)
             if support is not None:

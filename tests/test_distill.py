@@ -1,0 +1,151 @@
+"""On-policy distillation inside RL: the teacher term (``teacher_model_name_or_path``, ``teacher_kl_coef``).
+
+The math (hypothesis) and the trainer end to end: a real teacher (the built-in tiny model with its weights moved,
+saved locally) scores the sampled tokens in the trainer's reference-pass machinery; with rewards that carry no
+signal, each token's advantage must be exactly ``-coef * (student - teacher)`` log-prob of a plain forward of the two
+models."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_nrollout.algos.distill import masked_mean, reverse_kl_estimate, teacher_advantages
+from trl_nrollout.errors import InputError
+
+
+def _tensors(seed: int, rows: int, cols: int):
+    g = torch.Generator().manual_seed(seed)
+    adv = torch.randn(rows, cols, generator=g)
+    s = -torch.rand(rows, cols, generator=g) * 5
+    q = -torch.rand(rows, cols, generator=g) * 5
+    mask = (torch.rand(rows, cols, generator=g) > 0.3).long()
+    return adv, s, q, mask
+
+
+@pytest.mark.fast
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(1, 5), cols=st.integers(1, 9),
+       coef=st.one_of(st.just(0.0), st.floats(0.01, 4.0, allow_nan=False)))
+def test_the_teacher_term_moves_each_sampled_token_toward_the_teacher(seed, rows, cols, coef):
+    """Off the mask the advantage is unchanged; on it, it moves by ``coef * (teacher - student)``: up where the
+    teacher likes the token more than the student, down where less, linearly in ``coef`` (0: unchanged).
+    Mutation: ``+ coef * term`` (the sign) or forgetting the mask -> fails."""
+    adv, s, q, mask = _tensors(seed, rows, cols)
+    out = teacher_advantages(adv, s, q, mask, coef)
+    on = mask.bool()
+    assert torch.equal(out[~on], adv[~on])
+    torch.testing.assert_close(out[on] - adv[on], coef * (q - s)[on], atol=1e-5, rtol=1e-5)
+    if coef > 0:
+        assert bool(((out > adv) == (q > s))[on & ((q - s).abs() > 1e-3)].all())
+    double = teacher_advantages(adv, s, q, mask, 2 * coef)
+    torch.testing.assert_close(double - adv, 2 * (out - adv), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.fast
+def test_the_reverse_kl_estimate_is_zero_for_the_student_itself_and_negative_coefficients_are_refused():
+    adv, s, _, mask = _tensors(3, 4, 6)
+    assert masked_mean(reverse_kl_estimate(s, s, mask), mask) == 0.0
+    assert masked_mean(adv, torch.zeros_like(mask)) == 0.0
+    with pytest.raises(ValueError, match="coefficient must be >= 0"):
+        teacher_advantages(adv, s, s, mask, -1.0)
+
+
+@pytest.mark.fast
+def test_teacher_options_without_a_teacher_or_out_of_range_are_refused_with_the_fix(tmp_path):
+    from trl_nrollout import NRolloutConfig
+
+    with pytest.raises(InputError, match=r"teacher_kl_coef=0.5 .* teacher_model_name_or_path is not set"):
+        NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, teacher_kl_coef=0.5)
+    with pytest.raises(InputError, match=r"teacher_kl_coef=-1.0 must be a finite number >= 0"):
+        NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, teacher_model_name_or_path="builtin:tiny-qwen2",
+                       teacher_kl_coef=-1.0)
+
+
+@pytest.mark.fast
+def test_a_teacher_with_another_vocabulary_is_refused_naming_both():
+    from trl_nrollout.trainer.teacher import check_vocabulary
+
+    with pytest.raises(ValueError, match=r"'builtin:small-qwen2' has a vocabulary of 1024 tokens, the policy 384"):
+        check_vocabulary("builtin:small-qwen2", SimpleNamespace(vocab_size=1024), SimpleNamespace(vocab_size=384))
+    check_vocabulary("same", SimpleNamespace(vocab_size=384), SimpleNamespace(vocab_size=384))
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> str:
+    """The built-in tiny model with every weight moved by seeded noise: another distribution, the same tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_nrollout.builtin import resolve_model
+
+    path = resolve_model("builtin:tiny-qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    out = tmp_path_factory.mktemp("teacher")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return str(out)
+
+
+def _plain_logps(model, batch: dict, temperature: float) -> torch.Tensor:
+    """Each sample's sampled-token log-probs by a plain forward of ``model`` over its unpadded prompt and
+    completion, laid out as the batch's completions ``[B, C]`` (0 on padding)."""
+    out = torch.zeros(batch["completion_ids"].shape)
+    with torch.no_grad():
+        for i in range(out.shape[0]):
+            p = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+            c = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
+            logits = model(torch.cat([p, c]).unsqueeze(0)).logits[0, len(p) - 1:-1].float() / temperature
+            out[i, :len(c)] = torch.log_softmax(logits, -1).gather(1, c.unsqueeze(1)).squeeze(1)
+    return out
+
+
+@pytest.mark.slow
+def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull(teacher_dir, tmp_path):
+    """Rewards without signal (all 0: GRPO's advantages are 0) and a teacher: the batch's teacher log-probs equal a
+    plain forward of the teacher, and each sampled token's advantage is ``-coef * (student - teacher)`` of plain
+    forwards of the two models (padding 0); ``distill/reverse_kl`` is logged. The HF engine, one process.
+    Mutations: the teacher pass run with the student's model, the term's sign or scale, the old-policy pass skipped
+    on-policy (the term would read None) -> fails."""
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.builtin import digits_dataset
+
+    seen: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+
+    class Capture(NRolloutGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            batch = super()._generate_and_score_completions(inputs)
+            student = self.accelerator.unwrap_model(self.model)
+            seen.append(({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)},
+                         _plain_logps(student, batch, self.temperature),
+                         _plain_logps(self.teacher.model, batch, self.temperature)))
+            return batch
+
+    coef = 0.7
+    args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=2, max_completion_length=6,
+                          max_steps=2, rollout_backend="hf", report_to="none", use_cpu=True, bf16=False,
+                          save_strategy="no", logging_steps=1, learning_rate=1e-2, seed=3,
+                          teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef)
+    trainer = Capture("builtin:tiny-qwen2", reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                      args=args, train_dataset=digits_dataset(16))
+    trainer.train()
+    assert len(seen) == 2
+    for batch, student, teacher in seen:
+        mask = batch["completion_mask"].bool()
+        torch.testing.assert_close(batch["teacher_per_token_logps"][mask], teacher[mask], atol=1e-4, rtol=1e-4)
+        assert bool((student - teacher)[mask].abs().max() > 1e-2)  # the two models differ on these tokens
+        torch.testing.assert_close(batch["advantages"][mask], -coef * (student - teacher)[mask], atol=1e-4,
+                                   rtol=1e-4)
+        assert torch.equal(batch["advantages"][~mask], torch.zeros_like(batch["advantages"][~mask]))
+    logged = [h["distill/reverse_kl"] for h in trainer.state.log_history if "distill/reverse_kl" in h]
+    assert len(logged) == 2
+    batch, student, teacher = seen[0]
+    mask = batch["completion_mask"].bool()
+    assert logged[0] == pytest.approx(float((student - teacher)[mask].mean()), abs=1e-4)
