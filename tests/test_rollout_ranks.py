@@ -639,7 +639,7 @@ def test_a_run_with_a_rollout_rank_resumes_to_the_same_steps(tmp_path):
     ``nrollout_jobs_ahead.pt``), so the resumed step 3 trains on them (lag 1) and step 4's job is sampled by the
     checkpoint's weights, as in the uninterrupted run. Mutation tried: the saved jobs not restored
     (``load_rollout_state`` ignoring ``engine``) -> the resumed step 3 is generated afresh by the step-2 policy
-    (lag 0) and its reward and loss differ, the test fails."""
+    (lag 0): its logged values differ from the uninterrupted run's, the test fails."""
     from tests.conftest import RESUME, RESUMED_KEYS, assert_resumed
 
     full = _launch(tmp_path / "full", *RESUME, "--rollout_ranks", "1")
