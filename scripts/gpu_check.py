@@ -50,8 +50,9 @@ It ends with a pass/fail table, one line per section. One H100: under 10 minutes
 
 Each section names what it imports (``SECTIONS``); those whose modules are missing are reported as skipped, so a
 GPU machine with torch and transformers only (no TRL, vLLM or DeepSpeed) runs sections 1-5 and 7-11, and one with
-the whole stack (``pip install -e .[vllm,deepspeed]``) runs them all. ``--no-launches`` skips 13-15 (they start
-vLLM engines and launches: about 3 minutes of a CPU's dry run). Writes JSON; exits 1 when a section failed.
+the whole stack (``DS_BUILD_OPS=0 pip install -e ".[vllm,peft]"``, docs/install.md) runs them all.
+``--no-launches`` skips 13-15 (they start vLLM engines and launches: minutes of a CPU's dry run).
+Writes JSON; exits 1 when a section failed.
 """
 
 from __future__ import annotations
