@@ -111,7 +111,7 @@ def test_the_launch_sections_pass_what_they_exist_for_and_fail_the_defects():
     about a minute, too long for the suite), on figures as the runs report them: a good run passes; an engine left on
     the base adapter, a sync of the whole model, a run that is not one step off, a version that did not travel, a
     ZeRO-3 budget that counted the partitioned parameters (0, item 4), a peak over the plan's bytes each fail, naming
-    the defect. Mutations: each judge's condition inverted -> its good run fails."""
+    the defect: each defective run is a mutation of the good one that its judge must fail."""
     lora = _gpu_section("lora_vllm")
     step = {"rollout_corr/logprob_abs_diff_mean": 2e-5, "rollout_corr/logprob_abs_diff_max": 1e-4,
             "weight_sync/mb": 0.2, "actor/kl_loss": 0.0, "loss": 0.1}
