@@ -1,4 +1,4 @@
-"""Training-side checks on a GPU, in one command (under 8 minutes on one GPU): what the CPU test suite cannot see.
+"""The GPU acceptance in one command (under 10 minutes on one H100): what the CPU test suite cannot see.
 
     python scripts/gpu_check.py [--out gpu_check.json] [--only SECTION ...]   # on a machine with CUDA
     python scripts/gpu_check.py --dry-run [--out FILE]      # the same code paths on the CPU, smaller (the tests)
@@ -37,14 +37,22 @@ Sections (each reports ``status`` ok / failed with the error, so one failure doe
     logits, at a token budget, for a model with Qwen2.5's vocabulary (``scripts/gpu_sections/budgets.py``).
 12. ``tied_head``: ``modules_to_save=["lm_head"]`` on a tied-embedding model is refused before anything trains
     (``scripts/gpu_sections/tied_head.py``).
+13. ``lora_vllm``: a LoRA adapter served by a colocated vLLM engine on the device (``rollout_lora_sync="adapter"``):
+    the engine's log-probs against the trainer's at every step while the adapter trains, only the adapter's bytes
+    sent (``scripts/gpu_sections/lora_vllm.py``, in a child process).
+14. ``rollout_rank``: a one-step-off run (``rollout_lookahead=1``) with a trainer and a rollout rank on the one
+    device, the recipe as users run it: lags ``[0, 1, 1, 1]``, each version sent (``scripts/gpu_sections/
+    rollout_rank.py``).
+15. ``sharded_budgets``: the default update budget under ZeRO-3 (``zero3_init_flag``) and FSDP2, one process each:
+    the whole model counted, the CUDA peak against the plan's bytes (``scripts/gpu_sections/sharded_budgets.py``).
 
 It ends with a pass/fail table, one line per section. One H100: under 10 minutes.
 
 Each section names what it imports (``SECTIONS``); those whose modules are missing are reported as skipped, so a
-GPU machine with torch and transformers only (no TRL) runs sections 1-5.
-
-The vLLM engine path is not here: vLLM's CUDA wheel cannot be brought to the lent GPU machine; it is pinned by
-tests/test_backends.py and by reading vLLM's sources (docs/backends.md). Writes JSON; exits 1 when a section failed.
+GPU machine with torch and transformers only (no TRL, vLLM or DeepSpeed) runs sections 1-5 and 7-11, and one with
+the whole stack (``DS_BUILD_OPS=0 pip install -e ".[vllm,peft]"``, docs/install.md) runs them all.
+``--no-launches`` skips 13-15 (they start vLLM engines and launches: minutes of a CPU's dry run).
+Writes JSON; exits 1 when a section failed.
 """
 
 from __future__ import annotations
@@ -791,7 +799,16 @@ SECTIONS = (
     ("sp_nccl", ("torch", "transformers"), lambda device, size: _section("sp_nccl", "check_sp_nccl")(device)),
     ("budgets", ("torch", "transformers"), lambda device, size: _section("budgets", "check_budgets")(device)),
     ("tied_head", ("torch", "transformers", "peft"), lambda device, size: _section("tied_head", "check_tied_head")(device)),
+    # engines and launches (--no-launches skips them): each in child processes of its own
+    ("lora_vllm", ("torch", "transformers", "trl", "vllm", "peft", "datasets", "accelerate"),
+     lambda device, size: _child_section("lora_vllm", device)),
+    ("rollout_rank", ("torch", "transformers", "trl", "vllm", "datasets", "accelerate"),
+     lambda device, size: _section("rollout_rank", "check_rollout_rank")(device)),
+    ("sharded_budgets", ("torch", "transformers", "trl", "deepspeed", "datasets", "accelerate"),
+     lambda device, size: _section("sharded_budgets", "check_sharded_budgets")(device)),
 )
+#: the sections that start engines or launches (``--no-launches`` skips them)
+LAUNCHES = ("lora_vllm", "rollout_rank", "sharded_budgets")
 
 
 def _section(module: str, name: str):
@@ -802,6 +819,23 @@ def _section(module: str, name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return getattr(mod, name)
+
+
+def _child_section(module: str, device: str, timeout: float = 420) -> dict:
+    """``scripts/gpu_sections/<module>.py`` run in a child process (an engine of its own, away from the memory the
+    other sections hold): the JSON it writes."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "section.json")
+        cmd = [sys.executable, str(ROOT / "scripts/gpu_sections" / f"{module}.py"), "--json", str(path)]
+        proc = subprocess.run(cmd + ([] if device.startswith("cuda") else ["--dry-run"]), cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+        if not path.is_file():
+            return {"status": "failed", "error": f"the child exited with {proc.returncode} and wrote nothing",
+                    "logs": proc.stdout[-1000:] + proc.stderr[-2500:]}
+        return json.loads(path.read_text())
 
 
 def table(report: dict) -> str:
@@ -824,6 +858,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU at small sizes (no GPU needed)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
     parser.add_argument("--only", nargs="*", help="run these sections only")
+    parser.add_argument("--no-launches", action="store_true", help=f"skip {', '.join(LAUNCHES)} (engines, launches)")
     parser.add_argument("--equality-child", help=argparse.SUPPRESS)  # padding_free's equality of one attention
     args = parser.parse_args(argv)
     import torch
@@ -852,6 +887,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         missing = [m for m in needs if importlib.util.find_spec(m) is None]
+        if args.no_launches and name in LAUNCHES:
+            report[name] = {"status": "skipped", "missing": ["--no-launches"], "seconds": 0.0}
+            continue
         if missing:
             report[name] = {"status": "skipped", "missing": missing, "seconds": 0.0}
             print(f"[gpu_check] {name}: skipped (needs {', '.join(missing)})", flush=True)

@@ -14,9 +14,12 @@ from tests.conftest import ROOT, run_cmd
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
-    run_cmd([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry-run", "--out", str(out)], timeout=400)
+    run_cmd([sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry-run", "--no-launches", "--out", str(out)],
+            timeout=400)
     report = json.loads(out.read_text())
     assert report["dry_run"] is True
+    assert all(report[k] == {"status": "skipped", "missing": ["--no-launches"], "seconds": 0.0}
+               for k in ("lora_vllm", "rollout_rank", "sharded_budgets"))  # their judges: test_the_launch_sections_...
     prec = report["logprob_precision"]
     assert prec["status"] == "ok" and prec["all_finite"]
     assert 0 < prec["bf16_vs_fp32_max_abs"] < 0.1  # bf16 rounding, not a wrong token or position
@@ -63,12 +66,18 @@ def test_sections_whose_modules_are_missing_are_skipped(tmp_path, monkeypatch):
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    # the lent GPU machine has torch and transformers, neither of these (DeepSpeed is not hidden: accelerate and
+    # transformers, imported meanwhile, would keep a DeepSpeed-less state for the tests after this one)
+    hidden = ("trl", "vllm")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else real(name, *a))
     out = tmp_path / "report.json"
     assert gpu_check.main(["--dry-run", "--out", str(out), "--only", "trainer", "passes_autocast",
-                           "padding_free"]) == 0
+                           "padding_free", "lora_vllm", "rollout_rank", "sharded_budgets"]) == 0
     report = json.loads(out.read_text())
     assert report["trainer"]["status"] == "skipped" and report["trainer"]["missing"] == ["trl"]
+    assert {k: report[k]["missing"] for k in ("lora_vllm", "rollout_rank", "sharded_budgets")} == {
+        "lora_vllm": ["trl", "vllm"], "rollout_rank": ["trl", "vllm"], "sharded_budgets": ["trl"]}
+    assert all(report[k]["status"] == "skipped" for k in ("lora_vllm", "rollout_rank", "sharded_budgets"))
     assert report["passes_autocast"]["status"] == "ok" and "logprob_memory" not in report
     pf = report["padding_free"]
     assert pf["status"] == "ok", pf
@@ -85,6 +94,53 @@ def test_sections_whose_modules_are_missing_are_skipped(tmp_path, monkeypatch):
     assert memory["packed"]["one_long_slots"] < memory["padded"]["one_long_slots"]
     assert memory["packed"]["short_peak_mib"] is None and memory["goal_packed_ok"] is None  # no CUDA allocator
 
+
+
+def _gpu_section(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"gpu_section_{name}", ROOT / "scripts/gpu_sections" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_launch_sections_pass_what_they_exist_for_and_fail_the_defects():
+    """The pass criteria of the sections that start engines and launches (``lora_vllm``, ``rollout_rank``,
+    ``sharded_budgets``; run on the CPU by hand: ``python scripts/gpu_check.py --dry-run --only SECTION``, each
+    about a minute, too long for the suite), on figures as the runs report them: a good run passes; an engine left on
+    the base adapter, a sync of the whole model, a run that is not one step off, a version that did not travel, a
+    ZeRO-3 budget that counted the partitioned parameters (0, item 4), a peak over the plan's bytes each fail, naming
+    the defect: each defective run is a mutation of the good one that its judge must fail."""
+    lora = _gpu_section("lora_vllm")
+    step = {"rollout_corr/logprob_abs_diff_mean": 2e-5, "rollout_corr/logprob_abs_diff_max": 1e-4,
+            "weight_sync/mb": 0.2, "actor/kl_loss": 0.0, "loss": 0.1}
+    good = {"lora_sync": "adapter", "adapter_mb": 0.2, "steps": 3,
+            "per_step": [dict(step, **{"weight_sync/mb": 1.5}), step, dict(step, **{"actor/kl_loss": 3e-4})]}
+    assert lora.judge(good, "cpu") == {"status": "ok"}
+    stale = dict(good, per_step=[dict(s, **{"rollout_corr/logprob_abs_diff_mean": 0.3}) for s in good["per_step"]])
+    assert "does not sample from the adapter" in lora.judge(stale, "cpu")["why"]
+    assert lora.judge(stale, "cuda")["status"] == "failed"  # 0.3 is over bf16 rounding too
+    whole = dict(good, per_step=[dict(s, **{"weight_sync/mb": 1.5}) for s in good["per_step"]])
+    assert "not the adapter's bytes" in lora.judge(whole, "cpu")["why"]
+    assert "chose lora_sync='merged'" in lora.judge(dict(good, lora_sync="merged"), "cpu")["why"]
+
+    ranks = _gpu_section("rollout_rank")
+    run = [{"rollout/staleness": lag, "loss": 0.1, "reward": 0.5, "rollout_corr/logprob_abs_diff_mean": 1e-7,
+            "weight_sync/transfer_mb": mb} for lag, mb in ((0, 1.5), (1, 1.5), (1, 1.5), (1, None))]
+    assert ranks.judge(run, "cuda", 4) == {"status": "ok"}
+    assert "not one step off" in ranks.judge([dict(h, **{"rollout/staleness": 0}) for h in run], "cuda", 4)["why"]
+    assert "did not travel" in ranks.judge([dict(h, **{"weight_sync/transfer_mb": None}) for h in run], "cuda",
+                                           4)["why"]
+    assert "synchronous first step" in ranks.judge(
+        [dict(run[0], **{"rollout_corr/logprob_abs_diff_mean": 0.2})] + run[1:], "cuda", 4)["why"]
+
+    budgets = _gpu_section("sharded_budgets")
+    got = {"params_counted": 300, "steps": 2, "peak_gib": 3.0, "plan_gib": 4.0, "peak_over_plan": 0.75}
+    assert budgets.judge(got, 300, 2, cuda=True) == {"status": "ok"}
+    assert "counted 0 parameters of 300" in budgets.judge(dict(got, params_counted=0), 300, 2, cuda=True)["why"]
+    assert "over the plan" in budgets.judge(dict(got, peak_gib=5.0, peak_over_plan=1.25), 300, 2, cuda=True)["why"]
+    assert budgets.judge({"params_counted": 300, "steps": 1}, 300, 1, cuda=False) == {"status": "ok"}  # no peak
 
 
 # ------------------------------------------------------------------ plan --calibrate on an accelerator (issue 44)

@@ -714,18 +714,25 @@ def test_ppo_and_remax_run_one_step_off_on_a_rollout_rank(recipe, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.vllm
 def test_a_run_with_a_rollout_rank_resumes_to_the_same_steps(tmp_path):
-    """2 trainers + 1 rollout rank, synchronous, DAPO's extra rounds and the adaptive KL controller on (the suite's
-    resume recipe): stopped after 2 of 4 steps and resumed from the checkpoint, the second run trains steps 3-4
-    only and logs what the uninterrupted run logged (the rollout rank holds no state of its own: the weights it
-    needs come with the first transfer)."""
-    from tests.conftest import RESUME, assert_resumed
+    """2 trainers + 1 rollout rank, one step off (``rollout_lookahead=1``, the default), DAPO's extra rounds and the
+    adaptive KL controller on (the suite's resume recipe): stopped after 2 of 4 steps and resumed from the
+    checkpoint, the second run trains steps 3-4 only and logs, value for value, what the uninterrupted run logged
+    (reward, loss, gradient norm, KL coefficient, the lag). At the checkpoint step 3's job was already written and
+    sampled by the policy of step 1; the checkpoint keeps it with its samples (trainer rank 0's
+    ``nrollout_jobs_ahead.pt``), so the resumed step 3 trains on them (lag 1) and step 4's job is sampled by the
+    checkpoint's weights, as in the uninterrupted run. Mutation tried: the saved jobs not restored
+    (``load_rollout_state`` ignoring ``engine``) -> the resumed step 3 is generated afresh by the step-2 policy
+    (lag 0): its logged values differ from the uninterrupted run's, the test fails."""
+    from tests.conftest import RESUME, RESUMED_KEYS, assert_resumed
 
-    full = _launch(tmp_path / "full", *RESUME, "--rollout_ranks", "1", "--rollout_lookahead", "0")
+    full = _launch(tmp_path / "full", *RESUME, "--rollout_ranks", "1")
     assert any(h["dynamic_sampling/rounds"] > 0 for h in full["steps"])  # extra rounds ran on the rollout rank
+    assert [h["rollout/staleness"] for h in full["steps"]] == [0, 1, 1, 1]  # one step off
     checkpoint = tmp_path / "full" / "checkpoint-2"
-    resumed = _launch(tmp_path / "resumed", *RESUME, "--rollout_ranks", "1", "--rollout_lookahead", "0",
-                      "--resume_from_checkpoint", str(checkpoint))
-    assert_resumed(full, resumed, checkpoint)
+    assert (checkpoint / "nrollout_jobs_ahead.pt").is_file()
+    resumed = _launch(tmp_path / "resumed", *RESUME, "--rollout_ranks", "1", "--resume_from_checkpoint",
+                      str(checkpoint))
+    assert_resumed(full, resumed, checkpoint, keys=(*RESUMED_KEYS, "grad_norm", "rollout/staleness"))
 
 
 @pytest.mark.slow

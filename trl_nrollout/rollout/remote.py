@@ -93,6 +93,7 @@ class RemoteEngines:
         self._jobs = 0
         self._calls = 0  # hand-outs from trainer rank 0 to the others (the same count on every trainer)
         self._pending: deque = deque()  # (job id, groups, n, sampling) written ahead, oldest first
+        self._read: dict[int, list[JobResult]] = {}  # jobs written ahead already read (for a checkpoint, or from one)
         self._sender: threading.Thread | None = None
         self._send_queue: queue.Queue | None = None
         self._free: queue.Queue = queue.Queue()
@@ -301,6 +302,8 @@ class RemoteEngines:
         return job
 
     def _read_job(self, job: int) -> list[JobResult]:
+        if job in self._read:  # read for a checkpoint, or restored from one (jobs_ahead)
+            return self._read.pop(job)
         roles = self.bridge.roles
         return [self.bridge.take(f"out/{job}/{r}", roles.global_rank("rollout", r), f"job {job} of rollout rank {r}")
                 for r in range(roles.rollout_ranks)]
@@ -366,7 +369,7 @@ class RemoteEngines:
                     results = out
                     break
             wait_start = time.perf_counter()
-            if results is None:  # nothing written ahead (the first step, after a resume, evaluation)
+            if results is None:  # nothing written ahead (the first step, an evaluation; a resume without them)
                 job = self._write_job(job_groups, n, sampling, agent, job_pics)
                 self._queue_ahead(future, n)
                 results = self._read_job(job)
@@ -444,6 +447,38 @@ class RemoteEngines:
                 continue
             job = self._write_job(groups, n, sampling, agent, images)
             self._pending.append((job, groups, n, sampling, agent, images_digest(images)))
+
+    # ------------------------------------------------------------------ a checkpoint's jobs written ahead
+    def jobs_ahead(self) -> list[tuple[list, list[JobResult]]] | None:
+        """Trainer rank 0, at a checkpoint: each job written ahead (``rollout_lookahead``), as written (groups, n,
+        sampling, agent, images' digest), with its results, read now (waiting for the engines where it still runs)
+        and kept for the step that trains on it; a resumed run trains on them (:meth:`restore_jobs_ahead`), as the
+        uninterrupted run does, instead of generating them again with newer weights. None off trainer rank 0, with
+        nothing written ahead, or where a job cannot be replayed: a partial job's (the pool in flight moves on with
+        it; the checkpoint keeps the pool after the step's own job) or an environment's episodes (their state is
+        the trainers')."""
+        if not self.bridge.is_leader or not self._pending:
+            return None
+        if any(isinstance(e[4], PartialEntry) or (isinstance(e[4], dict) and "envs" in e[4]) for e in self._pending):
+            return None
+        self._watch()
+        saved = []
+        for job, *written in self._pending:
+            if job not in self._read:
+                self._read[job] = self._read_job(job)
+            saved.append((written, self._read[job]))
+        return saved
+
+    def restore_jobs_ahead(self, saved: list[tuple[list, list[JobResult]]]) -> None:
+        """Trainer rank 0: a checkpoint's :meth:`jobs_ahead` become this run's jobs written ahead, already read (ids
+        below 0, which the rollout ranks never see): the step each was written for takes its saved samples, and the
+        jobs after them are written as the steps go, with the weights then sent."""
+        if not self.bridge.is_leader:
+            return
+        for written, results in saved:
+            job = -1 - len(self._read)
+            self._read[job] = results
+            self._pending.append((job, *written))
 
     # ------------------------------------------------------------------ the end
     def end(self) -> None:

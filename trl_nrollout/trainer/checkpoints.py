@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from trl_nrollout.errors import InputError
+from trl_nrollout.rollout.engine_protocol import JOBS, has
 
 logger = logging.getLogger(__name__)
 
@@ -226,10 +227,33 @@ def rank_state_file(folder: str | os.PathLike, rank: int) -> str:
     return os.path.join(folder, f"nrollout_rank{rank}.pt")
 
 
-def save_rank_state(folder: str | os.PathLike, rank: int, prompt_rng: torch.Generator) -> None:
-    """Rank ``rank``'s state beside the model's: the generator that draws DAPO's extra prompts."""
+def save_rank_state(folder: str | os.PathLike, rank: int, prompt_rng: torch.Generator, engine=None) -> None:
+    """Rank ``rank``'s state beside the model's: the generator that draws DAPO's extra prompts; with rollout ranks
+    (``engine`` a :class:`~trl_nrollout.rollout.remote.RemoteEngines`), trainer rank 0's jobs written ahead and
+    their samples (:func:`save_jobs_ahead`)."""
     os.makedirs(folder, exist_ok=True)
     torch.save({"prompt_rng": prompt_rng.get_state()}, rank_state_file(folder, rank))
+    if has(engine, JOBS):
+        save_jobs_ahead(folder, engine.jobs_ahead())
+
+
+#: trainer rank 0's jobs written ahead with their samples (rollout ranks, ``rollout_lookahead >= 1``)
+JOBS_AHEAD = "nrollout_jobs_ahead.pt"
+
+
+def save_jobs_ahead(folder: str | os.PathLike, jobs: list | None) -> None:
+    """The jobs written ahead and their samples (:meth:`~trl_nrollout.rollout.remote.RemoteEngines.jobs_ahead`;
+    None: nothing to keep) beside the model's state."""
+    if jobs:
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"jobs": jobs}, os.path.join(folder, JOBS_AHEAD))
+
+
+def load_jobs_ahead(checkpoint: str | os.PathLike) -> list | None:
+    """A checkpoint's jobs written ahead (:func:`save_jobs_ahead`), or None where it has none. Our own file: its
+    samples are flat arrays and dataclasses, hence ``weights_only=False``."""
+    path = os.path.join(checkpoint, JOBS_AHEAD)
+    return torch.load(path, weights_only=False)["jobs"] if os.path.isfile(path) else None
 
 
 def write_rollout_state(folder: str | os.PathLike, global_step: int, kl_coef: float) -> None:
@@ -239,9 +263,13 @@ def write_rollout_state(folder: str | os.PathLike, global_step: int, kl_coef: fl
         json.dump({"global_step": global_step, "kl_coef": kl_coef}, fh)
 
 
-def load_rollout_state(checkpoint: str | os.PathLike, rank: int, prompt_rng: torch.Generator) -> float | None:
-    """Rank ``rank``'s prompt generator restored from ``checkpoint`` where it holds one; the KL controller's saved
-    coefficient (None: the checkpoint has no :data:`ROLLOUT_STATE`, e.g. TRL's)."""
+def load_rollout_state(checkpoint: str | os.PathLike, rank: int, prompt_rng: torch.Generator,
+                       engine=None) -> float | None:
+    """Rank ``rank``'s prompt generator restored from ``checkpoint`` where it holds one, and with rollout ranks
+    (``engine``) the jobs written ahead it holds (:func:`load_jobs_ahead`); the KL controller's saved coefficient
+    (None: the checkpoint has no :data:`ROLLOUT_STATE`, e.g. TRL's)."""
+    if has(engine, JOBS) and (jobs := load_jobs_ahead(checkpoint)):
+        engine.restore_jobs_ahead(jobs)
     kl_coef = None
     state_file = os.path.join(checkpoint, ROLLOUT_STATE)
     if os.path.isfile(state_file):

@@ -238,7 +238,7 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
     def _save_rollout_state(self, folder: str) -> None:
         """This rank's state beside the model's: the generator that draws DAPO's extra prompts (a subclass adds its
         own, e.g. PPO's critic)."""
-        save_rank_state(folder, self.accelerator.process_index, self._prompt_rng)
+        save_rank_state(folder, self.accelerator.process_index, self._prompt_rng, self.rollout_engine)
         if self.args.rollout_partial:
             self._save_partial_pool(folder)
 
@@ -250,8 +250,8 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
         self.policy_update.entropy.restore(self.entropy_coef, self._last_world_entropy)
         if checkpoint is None:
             return
-        kl_coef = load_rollout_state(checkpoint, self.accelerator.process_index, self._prompt_rng)
-        if kl_coef is not None:
+        rank, engine = self.accelerator.process_index, self.rollout_engine  # engine: the jobs written ahead
+        if (kl_coef := load_rollout_state(checkpoint, rank, self._prompt_rng, engine)) is not None:
             self.kl_ctrl.value = kl_coef
         if self.args.rollout_partial:
             self._load_partial_pool(checkpoint)
