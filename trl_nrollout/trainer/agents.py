@@ -28,7 +28,6 @@ gets ``agent_reward`` (and a dict result's keys) as keyword arguments.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +36,6 @@ from accelerate.utils import gather_object
 from trl_nrollout.config.checks import agent_dependencies_refusal
 from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
-from trl_nrollout.rollout.agent_pool import AgentPool
 from trl_nrollout.rollout.agent_runs import (
     EpisodeRun,
     EpisodeRunner,
@@ -47,7 +45,6 @@ from trl_nrollout.rollout.agent_runs import (
 )
 from trl_nrollout.rollout.dispatch import PullStats
 from trl_nrollout.rollout.func_pool import FuncRunner, func_samples, samples_batch
-from trl_nrollout.rollout.pool import LiveGroups, PoolStep, live_balanced, live_shares, pool_step
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.stages import Sample
 
@@ -81,7 +78,6 @@ class AgentRollouts:
 
     agent = None
     _agent_endpoint = None
-    _agent_pool = None
 
     def _agent_init(self, agent, reward_funcs, args=None):
         """Keep ``agent`` (checked: a callable with parameters the trainer fills) and return the reward functions:
@@ -108,9 +104,6 @@ class AgentRollouts:
         if self._agent_endpoint is not None:
             self._agent_endpoint.close()
             self._agent_endpoint = None
-        if self._agent_pool is not None:
-            self._agent_pool.close()
-            self._agent_pool = None
 
     def _agent_refusal(self) -> str | None:
         """Why this trainer cannot run ``agent=`` (None: it can); the rows of
@@ -216,62 +209,6 @@ class AgentRollouts:
         return batch, Episode(tool_mask=masks, completions=completions, turns=[max(1, len(r.calls)) for r in records],
                               tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra,
                               segments=segments, assembled=done)
-
-    def _agent_partial_round(self, ctx, round_: int = 0):
-        """A partial rollout of agent episodes (:mod:`trl_nrollout.rollout.agent_pool`): the step's new groups (and
-        ``rollout_partial_oversample``'s) join this rank's pool, stale groups start again, the pool runs until as
-        many of its groups have finished as the rank drew prompts, and those train (the job's samples, gathered):
-        the pool step of :func:`~trl_nrollout.rollout.pool.pool_step`. The pool's groups are mirrored into
-        ``_partial_pool`` (rows only), so a checkpoint keeps them and a resumed run starts them again."""
-        from trl_nrollout.rollout.partial import InFlightGroup
-
-        args, n, mode = self.args, ctx.n, ctx.mode
-        version, rank, engine = self.state.global_step, self.accelerator.process_index, self.rollout_engine
-        t0 = time.perf_counter()
-        pool = self._agent_pool_start()
-        sampling = self._sampling(mode, round_=round_)
-        pool.seed_with(sampling)
-        if not pool.groups and self._partial_pool:  # restored from a checkpoint: its groups start again
-            restored = list(self._partial_pool)
-            pool.add([g.key for g in restored], [g.payload["row"] for g in restored],
-                     [g.payload["prompt"] for g in restored], n, version)
-
-        def grow(need: int) -> list[tuple]:  # this rank's rows and its top-ups (drawn as DAPO draws)
-            rows = ctx.inputs[::n] + (self._draw_inputs(need)[::n] if need else [])
-            prompts = self._start_episodes(rows)[0]
-            return [((version, round_, rank, g), row, p) for g, (row, p) in enumerate(zip(rows, prompts))]
-
-        balanced = args.rollout_dispatch == "balanced" and engine.balances_job
-        episodes = (live_balanced(engine, sampling, n, version, rank, self.layout.engine_of_rank) if balanced
-                    else live_shares(engine, sampling, n, version))
-        step = pool_step(LiveGroups(pool, n, episodes),
-                         PoolStep(version, args.max_staleness, len(ctx.inputs) // n, args.rollout_partial_oversample),
-                         grow)
-        if step.run.moved is not None:
-            self._metric(mode, "rollout/moved_groups", step.run.moved)
-        engine.sleep()
-        self._partial_pool = [InFlightGroup.fresh(g.key, [], n, payload={"row": g.row, "prompt": g.prompt})
-                              for g in pool.groups]
-        chosen, stats = step.chosen, step.run.stats
-        inputs = [g.row for g in chosen for _ in range(n)]
-        prompts = [g.prompt for g in chosen for _ in range(n)]
-        records = [r for g in chosen for r in g.records]
-        batch, episode = self._records_batch(records, prompts, n, rank * len(inputs), mode, stats,
-                                             time.perf_counter() - t0)
-        self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
-        counts = gather_object([step.counts.row([version - g.version for g in chosen])])
-        self._log_partial(mode, counts, counts, counts)  # a pool per rank; its calls carried are its own
-        return self._round_of(inputs, prompts, batch, episode, ctx, t0, rows=inputs)
-
-    def _agent_pool_start(self):
-        """This rank's pool of agent episodes (or of a ``rollout_func``'s groups) in flight, with an endpoint of its
-        own (started once)."""
-        if self._agent_pool is None:
-            self._agent_pool = AgentPool(
-                self._episode_runner(),
-                start_endpoint(self._tokenizer, **self._endpoint_settings(self.rollout_engine.max_model_len)),
-                self.accelerator.process_index, self.accelerator.num_processes)
-        return self._agent_pool
 
     def _episode_runner(self):
         """What runs this trainer's episodes on an endpoint: the agents (:class:`EpisodeRunner`), or the

@@ -80,7 +80,7 @@ from trl_nrollout.trainer.forward_rules import (
 from trl_nrollout.trainer.logprob_stage import LogProbStage, build_reference
 from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.multiturn import Episode, MultiTurnRollout, check_images, check_tool_workers
-from trl_nrollout.trainer.partial import PartialRollouts
+from trl_nrollout.trainer.partial import PartialPool, check_partial
 from trl_nrollout.trainer.progress import LiveProgressCallback
 from trl_nrollout.trainer.prompts import check_prompts
 from trl_nrollout.trainer.rollout_ranks import RolloutRanks, RolloutRankWorker
@@ -99,12 +99,13 @@ from trl_nrollout.trainer.update import EntropyControl, LossConfig, MicroStep, P
 logger = logging.getLogger(__name__)
 
 
-class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, PartialRollouts, GRPOTrainer):
+class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
     :class:`NRolloutConfig` or a plain ``GRPOConfig`` (converted).
     """
+    partial_pool: PartialPool | None = None  # rollout_partial: the groups in flight, their round and checkpoint (a part)
 
     def __new__(cls, *args, **kwargs):
         """On a rollout rank (``rollout_ranks``) the trainer is a :class:`RolloutRankWorker`: the same script runs on
@@ -179,9 +180,7 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
         self.rollout_engine = (self._start_remote_engines() if args.rollout_ranks  # the engines on the rollout ranks
                                else self.engine_setup.start(args.rollout_backend))
         self.rollout_backend = self.engine_setup.rollout_backend  # "hf" where a vLLM start fell back
-        self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
-        if args.rollout_partial:
-            self._check_partial()
+        check_partial(self.rollout_backend, self.tools, args, self.accelerator.is_main_process)  # (rollout_partial)
         if self.agent is not None and (why := self._agent_refusal()) is not None:
             raise UnsupportedTRLOption(why)
         self.generation_clock = GenerationClock()
@@ -223,8 +222,8 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
         """This rank's state beside the model's: the generator that draws DAPO's extra prompts (a subclass adds its
         own, e.g. PPO's critic)."""
         save_rank_state(folder, self.accelerator.process_index, self._prompt_rng)
-        if self.args.rollout_partial:
-            self._save_partial_pool(folder)
+        if self.partial_pool is not None:
+            self.partial_pool.save(folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """transformers restores the optimizer and scheduler; the rollout stage restores the KL controller's
@@ -237,12 +236,14 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
         kl_coef = load_rollout_state(checkpoint, self.accelerator.process_index, self._prompt_rng)
         if kl_coef is not None:
             self.kl_ctrl.value = kl_coef
-        if self.args.rollout_partial:
-            self._load_partial_pool(checkpoint)
+        if self.partial_pool is not None:
+            self.partial_pool.load(checkpoint)
 
     def close(self) -> None:
         """Release the rollout engines (call after training, before tearing down torch.distributed)."""
         self._agent_close()
+        if self.partial_pool is not None:  # (live agents' endpoint)
+            self.partial_pool.close()
         close = getattr(self.rollout_engine, "close", None)
         if close is not None:
             close()
@@ -268,6 +269,7 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
         self.budgeted_update = BudgetedMicroBatches(args, acc, rules, metrics, self.policy_update, self.update_budget,
                                                     sp=self._sp, pad_to_multiple_of=self.pad_to_multiple_of,
                                                     fsdp=self.is_fsdp_enabled)
+        self.partial_pool = PartialPool.of(self) if args.rollout_partial else None
 
     def _is_peft(self) -> bool:
         return is_peft_model(self.accelerator.unwrap_model(self.model))
@@ -486,10 +488,8 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
         """Generate and score the step's samples, with DAPO's extra rounds when ``filter_groups`` asks, or from the
         pool of groups in flight with ``rollout_partial`` (:mod:`trl_nrollout.trainer.partial`): the job's samples
         ``[G]`` and rewards ``[G, F]``, the same on every rank."""
-        if ctx.mode == "train" and self.args.rollout_partial:
-            collected = self._partial_round(ctx)
-        else:
-            collected = self._one_round(ctx.inputs, ctx)
+        partial = ctx.mode == "train" and self.partial_pool is not None
+        collected = self.partial_pool.round(ctx) if partial else self._one_round(ctx.inputs, ctx)
         if ctx.mode == "train" and self.args.filter_groups:
             collected = self._dynamic_sampling(collected, ctx)
         self._metric(ctx.mode, "timing_s/gen", collected.gen_s)
@@ -522,10 +522,9 @@ class NRolloutGRPOTrainer(RolloutRanks, MultiTurnRollout, AgentRollouts, Partial
                     or pool.extra_rounds >= self.args.filter_groups_max_rounds):
                 break
             more = self._draw_inputs(len(ctx.inputs) // n)
-            if self.args.rollout_partial:  # the pool runs on, with these prompts joining it
-                pool = pool.then(self._partial_round(replace(ctx, inputs=more), round_=pool.extra_rounds + 1))
-            else:
-                pool = pool.then(self._one_round(more, ctx, round_=pool.extra_rounds + 1))
+            r = pool.extra_rounds + 1  # rollout_partial: the pool runs on, with these prompts joining it
+            pool = pool.then(self.partial_pool.round(replace(ctx, inputs=more), r) if self.partial_pool is not None
+                             else self._one_round(more, ctx, round_=r))
         chosen, filler = select_groups(sorted(set(group_of)), const, total_groups)
         self._metric(ctx.mode, "dynamic_sampling/rounds", pool.extra_rounds)
         self._metric(ctx.mode, "dynamic_sampling/filtered_groups", len(const))

@@ -27,14 +27,22 @@ from trl_nrollout.rollout.remote_partial import RESET_ENV
 from trl_nrollout.rollout.remote_serve import serve
 from trl_nrollout.rollout.remote_tool_episodes import agent_settings, env_tool_schemas
 from trl_nrollout.trainer.metrics import Metrics
-from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
+from trl_nrollout.trainer.remote_partial import engine_prompts
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutRanks(RemotePartialRollouts):
+class RolloutRanks:
     """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the trainers' side of rollout ranks (with
-    ``rollout_partial``: :class:`~trl_nrollout.trainer.remote_partial.RemotePartialRollouts`)."""
+    ``rollout_partial``, the pool part's round: :class:`~trl_nrollout.trainer.remote_partial.RemoteRound`)."""
+
+    @property
+    def _has_environments(self) -> bool:
+        return getattr(self, "environment_factories", None) is not None
+
+    def _engine_prompts(self, prompts: list) -> tuple[list[list[int]], list]:
+        """The engine's ids of ``prompts`` (image placeholders not expanded) and each prompt's images (None: text)."""
+        return engine_prompts(prompts, self._encode_images, lambda p: self._tokenize_prompts(p)[0])
 
     def _start_remote_engines(self) -> RemoteEngines:
         """Start the rollout ranks' engines (the start message), then send them the initial weights."""
@@ -105,10 +113,10 @@ class RolloutRanks(RemotePartialRollouts):
         """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
         as the colocated loop's; with environments, where their calls go home) or ``agent=`` episodes (with this
         rank's ``rows``, TRL's, each ``n`` times: the trainers' entries are joined in rank order), or None for
-        single-turn jobs (a partial job's: :meth:`_partial_job`)."""
+        single-turn jobs (a partial job's: :meth:`~trl_nrollout.trainer.remote_partial.RemoteRound.job`)."""
         if self.agent is not None or self._grouped_func:
             return {"step": step, "mode": mode, "rows": [dict(row) for row in rows]}
-        if not self._remote_agents or self.args.rollout_multi_turn != "requests":  # (partial's: _partial_job)
+        if not self._remote_agents or self.args.rollout_multi_turn != "requests":  # (partial's: the pool's job)
             return None
         if not self._has_environments:
             return {"step": step, "mode": mode}
@@ -131,7 +139,7 @@ class RolloutRanks(RemotePartialRollouts):
         RolloutRanks._hosts += 1  # one prefix per trainer: a script may build several in turn
         def local(i: tuple, calls: list[dict]):
             if calls == RESET_ENV:  # a partial group's sample started again (trainer/remote_partial.py)
-                self._reset_env(i[1][1], i[2])
+                self.partial_pool.reset_env(i[1][1], i[2])
                 return [], 0
             return call_tools(calls, *self._env_registry[i[1]][i[2]], loop=loop)
 
@@ -247,7 +255,7 @@ class RolloutRanks(RemotePartialRollouts):
             if last is not None and step >= last:  # the run ends before that step: nothing to generate for it
                 break
             if self.args.rollout_partial:  # groups for the rollout ranks' pools (trainer/remote_partial.py)
-                part = self._partial_job(step, rows[::n])
+                part = self.partial_pool.job(step, rows[::n])
                 pics = [im for im in part.images for _ in range(n)]
                 jobs.append(([list(p) for p in part.ids for _ in range(n)], self._sampling(mode, step=step),
                              part.entry, pics if any(im is not None for im in pics) else None))
