@@ -12,7 +12,8 @@ TRL's hooks hand their work to parts built once in ``__init__`` (:meth:`_build_p
 ``_compute_loss``, ``training_step``) and ``budgeted_update`` (:mod:`.budgeted_update`: ``compute_loss``), under
 one ``forward_rules`` (:mod:`.forward_rules`); ``engine_setup`` (:class:`~.engines.EngineSetup`: which engine
 generates, its checked start, each weight push) and ``scoring`` (:class:`~.scoring.RewardScoring`); ``_after_policy_step``:
-other models' update (PPO's critic). The rollout side is still mixins. TRL's loop does the rest (data order,
+other models' update (PPO's critic); ``partial_pool`` (:class:`~.partial.PartialPool`: ``rollout_partial``'s groups in
+flight). The rest of the rollout side is still mixins. TRL's loop does the rest (data order,
 buffering, accumulation, optimizer, logging).
 """
 

@@ -61,8 +61,8 @@ def partial_refusal(rollout_backend: str) -> str | None:
 
 
 def check_partial(rollout_backend: str, tools: list | None, args, main_process: bool) -> None:
-    """With ``rollout_partial=True`` (else nothing) on a trainer: refused with the reason (:func:`partial_refusal`), or noted once where
-    it changes how an option acts (tool episodes run request by request under ``'turns'``)."""
+    """``rollout_partial=True`` on a trainer (else nothing): refused with the reason (:func:`partial_refusal`), or
+    noted once where it changes how an option acts (tool episodes run request by request under ``'turns'``)."""
     from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
     if not args.rollout_partial:
