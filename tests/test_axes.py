@@ -17,8 +17,13 @@ from trl_nrollout.rollout.axes import REFUSALS, refusal_table
 from trl_nrollout.trainer.agents import agent_refusal
 from trl_nrollout.trainer.engines import EngineSetup
 from trl_nrollout.trainer.multiturn import check_images, request_turns_refusal
-from trl_nrollout.trainer.partial import PartialRollouts
+from trl_nrollout.trainer.partial import partial_refusal
 from trl_nrollout.trainer.rollout_ranks import RolloutRankPlacement
+
+
+def _partial_refusal(trainer) -> str | None:
+    """The trainer's partial-rollout check (:func:`~trl_nrollout.trainer.partial.partial_refusal`) on its engine."""
+    return partial_refusal(trainer.rollout_backend)
 
 
 def _raised(call) -> str | None:
@@ -103,9 +108,9 @@ def test_each_row_is_refused_where_it_says_naming_both_sides(row, tmp_path):
     owner, _, attr = row.where.rpartition(".")
     namespace = {"checks": __import__("trl_nrollout.config.checks", fromlist=["x"]),
                  "ConfigChecks": __import__("trl_nrollout.config.checks", fromlist=["x"]).ConfigChecks,
-                 "EngineSetup": EngineSetup, "PartialRollouts": PartialRollouts,
-                 "RolloutRankPlacement": RolloutRankPlacement,
+                 "EngineSetup": EngineSetup, "RolloutRankPlacement": RolloutRankPlacement,
                  "agents": __import__("trl_nrollout.trainer.agents", fromlist=["x"]),
+                 "partial": __import__("trl_nrollout.trainer.partial", fromlist=["x"]),
                  "multiturn": __import__("trl_nrollout.trainer.multiturn", fromlist=["x"])}
     assert callable(getattr(namespace[owner], attr)), row.where
     if row.kind == "machine":
@@ -125,7 +130,7 @@ at TP=1 and TP=2."""
     assert not hasattr(RolloutRankPlacement, "_rollout_ranks_refusal")
     assert _ranks(rollout_partial=True) is None
     # partial rollouts of tool episodes on the job's balanced queue (tests/test_dispatch.py)
-    assert PartialRollouts._partial_refusal(_trainer(tools=[print], args=SimpleNamespace(
+    assert _partial_refusal(_trainer(tools=[print], args=SimpleNamespace(
         rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced"))) is None
     # partial rollouts with environments, one engine per rank (tests/test_tool_requests.py) and an engine of two
     # ranks (tests/test_combinations.py::test_partial_environment_episodes_train_on_their_own_ranks_at_tp2)
@@ -133,14 +138,14 @@ at TP=1 and TP=2."""
     assert EngineSetup.dispatch_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
         rollout_multi_turn="requests"))) is None
     for tp in (1, 2):
-        assert PartialRollouts._partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
+        assert _partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
             SimpleNamespace(rollout_ranks=0, rollout_multi_turn="requests")), layout=SimpleNamespace(rollout_tp_size=tp)
         )) is None
     # issue 46's last rows (tests/test_combinations.py runs each): partial rollouts of tool episodes under the
     # default 'turns' (run request by request), a rollout_func partial or request by request (group by group), and
     # agent= with tools= (the agent gets them)
     for trainer in (_trainer(tools=[print]), _trainer(rollout_func=print)):
-        assert PartialRollouts._partial_refusal(trainer) is None
+        assert _partial_refusal(trainer) is None
     assert _request_turns_refusal(_trainer(rollout_func=print)) is None
     assert _agent(rollout_backend="vllm") is None
     assert _agent_refusal(_trainer(tools=[print], args=SimpleNamespace(
@@ -148,7 +153,7 @@ at TP=1 and TP=2."""
 
 
 @pytest.mark.parametrize("option, off, check", [
-    ("rollout_partial=True", "rollout_partial=False", PartialRollouts._partial_refusal),
+    ("rollout_partial=True", "rollout_partial=False", _partial_refusal),
     ("rollout_dispatch='balanced'", "rollout_dispatch='shares'", EngineSetup.dispatch_refusal),
     ("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", _request_turns_refusal)])
 def test_the_hf_engine_chosen_by_auto_is_refused_with_the_tables_reason(tmp_path, option, off, check):

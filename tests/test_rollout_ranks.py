@@ -318,12 +318,11 @@ def test_the_steps_whose_jobs_answer_their_pool_are_those_saved_after(strategy, 
     first case fails."""
     from types import SimpleNamespace
 
-    from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
+    from trl_nrollout.trainer.remote_partial import saves_after
 
-    trainer = SimpleNamespace(args=SimpleNamespace(save_strategy=strategy, save_steps=save_steps),
-                              state=SimpleNamespace(save_steps=save_steps, max_steps=max_steps),
-                              layout=SimpleNamespace(optimizer_steps_per_rollout=span))
-    assert [k for k in range(5) if RemotePartialRollouts._saves_after(trainer, k)] == saving
+    args = SimpleNamespace(save_strategy=strategy, save_steps=save_steps)
+    state = SimpleNamespace(save_steps=save_steps, max_steps=max_steps)
+    assert [k for k in range(5) if saves_after(args, state, span, k)] == saving
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -1,7 +1,7 @@
 """The pool step of partial rollouts (``rollout_partial=True``): one step for every episode kind and placement.
 
 A partial rollout keeps groups in flight from step to step. Wherever the pool lives (on the trainers, colocated:
-:mod:`trl_nrollout.trainer.partial` and :mod:`trl_nrollout.trainer.agents`; on the rollout ranks:
+:mod:`trl_nrollout.trainer.pool_rounds`, the rounds of :mod:`trl_nrollout.trainer.partial`'s pool; on the rollout ranks:
 :mod:`trl_nrollout.rollout.remote_partial`), each step runs :func:`pool_step`:
 
 1. **top-up**: the pool should hold ``ceil(target * (1 + oversample))`` groups once the step's ``target`` new groups
@@ -98,7 +98,7 @@ class PoolCounts:
         return [self.aborted, self.restarted, self.pool_groups, self.engine_steps, self.dropped]
 
     def row(self, staleness: list[int]) -> list:
-        """The log row of one rank (:meth:`~trl_nrollout.trainer.partial.PartialRollouts._log_partial`): the counts
+        """The log row of one rank (:func:`~trl_nrollout.trainer.pool_host.log_partial`): the counts
         with the max and mean ``staleness`` (versions, one per sample trained) before ``dropped``."""
         return [self.aborted, self.restarted, self.pool_groups, self.engine_steps, max(staleness),
                 sum(staleness) / len(staleness), self.dropped]

@@ -21,7 +21,7 @@ answer and its reward as it returns it.
 The episode kind is :class:`EndpointAgents` (:mod:`trl_nrollout.trainer.episodes`); with
 ``rollout_dispatch="balanced"`` over several engines the ranks pull groups of the job's rows from one queue, run them
 on their own endpoints and send the finished episodes home. A partial rollout of agents (a pool of live episodes) is
-:meth:`AgentRollouts._agent_partial_round`.
+:class:`~trl_nrollout.trainer.pool_rounds.LiveRound`.
 
 Reward: without ``reward_funcs`` the agent's number is the reward (:func:`agent_reward`); with them, every function
 gets ``agent_reward`` (and a dict result's keys) as keyword arguments.
@@ -30,7 +30,6 @@ gets ``agent_reward`` (and a dict result's keys) as keyword arguments.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,7 +39,6 @@ from accelerate.utils import gather_object
 from trl_nrollout.config.checks import agent_dependencies_refusal
 from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
-from trl_nrollout.rollout.agent_pool import AgentPool
 from trl_nrollout.rollout.agent_runs import (
     EpisodeRun,
     EpisodeRunner,
@@ -50,7 +48,6 @@ from trl_nrollout.rollout.agent_runs import (
 )
 from trl_nrollout.rollout.dispatch import PullStats
 from trl_nrollout.rollout.func_pool import FuncRunner, func_samples, samples_batch
-from trl_nrollout.rollout.pool import LiveGroups, PoolStep, live_balanced, live_shares, pool_step
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.episodes import Episode, EpisodeJob
 from trl_nrollout.trainer.stages import Sample
@@ -288,76 +285,3 @@ class EndpointAgents:
                 self.log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
                     len(inputs))}), claims=1, busy_s=run.wall_s), len(inputs), n)
         return self.records.batch(run.records, job.prompts, n, offset, mode, run.serve, run.wall_s, prompt_ids)
-
-
-class AgentRollouts:
-    """Mixin of :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer`: the partial rollout of agent episodes (a
-    pool of live episodes; the partial pool's part to be, see trainer/partial.py)."""
-
-    _agent_pool = None
-
-    def _agent_close(self) -> None:
-        if self._agent_pool is not None:
-            self._agent_pool.close()
-            self._agent_pool = None
-
-    def _agent_partial_round(self, ctx, round_: int = 0):
-        """A partial rollout of agent episodes (:mod:`trl_nrollout.rollout.agent_pool`): the step's new groups (and
-        ``rollout_partial_oversample``'s) join this rank's pool, stale groups start again, the pool runs until as
-        many of its groups have finished as the rank drew prompts, and those train (the job's samples, gathered):
-        the pool step of :func:`~trl_nrollout.rollout.pool.pool_step`. The pool's groups are mirrored into
-        ``_partial_pool`` (rows only), so a checkpoint keeps them and a resumed run starts them again."""
-        from trl_nrollout.rollout.partial import InFlightGroup
-
-        args, n, mode = self.args, ctx.n, ctx.mode
-        version, rank, engine = self.state.global_step, self.accelerator.process_index, self.rollout_engine
-        t0 = time.perf_counter()
-        pool = self._agent_pool_start()
-        sampling = self._sampling(mode, round_=round_)
-        pool.seed_with(sampling)
-        if not pool.groups and self._partial_pool:  # restored from a checkpoint: its groups start again
-            restored = list(self._partial_pool)
-            pool.add([g.key for g in restored], [g.payload["row"] for g in restored],
-                     [g.payload["prompt"] for g in restored], n, version)
-
-        def grow(need: int) -> list[tuple]:  # this rank's rows and its top-ups (drawn as DAPO draws)
-            rows = ctx.inputs[::n] + (self._draw_inputs(need)[::n] if need else [])
-            prompts = self._start_episodes(rows)[0]
-            return [((version, round_, rank, g), row, p) for g, (row, p) in enumerate(zip(rows, prompts))]
-
-        balanced = args.rollout_dispatch == "balanced" and engine.balances_job
-        episodes = (live_balanced(engine, sampling, n, version, rank, self.layout.engine_of_rank) if balanced
-                    else live_shares(engine, sampling, n, version))
-        step = pool_step(LiveGroups(pool, n, episodes),
-                         PoolStep(version, args.max_staleness, len(ctx.inputs) // n, args.rollout_partial_oversample),
-                         grow)
-        if step.run.moved is not None:
-            self._metric(mode, "rollout/moved_groups", step.run.moved)
-        engine.sleep()
-        self._partial_pool = [InFlightGroup.fresh(g.key, [], n, payload={"row": g.row, "prompt": g.prompt})
-                              for g in pool.groups]
-        chosen, stats = step.chosen, step.run.stats
-        inputs = [g.row for g in chosen for _ in range(n)]
-        prompts = [g.prompt for g in chosen for _ in range(n)]
-        records = [r for g in chosen for r in g.records]
-        batch, episode = self._records_batch(records, prompts, n, rank * len(inputs), mode, stats,
-                                             time.perf_counter() - t0)
-        self.generation_clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
-        counts = gather_object([step.counts.row([version - g.version for g in chosen])])
-        self._log_partial(mode, counts, counts, counts)  # a pool per rank; its calls carried are its own
-        return self._round_of(inputs, prompts, batch, episode, ctx, t0, rows=inputs)
-
-    def _agent_pool_start(self):
-        """This rank's pool of agent episodes (or of a ``rollout_func``'s groups) in flight, with an endpoint of its
-        own (started once)."""
-        if self._agent_pool is None:
-            self._agent_pool = AgentPool(
-                self._episode_runner(),
-                start_endpoint(self._tokenizer, **self._endpoint_settings(self.rollout_engine.max_model_len)),
-                self.accelerator.process_index, self.accelerator.num_processes)
-        return self._agent_pool
-
-    def _episode_runner(self):
-        """What runs this trainer's episodes on an endpoint (:func:`episode_runner`)."""
-        return episode_runner(self.agent, self.rollout_func, self, self.args, self.num_generations,
-                              self.rollout_engine.max_model_len, self.tools)

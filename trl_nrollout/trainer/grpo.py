@@ -10,9 +10,11 @@ One rollout step (``_generate_and_score_completions``) is a sequence of stages, 
 TRL's hooks hand their work to parts built once in ``__init__`` (:meth:`_build_parts`): ``logprob_passes``
 (:mod:`.logprob_stage`), ``advantage_stage``, ``policy_update`` (:mod:`.update`: ``_compute_loss``,
 ``training_step``), ``budgeted_update`` (``compute_loss``), under one ``forward_rules``; ``engine_setup`` (which
-engine generates, its checked start, each weight push), ``scoring`` and ``rollout_ranks`` (:mod:`.rollout_ranks`:
-engines on rollout ranks, their jobs written ahead; ``get_batch_samples``, ``train``, ``evaluate``). The rest of
-the rollout side is still mixins. TRL's loop does the rest (data order, buffering, accumulation, optimizer, logging).
+engine generates, its checked start, each weight push), ``scoring``, ``collector`` (:mod:`.collector`: the rollout,
+its episode kind chosen once), ``rollout_ranks`` (:mod:`.rollout_ranks`: engines on rollout ranks, their jobs written
+ahead; ``get_batch_samples``, ``train``, ``evaluate``), ``partial_pool`` (:class:`~.partial.PartialPool`:
+``rollout_partial``'s groups in flight) and ``teacher`` (:mod:`.teacher`). TRL's loop does the rest (data order,
+buffering, accumulation, optimizer, logging).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from trl_nrollout.rollout.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.advantage_stage import AdvantageStage, RewardCalls
-from trl_nrollout.trainer.agents import AgentRollouts, agent_refusal, agent_reward_funcs, endpoint_settings
+from trl_nrollout.trainer.agents import agent_refusal, agent_reward_funcs, endpoint_settings
 from trl_nrollout.trainer.batches import assign, check_balance, trl_batch
 from trl_nrollout.trainer.budgeted_update import (
     BudgetedMicroBatches,
@@ -78,10 +80,9 @@ from trl_nrollout.trainer.multiturn import (
     log_turns,
     request_turns_refusal,
 )
-from trl_nrollout.trainer.partial import PartialRollouts
+from trl_nrollout.trainer.partial import PartialPool, check_partial
 from trl_nrollout.trainer.progress import LiveProgressCallback
 from trl_nrollout.trainer.prompts import check_prompts
-from trl_nrollout.trainer.remote_partial import RemotePartialRollouts
 from trl_nrollout.trainer.rollout_ranks import RolloutRankPlacement, rank_worker
 from trl_nrollout.trainer.scoring import RewardFunctionError, RewardScoring, Scores  # noqa: F401 - public here
 from trl_nrollout.trainer.stages import (
@@ -99,12 +100,13 @@ from trl_nrollout.trainer.update import EntropyControl, LossConfig, MicroStep, P
 logger = logging.getLogger(__name__)
 
 
-class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts, GRPOTrainer):
+class NRolloutGRPOTrainer(GRPOTrainer):
     """Drop-in replacement of ``trl.GRPOTrainer``: same constructor, verl's rollout stage inside.
 
     ``model`` may also be a built-in name such as ``"builtin:tiny-qwen2"``. ``args`` may be an
     :class:`NRolloutConfig` or a plain ``GRPOConfig`` (converted).
     """
+    partial_pool: PartialPool | None = None  # rollout_partial: the groups in flight, their round and checkpoint (a part)
 
     def __new__(cls, *args, **kwargs):
         """On a rollout rank (``rollout_ranks``) the trainer is a :class:`~.rollout_ranks.RolloutRankWorker`: the
@@ -165,9 +167,7 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
         self.rollout_engine = (self.rollout_ranks.engines if self.rollout_ranks is not None
                                else self.engine_setup.start(args.rollout_backend))
         self.rollout_backend = self.engine_setup.rollout_backend  # "hf" where a vLLM start fell back
-        self._partial_pool = []  # rollout_partial: this engine's groups in flight, carried from step to step
-        if args.rollout_partial:
-            self._check_partial()
+        check_partial(self.rollout_backend, self.tools, args, self.accelerator.is_main_process)  # (rollout_partial)
         if self.agent is not None and (why := agent_refusal(args, self.rollout_backend, getattr(
                 self, "environment_factories", None), self.rollout_func)) is not None:
             raise UnsupportedTRLOption(why)
@@ -239,8 +239,8 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
         """This rank's state beside the model's: the generator that draws DAPO's extra prompts (a subclass adds its
         own, e.g. PPO's critic)."""
         save_rank_state(folder, self.accelerator.process_index, self._prompt_rng, self.rollout_engine)
-        if self.args.rollout_partial:
-            self._save_partial_pool(folder)
+        if self.partial_pool is not None:
+            self.partial_pool.save(folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """transformers restores the optimizer and scheduler; the rollout stage restores the KL controller's
@@ -253,12 +253,13 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
         rank, engine = self.accelerator.process_index, self.rollout_engine  # engine: the jobs written ahead
         if (kl_coef := load_rollout_state(checkpoint, rank, self._prompt_rng, engine)) is not None:
             self.kl_ctrl.value = kl_coef
-        if self.args.rollout_partial:
-            self._load_partial_pool(checkpoint)
+        if self.partial_pool is not None:
+            self.partial_pool.load(checkpoint)
 
     def close(self) -> None:
         """Release the rollout engines (call after training, before tearing down torch.distributed)."""
-        self._agent_close()
+        if self.partial_pool is not None:  # (live agents' endpoint)
+            self.partial_pool.close()
         if "collector" in self.__dict__:  # (built once the engine started)
             self.collector.close()
         close = getattr(self.rollout_engine, "close", None)
@@ -287,6 +288,7 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
                                                     sp=self._sp, pad_to_multiple_of=self.pad_to_multiple_of,
                                                     fsdp=self.is_fsdp_enabled)
         self.teacher = TeacherTerm.build(args, self.model, acc, self.is_deepspeed_enabled, self.logprob_passes, metrics)
+        self.partial_pool = PartialPool.of(self) if args.rollout_partial else None
 
     def _is_peft(self) -> bool:
         return is_peft_model(self.accelerator.unwrap_model(self.model))
@@ -450,10 +452,8 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
         """Generate and score the step's samples, with DAPO's extra rounds when ``filter_groups`` asks, or from the
         pool of groups in flight with ``rollout_partial`` (:mod:`trl_nrollout.trainer.partial`): the job's samples
         ``[G]`` and rewards ``[G, F]``, the same on every rank."""
-        if ctx.mode == "train" and self.args.rollout_partial:
-            collected = self._partial_round(ctx)
-        else:
-            collected = self._one_round(ctx.inputs, ctx)
+        partial = ctx.mode == "train" and self.partial_pool is not None
+        collected = self.partial_pool.round(ctx) if partial else self._one_round(ctx.inputs, ctx)
         if ctx.mode == "train" and self.args.filter_groups:
             collected = self._dynamic_sampling(collected, ctx)
         self._metric(ctx.mode, "timing_s/gen", collected.gen_s)
@@ -486,10 +486,9 @@ class NRolloutGRPOTrainer(RemotePartialRollouts, AgentRollouts, PartialRollouts,
                     or pool.extra_rounds >= self.args.filter_groups_max_rounds):
                 break
             more = self._draw_inputs(len(ctx.inputs) // n)
-            if self.args.rollout_partial:  # the pool runs on, with these prompts joining it
-                pool = pool.then(self._partial_round(replace(ctx, inputs=more), round_=pool.extra_rounds + 1))
-            else:
-                pool = pool.then(self._one_round(more, ctx, round_=pool.extra_rounds + 1))
+            r = pool.extra_rounds + 1  # rollout_partial: the pool runs on, with these prompts joining it
+            pool = pool.then(self.partial_pool.round(replace(ctx, inputs=more), r) if self.partial_pool is not None
+                             else self._one_round(more, ctx, round_=r))
         chosen, filler = select_groups(sorted(set(group_of)), const, total_groups)
         self._metric(ctx.mode, "dynamic_sampling/rounds", pool.extra_rounds)
         self._metric(ctx.mode, "dynamic_sampling/filtered_groups", len(const))

@@ -29,6 +29,7 @@ from trl_nrollout.rollout.remote_serve import serve
 from trl_nrollout.rollout.remote_tool_episodes import EpisodeJob, agent_settings, env_tool_schemas
 from trl_nrollout.rollout.types import SamplingOptions
 from trl_nrollout.trainer.metrics import Metrics
+from trl_nrollout.trainer.remote_partial import engine_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,10 @@ class RolloutRankPlacement:
                              and (args.rollout_multi_turn == "requests" or args.rollout_partial))
         calls = RankCalls(
             state=lambda: trainer.state, sampling=trainer._sampling, start_episodes=trainer._start_episodes,
-            engine_prompts=trainer._engine_prompts, partial_job=trainer._partial_job, reset_env=trainer._reset_env,
+            engine_prompts=lambda prompts: engine_prompts(prompts, trainer._encode_images,
+                                                          lambda p: trainer._tokenize_prompts(p)[0]),
+            partial_job=lambda step, rows: trainer.partial_pool.job(step, rows),  # (the pool: built after this part)
+            reset_env=lambda key, k: trainer.partial_pool.reset_env(key, k),
             log_agent_stats=trainer._log_agent_stats,
             live_environments=lambda: (trainer.environments, trainer._batch_environments),
             set_live_environments=lambda envs, names: (setattr(trainer, "environments", envs),
@@ -160,10 +164,10 @@ class RolloutRankPlacement:
         """The ``agent`` entry of a job whose samples are whole tool episodes (the step and mode seed their turns
         as the colocated loop's; with environments, where their calls go home) or ``agent=`` episodes (with this
         rank's ``rows``, TRL's, each ``n`` times: the trainers' entries are joined in rank order), or None for
-        single-turn jobs (a partial job's: the partial pool's ``_partial_job``)."""
+        single-turn jobs (a partial job's: :meth:`~trl_nrollout.trainer.remote_partial.RemoteRound.job`)."""
         if self.agents:
             return EpisodeJob(step, mode, rows=[dict(row) for row in rows])
-        if not self.request_tools or self.args.rollout_multi_turn != "requests":  # (partial's: _partial_job)
+        if not self.request_tools or self.args.rollout_multi_turn != "requests":  # (partial's: the pool's job)
             return None
         if not self.environments:
             return EpisodeJob(step, mode)
