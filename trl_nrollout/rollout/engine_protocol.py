@@ -283,6 +283,14 @@ class Jobs(Protocol):
         """The trainers' ``train()`` / ``evaluate()`` returned: so do the rollout ranks'."""
         ...
 
+    def jobs_ahead(self) -> list | None:
+        """Trainer rank 0, at a checkpoint: the jobs written ahead with their results (None: nothing to keep)."""
+        ...
+
+    def restore_jobs_ahead(self, saved: list) -> None:
+        """Trainer rank 0, at a resume: a checkpoint's :meth:`jobs_ahead` become this run's jobs written ahead."""
+        ...
+
 
 @runtime_checkable
 class PrefillCounts(Protocol):
