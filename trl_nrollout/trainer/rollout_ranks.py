@@ -105,7 +105,7 @@ class RolloutRankPlacement:
             set_live_environments=lambda envs, names: (setattr(trainer, "environments", envs),
                                                        setattr(trainer, "_batch_environments", names)))
         part = cls(args, trainer.layout, Metrics(trainer._metrics), calls, num_generations=trainer.num_generations,
-                   environments=trainer._has_environments, agents=trainer.agent is not None or grouped_func,
+                   environments=getattr(trainer, "environment_factories", None) is not None, agents=trainer.agent is not None or grouped_func,
                    request_tools=request_tools)
         part.start(trainer.engine_setup, trainer.model, trainer.processing_class, trainer.chat_template,
                    trainer.chat_template_kwargs, trainer._endpoint_settings,
