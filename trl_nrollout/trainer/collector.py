@@ -7,7 +7,7 @@ the table :data:`KINDS`); each rollout is then
     episodes started (environments reset) -> prompts tokenized and checked (kinds that take tokens)
     -> kind.run(EpisodeJob) -> (RolloutBatch, Episode) -> the engine sleeps, the generation clock counts
 
-The rollout-rank placement's calls (the trainer's ``RolloutRanks`` side) come in as callables (:class:`Placement`);
+The rollout-rank placement's calls (the part :class:`~trl_nrollout.trainer.rollout_ranks.RolloutRankPlacement`) come in as callables (:class:`Placement`);
 None where the engines are colocated.
 """
 
@@ -45,7 +45,7 @@ from trl_nrollout.trainer.multiturn import HomeToolCalls, Limits, ToolRequests, 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the engines live: with rollout ranks, their calls (the trainer's ``RolloutRanks`` side): a single-turn
+    """Where the engines live: with rollout ranks, their calls (the part ``RolloutRankPlacement``): a single-turn
     job (``generate``), whole tool episodes request by request (``request_turns``), and an agent job's entry, the
     jobs written ahead and the step's log (``agent_job``, ``ahead_jobs``, ``log_remote``). ``remote=False``:
     colocated, none of them is called."""
