@@ -159,6 +159,61 @@ def test_a_reference_pass_costs_what_the_old_policy_pass_costs(dims, work, dev):
     assert with_kl.total_s == pytest.approx(without.total_s + with_kl.phases["ref_log_prob"])
 
 
+@settings(max_examples=60, deadline=None)
+@given(dims=dims_st, teacher=dims_st, work=work_st, dev=device_st, world=st.sampled_from([1, 2, 8]))
+def test_a_teacher_costs_its_forward_over_the_reference_cut_and_its_weights(dims, teacher, work, dev, world):
+    """On-policy distillation's teacher adds a forward of the reference pass's tokens at the teacher's size (the
+    policy's own size: exactly the reference pass's seconds), turns the old-policy pass on (the term compares the
+    student's log-probs), and holds its weights on each trainer (split over them when sharded), as the reference model
+    is held. Mutations tried: pricing the teacher at the policy's dims -> the 2x-teacher's phase equals the
+    reference's; leaving the old pass skipped on-policy -> the first assertion fails; not splitting the weights -> the
+    sharded bytes are off by the world size."""
+    layout = _layout(world=world)
+    plain = predict_step(dims, layout, replace(work, kl=True), dev)
+    assert plain.phases["teacher_log_prob"] == 0 and plain.details["teacher_weight_bytes"] == 0
+    same = predict_step(dims, layout, replace(work, kl=True, teacher=dims), dev)
+    assert same.phases["old_log_prob"] > 0 and same.phases["old_log_prob"] == pytest.approx(
+        predict_step(dims, layout, replace(work, kl=True, skip_old_on_policy=False), dev).phases["old_log_prob"])
+    assert same.phases["teacher_log_prob"] == pytest.approx(same.phases["ref_log_prob"])
+    bigger = predict_step(dims, layout, replace(work, kl=True, teacher=teacher), dev)
+    held = teacher.num_parameters * teacher.dtype_bytes / (world if work.sharded else 1)
+    assert bigger.train_bytes - plain.train_bytes == pytest.approx(held, abs=1)
+    if teacher.matmul_params > 2 * dims.matmul_params and teacher.num_hidden_layers >= dims.num_hidden_layers:
+        assert bigger.phases["teacher_log_prob"] > same.phases["teacher_log_prob"]
+
+
+def test_a_reference_model_is_held_beside_the_policy_without_lora():
+    """A KL term's reference model is a copy of the policy's weights in their dtype (split over the trainers with
+    ZeRO-3 / FSDP); with LoRA the reference is the base with the adapter off, no copy. Mutation tried: dropping the
+    reference's bytes -> the first difference is 0."""
+    layout = _layout(world=4)
+    work = Workload(prompt_len=128, completion_mean=256, completion_max=512)
+    weights = QWEN7.num_parameters * QWEN7.dtype_bytes
+    for sharded, split in ((False, 1), (True, 4)):
+        w = replace(work, sharded=sharded)
+        gained = (predict_step(QWEN7, layout, replace(w, kl=True), PROFILES["h100"]).train_bytes
+                  - predict_step(QWEN7, layout, w, PROFILES["h100"]).train_bytes)
+        assert gained == pytest.approx(weights / split, abs=1)
+    lora = replace(work, lora_r=16)
+    assert (predict_step(QWEN7, layout, replace(lora, kl=True), PROFILES["h100"]).train_bytes
+            == predict_step(QWEN7, layout, lora, PROFILES["h100"]).train_bytes)
+
+
+def test_plan_predict_prices_a_recipes_teacher(capsys):
+    """`plan --predict` with a teacher: the step gains the teacher's row and its weights in the trainer's memory;
+    without one, no teacher row. Mutation tried: the teacher option not read from the flags -> no row."""
+    from trl_nrollout.cli import main
+
+    base = ["plan", "--num-processes", "4", "--train-batch-size", "8", "--rollout-n", "4", "--model",
+            "Qwen/Qwen2.5-7B-Instruct", "--device", "h100", "--predict", "--no-memory", "--trainer-sharding", "zero3"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main([*base, "--teacher-model-name-or-path", "Qwen/Qwen2.5-7B-Instruct"]) == 0
+    taught = capsys.readouterr().out
+    assert "teacher_log_prob" not in plain and "teacher's weights" not in plain
+    assert "teacher_log_prob" in taught and "teacher's weights 3.55 GiB" in taught, taught  # 7.62B x 2 B / 4
+
+
 @settings(max_examples=150, deadline=None)
 @given(dims=dims_st, work=work_st, dev=device_st, trainers=st.sampled_from([1, 2, 4, 8]),
        engines=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2]))
@@ -381,7 +436,7 @@ def test_suggest_gives_rollout_ranks_a_dedicated_devices_memory():
     0.9 of the device fits by default and is refused at 0.5."""
     from trl_nrollout.plan.roles import ROLLOUT_RANK_GPU_MEMORY_UTILIZATION
 
-    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=True, sharded=True,
+    work = Workload(prompt_len=150, completion_mean=300, completion_max=1024, kl=False, sharded=True,
                     padfree_rows=True, update_token_budget=2048)  # small: a 24 GiB trainer
     kw = dict(n_values=[12], max_num_seqs_values=[64, 256, 1024], rollout_ranks=True)
     dev = replace(PROFILES["l40s"], memory_gib=24)

@@ -59,7 +59,7 @@ from trl_nrollout.plan.shapes import PassShape, pass_shape, update_shape
 from trl_nrollout.plan.workload import Workload
 
 #: the phases of a predicted step, in order
-PHASES = ("generation", "weight_sync", "old_log_prob", "ref_log_prob", "update")
+PHASES = ("generation", "weight_sync", "old_log_prob", "ref_log_prob", "teacher_log_prob", "update")
 #: bytes per trained parameter: bf16 weights and gradients, fp32 master weights and two Adam moments
 TRAIN_BYTES_PER_PARAM = 2 + 2 + 4 + 4 + 4
 #: what the optimizer reads and writes per parameter of its shard in a step (states, master, grads, weights)
@@ -218,10 +218,21 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
         return _compute_s(p, dims, dev) / sp + p.forwards * (dev.forward_s + gather) + all_to_all_s(dims, p.tokens, sp,
                                                                                                    dev)
 
-    on_policy = layout.optimizer_steps_per_rollout == 1 and work.skip_old_on_policy
+    # the teacher term compares the student's log-probs with the teacher's: the old-policy pass runs with a teacher
+    on_policy = layout.optimizer_steps_per_rollout == 1 and work.skip_old_on_policy and work.teacher is None
     old_shape, ref_shape = shape(layout.old_log_prob), shape(layout.ref_log_prob)
     old_s = 0.0 if on_policy else forward_s(old_shape)
     ref_s = forward_s(ref_shape) if work.kl else 0.0
+    frozen_split = layout.data_parallel_size * sp if work.sharded else 1  # ZeRO-3 / FSDP split a frozen model too
+    # TRL's reference model: a copy of the policy's weights (with LoRA, the base with the adapter off: no copy)
+    ref_bytes = math.ceil(dims.num_parameters * dims.dtype_bytes / frozen_split) if work.kl and work.lora_r is None else 0
+    teacher_s, teacher_bytes = 0.0, 0
+    if work.teacher is not None:  # the reference pass's cut, the teacher's size; sharded as the reference is
+        t = work.teacher
+        teacher_s = (_compute_s(ref_shape, t, dev) / sp + ref_shape.forwards * (dev.forward_s + _gather_s(t, layout,
+                                                                                                          work, dev))
+                     + all_to_all_s(t, ref_shape.tokens, sp, dev))
+        teacher_bytes = math.ceil(t.num_parameters * t.dtype_bytes / frozen_split)
     update = update_shape(layout, work, dims.dtype_bytes)
     micro = update.forwards * layout.ppo_epochs
     dp = layout.data_parallel_size * sp  # ZeRO / FSDP shard and DDP reduces over every trainer (Ulysses groups too)
@@ -244,7 +255,7 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
         old_s += forward_s(old_shape)
         update_s *= 2
     phases = {"generation": gen_s, "weight_sync": sync_s, "old_log_prob": old_s, "ref_log_prob": ref_s,
-              "update": update_s}
+              "teacher_log_prob": teacher_s, "update": update_s}
     total = sum(phases.values())
     kv = estimate_kv(num_layers=dims.num_hidden_layers, num_kv_heads=dims.num_key_value_heads,
                      head_dim=dims.head_dim, dtype_bytes=dims.dtype_bytes, prompt_len=math.ceil(work.prompt_len),
@@ -253,7 +264,7 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
                      n=layout.rollout_n, tp_size=layout.rollout_tp_size, max_num_seqs=work.max_num_seqs)
     engine_weights = math.ceil(dims.num_parameters * dims.dtype_bytes / layout.rollout_tp_size)
     engine_bytes = engine_weights + kv.bytes_per_gpu_shared
-    train_bytes = math.ceil(trainer_state_bytes(dims, work, dp) * (2 if work.critic else 1))
+    train_bytes = math.ceil(trainer_state_bytes(dims, work, dp) * (2 if work.critic else 1)) + ref_bytes + teacher_bytes
     from trl_nrollout.plan.activations import activation_bytes_per_token
 
     activation_bytes = math.ceil(update.slots_per_forward / sp * activation_bytes_per_token(
@@ -265,7 +276,8 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
                    optimizer_s=optimizer_s, weight_sync_bytes=sync_bytes, sequence_parallel_size=sp,
                    all_to_all_s=update_a2a + (0.0 if on_policy else all_to_all_s(dims, old_shape.tokens, sp, dev))
                    + (all_to_all_s(dims, ref_shape.tokens, sp, dev) if work.kl else 0.0),
-                   lora_sync=work.lora_sync if work.lora_r is not None else None)
+                   lora_sync=work.lora_sync if work.lora_r is not None else None, ref_weight_bytes=ref_bytes,
+                   teacher_weight_bytes=teacher_bytes)
     return StepPrediction(phases=phases, total_s=total, samples_per_s=layout.total_samples / total,
                           engine_bytes=engine_bytes, train_bytes=train_bytes, details=details,
                           activation_bytes=activation_bytes)

@@ -79,6 +79,10 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
                                "generation at the device's LoRA slowdown) or auto (the cheaper step). Default auto."),
     ("gradient_checkpointing", bool, "TRL's gradient_checkpointing: the update's activation memory and the default "
                                      "token budget. Default true (TRL's)."),
+    ("teacher_model_name_or_path", str, "On-policy distillation's teacher (the trainer's teacher_model_name_or_path; "
+                                        "--predict, --suggest): its forward over the sampled tokens (and the "
+                                        "old-policy pass it needs) and its weights, held as the reference model's "
+                                        "are, are priced."),
 ]
 #: recipe keys a plan reads that have no flag: the trainer (PPO's critic rows), the critic's micro batches, and
 #: what --predict needs to know of the loss and the engine's sleep mode

@@ -25,6 +25,7 @@ from trl_nrollout.plan.readers import (
     engine_utilization,
     lora_rank,
     rows_varlen,
+    teacher_dims_of,
 )
 from trl_nrollout.plan.search import memory_checks, predict_split
 from trl_nrollout.plan.search import suggest as search
@@ -84,6 +85,7 @@ def workload_of(values: dict[str, Any], budget: UpdateBudget | None = None) -> t
                         update_token_budget=None if budget is None else budget.tokens,
                         gradient_checkpointing=values.get("gradient_checkpointing") is not False,
                         pool_factor=pool_factor(values), partial=bool(values.get("rollout_partial")),
+                        teacher=teacher_dims_of(values),
                         lora_sync="adapter" if lora is not None and lora_sync_mode(values) == "adapter" else "merged")
     except ValueError as err:
         raise PlanError(str(err)) from None
@@ -236,7 +238,8 @@ def verdict(values: dict[str, Any], dims: ModelDims, layout: RolloutLayout | Non
 
 def prediction_rows(pred: StepPrediction) -> list[tuple[str, str]]:
     d = pred.details
-    rows = [(f"  {phase}", f"{pred.phases[phase]:.3g} s") for phase in PHASES]
+    rows = [(f"  {phase}", f"{pred.phases[phase]:.3g} s") for phase in PHASES
+            if phase != "teacher_log_prob" or pred.phases[phase] > 0]  # the teacher's row only with a teacher
     rows += [("  step", f"{pred.total_s:.3g} s -> {pred.samples_per_s:.3g} samples/s"),
              ("  decode", f"{d['decode_steps']:.0f} engine steps x {d['decode_step_s'] * 1e3:.3g} ms "
                           f"({d['mean_running']:.0f} sequences running on average, {d['decode_bound']}-bound)"),
@@ -253,7 +256,11 @@ def prediction_rows(pred: StepPrediction) -> list[tuple[str, str]]:
                                   "full weights, the LoRA adapter merged in" if d.get("lora_sync") else "full weights")
                                + ")"),
              ("  memory per device", f"engine {pred.engine_bytes / 2**30:.3g} GiB (weights + KV), trainer "
-                                     f"{pred.train_bytes / 2**30:.3g} GiB (weights, grads, Adam) + "
+                                     f"{pred.train_bytes / 2**30:.3g} GiB (weights, grads, Adam"
+                                     + "".join(f"; the {who}'s weights {d[key] / 2**30:.3g} GiB"
+                                               for who, key in (("reference", "ref_weight_bytes"),
+                                                                ("teacher", "teacher_weight_bytes")) if d.get(key))
+                                     + ") + "
                                      f"{pred.activation_bytes / 2**30:.3g} GiB (update activations)")]
     return rows
 

@@ -51,6 +51,21 @@ def dims_of(values: dict[str, Any]) -> ModelDims:
         raise PlanError(f"model_name_or_path={model!r}: {err}") from None
 
 
+def teacher_dims_of(values: dict[str, Any]) -> ModelDims | None:
+    """The teacher's dimensions of ``plan`` options (``teacher_model_name_or_path``, in the policy's ``dtype``, as
+    the trainer loads it); None without a teacher."""
+    teacher = values.get("teacher_model_name_or_path")
+    if not teacher:
+        return None
+    from trl_nrollout.plan.models import model_dims
+
+    dtype = values.get("dtype")
+    try:
+        return model_dims(str(teacher), dtype=None if dtype in (None, "auto") else dtype)
+    except (OSError, ValueError) as err:
+        raise PlanError(f"teacher_model_name_or_path={teacher!r}: {err}") from None
+
+
 def rows_varlen(values: dict[str, Any]) -> bool:
     """Whether the trainer's padding-free rows run varlen attention for ``plan`` options: padding-free, a device whose
     profile says so (:attr:`~trl_nrollout.plan.devices.DeviceProfile.varlen_attention`: CUDA), half precision

@@ -261,7 +261,7 @@ def predict_split(dims: ModelDims, engines: RolloutLayout, trainers: RolloutLayo
     on another node than trainer rank 0), after the trainers' gather of a sharded model."""
     gen = predict_step(dims, engines, work, dev)
     train = predict_step(dims, trainers, work, dev)
-    train_s = sum(train.phases[p] for p in ("old_log_prob", "ref_log_prob", "update"))
+    train_s = sum(train.phases[p] for p in ("old_log_prob", "ref_log_prob", "teacher_log_prob", "update"))
     adapter = train.details.get("lora_sync") == "adapter"  # the adapter alone is gathered: no sharded-model gather
     transfer = host_transfer_s(train.details["weight_sync_bytes"], engines.num_processes, cross_node, dev,
                                0.0 if adapter else _gather_s(dims, trainers, work, dev))

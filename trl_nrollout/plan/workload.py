@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from trl_nrollout.plan.dims import ModelDims
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 
 
@@ -77,6 +78,12 @@ class Workload:
     #: partial rollouts (``rollout_partial``): a step ends when its share of groups is complete, the pool's other
     #: samples go on in the next step, so no step waits for the longest completion (the tail is cut)
     partial: bool = False
+    #: on-policy distillation's teacher (``teacher_model_name_or_path``): its forward over every sample's tokens,
+    #: cut as the reference pass is (its micro batches or token budget), with its weights gathered per forward where
+    #: the trainer is sharded; its weights held as the reference model's are (split over the ranks with ZeRO-3 /
+    #: FSDP). The old-policy pass runs whenever a teacher is set (the term compares the student's log-probs).
+    #: None: no teacher
+    teacher: ModelDims | None = None
 
     @property
     def sample_len(self) -> float:
