@@ -149,3 +149,59 @@ def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull(teacher_dir
     batch, student, teacher = seen[0]
     mask = batch["completion_mask"].bool()
     assert logged[0] == pytest.approx(float((student - teacher)[mask].mean()), abs=1e-4)
+
+
+@pytest.mark.vllm
+def test_an_endpoint_agents_calls_each_get_the_teachers_pull_stale_ones_included(teacher_dir, tmp_path):
+    """A black-box agent distilled: an endpoint agent of two calls per episode (an edited history splits some
+    episodes into a row per call), on vLLM with partial rollouts (episodes continue across a weight sync) and rewards
+    without signal. Every recorded call's row gets the teacher's log-probs of a plain teacher forward, and its tokens'
+    advantages are ``-coef * (student - teacher)`` with the *current* student's log-probs (a plain forward of the
+    weights being trained), not the engine's behaviour log-probs a stale call was drawn with: the stale sample is
+    scored by the policy that trains on it and corrected by the decoupled loss as rewards are. Mutations tried: the
+    term read from ``sampling_per_token_logps`` (the behaviour policy) -> the stale rows fail; the teacher skipped
+    for split rows -> fails."""
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.builtin import tool_dataset
+
+    async def agent(client, row):
+        first = await client.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=6)
+        text = first.choices[0].message.content or ""
+        messages = row["prompt"] + [first.choices[0].message.model_dump(exclude_none=True)]
+        if len(text) % 2:  # an edited history: a new conversation (the episode splits into a row per call)
+            messages = [{"role": "user", "content": "Once more: " + row["prompt"][-1]["content"]}]
+        else:
+            messages = messages + [{"role": "user", "content": "Once more."}]
+        await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+        return 0.0
+
+    seen: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+
+    class Capture(NRolloutGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            batch = super()._generate_and_score_completions(inputs)
+            student = self.accelerator.unwrap_model(self.model)
+            seen.append(({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)},
+                         _plain_logps(student, batch, self.temperature),
+                         _plain_logps(self.teacher.model, batch, self.temperature)))
+            return batch
+
+    coef = 0.5
+    args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=4, max_completion_length=8,
+                          max_steps=3, report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0,
+                          logging_steps=1, learning_rate=1e-2, rollout_partial=True,
+                          teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef)
+    trainer = Capture("builtin:tiny-qwen2", args=args, train_dataset=tool_dataset(32), agent=agent)
+    trainer.train()
+    trainer.close()
+    assert len(seen) == 3
+    stale = 0
+    for batch, student, teacher in seen:
+        mask = batch["completion_mask"].bool()
+        torch.testing.assert_close(batch["teacher_per_token_logps"][mask], teacher[mask], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(batch["advantages"][mask], -coef * (student - teacher)[mask], atol=1e-4,
+                                   rtol=1e-4)
+        behaviour = batch["sampling_per_token_logps"]
+        stale += int(((behaviour - student).abs() * mask).amax(1).gt(1e-3).sum())
+    assert stale > 0  # calls drawn by an older policy trained here (the property is about them)
+    assert any(h.get("agent/split_episodes", 0) > 0 for h in trainer.state.log_history)
