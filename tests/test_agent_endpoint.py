@@ -202,12 +202,16 @@ def test_seeded_calls_sample_what_the_engine_samples_for_that_seed(served):
 
 
 @pytest.mark.vllm
-def test_a_request_carried_past_a_step_runs_again_from_its_start(served):
-    """``serve(carry=True)`` (agents' partial rollouts): a step that ends while a request runs aborts it and queues
-    it again, the episode stays open, and the next serve runs it from its start: its agent gets one answer, the
-    tokens a seeded request never interrupted gets; a queued request of an episode closed meanwhile (started again)
-    gets a 404 and never reaches the engine. Mutations tried: the carried request answered with an error (no
-    carry) -> the agent's call fails; closed episodes' calls not filtered -> the closed episode's request runs."""
+def test_a_request_carried_past_a_step_continues_with_its_tokens(served):
+    """``serve(carry=True)`` (agents' and rollout functions' partial rollouts): a step that ends while a request
+    runs aborts it with its tokens kept and queues it again, the episode stays open, and the next serve continues it
+    from its prompt and kept tokens: no token is generated twice. Its agent gets one answer, which starts with the
+    kept tokens (the tokens a seeded request never interrupted draws first) and their log-probs, within the call's
+    ``max_tokens`` in all, recorded with the call's own prompt; a queued request of an episode closed meanwhile
+    (started again) gets a 404 and never reaches the engine. Mutations tried: the kept tokens dropped (the call run
+    from its start, as before issue 65 item 3) -> the answer no longer starts with them; the continuation given the
+    whole ``max_tokens`` -> the answer runs past 24 tokens; closed episodes' calls not filtered -> the closed
+    episode's request runs."""
     from trl_nrollout.rollout.agent_episodes import EpisodeRecord
     from trl_nrollout.rollout.types import SamplingOptions
 
@@ -232,22 +236,33 @@ def test_a_request_carried_past_a_step_runs_again_from_its_start(served):
     endpoint.open(list(records.values()), lambda i, c: 4321)  # every call the same seed
     out: dict = {}
     whole = ask("whole", out)
-    endpoint.serve(engine.request_loop(), params, lambda: not whole.is_alive(), carry=True)
-    loop = engine.request_loop()
+    endpoint.serve(engine.request_loop(stream=True), params, lambda: not whole.is_alive(), carry=True)
+    loop = engine.request_loop(stream=True)
     carried = ask("carried", out)
-    first = endpoint.serve(loop, params, lambda: loop.has_unfinished, carry=True)  # ends while the request runs
+    steps = []  # the step ends after a few engine steps of the request
+
+    def ended() -> bool:
+        steps.append(loop.has_unfinished)
+        return sum(steps) >= 5
+
+    first = endpoint.serve(loop, params, ended, carry=True)
     assert first["carried"] == 1 and carried.is_alive() and not records["carried"].calls
+    queued = next(c for c in list(endpoint.requests.queue) if c.key == "carried")
+    kept, kept_logprobs = list(queued.kept_ids), list(queued.kept_logprobs)
+    assert 0 < len(kept) < 24 and first["kept_tokens"] == len(kept)
     closed = ask("closed", out)
     deadline = time.monotonic() + 60
     while not any(c.key == "closed" for c in list(endpoint.requests.queue)):  # its request waits in the queue
         assert time.monotonic() < deadline, "the closed episode's request never reached the queue"
         time.sleep(0.01)
     endpoint.forget(["closed"])
-    second = endpoint.serve(engine.request_loop(), params, lambda: not carried.is_alive() and not closed.is_alive(),
-                            carry=True)
+    second = endpoint.serve(engine.request_loop(stream=True), params,
+                            lambda: not carried.is_alive() and not closed.is_alive(), carry=True)
     assert second["requests"] == 1  # the carried one; the closed episode's never ran
     assert not isinstance(out["carried"], Exception), out["carried"]
-    assert [c.completion_ids for c in records["carried"].calls] == [c.completion_ids for c in records["whole"].calls]
-    assert len(records["carried"].calls) == 1 and records["carried"].calls[0].completion_ids
+    (call,), (uninterrupted,) = records["carried"].calls, records["whole"].calls
+    assert call.completion_ids[:len(kept)] == kept == uninterrupted.completion_ids[:len(kept)]
+    assert call.logprobs[:len(kept)] == pytest.approx(kept_logprobs)
+    assert len(kept) < len(call.completion_ids) <= 24 and call.prompt_ids == uninterrupted.prompt_ids
     assert "404" in str(out["closed"]) or "episode_closed" in str(out["closed"])
     endpoint.open([], None)

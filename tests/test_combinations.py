@@ -368,7 +368,8 @@ def test_partial_agent_episodes_run_on_across_steps(tmp_path):
     """agent x partial, two processes: one TP=2 engine over both (each rank its own pool and endpoint, the engine's
     ranks exchanging their calls and stopping together), and one engine per rank with max_staleness=0. Each step
     trains the first groups to finish; the others' agents run on past the weight sync (their calls in the engine then
-    aborted and run again at the next step), so groups train one version stale; with max_staleness=0 such groups
+    aborted with their tokens kept and continued at the next step: tests/test_agent_endpoint.py checks the tokens),
+    so groups train one version stale; with max_staleness=0 such groups
     start again instead. The combination's checks, and ``agent_check`` raises unless every sample is scored with its
     own episode's result. Mutations tried: the pool emptied after each step (nothing carried) -> no group trains
     stale, the assertion fails; stale groups never started again -> staleness 1 under max_staleness=0, it fails.

@@ -65,7 +65,9 @@ class PendingCall:
     """A request on its way to the engine: ``prompt_ids`` ``[P]``, at most ``max_tokens`` new tokens, ``stop``
     strings, the sample's ``seed``, its own ``sampling`` (a ``SamplingOptions``: a ``rollout_func``'s call, run
     group by group; None: the trainer's); ``future`` gets ``(completion_ids, logprobs, finish_reason)`` or an
-    exception."""
+    exception. ``kept_ids`` / ``kept_logprobs`` ``[K]``: the tokens the call drew before a step ended and the engine
+    aborted it (partial rollouts); it continues from ``prompt_ids + kept_ids`` on the next step's weights, and its
+    answer is the kept tokens then the new ones, each with the log-prob of the policy that drew it."""
 
     key: str
     prompt_ids: list[int]
@@ -74,6 +76,12 @@ class PendingCall:
     seed: int | None
     sampling: Any = None
     future: Future = field(default_factory=Future)
+    kept_ids: list[int] = field(default_factory=list)
+    kept_logprobs: list[float] = field(default_factory=list)
+
+    def continuation(self) -> tuple[list[int], int]:
+        """What the engine runs now: the prompt with the kept tokens, and the tokens left of ``max_tokens``."""
+        return self.prompt_ids + self.kept_ids, self.max_tokens - len(self.kept_ids)
 
 
 @dataclass
@@ -219,14 +227,19 @@ class AgentEndpoint:
         the same steps, seeds included, so the engine's ranks stay in step) and answers its own; the loop ends when
         every rank's episodes are done. Requests still running then (episodes out of time) are aborted and answered
         with an error; every episode is closed when it returns. ``carry`` (a partial rollout: episodes live on past
-        the step): the episodes stay open, and the requests still running are aborted and queued again (they run
-        from their start at the next ``serve``, on the weights then); a queued request of a closed episode is
-        answered with an error. Returns counts: ``engine_steps``, ``requests``, ``idle_s`` (the engine had nothing
-        to run), ``carried`` (requests queued again)."""
+        the step): the episodes stay open, and the requests still running are aborted with their tokens kept and
+        queued again: at the next ``serve`` each continues from its prompt and kept tokens on the weights then (no
+        token is generated twice; each keeps the log-prob of the policy that drew it, which the decoupled loss
+        corrects); a queued request of a closed episode is answered with an error. Returns counts: ``engine_steps``,
+        ``requests``, ``idle_s`` (the engine had nothing to run), ``carried`` (requests queued again),
+        ``kept_tokens`` (their tokens, continued rather than drawn again)."""
         from vllm.inputs import TokensPrompt
 
+        if carry and not engine_loop.stream:
+            raise ValueError("serve(carry=True) continues an aborted request from the tokens it drew, which only a "
+                             "streaming loop reports: pass engine.request_loop(stream=True).")
         running: dict[str, PendingCall | None] = {}  # request id -> this rank's call (None: another rank's)
-        stats = {"engine_steps": 0.0, "requests": 0.0, "idle_s": 0.0, "carried": 0.0}
+        stats = {"engine_steps": 0.0, "requests": 0.0, "idle_s": 0.0, "carried": 0.0, "kept_tokens": 0.0}
 
         def take(block: bool) -> list[PendingCall]:
             calls = []
@@ -257,7 +270,10 @@ class AgentEndpoint:
                 mine = take(block=idle)
                 if idle:
                     stats["idle_s"] += time.perf_counter() - start
-                specs = [(c.prompt_ids, c.max_tokens, c.stop, c.seed, c.sampling) for c in mine]
+                for c in [c for c in mine if c.kept_ids and c.continuation()[1] <= 0]:  # cut on its last token
+                    c.future.set_result((list(c.kept_ids), list(c.kept_logprobs), "length"))
+                mine = [c for c in mine if not c.future.done()]
+                specs = [(*c.continuation(), c.stop, c.seed, c.sampling) for c in mine]
                 finished = done() and not mine
                 everyone = [(specs, finished)] if exchange is None else exchange((specs, finished))
                 for k, (rank_specs, _) in enumerate(everyone):
@@ -269,15 +285,20 @@ class AgentEndpoint:
                         progress = engine_loop.samples[(rid, k)]
                         call = running.pop(rid)
                         if call is not None and not call.future.done():
-                            call.future.set_result((list(progress.token_ids), list(progress.logprobs),
+                            call.future.set_result((call.kept_ids + list(progress.token_ids),
+                                                    call.kept_logprobs + list(progress.logprobs),
                                                     progress.finish_reason))
                     stats["engine_steps"] += 1
         finally:
-            if engine_loop.has_unfinished:
-                engine_loop.abort()
-            if carry:  # the episodes go on: their running requests run again at the next serve
-                for call in running.values():
+            aborted = dict(engine_loop.abort()) if engine_loop.has_unfinished else {}
+            if carry:  # the episodes go on: their running requests continue at the next serve, tokens kept
+                for rid, call in running.items():
                     if call is not None and not call.future.done():
+                        if rid in aborted:
+                            progress = engine_loop.samples[(rid, aborted[rid])]
+                            call.kept_ids = call.kept_ids + list(progress.token_ids)
+                            call.kept_logprobs = call.kept_logprobs + list(progress.logprobs)
+                            stats["kept_tokens"] += len(progress.token_ids)
                         self.requests.put(call)
                         stats["carried"] += 1
             else:

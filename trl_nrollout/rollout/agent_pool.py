@@ -4,8 +4,10 @@ steps.
 A step adds its new groups (``n`` episodes of one dataset row, each its own agent run) to the rank's pool and serves
 the pool's calls on the rank's engine until ``target`` groups have finished (every episode of the group returned,
 failed or ran out of time); those train, in the order they finished, and the rest run on. An agent never sees a step
-end: its call in the engine then is aborted and queued again (it runs from its start at the next step, on the
-weights of then: a call's tokens all come from one policy version), and its agent keeps waiting for the answer
+end: its call in the engine then is aborted with its tokens kept and queued again (at the next step it continues
+from its prompt and those tokens on the weights of then, so no token is drawn twice; each token keeps the log-prob
+of the policy that drew it, which the decoupled loss corrects as it does a partial sample's), and its agent keeps
+waiting for the answer
 (training time counts toward ``agent_timeout_s``); its tools keep running while the trainer trains. A group whose
 episodes started more than ``max_staleness`` versions ago starts again: its episodes are closed (their agents' later
 calls get a 404 and their results are dropped) and new ones start with the same row.
@@ -91,10 +93,11 @@ class AgentPool:
     def run(self, engine, sampling: SamplingOptions, target: int) -> tuple[list[LiveGroup], dict[str, float]]:
         """Serve the pool's calls on ``engine`` (a VLLMEngineGroup; a TP engine's ranks exchange their calls and
         stop together) until ``target`` of this rank's groups have finished; returns the first ``target`` to finish
-        (they leave the pool) and the endpoint's counts (``carried``: calls aborted, to run again next step)."""
+        (they leave the pool) and the endpoint's counts (``carried``: calls aborted, to continue next step;
+        ``kept_tokens``: their tokens so far)."""
         if len(self.groups) < target:
             raise RuntimeError(f"the agent pool holds {len(self.groups)} groups for a step of {target}: a bug.")
-        loop = engine.request_loop(stream=False)
+        loop = engine.request_loop(stream=True)  # an aborted call keeps the tokens it drew
         engine.barrier_before_generate()
         stats = self.endpoint.serve(loop, call_params(engine, sampling), lambda: self._scan() >= target, exchange=engine.gather_tp,
                                     me=engine.tp_ranks.index(engine.rank), carry=True)
@@ -112,7 +115,7 @@ class AgentPool:
         groups from the job's queue (:meth:`add`); a group that finishes takes the job-wide ``ticket()`` (its place
         in the job's finish order, across steps). Nothing leaves the pool: the caller picks what trains
         (:meth:`take`). Returns the endpoint's counts."""
-        loop = engine.request_loop(stream=False)
+        loop = engine.request_loop(stream=True)  # an aborted call keeps the tokens it drew
         engine.barrier_before_generate()
 
         def done() -> bool:

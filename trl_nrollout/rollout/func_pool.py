@@ -11,8 +11,8 @@ A group's function waits on its own requests only, so a multi-turn function's sl
 The groups live in an :class:`~trl_nrollout.rollout.agent_pool.AgentPool` (the runner here is
 :class:`FuncRunner`, one episode record per sample): a partial rollout's step ends when its share of groups has
 returned, and the others run on across the weight sync. A function never sees a step end: its request running then
-is aborted and queued again (it runs from its start on the next step's weights, so a call's tokens all come from
-one policy version). A group that started more than ``max_staleness`` versions ago starts again: its records are
+is aborted with its tokens kept and queued again (it continues from them on the next step's weights: no token is
+drawn twice, and each keeps the log-prob of the policy that drew it). A group that started more than ``max_staleness`` versions ago starts again: its records are
 closed, so its function's next engine call raises :class:`GroupClosed` (a ``BaseException``: a user's ``except
 Exception`` does not swallow it) and a new call of the function starts with the same prompt.
 

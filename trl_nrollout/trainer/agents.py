@@ -214,6 +214,8 @@ class AgentRecords:
         add(mode, "agent/calls_per_episode", sum(c for c, _, _ in every) / max(total, 1))
         add(mode, "agent/split_episodes", sum(s for _, _, s in every) / max(total, 1))
         add(mode, "agent/engine_idle_s", stats["idle_s"])
+        if "kept_tokens" in stats:  # partial rollouts: calls cut by the step's end continue with these tokens
+            add(mode, "agent/continued_tokens", stats["kept_tokens"])
         add(mode, "agent/rollout_s", wall)
         split = sum(s for _, _, s in every)
         if split and self.main:
