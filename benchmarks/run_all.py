@@ -48,6 +48,8 @@ APART: dict[str, str] = {
     "sp_memory.py": "Ulysses memory per rank, 2-process launches, no --quick",
     "store_load.py": "the launcher store under many waiting ranks: a machine-sized check, no --quick",
     "weight_delta.py": "weight versions as deltas to a rollout rank: four real 2-process launches on the medium model",
+    "distill_learning.py": "on-policy distillation's learning goal: ten 40-step training runs (a teacher, three seeds x "
+                           "three arms), about 15 minutes",
 }
 
 
