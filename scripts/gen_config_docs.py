@@ -1,5 +1,6 @@
 """Write docs/configuration.md from NRolloutConfig's field help, the TRL-options table of docs/migrating.md from
-trl_nrollout/config/trl_options.py, and the rollout's refusal table of docs/architecture.md from trl_nrollout/rollout/axes.py,
+trl_nrollout/config/trl_options.py, the DistillationConfig table of docs/distillation.md from
+trl_nrollout/config/distillation.py, and the rollout's refusal table of docs/architecture.md from trl_nrollout/rollout/axes.py,
 so none can drift from the code.
 
     python scripts/gen_config_docs.py          # rewrite the file
@@ -14,6 +15,8 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 MIGRATING = OUT.parent / "migrating.md"
 ARCHITECTURE = OUT.parent / "architecture.md"
+DISTILLATION = OUT.parent / "distillation.md"
+DISTILL_START, DISTILL_END = "<!-- distill-options:start", "<!-- distill-options:end -->"
 START, END = "<!-- trl-options:start", "<!-- trl-options:end -->"
 AXES_START, AXES_END = "<!-- rollout-refusals:start", "<!-- rollout-refusals:end -->"
 
@@ -39,6 +42,19 @@ def render_migrating(text: str) -> str:
     rows = ["| TRL option | here | what it does, or why refused |", "|---|---|---|"]
     rows += [f"| `{name}` | {status} | {what.replace('|', '/')} |" for name, status, what in options_table()]
     return head + START + marker_line + "\n" + "\n".join(rows) + "\n" + END + tail
+
+
+def render_distillation(text: str) -> str:
+    """``text`` (docs/distillation.md) with the DistillationConfig table between its markers replaced by the one
+    :func:`trl_nrollout.config.distillation.distill_options_table` gives."""
+    from trl_nrollout.config.distillation import distill_options_table
+
+    head, rest = text.split(DISTILL_START, 1)
+    marker_line, _, _ = rest.partition("\n")
+    _, tail = rest.split(DISTILL_END, 1)
+    rows = ["| option | here | what it does, or why refused |", "|---|---|---|"]
+    rows += [f"| `{name}` | {status} | {what.replace('|', '/')} |" for name, status, what in distill_options_table()]
+    return head + DISTILL_START + marker_line + "\n" + "\n".join(rows) + "\n" + DISTILL_END + tail
 
 
 def render() -> str:
@@ -103,7 +119,8 @@ def ppo_help_table() -> list[tuple[str, str, str]]:
 
 if __name__ == "__main__":
     outputs = {OUT: render(), MIGRATING: render_migrating(MIGRATING.read_text()),
-               ARCHITECTURE: render_architecture(ARCHITECTURE.read_text())}
+               ARCHITECTURE: render_architecture(ARCHITECTURE.read_text()),
+               DISTILLATION: render_distillation(DISTILLATION.read_text())}
     if "--check" in sys.argv:
         stale = [str(path) for path, text in outputs.items() if not path.exists() or path.read_text() != text]
         if stale:

