@@ -139,18 +139,34 @@ def layer_table(text: str | None = None) -> list[list[str]]:
     return [[part.strip() for part in row.split(",")] for row in rows if row]
 
 
-def part(module: str) -> str:
-    """The part of the layer table a module belongs to: ``trl_nrollout.rollout.types`` -> ``rollout``."""
+def divided(table: list[list[str]]) -> set[str]:
+    """The subpackages the table divides into parts of their own: ``rollout`` where a row names ``rollout.engines``."""
+    return {name.split(".")[0] for row in table for name in row if "." in name}
+
+
+def part(module: str, table: list[list[str]] | None = None) -> str:
+    """The part of the layer table a module belongs to: ``trl_nrollout.rollout.types`` -> ``rollout``. In a
+    subpackage the table divides (rows ``rollout.engines``, ``rollout.__init__``, ...), a module of its subpackage
+    ``S`` belongs to ``rollout.S`` (``trl_nrollout.rollout.engines.build`` -> ``rollout.engines``), its own modules
+    to ``rollout`` and its ``__init__`` to ``rollout.__init__``."""
     names = module.split(".")
-    return names[1] if len(names) > 1 else "__init__"
+    if len(names) == 1:
+        return "__init__"
+    if names[1] in divided(layer_table() if table is None else table):
+        if len(names) == 2:
+            return f"{names[1]}.__init__"
+        if (PACKAGE / names[1] / names[2]).is_dir():
+            return f"{names[1]}.{names[2]}"
+    return names[1]
 
 
 def upward(edges: list[Import], table: list[list[str]]) -> list[Import]:
     """The imports from one part into a part of the same layer or of a layer above it."""
     level = {name: i for i, row in enumerate(table) for name in row}
-    unplaced = {part(m) for e in edges for m in (e.source, e.target)} - set(level)
+    where = functools.partial(part, table=table)
+    unplaced = {where(m) for e in edges for m in (e.source, e.target)} - set(level)
     assert not unplaced, f"parts not in docs/architecture.md's ```layers table: {sorted(unplaced)}"
-    return [e for e in edges if part(e.source) != part(e.target) and level[part(e.target)] >= level[part(e.source)]]
+    return [e for e in edges if where(e.source) != where(e.target) and level[where(e.target)] >= level[where(e.source)]]
 
 
 def test_no_import_cycle():
@@ -164,7 +180,7 @@ def test_the_layer_table_names_every_part_once():
     table = layer_table()
     listed = [name for row in table for name in row]
     assert len(listed) == len(set(listed)), f"a part listed twice in docs/architecture.md's layers: {listed}"
-    present = {part(m) for m in modules()}
+    present = {part(m, table) for m in modules()}
     assert present - set(listed) == set(), "place these parts in docs/architecture.md's ```layers table"
     assert set(listed) - present == set(), "docs/architecture.md's ```layers table names parts that do not exist"
 

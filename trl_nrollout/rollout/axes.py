@@ -34,6 +34,9 @@ AXES: dict[str, dict[str, str]] = {
                 "agent": "agent= (an OpenAI-compatible endpoint)"},
 }
 
+#: ``rollout_dispatch`` values (the dispatch axis; the engines and the config checks read them here)
+DISPATCH_MODES = ("shares", "balanced")
+
 
 @dataclass(frozen=True)
 class Refusal:

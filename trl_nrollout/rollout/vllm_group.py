@@ -21,8 +21,8 @@ import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
+from trl_nrollout.rollout.axes import DISPATCH_MODES
 from trl_nrollout.rollout.cpu_shm import use_cpu_shm_identity
-from trl_nrollout.rollout.dispatch import DISPATCH_MODES
 from trl_nrollout.rollout.engine_protocol import ABORT, ADAPTERS, BALANCED, BUCKETS, REQUESTS
 from trl_nrollout.rollout.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.requests import EngineLoop

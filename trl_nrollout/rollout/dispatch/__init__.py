@@ -13,7 +13,8 @@ Each driver takes the engine as its first argument and uses only what the protoc
 capability a driver needs is refused by :func:`require`.
 """
 
-from trl_nrollout.rollout.dispatch.queue import DISPATCH_MODES, GroupQueue, LocalStore, PullStats, run_pulled
+from trl_nrollout.rollout.axes import DISPATCH_MODES
+from trl_nrollout.rollout.dispatch.queue import GroupQueue, LocalStore, PullStats, run_pulled
 
 __all__ = ["DISPATCH_MODES", "GroupQueue", "LocalStore", "PullStats", "require", "run_pulled"]
 

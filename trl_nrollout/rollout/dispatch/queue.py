@@ -32,9 +32,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-#: ``rollout_dispatch`` values
-DISPATCH_MODES = ("shares", "balanced")
-
 
 class LocalStore:
     """A counter store in one process (threads may share it): the one call of ``torch.distributed.Store`` that
