@@ -62,9 +62,17 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("agent", "environment_factory or rollout_func", "one axis", "agents.agent_refusal",
             "two choices of the episode axis: each is the episode's own loop, as the agent is (an agent builds its "
             "environment itself from the row; tools= compose: the agent gets them)"),
-    Refusal("image prompts", "tools, environment_factory or rollout_func", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: images in multi-turn or custom episodes (TRL's tool-returned images, "
-            "per-environment processors) are not built; single-turn image prompts are"),
+    Refusal("image prompts", "rollout_func", "not yet", "multiturn.check_images",
+            "two choices of the episode axis: TRL hands a rollout_func's images to no engine (its prompt_ids hold the "
+            "placeholders, TRL's forward reuses the dataset's images); not built. Images with tools= and "
+            "environment_factory= run turn by turn, a tool's returned images included"),
+    Refusal("image prompts", "tools and rollout_multi_turn='requests'", "not yet", "multiturn.check_images",
+            "request-level tool episodes do not carry images yet (nor a tool's returned images: refused when one "
+            "returns an image); turn by turn they do"),
+    Refusal("image prompts", "tools and rollout_partial=True", "not yet", "multiturn.check_images",
+            "a partial rollout runs tool episodes request by request, which do not carry images yet"),
+    Refusal("image prompts", "tools and rollout_ranks", "not yet", "multiturn.check_images",
+            "tool episodes on rollout ranks do not carry images yet"),
 )
 
 

@@ -40,7 +40,15 @@ from trl_nrollout.trainer.episodes import (
     log_dispatch,
 )
 from trl_nrollout.trainer.metrics import Metrics
-from trl_nrollout.trainer.multiturn import HomeToolCalls, Limits, ToolRequests, ToolTurns, TRLTools
+from trl_nrollout.trainer.multiturn import (
+    IMAGE_REFUSALS,
+    HomeToolCalls,
+    Limits,
+    ToolRequests,
+    ToolTurns,
+    TRLTools,
+    image_refusal,
+)
 
 
 @dataclass(frozen=True)
@@ -121,22 +129,25 @@ def choose_episode_kind(parts: KindParts) -> EpisodeKind:
 @dataclass(frozen=True)
 class ImagePrompts:
     """The processor's ids and image tensors of prompts with images (``processor``: TRL's processing class;
-    ``is_vlm``: it is a processor, not a tokenizer; ``tools``: the trainer's, refused with images)."""
+    ``is_vlm``: it is a processor, not a tokenizer; ``tools``: the trainer's (their schemas are rendered);
+    ``refusal``: what the trainer runs that images do not run with, ``multiturn.IMAGE_REFUSALS``' key, or None)."""
 
     processor: Any
     is_vlm: bool
     tools: list | None
     chat_template: Any
     chat_template_kwargs: dict | None
+    refusal: str | None = None
 
     def encode(self, prompts: list) -> EncodedPrompts | None:
         """This rank's prompts encoded when any has an image (else None)."""
         if not has_images(prompts):
             return None
-        if self.tools:
+        if self.refusal is not None:
             raise UnsupportedTRLOption(
-                "the prompts hold images and the trainer has tools: images in multi-turn rollouts are not supported "
-                "by NRolloutGRPOTrainer (single-turn image prompts are); use trl.GRPOTrainer, or drop the tools.")
+                f"the prompts hold images and the trainer runs {self.refusal}: {IMAGE_REFUSALS[self.refusal]}; images "
+                "run with tools= and environment_factory= turn by turn (rollout_multi_turn='turns', colocated, "
+                "without rollout_partial). Use that, trl.GRPOTrainer, or prompts without images.")
         if not self.is_vlm:
             raise ValueError(
                 "the prompts hold images but processing_class is a tokenizer, not a processor: a vision-language "
@@ -178,7 +189,9 @@ class RolloutCollector:
                                           engine.max_model_len, trainer.tools),
             settings=lambda: endpoint_settings(args, setup.model_path(), engine.max_model_len))
         images = ImagePrompts(trainer.processing_class, trainer._is_vlm, trainer.tools, trainer.chat_template,
-                              trainer.chat_template_kwargs)
+                              trainer.chat_template_kwargs, image_refusal(
+                                  tools=trainer.tools, rollout_func=trainer.rollout_func, args=args,
+                                  environment_factory=getattr(trainer, "environment_factories", None)))
         collector = cls(choose_episode_kind(parts), engine, start=trainer._start_step_episodes,
                         names=lambda: getattr(trainer, "_batch_environments", None), tokenize=trainer._tokenize_prompts,
                         images=images, vllm=vllm, clock=trainer.generation_clock, rank=rank)

@@ -29,7 +29,15 @@ import torch
 from accelerate.utils import gather_object
 from trl.chat_template_utils import parse_response
 
-from trl_nrollout.passes.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
+from trl_nrollout.passes.multimodal import (
+    IMAGE_COLUMNS,
+    EncodedPrompts,
+    attach_images,
+    check_expansion,
+    dataset_images,
+    engine_suffix_ids,
+    image_tensors,
+)
 from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
 from trl_nrollout.rollout.dispatch.shares import run_agents
@@ -44,10 +52,12 @@ from trl_nrollout.rollout.tool_episodes import (
     run_tool_turns,
     split_tools,
 )
+from trl_nrollout.rollout.tool_images import TurnMedia
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.episodes import Episode, EpisodeJob, SingleTurn
 
-__all__ = ["Episode", "TRLTools", "ToolTurns", "ToolRequests", "HomeToolCalls", "check_images", "check_tool_workers",
+__all__ = ["Episode", "TRLTools", "ToolTurns", "ToolRequests", "HomeToolCalls", "check_images", "image_refusal",
+           "IMAGE_REFUSALS", "check_tool_workers",
            "request_turns_refusal", "log_turns", "log_agent_stats"]
 
 
@@ -57,19 +67,48 @@ def _environment_tools(environment: Any) -> list:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
-def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None) -> None:
-    """Images with tools, environments or a custom rollout function are not supported (TRL's tool-returned images
-    and per-environment processors): refuse the combination, never train as if the images were absent."""
+#: what images (image prompts, or a tool's content blocks) do not run with yet, and why (the refusal table's rows)
+IMAGE_REFUSALS = {
+    "rollout_func": "TRL hands a rollout_func's images to no engine (its prompt_ids must hold the placeholders and "
+                    "TRL's forward reuses the dataset's images): that contract is not built here",
+    "rollout_multi_turn='requests'": "images in request-level tool episodes are not built (the turn-by-turn loop, "
+                                     "rollout_multi_turn='turns', carries them)",
+    "rollout_partial=True": "a partial rollout runs tool episodes request by request, which do not carry images yet",
+    "rollout_ranks": "tool episodes on rollout ranks do not carry images yet",
+}
+
+
+def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, args=None) -> str | None:
+    """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn,
+    colocated, whole rollouts)."""
+    agentic = bool(tools) or environment_factory is not None
+    if rollout_func is not None:
+        return "rollout_func"
+    if agentic and getattr(args, "rollout_multi_turn", "turns") == "requests":
+        return "rollout_multi_turn='requests'"
+    if agentic and getattr(args, "rollout_partial", False):
+        return "rollout_partial=True"
+    if agentic and getattr(args, "rollout_ranks", 0):
+        return "rollout_ranks"
+    return None
+
+
+def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None,
+                 args=None) -> None:
+    """Image prompts run with tools and environments turn by turn (TRL's loop, a tool's images included); with a
+    custom rollout function, request-level tool episodes, partial rollouts or rollout ranks they are refused
+    (:data:`IMAGE_REFUSALS`), never trained as if the images were absent."""
     from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
     found = sorted(set(IMAGE_COLUMNS) & set(columns or []))
-    agentic = [name for name, value in (("tools", tools), ("rollout_func", rollout_func),
-                                        ("environment_factory", environment_factory)) if value]
-    if found and agentic:
+    why = image_refusal(tools=tools, rollout_func=rollout_func, environment_factory=environment_factory, args=args)
+    if found and why:
+        with_tools = "" if why == "rollout_func" else "tools/environment_factory and "
         raise UnsupportedTRLOption(
-            f"the dataset has image column(s) {found} (image prompts) and the trainer was given {agentic}: images in "
-            "multi-turn or custom rollouts are not supported by NRolloutGRPOTrainer (single-turn image prompts "
-            "are). Use trl.GRPOTrainer for this combination, or drop the image columns or the tools.")
+            f"the dataset has image column(s) {found} (image prompts) and the trainer was given {with_tools}{why}: "
+            f"{IMAGE_REFUSALS[why]}. Images run with tools= and environment_factory= turn by turn "
+            "(rollout_multi_turn='turns', colocated, without rollout_partial); use that, or trl.GRPOTrainer for "
+            "this combination, or drop the image columns.")
 
 
 def check_tool_workers(args, tools=None, environment_factory=None, rollout_func=None) -> None:
@@ -135,6 +174,11 @@ class TRLTools:
     multi: bool
     loop: Any
     suffix_ids: Callable
+    #: a vision-language model's processor (None for a text model), TRL's chat template (None: the processor's) and
+    #: its kwargs: tool results with images (:meth:`engine_suffix`, :meth:`image_tensors`)
+    processor: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: dict | None = None
 
     @classmethod
     def of(cls, trainer) -> TRLTools:
@@ -143,7 +187,36 @@ class TRLTools:
         return cls(trainer._tokenizer, trainer.tools, factories, getattr(trainer, "_environment_pool", None),
                    getattr(trainer, "_env_tools", None), getattr(trainer, "_standalone_tools", None),
                    bool(getattr(trainer, "_multi_environment", False)), getattr(trainer, "async_loop", None),
-                   trainer._get_tool_suffix_ids)
+                   trainer._get_tool_suffix_ids, trainer.processing_class if trainer._is_vlm else None,
+                   trainer.chat_template, trainer.chat_template_kwargs)
+
+    def engine_suffix(self, tool_messages: list[dict]) -> list[int]:
+        """Tool results' tokens with image placeholders unexpanded (an engine that expands them itself takes
+        these; :attr:`suffix_ids` gives the processor's expansion)."""
+        return engine_suffix_ids(self.processor, tool_messages, chat_template=self.chat_template,
+                                 chat_template_kwargs=self.chat_template_kwargs)
+
+    def image_tensors(self, images: list) -> dict:
+        """The processor's image tensors of one sample's images (TRL's ``image_processor`` call)."""
+        return image_tensors(self.processor, images)
+
+    def media(self, first: RolloutBatch, images: EncodedPrompts | None) -> TurnMedia | None:
+        """The images of a multi-turn rollout whose first turn is ``first`` (``images``: its prompts' encoding,
+        None for text prompts); None for a text model."""
+        if self.processor is None:
+            return None
+        if images is None:
+            return TurnMedia([[] for _ in first.prompt_ids], [list(p) for p in first.prompt_ids], self.engine_suffix)
+        return TurnMedia(list(images.images), list(images.engine_ids), self.engine_suffix)
+
+    def episode_mm(self, turns: Turns, media: TurnMedia | None, images: EncodedPrompts | None) -> list | None:
+        """Per sample, the image tensors the trainer's forward takes: its prompt's (shared with its group) or, where
+        its tools returned images, those of all its images in order; None where no sample has any."""
+        if media is None or (images is None and not any(turns.images)):
+            return images.mm if images is not None else None
+        prompt_mm = images.mm if images is not None else [None] * len(turns.images)
+        return [self.image_tensors(list(media.prompt_images[i]) + list(tool)) if tool else prompt_mm[i]
+                for i, tool in enumerate(turns.images)]
 
     def start(self, inputs: list[dict], held: set[int]) -> Started:
         """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
@@ -286,20 +359,34 @@ class ToolTurns:
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
         first, _ = self.first.run(job)
         loop, width = self.tools.loop, max(1, len(first))
+        media = self.tools.media(first, job.images)
 
-        def generate(contexts, budgets, turn, samples):
-            return self.rollout_engine.generate_turns(contexts, budgets, replace(job.sampling, seed=self.limits.turn_seed(
-                job, turn)), sample_offset=self.rank * width, sample_ids=samples, num_samples=len(first))
+        def generate(contexts, budgets, turn, samples, views=None):
+            kw: dict = {}
+            if views is not None and any(v.images for v in views):  # the prompts' and the tools' images
+                if self.first.vllm:  # vLLM expands the placeholders itself
+                    expanded, contexts = contexts, [v.engine_context for v in views]
+                    kw["images"] = [v.images for v in views]
+                else:
+                    kw["mm"] = [self.tools.image_tensors(v.images) if v.images else None for v in views]
+            out = self.rollout_engine.generate_turns(contexts, budgets, replace(job.sampling, seed=self.limits.turn_seed(
+                job, turn)), sample_offset=self.rank * width, sample_ids=samples, num_samples=len(first), **kw)
+            if "images" in kw:
+                check_expansion(out.prompt_ids, expanded)
+            return out
 
         turns = run_tool_turns(
             first, parse=lambda i, ids, prefix: self.tools.parse(job.names, i, ids, prefix),
             run_tools=lambda i, calls: call_tools(calls, *job.tools[i], loop=loop),
             suffix_ids=self.tools.suffix_ids, generate=generate,
             any_rank=lambda flag: any(gather_object([flag])), max_iterations=self.limits.max_iterations,
-            max_completion_length=self.limits.max_completion_length, max_model_len=self.limits.max_model_len())
+            max_completion_length=self.limits.max_completion_length, max_model_len=self.limits.max_model_len(),
+            media=media)
         batch = RolloutBatch(first.prompt_ids, turns.completion_ids, turns.logprobs, turns.finish_reasons,
                              first.group_index)
-        return batch, _episode(turns)
+        episode = _episode(turns)
+        episode.mm = self.tools.episode_mm(turns, media, job.images)
+        return batch, episode
 
 
 @dataclass(frozen=True)

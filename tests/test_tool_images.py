@@ -1,0 +1,179 @@
+"""Images returned by tools (TRL 1.16's contract): the tool's content blocks reach the next turn's prompt, on the HF
+engine as in TRL's ``GRPOTrainer`` and on vLLM, and the trainer's forward sees the pixels the engine saw.
+
+The model is ``builtin:tiny-idefics3-tools`` (the built-in VLM with a tool-calling template and one token that calls
+``show_picture``, a tool returning an image and a caption). A ``sequence_bias`` on that token makes the random
+model call the tool at most turns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+import trl_nrollout.builtin as builtin
+import trl_nrollout.trainer.grpo as trainer_module
+from trl_nrollout import NRolloutGRPOTrainer
+from trl_nrollout.builtin import (
+    PICTURE_CALL_TOKEN,
+    colour_image,
+    colour_reward,
+    image_dataset,
+    resolve_model,
+    show_picture,
+)
+from trl_nrollout.passes.logprobs import compute_log_probs
+from trl_nrollout.rollout.tool_episodes import AgentSample, run_tool_turns
+from trl_nrollout.rollout.tool_images import TurnMedia, message_images
+from trl_nrollout.rollout.types import RolloutBatch
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return resolve_model("builtin:tiny-idefics3-tools")
+
+
+def _config(tmp_path, call: int, **kw) -> GRPOConfig:
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3, max_completion_length=64,
+                use_cpu=True, report_to="none", bf16=False, save_strategy="no", seed=3, max_steps=1,
+                max_tool_calling_iterations=2, generation_kwargs={"sequence_bias": {(call,): 4.0}})
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def _call_token(path: str) -> int:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path).tokenizer.convert_tokens_to_ids(PICTURE_CALL_TOKEN)
+
+
+# ---------------------------------------------------------------------------------------------- pure loop
+@pytest.mark.fast
+def test_tool_images_enter_the_next_turns_context_and_leave_with_dropped_results():
+    """A tool's images follow the prompt's into the next turn's engine view (placeholders unexpanded there, expanded
+    in the trained tokens); results that do not fit are dropped with their images, as TRL rolls them back.
+    Mutation tried: ``add_tool_results`` not appending ``images`` -> the view's images assertion fails."""
+    red, blue = object(), object()
+    tool_message = {"role": "tool", "name": "t", "content": [{"type": "image", "image": blue},
+                                                              {"type": "text", "text": "x"}]}
+    assert message_images([tool_message]) == [blue]
+    first = RolloutBatch([[1, 9, 9, 9, 2], [1, 2]], [[5], [5]], [[-0.1], [-0.1]], ["stop", "stop"], [0, 1])
+    media = TurnMedia([[red], []], [[1, 9, 2], [1, 2]], lambda msgs: [7, 9, 8])
+    seen = []
+
+    def generate(contexts, budgets, turn, samples, views):
+        seen.append((contexts, views))
+        return RolloutBatch(contexts, [[3, 4] for _ in contexts], [[-1.0, -1.0] for _ in contexts],
+                            ["stop"] * len(contexts), list(range(len(contexts))))
+
+    turns = run_tool_turns(
+        first, parse=lambda i, ids, prefix: {"role": "assistant", "content": "",
+                                             "tool_calls": [{"type": "function", "function": {"name": "t"}}]
+                                             if ids == [5] else None},
+        run_tools=lambda i, calls: ([tool_message], 0), suffix_ids=lambda msgs: [7, 9, 9, 9, 8] if msgs[0] else [],
+        generate=generate, any_rank=bool, max_iterations=1, max_completion_length=8, max_model_len=100, media=media)
+    contexts, views = seen[0]
+    assert contexts == [[1, 9, 9, 9, 2, 5, 7, 9, 9, 9, 8], [1, 2, 5, 7, 9, 9, 9, 8]]  # expanded: what is trained
+    assert [v.images for v in views] == [[red, blue], [blue]]  # the prompt's, then the tool's
+    assert [v.engine_context for v in views] == [[1, 9, 2, 5, 7, 9, 8], [1, 2, 5, 7, 9, 8]]  # unexpanded
+    assert turns.images == [[blue], [blue]] and turns.tool_mask[1] == [1, 0, 0, 0, 0, 0, 1, 1]
+    sample = AgentSample.first_turn([1], [5], [-0.1], "stop", {"role": "assistant", "tool_calls": [{}]})
+    assert sample.add_tool_results([tool_message], 0, [7] * 9, 8, 100, [blue], [7]) is None  # does not fit
+    assert sample.images == [] and sample.engine_completion is None
+    with pytest.raises(ValueError, match="does not carry tool images yet"):  # a loop without images refuses them
+        sample.add_tool_results([tool_message], 0, [7], 8, 100)
+
+
+# ---------------------------------------------------------------------------------------------- TRL's own
+def _turn_inputs(calls: list[dict], skip: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The generate calls after the first ``skip``: each row's ids without padding, and the real images' pixels in
+    the order the model assigns them to image tokens (rows in order, images in order; zero padding dropped)."""
+    rows, pixels = [], []
+    for call in calls[skip:]:
+        rows += [call["input_ids"][r][call["attention_mask"][r].bool()].tolist() for r in range(len(call["input_ids"]))]
+        pixels += [p for p in call["pixel_values"].reshape(-1, 3, 56, 56) if p.abs().sum() > 0]
+    return rows, pixels
+
+
+@pytest.mark.slow
+def test_tool_images_reach_the_model_as_in_trls_grpo_trainer_on_the_hf_engine(path, tmp_path, monkeypatch):
+    """TRL's ``GRPOTrainer`` and ours, the same tool results (``show_picture`` from the same start), near-greedy
+    sampling: every later turn's generate gets the same tokens (the tool's image placeholders expanded) and the same
+    pixels, sample by sample; the samples, tool masks and the forward's per-sample pixels are equal. (TRL passes
+    Gemma's ``token_type_ids``, all zeros here, which Idefics3's generate refuses: the spy drops them.) Mutation
+    tried: ``TurnMedia.view`` without the tool's images -> the later turns' pixels differ."""
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    call = _call_token(path)
+    rows = [dict(r) for r in image_dataset(2, seed=4) for _ in range(3)]
+    seen = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        trainer = cls(model=path, reward_funcs=[colour_reward], args=_config(tmp_path / name, call, temperature=1e-3),
+                      train_dataset=image_dataset(12), tools=[show_picture])
+        calls, generate = [], trainer.model.generate
+
+        def spy(*args, _generate=generate, _calls=calls, **kwargs):
+            zeros = kwargs.pop("token_type_ids", None)
+            assert zeros is None or not zeros.any()
+            _calls.append({k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            return _generate(*args, **kwargs)
+
+        trainer.model.generate = spy
+        monkeypatch.setattr(builtin, "_pictures_shown", 0)
+        torch.manual_seed(0)
+        seen[name] = (trainer._generate_and_score_completions(rows), calls)
+    (theirs, trl_calls), (ours, our_calls) = seen["trl"], seen["ours"]
+    assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
+    mask = theirs["tool_mask"]
+    assert torch.equal(ours["tool_mask"], mask) and (mask == 0).any(), "no tool result: the test tests nothing"
+    (trl_rows, trl_pixels), (our_rows, our_pixels) = _turn_inputs(trl_calls, 1), _turn_inputs(our_calls, 1)
+    assert our_rows == trl_rows and len(our_rows) > 0  # the turns after the first: image placeholders expanded
+    assert len(our_pixels) == len(trl_pixels) >= 2 * len(our_rows)  # each row: its prompt's image and its tools'
+    for a, b in zip(our_pixels, trl_pixels):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    flat = theirs["pixel_values"].reshape(-1, 3, 56, 56)
+    flat = [p for p in flat if p.abs().sum() > 0]
+    mine = [p for m in ours["mm_inputs"] for p in m["pixel_values"].reshape(-1, 3, 56, 56) if p.abs().sum() > 0]
+    assert len(mine) == len(flat) == sum(theirs["num_images"]) > 6
+    for a, b in zip(mine, flat):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- the forward
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_trainers_forward_sees_the_tool_images_vllm_saw(path, tmp_path):
+    """On vLLM: multi-turn samples whose tools returned images; the trainer's log-probs over the recorded tokens
+    (prompt + turns + tool results with their image tokens) with the episode's image tensors equal vLLM's within the
+    bound text samples meet; a swapped tool image moves them. Then a training step runs."""
+    from dataclasses import replace
+
+    call = _call_token(path)
+    trainer = NRolloutGRPOTrainer(model=path, reward_funcs=[colour_reward], train_dataset=image_dataset(12),
+                                  tools=[show_picture], args=_config(tmp_path, call, use_vllm=True, max_steps=1,
+                                                                     logging_steps=1))
+    rows = [dict(r) for r in image_dataset(2, seed=4) for _ in range(3)]
+    sampling = replace(trainer._sampling("train"), suppress_token_ids=())  # scored without suppression (test_vlm)
+    builtin._pictures_shown = 0
+    batch, _, episode = trainer._rollout(rows, 3, sampling)
+    masks = episode.tool_mask
+    mm = episode.mm
+    with_tool = [i for i, m in enumerate(mm) if m["pixel_values"].shape[1] > 1]  # the prompt's image and a tool's
+    assert with_tool, "no tool image: the test tests nothing"
+
+    def drift(mm_inputs) -> float:
+        mine = compute_log_probs(trainer.model, batch.prompt_ids, batch.completion_ids, mm_inputs=mm_inputs,
+                                 temperature=trainer.temperature).logprobs
+        return max((mine[i, :len(lp)] - torch.tensor(lp)).abs()[torch.tensor(m, dtype=torch.bool)].max().item()
+                   for i, (lp, m) in enumerate(zip(batch.logprobs, masks)))
+
+    assert drift(mm) < 1e-4  # measured: see the report
+    swapped, with_tool = list(mm), with_tool[0]
+    pixels = swapped[with_tool]["pixel_values"].clone()
+    other = trainer.collector.parts.tools.image_tensors([colour_image("blue", seed=99)])["pixel_values"][0, 0]
+    pixels[0, -1] = other  # the tool's (last) image replaced
+    swapped[with_tool] = {**swapped[with_tool], "pixel_values": pixels}
+    assert drift(swapped) > 1e-3
+    trainer.train()
+    assert trainer.state.log_history[0]["tools/call_frequency"] > 0
+    trainer.close()
