@@ -151,7 +151,14 @@ def test_the_trainers_forward_sees_the_tool_images_vllm_saw(path, tmp_path):
     call = _call_token(path)
     trainer = NRolloutGRPOTrainer(model=path, reward_funcs=[colour_reward], train_dataset=image_dataset(12),
                                   tools=[show_picture], args=_config(tmp_path, call, use_vllm=True, max_steps=1,
-                                                                     logging_steps=1))
+                                                                     logging_steps=1, generation_kwargs={}))
+    with torch.no_grad():  # the model itself calls the tool often (vLLM's logit_bias would move its log-probs): the
+        # call token's (tied) embedding along the mean final hidden state, then synced to vLLM
+        ids = torch.tensor([trainer.processing_class.tokenizer("user: write a number").input_ids])
+        hidden = trainer.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+        direction = trainer.model.model.text_model.norm(hidden).mean(0)
+        trainer.model.get_input_embeddings().weight[call] = 3.0 * direction / direction.norm() ** 2
+    trainer.rollout_engine.load_weights(trainer.model)
     rows = [dict(r) for r in image_dataset(2, seed=4) for _ in range(3)]
     sampling = replace(trainer._sampling("train"), suppress_token_ids=())  # scored without suppression (test_vlm)
     builtin._pictures_shown = 0
