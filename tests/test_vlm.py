@@ -209,8 +209,8 @@ def test_images_with_tools_or_a_plain_tokenizer_are_refused(vlm_path, tmp_path, 
     from trl_nrollout.builtin import lucky_number
 
     with pytest.raises(UnsupportedTRLOption, match=r"image column\(s\) \['image'\] \(image prompts\) and the trainer was given "
-                                                   r"\['tools'\]"):
-        _hf(tmp_path, monkeypatch, vlm_path, trainer_kwargs={"tools": [lucky_number]})
+                                                   r"rollout_func: TRL hands a rollout_func's images to no engine"):
+        _hf(tmp_path, monkeypatch, vlm_path, trainer_kwargs={"rollout_func": lucky_number})
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
     text_only = NRolloutGRPOTrainer(model=resolve_model("builtin:tiny-qwen2"), reward_funcs=[colour_reward],
                                     args=_config(tmp_path / "text"), train_dataset=image_dataset(6))

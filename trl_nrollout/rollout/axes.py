@@ -67,12 +67,13 @@ REFUSALS: tuple[Refusal, ...] = (
             "placeholders, TRL's forward reuses the dataset's images); not built. Images with tools= and "
             "environment_factory= run turn by turn, a tool's returned images included"),
     Refusal("image prompts", "tools and rollout_multi_turn='requests'", "not yet", "multiturn.check_images",
-            "request-level tool episodes do not carry images yet (nor a tool's returned images: refused when one "
-            "returns an image); turn by turn they do"),
+            "two choices of the episode axis: request-level tool episodes do not carry images yet (nor a tool's "
+            "returned images: refused when one returns an image); turn by turn they do"),
     Refusal("image prompts", "tools and rollout_partial=True", "not yet", "multiturn.check_images",
-            "a partial rollout runs tool episodes request by request, which do not carry images yet"),
+            "two choices of the episode axis: a partial rollout runs tool episodes request by request, which do "
+            "not carry images yet"),
     Refusal("image prompts", "tools and rollout_ranks", "not yet", "multiturn.check_images",
-            "tool episodes on rollout ranks do not carry images yet"),
+            "two choices of the episode axis: tool episodes on rollout ranks do not carry images yet"),
 )
 
 
