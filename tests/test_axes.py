@@ -75,8 +75,9 @@ CASES = {
     ("agent", "rollout_backend='hf'"): lambda tmp: _agent(hf=True, rollout_backend="hf"),
     ("image prompts", "rollout_func"): lambda tmp: _raised(lambda: check_images(
         ["prompt", "image"], rollout_func=print)),
-    ("image prompts", "tools and rollout_multi_turn='requests'"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_multi_turn="requests"))),
+    ("image prompts", "tools and rollout_multi_turn='requests' and rollout_dispatch='balanced'"): lambda tmp: _raised(
+        lambda: check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(
+            rollout_multi_turn="requests", rollout_dispatch="balanced"))),
     ("image prompts", "tools and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
         ["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_partial=True))),
     ("image prompts", "tools and rollout_ranks"): lambda tmp: _raised(lambda: check_images(

@@ -34,12 +34,12 @@ def path() -> str:
     return resolve_model("builtin:tiny-idefics3-tools")
 
 
-def _config(tmp_path, call: int, **kw) -> GRPOConfig:
+def _config(tmp_path, call: int, cls=GRPOConfig, **kw) -> GRPOConfig:
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3, max_completion_length=64,
                 use_cpu=True, report_to="none", bf16=False, save_strategy="no", seed=3, max_steps=1,
                 max_tool_calling_iterations=2, generation_kwargs={"sequence_bias": {(call,): 4.0}})
     base.update(kw)
-    return GRPOConfig(**base)
+    return cls(**base)
 
 
 def _call_token(path: str) -> int:
@@ -96,20 +96,44 @@ def _turn_inputs(calls: list[dict], skip: int) -> tuple[list[list[int]], list[to
     return rows, pixels
 
 
+class _PictureEnv:
+    """A TRL environment: its reset's observation is a picture of the row's colour (an image prompt without an image
+    column), and its ``show_picture`` method returns pictures of the other colour."""
+
+    def reset(self, **row) -> list:
+        self.shown = 0
+        return [{"type": "image", "image": colour_image(row["colour"], seed=5)}, {"type": "text", "text": " look"}]
+
+    def show_picture(self) -> list:
+        """Shows the picture to describe.
+
+        Returns:
+            The picture and a caption.
+        """
+        self.shown += 1
+        return [{"type": "image", "image": colour_image("blue", seed=self.shown)}, {"type": "text", "text": "here"}]
+
+
 @pytest.mark.slow
-def test_tool_images_reach_the_model_as_in_trls_grpo_trainer_on_the_hf_engine(path, tmp_path, monkeypatch):
-    """TRL's ``GRPOTrainer`` and ours, the same tool results (``show_picture`` from the same start), near-greedy
-    sampling: every later turn's generate gets the same tokens (the tool's image placeholders expanded) and the same
-    pixels, sample by sample; the samples, tool masks and the forward's per-sample pixels are equal. (TRL passes
-    Gemma's ``token_type_ids``, all zeros here, which Idefics3's generate refuses: the spy drops them.) Mutation
-    tried: ``TurnMedia.view`` without the tool's images -> the later turns' pixels differ."""
+@pytest.mark.parametrize("episode", ["tools", "environment_factory"])
+def test_tool_images_reach_the_model_as_in_trls_grpo_trainer_on_the_hf_engine(path, tmp_path, monkeypatch, episode):
+    """TRL's ``GRPOTrainer`` and ours, the same tool results (``show_picture`` from the same start; or an
+    environment whose reset shows a picture and whose method shows more), near-greedy sampling: every later turn's
+    generate gets the same tokens (the tool's image placeholders expanded) and the same pixels, sample by sample;
+    the samples, tool masks and the forward's per-sample pixels are equal. (TRL passes Gemma's ``token_type_ids``,
+    all zeros here, which Idefics3's generate refuses: the spy drops them.) Mutation tried: ``TurnMedia.view``
+    without the tool's images -> the later turns' pixels differ."""
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
     call = _call_token(path)
-    rows = [dict(r) for r in image_dataset(2, seed=4) for _ in range(3)]
+    dataset = image_dataset(12)
+    kwargs: dict = {"tools": [show_picture]}
+    if episode == "environment_factory":
+        dataset, kwargs = dataset.remove_columns("image"), {"environment_factory": _PictureEnv}
+    rows = [dict(r) for r in dataset.select(range(2)) for _ in range(3)]
     seen = {}
     for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
         trainer = cls(model=path, reward_funcs=[colour_reward], args=_config(tmp_path / name, call, temperature=1e-3),
-                      train_dataset=image_dataset(12), tools=[show_picture])
+                      train_dataset=dataset, **kwargs)
         calls, generate = [], trainer.model.generate
 
         def spy(*args, _generate=generate, _calls=calls, **kwargs):
@@ -142,16 +166,22 @@ def test_tool_images_reach_the_model_as_in_trls_grpo_trainer_on_the_hf_engine(pa
 # ---------------------------------------------------------------------------------------------- the forward
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_the_trainers_forward_sees_the_tool_images_vllm_saw(path, tmp_path):
-    """On vLLM: multi-turn samples whose tools returned images; the trainer's log-probs over the recorded tokens
-    (prompt + turns + tool results with their image tokens) with the episode's image tensors equal vLLM's within the
-    bound text samples meet; a swapped tool image moves them. Then a training step runs."""
+@pytest.mark.parametrize("multi_turn", ["turns", "requests"])
+def test_the_trainers_forward_sees_the_tool_images_vllm_saw(path, tmp_path, multi_turn):
+    """On vLLM, turn by turn and request by request: multi-turn samples whose tools returned images; the trainer's
+    log-probs over the recorded tokens (prompt + turns + tool results with their image tokens) with the episode's
+    image tensors equal vLLM's within the bound text samples meet; a swapped tool image moves them. Then a training
+    step runs. Mutation tried: the request loop's ``continue_request`` given no view (the tool image never reaches
+    vLLM) -> vLLM refuses a context whose image tokens have no image."""
     from dataclasses import replace
 
+    from trl_nrollout import NRolloutConfig
+
     call = _call_token(path)
+    args = _config(tmp_path, call, NRolloutConfig, use_vllm=True, max_steps=1, logging_steps=1, generation_kwargs={},
+                   rollout_multi_turn=multi_turn)
     trainer = NRolloutGRPOTrainer(model=path, reward_funcs=[colour_reward], train_dataset=image_dataset(12),
-                                  tools=[show_picture], args=_config(tmp_path, call, use_vllm=True, max_steps=1,
-                                                                     logging_steps=1, generation_kwargs={}))
+                                  tools=[show_picture], args=args)
     with torch.no_grad():  # the model itself calls the tool often (vLLM's logit_bias would move its log-probs): the
         # call token's (tied) embedding along the mean final hidden state, then synced to vLLM
         ids = torch.tensor([trainer.processing_class.tokenizer("user: write a number").input_ids])

@@ -66,9 +66,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "two choices of the episode axis: TRL hands a rollout_func's images to no engine (its prompt_ids hold the "
             "placeholders, TRL's forward reuses the dataset's images); not built. Images with tools= and "
             "environment_factory= run turn by turn, a tool's returned images included"),
-    Refusal("image prompts", "tools and rollout_multi_turn='requests'", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: request-level tool episodes do not carry images yet (nor a tool's "
-            "returned images: refused when one returns an image); turn by turn they do"),
+    Refusal("image prompts", "tools and rollout_multi_turn='requests' and rollout_dispatch='balanced'", "not yet",
+            "multiturn.check_images", "two choices of the episode axis: request-level tool episodes from a balanced "
+            "queue do not carry images yet (nor a tool's returned images: refused when one returns an image); turn "
+            "by turn, or from fixed shares, they do"),
     Refusal("image prompts", "tools and rollout_partial=True", "not yet", "multiturn.check_images",
             "two choices of the episode axis: a partial rollout runs tool episodes request by request, which do "
             "not carry images yet"),

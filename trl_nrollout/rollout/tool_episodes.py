@@ -99,9 +99,10 @@ class AgentSample:
         if images is None and message_images(tool_messages):
             raise ValueError(
                 "a tool returned an image (a content block {'type': 'image', ...}), but this episode loop does not "
-                "carry tool images yet (request-level episodes: rollout_multi_turn='requests', rollout_partial=True "
-                "or rollout_ranks). Run the tools turn by turn (rollout_multi_turn='turns', colocated, without "
-                "rollout_partial), or return text from the tool.")
+                "carry tool images yet (a text model's, or request-level episodes from a balanced queue, in partial "
+                "rollouts or on rollout ranks). With a vision-language model, run the tools turn by turn or request "
+                "by request with rollout_dispatch='shares' (colocated, without rollout_partial), or return text "
+                "from the tool.")
         self.tool_calls += len(tool_messages)
         self.tool_failures += failed
         self.calls_tools = False
@@ -279,6 +280,9 @@ class AgentCallbacks:
     max_iterations: int | None
     max_completion_length: int
     max_model_len: int
+    #: images (the prompts', the tools'), None for text: ``continue_request`` then gets each re-entering sample's
+    #: :class:`~trl_nrollout.rollout.tool_images.TurnView` as ``view=``
+    media: TurnMedia | None = None
 
 
 @dataclass
@@ -390,7 +394,7 @@ def run_agent_requests(
     drained = pull is None
     stats = AgentStats(requests=len(groups))
     runner = ToolRunner(agent.run_tools, workers)
-    updates: list[tuple[int, list[int] | None, int, int]] = []  # (sample, context or None: ended, budget, round)
+    updates: list[tuple] = []  # (sample, context or None: ended, budget, round, its TurnView or None)
 
     def turn_ended(s: int, rid: str, k: int) -> None:
         i, progress = mine[s], loop.samples[(rid, k)]
@@ -407,18 +411,22 @@ def run_agent_requests(
             runner.submit(s, i, sample.messages[-1]["tool_calls"])
         else:
             sample.calls_tools = False
-            updates.append((s, None, 0, 0))
+            updates.append((s, None, 0, 0, None))
 
     def tools_done(timeout: float | None) -> None:
+        media = agent.media
         for s, tool_messages, failed in runner.finished(timeout):
             sample = samples[s]
+            images = message_images(tool_messages) if media is not None else None
             context = sample.add_tool_results(tool_messages, failed, agent.suffix_ids(tool_messages),
-                                              agent.max_completion_length, agent.max_model_len)
+                                              agent.max_completion_length, agent.max_model_len, images,
+                                              media.engine_suffix(tool_messages) if images else None)
             if context is None:
-                updates.append((s, None, 0, 0))
+                updates.append((s, None, 0, 0, None))
             else:
                 budget = sample.budget(context, agent.max_completion_length, agent.max_model_len)
-                updates.append((s, context, budget, sample.rounds + 1))
+                view = media.view(mine[s], sample) if media is not None else None
+                updates.append((s, context, budget, sample.rounds + 1, view))
 
     try:
         while remaining or not drained:
@@ -444,11 +452,12 @@ def run_agent_requests(
             everyone = exchange((updates, runner.pending))
             updates = []
             for rank_updates, _ in everyone:
-                for s, context, budget, round_ in rank_updates:
+                for s, context, budget, round_, view in rank_updates:
                     if context is None:
                         remaining -= 1
                         continue
-                    prompt, params = continue_request(s, round_, context, budget)
+                    prompt, params = (continue_request(s, round_, context, budget) if view is None
+                                      else continue_request(s, round_, context, budget, view=view))
                     rid = loop.add(prompt, params)
                     keys[(rid, 0)] = s
                     stats.requests += 1

@@ -71,21 +71,22 @@ def _environment_tools(environment: Any) -> list:
 IMAGE_REFUSALS = {
     "rollout_func": "TRL hands a rollout_func's images to no engine (its prompt_ids must hold the placeholders and "
                     "TRL's forward reuses the dataset's images): that contract is not built here",
-    "rollout_multi_turn='requests'": "images in request-level tool episodes are not built (the turn-by-turn loop, "
-                                     "rollout_multi_turn='turns', carries them)",
+    "rollout_dispatch='balanced'": "request-level tool episodes from a balanced queue do not carry images yet "
+                                   "(with fixed shares, rollout_dispatch='shares', they do)",
     "rollout_partial=True": "a partial rollout runs tool episodes request by request, which do not carry images yet",
     "rollout_ranks": "tool episodes on rollout ranks do not carry images yet",
 }
 
 
 def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, args=None) -> str | None:
-    """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn,
-    colocated, whole rollouts)."""
+    """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn, or
+    request by request from fixed shares; colocated, whole rollouts)."""
     agentic = bool(tools) or environment_factory is not None
     if rollout_func is not None:
         return "rollout_func"
-    if agentic and getattr(args, "rollout_multi_turn", "turns") == "requests":
-        return "rollout_multi_turn='requests'"
+    if agentic and getattr(args, "rollout_multi_turn", "turns") == "requests" \
+            and getattr(args, "rollout_dispatch", "shares") == "balanced":
+        return "rollout_dispatch='balanced'"
     if agentic and getattr(args, "rollout_partial", False):
         return "rollout_partial=True"
     if agentic and getattr(args, "rollout_ranks", 0):
@@ -95,8 +96,8 @@ def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, ar
 
 def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None,
                  args=None) -> None:
-    """Image prompts run with tools and environments turn by turn (TRL's loop, a tool's images included); with a
-    custom rollout function, request-level tool episodes, partial rollouts or rollout ranks they are refused
+    """Image prompts run with tools and environments (TRL's loop, a tool's images included); with a custom rollout
+    function, request-level tool episodes from a balanced queue, partial rollouts or rollout ranks they are refused
     (:data:`IMAGE_REFUSALS`), never trained as if the images were absent."""
     from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
@@ -106,9 +107,9 @@ def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, en
         with_tools = "" if why == "rollout_func" else "tools/environment_factory and "
         raise UnsupportedTRLOption(
             f"the dataset has image column(s) {found} (image prompts) and the trainer was given {with_tools}{why}: "
-            f"{IMAGE_REFUSALS[why]}. Images run with tools= and environment_factory= turn by turn "
-            "(rollout_multi_turn='turns', colocated, without rollout_partial); use that, or trl.GRPOTrainer for "
-            "this combination, or drop the image columns.")
+            f"{IMAGE_REFUSALS[why]}. Images run with tools= and environment_factory= (turn by turn, or request by "
+            "request with rollout_dispatch='shares'; colocated, without rollout_partial); use that, or "
+            "trl.GRPOTrainer for this combination, or drop the image columns.")
 
 
 def check_tool_workers(args, tools=None, environment_factory=None, rollout_func=None) -> None:
@@ -200,13 +201,13 @@ class TRLTools:
         """The processor's image tensors of one sample's images (TRL's ``image_processor`` call)."""
         return image_tensors(self.processor, images)
 
-    def media(self, first: RolloutBatch, images: EncodedPrompts | None) -> TurnMedia | None:
-        """The images of a multi-turn rollout whose first turn is ``first`` (``images``: its prompts' encoding,
-        None for text prompts); None for a text model."""
+    def media(self, prompt_ids: list[list[int]], images: EncodedPrompts | None) -> TurnMedia | None:
+        """The images of a multi-turn rollout of prompts ``prompt_ids`` (``images``: their encoding, None for text
+        prompts); None for a text model."""
         if self.processor is None:
             return None
         if images is None:
-            return TurnMedia([[] for _ in first.prompt_ids], [list(p) for p in first.prompt_ids], self.engine_suffix)
+            return TurnMedia([[] for _ in prompt_ids], [list(p) for p in prompt_ids], self.engine_suffix)
         return TurnMedia(list(images.images), list(images.engine_ids), self.engine_suffix)
 
     def episode_mm(self, turns: Turns, media: TurnMedia | None, images: EncodedPrompts | None) -> list | None:
@@ -257,6 +258,7 @@ class TRLTools:
             else:
                 content = content + observation
             prompts[i] = prompts[i][:-1] + [{**last, "content": content}]
+        prompts = attach_images(prompts, dataset_images(inputs))  # after the observations, as TRL does
         return Started(prompts, tools, environments, names)
 
     def reset_kwargs(self, row: dict) -> dict:
@@ -359,7 +361,7 @@ class ToolTurns:
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
         first, _ = self.first.run(job)
         loop, width = self.tools.loop, max(1, len(first))
-        media = self.tools.media(first, job.images)
+        media = self.tools.media(first.prompt_ids, job.images)
 
         def generate(contexts, budgets, turn, samples, views=None):
             kw: dict = {}
@@ -413,11 +415,12 @@ class ToolRequests:
         if self.remote_request_turns is not None:
             return self.remote_request_turns(job.prompt_ids, n, sampling, mode, job.step_job)
         loop, tools, limits = self.tools.loop, job.tools, self.limits
+        media = self.tools.media(job.prompt_ids, job.images) if self.dispatch != "balanced" else None
         agent = AgentCallbacks(
             parse=lambda i, ids, prefix: self.tools.parse(job.names, i, ids, prefix),
             run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop), suffix_ids=self.tools.suffix_ids,
             max_iterations=limits.max_iterations, max_completion_length=limits.max_completion_length,
-            max_model_len=limits.max_model_len())
+            max_model_len=limits.max_model_len(), media=media)
         prompts = [list(p) for p in job.prompt_ids]
         if self.dispatch == "balanced":  # episodes run on whichever engine pulled their group
             envs = self.tools.factories is not None
@@ -442,9 +445,11 @@ class ToolRequests:
             self.log_dispatch(mode, pulled, len(prompts), n)
         else:
             samples, groups, stats = run_agents(self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
-                                                agent, limits.workers, sample_offset=job.offset)
+                                                agent, limits.workers, sample_offset=job.offset, images=job.images)
         turns = collect_turns(samples)
         log_agent_stats(self.metrics, mode, stats)
         batch = RolloutBatch([s.prompt_ids for s in samples], turns.completion_ids, turns.logprobs,
                              turns.finish_reasons, groups)
-        return batch, _episode(turns)
+        episode = _episode(turns)
+        episode.mm = self.tools.episode_mm(turns, media, job.images)
+        return batch, episode
