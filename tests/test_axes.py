@@ -73,8 +73,12 @@ def _agent(**args) -> str | None:
 #: how each row is made to happen: the message its check gives (the real check, called on the options)
 CASES = {
     ("agent", "rollout_backend='hf'"): lambda tmp: _agent(hf=True, rollout_backend="hf"),
-    ("image prompts", "rollout_func"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], rollout_func=print)),
+    ("image prompts", "rollout_func and rollout_multi_turn='requests'"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_multi_turn="requests"))),
+    ("image prompts", "rollout_func and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_partial=True))),
+    ("image prompts", "rollout_func and rollout_ranks"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_ranks=1))),
     ("image prompts", "tools and rollout_multi_turn='requests' and rollout_dispatch='balanced'"): lambda tmp: _raised(
         lambda: check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(
             rollout_multi_turn="requests", rollout_dispatch="balanced"))),

@@ -172,7 +172,7 @@ def test_the_trainers_forward_sees_the_tool_images_vllm_saw(path, tmp_path, mult
     log-probs over the recorded tokens (prompt + turns + tool results with their image tokens) with the episode's
     image tensors equal vLLM's within the bound text samples meet; a swapped tool image moves them. Then a training
     step runs. Mutation tried: the request loop's ``continue_request`` given no view (the tool image never reaches
-    vLLM) -> vLLM refuses a context whose image tokens have no image."""
+    vLLM, which reads its image tokens as text) -> the log-probs differ by 0.058: fails."""
     from dataclasses import replace
 
     from trl_nrollout import NRolloutConfig
@@ -214,3 +214,32 @@ def test_the_trainers_forward_sees_the_tool_images_vllm_saw(path, tmp_path, mult
     trainer.train()
     assert trainer.state.log_history[0]["tools/call_frequency"] > 0
     trainer.close()
+
+
+# ---------------------------------------------------------------------------------------------- rollout_func
+@pytest.mark.slow
+def test_a_rollout_funcs_image_prompts_reach_the_forward_as_in_trl(path, tmp_path, monkeypatch):
+    """TRL's contract for a ``rollout_func`` with image prompts: the function gets the prompts with their images,
+    returns ``prompt_ids`` holding the processor's expansion, and the forward takes the dataset's images. TRL's
+    ``GRPOTrainer`` and ours with the same function: the same prompt ids, and the same pixels per sample in the
+    forward. Mutation tried: ``RolloutFunc`` leaving ``Episode.mm`` unset -> no image tensors: fails."""
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    rows = [dict(r) for r in image_dataset(2, seed=4) for _ in range(3)]
+
+    def rollout_func(prompts, trainer):
+        processor = trainer.processing_class
+        ids = [processor.apply_chat_template([p], tokenize=True, add_generation_prompt=True)[0] for p in prompts]
+        assert all(any(part.get("type") == "image" for m in p for part in m["content"] if isinstance(part, dict))
+                   for p in prompts)  # the function sees the images
+        return {"prompt_ids": ids, "completion_ids": [[44, 45, 46]] * len(ids), "logprobs": [[-1.0] * 3] * len(ids)}
+
+    seen = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        trainer = cls(model=path, reward_funcs=[colour_reward], train_dataset=image_dataset(12),
+                      args=_config(tmp_path / name, 1, generation_kwargs={}), rollout_func=rollout_func)
+        seen[name] = trainer._generate_and_score_completions(rows)
+    theirs, ours = seen["trl"], seen["ours"]
+    assert torch.equal(ours["prompt_ids"], theirs["prompt_ids"])
+    assert ours["mm_inputs"] is not None and len(ours["mm_inputs"]) == 6
+    mine = torch.cat([m["pixel_values"] for m in ours["mm_inputs"]])
+    torch.testing.assert_close(mine, theirs["pixel_values"], rtol=0, atol=0)

@@ -89,6 +89,7 @@ class KindParts:
     log_dispatch: Callable[..., None]
     runner: Callable[[], Any]
     settings: Callable[[], dict]
+    encode_images: Callable[[list], EncodedPrompts | None] | None = None
 
 
 def single_turn(p: KindParts) -> SingleTurn:
@@ -112,7 +113,7 @@ KINDS: list[tuple[str, Callable[[KindParts], bool], Callable[[KindParts], Episod
         p.rollout_func is not None and p.args.rollout_multi_turn == "requests"), _agents),
     ("rollout_func", lambda p: p.rollout_func is not None, lambda p: RolloutFunc(
         p.func_trainer, p.rollout_engine, p.args.rollout_dispatch, p.args.max_completion_length,
-        p.args.rollout_is is not None, p.log_dispatch)),
+        p.args.rollout_is is not None, p.log_dispatch, encode_images=p.encode_images)),
     ("tool requests", lambda p: bool(p.tools.tools) and p.args.rollout_multi_turn == "requests", lambda p: ToolRequests(
         p.tools, p.rollout_engine, p.limits, p.args.rollout_dispatch, p.rank, p.metrics, p.home, p.log_dispatch,
         p.placement.request_turns if p.placement.remote else None)),
@@ -181,6 +182,10 @@ class RolloutCollector:
         max_len = lambda: getattr(engine, "max_model_len", None) or setup.context_length() or 1 << 30  # noqa: E731
         records = AgentRecords(trainer._tokenizer, trainer._tokenize_prompts, trainer.rollout_func is not None,
                                args.max_completion_length, metrics, rank, trainer.accelerator.is_main_process)
+        images = ImagePrompts(trainer.processing_class, trainer._is_vlm, trainer.tools, trainer.chat_template,
+                              trainer.chat_template_kwargs, image_refusal(
+                                  tools=trainer.tools, rollout_func=trainer.rollout_func, args=args,
+                                  environment_factory=getattr(trainer, "environment_factories", None)))
         parts = KindParts(
             args, engine, vllm, tools, trainer.agent, trainer.rollout_func, trainer, rank, metrics, placement,
             Limits(args.seed, args.max_tool_calling_iterations, args.max_completion_length, max_len, args.tool_workers),
@@ -188,11 +193,8 @@ class RolloutCollector:
             partial(_log_dispatch, metrics, engine, trainer.layout.rollout_tp_size),
             runner=lambda: episode_runner(trainer.agent, trainer.rollout_func, trainer, args, trainer.num_generations,
                                           engine.max_model_len, trainer.tools),
-            settings=lambda: endpoint_settings(args, setup.model_path(), engine.max_model_len))
-        images = ImagePrompts(trainer.processing_class, trainer._is_vlm, trainer.tools, trainer.chat_template,
-                              trainer.chat_template_kwargs, image_refusal(
-                                  tools=trainer.tools, rollout_func=trainer.rollout_func, args=args,
-                                  environment_factory=getattr(trainer, "environment_factories", None)))
+            settings=lambda: endpoint_settings(args, setup.model_path(), engine.max_model_len),
+            encode_images=images.encode)
         collector = cls(choose_episode_kind(parts), engine, start=trainer._start_step_episodes,
                         names=lambda: getattr(trainer, "_batch_environments", None), tokenize=trainer._tokenize_prompts,
                         images=images, vllm=vllm, clock=trainer.generation_clock, rank=rank)

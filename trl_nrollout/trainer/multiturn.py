@@ -69,10 +69,12 @@ def _environment_tools(environment: Any) -> list:
 
 #: what images (image prompts, or a tool's content blocks) do not run with yet, and why (the refusal table's rows)
 IMAGE_REFUSALS = {
-    "rollout_func": "TRL hands a rollout_func's images to no engine (its prompt_ids must hold the placeholders and "
-                    "TRL's forward reuses the dataset's images): that contract is not built here",
-    "rollout_dispatch='balanced'": "request-level tool episodes from a balanced queue do not carry images yet "
-                                   "(with fixed shares, rollout_dispatch='shares', they do)",
+    "rollout_func": "a rollout_func run group by group (rollout_multi_turn='requests' or rollout_partial=True) or "
+                    "on rollout ranks (rollout_ranks) does not carry images yet (called on the whole batch, "
+                    "colocated, it does: TRL's contract)",
+    "rollout_dispatch='balanced'": "request-level tool episodes (rollout_multi_turn='requests') from a balanced "
+                                   "queue do not carry images yet (with fixed shares, rollout_dispatch='shares', "
+                                   "they do)",
     "rollout_partial=True": "a partial rollout runs tool episodes request by request, which do not carry images yet",
     "rollout_ranks": "tool episodes on rollout ranks do not carry images yet",
 }
@@ -82,7 +84,8 @@ def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, ar
     """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn, or
     request by request from fixed shares; colocated, whole rollouts)."""
     agentic = bool(tools) or environment_factory is not None
-    if rollout_func is not None:
+    if rollout_func is not None and (getattr(args, "rollout_multi_turn", "turns") == "requests"
+                                     or getattr(args, "rollout_partial", False) or getattr(args, "rollout_ranks", 0)):
         return "rollout_func"
     if agentic and getattr(args, "rollout_multi_turn", "turns") == "requests" \
             and getattr(args, "rollout_dispatch", "shares") == "balanced":
@@ -96,8 +99,9 @@ def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, ar
 
 def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None,
                  args=None) -> None:
-    """Image prompts run with tools and environments (TRL's loop, a tool's images included); with a custom rollout
-    function, request-level tool episodes from a balanced queue, partial rollouts or rollout ranks they are refused
+    """Image prompts run with tools and environments (TRL's loop, a tool's images included) and a rollout_func
+    (TRL's contract); with a rollout_func run group by group, request-level tool episodes from a balanced queue,
+    partial rollouts or rollout ranks they are refused
     (:data:`IMAGE_REFUSALS`), never trained as if the images were absent."""
     from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
