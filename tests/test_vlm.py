@@ -206,9 +206,8 @@ def test_hf_engine_trains_the_whole_vlm_and_never_samples_image_tokens(vlm_path,
 
 
 def test_images_with_tools_or_a_plain_tokenizer_are_refused(vlm_path, tmp_path, monkeypatch):
-    from trl_nrollout.builtin import lucky_number
-
     from trl_nrollout import NRolloutConfig
+    from trl_nrollout.builtin import lucky_number
 
     with pytest.raises(UnsupportedTRLOption, match=r"image column\(s\) \['image'\] \(image prompts\) and the trainer was given "
                                                    r"rollout_func: a rollout_func run group by group"):
