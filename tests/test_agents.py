@@ -61,6 +61,14 @@ def test_openai_messages_are_made_template_messages():
     assert out[2] == {"role": "tool", "content": "2", "tool_call_id": "c1"}
     with pytest.raises(ValueError, match=r"messages\[0\] must be an object with a role"):
         template_messages([{"role": "wizard", "content": "x"}])
+    image = {"role": "user", "content": [{"type": "text", "text": "what colour?"}, {"type": "image_url", "image_url": {
+        "url": "https://example.com/a.png"}}]}
+    with pytest.raises(ValueError, match=r"messages\[1\].content has an image_url part with an http\(s\) URL "
+                                         r"\('https://example.com/a.png'\): this endpoint fetches nothing"):
+        template_messages([{"role": "system", "content": "x"}, image])
+    image["content"][1]["image_url"]["url"] = "data:image/png;base64,iVBORw0KGgo="
+    with pytest.raises(ValueError, match=r"images in agent calls are not recorded for training yet"):
+        template_messages([image])
 
 
 # ---------------------------------------------------------------------------------------------- the trainer

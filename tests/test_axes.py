@@ -73,8 +73,19 @@ def _agent(**args) -> str | None:
 #: how each row is made to happen: the message its check gives (the real check, called on the options)
 CASES = {
     ("agent", "rollout_backend='hf'"): lambda tmp: _agent(hf=True, rollout_backend="hf"),
-    ("image prompts", "tools, environment_factory or rollout_func"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], tools=[print], rollout_func=print, environment_factory=print)),
+    ("image prompts", "rollout_func and rollout_multi_turn='requests'"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_multi_turn="requests"))),
+    ("image prompts", "rollout_func and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_partial=True))),
+    ("image prompts", "rollout_func and rollout_ranks"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_ranks=1))),
+    ("image prompts", "tools and rollout_multi_turn='requests' and rollout_dispatch='balanced'"): lambda tmp: _raised(
+        lambda: check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(
+            rollout_multi_turn="requests", rollout_dispatch="balanced"))),
+    ("image prompts", "tools and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_partial=True))),
+    ("image prompts", "tools and rollout_ranks"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], environment_factory=print, args=SimpleNamespace(rollout_ranks=1))),
     ("agent", "environment_factory or rollout_func"): lambda tmp: _agent_refusal(
         _trainer(environment_factories={"x": print}, args=SimpleNamespace(rollout_backend="vllm"))),
     ("rollout_ranks", "rollout_backend='hf'"): lambda tmp: _ranks(rollout_backend="hf"),

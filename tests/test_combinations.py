@@ -109,8 +109,7 @@ def test_the_combinations_follow_the_refusal_table():
     words = set().union(*(w for _, w in DISPATCH.values()), *(w for _, w in END.values()),
                         *(w for *_, w in EPISODE.values()),
                         {"rollout_ranks", "rollout_backend='hf'", "rollout_tp_size>1",  # (TP: not in this run)
-                         "environment_factory or rollout_func",  # (agent= with TRL's loops: one axis, two choices)
-                         "tools, environment_factory or rollout_func"})  # (images with them: the same axis)
+                         "environment_factory or rollout_func"})  # (agent= with TRL's loops: one axis, two choices)
     for r in REFUSALS:  # every word of the table is one a combination can stand for
         assert all(p in words for side in (r.first, r.second) for p in side.split(" and ")), r
     allowed, refused_ = combinations()

@@ -206,11 +206,15 @@ def test_hf_engine_trains_the_whole_vlm_and_never_samples_image_tokens(vlm_path,
 
 
 def test_images_with_tools_or_a_plain_tokenizer_are_refused(vlm_path, tmp_path, monkeypatch):
+    from trl_nrollout import NRolloutConfig
     from trl_nrollout.builtin import lucky_number
 
     with pytest.raises(UnsupportedTRLOption, match=r"image column\(s\) \['image'\] \(image prompts\) and the trainer was given "
-                                                   r"\['tools'\]"):
-        _hf(tmp_path, monkeypatch, vlm_path, trainer_kwargs={"tools": [lucky_number]})
+                                                   r"rollout_func: a rollout_func run group by group"):
+        NRolloutGRPOTrainer(model=vlm_path, reward_funcs=[colour_reward], train_dataset=image_dataset(6),
+                            args=NRolloutConfig(output_dir=str(tmp_path), rollout_multi_turn="requests", use_cpu=True,
+                                                bf16=False, report_to="none"),
+                            rollout_func=lucky_number)
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
     text_only = NRolloutGRPOTrainer(model=resolve_model("builtin:tiny-qwen2"), reward_funcs=[colour_reward],
                                     args=_config(tmp_path / "text"), train_dataset=image_dataset(6))

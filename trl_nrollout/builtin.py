@@ -51,6 +51,10 @@ BUILTIN_MODELS: dict[str, dict] = {
     # Llama text model), 4 image tokens per 56x56 image; vLLM runs it on CPU without torchvision
     "tiny-idefics3": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=384, vlm=True),
+    # the same VLM with a tool-calling chat template (images in any message, the tool's included), TRL's response
+    # parser for it and one token that is a whole call of the built-in picture tool (:func:`show_picture`)
+    "tiny-idefics3-tools": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=384, vlm=True, tools=True),
 }
 
 #: The built-in tool's name and the single token that calls it (Qwen2.5's tool-call format).
@@ -208,13 +212,41 @@ VLM_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 VLM_IMAGE_SIZE = 56
+#: The built-in picture tool's name and the single token that calls it (the tool-calling VLM's format).
+PICTURE_TOOL = "show_picture"
+PICTURE_CALL_TOKEN = '<tool_call>\n{"name": "show_picture", "arguments": {}}\n</tool_call>'
+#: The tool-calling VLM's template: prefix-preserving (TRL's multi-turn rule), tool schemas in a system turn, calls as
+#: ``<tool_call>`` JSON, images (``<image>``) in any message's content blocks, a tool's result included.
+VLM_TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}system:{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<end_of_utterance>\n{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}:{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}<tool_call>\n{\"name\": \""
+    "{{ call['function']['name'] }}\", \"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}{% endif %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+#: transformers' response parser for that template (TRL's Qwen3 one, with this template's turn markers).
+VLM_TOOLS_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "assistant:",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<end_of_utterance>\s*", "content": "text"},
+    },
+}
 
 
 def build_tiny_vlm(target: Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
-                   num_attention_heads: int, num_key_value_heads: int, vocab_size: int, seed: int = 0) -> Path:
+                   num_attention_heads: int, num_key_value_heads: int, vocab_size: int, seed: int = 0,
+                   tools: bool = False) -> Path:
     """A random Idefics3 vision-language model with its processor (tokenizer trained on the built-in corpus,
     56x56 images without splitting, 4 image tokens each) saved to ``target``; written atomically like
-    :func:`build_tiny_model`. The vision tower is half the text model's width, two layers, patch size 14."""
+    :func:`build_tiny_model`. The vision tower is half the text model's width, two layers, patch size 14.
+    ``tools``: :data:`VLM_TOOLS_CHAT_TEMPLATE`, its response parser, and :data:`PICTURE_CALL_TOKEN` as one token that
+    also ends a turn."""
     import torch
     from transformers import (
         Idefics3Config,
@@ -230,13 +262,17 @@ def build_tiny_vlm(target: Path, *, hidden_size: int, intermediate_size: int, nu
         hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<end_of_utterance>", pad_token="<|endoftext|>",
                                          bos_token="<|im_start|>", unk_token=None,
                                          additional_special_tokens=VLM_SPECIAL_TOKENS[2:])
-        hf_tok.chat_template = VLM_CHAT_TEMPLATE
+        template = VLM_TOOLS_CHAT_TEMPLATE if tools else VLM_CHAT_TEMPLATE
+        hf_tok.chat_template = template
+        if tools:
+            hf_tok.add_tokens(["<tool_call>", "</tool_call>", PICTURE_CALL_TOKEN])
+            hf_tok.response_template = VLM_TOOLS_RESPONSE_TEMPLATE
         side = {"longest_edge": VLM_IMAGE_SIZE}
         images = Idefics3ImageProcessorPil(do_image_splitting=False, size=side, max_image_size=side)
         patch, scale = 14, 2
         seq_len = (VLM_IMAGE_SIZE // patch) ** 2 // scale**2
         processor = Idefics3Processor(image_processor=images, tokenizer=hf_tok, image_seq_len=seq_len,
-                                      chat_template=VLM_CHAT_TEMPLATE)
+                                      chat_template=template)
         processor.save_pretrained(tmp)
         ids = {t: hf_tok.convert_tokens_to_ids(t) for t in VLM_SPECIAL_TOKENS}
         eos, pad = ids["<end_of_utterance>"], ids["<|endoftext|>"]
@@ -254,6 +290,8 @@ def build_tiny_vlm(target: Path, *, hidden_size: int, intermediate_size: int, nu
             dtype="float32")
         model = Idefics3ForConditionalGeneration(config)
         model.generation_config.eos_token_id = eos
+        if tools:  # a call ends the turn
+            model.generation_config.eos_token_id = [eos, hf_tok.convert_tokens_to_ids(PICTURE_CALL_TOKEN)]
         model.generation_config.pad_token_id = pad
         model.save_pretrained(tmp)
     return target
@@ -407,6 +445,21 @@ def colour_image(colour: str, seed: int = 0):
     base = np.array(IMAGE_COLOURS[colour], dtype=np.float32)
     pixels = base + rng.normal(0, 12, size=(VLM_IMAGE_SIZE, VLM_IMAGE_SIZE, 3))
     return Image.fromarray(pixels.clip(0, 255).astype("uint8"))
+
+
+def show_picture() -> list:
+    """Shows the picture to describe.
+
+    Returns:
+        The picture and a caption.
+    """
+    global _pictures_shown
+    _pictures_shown += 1
+    colour = sorted(IMAGE_COLOURS)[_pictures_shown % len(IMAGE_COLOURS)]
+    return [{"type": "image", "image": colour_image(colour, seed=_pictures_shown)}, {"type": "text", "text": "here"}]
+
+
+_pictures_shown = 0  # (calls so far: each call shows the next picture, red and blue in turn)
 
 
 def image_dataset(num: int = 256, seed: int = 0):

@@ -185,3 +185,37 @@ def check_expansion(engine_ids: Sequence[Sequence[int]], processor_ids: Sequence
                 f"processor into {len(b)}: the engine would sample under another prompt than the trainer scores. "
                 "Check that the processor's settings (image size, image_seq_len, patch and merge sizes) match the "
                 "model's config, or set rollout_backend='hf'.")
+
+
+def image_tensors(processor, images: Sequence) -> MMInputs:
+    """The processor's image tensors of one sample's ``images`` (its prompt's and its tools', in order), as TRL's
+    tool loop and forward compute them (``processor.image_processor`` over the images), with a leading dimension of
+    1: one sample, as :func:`collate` takes it."""
+    out = processor.image_processor(images=[list(images)], return_tensors="pt")
+    return {k: v for k, v in out.items() if isinstance(v, Tensor)}
+
+
+def engine_suffix_ids(processor, tool_messages: list[dict], *, chat_template: str | None = None,
+                      chat_template_kwargs: dict | None = None) -> list[int]:
+    """The tokens of tool results and the next assistant header with image placeholders unexpanded (what an engine
+    that expands images itself takes): TRL's ``_get_tool_suffix_ids`` rule (a dummy conversation with and without the
+    results, the prefix cut after its last EOS), on the rendered text tokenized without the processor."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+    dummy = prepare_multimodal_messages([{"role": "user", "content": "dummy"},
+                                         {"role": "assistant", "content": "", "tool_calls": calls}])
+    kwargs = dict(chat_template=chat_template, tokenize=False, **(chat_template_kwargs or {}))
+    prefix_text = processor.apply_chat_template(dummy, add_generation_prompt=False, **kwargs)
+    full_text = processor.apply_chat_template(dummy + prepare_multimodal_messages(list(tool_messages)),
+                                              add_generation_prompt=True, **kwargs)
+    prefix = tokenizer(prefix_text, add_special_tokens=False)["input_ids"]
+    full = tokenizer(full_text, add_special_tokens=False)["input_ids"]
+    ends = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if ends:
+        prefix = prefix[:ends[-1] + 1]
+    if full[:len(prefix)] != prefix:
+        raise ValueError("the chat template does not preserve prefixes: the tool results' tokens cannot be cut out "
+                         "of the rendered conversation (TRL's rule for multi-turn templates).")
+    return full[len(prefix):]

@@ -144,6 +144,19 @@ def openai_tool_calls(parsed: list[dict] | None, key: str, call_index: int) -> l
     return out
 
 
+def _image_url_refusal(i: int, part: dict) -> str:
+    """Why an OpenAI ``image_url`` part of ``messages[i]`` is refused: the endpoint fetches nothing (an http(s) URL),
+    and images in agent calls are not recorded for training yet (a data URL): never trained as if absent."""
+    url = str((part.get("image_url") or {}).get("url", "")) if isinstance(part.get("image_url"), dict) else ""
+    if url.startswith(("http://", "https://")):
+        return (f"messages[{i}].content has an image_url part with an http(s) URL ({url[:60]!r}): this endpoint "
+                "fetches nothing; send the image inline as a data URL (data:image/png;base64,...), and note that "
+                "images in agent calls are not trained yet.")
+    return (f"messages[{i}].content has an image_url part: images in agent calls are not recorded for training yet "
+            "(the endpoint serves them to no engine); send text parts only, or train the images as prompts or tool "
+            "results (tools= / environment_factory=, docs/vlm.md).")
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI chat messages as chat templates take them: text content parts joined, an assistant's tool calls'
     JSON-string arguments parsed into dicts (templates write them with ``tojson``), a tool message's
@@ -156,6 +169,9 @@ def template_messages(messages: list[dict]) -> list[dict]:
                              f"tool; got {m!r:.120}.")
         content = m.get("content")
         if isinstance(content, list):
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "image_url":
+                    raise ValueError(_image_url_refusal(i, p))
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                 raise ValueError(f"messages[{i}].content has a part that is not text: this endpoint serves a text "
                                  "model; send text parts only.")

@@ -65,9 +65,23 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("agent", "environment_factory or rollout_func", "one axis", "agents.agent_refusal",
             "two choices of the episode axis: each is the episode's own loop, as the agent is (an agent builds its "
             "environment itself from the row; tools= compose: the agent gets them)"),
-    Refusal("image prompts", "tools, environment_factory or rollout_func", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: images in multi-turn or custom episodes (TRL's tool-returned images, "
-            "per-environment processors) are not built; single-turn image prompts are"),
+    Refusal("image prompts", "rollout_func and rollout_multi_turn='requests'", "not yet", "multiturn.check_images",
+            "two choices of the episode axis: a rollout_func run group by group does not carry images yet (called on "
+            "the whole batch it does, TRL's contract: its prompt_ids hold the processor's expansion, the forward "
+            "takes the dataset's images)"),
+    Refusal("image prompts", "tools and rollout_multi_turn='requests' and rollout_dispatch='balanced'", "not yet",
+            "multiturn.check_images", "two choices of the episode axis: request-level tool episodes from a balanced "
+            "queue do not carry images yet (nor a tool's returned images: refused when one returns an image); turn "
+            "by turn, or from fixed shares, they do"),
+    Refusal("image prompts", "tools and rollout_partial=True", "not yet", "multiturn.check_images",
+            "two choices of the episode axis: partial tool episodes do not carry images yet (whole ones do)"),
+    Refusal("image prompts", "rollout_func and rollout_partial=True", "not yet", "multiturn.check_images",
+            "two choices of the episode axis: a partial rollout runs a rollout_func group by group, which does not "
+            "carry images yet"),
+    Refusal("image prompts", "tools and rollout_ranks", "not yet", "multiturn.check_images",
+            "two choices of the episode axis: tool episodes on rollout ranks do not carry images yet"),
+    Refusal("image prompts", "rollout_func and rollout_ranks", "not yet", "multiturn.check_images",
+            "two choices of the episode axis: a rollout_func on rollout ranks does not carry images yet"),
 )
 
 

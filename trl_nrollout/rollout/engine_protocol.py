@@ -95,9 +95,11 @@ class RolloutEngine(Protocol):
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
                        sample_offset: int = 0, sample_ids: list[int] | None = None,
-                       num_samples: int | None = None) -> RolloutBatch:
+                       num_samples: int | None = None, images: list[list] | None = None,
+                       mm: list | None = None) -> RolloutBatch:
         """One more turn of multi-turn samples: one sample per context, each cut at its own token budget. Every rank
-        calls it, possibly with no contexts."""
+        calls it, possibly with no contexts. Images per context as in :meth:`generate_expanded` (``images``: the
+        context's placeholders unexpanded; ``mm``: expanded, the processor's tensors)."""
         ...
 
     def check_prompt_length(self, longest: int, max_tokens: int) -> None:

@@ -368,12 +368,17 @@ class HFEngine:
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
                        sample_offset: int = 0, sample_ids: list[int] | None = None,
-                       num_samples: int | None = None) -> RolloutBatch:
+                       num_samples: int | None = None, images: list[list] | None = None,
+                       mm: list[MMInputs | None] | None = None) -> RolloutBatch:
         """One more turn of multi-turn samples: one sample per context, each cut at its own token budget. Every
         rank calls it, possibly with no contexts (ZeRO-3 gathers the parameters collectively). ``sample_ids`` /
-        ``num_samples`` are the vLLM engine's per-sample seeds' inputs: this engine seeds each call once."""
+        ``num_samples`` are the vLLM engine's per-sample seeds' inputs: this engine seeds each call once. ``mm``:
+        per context, the processor's tensors of its images (expanded in the context)."""
+        if images is not None:
+            raise ValueError("the HF engine takes images as the processor's tensors (mm=), not images=.")
         longest = max(budgets, default=0)
-        batch = self.generate(contexts, 1, replace(sampling, max_tokens=max(longest, 1)), group_offset=sample_offset)
+        batch = self.generate(contexts, 1, replace(sampling, max_tokens=max(longest, 1)), group_offset=sample_offset,
+                              mm=mm)
         for i, budget in enumerate(budgets):
             if len(batch.completion_ids[i]) > budget:
                 batch.completion_ids[i] = batch.completion_ids[i][:budget]

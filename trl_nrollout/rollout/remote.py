@@ -409,7 +409,8 @@ class RemoteEngines:
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
                        sample_offset: int = 0, sample_ids: list[int] | None = None,
-                       num_samples: int | None = None) -> RolloutBatch:
+                       num_samples: int | None = None, images: list[list] | None = None,
+                       mm: list | None = None) -> RolloutBatch:
         """One more turn of multi-turn samples, generated on the rollout ranks (the tools ran on the trainers): one
         sample per context, each with its own budget, as :meth:`VLLMEngineGroup.generate_turns`. Every trainer calls
         it (possibly with no contexts); one job holds every trainer's contexts, rank order. Seeds (with a seed and
@@ -417,6 +418,10 @@ class RemoteEngines:
         ``num_samples``, after the trainers before it. The job is generated after those written ahead (a later
         step's first turns may come first) and with the weights the rollout ranks hold then. A collective of the
         trainers. Returns this trainer's samples in order."""
+        if images is not None or mm is not None:
+            raise ValueError("a multi-turn sample holds images (its prompt's or a tool's), but tool episodes on "
+                             "rollout ranks do not carry images yet: run them colocated (rollout_ranks=0), turn by "
+                             "turn, or return text from the tool.")
         ids = list(range(len(contexts))) if sample_ids is None else list(sample_ids)
         count = len(contexts) if num_samples is None else int(num_samples)
         every = _trainer_gather(([(list(c), int(b), int(i)) for c, b, i in zip(contexts, budgets, ids)], count))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trl_nrollout.rollout.tool_images import TurnMedia, message_images
 from trl_nrollout.rollout.types import RolloutBatch
 
 #: ``rollout_multi_turn`` values: turn by turn for the whole batch (TRL's loop), or request by request
@@ -43,6 +44,8 @@ class Turns:
     turns: list[int] = field(default_factory=list)
     tool_calls: list[int] = field(default_factory=list)
     tool_failures: list[int] = field(default_factory=list)
+    #: per sample, the images its tools returned (after its prompt's; empty: none)
+    images: list[list] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +71,10 @@ class AgentSample:
     tool_failures: int = 0
     rounds: int = 0
     calls_tools: bool = False
+    #: the images its tools returned, in order (after its prompt's); ``engine_completion``: the completion with their
+    #: placeholders unexpanded (an engine that expands images itself takes that), None while it has none
+    images: list = field(default_factory=list)
+    engine_completion: list[int] | None = None
 
     @classmethod
     def first_turn(cls, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], finish_reason: str,
@@ -82,11 +89,20 @@ class AgentSample:
         return self.calls_tools and (max_iterations is None or self.rounds < max_iterations)
 
     def add_tool_results(self, tool_messages: list[dict], failed: int, suffix: list[int], max_completion_length: int,
-                         max_model_len: int) -> list[int] | None:
+                         max_model_len: int, images: list | None = None,
+                         engine_suffix: list[int] | None = None) -> list[int] | None:
         """Count the calls of its last turn, and append their results (``suffix``: their rendered tokens and the next
         assistant header, masked 0) when they fit with room for a reply. Returns the next turn's context (prompt,
         completion so far, ``suffix``), or None: the results do not fit, and the sample ends as it was (TRL drops
-        them too)."""
+        them too, images included). ``images``: the images in the results (TRL's content blocks), whose placeholders
+        ``suffix`` holds expanded and ``engine_suffix`` unexpanded."""
+        if images is None and message_images(tool_messages):
+            raise ValueError(
+                "a tool returned an image (a content block {'type': 'image', ...}), but this episode loop does not "
+                "carry tool images yet (a text model's, or request-level episodes from a balanced queue, in partial "
+                "rollouts or on rollout ranks). With a vision-language model, run the tools turn by turn or request "
+                "by request with rollout_dispatch='shares' (colocated, without rollout_partial), or return text "
+                "from the tool.")
         self.tool_calls += len(tool_messages)
         self.tool_failures += failed
         self.calls_tools = False
@@ -94,6 +110,11 @@ class AgentSample:
         if len(self.completion_ids) + len(suffix) >= max_completion_length or len(context) >= max_model_len:
             return None
         self.messages.extend(tool_messages)
+        if images and self.engine_completion is None:
+            self.engine_completion = list(self.completion_ids)
+        if self.engine_completion is not None:
+            self.engine_completion += list(engine_suffix if images else suffix)
+        self.images += list(images or [])
         self.completion_ids += suffix
         self.tool_mask += [0] * len(suffix)
         self.logprobs += [0.0] * len(suffix)
@@ -115,6 +136,8 @@ class AgentSample:
         if new:
             self.messages.append(message(new))
         self.completion_ids += new
+        if self.engine_completion is not None:
+            self.engine_completion += new
         self.tool_mask += [1] * len(new)
         self.logprobs += new_logprobs
         self.calls_tools = bool(new) and bool(self.messages[-1].get("tool_calls")) and self.finish_reason != "length"
@@ -124,7 +147,7 @@ def collect_turns(samples: list[AgentSample]) -> Turns:
     """The episodes as :class:`Turns` (one entry per sample, in order)."""
     return Turns([s.completion_ids for s in samples], [s.tool_mask for s in samples], [s.logprobs for s in samples],
                  [s.finish_reason for s in samples], [s.messages for s in samples], [s.turns for s in samples],
-                 [s.tool_calls for s in samples], [s.tool_failures for s in samples])
+                 [s.tool_calls for s in samples], [s.tool_failures for s in samples], [s.images for s in samples])
 
 
 def call_tools(tool_calls: list[dict], sync_tools: dict[str, Callable], async_tools: dict[str, Callable],
@@ -188,6 +211,7 @@ def run_tool_turns(
     max_iterations: int | None,
     max_completion_length: int,
     max_model_len: int,
+    media: TurnMedia | None = None,
 ) -> Turns:
     """Continue ``first`` (this rank's first-turn samples) turn by turn while samples call tools.
 
@@ -197,7 +221,9 @@ def run_tool_turns(
     - ``generate(contexts, budgets, turn, samples)``: one sample per context (token ids), at most ``budgets[k]``
       tokens; ``samples[k]``: the index of context ``k``'s sample on this rank (its seed's input); called on every
       rank, every turn, possibly with no contexts (collective engines);
-    - ``any_rank(flag)``: whether ``flag`` holds on any rank (every rank calls it with its own flag).
+    - ``any_rank(flag)``: whether ``flag`` holds on any rank (every rank calls it with its own flag);
+    - ``media``: images (the prompts', the tools'), None for text: ``generate`` then gets a fifth argument, per
+      context its images and the context as an engine that expands them takes it (:class:`TurnMedia`).
 
     A sample stops when its turn calls no tool, after ``max_iterations`` tool rounds (None: until the completion
     budget ends), or when the tool results would not fit in ``max_completion_length`` (the results are dropped, as
@@ -215,8 +241,10 @@ def run_tool_turns(
             if not sample.may_call(max_iterations):
                 continue
             tool_messages, failed = run_tools(i, sample.messages[-1]["tool_calls"])
+            images = message_images(tool_messages) if media is not None else []
             context = sample.add_tool_results(tool_messages, failed, suffix_ids(tool_messages), max_completion_length,
-                                              max_model_len)
+                                              max_model_len, images,
+                                              media.engine_suffix(tool_messages) if images else None)
             if context is not None:
                 continuing.append(i)
                 contexts.append(context)
@@ -227,7 +255,10 @@ def run_tool_turns(
             raise RuntimeError(f"the tool turns did not end after {iteration - 1} turns with a budget of "
                                f"{max_completion_length} tokens: the ranks disagree about which samples continue.")
         budgets = [samples[i].budget(ctx, max_completion_length, max_model_len) for i, ctx in zip(continuing, contexts)]
-        out = generate(contexts, budgets, iteration, continuing)
+        if media is None:
+            out = generate(contexts, budgets, iteration, continuing)
+        else:
+            out = generate(contexts, budgets, iteration, continuing, [media.view(i, samples[i]) for i in continuing])
         for k, i in enumerate(continuing):
             samples[i].add_turn(out.completion_ids[k], out.logprobs[k], out.finish_reasons[k], budgets[k],
                                 lambda ids, i=i, ctx=contexts[k]: parse(i, ids, ctx))
@@ -249,6 +280,9 @@ class AgentCallbacks:
     max_iterations: int | None
     max_completion_length: int
     max_model_len: int
+    #: images (the prompts', the tools'), None for text: ``continue_request`` then gets each re-entering sample's
+    #: :class:`~trl_nrollout.rollout.tool_images.TurnView` as ``view=``
+    media: TurnMedia | None = None
 
 
 @dataclass
@@ -360,7 +394,7 @@ def run_agent_requests(
     drained = pull is None
     stats = AgentStats(requests=len(groups))
     runner = ToolRunner(agent.run_tools, workers)
-    updates: list[tuple[int, list[int] | None, int, int]] = []  # (sample, context or None: ended, budget, round)
+    updates: list[tuple] = []  # (sample, context or None: ended, budget, round, its TurnView or None)
 
     def turn_ended(s: int, rid: str, k: int) -> None:
         i, progress = mine[s], loop.samples[(rid, k)]
@@ -377,18 +411,22 @@ def run_agent_requests(
             runner.submit(s, i, sample.messages[-1]["tool_calls"])
         else:
             sample.calls_tools = False
-            updates.append((s, None, 0, 0))
+            updates.append((s, None, 0, 0, None))
 
     def tools_done(timeout: float | None) -> None:
+        media = agent.media
         for s, tool_messages, failed in runner.finished(timeout):
             sample = samples[s]
+            images = message_images(tool_messages) if media is not None else None
             context = sample.add_tool_results(tool_messages, failed, agent.suffix_ids(tool_messages),
-                                              agent.max_completion_length, agent.max_model_len)
+                                              agent.max_completion_length, agent.max_model_len, images,
+                                              media.engine_suffix(tool_messages) if images else None)
             if context is None:
-                updates.append((s, None, 0, 0))
+                updates.append((s, None, 0, 0, None))
             else:
                 budget = sample.budget(context, agent.max_completion_length, agent.max_model_len)
-                updates.append((s, context, budget, sample.rounds + 1))
+                view = media.view(mine[s], sample) if media is not None else None
+                updates.append((s, context, budget, sample.rounds + 1, view))
 
     try:
         while remaining or not drained:
@@ -414,11 +452,12 @@ def run_agent_requests(
             everyone = exchange((updates, runner.pending))
             updates = []
             for rank_updates, _ in everyone:
-                for s, context, budget, round_ in rank_updates:
+                for s, context, budget, round_, view in rank_updates:
                     if context is None:
                         remaining -= 1
                         continue
-                    prompt, params = continue_request(s, round_, context, budget)
+                    prompt, params = (continue_request(s, round_, context, budget) if view is None
+                                      else continue_request(s, round_, context, budget, view=view))
                     rid = loop.add(prompt, params)
                     keys[(rid, 0)] = s
                     stats.requests += 1

@@ -346,22 +346,29 @@ class VLLMEngineGroup(EngineWeights):
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
                        sample_offset: int = 0, sample_ids: list[int] | None = None,
-                       num_samples: int | None = None) -> RolloutBatch:
+                       num_samples: int | None = None, images: list[list] | None = None,
+                       mm: list | None = None) -> RolloutBatch:
         """One more turn of multi-turn samples: one sample per context (prompt + turns so far + tool results), each
         with its own token budget (``max_tokens``). Collective over the TP group: every rank calls it, possibly with
-        no contexts. Returns this rank's samples in order.
+        no contexts. Returns this rank's samples in order. ``images``: per context, its images in order (the
+        context then holds their placeholders unexpanded; the returned ``prompt_ids`` are vLLM's, expanded).
 
         Seeds (``rollout_seed_mode="sample"``) come from the call's seed, the engine's index and each sample's place
         in the engine: ``sample_ids[k]``, the index of context ``k``'s sample among this rank's ``num_samples``
         (ranks of a TP group in rank order), as ``rollout/dispatch/shares.py``'s ``run_agents`` seeds the same turn, so both multi-turn modes draw
         the same numbers for a sample; without ``sample_ids``, its place among the call's contexts
         (``sample_offset`` is not needed: the step seed changes every turn)."""
+        if mm is not None:
+            raise ValueError("the vLLM engine expands images itself: pass them as images=, not mm= tensors.")
         self.barrier_before_generate()
         ids = list(range(len(contexts))) if sample_ids is None else list(sample_ids)
         count = len(contexts) if num_samples is None else int(num_samples)
-        per_rank = self.gather_tp(([(list(c), int(b), int(i)) for c, b, i in zip(contexts, budgets, ids)], count))
+        pics = images if images is not None else [[] for _ in contexts]
+        per_rank = self.gather_tp(([(list(c), int(b), int(i), list(p)) for c, b, i, p in zip(contexts, budgets, ids, pics)],
+                                   count))
         before = [sum(c for _, c in per_rank[:r]) for r in range(len(per_rank))]
-        flat = [(ctx, budget, before[r] + i) for r, (chunk, _) in enumerate(per_rank) for ctx, budget, i in chunk]
+        flat = [(ctx, budget, before[r] + i) for r, (chunk, _) in enumerate(per_rank) for ctx, budget, i, _ in chunk]
+        flat_images = [p for chunk, _ in per_rank for *_, p in chunk]
         total = sum(c for _, c in per_rank)
         mine = self.tp_ranks.index(self.rank)
         first = sum(len(chunk) for chunk, _ in per_rank[:mine])
@@ -379,10 +386,12 @@ class VLLMEngineGroup(EngineWeights):
                   for _, budget, s in flat]
         loop = self.request_loop()
         with self.engine_rng(sampling.seed):
-            requests = [loop.add(TokensPrompt(prompt_token_ids=ctx), p) for (ctx, _, _), p in zip(flat, params)]
+            requests = [loop.add(self.request_prompt(ctx, pics) if pics else TokensPrompt(prompt_token_ids=ctx), p)
+                        for (ctx, _, _), pics, p in zip(flat, flat_images, params)]
             loop.run()
         done = [loop.request(rid)[0] for rid in requests]
-        batch = RolloutBatch([ctx for ctx, _, _ in flat], [d.token_ids for d in done], [d.logprobs for d in done],
+        seen = [loop.prompt_ids(rid) if pics else ctx for (ctx, _, _), pics, rid in zip(flat, flat_images, requests)]
+        batch = RolloutBatch(seen, [d.token_ids for d in done], [d.logprobs for d in done],
                              [d.finish_reason for d in done], list(range(len(flat))))
         return batch.slice(first, first + len(contexts))
 

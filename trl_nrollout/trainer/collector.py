@@ -40,7 +40,15 @@ from trl_nrollout.trainer.episodes import (
     log_dispatch,
 )
 from trl_nrollout.trainer.metrics import Metrics
-from trl_nrollout.trainer.multiturn import HomeToolCalls, Limits, ToolRequests, ToolTurns, TRLTools
+from trl_nrollout.trainer.multiturn import (
+    IMAGE_REFUSALS,
+    HomeToolCalls,
+    Limits,
+    ToolRequests,
+    ToolTurns,
+    TRLTools,
+    image_refusal,
+)
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ class KindParts:
     log_dispatch: Callable[..., None]
     runner: Callable[[], Any]
     settings: Callable[[], dict]
+    encode_images: Callable[[list], EncodedPrompts | None] | None = None
 
 
 def single_turn(p: KindParts) -> SingleTurn:
@@ -104,7 +113,7 @@ KINDS: list[tuple[str, Callable[[KindParts], bool], Callable[[KindParts], Episod
         p.rollout_func is not None and p.args.rollout_multi_turn == "requests"), _agents),
     ("rollout_func", lambda p: p.rollout_func is not None, lambda p: RolloutFunc(
         p.func_trainer, p.rollout_engine, p.args.rollout_dispatch, p.args.max_completion_length,
-        p.args.rollout_is is not None, p.log_dispatch)),
+        p.args.rollout_is is not None, p.log_dispatch, encode_images=p.encode_images)),
     ("tool requests", lambda p: bool(p.tools.tools) and p.args.rollout_multi_turn == "requests", lambda p: ToolRequests(
         p.tools, p.rollout_engine, p.limits, p.args.rollout_dispatch, p.rank, p.metrics, p.home, p.log_dispatch,
         p.placement.request_turns if p.placement.remote else None)),
@@ -121,22 +130,26 @@ def choose_episode_kind(parts: KindParts) -> EpisodeKind:
 @dataclass(frozen=True)
 class ImagePrompts:
     """The processor's ids and image tensors of prompts with images (``processor``: TRL's processing class;
-    ``is_vlm``: it is a processor, not a tokenizer; ``tools``: the trainer's, refused with images)."""
+    ``is_vlm``: it is a processor, not a tokenizer; ``tools``: the trainer's (their schemas are rendered);
+    ``refusal``: what the trainer runs that images do not run with, ``multiturn.IMAGE_REFUSALS``' key, or None)."""
 
     processor: Any
     is_vlm: bool
     tools: list | None
     chat_template: Any
     chat_template_kwargs: dict | None
+    refusal: str | None = None
 
     def encode(self, prompts: list) -> EncodedPrompts | None:
         """This rank's prompts encoded when any has an image (else None)."""
         if not has_images(prompts):
             return None
-        if self.tools:
+        if self.refusal is not None:
             raise UnsupportedTRLOption(
-                "the prompts hold images and the trainer has tools: images in multi-turn rollouts are not supported "
-                "by NRolloutGRPOTrainer (single-turn image prompts are); use trl.GRPOTrainer, or drop the tools.")
+                f"the prompts hold images and the trainer runs {self.refusal}: {IMAGE_REFUSALS[self.refusal]}; images "
+                "run with tools= and environment_factory= (turn by turn, or request by request with "
+                "rollout_dispatch='shares'; colocated, without rollout_partial). Use that, trl.GRPOTrainer, or "
+                "prompts without images.")
         if not self.is_vlm:
             raise ValueError(
                 "the prompts hold images but processing_class is a tokenizer, not a processor: a vision-language "
@@ -169,6 +182,10 @@ class RolloutCollector:
         max_len = lambda: getattr(engine, "max_model_len", None) or setup.context_length() or 1 << 30  # noqa: E731
         records = AgentRecords(trainer._tokenizer, trainer._tokenize_prompts, trainer.rollout_func is not None,
                                args.max_completion_length, metrics, rank, trainer.accelerator.is_main_process)
+        images = ImagePrompts(trainer.processing_class, trainer._is_vlm, trainer.tools, trainer.chat_template,
+                              trainer.chat_template_kwargs, image_refusal(
+                                  tools=trainer.tools, rollout_func=trainer.rollout_func, args=args,
+                                  environment_factory=getattr(trainer, "environment_factories", None)))
         parts = KindParts(
             args, engine, vllm, tools, trainer.agent, trainer.rollout_func, trainer, rank, metrics, placement,
             Limits(args.seed, args.max_tool_calling_iterations, args.max_completion_length, max_len, args.tool_workers),
@@ -176,9 +193,8 @@ class RolloutCollector:
             partial(_log_dispatch, metrics, engine, trainer.layout.rollout_tp_size),
             runner=lambda: episode_runner(trainer.agent, trainer.rollout_func, trainer, args, trainer.num_generations,
                                           engine.max_model_len, trainer.tools),
-            settings=lambda: endpoint_settings(args, setup.model_path(), engine.max_model_len))
-        images = ImagePrompts(trainer.processing_class, trainer._is_vlm, trainer.tools, trainer.chat_template,
-                              trainer.chat_template_kwargs)
+            settings=lambda: endpoint_settings(args, setup.model_path(), engine.max_model_len),
+            encode_images=images.encode)
         collector = cls(choose_episode_kind(parts), engine, start=trainer._start_step_episodes,
                         names=lambda: getattr(trainer, "_batch_environments", None), tokenize=trainer._tokenize_prompts,
                         images=images, vllm=vllm, clock=trainer.generation_clock, rank=rank)

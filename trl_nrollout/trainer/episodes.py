@@ -154,6 +154,9 @@ class RolloutFunc:
     need_logprobs: bool
     log_dispatch: Callable[..., None]
     tokenized: bool = False
+    #: the prompts' images encoded (``collector.ImagePrompts.encode``): TRL's contract for a rollout_func with image
+    #: prompts is that its ``prompt_ids`` hold the processor's expansion and the forward takes the dataset's images
+    encode_images: Callable[[list], EncodedPrompts | None] | None = None
 
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
         if self.dispatch == "balanced" and has(self.rollout_engine, BALANCED):
@@ -165,4 +168,5 @@ class RolloutFunc:
             output = self.trainer.rollout_func(job.prompts, self.trainer)
         samples = check_output(output, len(job.prompts), job.n, self.max_completion_length, self.need_logprobs)
         batch, masks, extra = samples_batch(samples, job.n, job.offset)
-        return batch, Episode(tool_mask=masks, extra_fields=extra)
+        images = self.encode_images(job.prompts) if self.encode_images is not None else None
+        return batch, Episode(tool_mask=masks, extra_fields=extra, mm=images.mm if images is not None else None)

@@ -123,7 +123,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         if isinstance(features, list) and "prompt" in features and hasattr(train_dataset, "__len__"):
             check_prompts(train_dataset["prompt"], source="train_dataset")  # before the model loads
         check_images(features if isinstance(features, list) else None, tools=tools, rollout_func=rollout_func,
-                     environment_factory=environment_factory)
+                     environment_factory=environment_factory, args=args)
         if isinstance(model, str):
             model = resolve_model(model)
         if args is None:

@@ -29,7 +29,15 @@ import torch
 from accelerate.utils import gather_object
 from trl.chat_template_utils import parse_response
 
-from trl_nrollout.passes.multimodal import IMAGE_COLUMNS, attach_images, dataset_images
+from trl_nrollout.passes.multimodal import (
+    IMAGE_COLUMNS,
+    EncodedPrompts,
+    attach_images,
+    check_expansion,
+    dataset_images,
+    engine_suffix_ids,
+    image_tensors,
+)
 from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
 from trl_nrollout.rollout.dispatch.shares import run_agents
@@ -44,10 +52,12 @@ from trl_nrollout.rollout.tool_episodes import (
     run_tool_turns,
     split_tools,
 )
+from trl_nrollout.rollout.tool_images import TurnMedia
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.episodes import Episode, EpisodeJob, SingleTurn
 
-__all__ = ["Episode", "TRLTools", "ToolTurns", "ToolRequests", "HomeToolCalls", "check_images", "check_tool_workers",
+__all__ = ["Episode", "TRLTools", "ToolTurns", "ToolRequests", "HomeToolCalls", "check_images", "image_refusal",
+           "IMAGE_REFUSALS", "check_tool_workers",
            "request_turns_refusal", "log_turns", "log_agent_stats"]
 
 
@@ -57,19 +67,53 @@ def _environment_tools(environment: Any) -> list:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
-def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None) -> None:
-    """Images with tools, environments or a custom rollout function are not supported (TRL's tool-returned images
-    and per-environment processors): refuse the combination, never train as if the images were absent."""
+#: what images (image prompts, or a tool's content blocks) do not run with yet, and why (the refusal table's rows)
+IMAGE_REFUSALS = {
+    "rollout_func": "a rollout_func run group by group (rollout_multi_turn='requests' or rollout_partial=True) or "
+                    "on rollout ranks (rollout_ranks) does not carry images yet (called on the whole batch, "
+                    "colocated, it does: TRL's contract)",
+    "rollout_dispatch='balanced'": "request-level tool episodes (rollout_multi_turn='requests') from a balanced "
+                                   "queue do not carry images yet (with fixed shares, rollout_dispatch='shares', "
+                                   "they do)",
+    "rollout_partial=True": "a partial rollout runs tool episodes request by request, which do not carry images yet",
+    "rollout_ranks": "tool episodes on rollout ranks do not carry images yet",
+}
+
+
+def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, args=None) -> str | None:
+    """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn, or
+    request by request from fixed shares; colocated, whole rollouts)."""
+    agentic = bool(tools) or environment_factory is not None
+    if rollout_func is not None and (getattr(args, "rollout_multi_turn", "turns") == "requests"
+                                     or getattr(args, "rollout_partial", False) or getattr(args, "rollout_ranks", 0)):
+        return "rollout_func"
+    if agentic and getattr(args, "rollout_multi_turn", "turns") == "requests" \
+            and getattr(args, "rollout_dispatch", "shares") == "balanced":
+        return "rollout_dispatch='balanced'"
+    if agentic and getattr(args, "rollout_partial", False):
+        return "rollout_partial=True"
+    if agentic and getattr(args, "rollout_ranks", 0):
+        return "rollout_ranks"
+    return None
+
+
+def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None,
+                 args=None) -> None:
+    """Image prompts run with tools and environments (TRL's loop, a tool's images included) and a rollout_func
+    (TRL's contract); with a rollout_func run group by group, request-level tool episodes from a balanced queue,
+    partial rollouts or rollout ranks they are refused
+    (:data:`IMAGE_REFUSALS`), never trained as if the images were absent."""
     from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
     found = sorted(set(IMAGE_COLUMNS) & set(columns or []))
-    agentic = [name for name, value in (("tools", tools), ("rollout_func", rollout_func),
-                                        ("environment_factory", environment_factory)) if value]
-    if found and agentic:
+    why = image_refusal(tools=tools, rollout_func=rollout_func, environment_factory=environment_factory, args=args)
+    if found and why:
+        with_tools = "" if why == "rollout_func" else "tools/environment_factory and "
         raise UnsupportedTRLOption(
-            f"the dataset has image column(s) {found} (image prompts) and the trainer was given {agentic}: images in "
-            "multi-turn or custom rollouts are not supported by NRolloutGRPOTrainer (single-turn image prompts "
-            "are). Use trl.GRPOTrainer for this combination, or drop the image columns or the tools.")
+            f"the dataset has image column(s) {found} (image prompts) and the trainer was given {with_tools}{why}: "
+            f"{IMAGE_REFUSALS[why]}. Images run with tools= and environment_factory= (turn by turn, or request by "
+            "request with rollout_dispatch='shares'; colocated, without rollout_partial); use that, or "
+            "trl.GRPOTrainer for this combination, or drop the image columns.")
 
 
 def check_tool_workers(args, tools=None, environment_factory=None, rollout_func=None) -> None:
@@ -135,6 +179,11 @@ class TRLTools:
     multi: bool
     loop: Any
     suffix_ids: Callable
+    #: a vision-language model's processor (None for a text model), TRL's chat template (None: the processor's) and
+    #: its kwargs: tool results with images (:meth:`engine_suffix`, :meth:`image_tensors`)
+    processor: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: dict | None = None
 
     @classmethod
     def of(cls, trainer) -> TRLTools:
@@ -143,7 +192,36 @@ class TRLTools:
         return cls(trainer._tokenizer, trainer.tools, factories, getattr(trainer, "_environment_pool", None),
                    getattr(trainer, "_env_tools", None), getattr(trainer, "_standalone_tools", None),
                    bool(getattr(trainer, "_multi_environment", False)), getattr(trainer, "async_loop", None),
-                   trainer._get_tool_suffix_ids)
+                   trainer._get_tool_suffix_ids, trainer.processing_class if trainer._is_vlm else None,
+                   trainer.chat_template, trainer.chat_template_kwargs)
+
+    def engine_suffix(self, tool_messages: list[dict]) -> list[int]:
+        """Tool results' tokens with image placeholders unexpanded (an engine that expands them itself takes
+        these; :attr:`suffix_ids` gives the processor's expansion)."""
+        return engine_suffix_ids(self.processor, tool_messages, chat_template=self.chat_template,
+                                 chat_template_kwargs=self.chat_template_kwargs)
+
+    def image_tensors(self, images: list) -> dict:
+        """The processor's image tensors of one sample's images (TRL's ``image_processor`` call)."""
+        return image_tensors(self.processor, images)
+
+    def media(self, prompt_ids: list[list[int]], images: EncodedPrompts | None) -> TurnMedia | None:
+        """The images of a multi-turn rollout of prompts ``prompt_ids`` (``images``: their encoding, None for text
+        prompts); None for a text model."""
+        if self.processor is None:
+            return None
+        if images is None:
+            return TurnMedia([[] for _ in prompt_ids], [list(p) for p in prompt_ids], self.engine_suffix)
+        return TurnMedia(list(images.images), list(images.engine_ids), self.engine_suffix)
+
+    def episode_mm(self, turns: Turns, media: TurnMedia | None, images: EncodedPrompts | None) -> list | None:
+        """Per sample, the image tensors the trainer's forward takes: its prompt's (shared with its group) or, where
+        its tools returned images, those of all its images in order; None where no sample has any."""
+        if media is None or (images is None and not any(turns.images)):
+            return images.mm if images is not None else None
+        prompt_mm = images.mm if images is not None else [None] * len(turns.images)
+        return [self.image_tensors(list(media.prompt_images[i]) + list(tool)) if tool else prompt_mm[i]
+                for i, tool in enumerate(turns.images)]
 
     def start(self, inputs: list[dict], held: set[int]) -> Started:
         """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
@@ -184,6 +262,7 @@ class TRLTools:
             else:
                 content = content + observation
             prompts[i] = prompts[i][:-1] + [{**last, "content": content}]
+        prompts = attach_images(prompts, dataset_images(inputs))  # after the observations, as TRL does
         return Started(prompts, tools, environments, names)
 
     def reset_kwargs(self, row: dict) -> dict:
@@ -286,20 +365,34 @@ class ToolTurns:
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
         first, _ = self.first.run(job)
         loop, width = self.tools.loop, max(1, len(first))
+        media = self.tools.media(first.prompt_ids, job.images)
 
-        def generate(contexts, budgets, turn, samples):
-            return self.rollout_engine.generate_turns(contexts, budgets, replace(job.sampling, seed=self.limits.turn_seed(
-                job, turn)), sample_offset=self.rank * width, sample_ids=samples, num_samples=len(first))
+        def generate(contexts, budgets, turn, samples, views=None):
+            kw: dict = {}
+            if views is not None and any(v.images for v in views):  # the prompts' and the tools' images
+                if self.first.vllm:  # vLLM expands the placeholders itself
+                    expanded, contexts = contexts, [v.engine_context for v in views]
+                    kw["images"] = [v.images for v in views]
+                else:
+                    kw["mm"] = [self.tools.image_tensors(v.images) if v.images else None for v in views]
+            out = self.rollout_engine.generate_turns(contexts, budgets, replace(job.sampling, seed=self.limits.turn_seed(
+                job, turn)), sample_offset=self.rank * width, sample_ids=samples, num_samples=len(first), **kw)
+            if "images" in kw:
+                check_expansion(out.prompt_ids, expanded)
+            return out
 
         turns = run_tool_turns(
             first, parse=lambda i, ids, prefix: self.tools.parse(job.names, i, ids, prefix),
             run_tools=lambda i, calls: call_tools(calls, *job.tools[i], loop=loop),
             suffix_ids=self.tools.suffix_ids, generate=generate,
             any_rank=lambda flag: any(gather_object([flag])), max_iterations=self.limits.max_iterations,
-            max_completion_length=self.limits.max_completion_length, max_model_len=self.limits.max_model_len())
+            max_completion_length=self.limits.max_completion_length, max_model_len=self.limits.max_model_len(),
+            media=media)
         batch = RolloutBatch(first.prompt_ids, turns.completion_ids, turns.logprobs, turns.finish_reasons,
                              first.group_index)
-        return batch, _episode(turns)
+        episode = _episode(turns)
+        episode.mm = self.tools.episode_mm(turns, media, job.images)
+        return batch, episode
 
 
 @dataclass(frozen=True)
@@ -326,11 +419,12 @@ class ToolRequests:
         if self.remote_request_turns is not None:
             return self.remote_request_turns(job.prompt_ids, n, sampling, mode, job.step_job)
         loop, tools, limits = self.tools.loop, job.tools, self.limits
+        media = self.tools.media(job.prompt_ids, job.images) if self.dispatch != "balanced" else None
         agent = AgentCallbacks(
             parse=lambda i, ids, prefix: self.tools.parse(job.names, i, ids, prefix),
             run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop), suffix_ids=self.tools.suffix_ids,
             max_iterations=limits.max_iterations, max_completion_length=limits.max_completion_length,
-            max_model_len=limits.max_model_len())
+            max_model_len=limits.max_model_len(), media=media)
         prompts = [list(p) for p in job.prompt_ids]
         if self.dispatch == "balanced":  # episodes run on whichever engine pulled their group
             envs = self.tools.factories is not None
@@ -355,9 +449,11 @@ class ToolRequests:
             self.log_dispatch(mode, pulled, len(prompts), n)
         else:
             samples, groups, stats = run_agents(self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
-                                                agent, limits.workers, sample_offset=job.offset)
+                                                agent, limits.workers, sample_offset=job.offset, images=job.images)
         turns = collect_turns(samples)
         log_agent_stats(self.metrics, mode, stats)
         batch = RolloutBatch([s.prompt_ids for s in samples], turns.completion_ids, turns.logprobs,
                              turns.finish_reasons, groups)
-        return batch, _episode(turns)
+        episode = _episode(turns)
+        episode.mm = self.tools.episode_mm(turns, media, job.images)
+        return batch, episode

@@ -43,12 +43,14 @@ def own_seed_base(engine, sampling: SamplingOptions, per_request: bool) -> int |
 
 def run_agents(engine, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
                turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int,
-               sample_offset: int | None = None) -> tuple[list[AgentSample], list[int], AgentStats]:
+               sample_offset: int | None = None, images=None) -> tuple[list[AgentSample], list[int], AgentStats]:
     """Multi-turn episodes of this rank's samples (TRL's form: prompts repeated ``n`` times) without a turn
     barrier (:func:`~trl_nrollout.rollout.tool_episodes.run_agent_requests`) on ``engine``: a sample whose turn calls
     tools leaves the engine while they run (``workers`` threads) and re-enters with their results; the others keep
     generating. Collective over the TP group. Returns this rank's samples in order, their groups' indices and the
-    engine's :class:`AgentStats`.
+    engine's :class:`AgentStats`. ``images``: the prompts' encoding (``passes.multimodal.EncodedPrompts``: the
+    engine takes ``engine_ids`` and the images, the samples keep the processor's ``ids``), None for text; a tool's
+    images re-enter with their sample (``agent.media``).
 
     Seeds (``rollout_seed_mode="sample"``): the first turn's as ``generate_expanded``'s; the turn after tool round
     ``r`` of engine sample ``s`` draws from ``turn_seed(r)``, the engine's index and ``s``. A seed thus fixes each
@@ -62,9 +64,13 @@ def run_agents(engine, sample_prompts: list[list[int]], n: int, sampling: Sampli
     V1 runner samples one) would make that rank sample other tokens than the others."""
     require(engine, REQUESTS, what="run_agents (tool episodes request by request)")
     engine.barrier_before_generate()
-    per_rank = engine.gather_tp([list(p) for p in sample_prompts])
-    flat = [p for chunk in per_rank for p in chunk]
+    pictures = images.images if images is not None else [[] for _ in sample_prompts]
+    engine_ids = images.engine_ids if images is not None else sample_prompts
+    per_rank = engine.gather_tp([(list(p), list(e), list(i)) for p, e, i in zip(sample_prompts, engine_ids, pictures)])
+    every = [x for chunk in per_rank for x in chunk]
+    flat = [p for p, _, _ in every]
     unique = whole_groups(flat, n, engine.engine_index)
+    group_inputs = every[::n]  # (a group's samples share their prompt)
     mine_at = engine.tp_ranks.index(engine.rank)
     first = sum(len(c) for c in per_rank[:mine_at])
     offset = engine.rank * len(sample_prompts) if sample_offset is None else sample_offset
@@ -79,15 +85,18 @@ def run_agents(engine, sample_prompts: list[list[int]], n: int, sampling: Sampli
         seed = prompt_seed(sampling.seed, group_offset + g, n) if per_request else None
         if own_base is not None:
             seed = prompt_seed(own_turn_seed(own_base, 0), g, n)
-        groups.append((list(p), engine.request_prompt(p), engine.sampling_params(n, replace(sampling, seed=seed))))
+        _, engine_prompt, pics = group_inputs[g]
+        groups.append((list(p), engine.request_prompt(engine_prompt, pics or None),
+                       engine.sampling_params(n, replace(sampling, seed=seed))))
 
-    def continue_request(s: int, round_: int, context: list[int], budget: int):
+    def continue_request(s: int, round_: int, context: list[int], budget: int, view=None):
         base = turn_seed(round_) if per_request else None
         seed = None if base is None else prompt_seed(base, engine.engine_index * len(flat) + s, 1)
         if own_base is not None:
             seed = prompt_seed(own_turn_seed(own_base, round_), s, 1)
-        return (engine.request_prompt(context),
-                engine.sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
+        prompt = (engine.request_prompt(context) if view is None or not view.images
+                  else engine.request_prompt(view.engine_context, view.images))
+        return prompt, engine.sampling_params(1, replace(sampling, max_tokens=budget, seed=seed))
 
     mine = {first + i: i for i in range(len(sample_prompts))}
     tp = len(engine.tp_ranks) > 1

@@ -1,0 +1,245 @@
+"""Images returned by tools (TRL 1.16's contract): the tool's content blocks reach the next turn's prompt, on the HF
+engine as in TRL's ``GRPOTrainer`` and on vLLM, and the trainer's forward sees the pixels the engine saw.
+
+The model is ``builtin:tiny-idefics3-tools`` (the built-in VLM with a tool-calling template and one token that calls
+``show_picture``, a tool returning an image and a caption). A ``sequence_bias`` on that token makes the random
+model call the tool at most turns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+import trl_nrollout.builtin as builtin
+import trl_nrollout.trainer.grpo as trainer_module
+from trl_nrollout import NRolloutGRPOTrainer
+from trl_nrollout.builtin import (
+    PICTURE_CALL_TOKEN,
+    colour_image,
+    colour_reward,
+    image_dataset,
+    resolve_model,
+    show_picture,
+)
+from trl_nrollout.passes.logprobs import compute_log_probs
+from trl_nrollout.rollout.tool_episodes import AgentSample, run_tool_turns
+from trl_nrollout.rollout.tool_images import TurnMedia, message_images
+from trl_nrollout.rollout.types import RolloutBatch
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return resolve_model("builtin:tiny-idefics3-tools")
+
+
+def _config(tmp_path, call: int, cls=GRPOConfig, **kw) -> GRPOConfig:
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3, max_completion_length=64,
+                use_cpu=True, report_to="none", bf16=False, save_strategy="no", seed=3, max_steps=1,
+                max_tool_calling_iterations=2, generation_kwargs={"sequence_bias": {(call,): 4.0}})
+    base.update(kw)
+    return cls(**base)
+
+
+def _call_token(path: str) -> int:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path).tokenizer.convert_tokens_to_ids(PICTURE_CALL_TOKEN)
+
+
+# ---------------------------------------------------------------------------------------------- pure loop
+@pytest.mark.fast
+def test_tool_images_enter_the_next_turns_context_and_leave_with_dropped_results():
+    """A tool's images follow the prompt's into the next turn's engine view (placeholders unexpanded there, expanded
+    in the trained tokens); results that do not fit are dropped with their images, as TRL rolls them back.
+    Mutation tried: ``add_tool_results`` not appending ``images`` -> the view's images assertion fails."""
+    red, blue = object(), object()
+    tool_message = {"role": "tool", "name": "t", "content": [{"type": "image", "image": blue},
+                                                              {"type": "text", "text": "x"}]}
+    assert message_images([tool_message]) == [blue]
+    first = RolloutBatch([[1, 9, 9, 9, 2], [1, 2]], [[5], [5]], [[-0.1], [-0.1]], ["stop", "stop"], [0, 1])
+    media = TurnMedia([[red], []], [[1, 9, 2], [1, 2]], lambda msgs: [7, 9, 8])
+    seen = []
+
+    def generate(contexts, budgets, turn, samples, views):
+        seen.append((contexts, views))
+        return RolloutBatch(contexts, [[3, 4] for _ in contexts], [[-1.0, -1.0] for _ in contexts],
+                            ["stop"] * len(contexts), list(range(len(contexts))))
+
+    turns = run_tool_turns(
+        first, parse=lambda i, ids, prefix: {"role": "assistant", "content": "",
+                                             "tool_calls": [{"type": "function", "function": {"name": "t"}}]
+                                             if ids == [5] else None},
+        run_tools=lambda i, calls: ([tool_message], 0), suffix_ids=lambda msgs: [7, 9, 9, 9, 8] if msgs[0] else [],
+        generate=generate, any_rank=bool, max_iterations=1, max_completion_length=8, max_model_len=100, media=media)
+    contexts, views = seen[0]
+    assert contexts == [[1, 9, 9, 9, 2, 5, 7, 9, 9, 9, 8], [1, 2, 5, 7, 9, 9, 9, 8]]  # expanded: what is trained
+    assert [v.images for v in views] == [[red, blue], [blue]]  # the prompt's, then the tool's
+    assert [v.engine_context for v in views] == [[1, 9, 2, 5, 7, 9, 8], [1, 2, 5, 7, 9, 8]]  # unexpanded
+    assert turns.images == [[blue], [blue]] and turns.tool_mask[1] == [1, 0, 0, 0, 0, 0, 1, 1]
+    sample = AgentSample.first_turn([1], [5], [-0.1], "stop", {"role": "assistant", "tool_calls": [{}]})
+    assert sample.add_tool_results([tool_message], 0, [7] * 9, 8, 100, [blue], [7]) is None  # does not fit
+    assert sample.images == [] and sample.engine_completion is None
+    with pytest.raises(ValueError, match="does not carry tool images yet"):  # a loop without images refuses them
+        sample.add_tool_results([tool_message], 0, [7], 8, 100)
+
+
+# ---------------------------------------------------------------------------------------------- TRL's own
+def _turn_inputs(calls: list[dict], skip: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The generate calls after the first ``skip``: each row's ids without padding, and the real images' pixels in
+    the order the model assigns them to image tokens (rows in order, images in order; zero padding dropped)."""
+    rows, pixels = [], []
+    for call in calls[skip:]:
+        rows += [call["input_ids"][r][call["attention_mask"][r].bool()].tolist() for r in range(len(call["input_ids"]))]
+        pixels += [p for p in call["pixel_values"].reshape(-1, 3, 56, 56) if p.abs().sum() > 0]
+    return rows, pixels
+
+
+class _PictureEnv:
+    """A TRL environment: its reset's observation is a picture of the row's colour (an image prompt without an image
+    column), and its ``show_picture`` method returns pictures of the other colour."""
+
+    def reset(self, **row) -> list:
+        self.shown = 0
+        return [{"type": "image", "image": colour_image(row["colour"], seed=5)}, {"type": "text", "text": " look"}]
+
+    def show_picture(self) -> list:
+        """Shows the picture to describe.
+
+        Returns:
+            The picture and a caption.
+        """
+        self.shown += 1
+        return [{"type": "image", "image": colour_image("blue", seed=self.shown)}, {"type": "text", "text": "here"}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("episode", ["tools", "environment_factory"])
+def test_tool_images_reach_the_model_as_in_trls_grpo_trainer_on_the_hf_engine(path, tmp_path, monkeypatch, episode):
+    """TRL's ``GRPOTrainer`` and ours, the same tool results (``show_picture`` from the same start; or an
+    environment whose reset shows a picture and whose method shows more), near-greedy sampling: every later turn's
+    generate gets the same tokens (the tool's image placeholders expanded) and the same pixels, sample by sample;
+    the samples, tool masks and the forward's per-sample pixels are equal. (TRL passes Gemma's ``token_type_ids``,
+    all zeros here, which Idefics3's generate refuses: the spy drops them.) Mutation tried: ``TurnMedia.view``
+    without the tool's images -> the later turns' pixels differ."""
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    call = _call_token(path)
+    dataset = image_dataset(12)
+    kwargs: dict = {"tools": [show_picture]}
+    if episode == "environment_factory":
+        dataset, kwargs = dataset.remove_columns("image"), {"environment_factory": _PictureEnv}
+    rows = [dict(r) for r in dataset.select(range(2)) for _ in range(3)]
+    seen = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        trainer = cls(model=path, reward_funcs=[colour_reward], args=_config(tmp_path / name, call, temperature=1e-3),
+                      train_dataset=dataset, **kwargs)
+        calls, generate = [], trainer.model.generate
+
+        def spy(*args, _generate=generate, _calls=calls, **kwargs):
+            zeros = kwargs.pop("token_type_ids", None)
+            assert zeros is None or not zeros.any()
+            _calls.append({k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            return _generate(*args, **kwargs)
+
+        trainer.model.generate = spy
+        monkeypatch.setattr(builtin, "_pictures_shown", 0)
+        torch.manual_seed(0)
+        seen[name] = (trainer._generate_and_score_completions(rows), calls)
+    (theirs, trl_calls), (ours, our_calls) = seen["trl"], seen["ours"]
+    assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
+    mask = theirs["tool_mask"]
+    assert torch.equal(ours["tool_mask"], mask) and (mask == 0).any(), "no tool result: the test tests nothing"
+    (trl_rows, trl_pixels), (our_rows, our_pixels) = _turn_inputs(trl_calls, 1), _turn_inputs(our_calls, 1)
+    assert our_rows == trl_rows and len(our_rows) > 0  # the turns after the first: image placeholders expanded
+    assert len(our_pixels) == len(trl_pixels) >= 2 * len(our_rows)  # each row: its prompt's image and its tools'
+    for a, b in zip(our_pixels, trl_pixels):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    flat = theirs["pixel_values"].reshape(-1, 3, 56, 56)
+    flat = [p for p in flat if p.abs().sum() > 0]
+    mine = [p for m in ours["mm_inputs"] for p in m["pixel_values"].reshape(-1, 3, 56, 56) if p.abs().sum() > 0]
+    assert len(mine) == len(flat) == sum(theirs["num_images"]) > 6
+    for a, b in zip(mine, flat):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- the forward
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("multi_turn", ["turns", "requests"])
+def test_the_trainers_forward_sees_the_tool_images_vllm_saw(path, tmp_path, multi_turn):
+    """On vLLM, turn by turn and request by request: multi-turn samples whose tools returned images; the trainer's
+    log-probs over the recorded tokens (prompt + turns + tool results with their image tokens) with the episode's
+    image tensors equal vLLM's within the bound text samples meet; a swapped tool image moves them. Then a training
+    step runs. Mutation tried: the request loop's ``continue_request`` given no view (the tool image never reaches
+    vLLM, which reads its image tokens as text) -> the log-probs differ by 0.058: fails."""
+    from dataclasses import replace
+
+    from trl_nrollout import NRolloutConfig
+
+    call = _call_token(path)
+    args = _config(tmp_path, call, NRolloutConfig, use_vllm=True, max_steps=1, logging_steps=1, generation_kwargs={},
+                   rollout_multi_turn=multi_turn)
+    trainer = NRolloutGRPOTrainer(model=path, reward_funcs=[colour_reward], train_dataset=image_dataset(12),
+                                  tools=[show_picture], args=args)
+    with torch.no_grad():  # the model itself calls the tool often (vLLM's logit_bias would move its log-probs): the
+        # call token's (tied) embedding along the mean final hidden state, then synced to vLLM
+        ids = torch.tensor([trainer.processing_class.tokenizer("user: write a number").input_ids])
+        hidden = trainer.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+        direction = trainer.model.model.text_model.norm(hidden).mean(0)
+        trainer.model.get_input_embeddings().weight[call] = 3.0 * direction / direction.norm() ** 2
+    trainer.rollout_engine.load_weights(trainer.model)
+    rows = [dict(r) for r in image_dataset(2, seed=4) for _ in range(3)]
+    sampling = replace(trainer._sampling("train"), suppress_token_ids=())  # scored without suppression (test_vlm)
+    builtin._pictures_shown = 0
+    batch, _, episode = trainer._rollout(rows, 3, sampling)
+    masks = episode.tool_mask
+    mm = episode.mm
+    with_tool = [i for i, m in enumerate(mm) if m["pixel_values"].shape[1] > 1]  # the prompt's image and a tool's
+    assert with_tool, "no tool image: the test tests nothing"
+
+    def drift(mm_inputs) -> float:
+        mine = compute_log_probs(trainer.model, batch.prompt_ids, batch.completion_ids, mm_inputs=mm_inputs,
+                                 temperature=trainer.temperature).logprobs
+        return max((mine[i, :len(lp)] - torch.tensor(lp)).abs()[torch.tensor(m, dtype=torch.bool)].max().item()
+                   for i, (lp, m) in enumerate(zip(batch.logprobs, masks)))
+
+    assert drift(mm) < 1e-4  # measured: see the report
+    swapped, with_tool = list(mm), with_tool[0]
+    pixels = swapped[with_tool]["pixel_values"].clone()
+    other = trainer.collector.parts.tools.image_tensors([colour_image("blue", seed=99)])["pixel_values"][0, 0]
+    pixels[0, -1] = other  # the tool's (last) image replaced
+    swapped[with_tool] = {**swapped[with_tool], "pixel_values": pixels}
+    assert drift(swapped) > 1e-3
+    trainer.train()
+    assert trainer.state.log_history[0]["tools/call_frequency"] > 0
+    trainer.close()
+
+
+# ---------------------------------------------------------------------------------------------- rollout_func
+@pytest.mark.slow
+def test_a_rollout_funcs_image_prompts_reach_the_forward_as_in_trl(path, tmp_path, monkeypatch):
+    """TRL's contract for a ``rollout_func`` with image prompts: the function gets the prompts with their images,
+    returns ``prompt_ids`` holding the processor's expansion, and the forward takes the dataset's images. TRL's
+    ``GRPOTrainer`` and ours with the same function: the same prompt ids, and the same pixels per sample in the
+    forward. Mutation tried: ``RolloutFunc`` leaving ``Episode.mm`` unset -> no image tensors: fails."""
+    monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
+    rows = [dict(r) for r in image_dataset(2, seed=4) for _ in range(3)]
+
+    def rollout_func(prompts, trainer):
+        processor = trainer.processing_class
+        ids = [processor.apply_chat_template([p], tokenize=True, add_generation_prompt=True)[0] for p in prompts]
+        assert all(any(part.get("type") == "image" for m in p for part in m["content"] if isinstance(part, dict))
+                   for p in prompts)  # the function sees the images
+        return {"prompt_ids": ids, "completion_ids": [[44, 45, 46]] * len(ids), "logprobs": [[-1.0] * 3] * len(ids)}
+
+    seen = {}
+    for name, cls in (("trl", GRPOTrainer), ("ours", NRolloutGRPOTrainer)):
+        trainer = cls(model=path, reward_funcs=[colour_reward], train_dataset=image_dataset(12),
+                      args=_config(tmp_path / name, 1, generation_kwargs={}), rollout_func=rollout_func)
+        seen[name] = trainer._generate_and_score_completions(rows)
+    theirs, ours = seen["trl"], seen["ours"]
+    assert torch.equal(ours["prompt_ids"], theirs["prompt_ids"])
+    assert ours["mm_inputs"] is not None and len(ours["mm_inputs"]) == 6
+    mine = torch.cat([m["pixel_values"] for m in ours["mm_inputs"]])
+    torch.testing.assert_close(mine, theirs["pixel_values"], rtol=0, atol=0)
