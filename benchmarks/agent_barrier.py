@@ -75,7 +75,7 @@ async def run_agents(endpoint, keys: list[str], plan: list[list[float]], variant
 
 
 def one_rollout(engine, endpoint, plan: list[list[float]], variant: str, rep: int) -> dict:
-    from trl_nrollout.rollout.agent_episodes import EpisodeRecord
+    from trl_nrollout.rollout.episodes.agent_calls import EpisodeRecord
     from trl_nrollout.rollout.types import SamplingOptions
 
     records = [EpisodeRecord(key=f"{variant.replace('+', '_')}{rep}e{e}", row={}) for e in range(len(plan))]
@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from trl_nrollout.builtin import resolve_model
     from trl_nrollout.plan.layout import RolloutLayout
-    from trl_nrollout.rollout.agent_endpoint import AgentEndpoint
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.episodes.endpoint import AgentEndpoint
 
     path = resolve_model("builtin:tiny-qwen2-tools")
     engine = VLLMEngineGroup(path, RolloutLayout.build(num_processes=1, train_batch_size=16, rollout_n=4), rank=0,

@@ -40,8 +40,8 @@ def worker(args) -> None:
     from trl_nrollout.builtin import resolve_model
     from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.rollout.dispatch.balanced import generate_balanced
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
     from trl_nrollout.rollout.types import SamplingOptions
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

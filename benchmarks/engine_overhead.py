@@ -1,7 +1,7 @@
 """What our rollout engine adds over plain vLLM: ``VLLMEngineGroup.generate_expanded`` vs ``LLM.generate`` on the
 same engine object.
 
-One process builds one :class:`~trl_nrollout.rollout.vllm_group.VLLMEngineGroup` (the trainer's engine arguments)
+One process builds one :class:`~trl_nrollout.rollout.engines.vllm_group.VLLMEngineGroup` (the trainer's engine arguments)
 and times, interleaved, on the same prompts:
 
 - ``ours``: ``generate_expanded`` on the prompts repeated n times (TRL's order, as the trainer calls it), with a
@@ -45,8 +45,8 @@ def measure(args) -> dict:
 
     from trl_nrollout.builtin import digits_prompts, long_prompts
     from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
     from trl_nrollout.rollout.types import SamplingOptions
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
     tok = AutoTokenizer.from_pretrained(args.model)
     texts = long_prompts(digits_prompts(args.prompts), tok, args.prompt_tokens)

@@ -40,9 +40,9 @@ def run_one(mode: str, rank: int, args) -> dict:
 
     from trl_nrollout.builtin import digits_prompts, long_prompts
     from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.weight_sync import adapter_bytes
     from trl_nrollout.rollout.types import SamplingOptions
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
-    from trl_nrollout.rollout.weight_sync import adapter_bytes
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32),

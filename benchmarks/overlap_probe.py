@@ -28,8 +28,8 @@ def measure(args) -> dict:
 
     from trl_nrollout.builtin import digits_prompts, long_prompts
     from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
     from trl_nrollout.rollout.types import SamplingOptions
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = [tok(t, add_special_tokens=False)["input_ids"]

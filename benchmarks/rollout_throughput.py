@@ -8,7 +8,7 @@ tokens, EOS ignored so that every call generates exactly ``prompts x n x max_tok
 16 and prompts of 32, 512 and 1,024 tokens (cut to the model's context: 952 on the 1,024-position tiny models).
 Each (prompt length, implementation, n) runs in a fresh process:
 
-- ``ours``: :class:`trl_nrollout.rollout.vllm_group.VLLMEngineGroup` in one process
+- ``ours``: :class:`trl_nrollout.rollout.engines.vllm_group.VLLMEngineGroup` in one process
   (``RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=prompts, rollout_n=n)``), vLLM's
   native ``n`` (one request per prompt: the n samples share the prompt's cached KV blocks);
 - ``trl-hf``: a real ``GRPOTrainer`` (``use_vllm=False``, ``per_device_train_batch_size=prompts x n``,
@@ -115,8 +115,8 @@ def run_one(impl: str, n: int, args) -> dict:
     start = time.perf_counter()
     if impl == "ours":
         from trl_nrollout.plan.layout import RolloutLayout
+        from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
         from trl_nrollout.rollout.types import SamplingOptions
-        from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
 
         layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=len(prompt_ids),
                                      rollout_n=n)

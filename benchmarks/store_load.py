@@ -7,7 +7,7 @@ wait while the engines generate: each waits for a key that is not written yet an
 - ``old``: the wait before this change: a check of the key, then the sender's heartbeat (a check and a get), every
   5 ms, and every client's heartbeat thread reads every other client's heartbeat each second (a rollout rank
   watched every rank of the launch);
-- ``new``: :meth:`trl_nrollout.rollout.ranks.Bridge.wait_for`: a check at intervals growing to 50 ms, the sender's
+- ``new``: :meth:`trl_nrollout.rollout.bridge.Bridge.wait_for`: a check at intervals growing to 50 ms, the sender's
   heartbeat once a second, and only client 0 (trainer rank 0) reads every heartbeat; the others read client 0's.
 
 A probe client measures the latency of one ``get`` while they wait (p50 / p99, ms), against the same probe with no

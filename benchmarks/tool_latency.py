@@ -102,7 +102,7 @@ def _turn_seed(round_: int) -> int:
 def rollout(engine, tokenizer, prompts, stops, variant: str, tool_s: float, scenario: str = "fixed") -> dict:
     """One rollout of ``prompts`` (repeated N times) in ``variant``; its wall time and episode statistics."""
     from trl_nrollout.rollout.dispatch.shares import run_agents
-    from trl_nrollout.rollout.tool_episodes import AgentCallbacks, collect_turns, run_tool_turns
+    from trl_nrollout.rollout.episodes.tools import AgentCallbacks, collect_turns, run_tool_turns
     from trl_nrollout.rollout.types import SamplingOptions
 
     opts = SamplingOptions(max_tokens=BUDGET, temperature=1.0, seed=_turn_seed(0), stop_token_ids=stops)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from trl_nrollout.builtin import digits_prompts, resolve_model
     from trl_nrollout.plan.layout import RolloutLayout
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
 
     path = resolve_model("builtin:tiny-qwen2-tools")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -754,7 +754,7 @@ def check_prefill_once(device: str, size: dict) -> dict:
     the samples and log-probs of n copies (TRL's way), in less time."""
     import torch
 
-    from trl_nrollout.rollout import hf_engine
+    from trl_nrollout.rollout.engines import hf_engine
     from trl_nrollout.rollout.types import SamplingOptions
 
     model = _model(size["vocab"], size["hidden"], size["layers"]).to(device).to(torch.bfloat16)

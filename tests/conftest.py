@@ -409,13 +409,13 @@ def _tier_guard(request, monkeypatch):
 
     import transformers.trainer  # noqa: F401 - loaded once, so that a test importing it later meets the guard too
 
-    import trl_nrollout.rollout.hf_engine  # noqa: F401
-    import trl_nrollout.rollout.vllm_group  # noqa: F401
+    import trl_nrollout.rollout.engines.hf_engine  # noqa: F401
+    import trl_nrollout.rollout.engines.vllm_group  # noqa: F401
     import trl_nrollout.trainer.grpo  # noqa: F401 - TRL's trainer imports vLLM, which probes the platform in a process
 
     monkeypatch.setattr(_subprocess.Popen, "__init__", refuse("starts a process"))
-    for module, attr, what in (("trl_nrollout.rollout.vllm_group", "VLLMEngineGroup", "starts a vLLM engine"),
-                               ("trl_nrollout.rollout.hf_engine", "HFEngine", "starts an HF engine"),
+    for module, attr, what in (("trl_nrollout.rollout.engines.vllm_group", "VLLMEngineGroup", "starts a vLLM engine"),
+                               ("trl_nrollout.rollout.engines.hf_engine", "HFEngine", "starts an HF engine"),
                                ("transformers.trainer", "Trainer", "trains")):
         if module in sys.modules:
             cls = getattr(sys.modules[module], attr)

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
-from trl_nrollout.rollout.agent_episodes import EpisodeRecord
-from trl_nrollout.rollout.agent_runs import EpisodeRunner
+from trl_nrollout.rollout.dispatch.agent_runs import EpisodeRunner
+from trl_nrollout.rollout.episodes.agent_calls import EpisodeRecord
 
 
 class _Endpoint:

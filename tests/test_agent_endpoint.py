@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from trl_nrollout.rollout.agent_episodes import chains
+from trl_nrollout.rollout.episodes.agent_calls import chains
 
 
 # ---------------------------------------------------------------------------------------------- the endpoint
@@ -21,8 +21,8 @@ def served(tiny_model_path):
 
     from tests.conftest import restored_distributed_env
     from trl_nrollout.plan.layout import RolloutLayout
-    from trl_nrollout.rollout.agent_endpoint import AgentEndpoint
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.episodes.endpoint import AgentEndpoint
 
     layout = RolloutLayout.build(num_processes=1, train_batch_size=4, rollout_n=2)
     with restored_distributed_env():  # the engine's RANK / MASTER_PORT ... must not outlive this module
@@ -39,7 +39,7 @@ def served(tiny_model_path):
 def run(served, agents: dict, seed=None) -> dict:
     """Open one episode per agent (``key -> function(base_url) -> result``), run the agents in threads against the
     endpoint while this thread serves their requests on the engine; returns the records by key."""
-    from trl_nrollout.rollout.agent_episodes import EpisodeRecord
+    from trl_nrollout.rollout.episodes.agent_calls import EpisodeRecord
     from trl_nrollout.rollout.types import SamplingOptions
 
     engine, endpoint = served
@@ -212,7 +212,7 @@ def test_a_request_carried_past_a_step_continues_with_its_tokens(served):
     from its start, as before issue 65 item 3) -> the answer no longer starts with them; the continuation given the
     whole ``max_tokens`` -> the answer runs past 24 tokens; closed episodes' calls not filtered -> the closed
     episode's request runs."""
-    from trl_nrollout.rollout.agent_episodes import EpisodeRecord
+    from trl_nrollout.rollout.episodes.agent_calls import EpisodeRecord
     from trl_nrollout.rollout.types import SamplingOptions
 
     engine, endpoint = served

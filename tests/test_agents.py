@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from trl_nrollout.rollout.agent_episodes import Call, assemble, chains, reward_kwargs, template_messages
+from trl_nrollout.rollout.episodes.agent_calls import Call, assemble, chains, reward_kwargs, template_messages
 
 
 # ---------------------------------------------------------------------------------------------- pure: assembling
@@ -309,7 +309,7 @@ def test_each_rank_serves_its_own_episodes(tmp_path, config, tp):
     gathers in every forward: a rank running fewer would hang), and what trained is what the engines generated (the
     trainer's log-probs of every row equal the engines'). At TP=2 both ranks add each other's requests to their
     engine in the same order (it would hang or mix tokens otherwise), and its CPU shared-memory segments are its own
-    (trl_nrollout/rollout/cpu_shm.py): it starts while the names vLLM gives every run on a machine and another live
+    (trl_nrollout/rollout/engines/cpu_shm.py): it starts while the names vLLM gives every run on a machine and another live
     run's are taken, and leaves them, and removes what a dead run left (mutation: every `trln` segment removed -> the
     live run's are gone). Where vLLM's CPU build has its shared-memory ops (not the AVX2 build of the project's 2-core
     machines, whose TP group falls back to torch.distributed), no identity hook fails the start ("create shm in

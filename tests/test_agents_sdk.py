@@ -28,7 +28,7 @@ def test_an_agents_sdk_agent_trains_and_the_responses_api_names_the_switch(tmp_p
     the engine generated (log-probs equal), and a call to /v1/responses from the same SDK with its default model
     gets the endpoint's 404 naming OpenAIChatCompletionsModel. Fails when the Responses route answers the generic
     'no route' (it did), or when the SDK's chat calls are not served as the openai client's are."""
-    from trl_nrollout.rollout.agent_endpoint import RESPONSES_API
+    from trl_nrollout.rollout.episodes.endpoint import RESPONSES_API
 
     seen_errors: list[str] = []
     tried: list[bool] = []

@@ -145,7 +145,7 @@ at TP=1 and TP=2."""
         rollout_ranks=0, rollout_multi_turn="requests", rollout_dispatch="balanced"))) is None
     # partial rollouts with environments, one engine per rank (tests/test_tool_requests.py) and an engine of two
     # ranks (tests/test_combinations.py::test_partial_environment_episodes_train_on_their_own_ranks_at_tp2)
-    # environments on a balanced queue, their tools run at home (tests/test_combinations.py, rollout/home_tools.py)
+    # environments on a balanced queue, their tools run at home (tests/test_combinations.py, rollout/episodes/home_tools.py)
     assert EngineSetup.dispatch_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
         rollout_multi_turn="requests"))) is None
     for tp in (1, 2):

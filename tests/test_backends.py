@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from trl_nrollout.algos.advantages import response_mask
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
-from trl_nrollout.rollout import platform
+from trl_nrollout.rollout.engines import platform
+from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
+from trl_nrollout.rollout.engines.vllm_settings import engine_kwargs
 from trl_nrollout.rollout.seeds import SEED_BITS, prompt_seed, step_seed
 from trl_nrollout.rollout.types import SamplingOptions
-from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
-from trl_nrollout.rollout.vllm_settings import engine_kwargs
 from trl_nrollout.trainer.advantage_stage import sequence_kl
 
 LAYOUT = RolloutLayout.build(num_processes=2, rollout_tp_size=2, train_batch_size=64, rollout_n=16)  # 1024 samples
@@ -316,7 +316,7 @@ def test_only_this_ranks_stale_cpu_shm_segment_is_removed(tmp_path):
     group's ranks and the rank's index: a rank removes its own leftover name, nothing of another rank or group of
     its run, nor a name of another form (vLLM's shared one of other programs). Mutation: the index left out of the
     pattern -> rank 1's segment is removed too."""
-    from trl_nrollout.rollout.cpu_shm import remove_stale_cpu_shm, shm_identity
+    from trl_nrollout.rollout.engines.cpu_shm import remove_stale_cpu_shm, shm_identity
 
     ident = shm_identity(os.getpid())
     names = [f"{ident}-tp:0-[0-1]-cpushm_0", f"{ident}-tp:0-[0-1]-cpushm_1", f"{ident}-tp:3-[2-3]-cpushm_0",

@@ -255,7 +255,7 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
     tool turns and rewards use those (the environments' methods run on the trainer, each turn a job of the rollout
     rank); ``env_check`` raises unless every sample is scored with its own episode's environment. Environments
     request by request: the episodes run whole on the rollout rank, parsed with the environments' tool schemas, and
-    each tool call comes home to the trainer's tool server (rollout/home_tools.py), which runs it on the sample's
+    each tool call comes home to the trainer's tool server (rollout/episodes/home_tools.py), which runs it on the sample's
     own environment (those of the step the job was written for); env_check as above. Agents
     (``agent=``): the job carries the step's rows, the rollout rank runs their episodes on its own endpoint and
     engine (the same script built it with the agent) and answers their records; ``agent_check`` raises unless every
@@ -320,7 +320,7 @@ def test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight(tmp_path)
 def test_environment_and_agent_episodes_on_a_balanced_queue_come_home(tmp_path):
     """balanced x environments request by request (whole and partial), x agent and x rollout_func, two processes,
     one engine each, engine 0 slowed, so that engine 1 pulls rank 0's groups.
-    Environments: their tool calls go home to rank 0, where their environments live (rollout/home_tools.py); each
+    Environments: their tool calls go home to rank 0, where their environments live (rollout/episodes/home_tools.py); each
     rank scores its own samples (whole: they come home; partial: each rank trains its own groups, the queue running
     until every rank has its share finished); ``env_check`` raises unless every sample is scored with its own
     episode's environment. Agents: rank 1 runs the pulled groups' episodes on its own endpoint and engine, and the
@@ -374,7 +374,7 @@ def test_partial_agent_episodes_run_on_across_steps(tmp_path):
     stale, the assertion fails; stale groups never started again -> staleness 1 under max_staleness=0, it fails.
     A rollout_func's groups the same way (``func_fresh``: one TP=2 engine, max_staleness=0): rank 0's first group
     waits for step 1 to end, so it is stale at step 2 and starts again (its function's next engine call unwinds it,
-    rollout/func_pool.py GroupClosed; a new call runs with the same prompt)."""
+    rollout/episodes/rollout_func.py GroupClosed; a new call runs with the same prompt)."""
     combo = next(c for c in ALLOWED if c["name"] == "shares-partial-agent")
     custom = next(c for c in ALLOWED if c["name"] == "shares-partial-custom")
     entries = [{"name": "tp2", "episode": "agent", "options": {**combo["options"], "rollout_tp_size": 2,

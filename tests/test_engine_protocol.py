@@ -1,4 +1,4 @@
-"""The engine protocol holds: the drivers use nothing of an engine but what ``rollout/engine_protocol.py`` names, read
+"""The engine protocol holds: the drivers use nothing of an engine but what ``rollout/engines/protocol.py`` names, read
 no private attribute of one, and every engine has every member of the core and of the capabilities it declares.
 
 How an engine object is recognised (in every package module outside the engines' own, :data:`ENGINE_MODULES`):
@@ -13,7 +13,7 @@ How an engine object is recognised (in every package module outside the engines'
 
 A use is an attribute read or write on such an object, or a ``getattr`` / ``hasattr`` / ``setattr`` of it with a
 literal name. Mutations these tests catch (each tried once): ``self.rollout_engine.llm`` in ``trainer/grpo.py``
-(not a protocol member: (a) fails); ``engine._tp_group`` in ``rollout/remote_reader.py`` (private: (b) fails);
+(not a protocol member: (a) fails); ``engine._tp_group`` in ``rollout/ranks/reader.py`` (private: (b) fails);
 ``gather_tp`` deleted from ``HFEngine`` or ``ABORT`` added to its capabilities (``run_partial`` missing: (c) fails);
 ``isinstance(self.rollout_engine, HFEngine)`` back in ``trainer/grpo.py`` (the isinstance test fails).
 
@@ -32,13 +32,13 @@ from pathlib import Path
 import pytest
 
 import trl_nrollout
-from trl_nrollout.rollout import engine_protocol as ep
+from trl_nrollout.rollout.engines import protocol as ep
 
 PACKAGE = Path(trl_nrollout.__file__).parent
 #: the engines' own modules: they may use anything of their engine
-ENGINE_MODULES = {"rollout/vllm_group.py", "rollout/vllm_settings.py",
-                  "rollout/vllm_weights.py", "rollout/vllm_process.py", "rollout/hf_engine.py", "rollout/remote.py",
-                  "rollout/engine_protocol.py"}
+ENGINE_MODULES = {"rollout/engines/vllm_group.py", "rollout/engines/vllm_settings.py",
+                  "rollout/engines/vllm_weights.py", "rollout/engines/vllm_process.py", "rollout/engines/hf_engine.py", "rollout/ranks/client.py",
+                  "rollout/engines/protocol.py"}
 ENGINE_CLASSES = ("VLLMEngineGroup", "HFEngine", "RemoteEngines")
 #: uses allowed although they are not protocol members (each says why and until when)
 ALLOWED: dict[tuple[str, str], str] = {}
@@ -144,7 +144,7 @@ def test_drivers_use_only_protocol_members():
     members = ep.engine_members()
     unknown = {f"{rel}:{lines[0]} .{attr}" for (rel, attr), lines in _package_uses().items()
                if attr not in members and (rel, attr) not in ALLOWED and not attr.startswith("_")}
-    assert not unknown, (f"engine members used outside the engines that rollout/engine_protocol.py does not name: "
+    assert not unknown, (f"engine members used outside the engines that rollout/engines/protocol.py does not name: "
                          f"{sorted(unknown)}; add them to the protocol (core or a capability) or use one it names")
 
 
@@ -177,7 +177,7 @@ def d(self):
     assert sorted(a for _, a in engine_uses(source)) == ["_hidden", "dtype", "gather_tp", "load_buckets", "rank",
                                                          "sleep"]
     uses = _package_uses()
-    assert ("trainer/episodes.py", "generate_expanded") in uses and ("rollout/remote_serve.py", "load_buckets") in uses
+    assert ("trainer/episodes.py", "generate_expanded") in uses and ("rollout/ranks/serve.py", "load_buckets") in uses
 
 
 def _instance_attributes(cls: type) -> set[str]:
@@ -199,9 +199,9 @@ def _instance_attributes(cls: type) -> set[str]:
 
 
 def _engine_classes() -> list[type]:
-    from trl_nrollout.rollout.hf_engine import HFEngine
-    from trl_nrollout.rollout.remote import RemoteEngines
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.hf_engine import HFEngine
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.ranks.client import RemoteEngines
 
     return [VLLMEngineGroup, HFEngine, RemoteEngines]
 

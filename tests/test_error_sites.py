@@ -85,7 +85,7 @@ CONFIG_ERRORS = {
     "vllm_mode": (dict(vllm_mode="remote"), 1, ["vllm_mode='remote'", "'colocate' or 'server'"]),
     "sp_without_padding_free": (dict(sequence_parallel_size=2, padding_free=False), 1,
                                 ["sequence_parallel_size=2", "padding_free=False"]),
-    # rollout/ranks.py split_world: the layout cannot split
+    # rollout/bridge.py split_world: the layout cannot split
     "rollout_ranks_leave_no_trainer": (dict(rollout_ranks=2), 2, ["rollout_ranks=2", "no process to train",
                                                                   "at most 1"]),
     # options no other test set: weight_sync_bucket_mb, rollout_enforce_eager, ref_log_prob_max_token_len_per_device
@@ -315,7 +315,7 @@ def store_pair():
 
 
 def _bridge(store, rank: int, timeout_s: float = 30.0):
-    from trl_nrollout.rollout.ranks import Bridge, Roles
+    from trl_nrollout.rollout.bridge import Bridge, Roles
 
     return Bridge(Roles(world=2, rollout_ranks=1, local_world=2), rank, store, None, timeout_s)
 
@@ -350,10 +350,10 @@ def test_a_rollout_rank_whose_engine_fails_to_start_is_reported_to_the_trainers(
     GPU out of memory would): the trainers' ``RemoteEngines`` raise it, naming the rank, its process and the error.
     Mutation tried: ``value.get("kind") == "error"`` -> ``"failure"`` in Bridge.take: the trainers get the error
     dict as the engine's answer and fail with a KeyError instead; the test fails."""
-    from trl_nrollout.rollout.rank_state import RankState
-    from trl_nrollout.rollout.ranks import RolloutRankError
-    from trl_nrollout.rollout.remote import RemoteEngines
-    from trl_nrollout.rollout.remote_serve import serve
+    from trl_nrollout.rollout.bridge import RolloutRankError
+    from trl_nrollout.rollout.ranks.client import RemoteEngines
+    from trl_nrollout.rollout.ranks.serve import serve
+    from trl_nrollout.rollout.ranks.state import RankState
 
     trainer, rollout = _bridge(store_pair[0], 0), _bridge(store_pair[1], 1)
     met: list[BaseException] = []
@@ -382,7 +382,7 @@ def test_a_rollout_rank_whose_engine_fails_to_start_is_reported_to_the_trainers(
 
 
 def test_a_rollout_rank_that_finished_while_awaited_is_named(store_pair, monkeypatch):
-    from trl_nrollout.rollout import ranks
+    from trl_nrollout.rollout import bridge as ranks
 
     monkeypatch.setattr(ranks, "LIVENESS_S", 0.0)  # check the sender at every poll (1 s in a launch)
     trainer, rollout = _bridge(store_pair[0], 0), _bridge(store_pair[1], 1)
@@ -397,7 +397,7 @@ def test_a_rollout_rank_that_finished_while_awaited_is_named(store_pair, monkeyp
 
 def test_a_silent_rollout_rank_is_named_with_the_timeout_option(store_pair, monkeypatch):
     """The store holds what a process frozen 100 s ago left: its pid and its last heartbeat."""
-    from trl_nrollout.rollout import ranks
+    from trl_nrollout.rollout import bridge as ranks
 
     monkeypatch.setattr(ranks, "LIVENESS_S", 0.0)
     store_pair[1].set("pid/1", "node7:4242")
@@ -413,7 +413,7 @@ def test_a_silent_rollout_rank_is_named_with_the_timeout_option(store_pair, monk
 
 
 def test_a_second_split_with_other_rollout_ranks_is_refused(tmp_path, monkeypatch):
-    from trl_nrollout.rollout import ranks
+    from trl_nrollout.rollout import bridge as ranks
 
     bridge = _bridge(torch.distributed.HashStore(), 0)
     monkeypatch.setattr(ranks, "_BRIDGE", bridge)
@@ -441,7 +441,7 @@ def test_a_cpu_trainer_is_refused_beside_cuda_engines(tmp_path, monkeypatch):
     the fix; the HF engine, a trainer on the GPU, or vLLM on the CPU are accepted. CUDA cannot run here: torch's
     ``cuda.is_available`` and vLLM's platform are stood in (a mock of the GPU machine, said here)."""
     from trl_nrollout.config.checks import cpu_trainer_cuda_engine_refusal
-    from trl_nrollout.rollout import platform
+    from trl_nrollout.rollout.engines import platform
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(platform, "vllm_available", lambda: True)

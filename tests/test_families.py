@@ -75,7 +75,7 @@ def test_tied_weights_are_sent_under_the_names_the_engine_has(tiny_model_path):
     keep a tied head; Gemma and Cohere have none and reject the name); every other tensor always travels."""
     from transformers import AutoModelForCausalLM
 
-    from trl_nrollout.rollout.weight_sync import engine_has, iter_weight_buckets
+    from trl_nrollout.rollout.engines.weight_sync import engine_has, iter_weight_buckets
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert model.config.tie_word_embeddings
@@ -187,7 +187,7 @@ def test_a_model_with_its_own_code_generates_on_vllm_when_the_user_trusts_it(tmp
 def test_generation_kwargs_are_checked_against_vllms_sampler_fields():
     """The keys of TRL's ``generation_kwargs`` that vLLM's ``SamplingParams`` has no field for are found before an
     engine starts (they make ``auto`` fall back and ``"vllm"`` refuse); its own fields pass."""
-    from trl_nrollout.rollout.vllm_settings import unknown_sampling_keys
+    from trl_nrollout.rollout.engines.vllm_settings import unknown_sampling_keys
 
     assert unknown_sampling_keys({"top_k": 5, "presence_penalty": 0.1, "allowed_token_ids": [1]}) == []
     assert unknown_sampling_keys({"num_beams": 2, "top_k": 5, "length_penalty": 1.0}) == ["length_penalty", "num_beams"]

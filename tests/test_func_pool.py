@@ -1,4 +1,4 @@
-"""A rollout_func run group by group (trl_nrollout/rollout/func_pool.py): TRL's output contract checked per group,
+"""A rollout_func run group by group (trl_nrollout/rollout/episodes/rollout_func.py): TRL's output contract checked per group,
 the groups' samples joined into one batch, and a group whose records were closed unwinding its function. The runs
 themselves (partial, request by request, balanced, on rollout ranks) are in tests/test_combinations.py and
 tests/test_tool_requests.py."""
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trl_nrollout.rollout.agent_endpoint import AgentEndpoint
-from trl_nrollout.rollout.agent_episodes import EpisodeRecord
-from trl_nrollout.rollout.func_pool import (
+from trl_nrollout.rollout.episodes.agent_calls import EpisodeRecord
+from trl_nrollout.rollout.episodes.endpoint import AgentEndpoint
+from trl_nrollout.rollout.episodes.rollout_func import (
     FuncSample,
     GroupClosed,
     GroupEngine,

@@ -1,4 +1,4 @@
-"""Tool calls that go home (trl_nrollout/rollout/home_tools.py) over a real TCPStore, two ranks' HomeTools in one
+"""Tool calls that go home (trl_nrollout/rollout/episodes/home_tools.py) over a real TCPStore, two ranks' HomeTools in one
 process (their threads as the ranks' engines' tool runners would call them). The two-process run through the trainer
 (balanced queue, environments): tests/test_combinations.py::test_environment_and_agent_episodes_on_a_
 balanced_queue_come_home."""
@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from trl_nrollout.rollout.home_tools import HomeTools
+from trl_nrollout.rollout.episodes.home_tools import HomeTools
 
 
 def _store():
@@ -113,7 +113,7 @@ def test_an_idle_long_lived_server_looks_less_often_and_still_answers_at_once():
     (idle_poll_s=POLL_S) keeps looking every 2 ms. The pauses are read in order, not timed. Mutations tried: the
     pause never grows -> the idle server never reaches idle_poll_s; the pause not reset by a call -> the look after
     the call pauses idle_poll_s."""
-    from trl_nrollout.rollout.home_tools import POLL_S
+    from trl_nrollout.rollout.episodes.home_tools import POLL_S
 
     store = _store()
     run = lambda i, calls: ([{"role": "tool", "name": "t", "content": f"{i}"}], 0)  # noqa: E731

@@ -100,7 +100,7 @@ def _name(identity_pid: int, ranks: list[int]) -> str:
     launcher's `//` just before)."""
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
-    from trl_nrollout.rollout import cpu_shm
+    from trl_nrollout.rollout.engines import cpu_shm
 
     cpu_shm._identity = cpu_shm.shm_identity(identity_pid)
     os.environ["VLLM_DIST_IDENT"] = "//"
@@ -112,7 +112,7 @@ def test_two_runs_name_their_cpu_segments_apart(tmp_path, monkeypatch):
     """Two runs with the same TP ranks on one machine get different segment names (vLLM alone gives both
     `//-tp:0-[0-1]-cpushm`), the ranks of one run the same one (vLLM checks that they agree), and the name is one
     shm_open accepts (no `/` inside). Mutation: the identity hook not installed -> both names `//-tp:0-[0-1]-cpushm`."""
-    from trl_nrollout.rollout import cpu_shm
+    from trl_nrollout.rollout.engines import cpu_shm
 
     monkeypatch.setattr(cpu_shm, "_identity", None)
     monkeypatch.setenv("VLLM_DIST_IDENT", "//")
@@ -126,7 +126,7 @@ def test_only_dead_runs_cpu_segments_are_removed(tmp_path):
     """Before its engine starts, a rank removes its own name of this run and every segment whose run's first rank
     is dead; a live run's segments (the test process is alive) and names of another form (vLLM's shared ones,
     another program's) stay. Mutation: the liveness check left out -> the live run's segments are removed."""
-    from trl_nrollout.rollout.cpu_shm import remove_stale_cpu_shm, shm_identity
+    from trl_nrollout.rollout.engines.cpu_shm import remove_stale_cpu_shm, shm_identity
 
     dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has this pid
     me, live = shm_identity(dead + 1), shm_identity(os.getpid())  # this run's owner: reused a dead run's pid

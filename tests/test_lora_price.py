@@ -17,7 +17,7 @@ from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.lora import price_lora_sync
 from trl_nrollout.plan.models import model_dims
 from trl_nrollout.plan.workload import Workload
-from trl_nrollout.rollout.weight_sync import AUTO_ADAPTER_MAX_FRACTION, choose_lora_sync
+from trl_nrollout.rollout.engines.weight_sync import AUTO_ADAPTER_MAX_FRACTION, choose_lora_sync
 
 SEVEN_B = "Qwen/Qwen2.5-7B-Instruct"
 

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout.rollout.weight_sync import (
+from trl_nrollout.rollout.engines.weight_sync import (
     AUTO_ADAPTER_MAX_FRACTION,
     VLLM_LORA_RANKS,
     adapter_bytes,
@@ -85,7 +85,7 @@ def test_a_quantized_base_is_recognised(tiny_model_path):
     """QLoRA: the base's quantization (transformers' ``quantization_config``, bitsandbytes' flags) is seen, so the
     engines get the adapter only and keep the checkpoint's unquantized base (bitsandbytes is not installed here:
     the flags are set by hand)."""
-    from trl_nrollout.rollout.weight_sync import quantized_base
+    from trl_nrollout.rollout.engines.weight_sync import quantized_base
 
     model = _peft(tiny_model_path)
     assert quantized_base(model) is None

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_nrollout.rollout.dispatch.shares import run_partial
-from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, drop_stale, split_finished
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialSample, drop_stale, split_finished
 
 # ---------------------------------------------------------------------------------------------- pure parts
 
@@ -85,7 +85,7 @@ def test_groups_that_train_at_home_are_each_homes_first_to_finish(case):
     when fewer finished), the homes in the quota's order, and the pool that waits is every other group, pool order;
     ``homes_done`` says whether every home has its quota finished. Mutation tried: the shares cut from the finish
     order by position (split_finished) -> a share holds another home's group and this fails."""
-    from trl_nrollout.rollout.partial import homes_done, split_finished_by_home
+    from trl_nrollout.rollout.episodes.in_flight import homes_done, split_finished_by_home
 
     homes, (perm, finished), q = case
     order = list(perm[:finished])
@@ -107,7 +107,7 @@ def test_a_balanced_pools_seeds_are_each_home_engines_shares_seeds(pool_version,
     (``home_seed_slots`` of the job's pool restricted to a home = the slots of that home's pool alone), whatever the
     other engines' groups around it; the queue holds every unfinished group once, in its home's segment, pool order.
     Mutation tried: one slot counter for the whole job (not per home) -> the slots differ and this fails."""
-    from trl_nrollout.rollout.partial_queue import home_seed_slots, queue_order
+    from trl_nrollout.rollout.dispatch.partial_queue import home_seed_slots, queue_order
 
     pool, _ = pool_version
     homes = [home_of[i] for i in range(len(pool))]
@@ -126,7 +126,7 @@ def test_a_balanced_pools_seeds_are_each_home_engines_shares_seeds(pool_version,
 def test_a_balanced_partial_runs_finish_order_is_the_jobs():
     """The engines' parts merged: groups finished before the call first (pool order), then by ticket (whichever
     engine finished them), then those cut at their budget when aborted; the updates of every engine applied."""
-    from trl_nrollout.rollout.partial_queue import partial_result
+    from trl_nrollout.rollout.dispatch.partial_queue import partial_result
 
     done = PartialSample(token_ids=[1], logprobs=[0.0], versions=[0], finish_reason="stop")
     pool = [InFlightGroup.fresh(i, [1], 1) for i in range(5)]
@@ -141,11 +141,11 @@ def test_a_balanced_partial_runs_finish_order_is_the_jobs():
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 12), st.integers(0, 30), st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0]), st.integers(1, 4))
 def test_a_pools_top_up_fills_it_to_its_oversampled_size_and_its_ranks_shares_sum_to_it(target, pooled, over, ways):
-    """The one top-up rule (:func:`~trl_nrollout.rollout.pool.top_up_count`): after the step's ``target`` groups and
+    """The one top-up rule (:func:`~trl_nrollout.rollout.partial.pool.top_up_count`): after the step's ``target`` groups and
     the top-ups join, a pool holds ``ceil(target * (1 + oversample))`` groups (or what it held, when more), and the
     shares of the ranks that draw them add up to the shortfall, none more than one apart. Mutation tried: the
     carried groups not subtracted (``- pooled`` dropped) -> the first assertion fails."""
-    from trl_nrollout.rollout.pool import top_up_count, top_up_share
+    from trl_nrollout.rollout.partial.pool import top_up_count, top_up_share
 
     need = top_up_count(target, pooled, over)
     assert pooled + target + need == max(pooled + target, math.ceil(target * (1 + over)))
@@ -154,13 +154,13 @@ def test_a_pools_top_up_fills_it_to_its_oversampled_size_and_its_ranks_shares_su
 
 
 def test_the_pool_step_tops_up_then_restarts_then_runs_and_counts_what_is_left():
-    """:func:`~trl_nrollout.rollout.pool.pool_step` on an engine's pool: ``grow`` gets the shortfall, stale samples
+    """:func:`~trl_nrollout.rollout.partial.pool.pool_step` on an engine's pool: ``grow`` gets the shortfall, stale samples
     start again before the run (the new groups, drawn earlier, are never stale), the run sees the carried groups
     then the new ones, the first ``target`` to finish train (home by home with a quota) and the counts say what is
     left. Mutation tried: the restart after the run (``pool.run`` before ``pool.restart_stale``) -> the run sees the
     stale sample's tokens and the second assertion fails."""
-    from trl_nrollout.rollout.partial import PartialRun
-    from trl_nrollout.rollout.pool import EngineGroups, PoolStep, pool_step
+    from trl_nrollout.rollout.episodes.in_flight import PartialRun
+    from trl_nrollout.rollout.partial.pool import EngineGroups, PoolStep, pool_step
 
     def done_sample(version: int) -> PartialSample:
         return PartialSample(token_ids=[1, 2], logprobs=[0.0, 0.0], versions=[version] * 2, finish_reason=None)
@@ -215,7 +215,7 @@ def engine(tiny_model_path):
     """One vLLM engine of the tiny model in this process (a one-process layout)."""
     from tests.conftest import restored_distributed_env
     from trl_nrollout.plan.layout import RolloutLayout
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
 
     layout = RolloutLayout.build(num_processes=1, rollout_tp_size=1, train_batch_size=4, rollout_n=N)
     with restored_distributed_env():
@@ -237,9 +237,9 @@ def test_the_engine_loop_samples_what_generate_samples(engine):
     generation call the trainer makes, and streaming token by token (the mode partial rollouts stop and resume)."""
     from dataclasses import replace
 
-    from trl_nrollout.rollout.requests import EngineLoop, sampled_logprobs
+    from trl_nrollout.rollout.engines.requests import EngineLoop, sampled_logprobs
+    from trl_nrollout.rollout.engines.vllm_process import vllm_prompts
     from trl_nrollout.rollout.seeds import prompt_seed
-    from trl_nrollout.rollout.vllm_process import vllm_prompts
 
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
     opts = _options(seed=3)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from tests.conftest import ACCELERATE_LAUNCH, ENV, RECIPE, ROOT, launch_two_nodes
 from trl_nrollout.cli import main as cli_main
 from trl_nrollout.errors import InputError
-from trl_nrollout.rollout.ranks import (
+from trl_nrollout.rollout.bridge import (
     ROLLOUT,
     TRAIN,
     Bridge,
@@ -38,11 +38,11 @@ from trl_nrollout.rollout.ranks import (
     encode_value,
     roles_refusal,
 )
-from trl_nrollout.rollout.remote import job_agent
-from trl_nrollout.rollout.remote_buckets import job_slice, pack_bucket, unpack_bucket
-from trl_nrollout.rollout.remote_partial import TopUp, group_fields, partial_entry
+from trl_nrollout.rollout.engines.vllm_process import barrier_scope
+from trl_nrollout.rollout.ranks.buckets import job_slice, pack_bucket, unpack_bucket
+from trl_nrollout.rollout.ranks.client import job_agent
+from trl_nrollout.rollout.ranks.partial import TopUp, group_fields, partial_entry
 from trl_nrollout.rollout.types import JobResult
-from trl_nrollout.rollout.vllm_process import barrier_scope
 
 
 # ---------------------------------------------------------------------------------------------- the arithmetic
@@ -180,8 +180,8 @@ def test_tool_episodes_from_a_rollout_rank_keep_each_samples_mask_and_messages(r
     sample. Mutation: pack_extras slicing each mask one token late -> a sample gets its neighbour's mask."""
     import pickle
 
-    from trl_nrollout.rollout.remote_tool_episodes import episode_extras, sum_stats
-    from trl_nrollout.rollout.tool_episodes import AgentSample
+    from trl_nrollout.rollout.episodes.tools import AgentSample
+    from trl_nrollout.rollout.ranks.episodes import episode_extras, sum_stats
 
     masks = [[(t + k) % 2 for k, t in enumerate(r)] for r in rows]
     samples = [AgentSample([1, 2], r, m, [-0.5] * len(r), "stop", [{"role": "assistant", "content": f"s{i}"}],
@@ -240,7 +240,7 @@ def test_a_tp_engine_on_rollout_ranks_waits_for_its_own_ranks_only():
 
 
 def _exchange_worker(rank: int, world: int, path: str) -> None:
-    from trl_nrollout.rollout.vllm_process import exchange_objects
+    from trl_nrollout.rollout.engines.vllm_process import exchange_objects
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     # rank r sends rank d a list of r * 1000 + d numbers (nothing to itself when r == d == 1)
@@ -390,7 +390,7 @@ def test_rollout_lookahead_sets_the_jobs_written_ahead_and_the_versions_staged()
     message's ``lookahead`` key read as ``max_staleness`` -> one version staged at rollout_lookahead=2, it fails."""
     from types import SimpleNamespace
 
-    from trl_nrollout.rollout.remote_reader import staged_versions
+    from trl_nrollout.rollout.ranks.reader import staged_versions
     from trl_nrollout.trainer.metrics import Metrics
     from trl_nrollout.trainer.rollout_ranks import RankCalls, RolloutRankPlacement
 
@@ -422,7 +422,7 @@ def test_rollout_lookahead_sets_the_jobs_written_ahead_and_the_versions_staged()
 
 
 class _RankBridge:
-    """A rollout rank's bridge for :func:`~trl_nrollout.rollout.remote_serve.serve`'s handlers, one rollout rank:
+    """A rollout rank's bridge for :func:`~trl_nrollout.rollout.ranks.serve.serve`'s handlers, one rollout rank:
     what is written (``put``) is kept; ``die`` raises :class:`SystemExit` with its reason, as the process would stop."""
 
     def __init__(self) -> None:
@@ -440,8 +440,8 @@ class _RankBridge:
 def _served(engine):
     from types import SimpleNamespace
 
-    from trl_nrollout.rollout.rank_state import RankState
-    from trl_nrollout.rollout.remote_serve import Served
+    from trl_nrollout.rollout.ranks.serve import Served
+    from trl_nrollout.rollout.ranks.state import RankState
 
     reader = SimpleNamespace(buckets=lambda message, engine: iter([[("w", torch.zeros(2))]]), loaded=lambda: None)
     return Served(_RankBridge(), 0, None, RankState(engine=engine), reader)
@@ -455,9 +455,9 @@ def test_a_new_kind_of_job_is_one_entry_of_the_table_and_an_unknown_one_answers_
     from dataclasses import dataclass
     from types import SimpleNamespace
 
-    from trl_nrollout.rollout.rank_jobs import JOB_KINDS, JobDone, job_kind
-    from trl_nrollout.rollout.ranks import RolloutRankError
-    from trl_nrollout.rollout.remote_serve import MESSAGES
+    from trl_nrollout.rollout.bridge import RolloutRankError
+    from trl_nrollout.rollout.ranks.jobs import JOB_KINDS, JobDone, job_kind
+    from trl_nrollout.rollout.ranks.serve import MESSAGES
     from trl_nrollout.rollout.types import RolloutBatch
 
     @dataclass(frozen=True)
@@ -485,7 +485,7 @@ def test_a_weight_version_that_does_not_load_stops_the_rollout_rank():
     propagates as a RuntimeError, no die; the test fails."""
     from types import SimpleNamespace
 
-    from trl_nrollout.rollout.remote_serve import MESSAGES
+    from trl_nrollout.rollout.ranks.serve import MESSAGES
 
     def load_buckets(buckets):
         list(buckets)

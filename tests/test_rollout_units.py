@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.rollout import HFEngine, RolloutBatch, SamplingOptions, iter_weight_buckets
-from trl_nrollout.rollout.weight_sync import clean_name, plan_buckets
+from trl_nrollout.rollout.engines.weight_sync import clean_name, plan_buckets
 
 
 @functools.lru_cache(maxsize=1)
@@ -199,7 +199,7 @@ def test_hf_engine_prefills_each_prompt_once(monkeypatch, lora):
     (n - 1) x (P - 1) fewer tokens per prompt than with n copies prefilled (TRL's way), and the samples and their
     log-probs are the same, ragged prompts (one of a single token) and all; also through a PEFT (LoRA) model,
     whose adapter is not a no-op here."""
-    from trl_nrollout.rollout import hf_engine
+    from trl_nrollout.rollout.engines import hf_engine
 
     model, tok = tiny()
     if lora:
@@ -286,7 +286,7 @@ def test_engine_seed_mode_seeds_and_restores_numpys_generator():
     call alike) and hands the caller's NumPy state back afterwards."""
     import numpy as np
 
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
 
     def engine(index: int) -> VLLMEngineGroup:
         group = object.__new__(VLLMEngineGroup)

@@ -24,8 +24,8 @@ from trl_nrollout.builtin import (
     show_picture,
 )
 from trl_nrollout.passes.logprobs import compute_log_probs
-from trl_nrollout.rollout.tool_episodes import AgentSample, run_tool_turns
-from trl_nrollout.rollout.tool_images import TurnMedia, message_images
+from trl_nrollout.rollout.episodes.tool_images import TurnMedia, message_images
+from trl_nrollout.rollout.episodes.tools import AgentSample, run_tool_turns
 from trl_nrollout.rollout.types import RolloutBatch
 
 

@@ -30,7 +30,7 @@ def tools_engine():
     from tests.conftest import restored_distributed_env
     from trl_nrollout.builtin import resolve_model
     from trl_nrollout.plan.layout import RolloutLayout
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
 
     path = resolve_model("builtin:tiny-qwen2-tools")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -70,7 +70,7 @@ class ScriptedAgent:
         return list(self.suffix)
 
     def callbacks(self, max_completion_length: int, max_iterations: int | None = 3):
-        from trl_nrollout.rollout.tool_episodes import AgentCallbacks
+        from trl_nrollout.rollout.episodes.tools import AgentCallbacks
 
         return AgentCallbacks(parse=self.parse, run_tools=self.run_tools, suffix_ids=self.suffix_ids,
                               max_iterations=max_iterations, max_completion_length=max_completion_length,
@@ -95,7 +95,7 @@ def test_request_level_episodes_equal_turn_by_turn_episodes(tools_engine):
     tool mask, its log-probs, its number of turns and tool calls are the same in both modes, although the tools
     finish in another order than the turns started (sample-dependent delays) and so samples re-enter the engine at
     different steps than a turn barrier would let them."""
-    from trl_nrollout.rollout.tool_episodes import run_tool_turns
+    from trl_nrollout.rollout.episodes.tools import run_tool_turns
     from trl_nrollout.rollout.types import SamplingOptions
 
     engine, tokenizer, stops = tools_engine
@@ -168,7 +168,7 @@ def test_a_slow_tool_does_not_hold_back_the_other_samples(tools_engine):
 
 @pytest.mark.vllm
 def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(tools_engine):
-    """Tool-calling episodes in a partial rollout (rollout/partial_tool_episodes.py): each call trains the first group to
+    """Tool-calling episodes in a partial rollout (rollout/episodes/partial_tools.py): each call trains the first group to
     finish, aborts the running turns (tokens kept) and waits for the running tools; the others continue at the next
     version. Checked over calls until the pool is empty: every trained group is whole; each sample's tokens, mask,
     log-probs and versions align; its tool-result tokens (mask 0) are exactly the rendered results; a turn stopped by
@@ -178,8 +178,8 @@ def test_partial_rollouts_of_tool_episodes_keep_whole_turns_masks_and_versions(t
     from dataclasses import asdict
 
     from trl_nrollout.rollout.dispatch.shares import run_partial_agents
-    from trl_nrollout.rollout.partial import InFlightGroup, split_finished
-    from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
+    from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, split_finished
+    from trl_nrollout.rollout.episodes.partial_tools import AgentPartialSample
     from trl_nrollout.rollout.types import SamplingOptions
     from trl_nrollout.trainer.partial import _group
 
@@ -265,7 +265,7 @@ def test_config_refuses_bad_multi_turn_settings():
 
 @pytest.mark.vllm
 def test_a_rollout_func_run_group_by_group_that_raises_stops_with_its_traceback(tmp_path):
-    """rollout_func with rollout_multi_turn='requests' runs group by group on threads (rollout/func_pool.py): a group
+    """rollout_func with rollout_multi_turn='requests' runs group by group on threads (rollout/episodes/rollout_func.py): a group
     whose function raises stops the rollout with the function's own error and traceback (never a hang, never a
     silently empty group), and a group whose output breaks TRL's contract names the field. Mutation tried: the
     runner's error swallowed (the group closed without a result) -> no RuntimeError, the test fails."""

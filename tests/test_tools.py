@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import ACCELERATE_LAUNCH, ROOT, run_cmd, run_script_in_process
-from trl_nrollout.rollout.tool_episodes import call_tools, run_tool_turns, split_tools
+from trl_nrollout.rollout.episodes.tools import call_tools, run_tool_turns, split_tools
 from trl_nrollout.rollout.types import RolloutBatch
 
 CALL, EOS, SUFFIX = 50, 2, [90, 91, 92]  # token ids of the scripted turns: a call, end of turn, a tool result

@@ -203,7 +203,7 @@ def test_a_prompt_too_long_for_the_engine_is_a_clear_error(tmp_path, monkeypatch
 
     from trl_nrollout import NRolloutGRPOTrainer
     from trl_nrollout.errors import DatasetError
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
     from trl_nrollout.trainer.engines import EngineSetup
 
     started = []

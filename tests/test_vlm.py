@@ -98,7 +98,7 @@ def test_a_partial_pool_with_images_is_saved_and_read_back_with_its_images():
     """A checkpoint's pool (JSON) keeps a group's images, its prompt's and its dataset row's: PIL images written as
     lossless PNGs and read back with the same pixels and mode; text fields stay as they were.
     Mutation tried: the JSON read back without the image hook -> the images come back as dicts and this fails."""
-    from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
+    from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialSample
     from trl_nrollout.trainer.partial import pool_from_json, pool_to_json
 
     red, blue = colour_image("red", 1), colour_image("blue", 2)
@@ -278,7 +278,7 @@ def _partial_images_first(trainer, sampling):
     """A partial run of six image groups at version 0 (the trainer's weights): one group trains, the others stop
     with their tokens; each kept log-prob is the trainer's with the images (the image token is suppressed in vLLM,
     which moves ~3e-3: tolerance 1e-2). Returns the prompts' encoding, the waiting groups and the options."""
-    from trl_nrollout.rollout.partial import InFlightGroup, split_finished
+    from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, split_finished
 
     data = [dict(r) for r in image_dataset(6, seed=8)]
     enc = encode_prompts(trainer.processing_class, attach_images([r["prompt"] for r in data], dataset_images(data)))
@@ -388,7 +388,7 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
 def test_a_jobs_images_digest_changes_with_any_pixel_and_not_otherwise(groups, at, seed):
     """A job written ahead is the step's own only if its images are (their digest, trainer rank 0): equal images
     give equal digests; one pixel changed, or an image moved to another group, gives another."""
-    from trl_nrollout.rollout.remote_buckets import images_digest
+    from trl_nrollout.rollout.ranks.buckets import images_digest
 
     images = [[colour_image(c, seed + 7 * g + i) for i, c in enumerate(group)] for g, group in enumerate(groups)]
     again = [[colour_image(c, seed + 7 * g + i) for i, c in enumerate(group)] for g, group in enumerate(groups)]

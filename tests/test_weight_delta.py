@@ -1,4 +1,4 @@
-"""Weights as what changed (issue 65 item 2, ``trl_nrollout/rollout/weight_delta.py``): a packed bucket encoded
+"""Weights as what changed (issue 65 item 2, ``trl_nrollout/rollout/ranks/weight_delta.py``): a packed bucket encoded
 against the receivers' copy decodes to the new bucket bit for bit, in whichever form is smallest.
 
 Mutations tried: decoding ``mask`` with the bit order reversed (``>> (7 - arange)``): the round trip fails;
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_nrollout.rollout.weight_delta import FULL, INDICES, MASK, decode, encode, wire_bytes
+from trl_nrollout.rollout.ranks.weight_delta import FULL, INDICES, MASK, decode, encode, wire_bytes
 
 
 def _bucket(values: list[float], dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Weight versions on rollout ranks (issue 62, item 8): only the first rank of an engine's TP group stages whole
 versions (host memory per engine, not per rank); its other ranks hold a few buckets at a time and load the same
 weights. One process, one thread per rank, over the real transport of rollout ranks: a real TCPStore (the launcher's
-kind), real :class:`~trl_nrollout.rollout.ranks.Bridge` objects, gloo groups (the weights group and the engine's TP
-group), trainer rank 0's :class:`~trl_nrollout.rollout.remote.RemoteEngines` and the rollout ranks' own loop
-(:func:`~trl_nrollout.rollout.remote_serve.serve`). The engine is a stand-in that records what vLLM's reload would be
+kind), real :class:`~trl_nrollout.rollout.bridge.Bridge` objects, gloo groups (the weights group and the engine's TP
+group), trainer rank 0's :class:`~trl_nrollout.rollout.ranks.client.RemoteEngines` and the rollout ranks' own loop
+(:func:`~trl_nrollout.rollout.ranks.serve.serve`). The engine is a stand-in that records what vLLM's reload would be
 handed (two vLLM engines of one TP group cannot run in one process; the vLLM side of a sync is
 tests/test_rollout_ranks.py's launches).
 
@@ -22,12 +22,12 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trl_nrollout.plan.roles import Roles
-from trl_nrollout.rollout import remote_reader
-from trl_nrollout.rollout.rank_state import RankState
-from trl_nrollout.rollout.ranks import Bridge
-from trl_nrollout.rollout.remote import RemoteEngines
-from trl_nrollout.rollout.remote_reader import PASSING_BUCKETS, HostBuffers, staging_bound
-from trl_nrollout.rollout.remote_serve import serve
+from trl_nrollout.rollout.bridge import Bridge
+from trl_nrollout.rollout.ranks import reader as remote_reader
+from trl_nrollout.rollout.ranks.client import RemoteEngines
+from trl_nrollout.rollout.ranks.reader import PASSING_BUCKETS, HostBuffers, staging_bound
+from trl_nrollout.rollout.ranks.serve import serve
+from trl_nrollout.rollout.ranks.state import RankState
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -198,7 +198,7 @@ def test_a_trained_copy_of_a_tied_head_is_refused_naming_the_option_rule_and_fix
     fixes. Mutation tried: the check compares the checkpoint's own tensors (``("tensor", id(p))`` of the original
     parameter in place of the trained copy's) -> no refusal, the test fails."""
     from trl_nrollout.errors import InputError
-    from trl_nrollout.rollout.weight_sync import iter_weight_buckets, tied_weights_refusal
+    from trl_nrollout.rollout.engines.weight_sync import iter_weight_buckets, tied_weights_refusal
 
     model = _peft(_builtin_tiny(tiny_model_path), modules_to_save=["lm_head"])
     why = tied_weights_refusal(model)
@@ -216,7 +216,7 @@ def test_a_lora_on_a_tied_head_is_refused_and_a_shared_trained_copy_is_not(tiny_
     naming target_modules. PEFT's ensure_weight_tying=True trains one copy shared by embed_tokens and lm_head: the
     engine can hold it, accepted. Mutation tried: refuse every ``modules_to_save`` copy of a head, tied or not (the
     tie check dropped) -> the shared copy is refused, the test fails."""
-    from trl_nrollout.rollout.weight_sync import iter_weight_buckets, tied_weights_refusal
+    from trl_nrollout.rollout.engines.weight_sync import iter_weight_buckets, tied_weights_refusal
 
     why = tied_weights_refusal(_peft(_builtin_tiny(tiny_model_path), target_modules=["q_proj", "lm_head"]))
     assert why is not None and "target_modules=['lm_head', 'q_proj']" in why and "drop 'lm_head' from target" in why
@@ -232,7 +232,7 @@ def test_a_trained_head_copy_of_an_untied_model_is_accepted_and_sent_as_the_head
     """An untied model (its own lm_head, as Qwen2.5-7B) with modules_to_save=["lm_head"]: nothing is tied, the sync
     sends the trained copy as ``lm_head.weight`` and the embeddings as they are. Mutation tried: the tie check
     dropped (every copy of a head refused) -> refused here, the test fails."""
-    from trl_nrollout.rollout.weight_sync import iter_weight_buckets, tied_weights_refusal
+    from trl_nrollout.rollout.engines.weight_sync import iter_weight_buckets, tied_weights_refusal
 
     torch.manual_seed(0)
     base = Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

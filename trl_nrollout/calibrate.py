@@ -58,7 +58,7 @@ def calibrate(model: str, *, name: str = "local", progress: Callable[[str], None
     from trl_nrollout.plan.dims import ModelDims
     from trl_nrollout.plan.layout import RolloutLayout
     from trl_nrollout.plan.memory import load_config_dict
-    from trl_nrollout.rollout.build import VLLMEngineSettings, build_engine
+    from trl_nrollout.rollout.engines.build import VLLMEngineSettings, build_engine
     from trl_nrollout.rollout.types import SamplingOptions
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,7 +160,7 @@ def _lora_slowdown(path: str, policy, layout, rank: int, merged_t: float, rollou
     ``B``: the kernels' real work). At least 1 (a faster LoRA run is noise)."""
     from peft import LoraConfig, get_peft_model
 
-    from trl_nrollout.rollout.build import VLLMEngineSettings, build_engine
+    from trl_nrollout.rollout.engines.build import VLLMEngineSettings, build_engine
     from trl_nrollout.rollout.types import SamplingOptions
 
     trainable = {name: p.requires_grad for name, p in policy.named_parameters()}  # PEFT freezes the base

@@ -38,7 +38,7 @@ def check_lora_vllm(device: str, steps: int = 3) -> dict:
 
         from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
         from trl_nrollout.builtin import digits_dataset, digits_reward
-        from trl_nrollout.rollout.weight_sync import adapter_bytes
+        from trl_nrollout.rollout.engines.weight_sync import adapter_bytes
 
         lora = LoraConfig(r=8, lora_alpha=32, use_rslora=True, lora_dropout=0.0,
                           target_modules=["q_proj", "v_proj", "gate_proj"])

@@ -4,7 +4,7 @@
 ``embed_tokens`` (``tie_word_embeddings=True``, as Qwen2.5-1.5B-Instruct), wraps it with PEFT's
 ``LoraConfig(modules_to_save=["lm_head"])`` and checks, without vLLM:
 
-- ``refused``: the trainer's check (:func:`~trl_nrollout.rollout.weight_sync.tied_weights_refusal`) refuses it, the
+- ``refused``: the trainer's check (:func:`~trl_nrollout.rollout.engines.weight_sync.tied_weights_refusal`) refuses it, the
   message naming ``modules_to_save``, the value, the tie and the fix;
 - ``sync_refused``: the weight sync itself (``iter_weight_buckets``, on the device's tensors) raises the same error
   before it yields a bucket;
@@ -52,7 +52,7 @@ def check_tied_head(device: str) -> dict:
     import torch
 
     from trl_nrollout.errors import InputError
-    from trl_nrollout.rollout.weight_sync import iter_weight_buckets, tied_weights_refusal
+    from trl_nrollout.rollout.engines.weight_sync import iter_weight_buckets, tied_weights_refusal
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     out: dict = {"device": device, "dtype": str(dtype).removeprefix("torch.")}

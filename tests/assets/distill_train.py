@@ -84,7 +84,7 @@ def run(out: str, teacher: str, **extra) -> dict:
               "history": trainer.state.log_history, "moved": moved, "synced_step": trainer.engine_setup.synced_step,
               "lora_sync": trainer.engine_setup.lora_sync()}
     if lora is not None:
-        from trl_nrollout.rollout.weight_sync import adapter_bytes
+        from trl_nrollout.rollout.engines.weight_sync import adapter_bytes
 
         result["adapter_bytes"], result["model_bytes"] = adapter_bytes(trainer.accelerator.unwrap_model(trainer.model))
     trainer.close()

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from trl.models import unwrap_model_for_generation
 
 from trl_nrollout.builtin import resolve_model
-from trl_nrollout.rollout.hf_engine import HFEngine
+from trl_nrollout.rollout.engines.hf_engine import HFEngine
 from trl_nrollout.rollout.types import SamplingOptions
 
 if __name__ == "__main__":

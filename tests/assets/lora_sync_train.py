@@ -14,7 +14,7 @@ from peft import LoraConfig
 
 from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
 from trl_nrollout.builtin import digits_dataset, digits_reward
-from trl_nrollout.rollout.weight_sync import adapter_bytes
+from trl_nrollout.rollout.engines.weight_sync import adapter_bytes
 
 if __name__ == "__main__":
     out, lora_sync = sys.argv[1], sys.argv[2]

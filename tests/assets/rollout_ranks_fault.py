@@ -17,7 +17,7 @@ import threading
 
 from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
 from trl_nrollout.builtin import digits_dataset, digits_reward
-from trl_nrollout.rollout.ranks import current_bridge
+from trl_nrollout.rollout.bridge import current_bridge
 
 
 def bridge_rank0() -> bool:

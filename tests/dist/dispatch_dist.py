@@ -23,8 +23,8 @@ from trl_nrollout.rollout.dispatch.balanced import (
     run_partial_balanced,
 )
 from trl_nrollout.rollout.dispatch.shares import run_agents, run_partial, run_partial_agents
-from trl_nrollout.rollout.partial import InFlightGroup, split_finished
-from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, split_finished
+from trl_nrollout.rollout.episodes.partial_tools import AgentPartialSample
 from trl_nrollout.rollout.types import SamplingOptions
 
 N = 3
@@ -41,7 +41,7 @@ def prompts_of(rank: int) -> list[list[int]]:
 def agent_callbacks():
     """A scripted agent: a turn calls the tool when it has an odd number of tokens; the tool's result renders as
     three fixed tokens; at most two tool rounds."""
-    from trl_nrollout.rollout.tool_episodes import AgentCallbacks
+    from trl_nrollout.rollout.episodes.tools import AgentCallbacks
 
     def parse(i, ids, prefix):
         call = {"type": "function", "function": {"name": "t", "arguments": {}}}
@@ -66,7 +66,7 @@ def main() -> None:
     tp, model_dir, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
 
     layout = RolloutLayout.build(num_processes=world, rollout_tp_size=tp, train_batch_size=world * PROMPTS_PER_RANK,
                                  rollout_n=N)

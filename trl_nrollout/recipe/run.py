@@ -51,7 +51,7 @@ from trl_nrollout.recipe.report import end_progress_bars, write_report
 from trl_nrollout.recipe.rewards import resolve_import, resolve_reward
 from trl_nrollout.recipe.summary import RewardHistory, build_summary, write_summary
 from trl_nrollout.recipe.trust import enforce_recipe_trust, parse_recipe_command
-from trl_nrollout.rollout.platform import launch_nodes
+from trl_nrollout.rollout.engines.platform import launch_nodes
 from trl_nrollout.trainer.checkpoints import check_output_dir, resolve_resume
 from trl_nrollout.trainer.scoring import RewardFunctionError
 

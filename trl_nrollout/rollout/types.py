@@ -1,5 +1,5 @@
 """The typed sampling options and batch of a rollout, and a rollout rank's answer (the engine protocol:
-:mod:`trl_nrollout.rollout.engine_protocol`)."""
+:mod:`trl_nrollout.rollout.engines.protocol`)."""
 
 from __future__ import annotations
 
@@ -101,8 +101,8 @@ class RolloutBatch:
 
 def pack_extras(tool_mask: np.ndarray | None, fields: list[dict] | None, lengths: np.ndarray) -> list[dict | None]:
     """Per sample of a :class:`JobResult`: its ``tool_mask`` (a list, ``[L]``) and the episode's fields
-    (:data:`~trl_nrollout.rollout.remote_tool_episodes.EPISODE_FIELDS`), or None for a single-turn job; a partial job's
-    fields without a mask (:mod:`~trl_nrollout.rollout.remote_partial`)."""
+    (:data:`~trl_nrollout.rollout.ranks.episodes.EPISODE_FIELDS`), or None for a single-turn job; a partial job's
+    fields without a mask (:mod:`~trl_nrollout.rollout.ranks.partial`)."""
     if fields is None:
         return [None] * len(lengths)
     if tool_mask is None:
@@ -128,14 +128,14 @@ class JobResult:
     #: owned under fixed shares (its TP group's first rank reports; None elsewhere and under "shares")
     balanced: tuple[int, int] | None = None
     #: an agent job (tools on the rollout ranks): the tool masks ``int8 [total tokens]``, each sample's other
-    #: fields and the engine's AgentStats as a tuple (:mod:`~trl_nrollout.rollout.remote_tool_episodes`); else None
+    #: fields and the engine's AgentStats as a tuple (:mod:`~trl_nrollout.rollout.ranks.episodes`); else None
     tool_mask: np.ndarray | None = None
     episodes: list[dict] | None = None
     agent_stats: tuple | None = None
     #: a job with images: the engine's prompt ids (image placeholders expanded) of each group of the job this rank
     #: generated, by the group's index in the job (once a group); else None
     prompts: dict[int, list[int]] | None = None
-    #: a partial job: the engine's counts and pool left in flight (:class:`~trl_nrollout.rollout.remote_partial.
+    #: a partial job: the engine's counts and pool left in flight (:class:`~trl_nrollout.rollout.ranks.partial.
     #: PartialJob`'s ``report``; its TP group's first rank), else None
     partial: dict | None = None
 

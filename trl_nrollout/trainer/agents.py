@@ -1,7 +1,7 @@
 """Agents written in any framework, trained as they are: ``NRolloutGRPOTrainer(agent=...)``.
 
 An agent is a function (sync or ``async``) that runs one episode: given an OpenAI client whose base URL is its
-episode's on the trainer's endpoint (:mod:`trl_nrollout.rollout.agent_endpoint`) and the dataset row, it talks to
+episode's on the trainer's endpoint (:mod:`trl_nrollout.rollout.episodes.endpoint`) and the dataset row, it talks to
 the policy as to any OpenAI-compatible server and returns its reward (a number), a dict of reward-function kwargs,
 or None (unscored). Parameters are matched by name: ``client`` (an ``openai.AsyncOpenAI`` for an async agent, an
 ``openai.OpenAI`` otherwise), ``base_url`` and ``api_key`` (for frameworks that build their own client), ``row``
@@ -11,7 +11,7 @@ positional parameters gets ``(client, row)``.
 Each step every rank runs its ``n`` episodes per prompt at once (async agents on one event loop, sync agents in
 threads) against its own endpoint and engine, while the trainer's thread runs their requests on the engine as they
 come (no turn barrier). What trains is what the engine generated
-(:func:`~trl_nrollout.rollout.agent_episodes.assemble`): an episode whose calls chain is one sample (tokens between
+(:func:`~trl_nrollout.rollout.episodes.agent_calls.assemble`): an episode whose calls chain is one sample (tokens between
 calls masked); an episode whose agent edited its history (split) trains each call as a sample of its own with the
 episode's advantage (:func:`split_calls`, :func:`~trl_nrollout.trainer.stages.expand_segments`; a rank then trains
 more rows than its share of episodes), and ``agent/split_episodes`` counts them. An agent that raises, or runs past ``agent_timeout_s``, is
@@ -38,16 +38,16 @@ from accelerate.utils import gather_object
 
 from trl_nrollout.config.checks import agent_dependencies_refusal
 from trl_nrollout.errors import InputError
-from trl_nrollout.rollout.agent_episodes import Assembled, EpisodeRecord, assemble, reward_kwargs
-from trl_nrollout.rollout.agent_runs import (
+from trl_nrollout.rollout.dispatch import PullStats
+from trl_nrollout.rollout.dispatch.agent_runs import (
     EpisodeRun,
     EpisodeRunner,
     agent_arguments,
     run_episodes,
     start_endpoint,
 )
-from trl_nrollout.rollout.dispatch import PullStats
-from trl_nrollout.rollout.func_pool import FuncRunner, func_samples, samples_batch
+from trl_nrollout.rollout.episodes.agent_calls import Assembled, EpisodeRecord, assemble, reward_kwargs
+from trl_nrollout.rollout.episodes.rollout_func import FuncRunner, func_samples, samples_batch
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.episodes import Episode, EpisodeJob
 from trl_nrollout.trainer.stages import Sample
@@ -126,7 +126,7 @@ def endpoint_settings(args, model_name: str, max_model_len: int) -> dict:
 
 def episode_runner(agent, rollout_func, func_trainer, args, num_generations: int, max_model_len: int, tools):
     """What runs episodes on an endpoint: the ``agent`` (:class:`EpisodeRunner`, with the trainer's ``tools``), or
-    the ``rollout_func`` group by group (:class:`~trl_nrollout.rollout.func_pool.FuncRunner`; ``func_trainer``: what
+    the ``rollout_func`` group by group (:class:`~trl_nrollout.rollout.episodes.rollout_func.FuncRunner`; ``func_trainer``: what
     TRL's contract hands the function)."""
     if rollout_func is None:
         return EpisodeRunner(agent, args.agent_timeout_s, tools or (), args.agent_max_concurrent)
@@ -244,7 +244,7 @@ class EndpointAgents:
     sample, TRL's order: each prompt ``n`` times) through an endpoint, what trains assembled by ``records``.
 
     Colocated, on this rank's endpoint (started at the first rollout with ``settings``, closed by :meth:`close`) and
-    ``engine`` (:func:`~trl_nrollout.rollout.agent_runs.run_episodes`; with ``dispatch="balanced"`` over several
+    ``engine`` (:func:`~trl_nrollout.rollout.dispatch.agent_runs.run_episodes`; with ``dispatch="balanced"`` over several
     engines the ranks pull groups of the job's rows from one queue and the episodes come home). With rollout ranks,
     ``remote(inputs, prompt_ids, n, sampling, mode, step, step_job)`` runs them there (:func:`remote_agent_episodes`,
     the next steps' written ahead) and sends the records back. ``runner()``: a new runner of the episodes

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from trl_nrollout.errors import InputError
-from trl_nrollout.rollout.engine_protocol import JOBS, has
+from trl_nrollout.rollout.engines.protocol import JOBS, has
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ def rank_state_file(folder: str | os.PathLike, rank: int) -> str:
 
 def save_rank_state(folder: str | os.PathLike, rank: int, prompt_rng: torch.Generator, engine=None) -> None:
     """Rank ``rank``'s state beside the model's: the generator that draws DAPO's extra prompts; with rollout ranks
-    (``engine`` a :class:`~trl_nrollout.rollout.remote.RemoteEngines`), trainer rank 0's jobs written ahead and
+    (``engine`` a :class:`~trl_nrollout.rollout.ranks.client.RemoteEngines`), trainer rank 0's jobs written ahead and
     their samples (:func:`save_jobs_ahead`)."""
     os.makedirs(folder, exist_ok=True)
     torch.save({"prompt_rng": prompt_rng.get_state()}, rank_state_file(folder, rank))
@@ -242,7 +242,7 @@ JOBS_AHEAD = "nrollout_jobs_ahead.pt"
 
 
 def save_jobs_ahead(folder: str | os.PathLike, jobs: list | None) -> None:
-    """The jobs written ahead and their samples (:meth:`~trl_nrollout.rollout.remote.RemoteEngines.jobs_ahead`;
+    """The jobs written ahead and their samples (:meth:`~trl_nrollout.rollout.ranks.client.RemoteEngines.jobs_ahead`;
     None: nothing to keep) beside the model's state."""
     if jobs:
         os.makedirs(folder, exist_ok=True)

@@ -5,7 +5,7 @@ Drop-in as :class:`~trl_nrollout.trainer.grpo.NRolloutGRPOTrainer` is for GRPO: 
 engine options. What changes is where the student's completions are sampled: TRL's generation hook
 (``_generate_single_turn``, called for the first turn and for every turn of TRL's tool loop) hands the prompts to
 a part, :class:`StudentSampler`, which samples them on this rank's engine of our vLLM group (built by
-:func:`~trl_nrollout.rollout.build.build_engine` through GRPO's :class:`~trl_nrollout.trainer.engines.EngineSetup`:
+:func:`~trl_nrollout.rollout.engines.build.build_engine` through GRPO's :class:`~trl_nrollout.trainer.engines.EngineSetup`:
 its checked start, its tensor-parallel layout, its bucketed weight sync after each optimizer step, LoRA adapter or
 merged sync). Everything else is TRL's own code, inherited unchanged: the data order and buffering, the tool loop,
 the teacher's forward (TRL's, in the loss), the chunked generalized JSD for every ``beta``, the temperature, the
@@ -27,8 +27,8 @@ from trl_nrollout.config.checks import lora_sync_refusal
 from trl_nrollout.config.distillation import NRolloutDistillationConfig
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.errors import InputError
-from trl_nrollout.rollout.engine_protocol import RolloutEngine
-from trl_nrollout.rollout.platform import launch_nodes, vllm_available
+from trl_nrollout.rollout.engines.platform import launch_nodes, vllm_available
+from trl_nrollout.rollout.engines.protocol import RolloutEngine
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.engines import EngineSetup, pick_backend
@@ -38,7 +38,7 @@ from trl_nrollout.trainer.metrics import Metrics
 class StudentSampler:
     """Samples the student's completions on this rank's engine (a part of the trainer).
 
-    Collaborators: the ``engine`` (a :class:`~trl_nrollout.rollout.engine_protocol.RolloutEngine`), the engine set-up
+    Collaborators: the ``engine`` (a :class:`~trl_nrollout.rollout.engines.protocol.RolloutEngine`), the engine set-up
     ``setup`` (its weight sync), the ``metrics`` sink, the run ``seed``, the call's ``sampling`` options without a
     seed (TRL's temperature, top-p/k, min-p, repetition penalty, stop tokens, ``generation_kwargs``), this rank's
     ``rank`` and ``stride`` (the most prompts a rank samples in one call: seeds of different ranks never meet).

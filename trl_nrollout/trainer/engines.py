@@ -21,8 +21,8 @@ from trl_nrollout.errors import DatasetError, InputError
 from trl_nrollout.passes.distributed import zero3_configured
 from trl_nrollout.passes.multimodal import has_images
 from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.build import HFEngineSettings, VLLMEngineSettings, build_engine
-from trl_nrollout.rollout.platform import vllm_available
+from trl_nrollout.rollout.engines.build import HFEngineSettings, VLLMEngineSettings, build_engine
+from trl_nrollout.rollout.engines.platform import vllm_available
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS
 from trl_nrollout.rollout.types import SamplingOptions
 
@@ -149,8 +149,8 @@ class EngineSetup:
     def _vllm_preflight(self, lengths: tuple[int, int]) -> str | None:
         """Why this rank's vLLM engine would fail vLLM's start-up memory check (see :func:`memory_refusal`), found
         before any collective; None where it passes or cannot be measured (vLLM then decides)."""
-        from trl_nrollout.rollout.platform import is_cpu_platform
-        from trl_nrollout.rollout.vllm_settings import engine_kwargs
+        from trl_nrollout.rollout.engines.platform import is_cpu_platform
+        from trl_nrollout.rollout.engines.vllm_settings import engine_kwargs
 
         args: NRolloutConfig = self.args
         try:
@@ -200,7 +200,7 @@ class EngineSetup:
     def _generation_kwargs_refusal(self) -> str | None:
         """``generation_kwargs`` keys vLLM's ``SamplingParams`` has no field for (``generate()`` arguments such as
         ``num_beams``): TRL passes them to the sampler of the engine it uses, so they would fail at the first rollout."""
-        from trl_nrollout.rollout.vllm_settings import unknown_sampling_keys
+        from trl_nrollout.rollout.engines.vllm_settings import unknown_sampling_keys
 
         unknown = unknown_sampling_keys(self.args.generation_kwargs or {})
         if not unknown:
@@ -223,7 +223,7 @@ class EngineSetup:
                     return (f"the adapter {name!r} sets {option}=True, whose merge is not a plain LoRA delta (the "
                             "weight sync merges B @ A only); train plain LoRA (" + option + "=False) to generate "
                             "with vLLM, or generate with the PEFT model itself (rollout_backend='hf')")
-        from trl_nrollout.rollout.weight_sync import tied_weights_refusal
+        from trl_nrollout.rollout.engines.weight_sync import tied_weights_refusal
 
         return tied_weights_refusal(inner)  # a trained lm_head copy of a tied head would replace the embeddings
 
@@ -282,8 +282,8 @@ class EngineSetup:
         if self.rollout_backend != "vllm":
             return None
         if not hasattr(self, "_lora_sync_mode"):
-            from trl_nrollout.rollout.platform import is_cpu_platform
-            from trl_nrollout.rollout.weight_sync import (
+            from trl_nrollout.rollout.engines.platform import is_cpu_platform
+            from trl_nrollout.rollout.engines.weight_sync import (
                 adapter_bytes,
                 adapter_refusal,
                 can_dequantize,
@@ -315,7 +315,7 @@ class EngineSetup:
         from trl_nrollout.plan.layout import LayoutError, RolloutLayout
         from trl_nrollout.plan.lora import price_lora_sync
         from trl_nrollout.plan.workload import Workload
-        from trl_nrollout.rollout.weight_sync import adapter_ranks
+        from trl_nrollout.rollout.engines.weight_sync import adapter_ranks
 
         args = self.args
         if args.rollout_lora_sync_device is not None:
@@ -350,7 +350,7 @@ class EngineSetup:
         """The LoRA rank the vLLM engines serve (the adapter's largest), or None where they get merged weights."""
         if self.lora_sync() != "adapter":
             return None
-        from trl_nrollout.rollout.weight_sync import adapter_ranks
+        from trl_nrollout.rollout.engines.weight_sync import adapter_ranks
 
         return max(adapter_ranks(self.accelerator.unwrap_model(self.model)).values())
 
@@ -364,7 +364,7 @@ class EngineSetup:
             return engine.load_weights(model, **kwargs)
         base = {}
         if not self._base_synced:
-            from trl_nrollout.rollout.weight_sync import can_dequantize
+            from trl_nrollout.rollout.engines.weight_sync import can_dequantize
 
             # QLoRA: a 4-bit base goes dequantized (the engine then samples the policy the trainer computes); a base
             # it cannot dequantize stays the engine's own (the checkpoint's, unquantized)

@@ -27,8 +27,8 @@ from accelerate.utils import gather_object
 
 from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
 from trl_nrollout.rollout.dispatch.balanced import balanced_calls, generate_balanced
-from trl_nrollout.rollout.engine_protocol import BALANCED, has
-from trl_nrollout.rollout.func_pool import check_output, samples_batch
+from trl_nrollout.rollout.engines.protocol import BALANCED, has
+from trl_nrollout.rollout.episodes.rollout_func import check_output, samples_batch
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
 

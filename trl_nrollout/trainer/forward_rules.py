@@ -85,7 +85,7 @@ def sampling_support(args: Any, rollout_backend: str, top_k: int | None, top_p: 
     mass puts the trainer's on the engine's support, so that the rollout correction and the mismatch metrics compare
     like with like (TRL issue 6789). The HF engine's decoding modes other than sampling (beams...) score their
     samples with the trainer's own pass: nothing to replay."""
-    from trl_nrollout.rollout.hf_engine import _NOT_STEPWISE
+    from trl_nrollout.rollout.engines.hf_engine import _NOT_STEPWISE
 
     extra = dict(args.generation_kwargs or {})
     if rollout_backend == "hf" and any(k in _NOT_STEPWISE and v not in (None, 1, False) for k, v in extra.items()):

@@ -41,8 +41,8 @@ from trl_nrollout.config.options import NRolloutConfig, to_nrollout_config
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, has_images, prompt_images, without_images
 from trl_nrollout.passes.ulysses import shared_shuffle
-from trl_nrollout.rollout.engine_protocol import PREFILL_COUNTS, has
-from trl_nrollout.rollout.platform import launch_nodes, vllm_available
+from trl_nrollout.rollout.engines.platform import launch_nodes, vllm_available
+from trl_nrollout.rollout.engines.protocol import PREFILL_COUNTS, has
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.advantage_stage import AdvantageStage, RewardCalls

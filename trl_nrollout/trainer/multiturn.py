@@ -3,7 +3,7 @@
 TRL's ``__init__`` still sets everything up (tool schemas in the chat template, the response parser, the environment
 pool, the async event loop); :class:`TRLTools` holds those handles for the episodes. Two episode kinds
 (:mod:`trl_nrollout.trainer.episodes`) run TRL's tools on our engines: :class:`ToolTurns` turn by turn
-(:func:`~trl_nrollout.rollout.tool_episodes.run_tool_turns`, collective over ranks) and :class:`ToolRequests` request
+(:func:`~trl_nrollout.rollout.episodes.tools.run_tool_turns`, collective over ranks) and :class:`ToolRequests` request
 by request (no turn barrier). ``rollout_func`` is :class:`~trl_nrollout.trainer.episodes.RolloutFunc`.
 
 - ``tools``: functions the model may call (TRL's format: the chat template renders their schemas, the tokenizer's
@@ -41,9 +41,9 @@ from trl_nrollout.passes.multimodal import (
 from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
 from trl_nrollout.rollout.dispatch.shares import run_agents
-from trl_nrollout.rollout.home_tools import HomeTools
-from trl_nrollout.rollout.seeds import step_seed
-from trl_nrollout.rollout.tool_episodes import (
+from trl_nrollout.rollout.episodes.home_tools import HomeTools
+from trl_nrollout.rollout.episodes.tool_images import TurnMedia
+from trl_nrollout.rollout.episodes.tools import (
     AgentCallbacks,
     AgentStats,
     Turns,
@@ -52,7 +52,7 @@ from trl_nrollout.rollout.tool_episodes import (
     run_tool_turns,
     split_tools,
 )
-from trl_nrollout.rollout.tool_images import TurnMedia
+from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.episodes import Episode, EpisodeJob, SingleTurn
 
@@ -280,7 +280,7 @@ class TRLTools:
 class HomeToolCalls:
     """Tool calls that go home: as an engine pulling other ranks' groups runs them, with environments and several
     engines each sample's calls run on its ``home(i)`` rank, where its environment lives
-    (:class:`~trl_nrollout.rollout.home_tools.HomeTools`, served from a thread until every engine is done). One per
+    (:class:`~trl_nrollout.rollout.episodes.home_tools.HomeTools`, served from a thread until every engine is done). One per
     trainer: every rank numbers its hosts alike. ``metrics``: the sink of ``tools/calls_sent_home``."""
 
     def __init__(self, engine, rank: int, workers: int, metrics) -> None:

@@ -37,9 +37,9 @@ import os
 from dataclasses import asdict
 
 from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
-from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
-from trl_nrollout.rollout.tool_episodes import AgentSample
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialSample
+from trl_nrollout.rollout.episodes.partial_tools import AgentPartialSample
+from trl_nrollout.rollout.episodes.tools import AgentSample
 from trl_nrollout.trainer.agents import episode_runner
 from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.partial_envs import PoolEnvironments, TrainerEnvironments

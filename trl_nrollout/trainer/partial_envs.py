@@ -15,8 +15,8 @@ uninterrupted run continued them.
 
 Tensor parallelism (an engine of several ranks, one pool): a group's tools run on the rank that drew it (its
 environments are there), and each rank trains its own groups: the engine runs the pool until every rank of it has
-as many finished groups of its own as it drew prompts (:func:`~trl_nrollout.rollout.partial.homes_done`), and rank
-``r``'s share is its first ones to finish (:func:`~trl_nrollout.rollout.partial.split_finished_by_home`). After a
+as many finished groups of its own as it drew prompts (:func:`~trl_nrollout.rollout.episodes.in_flight.homes_done`), and rank
+``r``'s share is its first ones to finish (:func:`~trl_nrollout.rollout.episodes.in_flight.split_finished_by_home`). After a
 resume each rank starts its own groups again and hands them to the engine's other ranks, so the pool stays one.
 
 With rollout ranks a group's environments wait here too (:meth:`PoolEnvironments.hold`), their tools registered for
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trl_nrollout.rollout.partial import InFlightGroup
-from trl_nrollout.rollout.tool_episodes import AgentCallbacks, call_tools, split_tools
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup
+from trl_nrollout.rollout.episodes.tools import AgentCallbacks, call_tools, split_tools
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class PoolEnvironments:
         return out
 
     def reset_restarted(self, before: list[InFlightGroup], after: list[InFlightGroup]) -> None:
-        """Reset the environment of every sample :func:`~trl_nrollout.rollout.partial.drop_stale` started again
+        """Reset the environment of every sample :func:`~trl_nrollout.rollout.episodes.in_flight.drop_stale` started again
         (``after[i].samples[k]`` a new object): its episode starts over, and so does its environment. The
         observation reset returns is not added again: the group keeps its prompt."""
         for old, new in zip(before, after):
@@ -127,7 +127,7 @@ class PoolEnvironments:
 
     def agent(self, agent: AgentCallbacks, pool: list[InFlightGroup], width: int) -> AgentCallbacks:
         """``agent`` with each sample's tools those of its environment (sample ``k`` of pool group ``g`` is index
-        ``g * width + k``, as :func:`~trl_nrollout.rollout.partial_tool_episodes.run_partial_agents` numbers them), and the
+        ``g * width + k``, as :func:`~trl_nrollout.rollout.episodes.partial_tools.run_partial_agents` numbers them), and the
         parser's per-sample environment names set the same way."""
         t = self.trainer
         t.use(names=[self.name(g.payload["row"]) for g in pool for _ in range(width)])

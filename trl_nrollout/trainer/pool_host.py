@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trl_nrollout.passes.multimodal import encode_prompts
-from trl_nrollout.rollout.partial import InFlightGroup
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup
 from trl_nrollout.rollout.types import SamplingOptions
 from trl_nrollout.trainer.metrics import Metrics
 

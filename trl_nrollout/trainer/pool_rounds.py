@@ -1,12 +1,12 @@
 """The partial pool's rounds on colocated engines (``rollout_partial=True``, ``rollout_ranks=0``): one per episode
 kind the engine runs, chosen once when the trainer builds its pool (:class:`~trl_nrollout.trainer.partial.
-PartialPool`). Both run :func:`~trl_nrollout.rollout.pool.pool_step` over their kind's pool:
+PartialPool`). Both run :func:`~trl_nrollout.rollout.partial.pool.pool_step` over their kind's pool:
 
 - :class:`EngineRound`: groups the engine samples (single-turn samples, TRL tool episodes and environments request
-  by request: :class:`~trl_nrollout.rollout.pool.EngineGroups`), a pool per engine or, with
+  by request: :class:`~trl_nrollout.rollout.partial.pool.EngineGroups`), a pool per engine or, with
   ``rollout_dispatch="balanced"`` over several engines, the job's (see :mod:`trl_nrollout.trainer.partial`);
-- :class:`LiveRound`: live endpoint agents or a ``rollout_func``'s groups (:class:`~trl_nrollout.rollout.pool.
-  LiveGroups`, :mod:`trl_nrollout.rollout.agent_pool`), a pool per rank, mirrored into the pool's groups (rows
+- :class:`LiveRound`: live endpoint agents or a ``rollout_func``'s groups (:class:`~trl_nrollout.rollout.partial.pool.
+  LiveGroups`, :mod:`trl_nrollout.rollout.partial.agent_pool`), a pool per rank, mirrored into the pool's groups (rows
   only) so a checkpoint keeps them and a resumed run starts them again.
 """
 
@@ -19,11 +19,12 @@ from typing import Any
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.rollout.agent_pool import AgentPool
-from trl_nrollout.rollout.agent_runs import start_endpoint
-from trl_nrollout.rollout.partial import InFlightGroup, PartialSample
-from trl_nrollout.rollout.partial_tool_episodes import AgentPartialSample
-from trl_nrollout.rollout.pool import (
+from trl_nrollout.rollout.dispatch.agent_runs import start_endpoint
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialSample
+from trl_nrollout.rollout.episodes.partial_tools import AgentPartialSample
+from trl_nrollout.rollout.episodes.tools import AgentCallbacks, call_tools, split_tools
+from trl_nrollout.rollout.partial.agent_pool import AgentPool
+from trl_nrollout.rollout.partial.pool import (
     EngineGroups,
     LiveGroups,
     PoolStep,
@@ -34,7 +35,6 @@ from trl_nrollout.rollout.pool import (
     tool_groups,
     top_up_share,
 )
-from trl_nrollout.rollout.tool_episodes import AgentCallbacks, call_tools, split_tools
 from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.multiturn import Episode
 from trl_nrollout.trainer.partial_envs import PoolEnvironments
@@ -86,7 +86,7 @@ class EngineRound:
         rank = on.rank
         tp = len(engine.tp_ranks)
         # rollout_dispatch="balanced" with several engines: one pool for the job, the same on every rank, whose
-        # groups every engine pulls from (rollout/partial_queue.py); else a pool per engine (its TP group's ranks)
+        # groups every engine pulls from (rollout/dispatch/partial_queue.py); else a pool per engine (its TP group's ranks)
         job = args.rollout_dispatch == "balanced" and engine.balances_job
         counts = gather_object([len(rows)]) if job else [len(rows)] * tp
         gather = engine.gather_job if job else engine.gather_tp  # over the pool's ranks
@@ -166,7 +166,7 @@ class EngineRound:
         quota = dict(enumerate(counts)) if job else dict.fromkeys(engine.tp_ranks, counts[0])
         sampling = on.host.sampling(ctx.mode, round_=round_)
         home = (lambda g: on.layout.engine_of_rank(g.key[2])) if job else None
-        if on.tools:  # tool-calling episodes, turn after turn as requests (rollout/partial_tool_episodes.py)
+        if on.tools:  # tool-calling episodes, turn after turn as requests (rollout/episodes/partial_tools.py)
 
             @contextlib.contextmanager
             def callbacks(groups: list[InFlightGroup]):
@@ -244,7 +244,7 @@ class LiveRound:
     def round(self, ctx: StepContext, round_: int = 0) -> Round:
         """The step's new groups (and ``rollout_partial_oversample``'s) join this rank's pool, stale groups start
         again, the pool runs until as many of its groups have finished as the rank drew prompts, and those train
-        (the job's samples, gathered): the pool step of :func:`~trl_nrollout.rollout.pool.pool_step`."""
+        (the job's samples, gathered): the pool step of :func:`~trl_nrollout.rollout.partial.pool.pool_step`."""
         on = self.on
         args, n, mode, host = on.args, ctx.n, ctx.mode, on.host
         version, rank, engine = host.step(), on.rank, on.engine

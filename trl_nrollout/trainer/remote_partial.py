@@ -1,6 +1,6 @@
 """The trainers' side of partial rollouts on rollout ranks (``rollout_ranks`` with ``rollout_partial=True``).
 
-The rollout ranks keep the groups in flight (:mod:`trl_nrollout.rollout.remote_partial`); a trainer writes each
+The rollout ranks keep the groups in flight (:mod:`trl_nrollout.rollout.ranks.partial`); a trainer writes each
 step's job with its groups' dataset rows and prompts (and top-up prompts for the pool), ``rollout_lookahead`` steps
 ahead as for whole rollouts, and trains the groups that finished first, whichever step drew them: each comes back
 with its row and prompt, scored here as the colocated pool's are. A checkpoint keeps the pool the rollout ranks
@@ -22,10 +22,10 @@ from typing import Any
 
 from accelerate.utils import gather_object
 
-from trl_nrollout.rollout.partial import InFlightGroup
-from trl_nrollout.rollout.pool import top_up_candidates
-from trl_nrollout.rollout.remote_partial import PartialEntry, TopUp, partial_entry
-from trl_nrollout.rollout.tool_episodes import AgentStats
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup
+from trl_nrollout.rollout.episodes.tools import AgentStats
+from trl_nrollout.rollout.partial.pool import top_up_candidates
+from trl_nrollout.rollout.ranks.partial import PartialEntry, TopUp, partial_entry
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.multiturn import Episode
@@ -49,7 +49,7 @@ class PartialJobParts:
 @dataclass
 class RankSide:
     """What the partial pool needs of the rollout-rank side of the trainer: ``engine`` (the
-    :class:`~trl_nrollout.rollout.remote.RemoteEngines`: ``run_job_episodes``, ``last_job``, ``partial_pools``),
+    :class:`~trl_nrollout.rollout.ranks.client.RemoteEngines`: ``run_job_episodes``, ``last_job``, ``partial_pools``),
     ``ahead_jobs(mode)`` (the next ``rollout_lookahead`` steps' jobs, written with the step's own),
     ``log_remote(mode)`` (the step's wait, staleness and transfer metrics), and with environments whose tool calls come
     home the ``env_prefix`` of their host (the store prefix the rollout ranks call; None without)."""
@@ -100,7 +100,7 @@ class RemoteRound:
 
     def job(self, step: int, rows: list[dict], round_: int = 0) -> PartialJobParts:
         """This rank's part of a partial job of ``rows`` (one per group): its ``agent`` entry
-        (:func:`~trl_nrollout.rollout.remote_partial.partial_entry`: the groups' rows and prompts, top-up prompts
+        (:func:`~trl_nrollout.rollout.ranks.partial.partial_entry`: the groups' rows and prompts, top-up prompts
         drawn as DAPO draws, one more than ``rollout_partial_oversample`` of its groups, which the engines take while
         their pool is short, and the checkpoint's pool after a resume) and the groups' engine ids and images. With
         environments each group's ``n`` environments are drawn and reset here, and stay until it trains (their tool

@@ -1,7 +1,7 @@
-"""The trainer with ``rollout_ranks``: engines on processes of their own (:mod:`trl_nrollout.rollout.ranks`).
+"""The trainer with ``rollout_ranks``: engines on processes of their own (:mod:`trl_nrollout.rollout.bridge`).
 
 On a trainer rank, :class:`RolloutRankPlacement` (a part the trainer builds once: :meth:`RolloutRankPlacement.of`)
-replaces the colocated engine by :class:`~trl_nrollout.rollout.remote.RemoteEngines` and feeds it the prompts of the
+replaces the colocated engine by :class:`~trl_nrollout.rollout.ranks.client.RemoteEngines` and feeds it the prompts of the
 next ``rollout_lookahead`` steps, read ahead from TRL's own data loader (:meth:`RolloutRankPlacement.batch_samples`,
 behind the trainer's ``get_batch_samples``), so the engines generate step ``k + s`` while the trainers train step
 ``k``. On a rollout rank, the trainer class gives a :class:`RolloutRankWorker` instead: the user's script runs
@@ -21,12 +21,12 @@ from typing import Any
 
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
-from trl_nrollout.rollout.rank_state import FuncSettings, RankState
-from trl_nrollout.rollout.ranks import ROLLOUT, Bridge, RolloutRankError, current_bridge
-from trl_nrollout.rollout.remote import RemoteEngines
-from trl_nrollout.rollout.remote_partial import RESET_ENV
-from trl_nrollout.rollout.remote_serve import serve
-from trl_nrollout.rollout.remote_tool_episodes import EpisodeJob, agent_settings, env_tool_schemas
+from trl_nrollout.rollout.bridge import ROLLOUT, Bridge, RolloutRankError, current_bridge
+from trl_nrollout.rollout.ranks.client import RemoteEngines
+from trl_nrollout.rollout.ranks.episodes import EpisodeJob, agent_settings, env_tool_schemas
+from trl_nrollout.rollout.ranks.partial import RESET_ENV
+from trl_nrollout.rollout.ranks.serve import serve
+from trl_nrollout.rollout.ranks.state import FuncSettings, RankState
 from trl_nrollout.rollout.types import SamplingOptions
 from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.remote_partial import engine_prompts
@@ -179,11 +179,11 @@ class RolloutRankPlacement:
     def serve_env_tools(self, bridge: Bridge, loop=None) -> None:
         """Request-level episodes with environments run on the rollout ranks, while their environments stay here
         (the reward functions read them): their tool calls come home through the launch's store
-        (:class:`~trl_nrollout.rollout.home_tools.HomeTools`), served from a thread for the trainer's life; call
+        (:class:`~trl_nrollout.rollout.episodes.home_tools.HomeTools`), served from a thread for the trainer's life; call
         ``(this rank, key, k)`` runs on the ``k``-th sample's tools of the episodes registered under ``key``
         (:meth:`episodes_ahead`, :meth:`start_step_episodes`)."""
-        from trl_nrollout.rollout.home_tools import HomeTools
-        from trl_nrollout.rollout.tool_episodes import call_tools
+        from trl_nrollout.rollout.episodes.home_tools import HomeTools
+        from trl_nrollout.rollout.episodes.tools import call_tools
 
         registry = self.env_registry = {}
         reset_env = self.calls.reset_env
@@ -221,7 +221,7 @@ class RolloutRankPlacement:
         its tools) runs on a rollout rank as part of a job, the next ``rollout_lookahead`` steps' jobs written ahead
         as for single-turn samples. Returns the batch and its :class:`~trl_nrollout.trainer.multiturn.Episode`
         (tool masks, messages, counts) as the colocated loop gives them."""
-        from trl_nrollout.rollout.tool_episodes import AgentStats
+        from trl_nrollout.rollout.episodes.tools import AgentStats
         from trl_nrollout.trainer.multiturn import Episode
 
         batch, extras = self.engines.run_job_episodes(
@@ -420,7 +420,7 @@ class RolloutRankWorker:
 
     def _build_engine(self, settings: dict):
         """This rollout rank's engine, from the trainers' start message ``settings``."""
-        from trl_nrollout.rollout.build import build_engine, rollout_rank_settings
+        from trl_nrollout.rollout.engines.build import build_engine, rollout_rank_settings
 
         roles = self.bridge.roles
         return build_engine(rollout_rank_settings(
@@ -475,6 +475,6 @@ def rank_worker(args: tuple, kwargs: dict) -> RolloutRankWorker | None:
 
 
 def _is_cpu() -> bool:
-    from trl_nrollout.rollout.platform import is_cpu_platform
+    from trl_nrollout.rollout.engines.platform import is_cpu_platform
 
     return is_cpu_platform()

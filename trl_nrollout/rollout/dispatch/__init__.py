@@ -1,5 +1,5 @@
 """How work reaches the engines (``rollout_dispatch``): drivers over any engine of the protocol
-(:mod:`trl_nrollout.rollout.engine_protocol`), one module per choice.
+(:mod:`trl_nrollout.rollout.engines.protocol`), one module per choice.
 
 - :mod:`~trl_nrollout.rollout.dispatch.queue`: the job's groups as one queue (:class:`GroupQueue`), its counters,
   the pull loop (:func:`run_pulled`) and :class:`PullStats`;
@@ -25,5 +25,5 @@ def require(engine: object, *capabilities: str, what: str) -> None:
     have = getattr(engine, "capabilities", frozenset())
     missing = [c for c in capabilities if c not in have]
     if missing:
-        raise TypeError(f"{what} needs an engine with {missing} (rollout/engine_protocol.py); "
+        raise TypeError(f"{what} needs an engine with {missing} (rollout/engines/protocol.py); "
                         f"{type(engine).__name__} has {sorted(have)}: use rollout_backend='vllm'.")

@@ -5,9 +5,9 @@ while it has room, each group's samples sent home to the rank that owns its prom
 each falls back to its share's driver (:mod:`~trl_nrollout.rollout.dispatch.shares`), which is the same thing.
 
 Besides the drivers, the job's queue and the way home that other drivers use (the live agents' pool,
-:mod:`trl_nrollout.rollout.pool`; endpoint agents, :mod:`trl_nrollout.rollout.agent_runs`): :func:`job_queue`,
+:mod:`trl_nrollout.rollout.partial.pool`; endpoint agents, :mod:`trl_nrollout.rollout.dispatch.agent_runs`): :func:`job_queue`,
 :func:`drop_job_queue`, :func:`job_counter`, :func:`send_home`. Everything here is collective over every rank of
-the job and uses only what :mod:`trl_nrollout.rollout.engine_protocol` names (the job-wide members: ``gather_job``,
+the job and uses only what :mod:`trl_nrollout.rollout.engines.protocol` names (the job-wide members: ``gather_job``,
 ``exchange_job``, ``job_store``, ``job_key``, ``generate_hook``).
 """
 
@@ -21,6 +21,12 @@ from dataclasses import replace
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.rollout.dispatch import require
+from trl_nrollout.rollout.dispatch.partial_queue import (
+    home_seed_slots,
+    partial_result,
+    queue_order,
+    run_partial_pulled,
+)
 from trl_nrollout.rollout.dispatch.queue import GroupQueue, PullStats, run_pulled
 from trl_nrollout.rollout.dispatch.shares import (
     own_seed_base,
@@ -29,17 +35,11 @@ from trl_nrollout.rollout.dispatch.shares import (
     run_partial_agents,
     start_pool,
 )
-from trl_nrollout.rollout.engine_protocol import ABORT, BALANCED, REQUESTS
-from trl_nrollout.rollout.partial import InFlightGroup, PartialRun
-from trl_nrollout.rollout.partial_queue import (
-    home_seed_slots,
-    partial_result,
-    queue_order,
-    run_partial_pulled,
-)
+from trl_nrollout.rollout.engines.protocol import ABORT, BALANCED, REQUESTS
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialRun
+from trl_nrollout.rollout.episodes.tools import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.seeds import engine_seed, prompt_seed
 from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
-from trl_nrollout.rollout.tool_episodes import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions, whole_groups
 
 
@@ -195,12 +195,12 @@ def run_agents_balanced(engine, sample_prompts: list[list[int]], n: int, samplin
 def run_partial_balanced(engine, groups: list[InFlightGroup], target: int, sampling: SamplingOptions,
                          version: int, homes: list[int]) -> PartialRun:
     """:func:`~trl_nrollout.rollout.dispatch.shares.run_partial` on the job's pool with ``rollout_dispatch=
-    "balanced"`` (:mod:`trl_nrollout.rollout.partial_queue`): ``groups`` is the job's pool (the same on every rank:
+    "balanced"`` (:mod:`trl_nrollout.rollout.dispatch.partial_queue`): ``groups`` is the job's pool (the same on every rank:
     groups in flight from earlier steps and every rank's new ones), ``homes[i]`` the engine of the rank that drew
     group ``i``'s prompt. Its unfinished groups form one queue every engine pulls from while it has room; once
     ``target`` groups of the job have finished, every engine stops and aborts the rest, their tokens kept. Seeds
     (``seed_mode="sample"``): each request as ``run_partial`` seeds it on the group's home engine
-    (:func:`~trl_nrollout.rollout.partial_queue.home_seed_slots`), whichever engine runs it. Collective over every
+    (:func:`~trl_nrollout.rollout.dispatch.partial_queue.home_seed_slots`), whichever engine runs it. Collective over every
     rank. Returns the job's pool updated and its finish order (the same on every rank), with this engine's counts
     and the pool indices it ran (``engine_groups``)."""
     if not engine.balances_job:  # one engine (or one process): its pool is the job's
@@ -246,9 +246,9 @@ def run_partial_agents_balanced(engine, groups: list[InFlightGroup], target: int
                                 quota: tuple[list[int], dict[int, int]] | None = None
                                 ) -> tuple[PartialRun, AgentStats]:
     """:func:`run_partial_balanced` for tool-calling episodes: the job's pool (the same on every rank) of
-    :class:`~trl_nrollout.rollout.partial_tool_episodes.AgentPartialSample` groups is one queue; each engine pulls groups
+    :class:`~trl_nrollout.rollout.episodes.partial_tools.AgentPartialSample` groups is one queue; each engine pulls groups
     while it has room and runs their episodes turn after turn as requests
-    (:func:`~trl_nrollout.rollout.partial_tool_episodes.run_partial_agents`), their tools on its first rank (``tools=`` are
+    (:func:`~trl_nrollout.rollout.episodes.partial_tools.run_partial_agents`), their tools on its first rank (``tools=`` are
     the same functions on every rank); once ``target`` groups of the job have finished every engine stops, aborts its
     running turns (tokens kept) and waits for its running tools. Every engine's groups then reach every rank (one
     gather over the job), so each rank holds the job's pool updated, episodes, tool masks, log-probs and versions
@@ -261,7 +261,7 @@ def run_partial_agents_balanced(engine, groups: list[InFlightGroup], target: int
     rank trains (environments: a group trains where its environments live); the engines then stop once every rank
     has its count finished, in place of ``target``. Returns the job's :class:`PartialRun` (``engine_groups``: the
     pool indices this engine ran) and this engine's :class:`AgentStats`."""
-    from trl_nrollout.rollout.partial_tool_episodes import run_partial_agents as run_partial_agents_loop
+    from trl_nrollout.rollout.episodes.partial_tools import run_partial_agents as run_partial_agents_loop
 
     leader = _leader(engine)
     if not engine.balances_job:  # one engine: its pool is the job's

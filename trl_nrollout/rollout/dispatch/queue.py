@@ -93,7 +93,7 @@ class PullStats:
 def run_pulled(loop, queue, add_group: Callable[[int], str], n: int, capacity: int,
                share: Callable[[Callable[[], list[int]]], list[int]] | None = None,
                outstanding: Callable[[], int] | None = None) -> tuple[dict[int, str], PullStats]:
-    """Run ``loop`` (an :class:`~trl_nrollout.rollout.requests.EngineLoop`) on groups pulled from ``queue`` until
+    """Run ``loop`` (an :class:`~trl_nrollout.rollout.engines.requests.EngineLoop`) on groups pulled from ``queue`` until
     the queue is drained and every pulled group has finished.
 
     Before each engine step, while the engine holds fewer than ``capacity + n`` unfinished samples

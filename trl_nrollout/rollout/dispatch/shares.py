@@ -1,6 +1,6 @@
 """Fixed shares (``rollout_dispatch="shares"``, the default): each engine runs the groups of its own ranks (a TP
 group's ranks pool their prompts), as drivers over any engine with a request loop (``REQUESTS``; partial rollouts
-also ``ABORT``). Single-turn shares are the engine's own :meth:`~trl_nrollout.rollout.engine_protocol.RolloutEngine.
+also ``ABORT``). Single-turn shares are the engine's own :meth:`~trl_nrollout.rollout.engines.protocol.RolloutEngine.
 generate_expanded`; here the episodes that run request by request:
 
 - :func:`run_agents`: TRL tool episodes without a turn barrier;
@@ -8,7 +8,7 @@ generate_expanded`; here the episodes that run request by request:
 - :func:`run_partial_agents`: the same for tool episodes.
 
 Every function is collective over the engine's TP group (every rank calls it with the same pool / its own prompts)
-and uses only what :mod:`trl_nrollout.rollout.engine_protocol` names: ``request_loop``, ``request_prompt``,
+and uses only what :mod:`trl_nrollout.rollout.engines.protocol` names: ``request_loop``, ``request_prompt``,
 ``sampling_params``, ``ready``, ``engine_rng``, ``barrier_before_generate``, ``gather_tp``, ``check_prompt_length``,
 ``seed_mode``, ``rank``, ``tp_ranks``, ``engine_index``.
 """
@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from trl_nrollout.rollout.dispatch import require
-from trl_nrollout.rollout.engine_protocol import ABORT, REQUESTS
-from trl_nrollout.rollout.partial import InFlightGroup, PartialRun
-from trl_nrollout.rollout.partial import run_partial as run_partial_loop
+from trl_nrollout.rollout.engines.protocol import ABORT, REQUESTS
+from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialRun
+from trl_nrollout.rollout.episodes.in_flight import run_partial as run_partial_loop
+from trl_nrollout.rollout.episodes.tools import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.seeds import SEED_BITS, engine_seed, prompt_seed
 from trl_nrollout.rollout.seeds import turn_seed as own_turn_seed
-from trl_nrollout.rollout.tool_episodes import AgentCallbacks, AgentSample, AgentStats, run_agent_requests
 from trl_nrollout.rollout.types import SamplingOptions, whole_groups
 
 
@@ -45,7 +45,7 @@ def run_agents(engine, sample_prompts: list[list[int]], n: int, sampling: Sampli
                turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int,
                sample_offset: int | None = None, images=None) -> tuple[list[AgentSample], list[int], AgentStats]:
     """Multi-turn episodes of this rank's samples (TRL's form: prompts repeated ``n`` times) without a turn
-    barrier (:func:`~trl_nrollout.rollout.tool_episodes.run_agent_requests`) on ``engine``: a sample whose turn calls
+    barrier (:func:`~trl_nrollout.rollout.episodes.tools.run_agent_requests`) on ``engine``: a sample whose turn calls
     tools leaves the engine while they run (``workers`` threads) and re-enters with their results; the others keep
     generating. Collective over the TP group. Returns this rank's samples in order, their groups' indices and the
     engine's :class:`AgentStats`. ``images``: the prompts' encoding (``passes.multimodal.EncodedPrompts``: the
@@ -120,7 +120,7 @@ def start_pool(engine, groups: list[InFlightGroup], sampling: SamplingOptions) -
 
 def run_partial(engine, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int
                 ) -> PartialRun:
-    """One step of a partial rollout on this rank's engine (see :mod:`trl_nrollout.rollout.partial`): run the pool
+    """One step of a partial rollout on this rank's engine (see :mod:`trl_nrollout.rollout.episodes.in_flight`): run the pool
     ``groups`` (the same on every rank of the TP group) until ``target`` of them have finished, stop the others
     with their tokens kept; new tokens are tagged ``version``. Seeds: with a seed and ``seed_mode="sample"``,
     request ``r`` of the call gets a seed from the call's seed, the engine's index and its place (a sample
@@ -143,11 +143,11 @@ def run_partial(engine, groups: list[InFlightGroup], target: int, sampling: Samp
 def run_partial_agents(engine, groups: list[InFlightGroup], target: int, sampling: SamplingOptions, version: int,
                        agent: AgentCallbacks, workers: int, owns: Callable[[InFlightGroup], bool],
                        done: Callable[[list[int]], bool] | None = None) -> tuple[PartialRun, AgentStats]:
-    """:func:`run_partial` for tool-calling episodes (:mod:`trl_nrollout.rollout.partial_tool_episodes`): the pool's
+    """:func:`run_partial` for tool-calling episodes (:mod:`trl_nrollout.rollout.episodes.partial_tools`): the pool's
     samples run turn after turn as requests, a group's tools on the rank ``owns`` names, until ``target`` groups
     have finished (or ``done(finish_order)`` says enough did). Seeds as :func:`run_partial`'s; at TP > 1 every
     request gets a seed (:func:`own_seed_base`)."""
-    from trl_nrollout.rollout.partial_tool_episodes import run_partial_agents as run_partial_agents_loop
+    from trl_nrollout.rollout.episodes.partial_tools import run_partial_agents as run_partial_agents_loop
 
     require(engine, REQUESTS, ABORT, what="run_partial_agents (rollout_partial=True with tool episodes)")
     start_pool(engine, groups, sampling)
