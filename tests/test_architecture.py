@@ -7,7 +7,13 @@ functions (a lazy import is still a dependency: a cycle hidden in a function is 
 Mutations tried: ``from trl_nrollout.trainer.stages import Round`` inside a function of ``passes/critic.py`` (an
 upward import: the layering test fails naming the line); ``from trl_nrollout.config.options import
 NRolloutConfig`` inside a function of ``config/trl_options.py`` (a cycle options -> trl_options -> options: the
-cycle test fails naming both edges); a line of the layer table removed from the doc (the table test fails)."""
+cycle test fails naming both edges); a line of the layer table removed from the doc (the table test fails);
+``from trl_nrollout.rollout.dispatch.shares import run_agents`` inside a function of ``rollout/engines/build.py``
+(an engine importing a driver: the layering test fails naming ``rollout.engines`` -> ``rollout.dispatch``).
+
+The ``rollout`` subpackage is divided: rows ``rollout.engines``, ``rollout.episodes``, ... of the table are parts
+of their own (``part``), so an import from one of its folders into a folder above it fails as an import from one
+top-level part into another does."""
 
 from __future__ import annotations
 
@@ -199,6 +205,9 @@ def test_no_module_over_the_limit():
 
 @pytest.mark.parametrize("source, target, kind", [
     ("trl_nrollout.passes.critic", "trl_nrollout.trainer.stages", "upward"),
+    ("trl_nrollout.rollout.engines.vllm_group", "trl_nrollout.rollout.dispatch.shares", "upward"),
+    ("trl_nrollout.rollout.episodes.tools", "trl_nrollout.rollout.partial.pool", "upward"),
+    ("trl_nrollout.rollout.dispatch.balanced", "trl_nrollout.rollout", "upward"),
     ("trl_nrollout.config.trl_options", "trl_nrollout.config.options", "cycle"),
 ])
 def test_the_checks_see_a_lazy_upward_import_and_a_lazy_cycle(source, target, kind, tmp_path):
