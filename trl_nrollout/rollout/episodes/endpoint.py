@@ -232,14 +232,15 @@ class AgentEndpoint:
         token is generated twice; each keeps the log-prob of the policy that drew it, which the decoupled loss
         corrects); a queued request of a closed episode is answered with an error. Returns counts: ``engine_steps``,
         ``requests``, ``idle_s`` (the engine had nothing to run), ``carried`` (requests queued again),
-        ``kept_tokens`` (their tokens, continued rather than drawn again)."""
+        ``kept_tokens`` (with ``carry``: their tokens, continued rather than drawn again)."""
         from vllm.inputs import TokensPrompt
 
         if carry and not engine_loop.stream:
             raise ValueError("serve(carry=True) continues an aborted request from the tokens it drew, which only a "
                              "streaming loop reports: pass engine.request_loop(stream=True).")
         running: dict[str, PendingCall | None] = {}  # request id -> this rank's call (None: another rank's)
-        stats = {"engine_steps": 0.0, "requests": 0.0, "idle_s": 0.0, "carried": 0.0, "kept_tokens": 0.0}
+        stats = {"engine_steps": 0.0, "requests": 0.0, "idle_s": 0.0, "carried": 0.0,
+                 **({"kept_tokens": 0.0} if carry else {})}
 
         def take(block: bool) -> list[PendingCall]:
             calls = []
