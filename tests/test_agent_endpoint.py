@@ -266,3 +266,18 @@ def test_a_request_carried_past_a_step_continues_with_its_tokens(served):
     assert len(kept) < len(call.completion_ids) <= 24 and call.prompt_ids == uninterrupted.prompt_ids
     assert "404" in str(out["closed"]) or "episode_closed" in str(out["closed"])
     endpoint.open([], None)
+
+
+@pytest.mark.fast
+def test_a_continued_calls_seed_moves_and_a_call_with_stop_strings_keeps_nothing():
+    """A carried call continues from its prompt and kept tokens with the tokens left and its seed moved by the kept
+    count (the continuation does not replay the first draws' random stream); a call with stop strings is not
+    continued (a stop string could straddle the cut), so it runs again whole. Mutation tried: the seed left as it
+    was -> the first assertion fails."""
+    from trl_nrollout.rollout.episodes.endpoint import PendingCall
+
+    call = PendingCall("k", [1, 2, 3], 10, [], 7, kept_ids=[4, 5], kept_logprobs=[-0.1, -0.2])
+    assert call.continuation() == ([1, 2, 3, 4, 5], 8, [], 9)
+    fresh = PendingCall("k", [1, 2, 3], 10, ["\n"], 7)
+    assert fresh.continuation() == ([1, 2, 3], 10, ["\n"], 7)
+    assert PendingCall("k", [1], 4, [], None, kept_ids=[2]).continuation() == ([1, 2], 3, [], None)

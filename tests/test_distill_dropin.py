@@ -237,3 +237,18 @@ def test_the_student_samples_on_our_engine_which_follows_every_step(tmp_path):
     steps = [h for h in lora["history"] if "loss" in h]
     assert steps[1]["weight_sync/mb"] == pytest.approx(lora["adapter_bytes"] / 2**20)
     assert lora["adapter_bytes"] < lora["model_bytes"] / 10
+
+
+@pytest.mark.fast
+def test_tools_with_an_engine_context_below_the_models_are_refused(tmp_path):
+    """TRL's tool loop keeps a tool result that fits the model's context, not the engine's: with tools and a smaller
+    ``rollout_max_model_len`` a conversation could outgrow the engine mid-training, so the drop-in refuses it with
+    the fix; without tools, or at the model's context, it runs. Mutation tried: the rule removed -> no refusal."""
+    from trl_nrollout.trainer.distillation import engine_refusal
+
+    args = cfg(tmp_path, rollout_backend="vllm", rollout_max_model_len=256)
+    why = engine_refusal(args, is_vlm=False, tools=True, context=1024)
+    assert why is not None and "rollout_max_model_len=256" in why and "(1024 tokens)" in why and "set it to 1024" in why
+    assert engine_refusal(args, is_vlm=False, tools=False, context=1024) is None
+    assert engine_refusal(cfg(tmp_path, rollout_backend="vllm", rollout_max_model_len=1024), is_vlm=False, tools=True,
+                          context=1024) is None

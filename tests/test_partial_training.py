@@ -76,10 +76,12 @@ def test_partial_rollouts_train_and_resume_with_samples_in_flight(mode, tmp_path
         assert sum(h["dynamic_sampling/rounds"] for h in full["steps"]) > 0  # extra rounds ran after aborts
     if mode == "ddp_balanced":  # which of the job's groups finish first across two engines depends on timing: the
         # resumed run continues the saved job pool (every rank's copy) but need not train the same groups; what does
-        # not depend on it is compared: the scheduler's rate, the pool's size after each step, and that steps 3-4
-        # train samples begun under older weights (at step 3: the checkpoint's samples in flight)
-        assert_resumed(full, resumed, checkpoint, keys=("learning_rate", "partial/pool_groups",
-                                                        "partial/staleness_max"))
+        # not depend on it is compared: the scheduler's rate, the pool's size after each step, and that step 3 trains
+        # samples begun under older weights (the checkpoint's samples in flight). Step 4's staleness depends on which
+        # groups step 3 took (a full run gave 1 where its resumed run gave 0 once), so it is not compared.
+        assert_resumed(full, resumed, checkpoint, keys=("learning_rate", "partial/pool_groups"))
+        third = [next(h for h in run["steps"] if h["step"] == 3) for run in (full, resumed)]
+        assert [h["partial/staleness_max"] for h in third] == [1.0, 1.0], third
         _check_partial_run({"steps": full["steps"][:2] + resumed["steps"][-2:]})
         assert all(_pool(tmp_path / "resumed" / "checkpoint-4", r) == _pool(tmp_path / "resumed" / "checkpoint-4")
                    for r in range(2))

@@ -40,15 +40,15 @@ class StudentSampler:
 
     Collaborators: the ``engine`` (a :class:`~trl_nrollout.rollout.engines.protocol.RolloutEngine`), the engine set-up
     ``setup`` (its weight sync), the ``metrics`` sink, the run ``seed``, the call's ``sampling`` options without a
-    seed (TRL's temperature, top-p/k, min-p, repetition penalty, stop tokens, ``generation_kwargs``), this rank's
-    ``rank`` and ``stride`` (the most prompts a rank samples in one call: seeds of different ranks never meet).
+    seed (TRL's temperature, top-p/k, min-p, repetition penalty, stop tokens, ``generation_kwargs``) and this rank's
+    ``rank`` (its samples' seeds start at ``rank x`` the call's prompts: accelerate gives every rank as many).
     ``calls`` counts the engine calls per mode and ``last`` is the last call's batch (its sampled tokens'
     log-probs: the tests compare them with the student's)."""
 
     def __init__(self, engine: RolloutEngine, setup: EngineSetup, metrics: Metrics, *, seed: int,
-                 sampling: SamplingOptions, rank: int, stride: int) -> None:
+                 sampling: SamplingOptions, rank: int) -> None:
         self.engine, self.setup, self.metrics = engine, setup, metrics
-        self.seed, self.sampling, self.rank, self.stride = seed, sampling, rank, max(1, stride)
+        self.seed, self.sampling, self.rank = seed, sampling, rank
         self.calls: Counter[str] = Counter()
         self._rounds: Counter[tuple[str, int]] = Counter()
         self.last: RolloutBatch | None = None
@@ -68,8 +68,9 @@ class StudentSampler:
             sampling = replace(sampling, max_tokens=max(1, min(sampling.max_tokens, limit - longest)))
         self.engine.check_prompt_length(longest, sampling.max_tokens)
         start = time.perf_counter()
+        # seeds from this rank's place: the same on every rank of a TP engine, whose ranks get equal batches
         batch = self.engine.generate_expanded([list(p) for p in prompt_ids], 1, sampling,
-                                              sample_offset=self.rank * self.stride)
+                                              sample_offset=self.rank * len(prompt_ids))
         self.engine.sleep()  # the teacher and student forwards run without the engine's KV cache (sleep mode)
         seconds = time.perf_counter() - start
         self.calls[mode] += 1
@@ -126,7 +127,8 @@ class NRolloutDistillationTrainer(DistillationTrainer):
             if args.rollout_backend == "auto":
                 self.engine_setup.note_unused_vllm_settings("vLLM is not installed")
             return  # TRL's generate samples
-        if (why := engine_refusal(args, is_vlm=self._is_vlm, tools=bool(self.tools))) is not None:
+        context = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
+        if (why := engine_refusal(args, is_vlm=self._is_vlm, tools=bool(self.tools), context=context)) is not None:
             raise UnsupportedTRLOption(why)
         self.engine_setup.check_prompt_tokens()  # before the engine starts
         engine = self.engine_setup.start(args.rollout_backend)
@@ -137,8 +139,7 @@ class NRolloutDistillationTrainer(DistillationTrainer):
         self.engine_setup.synced_step = 0  # the start pushed the student's weights
         self.student_sampler = StudentSampler(
             engine, self.engine_setup, Metrics(self._metrics), seed=args.seed, sampling=self._sampling(),
-            rank=self.accelerator.process_index,
-            stride=args.per_device_train_batch_size * max(args.gradient_accumulation_steps, 1))
+            rank=self.accelerator.process_index)
 
     @property
     def rollout_engine(self) -> RolloutEngine | None:
@@ -166,10 +167,12 @@ class NRolloutDistillationTrainer(DistillationTrainer):
             self.student_sampler.close()
 
 
-def engine_refusal(args: NRolloutDistillationConfig, *, is_vlm: bool, tools: bool) -> str | None:
+def engine_refusal(args: NRolloutDistillationConfig, *, is_vlm: bool, tools: bool, context: int | None = None
+                   ) -> str | None:
     """Why our engine cannot sample for this run (None: it can): images (TRL's processor tensors are not passed to
-    our engine here) and tools with tensor-parallel engines (TRL's tool loop calls generation only on the ranks
-    whose samples called a tool, while a TP group generates together)."""
+    our engine here), tools with tensor-parallel engines (TRL's tool loop calls generation only on the ranks
+    whose samples called a tool, while a TP group generates together), and tools with an engine context below the
+    model's ``context`` (TRL's tool loop drops a result that does not fit the model's context, not the engine's)."""
     if is_vlm:
         return ("a vision-language student (a processor as processing_class) is not sampled on our engine by "
                 "NRolloutDistillationTrainer yet; set rollout_backend='hf' (TRL's generate), or use "
@@ -178,6 +181,12 @@ def engine_refusal(args: NRolloutDistillationConfig, *, is_vlm: bool, tools: boo
         return (f"tools= with rollout_tp_size={args.rollout_tp_size}: TRL's tool loop generates a turn only on the "
                 "ranks whose samples called a tool, while every rank of a tensor-parallel engine must take part in "
                 "its calls; use rollout_tp_size=1 with tools (one engine per rank), or rollout_backend='hf'.")
+    limit = args.rollout_max_model_len
+    if tools and limit is not None and context is not None and limit < context:
+        return (f"tools= with rollout_max_model_len={limit}, below the model's context ({context} tokens): TRL's "
+                "tool loop keeps a tool result that fits the model's context, so a conversation could outgrow the "
+                "engine's and fail mid-training; leave rollout_max_model_len unset (the engine takes the model's "
+                f"context) or set it to {context}.")
     return None
 
 

@@ -66,8 +66,10 @@ class PendingCall:
     strings, the sample's ``seed``, its own ``sampling`` (a ``SamplingOptions``: a ``rollout_func``'s call, run
     group by group; None: the trainer's); ``future`` gets ``(completion_ids, logprobs, finish_reason)`` or an
     exception. ``kept_ids`` / ``kept_logprobs`` ``[K]``: the tokens the call drew before a step ended and the engine
-    aborted it (partial rollouts); it continues from ``prompt_ids + kept_ids`` on the next step's weights, and its
-    answer is the kept tokens then the new ones, each with the log-prob of the policy that drew it."""
+    aborted it (partial rollouts); it continues from ``prompt_ids + kept_ids`` on the next step's weights (its seed
+    moved by ``K``, so the continuation does not replay the first draws' random stream), and its answer is the kept
+    tokens then the new ones, each with the log-prob of the policy that drew it. A call with ``stop`` strings keeps
+    nothing and runs again from its start: a stop string split across the cut would not be seen."""
 
     key: str
     prompt_ids: list[int]
@@ -79,9 +81,11 @@ class PendingCall:
     kept_ids: list[int] = field(default_factory=list)
     kept_logprobs: list[float] = field(default_factory=list)
 
-    def continuation(self) -> tuple[list[int], int]:
-        """What the engine runs now: the prompt with the kept tokens, and the tokens left of ``max_tokens``."""
-        return self.prompt_ids + self.kept_ids, self.max_tokens - len(self.kept_ids)
+    def continuation(self) -> tuple[list[int], int, list[str], int | None]:
+        """What the engine runs now: the prompt with the kept tokens, the tokens left of ``max_tokens``, the stop
+        strings and the seed (moved by the kept tokens' count)."""
+        seed = self.seed if self.seed is None or not self.kept_ids else self.seed + len(self.kept_ids)
+        return self.prompt_ids + self.kept_ids, self.max_tokens - len(self.kept_ids), self.stop, seed
 
 
 @dataclass
@@ -274,7 +278,7 @@ class AgentEndpoint:
                 for c in [c for c in mine if c.kept_ids and c.continuation()[1] <= 0]:  # cut on its last token
                     c.future.set_result((list(c.kept_ids), list(c.kept_logprobs), "length"))
                 mine = [c for c in mine if not c.future.done()]
-                specs = [(*c.continuation(), c.stop, c.seed, c.sampling) for c in mine]
+                specs = [(*c.continuation(), c.sampling) for c in mine]
                 finished = done() and not mine
                 everyone = [(specs, finished)] if exchange is None else exchange((specs, finished))
                 for k, (rank_specs, _) in enumerate(everyone):
@@ -295,7 +299,7 @@ class AgentEndpoint:
             if carry:  # the episodes go on: their running requests continue at the next serve, tokens kept
                 for rid, call in running.items():
                     if call is not None and not call.future.done():
-                        if rid in aborted:
+                        if rid in aborted and not call.stop:  # (a stop string could straddle the cut)
                             progress = engine_loop.samples[(rid, aborted[rid])]
                             call.kept_ids = call.kept_ids + list(progress.token_ids)
                             call.kept_logprobs = call.kept_logprobs + list(progress.logprobs)

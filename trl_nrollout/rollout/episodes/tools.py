@@ -241,7 +241,7 @@ def run_tool_turns(
             if not sample.may_call(max_iterations):
                 continue
             tool_messages, failed = run_tools(i, sample.messages[-1]["tool_calls"])
-            images = message_images(tool_messages) if media is not None else []
+            images = message_images(tool_messages) if media is not None else None  # None: image blocks refused
             context = sample.add_tool_results(tool_messages, failed, suffix_ids(tool_messages), max_completion_length,
                                               max_model_len, images,
                                               media.engine_suffix(tool_messages) if images else None)
