@@ -252,3 +252,17 @@ def test_tools_with_an_engine_context_below_the_models_are_refused(tmp_path):
     assert engine_refusal(args, is_vlm=False, tools=False, context=1024) is None
     assert engine_refusal(cfg(tmp_path, rollout_backend="vllm", rollout_max_model_len=1024), is_vlm=False, tools=True,
                           context=1024) is None
+
+
+@pytest.mark.fast
+def test_the_engine_options_follow_grpos_rules(tmp_path):
+    """The engine options the two configs share are checked by one function (config/checks.py
+    ``check_engine_options``): a LoRA sync device with a fixed sync mode, a bad bucket size, a zero sequence cap are
+    refused here as NRolloutConfig refuses them. Mutation tried: the call removed from the distillation config -> the
+    device is accepted silently."""
+    with pytest.raises(InputError, match=r"rollout_lora_sync_device='h100' prices rollout_lora_sync='auto'"):
+        cfg(tmp_path, rollout_backend="vllm", rollout_lora_sync="merged", rollout_lora_sync_device="h100")
+    with pytest.raises(InputError, match=r"weight_sync_bucket_mb=0 must be a whole number of MiB >= 1"):
+        cfg(tmp_path, rollout_backend="vllm", weight_sync_bucket_mb=0)
+    with pytest.raises(InputError, match=r"rollout_max_num_seqs=0 must be >= 1"):
+        cfg(tmp_path, rollout_backend="vllm", rollout_max_num_seqs=0)

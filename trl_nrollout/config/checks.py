@@ -357,37 +357,12 @@ class ConfigChecks:
                              "rollout_multi_turn='requests' too, or remove tool_workers.")
         if self.rollout_multi_turn == "requests" and self.rollout_backend == "hf":
             raise InputError(machine_refusal("rollout_multi_turn='requests'", "rollout_multi_turn='turns'"))
-        if self.rollout_lora_sync not in LORA_SYNC_MODES:
-            raise InputError(f"rollout_lora_sync={self.rollout_lora_sync!r} must be one of {list(LORA_SYNC_MODES)} "
-                             "('merged': full weights with the adapter merged in; 'adapter': the engines serve the "
-                             "adapter, only it travels; 'auto': the cheaper step, priced).")
-        if self.rollout_lora_sync_device is not None:
-            from trl_nrollout.plan.devices import load_profile
-
-            if self.rollout_lora_sync != "auto":
-                raise InputError(f"rollout_lora_sync_device={self.rollout_lora_sync_device!r} prices "
-                                 f"rollout_lora_sync='auto', but rollout_lora_sync={self.rollout_lora_sync!r} is fixed: "
-                                 "remove rollout_lora_sync_device, or set rollout_lora_sync='auto'.")
-            try:
-                load_profile(self.rollout_lora_sync_device)
-            except ValueError as err:
-                raise InputError(f"rollout_lora_sync_device={self.rollout_lora_sync_device!r}: {err}") from None
-        if self.rollout_lora_sync != "auto" and self.rollout_backend == "hf":
-            raise InputError(f"rollout_lora_sync={self.rollout_lora_sync!r} configures the vLLM engines' weight sync; "
-                             "rollout_backend='hf' generates with the PEFT model itself and syncs nothing. Remove "
-                             "rollout_lora_sync, or set rollout_backend='vllm'.")
+        check_engine_options(self)
         if self.rollout_dispatch not in DISPATCH_MODES:
             raise InputError(f"rollout_dispatch={self.rollout_dispatch!r} must be one of {list(DISPATCH_MODES)} "
                              "('shares': each engine its own ranks' prompts; 'balanced': engines pull from one queue).")
         if self.rollout_dispatch == "balanced" and self.rollout_backend == "hf":
             raise InputError(machine_refusal("rollout_dispatch='balanced'", "rollout_dispatch='shares'"))
-        if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
-            raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
-                             "samples, capped at 1024).")
-        bucket = self.weight_sync_bucket_mb
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-            raise InputError(f"weight_sync_bucket_mb={bucket!r} must be a whole number of MiB >= 1 (the most weights "
-                             "gathered and sent at once in a weight sync); e.g. 256, the default.")
         self._check_is_thresholds()
         if (why := cpu_trainer_cuda_engine_refusal(self.use_cpu, self.rollout_backend)) is not None:
             raise InputError(why)
@@ -404,6 +379,39 @@ class ConfigChecks:
         if self.rollout_is is not None and self.rollout_is_mode == "truncate" and upper is None and lower is None:
             raise InputError("rollout_is_mode='truncate' needs rollout_is_threshold or rollout_is_threshold_lower; set "
                              "rollout_is_threshold=2.0.")
+
+
+def check_engine_options(config) -> None:
+    """The rules of the engine options :class:`~trl_nrollout.config.options.NRolloutConfig` and
+    :class:`~trl_nrollout.config.distillation.NRolloutDistillationConfig` share: ``rollout_lora_sync`` and its
+    ``rollout_lora_sync_device``, ``rollout_max_num_seqs``, ``weight_sync_bucket_mb``. Raises :class:`InputError`
+    naming the option, the value, the rule and the fix."""
+    if config.rollout_lora_sync not in LORA_SYNC_MODES:
+        raise InputError(f"rollout_lora_sync={config.rollout_lora_sync!r} must be one of {list(LORA_SYNC_MODES)} "
+                         "('merged': full weights with the adapter merged in; 'adapter': the engines serve the "
+                         "adapter, only it travels; 'auto': the cheaper step, priced).")
+    if config.rollout_lora_sync_device is not None:
+        from trl_nrollout.plan.devices import load_profile
+
+        if config.rollout_lora_sync != "auto":
+            raise InputError(f"rollout_lora_sync_device={config.rollout_lora_sync_device!r} prices "
+                             f"rollout_lora_sync='auto', but rollout_lora_sync={config.rollout_lora_sync!r} is fixed: "
+                             "remove rollout_lora_sync_device, or set rollout_lora_sync='auto'.")
+        try:
+            load_profile(config.rollout_lora_sync_device)
+        except ValueError as err:
+            raise InputError(f"rollout_lora_sync_device={config.rollout_lora_sync_device!r}: {err}") from None
+    if config.rollout_lora_sync != "auto" and config.rollout_backend == "hf":
+        raise InputError(f"rollout_lora_sync={config.rollout_lora_sync!r} configures the vLLM engines' weight sync; "
+                         "rollout_backend='hf' generates with the PEFT model itself and syncs nothing. Remove "
+                         "rollout_lora_sync, or set rollout_backend='vllm'.")
+    if config.rollout_max_num_seqs is not None and config.rollout_max_num_seqs < 1:
+        raise InputError(f"rollout_max_num_seqs={config.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
+                         "samples, capped at 1024).")
+    bucket = config.weight_sync_bucket_mb
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise InputError(f"weight_sync_bucket_mb={bucket!r} must be a whole number of MiB >= 1 (the most weights "
+                         "gathered and sent at once in a weight sync); e.g. 256, the default.")
 
 
 def cpu_trainer_cuda_engine_refusal(use_cpu: bool, backend: str) -> str | None:

@@ -15,12 +15,12 @@ from typing import Any
 
 from trl import DistillationConfig
 
+from trl_nrollout.config.checks import check_engine_options
 from trl_nrollout.config.options import VLLM_ENGINE_OPTIONS, NRolloutConfig
 from trl_nrollout.config.trl_options import UnsupportedTRLOption, _same
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION
-from trl_nrollout.rollout.engines.weight_sync import LORA_SYNC_MODES
 from trl_nrollout.rollout.seeds import SEED_MODES
 
 _ANY = object()  # no neutral value: honored or mapped whatever its value
@@ -151,10 +151,10 @@ class NRolloutDistillationConfig(DistillationConfig):
 
     def _check_engine_options(self) -> None:
         """The engine options' rules (NRolloutConfig's, where they apply to one colocated engine group)."""
-        for name, allowed in (("rollout_backend", ["auto", "vllm", "hf"]), ("rollout_seed_mode", [None, *SEED_MODES]),
-                              ("rollout_lora_sync", list(LORA_SYNC_MODES))):
+        for name, allowed in (("rollout_backend", ["auto", "vllm", "hf"]), ("rollout_seed_mode", [None, *SEED_MODES])):
             if getattr(self, name) not in allowed:
                 raise InputError(f"{name}={getattr(self, name)!r} is not one of {allowed}; pick one of them.")
+        check_engine_options(self)  # rollout_lora_sync (and its device), rollout_max_num_seqs, weight_sync_bucket_mb
         if self.rollout_dispatch != "shares":
             raise UnsupportedTRLOption(
                 f"rollout_dispatch={self.rollout_dispatch!r} is not built for NRolloutDistillationTrainer: TRL's "
@@ -165,24 +165,16 @@ class NRolloutDistillationConfig(DistillationConfig):
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise InputError(f"rollout_tp_size={self.rollout_tp_size!r} must be a whole number >= 1 (ranks per "
                              "engine); e.g. 1.")
-        if self.rollout_max_num_seqs is not None and self.rollout_max_num_seqs < 1:
-            raise InputError(f"rollout_max_num_seqs={self.rollout_max_num_seqs} must be >= 1 (or None: the engine's "
-                             "samples, capped at 1024).")
-        bucket = self.weight_sync_bucket_mb
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-            raise InputError(f"weight_sync_bucket_mb={bucket!r} must be a whole number of MiB >= 1; e.g. 256.")
         if self.rollout_backend == "hf":
             unused = self.vllm_engine_settings()
             if unused:
                 raise InputError(f"rollout_backend='hf' generates with transformers (TRL's generate), which has no "
                                  f"use for {', '.join(unused)}: they configure the vLLM engines. Remove them, or "
                                  "set rollout_backend='vllm'.")
-            for name, value in (("rollout_lora_sync", self.rollout_lora_sync),
-                                ("rollout_seed_mode", self.rollout_seed_mode)):
-                if value not in ("auto", None, "engine"):
-                    raise InputError(f"{name}={value!r} configures the vLLM engines; rollout_backend='hf' generates "
-                                     f"with TRL's generate, which it cannot change. Remove {name}, or set "
-                                     "rollout_backend='vllm'.")
+            if self.rollout_seed_mode not in (None, "engine"):  # (rollout_lora_sync: check_engine_options)
+                raise InputError(f"rollout_seed_mode={self.rollout_seed_mode!r} configures the vLLM engines; "
+                                 "rollout_backend='hf' generates with TRL's generate, which it cannot change. Remove "
+                                 "rollout_seed_mode, or set rollout_backend='vllm'.")
 
     def rollout_layout(self, num_processes: int, nnodes: int = 1) -> RolloutLayout:
         """The engines' layout over ``num_processes`` trainers: ``processes / rollout_tp_size`` engines, one sample
