@@ -21,27 +21,33 @@ START, END = "<!-- trl-options:start", "<!-- trl-options:end -->"
 AXES_START, AXES_END = "<!-- rollout-refusals:start", "<!-- rollout-refusals:end -->"
 
 
+def between_markers(text: str, start: str, end: str, lines: list[str]) -> str:
+    """``text`` with the lines between the ``start`` marker's line and the ``end`` marker replaced by ``lines``."""
+    head, rest = text.split(start, 1)
+    marker_line, _, _ = rest.partition("\n")
+    _, tail = rest.split(end, 1)
+    return head + start + marker_line + "\n" + "\n".join(lines) + "\n" + end + tail
+
+
+def options_rows(first: str, table: list[tuple[str, str, str]]) -> list[str]:
+    """A Markdown table of (option, status, what) rows, headed ``first`` | here | what it does, or why refused."""
+    rows = [f"| {first} | here | what it does, or why refused |", "|---|---|---|"]
+    return rows + [f"| `{name}` | {status} | {what.replace('|', '/')} |" for name, status, what in table]
+
+
 def render_architecture(text: str) -> str:
     """``text`` (docs/architecture.md) with the rollout's refusal table between its markers replaced by the one
     :func:`trl_nrollout.rollout.axes.refusal_table` renders."""
     from trl_nrollout.rollout.axes import refusal_table
 
-    head, rest = text.split(AXES_START, 1)
-    marker_line, _, _ = rest.partition("\n")
-    _, tail = rest.split(AXES_END, 1)
-    return head + AXES_START + marker_line + "\n" + "\n".join(refusal_table()) + "\n" + AXES_END + tail
+    return between_markers(text, AXES_START, AXES_END, refusal_table())
 
 
 def render_migrating(text: str) -> str:
     """``text`` (docs/migrating.md) with the block between the markers replaced by the current table."""
     from trl_nrollout.config.trl_options import options_table
 
-    head, rest = text.split(START, 1)
-    marker_line, _, _ = rest.partition("\n")
-    _, tail = rest.split(END, 1)
-    rows = ["| TRL option | here | what it does, or why refused |", "|---|---|---|"]
-    rows += [f"| `{name}` | {status} | {what.replace('|', '/')} |" for name, status, what in options_table()]
-    return head + START + marker_line + "\n" + "\n".join(rows) + "\n" + END + tail
+    return between_markers(text, START, END, options_rows("TRL option", options_table()))
 
 
 def render_distillation(text: str) -> str:
@@ -49,12 +55,7 @@ def render_distillation(text: str) -> str:
     :func:`trl_nrollout.config.distillation.distill_options_table` gives."""
     from trl_nrollout.config.distillation import distill_options_table
 
-    head, rest = text.split(DISTILL_START, 1)
-    marker_line, _, _ = rest.partition("\n")
-    _, tail = rest.split(DISTILL_END, 1)
-    rows = ["| option | here | what it does, or why refused |", "|---|---|---|"]
-    rows += [f"| `{name}` | {status} | {what.replace('|', '/')} |" for name, status, what in distill_options_table()]
-    return head + DISTILL_START + marker_line + "\n" + "\n".join(rows) + "\n" + DISTILL_END + tail
+    return between_markers(text, DISTILL_START, DISTILL_END, options_rows("option", distill_options_table()))
 
 
 def render() -> str:
