@@ -17,8 +17,7 @@ from trl_nrollout.algos.losses import KL_KINDS, LOSS_AGG_MODES, available_policy
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.roles import lookahead_spelling_refusal
-from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.dispatch import DISPATCH_MODES
+from trl_nrollout.rollout.axes import dispatch_rule, machine_refusal
 from trl_nrollout.rollout.engines.weight_sync import LORA_SYNC_MODES
 from trl_nrollout.rollout.episodes.tools import MULTI_TURN_MODES
 from trl_nrollout.rollout.seeds import SEED_MODES
@@ -358,11 +357,9 @@ class ConfigChecks:
         if self.rollout_multi_turn == "requests" and self.rollout_backend == "hf":
             raise InputError(machine_refusal("rollout_multi_turn='requests'", "rollout_multi_turn='turns'"))
         check_engine_options(self)
-        if self.rollout_dispatch not in DISPATCH_MODES:
-            raise InputError(f"rollout_dispatch={self.rollout_dispatch!r} must be one of {list(DISPATCH_MODES)} "
-                             "('shares': each engine its own ranks' prompts; 'balanced': engines pull from one queue).")
-        if self.rollout_dispatch == "balanced" and self.rollout_backend == "hf":
-            raise InputError(machine_refusal("rollout_dispatch='balanced'", "rollout_dispatch='shares'"))
+        rule = dispatch_rule(self.rollout_dispatch)  # a registered rule (rollout/dispatch/rules.py), or refused
+        if rule.needs and self.rollout_backend == "hf":
+            raise InputError(machine_refusal(rule.option, "rollout_dispatch='shares'"))
         self._check_is_thresholds()
         if (why := cpu_trainer_cuda_engine_refusal(self.use_cpu, self.rollout_backend)) is not None:
             raise InputError(why)

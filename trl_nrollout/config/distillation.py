@@ -21,6 +21,7 @@ from trl_nrollout.config.trl_options import UnsupportedTRLOption, _same
 from trl_nrollout.errors import InputError
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION
+from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.seeds import SEED_MODES
 
 _ANY = object()  # no neutral value: honored or mapped whatever its value
@@ -155,11 +156,11 @@ class NRolloutDistillationConfig(DistillationConfig):
             if getattr(self, name) not in allowed:
                 raise InputError(f"{name}={getattr(self, name)!r} is not one of {allowed}; pick one of them.")
         check_engine_options(self)  # rollout_lora_sync (and its device), rollout_max_num_seqs, weight_sync_bucket_mb
-        if self.rollout_dispatch != "shares":
+        if dispatch_rule(self.rollout_dispatch).job_wide:  # (an unknown name: refused with the registered ones)
             raise UnsupportedTRLOption(
                 f"rollout_dispatch={self.rollout_dispatch!r} is not built for NRolloutDistillationTrainer: TRL's "
-                "distillation samples one completion per prompt, in calls its tool loop makes per rank, which the "
-                "balanced queue's job-wide collectives do not follow. Use rollout_dispatch='shares' (each engine its "
+                "distillation samples one completion per prompt, in calls its tool loop makes per rank, which a "
+                "job-wide queue's collectives do not follow. Use rollout_dispatch='shares' (each engine its "
                 "own ranks' prompts), or NRolloutGRPOTrainer with a teacher term for balanced dispatch.")
         tp = self.rollout_tp_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:

@@ -47,6 +47,7 @@ from trl_nrollout.errors import InputError  # noqa: E402
 from trl_nrollout.passes.ulysses import sequence_parallel_refusal  # noqa: E402
 from trl_nrollout.plan.layout import RolloutLayout  # noqa: E402
 from trl_nrollout.plan.roles import COLOCATED_GPU_MEMORY_UTILIZATION, ROLLOUT_RANK_GPU_MEMORY_UTILIZATION  # noqa: E402
+from trl_nrollout.rollout.axes import DISPATCH_RULES  # noqa: E402  (the rules: registered by the rollout package)
 from trl_nrollout.rollout.bridge import ROLLOUT, current_bridge  # noqa: E402
 
 #: options that configure the vLLM engines only: the HF engine (transformers ``generate`` on the training model)
@@ -277,17 +278,9 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "tools; async tools run on the trainer's event loop). Sync tools must then be thread-safe; 1 runs "
                 "them one at a time, still overlapped with generation."})
     rollout_dispatch: str = field(default="shares", metadata={
-        "help": "Which engine generates which prompt group. 'shares': each engine its own ranks' prompts (the step "
-                "waits for the slowest engine). 'balanced': one queue for the job; each engine pulls the next groups "
-                "whenever it holds fewer than rollout_max_num_seqs samples (verl's least-loaded routing), and the "
-                "samples go back to their ranks. A group's seed follows the group, not the engine. Helps when an "
-                "engine runs fewer samples at once than its share; single-turn and tool rollouts (request-level: whole "
-                "episodes on the engine that pulled them; an environment_factory episode's tool calls run on its "
-                "prompt's rank) on vLLM engines, partial rollouts (the job's pool, groups in flight included, in "
-                "the queue), agent= episodes (ranks pull groups of the job's rows, episodes go home) and a "
-                "rollout_func's engine calls (each generate_expanded call, made by every rank, one queue; run group "
-                "by group, with rollout_multi_turn='requests' or partial: ranks pull the job's groups and run the "
-                "function on them, samples go home)."})
+        "help": "Which engine generates which prompt group: a registered dispatch rule (rollout/dispatch/rules.py). "
+                + " ".join(f"{name!r}: {rule.help}" for name, rule in DISPATCH_RULES.items()),
+        "choices": list(DISPATCH_RULES)})
 
     # ---------------------------------------------------------------- engines
     rollout_backend: str = field(default="auto", metadata={

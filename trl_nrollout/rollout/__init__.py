@@ -1,5 +1,6 @@
 """Rollout engines: the protocol, the Ray-free vLLM engine group, the HF ``generate`` engine, weight sync."""
 
+from trl_nrollout.rollout.dispatch import rules as _rules  # noqa: F401  (registers the built-in dispatch rules)
 from trl_nrollout.rollout.engines.build import HFEngineSettings, VLLMEngineSettings, build_engine
 from trl_nrollout.rollout.engines.hf_engine import HFEngine
 from trl_nrollout.rollout.engines.protocol import RolloutEngine

@@ -38,6 +38,7 @@ from accelerate.utils import gather_object
 
 from trl_nrollout.config.checks import agent_dependencies_refusal
 from trl_nrollout.errors import InputError
+from trl_nrollout.rollout.axes import DispatchRule
 from trl_nrollout.rollout.dispatch import PullStats
 from trl_nrollout.rollout.dispatch.agent_runs import (
     EpisodeRun,
@@ -244,20 +245,20 @@ class EndpointAgents:
     sample, TRL's order: each prompt ``n`` times) through an endpoint, what trains assembled by ``records``.
 
     Colocated, on this rank's endpoint (started at the first rollout with ``settings``, closed by :meth:`close`) and
-    ``engine`` (:func:`~trl_nrollout.rollout.dispatch.agent_runs.run_episodes`; with ``dispatch="balanced"`` over several
-    engines the ranks pull groups of the job's rows from one queue and the episodes come home). With rollout ranks,
-    ``remote(inputs, prompt_ids, n, sampling, mode, step, step_job)`` runs them there (:func:`remote_agent_episodes`,
+    ``engine`` (:func:`~trl_nrollout.rollout.dispatch.agent_runs.run_episodes`; with a job-wide dispatch ``rule``,
+    ``rollout_dispatch="balanced"``, over several engines the ranks pull groups of the job's rows from one queue and
+    the episodes come home). With rollout ranks, ``remote(inputs, prompt_ids, n, sampling, mode, step, step_job)`` runs them there (:func:`remote_agent_episodes`,
     the next steps' written ahead) and sends the records back. ``runner()``: a new runner of the episodes
     (:func:`episode_runner`)."""
 
     tokenized = False
 
     def __init__(self, engine, records: AgentRecords, runner: Callable[[], Any], tokenizer, settings: Callable[[], dict],
-                 *, dispatch: str, rank: int, log_dispatch: Callable[..., None],
+                 *, rule: DispatchRule, rank: int, log_dispatch: Callable[..., None],
                  remote: Callable[..., EpisodeRun] | None = None) -> None:
         self.rollout_engine, self.records, self.runner = engine, records, runner
         self.tokenizer, self.settings = tokenizer, settings
-        self.dispatch, self.rank, self.log_dispatch, self.remote = dispatch, rank, log_dispatch, remote
+        self.rule, self.rank, self.log_dispatch, self.remote = rule, rank, log_dispatch, remote
         self.endpoint = None
 
     def start(self):
@@ -282,8 +283,8 @@ class EndpointAgents:
             engine = self.rollout_engine
             run = run_episodes(engine, self.start(), self.runner(), inputs, n, job.sampling, offset=offset,
                                tag=f"{mode}{job.step}", rank=self.rank,
-                               balanced=self.dispatch == "balanced" and engine.balances_job)
-            if self.dispatch == "balanced":  # one engine: its queue is this rank's groups
+                               balanced=self.rule.job_wide and engine.balances_job)
+            if self.rule.job_wide:  # (one engine: its queue is this rank's groups)
                 self.log_dispatch(mode, run.pulled or PullStats(groups=sorted({(offset + i) // n for i in range(
                     len(inputs))}), claims=1, busy_s=run.wall_s), len(inputs), n)
         return self.records.batch(run.records, job.prompts, n, offset, mode, run.serve, run.wall_s, prompt_ids)

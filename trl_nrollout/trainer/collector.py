@@ -23,6 +23,7 @@ from accelerate.utils import gather_object
 
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, encode_prompts, has_images
+from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.agents import (
     AgentRecords,
@@ -94,7 +95,7 @@ class KindParts:
 
 def single_turn(p: KindParts) -> SingleTurn:
     """The single-turn kind over the parts (other kinds build on it: a first turn)."""
-    return SingleTurn(p.rollout_engine, p.args.rollout_dispatch, p.vllm, p.log_dispatch,
+    return SingleTurn(p.rollout_engine, dispatch_rule(p.args.rollout_dispatch), p.vllm, p.log_dispatch,
                       p.placement.generate if p.placement.remote else None)
 
 
@@ -103,7 +104,8 @@ def _agents(p: KindParts) -> EndpointAgents:
     if p.placement.remote:
         remote = partial(remote_agent_episodes, p.rollout_engine, p.placement.agent_job, p.placement.ahead_jobs,
                          p.placement.log_remote)
-    return EndpointAgents(p.rollout_engine, p.records, p.runner, p.tools.tokenizer, p.settings, dispatch=p.args.rollout_dispatch,
+    return EndpointAgents(p.rollout_engine, p.records, p.runner, p.tools.tokenizer, p.settings,
+                          rule=dispatch_rule(p.args.rollout_dispatch),
                           rank=p.rank, log_dispatch=p.log_dispatch, remote=remote)
 
 
@@ -112,10 +114,10 @@ KINDS: list[tuple[str, Callable[[KindParts], bool], Callable[[KindParts], Episod
     ("endpoint agents", lambda p: p.agent is not None or (
         p.rollout_func is not None and p.args.rollout_multi_turn == "requests"), _agents),
     ("rollout_func", lambda p: p.rollout_func is not None, lambda p: RolloutFunc(
-        p.func_trainer, p.rollout_engine, p.args.rollout_dispatch, p.args.max_completion_length,
+        p.func_trainer, p.rollout_engine, dispatch_rule(p.args.rollout_dispatch), p.args.max_completion_length,
         p.args.rollout_is is not None, p.log_dispatch, encode_images=p.encode_images)),
     ("tool requests", lambda p: bool(p.tools.tools) and p.args.rollout_multi_turn == "requests", lambda p: ToolRequests(
-        p.tools, p.rollout_engine, p.limits, p.args.rollout_dispatch, p.rank, p.metrics, p.home, p.log_dispatch,
+        p.tools, p.rollout_engine, p.limits, dispatch_rule(p.args.rollout_dispatch), p.rank, p.metrics, p.home, p.log_dispatch,
         p.placement.request_turns if p.placement.remote else None)),
     ("tool turns", lambda p: bool(p.tools.tools), lambda p: ToolTurns(single_turn(p), p.tools, p.rollout_engine, p.limits, p.rank)),
     ("single-turn", lambda p: True, single_turn),

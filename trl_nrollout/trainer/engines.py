@@ -20,7 +20,7 @@ from trl_nrollout.config.options import NRolloutConfig
 from trl_nrollout.errors import DatasetError, InputError
 from trl_nrollout.passes.distributed import zero3_configured
 from trl_nrollout.passes.multimodal import has_images
-from trl_nrollout.rollout.axes import machine_refusal
+from trl_nrollout.rollout.axes import DispatchRule, machine_refusal
 from trl_nrollout.rollout.engines.build import HFEngineSettings, VLLMEngineSettings, build_engine
 from trl_nrollout.rollout.engines.platform import vllm_available
 from trl_nrollout.rollout.seeds import HF_SAMPLE_SEEDS
@@ -453,10 +453,11 @@ class EngineSetup:
                 f"{self.rollout_backend!r} engine; install vLLM and set use_vllm=True (or rollout_backend='vllm'), or "
                 "remove the regex.")
 
-    def dispatch_refusal(self) -> str | None:
-        """Why ``rollout_dispatch='balanced'`` cannot run with this trainer (None: it can)."""
-        if self.rollout_backend != "vllm":
-            return machine_refusal("rollout_dispatch='balanced'", "rollout_dispatch='shares'", auto=True)
+    def dispatch_refusal(self, rule: DispatchRule) -> str | None:
+        """Why the dispatch ``rule`` cannot run with this trainer (None: it can): one that needs capabilities beyond
+        the core (``rollout_dispatch='balanced'``) on the HF engine ``rollout_backend='auto'`` chose."""
+        if rule.needs and self.rollout_backend != "vllm":
+            return machine_refusal(rule.option, "rollout_dispatch='shares'", auto=True)
         return None
 
     def image_token_ids(self) -> tuple[int, ...]:

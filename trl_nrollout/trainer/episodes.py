@@ -26,8 +26,7 @@ from typing import Any, Protocol
 from accelerate.utils import gather_object
 
 from trl_nrollout.passes.multimodal import EncodedPrompts, check_expansion
-from trl_nrollout.rollout.dispatch.balanced import balanced_calls, generate_balanced
-from trl_nrollout.rollout.engines.protocol import BALANCED, has
+from trl_nrollout.rollout.axes import DispatchRule
 from trl_nrollout.rollout.episodes.rollout_func import check_output, samples_batch
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 
@@ -103,13 +102,13 @@ def log_dispatch(metrics, engine, mode: str, pulled, samples_per_rank: int, n: i
 
 @dataclass(frozen=True)
 class SingleTurn:
-    """One completion per sample on the ``engine``: the job's prompts (their images, where any) as fixed shares
-    (``dispatch="shares"``), one balanced queue (``"balanced"``), or, with rollout ranks, their job
-    (``remote_generate``: the rollout-rank placement's call, None when colocated). ``log_dispatch(mode, pulled,
-    samples, n)``: a balanced rollout's spread into the logs; ``vllm``: the engine expands image placeholders."""
+    """One completion per sample on the ``engine``: the job's prompts (their images, where any) as the dispatch
+    ``rule`` generates them (``rule.generate``: fixed shares, one balanced queue...), or, with rollout ranks, their
+    job (``remote_generate``: the rollout-rank placement's call, None when colocated). ``log_dispatch(mode, pulled,
+    samples, n)``: a pulled rollout's spread into the logs; ``vllm``: the engine expands image placeholders."""
 
     rollout_engine: Any
-    dispatch: str
+    rule: DispatchRule
     vllm: bool
     log_dispatch: Callable[..., None]
     remote_generate: Callable[..., RolloutBatch] | None = None
@@ -119,21 +118,16 @@ class SingleTurn:
         ids, images, n, sampling, engine = job.prompt_ids, job.images, job.n, job.sampling, self.rollout_engine
         if self.remote_generate is not None:  # engines on rollout ranks: the step's own job was maybe written ahead
             batch = self.remote_generate(ids, images, n, sampling, job.offset, job.mode, job.step_job)
-        elif self.dispatch == "balanced":  # engines pull the job's groups from one queue
-            batch, pulled = generate_balanced(engine, images.engine_ids if images is not None else [list(p) for p in ids],
-                                              n, sampling, images=images.images if images is not None else None)
-            if images is not None:
+        else:  # the dispatch rule's driver; vLLM expands the image placeholders itself, the HF engine takes tensors
+            expands = images is not None and self.vllm
+            batch, pulled = self.rule.generate(
+                engine, images.engine_ids if expands else [list(p) for p in ids], n, sampling,
+                sample_offset=job.offset, images=images.images if expands else None,
+                mm=images.mm if images is not None and not expands else None)
+            if expands:
                 check_expansion(batch.prompt_ids, ids)
-            self.log_dispatch(job.mode, pulled, len(job.inputs), n)
-        elif images is None:
-            batch = engine.generate_expanded([list(p) for p in ids], n, sampling, sample_offset=job.offset)
-        elif self.vllm:  # vLLM expands the image placeholders itself
-            batch = engine.generate_expanded(images.engine_ids, n, sampling, sample_offset=job.offset,
-                                             images=images.images)
-            check_expansion(batch.prompt_ids, ids)
-        else:
-            batch = engine.generate_expanded([list(p) for p in ids], n, sampling, sample_offset=job.offset,
-                                             mm=images.mm)
+            if pulled is not None:  # groups pulled from a queue: the engines' spread
+                self.log_dispatch(job.mode, pulled, len(job.inputs), n)
         return batch, Episode(mm=images.mm if images is not None else None)
 
 
@@ -141,15 +135,16 @@ class SingleTurn:
 class RolloutFunc:
     """TRL's ``rollout_func(prompts, trainer)``: the user generates (``trainer``: what TRL's contract hands the
     function, the trainer as the user built it; the function is its ``rollout_func`` at each call, as TRL reads it, so
-    a user may replace it between steps); we check and adopt what it returns. With ``dispatch="balanced"`` on
-    colocated vLLM engines, each of its ``trainer.rollout_engine.generate_expanded`` calls is a balanced rollout (the
-    call's groups of every rank in one queue; every rank makes the same calls), logged as the trainer's own. (With
+    a user may replace it between steps); we check and adopt what it returns. Its engine calls run inside the dispatch
+    ``rule``'s ``func_calls``: with ``rollout_dispatch="balanced"`` on colocated vLLM engines, each of its
+    ``trainer.rollout_engine.generate_expanded`` calls is a balanced rollout (the call's groups of every rank in one
+    queue; every rank makes the same calls), logged as the trainer's own. (With
     ``rollout_multi_turn='requests'`` the function runs group by group:
     :class:`~trl_nrollout.trainer.agents.EndpointAgents`.)"""
 
     trainer: Any
     rollout_engine: Any
-    dispatch: str
+    rule: DispatchRule
     max_completion_length: int | None
     need_logprobs: bool
     log_dispatch: Callable[..., None]
@@ -159,13 +154,10 @@ class RolloutFunc:
     encode_images: Callable[[list], EncodedPrompts | None] | None = None
 
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
-        if self.dispatch == "balanced" and has(self.rollout_engine, BALANCED):
-            with balanced_calls(self.rollout_engine) as calls:
-                output = self.trainer.rollout_func(job.prompts, self.trainer)
-            for pulled, samples, call_n in calls:
-                self.log_dispatch(job.mode, pulled, samples, call_n)
-        else:
+        with self.rule.func_calls(self.rollout_engine) as calls:  # (balanced: each engine call one queue)
             output = self.trainer.rollout_func(job.prompts, self.trainer)
+        for pulled, samples, call_n in calls:
+            self.log_dispatch(job.mode, pulled, samples, call_n)
         samples = check_output(output, len(job.prompts), job.n, self.max_completion_length, self.need_logprobs)
         batch, masks, extra = samples_batch(samples, job.n, job.offset)
         images = self.encode_images(job.prompts) if self.encode_images is not None else None

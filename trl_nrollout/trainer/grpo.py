@@ -41,6 +41,7 @@ from trl_nrollout.config.options import NRolloutConfig, to_nrollout_config
 from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.multimodal import EncodedPrompts, has_images, prompt_images, without_images
 from trl_nrollout.passes.ulysses import shared_shuffle
+from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.engines.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.engines.protocol import PREFILL_COUNTS, has
 from trl_nrollout.rollout.seeds import step_seed
@@ -160,7 +161,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             raise UnsupportedTRLOption(why)
         if args.rollout_multi_turn == "requests" and (why := request_turns_refusal(self.rollout_backend)) is not None:
             raise UnsupportedTRLOption(why)
-        if args.rollout_dispatch == "balanced" and (why := self.engine_setup.dispatch_refusal()) is not None:
+        if (why := self.engine_setup.dispatch_refusal(dispatch_rule(args.rollout_dispatch))) is not None:
             raise UnsupportedTRLOption(why)
         self.engine_setup.check_prompt_tokens()  # before the engines start
         self.rollout_ranks = RolloutRankPlacement.of(self) if args.rollout_ranks else None  # engines there (a part)

@@ -38,9 +38,7 @@ from trl_nrollout.passes.multimodal import (
     engine_suffix_ids,
     image_tensors,
 )
-from trl_nrollout.rollout.axes import machine_refusal
-from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
-from trl_nrollout.rollout.dispatch.shares import run_agents
+from trl_nrollout.rollout.axes import DispatchRule, dispatch_rule, machine_refusal
 from trl_nrollout.rollout.episodes.home_tools import HomeTools
 from trl_nrollout.rollout.episodes.tool_images import TurnMedia
 from trl_nrollout.rollout.episodes.tools import (
@@ -88,7 +86,7 @@ def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, ar
                                      or getattr(args, "rollout_partial", False) or getattr(args, "rollout_ranks", 0)):
         return "rollout_func"
     if agentic and getattr(args, "rollout_multi_turn", "turns") == "requests" \
-            and getattr(args, "rollout_dispatch", "shares") == "balanced":
+            and dispatch_rule(getattr(args, "rollout_dispatch", "shares")).job_wide:  # (the balanced queue's driver)
         return "rollout_dispatch='balanced'"
     if agentic and getattr(args, "rollout_partial", False):
         return "rollout_partial=True"
@@ -398,15 +396,16 @@ class ToolTurns:
 @dataclass(frozen=True)
 class ToolRequests:
     """TRL's tools / environments request by request (``rollout_multi_turn='requests'``): each sample from its first
-    turn to its end without a turn barrier (``rollout/dispatch/shares.py``'s ``run_agents``; a balanced queue's
-    ``run_agents_balanced``), a sample's tools running while the others generate. With rollout ranks the episodes run
+    turn to its end without a turn barrier (the dispatch ``rule``'s ``run_agents``: ``rollout/dispatch/shares.py``'s
+    ``run_agents``, a balanced queue's ``run_agents_balanced``), a sample's tools running while the others
+    generate. With rollout ranks the episodes run
     there, tools included (``remote_request_turns``: the placement's call, None when colocated). ``home``: where an
     environment's calls run (:class:`HomeToolCalls`); ``log_dispatch``: a balanced rollout's spread."""
 
     tools: TRLTools
     rollout_engine: Any
     limits: Limits
-    dispatch: str
+    rule: DispatchRule
     rank: int
     metrics: Any
     home: HomeToolCalls
@@ -419,14 +418,16 @@ class ToolRequests:
         if self.remote_request_turns is not None:
             return self.remote_request_turns(job.prompt_ids, n, sampling, mode, job.step_job)
         loop, tools, limits = self.tools.loop, job.tools, self.limits
-        media = self.tools.media(job.prompt_ids, job.images) if self.dispatch != "balanced" else None
+        media = self.tools.media(job.prompt_ids, job.images) if not self.rule.job_wide else None
         agent = AgentCallbacks(
             parse=lambda i, ids, prefix: self.tools.parse(job.names, i, ids, prefix),
             run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop), suffix_ids=self.tools.suffix_ids,
             max_iterations=limits.max_iterations, max_completion_length=limits.max_completion_length,
             max_model_len=limits.max_model_len(), media=media)
         prompts = [list(p) for p in job.prompt_ids]
-        if self.dispatch == "balanced":  # episodes run on whichever engine pulled their group
+        run_tools = agent.run_tools
+        home_calls = contextlib.nullcontext(run_tools)
+        if self.rule.job_wide:  # episodes run on whichever engine pulled their group
             envs = self.tools.factories is not None
             if envs and self.rollout_engine.balances_job:  # job-wide sample indices
                 counts = gather_object([len(prompts)])
@@ -442,14 +443,14 @@ class ToolRequests:
                 shared = split_tools(list(self.tools.tools or []))
                 agent = replace(agent, run_tools=lambda i, calls: call_tools(calls, *shared, loop=loop))
                 home = None
-            with self.home(envs, home, agent.run_tools, mode) as run_tools:
-                samples, groups, stats, pulled = run_agents_balanced(
-                    self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
-                    replace(agent, run_tools=run_tools), limits.workers)
+            home_calls = self.home(envs, home, agent.run_tools, mode)
+        with home_calls as run_tools:
+            samples, groups, stats, pulled = self.rule.run_agents(
+                self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
+                replace(agent, run_tools=run_tools), limits.workers, sample_offset=job.offset,
+                images=job.images if not self.rule.job_wide else None)
+        if pulled is not None:  # groups pulled from a queue: the engines' spread
             self.log_dispatch(mode, pulled, len(prompts), n)
-        else:
-            samples, groups, stats = run_agents(self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
-                                                agent, limits.workers, sample_offset=job.offset, images=job.images)
         turns = collect_turns(samples)
         log_agent_stats(self.metrics, mode, stats)
         batch = RolloutBatch([s.prompt_ids for s in samples], turns.completion_ids, turns.logprobs,

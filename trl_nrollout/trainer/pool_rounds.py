@@ -19,6 +19,7 @@ from typing import Any
 
 from accelerate.utils import gather_object
 
+from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.dispatch.agent_runs import start_endpoint
 from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialSample
 from trl_nrollout.rollout.episodes.partial_tools import AgentPartialSample
@@ -72,6 +73,7 @@ class EngineRound:
 
     def __init__(self, on: Colocated) -> None:
         self.on = on
+        self.rule = dispatch_rule(on.args.rollout_dispatch)
 
     def round(self, ctx: StepContext, round_: int = 0) -> Round:
         """The step's groups from the pool: this rank's share of the ``target`` groups that finished first (the
@@ -85,9 +87,10 @@ class EngineRound:
         rows = ctx.inputs[::n]
         rank = on.rank
         tp = len(engine.tp_ranks)
-        # rollout_dispatch="balanced" with several engines: one pool for the job, the same on every rank, whose
-        # groups every engine pulls from (rollout/dispatch/partial_queue.py); else a pool per engine (its TP group's ranks)
-        job = args.rollout_dispatch == "balanced" and engine.balances_job
+        # a job-wide dispatch rule (rollout_dispatch="balanced") with several engines: one pool for the job, the same
+        # on every rank, whose groups every engine pulls from (rollout/dispatch/partial_queue.py); else a pool per
+        # engine (its TP group's ranks)
+        job = self.rule.job_wide and engine.balances_job
         counts = gather_object([len(rows)]) if job else [len(rows)] * tp
         gather = engine.gather_job if job else engine.gather_tp  # over the pool's ranks
         ways, index = (len(counts), rank) if job else (tp, engine.tp_ranks.index(rank))  # who draws top-ups
@@ -181,9 +184,9 @@ class EngineRound:
                     yield replace(agent, run_tools=run_tools)
 
             episodes = tool_groups(engine, sampling, version, callbacks, args.tool_workers,
-                                   owns=lambda g: g.key[2] == rank, home=home)
+                                   owns=lambda g: g.key[2] == rank, home=home, rule=self.rule)
         else:
-            episodes = sampled_groups(engine, sampling, version, home)
+            episodes = sampled_groups(engine, sampling, version, home, rule=self.rule)
 
         def before_restart(pool: list[InFlightGroup]) -> list[InFlightGroup]:
             before = on.envs.restore_groups(pool, rank)
@@ -239,6 +242,7 @@ class LiveRound:
 
     def __init__(self, on: Colocated) -> None:
         self.on = on
+        self.rule = dispatch_rule(on.args.rollout_dispatch)
         self.pool: AgentPool | None = None
 
     def round(self, ctx: StepContext, round_: int = 0) -> Round:
@@ -262,7 +266,7 @@ class LiveRound:
             prompts = host.start_episodes(rows)[0]
             return [((version, round_, rank, g), row, p) for g, (row, p) in enumerate(zip(rows, prompts))]
 
-        balanced = args.rollout_dispatch == "balanced" and engine.balances_job
+        balanced = self.rule.job_wide and engine.balances_job  # the job's queue (dispatch/balanced.py job_queue)
         episodes = (live_balanced(engine, sampling, n, version, rank, on.layout.engine_of_rank) if balanced
                     else live_shares(engine, sampling, n, version))
         step = pool_step(LiveGroups(pool, n, episodes),

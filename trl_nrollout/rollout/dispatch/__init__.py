@@ -9,14 +9,17 @@
   (``generate_balanced``, ``run_agents_balanced``, ``run_partial_balanced``, ``run_partial_agents_balanced``,
   ``balanced_calls``, and the job's queue, counters and way home for other drivers: ``job_queue``, ``send_home``).
 
+- :mod:`~trl_nrollout.rollout.dispatch.rules`: the built-in rules (``shares``, ``balanced``) registered by name
+  (:class:`~trl_nrollout.rollout.axes.DispatchRule`: whether the job is pooled, what it needs, its driver per
+  operation); every choice between them asks the rule (``dispatch_rule(args.rollout_dispatch)``).
+
 Each driver takes the engine as its first argument and uses only what the protocol names; an engine without a
 capability a driver needs is refused by :func:`require`.
 """
 
-from trl_nrollout.rollout.axes import DISPATCH_MODES
 from trl_nrollout.rollout.dispatch.queue import GroupQueue, LocalStore, PullStats, run_pulled
 
-__all__ = ["DISPATCH_MODES", "GroupQueue", "LocalStore", "PullStats", "require", "run_pulled"]
+__all__ = ["GroupQueue", "LocalStore", "PullStats", "require", "run_pulled"]
 
 
 def require(engine: object, *capabilities: str, what: str) -> None:

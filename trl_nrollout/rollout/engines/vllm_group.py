@@ -21,7 +21,7 @@ import torch
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
-from trl_nrollout.rollout.axes import DISPATCH_MODES
+from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.engines.cpu_shm import use_cpu_shm_identity
 from trl_nrollout.rollout.engines.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
 from trl_nrollout.rollout.engines.protocol import ABORT, ADAPTERS, BALANCED, BUCKETS, REQUESTS
@@ -113,8 +113,7 @@ class VLLMEngineGroup(EngineWeights):
     ) -> None:
         if seed_mode not in SEED_MODES:
             raise ValueError(f"seed_mode={seed_mode!r} is not one of {SEED_MODES} (rollout_seed_mode).")
-        if dispatch not in DISPATCH_MODES:
-            raise ValueError(f"dispatch={dispatch!r} is not one of {DISPATCH_MODES} (rollout_dispatch).")
+        job_wide = dispatch_rule(dispatch, option="dispatch (rollout_dispatch)").job_wide
         prepare_vllm_environment()
         close_live_engines()  # one external-launcher engine per process: a new trainer releases the previous one
         forget_stale_vllm_groups()
@@ -146,12 +145,12 @@ class VLLMEngineGroup(EngineWeights):
                 g = torch.distributed.new_group(list(ranks), backend="gloo")
                 if rank in ranks:
                     self._tp_group = g
-        # rollout_dispatch="balanced" with several engines: the job's queue lives in the process group's store, and
+        # a job-wide dispatch rule (rollout_dispatch="balanced") with several engines: the job's queue lives in the process group's store, and
         # the samples go home over a gloo group of every rank (pickled lists: no device copies on an NCCL job)
         self._world_group = None
         self._store = None
         self._pull_calls = 0
-        if dispatch == "balanced" and dist_on and layout.num_engines > 1:
+        if job_wide and dist_on and layout.num_engines > 1:
             self._world_group = torch.distributed.new_group(list(range(world)), backend="gloo")
             self._store = torch.distributed.distributed_c10d._get_default_store()
             global _PULL_GROUPS

@@ -29,13 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trl_nrollout.rollout.dispatch.balanced import (
-    drop_job_queue,
-    job_counter,
-    job_queue,
-    run_partial_agents_balanced,
-    run_partial_balanced,
-)
+from trl_nrollout.rollout.axes import DispatchRule
+from trl_nrollout.rollout.dispatch.balanced import drop_job_queue, job_counter, job_queue
 from trl_nrollout.rollout.dispatch.shares import run_partial, run_partial_agents
 from trl_nrollout.rollout.episodes.in_flight import (
     InFlightGroup,
@@ -216,25 +211,26 @@ class EngineGroups:
 
 
 def sampled_groups(engine, sampling: SamplingOptions, version: int,
-                   home: Callable[[InFlightGroup], int] | None = None) -> RunGroups:
+                   home: Callable[[InFlightGroup], int] | None = None, rule: DispatchRule | None = None) -> RunGroups:
     """Single-turn groups on ``engine``: its own pool (``run_partial``), or with ``home`` (a group's home engine)
-    the job's pool on a balanced queue (``run_partial_balanced``)."""
+    the job's pool as the job-wide dispatch ``rule`` runs it (``rule.run_partial``: balanced,
+    ``run_partial_balanced``)."""
 
     def run(groups: list[InFlightGroup], target: int, quota: dict[int, int] | None) -> tuple[PartialRun, None]:
         if home is None:
             return run_partial(engine, groups, target, sampling, version), None
-        return run_partial_balanced(engine, groups, target, sampling, version, [home(g) for g in groups]), None
+        return rule.run_partial(engine, groups, target, sampling, version, [home(g) for g in groups]), None
 
     return run
 
 
 def tool_groups(engine, sampling: SamplingOptions, version: int,
                 callbacks: Callable[[list[InFlightGroup]], contextlib.AbstractContextManager], workers: int, *,
-                owns: Callable[[InFlightGroup], bool], home: Callable[[InFlightGroup], int] | None = None
-                ) -> RunGroups:
+                owns: Callable[[InFlightGroup], bool], home: Callable[[InFlightGroup], int] | None = None,
+                rule: DispatchRule | None = None) -> RunGroups:
     """TRL tool episodes (environments' too) on ``engine``, turn after turn as requests: its own pool
-    (``run_partial_agents``; a group's tools on the rank ``owns`` names), or with ``home`` the job's pool on a
-    balanced queue (``run_partial_agents_balanced``). ``callbacks(groups)``: a context around the run yielding the
+    (``run_partial_agents``; a group's tools on the rank ``owns`` names), or with ``home`` the job's pool as the
+    job-wide dispatch ``rule`` runs it (``rule.run_partial_agents``: balanced, ``run_partial_agents_balanced``). ``callbacks(groups)``: a context around the run yielding the
     :class:`~trl_nrollout.rollout.episodes.tools.AgentCallbacks` of the pool's samples. With a quota the run stops once
     every home has its own groups finished."""
 
@@ -242,9 +238,9 @@ def tool_groups(engine, sampling: SamplingOptions, version: int,
         drawn_by = [group_home(g) for g in groups] if quota is not None else None
         with callbacks(groups) as agent:
             if home is not None:
-                return run_partial_agents_balanced(engine, groups, target, sampling, version,
-                                                   [home(g) for g in groups], agent, workers,
-                                                   quota=(drawn_by, quota) if quota is not None else None)
+                return rule.run_partial_agents(engine, groups, target, sampling, version,
+                                               [home(g) for g in groups], agent, workers,
+                                               quota=(drawn_by, quota) if quota is not None else None)
             return run_partial_agents(
                 engine, groups, target, sampling, version, agent, workers, owns=owns,
                 done=(lambda order: homes_done(drawn_by, order, quota)) if quota is not None else None)

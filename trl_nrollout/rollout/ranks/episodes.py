@@ -1,8 +1,8 @@
 """Request-level tool episodes on rollout ranks (``rollout_ranks`` with ``rollout_multi_turn="requests"``).
 
 A whole episode is a job of the rollout ranks: each rollout rank runs the request-level agent loop the colocated
-path runs (:func:`~trl_nrollout.rollout.dispatch.shares.run_agents`, or ``run_agents_balanced`` with
-``rollout_dispatch="balanced"``) on its own engine, with the user's tools (the same script builds the trainer on
+path runs (the dispatch rule's ``run_agents``: :func:`~trl_nrollout.rollout.dispatch.shares.run_agents`, or
+``run_agents_balanced`` with ``rollout_dispatch="balanced"``) on its own engine, with the user's tools (the same script builds the trainer on
 every process, so the rollout rank holds the same ``tools=``), the trainers' tokenizer (pickled into the start
 message, with the response template TRL set on it) and chat template. It answers each episode's tokens, tool masks
 (0 on tool-result tokens), the engine's log-probs, finish reasons and what the rewards need (messages, counts);
@@ -28,8 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from trl_nrollout.rollout.dispatch.balanced import run_agents_balanced
-from trl_nrollout.rollout.dispatch.shares import run_agents
+from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.episodes.tools import (
     AgentCallbacks,
     AgentSample,
@@ -157,11 +156,9 @@ def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[in
     pulled = None
     if not prompts and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
         samples, stats = [], AgentStats()
-    elif balanced:
-        samples, _, stats, pulled = run_agents_balanced(engine, prompts, n, sampling, turn_seed, agent, workers)
-    else:
-        samples, _, stats = run_agents(engine, prompts, n, sampling, turn_seed, agent, workers,
-                                       sample_offset=sample_offset)
+    else:  # the start message's dispatch rule (balanced: ``run_agents_balanced``, its pull stats)
+        samples, _, stats, pulled = dispatch_rule(state.dispatch).run_agents(
+            engine, prompts, n, sampling, turn_seed, agent, workers, sample_offset=sample_offset)
     batch = RolloutBatch([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
                          [s.logprobs for s in samples], [s.finish_reason for s in samples],
                          list(range(len(samples))))

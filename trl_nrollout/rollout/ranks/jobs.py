@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trl_nrollout.rollout.axes import DispatchRule, dispatch_rule
 from trl_nrollout.rollout.bridge import RolloutRankError
-from trl_nrollout.rollout.dispatch.balanced import generate_balanced
 from trl_nrollout.rollout.ranks.buckets import job_slice
 from trl_nrollout.rollout.ranks.state import RankState
 from trl_nrollout.rollout.types import RolloutBatch
@@ -43,9 +43,15 @@ class RankJob:
         return self.message.get("agent")
 
     @property
+    def rule(self) -> DispatchRule:
+        """The start message's dispatch rule (``rollout_dispatch``)."""
+        return dispatch_rule(self.state.dispatch)
+
+    @property
     def balanced(self) -> bool:
-        """``rollout_dispatch="balanced"`` (the start message's): the engines pull the job's groups from one queue."""
-        return self.state.dispatch == "balanced"
+        """A job-wide dispatch rule (``rollout_dispatch="balanced"``): the engines pull the job's groups from one
+        queue."""
+        return self.rule.job_wide
 
     def prompts(self) -> list[list[int]]:
         """The prompt of each sample of this rank's slice."""
@@ -109,8 +115,8 @@ class TurnEntry:
 def single_turn_job(job: RankJob) -> JobDone:
     """Single-turn samples: this rank's slice of the job (or the groups its engine pulls from the job's queue)."""
     engine, n, sampling = job.engine, job.message["n"], job.message["sampling"]
-    if job.balanced:
-        batch, pulled = generate_balanced(engine, job.prompts(), n, sampling, images=job.images)
+    if job.balanced:  # the rule's driver over the job's queue (its pull stats for serve's counts)
+        batch, pulled = job.rule.generate(engine, job.prompts(), n, sampling, images=job.images)
         return JobDone(batch, pulled=pulled)
     if job.stop > job.start or engine.layout.rollout_tp_size > 1:
         return JobDone(engine.generate_expanded(job.prompts(), n, sampling, sample_offset=job.start,

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialSample
 from trl_nrollout.rollout.episodes.partial_tools import AgentPartialSample
 from trl_nrollout.rollout.partial.pool import (
@@ -202,9 +203,9 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
         callbacks = ((lambda groups: contextlib.nullcontext(partial_env_agent(agent, state, groups, n, hosts)))
                      if hosts else fixed_callbacks(agent))
         episodes = tool_groups(engine, sampling, version, callbacks, workers, owns=lambda g: rank % tp == 0,
-                               home=home)
+                               home=home, rule=dispatch_rule(state.dispatch))
     else:
-        episodes = sampled_groups(engine, sampling, version, home)
+        episodes = sampled_groups(engine, sampling, version, home, rule=dispatch_rule(state.dispatch))
     # environments: a group trains where they live, each trainer its own groups (as many as it drew here), and a
     # sample started again starts its environment again, on the trainer that holds it
     on_restart = (lambda before, after: _reset_restarted(state, before, after, hosts)) if hosts and speaks else None

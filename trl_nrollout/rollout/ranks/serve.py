@@ -20,6 +20,7 @@ import trl_nrollout.rollout.ranks.episodes  # noqa: F401 - EpisodeJob's handler
 
 # the modules that define the kinds of job register them in JOB_KINDS when imported
 import trl_nrollout.rollout.ranks.partial  # noqa: F401 - PartialEntry's handler
+from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.bridge import Bridge, RolloutRankError
 from trl_nrollout.rollout.ranks.buckets import job_slice
 from trl_nrollout.rollout.ranks.jobs import RankJob, run_job
@@ -84,7 +85,7 @@ def _start(loop: Served, message: dict) -> bool:
     bridge.status = "starting its engine"
     try:
         engine = state.engine = loop.build_engine(message)
-        state.dispatch = message.get("dispatch", "shares")
+        state.dispatch = dispatch_rule(message.get("dispatch", "shares")).name  # a registered rule (else refused)
         state.agent = message.get("agent")  # tools on the rollout ranks (remote_tool_episodes)
         state.bridge = bridge  # environments' tool calls go home through its store
         answer = {"names": sorted(engine.parameter_names()), "dtype": str(engine.dtype)}

@@ -68,7 +68,7 @@ class RankState:
     slots: int = 1
     #: this rank's engine (built at ``start``; None before and after ``stop``)
     engine: Any = None
-    #: ``rollout_dispatch`` of the start message: ``"shares"`` or ``"balanced"``
+    #: ``rollout_dispatch`` of the start message: a registered dispatch rule's name (``rollout/axes.py``)
     dispatch: str = "shares"
     #: the start message's ``agent`` entry (the trainers' tokenizer pickled, tool schemas, limits), or None
     agent: EpisodeSettings | None = None
