@@ -278,7 +278,8 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "tools; async tools run on the trainer's event loop). Sync tools must then be thread-safe; 1 runs "
                 "them one at a time, still overlapped with generation."})
     rollout_dispatch: str = field(default="shares", metadata={
-        "help": "Which engine generates which prompt group: a registered dispatch rule (rollout/dispatch/rules.py). "
+        "help": "Which engine generates which prompt group. A registered dispatch rule (rollout/axes.py; the "
+                "built-ins in rollout/dispatch/rules.py): "
                 + " ".join(f"{name!r}: {rule.help}" for name, rule in DISPATCH_RULES.items()),
         "choices": list(DISPATCH_RULES)})
 

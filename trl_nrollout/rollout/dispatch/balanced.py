@@ -27,7 +27,7 @@ from trl_nrollout.rollout.dispatch.partial_queue import (
     queue_order,
     run_partial_pulled,
 )
-from trl_nrollout.rollout.dispatch.queue import GroupQueue, PullStats, run_pulled
+from trl_nrollout.rollout.dispatch.queue import GroupQueue, LocalStore, PullStats, run_pulled
 from trl_nrollout.rollout.dispatch.shares import (
     own_seed_base,
     run_agents,
@@ -58,20 +58,26 @@ def _share(engine) -> Callable[[Callable[[], object]], object] | None:
 
 
 def generate_balanced(engine, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                      images: list[list] | None = None) -> tuple[RolloutBatch, PullStats]:
+                      images: list[list] | None = None,
+                      order: Callable[[list[list[int]]], list[int]] | None = None) -> tuple[RolloutBatch, PullStats]:
     """``generate_expanded`` with ``rollout_dispatch="balanced"``: the job's groups form one queue; each engine pulls
     groups while it holds fewer than ``max_num_seqs + n`` unfinished samples (vLLM counts each of a request's ``n``
     samples until it ends); afterwards every rank gets the samples of its own prompts, in order. Group ``g`` of the
     job is seeded as under ``"shares"`` (from ``g``), whichever engine runs it. Collective over every rank. Returns
-    the batch and this engine's :class:`PullStats` (its groups and busy seconds)."""
-    if not engine.balances_job:  # one engine (or one process): its share is the whole queue
+    the batch and this engine's :class:`PullStats` (its groups, in the order it claimed them, and busy seconds).
+
+    ``order(prompts)``: the queue's order, the job's group indices (``prompts``: each group's prompt, job order);
+    the engines then pull from the head of that one queue (with one engine too), where by default each engine pulls
+    its own ranks' groups first and then the others' (work stealing)."""
+    if not engine.balances_job and order is None:  # one engine (or one process): its share is the whole queue
         start = time.perf_counter()
         batch = engine.generate_expanded(sample_prompts, n, sampling, images=images)
         busy = time.perf_counter() - start
         return batch, PullStats(groups=sorted(set(batch.group_index)), claims=1, busy_s=busy)
-    require(engine, REQUESTS, BALANCED, what="generate_balanced (rollout_dispatch='balanced')")
+    job_wide = engine.balances_job  # else one engine: its TP group is the job
+    require(engine, REQUESTS, *((BALANCED,) if job_wide else ()), what="generate_balanced (rollout_dispatch='balanced')")
     engine.barrier_before_generate()
-    per_rank = engine.gather_job(([list(p) for p in sample_prompts], images))
+    per_rank = (engine.gather_job if job_wide else engine.gather_tp)(([list(p) for p in sample_prompts], images))
     flat = [p for prompts, _ in per_rank for p in prompts]
     unique = whole_groups(flat, n, engine.engine_index)
     flat_images = None
@@ -79,7 +85,8 @@ def generate_balanced(engine, sample_prompts: list[list[int]], n: int, sampling:
         flat_images = [img for prompts, imgs in per_rank
                        for img in (imgs if imgs is not None else [[] for _ in prompts])][::n]
     counts = [len(prompts) for prompts, _ in per_rank]
-    offset = sum(counts[:engine.rank])  # the job's samples in rank order (TRL's: rank r's start at r * its count)
+    # the job's samples in rank order (TRL's: rank r's start at r * its count)
+    offset = sum(counts[:engine.rank if job_wide else engine.tp_ranks.index(engine.rank)])
     engine.ready()
     engine.check_prompt_length(max((len(p) for p in unique), default=0), sampling.max_tokens)
     per_request = sampling.seed is not None and engine.seed_mode == "sample"
@@ -92,13 +99,20 @@ def generate_balanced(engine, sample_prompts: list[list[int]], n: int, sampling:
 
     leader = _leader(engine)
     with engine.engine_rng(sampling.seed):
-        queue = job_queue(engine, counts, n)
-        requests, stats = run_pulled(loop, queue, add_group, n, engine.max_num_seqs, share=_share(engine),
+        if order is None:
+            queue = job_queue(engine, counts, n)
+        else:  # one queue in the rule's order, every engine pulling from its head
+            queue = GroupQueue(engine.job_store if job_wide else LocalStore(),
+                               engine.job_key() if job_wide else "local", [range(len(unique))], 0)
+        pulled = queue if order is None else _Ordered(queue, list(order([list(p) for p in unique])))
+        requests, stats = run_pulled(loop, pulled, add_group, n, engine.max_num_seqs, share=_share(engine),
                                      outstanding=loop.engine_unfinished)
-    done = send_home(engine, {g: (loop.prompt_ids(rid) if flat_images is not None else list(unique[g]),
-                                  [(x.token_ids, x.logprobs, x.finish_reason) for x in loop.request(rid)])
-                              for g, rid in requests.items()} if leader else {}, counts, n)
-    drop_job_queue(engine, queue)  # every rank is past its last claim
+    held = {g: (loop.prompt_ids(rid) if flat_images is not None else list(unique[g]),
+                [(x.token_ids, x.logprobs, x.finish_reason) for x in loop.request(rid)])
+            for g, rid in requests.items()} if leader else {}
+    done = send_home(engine, held, counts, n) if job_wide else engine.gather_tp(held)[0]  # (the leader's)
+    if job_wide:
+        drop_job_queue(engine, queue)  # every rank is past its last claim
     missing = sorted({s // n for s in range(offset, offset + len(sample_prompts))} - done.keys())
     if missing:
         raise RuntimeError(f"groups {missing[:5]} of the job's queue were generated by no engine (the queue's "
@@ -115,6 +129,19 @@ def generate_balanced(engine, sample_prompts: list[list[int]], n: int, sampling:
         groups.append(g)
     return RolloutBatch(prompt_ids, completion_ids, logprobs, reasons, groups,
                         timings={"generate_s": stats.busy_s}), stats
+
+
+class _Ordered:
+    """A :class:`GroupQueue` of positions handed out as the groups ``order`` puts there."""
+
+    def __init__(self, queue: GroupQueue, order: list[int]) -> None:
+        if sorted(order) != list(range(len(queue.segments[0]))):
+            raise ValueError(f"a dispatch rule's order must list each of the job's {len(queue.segments[0])} groups "
+                             f"once; got {order[:10]}...")
+        self.queue, self.order = queue, order
+
+    def claim(self, k: int) -> list[int]:
+        return [self.order[p] for p in self.queue.claim(k)]
 
 
 def run_agents_balanced(engine, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
