@@ -13,7 +13,7 @@ import pytest
 from trl_nrollout.config import NRolloutConfig
 from trl_nrollout.config.checks import rollout_ranks_refusal
 from trl_nrollout.errors import InputError
-from trl_nrollout.rollout.axes import REFUSALS, refusal_table
+from trl_nrollout.rollout.axes import REFUSALS, dispatch_rule, refusal_table
 from trl_nrollout.trainer.agents import agent_refusal
 from trl_nrollout.trainer.engines import EngineSetup
 from trl_nrollout.trainer.multiturn import check_images, request_turns_refusal
@@ -147,7 +147,7 @@ at TP=1 and TP=2."""
     # ranks (tests/test_combinations.py::test_partial_environment_episodes_train_on_their_own_ranks_at_tp2)
     # environments on a balanced queue, their tools run at home (tests/test_combinations.py, rollout/episodes/home_tools.py)
     assert EngineSetup.dispatch_refusal(_trainer(environment_factories={"e": print}, args=SimpleNamespace(
-        rollout_multi_turn="requests"))) is None
+        rollout_multi_turn="requests")), dispatch_rule("balanced")) is None
     for tp in (1, 2):
         assert _partial_refusal(_trainer(environment_factories={"e": print}, tools=[print], args=(
             SimpleNamespace(rollout_ranks=0, rollout_multi_turn="requests")), layout=SimpleNamespace(rollout_tp_size=tp)
@@ -165,7 +165,8 @@ at TP=1 and TP=2."""
 
 @pytest.mark.parametrize("option, off, check", [
     ("rollout_partial=True", "rollout_partial=False", _partial_refusal),
-    ("rollout_dispatch='balanced'", "rollout_dispatch='shares'", EngineSetup.dispatch_refusal),
+    ("rollout_dispatch='balanced'", "rollout_dispatch='shares'",
+     lambda t: EngineSetup.dispatch_refusal(t, dispatch_rule("balanced"))),
     ("rollout_multi_turn='requests'", "rollout_multi_turn='turns'", _request_turns_refusal)])
 def test_the_hf_engine_chosen_by_auto_is_refused_with_the_tables_reason(tmp_path, option, off, check):
     """rollout_backend='auto' without vLLM gives the HF engine: the trainer's check refuses each machine row with the
