@@ -177,7 +177,7 @@ def d(self):
     assert sorted(a for _, a in engine_uses(source)) == ["_hidden", "dtype", "gather_tp", "load_buckets", "rank",
                                                          "sleep"]
     uses = _package_uses()
-    assert ("trainer/episodes.py", "generate_expanded") in uses and ("rollout/ranks/serve.py", "load_buckets") in uses
+    assert ("rollout/dispatch/rules.py", "generate_expanded") in uses and ("rollout/ranks/serve.py", "load_buckets") in uses
 
 
 def _instance_attributes(cls: type) -> set[str]:

@@ -3,7 +3,8 @@
 A rollout step is one choice on each axis:
 
 - **placement**, where the engines live: colocated with the trainers (``rollout_ranks=0``), or on rollout ranks;
-- **dispatch**, how work reaches them: fixed shares (``rollout_dispatch="shares"``) or one balanced queue;
+- **dispatch**, how work reaches them: a registered :class:`DispatchRule` (``rollout_dispatch``; the built-ins in
+  :mod:`trl_nrollout.rollout.dispatch.rules`: fixed shares, ``"shares"``, or one balanced queue, ``"balanced"``);
 - **end**, when the step's rollout ends: every sample done, or partial (``rollout_partial=True``: the first groups
   to finish train, the rest stay in flight across weight syncs);
 - **episode**, what one sample is: one completion, TRL tools turn by turn or request by request, an environment
