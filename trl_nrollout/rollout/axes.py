@@ -73,8 +73,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "multiturn.check_images", "two choices of the episode axis: request-level tool episodes from a balanced "
             "queue do not carry images yet (nor a tool's returned images: refused when one returns an image); turn "
             "by turn, or from fixed shares, they do"),
-    Refusal("image prompts", "tools and rollout_partial=True", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: partial tool episodes do not carry images yet (whole ones do)"),
+    Refusal("image prompts", "environment_factory and rollout_partial=True, or tools and rollout_partial=True and "
+            "rollout_dispatch='balanced'", "not yet", "multiturn.check_images",
+            "two choices of the episode axis: partial tool episodes carry images (the prompts', the tools') with "
+            "tools= from fixed shares, not yet an environment's observation images nor from a balanced queue"),
     Refusal("image prompts", "rollout_func and rollout_partial=True", "not yet", "multiturn.check_images",
             "two choices of the episode axis: a partial rollout runs a rollout_func group by group, which does not "
             "carry images yet"),
