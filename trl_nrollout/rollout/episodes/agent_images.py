@@ -19,7 +19,7 @@ import io
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["CallMedia", "image_blocks", "data_url_image", "render_ids"]
+__all__ = ["CallMedia", "data_url_image", "expansion_apart", "image_blocks", "render_ids"]
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
 
@@ -90,6 +90,17 @@ def image_blocks(i: int, content: list) -> list[dict]:
             raise ValueError(f"messages[{i}].content has a part of type {kind!r}: send text and image_url parts "
                              "only.")
     return out
+
+
+def expansion_apart(expanded: list[int] | None, images: int, engine_prompt: list[int], kept: int) -> str | None:
+    """Why a call's prompt with ``images`` images, which vLLM expanded into ``engine_prompt`` (its ``kept`` tokens of
+    an earlier step after it), is not the processor's ``expanded`` (None: the same, or no images): the trainer would
+    score the completion under another prompt than it was sampled from."""
+    if expanded is None or list(engine_prompt[:len(expanded)]) == list(expanded):
+        return None
+    return (f"vLLM expanded this call's {images} image(s) into a prompt of {len(engine_prompt) - kept} tokens, the "
+            f"model's processor into {len(expanded)}: the trainer would score another prompt than vLLM sampled "
+            "from. Check that the processor's settings (image size, image_seq_len) match the model's.")
 
 
 def render_ids(processor, messages: list[dict], tools: list | None, generation: bool, expanded: bool) -> list[int]:

@@ -52,7 +52,7 @@ from trl_nrollout.rollout.episodes.agent_calls import (
     same_message,
     template_messages,
 )
-from trl_nrollout.rollout.episodes.agent_images import CallMedia, render_ids
+from trl_nrollout.rollout.episodes.agent_images import CallMedia, expansion_apart, render_ids
 from trl_nrollout.rollout.episodes.tool_images import message_images
 
 logger = logging.getLogger(__name__)
@@ -127,18 +127,6 @@ class EndpointError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
-
-
-def _expansion_apart(call: PendingCall, engine_prompt: list[int]) -> EndpointError | None:
-    """The error for a call with images whose prompt vLLM expanded otherwise than the processor (None: the same, or
-    no images): the trainer would score the completion under another prompt than it was sampled from."""
-    if call.expanded is None or list(engine_prompt[:len(call.expanded)]) == call.expanded:
-        return None
-    return EndpointError(500, f"vLLM expanded this call's {len(call.images)} image(s) into a prompt of "
-                              f"{len(engine_prompt) - len(call.kept_ids)} tokens, the model's processor into "
-                              f"{len(call.expanded)}: the trainer would score another prompt than vLLM sampled from. "
-                              "Check that the processor's settings (image size, image_seq_len) match the model's.",
-                         type_="server_error", code="image_expansion")
 
 
 class AgentEndpoint:
@@ -315,9 +303,10 @@ class AgentEndpoint:
                         progress = engine_loop.samples[(rid, k)]
                         call = running.pop(rid)
                         if call is not None and not call.future.done():
-                            apart = _expansion_apart(call, engine_loop.prompt_ids(rid))
-                            if apart is not None:
-                                call.future.set_exception(apart)
+                            apart = expansion_apart(call.expanded, len(call.images), engine_loop.prompt_ids(rid),
+                                                    len(call.kept_ids))
+                            if apart is not None:  # (the trainer would score another prompt than vLLM's)
+                                call.future.set_exception(EndpointError(500, apart, "server_error", "image_expansion"))
                             else:
                                 call.future.set_result((call.kept_ids + list(progress.token_ids),
                                                         call.kept_logprobs + list(progress.logprobs),
