@@ -67,7 +67,7 @@ def test_openai_messages_are_made_template_messages():
                                          r"\('https://example.com/a.png'\): this endpoint fetches nothing"):
         template_messages([{"role": "system", "content": "x"}, image])
     image["content"][1]["image_url"]["url"] = "data:image/png;base64,iVBORw0KGgo="
-    with pytest.raises(ValueError, match=r"images in agent calls are not recorded for training yet"):
+    with pytest.raises(ValueError, match=r"this endpoint takes no images: its policy is a text model"):
         template_messages([image])
 
 

@@ -82,8 +82,11 @@ CASES = {
     ("image prompts", "tools and rollout_multi_turn='requests' and rollout_dispatch='balanced'"): lambda tmp: _raised(
         lambda: check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(
             rollout_multi_turn="requests", rollout_dispatch="balanced"))),
-    ("image prompts", "tools and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_partial=True))),
+    ("image prompts", "environment_factory and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], environment_factory=print, args=SimpleNamespace(rollout_partial=True))),
+    ("image prompts", "tools and rollout_partial=True and rollout_dispatch='balanced'"): lambda tmp: _raised(
+        lambda: check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(
+            rollout_partial=True, rollout_dispatch="balanced"))),
     ("image prompts", "tools and rollout_ranks"): lambda tmp: _raised(lambda: check_images(
         ["prompt", "image"], environment_factory=print, args=SimpleNamespace(rollout_ranks=1))),
     ("agent", "environment_factory or rollout_func"): lambda tmp: _agent_refusal(

@@ -116,10 +116,11 @@ def agent_refusal(args, rollout_backend: str, environment_factories, rollout_fun
     return None
 
 
-def endpoint_settings(args, model_name: str, max_model_len: int) -> dict:
+def endpoint_settings(args, model_name: str, max_model_len: int, processor: Any = None) -> dict:
     """What an endpoint needs besides the tokenizer (:func:`start_endpoint`'s keywords): the policy's ``model_name``,
-    its engine's context ``max_model_len``, the options' limits and sampling."""
-    return {"model_name": model_name, "max_model_len": max_model_len,
+    its engine's context ``max_model_len``, the options' limits and sampling, a vision-language policy's
+    ``processor`` (its agents may send images; None: a text policy, or where agents' images are not carried)."""
+    return {"model_name": model_name, "max_model_len": max_model_len, "processor": processor,
             "max_completion_length": args.max_completion_length, "max_calls": args.agent_max_calls,
             "policy": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                        "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}}
@@ -156,7 +157,8 @@ def remote_agent_episodes(engine, agent_job: Callable, ahead_jobs: Callable, log
 class AgentRecords:
     """What trains of finished episodes' records: a ``rollout_func``'s returned samples (``func``), or the agents'
     calls assembled and logged into ``metrics``. ``tokenize``: TRL's prompt tokenization; ``limit``:
-    ``max_completion_length``; ``rank``: this process (for the logs)."""
+    ``max_completion_length``; ``rank``: this process (for the logs); ``processor``: a vision-language policy's
+    (the image tensors of calls that sent images), None for a text policy."""
 
     tokenizer: Any
     tokenize: Callable[[list], tuple]
@@ -165,6 +167,7 @@ class AgentRecords:
     metrics: Any
     rank: int
     main: bool
+    processor: Any = None
 
     def batch(self, records: list[EpisodeRecord], prompts: list, n: int, offset: int, mode: str, stats: dict,
               wall: float, prompt_ids: list[list[int]] | None = None) -> tuple[RolloutBatch, Episode]:
@@ -187,7 +190,7 @@ class AgentRecords:
         calls' messages, a split episode's later calls, the agents' reward kwargs; ``assembled``: each episode laid
         out, for the logs)."""
         eos = self.tokenizer.eos_token_id or 0
-        done = [assemble(r.calls, prompt_ids[i], eos) for i, r in enumerate(records)]
+        done = [assemble(trained_calls(r), prompt_ids[i], eos) for i, r in enumerate(records)]
         masks = [a.mask for a in done]
         limit = self.limit
         segments = [split_calls(a, r, limit) for a, r in zip(done, records)]  # a split episode's later calls
@@ -203,7 +206,26 @@ class AgentRecords:
                         for c in r.calls] or [{"role": "assistant", "content": ""}] for r in records]
         return batch, Episode(tool_mask=masks, completions=completions, turns=[max(1, len(r.calls)) for r in records],
                               tool_calls=[0] * len(records), tool_failures=[0] * len(records), extra_fields=extra,
-                              segments=segments, assembled=done)
+                              segments=segments, assembled=done, mm=self.image_tensors(records, done))
+
+    def image_tensors(self, records: list[EpisodeRecord], done: list[Assembled]) -> list | None:
+        """Per sample, the processor's image tensors of every image its episode's calls sent, in order (its last
+        call's prompt holds them all: the calls chain); None where no call sent one. A split episode with images
+        (its agent edited a history holding images) is an error: its calls would train as samples of their own,
+        each with its own images, which is not carried yet."""
+        if not any(c.images for r in records for c in r.calls):
+            return None
+        from trl_nrollout.passes.multimodal import image_tensors
+
+        out = []
+        for r, a in zip(records, done):
+            if a.split and any(c.images for c in r.calls):
+                raise ValueError(f"the agent's episode of row {r.row!r:.80} sent images and then edited its history "
+                                 "(a later call does not extend the earlier ones): its calls would train as samples "
+                                 "of their own, which does not carry images yet. Append to the conversation (send "
+                                 "back the messages so far, the assistant's reply, then the new ones).")
+            out.append(image_tensors(self.processor, r.calls[-1].images) if r.calls and r.calls[-1].images else None)
+        return out
 
     def log(self, mode: str, records: list[EpisodeRecord], episode: Episode, stats: dict, wall: float) -> None:
         """The agents' outcomes, calls and splits (over every rank), the engine's idle seconds, the wall time."""
@@ -226,6 +248,11 @@ class AgentRecords:
         if failed:
             logger.warning("%d of %d agent episodes on rank %d are unscored (%s), e.g. %s", len(failed), len(records),
                            self.rank, ", ".join(sorted({r.outcome for r in failed})), failed[0].error)
+
+
+def trained_calls(record: EpisodeRecord) -> list:
+    """An episode's calls with each prompt as the trainer's forward takes it (image placeholders expanded)."""
+    return [c if c.expanded_ids is None else replace(c, prompt_ids=list(c.expanded_ids)) for c in record.calls]
 
 
 def _reward_kwargs(records: list[EpisodeRecord]) -> dict[str, list]:

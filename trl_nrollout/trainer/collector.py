@@ -183,7 +183,8 @@ class RolloutCollector:
         tools, setup = TRLTools.of(trainer), trainer.engine_setup
         max_len = lambda: getattr(engine, "max_model_len", None) or setup.context_length() or 1 << 30  # noqa: E731
         records = AgentRecords(trainer._tokenizer, trainer._tokenize_prompts, trainer.rollout_func is not None,
-                               args.max_completion_length, metrics, rank, trainer.accelerator.is_main_process)
+                               args.max_completion_length, metrics, rank, trainer.accelerator.is_main_process,
+                               tools.processor)
         images = ImagePrompts(trainer.processing_class, trainer._is_vlm, trainer.tools, trainer.chat_template,
                               trainer.chat_template_kwargs, image_refusal(
                                   tools=trainer.tools, rollout_func=trainer.rollout_func, args=args,
@@ -195,7 +196,8 @@ class RolloutCollector:
             partial(_log_dispatch, metrics, engine, trainer.layout.rollout_tp_size),
             runner=lambda: episode_runner(trainer.agent, trainer.rollout_func, trainer, args, trainer.num_generations,
                                           engine.max_model_len, trainer.tools),
-            settings=lambda: endpoint_settings(args, setup.model_path(), engine.max_model_len),
+            settings=lambda: endpoint_settings(args, setup.model_path(), engine.max_model_len,
+                                               None if placement.remote else tools.processor),
             encode_images=images.encode)
         collector = cls(choose_episode_kind(parts), engine, start=trainer._start_step_episodes,
                         names=lambda: getattr(trainer, "_batch_environments", None), tokenize=trainer._tokenize_prompts,

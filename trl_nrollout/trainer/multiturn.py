@@ -73,14 +73,16 @@ IMAGE_REFUSALS = {
     "rollout_dispatch='balanced'": "request-level tool episodes (rollout_multi_turn='requests') from a balanced "
                                    "queue do not carry images yet (with fixed shares, rollout_dispatch='shares', "
                                    "they do)",
-    "rollout_partial=True": "a partial rollout runs tool episodes request by request, which do not carry images yet",
+    "rollout_partial=True": "partial tool episodes carry images with tools= from fixed shares, not yet with "
+                            "environment_factory (its observations' images) or from a balanced queue "
+                            "(rollout_dispatch='balanced')",
     "rollout_ranks": "tool episodes on rollout ranks do not carry images yet",
 }
 
 
 def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, args=None) -> str | None:
     """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn, or
-    request by request from fixed shares; colocated, whole rollouts)."""
+    request by request from fixed shares; tools= in partial rollouts from fixed shares; colocated)."""
     agentic = bool(tools) or environment_factory is not None
     if rollout_func is not None and (getattr(args, "rollout_multi_turn", "turns") == "requests"
                                      or getattr(args, "rollout_partial", False) or getattr(args, "rollout_ranks", 0)):
@@ -88,7 +90,8 @@ def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, ar
     if agentic and getattr(args, "rollout_multi_turn", "turns") == "requests" \
             and dispatch_rule(getattr(args, "rollout_dispatch", "shares")).job_wide:  # (the balanced queue's driver)
         return "rollout_dispatch='balanced'"
-    if agentic and getattr(args, "rollout_partial", False):
+    if agentic and getattr(args, "rollout_partial", False) and (
+            environment_factory is not None or getattr(args, "rollout_dispatch", "shares") == "balanced"):
         return "rollout_partial=True"
     if agentic and getattr(args, "rollout_ranks", 0):
         return "rollout_ranks"
@@ -110,7 +113,8 @@ def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, en
         raise UnsupportedTRLOption(
             f"the dataset has image column(s) {found} (image prompts) and the trainer was given {with_tools}{why}: "
             f"{IMAGE_REFUSALS[why]}. Images run with tools= and environment_factory= (turn by turn, or request by "
-            "request with rollout_dispatch='shares'; colocated, without rollout_partial); use that, or "
+            "request with rollout_dispatch='shares'; colocated; partial rollouts with tools= and fixed shares); use "
+            "that, or "
             "trl.GRPOTrainer for this combination, or drop the image columns.")
 
 

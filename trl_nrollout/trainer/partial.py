@@ -160,7 +160,7 @@ class PartialPool:
             episode_runner=lambda: episode_runner(t.agent, t.rollout_func, t, args, t.num_generations,
                                                   t.rollout_engine.max_model_len, t.tools))
         groups = PoolGroups()
-        encoder = PromptEncoder(t.processing_class, t.tools, t.chat_template, t.chat_template_kwargs)
+        encoder = PromptEncoder(t.processing_class, t.tools, t.chat_template, t.chat_template_kwargs, t._is_vlm)
         metrics = Metrics(t._metrics)
         agents = t.agent is not None or t.rollout_func is not None
         if rr is not None:  # the pools live on the rollout ranks (trainer/remote_partial.py)

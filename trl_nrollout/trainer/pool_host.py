@@ -9,8 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trl_nrollout.passes.multimodal import encode_prompts
+from trl_nrollout.passes.multimodal import encode_prompts, engine_suffix_ids, image_tensors
 from trl_nrollout.rollout.episodes.in_flight import InFlightGroup
+from trl_nrollout.rollout.episodes.tool_images import TurnMedia
 from trl_nrollout.rollout.types import SamplingOptions
 from trl_nrollout.trainer.metrics import Metrics
 
@@ -72,12 +73,28 @@ class PoolGroups:
 @dataclass
 class PromptEncoder:
     """The prompts a trained group's samples train on: text groups' engine ids, or image groups encoded again by
-    the ``processor`` (placeholders expanded, their tensors), as the synchronous round encodes them."""
+    the ``processor`` (placeholders expanded, their tensors), as the synchronous round encodes them. ``vlm``: the
+    processor is a vision-language model's (tool episodes then carry the images their tools return)."""
 
     processor: Any
     tools: list | None
     chat_template: Any
     chat_template_kwargs: Any
+    vlm: bool = False
+
+    def tool_media(self) -> TurnMedia | None:
+        """What a pool's tool episodes need to carry their tools' images (the results' tokens with the placeholders
+        unexpanded, for the engine); None for a text model (a tool's image is then refused)."""
+        if not self.vlm:
+            return None
+        return TurnMedia([], [], lambda messages: engine_suffix_ids(
+            self.processor, messages, chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs))
+
+    def episode_tensors(self, prompt_mm: list, prompt_images: list[list], tool_images: list[list]) -> list:
+        """Per sample, the image tensors its forward takes: its prompt's (``prompt_mm``) or, where its tools returned
+        images (``tool_images``), those of all its images in order (``prompt_images`` first)."""
+        return [image_tensors(self.processor, list(p) + list(t)) if t else m
+                for m, p, t in zip(prompt_mm, prompt_images, tool_images, strict=True)]
 
     def trained(self, prompts: list, ids: list[list[int]], images: bool, n: int) -> tuple[list[list[int]], list]:
         """Per sample of groups of ``prompts`` (``n`` samples each; ``ids``: each group's engine ids): the prompt ids

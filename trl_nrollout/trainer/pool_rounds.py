@@ -119,23 +119,26 @@ class EngineRound:
         sample_prompts = [g.payload["prompt"] for g in mine for _ in range(n)]
         flat = [s for g in mine for s in g.samples]
         mm_local = None  # a VLM's image tensors of this rank's samples, where they do not travel with them
+        prompt_ids, mm = on.encoder.trained([g.payload["prompt"] for g in mine], [g.prompt_ids for g in mine],
+                                            any(g.images for g in mine), n)
         if on.tools:  # an episode: its turns and tool results (masked), its messages for the rewards
             episodes = [s.episode for s in flat]
-            samples = [Sample(list(g.prompt_ids), e.completion_ids, e.logprobs, e.finish_reason, e.tool_mask)
-                       for g in mine for e in (s.episode for s in g.samples)]
+            if any(e.images for e in episodes):  # its tools' images: the tensors of all its images, in order
+                mm = on.encoder.episode_tensors(mm, [g.images or [] for g in mine for _ in range(n)],
+                                                [e.images for e in episodes])
+            samples = [Sample(p, e.completion_ids, e.logprobs, e.finish_reason, e.tool_mask, mm=m)
+                       for p, m, e in zip(prompt_ids, mm, episodes)]
             completions = [e.messages for e in episodes]
             host.log_turns(ctx.mode, Episode(turns=[e.turns for e in episodes],
                                              tool_calls=[e.tool_calls for e in episodes],
                                              tool_failures=[e.tool_failures for e in episodes]))
         else:
-            prompt_ids, mm = on.encoder.trained([g.payload["prompt"] for g in mine], [g.prompt_ids for g in mine],
-                                                any(g.images for g in mine), n)
             samples = [Sample(p, s.token_ids, s.logprobs, s.finish_reason, mm=m)
                        for p, m, s in zip(prompt_ids, mm, (s for g in mine for s in g.samples))]
             completions = host.decode(sample_prompts, [s.completion_ids for s in samples])
-            if not (args.balance_batch or args.filter_groups):  # image tensors stay here (see _one_round)
-                mm_local = [s.mm for s in samples] if any(m is not None for m in mm) else None
-                samples = [replace(s, mm=None) for s in samples]
+        if not (args.balance_batch or args.filter_groups):  # image tensors stay here (see _one_round)
+            mm_local = [s.mm for s in samples] if any(m is not None for m in mm) else None
+            samples = [replace(s, mm=None) for s in samples]
         completion_ids = [s.completion_ids for s in samples]
         if envs := on.envs.enabled:  # the reward functions' environments=: those of the samples trained, in order
             on.envs.for_rewards(mine)
@@ -210,7 +213,7 @@ class EngineRound:
             return [InFlightGroup.fresh(key, p, n, payload={"row": dict(row), "prompt": prompt}, sample=kind)
                     for key, p, row, prompt in zip(keys, ids, rows, prompts)]
         prompts, _ = on.host.start_episodes(rows)
-        images = on.host.encode_images(prompts)  # None for text; refuses images with tools or a plain tokenizer
+        images = on.host.encode_images(prompts)  # None for text; refuses what images do not run with, a tokenizer
         ids = images.engine_ids if images is not None else on.host.tokenize(prompts)
         return [InFlightGroup.fresh(key, list(p), n, payload={"row": dict(row), "prompt": prompt}, sample=kind,
                                     images=images.images[g] if images is not None else None)
@@ -227,7 +230,7 @@ class EngineRound:
         return AgentCallbacks(
             parse=on.host.parse_turn, run_tools=lambda i, calls: call_tools(calls, sync, asyn, loop=loop),
             suffix_ids=on.host.suffix_ids, max_iterations=on.args.max_tool_calling_iterations,
-            max_completion_length=on.args.max_completion_length, max_model_len=max_len)
+            max_completion_length=on.args.max_completion_length, max_model_len=max_len, media=on.encoder.tool_media())
 
     def to_save(self) -> list[InFlightGroup]:
         """The pool a checkpoint keeps (with environments: without its episodes)."""

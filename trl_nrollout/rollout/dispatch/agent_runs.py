@@ -170,10 +170,11 @@ class EpisodeRunner:
 
 
 def start_endpoint(tokenizer, *, model_name: str, max_model_len: int, max_completion_length: int, max_calls: int,
-                   policy: dict[str, Any]):
+                   policy: dict[str, Any], processor: Any = None):
     """A started :class:`~trl_nrollout.rollout.episodes.endpoint.AgentEndpoint` for ``tokenizer``, answering tool calls
     with TRL's response parser where TRL knows the chat template's tool-call format (Qwen2.5/Qwen3/Llama-3/...; it
-    is set on the tokenizer), plain text otherwise."""
+    is set on the tokenizer), plain text otherwise. ``processor``: a vision-language policy's (its agents' calls may
+    send images), None for a text policy."""
     from trl.chat_template_utils import add_response_schema, parse_response
 
     from trl_nrollout.rollout.episodes.endpoint import AgentEndpoint
@@ -194,7 +195,7 @@ def start_endpoint(tokenizer, *, model_name: str, max_model_len: int, max_comple
             return parse_response(tokenizer, ids, prefix=prefix, tools=None)
     endpoint = AgentEndpoint(tokenizer, model_name=model_name, max_model_len=max_model_len,
                              max_completion_length=max_completion_length, max_calls=max_calls, parse=parse,
-                             policy=policy)
+                             policy=policy, processor=processor)
     endpoint.start()
     return endpoint
 

@@ -33,13 +33,23 @@ OUTCOMES = ("ok", "error", "timeout", "calls", "tokens")
 class Call:
     """One call of an episode: ``prompt_ids`` ``[P]`` as the engine saw them, ``completion_ids`` ``[C]`` and their
     ``logprobs`` ``[C]`` (the engine's), ``finish_reason`` (``stop`` / ``length`` / ``tool_calls``), ``extends``
-    (its prompt starts with the previous call's prompt + completion: built from the recorded tokens)."""
+    (its prompt starts with the previous call's prompt + completion: built from the recorded tokens). A vision-language
+    policy's call with images (OpenAI ``image_url`` parts): ``images``, every image of its prompt in order (PIL), and
+    ``expanded_ids``, its prompt with the processor's expansion of their placeholders (what the trainer's forward
+    takes; ``prompt_ids`` keep them unexpanded, as vLLM takes them); None for a call without images."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     extends: bool = False
+    images: list = field(default_factory=list)
+    expanded_ids: list[int] | None = None
+
+    @property
+    def trained_prompt(self) -> list[int]:
+        """The prompt as the trainer's forward takes it (image placeholders expanded, where it has images)."""
+        return self.prompt_ids if self.expanded_ids is None else self.expanded_ids
 
 
 @dataclass
@@ -63,6 +73,14 @@ class EpisodeRecord:
             return None
         last = self.calls[-1]
         return last.prompt_ids + last.completion_ids
+
+    @property
+    def trained_context(self) -> list[int] | None:
+        """:attr:`context` with image placeholders expanded (what the trainer's forward takes)."""
+        if not self.calls:
+            return None
+        last = self.calls[-1]
+        return last.trained_prompt + last.completion_ids
 
 
 @dataclass
@@ -144,41 +162,46 @@ def openai_tool_calls(parsed: list[dict] | None, key: str, call_index: int) -> l
     return out
 
 
-def _image_url_refusal(i: int, part: dict) -> str:
-    """Why an OpenAI ``image_url`` part of ``messages[i]`` is refused: the endpoint fetches nothing (an http(s) URL),
-    and images in agent calls are not recorded for training yet (a data URL): never trained as if absent."""
-    url = str((part.get("image_url") or {}).get("url", "")) if isinstance(part.get("image_url"), dict) else ""
-    if url.startswith(("http://", "https://")):
-        return (f"messages[{i}].content has an image_url part with an http(s) URL ({url[:60]!r}): this endpoint "
-                "fetches nothing; send the image inline as a data URL (data:image/png;base64,...), and note that "
-                "images in agent calls are not trained yet.")
-    return (f"messages[{i}].content has an image_url part: images in agent calls are not recorded for training yet "
-            "(the endpoint serves them to no engine); send text parts only, or train the images as prompts or tool "
-            "results (tools= / environment_factory=, docs/vlm.md).")
+def _image_url_refusal(i: int) -> str:
+    """Why an OpenAI ``image_url`` part of ``messages[i]`` is refused by an endpoint that takes no images (a text
+    policy, or agents where images are not carried yet)."""
+    return (f"messages[{i}].content has an image_url part, and this endpoint takes no images: its policy is a text "
+            "model, or its episodes run where agents' images are not carried yet (partial rollouts of agents, "
+            "rollout ranks). Send text parts only, or train a vision-language model (its processor as "
+            "processing_class) with agents colocated and rollout_partial=False (docs/vlm.md).")
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
+def template_messages(messages: list[dict], images: bool = False) -> list[dict]:
     """OpenAI chat messages as chat templates take them: text content parts joined, an assistant's tool calls'
     JSON-string arguments parsed into dicts (templates write them with ``tojson``), a tool message's
-    ``tool_call_id`` kept, ``name`` given where the template reads it. ValueError naming the message for what
-    cannot be a chat message."""
+    ``tool_call_id`` kept, ``name`` given where the template reads it. ``images`` (a vision-language policy): an
+    ``image_url`` part with a data URL becomes TRL's ``{"type": "image", "image": <PIL image>}`` block, the message's
+    content then a list of typed blocks in the agent's order (an http(s) URL is refused: nothing is fetched).
+    ValueError naming the message for what cannot be a chat message."""
+    from trl_nrollout.rollout.episodes.agent_images import image_blocks, part_url, url_refusal
+
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             raise ValueError(f"messages[{i}] must be an object with a role of system, developer, user, assistant or "
                              f"tool; got {m!r:.120}.")
         content = m.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
             for p in content:
-                if isinstance(p, dict) and p.get("type") == "image_url":
-                    raise ValueError(_image_url_refusal(i, p))
+                if isinstance(p, dict) and p.get("type") == "image_url" and url_refusal(i, part_url(i, p)):
+                    raise ValueError(url_refusal(i, part_url(i, p)))  # (nothing is fetched, whatever the policy)
+            if not images:
+                raise ValueError(_image_url_refusal(i))
+            content = image_blocks(i, content)
+        elif isinstance(content, list):
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                 raise ValueError(f"messages[{i}].content has a part that is not text: this endpoint serves a text "
                                  "model; send text parts only.")
             content = "".join(p.get("text", "") for p in content)
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, a list of text parts or null.")
-        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
+        msg = {"role": "system" if m["role"] == "developer" else m["role"],
+               "content": content if isinstance(content, list) else content or ""}
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = []
             for call in m["tool_calls"]:

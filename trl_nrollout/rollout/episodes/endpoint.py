@@ -52,6 +52,8 @@ from trl_nrollout.rollout.episodes.agent_calls import (
     same_message,
     template_messages,
 )
+from trl_nrollout.rollout.episodes.agent_images import CallMedia, expansion_apart, render_ids
+from trl_nrollout.rollout.episodes.tool_images import message_images
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,10 @@ class PendingCall:
     future: Future = field(default_factory=Future)
     kept_ids: list[int] = field(default_factory=list)
     kept_logprobs: list[float] = field(default_factory=list)
+    #: a vision-language policy's call: its prompt's images (vLLM's ``multi_modal_data``) and the processor's
+    #: expansion of ``prompt_ids`` (checked against vLLM's own when the call ends); empty / None without images
+    images: list = field(default_factory=list)
+    expanded: list[int] | None = None
 
     def continuation(self) -> tuple[list[int], int, list[str], int | None]:
         """What the engine runs now: the prompt with the kept tokens, the tokens left of ``max_tokens``, the stop
@@ -130,12 +136,15 @@ class AgentEndpoint:
     completion (TRL's response parser where the tokenizer has one; None: text only); ``model_name``: the name
     ``/v1/models`` lists and requests must use (``"policy"`` is accepted too); ``max_model_len``: the engine's
     context; ``max_completion_length``: an episode's token budget over all its calls; ``max_calls``: calls per
-    episode; ``policy``: the trainer's values of :data:`POLICY_PARAMETERS` (for the warning)."""
+    episode; ``policy``: the trainer's values of :data:`POLICY_PARAMETERS` (for the warning); ``processor``: a
+    vision-language policy's processor (None: a text policy, whose endpoint refuses ``image_url`` parts):
+    :mod:`~trl_nrollout.rollout.episodes.agent_images`."""
 
     def __init__(self, tokenizer, *, model_name: str, max_model_len: int, max_completion_length: int, max_calls: int,
                  parse: Callable[[list[int], list[int], list | None], dict] | None = None,
-                 policy: dict[str, Any] | None = None, host: str = "127.0.0.1") -> None:
+                 policy: dict[str, Any] | None = None, host: str = "127.0.0.1", processor: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.processor = processor
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_completion_length = max_completion_length
@@ -239,6 +248,8 @@ class AgentEndpoint:
         ``kept_tokens`` (with ``carry``: their tokens, continued rather than drawn again)."""
         from vllm.inputs import TokensPrompt
 
+        from trl_nrollout.rollout.engines.vllm_process import vllm_prompts
+
         if carry and not engine_loop.stream:
             raise ValueError("serve(carry=True) continues an aborted request from the tokens it drew, which only a "
                              "streaming loop reports: pass engine.request_loop(stream=True).")
@@ -262,9 +273,11 @@ class AgentEndpoint:
             return [c for c in calls if not c.future.done()]
 
         def add(calls: list[PendingCall | None], specs: list[tuple]) -> None:
-            for call, (prompt_ids, max_tokens, stop, seed, sampling) in zip(calls, specs):
+            for call, (prompt_ids, max_tokens, stop, seed, sampling, images) in zip(calls, specs):
                 spec = PendingCall("", prompt_ids, max_tokens, stop, seed, sampling)
-                rid = engine_loop.add(TokensPrompt(prompt_token_ids=prompt_ids), params(spec))
+                prompt = (TokensPrompt(prompt_token_ids=prompt_ids) if not images
+                          else vllm_prompts([prompt_ids], [images])[0])
+                rid = engine_loop.add(prompt, params(spec))
                 running[rid] = call
                 stats["requests"] += call is not None
 
@@ -278,7 +291,7 @@ class AgentEndpoint:
                 for c in [c for c in mine if c.kept_ids and c.continuation()[1] <= 0]:  # cut on its last token
                     c.future.set_result((list(c.kept_ids), list(c.kept_logprobs), "length"))
                 mine = [c for c in mine if not c.future.done()]
-                specs = [(*c.continuation(), c.sampling) for c in mine]
+                specs = [(*c.continuation(), c.sampling, c.images) for c in mine]
                 finished = done() and not mine
                 everyone = [(specs, finished)] if exchange is None else exchange((specs, finished))
                 for k, (rank_specs, _) in enumerate(everyone):
@@ -290,9 +303,14 @@ class AgentEndpoint:
                         progress = engine_loop.samples[(rid, k)]
                         call = running.pop(rid)
                         if call is not None and not call.future.done():
-                            call.future.set_result((call.kept_ids + list(progress.token_ids),
-                                                    call.kept_logprobs + list(progress.logprobs),
-                                                    progress.finish_reason))
+                            apart = expansion_apart(call.expanded, len(call.images), engine_loop.prompt_ids(rid),
+                                                    len(call.kept_ids))
+                            if apart is not None:  # (the trainer would score another prompt than vLLM's)
+                                call.future.set_exception(EndpointError(500, apart, "server_error", "image_expansion"))
+                            else:
+                                call.future.set_result((call.kept_ids + list(progress.token_ids),
+                                                        call.kept_logprobs + list(progress.logprobs),
+                                                        progress.finish_reason))
                     stats["engine_steps"] += 1
         finally:
             aborted = dict(engine_loop.abort()) if engine_loop.has_unfinished else {}
@@ -409,15 +427,15 @@ class AgentEndpoint:
         if not isinstance(messages, list) or not messages:
             raise EndpointError(400, "messages must be a non-empty list of chat messages.", param="messages")
         try:
-            messages = template_messages(messages)
+            messages = template_messages(messages, images=self.processor is not None)
         except ValueError as err:
             raise EndpointError(400, str(err), param="messages") from None
         tools = body.get("tools") or None
         if state.lock is None:
             state.lock = asyncio.Lock()
         async with state.lock:
-            prompt_ids, extends = self._chat_prompt(state, messages, tools)
-            ids, logprobs, reason, created = await self._generate(state, prompt_ids, extends, body)
+            prompt_ids, extends, media = self._chat_prompt(state, messages, tools)
+            ids, logprobs, reason, created = await self._generate(state, prompt_ids, extends, body, media)
             message = self._message(state, ids, prompt_ids, tools)
             state.messages, state.reply = messages, template_messages([message])[0]
         calls = message.get("tool_calls")
@@ -456,32 +474,50 @@ class AgentEndpoint:
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                           "total_tokens": len(prompt_ids) + len(ids)}}
 
-    def _render(self, messages: list[dict], tools: list | None, generation: bool) -> list[int]:
+    def _render(self, messages: list[dict], tools: list | None, generation: bool, expanded: bool = False
+                ) -> list[int]:
+        """The messages' tokens; with images (a vision-language policy), through the processor's template with the
+        placeholders unexpanded (vLLM's form) or ``expanded`` (the processor's, what the trainer's forward takes)."""
+        if self.processor is not None and message_images(messages):
+            return render_ids(self.processor, messages, tools, generation, expanded)
         return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation,
                                                        tokenize=True, return_dict=False))
 
-    def _chat_prompt(self, state: EpisodeState, messages: list[dict], tools: list | None) -> tuple[list[int], bool]:
-        """The request's prompt ids, and whether they extend the episode's last call: when the request's messages
-        are the last call's messages, the assistant message returned and new messages, the prompt is the last
-        call's prompt + completion + the new messages' tokens (rendered after an assistant turn, as TRL renders
-        tool results), so the recorded tokens are reused, not re-tokenized from the agent's text."""
+    def _chat_prompt(self, state: EpisodeState, messages: list[dict], tools: list | None
+                     ) -> tuple[list[int], bool, CallMedia | None]:
+        """The request's prompt ids, whether they extend the episode's last call, and its images (None: it has
+        none): when the request's messages are the last call's messages, the assistant message returned and new
+        messages, the prompt is the last call's prompt + completion + the new messages' tokens (rendered after an
+        assistant turn, as TRL renders tool results), so the recorded tokens are reused, not re-tokenized from the
+        agent's text; its images are the last call's, then the new messages' (the processor's expansion of the
+        new placeholders appended to the last call's expanded prompt)."""
         context, prev = state.record.context, state.messages
         if (context is not None and prev is not None and len(messages) > len(prev) + 1
                 and messages[:len(prev)] == prev and same_message(messages[len(prev)], state.reply or {})):
-            return context + self._suffix(messages[len(prev)], messages[len(prev) + 1:], tools), True
+            assistant, new = messages[len(prev)], messages[len(prev) + 1:]
+            suffix, last, images = self._suffix(assistant, new, tools), state.record.calls[-1], message_images(new)
+            media = None
+            if images or last.images:
+                expanded = self._suffix(assistant, new, tools, expanded=True) if images else suffix
+                media = CallMedia(state.record.trained_context + expanded, list(last.images) + images)
+            return context + suffix, True, media
         try:
-            return self._render(messages, tools, generation=True), False
+            ids = self._render(messages, tools, generation=True)
+            images = message_images(messages) if self.processor is not None else []
+            media = CallMedia(self._render(messages, tools, True, expanded=True), images) if images else None
+            return ids, False, media
         except Exception as err:  # the template rejects the conversation (roles out of order, ...)
             raise EndpointError(400, f"the chat template cannot render these messages: {err}",
                                 param="messages") from None
 
-    def _suffix(self, assistant: dict, new: list[dict], tools: list | None) -> list[int]:
+    def _suffix(self, assistant: dict, new: list[dict], tools: list | None, expanded: bool = False) -> list[int]:
         """The tokens after an assistant turn that render ``new`` messages and the next assistant header: a
         stand-in conversation ending with that turn, rendered with and without them (the part after the turn's end
-        token), as TRL's tool-result suffix."""
+        token), as TRL's tool-result suffix (``expanded``: their images' placeholders as the processor expands
+        them)."""
         stand_in = [{"role": "user", "content": "x"}, {**assistant, "content": assistant.get("content") or ""}]
         before = self._render(stand_in, tools, generation=False)
-        after = self._render(stand_in + new, tools, generation=True)
+        after = self._render(stand_in + new, tools, generation=True, expanded=expanded)
         eos = self.tokenizer.eos_token_id
         ends = [i for i, t in enumerate(before) if t == eos]
         if ends:
@@ -491,19 +527,23 @@ class AgentEndpoint:
                                      "tokens change; cannot extend the recorded episode.", param="messages")
         return after[len(before):]
 
-    async def _generate(self, state: EpisodeState, prompt_ids: list[int], extends: bool,
-                        body: dict) -> tuple[list[int], list[float], str, int]:
+    async def _generate(self, state: EpisodeState, prompt_ids: list[int], extends: bool, body: dict,
+                        media: CallMedia | None = None) -> tuple[list[int], list[float], str, int]:
+        """Run one call of the episode (``media``: its images, None without) within its limits and record it. The
+        token counts are the trained ones (image placeholders expanded): what the engine's context and the
+        episode's ``max_completion_length`` hold."""
         record = state.record
+        trained = prompt_ids if media is None else media.expanded
         if len(record.calls) >= self.max_calls:
             record.outcome, record.error = "calls", f"more than agent_max_calls={self.max_calls} calls"
             raise EndpointError(400, f"this episode made its {self.max_calls} calls (agent_max_calls): end the "
                                      "episode.", code="episode_limit")
-        between = len(prompt_ids) - len(record.context) if extends else 0
+        between = len(trained) - len(record.trained_context) if extends else 0
         spent = record.completion_tokens + between  # the episode's tokens: completions and what lies between them
-        budget = min(self.max_completion_length - spent, self.max_model_len - len(prompt_ids))
-        if len(prompt_ids) >= self.max_model_len:
+        budget = min(self.max_completion_length - spent, self.max_model_len - len(trained))
+        if len(trained) >= self.max_model_len:
             raise EndpointError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                     f"your messages resulted in {len(prompt_ids)} tokens.",
+                                     f"your messages resulted in {len(trained)} tokens.",
                                 code="context_length_exceeded", param="messages")
         if budget <= 0:
             record.outcome, record.error = "tokens", f"spent max_completion_length={self.max_completion_length} tokens"
@@ -515,13 +555,16 @@ class AgentEndpoint:
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         seed = None if state.seed is None else state.seed(state.index, len(record.calls))
-        call = PendingCall(record.key, list(prompt_ids), max_tokens, stop, seed)
+        call = PendingCall(record.key, list(prompt_ids), max_tokens, stop, seed,
+                           images=list(media.images) if media is not None else [],
+                           expanded=list(media.expanded) if media is not None else None)
         self.requests.put(call)
         ids, logprobs, reason = await asyncio.wrap_future(call.future)
         if state.closed:  # its time ran out while the engine generated: nothing more is recorded
             raise EndpointError(404, f"episode {record.key!r} was closed while this request ran.",
                                 code="episode_closed")
-        record.calls.append(Call(list(prompt_ids), ids, logprobs, reason, extends=extends))
+        record.calls.append(Call(list(prompt_ids), ids, logprobs, reason, extends=extends,
+                                 images=list(call.images), expanded_ids=call.expanded))
         record.completion_tokens = spent + len(ids)
         return ids, logprobs, reason, int(time.time())
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialRun
+from trl_nrollout.rollout.episodes.tool_images import message_images
 from trl_nrollout.rollout.episodes.tools import AgentCallbacks, AgentSample, AgentStats, ToolRunner
 
 
@@ -80,6 +81,17 @@ class AgentPartialSample:
         budget = max_completion_length if self.budget is None else self.budget
         return base + self.turn_ids, budget - len(self.turn_ids)
 
+    def engine_request(self, group: InFlightGroup, max_completion_length: int) -> tuple[list[int], int, list]:
+        """:meth:`next_request` as the engine takes it, with its images: the group's prompt's and its tools', in
+        order (none: text), the context with their placeholders unexpanded (the group's ``prompt_ids`` are the
+        engine's form; where a tool returned an image, the episode's ``engine_completion``)."""
+        context, budget = self.next_request(group.prompt_ids, max_completion_length)
+        episode = self.episode
+        images = list(group.images or []) + (list(episode.images) if episode is not None else [])
+        if episode is not None and episode.engine_completion is not None:
+            context = list(group.prompt_ids) + list(episode.engine_completion) + list(self.turn_ids)
+        return context, budget, images
+
     def end_turn(self, new: list[int], new_logprobs: list[float], finish_reason: str, version: int,
                  prompt_ids: list[int], parse: Callable[[list[int], list[int]], dict], max_iterations: int | None
                  ) -> bool:
@@ -108,8 +120,11 @@ class AgentPartialSample:
         episode = self.episode
         assert episode is not None
         before = len(episode.completion_ids)
+        media = agent.media  # (None: a loop that carries no images, whose tool images are refused)
+        images = message_images(tool_messages) if media is not None else None
         context = episode.add_tool_results(tool_messages, failed, agent.suffix_ids(tool_messages),
-                                           agent.max_completion_length, agent.max_model_len)
+                                           agent.max_completion_length, agent.max_model_len, images,
+                                           media.engine_suffix(tool_messages) if images else None)
         if context is None:
             self.done = True
             return
@@ -174,11 +189,13 @@ def run_partial_agents(
     reported = len(finish_order)  # groups finished before the call hold the first places: not reported
     width = max((g.n for g in pool), default=1)
 
-    def add(g: int, ks: list[int], context: list[int], budget: int, started: bool) -> None:
+    def add(g: int, ks: list[int], context: list[int], budget: int, started: bool, images: list | None = None
+            ) -> None:
         nonlocal slot
         episode = pool[g].samples[ks[0]].episode
         turn = 0 if episode is None else episode.rounds + 1  # the turn in progress: the first, or after a tool round
-        rid = loop.add(prompt(context), make_params(len(ks), budget, slot, Request(g, ks, turn, started)))
+        rid = loop.add(prompt(context, images) if images else prompt(context),
+                       make_params(len(ks), budget, slot, Request(g, ks, turn, started)))
         owner[rid] = (g, ks)
         slot += len(ks)
         stats.requests += 1
@@ -192,11 +209,12 @@ def run_partial_agents(
         if group.finished:
             return
         if not group.started and all(s.base is None for s in group.samples):
-            add(g, list(range(group.n)), list(group.prompt_ids), agent.max_completion_length, True)
+            add(g, list(range(group.n)), list(group.prompt_ids), agent.max_completion_length, True, group.images)
             return
         for k, s in enumerate(group.samples):
             if not s.finished:
-                add(g, [k], *s.next_request(group.prompt_ids, agent.max_completion_length), True)
+                context, budget, images = s.engine_request(group, agent.max_completion_length)
+                add(g, [k], context, budget, True, images)
 
     def stop() -> bool:
         if reached is not None:
@@ -262,7 +280,8 @@ def run_partial_agents(
                 stats.idle_s += time.perf_counter() - idle_from
             everyone = exchange((mine, runner.pending))
             for g, k in apply(everyone):
-                add(g, [k], *pool[g].samples[k].next_request(pool[g].prompt_ids, agent.max_completion_length), False)
+                context, budget, images = pool[g].samples[k].engine_request(pool[g], agent.max_completion_length)
+                add(g, [k], context, budget, False, images)
             if not loop.has_unfinished and waiting and not any(p or r for r, p in everyone):
                 raise RuntimeError(f"{len(waiting)} tool-calling samples wait for tools no rank runs: the ranks of "
                                    "the engine's TP group disagree about them (a bug).")
@@ -309,6 +328,8 @@ def _copy(sample):
         return sample
     episode = None if sample.episode is None else replace(
         sample.episode, completion_ids=list(sample.episode.completion_ids), tool_mask=list(sample.episode.tool_mask),
-        logprobs=list(sample.episode.logprobs), messages=list(sample.episode.messages))
+        logprobs=list(sample.episode.logprobs), messages=list(sample.episode.messages),
+        images=list(sample.episode.images), engine_completion=None if sample.episode.engine_completion is None
+        else list(sample.episode.engine_completion))
     return replace(sample, episode=episode, versions=list(sample.versions), turn_ids=list(sample.turn_ids),
                    turn_logprobs=list(sample.turn_logprobs), turn_versions=list(sample.turn_versions))
