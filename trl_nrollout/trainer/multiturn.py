@@ -91,7 +91,7 @@ def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, ar
             and dispatch_rule(getattr(args, "rollout_dispatch", "shares")).job_wide:  # (the balanced queue's driver)
         return "rollout_dispatch='balanced'"
     if agentic and getattr(args, "rollout_partial", False) and (
-            environment_factory is not None or getattr(args, "rollout_dispatch", "shares") == "balanced"):
+            environment_factory is not None or dispatch_rule(getattr(args, "rollout_dispatch", "shares")).job_wide):
         return "rollout_partial=True"
     if agentic and getattr(args, "rollout_ranks", 0):
         return "rollout_ranks"
