@@ -217,30 +217,26 @@ def _bf16_checkpoint(source: str, out) -> str:
 
 
 @pytest.mark.fast
-def test_bf16_runs_the_passes_in_autocast_and_the_loss_is_trls(teacher_path, tmp_path):
-    """A bf16 checkpoint (student and teacher) with ``bf16=True`` on CPU: in the training step's loss context both
-    the student's and the teacher's forward run under CPU autocast in bfloat16, and the loss and every student
-    gradient equal TRL's DistillationTrainer's under the same settings (bf16 tolerance: 1e-2), without and with a
-    tool mask. Mutation tried: ``bf16=False`` forced in ours after TRL's __init__ (``self.accelerator`` rebuilt
-    without mixed precision) -> the passes run without autocast -> fails."""
+def test_bf16_the_loss_and_gradients_are_trls(teacher_path, tmp_path):
+    """A bf16 checkpoint (student and teacher, loaded in bfloat16) with ``bf16=True`` on CPU: the loss and every
+    student gradient equal TRL's DistillationTrainer's under the same settings (bf16 tolerance: 1e-2), without and
+    with a tool mask. Measured: in this direct ``compute_loss`` call (before ``train()`` prepares the student) neither
+    the student's nor the teacher's forward runs under CPU autocast, in TRL's class as in ours; whether TRL's
+    training step autocasts the teacher's forward is not checked here. Mutation: not tried (session time)."""
     from trl_nrollout.builtin import digits_dataset, resolve_model
     from trl_nrollout.trainer.distillation import NRolloutDistillationTrainer
 
     student = _bf16_checkpoint(resolve_model("builtin:tiny-qwen2"), tmp_path / "student")
     teacher = _bf16_checkpoint(teacher_path, tmp_path / "teacher")
     settings = dict(beta=0.5, temperature=0.7, max_completion_length=6, per_device_train_batch_size=3, seed=1,
-                    **{**BASE, "bf16": True})
+                    model_init_kwargs={"dtype": "bfloat16"}, teacher_model_init_kwargs={"dtype": "bfloat16"},
+                    **{**BASE, "bf16": True})  # (TRL loads a checkpoint in float32 unless told its dtype)
     theirs = DistillationTrainer(student, teacher_model=teacher, train_dataset=digits_dataset(6),
                                  args=DistillationConfig(output_dir=str(tmp_path / "trl"), **settings))
     ours = NRolloutDistillationTrainer(student, teacher_model=teacher, train_dataset=digits_dataset(6),
                                        args=NRolloutDistillationConfig(output_dir=str(tmp_path / "ours"),
                                                                        rollout_backend="hf", **settings))
     assert next(ours.model.parameters()).dtype == torch.bfloat16
-    seen: list[tuple[str, bool, torch.dtype]] = []
-    for role, model in (("student", ours.model), ("teacher", ours.teacher_model)):
-        inner = model.get_decoder() if hasattr(model, "get_decoder") else model
-        inner.register_forward_pre_hook(lambda *_, role=role: seen.append(
-            (role, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
     vocab = ours.model.config.vocab_size
     for tools in (False, True):
         batch = _batch(vocab, tools)
@@ -254,8 +250,6 @@ def test_bf16_runs_the_passes_in_autocast_and_the_loss_is_trls(teacher_path, tmp
         assert grads_o.keys() == grads_t.keys() and len(grads_t) > 0
         for name, grad in grads_t.items():
             torch.testing.assert_close(grads_o[name].float(), grad.float(), atol=1e-2, rtol=1e-2, msg=name)
-    assert {role for role, _, _ in seen} == {"student", "teacher"}
-    assert all(on and dtype == torch.bfloat16 for _, on, dtype in seen), seen
 
 
 # ---------------------------------------------------------------------------------------------- our engine samples
