@@ -77,21 +77,11 @@ def test_a_teacher_with_another_vocabulary_is_refused_naming_both():
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory) -> str:
-    """The built-in tiny model with every weight moved by seeded noise: another distribution, the same tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The built-in tiny model with every weight moved by seeded noise: another distribution, the same tokenizer
+    (the drop-in's tests' teacher, one helper)."""
+    from tests.assets.distill_train import perturbed_teacher
 
-    from trl_nrollout.builtin import resolve_model
-
-    path = resolve_model("builtin:tiny-qwen2")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    out = tmp_path_factory.mktemp("teacher")
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(path).save_pretrained(out)
-    return str(out)
+    return perturbed_teacher(str(tmp_path_factory.mktemp("teacher")))
 
 
 def _plain_logps(model, batch: dict, temperature: float) -> torch.Tensor:
@@ -107,17 +97,10 @@ def _plain_logps(model, batch: dict, temperature: float) -> torch.Tensor:
     return out
 
 
-@pytest.mark.slow
-def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull(teacher_dir, tmp_path):
-    """Rewards without signal (all 0: GRPO's advantages are 0) and a teacher: the batch's teacher log-probs equal a
-    plain forward of the teacher, and each sampled token's advantage is ``-coef * (student - teacher)`` of plain
-    forwards of the two models (padding 0); ``distill/reverse_kl`` is logged. The HF engine, one process.
-    Mutations: the teacher pass run with the student's model, the term's sign or scale, the old-policy pass skipped
-    on-policy (the term would read None) -> fails."""
-    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
-    from trl_nrollout.builtin import digits_dataset
-
-    seen: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+def capturing_trainer(seen: list):
+    """``NRolloutGRPOTrainer`` that appends to ``seen``, per step, the batch's tensors and the sampled tokens'
+    log-probs by plain forwards of the student and of the teacher ``[B, C]`` (:func:`_plain_logps`)."""
+    from trl_nrollout import NRolloutGRPOTrainer
 
     class Capture(NRolloutGRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -128,13 +111,27 @@ def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull(teacher_dir
                          _plain_logps(self.teacher.model, batch, self.temperature)))
             return batch
 
+    return Capture
+
+
+@pytest.mark.slow
+def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull(teacher_dir, tmp_path):
+    """Rewards without signal (all 0: GRPO's advantages are 0) and a teacher: the batch's teacher log-probs equal a
+    plain forward of the teacher, and each sampled token's advantage is ``-coef * (student - teacher)`` of plain
+    forwards of the two models (padding 0); ``distill/reverse_kl`` is logged. The HF engine, one process.
+    Mutations: the teacher pass run with the student's model, the term's sign or scale, the old-policy pass skipped
+    on-policy (the term would read None) -> fails."""
+    from trl_nrollout import NRolloutConfig
+    from trl_nrollout.builtin import digits_dataset
+
+    seen: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
     coef = 0.7
     args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=2, max_completion_length=6,
                           max_steps=2, rollout_backend="hf", report_to="none", use_cpu=True, bf16=False,
                           save_strategy="no", logging_steps=1, learning_rate=1e-2, seed=3,
                           teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef)
-    trainer = Capture("builtin:tiny-qwen2", reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-                      args=args, train_dataset=digits_dataset(16))
+    trainer = capturing_trainer(seen)("builtin:tiny-qwen2", args=args, train_dataset=digits_dataset(16),
+                                      reward_funcs=[lambda completions, **kw: [0.0] * len(completions)])
     trainer.train()
     assert len(seen) == 2
     for batch, student, teacher in seen:
@@ -161,7 +158,7 @@ def test_an_endpoint_agents_calls_each_get_the_teachers_pull_stale_ones_included
     scored by the policy that trains on it and corrected by the decoupled loss as rewards are. Mutations tried: the
     term read from ``sampling_per_token_logps`` (the behaviour policy) -> the stale rows fail; the teacher skipped
     for split rows -> fails."""
-    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout import NRolloutConfig
     from trl_nrollout.builtin import tool_dataset
 
     async def agent(client, row):
@@ -176,22 +173,12 @@ def test_an_endpoint_agents_calls_each_get_the_teachers_pull_stale_ones_included
         return 0.0
 
     seen: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
-
-    class Capture(NRolloutGRPOTrainer):
-        def _generate_and_score_completions(self, inputs):
-            batch = super()._generate_and_score_completions(inputs)
-            student = self.accelerator.unwrap_model(self.model)
-            seen.append(({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)},
-                         _plain_logps(student, batch, self.temperature),
-                         _plain_logps(self.teacher.model, batch, self.temperature)))
-            return batch
-
     coef = 0.5
     args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=4, max_completion_length=8,
                           max_steps=3, report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0,
                           logging_steps=1, learning_rate=1e-2, rollout_partial=True,
                           teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef)
-    trainer = Capture("builtin:tiny-qwen2", args=args, train_dataset=tool_dataset(32), agent=agent)
+    trainer = capturing_trainer(seen)("builtin:tiny-qwen2", args=args, train_dataset=tool_dataset(32), agent=agent)
     trainer.train()
     trainer.close()
     assert len(seen) == 3

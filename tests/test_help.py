@@ -100,6 +100,15 @@ def test_recipe_help_in_process(capsys):
     assert "--critic_learning_rate" in out and "Train PPO" in out
     assert cli(["--config", "ppo", "--help"]) == 0  # the shipped recipe's trainer: ppo
     assert "--critic_learning_rate" in capsys.readouterr().out
+    # distillation: its config's options (TRL's DistillationConfig and our engine options), by --trainer or by the
+    # shipped recipe's trainer key, and the reward options said not to apply
+    for argv in (["--trainer", "distill", "-h"], ["--config", "distill_digits", "--help"]):
+        assert main(["train", *argv]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "Train DISTILL" in out and "NRolloutDistillationConfig's" in out and "do not apply" in out
+        for option in ("--beta", "--teacher_model_name_or_path", "--rollout_tp_size", "--temperature"):
+            assert option in out, (argv, option)
+        assert "--rollout_n" not in out and "--critic_learning_rate" not in out
 
 
 # ---------------------------------------------------------------------------------------------- dropout

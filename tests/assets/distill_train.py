@@ -4,9 +4,15 @@ each sampled token (after temperature, as sampled) against a plain forward of th
 Writes result.json.
 
     python distill_train.py OUT            # one process (the tests run it through the warm launcher)
+    accelerate launch --multi_gpu --num_processes 2 distill_train.py OUT two
+    accelerate launch --config_file recipes/accelerate/zero3_cpu.yaml distill_train.py OUT two zero3
 
 Then, in the same process (the first trainer's engine closed), a LoRA student with rollout_lora_sync='adapter': the
 engine serves the adapter, each step after the first sends the adapter alone (result.json's "lora").
+
+``two``: the first run alone, on the same global batch split over the launch's processes (DDP or ZeRO-3: each rank
+``4 / processes`` prompts per step); each rank writes ``result_rank<r>.json`` (its calls: sampled tokens and the
+engine's log-probs of them, its log history), to compare with one process's.
 """
 
 import json
@@ -64,22 +70,25 @@ class Probe(NRolloutDistillationTrainer):
         student = self.accelerator.unwrap_model(self.model)
         self.calls.append({"step": self.state.global_step, "samples": len(out),
                            "same_tokens": [list(c) for c in batch.completion_ids] == out,
-                           "gap": sampled_gap(student, batch)})
+                           "gap": sampled_gap(student, batch), "completions": out,
+                           "logprobs": [list(map(float, lp)) for lp in batch.logprobs]})
         return out
 
 
 def run(out: str, teacher: str, **extra) -> dict:
     """Three steps (two with LoRA) of distillation, the engine's calls probed."""
     lora = extra.pop("peft_config", None)
-    args = NRolloutDistillationConfig(
-        output_dir=out, rollout_backend="vllm", per_device_train_batch_size=4, max_completion_length=8,
-        max_steps=2 if lora else 3, learning_rate=5e-2, temperature=TEMPERATURE, beta=0.5, logging_steps=1,
-        report_to="none", bf16=False, gradient_checkpointing=False, save_strategy="no", seed=0, use_cpu=True, **extra)
+    settings = dict(output_dir=out, rollout_backend="vllm", per_device_train_batch_size=4, max_completion_length=8,
+                    max_steps=2 if lora else 3, learning_rate=5e-2, temperature=TEMPERATURE, beta=0.5,
+                    logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False, save_strategy="no",
+                    seed=0, use_cpu=True)
+    args = NRolloutDistillationConfig(**{**settings, **extra})
     trainer = Probe("builtin:tiny-qwen2", teacher_model=teacher, args=args, train_dataset=digits_dataset(32),
                     peft_config=lora)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
-    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
+    moved = max((float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters()
+                 if p.numel() and p.shape == before[n].shape), default=0.0)  # (ZeRO-3: this rank's shards are empty)
     result = {"calls": trainer.calls, "engine_calls": dict(trainer.student_sampler.calls),
               "history": trainer.state.log_history, "moved": moved, "synced_step": trainer.engine_setup.synced_step,
               "lora_sync": trainer.engine_setup.lora_sync()}
@@ -91,10 +100,30 @@ def run(out: str, teacher: str, **extra) -> dict:
     return result
 
 
+def two_processes(out: str, zero3: bool) -> None:
+    """The first run on the launch's processes, the global batch (4 prompts a step) split over them (``zero3``:
+    under the launch's DeepSpeed config, on CPU over gloo)."""
+    import os
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # (the trainer sets up the process group)
+    teacher = perturbed_teacher(f"{out}/rank{rank}")  # seeded: the same teacher on every rank
+    result = run(out, teacher, per_device_train_batch_size=4 // world,
+                 **(dict(use_cpu=False, ddp_backend="gloo") if zero3 else {}))
+    with open(f"{out}/result_rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     from peft import LoraConfig
 
     out = sys.argv[1]
+    if sys.argv[2:3] == ["two"]:
+        two_processes(out, zero3=sys.argv[3:] == ["zero3"])
+        sys.exit(0)
     teacher = perturbed_teacher(out)
     result = run(out, teacher)
     result["lora"] = run(f"{out}/lora", teacher, rollout_lora_sync="adapter", peft_config=LoraConfig(

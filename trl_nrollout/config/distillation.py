@@ -126,6 +126,9 @@ class NRolloutDistillationConfig(DistillationConfig):
 
     def __post_init__(self) -> None:
         check_distill_options({f.name: getattr(self, f.name) for f in fields(DistillationConfig)})
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int | float) or not 0 <= self.beta <= 1:
+            raise InputError(f"beta={self.beta!r} must be in [0, 1] (TRL's generalized JSD: 0 forward KL, 0.5 JSD, 1 "
+                             "reverse KL); set beta to a number in that range, e.g. 0.5.")
         self._map_trl_options()
         self._check_engine_options()
         super().__post_init__()

@@ -14,8 +14,10 @@ docs/migrating.md's table is generated from it (``scripts/gen_config_docs.py``) 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from trl_nrollout.builtin import resolve_model
 from trl_nrollout.errors import InputError
 
 #: TRL's loss_type -> (our policy_loss_mode, loss_agg_mode). TRL 1.16's normalizers, per micro batch: grpo/sapo the
@@ -185,3 +187,18 @@ def options_table() -> list[tuple[str, str, str]]:
     rows += [(f"{name}= (trainer)", "honored", what) for name, what in TRAINER_ARGS.items()]
     return rows
 
+
+def drop_in_arguments(model: Any, args: Any, config_cls: type, convert: Callable[[Any], Any], run_name: str
+                      ) -> tuple[Any, Any]:
+    """The drop-in trainers' arguments as they train with them: ``model`` with a built-in name
+    (``builtin:tiny-qwen2``) resolved to its local folder; ``args`` as a ``config_cls``: None -> its defaults with
+    ``output_dir="<model's name>-NRollout-<run_name>"`` (TRL's naming), a ``config_cls`` as is, another config (a
+    plain TRL one) converted by ``convert`` with the same settings."""
+    if isinstance(model, str):
+        model = resolve_model(model)
+    if args is None:
+        name = model.split("/")[-1] if isinstance(model, str) else "model"
+        args = config_cls(output_dir=f"{name}-NRollout-{run_name}")
+    elif not isinstance(args, config_cls):
+        args = convert(args)
+    return model, args

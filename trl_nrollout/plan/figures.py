@@ -141,6 +141,9 @@ def plan_values(config: str | Path | None, overrides: dict[str, Any] | None = No
     except RecipeFileError as err:
         raise PlanError(str(err)) from None
     values = plan_options_of(recipe)
+    if recipe.get("trainer") == "distill":  # one completion per prompt (TRL's), no group baseline: the config's layout
+        values.setdefault("rollout_n", 1)
+        values.setdefault("adv_estimator", "reinforce_plus_plus")
     launch = recipe.get("accelerate_config")
     if launch and values.get("trainer_sharding") is None and config is not None:
         sharding = sharding_of(Path(config).parent / str(launch))

@@ -1,4 +1,4 @@
-"""GRPO (or PPO) training from a YAML recipe, the code behind every way of launching one::
+"""GRPO (PPO, on-policy distillation) training from a YAML recipe, the code behind every way of launching one::
 
     trl-nrollout train [--config RECIPE] [--key value ...]                 # one process
     accelerate launch [--config_file A] -m trl_nrollout.recipe.run [--config RECIPE] [--key value ...]
@@ -16,6 +16,11 @@ the end a summary is printed and written as ``<output_dir>/run_summary.json``.
 (``NRolloutPPOTrainer``; its options are ``NRolloutPPOConfig``'s: ``gamma``, ``lam``, ``cliprange_value``,
 ``critic_*``). One recipe script serves both: they share the data, rewards, summary, report and Hub recipes, and
 differ only in the trainer class.
+
+``--trainer distill`` (or ``trainer: distill``, as ``recipes/configs/distill_digits.yaml``) trains on-policy
+distillation (``NRolloutDistillationTrainer``, TRL's ``DistillationTrainer`` with the student sampled on our engines;
+its options are ``NRolloutDistillationConfig``'s: ``teacher_model_name_or_path``, ``beta``, ...; no rewards): the
+same parsing and one-line errors, then :mod:`trl_nrollout.recipe.distill` trains.
 
 What transformers leaves to scripts, this one does: ``--resume_from_checkpoint PATH`` (or ``true``: the last
 complete and readable checkpoint in ``output_dir``; a damaged one is skipped with a warning) resumes; ``--push_to_hub true`` pushes the trained model at the end (its
@@ -64,11 +69,16 @@ DEFAULT_RECIPE = RECIPES_DIR / "configs" / "default.yaml"
 #: Recipe keys that describe the launch, not the training (read by tools, ignored here).
 LAUNCH_KEYS = ("accelerate_config", "num_processes", "n_gpus_per_node", "nnodes")
 #: ``--trainer`` / the recipe's ``trainer``: which trainer and config class train.
-TRAINERS = ("grpo", "ppo")
+TRAINERS = ("grpo", "ppo", "distill")
 #: The recipe's defaults of options whose TRL default does not suit it (a recipe or the command line sets them):
 #: ``disable_dropout`` (TRL: false): the engines sample without dropout, so the trainer's log-probs must be taken
 #: without it too, or they disagree with the engines' for the same tokens.
 RECIPE_DEFAULTS = {"disable_dropout": True}
+#: What ``--help`` says the listed options are, per trainer.
+HELP_CONFIGS = {"grpo": "NRolloutConfig's (TRL's GRPOConfig and verl's rollout vocabulary)",
+                "ppo": "NRolloutPPOConfig's (TRL's GRPOConfig, verl's rollout vocabulary and the critic's)",
+                "distill": "NRolloutDistillationConfig's (TRL's DistillationConfig and our engine options; the "
+                           "recipe's reward options do not apply)"}
 #: The words asking for the options list.
 HELP_FLAGS = ("-h", "--help")
 
@@ -77,7 +87,11 @@ def _config_class(kind: str):
     """The config class of ``--trainer kind`` (imports no trainer: options are checked before the heavy imports)."""
     if kind not in TRAINERS:
         raise InputError(f"--trainer {kind!r}: use one of {list(TRAINERS)} (grpo: group advantages, no critic; "
-                         "ppo: a critic and GAE).")
+                         "ppo: a critic and GAE; distill: on-policy distillation from a teacher).")
+    if kind == "distill":
+        from trl_nrollout.config.distillation import NRolloutDistillationConfig
+
+        return NRolloutDistillationConfig
     if kind == "ppo":
         from trl_nrollout.trainer.ppo import NRolloutPPOConfig
 
@@ -321,6 +335,13 @@ def _train(argv: list[str] | None, built: list) -> dict:
         raise InputError(why)  # before the model loads (the trainer would say it after)
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     check_output_dir(training_args.output_dir)
+    if kind == "distill":  # NRolloutDistillationTrainer (recipe/distill.py): no rewards, a teacher
+        from trl_nrollout.recipe.distill import train_distillation
+
+        summary = train_distillation(script_args, training_args, peft_config=peft_config, resume=resume,
+                                     callbacks=[SaveAndStopOnSignal()], built=built)
+        _release_distributed()
+        return summary
     # every name the recipe imports (reward_funcs 'module:function'), before the data and the model: a reference
     # that does not resolve is an InputError (the one-line error, exit 2), not a traceback after the model loads
     if script_args.agent and (why := agent_dependencies_refusal("--agent")) is not None:  # before its imports
@@ -434,14 +455,12 @@ def recipe_help(argv: list[str], prog: str, launch: dict[str, str] | None = None
     parser = TrlParser(
         (ScriptArguments, _config_class(kind)), prog=prog, conflict_handler="resolve",
         usage="%(prog)s " + ("[--accelerate_config NAME --num_processes N ...] " if launch else "")
-              + "[--config RECIPE] [--trainer grpo|ppo] [--OPTION VALUE ...]",
+              + "[--config RECIPE] [--trainer grpo|ppo|distill] [--OPTION VALUE ...]",
         description=f"Train {kind.upper()} from a recipe: every option below can be set in the recipe (a YAML file: "
                     "option: value) or on the command line (--option value, which wins). Without --config the "
                     f"embedded default trains (the built-in tiny model on the built-in digits task). The options "
-                    f"listed are {'NRolloutPPOConfig' if kind == 'ppo' else 'NRolloutConfig'}'s (TRL's GRPOConfig and "
-                    f"verl's rollout vocabulary) and the recipe's own (model, data, rewards, LoRA); "
-                    f"{'--trainer grpo' if kind == 'ppo' else '--trainer ppo'} --help lists "
-                    f"{'GRPO' if kind == 'ppo' else 'PPO'}'s.",
+                    f"listed are {HELP_CONFIGS[kind]} and the recipe's own (model, data, rewards, LoRA); "
+                    + "; ".join(f"--trainer {k} --help lists {k.upper()}'s" for k in TRAINERS if k != kind) + ".",
         epilog="Shipped recipes (--config NAME): " + shipped + ". Every option, with its verl name where it "
                "has one: docs/configuration.md.")
     parser.set_defaults(**RECIPE_DEFAULTS)
@@ -450,8 +469,9 @@ def recipe_help(argv: list[str], prog: str, launch: dict[str, str] | None = None
                      help=f"The recipe: a YAML file, a shipped recipe's name ({shipped}) or hf://user/repo/file.yaml "
                           "(downloaded once, cached). Default: default (the embedded default).")
     own.add_argument("--trainer", choices=TRAINERS, default=SUPPRESS,
-                     help="grpo (group advantages, no critic) or ppo (a critic and GAE). Default: the recipe's "
-                          "trainer key, else grpo.")
+                     help="grpo (group advantages, no critic), ppo (a critic and GAE) or distill (on-policy "
+                          "distillation: the student toward teacher_model_name_or_path, TRL's DistillationTrainer "
+                          "with our engines; no rewards). Default: the recipe's trainer key, else grpo.")
     own.add_argument(TRUST_FLAG, action="store_true", default=SUPPRESS,
                      help="Let a Hub recipe's trust_remote_code settings apply (a local recipe's always do).")
     own.add_argument(ALLOW_FLAG, metavar="MODULE", action="append", default=SUPPRESS,

@@ -25,7 +25,7 @@ from trl import DistillationConfig, DistillationTrainer
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config.checks import lora_sync_refusal
 from trl_nrollout.config.distillation import NRolloutDistillationConfig
-from trl_nrollout.config.trl_options import UnsupportedTRLOption
+from trl_nrollout.config.trl_options import UnsupportedTRLOption, drop_in_arguments
 from trl_nrollout.errors import InputError
 from trl_nrollout.rollout.engines.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.engines.protocol import RolloutEngine
@@ -95,13 +95,8 @@ class NRolloutDistillationTrainer(DistillationTrainer):
     def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None) -> None:
-        if isinstance(model, str):
-            model = resolve_model(model)
-        if args is None:
-            name = model.split("/")[-1] if isinstance(model, str) else "model"
-            args = NRolloutDistillationConfig(output_dir=f"{name}-NRollout-Distillation")
-        elif not isinstance(args, NRolloutDistillationConfig):
-            args = to_distillation_config(args)
+        model, args = drop_in_arguments(model, args, NRolloutDistillationConfig, to_distillation_config,
+                                        "Distillation")
         if teacher_model is None and args.teacher_model_name_or_path is not None:
             teacher_model = args.teacher_model_name_or_path
         if isinstance(teacher_model, str):

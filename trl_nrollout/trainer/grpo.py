@@ -35,10 +35,9 @@ from trl.trainer.utils import shuffle_sequence_dict
 
 from trl_nrollout.algos.batching import constant_groups, select_groups
 from trl_nrollout.algos.losses import AdaptiveKLController, FixedKLController
-from trl_nrollout.builtin import resolve_model
 from trl_nrollout.config.checks import policy_checks
 from trl_nrollout.config.options import NRolloutConfig, to_nrollout_config
-from trl_nrollout.config.trl_options import UnsupportedTRLOption
+from trl_nrollout.config.trl_options import UnsupportedTRLOption, drop_in_arguments
 from trl_nrollout.passes.multimodal import EncodedPrompts, has_images, prompt_images, without_images
 from trl_nrollout.passes.ulysses import shared_shuffle
 from trl_nrollout.rollout.axes import dispatch_rule
@@ -125,13 +124,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             check_prompts(train_dataset["prompt"], source="train_dataset")  # before the model loads
         check_images(features if isinstance(features, list) else None, tools=tools, rollout_func=rollout_func,
                      environment_factory=environment_factory, args=args)
-        if isinstance(model, str):
-            model = resolve_model(model)
-        if args is None:
-            name = model.split("/")[-1] if isinstance(model, str) else "model"
-            args = NRolloutConfig(output_dir=f"{name}-NRollout-GRPO")
-        elif not isinstance(args, NRolloutConfig):
-            args = to_nrollout_config(args)
+        model, args = drop_in_arguments(model, args, NRolloutConfig, to_nrollout_config, "GRPO")
         check_tool_workers(args, tools, environment_factory, rollout_func)  # before the model loads
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
