@@ -140,7 +140,7 @@ def test_log_completions_writes_trls_table(tmp_path, monkeypatch):
 
     import trl_nrollout.trainer.grpo as trainer_module
     from trl_nrollout import NRolloutGRPOTrainer
-    from trl_nrollout.builtin import digit_fraction, digits_dataset
+    from trl_nrollout.builtin import digit_fraction, digits_dataset, resolve_model
 
     def reward(completions, log_extra, **kwargs):
         log_extra("chars", [len(c) for c in completions])
@@ -152,7 +152,7 @@ def test_log_completions_writes_trls_table(tmp_path, monkeypatch):
         args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, num_generations=4,
                           max_completion_length=6, max_steps=2, use_cpu=True, report_to="none", save_strategy="no",
                           logging_steps=1, log_completions=True, num_completions_to_print=2, seed=0)
-        trainer = cls(model="builtin:tiny-qwen2" if name == "ours" else trainer_module.resolve_model(
+        trainer = cls(model="builtin:tiny-qwen2" if name == "ours" else resolve_model(
             "builtin:tiny-qwen2"), reward_funcs=[reward], args=args, train_dataset=digits_dataset(16))
         trainer.train()
         tables[name] = pd.read_parquet(tmp_path / name / "completions" / "completions_00002.parquet")
