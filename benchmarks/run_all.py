@@ -38,6 +38,7 @@ BENCHMARKS: list[str] = [
 #: why: several real launches, long runs, or a machine-sized check. ``--list`` prints them too.
 APART: dict[str, str] = {
     "agent_barrier.py": "agents through the endpoint vs a turn barrier: its own --repeats, no --quick",
+    "agent_carry.py": "agents' calls cut by a step's end, continued vs restarted: its own --repeats, no --quick",
     "agent_learning.py": "a learning curve of an agent with tools (minutes of training), no --quick",
     "lora_curves.py": "reward curves of the two LoRA sync modes (several full trainings)",
     "lora_sync.py": "LoRA sync timing on the medium model (long engine builds)",

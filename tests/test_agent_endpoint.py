@@ -207,11 +207,14 @@ def test_a_request_carried_past_a_step_continues_with_its_tokens(served):
     runs aborts it with its tokens kept and queues it again, the episode stays open, and the next serve continues it
     from its prompt and kept tokens: no token is generated twice. Its agent gets one answer, which starts with the
     kept tokens (the tokens a seeded request never interrupted draws first) and their log-probs, within the call's
-    ``max_tokens`` in all, recorded with the call's own prompt; a queued request of an episode closed meanwhile
-    (started again) gets a 404 and never reaches the engine. Mutations tried: the kept tokens dropped (the call run
-    from its start, as before issue 65 item 3) -> the answer no longer starts with them; the continuation given the
-    whole ``max_tokens`` -> the answer runs past 24 tokens; closed episodes' calls not filtered -> the closed
-    episode's request runs."""
+    ``max_tokens`` in all, recorded with the call's own prompt, each token tagged with the policy version of the
+    serve that drew it (the kept ones the first step's, the rest the next's); a call with stop strings keeps its
+    tokens too (none of its text can start a stop string), so nothing is drawn twice; a queued request of an episode
+    closed meanwhile (started again) gets a 404 and never reaches the engine. Mutations tried: the kept tokens
+    dropped (the call run from its start, as before issue 65 item 3) -> the answer no longer starts with them; the
+    continuation given the whole ``max_tokens`` -> the answer runs past 24 tokens; closed episodes' calls not
+    filtered -> the closed episode's request runs; the kept tokens' versions not recorded -> the versions assertion
+    fails; stop-string calls keeping nothing (as before) -> the stopped call's kept tokens are empty."""
     from trl_nrollout.rollout.episodes.agent_calls import EpisodeRecord
     from trl_nrollout.rollout.types import SamplingOptions
 
@@ -221,35 +224,42 @@ def test_a_request_carried_past_a_step_continues_with_its_tokens(served):
     def params(c):
         return engine.sampling_params(1, replace(base, max_tokens=c.max_tokens, seed=c.seed, stop=tuple(c.stop)))
 
-    def ask(key: str, out: dict) -> threading.Thread:
+    def ask(key: str, out: dict, stop=None) -> threading.Thread:
         def go():
             try:
                 out[key] = _client(endpoint.base_url(key)).chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": "Write:"}], max_tokens=24)
+                    model="tiny", messages=[{"role": "user", "content": "Write:"}], max_tokens=24, stop=stop)
             except Exception as err:  # noqa: BLE001 - the test reads it
                 out[key] = err
         thread = threading.Thread(target=go, daemon=True)
         thread.start()
         return thread
 
-    records = {k: EpisodeRecord(key=k, row={}) for k in ("whole", "carried", "closed")}
+    records = {k: EpisodeRecord(key=k, row={}) for k in ("whole", "carried", "stopped", "closed")}
     endpoint.open(list(records.values()), lambda i, c: 4321)  # every call the same seed
     out: dict = {}
     whole = ask("whole", out)
     endpoint.serve(engine.request_loop(stream=True), params, lambda: not whole.is_alive(), carry=True)
     loop = engine.request_loop(stream=True)
-    carried = ask("carried", out)
+    carried, stopped = ask("carried", out), ask("stopped", out, stop=["\x00never"])
+    deadline = time.monotonic() + 60
+    while endpoint.requests.qsize() < 2:  # both reach the engine in its first step
+        assert time.monotonic() < deadline, "the two requests never reached the queue"
+        time.sleep(0.01)
     steps = []  # the step ends after a few engine steps of the request
 
     def ended() -> bool:
         steps.append(loop.has_unfinished)
         return sum(steps) >= 5
 
-    first = endpoint.serve(loop, params, ended, carry=True)
-    assert first["carried"] == 1 and carried.is_alive() and not records["carried"].calls
+    first = endpoint.serve(loop, params, ended, carry=True, version=3)
+    assert first["carried"] == 2 and carried.is_alive() and not records["carried"].calls
     queued = next(c for c in list(endpoint.requests.queue) if c.key == "carried")
     kept, kept_logprobs = list(queued.kept_ids), list(queued.kept_logprobs)
-    assert 0 < len(kept) < 24 and first["kept_tokens"] == len(kept)
+    assert 0 < len(kept) < 24 and queued.kept_versions == [3] * len(kept)
+    with_stop = next(c for c in list(endpoint.requests.queue) if c.key == "stopped")
+    assert with_stop.kept_ids == kept and first["redrawn_tokens"] == 0  # (same seed, same steps: same tokens)
+    assert first["kept_tokens"] == 2 * len(kept)
     closed = ask("closed", out)
     deadline = time.monotonic() + 60
     while not any(c.key == "closed" for c in list(endpoint.requests.queue)):  # its request waits in the queue
@@ -257,23 +267,26 @@ def test_a_request_carried_past_a_step_continues_with_its_tokens(served):
         time.sleep(0.01)
     endpoint.forget(["closed"])
     second = endpoint.serve(engine.request_loop(stream=True), params,
-                            lambda: not carried.is_alive() and not closed.is_alive(), carry=True)
-    assert second["requests"] == 1  # the carried one; the closed episode's never ran
+                            lambda: not carried.is_alive() and not closed.is_alive() and not stopped.is_alive(),
+                            carry=True, version=4)
+    assert second["requests"] == 2  # the carried ones; the closed episode's never ran
     assert not isinstance(out["carried"], Exception), out["carried"]
     (call,), (uninterrupted,) = records["carried"].calls, records["whole"].calls
     assert call.completion_ids[:len(kept)] == kept == uninterrupted.completion_ids[:len(kept)]
     assert call.logprobs[:len(kept)] == pytest.approx(kept_logprobs)
     assert len(kept) < len(call.completion_ids) <= 24 and call.prompt_ids == uninterrupted.prompt_ids
+    assert call.versions == [3] * len(kept) + [4] * (len(call.completion_ids) - len(kept))
+    assert records["carried"].oldest_version == 3 and uninterrupted.versions == [] and records["whole"].oldest_version is None
+    assert records["stopped"].calls[0].completion_ids[:len(kept)] == kept
     assert "404" in str(out["closed"]) or "episode_closed" in str(out["closed"])
     endpoint.open([], None)
 
 
 @pytest.mark.fast
-def test_a_continued_calls_seed_moves_and_a_call_with_stop_strings_keeps_nothing():
+def test_a_continued_calls_seed_moves_and_a_fresh_call_runs_whole():
     """A carried call continues from its prompt and kept tokens with the tokens left and its seed moved by the kept
-    count (the continuation does not replay the first draws' random stream); a call with stop strings is not
-    continued (a stop string could straddle the cut), so it runs again whole. Mutation tried: the seed left as it
-    was -> the first assertion fails."""
+    count (the continuation does not replay the first draws' random stream); a call that kept nothing runs whole.
+    Mutation tried: the seed left as it was -> the first assertion fails."""
     from trl_nrollout.rollout.episodes.endpoint import PendingCall
 
     call = PendingCall("k", [1, 2, 3], 10, [], 7, kept_ids=[4, 5], kept_logprobs=[-0.1, -0.2])
@@ -281,3 +294,38 @@ def test_a_continued_calls_seed_moves_and_a_call_with_stop_strings_keeps_nothing
     fresh = PendingCall("k", [1, 2, 3], 10, ["\n"], 7)
     assert fresh.continuation() == ([1, 2, 3], 10, ["\n"], 7)
     assert PendingCall("k", [1], 4, [], None, kept_ids=[2]).continuation() == ([1, 2], 3, [], None)
+
+
+@pytest.mark.fast
+def test_a_cut_kept_for_a_call_with_stop_strings_lets_the_continuation_see_every_stop():
+    """:func:`safe_cut`'s law (a property over random texts, one character a token): whatever the continuation
+    draws, every stop string in the kept text + the continuation lies wholly in the continuation (the continuation's
+    own stop check, all vLLM runs, sees it), the kept tokens never shrink below ``floor``, and a text without a stop
+    string's characters is kept whole. Mutation tried: the cut keeping every token (stop strings ignored) -> a stop
+    string straddling the cut is found."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from trl_nrollout.rollout.episodes.agent_calls import safe_cut
+
+    chars = st.text(alphabet="ab\n", max_size=8)
+
+    @settings(max_examples=300, deadline=None)
+    @given(kept=chars, continuation=chars, stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3),
+                                                          min_size=1, max_size=3), floor=st.integers(0, 8))
+    def law(kept, continuation, stops, floor):
+        ids = [ord(c) for c in kept]
+        floor = min(floor, len(ids))
+        keep = safe_cut(ids, stops, lambda t: "".join(map(chr, t)), floor)
+        assert floor <= keep <= len(ids)
+        if keep > floor:  # (below floor: the tokens the caller already knew safe)
+            text = kept[:keep] + continuation
+            for s in stops:
+                start = text.find(s)
+                while start != -1:
+                    assert start >= keep, (kept, keep, continuation, s)
+                    start = text.find(s, start + 1)
+        if not set("".join(stops)) & set(kept):
+            assert keep == len(ids)
+
+    law()

@@ -239,6 +239,7 @@ class AgentRecords:
         add(mode, "agent/engine_idle_s", stats["idle_s"])
         if "kept_tokens" in stats:  # partial rollouts: calls cut by the step's end continue with these tokens
             add(mode, "agent/continued_tokens", stats["kept_tokens"])
+            add(mode, "agent/redrawn_tokens", stats.get("redrawn_tokens", 0.0))  # (stop strings at the cut)
         add(mode, "agent/rollout_s", wall)
         split = sum(s for _, _, s in every)
         if split and self.main:

@@ -287,7 +287,7 @@ class LiveRound:
         batch, episode = host.records_batch(records, prompts, n, rank * len(inputs), mode, stats,
                                             time.perf_counter() - t0)
         on.clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
-        counts = gather_object([step.counts.row([version - g.version for g in chosen])])
+        counts = gather_object([step.counts.row([version - g.oldest for g in chosen])])  # (oldest token)
         log_partial(on.metrics, mode, counts, counts, counts)  # a pool per rank; its calls carried are its own
         return host.round_of(inputs, prompts, batch, episode, ctx, t0, rows=inputs)
 

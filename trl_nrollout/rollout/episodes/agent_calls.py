@@ -36,7 +36,9 @@ class Call:
     (its prompt starts with the previous call's prompt + completion: built from the recorded tokens). A vision-language
     policy's call with images (OpenAI ``image_url`` parts): ``images``, every image of its prompt in order (PIL), and
     ``expanded_ids``, its prompt with the processor's expansion of their placeholders (what the trainer's forward
-    takes; ``prompt_ids`` keep them unexpanded, as vLLM takes them); None for a call without images."""
+    takes; ``prompt_ids`` keep them unexpanded, as vLLM takes them); None for a call without images. ``versions``
+    ``[C]``: the policy version that drew each completion token (a call continued across a step's end, partial
+    rollouts, has tokens of two or more versions; empty where the caller did not tag them)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -45,6 +47,7 @@ class Call:
     extends: bool = False
     images: list = field(default_factory=list)
     expanded_ids: list[int] | None = None
+    versions: list[int] = field(default_factory=list)
 
     @property
     def trained_prompt(self) -> list[int]:
@@ -65,6 +68,11 @@ class EpisodeRecord:
     outcome: str = "ok"
     error: str | None = None
     completion_tokens: int = 0  # tokens of the episode's sample so far (completions and the tokens between them)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The policy version of the episode's oldest tagged token (None: no tagged token yet)."""
+        return min((min(c.versions) for c in self.calls if c.versions), default=None)
 
     @property
     def context(self) -> list[int] | None:
@@ -130,6 +138,20 @@ def assemble(calls: list[Call], fallback_prompt: list[int], eos: int) -> Assembl
     if not completion:  # a single call that generated nothing
         completion, mask, logprobs = [eos], [0], [0.0]
     return Assembled(list(first.prompt_ids), completion, mask, logprobs, split=False, calls=len(calls))
+
+
+def safe_cut(ids: list[int], stop: list[str], decode, floor: int = 0) -> int:
+    """How many of a stopped call's tokens ``ids`` ``[K]`` may be kept when a step's end aborts it and it continues
+    later from them: the most (at least ``floor``, tokens already known safe) whose text neither holds a stop string
+    nor ends with the start of one (nor, where a stop string has a non-ASCII character, with an unfinished one),
+    since the continuation's stop check sees only its own text. ``decode(ids) -> str``: the tokenizer's."""
+    wide = any(not s.isascii() for s in stop)
+    for keep in range(len(ids), floor, -1):
+        text = decode(ids[:keep])
+        if not (wide and text.endswith("\ufffd")) and not any(
+                s in text or any(text.endswith(s[:j]) for j in range(1, len(s))) for s in stop if s):
+            return keep
+    return floor
 
 
 def reward_kwargs(result: Any) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from trl_nrollout.rollout.episodes.agent_calls import (
     Call,
     EpisodeRecord,
     openai_tool_calls,
+    safe_cut,
     same_message,
     template_messages,
 )
@@ -70,8 +71,10 @@ class PendingCall:
     exception. ``kept_ids`` / ``kept_logprobs`` ``[K]``: the tokens the call drew before a step ended and the engine
     aborted it (partial rollouts); it continues from ``prompt_ids + kept_ids`` on the next step's weights (its seed
     moved by ``K``, so the continuation does not replay the first draws' random stream), and its answer is the kept
-    tokens then the new ones, each with the log-prob of the policy that drew it. A call with ``stop`` strings keeps
-    nothing and runs again from its start: a stop string split across the cut would not be seen."""
+    tokens then the new ones, each with the log-prob of the policy that drew it; ``kept_versions`` ``[K]``: the
+    policy version that drew each kept token, and once answered ``versions`` ``[C]`` every token's (the kept ones'
+    then the serve's own ``version``). A call with ``stop`` strings keeps its tokens up to the last place where no
+    stop string could straddle the cut (:func:`safe_cut`); the tokens after it are drawn again."""
 
     key: str
     prompt_ids: list[int]
@@ -82,6 +85,8 @@ class PendingCall:
     future: Future = field(default_factory=Future)
     kept_ids: list[int] = field(default_factory=list)
     kept_logprobs: list[float] = field(default_factory=list)
+    kept_versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     #: a vision-language policy's call: its prompt's images (vLLM's ``multi_modal_data``) and the processor's
     #: expansion of ``prompt_ids`` (checked against vLLM's own when the call ends); empty / None without images
     images: list = field(default_factory=list)
@@ -229,7 +234,7 @@ class AgentEndpoint:
     # ------------------------------------------------------------------------------------------ the engine side
     def serve(self, engine_loop, params: Callable[[PendingCall], Any], done: Callable[[], bool],
               idle_s: float = 0.01, exchange: Callable[[Any], list] | None = None, me: int = 0,
-              carry: bool = False) -> dict[str, float]:
+              carry: bool = False, version: int | None = None) -> dict[str, float]:
         """Run the episodes' requests on ``engine_loop`` (a non-streaming
         :class:`~trl_nrollout.rollout.engines.requests.EngineLoop`, stepped only here) until ``done()``: each request joins the
         engine as it arrives; each finished one is answered at once. ``params(call)``: its vLLM ``SamplingParams``.
@@ -243,9 +248,12 @@ class AgentEndpoint:
         the step): the episodes stay open, and the requests still running are aborted with their tokens kept and
         queued again: at the next ``serve`` each continues from its prompt and kept tokens on the weights then (no
         token is generated twice; each keeps the log-prob of the policy that drew it, which the decoupled loss
-        corrects); a queued request of a closed episode is answered with an error. Returns counts: ``engine_steps``,
+        corrects; ``version``: the policy version this serve's tokens are tagged with, ``PendingCall.versions``, None:
+        untagged); a
+        queued request of a closed episode is answered with an error. Returns counts: ``engine_steps``,
         ``requests``, ``idle_s`` (the engine had nothing to run), ``carried`` (requests queued again),
-        ``kept_tokens`` (with ``carry``: their tokens, continued rather than drawn again)."""
+        ``kept_tokens`` (with ``carry``: their tokens, continued rather than drawn again) and ``redrawn_tokens`` (with
+        ``carry``: tokens of calls with stop strings dropped at the cut, to be drawn again)."""
         from vllm.inputs import TokensPrompt
 
         from trl_nrollout.rollout.engines.vllm_process import vllm_prompts
@@ -255,7 +263,10 @@ class AgentEndpoint:
                              "streaming loop reports: pass engine.request_loop(stream=True).")
         running: dict[str, PendingCall | None] = {}  # request id -> this rank's call (None: another rank's)
         stats = {"engine_steps": 0.0, "requests": 0.0, "idle_s": 0.0, "carried": 0.0,
-                 **({"kept_tokens": 0.0} if carry else {})}
+                 **({"kept_tokens": 0.0, "redrawn_tokens": 0.0} if carry else {})}
+
+        def tag(count: int) -> list[int]:  # the versions of ``count`` tokens drawn in this serve
+            return [] if version is None else [version] * count
 
         def take(block: bool) -> list[PendingCall]:
             calls = []
@@ -289,6 +300,7 @@ class AgentEndpoint:
                 if idle:
                     stats["idle_s"] += time.perf_counter() - start
                 for c in [c for c in mine if c.kept_ids and c.continuation()[1] <= 0]:  # cut on its last token
+                    c.versions = list(c.kept_versions)
                     c.future.set_result((list(c.kept_ids), list(c.kept_logprobs), "length"))
                 mine = [c for c in mine if not c.future.done()]
                 specs = [(*c.continuation(), c.sampling, c.images) for c in mine]
@@ -308,6 +320,7 @@ class AgentEndpoint:
                             if apart is not None:  # (the trainer would score another prompt than vLLM's)
                                 call.future.set_exception(EndpointError(500, apart, "server_error", "image_expansion"))
                             else:
+                                call.versions = call.kept_versions + tag(len(progress.token_ids))
                                 call.future.set_result((call.kept_ids + list(progress.token_ids),
                                                         call.kept_logprobs + list(progress.logprobs),
                                                         progress.finish_reason))
@@ -317,11 +330,15 @@ class AgentEndpoint:
             if carry:  # the episodes go on: their running requests continue at the next serve, tokens kept
                 for rid, call in running.items():
                     if call is not None and not call.future.done():
-                        if rid in aborted and not call.stop:  # (a stop string could straddle the cut)
+                        if rid in aborted:
                             progress = engine_loop.samples[(rid, aborted[rid])]
-                            call.kept_ids = call.kept_ids + list(progress.token_ids)
-                            call.kept_logprobs = call.kept_logprobs + list(progress.logprobs)
-                            stats["kept_tokens"] += len(progress.token_ids)
+                            ids, have = call.kept_ids + list(progress.token_ids), len(call.kept_ids)
+                            keep = safe_cut(ids, call.stop, self.tokenizer.decode, have) if call.stop else len(ids)
+                            call.kept_ids = ids[:keep]  # (a stop string could straddle the cut: kept up to before it)
+                            call.kept_logprobs = (call.kept_logprobs + list(progress.logprobs))[:keep]
+                            call.kept_versions = call.kept_versions + tag(keep - have)
+                            stats["kept_tokens"] += keep - have
+                            stats["redrawn_tokens"] += len(ids) - keep
                         self.requests.put(call)
                         stats["carried"] += 1
             else:
@@ -564,7 +581,7 @@ class AgentEndpoint:
             raise EndpointError(404, f"episode {record.key!r} was closed while this request ran.",
                                 code="episode_closed")
         record.calls.append(Call(list(prompt_ids), ids, logprobs, reason, extends=extends,
-                                 images=list(call.images), expanded_ids=call.expanded))
+                                 images=list(call.images), expanded_ids=call.expanded, versions=list(call.versions)))
         record.completion_tokens = spent + len(ids)
         return ids, logprobs, reason, int(time.time())
 

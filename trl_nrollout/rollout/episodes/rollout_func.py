@@ -151,7 +151,8 @@ class GroupEngine:
                 ids, logprobs, reason = call.future.result()
             except (EndpointError, CancelledError):
                 raise GroupClosed(record.key) from None
-            record.calls[at] = Call(list(call.prompt_ids), list(ids), list(logprobs), reason)
+            record.calls[at] = Call(list(call.prompt_ids), list(ids), list(logprobs), reason,
+                                    versions=list(call.versions))
             out.append((call.prompt_ids, ids, logprobs, reason))
         return RolloutBatch([list(p) for p, *_ in out], [list(c) for _, c, _, _ in out],
                             [list(lp) for _, _, lp, _ in out], [r for *_, r in out],

@@ -46,6 +46,12 @@ class LiveGroup:
     restarts: int = 0
     finished: int | None = None
 
+    @property
+    def oldest(self) -> int:
+        """The policy version of the group's oldest token (its calls' tagged versions; ``version`` before any)."""
+        tagged = [v for r in self.records if (v := r.oldest_version) is not None]
+        return min(tagged, default=self.version)
+
 
 class AgentPool:
     """A rank's groups of agent episodes in flight (see the module docstring): ``runner`` runs the agents,
@@ -90,17 +96,19 @@ class AgentPool:
         self._start(stale, n)
         return sum(len(g.records) for g in stale)
 
-    def run(self, engine, sampling: SamplingOptions, target: int) -> tuple[list[LiveGroup], dict[str, float]]:
+    def run(self, engine, sampling: SamplingOptions, target: int, version: int | None = None
+            ) -> tuple[list[LiveGroup], dict[str, float]]:
         """Serve the pool's calls on ``engine`` (a VLLMEngineGroup; a TP engine's ranks exchange their calls and
         stop together) until ``target`` of this rank's groups have finished; returns the first ``target`` to finish
         (they leave the pool) and the endpoint's counts (``carried``: calls aborted, to continue next step;
-        ``kept_tokens``: their tokens so far)."""
+        ``kept_tokens``: their tokens so far). ``version``: the policy version the engine holds, each drawn token's
+        tag (:attr:`~trl_nrollout.rollout.episodes.agent_calls.Call.versions`)."""
         if len(self.groups) < target:
             raise RuntimeError(f"the agent pool holds {len(self.groups)} groups for a step of {target}: a bug.")
         loop = engine.request_loop(stream=True)  # an aborted call keeps the tokens it drew
         engine.barrier_before_generate()
         stats = self.endpoint.serve(loop, call_params(engine, sampling), lambda: self._scan() >= target, exchange=engine.gather_tp,
-                                    me=engine.tp_ranks.index(engine.rank), carry=True)
+                                    me=engine.tp_ranks.index(engine.rank), carry=True, version=version)
         self._scan()
         done = sorted((g for g in self.groups if g.finished is not None), key=lambda g: g.finished)[:target]
         chosen = {id(g) for g in done}
@@ -109,7 +117,8 @@ class AgentPool:
         return done, stats
 
     def run_shared(self, engine, sampling: SamplingOptions, reached: Callable[[], bool],
-                   pull: Callable[[int], None], ticket: Callable[[], int]) -> dict[str, float]:
+                   pull: Callable[[int], None], ticket: Callable[[], int], version: int | None = None
+                   ) -> dict[str, float]:
         """:meth:`run` for a pool among others (``rollout_dispatch="balanced"``): serve the pool's calls until
         ``reached()`` says the job has enough finished groups; before each look, ``pull(running episodes)`` may add
         groups from the job's queue (:meth:`add`); a group that finishes takes the job-wide ``ticket()`` (its place
@@ -124,7 +133,7 @@ class AgentPool:
             return reached()
 
         stats = self.endpoint.serve(loop, call_params(engine, sampling), done, exchange=engine.gather_tp,
-                                    me=engine.tp_ranks.index(engine.rank), carry=True)
+                                    me=engine.tp_ranks.index(engine.rank), carry=True, version=version)
         self._scan(ticket)
         return stats
 

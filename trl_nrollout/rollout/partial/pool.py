@@ -288,7 +288,7 @@ def live_shares(engine, sampling: SamplingOptions, n: int, version: int) -> RunL
 
     def run(pool, new: list[NewLive], target: int) -> PoolRun:
         pool.add([k for k, _, _ in new], [r for _, r, _ in new], [p for _, _, p in new], n, version)
-        chosen, stats = (pool.run(engine, sampling, target) if target
+        chosen, stats = (pool.run(engine, sampling, target, version) if target
                          else ([], {"carried": 0, "engine_steps": 0, "idle_s": 0.0}))
         return PoolRun(chosen, stats["carried"], stats["engine_steps"], stats=stats)
 
@@ -324,7 +324,7 @@ def live_balanced(engine, sampling: SamplingOptions, n: int, version: int, rank:
                 pool.add([flat[g][0] for g in got], [flat[g][1] for g in got], [flat[g][2] for g in got], n, version)
 
         stats = pool.run_shared(engine, sampling, lambda: before + tickets(0) - base >= sum(wanted), pull,
-                                lambda: tickets(1))
+                                lambda: tickets(1), version)
         every = engine.gather_job(claimed)  # every rank is past its last claim
         drop_job_queue(engine, queue)
         taken = {g for part in every for g in part}

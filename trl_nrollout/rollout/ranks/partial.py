@@ -283,7 +283,7 @@ def run_partial_agent_job(engine, message: dict, state: dict, slices: list[tuple
     fields = []
     for i, g in enumerate(chosen):
         for k, r in enumerate(records[i * n:(i + 1) * n]):
-            fields.append({"oldest": g.version, "record": r,
+            fields.append({"oldest": g.oldest, "record": r,
                            **({"row": g.row, "prompt": g.prompt, "prompt_ids": [], "images": False, "key": g.key}
                               if k == 0 else {})})
     left = [InFlightGroup.fresh(g.key, [], n, payload={"row": g.row, "prompt": g.prompt}) for g in pool.groups]
