@@ -45,6 +45,8 @@ APART: dict[str, str] = {
     "lora_sync_ranks.py": "LoRA sync to a rollout rank: one real 2-process launch per mode, no --quick",
     "padding_free.py": "the padding-free forward at long-tailed lengths: its own sizes, no --quick",
     "rollout_ranks.py": "real ZeRO-3 launches of the recipe (one-step-off vs synchronous vs colocated), about 20 minutes",
+    "rollout_rank_fault.py": "a rollout rank SIGKILLed in step 3 of a real 4-process launch with --max_restarts 1, "
+                             "against the same launch without the kill, no --quick",
     "rollout_ranks_user_size.py": "a user-sized job (1.08 M tokens) through the rollout ranks' transport, no --quick",
     "sp_memory.py": "Ulysses memory per rank, 2-process launches, no --quick",
     "store_load.py": "the launcher store under many waiting ranks: a machine-sized check, no --quick",

@@ -346,3 +346,23 @@ def test_generation_kwargs_from_the_command_line_are_json(tmp_path):
         parser.parse_args_into_dataclasses([*base, "--generation_kwargs", "{min_tokens: 5}"])
     with pytest.raises(InputError, match="must be a JSON object"):
         parser.parse_args_into_dataclasses([*base, "--generation_kwargs", "[1, 2]"])
+
+
+def test_resume_auto_and_a_restarted_launch_take_the_last_checkpoint_or_start_afresh(tmp_path, monkeypatch):
+    """``auto`` (verl's ``resume_mode: auto``) is the last complete checkpoint when there is one and a fresh start
+    when there is none (where ``true`` is an error); a run restarted by its launcher (torchrun's
+    ``TORCHELASTIC_RESTART_COUNT`` > 0, ``accelerate launch --max_restarts``) with the option unset resumes as under
+    ``auto``, and ``false`` still starts afresh. Mutation tried: the restart count ignored -> the restarted run
+    starts afresh, the fourth assertion fails."""
+    from trl_nrollout.trainer.checkpoints import elastic_restarts
+
+    assert resolve_resume("auto", tmp_path) is None and resolve_resume(None, tmp_path, restarts=1) is None
+    _checkpoint(tmp_path / "checkpoint-2")
+    _checkpoint(tmp_path / "checkpoint-4", complete=False)  # the restart killed it while saving
+    assert resolve_resume("auto", tmp_path) == str(tmp_path / "checkpoint-2")
+    assert resolve_resume(None, tmp_path, restarts=1) == str(tmp_path / "checkpoint-2")
+    assert resolve_resume(None, tmp_path, restarts=0) is None and resolve_resume("false", tmp_path, restarts=1) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert elastic_restarts() == 2
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "x")
+    assert elastic_restarts() == 0

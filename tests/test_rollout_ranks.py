@@ -712,25 +712,40 @@ def test_ppo_and_remax_run_one_step_off_on_a_rollout_rank(recipe, tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
-def test_a_run_with_a_rollout_rank_resumes_to_the_same_steps(tmp_path):
+def test_a_killed_rollout_rank_restarts_the_launch_and_the_run_resumes_to_the_same_steps(tmp_path):
     """2 trainers + 1 rollout rank, one step off (``rollout_lookahead=1``, the default), DAPO's extra rounds and the
-    adaptive KL controller on (the suite's resume recipe): stopped after 2 of 4 steps and resumed from the
-    checkpoint, the second run trains steps 3-4 only and logs, value for value, what the uninterrupted run logged
-    (reward, loss, gradient norm, KL coefficient, the lag). At the checkpoint step 3's job was already written and
-    sampled by the policy of step 1; the checkpoint keeps it with its samples (trainer rank 0's
-    ``nrollout_jobs_ahead.pt``), so the resumed step 3 trains on them (lag 1) and step 4's job is sampled by the
-    checkpoint's weights, as in the uninterrupted run. Mutation tried: the saved jobs not restored
-    (``load_rollout_state`` ignoring ``engine``) -> the resumed step 3 is generated afresh by the step-2 policy
-    (lag 0): its logged values differ from the uninterrupted run's, the test fails."""
-    from tests.conftest import RESUME, RESUMED_KEYS, assert_resumed
+    adaptive KL controller on (the suite's resume recipe). Issue 65 item 1's fault: the rollout rank is killed
+    (SIGKILL, from outside) once checkpoint-2 is saved, in a real ``accelerate launch --max_restarts 1``; torchrun's
+    agent ends and restarts every process, and the restarted run (resume_from_checkpoint unset) resumes from
+    checkpoint-2 on its own and trains steps 3-4 only, logging, value for value, what the uninterrupted run logged
+    (reward, loss, gradient norm, KL coefficient, the lag): no step lost or trained twice. At the checkpoint step 3's
+    job was already written and sampled by the policy of step 1; the checkpoint keeps it with its samples (trainer
+    rank 0's ``nrollout_jobs_ahead.pt``), so the resumed step 3 trains on them (lag 1). Mutations tried: the saved
+    jobs not restored (``load_rollout_state`` ignoring ``engine``) -> the resumed step 3 is generated afresh by the
+    step-2 policy (lag 0), its logged values differ; the store's keys not scoped by the attempt (rollout/bridge.py)
+    -> the restarted processes read the dead attempt's gloo addresses, the launch fails. (The restart count ignored
+    by ``resolve_resume``: tests/test_bad_input.py.)"""
+    from tests.conftest import ACCELERATE, RESUME, RESUMED_KEYS, assert_resumed
+    from tests.fault import launch_killing
 
     full = _launch(tmp_path / "full", *RESUME, "--rollout_ranks", "1")
     assert any(h["dynamic_sampling/rounds"] > 0 for h in full["steps"])  # extra rounds ran on the rollout rank
     assert [h["rollout/staleness"] for h in full["steps"]] == [0, 1, 1, 1]  # one step off
-    checkpoint = tmp_path / "full" / "checkpoint-2"
+    out = tmp_path / "killed"
+    checkpoint = out / "checkpoint-2"
+    code, killed, _ = launch_killing(
+        [ACCELERATE, "launch", "--max_restarts", "1", "--multi_gpu", "--num_processes", "3", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", RECIPE, "--output_dir", str(out), "--use_cpu", "true",
+         "--bf16", "false", *RESUME, "--rollout_ranks", "1"],
+        cwd=ROOT, env={**os.environ, **ENV}, log=tmp_path / "killed.log", checkpoint=checkpoint, rank=2)
+    output = (tmp_path / "killed.log").read_text()
+    assert killed is not None, output[-4000:]
+    assert code == 0, output[-8000:]
+    history = json.loads((out / "log_history.json").read_text())
+    resumed = {"summary": json.loads((out / "run_summary.json").read_text()),
+               "steps": [h for h in history if "reward" in h]}
+    assert resumed["summary"]["restarts"] == 1
     assert (checkpoint / "nrollout_jobs_ahead.pt").is_file()
-    resumed = _launch(tmp_path / "resumed", *RESUME, "--rollout_ranks", "1", "--resume_from_checkpoint",
-                      str(checkpoint))
     assert_resumed(full, resumed, checkpoint, keys=(*RESUMED_KEYS, "grad_norm", "rollout/staleness"))
 
 
@@ -792,3 +807,39 @@ def test_weights_travel_as_what_changed_and_arrive_bit_for_bit(tmp_path):
     assert first == pytest.approx(full, rel=1e-3)  # the first version: no copy held, every bucket whole
     assert all(mb < 0.5 * whole for whole, mb in sent[1:]), sent  # bf16 words that an lr-1e-6 step changed
     assert max(h["rollout_corr/logprob_abs_diff_max"] for h in steps) < 0.1
+
+
+@pytest.mark.slow  # (it starts processes: `sleep`, a few milliseconds)
+def test_a_peer_whose_process_is_gone_on_this_host_is_seen_at_once():
+    """``Bridge._gone``: a watched peer on this host whose process has ended (a SIGKILL: reaped, or a zombie not yet
+    reaped) is dead now, without waiting ``rollout_rank_timeout_s`` for its heartbeat to go stale (the launcher's
+    SIGTERM cannot reach a process blocked in a collective with it, so this is what stops it at once); a live one
+    and one on another host are not (only their heartbeats say). Real processes, an in-memory store. Mutation
+    tried: ``_gone`` always False -> the first assertion fails."""
+    import socket
+
+    from trl_nrollout.plan.roles import Roles
+    from trl_nrollout.rollout.bridge import Bridge
+
+    store = torch.distributed.HashStore()
+    bridge = Bridge(Roles(4, 1, 4), 0, store, None, timeout_s=120)
+    dead, zombie, alive = (subprocess.Popen(["sleep", "60"]) for _ in range(3))
+    try:
+        for proc in (dead, zombie):
+            proc.kill()
+        dead.wait()  # reaped: gone; ``zombie`` is killed but not waited for: a zombie until reaped
+        host = socket.gethostname()
+        for peer, where in ((1, f"{host}:{dead.pid}"), (2, f"{host}:{zombie.pid}"), (3, f"{host}:{alive.pid}"),
+                            (4, f"elsewhere-{host}:{dead.pid}")):
+            store.set(f"pid/{peer}", where)
+        deadline = time.monotonic() + 10
+        while not bridge._gone(2):  # (the kill takes a moment to turn it into a zombie)
+            assert time.monotonic() < deadline, "a killed child never showed as gone"
+            time.sleep(0.05)
+        assert bridge._gone(1)
+        assert not bridge._gone(3) and not bridge._gone(4) and not bridge._gone(5)  # (5: no pid written yet)
+    finally:
+        for proc in (zombie, alive):
+            proc.kill()
+            proc.wait()
+        bridge.finish()

@@ -23,7 +23,9 @@ its options are ``NRolloutDistillationConfig``'s: ``teacher_model_name_or_path``
 same parsing and one-line errors, then :mod:`trl_nrollout.recipe.distill` trains.
 
 What transformers leaves to scripts, this one does: ``--resume_from_checkpoint PATH`` (or ``true``: the last
-complete and readable checkpoint in ``output_dir``; a damaged one is skipped with a warning) resumes; ``--push_to_hub true`` pushes the trained model at the end (its
+complete and readable checkpoint in ``output_dir``; a damaged one is skipped with a warning; ``auto``: that one if
+any, else afresh) resumes, and a run that ``accelerate launch --max_restarts N`` restarted (a process died) resumes
+as under ``auto`` when the option is unset; ``--push_to_hub true`` pushes the trained model at the end (its
 save, then a push naming the dataset in the model card), as TRL's scripts do; ``do_eval`` / ``do_predict`` are refused (the recipe loads no evaluation set). SIGTERM (a scheduler's
 preemption) finishes the step, saves a checkpoint and ends the run; resume it with ``--resume_from_checkpoint
 true``. A mistake in the options, the recipe or the data (a ``reward_funcs`` entry that does not import included) is one
@@ -57,7 +59,7 @@ from trl_nrollout.recipe.rewards import resolve_import, resolve_reward
 from trl_nrollout.recipe.summary import RewardHistory, build_summary, write_summary
 from trl_nrollout.recipe.trust import enforce_recipe_trust, parse_recipe_command
 from trl_nrollout.rollout.engines.platform import launch_nodes
-from trl_nrollout.trainer.checkpoints import check_output_dir, resolve_resume
+from trl_nrollout.trainer.checkpoints import check_output_dir, elastic_restarts, resolve_resume
 from trl_nrollout.trainer.scoring import RewardFunctionError
 
 logger = logging.getLogger(__name__)
@@ -333,7 +335,7 @@ def _train(argv: list[str] | None, built: list) -> dict:
     _check_script_fields(training_args)
     if (why := lora_sync_refusal(training_args, peft=peft_config is not None, how="--use_peft true")) is not None:
         raise InputError(why)  # before the model loads (the trainer would say it after)
-    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, elastic_restarts())
     check_output_dir(training_args.output_dir)
     if kind == "distill":  # NRolloutDistillationTrainer (recipe/distill.py): no rewards, a teacher
         from trl_nrollout.recipe.distill import train_distillation
@@ -397,7 +399,7 @@ def _train(argv: list[str] | None, built: list) -> dict:
                "rollout_n": training_args.rollout_n, "adv_estimator": training_args.adv_estimator,
                "trainer": kind, "lora_r": script_args.lora_r if peft_config is not None else None,
                "sequence_parallel_size": getattr(getattr(trainer, "_sp", None), "size", 1),  # the groups that ran
-               "resumed_from": resume, "steps_trained": trainer.state.global_step - history.start_step,
+               "resumed_from": resume, "restarts": elastic_restarts(), "steps_trained": trainer.state.global_step - history.start_step,
                "stopped_by": stopper.signal, "unscored_steps": history.unscored_steps,
                **trainer.truncated_steps.summary()},
     )

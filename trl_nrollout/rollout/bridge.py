@@ -57,6 +57,7 @@ class Bridge:
         self.status = "starting"
         self._watch: set[int] = set()  # the peers whose silence stops this process
         self._stopped = threading.Event()
+        self._pids: dict[int, str] = {}  # peer -> "host:pid", read once
         store.set(f"pid/{rank}", f"{socket.gethostname()}:{os.getpid()}")
         self._beat = threading.Thread(target=self._heartbeat, name="trl_nrollout-heartbeat", daemon=True)
         self._beat.start()
@@ -122,9 +123,32 @@ class Bridge:
             if state is None or state[1] == "done":
                 continue
             silent, status = state
+            if self._gone(peer):  # (its launcher ends the launch, or restarts it: --max_restarts)
+                self._die(f"{self.describe(peer)} has died (its process is gone) while it was {status}")
             if silent > self.timeout_s:
                 self._die(f"{self.describe(peer)} has not been heard from for {silent:.0f} s (rollout_rank_timeout_s="
                           f"{self.timeout_s:g}); it was last {status}. It died or hangs; see its own output above")
+
+    def _gone(self, peer: int) -> bool:
+        """Whether ``peer`` runs on this host and its process has ended (a peer elsewhere: only its heartbeat says).
+        A launcher that restarts its processes (torchrun, ``--max_restarts``) asks the others to stop with SIGTERM,
+        which a process blocked in a collective with the dead one cannot act on: this check stops it at once."""
+        import psutil
+
+        where = self._pids.get(peer)
+        if where is None:
+            if not self.store.check([f"pid/{peer}"]):
+                return False
+            where = self._pids[peer] = self.store.get(f"pid/{peer}").decode()
+        host, _, pid = where.rpartition(":")
+        if host != socket.gethostname():
+            return False
+        try:
+            return psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:
+            return False
 
     def die(self, why: str) -> None:
         """Stop this process at once, saying ``why`` (see :meth:`_die`): for a failure its peers could only wait on,
@@ -266,6 +290,10 @@ def split_world(rollout_ranks: int, rollout_tp_size: int = 1, timeout_s: float =
         raise InputError(why)
     roles = Roles(world, rollout_ranks, local_world)
     store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=timedelta(seconds=600)))
+    # a launch restarted by its agent (accelerate launch --max_restarts: a process died) may keep the store of the
+    # attempt before, whose keys (the dead processes' addresses, messages, heartbeats) must not be read: each attempt
+    # has its own keys
+    store = torch.distributed.PrefixStore(f"a{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     role = roles.role(rank)
     # the process groups' timeout is the trainer's ddp_timeout (``group_timeout_s``), as accelerate would set it:
     # a collective waits that long. Waits that depend on the other world (a job, the engines' start) do not block

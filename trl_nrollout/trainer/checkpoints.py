@@ -152,20 +152,40 @@ def last_complete_checkpoint(output_dir: str | Path,
     return None
 
 
-def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | None:
+def elastic_restarts() -> int:
+    """How many times the launcher restarted this run's processes (torchrun's ``TORCHELASTIC_RESTART_COUNT``: 0
+    on the first start; ``accelerate launch --max_restarts N`` allows ``N``)."""
+    try:
+        return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
+
+
+def resolve_resume(value: str | bool | None, output_dir: str | Path, restarts: int = 0) -> str | None:
     """The checkpoint folder ``resume_from_checkpoint=value`` names, or None to start afresh; an error naming the
-    option, the value and a fix when it names nothing a run can resume from. Under ``true`` a damaged checkpoint
-    newer than the one chosen is named in a warning."""
+    option, the value and a fix when it names nothing a run can resume from. Under ``true`` (or ``auto``) a damaged
+    checkpoint newer than the one chosen is named in a warning. ``auto`` (verl's ``resume_mode: auto``): the last
+    checkpoint when there is one, else afresh. ``restarts``: how many times the launcher restarted the run's
+    processes (torchrun's ``TORCHELASTIC_RESTART_COUNT``, ``accelerate launch --max_restarts``): a restarted run
+    with the option unset resumes as under ``auto`` (it would otherwise train from its start again)."""
+    if value is None and restarts > 0:
+        value = "auto"
+        logger.warning("restart %d of this launch (accelerate launch --max_restarts): resuming from the last "
+                       "checkpoint in output_dir=%s, if any (resume_from_checkpoint unset; pass false to start "
+                       "afresh).", restarts, output_dir)
     if value is None or value is False:
         return None
     text = str(value).strip()
-    if value is True or text.lower() in _TRUE:
+    auto = text.lower() == "auto"
+    if value is True or text.lower() in _TRUE or auto:
         skipped: list[tuple[Path, str]] = []
         found = last_complete_checkpoint(output_dir, skipped)
         for folder, why in skipped:
             logger.warning("resume_from_checkpoint=%r: skipping %s, which is damaged (%s); resuming from %s, the "
                            "newest complete and readable checkpoint. Delete the damaged folder, or copy it again "
                            "if it was copied.", value, folder, why, found if found is not None else "none")
+        if found is None and auto:
+            return None
         if found is None:
             partial = checkpoints(output_dir)
             damaged = [f"{folder.name} ({why})" for folder, why in skipped]
@@ -174,8 +194,8 @@ def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | No
                    "while saving)" if partial else "it holds no checkpoint-N folder")
             raise InputError(f"resume_from_checkpoint={value!r} resumes from the last checkpoint in "
                              f"output_dir={str(output_dir)!r}, but {why}. Point resume_from_checkpoint at a "
-                             "checkpoint folder, set output_dir to the run's folder, or drop the option to start "
-                             "afresh.")
+                             "checkpoint folder, set output_dir to the run's folder, pass auto (the last "
+                             "checkpoint if any, else afresh), or drop the option to start afresh.")
         return str(found)
     if text.lower() in _FALSE:
         return None

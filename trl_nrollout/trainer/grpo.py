@@ -56,6 +56,7 @@ from trl_nrollout.trainer.budgeted_update import (
 )
 from trl_nrollout.trainer.checkpoints import (
     check_resume_folder,
+    elastic_restarts,
     load_rollout_state,
     resolve_resume,
     save_rank_state,
@@ -182,9 +183,13 @@ class NRolloutGRPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """TRL's ``train``, with ``resume_from_checkpoint`` resolved as the recipe resolves it
         (:func:`~trl_nrollout.trainer.checkpoints.resolve_resume`: ``True``, the newest complete and readable
-        checkpoint of ``output_dir``, naming a damaged one it skips; a path must be complete and readable)."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = resolve_resume(True, self.args.output_dir)
+        checkpoint of ``output_dir``, naming a damaged one it skips; ``"auto"``: that checkpoint if any, else
+        afresh, as a run restarted by ``accelerate launch --max_restarts`` with nothing given does; a path must be
+        complete and readable)."""
+        restarts = elastic_restarts()
+        if resume_from_checkpoint is True or resume_from_checkpoint == "auto" or (
+                resume_from_checkpoint is None and restarts):
+            resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir, restarts)
         elif isinstance(resume_from_checkpoint, str | os.PathLike):
             resume_from_checkpoint = check_resume_folder(resume_from_checkpoint, self.args.output_dir)
         with self.rollout_ranks.training() if self._on_rollout_ranks else nullcontext():  # theirs returns then
