@@ -381,6 +381,40 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     assert [h["rollout/staleness"] for h in steps] == [0, 1]
     assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2  # the engine saw the images (see the docstring)
     assert all(math.isfinite(h["loss"]) for h in steps)
+    # the rollout rank received each group's image once, as PNG bytes (issue 66), and gave it to each of the
+    # group's n samples: the job's 4 groups (2 trainers x 2 prompts) of n=3
+    jobs = json.loads((tmp_path / "rank_jobs.json").read_text())
+    assert len(jobs) == 2
+    for job in jobs:
+        assert (job["groups"], job["n"], job["samples"]) == (4, 3, 12)
+        assert job["png"] == job["payloads"] == job["distinct"] == 4  # one payload a group, not one a sample
+        assert job["png_bytes"] < 4 * result["seen"][0]["image_bytes"]  # PNG: smaller than the pickled pixels
+
+
+@pytest.mark.fast
+def test_a_jobs_images_travel_once_a_group_as_png_bytes_and_read_back_pixel_for_pixel():
+    """A job's message holds each group's images once, as PNG bytes (pickled as the rank transport carries it); the
+    rollout rank reads back the same pixels, modes and sizes, each group's images shared by its ``n`` samples; what
+    PNG cannot hold (a CMYK image) travels as it is. Mutation tried: ``encode_job_images`` leaving the PIL images
+    as they are -> no PNG payload: fails."""
+    import pickle
+
+    import numpy as np
+    from PIL import Image
+
+    from trl_nrollout.rollout.ranks.buckets import PNG_SIGNATURE, job_message, read_job_images
+
+    groups = [[colour_image("red", 1)], [colour_image("blue", 2), colour_image("red", 3).convert("L")], [],
+              [Image.new("CMYK", (4, 4), (1, 2, 3, 4))]]
+    message = pickle.loads(pickle.dumps(job_message(7, [[1, 2]] * 4, 3, None, images=groups)))
+    sent = [x for imgs in message["images"] for x in imgs]
+    assert sum(isinstance(x, bytes) and x.startswith(PNG_SIGNATURE) for x in sent) == 3 and len(sent) == 4
+    read, images = read_job_images(message, 3, 12)  # samples 3..11: groups 1, 2, 3
+    assert len(images) == 9 and all(images[k] is images[3 * (k // 3)] for k in range(9))
+    for got, want in zip(read["images"], groups, strict=True):
+        assert [(i.mode, i.size) for i in got] == [(i.mode, i.size) for i in want]
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
+    assert read_job_images(job_message(7, [[1]], 3, None), 0, 3)[1] is None
 
 
 @given(st.lists(st.lists(st.sampled_from(["red", "blue"]), max_size=3), min_size=1, max_size=4),
