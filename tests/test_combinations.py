@@ -215,13 +215,13 @@ def test_partial_tool_episodes_on_a_balanced_queue_over_two_engines(tmp_path):
 
     In the same launch, tool images from the balanced queue (issue 66): image prompts on the built-in VLM whose
     ``show_picture`` returns an image, request by request from fixed shares (the reference), from the balanced queue
-    and in partial rollouts on it, engine 0 slowed so that engine 1 pulls rank 0's groups. Rank 0's trained samples
-    equal the shares' sample for sample (prompt and completion tokens, tool masks, and the forward's images: their
-    count and pixels; a group's seed follows it to whichever engine runs it, and the tool shows the same picture
+    and in partial rollouts on it, engine 0 slowed so that engine 1 pulls rank 0's groups. The job's samples equal
+    the shares' sample for sample (prompt and completion tokens, tool masks; rank 0's forward images: their count
+    and pixels; a group's seed follows it to whichever engine runs it, and the tool shows the same picture
     at every call), and every sample's forward holds its prompt's image and one per tool result in its completion.
-    Mutations tried: the balanced driver's later turns without their view (``continue_request`` given the context
-    only: the tool images never reach the engine that pulled the group) -> the completions differ from the shares':
-    fails; the queue's media read at this rank's index (no ``agents_media``) -> RESULT."""
+    Mutation tried: the balanced driver's later turns without their view (``continue_request`` given the context
+    only: the tool images never reach the engine that pulled the group) -> the job's samples differ from the shares'
+    (first at sample 6): fails."""
     combo = next(c for c in ALLOWED if c["name"] == "balanced-partial-tools_request_by_request")
     entry = {"name": combo["name"], "episode": combo["episode"],
              "options": {**combo["options"], "rollout_max_num_seqs": 4}}
