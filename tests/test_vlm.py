@@ -368,8 +368,8 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     stops the launch; the same for the job written ahead only; each group generated with the next group's images
     (same expansion) -> the first step's log-prob gap is 0.43; trainer rank 1 handed trainer rank 0's expanded
     prompts -> its expansion check stops the launch. The rollout rank decodes each group's image once, PNG bytes
-    (``rank_jobs.json``: one payload a group, shared by its n samples). Mutation tried: ``job_message`` writing
-    each sample's images (n a group) -> RESULT."""
+    (``rank_jobs.json``: one payload a group, shared by its n samples). Mutation tried: ``encode_job_images``
+    leaving the PIL images as they are (pickled pixels) -> no PNG payload (0 == 4): fails."""
     proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
                            str(ROOT / "tests/assets/vlm_ranks.py"), str(tmp_path)], cwd=ROOT,
                           env={**os.environ, **ENV}, capture_output=True, text=True, timeout=400)
