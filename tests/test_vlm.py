@@ -391,6 +391,16 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
         assert (job["groups"], job["n"], job["samples"]) == (4, 3, 12)
         assert job["png"] == job["payloads"] == job["distinct"] == 4  # one payload a group, not one a sample
         assert job["png_bytes"] < 4 * result["seen"][0]["image_bytes"]  # PNG: smaller than the pickled pixels
+    # tool episodes request by request on the rollout rank, a tool returning an image: each trained sample's forward
+    # holds its prompt's image and one per tool result, in the tool results' tokens; the engine saw them (its
+    # log-probs are the trainer's, as above; without the tool images vLLM reads their tokens as text: 0.058 apart)
+    tools = json.loads((tmp_path / "tools.json").read_text())
+    steps = [h for h in tools["history"] if "reward" in h]
+    assert len(steps) == 2 and all(h["tools/call_frequency"] > 0 for h in steps)
+    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2
+    trained = [s for step in tools["samples"] for s in step]
+    assert len(trained) == 2 * 6 and all(s["images"] == 1 + s["results"] for s in trained)
+    assert any(s["results"] for s in trained), "no tool image: the test tests nothing"
 
 
 @pytest.mark.fast

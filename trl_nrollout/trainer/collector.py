@@ -61,7 +61,7 @@ class Placement:
 
     remote: bool = False
     generate: Callable[..., RolloutBatch] | None = None
-    request_turns: Callable[..., tuple[RolloutBatch, Episode]] | None = None
+    request_turns: Callable[..., tuple[RolloutBatch, Episode, list]] | None = None
     agent_job: Callable | None = None
     ahead_jobs: Callable | None = None
     log_remote: Callable | None = None

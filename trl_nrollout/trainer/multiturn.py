@@ -72,20 +72,23 @@ IMAGE_REFUSALS = {
                     "colocated, it does: TRL's contract)",
     "rollout_partial=True": "partial tool episodes carry images with tools=, not yet with environment_factory (its "
                             "observations' images)",
-    "rollout_ranks": "tool episodes on rollout ranks do not carry images yet",
+    "rollout_ranks": "tool episodes on rollout ranks carry images request by request (rollout_multi_turn='requests'), "
+                     "not yet turn by turn or in partial rollouts (rollout_partial=True)",
 }
 
 
 def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, args=None) -> str | None:
     """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn, or
-    request by request from fixed shares or a balanced queue; tools= in partial rollouts; colocated)."""
+    request by request from fixed shares or a balanced queue, and so on rollout ranks; tools= in partial rollouts,
+    colocated)."""
     agentic = bool(tools) or environment_factory is not None
     if rollout_func is not None and (getattr(args, "rollout_multi_turn", "turns") == "requests"
                                      or getattr(args, "rollout_partial", False) or getattr(args, "rollout_ranks", 0)):
         return "rollout_func"
     if environment_factory is not None and getattr(args, "rollout_partial", False):
         return "rollout_partial=True"
-    if agentic and getattr(args, "rollout_ranks", 0):
+    if agentic and getattr(args, "rollout_ranks", 0) and (getattr(args, "rollout_multi_turn", "turns") != "requests"
+                                                         or getattr(args, "rollout_partial", False)):
         return "rollout_ranks"
     return None
 
@@ -207,14 +210,16 @@ class TRLTools:
             return TurnMedia([[] for _ in prompt_ids], [list(p) for p in prompt_ids], self.engine_suffix)
         return TurnMedia(list(images.images), list(images.engine_ids), self.engine_suffix)
 
-    def episode_mm(self, turns: Turns, media: TurnMedia | None, images: EncodedPrompts | None) -> list | None:
+    def episode_mm(self, tool_images: list[list], media: TurnMedia | None, images: EncodedPrompts | None
+                   ) -> list | None:
         """Per sample, the image tensors the trainer's forward takes: its prompt's (shared with its group) or, where
-        its tools returned images, those of all its images in order; None where no sample has any."""
-        if media is None or (images is None and not any(turns.images)):
+        its tools returned images (``tool_images``, per sample), those of all its images in order; None where no
+        sample has any."""
+        if media is None or (images is None and not any(tool_images)):
             return images.mm if images is not None else None
-        prompt_mm = images.mm if images is not None else [None] * len(turns.images)
+        prompt_mm = images.mm if images is not None else [None] * len(tool_images)
         return [self.image_tensors(list(media.prompt_images[i]) + list(tool)) if tool else prompt_mm[i]
-                for i, tool in enumerate(turns.images)]
+                for i, tool in enumerate(tool_images)]
 
     def start(self, inputs: list[dict], held: set[int]) -> Started:
         """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
@@ -384,7 +389,7 @@ class ToolTurns:
         batch = RolloutBatch(first.prompt_ids, turns.completion_ids, turns.logprobs, turns.finish_reasons,
                              first.group_index)
         episode = _episode(turns)
-        episode.mm = self.tools.episode_mm(turns, media, job.images)
+        episode.mm = self.tools.episode_mm(turns.images, media, job.images)
         return batch, episode
 
 
@@ -405,13 +410,16 @@ class ToolRequests:
     metrics: Any
     home: HomeToolCalls
     log_dispatch: Callable[..., None]
-    remote_request_turns: Callable[..., tuple[RolloutBatch, Episode]] | None = None
+    remote_request_turns: Callable[..., tuple[RolloutBatch, Episode, list]] | None = None
     tokenized: bool = True
 
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
         n, mode, sampling = job.n, job.mode, job.sampling
-        if self.remote_request_turns is not None:
-            return self.remote_request_turns(job.prompt_ids, n, sampling, mode, job.step_job)
+        if self.remote_request_turns is not None:  # whole episodes on the rollout ranks, images with them
+            batch, episode, tool_images = self.remote_request_turns(job.prompt_ids, n, sampling, mode, job.step_job,
+                                                                    job.images)
+            episode.mm = self.tools.episode_mm(tool_images, self.tools.media(job.prompt_ids, job.images), job.images)
+            return batch, episode
         loop, tools, limits = self.tools.loop, job.tools, self.limits
         media = self.tools.media(job.prompt_ids, job.images)  # (a queue's driver reads it at each sample's place)
         agent = AgentCallbacks(
@@ -451,5 +459,5 @@ class ToolRequests:
         batch = RolloutBatch([s.prompt_ids for s in samples], turns.completion_ids, turns.logprobs,
                              turns.finish_reasons, groups)
         episode = _episode(turns)
-        episode.mm = self.tools.episode_mm(turns, media, job.images)
+        episode.mm = self.tools.episode_mm(turns.images, media, job.images)
         return batch, episode
