@@ -49,6 +49,7 @@ RANKS_COVERED = {
     "agent": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight (here)",
     "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
     "images": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
+    "images, tools request by request": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
     "images, tools / environments request by request, agent: partial": "test_a_rollout_rank_keeps_each_steps_"
                                                                         "episodes_and_groups_in_flight (here)",
 }

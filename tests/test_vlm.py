@@ -369,7 +369,13 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     (same expansion) -> the first step's log-prob gap is 0.43; trainer rank 1 handed trainer rank 0's expanded
     prompts -> its expansion check stops the launch. The rollout rank decodes each group's image once, PNG bytes
     (``rank_jobs.json``: one payload a group, shared by its n samples). Mutation tried: ``encode_job_images``
-    leaving the PIL images as they are (pickled pixels) -> no PNG payload (0 == 4): fails."""
+    leaving the PIL images as they are (pickled pixels) -> no PNG payload (0 == 4): fails.
+
+    Then, in the same launch, TRL tool episodes request by request on the rollout rank (issue 66): image prompts and
+    ``show_picture`` returning an image; every trained sample's forward holds its prompt's image and one per tool
+    result, and the first step's engine log-probs are the trainer's (0.0034 measured, the suppressed image token).
+    Mutation tried: the rollout rank's answer without the tools' images (``episode_extras``) -> the trainer's forward
+    gets image tokens without their pixels: the launch fails."""
     proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
                            str(ROOT / "tests/assets/vlm_ranks.py"), str(tmp_path)], cwd=ROOT,
                           env={**os.environ, **ENV}, capture_output=True, text=True, timeout=400)
