@@ -72,10 +72,6 @@ AXIS_REFUSALS: tuple[Refusal, ...] = (
             "two choices of the episode axis: a rollout_func run group by group does not carry images yet (called on "
             "the whole batch it does, TRL's contract: its prompt_ids hold the processor's expansion, the forward "
             "takes the dataset's images)"),
-    Refusal("image prompts", "environment_factory and rollout_partial=True", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: partial environment episodes do not carry their observations' images "
-            "yet (partial tool episodes with tools=, from fixed shares or a balanced queue, carry the prompts' and "
-            "the tools' images)"),
     Refusal("image prompts", "rollout_func and rollout_partial=True", "not yet", "multiturn.check_images",
             "two choices of the episode axis: a partial rollout runs a rollout_func group by group, which does not "
             "carry images yet"),
