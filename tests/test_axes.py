@@ -79,16 +79,11 @@ CASES = {
         ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_partial=True))),
     ("image prompts", "rollout_func and rollout_ranks"): lambda tmp: _raised(lambda: check_images(
         ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_ranks=1))),
-    ("image prompts", "tools and rollout_multi_turn='requests' and rollout_dispatch='balanced'"): lambda tmp: _raised(
-        lambda: check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(
-            rollout_multi_turn="requests", rollout_dispatch="balanced"))),
-    ("image prompts", "environment_factory and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], environment_factory=print, args=SimpleNamespace(rollout_partial=True))),
-    ("image prompts", "tools and rollout_partial=True and rollout_dispatch='balanced'"): lambda tmp: _raised(
-        lambda: check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(
-            rollout_partial=True, rollout_dispatch="balanced"))),
-    ("image prompts", "tools and rollout_ranks"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], environment_factory=print, args=SimpleNamespace(rollout_ranks=1))),
+    ("image prompts", "tools and rollout_ranks and rollout_multi_turn='turns'"): lambda tmp: _raised(
+        lambda: check_images(["prompt", "image"], environment_factory=print, args=SimpleNamespace(rollout_ranks=1))),
+    ("image prompts", "tools and rollout_ranks and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
+        ["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_ranks=1, rollout_multi_turn="requests",
+                                                                 rollout_partial=True))),
     ("agent", "environment_factory or rollout_func"): lambda tmp: _agent_refusal(
         _trainer(environment_factories={"x": print}, args=SimpleNamespace(rollout_backend="vllm"))),
     ("rollout_ranks", "rollout_backend='hf'"): lambda tmp: _ranks(rollout_backend="hf"),
@@ -164,6 +159,15 @@ at TP=1 and TP=2."""
     assert _agent(rollout_backend="vllm") is None
     assert _agent_refusal(_trainer(tools=[print], args=SimpleNamespace(
         rollout_backend="vllm", rollout_seed_mode=None))) is None
+    # issue 66: image prompts (and tools' images) with tool episodes from a balanced queue, request by request and
+    # partial (tests/test_tool_images.py, tests/test_combinations.py::test_partial_tool_episodes_on_a_balanced_...)
+    for more in ({"rollout_multi_turn": "requests"}, {"rollout_partial": True}):
+        check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_dispatch="balanced", **more))
+    # partial environment episodes (tests/test_partial_images.py)
+    check_images(["prompt", "image"], environment_factory=print, args=SimpleNamespace(rollout_partial=True))
+    # and whole tool episodes request by request on rollout ranks (tests/test_vlm.py::test_a_vlm_trains_on_a_...)
+    check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_ranks=1,
+                                                                          rollout_multi_turn="requests"))
 
 
 @pytest.mark.parametrize("option, off, check", [

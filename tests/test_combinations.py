@@ -49,6 +49,7 @@ RANKS_COVERED = {
     "agent": "test_a_rollout_rank_keeps_each_steps_episodes_and_groups_in_flight (here)",
     "custom": "tests/assets/rollout_func_ranks.py (test_tools.py)",
     "images": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
+    "images, tools request by request": "test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off",
     "images, tools / environments request by request, agent: partial": "test_a_rollout_rank_keeps_each_steps_"
                                                                         "episodes_and_groups_in_flight (here)",
 }
@@ -211,14 +212,40 @@ def test_partial_tool_episodes_on_a_balanced_queue_over_two_engines(tmp_path):
     their masks and versions across steps and engines: tests/test_dispatch.py. Mutations tried: the branch of
     ``_partial_round`` that runs the balanced queue for tool episodes raising -> the launch fails (it is the path
     taken); the engines' leaders sending their tickets but not their groups -> the launch fails (the groups that
-    train have no episodes on the ranks that did not run them)."""
+    train have no episodes on the ranks that did not run them).
+
+    In the same launch, tool images from the balanced queue (issue 66): image prompts on the built-in VLM whose
+    ``show_picture`` returns an image, request by request from fixed shares (the reference), from the balanced queue
+    and in partial rollouts on it, engine 0 slowed so that engine 1 pulls rank 0's groups. The job's samples equal
+    the shares' sample for sample (prompt and completion tokens, tool masks; rank 0's forward images: their count
+    and pixels; a group's seed follows it to whichever engine runs it, and the tool shows the same picture
+    at every call), and every sample's forward holds its prompt's image and one per tool result in its completion.
+    Mutation tried: the balanced driver's later turns without their view (``continue_request`` given the context
+    only: the tool images never reach the engine that pulled the group) -> the job's samples differ from the shares'
+    (first at sample 6): fails."""
     combo = next(c for c in ALLOWED if c["name"] == "balanced-partial-tools_request_by_request")
     entry = {"name": combo["name"], "episode": combo["episode"],
              "options": {**combo["options"], "rollout_max_num_seqs": 4}}
-    launch_two(tmp_path, [entry])
+    images = {"tool_images_shares": {}, "tool_images_balanced": {"rollout_dispatch": "balanced"},
+              "tool_images_partial": {"rollout_dispatch": "balanced", "rollout_partial": True}}
+    launch_two(tmp_path, [entry, *({"name": name, "episode": "tool images", "slow_rank": 0, "slow_s": 0.2,
+                                    "options": {"rollout_multi_turn": "requests", "rollout_max_num_seqs": 4,
+                                                "per_device_train_batch_size": 16, "max_steps": 1, **options}}
+                                   for name, options in images.items())])
     result = json.loads((tmp_path / f"{combo['name']}.json").read_text())
     check_combination(combo, result)
     assert all(len(rnd["samples"]) == 2 * 8 for rnd in result["rounds"])  # the job's samples: 2 ranks x 8
+    shares, balanced, partial = (json.loads((tmp_path / f"{name}.json").read_text())["rounds"][0] for name in images)
+    for run in (shares, balanced, partial):  # rank 0's samples: the prompt's image, then one per tool result
+        mine = run["samples"][:len(run["pixels"])]
+        assert all(p is not None and p[0] == 1 + len(s["masked"]) for p, s in zip(run["pixels"], mine, strict=True))
+        assert any(p[0] > 1 for p in run["pixels"]), "no tool image: the test tests nothing"
+    keys = ("prompt_ids", "completion_ids", "tool_mask")
+    assert [[s[k] for k in keys] for s in balanced["samples"]] == [[s[k] for k in keys] for s in shares["samples"]]
+    assert balanced["pixels"] == shares["pixels"]
+    history = json.loads((tmp_path / "tool_images_balanced.json").read_text())["history"]
+    moved = [h["rollout/moved_groups"] for h in history if "rollout/moved_groups" in h]
+    assert moved and max(moved) > 0, moved  # engine 1 ran rank 0's groups, their images with them
 
 
 @pytest.mark.slow

@@ -86,3 +86,58 @@ def test_tool_images_of_samples_in_flight_survive_a_checkpoint_and_resume(tmp_pa
         assert (context, pixels) in requests, f"sample {key} did not continue with its images"
     assert any("loss" in h for h in trainer.state.log_history if h.get("step") == 2)
     trainer.close()
+
+
+class PictureEnv:
+    """An environment whose one method shows a picture (the built-in ``show_picture``'s image and caption)."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def show_picture(self) -> list:
+        """Shows the picture to describe.
+
+        Returns:
+            The picture and a caption.
+        """
+        return show_picture()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_environment_episodes_carry_their_images_in_partial_rollouts(tmp_path):
+    """Image prompts with ``environment_factory`` (its method returns an image) in partial rollouts (issue 66 item
+    3): each pool group holds its prompt's images (encoded as the tool episodes' are: engine ids with the
+    placeholders unexpanded), samples in flight keep their tools' images, and every trained sample's forward holds
+    its prompt's image and one per tool result in its completion (3 steps: the first groups to finish call no tool,
+    those that do train in later steps). Mutation tried: ``PoolEnvironments.start_groups``
+    tokenizing the prompts as text (no images in the pool's groups) -> the trained samples' forwards hold no image
+    tensors (trained as text): fails."""
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+
+    path = resolve_model("builtin:tiny-idefics3-tools")
+    args = NRolloutConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
+                          max_completion_length=64, use_cpu=True, report_to="none", bf16=False, save_strategy="no",
+                          seed=3, max_steps=3, logging_steps=1, use_vllm=True, rollout_partial=True,
+                          rollout_partial_oversample=3.0, max_tool_calling_iterations=2)
+    trainer = NRolloutGRPOTrainer(model=path, reward_funcs=[colour_reward], train_dataset=image_dataset(24),
+                                  environment_factory=PictureEnv, args=args)
+    _bias_the_call(trainer, path)
+    trained = []
+    assign = trainer._assign
+
+    def spy(collected, ctx):
+        for s, m in zip(collected.samples, collected.mm_local or [s.mm for s in collected.samples], strict=True):
+            results = sum(1 for a, b in zip([1, *s.tool_mask], s.tool_mask) if a == 1 and b == 0)
+            trained.append((None if m is None else int(m["pixel_values"].shape[1]), results))
+        return assign(collected, ctx)
+
+    trainer._assign = spy
+    trainer.train()
+    assert trained and all(images == 1 + results for images, results in trained)
+    assert any(results for _, results in trained), "no tool image: the test tests nothing"
+    held = trainer.partial_pool.groups.groups
+    assert held and all(g.images for g in held)  # the groups in flight keep their prompts' images
+    assert any(s.episode is not None and s.episode.images for g in held for s in g.samples)
+    assert any("loss" in h for h in trainer.state.log_history)
+    trainer.close()

@@ -211,9 +211,36 @@ def test_the_trainers_forward_sees_the_tool_images_vllm_saw(path, tmp_path, mult
     pixels[0, -1] = other  # the tool's (last) image replaced
     swapped[with_tool] = {**swapped[with_tool], "pixel_values": pixels}
     assert drift(swapped) > 1e-3
+    if multi_turn == "requests":  # the same rollout from a balanced queue, on the same engine, equals the shares'
+        _balanced_equals_shares(trainer, rows, sampling, batch, episode, drift)
     trainer.train()
     assert trainer.state.log_history[0]["tools/call_frequency"] > 0
     trainer.close()
+
+
+def _balanced_equals_shares(trainer, rows, sampling, batch, episode, drift) -> None:
+    """``rollout_dispatch='balanced'`` on the same trainer and engine (one engine: the queue's driver runs its share,
+    ``run_agents_balanced``'s fallback; two engines pulling each other's groups: tests/test_combinations.py::
+    test_partial_tool_episodes_on_a_balanced_queue_over_two_engines): sample by sample the same tokens, the same
+    images in the forward (the prompt's and the tools', pixel for pixel) and the trainer's log-probs the engine's.
+    Mutation tried: the balanced driver's fallback without ``images=`` (the prompts' images dropped) -> vLLM is
+    given the prompts' placeholders without their images: the rollout fails."""
+    from dataclasses import replace
+
+    from trl_nrollout.rollout.axes import dispatch_rule
+
+    collector = trainer.collector
+    shares_kind = collector.kind
+    collector.kind = replace(shares_kind, rule=dispatch_rule("balanced"))
+    builtin._pictures_shown = 0  # the tool shows the same pictures in the same order
+    try:
+        queued, _, queued_episode = trainer._rollout(rows, 3, sampling)
+    finally:
+        collector.kind = shares_kind
+    assert queued.completion_ids == batch.completion_ids and queued_episode.tool_mask == episode.tool_mask
+    for mine, theirs in zip(queued_episode.mm, episode.mm, strict=True):
+        torch.testing.assert_close(mine["pixel_values"], theirs["pixel_values"], rtol=0, atol=0)
+    assert drift(queued_episode.mm) < 1e-4
 
 
 # ---------------------------------------------------------------------------------------------- rollout_func

@@ -367,7 +367,15 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     ``images``) -> vLLM generates without them and returns the ids unexpanded, so the trainer's expansion check
     stops the launch; the same for the job written ahead only; each group generated with the next group's images
     (same expansion) -> the first step's log-prob gap is 0.43; trainer rank 1 handed trainer rank 0's expanded
-    prompts -> its expansion check stops the launch."""
+    prompts -> its expansion check stops the launch. The rollout rank decodes each group's image once, PNG bytes
+    (``rank_jobs.json``: one payload a group, shared by its n samples). Mutation tried: ``encode_job_images``
+    leaving the PIL images as they are (pickled pixels) -> no PNG payload (0 == 4): fails.
+
+    Then, in the same launch, TRL tool episodes request by request on the rollout rank (issue 66): image prompts and
+    ``show_picture`` returning an image; every trained sample's forward holds its prompt's image and one per tool
+    result, and the first step's engine log-probs are the trainer's (0.0034 measured, the suppressed image token).
+    Mutation tried: the rollout rank's answer without the tools' images (``episode_extras``) -> the trainer's forward
+    gets image tokens without their pixels: the launch fails."""
     proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
                            str(ROOT / "tests/assets/vlm_ranks.py"), str(tmp_path)], cwd=ROOT,
                           env={**os.environ, **ENV}, capture_output=True, text=True, timeout=400)
@@ -381,6 +389,50 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     assert [h["rollout/staleness"] for h in steps] == [0, 1]
     assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2  # the engine saw the images (see the docstring)
     assert all(math.isfinite(h["loss"]) for h in steps)
+    # the rollout rank received each group's image once, as PNG bytes (issue 66), and gave it to each of the
+    # group's n samples: the job's 4 groups (2 trainers x 2 prompts) of n=3
+    jobs = json.loads((tmp_path / "rank_jobs.json").read_text())
+    assert len(jobs) == 2
+    for job in jobs:
+        assert (job["groups"], job["n"], job["samples"]) == (4, 3, 12)
+        assert job["png"] == job["payloads"] == job["distinct"] == 4  # one payload a group, not one a sample
+        assert job["png_bytes"] < 4 * result["seen"][0]["image_bytes"]  # PNG: smaller than the pickled pixels
+    # tool episodes request by request on the rollout rank, a tool returning an image: each trained sample's forward
+    # holds its prompt's image and one per tool result, in the tool results' tokens; the engine saw them (its
+    # log-probs are the trainer's, as above; without the tool images vLLM reads their tokens as text: 0.058 apart)
+    tools = json.loads((tmp_path / "tools.json").read_text())
+    steps = [h for h in tools["history"] if "reward" in h]
+    assert len(steps) == 2 and all(h["tools/call_frequency"] > 0 for h in steps)
+    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2
+    trained = [s for step in tools["samples"] for s in step]
+    assert len(trained) == 2 * 6 and all(s["images"] == 1 + s["results"] for s in trained)
+    assert any(s["results"] for s in trained), "no tool image: the test tests nothing"
+
+
+@pytest.mark.fast
+def test_a_jobs_images_travel_once_a_group_as_png_bytes_and_read_back_pixel_for_pixel():
+    """A job's message holds each group's images once, as PNG bytes (pickled as the rank transport carries it); the
+    rollout rank reads back the same pixels, modes and sizes, each group's images shared by its ``n`` samples; what
+    PNG cannot hold (a CMYK image) travels as it is. Mutation tried: ``encode_job_images`` leaving the PIL images
+    as they are -> no PNG payload: fails."""
+    import pickle
+
+    import numpy as np
+    from PIL import Image
+
+    from trl_nrollout.rollout.ranks.buckets import PNG_SIGNATURE, job_message, read_job_images
+
+    groups = [[colour_image("red", 1)], [colour_image("blue", 2), colour_image("red", 3).convert("L")], [],
+              [Image.new("CMYK", (4, 4), (1, 2, 3, 4))]]
+    message = pickle.loads(pickle.dumps(job_message(7, [[1, 2]] * 4, 3, None, images=groups)))
+    sent = [x for imgs in message["images"] for x in imgs]
+    assert sum(isinstance(x, bytes) and x.startswith(PNG_SIGNATURE) for x in sent) == 3 and len(sent) == 4
+    read, images = read_job_images(message, 3, 12)  # samples 3..11: groups 1, 2, 3
+    assert len(images) == 9 and all(images[k] is images[3 * (k // 3)] for k in range(9))
+    for got, want in zip(read["images"], groups, strict=True):
+        assert [(i.mode, i.size) for i in got] == [(i.mode, i.size) for i in want]
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
+    assert read_job_images(job_message(7, [[1]], 3, None), 0, 3)[1] is None
 
 
 @given(st.lists(st.lists(st.sampled_from(["red", "blue"]), max_size=3), min_size=1, max_size=4),

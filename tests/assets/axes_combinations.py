@@ -33,7 +33,7 @@ from trl_nrollout.trainer.agents import agent_reward
 #: the episode kinds (tests/test_combinations.py CHOICES) and the model each runs on
 EPISODES = {"one completion": "builtin:tiny-qwen2", "tools": "builtin:tiny-qwen2-tools",
             "environment": "builtin:tiny-qwen2-tools", "custom": "builtin:tiny-qwen2", "images": "builtin:tiny-idefics3",
-            "agent": "builtin:tiny-qwen2-tools"}
+            "agent": "builtin:tiny-qwen2-tools", "tool images": "builtin:tiny-idefics3-tools"}
 #: the built-in tool as the OpenAI API describes it (what an agent sends as ``tools``)
 TOOL_SCHEMA = [{"type": "function", "function": {"name": "lucky_number", "description": "Returns today's lucky number.",
                                                  "parameters": {"type": "object", "properties": {}}}}]
@@ -137,6 +137,35 @@ def custom_rollout(prompts: list, trainer) -> dict:
             "env_mask": [[0 if held and i == 0 else 1 for i in range(len(c) - 1)] + [0] for c in batch.completion_ids]}
 
 
+def show_picture() -> list:
+    """Shows the picture to describe.
+
+    Returns:
+        The picture and a caption.
+    """
+    from trl_nrollout.builtin import colour_image
+
+    # the same picture at every call: a sample's images do not depend on which process ran its tool, or when
+    return [{"type": "image", "image": colour_image("red", seed=7)}, {"type": "text", "text": "here"}]
+
+
+def bias_the_picture_call(trainer, model: str) -> None:
+    """The model itself calls ``show_picture`` often (the call token's tied embedding along the mean final hidden
+    state, as tests/test_tool_images.py does; a logit bias would move vLLM's log-probs), synced to the engine."""
+    import torch
+    from transformers import AutoProcessor
+
+    from trl_nrollout.builtin import PICTURE_CALL_TOKEN
+
+    call = AutoProcessor.from_pretrained(model).tokenizer.convert_tokens_to_ids(PICTURE_CALL_TOKEN)
+    with torch.no_grad():
+        ids = torch.tensor([trainer.processing_class.tokenizer("user: write a number").input_ids])
+        hidden = trainer.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+        direction = trainer.model.model.text_model.norm(hidden).mean(0)
+        trainer.model.get_input_embeddings().weight[call] = 3.0 * direction / direction.norm() ** 2
+    trainer.rollout_engine.load_weights(trainer.model)
+
+
 def build(out: str, combo: dict):
     """The combination's trainer: 2 prompts x n=4 per step, 2 steps."""
     episode, model = combo["episode"], resolve_model(EPISODES[combo["episode"]])
@@ -162,12 +191,18 @@ def build(out: str, combo: dict):
                 kwargs.update(environment_factory=LuckyEnv, reward_funcs=[tool_reward, env_check])
     elif episode == "images":
         kwargs = dict(reward_funcs=[colour_reward], train_dataset=image_dataset(16))
+    elif episode == "tool images":  # image prompts and a tool that returns an image (issue 66)
+        options.update(max_completion_length=64, max_tool_calling_iterations=2)
+        kwargs = dict(reward_funcs=[colour_reward], train_dataset=image_dataset(16), tools=[show_picture])
     else:
         kwargs = dict(reward_funcs=[digits_reward], train_dataset=digits_dataset(32))
         if episode == "custom":
             kwargs.update(rollout_func=custom_rollout)
     args = NRolloutConfig(**{**options, **combo["options"]})
-    return NRolloutGRPOTrainer(model=model, args=args, **kwargs)
+    trainer = NRolloutGRPOTrainer(model=model, args=args, **kwargs)
+    if episode == "tool images" and not getattr(trainer, "is_rollout_rank", False):
+        bias_the_picture_call(trainer, model)
+    return trainer
 
 
 def _spans(mask: list[int], value: int) -> list[tuple[int, int]]:
@@ -180,6 +215,16 @@ def _spans(mask: list[int], value: int) -> list[tuple[int, int]]:
             runs.append((start, i))
             start = None
     return runs
+
+
+def _pixels(collected, rank: int, world: int) -> list:
+    """Per sample of this rank, its forward's images: ``[number of images, sum of pixel values]`` (None: none)."""
+    mine = collected.mm_local
+    if mine is None:  # the image tensors travelled with the job's samples: this rank's slice
+        per_rank = len(collected.samples) // world
+        mine = [s.mm for s in collected.samples[rank * per_rank:(rank + 1) * per_rank]]
+    return [None if m is None else [int(m["pixel_values"].shape[1]), float(m["pixel_values"].double().sum())]
+            for m in mine]
 
 
 def record(trainer, rounds: list) -> None:
@@ -199,7 +244,9 @@ def record(trainer, rounds: list) -> None:
                     row["trained"] = [decode(ids[a:b]) for a, b in _spans(s.tool_mask, 1)]
                 samples.append(row)
             mm_local = None if collected.mm_local is None else [m is not None for m in collected.mm_local]
-            rounds.append({"n": ctx.n, "samples": samples, "mm_local": mm_local, "step": trainer.state.global_step})
+            rounds.append({"n": ctx.n, "samples": samples, "mm_local": mm_local, "step": trainer.state.global_step,
+                           "pixels": _pixels(collected, trainer.accelerator.process_index,
+                                             trainer.accelerator.num_processes)})
         return assign(collected, ctx)
 
     trainer._assign = spy

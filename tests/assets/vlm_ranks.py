@@ -3,7 +3,10 @@ every process but the last trains): image prompts travel to the rollout rank as 
 expanded) and each group's images, the second step's job written one step ahead (``rollout_lookahead=1``).
 
 argv: output folder. Writes result.json (trainer rank 0): the log history and, per generation, the samples' prompt
-ids (the engine's expansion), the processor's ids and the engine ids sent, and the pickled size of one image.
+ids (the engine's expansion), the processor's ids and the engine ids sent, and the pickled size of one image;
+rank_jobs.json (the rollout rank): each job's image payloads as it decoded them. Then a second trainer runs TRL tool
+episodes request by request on the rollout rank with image prompts and ``show_picture`` (its image returned):
+tools.json (trainer rank 0), the log history and each step's trained samples' image and tool-result counts.
 """
 
 import json
@@ -11,9 +14,30 @@ import pickle
 import sys
 
 from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
-from trl_nrollout.builtin import colour_reward, image_dataset, resolve_model
+from trl_nrollout.builtin import colour_reward, image_dataset, resolve_model, show_picture
 
 SEEN: list[dict] = []
+JOBS: list[dict] = []  # the rollout rank's: each job's image payloads as it decoded them
+
+
+def count_job_images() -> None:
+    """Wrap the rollout rank's reading of a job's images (``serve.read_job_images``): per job its groups, ``n``, its
+    PNG payloads (bytes) and the images its slice's samples got (objects, and distinct ones)."""
+    import trl_nrollout.rollout.ranks.serve as serve
+    from trl_nrollout.rollout.ranks.buckets import PNG_SIGNATURE
+
+    read = serve.read_job_images
+
+    def counted(message, start, stop):
+        sent = [x for imgs in message.get("images") or [] for x in imgs]
+        out, images = read(message, start, stop)
+        JOBS.append({"groups": len(message["prompts"]), "n": message["n"],
+                     "png": sum(isinstance(x, bytes) and x.startswith(PNG_SIGNATURE) for x in sent),
+                     "payloads": len(sent), "png_bytes": sum(len(x) for x in sent if isinstance(x, bytes)),
+                     "samples": len(images or []), "distinct": len({id(i) for imgs in images or [] for i in imgs})})
+        return out, images
+
+    serve.read_job_images = counted
 
 
 class Recording(NRolloutGRPOTrainer):
@@ -27,18 +51,71 @@ class Recording(NRolloutGRPOTrainer):
         return batch
 
 
+def biased_tools_model(path: str):
+    """The built-in tool-calling VLM, made to call ``show_picture`` often (the call token's tied embedding along the
+    mean final hidden state, as tests/test_tool_images.py does; a logit bias would move vLLM's log-probs): the
+    trainer pushes these weights to the rollout rank as version 0."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from trl_nrollout.builtin import PICTURE_CALL_TOKEN
+
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    tokenizer = AutoProcessor.from_pretrained(path).tokenizer
+    call = tokenizer.convert_tokens_to_ids(PICTURE_CALL_TOKEN)
+    with torch.no_grad():
+        ids = torch.tensor([tokenizer("user: write a number").input_ids])
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+        direction = model.model.text_model.norm(hidden).mean(0)
+        model.get_input_embeddings().weight[call] = 3.0 * direction / direction.norm() ** 2
+    return model
+
+
+def record_tool_samples(trainer, out: list) -> None:
+    """Wrap ``trainer._assign``: per step, each of this rank's trained samples' forward images (their count) and
+    tool results (the runs of 0 in its tool mask)."""
+    assign = trainer._assign
+
+    def spy(collected, ctx):
+        world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
+        per_rank = len(collected.samples) // world
+        mine = collected.samples[rank * per_rank:(rank + 1) * per_rank]
+        mm = collected.mm_local or [s.mm for s in mine]
+        out.append([{"images": None if m is None else int(m["pixel_values"].shape[1]),
+                     "results": sum(1 for a, b in zip([1, *s.tool_mask], s.tool_mask) if a == 1 and b == 0)}
+                    for s, m in zip(mine, mm, strict=True)])
+        return assign(collected, ctx)
+
+    trainer._assign = spy
+
+
 if __name__ == "__main__":
     out = sys.argv[1]
     args = NRolloutConfig(output_dir=out, per_device_train_batch_size=6, num_generations=3, max_completion_length=6,
                           max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True,
                           bf16=False, save_strategy="no", seed=3, rollout_ranks=1, rollout_lookahead=1)
+    count_job_images()
     trainer = Recording(model=resolve_model("builtin:tiny-idefics3"), reward_funcs=[colour_reward], args=args,
                         train_dataset=image_dataset(24))
     trainer.train()
-    if getattr(trainer, "is_rollout_rank", False):
-        trainer.close()
-        sys.exit(0)
-    if trainer.accelerator.is_main_process:
+    rollout_rank = getattr(trainer, "is_rollout_rank", False)
+    if rollout_rank:
+        with open(f"{out}/rank_jobs.json", "w") as fh:
+            json.dump(JOBS, fh)
+    elif trainer.accelerator.is_main_process:
         with open(f"{out}/result.json", "w") as fh:
             json.dump({"history": trainer.state.log_history, "seen": SEEN}, fh)
+    # tool episodes request by request on the rollout rank (issue 66): image prompts, a tool that returns an image
+    path = resolve_model("builtin:tiny-idefics3-tools")
+    tools_args = NRolloutConfig(**{**args.to_dict(), "output_dir": f"{out}/tools", "max_completion_length": 64,
+                                   "max_tool_calling_iterations": 2, "rollout_multi_turn": "requests"})
+    trainer = NRolloutGRPOTrainer(model=biased_tools_model(path), reward_funcs=[colour_reward], args=tools_args,
+                                  train_dataset=image_dataset(24), tools=[show_picture])
+    samples: list = []
+    if not rollout_rank:
+        record_tool_samples(trainer, samples)
+    trainer.train()
+    if not rollout_rank and trainer.accelerator.is_main_process:
+        with open(f"{out}/tools.json", "w") as fh:
+            json.dump({"history": trainer.state.log_history, "samples": samples}, fh)
     trainer.close()

@@ -72,21 +72,15 @@ AXIS_REFUSALS: tuple[Refusal, ...] = (
             "two choices of the episode axis: a rollout_func run group by group does not carry images yet (called on "
             "the whole batch it does, TRL's contract: its prompt_ids hold the processor's expansion, the forward "
             "takes the dataset's images)"),
-    Refusal("image prompts", "tools and rollout_multi_turn='requests' and rollout_dispatch='balanced'", "not yet",
-            "multiturn.check_images", "two choices of the episode axis: request-level tool episodes from a balanced "
-            "queue do not carry images yet (nor a tool's returned images: refused when one returns an image); turn "
-            "by turn, or from fixed shares, they do"),
-    Refusal("image prompts", "environment_factory and rollout_partial=True", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: partial environment episodes do not carry their observations' images "
-            "yet (partial tool episodes with tools= from fixed shares carry the prompts' and the tools' images)"),
-    Refusal("image prompts", "tools and rollout_partial=True and rollout_dispatch='balanced'", "not yet",
-            "multiturn.check_images", "two choices of the episode axis: partial tool episodes from a balanced queue "
-            "do not carry images yet (from fixed shares they do)"),
     Refusal("image prompts", "rollout_func and rollout_partial=True", "not yet", "multiturn.check_images",
             "two choices of the episode axis: a partial rollout runs a rollout_func group by group, which does not "
             "carry images yet"),
-    Refusal("image prompts", "tools and rollout_ranks", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: tool episodes on rollout ranks do not carry images yet"),
+    Refusal("image prompts", "tools and rollout_ranks and rollout_multi_turn='turns'", "not yet",
+            "multiturn.check_images", "two choices of the episode axis: tool turns on rollout ranks (a job a turn, "
+            "the tools on the trainers) do not carry images yet (request by request, whole episodes on the "
+            "rollout ranks, they do)"),
+    Refusal("image prompts", "tools and rollout_ranks and rollout_partial=True", "not yet", "multiturn.check_images",
+            "two choices of the episode axis: partial tool episodes on rollout ranks do not carry images yet"),
     Refusal("image prompts", "rollout_func and rollout_ranks", "not yet", "multiturn.check_images",
             "two choices of the episode axis: a rollout_func on rollout ranks does not carry images yet"),
 )

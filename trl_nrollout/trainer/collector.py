@@ -61,7 +61,7 @@ class Placement:
 
     remote: bool = False
     generate: Callable[..., RolloutBatch] | None = None
-    request_turns: Callable[..., tuple[RolloutBatch, Episode]] | None = None
+    request_turns: Callable[..., tuple[RolloutBatch, Episode, list]] | None = None
     agent_job: Callable | None = None
     ahead_jobs: Callable | None = None
     log_remote: Callable | None = None
@@ -149,9 +149,8 @@ class ImagePrompts:
         if self.refusal is not None:
             raise UnsupportedTRLOption(
                 f"the prompts hold images and the trainer runs {self.refusal}: {IMAGE_REFUSALS[self.refusal]}; images "
-                "run with tools= and environment_factory= (turn by turn, or request by request with "
-                "rollout_dispatch='shares'; colocated, without rollout_partial). Use that, trl.GRPOTrainer, or "
-                "prompts without images.")
+                "run with tools= and environment_factory= (turn by turn, or request by request; colocated, partial "
+                "rollouts included). Use that, trl.GRPOTrainer, or prompts without images.")
         if not self.is_vlm:
             raise ValueError(
                 "the prompts hold images but processing_class is a tokenizer, not a processor: a vision-language "

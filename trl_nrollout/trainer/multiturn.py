@@ -38,7 +38,7 @@ from trl_nrollout.passes.multimodal import (
     engine_suffix_ids,
     image_tensors,
 )
-from trl_nrollout.rollout.axes import DispatchRule, dispatch_rule, machine_refusal
+from trl_nrollout.rollout.axes import DispatchRule, machine_refusal
 from trl_nrollout.rollout.episodes.home_tools import HomeTools
 from trl_nrollout.rollout.episodes.tool_images import TurnMedia
 from trl_nrollout.rollout.episodes.tools import (
@@ -70,30 +70,21 @@ IMAGE_REFUSALS = {
     "rollout_func": "a rollout_func run group by group (rollout_multi_turn='requests' or rollout_partial=True) or "
                     "on rollout ranks (rollout_ranks) does not carry images yet (called on the whole batch, "
                     "colocated, it does: TRL's contract)",
-    "rollout_dispatch='balanced'": "request-level tool episodes (rollout_multi_turn='requests') from a balanced "
-                                   "queue do not carry images yet (with fixed shares, rollout_dispatch='shares', "
-                                   "they do)",
-    "rollout_partial=True": "partial tool episodes carry images with tools= from fixed shares, not yet with "
-                            "environment_factory (its observations' images) or from a balanced queue "
-                            "(rollout_dispatch='balanced')",
-    "rollout_ranks": "tool episodes on rollout ranks do not carry images yet",
+    "rollout_ranks": "tool episodes on rollout ranks carry images request by request (rollout_multi_turn='requests'), "
+                     "not yet turn by turn or in partial rollouts (rollout_partial=True)",
 }
 
 
 def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, args=None) -> str | None:
     """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn, or
-    request by request from fixed shares; tools= in partial rollouts from fixed shares; colocated)."""
+    request by request from fixed shares or a balanced queue, and so on rollout ranks; partial rollouts,
+    colocated)."""
     agentic = bool(tools) or environment_factory is not None
     if rollout_func is not None and (getattr(args, "rollout_multi_turn", "turns") == "requests"
                                      or getattr(args, "rollout_partial", False) or getattr(args, "rollout_ranks", 0)):
         return "rollout_func"
-    if agentic and getattr(args, "rollout_multi_turn", "turns") == "requests" \
-            and dispatch_rule(getattr(args, "rollout_dispatch", "shares")).job_wide:  # (the balanced queue's driver)
-        return "rollout_dispatch='balanced'"
-    if agentic and getattr(args, "rollout_partial", False) and (
-            environment_factory is not None or dispatch_rule(getattr(args, "rollout_dispatch", "shares")).job_wide):
-        return "rollout_partial=True"
-    if agentic and getattr(args, "rollout_ranks", 0):
+    if agentic and getattr(args, "rollout_ranks", 0) and (getattr(args, "rollout_multi_turn", "turns") != "requests"
+                                                         or getattr(args, "rollout_partial", False)):
         return "rollout_ranks"
     return None
 
@@ -101,8 +92,8 @@ def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, ar
 def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None,
                  args=None) -> None:
     """Image prompts run with tools and environments (TRL's loop, a tool's images included) and a rollout_func
-    (TRL's contract); with a rollout_func run group by group, request-level tool episodes from a balanced queue,
-    partial rollouts or rollout ranks they are refused
+    (TRL's contract); with a rollout_func run group by group, or tool episodes on rollout ranks turn by turn or
+    partial, they are refused
     (:data:`IMAGE_REFUSALS`), never trained as if the images were absent."""
     from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
@@ -113,8 +104,7 @@ def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, en
         raise UnsupportedTRLOption(
             f"the dataset has image column(s) {found} (image prompts) and the trainer was given {with_tools}{why}: "
             f"{IMAGE_REFUSALS[why]}. Images run with tools= and environment_factory= (turn by turn, or request by "
-            "request with rollout_dispatch='shares'; colocated; partial rollouts with tools= and fixed shares); use "
-            "that, or "
+            "request; colocated; partial rollouts); use that, or "
             "trl.GRPOTrainer for this combination, or drop the image columns.")
 
 
@@ -216,14 +206,16 @@ class TRLTools:
             return TurnMedia([[] for _ in prompt_ids], [list(p) for p in prompt_ids], self.engine_suffix)
         return TurnMedia(list(images.images), list(images.engine_ids), self.engine_suffix)
 
-    def episode_mm(self, turns: Turns, media: TurnMedia | None, images: EncodedPrompts | None) -> list | None:
+    def episode_mm(self, tool_images: list[list], media: TurnMedia | None, images: EncodedPrompts | None
+                   ) -> list | None:
         """Per sample, the image tensors the trainer's forward takes: its prompt's (shared with its group) or, where
-        its tools returned images, those of all its images in order; None where no sample has any."""
-        if media is None or (images is None and not any(turns.images)):
+        its tools returned images (``tool_images``, per sample), those of all its images in order; None where no
+        sample has any."""
+        if media is None or (images is None and not any(tool_images)):
             return images.mm if images is not None else None
-        prompt_mm = images.mm if images is not None else [None] * len(turns.images)
+        prompt_mm = images.mm if images is not None else [None] * len(tool_images)
         return [self.image_tensors(list(media.prompt_images[i]) + list(tool)) if tool else prompt_mm[i]
-                for i, tool in enumerate(turns.images)]
+                for i, tool in enumerate(tool_images)]
 
     def start(self, inputs: list[dict], held: set[int]) -> Started:
         """The prompts of this rank's samples, with one environment per sample drawn from TRL's pool and reset
@@ -393,7 +385,7 @@ class ToolTurns:
         batch = RolloutBatch(first.prompt_ids, turns.completion_ids, turns.logprobs, turns.finish_reasons,
                              first.group_index)
         episode = _episode(turns)
-        episode.mm = self.tools.episode_mm(turns, media, job.images)
+        episode.mm = self.tools.episode_mm(turns.images, media, job.images)
         return batch, episode
 
 
@@ -414,15 +406,18 @@ class ToolRequests:
     metrics: Any
     home: HomeToolCalls
     log_dispatch: Callable[..., None]
-    remote_request_turns: Callable[..., tuple[RolloutBatch, Episode]] | None = None
+    remote_request_turns: Callable[..., tuple[RolloutBatch, Episode, list]] | None = None
     tokenized: bool = True
 
     def run(self, job: EpisodeJob) -> tuple[RolloutBatch, Episode]:
         n, mode, sampling = job.n, job.mode, job.sampling
-        if self.remote_request_turns is not None:
-            return self.remote_request_turns(job.prompt_ids, n, sampling, mode, job.step_job)
+        if self.remote_request_turns is not None:  # whole episodes on the rollout ranks, images with them
+            batch, episode, tool_images = self.remote_request_turns(job.prompt_ids, n, sampling, mode, job.step_job,
+                                                                    job.images)
+            episode.mm = self.tools.episode_mm(tool_images, self.tools.media(job.prompt_ids, job.images), job.images)
+            return batch, episode
         loop, tools, limits = self.tools.loop, job.tools, self.limits
-        media = self.tools.media(job.prompt_ids, job.images) if not self.rule.job_wide else None
+        media = self.tools.media(job.prompt_ids, job.images)  # (a queue's driver reads it at each sample's place)
         agent = AgentCallbacks(
             parse=lambda i, ids, prefix: self.tools.parse(job.names, i, ids, prefix),
             run_tools=lambda i, calls: call_tools(calls, *tools[i], loop=loop), suffix_ids=self.tools.suffix_ids,
@@ -452,7 +447,7 @@ class ToolRequests:
             samples, groups, stats, pulled = self.rule.run_agents(
                 self.rollout_engine, prompts, n, sampling, lambda r: limits.turn_seed(job, r),
                 replace(agent, run_tools=run_tools), limits.workers, sample_offset=job.offset,
-                images=job.images if not self.rule.job_wide else None)
+                images=job.images)
         if pulled is not None:  # groups pulled from a queue: the engines' spread
             self.log_dispatch(mode, pulled, len(prompts), n)
         turns = collect_turns(samples)
@@ -460,5 +455,5 @@ class ToolRequests:
         batch = RolloutBatch([s.prompt_ids for s in samples], turns.completion_ids, turns.logprobs,
                              turns.finish_reasons, groups)
         episode = _episode(turns)
-        episode.mm = self.tools.episode_mm(turns, media, job.images)
+        episode.mm = self.tools.episode_mm(turns.images, media, job.images)
         return batch, episode

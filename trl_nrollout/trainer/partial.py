@@ -147,7 +147,7 @@ class PartialPool:
 
             env_side = TrainerEnvironments(t._start_episodes, tokenize, lambda: getattr(t, "environments", None), use,
                                            t._reset_kwargs, t._multi_environment, list(t._standalone_tools or []),
-                                           _environment_tools, loop)
+                                           _environment_tools, loop, t._encode_images)
         rr = t.rollout_ranks  # (None: colocated)
         envs = PoolEnvironments(env_side, registry=rr.env_registry if rr is not None else None)
         t._partial_envs_by_key = envs.by_key  # (the trainer's episodes draw past the environments the pool holds)

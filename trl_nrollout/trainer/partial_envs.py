@@ -54,6 +54,8 @@ class TrainerEnvironments:
     standalone_tools: list
     environment_tools: Callable[[Any], list]
     loop: Any = None
+    #: prompts -> the processor's encoding where a prompt has images (its ``engine_ids``, ``images``), else None
+    encode_images: Callable[[list], Any] = lambda prompts: None
 
 
 @dataclass
@@ -79,13 +81,15 @@ class PoolEnvironments:
         """The name of the environment a dataset row selects (None: the one ``environment_factory``)."""
         return row.get("environment") if self.trainer.multi else None
 
-    def start_groups(self, rows: list[dict], n: int) -> tuple[list, list[list[int]], list[list]]:
-        """For each dataset row (one per group): its prompt after reset, its engine ids ``[P]`` and its ``n`` new
-        environments, drawn from TRL's pool past those the pool's episodes hold, each reset with the row. The ``n``
-        resets must give the prompt the same observation (a group's samples share one prompt)."""
+    def start_groups(self, rows: list[dict], n: int) -> tuple[list, list[list[int]], list[list], list]:
+        """For each dataset row (one per group): its prompt after reset, its engine ids ``[P]`` (image placeholders
+        not expanded), its ``n`` new environments, drawn from TRL's pool past those the pool's episodes hold, each
+        reset with the row, and its prompt's images (None: text). The ``n`` resets must give the prompt the same
+        observation (a group's samples share one prompt)."""
         t = self.trainer
         prompts, _ = t.start_episodes([row for row in rows for _ in range(n)])  # past the busy environments
-        ids = t.tokenize(prompts)
+        encoded = t.encode_images(prompts)  # (the dataset's images, after the observations: TRL's order)
+        ids = encoded.engine_ids if encoded is not None else t.tokenize(prompts)
         envs = list(t.current())
         for g in range(len(rows)):
             first = list(ids[g * n])
@@ -96,7 +100,8 @@ class PoolEnvironments:
                     "reset's observation depends on the row only). Make reset deterministic in the row, or set "
                     "rollout_partial=False.")
         return ([prompts[g * n] for g in range(len(rows))], [list(ids[g * n]) for g in range(len(rows))],
-                [envs[g * n:(g + 1) * n] for g in range(len(rows))])
+                [envs[g * n:(g + 1) * n] for g in range(len(rows))],
+                [list(encoded.images[g * n]) or None if encoded is not None else None for g in range(len(rows))])
 
     def restore_groups(self, pool: list[InFlightGroup], rank: int) -> list[InFlightGroup]:
         """The pool with every group of this rank that has no environments (read from a checkpoint) started again
@@ -104,12 +109,12 @@ class PoolEnvironments:
         lost = [i for i, g in enumerate(pool) if g.key[2] == rank and g.key not in self.by_key]
         if not lost:
             return pool
-        prompts, ids, envs = self.start_groups([pool[i].payload["row"] for i in lost], pool[lost[0]].n)
+        prompts, ids, envs, images = self.start_groups([pool[i].payload["row"] for i in lost], pool[lost[0]].n)
         out = list(pool)
-        for i, prompt, p, e in zip(lost, prompts, ids, envs):
+        for i, prompt, p, e, pics in zip(lost, prompts, ids, envs, images):
             g = pool[i]
             self.by_key[g.key] = e
-            out[i] = replace(g, prompt_ids=p, payload={**g.payload, "prompt": prompt},
+            out[i] = replace(g, prompt_ids=p, payload={**g.payload, "prompt": prompt}, images=pics,
                              samples=[s.restarted() for s in g.samples])
         return out
 

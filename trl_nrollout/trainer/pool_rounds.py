@@ -208,10 +208,10 @@ class EngineRound:
         kind = AgentPartialSample if on.tools else PartialSample
         keys = [(version, round_, on.rank, first + g) for g in range(len(rows))]
         if on.envs.enabled:  # n environments per group, reset with its row (trainer/partial_envs.py)
-            prompts, ids, envs = on.envs.start_groups(rows, n)
+            prompts, ids, envs, images = on.envs.start_groups(rows, n)
             on.envs.by_key.update(zip(keys, envs))
-            return [InFlightGroup.fresh(key, p, n, payload={"row": dict(row), "prompt": prompt}, sample=kind)
-                    for key, p, row, prompt in zip(keys, ids, rows, prompts)]
+            return [InFlightGroup.fresh(key, p, n, payload={"row": dict(row), "prompt": prompt}, sample=kind,
+                                        images=pics) for key, p, row, prompt, pics in zip(keys, ids, rows, prompts, images)]
         prompts, _ = on.host.start_episodes(rows)
         images = on.host.encode_images(prompts)  # None for text; refuses what images do not run with, a tokenizer
         ids = images.engine_ids if images is not None else on.host.tokenize(prompts)

@@ -145,7 +145,7 @@ class RemoteRound:
         if not self.envs.enabled:
             prompts = host.start_episodes(rows)[0]
             return (prompts, *engine_prompts(prompts, host.encode_images, host.tokenize), None)
-        prompts, ids, envs = self.envs.start_groups(rows, self.n)
+        prompts, ids, envs, _ = self.envs.start_groups(rows, self.n)  # (images on rollout ranks: refused)
         keys = [(step, round_, self.rank, first + g) for g in range(len(rows))]
         for key, row, group_envs in zip(keys, rows, envs):
             self.envs.hold(key, row, group_envs)
@@ -160,7 +160,7 @@ class RemoteRound:
         pool = [g for chunk in gather_object([list(self.groups.groups)]) for g in chunk if g.key[2] == self.rank]
         if not pool:
             return []
-        prompts, ids, envs = self.envs.start_groups([g.payload["row"] for g in pool], self.n)
+        prompts, ids, envs, _ = self.envs.start_groups([g.payload["row"] for g in pool], self.n)
         out = []
         for g, prompt, p, e in zip(pool, prompts, ids, envs):
             self.envs.hold(g.key, g.payload["row"], e)

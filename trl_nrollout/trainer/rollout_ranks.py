@@ -216,24 +216,35 @@ class RolloutRankPlacement:
             self.log_job(mode)
         return batch
 
-    def request_turns(self, prompt_ids: list[list[int]], n: int, sampling, mode: str, step_job: bool):
+    def request_turns(self, prompt_ids: list[list[int]], n: int, sampling, mode: str, step_job: bool,
+                      images: EncodedPrompts | None = None):
         """The trainer's ``_request_turns`` with engines on rollout ranks: each sample's whole episode (its turns,
         its tools) runs on a rollout rank as part of a job, the next ``rollout_lookahead`` steps' jobs written ahead
-        as for single-turn samples. Returns the batch and its :class:`~trl_nrollout.trainer.multiturn.Episode`
-        (tool masks, messages, counts) as the colocated loop gives them."""
+        as for single-turn samples. ``images``: the prompts' encoding (the job then carries the engine's ids and
+        each group's images once, as :meth:`generate`'s). Returns the batch (its prompts ``prompt_ids``, the
+        processor's), its :class:`~trl_nrollout.trainer.multiturn.Episode` (tool masks, messages, counts) as the
+        colocated loop gives them, and per sample the images its tools returned (in order; empty: none)."""
+        from dataclasses import replace
+
         from trl_nrollout.rollout.episodes.tools import AgentStats
+        from trl_nrollout.rollout.ranks.buckets import decode_job_images
         from trl_nrollout.trainer.multiturn import Episode
 
         batch, extras = self.engines.run_job_episodes(
-            [list(p) for p in prompt_ids], n, sampling, self.agent_job(mode, self.calls.state().global_step, []),
-            ahead=self.ahead_jobs(mode) if step_job else (), step_job=step_job)
+            images.engine_ids if images is not None else [list(p) for p in prompt_ids], n, sampling,
+            self.agent_job(mode, self.calls.state().global_step, []),
+            ahead=self.ahead_jobs(mode) if step_job else (), step_job=step_job,
+            images=images.images if images is not None else None)
+        if images is not None:  # the rollout ranks' samples hold the engine's ids: the trainer's forward takes these
+            batch = replace(batch, prompt_ids=[list(p) for p in prompt_ids])
         if step_job:
             self.log_job(mode)
         self.calls.log_agent_stats(mode, self.engines.last_job.get("agent_stats") or AgentStats())
+        tool_images = decode_job_images([e.get("images", []) for e in extras])
         return batch, Episode(tool_mask=[e["tool_mask"] for e in extras],
                               completions=[e["completions"] for e in extras], turns=[e["turns"] for e in extras],
                               tool_calls=[e["tool_calls"] for e in extras],
-                              tool_failures=[e["tool_failures"] for e in extras])
+                              tool_failures=[e["tool_failures"] for e in extras]), tool_images
 
     # ------------------------------------------------------------------ reading the data ahead
     def batch_samples(self, epoch_iterator, num_batches: int) -> list:

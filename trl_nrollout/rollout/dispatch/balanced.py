@@ -29,6 +29,10 @@ from trl_nrollout.rollout.dispatch.partial_queue import (
 )
 from trl_nrollout.rollout.dispatch.queue import GroupQueue, LocalStore, PullStats, run_pulled
 from trl_nrollout.rollout.dispatch.shares import (
+    agent_inputs,
+    agents_media,
+    continued_prompt,
+    first_prompt,
     own_seed_base,
     run_agents,
     run_partial,
@@ -145,7 +149,7 @@ class _Ordered:
 
 
 def run_agents_balanced(engine, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
-                        turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int
+                        turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int, images=None
                         ) -> tuple[list[AgentSample], list[int], AgentStats, PullStats]:
     """:func:`~trl_nrollout.rollout.dispatch.shares.run_agents` with ``rollout_dispatch="balanced"``: the job's
     groups form one queue that every engine pulls from while it has room (as :func:`generate_balanced`), each pulled
@@ -154,17 +158,27 @@ def run_agents_balanced(engine, sample_prompts: list[list[int]], n: int, samplin
     prompts. Seeds depend on the job's group and sample, not on the engine: with a seed and ``seed_mode="sample"``
     group ``g``'s first turn as under ``"shares"``, the turn after tool round ``r`` of the job's sample ``s`` from
     ``turn_seed(r)`` and ``s``. Collective over every rank. Returns this rank's samples in order, their groups, the
-    engine's :class:`AgentStats` and its :class:`PullStats` (the groups it ran, its busy seconds)."""
+    engine's :class:`AgentStats` and its :class:`PullStats` (the groups it ran, its busy seconds).
+
+    ``images``: the prompts' encoding (as :func:`~trl_nrollout.rollout.dispatch.shares.run_agents` takes it), None
+    for text. Each sample's prompt ids, engine ids and images travel with the job's queue (gathered with the
+    prompts: :func:`~trl_nrollout.rollout.dispatch.shares.agent_inputs`), so a pulled group's requests carry its
+    prompt's images and a tool's images re-enter with its sample (``agent.media``, read at the sample's place in
+    the job), as under fixed shares; the finished episodes go home with their tools' images."""
     if not engine.balances_job:  # one engine: its share is the whole queue
         start = time.perf_counter()
-        samples, groups, stats = run_agents(engine, sample_prompts, n, sampling, turn_seed, agent, workers)
+        samples, groups, stats = run_agents(engine, sample_prompts, n, sampling, turn_seed, agent, workers,
+                                            images=images)
         return samples, groups, stats, PullStats(groups=sorted(set(groups)), claims=1,
                                                  busy_s=time.perf_counter() - start)
     require(engine, REQUESTS, BALANCED, what="run_agents_balanced (rollout_dispatch='balanced')")
     engine.barrier_before_generate()
-    per_rank = engine.gather_job([list(p) for p in sample_prompts])
-    flat = [p for prompts in per_rank for p in prompts]
+    per_rank = engine.gather_job(agent_inputs(sample_prompts, images))
+    every = [x for chunk in per_rank for x in chunk]
+    flat = [p for p, _, _ in every]
     unique = whole_groups(flat, n, engine.engine_index)
+    group_inputs = every[::n]  # (a group's samples share their prompt)
+    agent = agents_media(agent, every)  # a pulled sample's images at its place in the job
     counts = [len(prompts) for prompts in per_rank]
     offset = sum(counts[:engine.rank])
     engine.ready()
@@ -176,15 +190,15 @@ def run_agents_balanced(engine, sample_prompts: list[list[int]], n: int, samplin
         seed = prompt_seed(sampling.seed, g, n) if per_request else None
         if own_base is not None:
             seed = prompt_seed(own_turn_seed(own_base, 0), g, n)
-        return (list(unique[g]), engine.request_prompt(unique[g]),
+        return (list(unique[g]), first_prompt(engine, group_inputs[g]),
                 engine.sampling_params(n, replace(sampling, seed=seed)))
 
-    def continue_request(s: int, round_: int, context: list[int], budget: int):
+    def continue_request(s: int, round_: int, context: list[int], budget: int, view=None):
         base = turn_seed(round_) if per_request else None
         seed = None if base is None else prompt_seed(base, s, 1)
         if own_base is not None:
             seed = prompt_seed(own_turn_seed(own_base, round_), s, 1)
-        return (engine.request_prompt(context),
+        return (continued_prompt(engine, context, view),
                 engine.sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
 
     leader = _leader(engine)

@@ -54,10 +54,8 @@ def agents_shares(engine, sample_prompts, n, sampling, turn_seed, agent, workers
 def agents_balanced(engine, sample_prompts, n, sampling, turn_seed, agent, workers, *, sample_offset=None,
                     images=None):
     """:func:`~trl_nrollout.rollout.dispatch.balanced.run_agents_balanced` (seeded by the job's groups: no
-    ``sample_offset``; images are refused before: the refusal table's ``image prompts`` row)."""
-    if images is not None:
-        raise ValueError("request-level tool episodes from a balanced queue do not carry images yet.")
-    return balanced.run_agents_balanced(engine, sample_prompts, n, sampling, turn_seed, agent, workers)
+    ``sample_offset``; ``images`` travel with the queue's groups)."""
+    return balanced.run_agents_balanced(engine, sample_prompts, n, sampling, turn_seed, agent, workers, images=images)
 
 
 def func_calls_shares(engine) -> contextlib.AbstractContextManager[list]:

@@ -41,6 +41,42 @@ def own_seed_base(engine, sampling: SamplingOptions, per_request: bool) -> int |
     return engine.gather_tp(secrets.randbits(SEED_BITS))[0]
 
 
+def agent_inputs(sample_prompts: list[list[int]], images=None) -> list[tuple[list[int], list[int], list]]:
+    """Per sample, what its episode's first request needs: ``(prompt ids, the engine's prompt ids, its images)``
+    (``images``: the prompts' encoding, ``passes.multimodal.EncodedPrompts``, whose ``engine_ids`` hold the image
+    placeholders unexpanded; None for text: the prompt ids and no images). Picklable: gathered over the ranks that
+    share a request loop (the TP group's, or the job's under a balanced queue)."""
+    pictures = images.images if images is not None else [[] for _ in sample_prompts]
+    engine_ids = images.engine_ids if images is not None else sample_prompts
+    return [(list(p), list(e), list(i)) for p, e, i in zip(sample_prompts, engine_ids, pictures)]
+
+
+def first_prompt(engine, inputs: tuple[list[int], list[int], list]):
+    """The engine's prompt of a group's first turn from its :func:`agent_inputs` entry (its images with it)."""
+    _, engine_prompt, pics = inputs
+    return engine.request_prompt(engine_prompt, pics or None)
+
+
+def continued_prompt(engine, context: list[int], view=None):
+    """The engine's prompt of a sample's turn after its tool results: ``context`` for text, else its
+    :class:`~trl_nrollout.rollout.episodes.tool_images.TurnView` (the context with the placeholders unexpanded and
+    every image so far: the prompt's, then its tools')."""
+    if view is None or not view.images:
+        return engine.request_prompt(context)
+    return engine.request_prompt(view.engine_context, view.images)
+
+
+def agents_media(agent: AgentCallbacks, every: list[tuple[list[int], list[int], list]]) -> AgentCallbacks:
+    """``agent`` with its images (``agent.media``) indexed by the samples ``every`` (:func:`agent_inputs` of the
+    ranks whose samples this engine may run, in their order): where a queue's engine runs other ranks' groups, a
+    sample's view (its prompt's images, its engine ids) must be read at its place in the job, not in its rank."""
+    if agent.media is None:
+        return agent
+    media = replace(agent.media, prompt_images=[list(i) for _, _, i in every],
+                       engine_prompts=[list(e) for _, e, _ in every])
+    return replace(agent, media=media)
+
+
 def run_agents(engine, sample_prompts: list[list[int]], n: int, sampling: SamplingOptions,
                turn_seed: Callable[[int], int | None], agent: AgentCallbacks, workers: int,
                sample_offset: int | None = None, images=None) -> tuple[list[AgentSample], list[int], AgentStats]:
@@ -64,9 +100,7 @@ def run_agents(engine, sample_prompts: list[list[int]], n: int, sampling: Sampli
     V1 runner samples one) would make that rank sample other tokens than the others."""
     require(engine, REQUESTS, what="run_agents (tool episodes request by request)")
     engine.barrier_before_generate()
-    pictures = images.images if images is not None else [[] for _ in sample_prompts]
-    engine_ids = images.engine_ids if images is not None else sample_prompts
-    per_rank = engine.gather_tp([(list(p), list(e), list(i)) for p, e, i in zip(sample_prompts, engine_ids, pictures)])
+    per_rank = engine.gather_tp(agent_inputs(sample_prompts, images))
     every = [x for chunk in per_rank for x in chunk]
     flat = [p for p, _, _ in every]
     unique = whole_groups(flat, n, engine.engine_index)
@@ -85,8 +119,7 @@ def run_agents(engine, sample_prompts: list[list[int]], n: int, sampling: Sampli
         seed = prompt_seed(sampling.seed, group_offset + g, n) if per_request else None
         if own_base is not None:
             seed = prompt_seed(own_turn_seed(own_base, 0), g, n)
-        _, engine_prompt, pics = group_inputs[g]
-        groups.append((list(p), engine.request_prompt(engine_prompt, pics or None),
+        groups.append((list(p), first_prompt(engine, group_inputs[g]),
                        engine.sampling_params(n, replace(sampling, seed=seed))))
 
     def continue_request(s: int, round_: int, context: list[int], budget: int, view=None):
@@ -94,9 +127,8 @@ def run_agents(engine, sample_prompts: list[list[int]], n: int, sampling: Sampli
         seed = None if base is None else prompt_seed(base, engine.engine_index * len(flat) + s, 1)
         if own_base is not None:
             seed = prompt_seed(own_turn_seed(own_base, round_), s, 1)
-        prompt = (engine.request_prompt(context) if view is None or not view.images
-                  else engine.request_prompt(view.engine_context, view.images))
-        return prompt, engine.sampling_params(1, replace(sampling, max_tokens=budget, seed=seed))
+        return (continued_prompt(engine, context, view),
+                engine.sampling_params(1, replace(sampling, max_tokens=budget, seed=seed)))
 
     mine = {first + i: i for i in range(len(sample_prompts))}
     tp = len(engine.tp_ranks) > 1

@@ -99,9 +99,9 @@ class AgentSample:
         if images is None and message_images(tool_messages):
             raise ValueError(
                 "a tool returned an image (a content block {'type': 'image', ...}), but this episode loop does not "
-                "carry tool images yet (a text model's, request-level episodes from a balanced queue, or episodes "
-                "on rollout ranks). With a vision-language model, run the tools turn by turn, or request by request "
-                "or in partial rollouts with rollout_dispatch='shares' (colocated), or return text from the tool.")
+                "carry tool images yet (a text model's, or episodes on rollout ranks). With a vision-language "
+                "model, run the tools colocated (rollout_ranks=0: turn by turn, request by request or in partial "
+                "rollouts), or return text from the tool.")
         self.tool_calls += len(tool_messages)
         self.tool_failures += failed
         self.calls_tools = False

@@ -1,7 +1,8 @@
 """What crosses from the trainers to the rollout ranks, as bytes: a bucket of named tensors packed into one flat
 buffer (each tensor aligned, cast to the engine's dtype) with its layout, framed for a broadcast; which slice of
-a job each rollout rank generates; and the digest of a job's images (a job written ahead is the step's own only if
-its images are the step's). Pure functions (no process group)."""
+a job each rollout rank generates; a job's images as PNG bytes, once per group (:func:`encode_job_images`), and
+their digest (a job written ahead is the step's own only if its images are the step's). Pure functions (no process
+group)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,72 @@ def images_digest(groups: list[list] | None) -> str | None:
             h.update(repr(meta).encode())
             h.update(data)
     return h.hexdigest()
+
+
+#: the first bytes of a PNG file (a job's image payloads: :func:`encode_job_images`)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: the PIL modes a PNG file writes and reads back unchanged
+PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA")
+
+
+def encode_job_images(groups: list[list] | None) -> list[list] | None:
+    """A job's images ``[groups][images of the group]`` as the rollout ranks receive them: each PIL image as its PNG
+    file's bytes (lossless, usually far smaller than the pixels; large messages travel in parts, as every payload
+    of the rank transport), once per group; anything PNG cannot hold (another type, a mode PNG lacks) as it is."""
+    if groups is None:
+        return None
+    return [[_png(img) for img in imgs or []] for imgs in groups]
+
+
+def decode_job_images(groups: list[list] | None) -> list[list] | None:
+    """:func:`encode_job_images` undone: PNG bytes back to PIL images (pixels, mode and size as written)."""
+    if groups is None:
+        return None
+    return [[_from_png(img) for img in imgs] for imgs in groups]
+
+
+def job_message(job: int, groups: list[list[int]], n: int, sampling, agent=None, images: list[list] | None = None
+                ) -> dict:
+    """The ``job`` message the rollout ranks read: each group's prompt once (``groups``), ``n``, the sampling, the
+    job's entry (``agent``) and each group's images once, as PNG bytes (:func:`encode_job_images`)."""
+    return {"kind": "job", "id": job, "prompts": groups, "n": n, "sampling": sampling,
+            **({"agent": agent} if agent is not None else {}),
+            **({"images": encode_job_images(images)} if images else {})}
+
+
+def read_job_images(message: dict, start: int, stop: int) -> tuple[dict, list | None]:
+    """A rollout rank's side of a job's images: the ``message`` with each group's images decoded (once a group;
+    handlers that keep groups read them there) and, per sample ``start, ..., stop - 1`` of its slice, its group's
+    images (the same objects for a group's ``n`` samples); None for a job without images."""
+    pics = decode_job_images(message.get("images"))
+    if pics is None:
+        return message, None
+    n = message["n"]
+    return {**message, "images": pics}, [pics[i // n] for i in range(start, stop)]
+
+
+def _png(img):
+    import io
+
+    from PIL import Image
+
+    if not isinstance(img, Image.Image) or img.mode not in PNG_MODES:  # (CMYK, I;16...: the image itself)
+        return img
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _from_png(data):
+    import io
+
+    from PIL import Image
+
+    if not (isinstance(data, bytes) and data.startswith(PNG_SIGNATURE)):
+        return data
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
 
 
 def pack_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,

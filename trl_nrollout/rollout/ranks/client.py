@@ -47,6 +47,7 @@ from trl_nrollout.rollout.ranks.buckets import (
     dtype_of,
     frame_bucket,
     images_digest,
+    job_message,
     pack_bucket,
 )
 from trl_nrollout.rollout.ranks.episodes import EpisodeJob, sum_stats
@@ -297,8 +298,7 @@ class RemoteEngines:
                    images: list[list] | None = None) -> int:
         job = self._jobs
         self._jobs += 1
-        self._post({"kind": "job", "id": job, "prompts": groups, "n": n, "sampling": sampling,
-                    **({"agent": agent} if agent is not None else {}), **({"images": images} if images else {})})
+        self._post(job_message(job, groups, n, sampling, agent, images))  # (images: PNG bytes, once a group)
         return job
 
     def _read_job(self, job: int) -> list[JobResult]:

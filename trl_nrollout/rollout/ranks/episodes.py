@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from trl_nrollout.rollout.axes import dispatch_rule
+from trl_nrollout.rollout.episodes.tool_images import TurnMedia
 from trl_nrollout.rollout.episodes.tools import (
     AgentCallbacks,
     AgentSample,
@@ -36,6 +37,7 @@ from trl_nrollout.rollout.episodes.tools import (
     call_tools,
     split_tools,
 )
+from trl_nrollout.rollout.ranks.buckets import encode_job_images
 from trl_nrollout.rollout.ranks.jobs import JobDone, RankJob, job_kind
 from trl_nrollout.rollout.ranks.state import EpisodeSettings, RankState
 from trl_nrollout.rollout.seeds import step_seed
@@ -71,21 +73,33 @@ def agent_callbacks(settings: EpisodeSettings, tools: list) -> tuple[AgentCallba
                            chat_template_kwargs=settings.chat_template_kwargs, _is_vlm=is_vlm,
                            _tokenizer=tokenizer)
     sync, asyn = split_tools(list(tools))
+    media = None
+    if is_vlm:  # a tool's images: the results' tokens with their placeholders unexpanded, as the engine takes them
+        from trl_nrollout.passes.multimodal import engine_suffix_ids
+
+        media = TurnMedia([], [], lambda messages: engine_suffix_ids(
+            processing_class, messages, chat_template=settings.chat_template,
+            chat_template_kwargs=settings.chat_template_kwargs))
     agent = AgentCallbacks(
         parse=lambda i, ids, prefix: parse_response(tokenizer, ids, prefix=prefix, tools=tools),
         run_tools=lambda i, calls: call_tools(calls, sync, asyn),
         suffix_ids=lambda messages: GRPOTrainer._get_tool_suffix_ids(view, messages),
         max_iterations=settings.max_iterations, max_completion_length=settings.max_completion_length,
-        max_model_len=settings.max_model_len)
+        max_model_len=settings.max_model_len, media=media)
     return agent, int(settings.workers)
 
 
 def episode_extras(samples: list[AgentSample]) -> tuple[np.ndarray, list[dict]]:
     """The samples' tool masks as one flat array (``int8 [sum of lengths]``, in the samples' order, each as long as
-    its completion) and their other fields (:data:`EPISODE_FIELDS`), one dict per sample."""
+    its completion) and their other fields (:data:`EPISODE_FIELDS`), one dict per sample; a sample whose tools
+    returned images adds them (``images``: PNG bytes, in order; :func:`~trl_nrollout.rollout.ranks.buckets.
+    encode_job_images`)."""
     mask = np.array([m for s in samples for m in s.tool_mask], dtype=np.int8)
     fields = [{"completions": s.messages, "turns": s.turns, "tool_calls": s.tool_calls,
                "tool_failures": s.tool_failures} for s in samples]
+    for f, pics in zip(fields, encode_job_images([s.images for s in samples]) or []):
+        if pics:
+            f["images"] = pics
     return mask, fields
 
 
@@ -123,18 +137,22 @@ def episode_job(job: RankJob) -> JobDone:
     """Whole episodes (:data:`~trl_nrollout.rollout.ranks.jobs.JOB_KINDS`): this rank's slice of the job's samples,
     run by :func:`run_agent_job`."""
     batch, pulled, extras, stats = run_agent_job(job.engine, job.message, job.state, job.prompts(), job.message["n"],
-                                                 job.start, job.balanced)
-    return JobDone(batch, pulled=pulled, extras=extras, agent_stats=astuple(stats))
+                                                 job.start, job.balanced, job.images)
+    # (with images the samples' prompts are the engine's ids, placeholders unexpanded: the trainers keep theirs)
+    return JobDone(batch, pulled=pulled, extras=extras, agent_stats=astuple(stats), expanded=False)
 
 
 def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[int]], n: int, sample_offset: int,
-                  balanced: bool) -> tuple[RolloutBatch, Any, tuple[np.ndarray, list[dict]],
-                                                                AgentStats]:
+                  balanced: bool, images: list | None = None) -> tuple[RolloutBatch, Any, tuple[np.ndarray, list[dict]],
+                                                                       AgentStats]:
     """A rollout rank's slice of an agent job: ``prompts`` (each repeated ``n`` times, from the job's sample
     ``sample_offset`` on) as request-level episodes on ``engine``. Seeds as the colocated loop's: the first turn by
     the job's group and sample, the turn after tool round ``r`` from ``step_seed(seed, step, r, mode + "/turn")``
     (the step and mode of the job's ``agent`` entry). ``state``: the rollout rank's (the start message's ``agent``
-    settings, its ``tools``; the callbacks are built once and kept there). Returns the batch, the balanced
+    settings, its ``tools``; the callbacks are built once and kept there). ``images``: per sample, its prompt's
+    images (the job's, once a group; ``prompts`` then hold the placeholders unexpanded), None for text: they go
+    with every request of the episode, a tool's images after them (the colocated loop's ``agent.media``), and each
+    sample's tools' images come back in its fields. Returns the batch, the balanced
     dispatch's pull stats (None under fixed shares), the tool masks and fields (:func:`episode_extras`) and the engine's stats."""
     settings = state.agent
     if settings is None:
@@ -153,12 +171,18 @@ def run_agent_job(engine, message: dict, state: RankState, prompts: list[list[in
             return None
         return step_seed(settings.seed, job.step, round_, f"{job.mode}/turn")
 
+    encoded = None
+    if agent.media is not None:  # a VLM: the prompts' images (if any) and the tools' travel with the episodes
+        pics = [list(i) for i in images] if images is not None else [[] for _ in prompts]
+        agent = replace(agent, media=replace(agent.media, prompt_images=pics, engine_prompts=[list(p) for p in prompts]))
+        if images is not None:
+            encoded = SimpleNamespace(images=pics, engine_ids=[list(p) for p in prompts])
     pulled = None
     if not prompts and not balanced and engine.layout.rollout_tp_size == 1:  # no share of this job
         samples, stats = [], AgentStats()
     else:  # the start message's dispatch rule (balanced: ``run_agents_balanced``, its pull stats)
         samples, _, stats, pulled = dispatch_rule(state.dispatch).run_agents(
-            engine, prompts, n, sampling, turn_seed, agent, workers, sample_offset=sample_offset)
+            engine, prompts, n, sampling, turn_seed, agent, workers, sample_offset=sample_offset, images=encoded)
     batch = RolloutBatch([s.prompt_ids for s in samples], [s.completion_ids for s in samples],
                          [s.logprobs for s in samples], [s.finish_reason for s in samples],
                          list(range(len(samples))))

@@ -22,7 +22,7 @@ import trl_nrollout.rollout.ranks.episodes  # noqa: F401 - EpisodeJob's handler
 import trl_nrollout.rollout.ranks.partial  # noqa: F401 - PartialEntry's handler
 from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.bridge import Bridge, RolloutRankError
-from trl_nrollout.rollout.ranks.buckets import job_slice
+from trl_nrollout.rollout.ranks.buckets import job_slice, read_job_images
 from trl_nrollout.rollout.ranks.jobs import RankJob, run_job
 from trl_nrollout.rollout.ranks.partial import close_agent_pool
 from trl_nrollout.rollout.ranks.reader import MessageReader, staged_versions
@@ -128,10 +128,10 @@ def _job(loop: Served, message: dict) -> bool:
     key = f"out/{message['id']}/{r}"
     t0 = time.perf_counter()
     try:
-        groups, n, pics = message["prompts"], message["n"], message.get("images")  # images: once a group
+        groups, n = message["prompts"], message["n"]
         tp = engine.layout.rollout_tp_size
         start, stop = job_slice(len(groups) * n, n, roles.rollout_ranks, tp, r)
-        images = None if pics is None else [pics[i // n] for i in range(start, stop)]
+        message, images = read_job_images(message, start, stop)  # images: PNG bytes once a group, decoded
         done = run_job(RankJob(message, engine, state, r, roles.rollout_ranks, start, stop, images))
         balanced = done.balanced
         if done.pulled is not None and engine.rank == engine.tp_ranks[0]:
@@ -142,7 +142,7 @@ def _job(loop: Served, message: dict) -> bool:
         batch = done.batch  # (a partial job's prompts are the groups' as the trainers encode them: not expanded)
         result = JobResult.of(batch.completion_ids, batch.logprobs, batch.finish_reasons, gen_s, state.version,
                               balanced, done.extras, done.agent_stats,
-                              _expanded(batch.prompt_ids, start, n, pics if done.expanded else None), done.partial)
+                              _expanded(batch.prompt_ids, start, n, images if done.expanded else None), done.partial)
     except Exception as err:  # noqa: BLE001 - the trainers raise it, naming this rank
         _answer(bridge, key, {"kind": "error", "message": f"{type(err).__name__}: {err}"}, f"job {message['id']}")
         raise
