@@ -188,3 +188,32 @@ def sync_each_micro_batch(fsdp: bool) -> bool:
 
 def _round_up(n: int, multiple: int | None) -> int:
     return -(-n // multiple) * multiple if multiple and multiple > 1 else n
+
+
+def pack_by_tokens(lengths: Sequence[int], max_token_len: int, max_seqs: int | None = None) -> list[list[int]]:
+    """Group sequence indices into micro batches whose padded size ``len(batch) * max(length)`` fits
+    ``max_token_len`` (first-fit decreasing); ``max_seqs`` also caps the sequences per micro batch. A sequence
+    alone over ``max_token_len`` is a ``ValueError`` naming the option."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if order and lengths[order[0]] > max_token_len:
+        raise ValueError(
+            f"log_prob_max_token_len_per_device={max_token_len} is smaller than the longest sequence "
+            f"({lengths[order[0]]} tokens, prompt + completion); every sequence must fit one forward: use "
+            f"at least {lengths[order[0]]} (e.g. max_prompt_length + max_completion_length)."
+        )
+    bins: list[list[int]] = []
+    widths: list[int] = []  # longest sequence of each bin (its first, as we go in decreasing order)
+    for i in order:
+        for b, members in enumerate(bins):
+            if (max_seqs is None or len(members) < max_seqs) and (len(members) + 1) * widths[b] <= max_token_len:
+                members.append(i)
+                break
+        else:
+            bins.append([i])
+            widths.append(lengths[i])
+    return bins
+
+
+def split_by_count(num: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive micro batches of at most ``micro_batch_size`` indices covering ``range(num)``."""
+    return [list(range(s, min(s + micro_batch_size, num))) for s in range(0, num, micro_batch_size)]
