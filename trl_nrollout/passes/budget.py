@@ -152,6 +152,14 @@ def update_state_bytes(params: Iterable[Tensor], processes: int, sharded: bool) 
     return total, state
 
 
+def frozen_weight_bytes(params: Iterable[Tensor], processes: int, sharded: bool) -> int:
+    """Bytes per device of frozen models' parameters (a reference model, a teacher: weights only, no gradients nor
+    optimizer states, whatever their ``requires_grad``), each at its full size (:func:`full_numel`) in its dtype,
+    split over ``processes`` where ``sharded`` (ZeRO-3, FSDP)."""
+    total = sum(full_numel(p) * p.element_size() for p in params)
+    return total // (processes if sharded else 1)
+
+
 def logits_bytes_per_token(vocab_size: int, dtype_bytes: int, head_on_scored_rows: bool) -> int:
     """What a log-prob pass's logits take per token of a micro batch: nothing where the output head runs on the scored
     rows a chunk at a time (the lean path, or :class:`~trl_nrollout.passes.logprobs.ScoredHead` inside the model's

@@ -184,7 +184,7 @@ class NRolloutDistillationTrainer(DistillationTrainer):
             rollout_backend=self.rollout_backend, eos_token_ids=self.eos_token_ids,
             pad_to_multiple_of=self.pad_to_multiple_of, is_vlm=self._is_vlm, train_dataset=self.train_dataset,
             environment_factories=None, tokenize=self._tokenize_prompts, wrapped_model=lambda: self.model_wrapped,
-            packing_allowed=lambda model, **kw: False)
+            packing_allowed=lambda model, **kw: False, held=lambda: (False, self.teacher_model))
         if (why := self.engine_setup.regex_refusal()) is not None:
             raise UnsupportedTRLOption(why)
         if self.rollout_backend != "vllm":
