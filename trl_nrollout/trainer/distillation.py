@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
+from transformers.trainer_callback import ProgressCallback
 from trl import DistillationConfig, DistillationTrainer
 
 from trl_nrollout.builtin import resolve_model
@@ -39,6 +40,7 @@ from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.engines import EngineSetup, pick_backend
 from trl_nrollout.trainer.forward_rules import ForwardRules
 from trl_nrollout.trainer.metrics import Metrics
+from trl_nrollout.trainer.progress import LiveProgressCallback
 
 
 class StudentSampler:
@@ -174,6 +176,8 @@ class NRolloutDistillationTrainer(DistillationTrainer):
             padding_free=ForwardRules(args, self.accelerator).padfree_allowed(self.teacher_model),
             pad_token_id=self._tokenizer.pad_token_id or 0, pad_to_multiple_of=self.pad_to_multiple_of,
             metrics=Metrics(self._metrics))
+        if self.pop_callback(ProgressCallback) is not None:  # one live line per step, as GRPO's
+            self.add_callback(LiveProgressCallback)
         peft = is_peft_model(self.accelerator.unwrap_model(self.model))
         if (why := lora_sync_refusal(args, peft)) is not None:
             raise InputError(why)
