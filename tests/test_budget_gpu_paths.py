@@ -14,6 +14,7 @@ import torch
 from tests.conftest import ROOT, run_cmd, torchrun
 from tests.dist.scored_head_dist import VocabWatch
 from trl_nrollout.passes.budget import (
+    frozen_weight_bytes,
     full_numel,
     logits_bytes_per_token,
     logprob_pass_tokens,
@@ -276,6 +277,30 @@ def test_the_default_budget_under_zero3_is_the_full_models(monkeypatch):
     capped, _ = _partitioned_7b(final_logit_softcapping=30.0)
     lower = _budget(capped, accelerator, _args())
     assert lower.tokens == want and 4096 <= lower.passes < want
+
+
+def test_the_default_budget_counts_the_reference_and_the_teacher(monkeypatch):
+    """The same 7B policy under ZeRO-3 on 4 x H100 holding a frozen reference (a 7B copy) and a teacher (7B, its
+    parameters left trainable as TRL leaves a teacher's): their bf16 weights, split over the 4 ranks, count in the
+    states (weights only, however ``requires_grad`` is set), so the default budget is lower than the policy's alone.
+    Mutation: ``frozen`` ignored by ``resolve_update_budget`` (the old behaviour) -> the budget is the policy's alone."""
+    model, total = _partitioned_7b()
+    reference, _ = _partitioned_7b()
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    teacher, _ = _partitioned_7b()
+    accelerator = SimpleNamespace(unwrap_model=lambda m: m, num_processes=4, device=_h100(monkeypatch),
+                                  is_main_process=True, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
+                                      zero_stage=3)), gradient_state=SimpleNamespace(plugin_kwargs={}))
+    alone = _budget(model, accelerator, _args())
+    held = resolve_update_budget(_args(), accelerator, model, _Rules(), fsdp=False, prompt_length=lambda: 1024,
+                                 frozen=[reference, teacher])
+    state = total * TRAIN_BYTES_PER_PARAM // 4 + 2 * (total * 2 // 4)  # + two bf16 frozen copies, sharded
+    want = default_update_token_budget(QWEN25_7B, device_memory_bytes=80 * GIB, state_bytes_per_device=state,
+                                       longest_sample=4096, gradient_checkpointing=True)
+    assert held.tokens == want < alone.tokens
+    assert frozen_weight_bytes(teacher.parameters(), 4, sharded=True) == total * 2 // 4
+    assert frozen_weight_bytes(teacher.parameters(), 4, sharded=False) == total * 2
 
 
 # ---------------------------------------------------------------------------------------------- item 5: FSDP grads

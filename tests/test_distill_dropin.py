@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+from collections import defaultdict
 from dataclasses import fields
 
 import pytest
@@ -199,12 +200,60 @@ def test_the_loss_and_gradients_are_trls_on_the_same_batch(beta, teacher_path, t
     for tools in (False, True):
         batch = _batch(vocab, tools)
         loss_t, grads_t = _loss_and_grads(theirs, batch)
+        ours.teacher_pass.last = None
         loss_o, grads_o = _loss_and_grads(ours, batch)
+        assert ours.teacher_pass.last is not None  # the teacher ran through our pass, not TRL's padded call
         assert math.isfinite(float(loss_t)) and float(loss_t) > 0
         torch.testing.assert_close(loss_o, loss_t, atol=1e-5, rtol=1e-5)
         assert grads_o.keys() == grads_t.keys() and len(grads_t) > 0
         for name, grad in grads_t.items():
             torch.testing.assert_close(grads_o[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.fast
+def test_the_teacher_pass_equals_a_plain_forward_under_a_small_budget(teacher_path, monkeypatch):
+    """The drop-in's teacher pass (:class:`TeacherPass`) on TRL's layout (9 samples, prompts left-padded, completions
+    right-padded) under a 30-token budget: three forwards, one of padding-free rows (short samples end to end); the
+    teacher's log-softmax (temperature 0.7, over the vocabulary) from its hidden states equals TRL's plain padded
+    forward of the teacher on the same tokens at every completion token (1e-5), the hidden states are 0 past each
+    completion's end, and a sample longer than the budget is refused naming the option. Mutations tried: the
+    predicting positions offset by one (``completion_positions``: ``first`` instead of ``first - 1``) -> fails; the
+    budget's split dropping its last micro batch (``for idx in batches[:-1]``) -> fails."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_nrollout.passes import logprobs as logprobs_module
+    from trl_nrollout.trainer.distillation import TeacherPass
+    from trl_nrollout.trainer.metrics import Metrics
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(4)
+    p_lens, c_lens = [8, 2, 3, 2, 9, 3, 2, 4, 10], [8, 2, 1, 3, 5, 2, 2, 4, 8]
+    width_p, keep = max(p_lens), max(c_lens)
+    vocab = teacher.config.vocab_size
+    ids = torch.zeros(len(p_lens), width_p + keep, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, (p, c) in enumerate(zip(p_lens, c_lens)):
+        ids[r, width_p - p:width_p + c] = torch.randint(1, vocab, (p + c,), generator=g)
+        mask[r, width_p - p:width_p + c] = 1
+    padfree = []
+    real = logprobs_module._padfree_selected
+    monkeypatch.setattr(logprobs_module, "_padfree_selected",
+                        lambda *a, **kw: (out := real(*a, **kw)) is not None and padfree.append(1) or out)
+    part = TeacherPass(max_token_len=30, padding_free=True, pad_token_id=0, pad_to_multiple_of=None,
+                       metrics=Metrics({"train": defaultdict(list)}))
+    assert part.takes(teacher, ids, mask, keep, {})
+    ours = part.hidden_states(teacher, ids, mask, keep, "train")
+    assert part.last.num_forwards >= 3 and any(len(mb) > 1 for mb in part.last.micro_batches) and padfree
+    with torch.no_grad():
+        plain = teacher.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1][:, -keep:]
+        valid = mask[:, -keep:].bool()
+        got, want = (torch.log_softmax(teacher.lm_head(h[valid]) / 0.7, -1) for h in (ours, plain))
+    assert got.shape == (sum(c_lens), vocab)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert float(ours[~valid].abs().max()) == 0.0
+    with pytest.raises(InputError, match="ref_log_prob_max_token_len_per_device=17 .* longest sample"):
+        TeacherPass(max_token_len=17, padding_free=True, pad_token_id=0, pad_to_multiple_of=None,
+                    metrics=part.metrics).hidden_states(teacher, ids, mask, keep, "train")
 
 
 def _bf16_checkpoint(source: str, out) -> str:
@@ -277,6 +326,9 @@ def test_the_student_samples_on_our_engine_which_follows_every_step(one_process)
     result = one_process
     assert [c["step"] for c in result["calls"]] == [0, 1, 2] and result["engine_calls"] == {"train": 3}
     assert all(c["samples"] == 4 and c["same_tokens"] for c in result["calls"])
+    # the teacher's pass in the loss (a 32-token budget: several forwards) equals a plain forward of the teacher
+    assert len(result["teacher_forwards"]) == 3 and max(result["teacher_forwards"]) > 1
+    assert result["teacher_gap"] < 1e-5
     assert max(c["gap"] for c in result["calls"]) < 1e-4
     assert result["moved"] > 1e-2 and result["synced_step"] == 2
     steps = [h for h in result["history"] if "loss" in h]
@@ -314,6 +366,11 @@ def test_two_processes_reproduce_one(mode, one_process, tmp_path):
         assert got[0]["completions"] + got[1]["completions"] == one["completions"]
         for mine, want in zip(got[0]["logprobs"] + got[1]["logprobs"], one["logprobs"], strict=True):
             assert mine == pytest.approx(want, abs=1e-4)
+    for rank in ranks:  # the teacher's pass (padding-free, budgeted, ZeRO-3: sharded) equals a plain forward
+        assert len(rank["teacher_forwards"]) == 3 and rank["teacher_gap"] < 1e-5
+    assert max(f for rank in ranks for f in rank["teacher_forwards"]) > 1
+    if mode == "zero3":  # every rank as many forwards as the busiest (the parameters are gathered in each)
+        assert ranks[0]["teacher_forwards"] == ranks[1]["teacher_forwards"]
     want = [h for h in one_process["history"] if "loss" in h]
     for rank in ranks:
         steps = [h for h in rank["history"] if "loss" in h]

@@ -141,3 +141,64 @@ def test_the_config_checks_the_device_option(tmp_path):
         NRolloutConfig(**common, rollout_lora_sync_device="tpu-v9")
     with pytest.raises(InputError, match="rollout_lora_sync_device='h100' prices rollout_lora_sync='auto'.*'merged'"):
         NRolloutConfig(**common, rollout_lora_sync="merged", rollout_lora_sync_device="h100")
+
+
+def priced_workload(trainer, monkeypatch) -> Workload:
+    """The workload ``trainer``'s ``rollout_lora_sync='auto'`` prices (its engine set-up's ``_lora_sync_priced``) on an
+    H100 as torch would name it (this machine has no GPU: the device's properties are the one stand-in; the price is
+    the plan's own function, its input captured)."""
+    import torch
+
+    import trl_nrollout.plan.lora as lora_module
+    from trl_nrollout.rollout.engines.weight_sync import adapter_bytes
+
+    seen = []
+    real = lora_module.price_lora_sync
+    monkeypatch.setattr(lora_module, "price_lora_sync", lambda dims, layout, work, dev, **kw: seen.append(work)
+                        or real(dims, layout, work, dev, **kw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type(
+        "Props", (), {"name": "NVIDIA H100 80GB HBM3", "total_memory": 80 * 2**30})())
+    inner = trainer.accelerator.unwrap_model(trainer.model)
+    assert trainer.engine_setup._lora_sync_priced(inner, adapter_bytes(inner)[0]) in ("adapter", "merged")
+    return seen[0]
+
+
+@pytest.mark.slow
+def test_lora_pricing_asks_which_frozen_passes_run(tmp_path, monkeypatch):
+    """``rollout_lora_sync='auto'`` prices the step with the passes that really run, not with ``beta > 0``: a LoRA
+    GRPO policy with beta=0 and the KL in the reward runs a reference pass (the base with the adapter off), so the
+    priced workload has one (``kl``); a GRPO policy with a teacher prices the teacher's forward (its dimensions); the
+    distillation drop-in, whose ``beta`` is the JSD's interpolation (0.5), holds no reference but a teacher.
+    Mutation: the old ``kl=args.beta > 0`` and no teacher -> every case fails."""
+    from peft import LoraConfig
+
+    from trl_nrollout import (
+        NRolloutConfig,
+        NRolloutDistillationConfig,
+        NRolloutDistillationTrainer,
+        NRolloutGRPOTrainer,
+    )
+    from trl_nrollout.builtin import digits_dataset, digits_reward
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    common = dict(use_cpu=True, report_to="none", max_steps=1, save_strategy="no", rollout_backend="hf",
+                  max_completion_length=8)
+    grpo = dict(per_device_train_batch_size=4, num_generations=2, **common)
+    kl_in_reward = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], peft_config=lora,
+                                       train_dataset=digits_dataset(8), args=NRolloutConfig(
+                                           output_dir=str(tmp_path / "a"), beta=0.0, use_kl_in_reward=True, **grpo))
+    work = priced_workload(kl_in_reward, monkeypatch)
+    assert work.kl and work.teacher is None
+    teacher = NRolloutGRPOTrainer("builtin:tiny-qwen2", reward_funcs=[digits_reward], peft_config=lora,
+                                  train_dataset=digits_dataset(8), args=NRolloutConfig(
+                                      output_dir=str(tmp_path / "b"), beta=0.0, **grpo,
+                                      teacher_model_name_or_path="builtin:tiny-qwen2-longtail"))
+    work = priced_workload(teacher, monkeypatch)
+    assert not work.kl and work.teacher is not None and work.teacher.num_parameters > 0
+    distill = NRolloutDistillationTrainer("builtin:tiny-qwen2", teacher_model="builtin:tiny-qwen2-longtail",
+                                          peft_config=lora, train_dataset=digits_dataset(8),
+                                          args=NRolloutDistillationConfig(output_dir=str(tmp_path / "c"), beta=0.5,
+                                                                          per_device_train_batch_size=4, **common))
+    work = priced_workload(distill, monkeypatch)
+    assert not work.kl and work.teacher is not None

@@ -184,6 +184,13 @@ def test_plan_prints_the_update_rule_and_the_default_budget(capsys, tmp_path):
     code, out, _ = run(capsys, *NEMO_FLAGS, "--use-dynamic-bsz", "--device", "h100", "--trainer-sharding", "zero3")
     assert "0.5 x (56.00 GiB for the trainer - states 7.48 GiB) -> 52,224 tokens" in out
     assert "up to 18,432" not in out and "old log-prob micro batch     dynamic, <= 52224 tokens per forward" in out
+    assert "frozen weights" not in out
+    # a teacher held by the trainers (Qwen2.5-7B, bf16, sharded over the 16): its weights count in the states
+    # (mutation: update_budget without the frozen weights -> 52,224 tokens again, the test fails)
+    code, out, _ = run(capsys, *NEMO_FLAGS, "--use-dynamic-bsz", "--device", "h100", "--trainer-sharding", "zero3",
+                       "--teacher-model-name-or-path", "Qwen/Qwen2.5-7B")
+    assert "frozen weights             907.85 MiB per device of the states: the teacher, held by the trainers" in out
+    assert "0.5 x (56.00 GiB for the trainer - states 8.37 GiB) -> 51,200 tokens" in out
     masked = _masked_h100(tmp_path)  # the same device, its training attention under a block mask
     code, out, _ = run(capsys, *NEMO_FLAGS, "--use-dynamic-bsz", "--device", str(masked), "--trainer-sharding",
                        "zero3")

@@ -95,7 +95,9 @@ def test_the_console_script_distills_with_the_shipped_recipe(tmp_path):
     to the teacher than the student it started from: the mean KL(teacher || student) of the next-token distributions
     over fixed sequences (the starting student's seeded completions of fixed prompts) drops by over 10% (1.82 ->
     1.52 measured). Mutation tried: TRL's loss multiplied by 0 in ``NRolloutDistillationTrainer`` (a
-    ``compute_loss`` override) -> fails (first at the logged ``loss_start``, 0.0)."""
+    ``compute_loss`` override) -> fails (first at the logged ``loss_start``, 0.0). The run prints the quiet progress
+    line (the loss in the bar) and writes report.png; mutation tried: the live callback not installed in the
+    drop-in -> the Trainer prints a dict per step and the line has no loss -> fails."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_nrollout.builtin import digits_prompts, resolve_model
@@ -111,6 +113,12 @@ def test_the_console_script_distills_with_the_shipped_recipe(tmp_path):
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["trainer"] == "distill" and summary["steps"] == 2 and summary["rollout_backend"] == "hf"
     assert summary["loss_start"] > 0 and summary["teacher"] == "builtin:tiny-qwen2-longtail"
+    # the quiet progress line (the loss in the bar's postfix, no printed dict per step) and report.png, as GRPO's
+    bar = proc.stderr.replace("\r", "\n")
+    last = [h["loss"] for h in json.loads((out / "log_history.json").read_text()) if "loss" in h][-1]
+    assert f"loss {last:.4f}" in bar and "2/2" in bar and "{'loss'" not in proc.stdout + bar
+    assert summary["report"] == str((out / "report.png").resolve())
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # fixed token sequences: the starting student's sampled completions (seeded) of fixed prompts
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("builtin:tiny-qwen2"), padding_side="left")

@@ -1,7 +1,8 @@
 """Run by tests/test_distill_dropin.py: NRolloutDistillationTrainer whose student samples on our vLLM engine, a few
 optimizer steps. Every engine call is checked against the student as it is at that call: the engine's log-prob of
-each sampled token (after temperature, as sampled) against a plain forward of the student on the same tokens.
-Writes result.json.
+each sampled token (after temperature, as sampled) against a plain forward of the student on the same tokens. Every
+call of the teacher's pass in the loss (padding-free, ``TEACHER_BUDGET`` tokens per forward) is checked against a
+plain forward of the teacher on the same tokens (``teacher_gap``). Writes result.json.
 
     python distill_train.py OUT            # one process (the tests run it through the warm launcher)
     accelerate launch --multi_gpu --num_processes 2 distill_train.py OUT two
@@ -25,6 +26,7 @@ from trl_nrollout import NRolloutDistillationConfig, NRolloutDistillationTrainer
 from trl_nrollout.builtin import digits_dataset, resolve_model
 
 TEMPERATURE = 0.8
+TEACHER_BUDGET = 32  # tokens per forward of the teacher's pass: two of these samples (<= 24 tokens) rarely share one
 
 
 def perturbed_teacher(out: str) -> str:
@@ -55,14 +57,36 @@ def sampled_gap(model, batch) -> float:
     return gap
 
 
+def teacher_gap(plain, calls: list) -> float:
+    """The largest |log-softmax difference| (over the vocabulary, at ``TEMPERATURE``) between the teacher's logits
+    from our pass's hidden states and from a plain forward of the teacher (``plain``, a whole unprepared copy: TRL's
+    padded call on the same tokens), over the valid completion positions of every recorded call."""
+    gap = 0.0
+    with torch.no_grad():
+        for ids, mask, keep, hidden in calls:
+            ref = plain.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1][:, -keep:]
+            valid = mask[:, -keep:].bool()
+            ours, theirs = (torch.log_softmax(plain.lm_head(h[valid]) / TEMPERATURE, -1) for h in (hidden, ref))
+            gap = max(gap, float((ours - theirs).abs().max()))
+    return gap
+
+
 class Probe(NRolloutDistillationTrainer):
-    """Records each engine call: the optimizer step, the gap to the student, the samples."""
+    """Records each engine call (the optimizer step, the gap to the student, the samples) and each call of the
+    teacher's pass (TRL's tokens, our hidden states, the forwards it ran)."""
 
     calls: list = []
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.calls = []
+        self.calls, self.teacher_calls, self.teacher_forwards = [], [], []
+
+    def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **multimodal):
+        out = super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask, logits_to_keep, **multimodal)
+        if unwrapped_model is self.accelerator.unwrap_model(self.teacher_model):
+            self.teacher_calls.append((input_ids.cpu(), attention_mask.cpu(), logits_to_keep, out.float().cpu()))
+            self.teacher_forwards.append(self.teacher_pass.last.num_forwards)
+        return out
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
@@ -78,10 +102,12 @@ class Probe(NRolloutDistillationTrainer):
 def run(out: str, teacher: str, **extra) -> dict:
     """Three steps (two with LoRA) of distillation, the engine's calls probed."""
     lora = extra.pop("peft_config", None)
+    # before the config: under the launch's ZeRO-3 config a model loaded afterwards would be partitioned
+    plain_teacher = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
     settings = dict(output_dir=out, rollout_backend="vllm", per_device_train_batch_size=4, max_completion_length=8,
                     max_steps=2 if lora else 3, learning_rate=5e-2, temperature=TEMPERATURE, beta=0.5,
                     logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False, save_strategy="no",
-                    seed=0, use_cpu=True)
+                    seed=0, use_cpu=True, ref_log_prob_max_token_len_per_device=TEACHER_BUDGET)
     args = NRolloutDistillationConfig(**{**settings, **extra})
     trainer = Probe("builtin:tiny-qwen2", teacher_model=teacher, args=args, train_dataset=digits_dataset(32),
                     peft_config=lora)
@@ -91,7 +117,8 @@ def run(out: str, teacher: str, **extra) -> dict:
                  if p.numel() and p.shape == before[n].shape), default=0.0)  # (ZeRO-3: this rank's shards are empty)
     result = {"calls": trainer.calls, "engine_calls": dict(trainer.student_sampler.calls),
               "history": trainer.state.log_history, "moved": moved, "synced_step": trainer.engine_setup.synced_step,
-              "lora_sync": trainer.engine_setup.lora_sync()}
+              "lora_sync": trainer.engine_setup.lora_sync(), "teacher_forwards": trainer.teacher_forwards,
+              "teacher_gap": teacher_gap(plain_teacher, trainer.teacher_calls)}
     if lora is not None:
         from trl_nrollout.rollout.engines.weight_sync import adapter_bytes
 

@@ -75,7 +75,8 @@ DISTILL_OPTIONS: dict[str, tuple[str, Any, str]] = {
 
 #: DistillationTrainer constructor arguments beyond the model / data / callbacks ones: name -> what happens here
 DISTILL_TRAINER_ARGS: dict[str, str] = {
-    "teacher_model": "TRL's: loaded and prepared by TRL's __init__; its forward is TRL's (in the loss).",
+    "teacher_model": "TRL's: loaded and prepared by TRL's __init__; its forward in TRL's loss runs as our reference "
+                     "pass (padding-free rows, ref_log_prob_max_token_len_per_device's budget).",
     "peft_config": "TRL wraps the student; the engine gets merged weights or the adapter (rollout_lora_sync).",
     "quantization_config": "TRL loads the student with it (QLoRA).",
     "tools": "TRL's tool loop; every turn of it samples on our engine (rollout_tp_size=1).",
@@ -85,7 +86,8 @@ DISTILL_TRAINER_ARGS: dict[str, str] = {
 ENGINE_OPTIONS = ("rollout_backend", "rollout_tp_size", "rollout_dtype", "rollout_max_model_len",
                   "rollout_max_num_seqs", "rollout_kv_cache_memory_bytes", "rollout_enforce_eager",
                   "rollout_enable_prefix_caching", "rollout_seed_mode", "weight_sync_bucket_mb", "rollout_lora_sync",
-                  "rollout_lora_sync_device", "rollout_dispatch")
+                  "rollout_lora_sync_device", "rollout_dispatch", "ref_log_prob_max_token_len_per_device",
+                  "padding_free")
 
 
 def _shared(name: str) -> Any:
@@ -115,6 +117,8 @@ class NRolloutDistillationConfig(DistillationConfig):
     rollout_lora_sync: str = _shared("rollout_lora_sync")
     rollout_lora_sync_device: str | None = _shared("rollout_lora_sync_device")
     rollout_dispatch: str = _shared("rollout_dispatch")
+    ref_log_prob_max_token_len_per_device: int | None = _shared("ref_log_prob_max_token_len_per_device")
+    padding_free: bool | None = _shared("padding_free")
 
     # what the engine set-up (trainer/engines.py) reads of a GRPO config and distillation does not have: no rollout
     # ranks, no partial rollouts (class attributes, not options)
@@ -165,6 +169,14 @@ class NRolloutDistillationConfig(DistillationConfig):
                 "distillation samples one completion per prompt, in calls its tool loop makes per rank, which a "
                 "job-wide queue's collectives do not follow. Use rollout_dispatch='shares' (each engine its "
                 "own ranks' prompts), or NRolloutGRPOTrainer with a teacher term for balanced dispatch.")
+        budget = self.ref_log_prob_max_token_len_per_device
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise InputError(f"ref_log_prob_max_token_len_per_device={budget!r} must be a whole number >= 1 (the "
+                             "teacher's tokens per forward, at least the longest prompt + completion), or None (one "
+                             "forward per micro batch); e.g. 4096.")
+        if self.padding_free not in (None, True, False):
+            raise InputError(f"padding_free={self.padding_free!r} must be None (on where the teacher takes it), True "
+                             "or False.")
         tp = self.rollout_tp_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise InputError(f"rollout_tp_size={self.rollout_tp_size!r} must be a whole number >= 1 (ranks per "
@@ -208,7 +220,10 @@ def distill_options_table() -> list[tuple[str, str, str]]:
     rows += [(f"{name}= (trainer)", "honored", what) for name, what in DISTILL_TRAINER_ARGS.items()]
     helps = {f.name: f.metadata.get("help", "") for f in fields(NRolloutConfig)}
     notes = {"rollout_dispatch": " Only 'shares' here: 'balanced' is refused (the config says why).",
-             "rollout_backend": " 'hf' here is TRL's own generate."}
+             "rollout_backend": " 'hf' here is TRL's own generate.",
+             "ref_log_prob_max_token_len_per_device": " Here the teacher's forward in the loss (None: one forward per "
+                                                      "micro batch).",
+             "padding_free": " Here the teacher's forward in the loss."}
     rows += [(name, "ours", helps[name].split(". ")[0].rstrip(".") + "." + notes.get(name, ""))
              for name in ENGINE_OPTIONS]
     return rows

@@ -152,6 +152,14 @@ def update_state_bytes(params: Iterable[Tensor], processes: int, sharded: bool) 
     return total, state
 
 
+def frozen_weight_bytes(params: Iterable[Tensor], processes: int, sharded: bool) -> int:
+    """Bytes per device of frozen models' parameters (a reference model, a teacher: weights only, no gradients nor
+    optimizer states, whatever their ``requires_grad``), each at its full size (:func:`full_numel`) in its dtype,
+    split over ``processes`` where ``sharded`` (ZeRO-3, FSDP)."""
+    total = sum(full_numel(p) * p.element_size() for p in params)
+    return total // (processes if sharded else 1)
+
+
 def logits_bytes_per_token(vocab_size: int, dtype_bytes: int, head_on_scored_rows: bool) -> int:
     """What a log-prob pass's logits take per token of a micro batch: nothing where the output head runs on the scored
     rows a chunk at a time (the lean path, or :class:`~trl_nrollout.passes.logprobs.ScoredHead` inside the model's
@@ -188,3 +196,32 @@ def sync_each_micro_batch(fsdp: bool) -> bool:
 
 def _round_up(n: int, multiple: int | None) -> int:
     return -(-n // multiple) * multiple if multiple and multiple > 1 else n
+
+
+def pack_by_tokens(lengths: Sequence[int], max_token_len: int, max_seqs: int | None = None) -> list[list[int]]:
+    """Group sequence indices into micro batches whose padded size ``len(batch) * max(length)`` fits
+    ``max_token_len`` (first-fit decreasing); ``max_seqs`` also caps the sequences per micro batch. A sequence
+    alone over ``max_token_len`` is a ``ValueError`` naming the option."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if order and lengths[order[0]] > max_token_len:
+        raise ValueError(
+            f"log_prob_max_token_len_per_device={max_token_len} is smaller than the longest sequence "
+            f"({lengths[order[0]]} tokens, prompt + completion); every sequence must fit one forward: use "
+            f"at least {lengths[order[0]]} (e.g. max_prompt_length + max_completion_length)."
+        )
+    bins: list[list[int]] = []
+    widths: list[int] = []  # longest sequence of each bin (its first, as we go in decreasing order)
+    for i in order:
+        for b, members in enumerate(bins):
+            if (max_seqs is None or len(members) < max_seqs) and (len(members) + 1) * widths[b] <= max_token_len:
+                members.append(i)
+                break
+        else:
+            bins.append([i])
+            widths.append(lengths[i])
+    return bins
+
+
+def split_by_count(num: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive micro batches of at most ``micro_batch_size`` indices covering ``range(num)``."""
+    return [list(range(s, min(s + micro_batch_size, num))) for s in range(0, num, micro_batch_size)]

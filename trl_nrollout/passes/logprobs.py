@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
+from trl_nrollout.passes.budget import pack_by_tokens, split_by_count
 from trl_nrollout.passes.distributed import is_fsdp, is_zero3, synced_count
 from trl_nrollout.passes.multimodal import MMInputs, collate
 from trl_nrollout.passes.packing import (
@@ -65,36 +66,6 @@ class LogProbOutput:
 #: ``(logits [N, V] divided by the temperature, targets [N]) -> [N]``: a value per position computed from the whole
 #: distribution, e.g. the log of the mass a truncating sampler keeps (:func:`~trl_nrollout.algos.losses.sampling_support_log_mass`)
 SupportFn = Callable[[Tensor, Tensor], Tensor]
-
-
-# ---------------------------------------------------------------------------------------------- packing
-def pack_by_tokens(lengths: Sequence[int], max_token_len: int, max_seqs: int | None = None) -> list[list[int]]:
-    """Group sequence indices into micro batches whose padded size ``len(batch) * max(length)`` fits
-    ``max_token_len`` (first-fit decreasing); ``max_seqs`` also caps the sequences per micro batch. A sequence
-    alone over ``max_token_len`` is a ``ValueError`` naming the option."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    if order and lengths[order[0]] > max_token_len:
-        raise ValueError(
-            f"log_prob_max_token_len_per_device={max_token_len} is smaller than the longest sequence "
-            f"({lengths[order[0]]} tokens, prompt + completion); every sequence must fit one forward: use "
-            f"at least {lengths[order[0]]} (e.g. max_prompt_length + max_completion_length)."
-        )
-    bins: list[list[int]] = []
-    widths: list[int] = []  # longest sequence of each bin (its first, as we go in decreasing order)
-    for i in order:
-        for b, members in enumerate(bins):
-            if (max_seqs is None or len(members) < max_seqs) and (len(members) + 1) * widths[b] <= max_token_len:
-                members.append(i)
-                break
-        else:
-            bins.append([i])
-            widths.append(lengths[i])
-    return bins
-
-
-def split_by_count(num: int, micro_batch_size: int) -> list[list[int]]:
-    """Consecutive micro batches of at most ``micro_batch_size`` indices covering ``range(num)``."""
-    return [list(range(s, min(s + micro_batch_size, num))) for s in range(0, num, micro_batch_size)]
 
 
 # ---------------------------------------------------------------------------------------------- math
@@ -475,6 +446,60 @@ def _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_to
     return flat.reshape(-1, flat.shape[-1])[index]
 
 
+def completion_positions(prompts: list[list[int]], completions: list[list[int]], starts: list[int],
+                         device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Of every completion token of a micro batch (rows begin at ``starts``), flattened ``[tokens]`` each: its row,
+    the position predicting it, the token, its column in the completion."""
+    rows, pos, tgt, cols = [], [], [], []
+    for r, (p, c) in enumerate(zip(prompts, completions)):
+        first = starts[r] + len(p)  # position of the first completion token
+        rows += [r] * len(c)
+        pos += range(first - 1, first - 1 + len(c))
+        tgt += c
+        cols += range(len(c))
+    return tuple(torch.tensor(v, dtype=torch.long, device=device) for v in (rows, pos, tgt, cols))  # type: ignore
+
+
+def completion_features(model, parts, prompts, completions, rows_t, pos_t, cols_t, *, starts, width, pad_token_id,
+                        device, mm=None, shared_prompts=False, multiple_of=None, padding_free=False,
+                        scored: ScoredHead | None = None) -> Tensor:
+    """The features of every completion token ``(rows_t[k], cols_t[k])`` (predicted at ``pos_t[k]`` of the padded
+    rows of ``width`` beginning at ``starts``): hidden states ``[tokens, H]`` when a plain head follows (``parts``);
+    from the model's own forward otherwise (FSDP, images, lean_head=False), its head's values on those tokens only
+    (``scored``, :class:`ScoredHead`) where its logits are a plain head's, else logits ``[tokens, V]``. Padding-free
+    rows where they pay, else the shared-prompt layout where allowed and it pays, else one padded row per sequence."""
+    selected = None
+    if padding_free and mm is None and len(prompts) > 1:  # padding-free rows (shared prompts once, where it pays)
+        selected = _padfree_selected(model, parts, prompts, completions, rows_t, cols_t, pad_token_id, device,
+                                     width, multiple_of, shared_prompts=shared_prompts, scored=scored)
+    if selected is None and shared_prompts and len(prompts) > 1 and (parts is not None or mm is None):
+        packed = (_packed_hidden(parts[0], prompts, completions, pad_token_id, device, multiple_of)
+                  if parts is not None else _packed_logits(model, prompts, completions, pad_token_id, device,
+                                                           multiple_of, scored, rows_t, cols_t))
+        if packed is not None:  # the shared-prompt layout (fixed-width segments)
+            flat, index = packed
+            selected = flat[index[rows_t, cols_t]]
+    if selected is not None:
+        return selected
+    seqs = [p + c for p, c in zip(prompts, completions)]  # the plain layout: one padded row per sequence
+    input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    for r, (seq, off) in enumerate(zip(seqs, starts)):
+        input_ids[r, off:off + len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[r, off:off + len(seq)] = 1
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
+    if parts is not None:
+        hidden = parts[0](input_ids=input_ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
+        return hidden[rows_t, pos_t]  # only completion positions go through the head
+    keep = width - int(pos_t.min())  # positions from the earliest predicting position to the end
+    # a VLM places its image tokens itself (some, like Qwen2-VL, with positions of their own)
+    extra = {"position_ids": position_ids} if mm is None else collate(mm, device, width=width, starts=starts)
+    with scored.on(rows_t * keep + pos_t - (width - keep)) if scored else contextlib.nullcontext():
+        logits = model(input_ids=input_ids, attention_mask=attn, logits_to_keep=keep, **extra).logits
+    return logits[rows_t, pos_t - (width - keep)]  # [n, keep, V] -> [tokens, V]
+
+
 def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entropy, *, temperature, pad_token_id,
                        pad_side, chunk_rows, device, mm=None, shared_prompts=False, head_fp32=False,
                        multiple_of=None, support=None, mass=None, padding_free=False, sp=None) -> None:
@@ -483,65 +508,21 @@ def _score_micro_batch(model, parts, prompts, completions, idx, logprobs, entrop
                        pad_token_id=pad_token_id, chunk_rows=chunk_rows, device=device, head_fp32=head_fp32,
                        multiple_of=multiple_of, sp=sp)
         return
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    width = round_up(max(len(s) for s in seqs), multiple_of)
-    starts = [width - len(s) if pad_side == "left" else 0 for s in seqs]  # where each row's sequence begins
-
-    # (row, position predicting the token, target token, output row, output column) of every completion token
-    rows, pos, tgt, out_r, out_c = [], [], [], [], []
-    for r, (p, c) in enumerate(zip(prompts, completions)):
-        first = starts[r] + len(p)  # position of the first completion token
-        rows += [r] * len(c)
-        pos += range(first - 1, first - 1 + len(c))
-        tgt += c
-        out_r += [idx[r]] * len(c)
-        out_c += range(len(c))
-    if not rows:
+    width = round_up(max(len(p) + len(c) for p, c in zip(prompts, completions)), multiple_of)
+    starts = [width - len(p) - len(c) if pad_side == "left" else 0 for p, c in zip(prompts, completions)]
+    rows_t, pos_t, tgt_t, out_c_t = completion_positions(prompts, completions, starts, device)
+    if not len(rows_t):
         return
-    rows_t = torch.tensor(rows, device=device)
-    pos_t = torch.tensor(pos, device=device)
-    tgt_t = torch.tensor(tgt, device=device)
-    out_c_t = torch.tensor(out_c, device=device)
-    # the features of every completion token: hidden states [tokens, H] when a plain head follows (``parts``); from
-    # the model's own forward otherwise (FSDP, images, lean_head=False), its head's values on those tokens only
-    # (``scored``, :class:`ScoredHead`) where its logits are a plain head's, else logits [tokens, V]
     scored = ScoredHead.of(model, parts, tgt_t, temperature=temperature, chunk_rows=chunk_rows, fp32=head_fp32,
                            with_entropy=entropy is not None, support=support if mass is not None else None)
-    selected = None
-    if padding_free and mm is None and len(prompts) > 1:  # padding-free rows (shared prompts once, where it pays)
-        selected = _padfree_selected(model, parts, prompts, completions, rows_t, out_c_t, pad_token_id, device,
-                                     width, multiple_of, shared_prompts=shared_prompts, scored=scored)
-    if selected is None and shared_prompts and len(prompts) > 1 and (parts is not None or mm is None):
-        packed = (_packed_hidden(parts[0], prompts, completions, pad_token_id, device, multiple_of)
-                  if parts is not None else _packed_logits(model, prompts, completions, pad_token_id, device,
-                                                           multiple_of, scored, rows_t, out_c_t))
-        if packed is not None:  # the shared-prompt layout (fixed-width segments)
-            flat, index = packed
-            selected = flat[index[rows_t, out_c_t]]
-    if selected is None:  # the plain layout: one padded row per sequence
-        input_ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-        attn = torch.zeros(len(seqs), width, dtype=torch.long)
-        for r, (seq, off) in enumerate(zip(seqs, starts)):
-            input_ids[r, off:off + len(seq)] = torch.tensor(seq, dtype=torch.long)
-            attn[r, off:off + len(seq)] = 1
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        input_ids, attn, position_ids = input_ids.to(device), attn.to(device), position_ids.to(device)
-        if parts is not None:
-            hidden = parts[0](input_ids=input_ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
-            selected = hidden[rows_t, pos_t]  # only completion positions go through the head
-        else:
-            keep = width - min(pos)  # positions from the earliest predicting position to the end
-            if mm is None:
-                extra = {"position_ids": position_ids}
-            else:  # a VLM places its image tokens itself (some, like Qwen2-VL, with positions of their own)
-                extra = collate(mm, device, width=width, starts=starts)
-            with scored.on(rows_t * keep + pos_t - (width - keep)) if scored else contextlib.nullcontext():
-                logits = model(input_ids=input_ids, attention_mask=attn, logits_to_keep=keep, **extra).logits
-            selected = logits[rows_t, pos_t - (width - keep)]  # [n, keep, V] -> [tokens, V]
+    selected = completion_features(model, parts, prompts, completions, rows_t, pos_t, out_c_t, starts=starts,
+                                   width=width, pad_token_id=pad_token_id, device=device, mm=mm,
+                                   shared_prompts=shared_prompts, multiple_of=multiple_of,
+                                   padding_free=padding_free, scored=scored)
     lp, ent, kept = _head_values(selected, tgt_t, parts[1] if parts else None, scored, temperature=temperature,
                                  chunk_rows=chunk_rows, with_entropy=entropy is not None, head_fp32=head_fp32,
                                  support=support if mass is not None else None)
-    out_r_t = torch.tensor(out_r, device=device)
+    out_r_t = torch.tensor(idx, device=device)[rows_t]
     logprobs[out_r_t, out_c_t] = lp
     if entropy is not None and ent is not None:
         entropy[out_r_t, out_c_t] = ent

@@ -189,6 +189,16 @@ def trainer_state_bytes(dims: ModelDims, work: Workload, dp: int = 1) -> float:
     return weights + rest
 
 
+def frozen_weight_bytes(dims: ModelDims, work: Workload, trainers: int) -> tuple[int, int]:
+    """(reference, teacher) weight bytes per trainer device: TRL's reference model, a copy of the policy's weights
+    where a KL term keeps one (``work.kl``; with LoRA the base with the adapter off: no copy), and the teacher's
+    weights (``work.teacher``), each split over the ``trainers`` where ZeRO-3 / FSDP shards them (``work.sharded``)."""
+    split = trainers if work.sharded else 1
+    ref = math.ceil(dims.num_parameters * dims.dtype_bytes / split) if work.kl and work.lora_r is None else 0
+    teacher = 0 if work.teacher is None else math.ceil(work.teacher.num_parameters * work.teacher.dtype_bytes / split)
+    return ref, teacher
+
+
 def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: DeviceProfile) -> StepPrediction:
     """Seconds per phase of one training step of ``layout`` on devices ``dev`` (see the module docstring)."""
     gen_s, details = _generation(dims, layout, work, dev)
@@ -223,16 +233,13 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
     old_shape, ref_shape = shape(layout.old_log_prob), shape(layout.ref_log_prob)
     old_s = 0.0 if on_policy else forward_s(old_shape)
     ref_s = forward_s(ref_shape) if work.kl else 0.0
-    frozen_split = layout.data_parallel_size * sp if work.sharded else 1  # ZeRO-3 / FSDP split a frozen model too
-    # TRL's reference model: a copy of the policy's weights (with LoRA, the base with the adapter off: no copy)
-    ref_bytes = math.ceil(dims.num_parameters * dims.dtype_bytes / frozen_split) if work.kl and work.lora_r is None else 0
-    teacher_s, teacher_bytes = 0.0, 0
+    ref_bytes, teacher_bytes = frozen_weight_bytes(dims, work, layout.data_parallel_size * sp)
+    teacher_s = 0.0
     if work.teacher is not None:  # the reference pass's cut, the teacher's size; sharded as the reference is
         t = work.teacher
         teacher_s = (_compute_s(ref_shape, t, dev) / sp + ref_shape.forwards * (dev.forward_s + _gather_s(t, layout,
                                                                                                           work, dev))
                      + all_to_all_s(t, ref_shape.tokens, sp, dev))
-        teacher_bytes = math.ceil(t.num_parameters * t.dtype_bytes / frozen_split)
     update = update_shape(layout, work, dims.dtype_bytes)
     micro = update.forwards * layout.ppo_epochs
     dp = layout.data_parallel_size * sp  # ZeRO / FSDP shard and DDP reduces over every trainer (Ulysses groups too)

@@ -18,7 +18,7 @@ from trl_nrollout.plan.activations import (
     activation_bytes_per_token,
     default_update_token_budget,
 )
-from trl_nrollout.plan.cost import trainer_state_bytes
+from trl_nrollout.plan.cost import frozen_weight_bytes, trainer_state_bytes
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_COMPLETION_LENGTH, DEFAULT_MAX_PROMPT_LENGTH, fmt_bytes
 from trl_nrollout.plan.packing_rules import MAX_PACKED_MASK_BYTES
@@ -30,6 +30,7 @@ from trl_nrollout.plan.readers import (
     engine_utilization,
     lora_rank,
     rows_varlen,
+    teacher_dims_of,
 )
 from trl_nrollout.plan.shapes import padfree_token_cap
 from trl_nrollout.plan.workload import Workload
@@ -98,7 +99,8 @@ def update_budget(values: dict[str, Any], layout: RolloutLayout, *, state_bytes:
     A default (``use_dynamic_bsz`` without ``ppo_max_token_len_per_device``) needs the model (``--model``) and the
     device's memory (``--gpu-memory-gib`` or ``--device``'s profile); ``state_bytes``: the trainer's states per
     device (default: :func:`~trl_nrollout.plan.cost.trainer_state_bytes` of ``trainer_sharding`` and LoRA, twice
-    with PPO's critic)."""
+    with PPO's critic, plus the reference's and the teacher's weights where the trainers hold them:
+    :func:`~trl_nrollout.plan.cost.frozen_weight_bytes`)."""
     use, budget = dynamic_bsz(values)
     if not use:
         return None
@@ -119,11 +121,19 @@ def update_budget(values: dict[str, Any], layout: RolloutLayout, *, state_bytes:
     gc = bool_option(values, "gradient_checkpointing")
     gc = True if gc is None else gc
     sharding = values.get("trainer_sharding") or "none"
+    frozen, held = 0, {}
     if state_bytes is None:
+        kl = (bool(values.get("use_kl_loss")) or float(values.get("beta") or 0) > 0
+              or bool(values.get("use_kl_in_reward")))
         states = Workload(prompt_len=0, completion_mean=0, completion_max=0, sharded=sharding in ("zero3", "fsdp"),
-                          optimizer_sharded=sharding == "zero2", lora_r=lora_rank(values))
+                          optimizer_sharded=sharding == "zero2", lora_r=lora_rank(values), kl=kl,
+                          teacher=teacher_dims_of(values))
         critic = values.get("trainer") == "ppo" or values.get("adv_estimator") == "gae"
-        state_bytes = int(trainer_state_bytes(dims, states, layout.num_processes) * (2 if critic else 1))
+        # the frozen models the trainers hold beside the policy: the reference (a KL term) and a teacher
+        held = dict(zip(("the reference model (a KL term)", "the teacher"),
+                        frozen_weight_bytes(dims, states, layout.num_processes)))
+        frozen = sum(held.values())
+        state_bytes = int(trainer_state_bytes(dims, states, layout.num_processes) * (2 if critic else 1)) + frozen
     memory = trainer_memory_bytes(values, gib, colocated=colocated)
     free = values.get("padding_free") is not False and not rows_varlen(values)  # varlen rows: no mask, no cap
     cap = padfree_token_cap(longest, min(dims.dtype_bytes, 2)) if free else None
@@ -142,6 +152,10 @@ def update_budget(values: dict[str, Any], layout: RolloutLayout, *, state_bytes:
                               f"{fmt_bytes(state_bytes)}) -> {uncapped:,} tokens"
                               + (floor if tokens == uncapped else "")),
     ]
+    if frozen:
+        rows.insert(1, ("  frozen weights", f"{fmt_bytes(frozen)} per device of the states: "
+                                            + " and ".join(name for name, b in held.items() if b)
+                                            + ", held by the trainers"))
     if tokens < uncapped:
         rows.append(("  padding-free rows' mask", f"rows of {longest} tokens keep their block mask within "
                                                   f"{MAX_PACKED_MASK_BYTES >> 20} MiB up to {cap:,} real tokens -> "

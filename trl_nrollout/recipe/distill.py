@@ -21,6 +21,7 @@ from typing import Any
 from trl_nrollout.builtin import resolve_model
 from trl_nrollout.errors import InputError
 from trl_nrollout.recipe.data import check_prompt_lengths, load_prompts
+from trl_nrollout.recipe.report import write_report
 from trl_nrollout.recipe.summary import write_summary
 
 #: The recipe script's options that only a reward-trained run reads: (name, its default)
@@ -99,6 +100,9 @@ def train_distillation(script_args: Any, args: Any, *, peft_config: Any, resume:
                "lora_r": script_args.lora_r if peft_config is not None else None})
     if trainer.accelerator.is_main_process:
         (Path(args.output_dir) / "log_history.json").write_text(json.dumps(history))
+        report = write_report(history, Path(args.output_dir) / "report.png",
+                              title=f"{script_args.model_name_or_path} taught by {args.teacher_model_name_or_path}")
+        summary["report"] = str(report.resolve()) if report else "(pip install matplotlib for report.png)"
         write_summary(summary, args.output_dir)
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()

@@ -2,8 +2,8 @@
 
 - :class:`~trl_nrollout.trainer.progress.LiveProgressCallback` (the trainer's, in :mod:`trl_nrollout.trainer.progress`)
   replaces the Trainer's progress callback: the step's key figures in the bar's postfix, updated in place.
-- :func:`write_report` plots the run from its log history (matplotlib): reward (mean +- std) and response length
-  over steps, and the time of each phase of a step, stacked.
+- :func:`write_report` plots the run from its log history (matplotlib): reward (mean +- std; a distillation run's
+  loss) and response length over steps, and the time of each phase of a step, stacked.
 - :func:`end_progress_bars` ends the bar's line when a run stops with an error (its message then starts a line).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from trl_nrollout.trainer.progress import finite_number
 
 #: Phases of a step, in order, as logged under ``timing_s/<phase>``.
-PHASES = ("weight_sync", "gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
+PHASES = ("weight_sync", "gen", "reward", "old_log_prob", "ref", "teacher", "adv", "update_actor")
 
 
 def end_progress_bars() -> None:
@@ -45,16 +45,17 @@ def write_report(history: Sequence[Mapping], path: str | Path, title: str = "") 
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    steps = [h for h in history if "reward" in h]
+    key = "reward" if any("reward" in h for h in history) else "loss"  # a distillation run logs no reward
+    steps = [h for h in history if key in h and "train_runtime" not in h]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    xs, reward = _series(steps, "reward")
+    xs, reward = _series(steps, key)
     _, std = _series(steps, "reward_std")
     ax = axes[0]
-    ax.plot(xs, reward, color="tab:blue", label="reward (mean)")
-    if len(std) == len(reward):
+    ax.plot(xs, reward, color="tab:blue", label="reward (mean)" if key == "reward" else "loss (the divergence)")
+    if key == "reward" and len(std) == len(reward):
         ax.fill_between(xs, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
                         color="tab:blue", alpha=0.2, label="± std over samples")
-    ax.set(title="reward", xlabel="step")
+    ax.set(title=key, xlabel="step")
     ax.legend(loc="best", fontsize=8)
     ax = axes[1]
     for key, label in (("response_length/mean", "mean"), ("response_length/max", "max")):

@@ -8,19 +8,20 @@ gradients held until the last (under FSDP reduced every micro batch instead:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, gather
-from torch import Tensor
+from torch import Tensor, nn
 
 from trl_nrollout.passes.budget import (
     BudgetedStep,
     budget_units,
     concat_batches,
+    frozen_weight_bytes,
     logits_bytes_per_token,
     logprob_pass_tokens,
     sample_lengths,
@@ -75,7 +76,8 @@ class DeviceTokenBudget:
 
 
 def resolve_update_budget(args: Any, accelerator: Any, model, rules: ForwardRules, *, fsdp: bool,
-                          prompt_length: Callable[[], int]) -> DeviceTokenBudget | None:
+                          prompt_length: Callable[[], int], frozen: Sequence[nn.Module] = ()
+                          ) -> DeviceTokenBudget | None:
     """The update's token budget per device (None: count-based micro batches): ``ppo_max_token_len_per_device``,
     or with ``use_dynamic_bsz`` and no budget the default for ``model`` (the policy) and this device
     (:func:`~trl_nrollout.plan.activations.default_update_token_budget`: half of what the device has left after
@@ -85,7 +87,8 @@ def resolve_update_budget(args: Any, accelerator: Any, model, rules: ForwardRule
     load (``zero3_init_flag``: :func:`~trl_nrollout.passes.budget.full_numel`). Under FSDP (``fsdp``: the Trainer's
     ``is_fsdp_enabled``) the Trainer's micro steps reduce their gradients each
     (:func:`fsdp_gradients_each_micro_batch`), as the budget assumes. ``prompt_length``: the longest prompt's tokens
-    (asked only for a default budget)."""
+    (asked only for a default budget); ``frozen``: the models the trainer holds beside the policy (the reference, a
+    teacher), whose weights take the device's memory too (:func:`~trl_nrollout.passes.budget.frozen_weight_bytes`)."""
     fsdp_gradients_each_micro_batch(accelerator, fsdp)
     if not args.use_dynamic_bsz:
         return None
@@ -95,6 +98,7 @@ def resolve_update_budget(args: Any, accelerator: Any, model, rules: ForwardRule
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     sharded = (plugin is not None and plugin.zero_stage == 3) or fsdp
     total, state = update_state_bytes(inner.parameters(), accelerator.num_processes, sharded)
+    state += frozen_weight_bytes([p for m in frozen for p in m.parameters()], accelerator.num_processes, sharded)
     device = accelerator.device
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     if memory is not None and not args.rollout_ranks and not args.vllm_enable_sleep_mode \

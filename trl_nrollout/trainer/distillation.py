@@ -7,8 +7,10 @@ engine options. What changes is where the student's completions are sampled: TRL
 a part, :class:`StudentSampler`, which samples them on this rank's engine of our vLLM group (built by
 :func:`~trl_nrollout.rollout.engines.build.build_engine` through GRPO's :class:`~trl_nrollout.trainer.engines.EngineSetup`:
 its checked start, its tensor-parallel layout, its bucketed weight sync after each optimizer step, LoRA adapter or
-merged sync). Everything else is TRL's own code, inherited unchanged: the data order and buffering, the tool loop,
-the teacher's forward (TRL's, in the loss), the chunked generalized JSD for every ``beta``, the temperature, the
+merged sync). The teacher's forward inside TRL's loss runs as our reference pass does (:class:`TeacherPass`:
+padding-free rows, ``ref_log_prob_max_token_len_per_device``'s token budget, sharded as TRL prepares the teacher),
+its hidden states handed to TRL's chunked divergence. Everything else is TRL's own code, inherited unchanged: the
+data order and buffering, the tool loop, the chunked generalized JSD for every ``beta``, the temperature, the
 masking of prompt, padding and tool tokens. With ``rollout_backend='hf'`` TRL's transformers ``generate`` samples.
 """
 
@@ -19,7 +21,9 @@ from collections import Counter
 from dataclasses import fields, replace
 from typing import Any
 
+import torch
 from accelerate.utils import is_peft_model
+from transformers.trainer_callback import ProgressCallback
 from trl import DistillationConfig, DistillationTrainer
 
 from trl_nrollout.builtin import resolve_model
@@ -27,12 +31,16 @@ from trl_nrollout.config.checks import lora_sync_refusal
 from trl_nrollout.config.distillation import NRolloutDistillationConfig
 from trl_nrollout.config.trl_options import UnsupportedTRLOption, drop_in_arguments
 from trl_nrollout.errors import InputError
+from trl_nrollout.passes.hidden import HiddenOutput, completion_hidden_states, lean_parts
+from trl_nrollout.passes.logprobs import from_padded
 from trl_nrollout.rollout.engines.platform import launch_nodes, vllm_available
 from trl_nrollout.rollout.engines.protocol import RolloutEngine
 from trl_nrollout.rollout.seeds import step_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
 from trl_nrollout.trainer.engines import EngineSetup, pick_backend
+from trl_nrollout.trainer.forward_rules import ForwardRules
 from trl_nrollout.trainer.metrics import Metrics
+from trl_nrollout.trainer.progress import LiveProgressCallback
 
 
 class StudentSampler:
@@ -79,9 +87,67 @@ class StudentSampler:
         self.metrics.add(mode, "perf/gen_tokens_per_s", batch.num_completion_tokens / max(seconds, 1e-9))
         return [list(c) for c in batch.completion_ids]
 
+    def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **multimodal):
+        """TRL's backbone call, for the student and the teacher of its loss; the teacher's runs as our reference
+        pass does (:class:`TeacherPass`) wherever it can, else TRL's padded call."""
+        teacher = self.accelerator.unwrap_model(self.teacher_model)
+        if unwrapped_model is not teacher or not TeacherPass.takes(teacher, input_ids, attention_mask,
+                                                                   logits_to_keep, multimodal):
+            return super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask, logits_to_keep,
+                                                  **multimodal)
+        mode = "train" if self.model.training else "eval"
+        return self.teacher_pass.hidden_states(teacher, input_ids, attention_mask, logits_to_keep, mode)
+
     def close(self) -> None:
         """Release the engine (memory, process groups)."""
         self.engine.close()
+
+
+class TeacherPass:
+    """The teacher's forward of TRL's loss, as the reference pass runs (a part of the trainer): the final hidden
+    states at the completion positions from padding-free rows under the token budget ``max_token_len``
+    (:func:`~trl_nrollout.passes.hidden.completion_hidden_states`; every rank as many forwards as the busiest under
+    ZeRO-3), ``[B, C, H]`` as TRL's padded backbone call returns them, for TRL's chunked divergence to project.
+    ``padding_free``: whether the teacher takes padding-free rows (:class:`~trl_nrollout.trainer.forward_rules.
+    ForwardRules`); ``last``: the last call's output (the tests compare it with a plain forward)."""
+
+    def __init__(self, *, max_token_len: int | None, padding_free: bool, pad_token_id: int,
+                 pad_to_multiple_of: int | None, metrics: Metrics) -> None:
+        self.max_token_len, self.padding_free, self.pad_token_id = max_token_len, padding_free, pad_token_id
+        self.pad_to_multiple_of, self.metrics = pad_to_multiple_of, metrics
+        self.last: HiddenOutput | None = None
+
+    @staticmethod
+    def takes(teacher, input_ids, attention_mask, logits_to_keep: int, multimodal: dict[str, Any]) -> bool:
+        """Whether this pass can stand in for TRL's call: a text teacher whose logits are a plain head over its
+        decoder, completions right-padded (their mask a prefix of ones: TRL's layout)."""
+        if any(v is not None for v in multimodal.values()) or lean_parts(teacher) is None:
+            return False
+        mask = attention_mask[:, input_ids.shape[1] - logits_to_keep:]
+        return bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+    def hidden_states(self, teacher, input_ids, attention_mask, logits_to_keep: int, mode: str):
+        """``[B, K]`` completion positions' hidden states ``[B, K, H]`` of TRL's ``input_ids`` / ``attention_mask``
+        ``[B, P + K]`` (prompts left-padded, completions right-padded); zero past each completion's end."""
+        start = time.perf_counter()
+        split = input_ids.shape[1] - logits_to_keep
+        prompts, completions = from_padded(input_ids[:, :split], attention_mask[:, :split], input_ids[:, split:],
+                                           attention_mask[:, split:])
+        longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        if self.max_token_len is not None and longest > self.max_token_len:
+            raise InputError(f"ref_log_prob_max_token_len_per_device={self.max_token_len} is below the longest "
+                             f"sample ({longest} tokens, prompt + completion): every sample must fit one forward of "
+                             f"the teacher; set it to at least {longest} (e.g. the longest prompt + "
+                             "max_completion_length), or leave it unset (one forward per micro batch).")
+        out = completion_hidden_states(teacher, prompts, completions, max_token_len=self.max_token_len,
+                                       pad_token_id=self.pad_token_id, padding_free=self.padding_free,
+                                       pad_to_multiple_of=self.pad_to_multiple_of)
+        self.last = out
+        self.metrics.add(mode, "timing_s/teacher", time.perf_counter() - start)
+        hidden = out.hidden
+        if hidden.shape[1] < logits_to_keep:  # TRL's width (padding to a multiple): zero columns
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, logits_to_keep - hidden.shape[1]))
+        return hidden
 
 
 class NRolloutDistillationTrainer(DistillationTrainer):
@@ -105,6 +171,13 @@ class NRolloutDistillationTrainer(DistillationTrainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config,
                          tools=tools)
+        self.teacher_pass = TeacherPass(
+            max_token_len=args.ref_log_prob_max_token_len_per_device,
+            padding_free=ForwardRules(args, self.accelerator).padfree_allowed(self.teacher_model),
+            pad_token_id=self._tokenizer.pad_token_id or 0, pad_to_multiple_of=self.pad_to_multiple_of,
+            metrics=Metrics(self._metrics))
+        if self.pop_callback(ProgressCallback) is not None:  # one live line per step, as GRPO's
+            self.add_callback(LiveProgressCallback)
         peft = is_peft_model(self.accelerator.unwrap_model(self.model))
         if (why := lora_sync_refusal(args, peft)) is not None:
             raise InputError(why)
@@ -115,7 +188,7 @@ class NRolloutDistillationTrainer(DistillationTrainer):
             rollout_backend=self.rollout_backend, eos_token_ids=self.eos_token_ids,
             pad_to_multiple_of=self.pad_to_multiple_of, is_vlm=self._is_vlm, train_dataset=self.train_dataset,
             environment_factories=None, tokenize=self._tokenize_prompts, wrapped_model=lambda: self.model_wrapped,
-            packing_allowed=lambda model, **kw: False)
+            packing_allowed=lambda model, **kw: False, held=lambda: (False, self.teacher_model))
         if (why := self.engine_setup.regex_refusal()) is not None:
             raise UnsupportedTRLOption(why)
         if self.rollout_backend != "vllm":
@@ -155,6 +228,17 @@ class NRolloutDistillationTrainer(DistillationTrainer):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
         mode = "train" if self.model.training else "eval"
         return self.student_sampler.sample(prompt_ids, self.model, self.state.global_step, mode)
+
+    def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **multimodal):
+        """TRL's backbone call, for the student and the teacher of its loss; the teacher's runs as our reference
+        pass does (:class:`TeacherPass`) wherever it can, else TRL's padded call."""
+        teacher = self.accelerator.unwrap_model(self.teacher_model)
+        if unwrapped_model is not teacher or not TeacherPass.takes(teacher, input_ids, attention_mask,
+                                                                   logits_to_keep, multimodal):
+            return super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask, logits_to_keep,
+                                                  **multimodal)
+        mode = "train" if self.model.training else "eval"
+        return self.teacher_pass.hidden_states(teacher, input_ids, attention_mask, logits_to_keep, mode)
 
     def close(self) -> None:
         """Release the engine (call after training, before tearing down torch.distributed)."""

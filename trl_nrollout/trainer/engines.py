@@ -56,8 +56,9 @@ class EngineSetup:
     def __init__(self, args: NRolloutConfig, accelerator, model, layout, tokenizer, *, rollout_backend: str,
                  eos_token_ids, pad_to_multiple_of: int | None, is_vlm: bool, train_dataset,
                  environment_factories, tokenize: Callable[[list], tuple], wrapped_model: Callable[[], Any],
-                 packing_allowed: Callable[[Any], bool]) -> None:
+                 packing_allowed: Callable[[Any], bool], held: Callable[[], tuple[bool, Any]]) -> None:
         self.args, self.accelerator, self.model, self.layout = args, accelerator, model, layout
+        self.held = held  # () -> (a reference pass runs, the teacher model or None): what the trainer holds
         self._tokenizer = tokenizer
         self.rollout_backend = rollout_backend
         self.eos_token_ids, self.pad_to_multiple_of, self._is_vlm = eos_token_ids, pad_to_multiple_of, is_vlm
@@ -75,7 +76,9 @@ class EngineSetup:
                     pad_to_multiple_of=trainer.pad_to_multiple_of, is_vlm=trainer._is_vlm,
                     train_dataset=trainer.train_dataset, environment_factories=trainer.environment_factories,
                     tokenize=trainer._tokenize_prompts, wrapped_model=lambda: trainer.model_wrapped,
-                    packing_allowed=trainer._packing_allowed)
+                    packing_allowed=trainer._packing_allowed,
+                    held=lambda: (trainer.ref_model is not None or trainer._is_peft() and (
+                        trainer.beta != 0.0 or trainer.args.use_kl_in_reward), trainer.teacher_model))
         if trainer.args.rollout_backend == "auto" and setup.rollout_backend == "hf":
             setup.note_unused_vllm_settings("vLLM is not installed")
         return setup
@@ -329,8 +332,11 @@ class EngineSetup:
             return None
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         dims = ModelDims.from_config_dict(base.config.to_dict(), name=self.model_path())
+        reference, teacher = self.held()  # the passes that run: a reference (the policy's size), a teacher's
+        teacher_dims = None if teacher is None else ModelDims.from_config_dict(
+            self.accelerator.unwrap_model(teacher).config.to_dict(), name=str(args.teacher_model_name_or_path))
         work = Workload(prompt_len=512, completion_mean=args.max_completion_length,
-                        completion_max=args.max_completion_length, kl=args.beta > 0,
+                        completion_max=args.max_completion_length, kl=reference, teacher=teacher_dims,
                         sharded=zero3_configured(self.accelerator), lora_r=max(adapter_ranks(inner).values()),
                         lora_adapter_bytes=adapter_nbytes, partial=bool(args.rollout_partial))
         engines = None

@@ -140,14 +140,16 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         self.forward_rules = ForwardRules(args, self.accelerator)  # what the forwards may do, said once each
         self._sp = sequence_parallel_setup(args, [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model)
                                                   if m is not None], self.aux_loss_enabled)  # Ulysses (or None)
-        self.update_budget = resolve_update_budget(args, self.accelerator, self.model, self.forward_rules,
-                                                   fsdp=self.is_fsdp_enabled, prompt_length=self._prompt_length_hint)
-        self.layout = with_pass_budgets(self.layout, self.update_budget)  # the passes follow it where default
-        check_balance(self.layout, args.balance_batch)  # whole groups per rank
         self.kl_ctrl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
                         if args.kl_ctrl_type == "adaptive" else FixedKLController(args.kl_coef))
         if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
             self.ref_model = build_reference(self.model, self.accelerator, self.is_deepspeed_enabled)
+        self.teacher_model = TeacherTerm.load(args, self.model, self.accelerator, self.is_deepspeed_enabled)
+        self.update_budget = resolve_update_budget(args, self.accelerator, self.model, self.forward_rules,
+                                                   fsdp=self.is_fsdp_enabled, prompt_length=self._prompt_length_hint,
+                                                   frozen=[m for m in (self.ref_model, self.teacher_model) if m is not None])
+        self.layout = with_pass_budgets(self.layout, self.update_budget)  # the passes follow it where default
+        check_balance(self.layout, args.balance_batch)  # whole groups per rank
         self.scoring = RewardScoring.of(self)  # the reward functions' scoring (a part)
         self.rollout_backend = pick_backend(args.rollout_backend, vllm_available)  # (tests patch it here)
         self.engine_setup = EngineSetup.of(self)  # the engine's checks, start and weight pushes (a part)
@@ -286,7 +288,7 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         self.budgeted_update = BudgetedMicroBatches(args, acc, rules, metrics, self.policy_update, self.update_budget,
                                                     sp=self._sp, pad_to_multiple_of=self.pad_to_multiple_of,
                                                     fsdp=self.is_fsdp_enabled)
-        self.teacher = TeacherTerm.build(args, self.model, acc, self.is_deepspeed_enabled, self.logprob_passes, metrics)
+        self.teacher = TeacherTerm.build(args, self.teacher_model, self.logprob_passes, metrics)
         self.partial_pool = PartialPool.of(self) if args.rollout_partial else None
 
     def _is_peft(self) -> bool:

@@ -1,7 +1,7 @@
 """The live progress line of a run: :class:`LiveProgressCallback` replaces the Trainer's progress callback;
 instead of printing every step's ~35 metrics as a dict under the bar, it shows the few that tell how training goes
 in the bar's postfix, updated in place (step, reward +- std, response length, generated tokens/s, seconds per
-step). Every metric still goes to ``report_to`` and ``log_history``. The trainer adds it; the recipe's report
+step; a distillation run's loss, the divergence, where no reward is logged). Every metric still goes to ``report_to`` and ``log_history``. The trainer adds it; the recipe's report
 (:mod:`trl_nrollout.recipe.report`) plots the same logs at the end."""
 
 from __future__ import annotations
@@ -40,8 +40,12 @@ def live_line(logs: Mapping[str, float]) -> str:
         parts.append(f"gen {_fmt(logs['perf/gen_tokens_per_s'])} tok/s")
     if "timing_s/step" in logs:
         parts.append(f"step {logs['timing_s/step']:.2f}s")
+    elif finite_number(logs.get("step_time")):  # TRL's own figure (the distillation trainer's)
+        parts.append(f"step {logs['step_time']:.2f}s")
     if "loss" in logs and isinstance(logs["loss"], int | float) and not math.isfinite(logs["loss"]):
         parts.append(f"loss {logs['loss']}")
+    elif "reward" not in logs and finite_number(logs.get("loss")):  # distillation: its loss is the divergence
+        parts.insert(0, f"loss {logs['loss']:.4f}")
     return " | ".join(parts)
 
 

@@ -28,11 +28,11 @@ class TeacherTerm:
     def __init__(self, model, coef: float, passes: LogProbStage, metrics: Metrics) -> None:
         self.model, self.coef, self.passes, self.metrics = model, coef, passes, metrics
 
-    @classmethod
-    def build(cls, args, student, accelerator: Any, deepspeed: bool, passes: LogProbStage, metrics: Metrics
-              ) -> TeacherTerm | None:
-        """The term for ``args.teacher_model_name_or_path`` (None without one): the teacher loaded in the student's
-        dtype, refused when its vocabulary differs from the student's, and prepared as TRL prepares a reference."""
+    @staticmethod
+    def load(args, student, accelerator: Any, deepspeed: bool):
+        """The teacher of ``args.teacher_model_name_or_path`` (None without one): loaded in the student's dtype,
+        refused when its vocabulary differs from the student's, and prepared as TRL prepares a reference (loaded
+        before the update's token budget, which counts its weights)."""
         if args.teacher_model_name_or_path is None:
             return None
         from trl.models import prepare_deepspeed
@@ -41,9 +41,13 @@ class TeacherTerm:
         teacher = create_model_from_path(resolve_model(args.teacher_model_name_or_path), dtype=student.dtype)
         check_vocabulary(args.teacher_model_name_or_path, teacher.config, student.config)
         teacher.eval()
-        teacher = (prepare_deepspeed(teacher, accelerator) if deepspeed
-                   else accelerator.prepare_model(teacher, evaluation_mode=True))
-        return cls(teacher, float(args.teacher_kl_coef), passes, metrics)
+        return (prepare_deepspeed(teacher, accelerator) if deepspeed
+                else accelerator.prepare_model(teacher, evaluation_mode=True))
+
+    @classmethod
+    def build(cls, args, teacher, passes: LogProbStage, metrics: Metrics) -> TeacherTerm | None:
+        """The term over the ``teacher`` :meth:`load` gave (None without one), with ``args.teacher_kl_coef``."""
+        return None if teacher is None else cls(teacher, float(args.teacher_kl_coef), passes, metrics)
 
     def apply(self, batch: dict[str, Any], assigned: Assignment, logps: LogProbs, ctx: StepContext
               ) -> dict[str, Any]:
