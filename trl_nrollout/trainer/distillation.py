@@ -87,17 +87,6 @@ class StudentSampler:
         self.metrics.add(mode, "perf/gen_tokens_per_s", batch.num_completion_tokens / max(seconds, 1e-9))
         return [list(c) for c in batch.completion_ids]
 
-    def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **multimodal):
-        """TRL's backbone call, for the student and the teacher of its loss; the teacher's runs as our reference
-        pass does (:class:`TeacherPass`) wherever it can, else TRL's padded call."""
-        teacher = self.accelerator.unwrap_model(self.teacher_model)
-        if unwrapped_model is not teacher or not TeacherPass.takes(teacher, input_ids, attention_mask,
-                                                                   logits_to_keep, multimodal):
-            return super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask, logits_to_keep,
-                                                  **multimodal)
-        mode = "train" if self.model.training else "eval"
-        return self.teacher_pass.hidden_states(teacher, input_ids, attention_mask, logits_to_keep, mode)
-
     def close(self) -> None:
         """Release the engine (memory, process groups)."""
         self.engine.close()
