@@ -30,7 +30,6 @@ checkpoint file and the ``partial/*`` metrics; TRL's hooks hand to it in one lin
 from __future__ import annotations
 
 import base64
-import io
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from trl_nrollout.rollout.axes import machine_refusal
 from trl_nrollout.rollout.episodes.in_flight import InFlightGroup, PartialSample
 from trl_nrollout.rollout.episodes.partial_tools import AgentPartialSample
 from trl_nrollout.rollout.episodes.tools import AgentSample
+from trl_nrollout.rollout.ranks.buckets import PNG_MODES, from_png, png_bytes
 from trl_nrollout.trainer.agents import episode_runner
 from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.partial_envs import PoolEnvironments, TrainerEnvironments
@@ -182,24 +182,22 @@ IMAGE_KEY = "__image_png__"
 
 
 def _image_to_json(value):
-    """``json.dumps``'s ``default``: a PIL image as ``{IMAGE_KEY: base64 PNG}``; anything else is JSON's error."""
+    """``json.dumps``'s ``default``: a PIL image as ``{IMAGE_KEY: base64 PNG}`` (:func:`~trl_nrollout.rollout.ranks.
+    buckets.png_bytes`, as a rollout rank's job carries it); anything else, or an image of a mode PNG lacks, is
+    JSON's error."""
     from PIL import Image
 
-    if isinstance(value, Image.Image):
-        buffer = io.BytesIO()
-        value.save(buffer, format="PNG")
-        return {IMAGE_KEY: base64.b64encode(buffer.getvalue()).decode("ascii")}
-    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+    if isinstance(value, Image.Image) and isinstance(data := png_bytes(value), bytes):
+        return {IMAGE_KEY: base64.b64encode(data).decode("ascii")}
+    what = f"a {value.mode} image (PNG holds {', '.join(PNG_MODES)})" if isinstance(value, Image.Image) else \
+        f"Object of type {type(value).__name__}"
+    raise TypeError(f"{what} is not JSON serializable")
 
 
 def _image_from_json(d: dict):
     """``json.loads``'s ``object_hook``: the PIL image of ``{IMAGE_KEY: ...}`` (pixels and mode as saved)."""
     if len(d) == 1 and IMAGE_KEY in d:
-        from PIL import Image
-
-        image = Image.open(io.BytesIO(base64.b64decode(d[IMAGE_KEY])))
-        image.load()
-        return image
+        return from_png(base64.b64decode(d[IMAGE_KEY]))
     return d
 
 

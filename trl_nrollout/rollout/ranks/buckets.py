@@ -58,14 +58,14 @@ def encode_job_images(groups: list[list] | None) -> list[list] | None:
     of the rank transport), once per group; anything PNG cannot hold (another type, a mode PNG lacks) as it is."""
     if groups is None:
         return None
-    return [[_png(img) for img in imgs or []] for imgs in groups]
+    return [[png_bytes(img) for img in imgs or []] for imgs in groups]
 
 
 def decode_job_images(groups: list[list] | None) -> list[list] | None:
     """:func:`encode_job_images` undone: PNG bytes back to PIL images (pixels, mode and size as written)."""
     if groups is None:
         return None
-    return [[_from_png(img) for img in imgs] for imgs in groups]
+    return [[from_png(img) for img in imgs] for imgs in groups]
 
 
 def job_message(job: int, groups: list[list[int]], n: int, sampling, agent=None, images: list[list] | None = None
@@ -88,7 +88,9 @@ def read_job_images(message: dict, start: int, stop: int) -> tuple[dict, list | 
     return {**message, "images": pics}, [pics[i // n] for i in range(start, stop)]
 
 
-def _png(img):
+def png_bytes(img):
+    """A PIL image as its PNG file's bytes (lossless: pixels, mode and size); anything PNG cannot hold (another type,
+    a mode PNG lacks: CMYK, I;16...) as it is. Also a partial pool's checkpoint (trainer/partial.py)."""
     import io
 
     from PIL import Image
@@ -100,7 +102,8 @@ def _png(img):
     return buf.getvalue()
 
 
-def _from_png(data):
+def from_png(data):
+    """:func:`png_bytes` undone: PNG bytes as a PIL image (loaded); anything else as it is."""
     import io
 
     from PIL import Image
