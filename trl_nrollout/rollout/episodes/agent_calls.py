@@ -13,12 +13,15 @@ re-tokenization of the agent's text). :func:`assemble` turns an episode's calls 
   with the episode's advantage. :class:`Assembled` then holds the calls' segments, and the trainer says how many
   episodes split.
 
-Pure: no engine, no server, no torch.
+:class:`PendingCall` is a call on its way to the engine (the endpoint queues it, the engine's loop answers it), with
+the tokens a call cut by a step's end keeps (:func:`safe_cut`) and their versions. Pure: no engine, no server, no
+torch.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +56,42 @@ class Call:
     def trained_prompt(self) -> list[int]:
         """The prompt as the trainer's forward takes it (image placeholders expanded, where it has images)."""
         return self.prompt_ids if self.expanded_ids is None else self.expanded_ids
+
+
+@dataclass
+class PendingCall:
+    """A request on its way to the engine: ``prompt_ids`` ``[P]``, at most ``max_tokens`` new tokens, ``stop``
+    strings, the sample's ``seed``, its own ``sampling`` (a ``SamplingOptions``: a ``rollout_func``'s call, run
+    group by group; None: the trainer's); ``future`` gets ``(completion_ids, logprobs, finish_reason)`` or an
+    exception. ``kept_ids`` / ``kept_logprobs`` ``[K]``: the tokens the call drew before a step ended and the engine
+    aborted it (partial rollouts); it continues from ``prompt_ids + kept_ids`` on the next step's weights (its seed
+    moved by ``K``, so the continuation does not replay the first draws' random stream), and its answer is the kept
+    tokens then the new ones, each with the log-prob of the policy that drew it; ``kept_versions`` ``[K]``: the
+    policy version that drew each kept token, and once answered ``versions`` ``[C]`` every token's (the kept ones'
+    then the serve's own ``version``). A call with ``stop`` strings keeps its tokens up to the last place where no
+    stop string could straddle the cut (:func:`safe_cut`); the tokens after it are drawn again."""
+
+    key: str
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: list[str]
+    seed: int | None
+    sampling: Any = None
+    future: Future = field(default_factory=Future)
+    kept_ids: list[int] = field(default_factory=list)
+    kept_logprobs: list[float] = field(default_factory=list)
+    kept_versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    #: a vision-language policy's call: its prompt's images (vLLM's ``multi_modal_data``) and the processor's
+    #: expansion of ``prompt_ids`` (checked against vLLM's own when the call ends); empty / None without images
+    images: list = field(default_factory=list)
+    expanded: list[int] | None = None
+
+    def continuation(self) -> tuple[list[int], int, list[str], int | None]:
+        """What the engine runs now: the prompt with the kept tokens, the tokens left of ``max_tokens``, the stop
+        strings and the seed (moved by the kept tokens' count)."""
+        seed = self.seed if self.seed is None or not self.kept_ids else self.seed + len(self.kept_ids)
+        return self.prompt_ids + self.kept_ids, self.max_tokens - len(self.kept_ids), self.stop, seed
 
 
 @dataclass

@@ -35,8 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import (  # module level: FastAPI reads the handlers' (string) annotations from here
@@ -48,6 +47,7 @@ from fastapi.responses import JSONResponse
 from trl_nrollout.rollout.episodes.agent_calls import (
     Call,
     EpisodeRecord,
+    PendingCall,
     openai_tool_calls,
     safe_cut,
     same_message,
@@ -61,42 +61,6 @@ logger = logging.getLogger(__name__)
 #: sampling parameters the trainer decides (the policy's distribution); a request's differing value is ignored
 POLICY_PARAMETERS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "logit_bias", "seed")
-
-
-@dataclass
-class PendingCall:
-    """A request on its way to the engine: ``prompt_ids`` ``[P]``, at most ``max_tokens`` new tokens, ``stop``
-    strings, the sample's ``seed``, its own ``sampling`` (a ``SamplingOptions``: a ``rollout_func``'s call, run
-    group by group; None: the trainer's); ``future`` gets ``(completion_ids, logprobs, finish_reason)`` or an
-    exception. ``kept_ids`` / ``kept_logprobs`` ``[K]``: the tokens the call drew before a step ended and the engine
-    aborted it (partial rollouts); it continues from ``prompt_ids + kept_ids`` on the next step's weights (its seed
-    moved by ``K``, so the continuation does not replay the first draws' random stream), and its answer is the kept
-    tokens then the new ones, each with the log-prob of the policy that drew it; ``kept_versions`` ``[K]``: the
-    policy version that drew each kept token, and once answered ``versions`` ``[C]`` every token's (the kept ones'
-    then the serve's own ``version``). A call with ``stop`` strings keeps its tokens up to the last place where no
-    stop string could straddle the cut (:func:`safe_cut`); the tokens after it are drawn again."""
-
-    key: str
-    prompt_ids: list[int]
-    max_tokens: int
-    stop: list[str]
-    seed: int | None
-    sampling: Any = None
-    future: Future = field(default_factory=Future)
-    kept_ids: list[int] = field(default_factory=list)
-    kept_logprobs: list[float] = field(default_factory=list)
-    kept_versions: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    #: a vision-language policy's call: its prompt's images (vLLM's ``multi_modal_data``) and the processor's
-    #: expansion of ``prompt_ids`` (checked against vLLM's own when the call ends); empty / None without images
-    images: list = field(default_factory=list)
-    expanded: list[int] | None = None
-
-    def continuation(self) -> tuple[list[int], int, list[str], int | None]:
-        """What the engine runs now: the prompt with the kept tokens, the tokens left of ``max_tokens``, the stop
-        strings and the seed (moved by the kept tokens' count)."""
-        seed = self.seed if self.seed is None or not self.kept_ids else self.seed + len(self.kept_ids)
-        return self.prompt_ids + self.kept_ids, self.max_tokens - len(self.kept_ids), self.stop, seed
 
 
 @dataclass
