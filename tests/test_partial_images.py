@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from trl_nrollout.builtin import colour_reward, image_dataset, resolve_model, show_picture
 
@@ -19,19 +18,10 @@ def _pixels(images: list) -> list:
 
 
 def _bias_the_call(trainer, path: str) -> None:
-    """The model itself calls the tool often (the call token's tied embedding along the mean final hidden state, as
-    tests/test_tool_images.py does), synced to vLLM."""
-    from transformers import AutoProcessor
+    """The model itself calls the tool often, synced to vLLM (the combinations' helper)."""
+    from tests.assets.axes_combinations import bias_the_picture_call
 
-    from trl_nrollout.builtin import PICTURE_CALL_TOKEN
-
-    call = AutoProcessor.from_pretrained(path).tokenizer.convert_tokens_to_ids(PICTURE_CALL_TOKEN)
-    with torch.no_grad():
-        ids = torch.tensor([trainer.processing_class.tokenizer("user: write a number").input_ids])
-        hidden = trainer.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
-        direction = trainer.model.model.text_model.norm(hidden).mean(0)
-        trainer.model.get_input_embeddings().weight[call] = 3.0 * direction / direction.norm() ** 2
-    trainer.rollout_engine.load_weights(trainer.model)
+    bias_the_picture_call(trainer, path)
 
 
 @pytest.mark.slow

@@ -149,20 +149,26 @@ def show_picture() -> list:
     return [{"type": "image", "image": colour_image("red", seed=7)}, {"type": "text", "text": "here"}]
 
 
-def bias_the_picture_call(trainer, model: str) -> None:
-    """The model itself calls ``show_picture`` often (the call token's tied embedding along the mean final hidden
-    state, as tests/test_tool_images.py does; a logit bias would move vLLM's log-probs), synced to the engine."""
+def bias_toward_the_picture_call(model, tokenizer) -> None:
+    """Make ``model`` (the built-in tool-calling VLM) call ``show_picture`` often: the call token's tied embedding
+    along the mean final hidden state (a logit bias would move vLLM's log-probs). In place, no grad."""
     import torch
-    from transformers import AutoProcessor
 
     from trl_nrollout.builtin import PICTURE_CALL_TOKEN
 
-    call = AutoProcessor.from_pretrained(model).tokenizer.convert_tokens_to_ids(PICTURE_CALL_TOKEN)
+    call = tokenizer.convert_tokens_to_ids(PICTURE_CALL_TOKEN)
     with torch.no_grad():
-        ids = torch.tensor([trainer.processing_class.tokenizer("user: write a number").input_ids])
-        hidden = trainer.model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
-        direction = trainer.model.model.text_model.norm(hidden).mean(0)
-        trainer.model.get_input_embeddings().weight[call] = 3.0 * direction / direction.norm() ** 2
+        ids = torch.tensor([tokenizer("user: write a number").input_ids])
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
+        direction = model.model.text_model.norm(hidden).mean(0)
+        model.get_input_embeddings().weight[call] = 3.0 * direction / direction.norm() ** 2
+
+
+def bias_the_picture_call(trainer, model: str) -> None:
+    """:func:`bias_toward_the_picture_call` on the trainer's model (``model``: its path), synced to the engine."""
+    from transformers import AutoProcessor
+
+    bias_toward_the_picture_call(trainer.model, AutoProcessor.from_pretrained(model).tokenizer)
     trainer.rollout_engine.load_weights(trainer.model)
 
 

@@ -55,19 +55,12 @@ def biased_tools_model(path: str):
     """The built-in tool-calling VLM, made to call ``show_picture`` often (the call token's tied embedding along the
     mean final hidden state, as tests/test_tool_images.py does; a logit bias would move vLLM's log-probs): the
     trainer pushes these weights to the rollout rank as version 0."""
-    import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from trl_nrollout.builtin import PICTURE_CALL_TOKEN
+    from tests.assets.axes_combinations import bias_toward_the_picture_call
 
     model = AutoModelForImageTextToText.from_pretrained(path)
-    tokenizer = AutoProcessor.from_pretrained(path).tokenizer
-    call = tokenizer.convert_tokens_to_ids(PICTURE_CALL_TOKEN)
-    with torch.no_grad():
-        ids = torch.tensor([tokenizer("user: write a number").input_ids])
-        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
-        direction = model.model.text_model.norm(hidden).mean(0)
-        model.get_input_embeddings().weight[call] = 3.0 * direction / direction.norm() ** 2
+    bias_toward_the_picture_call(model, AutoProcessor.from_pretrained(path).tokenizer)
     return model
 
 
