@@ -32,7 +32,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
-from common import ROOT, check_load, finish, write_table  # noqa: E402
+from common import ROOT, check_load, endpoint_on_engine, finish, write_table  # noqa: E402
 
 GOAL = 0.6
 VARIANTS = ("endpoint", "turns+concurrent", "turns")
@@ -125,19 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     load, busy = check_load("agent_barrier")
 
-    from transformers import AutoTokenizer
-
-    from trl_nrollout.builtin import resolve_model
-    from trl_nrollout.plan.layout import RolloutLayout
-    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
-    from trl_nrollout.rollout.episodes.endpoint import AgentEndpoint
-
-    path = resolve_model("builtin:tiny-qwen2-tools")
-    engine = VLLMEngineGroup(path, RolloutLayout.build(num_processes=1, train_batch_size=16, rollout_n=4), rank=0,
-                             max_model_len=512, seed=0, max_num_seqs=256)
-    endpoint = AgentEndpoint(AutoTokenizer.from_pretrained(path), model_name="tiny", max_model_len=512,
-                             max_completion_length=400, max_calls=8)
-    endpoint.start()
+    engine, endpoint = endpoint_on_engine("builtin:tiny-qwen2-tools", max_calls=8)
     scenarios = {}
     try:
         for scenario, long_tail in (("constant", False), ("long-tail", True)):

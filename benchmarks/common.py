@@ -201,3 +201,22 @@ def write_table(result: dict, lines: list[str], out_dir: Path, name: str) -> str
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
     (out_dir / f"{name}.md").write_text(table + "\n")
     return table
+
+
+def endpoint_on_engine(model: str, max_calls: int):
+    """One vLLM engine of ``model`` (a built-in name) in this process and the trainer's agent endpoint on it,
+    started: the agent benchmarks' setup. Returns ``(engine, endpoint)``; close both when done."""
+    from transformers import AutoTokenizer
+
+    from trl_nrollout.builtin import resolve_model
+    from trl_nrollout.plan.layout import RolloutLayout
+    from trl_nrollout.rollout.engines.vllm_group import VLLMEngineGroup
+    from trl_nrollout.rollout.episodes.endpoint import AgentEndpoint
+
+    path = resolve_model(model)
+    engine = VLLMEngineGroup(path, RolloutLayout.build(num_processes=1, train_batch_size=16, rollout_n=4), rank=0,
+                             max_model_len=512, seed=0, max_num_seqs=256)
+    endpoint = AgentEndpoint(AutoTokenizer.from_pretrained(path), model_name="tiny", max_model_len=512,
+                             max_completion_length=400, max_calls=max_calls)
+    endpoint.start()
+    return engine, endpoint
