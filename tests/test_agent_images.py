@@ -68,7 +68,13 @@ def test_an_agents_images_are_recorded_and_the_forward_sees_the_pixels_vllm_saw(
     equal vLLM's within 1e-4 (measured 9.5e-7), a swapped image moves them (> 1e-3; measured 0.10); then a training
     step runs. Mutation tried: the endpoint's ``serve`` adding calls without their images (``multi_modal_data``) ->
     vLLM reads the placeholders as text, its prompt is 23 tokens where the processor's is 29: the endpoint's
-    expansion check answers 500, every episode is unscored and the recorded-calls assertion fails."""
+    expansion check answers 500, every episode is unscored and the recorded-calls assertion fails.
+
+    The training step's second rollout runs agents that edit their history (the reply replaced): each episode splits
+    into two samples, the first call's with its one image, the second call's with both; the rows the update trains
+    (``assign``) carry each call's own image tensors and their log-probs equal vLLM's within 1e-4 (measured 4.8e-7).
+    Mutations tried: ``split_calls`` leaving a call's images out -> the update's forward raises (image placeholders
+    without pixels); its prompt left unexpanded (the recorded ``prompt_ids``) -> the rows' image-token count fails."""
     from dataclasses import replace
 
     from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
@@ -78,6 +84,7 @@ def test_an_agents_images_are_recorded_and_the_forward_sees_the_pixels_vllm_saw(
     from trl_nrollout.trainer import agents as agents_module
 
     sent: dict[str, list] = {}
+    edit = False  # the training step's agents edit their history (split episodes)
 
     async def agent(client, row, base_url):
         key = base_url.rstrip("/").split("/")[-2]
@@ -86,7 +93,8 @@ def test_an_agents_images_are_recorded_and_the_forward_sees_the_pixels_vllm_saw(
         sent[key] = [first, second]
         messages = [{"role": "user", "content": [_part(data_url(first)), {"type": "text", "text": "what colour?"}]}]
         r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+        reply = r.choices[0].message.content if not edit else "(edited) " + (r.choices[0].message.content or "")
+        messages += [{"role": "assistant", "content": reply},
                      {"role": "user", "content": [{"type": "text", "text": "and this one?"}, _part(data_url(second))]}]
         r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
         return digit_fraction(r.choices[0].message.content or "")
@@ -136,6 +144,42 @@ def test_an_agents_images_are_recorded_and_the_forward_sees_the_pixels_vllm_saw(
     moved = drift(swapped)
     print(f"agent image drift, swapped: {moved:.2e}")
     assert moved > 1e-3
+    # split episodes with images: the rows the update trains carry each call's own images
+    from trl_nrollout.trainer import grpo as grpo_module
+
+    assigned_rows, split_drift = [], []
+    assign = grpo_module.assign
+
+    def spy_assign(*args, **kwargs):
+        rows = assign(*args, **kwargs)
+        assigned_rows.append(rows)
+        if rows.segment is not None:  # the rows' log-probs, on the weights that sampled them (before the update)
+            mine = compute_log_probs(trainer.model, [s.prompt_ids for s in rows.samples],
+                                     [s.completion_ids for s in rows.samples], mm_inputs=rows.mm,
+                                     temperature=trainer.temperature).logprobs
+            split_drift.append(max((mine[i, :len(s.logprobs)] - torch.tensor(s.logprobs)).abs().max().item()
+                                   for i, s in enumerate(rows.samples)))
+        return rows
+
+    monkeypatch.setattr(grpo_module, "assign", spy_assign)
+    sampling_of = trainer._sampling  # scored without suppression, as above
+    monkeypatch.setattr(trainer, "_sampling", lambda *a, **k: replace(sampling_of(*a, **k), suppress_token_ids=()))
+    edit, recorded[:], sent = True, [], {}
     trainer.train()
-    assert trainer.state.log_history[0]["agent/calls_per_episode"] == 2
+    log = trainer.state.log_history[0]
+    assert log["agent/calls_per_episode"] == 2 and log["agent/split_episodes"] == 1.0
+    rows = next(a for a in assigned_rows if a.segment is not None)
+    assert len(rows.samples) == 2 * 6 and rows.segment == [False, True] * 6
+    for k in range(0, len(rows.samples), 2):
+        first, later = rows.samples[k], rows.samples[k + 1]
+        record = next(r for r in recorded if list(r.calls[1].completion_ids) == later.completion_ids
+                      and list(r.calls[0].completion_ids) == first.completion_ids)
+        for sample, images in ((first, sent[record.key][:1]), (later, sent[record.key])):
+            assert sample.prompt_ids.count(image_token) == 4 * len(images)  # expanded, as the forward takes it
+        torch.testing.assert_close(rows.mm[k]["pixel_values"],
+                                   image_tensors(processor, sent[record.key][:1])["pixel_values"], rtol=0, atol=0)
+        torch.testing.assert_close(rows.mm[k + 1]["pixel_values"],
+                                   image_tensors(processor, sent[record.key])["pixel_values"], rtol=0, atol=0)
+    print(f"split episodes' image drift: {split_drift}")
+    assert len(split_drift) == 1 and split_drift[0] < 1e-4
     trainer.close()

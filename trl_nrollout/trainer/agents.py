@@ -62,19 +62,27 @@ def agent_reward(completions: list, agent_reward: list | None = None, **kwargs) 
     return list(agent_reward) if agent_reward is not None else [None] * len(completions)
 
 
-def split_calls(assembled: Assembled, record: EpisodeRecord, limit: int | None) -> tuple[Sample, ...]:
-    """A split episode's calls after the first, each a sample of its own (its prompt as the engine saw it, its
-    completion and the engine's log-probs; ``length`` where the engine stopped at the token limit or the completion
-    reaches ``limit``); empty for an episode that is one sample."""
+def split_calls(assembled: Assembled, record: EpisodeRecord, limit: int | None, processor: Any = None
+                ) -> tuple[Sample, ...]:
+    """A split episode's calls after the first, each a sample of its own (its prompt as the trainer's forward takes
+    it, image placeholders expanded, its completion and the engine's log-probs; ``length`` where the engine stopped
+    at the token limit or the completion reaches ``limit``); empty for an episode that is one sample. A call that
+    sent images carries its own image tensors (``processor``'s, in :attr:`Sample.mm`): every image of its prompt, as
+    the engine saw them."""
     if not assembled.split:
         return ()
     out = []
-    for call in record.calls[1:]:
+    for call in trained_calls(record)[1:]:
         ids = list(call.completion_ids)
         if not ids:  # a call that generated nothing has nothing to train
             continue
         cut = call.finish_reason == "length" or (limit is not None and len(ids) >= limit)
-        out.append(Sample(list(call.prompt_ids), ids, list(call.logprobs), "length" if cut else "stop", None))
+        mm = None
+        if call.images:
+            from trl_nrollout.passes.multimodal import image_tensors
+
+            mm = image_tensors(processor, call.images)
+        out.append(Sample(list(call.prompt_ids), ids, list(call.logprobs), "length" if cut else "stop", None, mm))
     return tuple(out)
 
 
@@ -193,7 +201,7 @@ class AgentRecords:
         done = [assemble(trained_calls(r), prompt_ids[i], eos) for i, r in enumerate(records)]
         masks = [a.mask for a in done]
         limit = self.limit
-        segments = [split_calls(a, r, limit) for a, r in zip(done, records)]  # a split episode's later calls
+        segments = [split_calls(a, r, limit, self.processor) for a, r in zip(done, records)]  # its later calls
         # cut at the limit: the episode's last call (a split episode's sample is its first call)
         reasons = [("length" if len(a.completion_ids) >= limit
                     or (r.calls and r.calls[0 if a.split else -1].finish_reason == "length") else "stop")
@@ -209,22 +217,17 @@ class AgentRecords:
                               segments=segments, assembled=done, mm=self.image_tensors(records, done))
 
     def image_tensors(self, records: list[EpisodeRecord], done: list[Assembled]) -> list | None:
-        """Per sample, the processor's image tensors of every image its episode's calls sent, in order (its last
-        call's prompt holds them all: the calls chain); None where no call sent one. A split episode with images
-        (its agent edited a history holding images) is an error: its calls would train as samples of their own,
-        each with its own images, which is not carried yet."""
+        """Per sample, the processor's image tensors of the images its prompt holds, in order: an episode's last
+        call's (the calls chain, so its prompt holds every image the episode sent); a split episode's first call's
+        (its sample is that call; its later calls carry their own, :func:`split_calls`). None where none was sent."""
         if not any(c.images for r in records for c in r.calls):
             return None
         from trl_nrollout.passes.multimodal import image_tensors
 
         out = []
         for r, a in zip(records, done):
-            if a.split and any(c.images for c in r.calls):
-                raise ValueError(f"the agent's episode of row {r.row!r:.80} sent images and then edited its history "
-                                 "(a later call does not extend the earlier ones): its calls would train as samples "
-                                 "of their own, which does not carry images yet. Append to the conversation (send "
-                                 "back the messages so far, the assistant's reply, then the new ones).")
-            out.append(image_tensors(self.processor, r.calls[-1].images) if r.calls and r.calls[-1].images else None)
+            call = (r.calls[0] if a.split else r.calls[-1]) if r.calls else None
+            out.append(image_tensors(self.processor, call.images) if call is not None and call.images else None)
         return out
 
     def log(self, mode: str, records: list[EpisodeRecord], episode: Episode, stats: dict, wall: float) -> None:

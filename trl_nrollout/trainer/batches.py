@@ -53,7 +53,7 @@ def assign(collected: Round, ctx: StepContext, world: int, rank: int, *, balance
     mm = [s.mm for s in local] if any(s.mm is not None for s in local) else None
     if collected.mm_local is not None and any(x is not None for x in collected.mm_local):
         mm = collected.mm_local  # this rank's own samples, in order (mine is its slice of the job)
-    mine, local, segment = expand_segments(mine, local)  # an agent's split episode: each call a sample
+    mine, local, segment, mm = expand_segments(mine, local, mm)  # an agent's split episode: each call a sample
     return Assignment(mine, local, mm, segment)
 
 

@@ -117,22 +117,27 @@ class Assignment:
         return sum(s.num_tokens for s in self.samples)
 
 
-def expand_segments(mine: list[int], samples: list[Sample]) -> tuple[list[int], list[Sample], list[bool] | None]:
+def expand_segments(mine: list[int], samples: list[Sample], mm: list | None = None
+                    ) -> tuple[list[int], list[Sample], list[bool] | None, list | None]:
     """This rank's samples with every split episode's later calls (:attr:`Sample.segments`) as samples of their own,
-    right after their episode's first call: ``(mine, samples, segment)``, ``mine`` repeating the episode's job index
-    for each of its calls, ``segment`` marking the later calls (None where no sample has any: nothing changes)."""
+    right after their episode's first call: ``(mine, samples, segment, mm)``, ``mine`` repeating the episode's job
+    index for each of its calls, ``segment`` marking the later calls (None where no sample has any: nothing
+    changes), ``mm`` the image tensors per row (``mm`` ``[B]`` given per sample; a later call's are its own,
+    :attr:`Sample.mm`; None where no row has images)."""
     if not any(s.segments for s in samples):
-        return mine, samples, None
-    out_mine, out, segment = [], [], []
-    for index, sample in zip(mine, samples):
+        return mine, samples, None, mm
+    out_mine, out, segment, out_mm = [], [], [], []
+    for index, sample, m in zip(mine, samples, mm if mm is not None else [None] * len(samples), strict=True):
         out_mine.append(index)
         out.append(replace(sample, segments=()))
         segment.append(False)
+        out_mm.append(m)
         for call in sample.segments:
             out_mine.append(index)
             out.append(call)
             segment.append(True)
-    return out_mine, out, segment
+            out_mm.append(call.mm)
+    return out_mine, out, segment, out_mm if any(m is not None for m in out_mm) else None
 
 
 def fit_width(t: Tensor, width: int) -> Tensor:
