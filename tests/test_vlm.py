@@ -382,8 +382,11 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     object once in the job's message (a group's prompt image shared by its samples' contexts), the engine's
     expansion is the processor's (checked in the launch), the trained samples' forward holds every image, and the
     first step's log-probs are the engine's. Then partial (``rollout_partial=True``, the episodes in flight on the
-    rollout rank between jobs): the same for the trained samples. Mutations tried: see the report of issue 66
-    (session 36)."""
+    rollout rank between jobs): the same for the trained samples. Mutations tried: the tool turn's job written
+    without its images (``generate_turns`` posts none) -> the rollout rank's expansion differs from the processor's
+    (280 vs 292 tokens): the launch fails; each context's tool image swapped with the next context's (same counts,
+    same expansion) -> the first step's log-prob gap is 0.028: fails; partial, the forward without the tools' images
+    (``remote_partial`` ignoring ``tool_images``) -> image tokens without their pixels: the launch fails."""
     proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
                            str(ROOT / "tests/assets/vlm_ranks.py"), str(tmp_path)], cwd=ROOT,
                           env={**os.environ, **ENV}, capture_output=True, text=True, timeout=400)
