@@ -53,6 +53,8 @@ APART: dict[str, str] = {
     "weight_delta.py": "weight versions as deltas to a rollout rank: four real 2-process launches on the medium model",
     "distill_learning.py": "on-policy distillation's learning goal: ten 40-step training runs (a teacher, three seeds x "
                            "three arms), about 15 minutes",
+    "vlm_tool_learning.py": "a VLM learns from a tool's picture (issue 66's learning goal): real 2-process launches, "
+                            "with --control a second one, a few minutes each, no --quick",
 }
 
 

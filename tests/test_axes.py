@@ -79,11 +79,9 @@ CASES = {
         ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_partial=True))),
     ("image prompts", "rollout_func and rollout_ranks"): lambda tmp: _raised(lambda: check_images(
         ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_ranks=1))),
-    ("image prompts", "tools and rollout_ranks and rollout_multi_turn='turns'"): lambda tmp: _raised(
-        lambda: check_images(["prompt", "image"], environment_factory=print, args=SimpleNamespace(rollout_ranks=1))),
-    ("image prompts", "tools and rollout_ranks and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_ranks=1, rollout_multi_turn="requests",
-                                                                 rollout_partial=True))),
+    ("image prompts", "environment_factory and rollout_ranks and rollout_partial=True"): lambda tmp: _raised(
+        lambda: check_images(["prompt", "image"], environment_factory=print, args=SimpleNamespace(
+            rollout_ranks=1, rollout_multi_turn="requests", rollout_partial=True))),
     ("agent", "environment_factory or rollout_func"): lambda tmp: _agent_refusal(
         _trainer(environment_factories={"x": print}, args=SimpleNamespace(rollout_backend="vllm"))),
     ("rollout_ranks", "rollout_backend='hf'"): lambda tmp: _ranks(rollout_backend="hf"),
@@ -165,9 +163,10 @@ at TP=1 and TP=2."""
         check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_dispatch="balanced", **more))
     # partial environment episodes (tests/test_partial_images.py)
     check_images(["prompt", "image"], environment_factory=print, args=SimpleNamespace(rollout_partial=True))
-    # and whole tool episodes request by request on rollout ranks (tests/test_vlm.py::test_a_vlm_trains_on_a_...)
-    check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_ranks=1,
-                                                                          rollout_multi_turn="requests"))
+    # and tool episodes on rollout ranks: whole episodes request by request, a job a turn turn by turn, partial
+    # (tests/test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off)
+    for more in ({"rollout_multi_turn": "requests"}, {"rollout_multi_turn": "turns"}, {"rollout_partial": True}):
+        check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_ranks=1, **more))
 
 
 @pytest.mark.parametrize("option, off, check", [

@@ -375,7 +375,18 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     ``show_picture`` returning an image; every trained sample's forward holds its prompt's image and one per tool
     result, and the first step's engine log-probs are the trainer's (0.0034 measured, the suppressed image token).
     Mutation tried: the rollout rank's answer without the tools' images (``episode_extras``) -> the trainer's forward
-    gets image tokens without their pixels: the launch fails."""
+    gets image tokens without their pixels: the launch fails.
+
+    Then the same episodes turn by turn (a job a turn on the rollout rank, the tools on the trainers): each later
+    turn's context reaches the rollout rank with its prompt's image and its tools' (``turn_jobs.json``), each image
+    object once in the job's message (a group's prompt image shared by its samples' contexts), the engine's
+    expansion is the processor's (checked in the launch), the trained samples' forward holds every image, and the
+    first step's log-probs are the engine's. Then partial (``rollout_partial=True``, the episodes in flight on the
+    rollout rank between jobs): the same for the trained samples. Mutations tried: the tool turn's job written
+    without its images (``generate_turns`` posts none) -> the rollout rank's expansion differs from the processor's
+    (280 vs 292 tokens): the launch fails; each context's tool image swapped with the next context's (same counts,
+    same expansion) -> the first step's log-prob gap is 0.028: fails; partial, the forward without the tools' images
+    (``remote_partial`` ignoring ``tool_images``) -> image tokens without their pixels: the launch fails."""
     proc = subprocess.run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "3",
                            str(ROOT / "tests/assets/vlm_ranks.py"), str(tmp_path)], cwd=ROOT,
                           env={**os.environ, **ENV}, capture_output=True, text=True, timeout=400)
@@ -407,14 +418,40 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     trained = [s for step in tools["samples"] for s in step]
     assert len(trained) == 2 * 6 and all(s["images"] == 1 + s["results"] for s in trained)
     assert any(s["results"] for s in trained), "no tool image: the test tests nothing"
+    # turn by turn: the tools' images reach the rollout rank with each later turn's context, each object once
+    turns = json.loads((tmp_path / "turns.json").read_text())
+    steps = [h for h in turns["history"] if "reward" in h]
+    assert len(steps) == 2 and all(h["tools/call_frequency"] > 0 for h in steps)
+    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2  # the engine saw the prompt's and the tools' images
+    trained = [s for step in turns["samples"] for s in step]
+    assert len(trained) == 2 * 6 and all(s["images"] == 1 + s["results"] for s in trained)
+    assert any(s["results"] for s in trained), "no tool image: the test tests nothing"
+    turn_jobs = json.loads((tmp_path / "turn_jobs.json").read_text())
+    assert turn_jobs and all(job["contexts"] == len(job["images"]) for job in turn_jobs)
+    for job in turn_jobs:  # a later turn: its prompt's image, then one per tool result so far; each object once
+        assert all(k >= 2 for k in job["images"])
+        assert [len(o) for o in job["objects"]] == job["images"]
+        prompts, tools_ = {o[0] for o in job["objects"]}, [x for o in job["objects"] for x in o[1:]]
+        assert job["distinct"] == len(prompts) + len(set(tools_)) and len(set(tools_)) == len(tools_)
+    assert any(job["payloads"] > job["distinct"] for job in turn_jobs)  # a group's prompt image sent once
+    # partial: the episodes in flight on the rollout rank, their tools' images come back with them
+    partial = json.loads((tmp_path / "partial.json").read_text())
+    steps = [h for h in partial["history"] if "reward" in h]
+    assert len(steps) == 2 and all(h["tools/call_frequency"] > 0 for h in steps)
+    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2
+    trained = [s for step in partial["samples"] for s in step]
+    assert len(trained) == 2 * 6 and all(s["images"] == 1 + s["results"] for s in trained)
+    assert any(s["results"] for s in trained), "no tool image: the test tests nothing"
 
 
 @pytest.mark.fast
 def test_a_jobs_images_travel_once_a_group_as_png_bytes_and_read_back_pixel_for_pixel():
     """A job's message holds each group's images once, as PNG bytes (pickled as the rank transport carries it); the
     rollout rank reads back the same pixels, modes and sizes, each group's images shared by its ``n`` samples; what
-    PNG cannot hold (a CMYK image) travels as it is. Mutation tried: ``encode_job_images`` leaving the PIL images
-    as they are -> no PNG payload: fails."""
+    PNG cannot hold (a CMYK image) travels as it is; an image object several groups hold (a tool turn's job: the
+    contexts of a group share its prompt's image) travels and is read once. Mutations tried: ``encode_job_images``
+    leaving the PIL images as they are -> no PNG payload: fails; ``_once_each`` coding every occurrence -> the shared
+    image is two payloads: fails."""
     import pickle
 
     import numpy as np
@@ -433,6 +470,14 @@ def test_a_jobs_images_travel_once_a_group_as_png_bytes_and_read_back_pixel_for_
         assert [(i.mode, i.size) for i in got] == [(i.mode, i.size) for i in want]
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
     assert read_job_images(job_message(7, [[1]], 3, None), 0, 3)[1] is None
+    # a tool turn's job (one group a context): an image object several contexts hold (their prompt's) is one
+    # payload in the pickled message and one image read back; another with equal pixels is its own
+    shared, same_pixels = colour_image("red", 4), colour_image("red", 4)
+    turn = pickle.loads(pickle.dumps(job_message(8, [[1]] * 3, 1, None, images=[[shared], [shared, same_pixels],
+                                                                               [same_pixels]])))
+    assert turn["images"][0][0] is turn["images"][1][0] and turn["images"][1][1] is not turn["images"][0][0]
+    _, read = read_job_images(turn, 0, 3)
+    assert read[0][0] is read[1][0] and read[1][1] is read[2][0] and read[0][0] is not read[1][1]
 
 
 @given(st.lists(st.lists(st.sampled_from(["red", "blue"]), max_size=3), min_size=1, max_size=4),

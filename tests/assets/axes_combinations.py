@@ -149,9 +149,10 @@ def show_picture() -> list:
     return [{"type": "image", "image": colour_image("red", seed=7)}, {"type": "text", "text": "here"}]
 
 
-def bias_toward_the_picture_call(model, tokenizer) -> None:
+def bias_toward_the_picture_call(model, tokenizer, scale: float = 3.0) -> None:
     """Make ``model`` (the built-in tool-calling VLM) call ``show_picture`` often: the call token's tied embedding
-    along the mean final hidden state (a logit bias would move vLLM's log-probs). In place, no grad."""
+    along the mean final hidden state (a logit bias would move vLLM's log-probs), ``scale`` times its inverse norm
+    (the call token's logit there). In place, no grad."""
     import torch
 
     from trl_nrollout.builtin import PICTURE_CALL_TOKEN
@@ -161,7 +162,7 @@ def bias_toward_the_picture_call(model, tokenizer) -> None:
         ids = torch.tensor([tokenizer("user: write a number").input_ids])
         hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
         direction = model.model.text_model.norm(hidden).mean(0)
-        model.get_input_embeddings().weight[call] = 3.0 * direction / direction.norm() ** 2
+        model.get_input_embeddings().weight[call] = scale * direction / direction.norm() ** 2
 
 
 def bias_the_picture_call(trainer, model: str) -> None:

@@ -6,7 +6,11 @@ argv: output folder. Writes result.json (trainer rank 0): the log history and, p
 ids (the engine's expansion), the processor's ids and the engine ids sent, and the pickled size of one image;
 rank_jobs.json (the rollout rank): each job's image payloads as it decoded them. Then a second trainer runs TRL tool
 episodes request by request on the rollout rank with image prompts and ``show_picture`` (its image returned):
-tools.json (trainer rank 0), the log history and each step's trained samples' image and tool-result counts.
+tools.json (trainer rank 0), the log history and each step's trained samples' image and tool-result counts. Then a
+third runs them turn by turn (a job a turn on the rollout rank, the tools here): turns.json (trainer rank 0) as
+tools.json, turn_jobs.json (the rollout rank): each tool turn's job, per context its images and which of the job's
+distinct payloads each is. Then a fourth, partial (``rollout_partial=True``: the episodes in flight kept on the
+rollout rank from job to job): partial.json as tools.json.
 """
 
 import json
@@ -18,6 +22,7 @@ from trl_nrollout.builtin import colour_reward, image_dataset, resolve_model, sh
 
 SEEN: list[dict] = []
 JOBS: list[dict] = []  # the rollout rank's: each job's image payloads as it decoded them
+TURN_JOBS: list[dict] = []  # the rollout rank's: each tool turn's job, its contexts' images
 
 
 def count_job_images() -> None:
@@ -38,6 +43,25 @@ def count_job_images() -> None:
         return out, images
 
     serve.read_job_images = counted
+
+
+def count_turn_images() -> None:
+    """Wrap the rollout rank's tool-turn jobs (``jobs.JOB_KINDS[TurnEntry]``): per job, per context of its slice the
+    index of each of its image payloads among the message's distinct payload objects, and how many images the
+    engine got for it."""
+    import trl_nrollout.rollout.ranks.jobs as jobs
+
+    handler = jobs.JOB_KINDS[jobs.TurnEntry]
+
+    def counted(job):
+        sent = job.message.get("images") or []
+        distinct = {i: k for k, i in enumerate(dict.fromkeys(id(x) for imgs in sent for x in imgs))}
+        TURN_JOBS.append({"contexts": len(job.message["prompts"]), "payloads": sum(len(i) for i in sent),
+                          "distinct": len(distinct), "images": [len(i) for i in job.images or []],
+                          "objects": [[distinct[id(x)] for x in imgs] for imgs in sent]})
+        return handler(job)
+
+    jobs.JOB_KINDS[jobs.TurnEntry] = counted
 
 
 class Recording(NRolloutGRPOTrainer):
@@ -102,13 +126,22 @@ if __name__ == "__main__":
     path = resolve_model("builtin:tiny-idefics3-tools")
     tools_args = NRolloutConfig(**{**args.to_dict(), "output_dir": f"{out}/tools", "max_completion_length": 64,
                                    "max_tool_calling_iterations": 2, "rollout_multi_turn": "requests"})
-    trainer = NRolloutGRPOTrainer(model=biased_tools_model(path), reward_funcs=[colour_reward], args=tools_args,
-                                  train_dataset=image_dataset(24), tools=[show_picture])
-    samples: list = []
-    if not rollout_rank:
-        record_tool_samples(trainer, samples)
-    trainer.train()
-    if not rollout_rank and trainer.accelerator.is_main_process:
-        with open(f"{out}/tools.json", "w") as fh:
-            json.dump({"history": trainer.state.log_history, "samples": samples}, fh)
+    # whole episodes on the rollout rank; then a job a turn there; then partial episodes kept there between jobs
+    for name, more in (("tools", {}), ("turns", {"rollout_multi_turn": "turns"}), ("partial", {"rollout_partial": True})):
+        trainer = NRolloutGRPOTrainer(model=biased_tools_model(path), reward_funcs=[colour_reward],
+                                      args=NRolloutConfig(**{**tools_args.to_dict(), "output_dir": f"{out}/{name}",
+                                                             **more}),
+                                      train_dataset=image_dataset(24), tools=[show_picture])
+        samples: list = []
+        if not rollout_rank:
+            record_tool_samples(trainer, samples)
+        elif name == "turns":
+            count_turn_images()
+        trainer.train()
+        if not rollout_rank and trainer.accelerator.is_main_process:
+            with open(f"{out}/{name}.json", "w") as fh:
+                json.dump({"history": trainer.state.log_history, "samples": samples}, fh)
+        if rollout_rank and name == "turns":
+            with open(f"{out}/turn_jobs.json", "w") as fh:
+                json.dump(TURN_JOBS, fh)
     trainer.close()

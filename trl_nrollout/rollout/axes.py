@@ -75,12 +75,9 @@ AXIS_REFUSALS: tuple[Refusal, ...] = (
     Refusal("image prompts", "rollout_func and rollout_partial=True", "not yet", "multiturn.check_images",
             "two choices of the episode axis: a partial rollout runs a rollout_func group by group, which does not "
             "carry images yet"),
-    Refusal("image prompts", "tools and rollout_ranks and rollout_multi_turn='turns'", "not yet",
-            "multiturn.check_images", "two choices of the episode axis: tool turns on rollout ranks (a job a turn, "
-            "the tools on the trainers) do not carry images yet (request by request, whole episodes on the "
-            "rollout ranks, they do)"),
-    Refusal("image prompts", "tools and rollout_ranks and rollout_partial=True", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: partial tool episodes on rollout ranks do not carry images yet"),
+    Refusal("image prompts", "environment_factory and rollout_ranks and rollout_partial=True", "not yet",
+            "multiturn.check_images", "two choices of the episode axis: partial environment episodes on rollout "
+            "ranks do not carry images yet (tools= do)"),
     Refusal("image prompts", "rollout_func and rollout_ranks", "not yet", "multiturn.check_images",
             "two choices of the episode axis: a rollout_func on rollout ranks does not carry images yet"),
 )

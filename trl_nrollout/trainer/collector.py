@@ -149,8 +149,9 @@ class ImagePrompts:
         if self.refusal is not None:
             raise UnsupportedTRLOption(
                 f"the prompts hold images and the trainer runs {self.refusal}: {IMAGE_REFUSALS[self.refusal]}; images "
-                "run with tools= and environment_factory= (turn by turn, or request by request; colocated, partial "
-                "rollouts included). Use that, trl.GRPOTrainer, or prompts without images.")
+                "run with tools= and environment_factory= (turn by turn, or request by request; colocated or on "
+                "rollout ranks; partial rollouts colocated, and with tools= on rollout ranks). Use that, "
+                "trl.GRPOTrainer, or prompts without images.")
         if not self.is_vlm:
             raise ValueError(
                 "the prompts hold images but processing_class is a tokenizer, not a processor: a vision-language "

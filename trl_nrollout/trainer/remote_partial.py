@@ -22,9 +22,11 @@ from typing import Any
 
 from accelerate.utils import gather_object
 
+from trl_nrollout.passes.multimodal import prompt_images
 from trl_nrollout.rollout.episodes.in_flight import InFlightGroup
 from trl_nrollout.rollout.episodes.tools import AgentStats
 from trl_nrollout.rollout.partial.pool import top_up_candidates
+from trl_nrollout.rollout.ranks.buckets import decode_job_images
 from trl_nrollout.rollout.ranks.partial import PartialEntry, TopUp, partial_entry
 from trl_nrollout.rollout.types import RolloutBatch
 from trl_nrollout.trainer.metrics import Metrics
@@ -145,11 +147,11 @@ class RemoteRound:
         if not self.envs.enabled:
             prompts = host.start_episodes(rows)[0]
             return (prompts, *engine_prompts(prompts, host.encode_images, host.tokenize), None)
-        prompts, ids, envs, _ = self.envs.start_groups(rows, self.n)  # (images on rollout ranks: refused)
+        prompts, ids, envs, images = self.envs.start_groups(rows, self.n)  # (an observation's images: with them)
         keys = [(step, round_, self.rank, first + g) for g in range(len(rows))]
         for key, row, group_envs in zip(keys, rows, envs):
             self.envs.hold(key, row, group_envs)
-        return prompts, ids, [None] * len(rows), keys
+        return prompts, ids, images, keys
 
     def restored(self) -> list:
         """The checkpoint's pool for the first job after a resume: without environments, trainer rank 0's (the
@@ -213,10 +215,15 @@ class RemoteRound:
         self.clock.add(batch.num_completion_tokens, time.perf_counter() - t0)
         if self.tools:  # tool episodes: their masks (0 on tool results), messages and counts
             host.log_agent_stats(mode, engine.last_job.get("agent_stats") or AgentStats())
+            tool_images = decode_job_images([f.get("tool_images", []) for f in fields])  # (PNG bytes, in order)
+            if any(tool_images):  # their forward: the prompt's images, then the tools'
+                mm = self.encoder.episode_tensors(mm, [prompt_images(p) if isinstance(p, list) else []
+                                                       for p in sample_prompts], tool_images)
             episode = Episode(tool_mask=[f["tool_mask"] for f in fields],
                               completions=[f["completions"] for f in fields], turns=[f["turns"] for f in fields],
                               tool_calls=[f["tool_calls"] for f in fields],
-                              tool_failures=[f["tool_failures"] for f in fields])
+                              tool_failures=[f["tool_failures"] for f in fields],
+                              mm=mm if any(m is not None for m in mm) else None)
         else:
             episode = Episode(mm=mm if any(m is not None for m in mm) else None)
         collected = host.round_of(inputs, sample_prompts, batch, episode, ctx, t0, rows=inputs)

@@ -55,17 +55,31 @@ PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA")
 def encode_job_images(groups: list[list] | None) -> list[list] | None:
     """A job's images ``[groups][images of the group]`` as the rollout ranks receive them: each PIL image as its PNG
     file's bytes (lossless, usually far smaller than the pixels; large messages travel in parts, as every payload
-    of the rank transport), once per group; anything PNG cannot hold (another type, a mode PNG lacks) as it is."""
+    of the rank transport), once per group; anything PNG cannot hold (another type, a mode PNG lacks) as it is. An
+    image object held by several groups (a tool turn's job has one group a sample: the samples of a prompt share
+    its images) is encoded once, and the message pickles its bytes once (pickle keeps one copy of an object)."""
     if groups is None:
         return None
-    return [[png_bytes(img) for img in imgs or []] for imgs in groups]
+    return _once_each(groups, png_bytes)
 
 
 def decode_job_images(groups: list[list] | None) -> list[list] | None:
-    """:func:`encode_job_images` undone: PNG bytes back to PIL images (pixels, mode and size as written)."""
+    """:func:`encode_job_images` undone: PNG bytes back to PIL images (pixels, mode and size as written); a payload
+    held by several groups (one object after unpickling) is decoded once, into one image they share."""
     if groups is None:
         return None
-    return [[from_png(img) for img in imgs] for imgs in groups]
+    return _once_each(groups, from_png)
+
+
+def _once_each(groups: list[list], code) -> list[list]:
+    """``code`` of each image of ``groups``, once per object: an object the groups hold several times gives one
+    result, shared."""
+    done: dict[int, object] = {}
+    for imgs in groups:
+        for img in imgs or []:
+            if id(img) not in done:
+                done[id(img)] = code(img)
+    return [[done[id(img)] for img in imgs or []] for imgs in groups]
 
 
 def job_message(job: int, groups: list[list[int]], n: int, sampling, agent=None, images: list[list] | None = None

@@ -417,33 +417,42 @@ class RemoteEngines:
         ``seed_mode="sample"``) come from each sample's place in the job: ``sample_ids[k]`` among this trainer's
         ``num_samples``, after the trainers before it. The job is generated after those written ahead (a later
         step's first turns may come first) and with the weights the rollout ranks hold then. A collective of the
-        trainers. Returns this trainer's samples in order."""
-        if images is not None or mm is not None:
-            raise ValueError("a multi-turn sample holds images (its prompt's or a tool's), but tool episodes on "
-                             "rollout ranks do not carry images yet: run them colocated (rollout_ranks=0), turn by "
-                             "turn, or return text from the tool.")
+        trainers. Returns this trainer's samples in order. ``images``: per context, its images in order (its
+        prompt's, then its tools'; the context holds their placeholders unexpanded): they travel to trainer rank 0
+        only, and in the job as PNG bytes, each image object once (a prompt's, shared by its group's samples, once
+        a group: :func:`~trl_nrollout.rollout.ranks.buckets.encode_job_images`); the returned ``prompt_ids`` are the
+        engine's, expanded."""
+        if mm is not None:
+            raise ValueError("the engines on the rollout ranks are vLLM's, which expand images themselves: pass the "
+                             "images as images=, not mm= tensors.")
         ids = list(range(len(contexts))) if sample_ids is None else list(sample_ids)
         count = len(contexts) if num_samples is None else int(num_samples)
-        every = _trainer_gather(([(list(c), int(b), int(i)) for c, b, i in zip(contexts, budgets, ids)], count))
-        before = [sum(c for _, c in every[:t]) for t in range(len(every))]
-        flat = [(ctx, budget, before[t] + i) for t, (chunk, _) in enumerate(every) for ctx, budget, i in chunk]
+        every = _trainer_gather(([(list(c), int(b), int(i)) for c, b, i in zip(contexts, budgets, ids)], count,
+                                 images is not None))
+        every_pics = _leader_gather(images) if any(has for *_, has in every) else None
+        before = [sum(c for _, c, _ in every[:t]) for t in range(len(every))]
+        flat = [(ctx, budget, before[t] + i) for t, (chunk, *_) in enumerate(every) for ctx, budget, i in chunk]
         parts: list = [None] * self.trainers
         if self.bridge.is_leader:
             self._watch()
-            rows: list = []
+            rows, expanded = [], {}
             if flat:
-                job = self._jobs
-                self._jobs += 1
-                self._post({"kind": "job", "id": job, "prompts": [c for c, _, _ in flat], "n": 1, "sampling": sampling,
-                            "agent": TurnEntry([b for _, b, _ in flat], [s for _, _, s in flat])})
-                rows = [x for res in self._read_job(job) for x in res.rows()]
+                pics = None if every_pics is None else [
+                    list(p) for t, (chunk, *_) in enumerate(every)
+                    for p in (every_pics[t] if every_pics[t] is not None else [[]] * len(chunk))]
+                job = self._write_job([c for c, _, _ in flat], 1, sampling,
+                                      TurnEntry([b for _, b, _ in flat], [s for _, _, s in flat]), pics)
+                results = self._read_job(job)
+                rows = [x for res in results for x in res.rows()]
+                expanded = {g: p for res in results for g, p in (res.prompts or {}).items()}  # images: the engine's
             first = 0
-            for t, (chunk, _) in enumerate(every):
-                parts[t] = rows[first:first + len(chunk)]
+            for t, (chunk, *_) in enumerate(every):
+                parts[t] = (rows[first:first + len(chunk)],
+                            [expanded[first + k] for k in range(len(chunk))] if expanded else None)
                 first += len(chunk)
-        rows = self._hand_out(parts, "a tool turn's samples")
-        return RolloutBatch([list(c) for c in contexts], [r[0] for r in rows], [r[1] for r in rows],
-                            [r[2] for r in rows], list(range(len(contexts))))
+        rows, seen = self._hand_out(parts, "a tool turn's samples")
+        return RolloutBatch([list(c) for c in (contexts if seen is None else seen)], [r[0] for r in rows],
+                            [r[1] for r in rows], [r[2] for r in rows], list(range(len(contexts))))
 
     def _queue_ahead(self, future: list, n: int) -> None:
         """Write the next steps' jobs that are not written yet (trainer rank 0)."""

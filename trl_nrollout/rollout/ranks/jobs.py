@@ -126,9 +126,10 @@ def single_turn_job(job: RankJob) -> JobDone:
 
 @job_kind(TurnEntry)
 def turn_job(job: RankJob) -> JobDone:
-    """A tool turn: one sample per context of this rank's slice, each with its budget."""
+    """A tool turn: one sample per context of this rank's slice, each with its budget and its images (the job's
+    ``n`` is 1: a context's images are its own; the answer names each context as the engine expanded it)."""
     entry: TurnEntry = job.entry
     start, stop = job.start, job.stop
     return JobDone(job.engine.generate_turns(job.message["prompts"][start:stop], entry.budgets[start:stop],
                                              job.message["sampling"], sample_ids=entry.sample_ids[start:stop],
-                                             num_samples=0))
+                                             num_samples=0, images=job.images))

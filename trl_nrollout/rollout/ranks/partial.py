@@ -143,7 +143,8 @@ def partial_entry(step: int, round_: int, rows: list[dict], prompts: list, extra
 class PartialJob:
     """What a rollout rank answers for a partial job: its share of the finished groups as a batch ``[samples]``,
     each sample's fields (its oldest version; a group's first sample also its group's row, prompt, prompt ids and
-    whether its prompt has images: :func:`group_fields` fills them in for the others) and, on the
+    whether its prompt has images: :func:`group_fields` fills them in for the others; tool episodes add their
+    fields, their tools' images as ``tool_images``) and, on the
     reporting rank of a pool, ``report``: ``{"engine", "counts": [aborted, restarted, pool groups, engine steps,
     dropped tokens], "pool_of": whether it speaks for a pool, "pool": the groups in flight or None}``."""
 
@@ -226,9 +227,10 @@ def run_partial_job(engine, message: dict, state: dict, slices: list[tuple[int, 
                                                  if k == 0 else {})}
               for g in share for k, s in enumerate(g.samples)]
     mask = None
-    if tools:  # each episode's tool mask (one flat array) and what the rewards need
-        mask, episode_fields = episode_extras(samples)
-        fields = [{**f, **e} for f, e in zip(fields, episode_fields)]
+    if tools:  # each episode's tool mask (one flat array) and what the rewards need; its tools' images (PNG bytes)
+        mask, episode_fields = episode_extras(samples)  # as "tool_images" ("images" says the group's prompt has some)
+        fields = [{**f, **{"tool_images" if k == "images" else k: v for k, v in e.items()}}
+                  for f, e in zip(fields, episode_fields)]
     report = None
     if rank % tp == 0:  # the engine's counts; the pool's (balanced: the job's, the same on every rank) once
         keeps = rank == 0 or not balanced
