@@ -252,34 +252,44 @@ def child_args(args) -> list[str]:
             *(["--teacher-budget", str(args.teacher_budget)] if args.teacher_budget else [])]
 
 
+def table_lines(result: dict) -> list[str]:
+    """The speed table of a result (its JSON as written): one row per implementation that ran."""
+    lines = ["| implementation | step (s) | generation (s) | teacher forward (s) | rest (s) | completion length mean / "
+             "max | ours / this |", "|---|---|---|---|---|---|---|"]
+    ratios = result["goals"]["speed"]["ratio_vs"]
+    for r in result.get("speed", []):
+        ph, means = r["phases_s"], r["completion_mean_length"]
+        ratio = "-" if r["impl"] == "ours" else f"{ratios[r['impl']]:.2f}"
+        lines.append(f"| {r['impl']} | {r['step_s']:.3f} | {ph['gen']:.3f} | {ph['teacher']:.3f} | {ph['rest']:.3f} | "
+                     f"{sum(means) / max(1, len(means)):.1f} / {max(r['completion_max_length'], default=0):.0f} | "
+                     f"{ratio} |")
+    return lines
+
+
+def memory_lines(result: dict) -> list[str]:
+    """The memory table of a result: one row per pass."""
+    lines = ["| pass | live tensor peak (MiB) | peak RSS added (MiB) | seconds (profiled) |", "|---|---|---|---|"]
+    for r in result.get("memory", []):
+        lines.append(f"| {r['impl']} | {r['live_peak_mib']} | {r['peak_rss_added_mib']} | {r['seconds_profiled']} |")
+    return lines
+
+
 def write_outputs(result: dict, out_dir: Path) -> str:
-    lines = [f"Distillation step ({result['meta']['per_device'] * result['meta']['accumulation']} prompts, one sample "
-             f"each, up to {result['meta']['max_completion_length']} tokens; {STUDENT} taught by {TEACHER}; "
-             f"load at start {result['load_at_start']}):", ""]
-    speed = {r["impl"]: r for r in result.get("speed", [])}
-    if speed:
-        lines += ["| implementation | step (s) | generation (s) | teacher forward (s) | rest (s) | completion length "
-                  "mean / max |", "|---|---|---|---|---|---|"]
-        for impl, r in speed.items():
-            ph = r["phases_s"]
-            means = r["completion_mean_length"]
-            lines.append(f"| {impl} | {r['step_s']} | {ph['gen']} | {ph['teacher']} | {ph['rest']} | "
-                         f"{sum(means) / max(1, len(means)):.1f} / {max(r['completion_max_length'], default=0)} |")
+    meta = result["meta"]
+    lines = [f"Distillation step ({meta['per_device'] * meta['accumulation']} prompts, one sample each, up to "
+             f"{meta['max_completion_length']} tokens; {STUDENT} taught by {TEACHER}; load at start "
+             f"{result['load_at_start']}):", ""]
+    if result.get("speed"):
         goal = result["goals"]["speed"]
-        vs = ", ".join(f"{k} {v}" for k, v in goal["ratio_vs"].items())
-        lines += ["", f"ours / TRL per step: {vs} (goal <= {GOAL_SPEED} vs {goal['baseline']}: "
-                  f"{'met' if goal['met'] else 'not met'})."]
+        lines += table_lines(result) + ["", f"Goal ours / {goal['baseline']} <= {GOAL_SPEED}: "
+                                            f"{goal['ratio']} ({'met' if goal['met'] else 'not met'})."]
     colocate = result.get("colocate")
     if colocate and not colocate.get("ran"):
         lines.append(f"TRL's vLLM colocate mode did not run ({colocate['stage']}: {colocate['error'][:200]}).")
-    memory = {r["impl"]: r for r in result.get("memory", [])}
-    if memory:
-        lines += ["", "| pass | live tensor peak (MiB) | peak RSS added (MiB) | seconds |", "|---|---|---|---|"]
-        for impl, r in memory.items():
-            lines.append(f"| {impl} | {r['live_peak_mib']} | {r['peak_rss_added_mib']} | {r['seconds_profiled']} |")
+    if result.get("memory"):
         goal = result["goals"]["memory"]
-        lines += ["", f"teacher / reference live peak: {goal['ratio']} (with the head: {goal['ratio_with_head']}; "
-                  f"goal <= {GOAL_MEMORY}: {'met' if goal['met'] else 'not met'})."]
+        lines += ["", *memory_lines(result), "", f"teacher / reference live peak: {goal['ratio']} (with the head: "
+                  f"{goal['ratio_with_head']}; goal <= {GOAL_MEMORY}: {'met' if goal['met'] else 'not met'})."]
     return write_table(result, lines, out_dir, "distill_step")
 
 

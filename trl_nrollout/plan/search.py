@@ -72,8 +72,10 @@ def memory_checks(prediction: StepPrediction, dev: DeviceProfile, gpu_memory_uti
     it has the device to itself (``colocated=False``: rollout ranks). The trainer needs its states and its largest
     update micro batch's activations."""
     total = dev.memory_gib * 2**30
+    teacher = prediction.details.get("teacher_engine_bytes") or 0
     engine = MemoryCheck("engine", prediction.engine_bytes, int(total * gpu_memory_utilization),
-                         "weights + KV cache", f"gpu_memory_utilization {gpu_memory_utilization:g} x "
+                         "weights + KV cache" + (f" + the teacher's engine {teacher / 2**30:.3g} GiB" if teacher else ""),
+                         f"gpu_memory_utilization {gpu_memory_utilization:g} x "
                                                f"{dev.memory_gib:g} GiB")
     if not colocated:
         room, where = total, "the whole device"
