@@ -26,8 +26,10 @@ the hidden states TRL's chunked divergence projects; also with the teacher's sha
 over the vocabulary 256 tokens at a time) vs the reference pass (:func:`~trl_nrollout.passes.logprobs.
 compute_log_probs`) of the same model (a random Qwen2 with a 32k vocabulary, built in memory, as
 ``logprob_memory.py``), both padding-free at the same token budget ``--memory-budget`` over the same long-tailed
-samples. Two measures of peak: the largest sum of live tensor bytes the allocator held (torch's profiler's memory
-events, replayed in time order) and the process's peak RSS added (``ru_maxrss``). Goal: teacher <= 1.1 x reference.
+samples. The peak: the process's peak RSS added by the pass over the process just before it (``ru_maxrss``; the
+model, the samples and the imports already there; a fresh process per pass, so one pass's peak does not hide
+another's; torch has no CPU allocator statistics, and tracemalloc does not see torch's allocations). Goal: teacher
+<= 1.1 x reference.
 
 Writes ``distill_step.json`` and ``distill_step.md`` under ``--out`` (default docs/results).
 
@@ -37,6 +39,7 @@ Writes ``distill_step.json`` and ``distill_step.md`` under ``--out`` (default do
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -192,22 +195,6 @@ def memory_samples(args):
     return prompts, completions
 
 
-def live_peak_bytes(fn) -> int:
-    """The largest sum of live CPU tensor bytes while ``fn()`` runs, over what was live when it started: torch's
-    profiler's memory events (every allocation and free) replayed in time order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events()
-                    if e.name == "[memory]" and e.cpu_memory_usage)
-    live = peak = 0
-    for _, delta in events:
-        live += delta
-        peak = max(peak, live)
-    return peak
-
-
 def run_memory(impl: str, args) -> dict:
     """One pass of ``impl`` in this process over :func:`memory_samples` at the budget ``args.memory_budget``."""
     import torch
@@ -232,15 +219,15 @@ def run_memory(impl: str, args) -> dict:
                 for i in range(0, flat.shape[0], 256):
                     torch.log_softmax(model.lm_head(flat[i:i + 256]).float(), -1)
 
-    once()  # warm-up: lazily built buffers, the allocator's first pages
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gc.collect()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the model, the samples, the imports
     start = time.perf_counter()
-    peak = live_peak_bytes(once)
+    once()
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"impl": impl, "samples": len(prompts), "tokens": sum(len(p) + len(c) for p, c in zip(prompts, completions)),
-            "budget": budget, "live_peak_mib": round(peak / 2**20, 2), "peak_rss_added_mib": round(after - before, 1),
-            "seconds_profiled": round(seconds, 3)}
+            "budget": budget, "peak_rss_added_mib": round(after - before, 1), "peak_rss_mib": round(after, 1),
+            "seconds": round(seconds, 3)}
 
 
 # ---------------------------------------------------------------------------------------------- parent side
@@ -268,9 +255,9 @@ def table_lines(result: dict) -> list[str]:
 
 def memory_lines(result: dict) -> list[str]:
     """The memory table of a result: one row per pass."""
-    lines = ["| pass | live tensor peak (MiB) | peak RSS added (MiB) | seconds (profiled) |", "|---|---|---|---|"]
+    lines = ["| pass | peak RSS added (MiB) | peak RSS (MiB) | seconds |", "|---|---|---|---|"]
     for r in result.get("memory", []):
-        lines.append(f"| {r['impl']} | {r['live_peak_mib']} | {r['peak_rss_added_mib']} | {r['seconds_profiled']} |")
+        lines.append(f"| {r['impl']} | {r['peak_rss_added_mib']} | {r['peak_rss_mib']} | {r['seconds']} |")
     return lines
 
 
@@ -288,7 +275,7 @@ def write_outputs(result: dict, out_dir: Path) -> str:
         lines.append(f"TRL's vLLM colocate mode did not run ({colocate['stage']}: {colocate['error'][:200]}).")
     if result.get("memory"):
         goal = result["goals"]["memory"]
-        lines += ["", *memory_lines(result), "", f"teacher / reference live peak: {goal['ratio']} (with the head: "
+        lines += ["", *memory_lines(result), "", f"teacher / reference peak added: {goal['ratio']} (with the head: "
                   f"{goal['ratio_with_head']}; goal <= {GOAL_MEMORY}: {'met' if goal['met'] else 'not met'})."]
     return write_table(result, lines, out_dir, "distill_step")
 
@@ -345,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "goal": GOAL_SPEED, "met": step["ours"] / step[base] <= GOAL_SPEED}
     if args.only in (None, "memory"):
         result["memory"] = [run_child(__file__, forwarded, impl, 0, None, None) for impl in MEMORY_IMPLS]
-        peak = {r["impl"]: r["live_peak_mib"] for r in result["memory"]}
+        peak = {r["impl"]: r["peak_rss_added_mib"] for r in result["memory"]}
         ratio = peak["teacher"] / peak["reference"]
         result["goals"]["memory"] = {"ratio": round(ratio, 3), "ratio_with_head": round(peak["teacher+head"] /
                                                                                       peak["reference"], 3),
