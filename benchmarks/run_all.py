@@ -32,6 +32,7 @@ BENCHMARKS: list[str] = [
     "plan_published.py",
     "training_side_vs_trl.py",
     "func_groups.py",
+    "distill_step.py",
 ]
 
 #: The benchmark scripts ``make bench`` does not run, each run alone (``python benchmarks/NAME``, its own options) and

@@ -186,6 +186,32 @@ def test_a_teacher_costs_its_forward_over_the_reference_cut_and_its_weights(dims
     assert predict_step(QWEN7, layout, replace(real, teacher=deep), PROFILES["h100"]).phases["teacher_log_prob"] > seven
 
 
+def test_a_teacher_engine_moves_the_teachers_weights_out_of_the_trainer_and_suggest_prices_both_places():
+    """``teacher_backend='vllm'`` (``Workload.teacher_engine``): the teacher's weights leave the trainer's states and
+    join the engine's memory (split over the engine's TP group, plus its scoring logits), and its pass is one engine
+    call without the trainer's per-forward gathers (cheaper under ZeRO-3 here); ``suggest`` tries every layout with the
+    teacher in both places, and where a 32B teacher does not fit beside the trainer states it still suggests the
+    engine placement. Mutations tried: the engine bytes not counted -> the engine difference is 0; the weights left in
+    the trainer -> the trainer difference is 0; suggest trying one placement -> no 'vllm' candidate."""
+    layout = _layout(world=8, tp=2)
+    work = Workload(prompt_len=256, completion_mean=512, completion_max=1024, sharded=True)
+    qwen32 = replace(QWEN7, num_hidden_layers=64, hidden_size=5120, intermediate_size=27648, num_attention_heads=40,
+                     num_key_value_heads=8, name="Qwen2.5-32B")
+    trainer = predict_step(QWEN7, layout, replace(work, teacher=qwen32), PROFILES["h100"])
+    engine = predict_step(QWEN7, layout, replace(work, teacher=qwen32, teacher_engine=True), PROFILES["h100"])
+    weights = qwen32.num_parameters * qwen32.dtype_bytes
+    assert trainer.train_bytes - engine.train_bytes == pytest.approx(weights / 8, abs=1)
+    assert engine.engine_bytes - trainer.engine_bytes == pytest.approx(weights / 2 + 1280 * qwen32.vocab_size * 4,
+                                                                       abs=1)
+    assert engine.details["teacher_engine_bytes"] > 0 and engine.details["teacher_weight_bytes"] == 0
+    assert 0 < engine.phases["teacher_log_prob"] < trainer.phases["teacher_log_prob"]
+    found = suggest(QWEN7, 8, 64, replace(work, teacher=qwen32, update_token_budget=8192, padfree_rows=True),
+                    PROFILES["h100"], n_values=[8], gpu_memory_utilization=0.6, sleep_mode=True)
+    placed = {c.options.get("teacher_backend") for c in found if c.prediction is not None}
+    assert placed == {"trainer", "vllm"}
+    assert any(c.reason is None and c.options["teacher_backend"] == "vllm" for c in found)
+
+
 def test_a_reference_model_is_held_beside_the_policy_without_lora():
     """A KL term's reference model is a copy of the policy's weights in their dtype (split over the trainers with
     ZeRO-3 / FSDP); with LoRA the reference is the base with the adapter off, no copy. Mutation tried: dropping the

@@ -97,9 +97,10 @@ def _plain_logps(model, batch: dict, temperature: float) -> torch.Tensor:
     return out
 
 
-def capturing_trainer(seen: list):
+def capturing_trainer(seen: list, teacher=None):
     """``NRolloutGRPOTrainer`` that appends to ``seen``, per step, the batch's tensors and the sampled tokens'
-    log-probs by plain forwards of the student and of the teacher ``[B, C]`` (:func:`_plain_logps`)."""
+    log-probs by plain forwards of the student and of the teacher ``[B, C]`` (:func:`_plain_logps`; ``teacher``: the
+    teacher model to compare with, default the trainer's own)."""
     from trl_nrollout import NRolloutGRPOTrainer
 
     class Capture(NRolloutGRPOTrainer):
@@ -108,44 +109,69 @@ def capturing_trainer(seen: list):
             student = self.accelerator.unwrap_model(self.model)
             seen.append(({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)},
                          _plain_logps(student, batch, self.temperature),
-                         _plain_logps(self.teacher.model, batch, self.temperature)))
+                         _plain_logps(teacher if teacher is not None else self.teacher.model, batch,
+                                      self.temperature)))
             return batch
 
     return Capture
 
 
-@pytest.mark.slow
-def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull(teacher_dir, tmp_path):
-    """Rewards without signal (all 0: GRPO's advantages are 0) and a teacher: the batch's teacher log-probs equal a
-    plain forward of the teacher, and each sampled token's advantage is ``-coef * (student - teacher)`` of plain
-    forwards of the two models (padding 0); ``distill/reverse_kl`` is logged. The HF engine, one process.
-    Mutations: the teacher pass run with the student's model, the term's sign or scale, the old-policy pass skipped
-    on-policy (the term would read None) -> fails."""
+@pytest.mark.vllm
+def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull_from_its_own_engine(teacher_dir, tmp_path):
+    """Rewards without signal (all 0: GRPO's advantages are 0) and a teacher served by a vLLM engine of its own
+    (``teacher_backend='vllm'``: ``prompt_logprobs`` over prompt + completion; the student samples on the HF engine,
+    so one engine in this process): the batch's teacher log-probs equal a plain fp32 forward of the teacher (1e-4),
+    and each sampled token's advantage is ``-coef * (student - teacher)`` of plain forwards of the two models
+    (padding 0); ``distill/reverse_kl`` is logged; no teacher weights are loaded in the trainer. Mutations: the
+    term's sign or scale, the engine's log-probs read one position off, the old-policy pass skipped on-policy (the
+    term would read None) -> fails."""
+    from transformers import AutoModelForCausalLM
+
     from trl_nrollout import NRolloutConfig
     from trl_nrollout.builtin import digits_dataset
 
     seen: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
     coef = 0.7
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=2, max_completion_length=6,
                           max_steps=2, rollout_backend="hf", report_to="none", use_cpu=True, bf16=False,
                           save_strategy="no", logging_steps=1, learning_rate=1e-2, seed=3,
-                          teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef)
-    trainer = capturing_trainer(seen)("builtin:tiny-qwen2", args=args, train_dataset=digits_dataset(16),
-                                      reward_funcs=[lambda completions, **kw: [0.0] * len(completions)])
+                          teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef, teacher_backend="vllm")
+    trainer = capturing_trainer(seen, teacher)("builtin:tiny-qwen2", args=args, train_dataset=digits_dataset(16),
+                                               reward_funcs=[lambda completions, **kw: [0.0] * len(completions)])
+    assert trainer.teacher_model is None and trainer.teacher.engine is not None
     trainer.train()
+    trainer.close()
     assert len(seen) == 2
-    for batch, student, teacher in seen:
+    for batch, student, teacher_logps in seen:
         mask = batch["completion_mask"].bool()
-        torch.testing.assert_close(batch["teacher_per_token_logps"][mask], teacher[mask], atol=1e-4, rtol=1e-4)
-        assert bool((student - teacher)[mask].abs().max() > 1e-2)  # the two models differ on these tokens
-        torch.testing.assert_close(batch["advantages"][mask], -coef * (student - teacher)[mask], atol=1e-4,
+        torch.testing.assert_close(batch["teacher_per_token_logps"][mask], teacher_logps[mask], atol=1e-4, rtol=1e-4)
+        assert bool((student - teacher_logps)[mask].abs().max() > 1e-2)  # the two models differ on these tokens
+        torch.testing.assert_close(batch["advantages"][mask], -coef * (student - teacher_logps)[mask], atol=1e-4,
                                    rtol=1e-4)
         assert torch.equal(batch["advantages"][~mask], torch.zeros_like(batch["advantages"][~mask]))
     logged = [h["distill/reverse_kl"] for h in trainer.state.log_history if "distill/reverse_kl" in h]
     assert len(logged) == 2
-    batch, student, teacher = seen[0]
+    batch, student, teacher_logps = seen[0]
     mask = batch["completion_mask"].bool()
-    assert logged[0] == pytest.approx(float((student - teacher)[mask].mean()), abs=1e-4)
+    assert logged[0] == pytest.approx(float((student - teacher_logps)[mask].mean()), abs=1e-4)
+
+
+@pytest.mark.fast
+def test_a_teacher_engine_without_a_teacher_at_another_temperature_or_unknown_is_refused(tmp_path):
+    """``teacher_backend='vllm'`` scores at temperature 1 only (vLLM's prompt log-probs are the raw logits'), needs a
+    teacher, and takes 'trainer' or 'vllm': each refused naming the option and the fix."""
+    from trl_nrollout import NRolloutConfig
+
+    base = dict(output_dir=str(tmp_path), use_cpu=True)
+    with pytest.raises(InputError, match=r"teacher_backend='vllm' with temperature=0.7: .* Set temperature=1.0"):
+        NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm",
+                       temperature=0.7)
+    with pytest.raises(InputError, match=r"teacher_backend='vllm' .* teacher_model_name_or_path is not set"):
+        NRolloutConfig(**base, teacher_backend="vllm")
+    with pytest.raises(InputError, match=r"teacher_backend='engine' is not one of \['trainer', 'vllm'\]"):
+        NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="engine")
+    NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm")
 
 
 @pytest.mark.vllm

@@ -213,6 +213,20 @@ class ConfigChecks:
                 f"teacher_kl_coef={self.teacher_kl_coef} weighs the teacher term of on-policy distillation, but "
                 "teacher_model_name_or_path is not set, so there is no teacher: set teacher_model_name_or_path to a "
                 "model with the policy's tokenizer, or remove teacher_kl_coef.")
+        if self.teacher_backend not in ("trainer", "vllm"):
+            raise InputError(f"teacher_backend={self.teacher_backend!r} is not one of ['trainer', 'vllm']; pick one "
+                             "of them.")
+        if self.teacher_backend == "vllm" and self.teacher_model_name_or_path is None:
+            raise InputError("teacher_backend='vllm' serves the teacher on a vLLM engine, but "
+                             "teacher_model_name_or_path is not set, so there is no teacher: set it, or remove "
+                             "teacher_backend.")
+        if self.teacher_backend == "vllm" and self.temperature != 1.0:
+            raise InputError(
+                f"teacher_backend='vllm' with temperature={self.temperature}: the teacher term compares the two "
+                "models' log-probs at the sampling temperature, and vLLM scores given tokens (prompt_logprobs) from "
+                "the raw logits, at temperature 1 only (its top-k log-probs cannot be renormalized at another "
+                "temperature). Set temperature=1.0, or teacher_backend='trainer' (the teacher in the trainer "
+                "processes, at any temperature).")
 
     def _check_numbers(self) -> None:
         """NaN, inf or a value outside its range in any number option (:func:`number_refusal`) is an error here,

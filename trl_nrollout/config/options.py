@@ -154,6 +154,14 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
     teacher_kl_coef: float = field(default=1.0, metadata={
         "help": "Weight of the teacher term (slime's opd_kl_coef): 0 leaves the advantages as the rewards give them; "
                 "needs teacher_model_name_or_path."})
+    teacher_backend: str = field(default="trainer", metadata={
+        "help": "Where the teacher of teacher_model_name_or_path runs (slime's opd_type, by our rollout_backend's "
+                "name): 'trainer' (in the trainer processes, as the reference model: the reference pass's micro "
+                "batches or token budget, its sharding) or 'vllm' (a vLLM engine of its own on each rollout engine's "
+                "ranks, the rollout's tensor-parallel layout, asleep while the policy trains where vLLM's sleep mode "
+                "runs (CUDA; vllm_enable_sleep_mode), scoring the sampled tokens with prompt_logprobs: no teacher "
+                "weights in the trainer). 'vllm' gives log-probs at temperature 1 (vLLM's prompt log-probs are the "
+                "raw logits'), so it needs temperature=1.0. `trl-nrollout plan --suggest` prices both."})
     clip_ratio_low: float | None = field(default=None, metadata={"help": "PPO lower clip (TRL epsilon)."})
     clip_ratio_high: float | None = field(default=None, metadata={
         "help": "PPO upper clip (TRL epsilon_high; DAPO's clip-higher)."})

@@ -195,8 +195,19 @@ def frozen_weight_bytes(dims: ModelDims, work: Workload, trainers: int) -> tuple
     weights (``work.teacher``), each split over the ``trainers`` where ZeRO-3 / FSDP shards them (``work.sharded``)."""
     split = trainers if work.sharded else 1
     ref = math.ceil(dims.num_parameters * dims.dtype_bytes / split) if work.kl and work.lora_r is None else 0
-    teacher = 0 if work.teacher is None else math.ceil(work.teacher.num_parameters * work.teacher.dtype_bytes / split)
+    teacher = (0 if work.teacher is None or work.teacher_engine
+               else math.ceil(work.teacher.num_parameters * work.teacher.dtype_bytes / split))
     return ref, teacher
+
+
+def teacher_engine_bytes(work: Workload, layout: RolloutLayout) -> int:
+    """A teacher engine's bytes per device (``work.teacher_engine``): its weights split over the TP group and the
+    float32 logits of its longest sample's prompt log-probs (vLLM scores a request's tokens at once); 0 without."""
+    t = work.teacher
+    if t is None or not work.teacher_engine:
+        return 0
+    return (math.ceil(t.num_parameters * t.dtype_bytes / layout.rollout_tp_size)
+            + math.ceil(work.row_width) * t.vocab_size * 4)
 
 
 def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: DeviceProfile) -> StepPrediction:
@@ -235,7 +246,10 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
     ref_s = forward_s(ref_shape) if work.kl else 0.0
     ref_bytes, teacher_bytes = frozen_weight_bytes(dims, work, layout.data_parallel_size * sp)
     teacher_s = 0.0
-    if work.teacher is not None:  # the reference pass's cut, the teacher's size; sharded as the reference is
+    if work.teacher is not None and work.teacher_engine:  # one engine call over the samples' tokens (TP splits
+        # the group's gathered samples' work: a rank's share), no trainer gathers nor micro batches
+        teacher_s = _compute_s(ref_shape, work.teacher, dev) + dev.call_s
+    elif work.teacher is not None:  # the reference pass's cut, the teacher's size; sharded as the reference is
         t = work.teacher
         teacher_s = (_compute_s(ref_shape, t, dev) / sp + ref_shape.forwards * (dev.forward_s + _gather_s(t, layout,
                                                                                                           work, dev))
@@ -270,7 +284,7 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
                      prompts_per_engine=math.ceil(layout.prompts_per_engine * work.pool_factor - 1e-9),
                      n=layout.rollout_n, tp_size=layout.rollout_tp_size, max_num_seqs=work.max_num_seqs)
     engine_weights = math.ceil(dims.num_parameters * dims.dtype_bytes / layout.rollout_tp_size)
-    engine_bytes = engine_weights + kv.bytes_per_gpu_shared
+    engine_bytes = engine_weights + kv.bytes_per_gpu_shared + teacher_engine_bytes(work, layout)
     train_bytes = math.ceil(trainer_state_bytes(dims, work, dp) * (2 if work.critic else 1)) + ref_bytes + teacher_bytes
     from trl_nrollout.plan.activations import activation_bytes_per_token
 
@@ -284,7 +298,7 @@ def predict_step(dims: ModelDims, layout: RolloutLayout, work: Workload, dev: De
                    all_to_all_s=update_a2a + (0.0 if on_policy else all_to_all_s(dims, old_shape.tokens, sp, dev))
                    + (all_to_all_s(dims, ref_shape.tokens, sp, dev) if work.kl else 0.0),
                    lora_sync=work.lora_sync if work.lora_r is not None else None, ref_weight_bytes=ref_bytes,
-                   teacher_weight_bytes=teacher_bytes)
+                   teacher_weight_bytes=teacher_bytes, teacher_engine_bytes=teacher_engine_bytes(work, layout))
     return StepPrediction(phases=phases, total_s=total, samples_per_s=layout.total_samples / total,
                           engine_bytes=engine_bytes, train_bytes=train_bytes, details=details,
                           activation_bytes=activation_bytes)

@@ -87,7 +87,7 @@ PLAN_OPTIONS: list[tuple[str, type, str]] = [
 #: recipe keys a plan reads that have no flag: the trainer (PPO's critic rows), the critic's micro batches, and
 #: what --predict needs to know of the loss and the engine's sleep mode
 RECIPE_ONLY_KEYS = ("trainer", "critic_ppo_micro_batch_size_per_device", "critic_ppo_max_token_len_per_device",
-                    "use_kl_loss", "beta", "vllm_enable_sleep_mode", "use_peft",
+                    "use_kl_loss", "beta", "vllm_enable_sleep_mode", "use_peft", "teacher_backend",
                     "max_staleness")  # max_staleness: only to refuse its old meaning (the look-ahead)
 LAYOUT_KEYS = (
     "num_processes", "n_gpus_per_node", "nnodes", "rollout_tp_size", "train_batch_size", "rollout_n",

@@ -85,7 +85,7 @@ def workload_of(values: dict[str, Any], budget: UpdateBudget | None = None) -> t
                         update_token_budget=None if budget is None else budget.tokens,
                         gradient_checkpointing=values.get("gradient_checkpointing") is not False,
                         pool_factor=pool_factor(values), partial=bool(values.get("rollout_partial")),
-                        teacher=teacher_dims_of(values),
+                        teacher=teacher_dims_of(values), teacher_engine=values.get("teacher_backend") == "vllm",
                         lora_sync="adapter" if lora is not None and lora_sync_mode(values) == "adapter" else "merged")
     except ValueError as err:
         raise PlanError(str(err)) from None

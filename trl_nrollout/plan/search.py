@@ -72,8 +72,10 @@ def memory_checks(prediction: StepPrediction, dev: DeviceProfile, gpu_memory_uti
     it has the device to itself (``colocated=False``: rollout ranks). The trainer needs its states and its largest
     update micro batch's activations."""
     total = dev.memory_gib * 2**30
+    teacher = prediction.details.get("teacher_engine_bytes") or 0
     engine = MemoryCheck("engine", prediction.engine_bytes, int(total * gpu_memory_utilization),
-                         "weights + KV cache", f"gpu_memory_utilization {gpu_memory_utilization:g} x "
+                         "weights + KV cache" + (f" + the teacher's engine {teacher / 2**30:.3g} GiB" if teacher else ""),
+                         f"gpu_memory_utilization {gpu_memory_utilization:g} x "
                                                f"{dev.memory_gib:g} GiB")
     if not colocated:
         room, where = total, "the whole device"
@@ -149,6 +151,14 @@ def _shardings(work: Workload, shardings: Sequence[str] | None) -> list[tuple[st
                         optimizer_offloaded=x == "zero3_offload")) for x in shardings]
 
 
+def _teacher_placements(work: Workload) -> list[tuple[str | None, Workload]]:
+    """``work`` with its teacher in each place it can run (``teacher_backend``: the trainer processes, or a vLLM
+    engine of its own); ``[(None, work)]`` without a teacher."""
+    if work.teacher is None:
+        return [(None, work)]
+    return [("trainer", replace(work, teacher_engine=False)), ("vllm", replace(work, teacher_engine=True))]
+
+
 def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Workload, dev: DeviceProfile, *,
             n_values: Sequence[int], max_num_seqs_values: Sequence[int] = (64, 128, 256, 512, 1024),
             gpu_memory_utilization: float = COLOCATED_GPU_MEMORY_UTILIZATION, sleep_mode: bool = False,
@@ -163,7 +173,9 @@ def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Wo
     trainer gives them). ``shardings``: the trainer's sharding choices to try (:data:`SHARDING_CONFIGS`' keys; each
     candidate's options then name it and its accelerate config); None: only ``work``'s own. ``try_dynamic_bsz``:
     each layout also with token-budgeted update micro batches at the trainer's default budget
-    (:func:`default_budget`; the options then say ``use_dynamic_bsz`` and the budget)."""
+    (:func:`default_budget`; the options then say ``use_dynamic_bsz`` and the budget). With a teacher
+    (``work.teacher``) each layout with the teacher in the trainer processes and on an engine of its own (the options
+    say ``teacher_backend``)."""
     if num_processes < 1 or train_batch_size < 1:
         raise ValueError(f"num_processes={num_processes} and train_batch_size={train_batch_size} must be >= 1.")
     if not n_values:
@@ -183,25 +195,28 @@ def suggest(dims: ModelDims, num_processes: int, train_batch_size: int, work: Wo
                 refused.append(Candidate({"rollout_tp_size": tp, "rollout_n": n}, None, str(err).split("; ")[0]))
                 continue
             for seqs in _caps(max_num_seqs_values, layout.samples_per_engine):
-                for sharding, w in _shardings(work, shardings):
-                    updates: list[int | None] = [work.update_token_budget]
-                    if try_dynamic_bsz and work.update_token_budget is None:
-                        room = dev.memory_gib * 2**30 * (1 if sleep_mode else 1 - gpu_memory_utilization)
-                        updates.append(default_budget(dims, layout, w, int(room)))
-                    for budget in updates:
-                        options = {"rollout_tp_size": tp, "rollout_n": n, "max_num_seqs": seqs}
-                        if sharding is not None:
-                            options.update(trainer_sharding=sharding, accelerate_config=SHARDING_CONFIGS[sharding])
-                        if budget is not None and budget != work.update_token_budget:
-                            options.update(use_dynamic_bsz=True, ppo_max_token_len_per_device=budget)
-                        elif try_dynamic_bsz and budget is None:  # the trainer's default would budget: say count
-                            options["use_dynamic_bsz"] = False
-                        if rollout_ranks:
-                            options["rollout_ranks"] = 0
-                        pred = predict_step(dims, layout, replace(w, max_num_seqs=seqs, update_token_budget=budget),
-                                            dev)
-                        why = fits_memory(pred, dev, gpu_memory_utilization, sleep_mode)
-                        (refused if why else fit).append(Candidate(options, pred, why))
+                for sharding, base in _shardings(work, shardings):
+                    for teacher, w in _teacher_placements(base):
+                        updates: list[int | None] = [work.update_token_budget]
+                        if try_dynamic_bsz and work.update_token_budget is None:
+                            room = dev.memory_gib * 2**30 * (1 if sleep_mode else 1 - gpu_memory_utilization)
+                            updates.append(default_budget(dims, layout, w, int(room)))
+                        for budget in updates:
+                            options = {"rollout_tp_size": tp, "rollout_n": n, "max_num_seqs": seqs}
+                            if sharding is not None:
+                                options.update(trainer_sharding=sharding, accelerate_config=SHARDING_CONFIGS[sharding])
+                            if budget is not None and budget != work.update_token_budget:
+                                options.update(use_dynamic_bsz=True, ppo_max_token_len_per_device=budget)
+                            elif try_dynamic_bsz and budget is None:  # the trainer's default would budget: say count
+                                options["use_dynamic_bsz"] = False
+                            if teacher is not None:
+                                options["teacher_backend"] = teacher
+                            if rollout_ranks:
+                                options["rollout_ranks"] = 0
+                            pred = predict_step(dims, layout, replace(w, max_num_seqs=seqs, update_token_budget=budget),
+                                                dev)
+                            why = fits_memory(pred, dev, gpu_memory_utilization, sleep_mode)
+                            (refused if why else fit).append(Candidate(options, pred, why))
     if rollout_ranks:
         for c in split_candidates(dims, num_processes, train_batch_size, work, dev, n_values=n_values,
                                   max_num_seqs_values=max_num_seqs_values,

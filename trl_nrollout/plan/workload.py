@@ -84,6 +84,10 @@ class Workload:
     #: FSDP). The old-policy pass runs whenever a teacher is set (the term compares the student's log-probs).
     #: None: no teacher
     teacher: ModelDims | None = None
+    #: the teacher served by a vLLM engine of its own (``teacher_backend="vllm"``): its weights (split over the
+    #: engine's TP group) and its scoring logits held beside the rollout engine's, none in the trainer; its pass one
+    #: engine call over the samples' tokens (prompt log-probs), without the trainer's gathers or micro batches
+    teacher_engine: bool = False
 
     @property
     def sample_len(self) -> float:

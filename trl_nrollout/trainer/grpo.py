@@ -95,7 +95,7 @@ from trl_nrollout.trainer.stages import (
     StepContext,
     split_rows,
 )
-from trl_nrollout.trainer.teacher import TeacherTerm
+from trl_nrollout.trainer.teacher import TeacherTerm, start_teacher_engine
 from trl_nrollout.trainer.update import EntropyControl, LossConfig, MicroStep, PolicyUpdate
 
 logger = logging.getLogger(__name__)
@@ -263,6 +263,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
             self.partial_pool.close()
         if "collector" in self.__dict__:  # (built once the engine started)
             self.collector.close()
+        if getattr(self, "teacher", None) is not None:  # (its engine, teacher_backend='vllm')
+            self.teacher.close()
         close = getattr(self.rollout_engine, "close", None)
         if close is not None:
             close()
@@ -288,7 +290,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         self.budgeted_update = BudgetedMicroBatches(args, acc, rules, metrics, self.policy_update, self.update_budget,
                                                     sp=self._sp, pad_to_multiple_of=self.pad_to_multiple_of,
                                                     fsdp=self.is_fsdp_enabled)
-        self.teacher = TeacherTerm.build(args, self.teacher_model, self.logprob_passes, metrics)
+        self.teacher = TeacherTerm.build(args, self.teacher_model, self.logprob_passes, metrics,
+                                         engine=start_teacher_engine(self))  # (teacher_backend='vllm')
         self.partial_pool = PartialPool.of(self) if args.rollout_partial else None
 
     def _is_peft(self) -> bool:

@@ -7,34 +7,48 @@ advantage loses ``teacher_kl_coef * (student - teacher)`` log-prob (:func:`~trl_
 teacher_advantages`). The student's log-probs are the old-policy pass's (it runs whenever a teacher is set), so a
 stale sample of partial rollouts or rollout ranks is scored by the policy that trains on it and corrected by the
 decoupled loss as its rewards are. Logged: ``distill/reverse_kl`` (the masked mean of ``student - teacher``) and
-``timing_s/teacher``."""
+``timing_s/teacher``.
+
+With ``teacher_backend="vllm"`` the teacher is not loaded in the trainer processes: a vLLM engine of its own
+(:func:`start_teacher_engine`, the rollout's layout, beside the rollout engine) scores the sampled tokens with
+``prompt_logprobs`` (the ``SCORES`` capability of :mod:`~trl_nrollout.rollout.engines.protocol`), at temperature 1
+(the option's check refuses another temperature)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import torch
+
 from trl_nrollout.algos.distill import masked_mean, reverse_kl_estimate, teacher_advantages
 from trl_nrollout.builtin import resolve_model
+from trl_nrollout.errors import InputError
+from trl_nrollout.rollout.engines.protocol import SCORES, RolloutEngine, has
 from trl_nrollout.trainer.logprob_stage import LogProbStage
 from trl_nrollout.trainer.metrics import Metrics
 from trl_nrollout.trainer.stages import Assignment, LogProbs, StepContext, fit_width
 
 
 class TeacherTerm:
-    """The teacher model (prepared for evaluation) and the term's coefficient; :meth:`apply` adds the term to one
-    rank's TRL batch."""
+    """The teacher model (prepared for evaluation) or the engine that serves it (``engine``: one with ``SCORES``),
+    and the term's coefficient; :meth:`apply` adds the term to one rank's TRL batch."""
 
-    def __init__(self, model, coef: float, passes: LogProbStage, metrics: Metrics) -> None:
-        self.model, self.coef, self.passes, self.metrics = model, coef, passes, metrics
+    def __init__(self, model, coef: float, passes: LogProbStage, metrics: Metrics,
+                 engine: RolloutEngine | None = None) -> None:
+        if (model is None) == (engine is None):
+            raise ValueError("a teacher term needs its teacher model or its engine (one of them)")
+        if engine is not None and not has(engine, SCORES):
+            raise ValueError(f"the teacher's engine ({type(engine).__name__}) cannot score given tokens (SCORES)")
+        self.model, self.coef, self.passes, self.metrics, self.engine = model, coef, passes, metrics, engine
 
     @staticmethod
     def load(args, student, accelerator: Any, deepspeed: bool):
         """The teacher of ``args.teacher_model_name_or_path`` (None without one): loaded in the student's dtype,
         refused when its vocabulary differs from the student's, and prepared as TRL prepares a reference (loaded
         before the update's token budget, which counts its weights)."""
-        if args.teacher_model_name_or_path is None:
-            return None
+        if args.teacher_model_name_or_path is None or args.teacher_backend == "vllm":
+            return None  # (teacher_backend='vllm': its engine, :func:`start_teacher_engine`, holds the weights)
         from trl.models import prepare_deepspeed
         from trl.trainer.utils import create_model_from_path
 
@@ -45,9 +59,35 @@ class TeacherTerm:
                 else accelerator.prepare_model(teacher, evaluation_mode=True))
 
     @classmethod
-    def build(cls, args, teacher, passes: LogProbStage, metrics: Metrics) -> TeacherTerm | None:
-        """The term over the ``teacher`` :meth:`load` gave (None without one), with ``args.teacher_kl_coef``."""
-        return None if teacher is None else cls(teacher, float(args.teacher_kl_coef), passes, metrics)
+    def build(cls, args, teacher, passes: LogProbStage, metrics: Metrics, engine: RolloutEngine | None = None
+              ) -> TeacherTerm | None:
+        """The term over the ``teacher`` :meth:`load` gave or the ``engine`` :func:`start_teacher_engine` started
+        (None without either), with ``args.teacher_kl_coef``."""
+        if teacher is None and engine is None:
+            return None
+        return cls(teacher, float(args.teacher_kl_coef), passes, metrics, engine=engine)
+
+    def teacher_log_probs(self, assigned: Assignment) -> torch.Tensor:
+        """The teacher's log-probs of this rank's sampled tokens ``[B, C]`` (0 past each completion's end): the
+        reference pass's machinery over the teacher model, or its engine's ``prompt_logprobs``."""
+        if self.engine is None:
+            return self.passes.log_probs(self.model, assigned.prompt_ids, assigned.completion_ids,
+                                         self.passes.layout.ref_log_prob, assigned.mm)
+        if assigned.mm is not None and any(assigned.mm):
+            raise InputError("teacher_backend='vllm' scores text samples; these carry images (the engine would need "
+                             "the processor's image placeholders expanded as the policy's were). Use "
+                             "teacher_backend='trainer' for image prompts.")
+        rows = self.engine.score_completions(assigned.prompt_ids, assigned.completion_ids)
+        self.engine.sleep()  # its memory back to the trainer until the next step (vLLM's sleep mode; CPU: no-op)
+        out = torch.zeros(len(rows), max((len(r) for r in rows), default=0))
+        for i, row in enumerate(rows):
+            out[i, :len(row)] = torch.tensor(row)
+        return out
+
+    def close(self) -> None:
+        """Release the teacher's engine (if any)."""
+        if self.engine is not None:
+            self.engine.close()
 
     def apply(self, batch: dict[str, Any], assigned: Assignment, logps: LogProbs, ctx: StepContext
               ) -> dict[str, Any]:
@@ -57,9 +97,7 @@ class TeacherTerm:
         t = time.perf_counter()
         width = batch["completion_ids"].shape[1]
         device = batch["advantages"].device
-        teacher = self.passes.log_probs(self.model, assigned.prompt_ids, assigned.completion_ids,
-                                        self.passes.layout.ref_log_prob, assigned.mm)
-        teacher = fit_width(teacher, width).to(device)
+        teacher = fit_width(self.teacher_log_probs(assigned), width).to(device)
         if logps.old is None:
             raise RuntimeError("the teacher term needs the old-policy pass; it was skipped")
         student = fit_width(logps.old, width).to(device)
@@ -82,3 +120,38 @@ def check_vocabulary(name: str, teacher_config, student_config) -> None:
             f"teacher_model_name_or_path={name!r} has a vocabulary of {t} tokens, the policy {s}: the teacher term "
             "compares the two models' log-probs of the same sampled token ids, so both must share one tokenizer. "
             "Use a teacher of the policy's family (same tokenizer), or drop teacher_model_name_or_path.")
+
+
+def start_teacher_engine(trainer) -> RolloutEngine | None:
+    """The teacher's vLLM engine of ``teacher_backend="vllm"`` on this rank (None otherwise): the rollout's layout
+    (``rollout_tp_size``), the rollout engine's lengths and memory options, sleep mode where vLLM has it, built
+    beside the rollout engine (not replacing it); the teacher's vocabulary checked against the policy's first."""
+    args = trainer.args
+    if args.teacher_model_name_or_path is None or args.teacher_backend != "vllm":
+        return None
+    from transformers import AutoConfig
+
+    from trl_nrollout.rollout.engines.build import VLLMEngineSettings, build_engine
+    from trl_nrollout.rollout.engines.platform import vllm_available
+
+    if not vllm_available():
+        raise InputError("teacher_backend='vllm' serves the teacher on a vLLM engine, but vLLM is not installed: "
+                         "install it, or set teacher_backend='trainer'.")
+    if args.rollout_ranks:
+        raise InputError(f"teacher_backend='vllm' with rollout_ranks={args.rollout_ranks}: the teacher's engine is "
+                         "built on the trainer ranks with the rollout's layout, which here places the engines on "
+                         "rollout ranks; not built. Use teacher_backend='trainer' with rollout ranks.")
+    path = resolve_model(args.teacher_model_name_or_path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=bool(args.trust_remote_code))
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    check_vocabulary(args.teacher_model_name_or_path, config.get_text_config(), student.config)
+    max_len, expected = trainer.engine_setup.vllm_lengths()
+    context = getattr(config.get_text_config(), "max_position_embeddings", None) or max_len
+    acc = trainer.accelerator
+    return build_engine(VLLMEngineSettings(
+        path, trainer.layout, rank=acc.process_index, local_rank=acc.local_process_index, dtype=args.rollout_dtype,
+        max_model_len=min(max_len, context), expected_len=min(expected, context),
+        kv_cache_memory_bytes=args.rollout_kv_cache_memory_bytes,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, enforce_eager=args.rollout_enforce_eager,
+        enable_prefix_caching=args.rollout_enable_prefix_caching, enable_sleep_mode=args.vllm_enable_sleep_mode,
+        seed=args.seed, trust_remote_code=bool(args.trust_remote_code), exclusive=False))

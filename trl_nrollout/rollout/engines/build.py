@@ -43,6 +43,7 @@ class VLLMEngineSettings:
     trust_remote_code: bool = False
     dispatch: str = "shares"
     lora_rank: int | None = None
+    exclusive: bool = True
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,12 @@ capability          protocol               what it adds
                                            rank's engine, fed from the trainers' broadcast)
 ``JOBS``            :class:`Jobs`          the engines live on rollout ranks: jobs written ahead, their reports
 ``PREFILL_COUNTS``  :class:`PrefillCounts` samples whose prompt was prefilled once for its ``n`` samples
+``SCORES``          :class:`Scores`        the log-probs of given completion tokens under the engine's weights (a
+                                           teacher's engine: ``teacher_backend="vllm"``)
 ==================  =====================  =========================================================================
 
 The engines: :class:`~trl_nrollout.rollout.engines.vllm_group.VLLMEngineGroup` (``ADAPTERS``, ``REQUESTS``, ``ABORT``,
-``BALANCED``, ``BUCKETS``), :class:`~trl_nrollout.rollout.engines.hf_engine.HFEngine` (``PREFILL_COUNTS``: it generates with
+``BALANCED``, ``BUCKETS``, ``SCORES``), :class:`~trl_nrollout.rollout.engines.hf_engine.HFEngine` (``PREFILL_COUNTS``: it generates with
 the training model, so it cannot abort a request nor add one while it generates) and
 :class:`~trl_nrollout.rollout.ranks.client.RemoteEngines` (``ADAPTERS``, ``JOBS``: the trainers' proxy of the rollout
 ranks' engines). ``tests/test_engine_protocol.py`` checks that no module outside the engines uses a member of an
@@ -60,6 +62,7 @@ BALANCED = "balanced"
 BUCKETS = "buckets"
 JOBS = "jobs"
 PREFILL_COUNTS = "prefill_counts"
+SCORES = "scores"
 
 
 @runtime_checkable
@@ -303,9 +306,21 @@ class PrefillCounts(Protocol):
     generated_samples: int
 
 
+@runtime_checkable
+class Scores(Protocol):
+    """``SCORES``: score given tokens instead of sampling them (a teacher served by an engine of its own)."""
+
+    def score_completions(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+                          ) -> list[list[float]]:
+        """Each completion token's log-prob given its prompt and the completion's tokens before it, at temperature
+        1, ``[B][C_i]``; collective over the engine's TP group (every rank calls with its own samples)."""
+        ...
+
+
 #: each capability's protocol
 CAPABILITIES: dict[str, type] = {ADAPTERS: Adapters, REQUESTS: Requests, ABORT: Abort, BALANCED: Balanced,
-                                 BUCKETS: Buckets, JOBS: Jobs, PREFILL_COUNTS: PrefillCounts}
+                                 BUCKETS: Buckets, JOBS: Jobs, PREFILL_COUNTS: PrefillCounts,
+                                 SCORES: Scores}
 
 
 def protocol_members(protocol: type) -> set[str]:
@@ -326,3 +341,4 @@ def engine_members() -> set[str]:
 def has(engine: object, capability: str) -> bool:
     """Whether ``engine`` declares ``capability`` (False for None: no engine yet)."""
     return capability in getattr(engine, "capabilities", ())
+

@@ -24,7 +24,7 @@ from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
 from trl_nrollout.rollout.axes import dispatch_rule
 from trl_nrollout.rollout.engines.cpu_shm import use_cpu_shm_identity
 from trl_nrollout.rollout.engines.platform import ensure_dist_env, is_cpu_platform, prepare_vllm_environment
-from trl_nrollout.rollout.engines.protocol import ABORT, ADAPTERS, BALANCED, BUCKETS, REQUESTS
+from trl_nrollout.rollout.engines.protocol import ABORT, ADAPTERS, BALANCED, BUCKETS, REQUESTS, SCORES
 from trl_nrollout.rollout.engines.requests import EngineLoop
 from trl_nrollout.rollout.engines.vllm_process import (
     LIVE_ENGINES,
@@ -40,7 +40,9 @@ from trl_nrollout.rollout.engines.vllm_process import (
 )
 from trl_nrollout.rollout.engines.vllm_settings import (
     check_prompt_length,
+    completion_logprobs,
     engine_kwargs,
+    prompt_logprob_params,
     vllm_sampling_params,
 )
 from trl_nrollout.rollout.engines.vllm_weights import EngineWeights
@@ -77,10 +79,12 @@ class VLLMEngineGroup(EngineWeights):
         trust_remote_code: load a checkpoint that ships its own model code (the user's choice for the policy).
         lora_rank: serve LoRA adapters of at most this rank (``rollout_lora_sync="adapter"``): the engine holds the
             base once and :meth:`load_adapter` hands it each new adapter version; None: no LoRA (full weights).
+        exclusive: release the engines of earlier trainers in this process first (the default); False for an
+            engine that lives beside this trainer's rollout engine (a teacher's, ``teacher_backend="vllm"``).
     """
 
     #: what it can do beyond the core (:mod:`trl_nrollout.rollout.engines.protocol`)
-    capabilities = frozenset({ADAPTERS, REQUESTS, ABORT, BALANCED, BUCKETS})
+    capabilities = frozenset({ADAPTERS, REQUESTS, ABORT, BALANCED, BUCKETS, SCORES})
     lora_rank: int | None = None
     lora_request = None  # the adapter version every request uses (None: the base weights alone)
     #: set by a driver above for a span: :meth:`generate_expanded` hands its calls to it (``BALANCED``)
@@ -110,12 +114,14 @@ class VLLMEngineGroup(EngineWeights):
         trust_remote_code: bool = False,
         dispatch: str = "shares",
         lora_rank: int | None = None,
+        exclusive: bool = True,
     ) -> None:
         if seed_mode not in SEED_MODES:
             raise ValueError(f"seed_mode={seed_mode!r} is not one of {SEED_MODES} (rollout_seed_mode).")
         job_wide = dispatch_rule(dispatch, option="dispatch (rollout_dispatch)").job_wide
         prepare_vllm_environment()
-        close_live_engines()  # one external-launcher engine per process: a new trainer releases the previous one
+        if exclusive:  # a new trainer releases the previous one's engines
+            close_live_engines()
         forget_stale_vllm_groups()
         self.llm = None
         self.layout = layout
@@ -346,6 +352,22 @@ class VLLMEngineGroup(EngineWeights):
         batch = self.generate_engine(unique, n, sampling, group_offset=(offset - first) // n,
                                      images=None if flat_images is None else flat_images[::n])
         return batch.slice(first, first + len(sample_prompts))
+
+    def score_completions(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+                          ) -> list[list[float]]:
+        """``SCORES``: each completion token's log-prob under this engine's weights, given its prompt and the
+        completion's tokens before it (vLLM's ``prompt_logprobs`` over prompt + completion: the raw logits,
+        temperature 1), ``[B][C_i]``. The TP group's samples are gathered and scored together (collective over the
+        TP group); this rank's are returned."""
+        self.ready()
+        per_rank = self.gather_tp([(list(p), list(c)) for p, c in zip(prompt_ids, completion_ids, strict=True)])
+        flat = [s for chunk in per_rank for s in chunk]
+        first = sum(len(c) for c in per_rank[:self.tp_ranks.index(self.rank)])
+        self.check_prompt_length(max((len(p) + len(c) for p, c in flat), default=0), 1)
+        outputs = self.llm.generate(vllm_prompts([p + c for p, c in flat]), prompt_logprob_params(), use_tqdm=False,
+                                    lora_request=self.lora_request)
+        scores = [completion_logprobs(out.prompt_logprobs, len(p), c) for (p, c), out in zip(flat, outputs)]
+        return scores[first:first + len(prompt_ids)]
 
     def generate_turns(self, contexts: list[list[int]], budgets: list[int], sampling: SamplingOptions,
                        sample_offset: int = 0, sample_ids: list[int] | None = None,

@@ -6,6 +6,7 @@ the options (no engine is built here)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from trl_nrollout.plan.layout import RolloutLayout
 from trl_nrollout.plan.memory import DEFAULT_MAX_NUM_SEQS
@@ -137,3 +138,21 @@ def vllm_sampling_params(n: int, sampling: SamplingOptions):
 
         options["structured_outputs"] = StructuredOutputsParams(regex=sampling.regex)
     return SamplingParams(**options)
+
+
+def prompt_logprob_params():
+    """vLLM's ``SamplingParams`` that score a request's own tokens: ``prompt_logprobs=0`` (each prompt token's
+    log-prob given the tokens before it, from the raw logits: temperature 1) and one generated token, not decoded."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
+
+
+def completion_logprobs(prompt_logprobs: Sequence, prompt_len: int, completion: Sequence[int]) -> list[float]:
+    """The log-prob of each token of ``completion`` ``[C]`` from vLLM's ``prompt_logprobs`` of the request
+    ``prompt + completion`` (one entry per token, None first; each a mapping token id -> ``Logprob``)."""
+    out = []
+    for j, token in enumerate(completion):
+        entry = prompt_logprobs[prompt_len + j]
+        out.append(float(entry[token].logprob))
+    return out
