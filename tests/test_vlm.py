@@ -354,6 +354,18 @@ def test_partial_rollouts_train_a_vlm_and_keep_its_images_in_flight(vlm_path, tm
     trainer.close()
 
 
+def _trained_with_tool_images(path) -> None:
+    """A tool-image entry of the rollout-rank VLM launch (its JSON at ``path``): 2 steps that called the tool, the
+    first step's engine log-probs the trainer's (< 1e-2: the engine saw the prompt's and the tools' images), and
+    each of the 12 trained samples' forward holding its prompt's image and one per tool result."""
+    run = json.loads(path.read_text())
+    steps = [h for h in run["history"] if "reward" in h]
+    assert len(steps) == 2 and all(h["tools/call_frequency"] > 0 for h in steps)
+    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2
+    trained = [s for step in run["samples"] for s in step]
+    assert len(trained) == 2 * 6 and all(s["images"] == 1 + s["results"] for s in trained)
+    assert any(s["results"] for s in trained), "no tool image: the test tests nothing"
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.vllm
@@ -411,21 +423,9 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     # tool episodes request by request on the rollout rank, a tool returning an image: each trained sample's forward
     # holds its prompt's image and one per tool result, in the tool results' tokens; the engine saw them (its
     # log-probs are the trainer's, as above; without the tool images vLLM reads their tokens as text: 0.058 apart)
-    tools = json.loads((tmp_path / "tools.json").read_text())
-    steps = [h for h in tools["history"] if "reward" in h]
-    assert len(steps) == 2 and all(h["tools/call_frequency"] > 0 for h in steps)
-    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2
-    trained = [s for step in tools["samples"] for s in step]
-    assert len(trained) == 2 * 6 and all(s["images"] == 1 + s["results"] for s in trained)
-    assert any(s["results"] for s in trained), "no tool image: the test tests nothing"
+    _trained_with_tool_images(tmp_path / "tools.json")
     # turn by turn: the tools' images reach the rollout rank with each later turn's context, each object once
-    turns = json.loads((tmp_path / "turns.json").read_text())
-    steps = [h for h in turns["history"] if "reward" in h]
-    assert len(steps) == 2 and all(h["tools/call_frequency"] > 0 for h in steps)
-    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2  # the engine saw the prompt's and the tools' images
-    trained = [s for step in turns["samples"] for s in step]
-    assert len(trained) == 2 * 6 and all(s["images"] == 1 + s["results"] for s in trained)
-    assert any(s["results"] for s in trained), "no tool image: the test tests nothing"
+    _trained_with_tool_images(tmp_path / "turns.json")  # the engine saw the prompt's and the tools' images
     turn_jobs = json.loads((tmp_path / "turn_jobs.json").read_text())
     assert turn_jobs and all(job["contexts"] == len(job["images"]) for job in turn_jobs)
     for job in turn_jobs:  # a later turn: its prompt's image, then one per tool result so far; each object once
@@ -435,13 +435,7 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
         assert job["distinct"] == len(prompts) + len(set(tools_)) and len(set(tools_)) == len(tools_)
     assert any(job["payloads"] > job["distinct"] for job in turn_jobs)  # a group's prompt image sent once
     # partial: the episodes in flight on the rollout rank, their tools' images come back with them
-    partial = json.loads((tmp_path / "partial.json").read_text())
-    steps = [h for h in partial["history"] if "reward" in h]
-    assert len(steps) == 2 and all(h["tools/call_frequency"] > 0 for h in steps)
-    assert steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2
-    trained = [s for step in partial["samples"] for s in step]
-    assert len(trained) == 2 * 6 and all(s["images"] == 1 + s["results"] for s in trained)
-    assert any(s["results"] for s in trained), "no tool image: the test tests nothing"
+    _trained_with_tool_images(tmp_path / "partial.json")
 
 
 @pytest.mark.fast
