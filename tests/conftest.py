@@ -378,10 +378,11 @@ def pytest_collection_finish(session):
     collections, and the ones vLLM runs while an engine starts in this process, skip it. Measured ..."""
     if os.environ.get("NO_GC_FREEZE"):
         return
-    import gc
+    from tests.harness import hold_frozen_heap, preimport
 
-    gc.collect()
-    gc.freeze()
+    # what the runs import, first (the fast tier's guard imports our trainer and engines anyway)
+    preimport(ours=True, stack=any(item.get_closest_marker("full") for item in session.items))
+    hold_frozen_heap()  # and vLLM's engines neither unfreeze it nor freeze their own objects (tests/harness.py)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -437,9 +438,9 @@ def _tier_guard(request, monkeypatch):
 def pytest_sessionfinish(session, exitstatus):
     """Stop this session's launch server (tests/zygote.py), if a test started one; unfreeze the heap (frozen objects
     are never finalized, and some extension modules print a leak report at exit for theirs)."""
-    import gc
+    from tests.harness import release_frozen_heap
 
-    gc.unfreeze()
+    release_frozen_heap()
     if os.path.exists(ZYGOTE_SOCKET):
         subprocess.run([sys.executable, str(ROOT / "tests" / "zygote.py"), "stop", ZYGOTE_SOCKET], timeout=60,
                        check=False)

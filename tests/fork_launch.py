@@ -81,28 +81,10 @@ def _preimport() -> None:
     frozen, so that the collections vLLM runs while its engine starts (3 s of that launch) skip these modules'
     objects. Our own package stays to the ranks: a launch may run another tree's (``PYTHONPATH``). Nothing imported
     here starts a thread (checked), so every fork is as clean as a fresh interpreter."""
-    import gc
+    from harness import hold_frozen_heap, preimport  # tests/harness.py (this folder is the launcher's path)
 
-    import deepspeed  # noqa: F401
-    import matplotlib
-    import peft  # noqa: F401
-    import torch  # noqa: F401
-    import transformers.trainer  # noqa: F401
-    import trl  # noqa: F401
-    from trl import GRPOTrainer  # noqa: F401
-
-    matplotlib.use("Agg")  # as the run's report does (trl_nrollout/recipe/report.py)
-    import compressed_tensors  # noqa: F401
-    import matplotlib.pyplot  # noqa: F401
-    import vllm.entrypoints.llm  # noqa: F401
-    import vllm.model_executor.model_loader  # noqa: F401
-    import vllm.model_executor.models.qwen2  # noqa: F401
-    import vllm.v1.executor.uniproc_executor  # noqa: F401
-    import vllm.v1.worker.cpu_model_runner  # noqa: F401
-    import vllm.v1.worker.cpu_worker  # noqa: F401
-
-    gc.collect()
-    gc.freeze()
+    preimport(ours=False, stack=True)
+    hold_frozen_heap()  # and vLLM's engines neither unfreeze it nor freeze their own objects
 
 
 def _run_rank(env: dict, rank: int, world: int, port: int, script: str, script_args: list[str]) -> int:
