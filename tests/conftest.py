@@ -153,6 +153,7 @@ ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 # README's commands and the command-line tests run the real `accelerate launch`
 ZYGOTE_SOCKET = f"/tmp/trl_nrollout_launch_{os.getpid()}.sock"
 ACCELERATE_LAUNCH = [sys.executable, str(ROOT / "tests" / "zygote.py"), "run", ZYGOTE_SOCKET]
+os.environ.setdefault("ZYGOTE_OWNER", str(os.getpid()))  # the launch server lives as long as this session
 RECIPE = str(ROOT / "recipes" / "grpo.py")
 ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 

@@ -19,8 +19,11 @@ to that whole group (the ranks and whatever they started), and when the last ran
 taking what the ranks left behind. A rank gets SIGKILL when the launcher itself dies (Linux: a launcher killed with
 SIGKILL cannot stop them).
 
-Launches with more than one machine run the real ``accelerate launch`` (one launch per node). The README's
-commands and the tests of the command line itself use the real ``accelerate launch`` too.
+A launch over several "machines" (``--num_machines M --machine_rank r``, one launcher per node, as a user starts
+``accelerate launch`` once per node) forks this node's ranks, ``r * P`` to ``r * P + P - 1`` of ``P = num_processes /
+M``, with torchrun's node variables (``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``LOCAL_WORLD_SIZE = P``) and the main
+process's address and port as every rank's rendezvous (accelerate's ``--same_network``). The README's commands and
+the tests of the command line itself use the real ``accelerate launch``.
 
 ``--torchrun N`` in place of accelerate's arguments launches as ``torchrun --nproc_per_node N`` would (the tests of
 tests/dist/, plain torch.distributed: no accelerate variables; ``torchrun`` in conftest.py).
@@ -37,6 +40,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 
 GRACE_S = 15.0  # how long ranks get to stop after SIGTERM before SIGKILL (a launch's FORK_LAUNCH_GRACE_S overrides
 # it: a test whose rank is frozen on purpose (SIGSTOP: SIGTERM waits until it runs again) need not wait it out)
@@ -48,9 +52,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _environment(argv: list[str]) -> tuple[dict, int, str, list[str]] | None:
-    """accelerate's environment for the launch, its process count, script and script arguments (None: launch with
-    the real ``accelerate launch``)."""
+@dataclass(frozen=True)
+class Script:
+    """What each rank runs as ``__main__``: a file's ``path`` (``python path args``), or with ``module`` a module's
+    name (``python -m name args``)."""
+
+    name: str
+    args: list[str]
+    module: bool = False
+
+    def run(self) -> None:
+        import runpy
+
+        if self.module:
+            sys.argv = [self.name, *self.args]  # runpy sets argv[0] to the module's file
+            sys.path.insert(0, os.getcwd())  # as ``python -m`` does
+            runpy.run_module(self.name, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [self.name, *self.args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(self.name)))
+            runpy.run_path(self.name, run_name="__main__")
+
+
+@dataclass(frozen=True)
+class Node:
+    """This launcher's place in a launch over several machines: its ``rank`` of ``machines``, and the main process's
+    ``addr`` and ``port`` (``port`` 0 on one machine: a free port of this one)."""
+
+    rank: int = 0
+    machines: int = 1
+    addr: str = "127.0.0.1"
+    port: int = 0
+
+
+def _environment(argv: list[str]) -> tuple[dict, int, Script, Node]:
+    """accelerate's environment for the launch, its process count (every node's), what each rank runs and this
+    launcher's node."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import (
         prepare_deepspeed_cmd_env,
@@ -60,8 +97,10 @@ def _environment(argv: list[str]) -> tuple[dict, int, str, list[str]] | None:
 
     args = launch_command_parser().parse_args(argv)
     args, defaults, mp_from_config_flag = _validate_launch_command(args)
+    node = Node()
     if (args.num_machines or 1) > 1:
-        return None
+        node = Node(int(args.machine_rank), int(args.num_machines), str(args.main_process_ip),
+                    int(args.main_process_port))
     if args.use_deepspeed and not args.cpu:
         fields = list(defaults.deepspeed_config.keys()) if defaults else []
         if mp_from_config_flag:
@@ -72,7 +111,8 @@ def _environment(argv: list[str]) -> tuple[dict, int, str, list[str]] | None:
         env = prepare_multi_gpu_env(args)
     else:
         _, env = prepare_simple_launcher_cmd_env(args)
-    return dict(env), int(args.num_processes or 1), args.training_script, list(args.training_script_args)
+    script = Script(args.training_script, list(args.training_script_args), module=bool(args.module))
+    return dict(env), int(args.num_processes or 1), script, node
 
 
 def _preimport() -> None:
@@ -87,17 +127,19 @@ def _preimport() -> None:
     hold_frozen_heap()  # and vLLM's engines neither unfreeze it nor freeze their own objects
 
 
-def _run_rank(env: dict, rank: int, world: int, port: int, script: str, script_args: list[str]) -> int:
+def _run_rank(env: dict, rank: int | None, world: int, node: Node, port: int, script: Script) -> int:
+    """Run ``script`` as rank ``rank`` of ``world`` (None: as a plain process, without rank variables); its exit
+    code."""
     import atexit
-    import runpy
     import traceback
 
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
-                       "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
+    local_world = world // node.machines
+    os.environ.update({} if rank is None else {"RANK": str(rank), "LOCAL_RANK": str(rank % local_world), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(node.rank),
+                       "GROUP_WORLD_SIZE": str(node.machines), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+                       "MASTER_ADDR": node.addr, "MASTER_PORT": str(port)})
     for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):  # read at start-up only
         if entry and entry not in sys.path:
             sys.path.insert(0, entry)
@@ -108,11 +150,9 @@ def _run_rank(env: dict, rank: int, world: int, port: int, script: str, script_a
         torch.set_num_threads(int(threads))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
-    sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        script.run()
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     except BaseException:  # noqa: BLE001 - a rank's error is printed and becomes its exit code, as in torchrun
@@ -163,26 +203,7 @@ def _die_with_parent(parent: int) -> None:
             os._exit(1)
 
 
-def _run_multi_node(argv: list[str], watch) -> int:
-    """The real ``accelerate launch`` in a session of its own (its torchrun and ranks with it), waited for here;
-    signals go to all of them, and what it leaves running when it ends is killed."""
-    import subprocess
-
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "accelerate-launch"), *argv],
-                            start_new_session=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: _signal_group(proc.pid, signum))
-    while (code := _exit_code(proc.pid, reap=False)) is None:
-        if watch is not None and _closed(watch):
-            _signal_group(proc.pid, signal.SIGKILL)
-            watch = None
-        time.sleep(0.05)
-    _signal_group(proc.pid, signal.SIGKILL)
-    proc.wait()
-    return code
-
-
-def _torchrun_environment(argv: list[str]) -> tuple[dict, int, str, list[str]]:
+def _torchrun_environment(argv: list[str]) -> tuple[dict, int, Script]:
     """``--torchrun N script.py [arguments]``: what ``torchrun --nproc_per_node N script.py`` gives its processes (the
     caller's environment, and ``OMP_NUM_THREADS=1`` unless set when N > 1, as torchrun does; the rank variables are
     :func:`_run_rank`'s), without accelerate's variables: the tests of tests/dist/ run plain torch.distributed."""
@@ -190,36 +211,47 @@ def _torchrun_environment(argv: list[str]) -> tuple[dict, int, str, list[str]]:
     env = dict(os.environ)
     if int(world) > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
-    return env, int(world), script, script_args
+    return env, int(world), Script(script, script_args)
+
+
+def _plain_script(argv: list[str]) -> Script:
+    """``--plain script.py [arguments]`` or ``--plain -m module [arguments]``: one process, as ``python`` would run it
+    (no launcher's variables): the docs' commands (tests/test_docs.py puts ``trl-nrollout`` and ``accelerate launch``
+    through this launcher)."""
+    if argv[1:2] == ["-m"]:
+        return Script(argv[2], argv[3:], module=True)
+    return Script(argv[1], argv[2:])
 
 
 def main(argv: list[str], watch=None) -> int:
     """Launch; returns the exit code. ``watch``: a socket whose closing (the client that asked for this launch went
-    away, e.g. killed at a timeout) kills the ranks. ``argv``: ``accelerate launch``'s arguments, or
-    ``--torchrun N script.py [arguments]`` for torchrun's processes (:func:`_torchrun_environment`)."""
+    away, e.g. killed at a timeout) kills the ranks. ``argv``: ``accelerate launch``'s arguments,
+    ``--torchrun N script.py [arguments]`` for torchrun's processes (:func:`_torchrun_environment`), or ``--plain``
+    and a script or ``-m module`` for one plain process (:func:`_plain_script`)."""
+    node, ranked = Node(), True
     if argv[:1] == ["--torchrun"]:
-        env, world, script, script_args = _torchrun_environment(argv)
+        env, world, script = _torchrun_environment(argv)
+    elif argv[:1] == ["--plain"]:
+        env, world, script, ranked = dict(os.environ), 1, _plain_script(argv), False
     else:
-        prepared = _environment(argv)
-        if prepared is None:  # several machines: the real launcher, one per node
-            return _run_multi_node(argv, watch)
-        env, world, script, script_args = prepared
+        env, world, script, node = _environment(argv)
         env = {**os.environ, **env}
     _preimport()
-    port = _free_port()
+    port = node.port or _free_port()
+    mine = range(node.rank * world // node.machines, (node.rank + 1) * world // node.machines)
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}
     group = 0  # the launch's process group: rank 0's pid
     launcher = os.getpid()
-    for rank in range(world):
+    for rank in mine:
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
                 os.setpgid(0, group)
                 _die_with_parent(launcher)
-                code = _run_rank(env, rank, world, port, script, script_args)
+                code = _run_rank(env, rank if ranked else None, world, node, port, script)
             finally:
                 os._exit(code)
         with contextlib.suppress(OSError):  # as in the child: whichever runs first

@@ -87,6 +87,8 @@ def register_kernel_overrides_once() -> None:
     from vllm.platforms.cpu import CpuPlatform
 
     register = CpuPlatform.register_triton_kernel_overrides.__func__
+    if getattr(register, "once", False):  # (patched already in this process)
+        return
     done: list[bool] = []
 
     def once(cls) -> None:
@@ -94,4 +96,5 @@ def register_kernel_overrides_once() -> None:
             register(cls)
             done.append(True)
 
+    once.once = True
     CpuPlatform.register_triton_kernel_overrides = classmethod(once)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ACCELERATE_LAUNCH, ROOT
 
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -60,9 +61,9 @@ def python_block_results(tmp_path_factory) -> tuple[dict, str]:
         (folder / "recipes").symlink_to(ROOT / "recipes")  # docs refer to the repository's recipes
         spec.append({"name": doc.name, "code": "\n\n".join(blocks(doc, "python")), "cwd": str(folder)})
     (base / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/assets/run_python_blocks.py"), str(base / "spec.json"),
-                           str(base / "results.json")], cwd=base, capture_output=True, text=True, env=_env(),
-                          timeout=1200)
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--plain",  # one process, forked by the warm launcher str(ROOT / "tests/assets/run_python_blocks.py"),
+                           str(base / "spec.json"), str(base / "results.json")], cwd=base, capture_output=True,
+                          text=True, env=_env(), timeout=1200)
     results = json.loads((base / "results.json").read_text()) if (base / "results.json").exists() else {}
     return results, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
@@ -74,12 +75,37 @@ def test_python_blocks_run(doc, python_block_results):
     assert results[doc.name]["ok"], f"{doc.name}:\n{results[doc.name]['error']}\n{output}"
 
 
+def warm_commands(folder: Path) -> dict:
+    """An environment whose ``trl-nrollout`` and ``accelerate launch`` run through the suite's warm launcher
+    (tests/zygote.py: a process forked with torch, transformers, TRL and vLLM imported, 8-12 s of imports saved per
+    command here): ``trl-nrollout ARGS`` as ``python -m trl_nrollout.cli ARGS`` (the console script's entry point,
+    pyproject.toml), ``accelerate launch ARGS`` as the suite's launches run (accelerate's own parser and
+    environment); ``accelerate``'s other commands are the real one. The console script and the real ``accelerate
+    launch`` themselves: tests/test_train_command.py, tests/test_help.py, tests/test_rollout_ranks.py."""
+    from tests.conftest import ACCELERATE_LAUNCH
+
+    bin_dir = folder / "bin"
+    bin_dir.mkdir()
+    warm = " ".join(shlex.quote(w) for w in ACCELERATE_LAUNCH)
+    real = shlex.quote(str(Path(sys.executable).parent / "accelerate"))
+    shims = {"trl-nrollout": f'exec {warm} --plain -m trl_nrollout.cli "$@"\n',
+             "accelerate": f'if [ "${{1:-}}" = launch ]; then shift; exec {warm} "$@"; fi\nexec {real} "$@"\n'}
+    for name, body in shims.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    env = _env()
+    return {**env, "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}"}
+
+
 @pytest.mark.parametrize("doc", [d for d in DOCS if blocks(d, "bash")], ids=lambda p: p.name)
 def test_bash_blocks_run(doc, tmp_path):
+    """Every doc's ```bash blocks, each as one ``bash -euo pipefail`` script, in a folder with the repository's
+    recipes, its ``trl-nrollout`` and ``accelerate launch`` through the warm launcher (:func:`warm_commands`)."""
     (tmp_path / "recipes").symlink_to(ROOT / "recipes")
+    env = warm_commands(tmp_path)
     for body in blocks(doc, "bash"):
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=tmp_path, capture_output=True, text=True,
-                              env=_env(), timeout=600)
+                              env=env, timeout=600)
         assert proc.returncode == 0, f"{doc.name}:\n{body}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 

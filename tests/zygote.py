@@ -15,6 +15,9 @@ to start one, and a server runs only while it holds ``SOCKET.lock`` (a second on
 once; its socket is never taken over). A server also stops when the process that first started it (the test
 session) is gone, or after :data:`IDLE_S` without a request.
 
+The server's owner is the process that started its first client (``ZYGOTE_OWNER`` in the client's environment
+names another: the test session, whose commands may start clients from shells that end sooner).
+
 The server itself never runs a launch: it only forks. It holds no threads and no process group, so every fork
 starts as clean as a fresh interpreter that has imported the same modules.
 """
@@ -182,7 +185,8 @@ def _connect(path: str, start: bool):
         if sock is not None:  # started by the client before this one
             return sock
         with open(path + ".log", "ab") as log:  # the server keeps its own copy of the descriptor
-            server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path, str(os.getppid())],
+            owner = os.environ.get("ZYGOTE_OWNER") or str(os.getppid())  # (a test session's commands run in shells)
+            server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path, owner],
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                       cwd=HERE)
         deadline = time.monotonic() + 120
