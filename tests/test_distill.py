@@ -160,7 +160,9 @@ def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull_from_its_ow
 @pytest.mark.fast
 def test_a_teacher_engine_without_a_teacher_at_another_temperature_or_unknown_is_refused(tmp_path):
     """``teacher_backend='vllm'`` scores at temperature 1 only (vLLM's prompt log-probs are the raw logits'), needs a
-    teacher, and takes 'trainer' or 'vllm': each refused naming the option and the fix."""
+    teacher, takes 'trainer' or 'vllm', and is refused with rollout ranks when the config is built (before the
+    launch splits): each refused naming the option and the fix. Mutation tried (the rollout-rank rule): the rule
+    removed from ``rollout_ranks_refusal`` -> the single-process message instead -> fails."""
     from trl_nrollout import NRolloutConfig
 
     base = dict(output_dir=str(tmp_path), use_cpu=True)
@@ -171,7 +173,38 @@ def test_a_teacher_engine_without_a_teacher_at_another_temperature_or_unknown_is
         NRolloutConfig(**base, teacher_backend="vllm")
     with pytest.raises(InputError, match=r"teacher_backend='engine' is not one of \['trainer', 'vllm'\]"):
         NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="engine")
+    with pytest.raises(InputError, match=r"teacher_backend='vllm' with rollout_ranks=1: .* trainer ranks hold no "
+                                         r"engine .* Use teacher_backend='trainer' with rollout ranks"):
+        NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm",
+                       rollout_ranks=1)
     NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm")
+    from trl_nrollout.config.checks import rollout_ranks_refusal  # the teacher in the trainers: not refused
+
+    assert rollout_ranks_refusal(SimpleNamespace(rollout_ranks=1, rollout_backend="vllm", teacher_backend="trainer")) \
+        is None
+
+
+def test_a_teacher_engine_for_a_vision_language_policy_is_refused_before_any_engine_starts(tmp_path, monkeypatch):
+    """``teacher_backend='vllm'`` scores text samples; a vision-language policy's can carry images: the trainer's build
+    refuses it (the option, the value, the rule, the fix) before the rollout engine or the teacher's starts, not at
+    the first step. Mutation tried: the build's check removed (the step's check left) -> the build goes on to start
+    the engines (here: the patched start raises) -> fails."""
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.builtin import image_dataset
+    from trl_nrollout.trainer import engines, teacher
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("an engine started before the refusal")
+
+    monkeypatch.setattr(engines.EngineSetup, "start", no_start)
+    monkeypatch.setattr(teacher, "start_teacher_engine", no_start)
+    args = NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", rollout_backend="hf",
+                          per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
+                          teacher_model_name_or_path="builtin:tiny-idefics3", teacher_backend="vllm")
+    with pytest.raises(InputError, match=r"teacher_backend='vllm' with a vision-language policy .* scores text "
+                                         r"samples only .* Use teacher_backend='trainer'"):
+        NRolloutGRPOTrainer("builtin:tiny-idefics3", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                            args=args, train_dataset=image_dataset(4))
 
 
 @pytest.mark.vllm

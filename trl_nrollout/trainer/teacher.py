@@ -73,10 +73,8 @@ class TeacherTerm:
         if self.engine is None:
             return self.passes.log_probs(self.model, assigned.prompt_ids, assigned.completion_ids,
                                          self.passes.layout.ref_log_prob, assigned.mm)
-        if assigned.mm is not None and any(assigned.mm):
-            raise InputError("teacher_backend='vllm' scores text samples; these carry images (the engine would need "
-                             "the processor's image placeholders expanded as the policy's were). Use "
-                             "teacher_backend='trainer' for image prompts.")
+        if assigned.mm is not None and any(assigned.mm):  # (refused at the start: teacher_engine_refusal)
+            raise InputError(teacher_engine_refusal("vllm", is_vlm=True) or "image samples")
         rows = self.engine.score_completions(assigned.prompt_ids, assigned.completion_ids)
         self.engine.sleep()  # its memory back to the trainer until the next step (vLLM's sleep mode; CPU: no-op)
         out = torch.zeros(len(rows), max((len(r) for r in rows), default=0))
@@ -110,6 +108,19 @@ class TeacherTerm:
         return batch
 
 
+def teacher_engine_refusal(teacher_backend: str, *, is_vlm: bool) -> str | None:
+    """Why ``teacher_backend`` cannot score this run's samples, said when the trainer is built, before any engine
+    starts (None: it can). ``'vllm'`` scores text: a vision-language policy's samples can carry images (its
+    dataset's, a tool's, an environment's), whose placeholder tokens the teacher's engine would need expanded and
+    its image features computed as the policy's processor did; not built."""
+    if teacher_backend != "vllm" or not is_vlm:
+        return None
+    return ("teacher_backend='vllm' with a vision-language policy (processing_class is a processor): its samples can "
+            "carry images, and the teacher's engine scores text samples only (prompt_logprobs over token ids; the "
+            "images' placeholder tokens and features are not handed to it). Use teacher_backend='trainer' (the "
+            "teacher in the trainer processes scores image samples), or a text policy.")
+
+
 def check_vocabulary(name: str, teacher_config, student_config) -> None:
     """Refuse a teacher whose vocabulary is not the student's: the term compares log-probs of the same token ids.
     (Cross-tokenizer distillation would need the sampled text re-tokenized for the teacher and its tokens aligned
@@ -137,10 +148,6 @@ def start_teacher_engine(trainer) -> RolloutEngine | None:
     if not vllm_available():
         raise InputError("teacher_backend='vllm' serves the teacher on a vLLM engine, but vLLM is not installed: "
                          "install it, or set teacher_backend='trainer'.")
-    if args.rollout_ranks:
-        raise InputError(f"teacher_backend='vllm' with rollout_ranks={args.rollout_ranks}: the teacher's engine is "
-                         "built on the trainer ranks with the rollout's layout, which here places the engines on "
-                         "rollout ranks; not built. Use teacher_backend='trainer' with rollout ranks.")
     path = resolve_model(args.teacher_model_name_or_path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=bool(args.trust_remote_code))
     student = trainer.accelerator.unwrap_model(trainer.model)
