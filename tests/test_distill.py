@@ -120,11 +120,12 @@ def capturing_trainer(seen: list, teacher=None):
 def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull_from_its_own_engine(teacher_dir, tmp_path):
     """Rewards without signal (all 0: GRPO's advantages are 0) and a teacher served by a vLLM engine of its own
     (``teacher_backend='vllm'``: ``prompt_logprobs`` over prompt + completion; the student samples on the HF engine,
-    so one engine in this process): the batch's teacher log-probs equal a plain fp32 forward of the teacher (1e-4),
+    so one engine in this process), at temperature 0.7 (the engine serves the teacher with its head divided by 0.7:
+    vLLM scores from raw logits): the batch's teacher log-probs equal a plain fp32 forward of the teacher at 0.7 (1e-4),
     and each sampled token's advantage is ``-coef * (student - teacher)`` of plain forwards of the two models
     (padding 0); ``distill/reverse_kl`` is logged; no teacher weights are loaded in the trainer. Mutations: the
     term's sign or scale, the engine's log-probs read one position off, the old-policy pass skipped on-policy (the
-    term would read None) -> fails."""
+    term would read None); the copy's head not divided (``head.weight.detach() / 1.0``) -> fails."""
     from transformers import AutoModelForCausalLM
 
     from trl_nrollout import NRolloutConfig
@@ -136,7 +137,8 @@ def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull_from_its_ow
     args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=2, max_completion_length=6,
                           max_steps=2, rollout_backend="hf", report_to="none", use_cpu=True, bf16=False,
                           save_strategy="no", logging_steps=1, learning_rate=1e-2, seed=3,
-                          teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef, teacher_backend="vllm")
+                          teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef, teacher_backend="vllm",
+                          temperature=0.7)
     trainer = capturing_trainer(seen, teacher)("builtin:tiny-qwen2", args=args, train_dataset=digits_dataset(16),
                                                reward_funcs=[lambda completions, **kw: [0.0] * len(completions)])
     assert trainer.teacher_model is None and trainer.teacher.engine is not None
@@ -158,17 +160,15 @@ def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull_from_its_ow
 
 
 @pytest.mark.fast
-def test_a_teacher_engine_without_a_teacher_at_another_temperature_or_unknown_is_refused(tmp_path):
-    """``teacher_backend='vllm'`` scores at temperature 1 only (vLLM's prompt log-probs are the raw logits'), needs a
-    teacher, takes 'trainer' or 'vllm', and is refused with rollout ranks when the config is built (before the
+def test_a_teacher_engine_without_a_teacher_unknown_or_with_rollout_ranks_is_refused(tmp_path):
+    """``teacher_backend='vllm'`` needs a teacher, takes 'trainer' or 'vllm' (any temperature: its engine serves a
+    copy of the teacher with its head divided by the temperature), and is refused with rollout ranks when the config is built (before the
     launch splits): each refused naming the option and the fix. Mutation tried (the rollout-rank rule): the rule
     removed from ``rollout_ranks_refusal`` -> the single-process message instead -> fails."""
     from trl_nrollout import NRolloutConfig
 
     base = dict(output_dir=str(tmp_path), use_cpu=True)
-    with pytest.raises(InputError, match=r"teacher_backend='vllm' with temperature=0.7: .* Set temperature=1.0"):
-        NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm",
-                       temperature=0.7)
+    NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm", temperature=0.7)
     with pytest.raises(InputError, match=r"teacher_backend='vllm' .* teacher_model_name_or_path is not set"):
         NRolloutConfig(**base, teacher_backend="vllm")
     with pytest.raises(InputError, match=r"teacher_backend='engine' is not one of \['trainer', 'vllm'\]"):

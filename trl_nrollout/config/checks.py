@@ -225,14 +225,6 @@ class ConfigChecks:
             raise InputError("teacher_backend='vllm' serves the teacher on a vLLM engine, but "
                              "teacher_model_name_or_path is not set, so there is no teacher: set it, or remove "
                              "teacher_backend.")
-        if self.teacher_backend == "vllm" and self.temperature != 1.0:
-            raise InputError(
-                f"teacher_backend='vllm' with temperature={self.temperature}: the teacher term compares the two "
-                "models' log-probs at the sampling temperature, and vLLM scores given tokens (prompt_logprobs) from "
-                "the raw logits whatever the request's temperature or logprobs_mode (temperature 1 only; rescaling "
-                "needs the log-sum-exp over the whole vocabulary at the new temperature, which its top-k answer "
-                "lacks). Set temperature=1.0, or teacher_backend='trainer' (the teacher in the trainer processes, "
-                "at any temperature).")
 
     def _check_numbers(self) -> None:
         """NaN, inf or a value outside its range in any number option (:func:`number_refusal`) is an error here,

@@ -11,11 +11,14 @@ decoupled loss as its rewards are. Logged: ``distill/reverse_kl`` (the masked me
 
 With ``teacher_backend="vllm"`` the teacher is not loaded in the trainer processes: a vLLM engine of its own
 (:func:`start_teacher_engine`, the rollout's layout, beside the rollout engine) scores the sampled tokens with
-``prompt_logprobs`` (the ``SCORES`` capability of :mod:`~trl_nrollout.rollout.engines.protocol`), at temperature 1
-(the option's check refuses another temperature)."""
+``prompt_logprobs`` (the ``SCORES`` capability of :mod:`~trl_nrollout.rollout.engines.protocol`). vLLM scores given
+tokens from the raw logits, whatever the request's temperature; at a sampling temperature ``T`` other than 1 the
+engine serves a copy of the teacher whose output head is divided by ``T`` (:func:`scaled_head_teacher`: logits
+``W h / T``, so its raw log-probs are the teacher's at ``T``)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -133,6 +136,41 @@ def check_vocabulary(name: str, teacher_config, student_config) -> None:
             "Use a teacher of the policy's family (same tokenizer), or drop teacher_model_name_or_path.")
 
 
+def scaled_head_teacher(path: str, temperature: float, out: str, *, trust_remote_code: bool = False) -> str:
+    """A copy of the teacher at ``path`` whose output head (weight and bias) is divided by ``temperature``, saved in
+    ``out/temperature_<T>`` (kept where it is there already; the copy's folder is returned): its raw logits are the
+    teacher's divided by ``T``, so an engine scoring from raw logits gives the teacher's log-probs at ``T``. A tied
+    head is untied first (dividing the shared matrix would divide the embeddings too). Refused for a teacher whose
+    logits are not a plain head over its decoder (soft-capping, a logit scale: ``T`` does not pass through them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_nrollout.passes.logprobs import plain_output_head
+
+    folder = os.path.join(out, f"temperature_{temperature:g}")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code)
+    head = plain_output_head(model)
+    if head is None or not hasattr(head, "weight"):
+        raise InputError(f"teacher_backend='vllm' with temperature={temperature}: the engine scores from raw logits, "
+                         "so it serves the teacher with its output head divided by the temperature, but this "
+                         "teacher's logits are not a plain head over its decoder (soft-capping or a logit scale), "
+                         "which the temperature does not pass through. Set temperature=1.0, or "
+                         "teacher_backend='trainer'.")
+    with torch.no_grad():
+        head.weight = torch.nn.Parameter(head.weight.detach() / temperature)  # a tensor of its own: untied
+        if getattr(head, "bias", None) is not None:
+            head.bias = torch.nn.Parameter(head.bias.detach() / temperature)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    os.makedirs(out, exist_ok=True)
+    staging = f"{folder}.writing-{os.getpid()}"
+    model.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code).save_pretrained(staging)
+    os.replace(staging, folder)  # whole or absent: a later run reuses it
+    return folder
+
+
 def start_teacher_engine(trainer) -> RolloutEngine | None:
     """The teacher's vLLM engine of ``teacher_backend="vllm"`` on this rank (None otherwise): the rollout's layout
     (``rollout_tp_size``), the rollout engine's lengths and memory options, sleep mode where vLLM has it, built
@@ -152,6 +190,10 @@ def start_teacher_engine(trainer) -> RolloutEngine | None:
     config = AutoConfig.from_pretrained(path, trust_remote_code=bool(args.trust_remote_code))
     student = trainer.accelerator.unwrap_model(trainer.model)
     check_vocabulary(args.teacher_model_name_or_path, config.get_text_config(), student.config)
+    if args.temperature != 1.0:  # one copy per node, its local main process writes it first
+        with trainer.accelerator.local_main_process_first():
+            path = scaled_head_teacher(path, args.temperature, os.path.join(args.output_dir, "teacher_engine"),
+                                       trust_remote_code=bool(args.trust_remote_code))
     max_len, expected = trainer.engine_setup.vllm_lengths()
     context = getattr(config.get_text_config(), "max_position_embeddings", None) or max_len
     acc = trainer.accelerator
