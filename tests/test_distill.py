@@ -184,6 +184,29 @@ def test_a_teacher_engine_without_a_teacher_unknown_or_with_rollout_ranks_is_ref
         is None
 
 
+@pytest.mark.fast
+def test_the_teacher_engines_copy_at_a_temperature_divides_the_head_only(teacher_dir, tmp_path):
+    """``scaled_head_teacher``: the copy the teacher's engine serves at temperature 0.7 gives the teacher's logits
+    divided by 0.7 (1e-5) on the same tokens, its embeddings untouched (the built-in head is tied: the copy unties
+    it), and a second call reuses the copy. Mutation tried: the tied head divided in place
+    (``head.weight.data /= temperature``, embeddings divided too) -> fails."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_nrollout.trainer.teacher import scaled_head_teacher
+
+    folder = scaled_head_teacher(teacher_dir, 0.7, str(tmp_path))
+    plain = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    copy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert plain.config.tie_word_embeddings and not copy.config.tie_word_embeddings
+    ids = torch.tensor([[3, 17, 5, 40, 9, 11, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(copy(ids).logits, plain(ids).logits / 0.7, atol=1e-5, rtol=1e-5)
+    assert torch.equal(copy.model.embed_tokens.weight, plain.model.embed_tokens.weight)
+    stamp = (tmp_path / "temperature_0.7" / "config.json").stat().st_mtime_ns
+    assert scaled_head_teacher(teacher_dir, 0.7, str(tmp_path)) == folder
+    assert (tmp_path / "temperature_0.7" / "config.json").stat().st_mtime_ns == stamp
+
+
 def test_a_teacher_engine_for_a_vision_language_policy_is_refused_before_any_engine_starts(tmp_path, monkeypatch):
     """``teacher_backend='vllm'`` scores text samples; a vision-language policy's can carry images: the trainer's build
     refuses it (the option, the value, the rule, the fix) before the rollout engine or the teacher's starts, not at

@@ -19,6 +19,7 @@ engine serves a copy of the teacher whose output head is divided by ``T`` (:func
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Any
 
@@ -167,7 +168,12 @@ def scaled_head_teacher(path: str, temperature: float, out: str, *, trust_remote
     staging = f"{folder}.writing-{os.getpid()}"
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code).save_pretrained(staging)
-    os.replace(staging, folder)  # whole or absent: a later run reuses it
+    try:
+        os.replace(staging, folder)  # whole or absent: a later run reuses it
+    except OSError:  # another node's process wrote it first (a shared file system): keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            raise
     return folder
 
 
