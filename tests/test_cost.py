@@ -212,6 +212,21 @@ def test_a_teacher_engine_moves_the_teachers_weights_out_of_the_trainer_and_sugg
     assert any(c.reason is None and c.options["teacher_backend"] == "vllm" for c in found)
 
 
+def test_a_teacher_engine_at_another_temperature_holds_a_tied_head_twice():
+    """At a temperature other than 1 the teacher's engine serves a copy with its head divided by it, untied: a tied
+    teacher's engine holds one more ``[V, H]`` matrix (split over TP); an untied teacher's, or at 1, nothing more.
+    Mutation tried: the untied head not counted -> the difference is 0 -> fails."""
+    layout = _layout(world=8, tp=2)
+    work = Workload(prompt_len=256, completion_mean=512, completion_max=1024, teacher_engine=True)
+    tied = replace(QWEN7, tie_word_embeddings=True, name="tied")
+    at = {t: predict_step(QWEN7, layout, replace(work, teacher=tied, temperature=t), PROFILES["h100"]).engine_bytes
+          for t in (1.0, 0.7)}
+    assert at[0.7] - at[1.0] == pytest.approx(tied.vocab_size * tied.hidden_size * tied.dtype_bytes / 2, abs=1)
+    untied = replace(QWEN7, tie_word_embeddings=False)
+    assert (predict_step(QWEN7, layout, replace(work, teacher=untied, temperature=0.7), PROFILES["h100"]).engine_bytes
+            == predict_step(QWEN7, layout, replace(work, teacher=untied), PROFILES["h100"]).engine_bytes)
+
+
 def test_a_reference_model_is_held_beside_the_policy_without_lora():
     """A KL term's reference model is a copy of the policy's weights in their dtype (split over the trainers with
     ZeRO-3 / FSDP); with LoRA the reference is the base with the adapter off, no copy. Mutation tried: dropping the

@@ -120,11 +120,12 @@ def capturing_trainer(seen: list, teacher=None):
 def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull_from_its_own_engine(teacher_dir, tmp_path):
     """Rewards without signal (all 0: GRPO's advantages are 0) and a teacher served by a vLLM engine of its own
     (``teacher_backend='vllm'``: ``prompt_logprobs`` over prompt + completion; the student samples on the HF engine,
-    so one engine in this process): the batch's teacher log-probs equal a plain fp32 forward of the teacher (1e-4),
+    so one engine in this process), at temperature 0.7 (the engine serves the teacher with its head divided by 0.7:
+    vLLM scores from raw logits): the batch's teacher log-probs equal a plain fp32 forward of the teacher at 0.7 (1e-4),
     and each sampled token's advantage is ``-coef * (student - teacher)`` of plain forwards of the two models
     (padding 0); ``distill/reverse_kl`` is logged; no teacher weights are loaded in the trainer. Mutations: the
     term's sign or scale, the engine's log-probs read one position off, the old-policy pass skipped on-policy (the
-    term would read None) -> fails."""
+    term would read None); the copy's head not divided (``head.weight.detach() / 1.0``) -> fails."""
     from transformers import AutoModelForCausalLM
 
     from trl_nrollout import NRolloutConfig
@@ -136,7 +137,8 @@ def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull_from_its_ow
     args = NRolloutConfig(output_dir=str(tmp_path), train_batch_size=4, rollout_n=2, max_completion_length=6,
                           max_steps=2, rollout_backend="hf", report_to="none", use_cpu=True, bf16=False,
                           save_strategy="no", logging_steps=1, learning_rate=1e-2, seed=3,
-                          teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef, teacher_backend="vllm")
+                          teacher_model_name_or_path=teacher_dir, teacher_kl_coef=coef, teacher_backend="vllm",
+                          temperature=0.7)
     trainer = capturing_trainer(seen, teacher)("builtin:tiny-qwen2", args=args, train_dataset=digits_dataset(16),
                                                reward_funcs=[lambda completions, **kw: [0.0] * len(completions)])
     assert trainer.teacher_model is None and trainer.teacher.engine is not None
@@ -158,20 +160,74 @@ def test_with_rewards_off_each_tokens_advantage_is_the_teachers_pull_from_its_ow
 
 
 @pytest.mark.fast
-def test_a_teacher_engine_without_a_teacher_at_another_temperature_or_unknown_is_refused(tmp_path):
-    """``teacher_backend='vllm'`` scores at temperature 1 only (vLLM's prompt log-probs are the raw logits'), needs a
-    teacher, and takes 'trainer' or 'vllm': each refused naming the option and the fix."""
+def test_a_teacher_engine_without_a_teacher_unknown_or_with_rollout_ranks_is_refused(tmp_path):
+    """``teacher_backend='vllm'`` needs a teacher, takes 'trainer' or 'vllm' (any temperature: its engine serves a
+    copy of the teacher with its head divided by the temperature), and is refused with rollout ranks when the config is built (before the
+    launch splits): each refused naming the option and the fix. Mutation tried (the rollout-rank rule): the rule
+    removed from ``rollout_ranks_refusal`` -> the single-process message instead -> fails."""
     from trl_nrollout import NRolloutConfig
 
     base = dict(output_dir=str(tmp_path), use_cpu=True)
-    with pytest.raises(InputError, match=r"teacher_backend='vllm' with temperature=0.7: .* Set temperature=1.0"):
-        NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm",
-                       temperature=0.7)
+    NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm", temperature=0.7)
     with pytest.raises(InputError, match=r"teacher_backend='vllm' .* teacher_model_name_or_path is not set"):
         NRolloutConfig(**base, teacher_backend="vllm")
     with pytest.raises(InputError, match=r"teacher_backend='engine' is not one of \['trainer', 'vllm'\]"):
         NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="engine")
+    with pytest.raises(InputError, match=r"teacher_backend='vllm' with rollout_ranks=1: .* trainer ranks hold no "
+                                         r"engine .* Use teacher_backend='trainer' with rollout ranks"):
+        NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm",
+                       rollout_ranks=1)
     NRolloutConfig(**base, teacher_model_name_or_path="builtin:tiny-qwen2", teacher_backend="vllm")
+    from trl_nrollout.config.checks import rollout_ranks_refusal  # the teacher in the trainers: not refused
+
+    assert rollout_ranks_refusal(SimpleNamespace(rollout_ranks=1, rollout_backend="vllm", teacher_backend="trainer")) \
+        is None
+
+
+@pytest.mark.fast
+def test_the_teacher_engines_copy_at_a_temperature_divides_the_head_only(teacher_dir, tmp_path):
+    """``scaled_head_teacher``: the copy the teacher's engine serves at temperature 0.7 gives the teacher's logits
+    divided by 0.7 (1e-5) on the same tokens, its embeddings untouched (the built-in head is tied: the copy unties
+    it), and a second call reuses the copy. Mutation tried: the tied head divided in place
+    (``head.weight.data /= temperature``, embeddings divided too) -> fails."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_nrollout.trainer.teacher import scaled_head_teacher
+
+    folder = scaled_head_teacher(teacher_dir, 0.7, str(tmp_path))
+    plain = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    copy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert plain.config.tie_word_embeddings and not copy.config.tie_word_embeddings
+    ids = torch.tensor([[3, 17, 5, 40, 9, 11, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(copy(ids).logits, plain(ids).logits / 0.7, atol=1e-5, rtol=1e-5)
+    assert torch.equal(copy.model.embed_tokens.weight, plain.model.embed_tokens.weight)
+    stamp = (tmp_path / "temperature_0.7" / "config.json").stat().st_mtime_ns
+    assert scaled_head_teacher(teacher_dir, 0.7, str(tmp_path)) == folder
+    assert (tmp_path / "temperature_0.7" / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_a_teacher_engine_for_a_vision_language_policy_is_refused_before_any_engine_starts(tmp_path, monkeypatch):
+    """``teacher_backend='vllm'`` scores text samples; a vision-language policy's can carry images: the trainer's build
+    refuses it (the option, the value, the rule, the fix) before the rollout engine or the teacher's starts, not at
+    the first step. Mutation tried: the build's check removed (the step's check left) -> the build goes on to start
+    the engines (here: the patched start raises) -> fails."""
+    from trl_nrollout import NRolloutConfig, NRolloutGRPOTrainer
+    from trl_nrollout.builtin import image_dataset
+    from trl_nrollout.trainer import engines, teacher
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("an engine started before the refusal")
+
+    monkeypatch.setattr(engines.EngineSetup, "start", no_start)
+    monkeypatch.setattr(teacher, "start_teacher_engine", no_start)
+    args = NRolloutConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", rollout_backend="hf",
+                          per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
+                          teacher_model_name_or_path="builtin:tiny-idefics3", teacher_backend="vllm")
+    with pytest.raises(InputError, match=r"teacher_backend='vllm' with a vision-language policy .* scores text "
+                                         r"samples only .* Use teacher_backend='trainer'"):
+        NRolloutGRPOTrainer("builtin:tiny-idefics3", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                            args=args, train_dataset=image_dataset(4))
 
 
 @pytest.mark.vllm

@@ -256,6 +256,58 @@ def test_the_teacher_pass_equals_a_plain_forward_under_a_small_budget(teacher_pa
                     metrics=part.metrics).hidden_states(teacher, ids, mask, keep, "train")
 
 
+@pytest.fixture
+def gloo_world_of_one():
+    """A one-process gloo group (FSDP2's ``fully_shard`` needs one), destroyed after."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.fast
+def test_an_fsdp2_teacher_runs_our_pass_and_gives_the_plain_teachers_loss(teacher_path, gloo_world_of_one,
+                                                                         tmp_path):
+    """The teacher sharded by FSDP2 (``fully_shard`` per decoder layer and at the root, as accelerate's FSDP2 prepares
+    it; a one-process gloo group: accelerate cannot run FSDP on a CPU): TRL's loss calls the teacher's backbone
+    inside the teacher's own forward, and there our pass runs (padding-free rows, a 12-token budget: several
+    forwards), not TRL's padded fallback; the loss and every student gradient equal those with the plain teacher
+    (1e-5), without and with a tool mask. Mutation tried: ``lean_parts`` refusing FSDP whatever ``in_forward`` (the
+    fallback of before) -> our pass does not run -> fails."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from trl_nrollout.builtin import digits_dataset, resolve_model
+    from trl_nrollout.passes.distributed import is_fsdp
+    from trl_nrollout.trainer.distillation import NRolloutDistillationTrainer
+
+    settings = dict(beta=0.5, temperature=0.7, max_completion_length=6, per_device_train_batch_size=3, seed=1,
+                    ref_log_prob_max_token_len_per_device=12, **BASE)
+    ours = NRolloutDistillationTrainer(resolve_model("builtin:tiny-qwen2"), teacher_model=teacher_path,
+                                       train_dataset=digits_dataset(6),
+                                       args=NRolloutDistillationConfig(output_dir=str(tmp_path), rollout_backend="hf",
+                                                                       **settings))
+    sharded = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32).eval()
+    for layer in sharded.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    assert is_fsdp(sharded)
+    plain_teacher = ours.teacher_model
+    vocab = ours.model.config.vocab_size
+    for tools in (False, True):
+        batch = _batch(vocab, tools)
+        ours.teacher_model = plain_teacher
+        loss_p, grads_p = _loss_and_grads(ours, batch)
+        ours.teacher_model, ours.teacher_pass.last = sharded, None
+        loss_s, grads_s = _loss_and_grads(ours, batch)
+        assert ours.teacher_pass.last is not None and ours.teacher_pass.last.num_forwards > 1  # our pass ran
+        torch.testing.assert_close(loss_s, loss_p, atol=1e-5, rtol=1e-5)
+        assert grads_s.keys() == grads_p.keys() and len(grads_p) > 0
+        for name, grad in grads_p.items():
+            torch.testing.assert_close(grads_s[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def _bf16_checkpoint(source: str, out) -> str:
     """``source`` (a model folder) saved in bfloat16 in ``out``, with its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -166,7 +166,11 @@ def test_two_processes_match_one(modes, tiny_model_path, tmp_path):
     batches do not hang (ZeRO-3 / FSDP gather per
     forward), nor do ranks that need different numbers of output-head chunks (under ZeRO-3 each call of the head
     module gathers its weight; the timeout turns such a hang into a failure). The sharded wrappers share one launch
-    (each model wrapped and checked in turn); DDP, accelerate's CPU launch, has its own."""
+    (each model wrapped and checked in turn); DDP, accelerate's CPU launch, has its own. Under FSDP1 and FSDP2 the
+    distillation teacher's pass (hidden states, padding-free, a 24-token budget) run inside the sharded model's own
+    forward equals the plain model's, every rank as many forwards. Mutation tried (that entry): the pass's forwards
+    not synced under FSDP (``sync_forwards = is_zero3(inner)``) -> the ranks' gathers no longer pair up, the launch
+    hangs -> fails at the timeout."""
     env = {"ACCELERATE_USE_CPU": "1"} if modes == ["ddp"] else {"ACCELERATE_USE_CPU": None}
     run_cmd([*torchrun(2), str(ROOT / "tests/dist/logprobs_dist.py"), ",".join(modes),
              tiny_model_path, str(tmp_path)], timeout=240, env=env)
@@ -186,3 +190,7 @@ def test_two_processes_match_one(modes, tiny_model_path, tmp_path):
         if mode in ("zero3", "fsdp1", "fsdp2"):
             assert results[0]["modes"][mode]["num_forwards"] == results[1]["modes"][mode]["num_forwards"], mode
             assert all(r["modes"][mode]["local_numel_after_wrap"] < full for r in results), mode  # really sharded
+        if mode in ("fsdp1", "fsdp2"):  # the distillation teacher's pass inside the sharded model's own forward
+            assert all(r["modes"][mode]["max_abs_diff_hidden"] < TOL for r in results), mode
+            forwards = [r["modes"][mode]["hidden_forwards"] for r in results]
+            assert forwards[0] == forwards[1] > 1, mode

@@ -69,6 +69,22 @@ def wrap(mode: str, model, accelerator):
     return accelerator.prepare(model), -1
 
 
+def hidden_states(mode: str, model, plain, rank: int) -> dict:
+    """The distillation teacher's pass (:func:`~trl_nrollout.passes.hidden.completion_hidden_states`: padding-free
+    rows, a 24-token budget, a different count of samples per rank) run inside the wrapped model's own forward, as
+    TRL's loss calls its teacher (``_forward_redirection``), against the plain model's hidden states."""
+    from trl.models.utils import _ForwardRedirection
+
+    from trl_nrollout.passes.hidden import completion_hidden_states
+    from trl_nrollout.passes.logprobs import unwrap_model
+
+    prompts, completions = samples(rank, 9 + 5 * rank)
+    ref = completion_hidden_states(plain, prompts, completions).hidden
+    got = _ForwardRedirection()(model, unwrap_model(model), lambda: completion_hidden_states(
+        model, prompts, completions, max_token_len=24, padding_free=True, in_forward=True))
+    return {"max_abs_diff_hidden": float((got.hidden - ref).abs().max()), "hidden_forwards": got.num_forwards}
+
+
 def check(mode: str, model, plain, rank: int, sharded: int) -> dict:
     """The log-prob passes of ``model`` against the plain single-process model's."""
     model.train()  # the pass must put it in eval mode and restore training mode after
@@ -102,6 +118,7 @@ def check(mode: str, model, plain, rank: int, sharded: int) -> dict:
         "packed_micro_batches": -(-len(g_prompts) // 8),
         "max_abs_diff_packed": float((packed.logprobs - g_ref.logprobs).abs().max()),
         "max_abs_diff_packed_entropy": float((packed.entropy - g_ref.entropy).abs().max()),
+        **(hidden_states(mode, model, plain, rank) if mode in ("fsdp1", "fsdp2") else {}),
     }
 
 

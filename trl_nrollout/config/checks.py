@@ -120,6 +120,11 @@ def rollout_ranks_refusal(config: ConfigChecks) -> str | None:
         return ("weight_sync_delta=True sends each weight version to the rollout ranks as what changed since the "
                 "last one, but rollout_ranks=0: colocated engines load the weights in their own process, where no "
                 "bytes cross a link to save. Set rollout_ranks (docs/backends.md), or remove weight_sync_delta.")
+    if getattr(config, "teacher_backend", "trainer") == "vllm" and r:
+        return (f"teacher_backend='vllm' with rollout_ranks={r}: the teacher's engine is built on the trainer ranks "
+                "with the rollout's layout, and with rollout ranks the trainer ranks hold no engine (scoring on the "
+                "rollout ranks, beside the student's engine, is not built). Use teacher_backend='trainer' with "
+                "rollout ranks, or rollout_ranks=0.")
     return None
 
 
@@ -220,13 +225,6 @@ class ConfigChecks:
             raise InputError("teacher_backend='vllm' serves the teacher on a vLLM engine, but "
                              "teacher_model_name_or_path is not set, so there is no teacher: set it, or remove "
                              "teacher_backend.")
-        if self.teacher_backend == "vllm" and self.temperature != 1.0:
-            raise InputError(
-                f"teacher_backend='vllm' with temperature={self.temperature}: the teacher term compares the two "
-                "models' log-probs at the sampling temperature, and vLLM scores given tokens (prompt_logprobs) from "
-                "the raw logits, at temperature 1 only (its top-k log-probs cannot be renormalized at another "
-                "temperature). Set temperature=1.0, or teacher_backend='trainer' (the teacher in the trainer "
-                "processes, at any temperature).")
 
     def _check_numbers(self) -> None:
         """NaN, inf or a value outside its range in any number option (:func:`number_refusal`) is an error here,

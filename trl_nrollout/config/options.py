@@ -160,8 +160,9 @@ class NRolloutConfig(ConfigChecks, ConfigDerivation, GRPOConfig):
                 "batches or token budget, its sharding) or 'vllm' (a vLLM engine of its own on each rollout engine's "
                 "ranks, the rollout's tensor-parallel layout, asleep while the policy trains where vLLM's sleep mode "
                 "runs (CUDA; vllm_enable_sleep_mode), scoring the sampled tokens with prompt_logprobs: no teacher "
-                "weights in the trainer). 'vllm' gives log-probs at temperature 1 (vLLM's prompt log-probs are the "
-                "raw logits'), so it needs temperature=1.0. `trl-nrollout plan --suggest` prices both."})
+                "weights in the trainer). vLLM scores from the raw logits, so at a temperature other than 1 'vllm' "
+                "serves a copy of the teacher whose output head is divided by the temperature (written once in "
+                "output_dir/teacher_engine). `trl-nrollout plan --suggest` prices both."})
     clip_ratio_low: float | None = field(default=None, metadata={"help": "PPO lower clip (TRL epsilon)."})
     clip_ratio_high: float | None = field(default=None, metadata={
         "help": "PPO upper clip (TRL epsilon_high; DAPO's clip-higher)."})

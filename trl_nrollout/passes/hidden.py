@@ -37,17 +37,21 @@ class HiddenOutput:
     micro_batches: list[list[int]]
 
 
-def lean_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+def lean_parts(model: nn.Module, *, in_forward: bool = False) -> tuple[nn.Module, nn.Module] | None:
     """(decoder, output head) of ``model`` (wrappers stripped) when its logits are a plain head over its decoder (no
-    soft-capping, no logit scale, not FSDP-wrapped); None otherwise (then the model's own forward must run)."""
+    soft-capping, no logit scale); None otherwise (then the model's own forward must run). An FSDP-wrapped model
+    (FSDP1 or FSDP2) only ``in_forward``: when the caller runs inside the model's own forward, whose hooks have
+    gathered the root's parameters (the embeddings, the final norm) and whose layers gather theirs as they are
+    called, as TRL's ``_forward_redirection`` runs its teacher's backbone; outside it they are shards."""
     inner = unwrap_model(model)
-    return None if is_fsdp(inner) else _lean_parts(inner)
+    return None if is_fsdp(inner) and not in_forward else _lean_parts(inner)
 
 
 @torch.no_grad()
 def completion_hidden_states(model: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                              *, max_token_len: int | None = None, pad_token_id: int = 0, padding_free: bool = False,
-                             pad_to_multiple_of: int | None = None, sync_forwards: bool | None = None) -> HiddenOutput:
+                             pad_to_multiple_of: int | None = None, sync_forwards: bool | None = None,
+                             in_forward: bool = False) -> HiddenOutput:
     """The decoder's last hidden states at the completion positions of each sample ``[B, C_max, H]``.
 
     - ``prompts[i]``, ``completions[i]``: real token ids (no padding) of sample ``i``; every prompt non-empty.
@@ -56,15 +60,19 @@ def completion_hidden_states(model: nn.Module, prompts: Sequence[Sequence[int]],
     - ``padding_free``: lay a forward's samples end to end in rows (:mod:`~trl_nrollout.passes.padfree`) where that
       saves a tenth of its slots; the caller vouches that the model takes a block mask or varlen boundaries.
     - ``sync_forwards``: every rank runs as many forwards as the busiest (default: under ZeRO-3 or FSDP).
+    - ``in_forward``: the caller runs this inside ``model``'s own forward (needed for an FSDP-wrapped model, see
+      :func:`lean_parts`); the decoder then runs once per micro batch, its FSDP layers gathering their parameters
+      in each (every rank as many times: ``sync_forwards``).
 
     ``model`` must have a plain head over its decoder (:func:`lean_parts`); it is put in eval mode and restored."""
     prompts = [list(p) for p in prompts]
     completions = [list(c) for c in completions]
     inner = unwrap_model(model)
-    parts = lean_parts(inner)
+    parts = lean_parts(inner, in_forward=in_forward)
     if parts is None:
         raise ValueError("completion_hidden_states needs a causal LM whose logits are a plain head over its decoder "
-                         "(no soft-capping or logit scale, not FSDP-wrapped); run the model's own forward instead.")
+                         "(no soft-capping or logit scale; FSDP-wrapped only when called inside the model's own "
+                         "forward, in_forward=True); run the model's own forward instead.")
     if not prompts or len(prompts) != len(completions) or any(len(p) == 0 for p in prompts):
         raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions: they must pair up (at least "
                          "one), and every prompt needs a token before its completion.")

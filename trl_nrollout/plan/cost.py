@@ -201,12 +201,14 @@ def frozen_weight_bytes(dims: ModelDims, work: Workload, trainers: int) -> tuple
 
 
 def teacher_engine_bytes(work: Workload, layout: RolloutLayout) -> int:
-    """A teacher engine's bytes per device (``work.teacher_engine``): its weights split over the TP group and the
-    float32 logits of its longest sample's prompt log-probs (vLLM scores a request's tokens at once); 0 without."""
+    """A teacher engine's bytes per device (``work.teacher_engine``): its weights split over the TP group (a tied
+    head counted twice at a temperature other than 1: the engine's copy unties it) and the float32 logits of its
+    longest sample's prompt log-probs (vLLM scores a request's tokens at once); 0 without."""
     t = work.teacher
     if t is None or not work.teacher_engine:
         return 0
-    return (math.ceil(t.num_parameters * t.dtype_bytes / layout.rollout_tp_size)
+    untied = t.vocab_size * t.hidden_size if t.tie_word_embeddings and work.temperature != 1.0 else 0
+    return (math.ceil((t.num_parameters + untied) * t.dtype_bytes / layout.rollout_tp_size)
             + math.ceil(work.row_width) * t.vocab_size * 4)
 
 

@@ -86,6 +86,7 @@ def workload_of(values: dict[str, Any], budget: UpdateBudget | None = None) -> t
                         gradient_checkpointing=values.get("gradient_checkpointing") is not False,
                         pool_factor=pool_factor(values), partial=bool(values.get("rollout_partial")),
                         teacher=teacher_dims_of(values), teacher_engine=values.get("teacher_backend") == "vllm",
+                        temperature=float(values.get("temperature") or 1.0),
                         lora_sync="adapter" if lora is not None and lora_sync_mode(values) == "adapter" else "merged")
     except ValueError as err:
         raise PlanError(str(err)) from None

@@ -88,6 +88,9 @@ class Workload:
     #: engine's TP group) and its scoring logits held beside the rollout engine's, none in the trainer; its pass one
     #: engine call over the samples' tokens (prompt log-probs), without the trainer's gathers or micro batches
     teacher_engine: bool = False
+    #: the sampling temperature: at another than 1 the teacher's engine serves a copy whose output head is divided
+    #: by it, untied from the embeddings, so a tied teacher's engine holds its ``[V, H]`` matrix twice
+    temperature: float = 1.0
 
     @property
     def sample_len(self) -> float:

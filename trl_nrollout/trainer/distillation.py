@@ -8,7 +8,8 @@ a part, :class:`StudentSampler`, which samples them on this rank's engine of our
 :func:`~trl_nrollout.rollout.engines.build.build_engine` through GRPO's :class:`~trl_nrollout.trainer.engines.EngineSetup`:
 its checked start, its tensor-parallel layout, its bucketed weight sync after each optimizer step, LoRA adapter or
 merged sync). The teacher's forward inside TRL's loss runs as our reference pass does (:class:`TeacherPass`:
-padding-free rows, ``ref_log_prob_max_token_len_per_device``'s token budget, sharded as TRL prepares the teacher),
+padding-free rows, ``ref_log_prob_max_token_len_per_device``'s token budget, sharded as TRL prepares the teacher:
+ZeRO-3, FSDP1 or FSDP2, every rank as many forwards as the busiest),
 its hidden states handed to TRL's chunked divergence. Everything else is TRL's own code, inherited unchanged: the
 data order and buffering, the tool loop, the chunked generalized JSD for every ``beta``, the temperature, the
 masking of prompt, padding and tool tokens. With ``rollout_backend='hf'`` TRL's transformers ``generate`` samples.
@@ -109,15 +110,19 @@ class TeacherPass:
     @staticmethod
     def takes(teacher, input_ids, attention_mask, logits_to_keep: int, multimodal: dict[str, Any]) -> bool:
         """Whether this pass can stand in for TRL's call: a text teacher whose logits are a plain head over its
-        decoder, completions right-padded (their mask a prefix of ones: TRL's layout)."""
-        if any(v is not None for v in multimodal.values()) or lean_parts(teacher) is None:
+        decoder, completions right-padded (their mask a prefix of ones: TRL's layout). FSDP-sharded teachers too:
+        TRL's loss calls the teacher's backbone inside the teacher's own forward (``_forward_redirection``), where
+        FSDP has gathered the root's parameters and each layer gathers its own (:func:`~trl_nrollout.passes.hidden.
+        lean_parts`)."""
+        if any(v is not None for v in multimodal.values()) or lean_parts(teacher, in_forward=True) is None:
             return False
         mask = attention_mask[:, input_ids.shape[1] - logits_to_keep:]
         return bool((mask[:, 1:] <= mask[:, :-1]).all())
 
     def hidden_states(self, teacher, input_ids, attention_mask, logits_to_keep: int, mode: str):
         """``[B, K]`` completion positions' hidden states ``[B, K, H]`` of TRL's ``input_ids`` / ``attention_mask``
-        ``[B, P + K]`` (prompts left-padded, completions right-padded); zero past each completion's end."""
+        ``[B, P + K]`` (prompts left-padded, completions right-padded); zero past each completion's end. Called by
+        TRL's loss inside the teacher's own forward (``_forward_redirection``: FSDP's parameters gathered there)."""
         start = time.perf_counter()
         split = input_ids.shape[1] - logits_to_keep
         prompts, completions = from_padded(input_ids[:, :split], attention_mask[:, :split], input_ids[:, split:],
@@ -130,7 +135,7 @@ class TeacherPass:
                              "max_completion_length), or leave it unset (one forward per micro batch).")
         out = completion_hidden_states(teacher, prompts, completions, max_token_len=self.max_token_len,
                                        pad_token_id=self.pad_token_id, padding_free=self.padding_free,
-                                       pad_to_multiple_of=self.pad_to_multiple_of)
+                                       pad_to_multiple_of=self.pad_to_multiple_of, in_forward=True)
         self.last = out
         self.metrics.add(mode, "timing_s/teacher", time.perf_counter() - start)
         hidden = out.hidden

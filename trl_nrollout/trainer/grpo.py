@@ -38,6 +38,7 @@ from trl_nrollout.algos.losses import AdaptiveKLController, FixedKLController
 from trl_nrollout.config.checks import policy_checks
 from trl_nrollout.config.options import NRolloutConfig, to_nrollout_config
 from trl_nrollout.config.trl_options import UnsupportedTRLOption, drop_in_arguments
+from trl_nrollout.errors import InputError
 from trl_nrollout.passes.multimodal import EncodedPrompts, has_images, prompt_images, without_images
 from trl_nrollout.passes.ulysses import shared_shuffle
 from trl_nrollout.rollout.axes import dispatch_rule
@@ -95,7 +96,7 @@ from trl_nrollout.trainer.stages import (
     StepContext,
     split_rows,
 )
-from trl_nrollout.trainer.teacher import TeacherTerm, start_teacher_engine
+from trl_nrollout.trainer.teacher import TeacherTerm, start_teacher_engine, teacher_engine_refusal
 from trl_nrollout.trainer.update import EntropyControl, LossConfig, MicroStep, PolicyUpdate
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
                         if args.kl_ctrl_type == "adaptive" else FixedKLController(args.kl_coef))
         if args.use_kl_in_reward and self.ref_model is None and not self._is_peft():
             self.ref_model = build_reference(self.model, self.accelerator, self.is_deepspeed_enabled)
+        if (why := teacher_engine_refusal(args.teacher_backend, is_vlm=self._is_vlm)) is not None:
+            raise InputError(why)  # before any engine starts
         self.teacher_model = TeacherTerm.load(args, self.model, self.accelerator, self.is_deepspeed_enabled)
         self.update_budget = resolve_update_budget(args, self.accelerator, self.model, self.forward_rules,
                                                    fsdp=self.is_fsdp_enabled, prompt_length=self._prompt_length_hint,

@@ -11,11 +11,15 @@ decoupled loss as its rewards are. Logged: ``distill/reverse_kl`` (the masked me
 
 With ``teacher_backend="vllm"`` the teacher is not loaded in the trainer processes: a vLLM engine of its own
 (:func:`start_teacher_engine`, the rollout's layout, beside the rollout engine) scores the sampled tokens with
-``prompt_logprobs`` (the ``SCORES`` capability of :mod:`~trl_nrollout.rollout.engines.protocol`), at temperature 1
-(the option's check refuses another temperature)."""
+``prompt_logprobs`` (the ``SCORES`` capability of :mod:`~trl_nrollout.rollout.engines.protocol`). vLLM scores given
+tokens from the raw logits, whatever the request's temperature; at a sampling temperature ``T`` other than 1 the
+engine serves a copy of the teacher whose output head is divided by ``T`` (:func:`scaled_head_teacher`: logits
+``W h / T``, so its raw log-probs are the teacher's at ``T``)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from typing import Any
 
@@ -73,10 +77,8 @@ class TeacherTerm:
         if self.engine is None:
             return self.passes.log_probs(self.model, assigned.prompt_ids, assigned.completion_ids,
                                          self.passes.layout.ref_log_prob, assigned.mm)
-        if assigned.mm is not None and any(assigned.mm):
-            raise InputError("teacher_backend='vllm' scores text samples; these carry images (the engine would need "
-                             "the processor's image placeholders expanded as the policy's were). Use "
-                             "teacher_backend='trainer' for image prompts.")
+        if assigned.mm is not None and any(assigned.mm):  # (refused at the start: teacher_engine_refusal)
+            raise InputError(teacher_engine_refusal("vllm", is_vlm=True) or "image samples")
         rows = self.engine.score_completions(assigned.prompt_ids, assigned.completion_ids)
         self.engine.sleep()  # its memory back to the trainer until the next step (vLLM's sleep mode; CPU: no-op)
         out = torch.zeros(len(rows), max((len(r) for r in rows), default=0))
@@ -110,6 +112,19 @@ class TeacherTerm:
         return batch
 
 
+def teacher_engine_refusal(teacher_backend: str, *, is_vlm: bool) -> str | None:
+    """Why ``teacher_backend`` cannot score this run's samples, said when the trainer is built, before any engine
+    starts (None: it can). ``'vllm'`` scores text: a vision-language policy's samples can carry images (its
+    dataset's, a tool's, an environment's), whose placeholder tokens the teacher's engine would need expanded and
+    its image features computed as the policy's processor did; not built."""
+    if teacher_backend != "vllm" or not is_vlm:
+        return None
+    return ("teacher_backend='vllm' with a vision-language policy (processing_class is a processor): its samples can "
+            "carry images, and the teacher's engine scores text samples only (prompt_logprobs over token ids; the "
+            "images' placeholder tokens and features are not handed to it). Use teacher_backend='trainer' (the "
+            "teacher in the trainer processes scores image samples), or a text policy.")
+
+
 def check_vocabulary(name: str, teacher_config, student_config) -> None:
     """Refuse a teacher whose vocabulary is not the student's: the term compares log-probs of the same token ids.
     (Cross-tokenizer distillation would need the sampled text re-tokenized for the teacher and its tokens aligned
@@ -120,6 +135,46 @@ def check_vocabulary(name: str, teacher_config, student_config) -> None:
             f"teacher_model_name_or_path={name!r} has a vocabulary of {t} tokens, the policy {s}: the teacher term "
             "compares the two models' log-probs of the same sampled token ids, so both must share one tokenizer. "
             "Use a teacher of the policy's family (same tokenizer), or drop teacher_model_name_or_path.")
+
+
+def scaled_head_teacher(path: str, temperature: float, out: str, *, trust_remote_code: bool = False) -> str:
+    """A copy of the teacher at ``path`` whose output head (weight and bias) is divided by ``temperature``, saved in
+    ``out/temperature_<T>`` (kept where it is there already; the copy's folder is returned): its raw logits are the
+    teacher's divided by ``T``, so an engine scoring from raw logits gives the teacher's log-probs at ``T``. A tied
+    head is untied first (dividing the shared matrix would divide the embeddings too). Refused for a teacher whose
+    logits are not a plain head over its decoder (soft-capping, a logit scale: ``T`` does not pass through them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_nrollout.passes.logprobs import plain_output_head
+
+    folder = os.path.join(out, f"temperature_{temperature:g}")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto", trust_remote_code=trust_remote_code)
+    head = plain_output_head(model)
+    if head is None or not hasattr(head, "weight"):
+        raise InputError(f"teacher_backend='vllm' with temperature={temperature}: the engine scores from raw logits, "
+                         "so it serves the teacher with its output head divided by the temperature, but this "
+                         "teacher's logits are not a plain head over its decoder (soft-capping or a logit scale), "
+                         "which the temperature does not pass through. Set temperature=1.0, or "
+                         "teacher_backend='trainer'.")
+    with torch.no_grad():
+        head.weight = torch.nn.Parameter(head.weight.detach() / temperature)  # a tensor of its own: untied
+        if getattr(head, "bias", None) is not None:
+            head.bias = torch.nn.Parameter(head.bias.detach() / temperature)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    os.makedirs(out, exist_ok=True)
+    staging = f"{folder}.writing-{os.getpid()}"
+    model.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code).save_pretrained(staging)
+    try:
+        os.replace(staging, folder)  # whole or absent: a later run reuses it
+    except OSError:  # another node's process wrote it first (a shared file system): keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            raise
+    return folder
 
 
 def start_teacher_engine(trainer) -> RolloutEngine | None:
@@ -137,14 +192,14 @@ def start_teacher_engine(trainer) -> RolloutEngine | None:
     if not vllm_available():
         raise InputError("teacher_backend='vllm' serves the teacher on a vLLM engine, but vLLM is not installed: "
                          "install it, or set teacher_backend='trainer'.")
-    if args.rollout_ranks:
-        raise InputError(f"teacher_backend='vllm' with rollout_ranks={args.rollout_ranks}: the teacher's engine is "
-                         "built on the trainer ranks with the rollout's layout, which here places the engines on "
-                         "rollout ranks; not built. Use teacher_backend='trainer' with rollout ranks.")
     path = resolve_model(args.teacher_model_name_or_path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=bool(args.trust_remote_code))
     student = trainer.accelerator.unwrap_model(trainer.model)
     check_vocabulary(args.teacher_model_name_or_path, config.get_text_config(), student.config)
+    if args.temperature != 1.0:  # one copy per node, its local main process writes it first
+        with trainer.accelerator.local_main_process_first():
+            path = scaled_head_teacher(path, args.temperature, os.path.join(args.output_dir, "teacher_engine"),
+                                       trust_remote_code=bool(args.trust_remote_code))
     max_len, expected = trainer.engine_setup.vllm_lengths()
     context = getattr(config.get_text_config(), "max_position_embeddings", None) or max_len
     acc = trainer.accelerator
