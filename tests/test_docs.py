@@ -61,7 +61,8 @@ def python_block_results(tmp_path_factory) -> tuple[dict, str]:
         (folder / "recipes").symlink_to(ROOT / "recipes")  # docs refer to the repository's recipes
         spec.append({"name": doc.name, "code": "\n\n".join(blocks(doc, "python")), "cwd": str(folder)})
     (base / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([*ACCELERATE_LAUNCH, "--plain",  # one process, forked by the warm launcher str(ROOT / "tests/assets/run_python_blocks.py"),
+    # one process, forked by the warm launcher (tests/zygote.py: its imports done, its heap frozen)
+    proc = subprocess.run([*ACCELERATE_LAUNCH, "--plain", str(ROOT / "tests/assets/run_python_blocks.py"),
                            str(base / "spec.json"), str(base / "results.json")], cwd=base, capture_output=True,
                           text=True, env=_env(), timeout=1200)
     results = json.loads((base / "results.json").read_text()) if (base / "results.json").exists() else {}
