@@ -210,9 +210,9 @@ def test_images_with_tools_or_a_plain_tokenizer_are_refused(vlm_path, tmp_path, 
     from trl_nrollout.builtin import lucky_number
 
     with pytest.raises(UnsupportedTRLOption, match=r"image column\(s\) \['image'\] \(image prompts\) and the trainer was given "
-                                                   r"rollout_func: a rollout_func run group by group"):
+                                                   r"rollout_func: a rollout_func in a partial rollout"):
         NRolloutGRPOTrainer(model=vlm_path, reward_funcs=[colour_reward], train_dataset=image_dataset(6),
-                            args=NRolloutConfig(output_dir=str(tmp_path), rollout_multi_turn="requests", use_cpu=True,
+                            args=NRolloutConfig(output_dir=str(tmp_path), rollout_partial=True, use_cpu=True,
                                                 bf16=False, report_to="none"),
                             rollout_func=lucky_number)
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)

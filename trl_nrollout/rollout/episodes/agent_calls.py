@@ -86,6 +86,9 @@ class PendingCall:
     #: expansion of ``prompt_ids`` (checked against vLLM's own when the call ends); empty / None without images
     images: list = field(default_factory=list)
     expanded: list[int] | None = None
+    #: a call with images, once it ran: its prompt as vLLM expanded it (what a ``rollout_func``'s call returns as
+    #: ``prompt_ids``, as the whole-batch engine call does); None before, or without images
+    engine_prompt: list[int] | None = None
 
     def continuation(self) -> tuple[list[int], int, list[str], int | None]:
         """What the engine runs now: the prompt with the kept tokens, the tokens left of ``max_tokens``, the stop
