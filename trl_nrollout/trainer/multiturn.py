@@ -67,9 +67,9 @@ def _environment_tools(environment: Any) -> list:
 
 #: what images (image prompts, or a tool's content blocks) do not run with yet, and why (the refusal table's rows)
 IMAGE_REFUSALS = {
-    "rollout_func": "a rollout_func in a partial rollout (rollout_partial=True) or on rollout ranks (rollout_ranks) "
-                    "does not carry images yet (called on the whole batch, or group by group with "
-                    "rollout_multi_turn='requests', colocated, it does: TRL's contract)",
+    "rollout_func": "a rollout_func on rollout ranks (rollout_ranks) does not carry images yet (colocated it does, "
+                    "TRL's contract: called on the whole batch, or group by group with rollout_multi_turn='requests' "
+                    "or rollout_partial=True)",
     "rollout_ranks": "environment episodes on rollout ranks carry images turn by turn and request by request, not "
                      "yet in partial rollouts (rollout_partial=True; tools= do)",
 }
@@ -79,7 +79,7 @@ def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, ar
     """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn, or
     request by request from fixed shares or a balanced queue, and so on rollout ranks; partial rollouts colocated,
     and of tools= on rollout ranks)."""
-    if rollout_func is not None and (getattr(args, "rollout_partial", False) or getattr(args, "rollout_ranks", 0)):
+    if rollout_func is not None and getattr(args, "rollout_ranks", 0):
         return "rollout_func"
     if environment_factory is not None and getattr(args, "rollout_ranks", 0) and getattr(args, "rollout_partial",
                                                                                          False):
