@@ -427,6 +427,16 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     assert any(job["payloads"] > job["distinct"] for job in turn_jobs)  # a group's prompt image sent once
     # partial: the episodes in flight on the rollout rank, their tools' images come back with them
     _trained_with_tool_images(tmp_path / "partial.json")
+    # a rollout_func on image prompts, on the whole batch and partial (group by group on the rollout rank): it saw
+    # each prompt's image, the trained samples' forward holds the row's image (4 image tokens), and the engine saw it
+    for name, ran_here in (("func", True), ("func_partial", False)):
+        run = json.loads((tmp_path / f"{name}.json").read_text())
+        seen = run["seen"] if ran_here else json.loads((tmp_path / f"{name}_rank.json").read_text())["seen"]
+        assert seen and all(k == 1 for call in seen for k in call)
+        steps = [h for h in run["history"] if "reward" in h]
+        assert len(steps) == 2 and steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2, (name, steps[0])
+        trained = [s for step in run["samples"] for s in step]
+        assert len(trained) == 2 * 6 and all(s == {"images": 1, "image_tokens": 4} for s in trained), trained
 
 
 @pytest.mark.fast

@@ -71,8 +71,6 @@ AXIS_REFUSALS: tuple[Refusal, ...] = (
     Refusal("image prompts", "environment_factory and rollout_ranks and rollout_partial=True", "not yet",
             "multiturn.check_images", "two choices of the episode axis: partial environment episodes on rollout "
             "ranks do not carry images yet (tools= do)"),
-    Refusal("image prompts", "rollout_func and rollout_ranks", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: a rollout_func on rollout ranks does not carry images yet"),
 )
 
 
