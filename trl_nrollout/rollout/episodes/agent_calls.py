@@ -230,9 +230,9 @@ def _image_url_refusal(i: int) -> str:
     """Why an OpenAI ``image_url`` part of ``messages[i]`` is refused by an endpoint that takes no images (a text
     policy, or agents where images are not carried yet)."""
     return (f"messages[{i}].content has an image_url part, and this endpoint takes no images: its policy is a text "
-            "model, or its episodes run where agents' images are not carried yet (partial rollouts of agents, "
-            "rollout ranks). Send text parts only, or train a vision-language model (its processor as "
-            "processing_class) with agents colocated and rollout_partial=False (docs/vlm.md).")
+            "model, or its episodes run where agents' images are not carried yet (on rollout ranks). Send text "
+            "parts only, or train a vision-language model (its processor as processing_class) with agents "
+            "colocated (docs/vlm.md).")
 
 
 def template_messages(messages: list[dict], images: bool = False) -> list[dict]:
