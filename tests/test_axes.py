@@ -73,12 +73,6 @@ def _agent(**args) -> str | None:
 #: how each row is made to happen: the message its check gives (the real check, called on the options)
 CASES = {
     ("agent", "rollout_backend='hf'"): lambda tmp: _agent(hf=True, rollout_backend="hf"),
-    ("image prompts", "rollout_func and rollout_multi_turn='requests'"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_multi_turn="requests"))),
-    ("image prompts", "rollout_func and rollout_partial=True"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_partial=True))),
-    ("image prompts", "rollout_func and rollout_ranks"): lambda tmp: _raised(lambda: check_images(
-        ["prompt", "image"], rollout_func=print, args=SimpleNamespace(rollout_ranks=1))),
     ("image prompts", "environment_factory and rollout_ranks and rollout_partial=True"): lambda tmp: _raised(
         lambda: check_images(["prompt", "image"], environment_factory=print, args=SimpleNamespace(
             rollout_ranks=1, rollout_multi_turn="requests", rollout_partial=True))),
@@ -167,6 +161,11 @@ at TP=1 and TP=2."""
     # (tests/test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off)
     for more in ({"rollout_multi_turn": "requests"}, {"rollout_multi_turn": "turns"}, {"rollout_partial": True}):
         check_images(["prompt", "image"], tools=[print], args=SimpleNamespace(rollout_ranks=1, **more))
+    # a rollout_func group by group, request by request or partial (tests/test_tool_images.py::test_a_rollout_funcs_image_...)
+    # and on rollout ranks (tests/test_vlm.py::test_a_vlm_trains_on_a_rollout_rank_one_step_off)
+    for more in ({"rollout_multi_turn": "requests"}, {"rollout_partial": True}, {"rollout_ranks": 1},
+                 {"rollout_ranks": 1, "rollout_partial": True}):
+        check_images(["prompt", "image"], rollout_func=print, args=SimpleNamespace(**more))
 
 
 @pytest.mark.parametrize("option, off, check", [

@@ -23,7 +23,6 @@ import trl_nrollout.trainer.grpo as trainer_module
 from tests.conftest import ACCELERATE_LAUNCH, ENV, ROOT
 from trl_nrollout import NRolloutGRPOTrainer
 from trl_nrollout.builtin import colour_image, colour_reward, image_dataset, resolve_model
-from trl_nrollout.config.trl_options import UnsupportedTRLOption
 from trl_nrollout.passes.logprobs import compute_log_probs
 from trl_nrollout.passes.multimodal import (
     attach_images,
@@ -205,16 +204,8 @@ def test_hf_engine_trains_the_whole_vlm_and_never_samples_image_tokens(vlm_path,
     assert trainer.state.log_history[0]["num_tokens"] > 0
 
 
-def test_images_with_tools_or_a_plain_tokenizer_are_refused(vlm_path, tmp_path, monkeypatch):
-    from trl_nrollout import NRolloutConfig
-    from trl_nrollout.builtin import lucky_number
-
-    with pytest.raises(UnsupportedTRLOption, match=r"image column\(s\) \['image'\] \(image prompts\) and the trainer was given "
-                                                   r"rollout_func: a rollout_func run group by group"):
-        NRolloutGRPOTrainer(model=vlm_path, reward_funcs=[colour_reward], train_dataset=image_dataset(6),
-                            args=NRolloutConfig(output_dir=str(tmp_path), rollout_multi_turn="requests", use_cpu=True,
-                                                bf16=False, report_to="none"),
-                            rollout_func=lucky_number)
+def test_images_with_a_plain_tokenizer_are_refused(vlm_path, tmp_path, monkeypatch):
+    """(What images do not run with yet is the refusal table's, tests/test_axes.py.)"""
     monkeypatch.setattr(trainer_module, "vllm_available", lambda: False)
     text_only = NRolloutGRPOTrainer(model=resolve_model("builtin:tiny-qwen2"), reward_funcs=[colour_reward],
                                     args=_config(tmp_path / "text"), train_dataset=image_dataset(6))
@@ -436,6 +427,16 @@ def test_a_vlm_trains_on_a_rollout_rank_one_step_off(tmp_path):
     assert any(job["payloads"] > job["distinct"] for job in turn_jobs)  # a group's prompt image sent once
     # partial: the episodes in flight on the rollout rank, their tools' images come back with them
     _trained_with_tool_images(tmp_path / "partial.json")
+    # a rollout_func on image prompts, on the whole batch and partial (group by group on the rollout rank): it saw
+    # each prompt's image, the trained samples' forward holds the row's image (4 image tokens), and the engine saw it
+    for name, ran_here in (("func", True), ("func_partial", False)):
+        run = json.loads((tmp_path / f"{name}.json").read_text())
+        seen = run["seen"] if ran_here else json.loads((tmp_path / f"{name}_rank.json").read_text())["seen"]
+        assert seen and all(k == 1 for call in seen for k in call)
+        steps = [h for h in run["history"] if "reward" in h]
+        assert len(steps) == 2 and steps[0]["rollout_corr/logprob_abs_diff_max"] < 1e-2, (name, steps[0])
+        trained = [s for step in run["samples"] for s in step]
+        assert len(trained) == 2 * 6 and all(s == {"images": 1, "image_tokens": 4} for s in trained), trained
 
 
 @pytest.mark.fast

@@ -10,7 +10,9 @@ tools.json (trainer rank 0), the log history and each step's trained samples' im
 third runs them turn by turn (a job a turn on the rollout rank, the tools here): turns.json (trainer rank 0) as
 tools.json, turn_jobs.json (the rollout rank): each tool turn's job, per context its images and which of the job's
 distinct payloads each is. Then a fourth, partial (``rollout_partial=True``: the episodes in flight kept on the
-rollout rank from job to job): partial.json as tools.json.
+rollout rank from job to job): partial.json as tools.json. Then a ``rollout_func`` on the image prompts, on the
+whole batch (func.json) and partial, group by group on the rollout rank (func_partial.json; func_partial_rank.json,
+the rollout rank's: each call's prompts' image counts).
 """
 
 import json
@@ -73,6 +75,45 @@ class Recording(NRolloutGRPOTrainer):
                      "engine": [list(p) for p in images.engine_ids] if images is not None else None,
                      "image_bytes": len(pickle.dumps(images.images[0][0])) if images is not None else 0})
         return batch
+
+
+FUNC_SEEN: list[list[int]] = []  # per rollout_func call (where it ran), each prompt's image count
+
+
+def image_rollout(prompts, trainer):
+    """A user's ``rollout_func`` on image prompts (TRL's contract): each prompt's images are in its messages; it
+    renders the engine's ids (placeholders unexpanded), generates on ``trainer.rollout_engine`` with ``images=``
+    (the image token suppressed, as the trainer's own sampling does) and returns the engine's expanded prompts."""
+    from trl_nrollout.passes.multimodal import prompt_images
+    from trl_nrollout.rollout.types import SamplingOptions
+
+    processor = trainer.processing_class
+    images = [prompt_images(p) for p in prompts]
+    FUNC_SEEN.append([len(i) for i in images])
+    ids = [processor.tokenizer(processor.apply_chat_template(p, tokenize=False, add_generation_prompt=True),
+                               add_special_tokens=False)["input_ids"] for p in prompts]
+    suppress = (processor.tokenizer.convert_tokens_to_ids("<image>"),)
+    batch = trainer.rollout_engine.generate_expanded(
+        ids, 1, SamplingOptions(max_tokens=6, temperature=1.0, suppress_token_ids=suppress), images=images)
+    return {"prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs}
+
+
+def record_func_samples(trainer, out: list) -> None:
+    """Wrap ``trainer._assign``: per step, each of this rank's trained samples' forward image count and its prompt's
+    image tokens."""
+    assign = trainer._assign
+    image_token = trainer.processing_class.tokenizer.convert_tokens_to_ids("<image>")
+
+    def spy(collected, ctx):
+        world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
+        per_rank = len(collected.samples) // world
+        mine = collected.samples[rank * per_rank:(rank + 1) * per_rank]
+        mm = collected.mm_local or [s.mm for s in mine]
+        out.append([{"images": None if m is None else int(m["pixel_values"].shape[1]),
+                     "image_tokens": s.prompt_ids.count(image_token)} for s, m in zip(mine, mm, strict=True)])
+        return assign(collected, ctx)
+
+    trainer._assign = spy
 
 
 def biased_tools_model(path: str):
@@ -144,4 +185,21 @@ if __name__ == "__main__":
         if rollout_rank and name == "turns":
             with open(f"{out}/turn_jobs.json", "w") as fh:
                 json.dump(TURN_JOBS, fh)
+    # a rollout_func on image prompts: on the whole batch (its engine calls jobs of the rollout rank), then partial
+    # (run group by group on the rollout rank, its groups in flight there)
+    for name, more in (("func", {}), ("func_partial", {"rollout_partial": True})):
+        FUNC_SEEN.clear()
+        trainer = NRolloutGRPOTrainer(model=resolve_model("builtin:tiny-idefics3"), reward_funcs=[colour_reward],
+                                      args=NRolloutConfig(**{**args.to_dict(), "output_dir": f"{out}/{name}", **more}),
+                                      train_dataset=image_dataset(24), rollout_func=image_rollout)
+        samples = []
+        if not rollout_rank:
+            record_func_samples(trainer, samples)
+        trainer.train()
+        if rollout_rank and name == "func_partial":  # (the function ran group by group here)
+            with open(f"{out}/{name}_rank.json", "w") as fh:
+                json.dump({"seen": FUNC_SEEN}, fh)
+        elif not rollout_rank and trainer.accelerator.is_main_process:
+            with open(f"{out}/{name}.json", "w") as fh:
+                json.dump({"history": trainer.state.log_history, "samples": samples, "seen": FUNC_SEEN}, fh)
     trainer.close()

@@ -68,18 +68,9 @@ AXIS_REFUSALS: tuple[Refusal, ...] = (
     Refusal("agent", "environment_factory or rollout_func", "one axis", "agents.agent_refusal",
             "two choices of the episode axis: each is the episode's own loop, as the agent is (an agent builds its "
             "environment itself from the row; tools= compose: the agent gets them)"),
-    Refusal("image prompts", "rollout_func and rollout_multi_turn='requests'", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: a rollout_func run group by group does not carry images yet (called on "
-            "the whole batch it does, TRL's contract: its prompt_ids hold the processor's expansion, the forward "
-            "takes the dataset's images)"),
-    Refusal("image prompts", "rollout_func and rollout_partial=True", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: a partial rollout runs a rollout_func group by group, which does not "
-            "carry images yet"),
     Refusal("image prompts", "environment_factory and rollout_ranks and rollout_partial=True", "not yet",
             "multiturn.check_images", "two choices of the episode axis: partial environment episodes on rollout "
             "ranks do not carry images yet (tools= do)"),
-    Refusal("image prompts", "rollout_func and rollout_ranks", "not yet", "multiturn.check_images",
-            "two choices of the episode axis: a rollout_func on rollout ranks does not carry images yet"),
 )
 
 

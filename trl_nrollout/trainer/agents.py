@@ -166,7 +166,9 @@ class AgentRecords:
     """What trains of finished episodes' records: a ``rollout_func``'s returned samples (``func``), or the agents'
     calls assembled and logged into ``metrics``. ``tokenize``: TRL's prompt tokenization; ``limit``:
     ``max_completion_length``; ``rank``: this process (for the logs); ``processor``: a vision-language policy's
-    (the image tensors of calls that sent images), None for a text policy."""
+    (the image tensors of calls that sent images), None for a text policy; ``encode_images``: the prompts' images
+    encoded (``collector.ImagePrompts.encode``; None for text prompts): a ``rollout_func``'s samples train on their
+    prompts' images, TRL's contract, as the whole-batch call's do."""
 
     tokenizer: Any
     tokenize: Callable[[list], tuple]
@@ -176,6 +178,7 @@ class AgentRecords:
     rank: int
     main: bool
     processor: Any = None
+    encode_images: Callable[[list], Any] | None = None
 
     def batch(self, records: list[EpisodeRecord], prompts: list, n: int, offset: int, mode: str, stats: dict,
               wall: float, prompt_ids: list[list[int]] | None = None) -> tuple[RolloutBatch, Episode]:
@@ -185,7 +188,8 @@ class AgentRecords:
         tokenized here, for agents only)."""
         if self.func:  # the samples it returned (an error with its traceback where it raised)
             batch, masks, extra = samples_batch(func_samples(records), n, offset)
-            return batch, Episode(tool_mask=masks, extra_fields=extra)
+            images = self.encode_images(prompts) if self.encode_images is not None else None
+            return batch, Episode(tool_mask=masks, extra_fields=extra, mm=images.mm if images is not None else None)
         ids = prompt_ids if prompt_ids is not None else self.tokenize(prompts)[0]
         batch, episode = self.assembled(records, ids, n, offset)
         self.log(mode, records, episode, stats, wall)

@@ -182,13 +182,13 @@ class RolloutCollector:
         metrics, vllm = Metrics(trainer._metrics), trainer.rollout_backend == "vllm"
         tools, setup = TRLTools.of(trainer), trainer.engine_setup
         max_len = lambda: getattr(engine, "max_model_len", None) or setup.context_length() or 1 << 30  # noqa: E731
-        records = AgentRecords(trainer._tokenizer, trainer._tokenize_prompts, trainer.rollout_func is not None,
-                               args.max_completion_length, metrics, rank, trainer.accelerator.is_main_process,
-                               tools.processor)
         images = ImagePrompts(trainer.processing_class, trainer._is_vlm, trainer.tools, trainer.chat_template,
                               trainer.chat_template_kwargs, image_refusal(
                                   tools=trainer.tools, rollout_func=trainer.rollout_func, args=args,
                                   environment_factory=getattr(trainer, "environment_factories", None)))
+        records = AgentRecords(trainer._tokenizer, trainer._tokenize_prompts, trainer.rollout_func is not None,
+                               args.max_completion_length, metrics, rank, trainer.accelerator.is_main_process,
+                               tools.processor, images.encode)
         parts = KindParts(
             args, engine, vllm, tools, trainer.agent, trainer.rollout_func, trainer, rank, metrics, placement,
             Limits(args.seed, args.max_tool_calling_iterations, args.max_completion_length, max_len, args.tool_workers),

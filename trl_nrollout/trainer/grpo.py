@@ -370,8 +370,9 @@ class NRolloutGRPOTrainer(GRPOTrainer):
     def _records_batch(self, *args, **kwargs) -> tuple[RolloutBatch, Episode]:  # (AgentRecords.batch)
         return self.collector.parts.records.batch(*args, **kwargs)
 
-    def _endpoint_settings(self, max_model_len: int) -> dict:
-        return endpoint_settings(self.args, self.engine_setup.model_path(), max_model_len)
+    def _endpoint_settings(self, max_model_len: int) -> dict:  # (a partial pool's agents send images colocated)
+        processor = None if self._on_rollout_ranks else self.collector.parts.tools.processor
+        return endpoint_settings(self.args, self.engine_setup.model_path(), max_model_len, processor)
 
     def _encode_images(self, prompts: list) -> EncodedPrompts | None:
         return self.collector.images.encode(prompts)

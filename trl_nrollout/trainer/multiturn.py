@@ -67,9 +67,6 @@ def _environment_tools(environment: Any) -> list:
 
 #: what images (image prompts, or a tool's content blocks) do not run with yet, and why (the refusal table's rows)
 IMAGE_REFUSALS = {
-    "rollout_func": "a rollout_func run group by group (rollout_multi_turn='requests' or rollout_partial=True) or "
-                    "on rollout ranks (rollout_ranks) does not carry images yet (called on the whole batch, "
-                    "colocated, it does: TRL's contract)",
     "rollout_ranks": "environment episodes on rollout ranks carry images turn by turn and request by request, not "
                      "yet in partial rollouts (rollout_partial=True; tools= do)",
 }
@@ -78,10 +75,7 @@ IMAGE_REFUSALS = {
 def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, args=None) -> str | None:
     """Why images cannot run with this trainer's episodes (None: they can: tools and environments turn by turn, or
     request by request from fixed shares or a balanced queue, and so on rollout ranks; partial rollouts colocated,
-    and of tools= on rollout ranks)."""
-    if rollout_func is not None and (getattr(args, "rollout_multi_turn", "turns") == "requests"
-                                     or getattr(args, "rollout_partial", False) or getattr(args, "rollout_ranks", 0)):
-        return "rollout_func"
+    and of tools= on rollout ranks; a rollout_func everywhere)."""
     if environment_factory is not None and getattr(args, "rollout_ranks", 0) and getattr(args, "rollout_partial",
                                                                                          False):
         return "rollout_ranks"
@@ -91,17 +85,16 @@ def image_refusal(*, tools=None, rollout_func=None, environment_factory=None, ar
 def check_images(columns: list[str] | None, *, tools=None, rollout_func=None, environment_factory=None,
                  args=None) -> None:
     """Image prompts run with tools and environments (TRL's loop, a tool's images included) and a rollout_func
-    (TRL's contract); with a rollout_func run group by group, or partial environment episodes on rollout ranks,
-    they are refused
-    (:data:`IMAGE_REFUSALS`), never trained as if the images were absent."""
+    (TRL's contract); with partial environment episodes on rollout ranks they are refused (:data:`IMAGE_REFUSALS`),
+    never trained as if the images were absent."""
     from trl_nrollout.config.trl_options import UnsupportedTRLOption
 
     found = sorted(set(IMAGE_COLUMNS) & set(columns or []))
     why = image_refusal(tools=tools, rollout_func=rollout_func, environment_factory=environment_factory, args=args)
     if found and why:
-        with_tools = "" if why == "rollout_func" else "tools/environment_factory and "
         raise UnsupportedTRLOption(
-            f"the dataset has image column(s) {found} (image prompts) and the trainer was given {with_tools}{why}: "
+            f"the dataset has image column(s) {found} (image prompts) and the trainer was given "
+            f"tools/environment_factory and {why}: "
             f"{IMAGE_REFUSALS[why]}. Images run with tools= and environment_factory= (turn by turn, or request by "
             "request; colocated or on rollout ranks; partial rollouts, environments' colocated); use that, or "
             "trl.GRPOTrainer for this combination, or drop the image columns.")

@@ -86,6 +86,9 @@ class PendingCall:
     #: expansion of ``prompt_ids`` (checked against vLLM's own when the call ends); empty / None without images
     images: list = field(default_factory=list)
     expanded: list[int] | None = None
+    #: a call with images, once it ran: its prompt as vLLM expanded it (what a ``rollout_func``'s call returns as
+    #: ``prompt_ids``, as the whole-batch engine call does); None before, or without images
+    engine_prompt: list[int] | None = None
 
     def continuation(self) -> tuple[list[int], int, list[str], int | None]:
         """What the engine runs now: the prompt with the kept tokens, the tokens left of ``max_tokens``, the stop
@@ -227,9 +230,9 @@ def _image_url_refusal(i: int) -> str:
     """Why an OpenAI ``image_url`` part of ``messages[i]`` is refused by an endpoint that takes no images (a text
     policy, or agents where images are not carried yet)."""
     return (f"messages[{i}].content has an image_url part, and this endpoint takes no images: its policy is a text "
-            "model, or its episodes run where agents' images are not carried yet (partial rollouts of agents, "
-            "rollout ranks). Send text parts only, or train a vision-language model (its processor as "
-            "processing_class) with agents colocated and rollout_partial=False (docs/vlm.md).")
+            "model, or its episodes run where agents' images are not carried yet (on rollout ranks). Send text "
+            "parts only, or train a vision-language model (its processor as processing_class) with agents "
+            "colocated (docs/vlm.md).")
 
 
 def template_messages(messages: list[dict], images: bool = False) -> list[dict]:

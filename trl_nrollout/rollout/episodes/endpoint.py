@@ -284,6 +284,9 @@ class AgentEndpoint:
                             if apart is not None:  # (the trainer would score another prompt than vLLM's)
                                 call.future.set_exception(EndpointError(500, apart, "server_error", "image_expansion"))
                             else:
+                                if call.images:  # vLLM's expansion of the prompt (the kept tokens after it)
+                                    seen = engine_loop.prompt_ids(rid)
+                                    call.engine_prompt = list(seen[:len(seen) - len(call.kept_ids)])
                                 call.versions = call.kept_versions + tag(len(progress.token_ids))
                                 call.future.set_result((call.kept_ids + list(progress.token_ids),
                                                         call.kept_logprobs + list(progress.logprobs),
@@ -297,6 +300,9 @@ class AgentEndpoint:
                         if rid in aborted:
                             progress = engine_loop.samples[(rid, aborted[rid])]
                             ids, have = call.kept_ids + list(progress.token_ids), len(call.kept_ids)
+                            if call.images and call.engine_prompt is None and progress.token_ids:  # (one cut on
+                                seen = engine_loop.prompt_ids(rid)  # its last token is answered without a run)
+                                call.engine_prompt = list(seen[:len(seen) - have])
                             keep = safe_cut(ids, call.stop, self.tokenizer.decode, have) if call.stop else len(ids)
                             call.kept_ids = ids[:keep]  # (a stop string could straddle the cut: kept up to before it)
                             call.kept_logprobs = (call.kept_logprobs + list(progress.logprobs))[:keep]

@@ -29,6 +29,7 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any
 
+from trl_nrollout.passes.multimodal import attach_images, dataset_images
 from trl_nrollout.rollout.episodes.agent_calls import Call, EpisodeRecord
 from trl_nrollout.rollout.seeds import prompt_seed, turn_seed
 from trl_nrollout.rollout.types import RolloutBatch, SamplingOptions
@@ -120,16 +121,19 @@ class GroupEngine:
         """``sample_prompts`` ``[S][P]`` each sampled ``n`` times with ``sampling`` (seeded: each sample's seed from
         ``sampling.seed``, its record's place and the record's call count, so a sample's tokens do not depend on
         which requests share the engine); returns the ``S * n`` samples in order. ``sample_offset`` is ignored (the
-        group is the call's); images are not supported here (as with every rollout_func)."""
+        group is the call's). ``images``: per entry of ``sample_prompts``, its images (vLLM's ``multi_modal_data``,
+        the prompt holding their placeholders unexpanded), as the whole-batch engine call takes them; the returned
+        ``prompt_ids`` are then vLLM's expansion (what TRL's contract has the function return)."""
         from trl_nrollout.rollout.episodes.endpoint import EndpointError, PendingCall
 
-        if images is not None:
-            raise ValueError("a rollout_func run group by group (rollout_partial=True or rollout_multi_turn="
-                             "'requests') cannot send images; generate text-only, or set both off.")
+        if images is not None and len(images) != len(sample_prompts):
+            raise ValueError(f"rollout_func's generate_expanded got {len(images)} image lists for "
+                             f"{len(sample_prompts)} prompts: give one list per prompt (empty for a text prompt).")
         states = [self.endpoint.episodes.get(r.key) for r in self.records]
         if any(state is None or state.closed for state in states):  # before any request is queued
             raise GroupClosed(self.records[0].key)
         calls = []
+        per_sample = [list(imgs or []) for imgs in images for _ in range(n)] if images is not None else None
         for s, prompt in enumerate(p for p in sample_prompts for _ in range(n)):
             record, state = self.records[s % len(self.records)], states[s % len(self.records)]
             room = self.max_model_len - len(prompt)
@@ -140,7 +144,7 @@ class GroupEngine:
             if sampling.seed is not None:
                 seed = prompt_seed(turn_seed(sampling.seed, len(record.calls) + 1), state.index, 1)
             call = PendingCall(record.key, list(prompt), min(sampling.max_tokens, room), list(sampling.stop), seed,
-                               sampling)
+                               sampling, images=per_sample[s] if per_sample is not None else [])
             record.calls.append(Call(list(prompt), [], [], "running"))  # its place; filled below
             calls.append((record, len(record.calls) - 1, call))
         for _, _, call in calls:
@@ -151,9 +155,9 @@ class GroupEngine:
                 ids, logprobs, reason = call.future.result()
             except (EndpointError, CancelledError):
                 raise GroupClosed(record.key) from None
-            record.calls[at] = Call(list(call.prompt_ids), list(ids), list(logprobs), reason,
-                                    versions=list(call.versions))
-            out.append((call.prompt_ids, ids, logprobs, reason))
+            record.calls[at] = Call(list(call.prompt_ids), list(ids), list(logprobs), reason, images=list(call.images),
+                                    expanded_ids=call.engine_prompt, versions=list(call.versions))
+            out.append((call.engine_prompt if call.images else call.prompt_ids, ids, logprobs, reason))
         return RolloutBatch([list(p) for p, *_ in out], [list(c) for _, c, _, _ in out],
                             [list(lp) for _, _, lp, _ in out], [r for *_, r in out],
                             [s // max(n, 1) for s in range(len(out))])
@@ -207,7 +211,8 @@ class FuncRunner:
             finished.set()
 
     def _group(self, records: list[EpisodeRecord], endpoint) -> None:
-        prompts = [r.row["prompt"] for r in records]
+        rows = [r.row for r in records]  # the prompts with the rows' images in their messages, as TRL passes them
+        prompts = attach_images([r["prompt"] for r in rows], dataset_images(rows))
         try:
             output = self.func(prompts, TrainerView(self.trainer, GroupEngine(endpoint, records, self.max_model_len)))
             samples = check_output(output, len(records), self.n, self.limit, self.need_logprobs)
