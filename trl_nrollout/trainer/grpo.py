@@ -371,7 +371,8 @@ class NRolloutGRPOTrainer(GRPOTrainer):
         return self.collector.parts.records.batch(*args, **kwargs)
 
     def _endpoint_settings(self, max_model_len: int) -> dict:  # (a partial pool's agents send images colocated)
-        processor = None if self._on_rollout_ranks else self.collector.parts.tools.processor
+        processor = None if self.args.rollout_ranks else self.collector.parts.tools.processor  # (called while the
+        # rollout-rank part is built, before self.rollout_ranks is set: the option says where the endpoint runs)
         return endpoint_settings(self.args, self.engine_setup.model_path(), max_model_len, processor)
 
     def _encode_images(self, prompts: list) -> EncodedPrompts | None:
