@@ -98,22 +98,27 @@ def image_rollout(prompts, trainer):
     return {"prompt_ids": batch.prompt_ids, "completion_ids": batch.completion_ids, "logprobs": batch.logprobs}
 
 
-def record_func_samples(trainer, out: list) -> None:
-    """Wrap ``trainer._assign``: per step, each of this rank's trained samples' forward image count and its prompt's
-    image tokens."""
+def record_samples(trainer, out: list, describe) -> None:
+    """Wrap ``trainer._assign``: per step, each of this rank's trained samples' forward image count (``images``) and
+    what ``describe(sample)`` says of it (a dict)."""
     assign = trainer._assign
-    image_token = trainer.processing_class.tokenizer.convert_tokens_to_ids("<image>")
 
     def spy(collected, ctx):
         world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
         per_rank = len(collected.samples) // world
         mine = collected.samples[rank * per_rank:(rank + 1) * per_rank]
         mm = collected.mm_local or [s.mm for s in mine]
-        out.append([{"images": None if m is None else int(m["pixel_values"].shape[1]),
-                     "image_tokens": s.prompt_ids.count(image_token)} for s, m in zip(mine, mm, strict=True)])
+        out.append([{"images": None if m is None else int(m["pixel_values"].shape[1]), **describe(s)}
+                    for s, m in zip(mine, mm, strict=True)])
         return assign(collected, ctx)
 
     trainer._assign = spy
+
+
+def record_func_samples(trainer, out: list) -> None:
+    """:func:`record_samples` with each sample's prompt's image tokens."""
+    image_token = trainer.processing_class.tokenizer.convert_tokens_to_ids("<image>")
+    record_samples(trainer, out, lambda s: {"image_tokens": s.prompt_ids.count(image_token)})
 
 
 def biased_tools_model(path: str):
@@ -130,21 +135,9 @@ def biased_tools_model(path: str):
 
 
 def record_tool_samples(trainer, out: list) -> None:
-    """Wrap ``trainer._assign``: per step, each of this rank's trained samples' forward images (their count) and
-    tool results (the runs of 0 in its tool mask)."""
-    assign = trainer._assign
-
-    def spy(collected, ctx):
-        world, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
-        per_rank = len(collected.samples) // world
-        mine = collected.samples[rank * per_rank:(rank + 1) * per_rank]
-        mm = collected.mm_local or [s.mm for s in mine]
-        out.append([{"images": None if m is None else int(m["pixel_values"].shape[1]),
-                     "results": sum(1 for a, b in zip([1, *s.tool_mask], s.tool_mask) if a == 1 and b == 0)}
-                    for s, m in zip(mine, mm, strict=True)])
-        return assign(collected, ctx)
-
-    trainer._assign = spy
+    """:func:`record_samples` with each sample's tool results (the runs of 0 in its tool mask)."""
+    record_samples(trainer, out, lambda s: {
+        "results": sum(1 for a, b in zip([1, *s.tool_mask], s.tool_mask) if a == 1 and b == 0)})
 
 
 if __name__ == "__main__":
