@@ -64,12 +64,11 @@ class Script:
     def run(self) -> None:
         import runpy
 
+        sys.argv = [self.name, *self.args]  # (a module's: runpy sets argv[0] to its file)
         if self.module:
-            sys.argv = [self.name, *self.args]  # runpy sets argv[0] to the module's file
             sys.path.insert(0, os.getcwd())  # as ``python -m`` does
             runpy.run_module(self.name, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [self.name, *self.args]
             sys.path.insert(0, os.path.dirname(os.path.abspath(self.name)))
             runpy.run_path(self.name, run_name="__main__")
 
@@ -127,6 +126,14 @@ def _preimport() -> None:
     hold_frozen_heap()  # and vLLM's engines neither unfreeze it nor freeze their own objects
 
 
+def _rank_variables(rank: int, world: int, node: Node, port: int) -> dict[str, str]:
+    """What torchrun gives rank ``rank`` of ``world`` on ``node`` (each node running ``world / machines`` ranks)."""
+    local_world = world // node.machines
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank % local_world), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(node.rank), "GROUP_WORLD_SIZE": str(node.machines),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": node.addr, "MASTER_PORT": str(port)}
+
+
 def _run_rank(env: dict, rank: int | None, world: int, node: Node, port: int, script: Script) -> int:
     """Run ``script`` as rank ``rank`` of ``world`` (None: as a plain process, without rank variables); its exit
     code."""
@@ -135,11 +142,8 @@ def _run_rank(env: dict, rank: int | None, world: int, node: Node, port: int, sc
 
     os.environ.clear()
     os.environ.update(env)
-    local_world = world // node.machines
-    os.environ.update({} if rank is None else {"RANK": str(rank), "LOCAL_RANK": str(rank % local_world), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(node.rank),
-                       "GROUP_WORLD_SIZE": str(node.machines), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
-                       "MASTER_ADDR": node.addr, "MASTER_PORT": str(port)})
+    if rank is not None:
+        os.environ.update(_rank_variables(rank, world, node, port))
     for entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):  # read at start-up only
         if entry and entry not in sys.path:
             sys.path.insert(0, entry)
